@@ -1,0 +1,114 @@
+"""Jitted prefill and decode steps over a paged cache, and the host bookkeeping around them.
+
+The engine joins the model (which only calls ``attend``), the cache (pages, block tables, allocator) and the
+attention entry point. Shapes are bucketed to powers of two (batch, prompt length) and the block table has a fixed
+width, so a new prompt length or batch size rarely compiles a new step.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax import attention
+from kvjax.cache import PagedKVCache, PageAllocator, block_table, write_pages
+
+
+def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
+    """Smallest power of two >= max(n, minimum), capped at ``maximum``."""
+    size = max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+    return size if maximum is None else min(size, maximum)
+
+
+def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array, greedy: bool) -> jax.Array:
+    """Next token ids [B] from float32 logits [B, V]: argmax, or temperature + nucleus (top-p) sampling."""
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(ordered, axis=-1)
+    keep = jnp.cumsum(probs, axis=-1) - probs < top_p  # always keeps the most likely token
+    threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+    return jax.random.categorical(key, jnp.where(logits >= threshold, logits, -jnp.inf)).astype(jnp.int32)
+
+
+def _prefill_step(graphdef, state, cache, tokens, lengths, table, key, temperature, top_p, *, greedy):
+    module = nnx.merge(graphdef, state)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    valid = positions < lengths[:, None]
+    ks, vs = list(cache.k), list(cache.v)
+
+    def attend(i, q, k, v):
+        ks[i] = write_pages(ks[i], table, positions, k, valid)
+        vs[i] = write_pages(vs[i], table, positions, v, valid)
+        return attention.causal_attention(q, k, v, module.layouts[i])
+
+    hidden = module.hidden(tokens, positions, attend)
+    logits = module.logits(hidden[jnp.arange(b), lengths - 1])
+    return sample(logits, key, temperature, top_p, greedy), PagedKVCache(tuple(ks), tuple(vs))
+
+
+def _decode_step(graphdef, state, cache, tokens, positions, table, key, temperature, top_p, *, greedy):
+    module = nnx.merge(graphdef, state)
+    ks, vs = list(cache.k), list(cache.v)
+    valid = jnp.ones(positions.shape + (1,), bool)
+
+    def attend(i, q, k, v):
+        ks[i] = write_pages(ks[i], table, positions[:, None], k, valid)
+        vs[i] = write_pages(vs[i], table, positions[:, None], v, valid)
+        out = attention.paged_decode_attention(q[:, 0], ks[i], vs[i], table, positions + 1, module.layouts[i])
+        return out[:, None]
+
+    hidden = module.hidden(tokens[:, None], positions[:, None], attend)
+    logits = module.logits(hidden[:, 0])
+    return sample(logits, key, temperature, top_p, greedy), PagedKVCache(tuple(ks), tuple(vs))
+
+
+class Engine:
+    """One paged cache sized for ``max_batch`` sequences of up to ``max_seq_len`` tokens, and its jitted steps."""
+
+    def __init__(self, model, *, max_batch: int = 8, max_seq_len: int = 512, page_size: int = 16,
+                 num_pages: int | None = None, cache_dtype=None):
+        self.model, self.max_batch, self.page_size = model, max_batch, page_size
+        self.pages_per_seq = -(-max_seq_len // page_size)
+        self.max_seq_len = self.pages_per_seq * page_size
+        num_pages = num_pages or max_batch * self.pages_per_seq + 1
+        self.cache = PagedKVCache.create(model.layouts, num_pages, page_size, cache_dtype or model.dtype)
+        self.allocator = PageAllocator(num_pages)
+        donate = (1,) if jax.default_backend() != "cpu" else ()
+        self._steps = {}
+        for name, fn in (("prefill", _prefill_step), ("decode", _decode_step)):
+            for greedy in (True, False):
+                step = functools.partial(fn, model.graphdef, greedy=greedy)
+                self._steps[name, greedy] = jax.jit(step, donate_argnums=donate)
+
+    def compiled_shapes(self) -> int:
+        """How many shapes the steps have compiled so far (for tests of bucketing)."""
+        return sum(step._cache_size() for step in self._steps.values())
+
+    def prefill(self, prompts: list[list[int]], page_lists: list[list[int]], key, temperature: float, top_p: float):
+        """Write the prompts' K/V into their pages; return the first sampled token per prompt (padded batch)."""
+        b = bucket(len(prompts), maximum=self.max_batch)
+        t = bucket(max(map(len, prompts)), minimum=self.page_size, maximum=self.max_seq_len)
+        tokens = np.zeros((b, t), np.int32)
+        lengths = np.ones((b,), np.int32)
+        for row, prompt in enumerate(prompts):
+            tokens[row, :len(prompt)] = prompt
+            lengths[row] = len(prompt)
+        table = block_table(page_lists + [[]] * (b - len(prompts)), self.pages_per_seq)
+        step = self._steps["prefill", temperature == 0.0]
+        first, self.cache = step(self.model.state, self.cache, tokens, lengths, table, key,
+                                 jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p))
+        return first, table
+
+    def decode(self, tokens, positions: np.ndarray, table: np.ndarray, key, temperature: float, top_p: float):
+        """Append one token per sequence at ``positions``; return the next sampled token per sequence."""
+        step = self._steps["decode", temperature == 0.0]
+        nxt, self.cache = step(self.model.state, self.cache, tokens, jnp.array(positions, jnp.int32), table,
+                               key, jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p))
+        return nxt

@@ -1,0 +1,141 @@
+"""``kvjax.generate``: prompts in, new tokens and text out, through the paged engine."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from kvjax.engine import Engine, bucket
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: list[int]  # new token ids (the stop/EOS token that ended generation included)
+    text: str | None  # decoded new tokens, cut before a stop string; None without a tokenizer
+    prompt_tokens: int
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+
+
+def _tokenize(model, prompt, chat: bool) -> list[int]:
+    if isinstance(prompt, str):
+        tok = model.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+        if chat:
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
+            ids = ids["input_ids"] if isinstance(ids, dict) else ids
+        else:
+            ids = tok(prompt, add_special_tokens=True)["input_ids"]
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("a prompt must have at least one token")
+    if min(ids) < 0 or max(ids) >= model.config.vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {model.config.vocab_size})")
+    return list(ids)
+
+
+def _engine(model, max_batch: int, seq_len: int, page_size: int) -> Engine:
+    """Engines are cached on the model so their compiled steps are reused across calls."""
+    key = (max_batch, seq_len, page_size)
+    if key not in model._engines:
+        model._engines.clear()  # keep one cache's memory alive at a time
+        model._engines[key] = Engine(model, max_batch=max_batch, max_seq_len=seq_len, page_size=page_size)
+    return model._engines[key]
+
+
+def generate(model, prompts: Sequence, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int = 0, stop: Sequence[str | int] | str | None = None, *, chat: bool = False,
+             max_batch: int = 8, max_seq_len: int | None = None, page_size: int = 16,
+             stats: dict | None = None) -> list[Generation]:
+    """Generate up to ``max_new_tokens`` tokens for each prompt (strings, or lists of token ids).
+
+    ``temperature=0`` is greedy decoding. ``stop`` holds stop strings and/or stop token ids (EOS always stops).
+    ``chat=True`` wraps string prompts in the tokenizer's chat template. ``max_seq_len`` (default: the model's
+    ``max_position_embeddings``) bounds prompt + new tokens per sequence. ``stats``, if given, receives timings.
+    """
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+        raise TypeError("prompts must be a list of prompts (strings or lists of token ids)")
+    capacity = max_seq_len or model.config.max_position_embeddings
+    encoded = [_tokenize(model, p, chat) for p in prompts]
+    for i, ids in enumerate(encoded):
+        if len(ids) + max_new_tokens > capacity:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                             f"{len(ids) + max_new_tokens} cache positions, more than the cache's {capacity}")
+    stops = [stop] if isinstance(stop, (str, int)) else list(stop or [])
+    stop_ids = {s for s in stops if isinstance(s, int)} | set(model.config.eos_token_ids)
+    if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+        stop_ids.add(model.tokenizer.eos_token_id)
+    stop_texts = [s for s in stops if isinstance(s, str)]
+    if stop_texts and model.tokenizer is None:
+        raise ValueError("stop strings need a tokenizer; pass stop token ids instead")
+
+    needed = max(map(len, encoded), default=0) + max_new_tokens
+    engine = _engine(model, max_batch, min(bucket(needed, minimum=page_size), capacity), page_size)
+    stats = {} if stats is None else stats
+    stats.update(prefill_s=0.0, decode_s=0.0, prompt_tokens=sum(map(len, encoded)), new_tokens=0)
+    key = jax.random.key(seed)
+    results = []
+    for start in range(0, len(encoded), max_batch):
+        key, sub = jax.random.split(key)
+        results += _run_batch(model, engine, encoded[start:start + max_batch], max_new_tokens, temperature, top_p,
+                              sub, stop_ids, stop_texts, stats)
+    return results
+
+
+def _run_batch(model, engine, batch, max_new_tokens, temperature, top_p, key, stop_ids, stop_texts, stats):
+    pages = []
+    try:
+        for ids in batch:
+            pages.append(engine.allocator.allocate(-(-(len(ids) + max_new_tokens) // engine.page_size)))
+        t0 = time.perf_counter()
+        key, sub = jax.random.split(key)
+        token, table = engine.prefill(batch, pages, sub, temperature, top_p)
+        out = [[int(t)] for t in np.asarray(token)[:len(batch)]]
+        t1 = time.perf_counter()
+        positions = np.zeros(table.shape[0], np.int32)
+        positions[:len(batch)] = [len(ids) for ids in batch]
+        done = [_finished(model, o, stop_ids, stop_texts) for o in out]
+        for _ in range(max_new_tokens - 1):
+            if all(done):
+                break
+            key, sub = jax.random.split(key)
+            token = engine.decode(token, positions, table, sub, temperature, top_p)
+            positions = positions + (np.arange(len(positions)) < len(batch))  # new array: the step may alias it
+            for row, t in enumerate(np.asarray(token)[:len(batch)]):
+                if not done[row]:
+                    out[row].append(int(t))
+                    done[row] = _finished(model, out[row], stop_ids, stop_texts)
+        stats["prefill_s"] += t1 - t0
+        stats["decode_s"] += time.perf_counter() - t1
+    finally:
+        for p in pages:
+            engine.allocator.free(p)
+    stats["new_tokens"] += sum(map(len, out))
+    return [_result(model, ids, o, done[row], stop_texts) for row, (ids, o) in enumerate(zip(batch, out))]
+
+
+def _finished(model, tokens, stop_ids, stop_texts) -> bool:
+    if tokens[-1] in stop_ids:
+        return True
+    if stop_texts:
+        text = model.tokenizer.decode(tokens[-16:], skip_special_tokens=True)
+        return any(s in text for s in stop_texts)
+    return False
+
+
+def _result(model, prompt, tokens, stopped, stop_texts) -> Generation:
+    text = None
+    if model.tokenizer is not None:
+        text = model.tokenizer.decode(tokens, skip_special_tokens=True)
+        cuts = [text.index(s) for s in stop_texts if s in text]
+        text = text[:min(cuts)] if cuts else text
+    return Generation(tokens, text, len(prompt), "stop" if stopped else "length")

