@@ -16,8 +16,7 @@ $(VENV)/installed: pyproject.toml
 
 demo: $(VENV)/installed
 	$(VENV)/bin/kvjax-infer --model smollm2 --prompts examples/prompts.jsonl --out examples/results.jsonl \
-	    --max-new-tokens 48 --chat
-	$(PY) -c 'import json; [print(f"> {r[\"prompt\"]}\n{r[\"text\"]}\n") for r in map(json.loads, open("examples/results.jsonl"))]'
+	    --max-new-tokens 48 --chat --show
 
 test: $(VENV)/installed
 	$(PY) -m pytest -q

@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap string prompts in the model's chat template")
     p.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
+    p.add_argument("--show", action="store_true", help="also print every prompt with its generated text")
     p.add_argument("--max-seq-len", type=int, default=None, help="cache positions per sequence (default: model's)")
     args = p.parse_args(argv)
 
@@ -96,6 +97,10 @@ def main(argv=None) -> int:
                                            "finish_reason": r.finish_reason}) + "\n")
             bar.update(len(chunk))
     write_atomically(args.out, records)
+    if args.show:
+        for line in records:
+            r = json.loads(line)
+            print(f"> {r['prompt']}\n{r['text'] if r['text'] is not None else r['tokens']}\n")
     wall = time.perf_counter() - start
     print(f"wrote {len(records)} results to {args.out} in {wall:.1f} s: "
           f"{totals['prompt_tokens']} prompt tokens at {totals['prompt_tokens'] / max(totals['prefill_s'], 1e-9):.0f} "
