@@ -5,6 +5,7 @@ Today it has the pure-jnp reference path; the Pallas kernels plug in behind the 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -38,14 +39,24 @@ def _visible(q_pos, k_pos, window):
     return ok
 
 
-def causal_attention(q, k, v, layout: HeadLayout):
-    """Causal attention of T fresh tokens among themselves (full forward and prefill), packed layout."""
+def _full_width(layout: HeadLayout) -> HeadLayout:
+    """The layout attention computes in once a Palu latent K has been rebuilt to full heads."""
+    return dataclasses.replace(layout, k_widths=(layout.head_dim,) * layout.num_kv_heads)
+
+
+def causal_attention(q, k, v, layout: HeadLayout, rebuild=None):
+    """Causal attention of T fresh tokens among themselves (full forward and prefill), packed layout.
+
+    ``rebuild`` (Palu layers only) expands the cached pre-RoPE K latent to full post-RoPE heads first.
+    """
     pos = jnp.arange(q.shape[1])
+    if rebuild is not None:
+        k, layout = rebuild(k, jnp.broadcast_to(pos, k.shape[:2])), _full_width(layout)
     mask = _visible(pos[:, None], pos[None, :], layout.sliding_window)
     return _attend_groups(q, k, v, jnp.broadcast_to(mask, (q.shape[0], *mask.shape)), layout)
 
 
-def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, layout: HeadLayout):
+def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, layout: HeadLayout, rebuild=None):
     """One new query per sequence against its cached tokens.
 
     q [B, q_cols]; k_pages [num_pages, page_size, k_cols], v_pages likewise; block_table [B, pages_per_seq];
@@ -55,5 +66,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, layout: He
     k = k_pages[block_table].reshape(b, -1, k_pages.shape[-1])
     v = v_pages[block_table].reshape(b, -1, v_pages.shape[-1])
     k_pos = jnp.arange(k.shape[1])[None, :]
+    if rebuild is not None:  # Palu: every step rebuilds every cached K from its latent
+        k, layout = rebuild(k, jnp.broadcast_to(k_pos, k.shape[:2])), _full_width(layout)
     mask = _visible((lengths - 1)[:, None], k_pos, layout.sliding_window) & (k_pos < lengths[:, None])
     return _attend_groups(q[:, None], k, v, mask[:, None], layout)[:, 0]

@@ -43,10 +43,10 @@ def _prefill_step(graphdef, state, cache, tokens, lengths, table, key, temperatu
     valid = positions < lengths[:, None]
     ks, vs = list(cache.k), list(cache.v)
 
-    def attend(i, q, k, v):
+    def attend(i, q, k, v, rebuild=None):
         ks[i] = write_pages(ks[i], table, positions, k, valid)
         vs[i] = write_pages(vs[i], table, positions, v, valid)
-        return attention.causal_attention(q, k, v, module.layouts[i])
+        return attention.causal_attention(q, k, v, module.layouts[i], rebuild)
 
     hidden = module.hidden(tokens, positions, attend)
     logits = module.logits(hidden[jnp.arange(b), lengths - 1])
@@ -58,10 +58,11 @@ def _decode_step(graphdef, state, cache, tokens, positions, table, key, temperat
     ks, vs = list(cache.k), list(cache.v)
     valid = jnp.ones(positions.shape + (1,), bool)
 
-    def attend(i, q, k, v):
+    def attend(i, q, k, v, rebuild=None):
         ks[i] = write_pages(ks[i], table, positions[:, None], k, valid)
         vs[i] = write_pages(vs[i], table, positions[:, None], v, valid)
-        out = attention.paged_decode_attention(q[:, 0], ks[i], vs[i], table, positions + 1, module.layouts[i])
+        out = attention.paged_decode_attention(q[:, 0], ks[i], vs[i], table, positions + 1, module.layouts[i],
+                                               rebuild)
         return out[:, None]
 
     hidden = module.hidden(tokens[:, None], positions[:, None], attend)

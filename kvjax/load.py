@@ -10,6 +10,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from kvjax.model import Model
+from kvjax.saving import is_kvjax_checkpoint, load_saved
 from kvjax.models.checkpoint import SafetensorsReader, fill_params, hf_sources
 from kvjax.models.config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError, config_from_hf
 from kvjax.models.transformer import Transformer
@@ -65,7 +66,8 @@ def _load_gguf(path: str, dtype, progress: bool) -> Model:
 
 
 def load(path: str, dtype: str = "bfloat16", *, progress: bool = True) -> Model:
-    """Load ``path``: a Hugging Face directory (config.json + safetensors), a ``.gguf`` file, or ``"smollm2"``.
+    """Load ``path``: a Hugging Face directory (config.json + safetensors), a ``.gguf`` file, ``"smollm2"``, or a
+    directory written by ``Model.save`` (compressed or not).
 
     ``dtype`` is the parameter dtype ("bfloat16", "float32", ...). Weights are read and converted one tensor at a
     time, so host memory stays near the model's size in ``dtype``.
@@ -73,6 +75,8 @@ def load(path: str, dtype: str = "bfloat16", *, progress: bool = True) -> Model:
     dtype = jnp.dtype(dtype)
     path = resolve(os.fspath(path))
     if os.path.isdir(path):
+        if is_kvjax_checkpoint(path):
+            return load_saved(path, dtype)
         return _load_hf_dir(path, dtype, progress)
     if path.endswith(".gguf"):
         return _load_gguf(path, dtype, progress)

@@ -16,7 +16,7 @@ from kvjax.models.transformer import Transformer
 def _full_logits(graphdef, state, tokens):
     module = nnx.merge(graphdef, state)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    attend = lambda i, q, k, v: attention.causal_attention(q, k, v, module.layouts[i])  # noqa: E731
+    attend = lambda i, q, k, v, rebuild=None: attention.causal_attention(q, k, v, module.layouts[i], rebuild)  # noqa
     return module.logits(module.hidden(tokens, positions, attend))
 
 
@@ -24,6 +24,7 @@ class Model:
     """What ``kvjax.load`` returns and every other entry point takes."""
 
     def __init__(self, module: Transformer, tokenizer=None, plan=None):
+        """``plan`` is the ``RankPlan`` a compressed module was built with (None: uncompressed)."""
         self.module, self.tokenizer, self.plan = module, tokenizer, plan
         self.graphdef, self.state = nnx.split(module)
         self._engines: dict = {}
@@ -58,7 +59,14 @@ class Model:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
         return _full_logits(self.graphdef, self.state, jnp.asarray(tokens, jnp.int32))
 
+    def save(self, directory: str, *, overwrite: bool = False) -> str:
+        """Write an orbax checkpoint + ``kvjax.json`` (+ ``plan.json``, tokenizer) atomically; ``kvjax.load`` reads it."""
+        from kvjax.saving import save
+
+        return save(self, directory, overwrite=overwrite)
+
     def __repr__(self):
         c = self.config
+        plan = "" if self.plan is None else f", {self.plan.method} rate {self.plan.rate:.3f}"
         return (f"kvjax.Model({c.arch}, {c.num_layers} layers, {c.num_heads} heads / {c.num_kv_heads} KV heads "
-                f"of {c.head_dim}, vocab {c.vocab_size}, {self.dtype})")
+                f"of {c.head_dim}, vocab {c.vocab_size}, {self.dtype}{plan})")

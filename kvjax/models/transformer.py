@@ -16,7 +16,9 @@ from kvjax.layout import HeadLayout
 from kvjax.models.config import ModelConfig
 from kvjax.models.rope import apply_rope, inverse_frequencies
 
-AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+# attend(layer, q, k, v[, rebuild_k]) -> attention output, all packed (see kvjax.layout). ``rebuild_k`` is passed
+# only by Palu-compressed layers, whose cached K is a pre-RoPE latent: rebuild_k(latent, positions) -> full K.
+AttendFn = Callable[..., jax.Array]
 
 
 def _init(rngs, shape, dtype, scale=0.02):
@@ -55,18 +57,55 @@ class Norm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs):
+    """Self-attention whose cached K/V may be narrower than the heads (``layout`` widths).
+
+    ``method`` None: plain heads. "zack": q and k are rotated right after RoPE into each group's leading
+    ``k_widths[g]`` directions (``qk_rotation``), V comes out of ``v`` already rotated and truncated, and ``o`` reads
+    it back, so attention runs on the short vectors. "palu" (the baseline): ``k`` outputs a pre-RoPE latent of
+    ``k_widths[g]`` columns per head that ``rebuild_k`` expands (``k_up``) and rotates at every attention call.
+    """
+
+    def __init__(self, cfg: ModelConfig, layout: HeadLayout, method: str | None, *, dtype, rngs):
         h, kv, d, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-        self.q = Linear(e, h * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.k = Linear(e, kv * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.v = Linear(e, kv * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.o = Linear(h * d, e, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        bias = cfg.attention_bias
+        self.method = method
+        self.q = Linear(e, h * d, bias=bias, dtype=dtype, rngs=rngs)
+        self.k = Linear(e, layout.k_cols if method == "palu" else kv * d, bias=bias, dtype=dtype, rngs=rngs)
+        self.v = Linear(e, layout.v_cols, bias=bias, dtype=dtype, rngs=rngs)
+        self.o = Linear(layout.out_cols, e, bias=bias, dtype=dtype, rngs=rngs)
+        eye = lambda w: nnx.Param(jnp.eye(d, w, dtype=dtype))  # noqa: E731
+        self.qk_rotation = nnx.List([eye(w) for w in layout.k_widths]) if method == "zack" else None
+        self.k_up = nnx.List([nnx.Param(jnp.eye(w, d, dtype=dtype)) for w in layout.k_widths]) \
+            if method == "palu" else None
 
     def __call__(self, x, positions, inv_freq, layout: HeadLayout, attend: AttendFn, layer: int):
         b, t, _ = x.shape
-        q = apply_rope(self.q(x).reshape(b, t, layout.num_heads, layout.head_dim), positions, inv_freq)
-        k = apply_rope(self.k(x).reshape(b, t, layout.num_kv_heads, layout.head_dim), positions, inv_freq)
+        heads = lambda y, n: y.reshape(b, t, n, layout.head_dim)  # noqa: E731
+        q = apply_rope(heads(self.q(x), layout.num_heads), positions, inv_freq)
+        if self.method == "palu":
+            rebuild = lambda latent, pos: self.rebuild_k(latent, pos, inv_freq, layout)  # noqa: E731
+            return self.o(attend(layer, q.reshape(b, t, -1), self.k(x), self.v(x), rebuild))
+        k = apply_rope(heads(self.k(x), layout.num_kv_heads), positions, inv_freq)
+        if self.method == "zack":
+            q, k = self.rotate_qk(q, k, layout)
         return self.o(attend(layer, q.reshape(b, t, -1), k.reshape(b, t, -1), self.v(x)))
+
+    def rotate_qk(self, q, k, layout: HeadLayout):
+        """Post-RoPE q [B,T,H,d] and k [B,T,Hkv,d] -> packed [B,T,q_cols] and [B,T,k_cols]."""
+        b, t = q.shape[:2]
+        g_size = layout.group_size
+        qs, ks = [], []
+        for g, rot in enumerate(self.qk_rotation):
+            qs.append((q[:, :, g * g_size:(g + 1) * g_size] @ rot[...]).reshape(b, t, -1))
+            ks.append(k[:, :, g] @ rot[...])
+        return jnp.concatenate(qs, -1), jnp.concatenate(ks, -1)
+
+    def rebuild_k(self, latent, positions, inv_freq, layout: HeadLayout):
+        """Palu: packed pre-RoPE latent [B,S,k_cols] at ``positions`` [B,S] -> full post-RoPE K [B,S,Hkv*d]."""
+        starts = HeadLayout.offsets(layout.k_widths)
+        full = jnp.stack([latent[..., s:s + w] @ up[...] for s, w, up in zip(starts, layout.k_widths, self.k_up)],
+                         axis=2)
+        return apply_rope(full, positions, inv_freq).reshape(*latent.shape[:2], -1)
 
 
 class MLP(nnx.Module):
@@ -85,13 +124,13 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs):
+    def __init__(self, cfg: ModelConfig, layout: HeadLayout, method: str | None, *, dtype, rngs):
         self.parallel = cfg.parallel_block
         norm = dict(kind=cfg.norm, eps=cfg.norm_eps, dtype=dtype)
         self.attn_norm = Norm(cfg.hidden_size, **norm)
         two_norms = not cfg.parallel_block or cfg.parallel_norms == 2
         self.mlp_norm = Norm(cfg.hidden_size, **norm) if two_norms else None
-        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.attn = Attention(cfg, layout, method, dtype=dtype, rngs=rngs)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, inv_freq, layout, attend, layer):
@@ -103,18 +142,28 @@ class Block(nnx.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def layer_layout(cfg: ModelConfig, plan, layer: int) -> HeadLayout:
+    """Layer ``layer``'s cached head widths: ``head_dim`` everywhere, or the plan's ranks."""
+    if plan is None:
+        return HeadLayout.uniform(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+    k_widths, v_widths = plan.layer_widths(layer)
+    return HeadLayout(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, k_widths, v_widths, cfg.sliding_window)
+
+
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
-        """Random weights (normal, std 0.02); loaders build it under ``nnx.eval_shape`` and fill it instead."""
-        self.config = cfg
+    def __init__(self, cfg: ModelConfig, *, plan=None, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        """Random weights (normal, std 0.02); loaders build it under ``nnx.eval_shape`` and fill it instead.
+
+        ``plan`` (a ``kvjax.compress.RankPlan``) gives every layer's head widths and the compression method.
+        """
+        self.config, self.method = cfg, None if plan is None else plan.method
+        self.layouts = tuple(layer_layout(cfg, plan, i) for i in range(cfg.num_layers))
         self.embed = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
-        self.layers = nnx.List([Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg, self.layouts[i], self.method, dtype=dtype, rngs=rngs)
+                                for i in range(cfg.num_layers)])
         self.final_norm = Norm(cfg.hidden_size, kind=cfg.norm, eps=cfg.norm_eps, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
-        self.layouts = tuple(
-            HeadLayout.uniform(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
-            for _ in range(cfg.num_layers))
 
     def hidden(self, tokens: jax.Array, positions: jax.Array, attend: AttendFn) -> jax.Array:
         """Final-norm hidden states [B, T, E] for ``tokens`` at ``positions`` (both int32 [B, T])."""

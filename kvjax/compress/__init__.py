@@ -1,0 +1,51 @@
+"""KV dimensionality compression (ZACK/FDC): calibration, rank plans, folding, and the Palu baseline."""
+from __future__ import annotations
+
+from kvjax.compress.calibration import CalibrationStats, calibrate, calibration_tokens
+from kvjax.compress.fold import fold
+from kvjax.compress.plan import METHODS, RankPlan, check_rate
+
+__all__ = ["CalibrationStats", "RankPlan", "calibrate", "calibration_tokens", "compress", "fold", "make_plan"]
+
+BASIS = {"zack": ("qk", "v"), "palu": ("k_pre", "v")}  # which Gram gives each method's K and V directions
+
+
+def make_plan(model, stats: CalibrationStats, *, target_rate=None, removal_rate=None, method="zack",
+              adaptive=True) -> tuple[RankPlan, dict]:
+    """The rank plan and the rotations it truncates, from calibration statistics (cheap: no model run)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if (target_rate is None) == (removal_rate is None):
+        raise ValueError("give exactly one of target_rate and removal_rate")
+    k_kind, v_kind = BASIS[method]
+    r_k, s_k = stats.rotations(k_kind)
+    r_v, s_v = stats.rotations(v_kind, model)
+    if target_rate is not None:
+        plan = RankPlan.for_target_rate(method, s_k, s_v, target_rate, adaptive)
+    else:
+        plan = RankPlan.from_removal_rate(method, s_k, s_v, removal_rate, adaptive)
+    return plan, {k_kind: r_k, "v": r_v}
+
+
+def compress(model, target_rate=None, removal_rate=None, method="zack", adaptive=True, calibration="random",
+             num_tokens=16384, seed=0, *, seq_len=512, batch_size=4, progress=True):
+    """Compress ``model``'s KV cache along the head dimension; returns a new ``kvjax.Model`` with ``.plan``.
+
+    Give exactly one of ``target_rate`` (overall rate p in [0, 1), reached by bisection on the removal rate) and
+    ``removal_rate`` (the singular-value mass r each head may drop). ``calibration``: "random" token ids, "text"
+    (Python's pydoc topics), "text:PATH", or token ids. ``method="palu"`` is the pre-RoPE low-rank baseline.
+    """
+    for name, value in (("target_rate", target_rate), ("removal_rate", removal_rate)):
+        if value is not None:
+            check_rate(name, value)
+    if model.plan is not None:
+        raise ValueError("model is already compressed; compress the original model")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if (target_rate is None) == (removal_rate is None):
+        raise ValueError("give exactly one of target_rate and removal_rate")
+    tokens = calibration_tokens(model, calibration, num_tokens, min(seq_len, num_tokens), seed)
+    stats = calibrate(model, tokens, batch_size=batch_size, progress=progress)
+    plan, rotations = make_plan(model, stats, target_rate=target_rate, removal_rate=removal_rate, method=method,
+                                adaptive=adaptive)
+    return fold(model, plan, rotations)

@@ -1,0 +1,155 @@
+"""Calibration: run the uncompressed model over calibration tokens and accumulate per-head Gram matrices.
+
+For every layer and KV head ``g`` we keep ``X^T X`` (``d_h x d_h``, float64 on the host) rather than the rows, so
+memory does not grow with the number of tokens:
+  * ``qk``: post-RoPE q rows of every query head of the group, stacked with post-RoPE k rows (ZACK's Q/K basis);
+  * ``k_pre``: pre-RoPE k rows (the Palu baseline's K basis);
+  * ``v``: v rows (the W_o blocks that read the group's outputs are added by ``rotations``).
+Eigenvectors of a Gram matrix are the right singular vectors ``R`` of the stacked rows; its eigenvalues the squared
+singular values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from kvjax import attention
+from kvjax.models.rope import apply_rope, inverse_frequencies
+
+KINDS = ("qk", "k_pre", "v")
+
+
+@dataclasses.dataclass
+class CalibrationStats:
+    grams: dict[str, np.ndarray]  # kind -> float64 [L, Hkv, d, d]
+    num_tokens: int
+
+    def rotations(self, kind: str, model=None) -> tuple[np.ndarray, np.ndarray]:
+        """(R [L, Hkv, d, d] with columns by descending singular value, s [L, Hkv, d]).
+
+        For ``v``, pass the model: ZACK stacks V's rows with the (transposed) W_o row blocks that read each group's
+        outputs, so the kept directions also matter to the output projection.
+        """
+        gram = self.grams[kind]
+        if kind == "v" and model is not None:
+            gram = gram + _wo_grams(model)
+        lam, vecs = np.linalg.eigh(gram)
+        lam, vecs = lam[..., ::-1], vecs[..., ::-1]
+        # fix each column's sign (largest-magnitude entry positive) so rotations from different runs compare
+        idx = np.argmax(np.abs(vecs), axis=-2)[..., None, :]
+        vecs = vecs * np.sign(np.take_along_axis(vecs, idx, axis=-2))
+        return np.ascontiguousarray(vecs), np.sqrt(np.maximum(lam, 0.0))
+
+
+def _wo_grams(model) -> np.ndarray:
+    cfg = model.config
+    d, g_size = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+    out = []
+    for block in model.module.layers:
+        wo = np.asarray(block.attn.o.kernel[...], np.float64).reshape(cfg.num_kv_heads, g_size, d, -1)
+        out.append(np.einsum("gjde,gjfe->gdf", wo, wo))
+    return np.stack(out)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _batch_grams(graphdef, state, tokens, valid):
+    """Gram matrices [L, Hkv, d, d] (float32) of one batch of calibration sequences."""
+    module = nnx.merge(graphdef, state)
+    cfg = module.config
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope)
+    w = valid.astype(jnp.float32)[:, :, None, None]
+    grams = {kind: [] for kind in KINDS}
+
+    def gram(rows):  # rows [B, T, Hkv, n, d] -> [Hkv, d, d]
+        rows = rows.astype(jnp.float32) * w[..., None]
+        return jnp.einsum("btgnd,btgne->gde", rows, rows, precision="highest")
+
+    def attend(i, q, k, v, rebuild=None):
+        hkv, d = cfg.num_kv_heads, cfg.head_dim
+        kh = k.reshape(b, t, hkv, 1, d)
+        grams["qk"].append(gram(q.reshape(b, t, hkv, -1, d)) + gram(kh))
+        grams["k_pre"].append(gram(apply_rope(kh[:, :, :, 0], -positions, inv_freq)[:, :, :, None]))
+        grams["v"].append(gram(v.reshape(b, t, hkv, 1, d)))
+        return attention.causal_attention(q, k, v, module.layouts[i])
+
+    module.hidden(tokens, positions, attend)
+    return {kind: jnp.stack(g) for kind, g in grams.items()}
+
+
+def calibrate(model, tokens: np.ndarray, *, batch_size: int = 4, snapshots=(), progress: bool = True):
+    """Accumulate Gram matrices over ``tokens`` [num_sequences, seq_len] (row-major; a trailing -1 pads).
+
+    Returns the final ``CalibrationStats``; with ``snapshots`` (token counts), returns a dict count -> stats taken
+    once that many tokens had been seen (used by the rotation-stability table).
+    """
+    if model.plan is not None:
+        raise ValueError("calibrate an uncompressed model")
+    tokens = np.asarray(tokens)
+    totals, seen, taken = None, 0, {}
+    with tqdm(total=int((tokens >= 0).sum()), desc="calibrating", unit="tok", disable=not progress) as bar:
+        for start in range(0, len(tokens), batch_size):
+            chunk = tokens[start:start + batch_size]
+            if len(chunk) < batch_size:  # keep one compiled shape
+                chunk = np.concatenate([chunk, np.full((batch_size - len(chunk), tokens.shape[1]), -1)])
+            valid = chunk >= 0
+            out = _batch_grams(model.graphdef, model.state, jnp.asarray(np.maximum(chunk, 0), jnp.int32), valid)
+            out = {kind: np.asarray(g, np.float64) for kind, g in out.items()}
+            totals = out if totals is None else {kind: totals[kind] + out[kind] for kind in KINDS}
+            seen += int(valid.sum())
+            bar.update(int(valid.sum()))
+            for count in snapshots:
+                if count not in taken and seen >= count:
+                    taken[count] = CalibrationStats({k: v.copy() for k, v in totals.items()}, seen)
+    return taken if snapshots else CalibrationStats(totals, seen)
+
+
+def calibration_tokens(model, source="random", num_tokens: int = 16384, seq_len: int = 512, seed: int = 0):
+    """Token ids [num_sequences, seq_len] (trailing -1 pads the last row) from ``source``.
+
+    ``source``: "random" (uniform ids), "text" (the calibration half of Python's pydoc topics), "text:PATH"
+    (a UTF-8 file), or a sequence of token ids.
+    """
+    if num_tokens <= 0 or seq_len <= 0:
+        raise ValueError("num_tokens and seq_len must be positive")
+    if isinstance(source, str) and source == "random":
+        ids = np.random.default_rng(seed).integers(0, model.config.vocab_size, num_tokens)
+    else:
+        if isinstance(source, str):
+            ids = _text_ids(model, source)
+        else:
+            ids = np.asarray(source).reshape(-1)
+        if len(ids) < num_tokens:
+            raise ValueError(f"calibration {source if isinstance(source, str) else 'tokens'} has {len(ids)} tokens, "
+                             f"fewer than the {num_tokens} asked for")
+        ids = np.asarray(ids[:num_tokens])
+    rows = -(-num_tokens // seq_len)
+    out = np.full(rows * seq_len, -1, np.int64)
+    out[:num_tokens] = ids
+    return out.reshape(rows, seq_len)
+
+
+def _text_ids(model, source: str) -> np.ndarray:
+    from kvjax.compress.text import pydoc_text
+
+    if model.tokenizer is None:
+        raise ValueError("text calibration needs a model with a tokenizer")
+    if source == "text":
+        text = pydoc_text("calibration")
+    elif source.startswith("text:"):
+        path = source[len("text:"):]
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"calibration text file {path!r} does not exist")
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    else:
+        raise ValueError(f"calibration must be 'random', 'text', 'text:PATH' or token ids, got {source!r}")
+    return np.asarray(model.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,0 +1,131 @@
+"""Rank plans: how many rotated directions each KV head keeps for Q/K and for V.
+
+A head keeps the smallest ``k`` whose removed tail of singular values stays within the shared removal rate ``r``
+(``sum_{i>=k} s_i / sum_i s_i <= r``), rounded up to a multiple of 16 (kernel alignment), at least 16. The overall
+rate is ``p = 1 - sum(k_qk + k_v) / (2 * Hkv * d_h * L)``; ``F_p`` finds ``r`` for a target ``p`` by bisection.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+
+ALIGN = 16
+METHODS = ("zack", "palu")
+
+
+def rank_for_removal(s: np.ndarray, r: float, head_dim: int) -> int:
+    """Smallest multiple of 16 (>= 16, <= head_dim) keeping all but at most ``r`` of the singular-value mass."""
+    total = float(np.sum(s))
+    if total <= 0:
+        return ALIGN
+    tail = total - np.concatenate([[0.0], np.cumsum(s)])  # tail[k] = sum_{i>=k} s_i
+    k = int(np.argmax(tail / total <= r + 1e-12))
+    return int(min(head_dim, max(ALIGN, -(-k // ALIGN) * ALIGN)))
+
+
+@dataclasses.dataclass
+class RankPlan:
+    method: str  # "zack" (rotate after RoPE) or "palu" (low-rank K before RoPE, rebuilt every step)
+    head_dim: int
+    k_qk: np.ndarray  # int [L, Hkv]: cached K width (zack: also Q's width; palu: K latent width)
+    k_v: np.ndarray  # int [L, Hkv]
+    s_qk: np.ndarray  # float [L, Hkv, d_h]: singular values behind k_qk, descending
+    s_v: np.ndarray  # float [L, Hkv, d_h]
+    removal_rate: float | None = None
+    adaptive: bool = True
+
+    def __post_init__(self):
+        self.k_qk, self.k_v = np.asarray(self.k_qk, np.int64), np.asarray(self.k_v, np.int64)
+        self.s_qk, self.s_v = np.asarray(self.s_qk, np.float64), np.asarray(self.s_v, np.float64)
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        for name in ("k_qk", "k_v"):
+            k = getattr(self, name)
+            if k.shape != self.s_qk.shape[:2] or np.any(k % ALIGN) or k.min() < ALIGN or k.max() > self.head_dim:
+                raise ValueError(f"{name} must be multiples of {ALIGN} in [{ALIGN}, head_dim={self.head_dim}] "
+                                 f"of shape {self.s_qk.shape[:2]}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.k_qk.shape[0]
+
+    @property
+    def rate(self) -> float:
+        """Overall KV-cache compression rate p."""
+        return 1.0 - float(self.k_qk.sum() + self.k_v.sum()) / (2 * self.k_qk.size * self.head_dim)
+
+    def layer_widths(self, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return tuple(int(k) for k in self.k_qk[layer]), tuple(int(k) for k in self.k_v[layer])
+
+    @classmethod
+    def from_removal_rate(cls, method, s_qk, s_v, r: float, adaptive: bool = True) -> "RankPlan":
+        check_rate("removal_rate", r)
+        d = s_qk.shape[-1]
+        rank = np.vectorize(lambda layer, head, which: rank_for_removal(
+            (s_qk if which == 0 else s_v)[layer, head], r, d))
+        layers, heads = np.indices(s_qk.shape[:2])
+        k_qk, k_v = rank(layers, heads, 0), rank(layers, heads, 1)
+        if not adaptive:  # the ablation: the same width everywhere, spending the same total
+            k = uniform_width(1.0 - (k_qk.sum() + k_v.sum()) / (2 * k_qk.size * d), d)
+            k_qk, k_v = np.full_like(k_qk, k), np.full_like(k_v, k)
+        return cls(method, d, k_qk, k_v, s_qk, s_v, removal_rate=r, adaptive=adaptive)
+
+    @classmethod
+    def for_target_rate(cls, method, s_qk, s_v, p: float, adaptive: bool = True, steps: int = 50) -> "RankPlan":
+        """``F_p``: the plan whose rate is closest to ``p`` without going under it (bisection on ``r``)."""
+        check_rate("target_rate", p)
+        d = s_qk.shape[-1]
+        if not adaptive:
+            k = uniform_width(p, d)  # nearest multiple of 16; with few layers there is no finer knob
+            full = np.full(s_qk.shape[:2], k)
+            return cls(method, d, full, full.copy(), s_qk, s_v, removal_rate=None, adaptive=False)
+        lo, hi = 0.0, 1.0  # rate(r) is monotone non-decreasing in r
+        best = cls.from_removal_rate(method, s_qk, s_v, 0.0)
+        if best.rate >= p:
+            return best
+        for _ in range(steps):
+            mid = (lo + hi) / 2
+            plan = cls.from_removal_rate(method, s_qk, s_v, mid)
+            if plan.rate >= p:
+                hi, best = mid, plan
+            else:
+                lo = mid
+        if best.rate < p:
+            raise ValueError(f"target_rate {p} is out of reach: with every head at {ALIGN} columns the rate is "
+                             f"{1 - ALIGN / d:.4f}")
+        return best
+
+    def summary(self) -> str:
+        lines = [f"{self.method} plan ({'adaptive' if self.adaptive else 'uniform'}): overall rate p = "
+                 f"{self.rate:.4f}" + (f", removal rate r = {self.removal_rate:.4g}" if self.removal_rate is not None
+                                       else ""),
+                 "layer | k_qk min/mean/max | k_v min/mean/max"]
+        for i in range(self.num_layers):
+            a, b = self.k_qk[i], self.k_v[i]
+            lines.append(f"{i:5d} | {a.min():3d} / {a.mean():5.1f} / {a.max():3d} | {b.min():3d} / {b.mean():5.1f} / "
+                         f"{b.max():3d}")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps({"method": self.method, "head_dim": self.head_dim, "rate": self.rate,
+                           "removal_rate": self.removal_rate, "adaptive": self.adaptive,
+                           "k_qk": self.k_qk.tolist(), "k_v": self.k_v.tolist(),
+                           "s_qk": self.s_qk.tolist(), "s_v": self.s_v.tolist()})
+
+    @classmethod
+    def from_json(cls, text: str) -> "RankPlan":
+        d = json.loads(text)
+        d.pop("rate", None)
+        return cls(**d)
+
+
+def uniform_width(p: float, head_dim: int) -> int:
+    """The multiple of 16 (in [16, head_dim]) nearest to ``head_dim * (1 - p)``."""
+    return int(min(head_dim, max(ALIGN, round(head_dim * (1 - p) / ALIGN) * ALIGN)))
+
+
+def check_rate(name: str, value: float) -> None:
+    if value is None or not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
