@@ -1,10 +1,18 @@
-"""Accuracy harness: perplexity on held-out text.
+"""Accuracy harness: how much quality KV compression costs, measured the same way every time.
 
-Today: SmolLM2's perplexity on Python's ``pydoc_data.topics`` next to the number ``transformers`` gives for the same
-token ids (both stored in tests/fixtures/smollm2_reference.npz by tests/make_fixtures.py, which defines the slice:
-1024 ids as 4 independent windows of 256 tokens).
+Quality = perplexity on held-out text (the second half of Python's ``pydoc_data.topics``; calibration text comes
+from the first half) and greedy token agreement against the uncompressed model: the uncompressed model continues
+N held-out prompts greedily for M tokens; agreement is the fraction of those positions where the compressed model,
+fed the same tokens, picks the same argmax (teacher-forced, so one early difference does not count M times).
+"99% of baseline" = perplexity within +1% and agreement >= 99%.
 
-    python bench/accuracy.py [--model smollm2] [--dtype float32]
+    python bench/accuracy.py rates  --model smollm2 --rates 0.25 0.375 0.5 [--json out.json]
+    python bench/accuracy.py search --model smollm2            # largest p meeting 99% of baseline, per variant
+    python bench/accuracy.py stability --model smollm2         # rotation stability (the papers' Table 4)
+    python bench/accuracy.py transformers                       # SmolLM2 perplexity next to transformers'
+
+Variants: zack (adaptive ranks), zack-uniform (same rank everywhere), palu (pre-RoPE low-rank K), each calibrated
+on random token ids and on text. Calibration statistics are gathered once per source and reused for every rate.
 """
 from __future__ import annotations
 
@@ -12,14 +20,19 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kvjax  # noqa: E402
+from kvjax.compression import calibrate, calibration_tokens, fold, make_plan  # noqa: E402
+from kvjax.compression.calibration import _eig  # noqa: E402
+from kvjax.compression.text import pydoc_text  # noqa: E402
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "smollm2_reference.npz")
+VARIANTS = {"zack": ("zack", True), "zack-uniform": ("zack", False), "palu": ("palu", True)}
 
 
 def perplexity(model, tokens: np.ndarray, window: int = 256, batch: int = 4) -> float:
@@ -34,25 +47,163 @@ def perplexity(model, tokens: np.ndarray, window: int = 256, batch: int = 4) -> 
     return float(np.exp(np.concatenate(nll).mean()))
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="model path or 'smollm2' (default)")
-    p.add_argument("--dtype", default="float32", help="parameter dtype (default float32)")
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
-    args = p.parse_args(argv)
+class Evaluator:
+    """Held-out perplexity and teacher-forced greedy agreement against one uncompressed model."""
 
+    def __init__(self, base, eval_tokens: int, prompts: int, prompt_len: int, new_tokens: int):
+        ids = np.asarray(base.tokenizer(pydoc_text("heldout"), add_special_tokens=False)["input_ids"])
+        need = eval_tokens + prompts * prompt_len
+        if len(ids) < need:
+            raise ValueError(f"held-out text has {len(ids)} tokens, fewer than the {need} asked for")
+        self.ppl_ids = ids[:eval_tokens]
+        starts = eval_tokens + np.arange(prompts) * prompt_len
+        prompt_ids = [ids[s:s + prompt_len].tolist() for s in starts]
+        gen = kvjax.generate(base, prompt_ids, max_new_tokens=new_tokens, stop=[-1], max_batch=prompts)
+        self.sequences = np.array([p + g.tokens + [0] * (new_tokens - len(g.tokens))
+                                   for p, g in zip(prompt_ids, gen)], np.int32)
+        self.lengths = [len(g.tokens) for g in gen]
+        self.prompt_len = prompt_len
+        self.base = self.score(base)
+
+    def score(self, model) -> dict:
+        logits = np.asarray(model.logits(self.sequences))
+        hits = total = 0
+        for row, n in enumerate(self.lengths):
+            pred = logits[row, self.prompt_len - 1:self.prompt_len - 1 + n].argmax(-1)
+            hits += int((pred == self.sequences[row, self.prompt_len:self.prompt_len + n]).sum())
+            total += n
+        return {"ppl": perplexity(model, self.ppl_ids), "agreement": hits / max(total, 1)}
+
+    def meets(self, s) -> bool:
+        return s["ppl"] <= 1.01 * self.base["ppl"] and s["agreement"] >= 0.99
+
+
+def _calibrate(base, source, num_tokens, seq_len):
+    return calibrate(base, calibration_tokens(base, source, num_tokens, seq_len, seed=0))
+
+
+def _row(calibration, variant, target, model, scores, base):
+    return {"calibration": calibration, "variant": variant, "target_rate": target, "rate": model.plan.rate,
+            "ppl": scores["ppl"], "ppl_change_pct": 100 * (scores["ppl"] / base["ppl"] - 1),
+            "agreement": scores["agreement"]}
+
+
+def run_rates(base, ev, args):
+    rows = []
+    for source in args.calibrations:
+        stats = _calibrate(base, source, args.num_tokens, args.seq_len)
+        for variant in args.variants:
+            method, adaptive = VARIANTS[variant]
+            for p in args.rates:
+                plan, rot = make_plan(base, stats, target_rate=p, method=method, adaptive=adaptive)
+                model = fold(base, plan, rot)
+                rows.append(_row(source, variant, p, model, ev.score(model), ev.base))
+                print(_fmt(rows[-1]), flush=True)
+    return rows
+
+
+def run_search(base, ev, args):
+    """Per variant: bisection on p for the largest rate whose quality is within 99% of the baseline."""
+    rows = []
+    for source in args.calibrations:
+        stats = _calibrate(base, source, args.num_tokens, args.seq_len)
+        for variant in args.variants:
+            method, adaptive = VARIANTS[variant]
+            lo, hi, best = 0.0, args.max_rate, None
+            for _ in range(args.steps):
+                mid = (lo + hi) / 2
+                plan, rot = make_plan(base, stats, target_rate=mid, method=method, adaptive=adaptive)
+                model = fold(base, plan, rot)
+                row = _row(source, variant, mid, model, ev.score(model), ev.base)
+                if ev.meets(row):
+                    lo, best = max(mid, plan.rate), row
+                else:
+                    hi = mid
+            rows.append(best or {"calibration": source, "variant": variant, "target_rate": 0.0, "rate": 0.0,
+                                 "ppl": ev.base["ppl"], "ppl_change_pct": 0.0, "agreement": 1.0})
+            print(_fmt(rows[-1]), flush=True)
+    return rows
+
+
+def run_stability(base, args):
+    """Average |R| and average |R_random - R_text| (signs aligned) for growing calibration token counts."""
+    counts = [c for c in (2048, 4096, 8192, 16384, 32768) if c <= args.max_tokens]
+    snaps = {src: calibrate(base, calibration_tokens(base, src, counts[-1], args.seq_len, seed=0), snapshots=counts)
+             for src in ("random", "text")}
+    rows = []
+    for count in counts:
+        row = {"tokens": count}
+        for kind in ("qk", "v"):
+            r_rand, r_text = (_rotation(snaps[src][count], kind, base) for src in ("random", "text"))
+            row[f"{kind}_mean_abs_R"] = float(np.abs(r_rand).mean())
+            row[f"{kind}_mean_abs_diff"] = float(np.abs(r_rand - r_text).mean())
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def _rotation(stats, kind, model):
+    """The orthogonal rotation R of a calibration: ZACK's shared Q/K rotation, or V's principal directions."""
+    return stats.basis("qk", model).down if kind == "qk" else _eig(stats.grams["v"])[0]
+
+
+def run_transformers(args):
     ref = np.load(REFERENCE)
     model = kvjax.load(args.model, dtype=args.dtype)
-    ppl = perplexity(model, ref["ppl_tokens"])
-    rows = [("kvjax", args.dtype, ppl), ("transformers (GGUF, float32)", "float32", float(ref["ppl"]))]
-    print(f"perplexity of {args.model} on {len(ref['ppl_tokens'])} tokens of pydoc_data.topics "
-          f"(4 windows of 256)\n")
-    print(f"| {'implementation':<30} | {'dtype':<8} | {'perplexity':>10} |\n|{'-' * 32}|{'-' * 10}|{'-' * 12}|")
-    for name, dtype, value in rows:
-        print(f"| {name:<30} | {dtype:<8} | {value:>10.4f} |")
+    return [{"implementation": "kvjax", "dtype": args.dtype, "ppl": perplexity(model, ref["ppl_tokens"])},
+            {"implementation": "transformers (GGUF)", "dtype": "float32", "ppl": float(ref["ppl"])}]
+
+
+def _fmt(row) -> str:
+    return " | ".join(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row.values())
+
+
+def table(rows) -> str:
+    if not rows:
+        return "(no rows)"
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "|".join("---" for _ in keys) + "|"]
+    lines += ["| " + _fmt(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=("rates", "search", "stability", "transformers"))
+    p.add_argument("--model", default="smollm2", help="model path or 'smollm2' (default)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.375, 0.5])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--calibrations", nargs="+", default=["random", "text"])
+    p.add_argument("--num-tokens", type=int, default=16384, help="calibration tokens (default 16384)")
+    p.add_argument("--seq-len", type=int, default=512, help="calibration sequence length (default 512)")
+    p.add_argument("--eval-tokens", type=int, default=4096, help="held-out perplexity tokens (default 4096)")
+    p.add_argument("--prompts", type=int, default=8, help="agreement prompts N (default 8)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=32, help="agreement tokens per prompt M (default 32)")
+    p.add_argument("--max-rate", type=float, default=0.75, help="search upper bound (default 0.75)")
+    p.add_argument("--steps", type=int, default=6, help="search bisection steps (default 6)")
+    p.add_argument("--max-tokens", type=int, default=32768, help="stability: largest token count")
+    p.add_argument("--json", default=None, help="write the rows to this JSON file")
+    args = p.parse_args(argv)
+
+    start = time.time()
+    if args.mode == "transformers":
+        rows = run_transformers(args)
+    else:
+        base = kvjax.load(args.model, dtype=args.dtype)
+        if args.mode == "stability":
+            rows = run_stability(base, args)
+        else:
+            ev = Evaluator(base, args.eval_tokens, args.prompts, args.prompt_len, args.new_tokens)
+            print(f"uncompressed: perplexity {ev.base['ppl']:.4f}, agreement {ev.base['agreement']:.4f}", flush=True)
+            rows = (run_rates if args.mode == "rates" else run_search)(base, ev, args)
+            rows.insert(0, {"calibration": "-", "variant": "uncompressed", "target_rate": 0.0, "rate": 0.0,
+                            "ppl": ev.base["ppl"], "ppl_change_pct": 0.0, "agreement": ev.base["agreement"]})
+    print(f"\n{args.mode} on {args.model} ({args.dtype}), {time.time() - start:.0f} s\n\n{table(rows)}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([dict(zip(("implementation", "dtype", "perplexity"), r)) for r in rows], f, indent=1)
+            json.dump({"mode": args.mode, "args": vars(args), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

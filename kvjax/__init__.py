@@ -1,6 +1,6 @@
 """kvjax: LLM inference in JAX with a KV cache compressed along its hidden dimension."""
 from kvjax.cache import CacheFullError
-from kvjax.compress import RankPlan, compress
+from kvjax.compression import RankPlan, compress
 from kvjax.generate import Generation, generate
 from kvjax.load import load
 from kvjax.model import Model

@@ -59,6 +59,12 @@ class Model:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
         return _full_logits(self.graphdef, self.state, jnp.asarray(tokens, jnp.int32))
 
+    def astype(self, dtype) -> "Model":
+        """The same model with its parameters cast to ``dtype``."""
+        dtype = jnp.dtype(dtype)
+        module = nnx.merge(self.graphdef, jax.tree.map(lambda x: x.astype(dtype), self.state))
+        return Model(module, self.tokenizer, self.plan)
+
     def save(self, directory: str, *, overwrite: bool = False) -> str:
         """Write an orbax checkpoint + ``kvjax.json`` (+ ``plan.json``, tokenizer) atomically; ``kvjax.load`` reads it."""
         from kvjax.saving import save

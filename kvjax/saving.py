@@ -53,7 +53,7 @@ def is_kvjax_checkpoint(directory: str) -> bool:
 def load_saved(directory: str, dtype):
     import orbax.checkpoint as ocp
 
-    from kvjax.compress.plan import RankPlan
+    from kvjax.compression.plan import RankPlan
     from kvjax.model import Model
     from kvjax.models.config import ModelConfig
     from kvjax.models.transformer import Transformer

@@ -154,7 +154,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, plan=None, dtype=jnp.bfloat16, rngs: nnx.Rngs):
         """Random weights (normal, std 0.02); loaders build it under ``nnx.eval_shape`` and fill it instead.
 
-        ``plan`` (a ``kvjax.compress.RankPlan``) gives every layer's head widths and the compression method.
+        ``plan`` (a ``kvjax.compression.RankPlan``) gives every layer's head widths and the compression method.
         """
         self.config, self.method = cfg, None if plan is None else plan.method
         self.layouts = tuple(layer_layout(cfg, plan, i) for i in range(cfg.num_layers))

@@ -1,12 +1,9 @@
 """Calibration: run the uncompressed model over calibration tokens and accumulate per-head Gram matrices.
 
 For every layer and KV head ``g`` we keep ``X^T X`` (``d_h x d_h``, float64 on the host) rather than the rows, so
-memory does not grow with the number of tokens:
-  * ``qk``: post-RoPE q rows of every query head of the group, stacked with post-RoPE k rows (ZACK's Q/K basis);
-  * ``k_pre``: pre-RoPE k rows (the Palu baseline's K basis);
-  * ``v``: v rows (the W_o blocks that read the group's outputs are added by ``rotations``).
-Eigenvectors of a Gram matrix are the right singular vectors ``R`` of the stacked rows; its eigenvalues the squared
-singular values.
+memory does not grow with the number of tokens: ``q`` (post-RoPE rows of every query head of the group), ``k``
+(post-RoPE), ``k_pre`` (pre-RoPE k, the Palu baseline's basis) and ``v``. ``CalibrationStats.basis`` turns them into
+the directions each method keeps, ordered by singular value.
 """
 from __future__ import annotations
 
@@ -23,7 +20,7 @@ from tqdm.auto import tqdm
 from kvjax import attention
 from kvjax.models.rope import apply_rope, inverse_frequencies
 
-KINDS = ("qk", "k_pre", "v")
+KINDS = ("q", "k", "k_pre", "v")
 
 
 @dataclasses.dataclass
@@ -31,21 +28,58 @@ class CalibrationStats:
     grams: dict[str, np.ndarray]  # kind -> float64 [L, Hkv, d, d]
     num_tokens: int
 
-    def rotations(self, kind: str, model=None) -> tuple[np.ndarray, np.ndarray]:
-        """(R [L, Hkv, d, d] with columns by descending singular value, s [L, Hkv, d]).
+    def basis(self, kind: str, model) -> "Basis":
+        """The directions a method truncates, by descending singular value.
 
-        For ``v``, pass the model: ZACK stacks V's rows with the (transposed) W_o row blocks that read each group's
-        outputs, so the kept directions also matter to the output projection.
+        ``qk`` (ZACK's shared Q/K rotation): eigenvectors of the q and k Grams, each normalised by its trace so
+        that neither the G query heads nor the one key head dominates (measured: lower perplexity than the raw
+        stacked rows on SmolLM2, both for random and text calibration). Orthogonal: ``up = down^T``.
+        ``k_pre``: eigenvectors of the pre-RoPE k Gram (Palu). Orthogonal.
+        ``v``: output-aware. Truncating V's directions costs ``||V (I - P) W_o||``, so the basis comes from
+        ``C V^T V C`` with ``C = (sum_j W_o^(j) W_o^(j)^T)^(1/2)`` over the group's query heads ``j``:
+        ``down = C Z``, ``up = Z^T C^-1`` (``down @ up = I``). Measured on SmolLM2: perplexity at a V rate of
+        0.12 drops from 45 to 28 (random tokens) and from 18.3 to 15.4 (text) against plain PCA of [V; W_o^T].
         """
-        gram = self.grams[kind]
-        if kind == "v" and model is not None:
-            gram = gram + _wo_grams(model)
-        lam, vecs = np.linalg.eigh(gram)
-        lam, vecs = lam[..., ::-1], vecs[..., ::-1]
-        # fix each column's sign (largest-magnitude entry positive) so rotations from different runs compare
-        idx = np.argmax(np.abs(vecs), axis=-2)[..., None, :]
-        vecs = vecs * np.sign(np.take_along_axis(vecs, idx, axis=-2))
-        return np.ascontiguousarray(vecs), np.sqrt(np.maximum(lam, 0.0))
+        g = self.grams
+        if kind == "qk":
+            trace = lambda x: np.trace(x, axis1=-2, axis2=-1)[..., None, None]  # noqa: E731
+            down, s = _eig(g["q"] / trace(g["q"]) + g["k"] / trace(g["k"]))
+            return Basis(down, np.swapaxes(down, -1, -2), s)
+        if kind == "k_pre":
+            down, s = _eig(g["k_pre"])
+            return Basis(down, np.swapaxes(down, -1, -2), s)
+        if kind == "v":
+            c, c_inv = _sqrtm(_wo_grams(model))
+            z, s = _eig(c @ g["v"] @ c)
+            return Basis(c @ z, np.swapaxes(z, -1, -2) @ c_inv, s)
+        raise ValueError(f"unknown basis kind {kind!r}")
+
+
+@dataclasses.dataclass
+class Basis:
+    """Per layer and KV head: ``down`` [L, Hkv, d, d] (columns = kept directions first), ``up`` (its inverse,
+    rows), ``s`` [L, Hkv, d] singular values. Keeping ``k`` directions maps x -> x @ down[:, :k] -> @ up[:k]."""
+
+    down: np.ndarray
+    up: np.ndarray
+    s: np.ndarray
+
+
+def _eig(gram):
+    """Eigenvectors by descending eigenvalue, each column's sign fixed (largest entry positive), and sqrt(eig)."""
+    lam, vecs = np.linalg.eigh(gram)
+    lam, vecs = lam[..., ::-1], vecs[..., ::-1]
+    idx = np.argmax(np.abs(vecs), axis=-2)[..., None, :]
+    vecs = vecs * np.sign(np.take_along_axis(vecs, idx, axis=-2))
+    return np.ascontiguousarray(vecs), np.sqrt(np.maximum(lam, 0.0))
+
+
+def _sqrtm(gram, floor=1e-6):
+    """Symmetric square root of a PSD matrix and its inverse (eigenvalues floored relative to the largest)."""
+    lam, u = np.linalg.eigh(gram)
+    lam = np.maximum(lam, floor * lam[..., -1:])
+    ut = np.swapaxes(u, -1, -2)
+    return u @ (np.sqrt(lam)[..., None] * ut), u @ ((1 / np.sqrt(lam))[..., None] * ut)
 
 
 def _wo_grams(model) -> np.ndarray:
@@ -76,7 +110,8 @@ def _batch_grams(graphdef, state, tokens, valid):
     def attend(i, q, k, v, rebuild=None):
         hkv, d = cfg.num_kv_heads, cfg.head_dim
         kh = k.reshape(b, t, hkv, 1, d)
-        grams["qk"].append(gram(q.reshape(b, t, hkv, -1, d)) + gram(kh))
+        grams["q"].append(gram(q.reshape(b, t, hkv, -1, d)))
+        grams["k"].append(gram(kh))
         grams["k_pre"].append(gram(apply_rope(kh[:, :, :, 0], -positions, inv_freq)[:, :, :, None]))
         grams["v"].append(gram(v.reshape(b, t, hkv, 1, d)))
         return attention.causal_attention(q, k, v, module.layouts[i])
@@ -138,7 +173,7 @@ def calibration_tokens(model, source="random", num_tokens: int = 16384, seq_len:
 
 
 def _text_ids(model, source: str) -> np.ndarray:
-    from kvjax.compress.text import pydoc_text
+    from kvjax.compression.text import pydoc_text
 
     if model.tokenizer is None:
         raise ValueError("text calibration needs a model with a tokenizer")

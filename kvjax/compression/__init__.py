@@ -1,30 +1,31 @@
-"""KV dimensionality compression (ZACK/FDC): calibration, rank plans, folding, and the Palu baseline."""
+"""KV dimensionality compression (ZACK/FDC): calibration, rank plans, folding, and the Palu baseline.
+
+(The package is `compression` so that `kvjax.compress`, the public function, does not shadow it.)
+"""
 from __future__ import annotations
 
-from kvjax.compress.calibration import CalibrationStats, calibrate, calibration_tokens
-from kvjax.compress.fold import fold
-from kvjax.compress.plan import METHODS, RankPlan, check_rate
+from kvjax.compression.calibration import Basis, CalibrationStats, calibrate, calibration_tokens
+from kvjax.compression.folding import fold
+from kvjax.compression.plan import METHODS, RankPlan, check_rate
 
 __all__ = ["CalibrationStats", "RankPlan", "calibrate", "calibration_tokens", "compress", "fold", "make_plan"]
 
-BASIS = {"zack": ("qk", "v"), "palu": ("k_pre", "v")}  # which Gram gives each method's K and V directions
+BASIS = {"zack": ("qk", "v"), "palu": ("k_pre", "v")}  # each method's K and V bases (CalibrationStats.basis)
 
 
 def make_plan(model, stats: CalibrationStats, *, target_rate=None, removal_rate=None, method="zack",
               adaptive=True) -> tuple[RankPlan, dict]:
-    """The rank plan and the rotations it truncates, from calibration statistics (cheap: no model run)."""
+    """The rank plan and the bases it truncates ({"k": Basis, "v": Basis}), from calibration statistics (cheap)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if (target_rate is None) == (removal_rate is None):
         raise ValueError("give exactly one of target_rate and removal_rate")
-    k_kind, v_kind = BASIS[method]
-    r_k, s_k = stats.rotations(k_kind)
-    r_v, s_v = stats.rotations(v_kind, model)
+    k_basis, v_basis = (stats.basis(kind, model) for kind in BASIS[method])
     if target_rate is not None:
-        plan = RankPlan.for_target_rate(method, s_k, s_v, target_rate, adaptive)
+        plan = RankPlan.for_target_rate(method, k_basis.s, v_basis.s, target_rate, adaptive)
     else:
-        plan = RankPlan.from_removal_rate(method, s_k, s_v, removal_rate, adaptive)
-    return plan, {k_kind: r_k, "v": r_v}
+        plan = RankPlan.from_removal_rate(method, k_basis.s, v_basis.s, removal_rate, adaptive)
+    return plan, {"k": k_basis, "v": v_basis}
 
 
 def compress(model, target_rate=None, removal_rate=None, method="zack", adaptive=True, calibration="random",

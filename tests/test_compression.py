@@ -1,0 +1,129 @@
+import dataclasses
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from conftest import FIXTURES, TINY_CONFIGS
+from convert import convert
+from kvjax.cache import bytes_per_token
+from kvjax.compression import RankPlan, calibrate, calibration_tokens
+from test_generate import argmax_continuation
+
+CASES = ["llama", "llama3_rope", "mistral", "falcon_7b", "falcon_new"]
+WIDE = {name: dataclasses.replace(cfg, head_dim=64, hidden_size=128) for name, cfg in TINY_CONFIGS.items()}
+
+
+@pytest.mark.parametrize("method", ["zack", "palu"])
+@pytest.mark.parametrize("case", CASES)
+def test_full_rank_compression_is_exact(case, method):
+    """removal_rate=0 keeps every direction: the bases are invertible, so logits must not move."""
+    model = kvjax.load(os.path.join(FIXTURES, case), dtype="float32", progress=False)
+    tokens = np.load(os.path.join(FIXTURES, case, "reference.npz"))["tokens"]
+    full = kvjax.compress(model, removal_rate=0.0, method=method, num_tokens=256, seq_len=64, progress=False)
+    assert full.plan.rate == 0.0
+    np.testing.assert_allclose(np.asarray(full.logits(tokens)), np.asarray(model.logits(tokens)), atol=1e-4, rtol=0)
+
+
+def _spectra(rng, layers=4, heads=4, d=128):
+    decay = rng.uniform(0.9, 0.99, size=(layers, heads, 1))  # per-head variation
+    return decay ** np.arange(d) * rng.uniform(1, 3, size=(layers, heads, 1))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 0.7])
+def test_target_rate_is_hit_within_rounding(p):
+    rng = np.random.default_rng(int(p * 100))
+    s_qk, s_v = _spectra(rng), _spectra(rng)
+    plan = RankPlan.for_target_rate("zack", s_qk, s_v, p)
+    step = 16 / (2 * 4 * 128 * 4)  # one head one step of 16 columns, as a fraction of the cache
+    assert p <= plan.rate <= p + 4 * step
+    assert np.all(plan.k_qk % 16 == 0) and plan.k_qk.min() >= 16 and plan.k_v.max() <= 128
+    assert len(set(plan.k_qk.ravel()) | set(plan.k_v.ravel())) > 1  # adaptive: ranks differ between heads
+    uniform = RankPlan.for_target_rate("zack", s_qk, s_v, p, adaptive=False)
+    assert len(set(uniform.k_qk.ravel()) | set(uniform.k_v.ravel())) == 1
+    assert abs(uniform.rate - p) <= 8 / 128
+    assert RankPlan.from_json(plan.to_json()).to_json() == plan.to_json()
+
+
+def test_removal_rate_rule():
+    s = np.array([[[4.0, 3.0, 2.0, 1.0] + [0.0] * 28]])
+    plan = RankPlan.from_removal_rate("zack", s, s, 0.0)
+    assert plan.k_qk.tolist() == [[16]] and plan.rate == 0.5  # 4 directions round up to 16 of 32
+
+
+def test_bad_rates_and_arguments():
+    model = kvjax.Model.random(WIDE["llama"])
+    for bad in (-0.1, 1.0, 1.5):
+        with pytest.raises(ValueError, match=r"must be in \[0, 1\)"):
+            kvjax.compress(model, target_rate=bad)
+        with pytest.raises(ValueError, match=r"must be in \[0, 1\)"):
+            kvjax.compress(model, removal_rate=bad)
+    with pytest.raises(ValueError, match="exactly one"):
+        kvjax.compress(model, target_rate=0.5, removal_rate=0.1)
+    with pytest.raises(ValueError, match="method"):
+        kvjax.compress(model, removal_rate=0.1, method="svd")
+    with pytest.raises(ValueError, match="out of reach"):
+        kvjax.compress(model, target_rate=0.9, num_tokens=64, seq_len=32, progress=False)
+
+
+def test_calibration_text_too_short(tmp_path):
+    model = kvjax.load("smollm2", dtype="float32", progress=False)
+    short = tmp_path / "short.txt"
+    short.write_text("Only a few words here.")
+    with pytest.raises(ValueError, match="fewer than the 1000 asked for"):
+        calibration_tokens(model, f"text:{short}", num_tokens=1000)
+    with pytest.raises(FileNotFoundError):
+        calibration_tokens(model, f"text:{tmp_path / 'missing.txt'}")
+
+
+def test_gram_of_v_matches_direct_computation():
+    """Layer 0's V Gram equals the outer products of v rows computed straight from the weights; padding adds 0."""
+    model = kvjax.Model.random(WIDE["llama"], seed=4)
+    tokens = calibration_tokens(model, "random", num_tokens=40, seq_len=16, seed=1)  # 3 rows, 8 padded slots
+    stats = calibrate(model, tokens, batch_size=2, progress=False)
+    assert stats.num_tokens == 40
+    block = model.module.layers[0]
+    x = block.attn_norm(jnp.take(model.module.embed[...], tokens[tokens >= 0], axis=0))
+    v = np.asarray(block.attn.v(x), np.float64).reshape(40, 2, 64)
+    np.testing.assert_allclose(stats.grams["v"][0], np.einsum("tgd,tge->gde", v, v), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["zack", "palu"])
+def test_compressed_model_runs_everywhere(method, tmp_path):
+    model = kvjax.Model.random(WIDE["mistral"], seed=5, scale=5.0)
+    small = kvjax.compress(model, target_rate=0.5, method=method, num_tokens=256, seq_len=64, progress=False)
+    assert small.plan.rate >= 0.5
+    # the cache spends exactly the plan's bytes
+    assert bytes_per_token(small.layouts, jnp.bfloat16) == pytest.approx(
+        (1 - small.plan.rate) * bytes_per_token(model.layouts, jnp.bfloat16))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    assert kvjax.generate(small, [prompt], max_new_tokens=8)[0].tokens == argmax_continuation(small, prompt, 8)
+    engine = next(iter(small._engines.values()))
+    assert [k.shape[-1] for k in engine.cache.k] == [sum(lay.k_widths) for lay in small.layouts]
+    small.save(str(tmp_path / "ckpt"))
+    back = kvjax.load(str(tmp_path / "ckpt"), dtype="float32")
+    assert back.plan.to_json() == small.plan.to_json()
+    np.testing.assert_array_equal(np.asarray(back.logits([prompt])), np.asarray(small.logits([prompt])))
+    with pytest.raises(FileExistsError):
+        small.save(str(tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match="already compressed"):
+        kvjax.compress(small, removal_rate=0.1)
+
+
+def test_converter_writes_atomically_and_rejects_bad_input(tmp_path, capsys):
+    src = os.path.join(FIXTURES, "falcon_new")
+    out = tmp_path / "out"
+    assert convert.main([src, str(out), "--removal-rate", "0.2", "--num-tokens", "128", "--seq-len", "64"]) == 0
+    assert "overall rate p" in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == ["kvjax.json", "params", "plan.json"]
+    assert kvjax.load(str(out)).plan.method == "zack"
+    for argv in ([src, str(out), "--removal-rate", "0.2"],  # exists
+                 [src, str(tmp_path / "x"), "--target-rate", "1.2"],
+                 [src, "/nonexistent-dir/out", "--removal-rate", "0.2"],
+                 [src, str(tmp_path / "y"), "--removal-rate", "0.2", "--calibration", "text:/missing.txt"],
+                 [src, str(tmp_path / "z"), "--removal-rate", "0.2", "--calibration", "text"]):  # no tokenizer
+        with pytest.raises(SystemExit):
+            convert.main(argv)
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # nothing half-written
