@@ -88,45 +88,51 @@ def _row(calibration, variant, target, model, scores, base):
             "agreement": scores["agreement"]}
 
 
-def run_rates(base, ev, args):
-    rows = []
+def _variants(base, args):
+    """(calibration source, variant name, method, adaptive, stats): statistics gathered once per source."""
     for source in args.calibrations:
         stats = _calibrate(base, source, args.num_tokens, args.seq_len)
         for variant in args.variants:
-            method, adaptive = VARIANTS[variant]
-            for p in args.rates:
-                plan, rot = make_plan(base, stats, target_rate=p, method=method, adaptive=adaptive)
-                model = fold(base, plan, rot)
-                rows.append(_row(source, variant, p, model, ev.score(model), ev.base))
-                print(_fmt(rows[-1]), flush=True)
+            yield (source, variant, *VARIANTS[variant], stats)
+
+
+def _compressed(base, stats, p, method, adaptive):
+    plan, bases = make_plan(base, stats, target_rate=p, method=method, adaptive=adaptive)
+    return fold(base, plan, bases)
+
+
+def run_rates(base, ev, args):
+    rows = []
+    for source, variant, method, adaptive, stats in _variants(base, args):
+        for p in args.rates:
+            model = _compressed(base, stats, p, method, adaptive)
+            rows.append(_row(source, variant, p, model, ev.score(model), ev.base))
+            print(_fmt(rows[-1]), flush=True)
     return rows
 
 
 def run_search(base, ev, args):
     """Per variant: bisection on p for the largest rate whose quality is within 99% of the baseline."""
     rows = []
-    for source in args.calibrations:
-        stats = _calibrate(base, source, args.num_tokens, args.seq_len)
-        for variant in args.variants:
-            method, adaptive = VARIANTS[variant]
-            lo, hi, best = 0.0, args.max_rate, None
-            for _ in range(args.steps):
-                mid = (lo + hi) / 2
-                plan, rot = make_plan(base, stats, target_rate=mid, method=method, adaptive=adaptive)
-                model = fold(base, plan, rot)
-                row = _row(source, variant, mid, model, ev.score(model), ev.base)
-                if ev.meets(row):
-                    lo, best = max(mid, plan.rate), row
-                else:
-                    hi = mid
-            rows.append(best or {"calibration": source, "variant": variant, "target_rate": 0.0, "rate": 0.0,
-                                 "ppl": ev.base["ppl"], "ppl_change_pct": 0.0, "agreement": 1.0})
-            print(_fmt(rows[-1]), flush=True)
+    for source, variant, method, adaptive, stats in _variants(base, args):
+        lo, hi, best = 0.0, args.max_rate, None
+        for _ in range(args.steps):
+            mid = (lo + hi) / 2
+            model = _compressed(base, stats, mid, method, adaptive)
+            row = _row(source, variant, mid, model, ev.score(model), ev.base)
+            if ev.meets(row):
+                lo, best = max(mid, model.plan.rate), row
+            else:
+                hi = mid
+        rows.append(best or {"calibration": source, "variant": variant, "target_rate": 0.0, "rate": 0.0,
+                             "ppl": ev.base["ppl"], "ppl_change_pct": 0.0, "agreement": ev.base["agreement"]})
+        print(_fmt(rows[-1]), flush=True)
     return rows
 
 
 def run_stability(base, args):
-    """Average |R| and average |R_random - R_text| (signs aligned) for growing calibration token counts."""
+    """Average |R|, average |R_random - R_text| (signs aligned), and the overlap of their leading half-subspaces,
+    for growing calibration token counts."""
     counts = [c for c in (2048, 4096, 8192, 16384, 32768) if c <= args.max_tokens]
     snaps = {src: calibrate(base, calibration_tokens(base, src, counts[-1], args.seq_len, seed=0), snapshots=counts)
              for src in ("random", "text")}
@@ -135,8 +141,13 @@ def run_stability(base, args):
         row = {"tokens": count}
         for kind in ("qk", "v"):
             r_rand, r_text = (_rotation(snaps[src][count], kind, base) for src in ("random", "text"))
+            half = r_rand.shape[-1] // 2
             row[f"{kind}_mean_abs_R"] = float(np.abs(r_rand).mean())
             row[f"{kind}_mean_abs_diff"] = float(np.abs(r_rand - r_text).mean())
+            # element-wise differences overstate change inside near-degenerate eigenvalue clusters; the overlap of
+            # the leading half-subspaces (1 = the same subspace) is what truncation depends on
+            overlap = np.linalg.norm(np.swapaxes(r_rand[..., :half], -1, -2) @ r_text[..., :half], axis=(-2, -1))
+            row[f"{kind}_half_subspace_overlap"] = float(np.mean(overlap ** 2 / half))
         rows.append(row)
         print(row, flush=True)
     return rows

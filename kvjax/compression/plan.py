@@ -67,9 +67,10 @@ class RankPlan:
             (s_qk if which == 0 else s_v)[layer, head], r, d))
         layers, heads = np.indices(s_qk.shape[:2])
         k_qk, k_v = rank(layers, heads, 0), rank(layers, heads, 1)
-        if not adaptive:  # the ablation: the same width everywhere, spending the same total
-            k = uniform_width(1.0 - (k_qk.sum() + k_v.sum()) / (2 * k_qk.size * d), d)
-            k_qk, k_v = np.full_like(k_qk, k), np.full_like(k_v, k)
+        if not adaptive:  # the ablation: the same widths everywhere, spending the same total
+            plan = cls.for_target_rate(method, s_qk, s_v, 1.0 - (k_qk.sum() + k_v.sum()) / (2 * k_qk.size * d),
+                                       adaptive=False)
+            return dataclasses.replace(plan, removal_rate=r)
         return cls(method, d, k_qk, k_v, s_qk, s_v, removal_rate=r, adaptive=adaptive)
 
     @classmethod
@@ -78,9 +79,9 @@ class RankPlan:
         check_rate("target_rate", p)
         d = s_qk.shape[-1]
         if not adaptive:
-            k = uniform_width(p, d)  # nearest multiple of 16; with few layers there is no finer knob
-            full = np.full(s_qk.shape[:2], k)
-            return cls(method, d, full, full.copy(), s_qk, s_v, removal_rate=None, adaptive=False)
+            k_qk, k_v = uniform_widths(p, d, s_qk, s_v)
+            shape = s_qk.shape[:2]
+            return cls(method, d, np.full(shape, k_qk), np.full(shape, k_v), s_qk, s_v, adaptive=False)
         lo, hi = 0.0, 1.0  # rate(r) is monotone non-decreasing in r
         best = cls.from_removal_rate(method, s_qk, s_v, 0.0)
         if best.rate >= p:
@@ -121,9 +122,14 @@ class RankPlan:
         return cls(**d)
 
 
-def uniform_width(p: float, head_dim: int) -> int:
-    """The multiple of 16 (in [16, head_dim]) nearest to ``head_dim * (1 - p)``."""
-    return int(min(head_dim, max(ALIGN, round(head_dim * (1 - p) / ALIGN) * ALIGN)))
+def uniform_widths(p: float, head_dim: int, s_qk, s_v) -> tuple[int, int]:
+    """One (k_qk, k_v) for every head: a per-head budget of ``2 * head_dim * (1 - p)`` columns rounded to 16,
+    split between K and V in proportion to their total singular-value mass (at least 16 each)."""
+    budget = min(2 * head_dim, max(2 * ALIGN, round(2 * head_dim * (1 - p) / ALIGN) * ALIGN))
+    share = float(np.sum(s_qk)) / max(float(np.sum(s_qk) + np.sum(s_v)), 1e-30)
+    k_qk = min(head_dim, max(ALIGN, round(budget * share / ALIGN) * ALIGN))
+    k_qk = min(max(k_qk, budget - head_dim), budget - ALIGN)
+    return int(k_qk), int(budget - k_qk)
 
 
 def check_rate(name: str, value: float) -> None:
