@@ -1,7 +1,8 @@
 """The one attention entry point the engine calls, over packed heads of per-head widths.
 
-Today it has the pure-jnp reference path; the Pallas kernels plug in behind the same functions. Every KV head
-``g`` attends with its own K width and V width; queries of its group read one copy of its K/V.
+``prefill`` and ``decode`` dispatch between the pure-jnp reference (below) and the Pallas kernels
+(``kvjax.pallas``). Every KV head ``g`` attends with its own K width and V width; queries of its group read one
+copy of its K/V.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache import write_pages
 from kvjax.layout import HeadLayout
 
 
@@ -70,3 +72,53 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, layout: He
         k, layout = rebuild(k, jnp.broadcast_to(k_pos, k.shape[:2])), _full_width(layout)
     mask = _visible((lengths - 1)[:, None], k_pos, layout.sliding_window) & (k_pos < lengths[:, None])
     return _attend_groups(q[:, None], k, v, mask[:, None], layout)[:, 0]
+
+
+# --- the seam between the engine and the kernels -------------------------------------------------------------------
+
+BACKENDS = ("reference", "pallas", "interpret")
+
+
+def default_backend() -> str:
+    """The Pallas kernels on a GPU, the jnp reference elsewhere."""
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def prefill(q, k, v, layout: HeadLayout, k_pages, v_pages, block_table, lengths, *, backend="reference",
+            rebuild=None):
+    """Attention of fresh prompts [B, T, cols] among themselves, and their K/V written into the pages.
+
+    Returns (out, k_pages, v_pages). "pallas"/"interpret" run ``kvjax.pallas.prefill`` (on the GPU, or interpreted
+    on the CPU for tests); Palu layers (``rebuild``) always take the reference path.
+    """
+    if backend == "reference" or rebuild is not None:
+        b, t = q.shape[:2]
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        valid = positions < lengths[:, None]
+        k_pages = write_pages(k_pages, block_table, positions, k, valid)
+        v_pages = write_pages(v_pages, block_table, positions, v, valid)
+        return causal_attention(q, k, v, layout, rebuild), k_pages, v_pages
+    from kvjax.pallas.prefill import prefill_attention
+
+    return prefill_attention(q, k, v, layout, lengths, k_pages, v_pages, block_table,
+                             interpret=backend == "interpret")
+
+
+def decode(q, k_pages, v_pages, block_table, lengths, layout: HeadLayout, *, backend="reference", schedule=None,
+           rebuild=None):
+    """One query per sequence against its paged cache (the new token's K/V already written).
+
+    ``schedule``: this layer's ``kvjax.schedule.DecodeSchedule`` (needed by the kernels; built on the host).
+    """
+    if backend == "reference" or rebuild is not None:
+        return paged_decode_attention(q, k_pages, v_pages, block_table, lengths, layout, rebuild)
+    from kvjax.pallas.decode import paged_decode
+
+    return paged_decode(q, k_pages, v_pages, block_table, lengths, schedule, layout,
+                        interpret=backend == "interpret")

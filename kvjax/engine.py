@@ -36,24 +36,24 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax
     return jax.random.categorical(key, jnp.where(logits >= threshold, logits, -jnp.inf)).astype(jnp.int32)
 
 
-def _prefill_step(graphdef, state, cache, tokens, lengths, table, key, temperature, top_p, *, greedy):
+def _prefill_step(graphdef, state, cache, tokens, lengths, table, key, temperature, top_p, *, greedy, backend):
     module = nnx.merge(graphdef, state)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    valid = positions < lengths[:, None]
     ks, vs = list(cache.k), list(cache.v)
 
     def attend(i, q, k, v, rebuild=None):
-        ks[i] = write_pages(ks[i], table, positions, k, valid)
-        vs[i] = write_pages(vs[i], table, positions, v, valid)
-        return attention.causal_attention(q, k, v, module.layouts[i], rebuild)
+        out, ks[i], vs[i] = attention.prefill(q, k, v, module.layouts[i], ks[i], vs[i], table, lengths,
+                                              backend=backend, rebuild=rebuild)
+        return out
 
     hidden = module.hidden(tokens, positions, attend)
     logits = module.logits(hidden[jnp.arange(b), lengths - 1])
     return sample(logits, key, temperature, top_p, greedy), PagedKVCache(tuple(ks), tuple(vs))
 
 
-def _decode_step(graphdef, state, cache, tokens, positions, table, key, temperature, top_p, *, greedy):
+def _decode_step(graphdef, state, cache, tokens, positions, table, schedule, key, temperature, top_p, *, greedy,
+                 backend):
     module = nnx.merge(graphdef, state)
     ks, vs = list(cache.k), list(cache.v)
     valid = jnp.ones(positions.shape + (1,), bool)
@@ -61,8 +61,8 @@ def _decode_step(graphdef, state, cache, tokens, positions, table, key, temperat
     def attend(i, q, k, v, rebuild=None):
         ks[i] = write_pages(ks[i], table, positions[:, None], k, valid)
         vs[i] = write_pages(vs[i], table, positions[:, None], v, valid)
-        out = attention.paged_decode_attention(q[:, 0], ks[i], vs[i], table, positions + 1, module.layouts[i],
-                                               rebuild)
+        out = attention.decode(q[:, 0], ks[i], vs[i], table, positions + 1, module.layouts[i], backend=backend,
+                               schedule=None if schedule is None else schedule.layer(i), rebuild=rebuild)
         return out[:, None]
 
     hidden = module.hidden(tokens[:, None], positions[:, None], attend)
@@ -74,8 +74,17 @@ class Engine:
     """One paged cache sized for ``max_batch`` sequences of up to ``max_seq_len`` tokens, and its jitted steps."""
 
     def __init__(self, model, *, max_batch: int = 8, max_seq_len: int = 512, page_size: int = 16,
-                 num_pages: int | None = None, cache_dtype=None):
+                 num_pages: int | None = None, cache_dtype=None, backend: str | None = None):
+        """``backend``: "reference" (jnp), "pallas" (GPU kernels) or "interpret" (the kernels on the CPU);
+        default: the kernels on a GPU, the reference elsewhere."""
         self.model, self.max_batch, self.page_size = model, max_batch, page_size
+        self.backend = attention.check_backend(backend or attention.default_backend())
+        self.planner = None
+        if self.backend != "reference":
+            from kvjax.schedule import DecodePlanner
+
+            self.planner = DecodePlanner(model.layouts, page_size)
+        self._schedule, self._plan_id = None, -1
         self.pages_per_seq = -(-max_seq_len // page_size)
         self.max_seq_len = self.pages_per_seq * page_size
         num_pages = num_pages or max_batch * self.pages_per_seq + 1
@@ -85,7 +94,7 @@ class Engine:
         self._steps = {}
         for name, fn in (("prefill", _prefill_step), ("decode", _decode_step)):
             for greedy in (True, False):
-                step = functools.partial(fn, model.graphdef, greedy=greedy)
+                step = functools.partial(fn, model.graphdef, greedy=greedy, backend=self.backend)
                 self._steps[name, greedy] = jax.jit(step, donate_argnums=donate)
 
     def compiled_shapes(self) -> int:
@@ -111,5 +120,15 @@ class Engine:
         """Append one token per sequence at ``positions``; return the next sampled token per sequence."""
         step = self._steps["decode", temperature == 0.0]
         nxt, self.cache = step(self.model.state, self.cache, tokens, jnp.array(positions, jnp.int32), table,
-                               key, jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p))
+                               self.schedule(positions + 1), key, jnp.float32(max(temperature, 1e-6)),
+                               jnp.float32(top_p))
         return nxt
+
+    def schedule(self, lengths: np.ndarray):
+        """The kernels' decode schedule for these lengths, on the device; rebuilt only when the host plan is."""
+        if self.planner is None:
+            return None
+        plan = self.planner(np.asarray(lengths))
+        if self.planner.rebuilds != self._plan_id:
+            self._schedule, self._plan_id = jax.device_put(plan), self.planner.rebuilds
+        return self._schedule

@@ -39,24 +39,27 @@ def _tokenize(model, prompt, chat: bool) -> list[int]:
     return list(ids)
 
 
-def _engine(model, max_batch: int, seq_len: int, page_size: int) -> Engine:
+def _engine(model, max_batch: int, seq_len: int, page_size: int, backend: str | None) -> Engine:
     """Engines are cached on the model so their compiled steps are reused across calls."""
-    key = (max_batch, seq_len, page_size)
+    key = (max_batch, seq_len, page_size, backend)
     if key not in model._engines:
         model._engines.clear()  # keep one cache's memory alive at a time
-        model._engines[key] = Engine(model, max_batch=max_batch, max_seq_len=seq_len, page_size=page_size)
+        model._engines[key] = Engine(model, max_batch=max_batch, max_seq_len=seq_len, page_size=page_size,
+                                     backend=backend)
     return model._engines[key]
 
 
 def generate(model, prompts: Sequence, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, stop: Sequence[str | int] | str | None = None, *, chat: bool = False,
-             max_batch: int = 8, max_seq_len: int | None = None, page_size: int = 16,
+             max_batch: int = 8, max_seq_len: int | None = None, page_size: int = 16, backend: str | None = None,
              stats: dict | None = None) -> list[Generation]:
     """Generate up to ``max_new_tokens`` tokens for each prompt (strings, or lists of token ids).
 
     ``temperature=0`` is greedy decoding. ``stop`` holds stop strings and/or stop token ids (EOS always stops).
     ``chat=True`` wraps string prompts in the tokenizer's chat template. ``max_seq_len`` (default: the model's
-    ``max_position_embeddings``) bounds prompt + new tokens per sequence. ``stats``, if given, receives timings.
+    ``max_position_embeddings``) bounds prompt + new tokens per sequence. ``backend`` picks the attention path:
+    "pallas" (the kernels, default on a GPU), "reference" (jnp, default elsewhere) or "interpret" (the kernels on the
+    CPU). ``stats``, if given, receives timings.
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
@@ -79,7 +82,7 @@ def generate(model, prompts: Sequence, max_new_tokens: int = 64, temperature: fl
         raise ValueError("stop strings need a tokenizer; pass stop token ids instead")
 
     needed = max(map(len, encoded), default=0) + max_new_tokens
-    engine = _engine(model, max_batch, min(bucket(needed, minimum=page_size), capacity), page_size)
+    engine = _engine(model, max_batch, min(bucket(needed, minimum=page_size), capacity), page_size, backend)
     stats = {} if stats is None else stats
     stats.update(prefill_s=0.0, decode_s=0.0, prompt_tokens=sum(map(len, encoded)), new_tokens=0)
     key = jax.random.key(seed)

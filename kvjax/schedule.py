@@ -5,9 +5,9 @@ the schedule. A work item is (sequence, KV head, chunk of pages) and costs ``tok
 small fixed overhead. Groups (sequence, KV head) whose cost exceeds the average load per program are split into
 chunks first, so no item dominates; items are sorted longest first and dealt to the least-loaded program (LPT).
 Dealing runs in rounds of ``P`` items (each round gives its items, longest first, to the programs in order of
-load), vectorized over all layers at once: that keeps the plan for a 32-layer model at batch 256 well under a
-millisecond, where an item-by-item heap in Python would take tens. Chunks of a split group write partial softmax
-states to slots that ``merge`` in the kernel module combines afterwards.
+load), vectorized with numpy over all layers at once; an item-by-item heap in Python would cost about a
+microsecond per item (65K items for 32 layers at batch 256). Chunks of a split group write partial softmax states
+to slots that ``merge`` in the kernel module combines afterwards. Measured host cost: bench/RESULTS.md.
 
 The schedule depends only on page counts and widths. It covers ``headroom_pages`` pages past each sequence's last
 one (the kernel masks tokens past the real length), so one plan serves every step until a sequence outgrows it or
@@ -16,7 +16,9 @@ so a jitted step that takes them as ordinary arguments recompiles only when a bu
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -37,12 +39,15 @@ def bucket(n: int) -> int:
 
 
 def default_num_programs() -> int:
-    """The number of SMs of the first GPU, or the H100's 132 where there is none (CPU, tests)."""
+    """Two programs per SM of the first GPU (the H100's 132 SMs where there is none).
+
+    One per SM left the H100 latency-bound (4 warps per SM: rate-0.5 decode at batch 32, 4K took 255 us against
+    165 us with two); more than two split groups into more chunks without gaining (bench/RESULTS.md)."""
     try:
         dev = jax.devices("gpu")[0]
-        return int(getattr(dev, "core_count", 0) or H100_SMS)
+        return 2 * int(getattr(dev, "core_count", 0) or H100_SMS)
     except RuntimeError:
-        return H100_SMS
+        return 2 * H100_SMS
 
 
 @jax.tree_util.register_dataclass
@@ -90,6 +95,18 @@ class DecodePlan:
         return float(np.mean(self.loads.mean(axis=1) / np.maximum(self.loads.max(axis=1), 1)))
 
 
+@functools.cache
+def _keep_heap() -> None:
+    """Ask glibc to keep freed memory: a plan's numpy temporaries are ~0.5 MB each, and returning them to the OS
+    after every plan means faulting them in again next time (5x slower in the VMs measured). Once per process."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-1, 512 << 20)  # M_TRIM_THRESHOLD
+        libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def _as_layouts(layouts) -> tuple[HeadLayout, ...]:
     layouts = (layouts,) if isinstance(layouts, HeadLayout) else tuple(layouts)
     if len({lay.num_kv_heads for lay in layouts}) != 1:
@@ -108,6 +125,7 @@ def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], p
     """
     if order not in ("lpt", "naive"):
         raise ValueError(f"order must be 'lpt' or 'naive', not {order!r}")
+    _keep_heap()
     layouts = _as_layouts(layouts)
     P = num_programs or default_num_programs()
     lengths = np.asarray(lengths, np.int64)
@@ -119,72 +137,70 @@ def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], p
     window = np.array([lay.sliding_window or 0 for lay in layouts], np.int64)[:, None]  # [L, 1]
     first_page = np.where(window > 0, np.maximum(lengths[None] - window, 0) // page_size, 0)
     first_page = np.minimum(first_page, end_page[None])  # [L, B]
-    pages = end_page[None] - first_page  # [L, B]
+    pages = (end_page[None] - first_page)[:, :, None]  # [L, B, 1]
 
     # Split each (layer, seq, head) group into chunks no costlier than the average program load.
-    cost = pages[:, :, None] * page_size * width[:, None, :]  # [L, B, H]
+    cost = pages * page_size * width[:, None, :]  # [L, B, H]
     avg = np.maximum(cost.sum(axis=(1, 2), keepdims=True) / P, 1)
     min_pages = max(1, min_chunk_tokens // page_size)
-    chunks = np.minimum(np.ceil(cost / avg), np.maximum(pages[:, :, None] // min_pages, 1)).astype(np.int64)
-    chunk_pages = -(-pages[:, :, None] // np.maximum(chunks, 1))
-    chunks = np.where(pages[:, :, None] > 0, -(-pages[:, :, None] // np.maximum(chunk_pages, 1)), 0)
+    chunks = np.minimum(np.ceil(cost / avg), np.maximum(pages // min_pages, 1))
+    chunk_pages = np.broadcast_to(-(-pages // np.maximum(chunks, 1)).astype(np.int64), cost.shape)
+    chunks = np.where(pages > 0, -(-pages // np.maximum(chunk_pages, 1)), 0).reshape(L, B * H)
+    chunk_pages = chunk_pages.reshape(L, B * H)
 
-    # Expand groups into items (natural order: layer, seq, head, chunk).
+    # Items in dense [L, N] arrays (natural order: seq, head, chunk), padded with empty items.
+    per_layer = chunks.sum(axis=1)
+    N = int(per_layer.max(initial=0))
     n = chunks.ravel()
-    group = np.repeat(np.arange(n.size), n)
-    k = np.arange(group.size) - np.repeat(np.cumsum(n) - n, n)
-    l_of, rest = np.divmod(group, B * H)
-    seq, head = np.divmod(rest, H)
-    p0 = first_page[l_of, seq] + k * chunk_pages.ravel()[group]
+    group = np.repeat(np.arange(n.size), n)  # flat (layer, seq, head) of every item
+    start = np.cumsum(per_layer) - per_layer
+    k = np.arange(group.size) - np.repeat(np.cumsum(n) - n, n)  # chunk index within its group
+    layer_of = group // (B * H)
+    col = np.arange(group.size) - start[layer_of]  # position within its layer
+    g = group % (B * H)
+    seq, head = g // H, g % H
+    p0 = first_page[layer_of, seq] + k * chunk_pages.ravel()[group]
     p1 = np.minimum(p0 + chunk_pages.ravel()[group], end_page[seq])
-    item_cost = (p1 - p0) * page_size * width[l_of, head] + item_overhead
-
+    fields = np.zeros((L, max(N, 1), 6), np.int32)  # per item: seq, head, first, end, slot, cost (0: no item)
+    split = (n > 1)[group]
     # Partial slots for split groups: dense per layer, slot = merge_index * S + chunk.
-    split = n > 1
-    split_l = np.arange(n.size) // (B * H)
-    m_index = np.cumsum(split) - 1 - np.concatenate([[0], np.cumsum(np.bincount(split_l[split], minlength=L))])[
-        split_l]
     S = bucket(int(n.max(initial=1)))
-    M = bucket(int(np.bincount(split_l[split], minlength=L).max(initial=0)))
-    slot = np.where(split[group], m_index[group] * S + k, -1)
+    split_groups = (chunks > 1)
+    m_of_group = np.cumsum(split_groups, axis=1) - 1  # [L, B*H] merge index of each split group
+    M = bucket(int(split_groups.sum(axis=1).max(initial=0)))
+    slot = np.where(split, m_of_group.ravel()[group] * S + k, -1)
+    cost_item = (p1 - p0) * page_size * width[layer_of, head] + item_overhead
+    width_n = fields.shape[1]
+    fields.reshape(-1, 6)[layer_of * width_n + col] = np.stack([seq, head, p0, p1, slot, cost_item], axis=1)
     merge_dest = np.full((L, M, 2), -1, np.int32)
     merge_slots = np.full((L, M, S), -1, np.int32)
-    gi = np.flatnonzero(split)
-    merge_dest[split_l[gi], m_index[gi]] = np.stack([(gi % (B * H)) // H, gi % H], axis=1)
-    si = np.flatnonzero(split[group])
-    merge_slots[l_of[si], m_index[group[si]], k[si]] = slot[si]
+    lg, gg = np.nonzero(split_groups)
+    merge_dest[lg, m_of_group[lg, gg]] = np.stack([gg // H, gg % H], axis=1)
+    si = np.flatnonzero(split)
+    merge_slots[layer_of[si], m_of_group.ravel()[group[si]], k[si]] = slot[si]
 
-    # Deal items to programs, per layer. Sorting uses 16-bit keys (two radix passes: cost, then layer): LPT needs
-    # the order only roughly, and this sort is most of the plan's cost.
-    per_layer = np.bincount(l_of, minlength=L)
-    start = np.cumsum(per_layer) - per_layer
+    # Deal: longest first (16-bit keys: LPT needs the order only roughly, and a radix sort is cheap) or natural.
+    item_cost = fields[..., 5].astype(np.int64)
     if order == "lpt":
-        key = (item_cost * 65535 // max(int(item_cost.max(initial=1)), 1)).astype(np.uint16)
-        by_cost = np.argsort(65535 - key, kind="stable")
-        by_cost = by_cost[np.argsort(l_of[by_cost].astype(np.uint16), kind="stable")]
+        key = 65535 - (item_cost * 65535 // max(int(item_cost.max(initial=1)), 1)).astype(np.uint16)
+        by_cost = np.argsort(key, axis=1, kind="stable")  # [L, N]; empty items (cost 0) last
     else:
-        by_cost = np.arange(l_of.size)
-    pos = np.arange(l_of.size) - start[l_of[by_cost]]  # rank of each item within its layer, in dealing order
-    rounds = -(-int(per_layer.max(initial=0)) // P)
-    width_dealt = max(rounds, 1) * P
-    padded = np.zeros((L, width_dealt), np.int64)  # cost at each dealing position (0: no item)
-    padded[l_of[by_cost], pos] = item_cost[by_cost]
-    program = np.empty((L, width_dealt), np.int64)
+        by_cost = np.broadcast_to(np.arange(width_n), (L, width_n))
+    sorted_cost = np.take_along_axis(item_cost, by_cost, axis=1)
+    rounds = -(-N // P)
+    R = bucket(rounds)
+    table = np.full((L, P, R), -1, np.int64)  # item (column in fields) at each program and round
     loads = np.zeros((L, P), np.int64)
     rows = np.arange(L)[:, None]
     for r in range(rounds):
-        cols = slice(r * P, (r + 1) * P)
-        targets = np.argsort(loads, axis=1, kind="stable") if order == "lpt" else np.broadcast_to(np.arange(P), (L, P))
-        program[:, cols] = targets
-        loads[rows, targets] += padded[:, cols]
-
-    R = bucket(rounds)
-    prog = program[l_of[by_cost], pos]
-    flat = (l_of[by_cost] * P + prog) * R + pos // P
-    items = np.zeros((L * P * R, 5), np.int32)
-    it = by_cost
-    items[flat] = np.stack([seq[it], head[it], p0[it], p1[it], slot[it]], axis=1)
-    counts = np.bincount(l_of[by_cost] * P + prog, minlength=L * P).astype(np.int32).reshape(L, P)
+        dealt, c = by_cost[:, r * P:(r + 1) * P], sorted_cost[:, r * P:(r + 1) * P]
+        targets = (np.argsort(loads, axis=1, kind="stable") if order == "lpt"
+                   else np.broadcast_to(np.arange(P), (L, P)))[:, : dealt.shape[1]]
+        table[rows, targets, r] = np.where(c > 0, dealt, -1)
+        loads[rows, targets] += c
+    counts = (table >= 0).sum(axis=2).astype(np.int32)
+    items = fields.reshape(-1, 6)[(rows[:, :, None] * width_n + np.maximum(table, 0)).ravel(), :5]
+    items[(table < 0).ravel()] = 0
     items = items.reshape(L, P, R, 5)
 
     capacity = np.where(live, end_page * page_size, 0)

@@ -44,3 +44,14 @@ def test_greedy_generation_is_fluent_and_matches_transformers(smollm2):
     assert result.finish_reason == "stop"  # <|im_end|>
     assert result.tokens == REF["greedy_ids"].tolist()[:len(result.tokens)]
     assert result.text == "The capital of France is Paris."
+
+
+def test_kernels_give_the_reference_greedy_tokens(smollm2):
+    """The Pallas kernels (interpreted on the CPU) decode SmolLM2 exactly like the jnp reference, compressed too."""
+    small = kvjax.compress(smollm2, target_rate=0.25, calibration="text", num_tokens=1024, seq_len=256,
+                           progress=False)
+    prompts = ["What is the capital of France?", "Name a prime number."]
+    for model in (smollm2, small):
+        ref = kvjax.generate(model, prompts, max_new_tokens=8, chat=True, backend="reference")
+        ker = kvjax.generate(model, prompts, max_new_tokens=8, chat=True, backend="interpret")
+        assert [r.tokens for r in ker] == [r.tokens for r in ref]

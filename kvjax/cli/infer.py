@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap string prompts in the model's chat template")
     p.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
+    p.add_argument("--attention", choices=("pallas", "reference"), default=None,
+                   help="attention path: the Pallas kernels (default on a GPU) or the jnp reference (default on CPU)")
     p.add_argument("--show", action="store_true", help="also print every prompt with its generated text")
     p.add_argument("--max-seq-len", type=int, default=None, help="cache positions per sequence (default: model's)")
     args = p.parse_args(argv)
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
             try:
                 results = kvjax.generate(model, chunk, args.max_new_tokens, args.temperature, args.top_p,
                                          args.seed + i, chat=args.chat, max_batch=args.batch_size,
-                                         max_seq_len=args.max_seq_len, stats=stats)
+                                         max_seq_len=args.max_seq_len, backend=args.attention, stats=stats)
             except ValueError as e:
                 p.error(f"prompts {i}..{i + len(chunk) - 1}: {e}")
             for key in totals:

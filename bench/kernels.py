@@ -1,0 +1,662 @@
+"""Kernel benchmarks on the GPU: correctness against the jnp references, then timings beside their floors.
+
+    PYTHONPATH=. python3 bench/kernels.py [--only SECTIONS] [--quick] [--json out.json]
+
+Sections run in this order (default: all but autotune and sweep; the whole set takes over 10 minutes on an H100,
+mostly compiling, so split it across calls with --only): autotune, check_decode, decode, schedule, check_prefill,
+prefill, sweep (with prefill: pick the prefill knobs first), lpt. ``--tune`` adds the decode width/knob sweep;
+``--profile uniform:16`` runs one decode call for ncu.
+
+Measures, in the same run: the copy bandwidth (a 1 GiB elementwise pass, bytes read + written) and the bf16 matmul
+rate (8192^3). Every timing is the median of several batches of jitted calls queued back to back (device-side
+back to back, no host gaps), divided by the calls; each call's inputs differ (a fresh query per call, and paged
+inputs rotate through block tables over disjoint pages when one call's bytes would fit in L2), so nothing is
+merged, sliced away or served from L2 (contiguous baselines reuse one cache: rows under 2x L2 may read from it). Floors: decode = bytes it must read (K/V rows
+of every visible token + q + out) / copy bandwidth; prefill = causal FLOPs / matmul rate.
+
+Shapes are Llama-3.1-8B / Mistral-7B attention (32 query heads, 8 KV heads, head_dim 128, bf16); rank plans come
+from ``rank_plan`` (overall rate 0, 0.5, 0.7; per-head widths with a ~45% coefficient of variation).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import statistics
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import attention
+from kvjax.layout import HeadLayout
+from kvjax.schedule import DecodePlanner, build_decode_schedule
+from kvjax.pallas.decode import paged_decode
+from kvjax.pallas.prefill import prefill_attention
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+HQ, HKV, D = 32, 8, 128
+L2_BYTES = 50 << 20
+
+
+# ---------------------------------------------------------------- inputs
+
+def rank_plan(rate: float, num_layers: int = 32, cv: float = 0.45, seed: int = 0) -> list[HeadLayout]:
+    """Per-layer layouts whose widths (multiples of 16 in [16, 128]) average (1 - rate) * 128 with the given spread.
+
+    Widths are log-normal around a common scale (coefficient of variation ``cv`` before rounding), the scale
+    bisected so the overall rate 1 - sum(k + v) / (2 * heads * 128 * layers) matches ``rate``.
+    """
+    if rate == 0:
+        return [HeadLayout.uniform(HQ, HKV, D) for _ in range(num_layers)]
+    rng = np.random.default_rng(seed)
+    sigma = math.sqrt(math.log(1 + cv * cv))
+    z = rng.lognormal(-sigma * sigma / 2, sigma, (num_layers, 2, HKV))
+
+    def widths(scale):
+        return np.clip(np.round(scale * z / 16) * 16, 16, D).astype(int)
+
+    lo, hi = 1.0, 2.0 * D
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if widths(mid).mean() < (1 - rate) * D else (lo, mid)
+    w = widths(hi)
+    return [HeadLayout(HQ, HKV, D, tuple(map(int, w[i, 0])), tuple(map(int, w[i, 1]))) for i in range(num_layers)]
+
+
+def plan_rate(layouts) -> float:
+    return 1 - sum(lay.k_cols + lay.v_cols for lay in layouts) / (2 * HKV * D * len(layouts))
+
+
+def pick_layer(layouts, rate) -> HeadLayout:
+    """The layer whose total width is closest to the plan's mean (a representative layer)."""
+    target = (1 - rate) * 2 * HKV * D
+    return min(layouts, key=lambda lay: abs(lay.k_cols + lay.v_cols - target))
+
+
+def randn(key, shape, dtype=jnp.bfloat16):
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+class PagedCase:
+    """A paged cache for one layer with ``copies`` disjoint sets of pages (rotated between calls)."""
+
+    def __init__(self, layout, batch, lengths, page_size, copies, key, dtype=jnp.bfloat16):
+        self.layout, self.batch, self.page_size = layout, batch, page_size
+        self.lengths = np.asarray(lengths, np.int32)
+        self.pps = int(-(-self.lengths.max() // page_size))
+        n = batch * self.pps * copies + 1
+        ks = jax.random.split(key, 4)
+        self.k = randn(ks[0], (n, page_size, layout.k_cols), dtype)
+        self.v = randn(ks[1], (n, page_size, layout.v_cols), dtype)
+        self.q = randn(ks[2], (batch, layout.q_cols), dtype)
+        perm = np.random.default_rng(int(jax.random.randint(ks[3], (), 0, 2 ** 31 - 1))).permutation(np.arange(1, n)).astype(np.int32)
+        self.tables = jnp.asarray(perm[: batch * self.pps * copies].reshape(copies, batch, self.pps))
+
+    @property
+    def bytes(self) -> int:
+        lay = self.layout
+        return int(self.lengths.sum()) * (lay.k_cols + lay.v_cols) * 2 + self.batch * (lay.q_cols + lay.out_cols) * 2
+
+
+def copies_for(bytes_per_call: int) -> int:
+    return max(1, min(16, math.ceil(4 * L2_BYTES / max(bytes_per_call, 1))))
+
+
+# ---------------------------------------------------------------- timing
+
+def time_calls(fn, shared, per_call, min_total_s=0.05, reps=5, chain=None):
+    """Median seconds per call of ``fn(*shared, *per_call[u])`` over the U argument sets, run in one jitted function.
+
+    The U calls differ in their inputs (so none is merged with another) and all their outputs are returned (so
+    nothing is sliced away); dispatches are queued back to back and only the last is waited for. ``chain``: the
+    indices of ``shared`` that each call returns updated (after its first output) for the next call (pages).
+    """
+    def many(shared, calls):
+        shared, outs = list(shared), []
+        for c in calls:
+            res = fn(*shared, *c)
+            if chain:
+                for i, x in zip(chain, res[1:]):
+                    shared[i] = x
+                res = res[0]
+            outs.append(res)
+        return outs
+
+    f = jax.jit(many)
+    jax.block_until_ready(f(shared, per_call))
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(shared, per_call))
+    est = time.perf_counter() - t0
+    n = max(1, min(50, int(min_total_s / max(est, 1e-6))))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = f(shared, per_call)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / (n * len(per_call)))
+        del out
+    return statistics.median(times)
+
+
+def copy_bandwidth():
+    """Bytes read + written per second by a 1 GiB elementwise pass (one call per dispatch: sibling calls on one
+    input would be fused into a single read)."""
+    x = randn(jax.random.key(0), (1 << 29,))  # 1 GiB bf16
+    t = time_calls(lambda x: -x, (), [(x,)], min_total_s=0.1)
+    return 2 * x.size * 2 / t
+
+
+def matmul_rate():
+    ks = jax.random.split(jax.random.key(1), 5)
+    b = randn(ks[0], (8192, 8192))
+    t = time_calls(lambda b, a: a @ b, (b,), [(randn(k, (8192, 8192)),) for k in ks[1:]])
+    return 2 * 8192 ** 3 / t
+
+
+def queries(key, shape, n=8, dtype=jnp.bfloat16):
+    return [(randn(k, shape, dtype),) for k in jax.random.split(key, n)]
+
+
+def rel_err(out, ref):
+    out, ref = jnp.asarray(out, jnp.float32), jnp.asarray(ref, jnp.float32)
+    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+
+
+# ---------------------------------------------------------------- decode variants
+# Each returns (fn, shared, per_call) for ``time_calls``; per-call inputs are fresh queries (and block tables
+# rotating over disjoint pages).
+
+def kvjax_decode_call(case, sched, key, **knobs):
+    lay, lengths = case.layout, jnp.asarray(case.lengths)
+    fn = lambda k, v, lengths, s, q, table: paged_decode(q, k, v, table, lengths, s, lay, **knobs)
+    qs = queries(key, (case.batch, lay.q_cols))
+    per_call = [(q, case.tables[u % case.tables.shape[0]]) for u, (q,) in enumerate(qs)]
+    return fn, (case.k, case.v, lengths, sched), per_call
+
+
+def jax_paged_call(case, key, pages_per_block, splits):
+    """JAX's Pallas paged_attention on the uncompressed cache (head-major pools, as it wants them)."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    n = case.k.shape[0]
+    k = case.k.reshape(n, case.page_size, HKV, D).transpose(2, 0, 1, 3)
+    v = case.v.reshape(n, case.page_size, HKV, D).transpose(2, 0, 1, 3)
+    fn = lambda k, v, lengths, q, table: paged_attention(q, k, v, table, lengths,
+                                                         pages_per_compute_block=pages_per_block, k_splits=splits)
+    qs = queries(key, (case.batch, HQ, D))
+    per_call = [(q, case.tables[u % case.tables.shape[0]]) for u, (q,) in enumerate(qs)]
+    return fn, (k, v, jnp.asarray(case.lengths)), per_call
+
+
+def cudnn_decode_call(case, key):
+    ks = jax.random.split(key, 3)
+    s = int(case.lengths.max())
+    k = randn(ks[1], (case.batch, s, HKV, D))
+    v = randn(ks[2], (case.batch, s, HKV, D))
+    fn = lambda k, v, lengths, q: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                                               implementation="cudnn")
+    return fn, (k, v, jnp.asarray(case.lengths)), queries(ks[0], (case.batch, 1, HQ, D))
+
+
+def palu_decode_call(case, layout, key):
+    """Palu: K cached as a latent (rank r), rebuilt to full width each step, RoPE'd, full-width attention; V latent."""
+    ks = jax.random.split(key, 5)
+    s = int(case.lengths.max())
+    r = 16 * round(layout.k_cols / HKV / 16)
+    rv = 16 * round(layout.v_cols / HKV / 16)
+    k_lat = randn(ks[0], (case.batch, s, HKV, r))
+    v_lat = randn(ks[1], (case.batch, s, HKV, rv))
+    up = randn(ks[2], (HKV, r, D)) / math.sqrt(r)
+    inv = 1.0 / 500000.0 ** (np.arange(0, D, 2) / D)
+    ang = np.arange(s)[:, None] * inv[None]
+    cos = jnp.asarray(np.concatenate([np.cos(ang)] * 2, -1), jnp.float32)
+    sin = jnp.asarray(np.concatenate([np.sin(ang)] * 2, -1), jnp.float32)
+
+    def fn(k_lat, v_lat, cos, sin, q, up):
+        k = jnp.einsum("bshr,hrd->bshd", k_lat, up, preferred_element_type=jnp.float32)
+        rot = jnp.concatenate([-k[..., D // 2:], k[..., : D // 2]], -1)
+        k = (k * cos[None, :, None] + rot * sin[None, :, None]).astype(jnp.bfloat16)
+        sc = jnp.einsum("bhgd,bshd->bhgs", q, k, preferred_element_type=jnp.float32) / math.sqrt(D)
+        p = jax.nn.softmax(sc, axis=-1).astype(jnp.bfloat16)
+        return jnp.einsum("bhgs,bshr->bhgr", p, v_lat)
+    nbytes = case.batch * s * HKV * (r + rv) * 2
+    # each call gets its own up-projection too: a rebuild from shared inputs alone would be computed once per batch
+    per_call = [(q, up * (1 + u / 64)) for u, (q,) in enumerate(queries(ks[3], (case.batch, HKV, HQ // HKV, D)))]
+    return fn, (k_lat, v_lat, cos, sin), per_call, nbytes, r, rv
+
+
+# ---------------------------------------------------------------- correctness
+
+def highest(fn, *args):
+    """The jnp reference in float32 with exact matmuls (XLA's GPU default for float32 is TF32)."""
+    with jax.default_matmul_precision("highest"):
+        return fn(*(a.astype(jnp.float32) if a.dtype != jnp.int32 else a for a in args[:-1]), args[-1])
+
+
+def worst_head(out, ref, layout, cols):
+    """(error of the worst KV group, its index): localizes a wrong width class."""
+    errs = []
+    starts = HeadLayout.offsets(cols, layout.group_size)
+    for g, (st, w) in enumerate(zip(starts, cols)):
+        sl = slice(st, st + layout.group_size * w)
+        errs.append(rel_err(out[..., sl], ref[..., sl]))
+    return max(errs), int(np.argmax(errs))
+
+
+def check_decode(key, layout, batch, lengths, page_size, dtype, num_programs=None, headroom=1):
+    case = PagedCase(layout, batch, lengths, page_size, 1, key, dtype)
+    plan = build_decode_schedule(case.lengths, layout, page_size, num_programs, headroom_pages=headroom,
+                                 min_chunk_tokens=page_size)
+    table, lengths = case.tables[0], jnp.asarray(case.lengths)
+    out = paged_decode(case.q, case.k, case.v, table, lengths, plan.schedule.layer(0), layout)
+    ref = highest(lambda q, k, v, lay: attention.paged_decode_attention(q, k, v, table, lengths, lay),
+                  case.q, case.k, case.v, layout)
+    return rel_err(out, ref), worst_head(out, ref, layout, layout.v_widths)
+
+
+def check_prefill(key, layout, batch, seq_len, dtype, balanced=True, page_size=32, **knobs):
+    ks = jax.random.split(key, 6)
+    q = randn(ks[0], (batch, seq_len, layout.q_cols), dtype)
+    k = randn(ks[1], (batch, seq_len, layout.k_cols), dtype)
+    v = randn(ks[2], (batch, seq_len, layout.v_cols), dtype)
+    pps = -(-seq_len // page_size)
+    n = batch * pps + 1
+    seed = int(jax.random.randint(ks[3], (), 0, 2 ** 31 - 1))
+    table = jnp.asarray(np.random.default_rng(seed).permutation(np.arange(1, n)).reshape(batch, pps).astype(np.int32))
+    kp = randn(ks[4], (n, page_size, layout.k_cols), dtype)
+    vp = randn(ks[5], (n, page_size, layout.v_cols), dtype)
+    lengths = jnp.full((batch,), seq_len, jnp.int32)
+    out, kp, vp = prefill_attention(q, k, v, layout, lengths, kp, vp, table, balanced=balanced, **knobs)
+    ref = highest(lambda q, k, v, lay: attention.causal_attention(q, k, v, lay), q, k, v, layout)
+    pages_ok = bool(jnp.array_equal(kp[table].reshape(batch, -1, layout.k_cols)[:, :seq_len], k)
+                    & jnp.array_equal(vp[table].reshape(batch, -1, layout.v_cols)[:, :seq_len], v))
+    return rel_err(out, ref), pages_ok, worst_head(out, ref, layout, layout.v_widths)
+
+
+ODD = HeadLayout(32, 8, 128, (128, 48, 16, 80, 112, 32, 64, 96), (16, 96, 128, 48, 64, 112, 80, 32))
+WINDOWED = HeadLayout(8, 8, 64, (64, 16, 32, 48, 64, 16, 32, 48), (16,) * 4 + (64,) * 4, 300)
+
+
+def print_checks(rows):
+    print("\n| kernel | case | dtype | rel. error | worst group | ok |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1e} | {r[4]} | {'yes' if r[5] else 'NO'} |", flush=True)
+
+
+def decode_checks(key):
+    """Every decode shape class: GQA groups 1, 2, 4, 8; pages 16 and 32; ragged, 1-token and 32K sequences;
+    a sliding window; split groups (merge); bf16 and float32; rate-0, rate-0.5 and odd (non power of two) widths."""
+    keys = iter(jax.random.split(key, 16))
+    bf, f32 = jnp.bfloat16, jnp.float32
+    cases = [
+        ("llama r0.5 B32 4K p32", pick_layer(rank_plan(0.5), 0.5), 32, np.full(32, 4096), 32, bf),
+        ("llama r0 B8 ragged p16", HeadLayout.uniform(32, 8, 128), 8, np.linspace(100, 3000, 8).astype(int), 16, bf),
+        ("odd widths B4 ragged p16", ODD, 4, [1, 17, 600, 2049], 16, f32),
+        ("G1 window 300 p16", WINDOWED, 3, [1000, 299, 5], 16, bf),
+        ("G8 B1 32K p32", HeadLayout(32, 4, 128, (32, 64, 96, 128), (128, 96, 64, 32)), 1, [32768], 32, bf),
+        ("G2 p32", HeadLayout(4, 2, 64, (32, 64), (64, 16)), 5, [33, 64, 65, 700, 1], 32, f32),
+    ]
+    rows = []
+    for name, lay, b, lengths, ps, dt in cases:
+        err, (worst, head) = check_decode(next(keys), lay, b, lengths, ps, dt)
+        tol = 1e-2 if dt == bf else 1e-4
+        rows.append(("decode", name, jnp.dtype(dt).name, err, f"{worst:.1e} (kv head {head})", err < tol))
+    print_checks(rows)
+    log("decode checks done")
+    return rows
+
+
+def prefill_checks(key):
+    """Prefill (default knobs) on the rate-0.5 plan, odd widths in float32 and a G=1 sliding window; pages too."""
+    keys = iter(jax.random.split(key, 16))
+    bf, f32 = jnp.bfloat16, jnp.float32
+    cases = [
+        ("llama r0.5 B1 2K", pick_layer(rank_plan(0.5), 0.5), 1, 2048, bf, True),
+        ("odd widths B2 1000", ODD, 2, 1000, f32, True),
+        ("G1 window 300", WINDOWED, 2, 700, bf, True),
+    ]
+    rows = []
+    for name, lay, b, t, dt, bal in cases:
+        err, pages_ok, (worst, head) = check_prefill(next(keys), lay, b, t, dt, bal)
+        tol = 1e-2 if dt == bf else 1e-4
+        rows.append(("prefill", name + ("" if pages_ok else " PAGES WRONG"), jnp.dtype(dt).name, err,
+                     f"{worst:.1e} (kv head {head})", err < tol and pages_ok))
+    print_checks(rows)
+    log("prefill checks done")
+    return rows
+
+
+# ---------------------------------------------------------------- tables
+
+def log(msg):
+    print(f"[{time.perf_counter() - START:.0f}s] {msg}", file=sys.stderr, flush=True)
+
+
+START = time.perf_counter()
+
+
+def print_row(r):
+    ratio = r["time_us"] / r["floor_us"]
+    speedup = f"{r['speedup_vs_rate0']:.2f}x" if r.get("speedup_vs_rate0") else ""
+    print(f"| {r['kernel']} | {r['batch']} | {r['ctx']} | {r['rate']} | {r['widths']} | {r['time_us']:.1f} | "
+          f"{r['floor_us']:.1f} | {ratio:.2f} | {100 / ratio:.0f}% | {speedup} |", flush=True)
+
+
+DECODE_CONFIGS = [dict(programs=264, block_tokens=64, max_step_tokens=512),
+                  dict(programs=264, block_tokens=64, max_step_tokens=128),
+                  dict(programs=792, block_tokens=64, max_step_tokens=128)]
+
+
+def decode_autotune(key, bw, rates):
+    """Per rate plan, the fastest of DECODE_CONFIGS at batch 32, 4K (the table then uses it for every shape)."""
+    print("\n| rate | programs | block / max step tokens | time us | % of copy bw |\n|---|---|---|---|---|")
+    best = {}
+    for rate in rates:
+        lay = pick_layer(rank_plan(rate), rate)
+        case = PagedCase(lay, 32, np.full(32, 4096), 32, 1, key)
+        for cfg in DECODE_CONFIGS:
+            plan = build_decode_schedule(case.lengths, lay, 32, cfg["programs"])
+            knobs = dict(block_tokens=cfg["block_tokens"], max_step_tokens=cfg["max_step_tokens"])
+            t = time_calls(*kvjax_decode_call(case, plan.schedule.layer(0), key, **knobs))
+            print(f"| {rate} | {cfg['programs']} | {cfg['block_tokens']} / {cfg['max_step_tokens']} | {t * 1e6:.1f} | "
+                  f"{100 * case.bytes / bw / t:.0f}% |", flush=True)
+            if rate not in best or t < best[rate][0]:
+                best[rate] = (t, cfg)
+        del case
+    log("decode autotune done")
+    return {r: cfg for r, (t, cfg) in best.items()}
+
+
+def decode_table(key, bw, shapes, rates, quick, tuned):
+    """kvjax (per-rate tuned knobs) vs naive order, JAX paged_attention, cuDNN and Palu, beside the floor."""
+    print("\n| kernel | batch | ctx | rate | K+V cols | time us | floor us | time/floor | % of copy bw | vs rate 0 |"
+          "\n|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    plans = {r: rank_plan(r) for r in rates}
+    for batch, ctx in shapes:
+        base = None
+        for rate in rates:
+            lay = pick_layer(plans[rate], rate)
+            nbytes = batch * ctx * (lay.k_cols + lay.v_cols) * 2
+            case = PagedCase(lay, batch, np.full(batch, ctx), 32, copies_for(nbytes), key)
+            floor = case.bytes / bw
+            cfg = tuned[rate]
+            knobs = dict(block_tokens=cfg["block_tokens"], max_step_tokens=cfg["max_step_tokens"])
+            for order in (("lpt", "naive") if rate > 0 else ("lpt",)):
+                t0 = time.perf_counter()
+                plan = build_decode_schedule(case.lengths, lay, 32, cfg["programs"], order=order)
+                host = time.perf_counter() - t0
+                t = time_calls(*kvjax_decode_call(case, plan.schedule.layer(0), key, **knobs))
+                base = t if rate == 0 else base
+                rows.append(dict(kernel=f"kvjax {order}", batch=batch, ctx=ctx, rate=rate,
+                                 widths=f"{lay.k_cols}+{lay.v_cols}", time_us=t * 1e6, floor_us=floor * 1e6,
+                                 speedup_vs_rate0=(base / t) if base else None, host_ms=host * 1e3))
+                print_row(rows[-1])
+            if rate == 0:
+                best = None
+                for ppb, splits in ((4, 16 if ctx >= 16384 else 8),):
+                    if case.pps % splits or (case.pps // splits) % min(ppb, case.pps // splits):
+                        continue
+                    t = time_calls(*jax_paged_call(case, key, ppb, splits))
+                    best = t if best is None else min(best, t)
+                if best:
+                    rows.append(dict(kernel="jax paged_attention", batch=batch, ctx=ctx, rate=0.0,
+                                     widths="1024+1024", time_us=best * 1e6, floor_us=floor * 1e6,
+                                     speedup_vs_rate0=base / best))
+                    print_row(rows[-1])
+                t = time_calls(*cudnn_decode_call(case, key))
+                rows.append(dict(kernel="cudnn (contiguous)", batch=batch, ctx=ctx, rate=0.0, widths="1024+1024",
+                                 time_us=t * 1e6, floor_us=floor * 1e6, speedup_vs_rate0=base / t))
+                print_row(rows[-1])
+            if rate == 0.5 and not quick and batch >= 32 and ctx >= 4096:
+                fn, shared, per_call, pbytes, r, rv = palu_decode_call(case, lay, key)
+                t = time_calls(fn, shared, per_call)
+                rows.append(dict(kernel=f"palu (K rank {r}, V {rv})", batch=batch, ctx=ctx, rate=rate,
+                                 widths=f"{HKV * r}+{HKV * rv}", time_us=t * 1e6, floor_us=pbytes / bw * 1e6,
+                                 speedup_vs_rate0=base / t))
+                print_row(rows[-1])
+            del case
+        log(f"decode {batch}x{ctx} done")
+    return rows
+
+
+def lpt_table(key, bw, cases, tuned):
+    """LPT vs naive order on ragged batches (lengths uniform in [ctx/8, ctx]) with per-head width variation."""
+    print("\n| plan | batch | max ctx | order | time us | floor us | % of copy bw | planned balance | host plan ms |"
+          "\n|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for rate, batch, ctx in cases:
+        lay = pick_layer(rank_plan(rate), rate)
+        lengths = np.random.default_rng(batch * ctx).integers(ctx // 8, ctx + 1, batch)
+        nbytes = int(lengths.sum()) * (lay.k_cols + lay.v_cols) * 2
+        case = PagedCase(lay, batch, lengths, 32, copies_for(nbytes), key)
+        floor = case.bytes / bw
+        cfg = tuned[rate]
+        knobs = dict(block_tokens=cfg["block_tokens"], max_step_tokens=cfg["max_step_tokens"])
+        programs = cfg["programs"]
+        for order in ("lpt", "naive"):
+            t0 = time.perf_counter()
+            plan = build_decode_schedule(case.lengths, lay, 32, programs, order=order)
+            host = time.perf_counter() - t0
+            t = time_calls(*kvjax_decode_call(case, plan.schedule.layer(0), key, **knobs))
+            rows.append(dict(rate=rate, batch=batch, ctx=ctx, order=order, time_us=t * 1e6, floor_us=floor * 1e6,
+                             host_ms=host * 1e3, balance=plan.balance))
+            print(f"| r{rate} | {batch} | {ctx} | {order} | {t * 1e6:.1f} | {floor * 1e6:.1f} | "
+                  f"{100 * floor / t:.0f}% | {plan.balance:.3f} | {host * 1e3:.2f} |", flush=True)
+    return rows
+
+
+def schedule_cost(decode_us_per_layer: float | None, bw: float):
+    """Host plan cost for a 32-layer rate-0.5 model at batch 256, per build and amortized by DecodePlanner."""
+    layouts = rank_plan(0.5)
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(256, 769, 256)  # mean 512: the shortest step measured, so the largest share
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        build_decode_schedule(lengths, layouts, 16, headroom_pages=1)
+        times.append(time.perf_counter() - t0)
+    build = statistics.median(times)
+    planner = DecodePlanner(layouts, 16)
+    steps, t0 = 256, time.perf_counter()
+    for s in range(steps):
+        planner(lengths + s)
+    amortized = (time.perf_counter() - t0) / steps
+    print(f"\nschedule host cost, 32 layers, batch 256, lengths 256..768, page 16: {build * 1e3:.2f} ms per build; "
+          f"DecodePlanner over {steps} steps: {planner.rebuilds} rebuilds, {amortized * 1e3:.3f} ms per step")
+    res = dict(build_ms=build * 1e3, amortized_ms=amortized * 1e3, rebuilds=planner.rebuilds, steps=steps)
+    if decode_us_per_layer:
+        weights = 16e9 / bw  # Llama-3.1-8B bf16 weights read once per step
+        step_s = 32 * decode_us_per_layer * 1e-6 + weights
+        res.update(step_ms=step_s * 1e3, build_pct=100 * build / step_s, amortized_pct=100 * amortized / step_s)
+        print(f"decode step estimate (32 x measured attention at batch 256, 512 tokens + 16 GB of weights at copy "
+              f"bandwidth): {step_s * 1e3:.2f} ms -> plan {res['build_pct']:.2f}% per build, "
+              f"{res['amortized_pct']:.2f}% amortized")
+    return res
+
+
+PREFILL_CONFIGS = [dict(block_q=128, max_block_q=128, num_warps=8), dict(block_q=64, max_block_q=128, num_warps=4),
+                   dict(block_q=128, max_block_q=256, num_warps=4)]
+
+
+def prefill_sweep(key, flops_rate, batch=1, t=4096, rate=0.5):
+    """Balanced prefill knobs at rate 0.5: each checked against the reference, timed; returns the fastest correct."""
+    print("\n| block_q | max rows | warps | rel. error | time ms | % of matmul rate |\n|---|---|---|---|---|---|")
+    lay = pick_layer(rank_plan(rate), rate)
+    ks = jax.random.split(key, 4)
+    qs = queries(ks[0], (batch, t, lay.q_cols), 4)
+    k, v = randn(ks[1], (batch, t, lay.k_cols)), randn(ks[2], (batch, t, lay.v_cols))
+    ref = highest(lambda q, k, v, lay: attention.causal_attention(q, k, v, lay), qs[0][0], k, v, lay)
+    flops = 2 * batch * t * (t + 1) / 2 * lay.group_size * (lay.k_cols + lay.v_cols)
+    best = None
+    for cfg in PREFILL_CONFIGS:
+        err = rel_err(prefill_attention(qs[0][0], k, v, lay, **cfg), ref)
+        tm = time_calls(lambda k, v, q: prefill_attention(q, k, v, lay, **cfg), (k, v), qs)
+        print(f"| {cfg['block_q']} | {cfg['max_block_q']} | {cfg['num_warps']} | {err:.1e} | {tm * 1e3:.3f} | "
+              f"{100 * flops / flops_rate / tm:.0f}% |", flush=True)
+        if err < 1e-2 and (best is None or tm < best[0]):
+            best = (tm, cfg)
+    log("prefill sweep done")
+    return best[1] if best else PREFILL_CONFIGS[0]
+
+
+def prefill_table(key, flops_rate, cases, knobs):
+    """Balanced (``knobs``) vs unbalanced (128-row blocks for every head, natural order) vs cuDNN."""
+    print(f"\nbalanced knobs: {knobs}")
+    print("\n| kernel | batch | T | rate | time ms | floor ms | time/floor | % of matmul rate | vs cuDNN |"
+          "\n|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for batch, t, rates in cases:
+        cudnn = None
+        for rate, variants in rates:
+            lay = pick_layer(rank_plan(rate), rate)
+            ks = jax.random.split(key, 4)
+            pairs = t * (t + 1) / 2
+            if rate == 0:
+                kf = randn(ks[1], (batch, t, HKV, D))
+                vf = randn(ks[2], (batch, t, HKV, D))
+                fn = lambda k, v, q: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+                cudnn = time_calls(fn, (kf, vf), queries(ks[0], (batch, t, HQ, D), 4))
+                rows.append(dict(kernel="cudnn (uncompressed)", batch=batch, t=t, rate=0.0, time_ms=cudnn * 1e3,
+                                 floor_ms=2 * batch * pairs * HQ * 2 * D / flops_rate * 1e3, vs_cudnn=1.0))
+                print_prefill(rows[-1])
+                del kf, vf
+            k = randn(ks[1], (batch, t, lay.k_cols))
+            v = randn(ks[2], (batch, t, lay.v_cols))
+            pps = t // 32
+            kp = randn(ks[3], (batch * pps + 1, 32, lay.k_cols))
+            vp = randn(ks[3], (batch * pps + 1, 32, lay.v_cols))
+            table = jnp.arange(1, batch * pps + 1, dtype=jnp.int32).reshape(batch, pps)
+            lengths = jnp.full((batch,), t, jnp.int32)
+            flops = 2 * batch * pairs * lay.group_size * (lay.k_cols + lay.v_cols)
+            for balanced in variants:
+                kn = knobs if balanced else dict(knobs, block_q=128, max_block_q=128)
+                fn = functools.partial(_prefill_fn, layout=lay, balanced=balanced, knobs=kn)
+                tm = time_calls(fn, (k, v, kp, vp, table, lengths), queries(ks[0], (batch, t, lay.q_cols), 4),
+                                chain=(2, 3))
+                rows.append(dict(kernel="kvjax " + ("balanced" if balanced else "unbalanced"), batch=batch, t=t,
+                                 rate=rate, time_ms=tm * 1e3, floor_ms=flops / flops_rate * 1e3,
+                                 vs_cudnn=cudnn / tm if cudnn else None))
+                print_prefill(rows[-1])
+        log(f"prefill {batch}x{t} done")
+    return rows
+
+
+def _prefill_fn(k, v, kp, vp, table, lengths, q, *, layout, balanced, knobs):
+    return prefill_attention(q, k, v, layout, lengths, kp, vp, table, balanced=balanced, **knobs)
+
+
+def print_prefill(r):
+    ratio = r["time_ms"] / r["floor_ms"]
+    vs = f"{r['vs_cudnn']:.2f}x" if r.get("vs_cudnn") else ""
+    print(f"| {r['kernel']} | {r['batch']} | {r['t']} | {r['rate']} | {r['time_ms']:.3f} | {r['floor_ms']:.3f} | "
+          f"{ratio:.2f} | {100 / ratio:.0f}% | {vs} |", flush=True)
+
+
+def tune(key, bw):
+    """Decode at batch 32, 4K: bandwidth by head width (uniform layouts) and the kernel's knobs."""
+    print("\n| layout | programs | block / max step tokens | warps | stages | time us | % of copy bw |"
+          "\n|---|---|---|---|---|---|---|")
+    half = pick_layer(rank_plan(0.5), 0.5)
+    uni = lambda w: HeadLayout(HQ, HKV, D, (w,) * HKV, (w,) * HKV)
+    mixed = HeadLayout(HQ, HKV, D, (128, 32) * 4, (128, 32) * 4)
+    # (name, layout, programs, block_tokens, max_step_tokens, warps, stages)
+    sweep = [("rate 0.5", half, 264, 64, 512, 4, 3), ("rate 0.5", half, 528, 64, 128, 4, 3),
+             ("rate 0.5", half, 528, 64, 64, 4, 3), ("rate 0.5", half, 528, 32, 128, 4, 3),
+             ("rate 0.5", half, 792, 64, 128, 4, 3), ("rate 0.5", half, 528, 64, 128, 4, 2),
+             ("uniform 16", uni(16), 528, 64, 128, 4, 3), ("uniform 32", uni(32), 528, 64, 128, 4, 3),
+             ("uniform 128", uni(128), 528, 64, 128, 4, 3), ("alternating 128/32", mixed, 528, 64, 128, 4, 3)]
+    for name, lay, programs, block_tokens, max_step, warps, stages in sweep:
+        case = PagedCase(lay, 32, np.full(32, 4096), 32, 1, key)
+        plan = build_decode_schedule(case.lengths, lay, 32, programs)
+        t = time_calls(*kvjax_decode_call(case, plan.schedule.layer(0), key, block_tokens=block_tokens,
+                                          max_step_tokens=max_step, num_warps=warps, num_stages=stages))
+        print(f"| {name} | {programs} | {block_tokens} / {max_step} | {warps} | {stages} | {t * 1e6:.1f} | "
+              f"{100 * case.bytes / bw / t:.0f}% |", flush=True)
+        del case
+    log("tune done")
+
+
+def profile_one(spec: str):
+    """Run one decode call (after a warm-up) for ``ncu``: spec "uniform:W" or "rate:R" at batch 32, 4K."""
+    kind, val = spec.split(":")
+    lay = (HeadLayout(HQ, HKV, D, (int(val),) * HKV, (int(val),) * HKV) if kind == "uniform"
+           else pick_layer(rank_plan(float(val)), float(val)))
+    key = jax.random.key(0)
+    case = PagedCase(lay, 32, np.full(32, 4096), 32, 1, key)
+    plan = build_decode_schedule(case.lengths, lay, 32)
+    fn, shared, per_call = kvjax_decode_call(case, plan.schedule.layer(0), key)  # default knobs
+    f = jax.jit(fn)
+    for _ in range(2):
+        jax.block_until_ready(f(*shared, *per_call[0]))
+    print(f"profiled {spec}: {lay.k_cols}+{lay.v_cols} cols, useful bytes {case.bytes}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smoke test: a few checks, one decode shape, one prefill")
+    ap.add_argument("--tune", action="store_true", help="run the decode width/knob sweep")
+    ap.add_argument("--profile", help="only run one decode call for ncu: uniform:W or rate:R")
+    ap.add_argument("--json", help="write all rows here")
+    ap.add_argument("--only", default="check_decode,decode,schedule,check_prefill,prefill,lpt",
+                    help="comma list of sections, run in this order: autotune,check_decode,decode,schedule,"
+                         "check_prefill,prefill (add sweep: pick prefill knobs first),lpt")
+    args = ap.parse_args(argv)
+    if args.profile:
+        return profile_one(args.profile)
+    only = set(args.only.split(","))
+    dev = jax.devices()[0]
+    print(f"device: {dev.device_kind} ({getattr(dev, 'core_count', '?')} SMs), jax {jax.__version__}, "
+          f"{datetime.date.today()}, command: {' '.join(sys.argv)}")
+    key = jax.random.key(int(time.time()))
+    result = dict(device=dev.device_kind, date=str(datetime.date.today()), argv=sys.argv)
+    bw = copy_bandwidth()
+    rate = matmul_rate()
+    print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {rate / 1e12:.0f} TFLOP/s")
+    result.update(copy_bw=bw, matmul=rate)
+
+    def dump():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1, default=str)
+
+    tuned = {r: DECODE_CONFIGS[0] for r in (0.0, 0.5, 0.7)}  # the defaults; --only autotune picks per rate
+    if "autotune" in only:
+        tuned = decode_autotune(key, bw, (0.0, 0.5, 0.7))
+    result["decode_knobs"] = tuned
+    if "check_decode" in only:
+        result["decode_checks"] = decode_checks(key)
+        dump()
+    if "decode" in only:
+        shapes = ([(32, 4096)] if args.quick else [(32, 4096), (128, 4096), (1, 32768), (256, 512)])
+        result["decode"] = decode_table(key, bw, shapes, (0.0, 0.5, 0.7), args.quick, tuned)
+        dump()
+    if "schedule" in only:
+        per_layer = next((r["time_us"] for r in result.get("decode", []) if r["kernel"] == "kvjax lpt"
+                          and r["batch"] == 256 and r["ctx"] == 512 and r["rate"] == 0.5), None)
+        result["schedule"] = schedule_cost(per_layer, bw)
+        dump()
+    if "check_prefill" in only:
+        result["prefill_checks"] = prefill_checks(key)
+        dump()
+    if "prefill" in only:
+        knobs = prefill_sweep(key, rate) if "sweep" in only else PREFILL_CONFIGS[0]
+        cases = [(1, 4096, ((0.0, (True,)), (0.5, (True, False)), (0.7, (True,)))),
+                 (1, 16384, ((0.0, ()), (0.5, (True,))))]
+        result["prefill"] = prefill_table(key, rate, cases, knobs)
+        dump()
+    if "lpt" in only:
+        cases = [(0.5, 32, 4096)] if args.quick else [(0.5, 128, 4096), (0.7, 8, 16384)]
+        result["lpt"] = lpt_table(key, bw, cases, tuned)
+        dump()
+
+
+if __name__ == "__main__":
+    main()

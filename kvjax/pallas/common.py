@@ -1,0 +1,83 @@
+"""Small pieces the kernels share: tile sizes, head width classes, and scalar lookups of static tables.
+
+Kernels are written for Pallas's Triton lowering. Tiles must have power-of-two shapes, so a head of width ``w`` is
+read through a ``tile(w)``-wide tile whose columns past ``w`` are masked (a masked lane fetches nothing). Heads of the
+same (K width, V width) share one compiled code path (a "class"); a program picks its class with ``lax.switch``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.layout import HeadLayout
+
+LOG2E = math.log2(math.e)
+MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked block must not make exp2(-inf + inf) NaN
+
+
+def tile(width: int) -> int:
+    """Power-of-two tile width (>= 16) that holds ``width`` columns."""
+    return max(16, 1 << math.ceil(math.log2(width)))
+
+
+def pow2_floor(n: float) -> int:
+    return 1 << max(0, int(math.floor(math.log2(max(n, 1)))))
+
+
+@dataclasses.dataclass(frozen=True)
+class WidthClass:
+    """The heads of one layer that share (k_width, v_width), with each head's column offsets in units of 16."""
+
+    k_width: int
+    v_width: int
+    heads: tuple[int, ...]
+    q_off: tuple[int, ...]  # start of the head's group of query heads in q (packed, K widths)
+    k_off: tuple[int, ...]
+    v_off: tuple[int, ...]
+    o_off: tuple[int, ...]  # start of the head's group of outputs in out (packed, V widths)
+
+    @property
+    def k_tile(self) -> int:
+        return tile(self.k_width)
+
+    @property
+    def v_tile(self) -> int:
+        return tile(self.v_width)
+
+
+def width_classes(layout: HeadLayout) -> tuple[tuple[WidthClass, ...], tuple[int, ...]]:
+    """The layer's width classes, and the class index of every KV head."""
+    g = layout.group_size
+    offs = dict(q=HeadLayout.offsets(layout.k_widths, g), k=HeadLayout.offsets(layout.k_widths),
+                v=HeadLayout.offsets(layout.v_widths), o=HeadLayout.offsets(layout.v_widths, g))
+    if any(o % 16 for lst in offs.values() for o in lst):
+        raise ValueError(f"head widths must be multiples of 16 for the Pallas kernels: {layout}")
+    pairs = list(dict.fromkeys(zip(layout.k_widths, layout.v_widths)))
+    classes = []
+    for kw, vw in pairs:
+        heads = tuple(h for h in range(layout.num_kv_heads) if (layout.k_widths[h], layout.v_widths[h]) == (kw, vw))
+        classes.append(WidthClass(kw, vw, heads, *(tuple(offs[n][h] // 16 for h in heads) for n in "qkvo")))
+    class_of = tuple(pairs.index(p) for p in zip(layout.k_widths, layout.v_widths))
+    return tuple(classes), class_of
+
+
+def lookup(index, keys, values):
+    """``values[keys.index(index)]`` for a traced scalar ``index`` over a short static table (a chain of selects)."""
+    out = jnp.int32(values[-1])
+    for key, value in zip(keys[:-1], values[:-1]):
+        out = jnp.where(index == key, jnp.int32(value), out)
+    return out
+
+
+def offset16(index, keys, values):
+    """A column offset from a table in units of 16, multiplied back so the compiler sees 16-alignment."""
+    return lookup(index, keys, values) * 16
+
+
+def dot_precision(dtype):
+    """float32 inputs get exact (IEEE) dots; bf16/f16 use the tensor cores' native precision."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None

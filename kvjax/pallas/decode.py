@@ -1,0 +1,199 @@
+"""Paged decode attention over KV heads of different widths: one persistent program per schedule row.
+
+Each program walks its row of the host-built ``DecodeSchedule`` (``kvjax.schedule``): for every item (sequence,
+KV head, chunk of pages) it loads the G query heads of that group once ([16, k_tile], rows past G masked), streams
+the chunk's K and V rows out of the packed pages through the block table with an online softmax, and then writes
+either the normalized output (the group's only chunk) or a partial (acc, max, sum) that ``merge`` combines after.
+
+Bytes in flight stay constant as widths shrink: a step moves ``block_tokens * 256 / (k_tile + v_tile)`` tokens
+(capped), so a 32+32-wide head moves 4x the tokens of a 128+128 one per step. Steps with every token visible run
+without masks; only a chunk's last step (or all, under a sliding window) is masked. Heads sharing (K width,
+V width) share one code path, selected per item by ``lax.switch``; their column offsets come from a static table
+and are multiples of 16, so loads are 16-byte vectors and never touch a column the head does not own (tile columns
+past the width masked).
+
+Measured on the H100 (bench/RESULTS.md): full-width heads read at 94-98% of copy bandwidth, but narrow heads are
+instruction-bound, not memory-bound: the score tile has 16 rows of which only G are real, so softmax work per byte
+grows as widths shrink, and every class shares the register allocation of the worst one.
+
+Lowering: Pallas's Triton backend. Decode is a gather through the block table of ``[tokens, width]`` tiles at
+16-column-aligned offsets inside a packed row; Triton's masked pointer loads express that directly, its pipeliner
+overlaps the next tile's loads with the current dots, and the same kernel runs in ``interpret=True`` mode on the CPU
+for CI. Mosaic GPU would need TMA-shaped, statically placed copies (one descriptor per head width and offset) and
+has no CPU interpreter for its primitives. Neither lowering has scalar prefetch, so the schedule is an ordinary
+int32 input read with scalar loads.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kvjax.layout import HeadLayout
+from kvjax.pallas.common import LOG2E, MASK, dot_precision, lookup, offset16, pow2_floor, width_classes
+from kvjax.schedule import END_PAGE, FIRST_PAGE, HEAD, SEQ, SLOT, DecodeSchedule
+
+BLOCK_H = 16  # query rows per item: a GQA group (G <= 8) padded to the tensor cores' smallest M
+
+
+def step_tokens(k_tile: int, v_tile: int, block_tokens: int, max_tokens: int) -> int:
+    """Tokens per loop step for a head class: ``block_tokens`` at 128+128 wide, more for narrower heads, capped.
+
+    At 512 tokens a narrow class's [16, 512] score tile pushes the kernel to 255 registers (ncu, H100), which holds
+    every class to 2 programs per SM; a cap of 128 with more programs measured slower still, so 512 is the default.
+    """
+    return min(max_tokens, pow2_floor(block_tokens * 256 / (k_tile + v_tile)))
+
+
+def _attend_item(cls, item, refs, *, group, page_size, window, scale, block_tokens, max_step_tokens):
+    """Online-softmax attention of one item (its class's widths are static) and the write of its result."""
+    table_ref, q_ref, k_ref, v_ref, out_ref, acc_ref, m_ref, l_ref = refs
+    seq, head, first, end, slot, length = item
+    kw, vw, kt, vt = cls.k_width, cls.v_width, cls.k_tile, cls.v_tile
+    bt = step_tokens(kt, vt, block_tokens, max_step_tokens)
+    precision = dot_precision(k_ref.dtype)
+    qo, ko, vo, oo = (offset16(head, cls.heads, offs) for offs in (cls.q_off, cls.k_off, cls.v_off, cls.o_off))
+
+    rows = jnp.arange(BLOCK_H)[:, None]
+    kc, vc = jnp.arange(kt)[None, :], jnp.arange(vt)[None, :]
+    q_mask = (rows < group) & (kc < kw)
+    q = plgpu.load(q_ref.at[seq, jnp.where(q_mask, qo + rows * kw + kc, 0)], mask=q_mask, other=0.0)
+    q = (q.astype(jnp.float32) * (scale * LOG2E)).astype(q.dtype)  # scores come out in log2 units
+
+    lo = first * page_size
+    hi = jnp.minimum(end * page_size, length)
+    visible_from = jnp.maximum(length - window, 0) if window else 0
+    pages_per_seq = table_ref.shape[1]
+
+    def step(j, carry, masked):
+        acc, m, l = carry
+        tok = lo + j * bt + jnp.arange(bt)
+        if masked:
+            valid = (tok < hi) & (tok >= visible_from)
+            page = plgpu.load(table_ref.at[seq, jnp.minimum(tok // page_size, pages_per_seq - 1)], mask=valid,
+                              other=0)
+        else:
+            page = table_ref[seq, tok // page_size]
+        row = (page * page_size + tok % page_size)[:, None]
+        k_mask = valid[:, None] if masked else None
+        if kt != kw:
+            k_mask = (kc < kw) if k_mask is None else k_mask & (kc < kw)
+        k = plgpu.load(k_ref.at[row, ko + kc], mask=k_mask, other=0.0 if k_mask is not None else None)
+        s = plgpu.dot(q, k, trans_b=True, precision=precision)
+        if masked:
+            s = jnp.where(valid[None, :], s, MASK)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        v_mask = valid[:, None] if masked else None
+        if vt != vw:
+            v_mask = (vc < vw) if v_mask is None else v_mask & (vc < vw)
+        v = plgpu.load(v_ref.at[row, vo + vc], mask=v_mask, other=0.0 if v_mask is not None else None)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        return acc, m_new, l * alpha + p.sum(axis=1)
+
+    carry = (jnp.zeros((BLOCK_H, vt), jnp.float32), jnp.full((BLOCK_H,), MASK, jnp.float32),
+             jnp.zeros((BLOCK_H,), jnp.float32))
+    span = jnp.maximum(hi - lo, 0)
+    full = 0 if window else span // bt  # steps with every token visible run without masks
+    carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+    acc, m, l = lax.fori_loop(full, pl.cdiv(span, bt), functools.partial(step, masked=True), carry)
+
+    # Masked lanes get out-of-range indices: the GPU never touches them, and interpret mode drops them rather than
+    # letting a masked lane's write-back collide with a real lane's store.
+    direct = slot < 0
+    o_mask = (rows < group) & (vc < vw)
+    out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_ref.dtype)
+    out_mask = o_mask & direct
+    plgpu.store(out_ref.at[seq, jnp.where(out_mask, oo + rows * vw + vc, out_ref.shape[1])], out, mask=out_mask)
+    part = jnp.maximum(slot, 0) * group + jnp.arange(BLOCK_H)
+    part_mask = (jnp.arange(BLOCK_H) < group) & ~direct
+    part = jnp.where(part_mask, part, m_ref.shape[0])
+    plgpu.store(acc_ref.at[part[:, None], vc], acc, mask=part_mask[:, None] & (vc < vw))
+    plgpu.store(m_ref.at[part], m, mask=part_mask)
+    plgpu.store(l_ref.at[part], l, mask=part_mask)
+
+
+def _kernel(items_ref, counts_ref, lengths_ref, *refs, classes, class_of, **static):
+    pid = pl.program_id(0)
+    branches = [functools.partial(_attend_item, cls, refs=refs, **static) for cls in classes]
+    heads = tuple(range(len(class_of)))
+
+    def run(i, carry):
+        seq, head = items_ref[pid, i, SEQ], items_ref[pid, i, HEAD]
+        item = (seq, head, items_ref[pid, i, FIRST_PAGE], items_ref[pid, i, END_PAGE], items_ref[pid, i, SLOT],
+                lengths_ref[seq])
+        if len(branches) == 1:
+            branches[0](item)
+        else:
+            lax.switch(lookup(head, heads, class_of), [lambda it, b=b: b(it) for b in branches], item)
+        return carry
+
+    lax.fori_loop(0, counts_ref[pid], run, 0)
+
+
+def merge(out, acc, m, l, schedule: DecodeSchedule, layout: HeadLayout):
+    """Combine the partial softmax states of split groups and place them in the packed output."""
+    g = layout.group_size
+    n_groups, splits = schedule.merge_slots.shape
+    valid = (schedule.merge_slots >= 0)[..., None]  # [M, S, 1]
+    m = jnp.where(valid, m.reshape(n_groups, splits, g), -jnp.inf)
+    w = jnp.where(valid, jnp.exp2(m - m.max(axis=1, keepdims=True)), 0.0)
+    acc = jnp.where(valid[..., None], acc.reshape(n_groups, splits, g, -1), 0.0)
+    den = (w * jnp.where(valid, l.reshape(n_groups, splits, g), 0.0)).sum(axis=1)
+    merged = (w[..., None] * acc).sum(axis=1) / den[..., None]  # [M, G, Vmax]
+
+    seq, head = schedule.merge_dest[:, 0], schedule.merge_dest[:, 1]
+    vw = jnp.asarray(layout.v_widths, jnp.int32)[head][:, None, None]
+    start = jnp.asarray(HeadLayout.offsets(layout.v_widths, g), jnp.int32)[head][:, None, None]
+    col = jnp.arange(merged.shape[-1])[None, None, :]
+    b, cols = out.shape
+    index = seq[:, None, None] * cols + start + jnp.arange(g)[None, :, None] * vw + col
+    index = jnp.where((seq >= 0)[:, None, None] & (col < vw), index, b * cols)  # out of range: dropped
+    flat = out.reshape(-1).at[index.reshape(-1)].set(merged.reshape(-1).astype(out.dtype), mode="drop")
+    return flat.reshape(b, cols)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "block_tokens", "max_step_tokens", "num_warps", "num_stages",
+                                             "interpret"))
+def paged_decode(q, k_pages, v_pages, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout, *,
+                 block_tokens: int = 64, max_step_tokens: int = 512, num_warps: int = 4, num_stages: int = 3,
+                 interpret: bool = False):
+    """One new query per sequence against its paged cache; same contract as ``paged_decode_reference``.
+
+    q [B, q_cols]; k_pages [num_pages, page_size, k_cols], v_pages likewise; block_table [B, pages_per_seq] int32;
+    lengths [B] int32 (the new token included); schedule: one layer's ``DecodeSchedule`` built for these lengths
+    (or any lengths they do not exceed). Returns [B, out_cols] in q's dtype. Rows with length 0 are unspecified.
+    """
+    b = q.shape[0]
+    num_pages, page_size, _ = k_pages.shape
+    g = layout.group_size
+    classes, class_of = width_classes(layout)
+    n_slots = math.prod(schedule.merge_slots.shape)
+    v_max = max(c.v_tile for c in classes)
+    kernel = functools.partial(
+        _kernel, classes=classes, class_of=class_of, group=g, page_size=page_size, window=layout.sliding_window,
+        scale=1.0 / math.sqrt(layout.head_dim), block_tokens=block_tokens, max_step_tokens=max_step_tokens)
+    out_shape = (jax.ShapeDtypeStruct((b, layout.out_cols), q.dtype),
+                 jax.ShapeDtypeStruct((n_slots * g, v_max), jnp.float32),
+                 jax.ShapeDtypeStruct((n_slots * g,), jnp.float32),
+                 jax.ShapeDtypeStruct((n_slots * g,), jnp.float32))
+    out, acc, m, l = pl.pallas_call(
+        kernel, grid=(schedule.num_programs,), out_shape=out_shape, interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="kvjax_paged_decode",
+    )(schedule.items, schedule.counts, lengths.astype(jnp.int32), block_table.astype(jnp.int32), q,
+      k_pages.reshape(num_pages * page_size, -1), v_pages.reshape(num_pages * page_size, -1))
+    return merge(out, acc, m, l, schedule, layout)
+
+
+def paged_decode_reference(q, k_pages, v_pages, block_table, lengths, layout: HeadLayout):
+    """The pure-jnp reference the kernel must match."""
+    from kvjax.attention import paged_decode_attention
+
+    return paged_decode_attention(q, k_pages, v_pages, block_table, lengths, layout)

@@ -1,0 +1,192 @@
+"""Causal flash attention for a batch of prompts whose KV heads have their own K and V widths; writes K/V pages.
+
+One program per work item (prompt, query head, block of query rows), items listed in a static int32 table built
+at trace time. Balancing follows the papers: a head class of width ``k + v`` gets query blocks
+``block_q * 256 / (k_tile + v_tile)`` rows tall (capped), so every item does about the same work per key whatever
+its width; items are then ordered longest first (causal blocks late in the prompt see more keys), so the hardware
+scheduler packs the short ones into the tail. ``balanced=False`` is the ablation: ``block_q`` rows for every head,
+natural (prompt, head, block) order. Heads sharing (K width, V width) share one code path chosen by ``lax.switch``.
+
+When pages are given, the program that owns the first query head of a KV group also stores the diagonal K/V blocks
+it has already loaded into the paged cache (``input_output_aliases``: in place when the caller donates the pages).
+
+Lowering: Pallas's Triton backend, for the same reasons as ``decode.py`` (masked loads at 16-column offsets inside
+packed rows, per-token page addresses for the cache write, CPU interpret mode for CI); Triton picks Hopper's wgmma
+for the [block_q, width] x [width, block_k] dots itself.
+
+Measured on the H100 (bench/RESULTS.md): 256-row blocks with 8 warps gave wrong results (relative error 5e-2 to
+9e-2; right with 4 warps and in interpret mode), so blocks are capped at 128 rows by default; float32 tiles are
+halved to fit shared memory. This kernel reaches about a third of the matmul rate, about half of cuDNN's, so a
+rate-0.5 plan does not yet beat cuDNN on uncompressed heads: the next steps are one program per KV group (its G
+query heads share each K/V tile) and Mosaic GPU's wgmma pipeline.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kvjax.layout import HeadLayout
+from kvjax.pallas.common import LOG2E, MASK, dot_precision, lookup, offset16, pow2_floor, width_classes
+
+
+def block_rows(cls, block_q: int, seq_len: int, balanced: bool, max_rows: int) -> int:
+    """Query rows per item for a head class: taller for narrower heads when balanced."""
+    rows = pow2_floor(block_q * 256 / (cls.k_tile + cls.v_tile)) if balanced else block_q
+    return max(16, min(rows, max_rows, 1 << math.ceil(math.log2(max(seq_len, 16)))))
+
+
+def work_items(layout: HeadLayout, batch: int, seq_len: int, block_q: int, balanced: bool,
+               max_rows: int) -> np.ndarray:
+    """int32 [N, 3] items (prompt, query head, first query row), longest first when balanced."""
+    classes, class_of = width_classes(layout)
+    g = layout.group_size
+    items, costs = [], []
+    for h in range(layout.num_heads):
+        cls = classes[class_of[h // g]]
+        rows = block_rows(cls, block_q, seq_len, balanced, max_rows)
+        for q0 in range(0, seq_len, rows):
+            for b in range(batch):
+                items.append((b, h, q0))
+                costs.append(rows * min(q0 + rows, seq_len) * (cls.k_width + cls.v_width))
+    items = np.asarray(items, np.int32)
+    if balanced:
+        items = items[np.argsort(-np.asarray(costs), kind="stable")]
+    else:
+        items = items[np.lexsort((items[:, 2], items[:, 1], items[:, 0]))]
+    return items
+
+
+def _attend_block(cls, item, refs, *, group, seq_len, page_size, window, scale, block_q, block_k, balanced,
+                  max_rows, write_pages):
+    """One item of a class (static widths): flash attention of its query rows, output store, cache write."""
+    if write_pages:
+        table_ref, q_ref, k_ref, v_ref, _, _, out_ref, kp_ref, vp_ref = refs
+    else:
+        table_ref, q_ref, k_ref, v_ref, out_ref = refs
+    b, h, q0, length = item
+    kw, vw, kt, vt = cls.k_width, cls.v_width, cls.k_tile, cls.v_tile
+    bq = block_rows(cls, block_q, seq_len, balanced, max_rows)
+    bk = min(block_k, bq)
+    precision = dot_precision(k_ref.dtype)
+    kv_head, gi = h // group, h % group
+    qo = offset16(kv_head, cls.heads, cls.q_off) + gi * kw
+    ko, vo = offset16(kv_head, cls.heads, cls.k_off), offset16(kv_head, cls.heads, cls.v_off)
+    oo = offset16(kv_head, cls.heads, cls.o_off) + gi * vw
+
+    rows = q0 + jnp.arange(bq)
+    kc, vc = jnp.arange(kt)[None, :], jnp.arange(vt)[None, :]
+    row_ok = (rows < seq_len)[:, None]
+    q = plgpu.load(q_ref.at[b, rows[:, None], qo + kc], mask=row_ok & (kc < kw), other=0.0)
+    q_end = jnp.minimum(q0 + bq, length)  # keys past the last live query row are never needed
+    writer = (gi == 0) & write_pages
+
+    def body(j, carry, masked):
+        acc, m, l = carry
+        cols = j * bk + jnp.arange(bk)
+        col_ok = (cols < seq_len)[:, None]
+        k = plgpu.load(k_ref.at[b, cols[:, None], ko + kc], mask=col_ok & (kc < kw), other=0.0)
+        v = plgpu.load(v_ref.at[b, cols[:, None], vo + vc], mask=col_ok & (vc < vw), other=0.0)
+        s = plgpu.dot(q, k, trans_b=True, precision=precision) * (scale * LOG2E)
+        if masked:
+            ok = cols[None, :] <= rows[:, None]
+            if window:
+                ok &= rows[:, None] - cols[None, :] < window
+            s = jnp.where(ok, s, MASK)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        if write_pages:
+            tok_ok = (cols >= q0) & (cols < length) & writer
+            page = plgpu.load(table_ref.at[b, jnp.minimum(cols // page_size, table_ref.shape[1] - 1)], mask=tok_ok,
+                              other=0)
+            dest = jnp.where(tok_ok, page * page_size + cols % page_size, kp_ref.shape[0])[:, None]
+            plgpu.store(kp_ref.at[dest, ko + kc], k, mask=tok_ok[:, None] & (kc < kw))
+            plgpu.store(vp_ref.at[dest, vo + vc], v, mask=tok_ok[:, None] & (vc < vw))
+        return acc, m_new, l * alpha + p.sum(axis=1)
+
+    carry = (jnp.zeros((bq, vt), jnp.float32), jnp.full((bq,), MASK, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    live = q0 < length
+    diag_lo = q0 // bk
+    if window:  # the window's lower edge cuts blocks too: mask them all
+        first = jnp.maximum(q0 - window + 1, 0) // bk
+        carry = lax.fori_loop(first, jnp.where(live, pl.cdiv(q_end, bk), first),
+                              functools.partial(body, masked=True), carry)
+    else:
+        carry = lax.fori_loop(0, jnp.where(live, diag_lo, 0), functools.partial(body, masked=False), carry)
+        carry = lax.fori_loop(diag_lo, jnp.where(live, pl.cdiv(q_end, bk), diag_lo),
+                              functools.partial(body, masked=True), carry)
+    acc, _, l = carry
+    out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_ref.dtype)
+    o_mask = row_ok & (vc < vw)
+    plgpu.store(out_ref.at[b, jnp.where(o_mask, rows[:, None], seq_len), oo + vc], out, mask=o_mask)
+
+
+def _kernel(items_ref, lengths_ref, *refs, classes, class_of, group, **static):
+    pid = pl.program_id(0)
+    b, h = items_ref[pid, 0], items_ref[pid, 1]
+    item = (b, h, items_ref[pid, 2], lengths_ref[b])
+    branches = [functools.partial(_attend_block, cls, refs=refs, group=group, **static) for cls in classes]
+    if len(branches) == 1:
+        branches[0](item)
+    else:
+        cls_index = lookup(h // group, tuple(range(len(class_of))), class_of)
+        lax.switch(cls_index, [lambda it, f=f: f(it) for f in branches], item)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "balanced", "block_q", "block_k", "max_block_q", "num_warps",
+                                             "num_stages", "interpret"))
+def prefill_attention(q, k, v, layout: HeadLayout, lengths=None, k_pages=None, v_pages=None, block_table=None, *,
+                      balanced: bool = True, block_q: int = 128, block_k: int = 64, max_block_q: int = 128,
+                      num_warps: int = 8,
+                      num_stages: int = 3, interpret: bool = False):
+    """Causal attention of T prompt tokens among themselves; same contract as ``causal_attention``.
+
+    q [B, T, q_cols], k [B, T, k_cols], v [B, T, v_cols]; lengths [B] (default T): rows at positions >= length
+    are unspecified. With k_pages/v_pages [num_pages, page_size, cols] and block_table [B, pages_per_seq], also
+    writes K/V rows at positions < length into the pages and returns (out, k_pages, v_pages); else returns out.
+    """
+    b, t, _ = q.shape
+    if jnp.dtype(q.dtype).itemsize == 4:  # float32 tiles: 128 rows x 3 stages asked for 384 KB of shared memory
+        block_q, max_block_q, block_k = min(block_q, 64), min(max_block_q, 64), min(block_k, 32)
+        num_stages = min(num_stages, 2)
+    classes, class_of = width_classes(layout)
+    items = jnp.asarray(work_items(layout, b, t, block_q, balanced, max_block_q))
+    lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+    write = k_pages is not None
+    page_size = k_pages.shape[1] if write else 1
+    kernel = functools.partial(
+        _kernel, classes=classes, class_of=class_of, group=layout.group_size, seq_len=t, page_size=page_size,
+        window=layout.sliding_window, scale=1.0 / math.sqrt(layout.head_dim), block_q=block_q, block_k=block_k,
+        balanced=balanced, max_rows=max_block_q, write_pages=write)
+    out_shape = [jax.ShapeDtypeStruct((b, t, layout.out_cols), q.dtype)]
+    args = [items, lengths, jnp.zeros((b, 1), jnp.int32) if block_table is None else block_table.astype(jnp.int32),
+            q, k, v]
+    aliases = {}
+    if write:
+        flat = [p.reshape(-1, p.shape[-1]) for p in (k_pages, v_pages)]
+        out_shape += [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in flat]
+        args += flat
+        aliases = {6: 1, 7: 2}
+    res = pl.pallas_call(
+        kernel, grid=(items.shape[0],), out_shape=out_shape, input_output_aliases=aliases, interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="kvjax_prefill_attention",
+    )(*args)
+    if write:
+        return res[0], res[1].reshape(k_pages.shape), res[2].reshape(v_pages.shape)
+    return res[0]
+
+
+def prefill_attention_reference(q, k, v, layout: HeadLayout):
+    """The pure-jnp reference the kernel must match."""
+    from kvjax.attention import causal_attention
+
+    return causal_attention(q, k, v, layout)

@@ -1,0 +1,122 @@
+"""The host decode schedule: every visible page planned exactly once, splits merged, LPT balanced, shapes fixed."""
+import numpy as np
+import pytest
+
+from kvjax.layout import HeadLayout
+from kvjax.schedule import (END_PAGE, FIRST_PAGE, HEAD, SEQ, SLOT, DecodePlanner, build_decode_schedule,
+                            static_decode_schedule)
+
+
+def random_layouts(rng, num_layers, heads=8, window=None):
+    widths = lambda: tuple(int(w) for w in rng.choice(np.arange(16, 129, 16), heads))
+    return [HeadLayout(4 * heads, heads, 128, widths(), widths(), window) for _ in range(num_layers)]
+
+
+def planned_items(schedule, layer):
+    """(seq, head, first, end, slot) of every real item of one layer."""
+    items, counts = schedule.items[layer], schedule.counts[layer]
+    return [tuple(items[p, i]) for p in range(items.shape[0]) for i in range(counts[p])]
+
+
+@pytest.mark.parametrize("order", ["lpt", "naive"])
+@pytest.mark.parametrize("window", [None, 200])
+def test_every_visible_page_once(order, window):
+    rng = np.random.default_rng()
+    layouts = random_layouts(rng, 3, window=window)
+    lengths = rng.integers(0, 3000, 11)
+    lengths[0], lengths[1] = 1, 0
+    ps, headroom = 16, int(rng.integers(0, 3))
+    plan = build_decode_schedule(lengths, layouts, ps, int(rng.integers(4, 40)), order=order, headroom_pages=headroom,
+                                 min_chunk_tokens=32)
+    s = plan.schedule
+    for layer, lay in enumerate(layouts):
+        covered = {}
+        for seq, head, first, end, slot in planned_items(s, layer):
+            assert first < end
+            for page in range(first, end):
+                assert (seq, head, page) not in covered
+                covered[seq, head, page] = slot
+        for b, n in enumerate(lengths):
+            for h in range(lay.num_kv_heads):
+                pages = [p for (sb, sh, p) in covered if (sb, sh) == (b, h)]
+                if n == 0:
+                    assert not pages
+                    continue
+                last = -(-n // ps) + headroom
+                first = max(n - window, 0) // ps if window else 0
+                assert sorted(pages) == list(range(first, last))
+    assert plan.covers(lengths) and not plan.covers(lengths + (headroom + 1) * ps)
+
+
+def test_split_groups_have_merge_slots():
+    rng = np.random.default_rng()
+    lay = random_layouts(rng, 1)[0]
+    lengths = rng.integers(100, 20000, 3)
+    s = build_decode_schedule(lengths, lay, 32, 132, min_chunk_tokens=64).schedule
+    items = planned_items(s, 0)
+    chunks = {}
+    for seq, head, first, end, slot in items:
+        chunks.setdefault((seq, head), []).append(slot)
+    splits = s.merge_slots.shape[-1]
+    dest = {tuple(d): m for m, d in enumerate(s.merge_dest[0]) if d[0] >= 0}
+    assert len(dest) == sum(len(v) > 1 for v in chunks.values()) > 0
+    for group, slots in chunks.items():
+        if len(slots) == 1:
+            assert slots == [-1]
+        else:
+            m = dest[group]
+            assert sorted(slots) == sorted(x for x in s.merge_slots[0, m] if x >= 0)
+            assert all(m * splits <= x < (m + 1) * splits for x in slots)
+
+
+def test_lpt_balances_and_beats_naive():
+    rng = np.random.default_rng()
+    layouts = random_layouts(rng, 4)
+    lengths = rng.integers(64, 8192, 48)
+    P = 64
+    lpt = build_decode_schedule(lengths, layouts, 16, P)
+    naive = build_decode_schedule(lengths, layouts, 16, P, order="naive")
+    for layer in range(4):
+        costs = [(e - f) * 16 * (layouts[layer].k_widths[h] + layouts[layer].v_widths[h])
+                 for _, h, f, e, _ in planned_items(lpt.schedule, layer)]
+        avg = lpt.loads[layer].sum() / P
+        assert lpt.loads[layer].max() <= avg + max(costs) + 32 * 64  # the list-scheduling bound
+    assert lpt.loads.max(axis=1).sum() < naive.loads.max(axis=1).sum()
+    assert lpt.balance > 0.9
+
+
+def test_shapes_are_bucketed_int32_and_layers_independent():
+    rng = np.random.default_rng()
+    layouts = random_layouts(rng, 3)
+    lengths = rng.integers(1, 5000, 7)
+    s = build_decode_schedule(lengths, layouts, 32, 40).schedule
+    for a in (s.items, s.counts, s.merge_dest, s.merge_slots):
+        assert a.dtype == np.int32
+    for n in s.items.shape[2:3] + s.merge_slots.shape[1:]:
+        assert n & (n - 1) == 0
+    one = build_decode_schedule(lengths, layouts[1], 32, 40).schedule
+    assert planned_items(one, 0) == planned_items(s, 1)
+
+
+def test_planner_reuses_until_a_sequence_outgrows_its_pages():
+    layouts = random_layouts(np.random.default_rng(), 2)
+    planner = DecodePlanner(layouts, 16, 32, headroom_pages=1)
+    lengths = np.array([5, 16, 17, 40])
+    first = planner(lengths)
+    for step in range(1, 30):
+        schedule = planner(lengths + step)
+        assert planner.plan.covers(lengths + step)
+        if step < 17:  # every sequence keeps at least one spare page for 16 steps
+            assert schedule is first
+    assert 1 < planner.rebuilds <= 3
+    planner(np.array([5, 16, 17]))  # the batch changed
+    assert planner.plan.capacity.shape == (3,)
+
+
+def test_static_schedule_covers_the_whole_table():
+    lay = random_layouts(np.random.default_rng(), 1)[0]
+    s = static_decode_schedule(3, 10, lay, 16, 8)  # one layer: no leading layer axis
+    items = [tuple(s.items[p, i]) for p in range(8) for i in range(s.counts[p])]
+    assert sum(it[END_PAGE] - it[FIRST_PAGE] for it in items) == 3 * 10 * lay.num_kv_heads
+    assert {(it[SEQ], it[HEAD]) for it in items} == {(b, h) for b in range(3) for h in range(lay.num_kv_heads)}
+    assert all(it[SLOT] >= -1 for it in items)
