@@ -79,8 +79,13 @@ class Engine:
         default: the kernels on a GPU, the reference elsewhere."""
         self.model, self.max_batch, self.page_size = model, max_batch, page_size
         self.backend = attention.check_backend(backend or attention.default_backend())
+        kernel_ready = all(w % 16 == 0 for lay in model.layouts for w in lay.k_widths + lay.v_widths)
+        if self.backend != "reference" and not kernel_ready:
+            if backend is not None:
+                raise ValueError("the attention kernels need head widths that are multiples of 16")
+            self.backend = "reference"
         self.planner = None
-        if self.backend != "reference":
+        if self.backend != "reference" and model.module.method != "palu":  # Palu layers take the reference path
             from kvjax.schedule import DecodePlanner
 
             self.planner = DecodePlanner(model.layouts, page_size)

@@ -22,19 +22,23 @@ def _varied_plan_model(model, method="zack"):
     return fold(model, plan, bases)
 
 
-@pytest.mark.parametrize("name,compressed", [("llama", False), ("mistral", True), ("falcon_new", True)])
-def test_kernel_backend_matches_reference_greedy(name, compressed):
+@pytest.mark.parametrize("name,method", [("llama", None), ("mistral", "zack"), ("falcon_new", "zack"),
+                                         ("llama", "palu")])
+def test_kernel_backend_matches_reference_greedy(name, method):
     cfg = dataclasses.replace(TINY_CONFIGS[name], head_dim=64, hidden_size=128)
     model = kvjax.Model.random(cfg, seed=7, scale=5.0)
-    if compressed:
-        model = _varied_plan_model(model)
+    if method:
+        model = _varied_plan_model(model, method)
     prompts = [np.random.default_rng(1).integers(0, 97, n).tolist() for n in (5, 19, 2)]
     ref = kvjax.generate(model, prompts, max_new_tokens=6, max_batch=4, page_size=16, backend="reference")
     ker = kvjax.generate(model, prompts, max_new_tokens=6, max_batch=4, page_size=16, backend="interpret")
     assert [r.tokens for r in ker] == [r.tokens for r in ref]
 
 
-def test_unknown_backend_is_rejected():
+def test_unknown_backend_and_unaligned_widths_are_rejected():
     model = kvjax.Model.random(TINY_CONFIGS["llama"])
     with pytest.raises(ValueError, match="attention backend"):
         kvjax.generate(model, [[1, 2]], max_new_tokens=2, backend="cuda")
+    odd = kvjax.Model.random(dataclasses.replace(TINY_CONFIGS["llama"], head_dim=24, hidden_size=96))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        kvjax.generate(odd, [[1, 2]], max_new_tokens=2, backend="interpret")
