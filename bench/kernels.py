@@ -29,15 +29,18 @@ import sys
 import time
 import warnings
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import attention
-from kvjax.layout import HeadLayout
-from kvjax.schedule import DecodePlanner, build_decode_schedule
-from kvjax.pallas.decode import paged_decode
-from kvjax.pallas.prefill import prefill_attention
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kvjax import attention  # noqa: E402
+from kvjax.layout import HeadLayout  # noqa: E402
+from kvjax.schedule import DecodePlanner, build_decode_schedule  # noqa: E402
+from kvjax.pallas.decode import paged_decode  # noqa: E402
+from kvjax.pallas.prefill import prefill_attention  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 HQ, HKV, D = 32, 8, 128
