@@ -13,13 +13,20 @@ __all__ = ["CalibrationStats", "RankPlan", "calibrate", "calibration_tokens", "c
 BASIS = {"zack": ("qk", "v"), "palu": ("k_pre", "v")}  # each method's K and V bases (CalibrationStats.basis)
 
 
-def make_plan(model, stats: CalibrationStats, *, target_rate=None, removal_rate=None, method="zack",
-              adaptive=True) -> tuple[RankPlan, dict]:
-    """The rank plan and the bases it truncates ({"k": Basis, "v": Basis}), from calibration statistics (cheap)."""
+def _check_request(target_rate, removal_rate, method) -> None:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if (target_rate is None) == (removal_rate is None):
         raise ValueError("give exactly one of target_rate and removal_rate")
+    for name, value in (("target_rate", target_rate), ("removal_rate", removal_rate)):
+        if value is not None:
+            check_rate(name, value)
+
+
+def make_plan(model, stats: CalibrationStats, *, target_rate=None, removal_rate=None, method="zack",
+              adaptive=True) -> tuple[RankPlan, dict]:
+    """The rank plan and the bases it truncates ({"k": Basis, "v": Basis}), from calibration statistics (cheap)."""
+    _check_request(target_rate, removal_rate, method)
     k_basis, v_basis = (stats.basis(kind, model) for kind in BASIS[method])
     if target_rate is not None:
         plan = RankPlan.for_target_rate(method, k_basis.s, v_basis.s, target_rate, adaptive)
@@ -36,17 +43,11 @@ def compress(model, target_rate=None, removal_rate=None, method="zack", adaptive
     ``removal_rate`` (the singular-value mass r each head may drop). ``calibration``: "random" token ids, "text"
     (Python's pydoc topics), "text:PATH", or token ids. ``method="palu"`` is the pre-RoPE low-rank baseline.
     """
-    for name, value in (("target_rate", target_rate), ("removal_rate", removal_rate)):
-        if value is not None:
-            check_rate(name, value)
+    _check_request(target_rate, removal_rate, method)  # before the (slow) calibration
     if model.plan is not None:
         raise ValueError("model is already compressed; compress the original model")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if (target_rate is None) == (removal_rate is None):
-        raise ValueError("give exactly one of target_rate and removal_rate")
     tokens = calibration_tokens(model, calibration, num_tokens, min(seq_len, num_tokens), seed)
     stats = calibrate(model, tokens, batch_size=batch_size, progress=progress)
-    plan, rotations = make_plan(model, stats, target_rate=target_rate, removal_rate=removal_rate, method=method,
-                                adaptive=adaptive)
-    return fold(model, plan, rotations)
+    plan, bases = make_plan(model, stats, target_rate=target_rate, removal_rate=removal_rate, method=method,
+                            adaptive=adaptive)
+    return fold(model, plan, bases)
