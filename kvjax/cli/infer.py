@@ -48,7 +48,8 @@ def main(argv=None) -> int:
         prog="kvjax-infer", description="Run greedy or sampled generation for every prompt of a JSONL file.",
         epilog="Each input line is {\"prompt\": \"text\" or [token ids]}; each output line adds \"text\", "
                "\"tokens\" and \"finish_reason\". The output is written only once every prompt has finished.")
-    p.add_argument("--model", required=True, help="Hugging Face directory, .gguf file, kvjax checkpoint (Model.save, convert/convert.py), "
+    p.add_argument("--model", required=True,
+                   help="Hugging Face directory, .gguf file, kvjax checkpoint (Model.save, convert/convert.py), "
                         "or 'smollm2' (embedded)")
     p.add_argument("--prompts", required=True, help="input JSONL file")
     p.add_argument("--out", required=True, help="output JSONL file (replaced atomically)")
