@@ -66,7 +66,7 @@ class Model:
         return Model(module, self.tokenizer, self.plan)
 
     def save(self, directory: str, *, overwrite: bool = False) -> str:
-        """Write an orbax checkpoint + ``kvjax.json`` (+ ``plan.json``, tokenizer) atomically; ``kvjax.load`` reads it."""
+        """Write orbax params + ``kvjax.json`` (+ ``plan.json``, tokenizer) atomically; ``kvjax.load`` reads it."""
         from kvjax.saving import save
 
         return save(self, directory, overwrite=overwrite)

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from kvjax import attention
-from kvjax.cache import NULL_PAGE, CacheFullError, PageAllocator, PagedKVCache, block_table, bytes_per_token, write_pages
+from kvjax.cache import (NULL_PAGE, CacheFullError, PageAllocator, PagedKVCache, block_table, bytes_per_token,
+                         write_pages)
 from kvjax.layout import HeadLayout
 
 

@@ -22,7 +22,8 @@ def _read_prompts(path: str) -> list:
                 prompt = record["prompt"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise SystemExit(f"{path}:{n}: expected a JSON object with a \"prompt\" key ({e})")
-            if not isinstance(prompt, str) and not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+            is_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+            if not isinstance(prompt, str) and not is_ids:
                 raise SystemExit(f"{path}:{n}: \"prompt\" must be a string or a list of token ids")
             prompts.append(prompt)
     if not prompts:
