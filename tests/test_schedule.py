@@ -95,7 +95,10 @@ def test_shapes_are_bucketed_int32_and_layers_independent():
     for n in s.items.shape[2:3] + s.merge_slots.shape[1:]:
         assert n & (n - 1) == 0
     one = build_decode_schedule(lengths, layouts[1], 32, 40).schedule
-    assert planned_items(one, 0) == planned_items(s, 1)
+    # the same items on the same programs in the same order; partial slots are numbered within the merge table,
+    # whose bucketed width is shared by all layers, so compare only whether an item is direct or partial
+    same_work = lambda sched, layer: [item[:4] + (item[4] < 0,) for item in planned_items(sched, layer)]  # noqa
+    assert same_work(one, 0) == same_work(s, 1)
 
 
 def test_planner_reuses_until_a_sequence_outgrows_its_pages():
