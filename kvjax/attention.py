@@ -20,10 +20,10 @@ def _attend_groups(q, k, v, mask, layout: HeadLayout):
     """q [B, T, q_cols], k [B, S, k_cols], v [B, S, v_cols], mask [B, T, S] -> [B, T, out_cols]."""
     b, t, _ = q.shape
     g_size, scale = layout.group_size, 1.0 / math.sqrt(layout.head_dim)
+    starts = zip(HeadLayout.offsets(layout.k_widths, g_size), HeadLayout.offsets(layout.k_widths),
+                 HeadLayout.offsets(layout.v_widths))
     outs = []
-    for g, (kw, vw) in enumerate(zip(layout.k_widths, layout.v_widths)):
-        qo, ko, vo = (HeadLayout.offsets(layout.k_widths, g_size)[g], HeadLayout.offsets(layout.k_widths)[g],
-                      HeadLayout.offsets(layout.v_widths)[g])
+    for (kw, vw), (qo, ko, vo) in zip(zip(layout.k_widths, layout.v_widths), starts):
         qg = q[..., qo:qo + g_size * kw].reshape(b, t, g_size, kw)
         scores = jnp.einsum("btgd,bsd->bgts", qg, k[..., ko:ko + kw]).astype(jnp.float32) * scale
         scores = jnp.where(mask[:, None], scores, -jnp.inf)

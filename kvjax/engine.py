@@ -7,7 +7,6 @@ width, so a new prompt length or batch size rarely compiles a new step.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -16,11 +15,13 @@ from flax import nnx
 
 from kvjax import attention
 from kvjax.cache import PagedKVCache, PageAllocator, block_table, write_pages
+from kvjax.schedule import DecodePlanner
+from kvjax.schedule import bucket as pow2_bucket
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     """Smallest power of two >= max(n, minimum), capped at ``maximum``."""
-    size = max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+    size = max(minimum, pow2_bucket(n))
     return size if maximum is None else min(size, maximum)
 
 
@@ -86,8 +87,6 @@ class Engine:
             self.backend = "reference"
         self.planner = None
         if self.backend != "reference" and model.module.method != "palu":  # Palu layers take the reference path
-            from kvjax.schedule import DecodePlanner
-
             self.planner = DecodePlanner(model.layouts, page_size)
         self._schedule, self._plan_id = None, -1
         self.pages_per_seq = -(-max_seq_len // page_size)
