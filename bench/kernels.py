@@ -2,17 +2,20 @@
 
     PYTHONPATH=. python3 bench/kernels.py [--only SECTIONS] [--quick] [--json out.json]
 
-Sections run in this order (default: all but autotune and sweep; the whole set takes over 10 minutes on an H100,
-mostly compiling, so split it across calls with --only): autotune, check_decode, decode, schedule, check_prefill,
-prefill, sweep (with prefill: pick the prefill knobs first), lpt. ``--tune`` adds the decode width/knob sweep;
-``--profile uniform:16`` runs one decode call for ncu.
+Sections run in this order (default: check_decode, decode, schedule, check_prefill, prefill, lpt; the whole set
+takes over 10 minutes on an H100, mostly compiling, so split it across calls with --only): widths (decode bandwidth
+by head width, folding on and off), classes (the rate-0.5 layer as one launch per width class), autotune (decode
+knobs per rate), check_decode, decode, schedules (planner options side by side), schedule (host cost),
+check_prefill, prefill, sweep (with prefill: pick the prefill knobs first), lpt. ``--quick`` runs one shape per
+table. ``--profile uniform:16`` runs one decode call for ncu.
 
 Measures, in the same run: the copy bandwidth (a 1 GiB elementwise pass, bytes read + written) and the bf16 matmul
 rate (8192^3). Every timing is the median of several batches of jitted calls queued back to back (device-side
 back to back, no host gaps), divided by the calls; each call's inputs differ (a fresh query per call, and paged
 inputs rotate through block tables over disjoint pages when one call's bytes would fit in L2), so nothing is
-merged, sliced away or served from L2 (contiguous baselines reuse one cache: rows under 2x L2 may read from it). Floors: decode = bytes it must read (K/V rows
-of every visible token + q + out) / copy bandwidth; prefill = causal FLOPs / matmul rate.
+merged, sliced away or served from L2 (contiguous baselines reuse one cache: rows under 2x L2 may read from it).
+Floors: decode = bytes it must read (K/V rows of every visible token + q + out) / copy bandwidth; prefill = causal
+FLOPs / matmul rate.
 
 Shapes are Llama-3.1-8B / Mistral-7B attention (32 query heads, 8 KV heads, head_dim 128, bf16); rank plans come
 from ``rank_plan`` (overall rate 0, 0.5, 0.7; per-head widths with a ~45% coefficient of variation).
@@ -38,7 +41,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvjax import attention  # noqa: E402
 from kvjax.layout import HeadLayout  # noqa: E402
-from kvjax.schedule import DecodePlanner, build_decode_schedule  # noqa: E402
+from kvjax.pallas.common import width_classes  # noqa: E402
+from kvjax.schedule import (SLOT, DecodePlanner, DecodeSchedule, build_decode_schedule, load_balance,  # noqa: E402
+                            realized_loads)
 from kvjax.pallas.decode import paged_decode  # noqa: E402
 from kvjax.pallas.prefill import prefill_attention  # noqa: E402
 
@@ -98,7 +103,8 @@ class PagedCase:
         self.k = randn(ks[0], (n, page_size, layout.k_cols), dtype)
         self.v = randn(ks[1], (n, page_size, layout.v_cols), dtype)
         self.q = randn(ks[2], (batch, layout.q_cols), dtype)
-        perm = np.random.default_rng(int(jax.random.randint(ks[3], (), 0, 2 ** 31 - 1))).permutation(np.arange(1, n)).astype(np.int32)
+        seed = int(jax.random.randint(ks[3], (), 0, 2 ** 31 - 1))
+        perm = np.random.default_rng(seed).permutation(np.arange(1, n)).astype(np.int32)
         self.tables = jnp.asarray(perm[: batch * self.pps * copies].reshape(copies, batch, self.pps))
 
     @property
@@ -293,7 +299,7 @@ def print_checks(rows):
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1e} | {r[4]} | {'yes' if r[5] else 'NO'} |", flush=True)
 
 
-def decode_checks(key):
+def decode_checks(key, match=""):
     """Every decode shape class: GQA groups 1, 2, 4, 8; pages 16 and 32; ragged, 1-token and 32K sequences;
     a sliding window; split groups (merge); bf16 and float32; rate-0, rate-0.5 and odd (non power of two) widths."""
     keys = iter(jax.random.split(key, 16))
@@ -307,8 +313,9 @@ def decode_checks(key):
         ("G2 p32", HeadLayout(4, 2, 64, (32, 64), (64, 16)), 5, [33, 64, 65, 700, 1], 32, f32),
     ]
     rows = []
-    for name, lay, b, lengths, ps, dt in cases:
+    for name, lay, b, lengths, ps, dt in [c for c in cases if match in c[0]]:
         err, (worst, head) = check_decode(next(keys), lay, b, lengths, ps, dt)
+        log(f"decode check {name}: {err:.1e}")
         tol = 1e-2 if dt == bf else 1e-4
         rows.append(("decode", name, jnp.dtype(dt).name, err, f"{worst:.1e} (kv head {head})", err < tol))
     print_checks(rows)
@@ -316,7 +323,7 @@ def decode_checks(key):
     return rows
 
 
-def prefill_checks(key):
+def prefill_checks(key, match=""):
     """Prefill (default knobs) on the rate-0.5 plan, odd widths in float32 and a G=1 sliding window; pages too."""
     keys = iter(jax.random.split(key, 16))
     bf, f32 = jnp.bfloat16, jnp.float32
@@ -326,8 +333,9 @@ def prefill_checks(key):
         ("G1 window 300", WINDOWED, 2, 700, bf, True),
     ]
     rows = []
-    for name, lay, b, t, dt, bal in cases:
+    for name, lay, b, t, dt, bal in [c for c in cases if match in c[0]]:
         err, pages_ok, (worst, head) = check_prefill(next(keys), lay, b, t, dt, bal)
+        log(f"prefill check {name}: {err:.1e}")
         tol = 1e-2 if dt == bf else 1e-4
         rows.append(("prefill", name + ("" if pages_ok else " PAGES WRONG"), jnp.dtype(dt).name, err,
                      f"{worst:.1e} (kv head {head})", err < tol and pages_ok))
@@ -352,24 +360,32 @@ def print_row(r):
           f"{r['floor_us']:.1f} | {ratio:.2f} | {100 / ratio:.0f}% | {speedup} |", flush=True)
 
 
-DECODE_CONFIGS = [dict(programs=264, block_tokens=64, max_step_tokens=512),
-                  dict(programs=264, block_tokens=64, max_step_tokens=128),
-                  dict(programs=792, block_tokens=64, max_step_tokens=128)]
+DECODE_CONFIGS = [dict(programs=264, block_tokens=64, max_step_tokens=512, fold_tokens=64)]  # the kernel's defaults
+DECODE_SWEEP = [dict(programs=p, block_tokens=b, max_step_tokens=m, fold_tokens=f)
+                for p, b, m, f in ((264, 64, 512, 1024), (264, 64, 512, 64), (264, 64, 512, 32), (264, 64, 512, 128),
+                                   (264, 64, 1024, 64), (264, 64, 1024, 128), (264, 128, 1024, 128),
+                                   (264, 64, 256, 32), (396, 64, 512, 64), (528, 64, 512, 64), (528, 64, 256, 32))]
+
+
+def knobs_of(cfg):
+    """The kernel's keyword arguments in a config (everything but the program count, which the schedule fixes)."""
+    return {k: v for k, v in cfg.items() if k != "programs"}
 
 
 def decode_autotune(key, bw, rates):
-    """Per rate plan, the fastest of DECODE_CONFIGS at batch 32, 4K (the table then uses it for every shape)."""
-    print("\n| rate | programs | block / max step tokens | time us | % of copy bw |\n|---|---|---|---|---|")
+    """Per rate plan, the fastest of DECODE_SWEEP at batch 32, 4K (the table then uses it for every shape).
+
+    fold_tokens 1024 turns folding off (no step has that many tokens per fold)."""
+    print("\n| rate | programs | block / max step / fold tokens | time us | % of copy bw |\n|---|---|---|---|---|")
     best = {}
     for rate in rates:
         lay = pick_layer(rank_plan(rate), rate)
         case = PagedCase(lay, 32, np.full(32, 4096), 32, 1, key)
-        for cfg in DECODE_CONFIGS:
+        for cfg in DECODE_SWEEP:
             plan = build_decode_schedule(case.lengths, lay, 32, cfg["programs"])
-            knobs = dict(block_tokens=cfg["block_tokens"], max_step_tokens=cfg["max_step_tokens"])
-            t = time_calls(*kvjax_decode_call(case, plan.schedule.layer(0), key, **knobs))
-            print(f"| {rate} | {cfg['programs']} | {cfg['block_tokens']} / {cfg['max_step_tokens']} | {t * 1e6:.1f} | "
-                  f"{100 * case.bytes / bw / t:.0f}% |", flush=True)
+            t = time_calls(*kvjax_decode_call(case, plan.schedule.layer(0), key, **knobs_of(cfg)))
+            print(f"| {rate} | {cfg['programs']} | {cfg['block_tokens']} / {cfg['max_step_tokens']} / "
+                  f"{cfg['fold_tokens']} | {t * 1e6:.1f} | {100 * case.bytes / bw / t:.0f}% |", flush=True)
             if rate not in best or t < best[rate][0]:
                 best[rate] = (t, cfg)
         del case
@@ -377,7 +393,7 @@ def decode_autotune(key, bw, rates):
     return {r: cfg for r, (t, cfg) in best.items()}
 
 
-def decode_table(key, bw, shapes, rates, quick, tuned):
+def decode_table(key, bw, shapes, rates, quick, tuned, orders=("lpt", "naive")):
     """kvjax (per-rate tuned knobs) vs naive order, JAX paged_attention, cuDNN and Palu, beside the floor."""
     print("\n| kernel | batch | ctx | rate | K+V cols | time us | floor us | time/floor | % of copy bw | vs rate 0 |"
           "\n|---|---|---|---|---|---|---|---|---|---|")
@@ -391,8 +407,8 @@ def decode_table(key, bw, shapes, rates, quick, tuned):
             case = PagedCase(lay, batch, np.full(batch, ctx), 32, copies_for(nbytes), key)
             floor = case.bytes / bw
             cfg = tuned[rate]
-            knobs = dict(block_tokens=cfg["block_tokens"], max_step_tokens=cfg["max_step_tokens"])
-            for order in (("lpt", "naive") if rate > 0 else ("lpt",)):
+            knobs = knobs_of(cfg)
+            for order in (orders if rate > 0 else ("lpt",)):
                 t0 = time.perf_counter()
                 plan = build_decode_schedule(case.lengths, lay, 32, cfg["programs"], order=order)
                 host = time.perf_counter() - t0
@@ -430,6 +446,50 @@ def decode_table(key, bw, shapes, rates, quick, tuned):
     return rows
 
 
+def pad_schedule(s: DecodeSchedule, rounds: int, groups: int, splits: int) -> DecodeSchedule:
+    """One layer's schedule in larger fixed shapes (partial slots renumbered), so that differently built plans of
+    one layout share one compiled kernel in a comparison."""
+    S = s.merge_slots.shape[1]
+    renumber = lambda slot: np.where(slot >= 0, slot // S * splits + slot % S, slot)  # noqa: E731
+    items = np.zeros(s.items.shape[:1] + (rounds, 5), np.int32)
+    items[:, : s.items.shape[1]] = s.items
+    items[..., SLOT] = renumber(items[..., SLOT])
+    dest = np.full((groups, 2), -1, np.int32)
+    dest[: len(s.merge_dest)] = s.merge_dest
+    slots = np.full((groups, splits), -1, np.int32)
+    slots[: len(s.merge_slots), :S] = renumber(s.merge_slots)
+    return DecodeSchedule(items, s.counts, dest, slots)
+
+
+SCHEDULE_VARIANTS = [dict(items_per_program=1, token_cost=0), dict(items_per_program=2, token_cost=0),
+                     dict(items_per_program=1, token_cost=32), dict(items_per_program=2, token_cost=32)]
+
+
+def schedule_table(key, bw, cases, programs=264):
+    """Planner options side by side on one compiled kernel per case: finer items (more to balance, more merges)
+    and a per-token cost that weighs narrow heads above their bytes."""
+    print("\n| plan | batch | ctx | items per program | token cost | items | planned balance | time us | "
+          "% of copy bw |\n|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for rate, batch, ctx in cases:
+        lay = pick_layer(rank_plan(rate), rate)
+        nbytes = batch * ctx * (lay.k_cols + lay.v_cols) * 2
+        case = PagedCase(lay, batch, np.full(batch, ctx), 32, copies_for(nbytes), key)
+        plans = [build_decode_schedule(case.lengths, lay, 32, programs, **v) for v in SCHEDULE_VARIANTS]
+        shape = [max(p.schedule.layer(0).items.shape[1] for p in plans),
+                 max(p.schedule.layer(0).merge_slots.shape[0] for p in plans),
+                 max(p.schedule.layer(0).merge_slots.shape[1] for p in plans)]
+        for v, plan in zip(SCHEDULE_VARIANTS, plans):
+            t = time_calls(*kvjax_decode_call(case, pad_schedule(plan.schedule.layer(0), *shape), key))
+            rows.append(dict(rate=rate, batch=batch, ctx=ctx, **v, items=int(plan.num_items[0]),
+                             balance=plan.balance, time_us=t * 1e6, pct=100 * case.bytes / bw / t))
+            print(f"| r{rate} | {batch} | {ctx} | {v['items_per_program']} | {v['token_cost']} | "
+                  f"{rows[-1]['items']} | {plan.balance:.3f} | {t * 1e6:.1f} | {rows[-1]['pct']:.0f}% |", flush=True)
+        del case
+    log("schedule table done")
+    return rows
+
+
 def lpt_table(key, bw, cases, tuned):
     """LPT vs naive order on ragged batches (lengths uniform in [ctx/8, ctx]) with per-head width variation."""
     print("\n| plan | batch | max ctx | order | time us | floor us | % of copy bw | planned balance | host plan ms |"
@@ -442,8 +502,7 @@ def lpt_table(key, bw, cases, tuned):
         case = PagedCase(lay, batch, lengths, 32, copies_for(nbytes), key)
         floor = case.bytes / bw
         cfg = tuned[rate]
-        knobs = dict(block_tokens=cfg["block_tokens"], max_step_tokens=cfg["max_step_tokens"])
-        programs = cfg["programs"]
+        knobs, programs = knobs_of(cfg), cfg["programs"]
         for order in ("lpt", "naive"):
             t0 = time.perf_counter()
             plan = build_decode_schedule(case.lengths, lay, 32, programs, order=order)
@@ -456,42 +515,91 @@ def lpt_table(key, bw, cases, tuned):
     return rows
 
 
-def schedule_cost(decode_us_per_layer: float | None, bw: float):
-    """Host plan cost for a 32-layer rate-0.5 model at batch 256, per build and amortized by DecodePlanner."""
-    layouts = rank_plan(0.5)
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(256, 769, 256)  # mean 512: the shortest step measured, so the largest share
+def schedule_cost(decode_us_per_layer: float | None, bw: float, steps: int = 1024):
+    """Host plan cost for a 32-layer rate-0.5 model at batch 256: per build, and over a run of decode steps (every
+    sequence one token longer per step) kept by DecodePlanner; the balance that aged plans meet at the real lengths
+    (``realized_loads``) beside fresh plans'; the headroom trade-off, rebuilds against aged balance; and what a step
+    loses to planning with builds in the step or ahead on the planner's thread, beside sleeps standing in for the
+    device steps (the host's wait)."""
+    layouts, ps = rank_plan(0.5), 16
+    lengths = np.random.default_rng(0).integers(256, 769, 256)  # mean 512: the shortest step measured, most share
+    default = DecodePlanner(layouts, ps)
     times = []
     for _ in range(20):
         t0 = time.perf_counter()
-        build_decode_schedule(lengths, layouts, 16, headroom_pages=1)
+        default.build(lengths)
         times.append(time.perf_counter() - t0)
     build = statistics.median(times)
-    planner = DecodePlanner(layouts, 16)
-    steps, t0 = 256, time.perf_counter()
-    for s in range(steps):
-        planner(lengths + s)
-    amortized = (time.perf_counter() - t0) / steps
-    print(f"\nschedule host cost, 32 layers, batch 256, lengths 256..768, page 16: {build * 1e3:.2f} ms per build; "
-          f"DecodePlanner over {steps} steps: {planner.rebuilds} rebuilds, {amortized * 1e3:.3f} ms per step")
-    res = dict(build_ms=build * 1e3, amortized_ms=amortized * 1e3, rebuilds=planner.rebuilds, steps=steps)
-    if decode_us_per_layer:
-        weights = 16e9 / bw  # Llama-3.1-8B bf16 weights read once per step
-        step_s = 32 * decode_us_per_layer * 1e-6 + weights
-        res.update(step_ms=step_s * 1e3, build_pct=100 * build / step_s, amortized_pct=100 * amortized / step_s)
+    weights = 16e9 / bw  # Llama-3.1-8B bf16 weights read once per step
+    step_s = 32 * decode_us_per_layer * 1e-6 + weights if decode_us_per_layer else None
+
+    def run(planner, steps, device_s=0.0, every=16):
+        """Host seconds each step spends past ``device_s`` (in the planner, or waiting for the GIL after the sleep),
+        and the balance of its plan at the real lengths every few steps. The first step always builds its plan:
+        ``worst`` leaves it out."""
+        spent, balance = [], []
+        for s in range(steps):
+            t0 = time.perf_counter()
+            planner(lengths + s)
+            if device_s:
+                time.sleep(device_s)
+            spent.append(time.perf_counter() - t0 - device_s)
+            if s % every == 0:
+                balance.append(load_balance(realized_loads(planner.plan.schedule, lengths + s, layouts, ps)))
+        return np.array(spent), np.array(balance)
+
+    fresh = np.mean([load_balance(realized_loads(build_decode_schedule(lengths + s, layouts, ps).schedule,
+                                                 lengths + s, layouts, ps)) for s in range(0, steps, 64)])
+    print(f"\nschedule host cost, 32 layers of the rate-0.5 plan, batch 256, lengths 256..768 growing one token a "
+          f"step, page 16, {default.num_programs} programs: {build * 1e3:.2f} ms per build (median of 20); balance "
+          f"at the real lengths of a fresh plan every step {fresh:.3f}")
+    print(f"\n| headroom tokens | rebuilds in {steps} steps | ms/step amortized | worst step ms | aged balance mean "
+          f"| aged balance worst |\n|---|---|---|---|---|---|")
+    sweep = []
+    for headroom in sorted({16, 64, 128, 256, 512, default.headroom_tokens}):
+        planner = DecodePlanner(layouts, ps, headroom_tokens=headroom, ahead=False)
+        spent, balance = run(planner, steps)
+        sweep.append(dict(headroom_tokens=headroom, rebuilds=planner.rebuilds, amortized_ms=spent.mean() * 1e3,
+                          worst_ms=spent[1:].max() * 1e3, balance_aged=balance.mean(), balance_aged_min=balance.min()))
+        print(f"| {headroom}{' (default)' if headroom == default.headroom_tokens else ''} | {planner.rebuilds} | "
+              f"{spent.mean() * 1e3:.4f} | {spent[1:].max() * 1e3:.2f} | {balance.mean():.3f} | {balance.min():.3f} |")
+    res = dict(build_ms=build * 1e3, steps=steps, balance_fresh=fresh, sweep=sweep,
+               **next(row for row in sweep if row["headroom_tokens"] == default.headroom_tokens))
+
+    device_s = step_s or 0.011
+    print(f"\nhost time per step past a {device_s * 1e3:.1f} ms sleep standing in for the device step, {steps // 2} "
+          f"steps, default planner:")
+    for ahead in (False, True):
+        planner = DecodePlanner(layouts, ps, ahead=ahead)
+        spent, _ = run(planner, steps // 2, device_s, every=steps)
+        name = "ahead" if ahead else "in_step"
+        res.update({f"{name}_ms": np.median(spent) * 1e3, f"{name}_worst_ms": spent[1:].max() * 1e3})
+        print(f"  built {'ahead' if ahead else 'in the step'}: {planner.rebuilds} plans ({planner.built_ahead} built "
+              f"ahead), median {res[f'{name}_ms']:.3f} ms, worst after the first {res[f'{name}_worst_ms']:.2f} ms")
+    if step_s:
+        res.update(step_ms=step_s * 1e3, build_pct=100 * build / step_s,
+                   amortized_pct=100 * res["amortized_ms"] * 1e-3 / step_s,
+                   ahead_worst_pct=100 * res["ahead_worst_ms"] * 1e-3 / step_s)
         print(f"decode step estimate (32 x measured attention at batch 256, 512 tokens + 16 GB of weights at copy "
               f"bandwidth): {step_s * 1e3:.2f} ms -> plan {res['build_pct']:.2f}% per build, "
-              f"{res['amortized_pct']:.2f}% amortized")
+              f"{res['amortized_pct']:.3f}% amortized; built ahead, {res['ahead_worst_pct']:.2f}% of a step at worst")
     return res
 
 
-PREFILL_CONFIGS = [dict(block_q=128, max_block_q=128, num_warps=8), dict(block_q=64, max_block_q=128, num_warps=4),
-                   dict(block_q=128, max_block_q=256, num_warps=4)]
+PREFILL_CONFIGS = [dict(block_q=128, block_k=64, max_block_q=128, num_warps=8, num_stages=3)]  # the defaults
+PREFILL_SWEEP = PREFILL_CONFIGS + [
+    dict(block_q=128, block_k=128, max_block_q=128, num_warps=8, num_stages=3),
+    dict(block_q=128, block_k=128, max_block_q=128, num_warps=8, num_stages=2),
+    dict(block_q=128, block_k=64, max_block_q=128, num_warps=4, num_stages=3),
+    dict(block_q=64, block_k=64, max_block_q=128, num_warps=4, num_stages=3),
+    dict(block_q=128, block_k=32, max_block_q=128, num_warps=4, num_stages=4),
+]
 
 
 def prefill_sweep(key, flops_rate, batch=1, t=4096, rate=0.5):
     """Balanced prefill knobs at rate 0.5: each checked against the reference, timed; returns the fastest correct."""
-    print("\n| block_q | max rows | warps | rel. error | time ms | % of matmul rate |\n|---|---|---|---|---|---|")
+    print("\n| block q / k | max rows | warps | stages | rel. error | time ms | % of matmul rate |"
+          "\n|---|---|---|---|---|---|---|")
     lay = pick_layer(rank_plan(rate), rate)
     ks = jax.random.split(key, 4)
     qs = queries(ks[0], (batch, t, lay.q_cols), 4)
@@ -499,10 +607,11 @@ def prefill_sweep(key, flops_rate, batch=1, t=4096, rate=0.5):
     ref = highest(lambda q, k, v, lay: attention.causal_attention(q, k, v, lay), qs[0][0], k, v, lay)
     flops = 2 * batch * t * (t + 1) / 2 * lay.group_size * (lay.k_cols + lay.v_cols)
     best = None
-    for cfg in PREFILL_CONFIGS:
+    for cfg in PREFILL_SWEEP:
         err = rel_err(prefill_attention(qs[0][0], k, v, lay, **cfg), ref)
         tm = time_calls(lambda k, v, q: prefill_attention(q, k, v, lay, **cfg), (k, v), qs)
-        print(f"| {cfg['block_q']} | {cfg['max_block_q']} | {cfg['num_warps']} | {err:.1e} | {tm * 1e3:.3f} | "
+        print(f"| {cfg['block_q']} / {cfg['block_k']} | {cfg['max_block_q']} | {cfg['num_warps']} | "
+              f"{cfg['num_stages']} | {err:.1e} | {tm * 1e3:.3f} | "
               f"{100 * flops / flops_rate / tm:.0f}% |", flush=True)
         if err < 1e-2 and (best is None or tm < best[0]):
             best = (tm, cfg)
@@ -563,28 +672,48 @@ def print_prefill(r):
           f"{ratio:.2f} | {100 / ratio:.0f}% | {vs} |", flush=True)
 
 
-def tune(key, bw):
-    """Decode at batch 32, 4K: bandwidth by head width (uniform layouts) and the kernel's knobs."""
-    print("\n| layout | programs | block / max step tokens | warps | stages | time us | % of copy bw |"
-          "\n|---|---|---|---|---|---|---|")
-    half = pick_layer(rank_plan(0.5), 0.5)
+def width_sweep(key, bw):
+    """Decode at batch 32, 4K: bandwidth by head width (uniform layouts), with and without folding."""
+    print("\n| layout | fold tokens | time us | % of copy bw |\n|---|---|---|---|")
     uni = lambda w: HeadLayout(HQ, HKV, D, (w,) * HKV, (w,) * HKV)
-    mixed = HeadLayout(HQ, HKV, D, (128, 32) * 4, (128, 32) * 4)
-    # (name, layout, programs, block_tokens, max_step_tokens, warps, stages)
-    sweep = [("rate 0.5", half, 264, 64, 512, 4, 3), ("rate 0.5", half, 528, 64, 128, 4, 3),
-             ("rate 0.5", half, 528, 64, 64, 4, 3), ("rate 0.5", half, 528, 32, 128, 4, 3),
-             ("rate 0.5", half, 792, 64, 128, 4, 3), ("rate 0.5", half, 528, 64, 128, 4, 2),
-             ("uniform 16", uni(16), 528, 64, 128, 4, 3), ("uniform 32", uni(32), 528, 64, 128, 4, 3),
-             ("uniform 128", uni(128), 528, 64, 128, 4, 3), ("alternating 128/32", mixed, 528, 64, 128, 4, 3)]
-    for name, lay, programs, block_tokens, max_step, warps, stages in sweep:
+    sweep = [("rate 0.5", pick_layer(rank_plan(0.5), 0.5)), ("uniform 16", uni(16)), ("uniform 32", uni(32)),
+             ("uniform 64", uni(64)), ("uniform 128", uni(128)),
+             ("alternating 128/32", HeadLayout(HQ, HKV, D, (128, 32) * 4, (128, 32) * 4))]
+    for name, lay in sweep:
         case = PagedCase(lay, 32, np.full(32, 4096), 32, 1, key)
-        plan = build_decode_schedule(case.lengths, lay, 32, programs)
-        t = time_calls(*kvjax_decode_call(case, plan.schedule.layer(0), key, block_tokens=block_tokens,
-                                          max_step_tokens=max_step, num_warps=warps, num_stages=stages))
-        print(f"| {name} | {programs} | {block_tokens} / {max_step} | {warps} | {stages} | {t * 1e6:.1f} | "
-              f"{100 * case.bytes / bw / t:.0f}% |", flush=True)
+        plan = build_decode_schedule(case.lengths, lay, 32, 264)
+        for fold in (1024, 64):
+            t = time_calls(*kvjax_decode_call(case, plan.schedule.layer(0), key, fold_tokens=fold))
+            print(f"| {name} | {fold if fold < 1024 else 'off'} | {t * 1e6:.1f} | {100 * case.bytes / bw / t:.0f}% |",
+                  flush=True)
         del case
-    log("tune done")
+    log("width sweep done")
+
+
+def per_class_launches(key, bw, lay, batch=32, ctx=4096, programs=264):
+    """The experiment behind a design question: the rate-0.5 layer as one launch per width class (each with its
+    own schedule and its own compiled code) instead of one launch that switches between classes."""
+    subs, inputs, nbytes = [], [], 0
+    for cls in width_classes(lay)[0]:
+        n = len(cls.heads)
+        sub = HeadLayout(lay.group_size * n, n, D, (cls.k_width,) * n, (cls.v_width,) * n)
+        case = PagedCase(sub, batch, np.full(batch, ctx), 32, 1, key)
+        sched = build_decode_schedule(case.lengths, sub, 32, programs).schedule.layer(0)
+        subs.append(sub)
+        inputs.append((case.k, case.v, jnp.asarray(case.lengths), sched, case.tables[0]))
+        nbytes += case.bytes
+    qs = [tuple(randn(k, (batch, sub.q_cols)) for sub in subs) for k in jax.random.split(key, 8)]
+
+    def fn(inputs, qs):
+        return [paged_decode(q, k, v, table, lengths, s, sub)
+                for sub, (k, v, lengths, s, table), q in zip(subs, inputs, qs)]
+    t = time_calls(fn, (inputs,), [(q,) for q in qs])
+    case = PagedCase(lay, batch, np.full(batch, ctx), 32, 1, key)
+    plan = build_decode_schedule(case.lengths, lay, 32, programs)
+    one = time_calls(*kvjax_decode_call(case, plan.schedule.layer(0), key))
+    print(f"\n| rate-0.5 layer, batch {batch}, {ctx} tokens | time us | % of copy bw |\n|---|---|---|\n"
+          f"| one launch, classes switched per item | {one * 1e6:.1f} | {100 * case.bytes / bw / one:.0f}% |\n"
+          f"| one launch per width class ({len(subs)}) | {t * 1e6:.1f} | {100 * nbytes / bw / t:.0f}% |", flush=True)
 
 
 def profile_one(spec: str):
@@ -605,12 +734,16 @@ def profile_one(spec: str):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke test: a few checks, one decode shape, one prefill")
-    ap.add_argument("--tune", action="store_true", help="run the decode width/knob sweep")
     ap.add_argument("--profile", help="only run one decode call for ncu: uniform:W or rate:R")
     ap.add_argument("--json", help="write all rows here")
+    ap.add_argument("--shapes", help="decode shapes BxCTX, comma-separated (default: 32x4096,128x4096,1x32768,"
+                                     "256x512; --quick: 32x4096)")
+    ap.add_argument("--rates", default="0,0.5,0.7", help="decode table rates, comma-separated")
+    ap.add_argument("--orders", default="lpt,naive", help="decode table orders for compressed plans")
+    ap.add_argument("--match", default="", help="only the correctness cases whose name contains this")
     ap.add_argument("--only", default="check_decode,decode,schedule,check_prefill,prefill,lpt",
-                    help="comma list of sections, run in this order: autotune,check_decode,decode,schedule,"
-                         "check_prefill,prefill (add sweep: pick prefill knobs first),lpt")
+                    help="comma list of sections, run in this order: widths,classes,autotune,check_decode,decode,"
+                         "schedules,schedule,check_prefill,prefill (add sweep: pick prefill knobs first),lpt")
     args = ap.parse_args(argv)
     if args.profile:
         return profile_one(args.profile)
@@ -630,16 +763,27 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1, default=str)
 
+    if "widths" in only:
+        width_sweep(key, bw)
+    if "classes" in only:
+        per_class_launches(key, bw, pick_layer(rank_plan(0.5), 0.5))
     tuned = {r: DECODE_CONFIGS[0] for r in (0.0, 0.5, 0.7)}  # the defaults; --only autotune picks per rate
     if "autotune" in only:
         tuned = decode_autotune(key, bw, (0.0, 0.5, 0.7))
     result["decode_knobs"] = tuned
     if "check_decode" in only:
-        result["decode_checks"] = decode_checks(key)
+        result["decode_checks"] = decode_checks(key, args.match)
         dump()
     if "decode" in only:
         shapes = ([(32, 4096)] if args.quick else [(32, 4096), (128, 4096), (1, 32768), (256, 512)])
-        result["decode"] = decode_table(key, bw, shapes, (0.0, 0.5, 0.7), args.quick, tuned)
+        if args.shapes:
+            shapes = [tuple(map(int, sh.split("x"))) for sh in args.shapes.split(",")]
+        rates = tuple(float(r) for r in args.rates.split(","))
+        result["decode"] = decode_table(key, bw, shapes, rates, args.quick, tuned, tuple(args.orders.split(",")))
+        dump()
+    if "schedules" in only:
+        result["schedules"] = schedule_table(key, bw, [(0.5, 32, 4096), (0.7, 32, 4096), (0.5, 1, 32768),
+                                                       (0.5, 128, 4096)])
         dump()
     if "schedule" in only:
         per_layer = next((r["time_us"] for r in result.get("decode", []) if r["kernel"] == "kvjax lpt"
@@ -647,12 +791,13 @@ def main(argv=None):
         result["schedule"] = schedule_cost(per_layer, bw)
         dump()
     if "check_prefill" in only:
-        result["prefill_checks"] = prefill_checks(key)
+        result["prefill_checks"] = prefill_checks(key, args.match)
         dump()
     if "prefill" in only:
         knobs = prefill_sweep(key, rate) if "sweep" in only else PREFILL_CONFIGS[0]
-        cases = [(1, 4096, ((0.0, (True,)), (0.5, (True, False)), (0.7, (True,)))),
-                 (1, 16384, ((0.0, ()), (0.5, (True,))))]
+        cases = ([(1, 4096, ((0.0, (True,)), (0.5, (True, False))))] if args.quick else
+                 [(1, 4096, ((0.0, (True,)), (0.5, (True, False)), (0.7, (True,)))),
+                  (1, 16384, ((0.0, ()), (0.5, (True,))))])
         result["prefill"] = prefill_table(key, rate, cases, knobs)
         dump()
     if "lpt" in only:

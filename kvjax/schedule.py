@@ -1,21 +1,25 @@
 """Host-side decode schedule: the "plan" step before each decode kernel "run" (numpy only).
 
 The decode kernel (``kvjax.pallas.decode``) runs ``P`` persistent programs; program ``p`` works through row ``p`` of
-the schedule. A work item is (sequence, KV head, chunk of pages) and costs ``tokens * (k_width + v_width)`` plus a
-small fixed overhead. Groups (sequence, KV head) whose cost exceeds the average load per program are split into
-chunks first, so no item dominates; items are sorted longest first and dealt to the least-loaded program (LPT).
-Dealing runs in rounds of ``P`` items (each round gives its items, longest first, to the programs in order of
-load), vectorized with numpy over all layers at once; an item-by-item heap in Python would cost about a
-microsecond per item (65K items for 32 layers at batch 256). Chunks of a split group write partial softmax states
-to slots that ``merge`` in the kernel module combines afterwards. Measured host cost: bench/RESULTS.md.
+the schedule. A work item is (sequence, KV head, chunk of pages) and costs ``tokens * (k_width + v_width + 32)``
+(the kernel's per-token work that does not shrink with width) plus a small fixed overhead. Groups (sequence, KV
+head) whose cost exceeds the average load per program are split into chunks first, so no item dominates; items are
+sorted longest first and dealt to the least-loaded program (LPT). Dealing runs in rounds of ``P`` items (each round
+gives its items, longest first, to the programs in order of load), vectorized with numpy over all layers at once; an
+item-by-item heap in Python would cost about a microsecond per item (65K items for 32 layers at batch 256). Both
+orders come from sorting packed 64-bit keys (cost or load, then index), cheaper than argsorts. Chunks of a split
+group write partial softmax states to slots that ``merge`` in the kernel module combines afterwards. Measured host
+cost: bench/RESULTS.md.
 
 The schedule depends only on page counts and widths. It covers ``headroom_pages`` pages past each sequence's last
-one (the kernel masks tokens past the real length), so one plan serves every step until a sequence outgrows it or
-the batch changes: ``DecodePlanner`` keeps it until then. All arrays are int32 with power-of-two bucketed shapes,
-so a jitted step that takes them as ordinary arguments recompiles only when a bucket changes.
+one (the kernel stops at the real length), so one plan serves every step until a sequence outgrows it or the
+batch changes: ``DecodePlanner`` keeps it until then, and builds the next one ahead on a background thread. All
+arrays are int32 with power-of-two bucketed shapes, so a jitted step that takes them as ordinary arguments
+recompiles only when a bucket changes.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import dataclasses
 import functools
@@ -31,6 +35,9 @@ H100_SMS = 132
 
 # Item fields, in this order along the last axis of ``DecodeSchedule.items``.
 SEQ, HEAD, FIRST_PAGE, END_PAGE, SLOT = range(5)
+ITEM = np.dtype({"names": ["seq", "head", "first_page", "end_page", "slot"], "formats": [np.int32] * 5})
+ITEM_OVERHEAD = 32 * 64  # an item's fixed cost, in tokens * width
+TOKEN_COST = 32  # a token's fixed cost (page lookup, softmax), in columns of width
 
 
 def bucket(n: int) -> int:
@@ -91,8 +98,8 @@ class DecodePlan:
 
     @property
     def balance(self) -> float:
-        """Mean over layers of (average program load / largest program load); 1.0 is perfect."""
-        return float(np.mean(self.loads.mean(axis=1) / np.maximum(self.loads.max(axis=1), 1)))
+        """Mean over layers of (average program load / largest program load) as planned; 1.0 is perfect."""
+        return load_balance(self.loads)
 
 
 @functools.cache
@@ -114,14 +121,27 @@ def _as_layouts(layouts) -> tuple[HeadLayout, ...]:
     return layouts
 
 
+def _widths(layouts: tuple[HeadLayout, ...], token_cost: int = TOKEN_COST) -> np.ndarray:
+    """[L, H] cost of one token of every head: k_width + v_width, plus ``token_cost`` for the per-token work that
+    does not scale with width (page lookup, softmax)."""
+    return np.array([[k + v + token_cost for k, v in zip(lay.k_widths, lay.v_widths)] for lay in layouts],
+                    np.int64)
+
+
 def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], page_size: int,
-                          num_programs: int | None = None, *, order: str = "lpt", headroom_pages: int = 0,
-                          min_chunk_tokens: int = 256, item_overhead: int = 32 * 64) -> DecodePlan:
+                          num_programs: int | None = None, *, order: str = "lpt", headroom_pages=0,
+                          min_chunk_tokens: int = 256, item_overhead: int = ITEM_OVERHEAD,
+                          items_per_program: int = 1, token_cost: int = TOKEN_COST) -> DecodePlan:
     """Plan decode for sequences of ``lengths`` tokens (new token included) over one layer or all layers.
 
-    order: "lpt" (longest first to the least-loaded program) or "naive" (natural (seq, head, chunk) order dealt
-    round-robin: the ablation). min_chunk_tokens: chunks are never made shorter than this (a chunk's fixed cost
-    then outweighs balance). item_overhead: fixed cost of an item in the units of tokens * width.
+    headroom_pages: pages planned past each sequence's last one (one number, or one per sequence). order: "lpt"
+    (longest first to the least-loaded program) or "naive" (natural (seq, head, chunk) order dealt round-robin:
+    the ablation). min_chunk_tokens: chunks are never made shorter than this (a chunk's fixed cost then outweighs
+    balance). item_overhead: fixed cost of an item in the units of tokens * width. items_per_program: groups are
+    split into chunks no costlier than 1 / items_per_program of the average program load (finer items give LPT
+    more to balance with; each costs a merge slot). token_cost: a token's fixed cost, in columns (0 weighs items
+    by bytes; the kernel's time per token fits about width + 32 over widths 16..128). The defaults measured best
+    on the H100 (bench/kernels.py --only schedules, widths).
     """
     if order not in ("lpt", "naive"):
         raise ValueError(f"order must be 'lpt' or 'naive', not {order!r}")
@@ -130,81 +150,130 @@ def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], p
     P = num_programs or default_num_programs()
     lengths = np.asarray(lengths, np.int64)
     B, L, H = len(lengths), len(layouts), layouts[0].num_kv_heads
-    width = np.array([[k + v for k, v in zip(lay.k_widths, lay.v_widths)] for lay in layouts], np.int64)  # [L,H]
+    page_cost = page_size * _widths(layouts, token_cost)[:, None, :]  # [L, 1, H]
 
     live = lengths > 0
     end_page = np.where(live, -(-lengths // page_size) + headroom_pages, 0)  # [B]
     window = np.array([lay.sliding_window or 0 for lay in layouts], np.int64)[:, None]  # [L, 1]
     first_page = np.where(window > 0, np.maximum(lengths[None] - window, 0) // page_size, 0)
-    first_page = np.minimum(first_page, end_page[None])  # [L, B]
-    pages = (end_page[None] - first_page)[:, :, None]  # [L, B, 1]
+    first_page = np.minimum(first_page, end_page[None])[:, :, None]  # [L, B, 1]
+    pages = end_page[None, :, None] - first_page  # [L, B, 1]
 
-    # Split each (layer, seq, head) group into chunks no costlier than the average program load.
-    cost = pages * page_size * width[:, None, :]  # [L, B, H]
-    avg = np.maximum(cost.sum(axis=(1, 2), keepdims=True) / P, 1)
-    min_pages = max(1, min_chunk_tokens // page_size)
-    chunks = np.minimum(np.ceil(cost / avg), np.maximum(pages // min_pages, 1))
-    chunk_pages = np.broadcast_to(-(-pages // np.maximum(chunks, 1)).astype(np.int64), cost.shape)
-    chunks = np.where(pages > 0, -(-pages // np.maximum(chunk_pages, 1)), 0).reshape(L, B * H)
-    chunk_pages = chunk_pages.reshape(L, B * H)
+    # Split each (layer, seq, head) group into chunks no costlier than the average program load (in integers:
+    # ceil(cost / max(total / P, 1))) and no shorter than min_chunk_tokens. Large batches split nothing.
+    cost = pages * page_cost  # [L, B, H]
+    total = np.maximum(cost.sum(axis=(1, 2)) // items_per_program, P)[:, None, None]
+    chunk_pages, n = pages, np.broadcast_to(pages > 0, cost.shape)  # pages per chunk, chunks per group
+    if np.any(cost.max(axis=(1, 2), keepdims=True) * P > total):
+        chunks = np.minimum(-(-cost * P // total), np.maximum(pages // max(1, min_chunk_tokens // page_size), 1))
+        chunk_pages = -(-pages // np.maximum(chunks, 1))
+        n = np.where(pages > 0, -(-pages // np.maximum(chunk_pages, 1)), 0)
+    n = n.reshape(L, B * H)
+    per_layer = n.sum(axis=1)
+    T, N = int(per_layer.sum()), max(int(per_layer.max(initial=0)), 1)
 
-    # Items in dense [L, N] arrays (natural order: seq, head, chunk), padded with empty items.
-    per_layer = chunks.sum(axis=1)
-    N = int(per_layer.max(initial=0))
-    n = chunks.ravel()
-    group = np.repeat(np.arange(n.size), n)  # flat (layer, seq, head) of every item
+    # Items, layer-major in natural order: each group's first chunk, repeated for the later chunks of split groups
+    # (fixed below), then one empty item at index T that pads the table.
+    fields = np.zeros((L * B * H + 1, 5), np.int32)
+    first = fields[:-1].reshape(L, B, H, 5)
+    first[..., SEQ] = np.arange(B)[:, None]
+    first[..., HEAD] = np.arange(H)
+    first[..., FIRST_PAGE] = first_page
+    first[..., END_PAGE] = first_page + chunk_pages
+    first[..., SLOT] = -1
+    item_cost = (chunk_pages * page_cost + item_overhead).ravel()
+    merge_dest, merge_slots = np.full((L, 1, 2), -1, np.int32), np.full((L, 1, 1), -1, np.int32)
+    if T < n.size or n.max(initial=0) > 1:
+        n = n.ravel().astype(np.int64)
+        fields, item_cost = np.repeat(fields, np.append(n, 1), axis=0), np.repeat(item_cost, n)
+        split = np.flatnonzero(n > 1)  # flat (layer, seq, head) of the groups of several chunks
+        if split.size:
+            # Partial slots, dense per layer: slot = m * S + chunk, m the group's merge index in its layer.
+            ns, layer = n[split], split // (B * H)
+            per = np.bincount(layer, minlength=L)
+            m = np.arange(split.size) - (np.cumsum(per) - per)[layer]
+            S, M = bucket(int(ns.max())), bucket(int(per.max()))
+            k = np.arange(ns.sum()) - np.repeat(np.cumsum(ns) - ns, ns)  # chunk index within its group
+            item = np.repeat((np.cumsum(n) - n)[split], ns) + k
+            group = np.repeat(split, ns)
+            cp = np.broadcast_to(chunk_pages, cost.shape).ravel()[group]
+            p0 = fields[item, FIRST_PAGE] + k * cp
+            p1 = np.minimum(p0 + cp, end_page[fields[item, SEQ]])
+            slot = np.repeat(m * S, ns) + k
+            fields[item, FIRST_PAGE], fields[item, END_PAGE], fields[item, SLOT] = p0, p1, slot
+            item_cost[item] = (p1 - p0) * page_cost.ravel()[group // (B * H) * H + group % H] + item_overhead
+            merge_dest, merge_slots = np.full((L, M, 2), -1, np.int32), np.full((L, M, S), -1, np.int32)
+            merge_dest[layer, m] = np.stack([split % (B * H) // H, split % H], axis=1)
+            merge_slots[np.repeat(layer, ns), np.repeat(m, ns), k] = slot
+
+    # Per layer, the items' columns and costs in dealing order, padded to whole rounds of P with column N (no
+    # item) and cost 0. LPT order: longest first, ties in natural order, by sorting 64-bit keys (cost, column).
     start = np.cumsum(per_layer) - per_layer
-    k = np.arange(group.size) - np.repeat(np.cumsum(n) - n, n)  # chunk index within its group
-    layer_of = group // (B * H)
-    col = np.arange(group.size) - start[layer_of]  # position within its layer
-    g = group % (B * H)
-    seq, head = g // H, g % H
-    p0 = first_page[layer_of, seq] + k * chunk_pages.ravel()[group]
-    p1 = np.minimum(p0 + chunk_pages.ravel()[group], end_page[seq])
-    fields = np.zeros((L, max(N, 1), 6), np.int32)  # per item: seq, head, first, end, slot, cost (0: no item)
-    split = (n > 1)[group]
-    # Partial slots for split groups: dense per layer, slot = merge_index * S + chunk.
-    S = bucket(int(n.max(initial=1)))
-    split_groups = (chunks > 1)
-    m_of_group = np.cumsum(split_groups, axis=1) - 1  # [L, B*H] merge index of each split group
-    M = bucket(int(split_groups.sum(axis=1).max(initial=0)))
-    slot = np.where(split, m_of_group.ravel()[group] * S + k, -1)
-    cost_item = (p1 - p0) * page_size * width[layer_of, head] + item_overhead
-    width_n = fields.shape[1]
-    fields.reshape(-1, 6)[layer_of * width_n + col] = np.stack([seq, head, p0, p1, slot, cost_item], axis=1)
-    merge_dest = np.full((L, M, 2), -1, np.int32)
-    merge_slots = np.full((L, M, S), -1, np.int32)
-    lg, gg = np.nonzero(split_groups)
-    merge_dest[lg, m_of_group[lg, gg]] = np.stack([gg // H, gg % H], axis=1)
-    si = np.flatnonzero(split)
-    merge_slots[layer_of[si], m_of_group.ravel()[group[si]], k[si]] = slot[si]
-
-    # Deal: longest first (16-bit keys: LPT needs the order only roughly, and a radix sort is cheap) or natural.
-    item_cost = fields[..., 5].astype(np.int64)
-    if order == "lpt":
-        key = 65535 - (item_cost * 65535 // max(int(item_cost.max(initial=1)), 1)).astype(np.uint16)
-        by_cost = np.argsort(key, axis=1, kind="stable")  # [L, N]; empty items (cost 0) last
+    costs = np.zeros((L, N), np.int64)
+    if np.all(per_layer == N):
+        costs[:] = item_cost.reshape(L, N)
     else:
-        by_cost = np.broadcast_to(np.arange(width_n), (L, width_n))
-    sorted_cost = np.take_along_axis(item_cost, by_cost, axis=1)
+        for i in range(L):
+            costs[i, :per_layer[i]] = item_cost[start[i]:start[i] + per_layer[i]]
+    cbits, pbits = max(N - 1, 1).bit_length(), max(P - 1, 1).bit_length()
+    if int(costs.sum(axis=1).max()).bit_length() + max(cbits, pbits) > 63:
+        raise ValueError("too much work to plan with 64-bit sort keys")
     rounds = -(-N // P)
+    col = np.full((L, rounds * P), N, np.int64)
+    dealt = np.zeros((L, rounds * P), np.int64)
+    if order == "lpt":
+        top = int(costs.max(initial=0))
+        key = (top - costs) << cbits | np.arange(N)
+        key.sort(axis=1)
+        col[:, :N], dealt[:, :N] = key & ((1 << cbits) - 1), top - (key >> cbits)
+    else:
+        col[:, :N], dealt[:, :N] = np.arange(N), costs
+    col, dealt = col.reshape(L, rounds, P), dealt.reshape(L, rounds, P)
+
+    # Deal in rounds of P: LPT gives each round's items, longest first, to the programs in order of load (ties by
+    # program: sorting 64-bit keys (load, program)); naive deals them round-robin.
+    if order == "lpt":
+        prog = np.empty((L, rounds, P), np.int64)
+        key = np.tile(np.arange(P), (L, 1))
+        for r in range(rounds):
+            if r:
+                key.sort(axis=1)
+            prog[:, r] = key & ((1 << pbits) - 1)
+            key += dealt[:, r] << pbits
+        loads = np.empty((L, P), np.int64)
+        np.put_along_axis(loads, key & ((1 << pbits) - 1), key >> pbits, axis=1)
+    else:
+        prog = np.broadcast_to(np.arange(P), (L, rounds, P))
+        loads = dealt.sum(axis=1)
     R = bucket(rounds)
-    table = np.full((L, P, R), -1, np.int64)  # item (column in fields) at each program and round
-    loads = np.zeros((L, P), np.int64)
-    rows = np.arange(L)[:, None]
-    for r in range(rounds):
-        dealt, c = by_cost[:, r * P:(r + 1) * P], sorted_cost[:, r * P:(r + 1) * P]
-        targets = (np.argsort(loads, axis=1, kind="stable") if order == "lpt"
-                   else np.broadcast_to(np.arange(P), (L, P)))[:, : dealt.shape[1]]
-        table[rows, targets, r] = np.where(c > 0, dealt, -1)
-        loads[rows, targets] += c
-    counts = (table >= 0).sum(axis=2).astype(np.int32)
-    items = fields.reshape(-1, 6)[(rows[:, :, None] * width_n + np.maximum(table, 0)).ravel(), :5]
-    items[(table < 0).ravel()] = 0
-    items = items.reshape(L, P, R, 5)
+    table = np.full((L, P, R), T, np.int32)  # the item at each program and round; T: none
+    where = prog * R + (np.arange(L)[:, None, None] * (P * R) + np.arange(rounds)[:, None])
+    np.put(table, where, np.where(col < per_layer[:, None, None], col + start[:, None, None], T))
+    counts = (table < T).sum(axis=2, dtype=np.int32)
+    # Whole items move as records of five int32 fields: twice as fast as gathering rows of an int32 matrix.
+    items = np.take(fields.view(ITEM).ravel(), table).view(np.int32).reshape(L, P, R, 5)
 
     capacity = np.where(live, end_page * page_size, 0)
     return DecodePlan(DecodeSchedule(items, counts, merge_dest, merge_slots), capacity, loads, per_layer)
+
+
+def realized_loads(schedule: DecodeSchedule, lengths, layouts: Sequence[HeadLayout], page_size: int,
+                   item_overhead: int = ITEM_OVERHEAD) -> np.ndarray:
+    """[L, P] work each program meets at ``lengths`` (which the plan covers): its items' token loops stop at the
+    real lengths, so an aged plan's loads differ from the planned ones. Its balance: ``load_balance``."""
+    lengths = np.asarray(lengths, np.int64)
+    items = schedule.items.astype(np.int64)
+    seq, head, first, end = (items[..., f] for f in (SEQ, HEAD, FIRST_PAGE, END_PAGE))
+    tokens = np.maximum(np.minimum(end * page_size, lengths[seq]) - first * page_size, 0)
+    width = _widths(_as_layouts(layouts))[np.arange(len(items))[:, None, None], head]
+    cost = tokens * width + item_overhead
+    real = np.arange(items.shape[2]) < schedule.counts[..., None]
+    return np.where(real, cost, 0).sum(axis=2)
+
+
+def load_balance(loads: np.ndarray) -> float:
+    """Mean over layers of (average program load / largest program load) of [L, P] loads; 1.0 is perfect."""
+    return float(np.mean(loads.mean(axis=1) / np.maximum(loads.max(axis=1), 1)))
 
 
 def static_decode_schedule(batch: int, pages_per_seq: int, layout: HeadLayout, page_size: int,
@@ -218,20 +287,66 @@ def static_decode_schedule(batch: int, pages_per_seq: int, layout: HeadLayout, p
     return plan.schedule.layer(0)
 
 
-class DecodePlanner:
-    """Keeps one plan until a sequence outgrows it or the batch changes (the builder of vLLM / FlashInfer)."""
+@functools.cache
+def _planning_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """One worker for all planners: builds run beside the steps (numpy drops the GIL in its loops). Started here,
+    with the planner: a step that started it would wait out the GIL's switch interval while it runs a build."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvjax-plan")
+    pool.submit(int).result()
+    return pool
 
-    def __init__(self, layouts, page_size: int, num_programs: int | None = None, *, headroom_pages: int = 1,
-                 **options):
+
+class DecodePlanner:
+    """Keeps one plan until a sequence outgrows it or the batch changes (the builder of vLLM / FlashInfer).
+
+    Each sequence is planned ``min(headroom_tokens, length)`` tokens past its length, in whole pages, so a plan
+    lives about ``headroom_tokens`` steps. The kernel loops only up to the real lengths: spare pages cost no
+    bandwidth, only balance, as the plan weighs sequences by lengths they reach only as it ages. At 128 tokens the
+    rebuilds cost a small fraction of a percent of a step and an aged plan balances nearly as well as a fresh one;
+    each doubling halves the rebuilds but about doubles the balance lost (``bench/kernels.py --only schedule``
+    measures both). Capping at the length keeps rows that barely started (padding rows have length 1) from weighing
+    like long ones.
+
+    ahead: when the sequences that grew in the last step will outgrow the plan within ``headroom_tokens // 4``
+    steps, the next plan is built on a background thread for the lengths expected then (those sequences one token
+    longer per step, the others as they are), and taken then if it covers the lengths (else the step builds one),
+    so steps do not wait for builds. ``rebuilds`` counts the plans taken (the engine's plan id), ``built_ahead``
+    those of them built ahead.
+    """
+
+    def __init__(self, layouts, page_size: int, num_programs: int | None = None, *, headroom_tokens: int = 128,
+                 ahead: bool = True, **options):
         self.layouts, self.page_size = _as_layouts(layouts), page_size
         self.num_programs = num_programs or default_num_programs()
-        self.headroom_pages, self.options = headroom_pages, options
+        self.headroom_tokens, self.ahead, self.options = headroom_tokens, ahead, options
         self.plan: DecodePlan | None = None
-        self.rebuilds = 0
+        self.rebuilds = self.built_ahead = 0
+        self._next: concurrent.futures.Future | None = None
+        self._last = np.zeros(0, np.int64)  # the lengths of the previous call
+        if ahead:
+            _planning_thread()
+
+    def build(self, lengths) -> DecodePlan:
+        """A plan for these lengths with this planner's headroom, built in the calling thread."""
+        lengths = np.asarray(lengths)
+        headroom = -(-np.minimum(self.headroom_tokens, lengths) // self.page_size)
+        return build_decode_schedule(lengths, self.layouts, self.page_size, self.num_programs,
+                                     headroom_pages=headroom, **self.options)
 
     def __call__(self, lengths) -> DecodeSchedule:
+        lengths = np.asarray(lengths)
+        last, self._last = self._last, lengths.copy()
         if self.plan is None or not self.plan.covers(lengths):
-            self.plan = build_decode_schedule(lengths, self.layouts, self.page_size, self.num_programs,
-                                              headroom_pages=self.headroom_pages, **self.options)
-            self.rebuilds += 1
+            ahead, self._next = self._next, None
+            plan = ahead.result() if ahead is not None else None
+            if plan is not None and plan.covers(lengths):
+                self.built_ahead += 1
+            else:
+                plan = self.build(lengths)
+            self.plan, self.rebuilds = plan, self.rebuilds + 1
+        elif self.ahead and self._next is None and last.shape == lengths.shape and np.any(grows := lengths > last):
+            steps_left = int((self.plan.capacity - lengths)[grows].min())
+            if steps_left <= self.headroom_tokens // 4:
+                expected = np.where(grows, lengths + steps_left + 1, lengths)
+                self._next = _planning_thread().submit(self.build, expected)
         return self.plan.schedule

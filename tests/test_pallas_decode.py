@@ -44,18 +44,20 @@ CASES = {
     "G8 split chunks p32 f32": (HeadLayout(8, 1, 64, (64,), (48,)), [700], 32, jnp.float32, 8, "lpt", 1, 32),
     "G2 naive order p32 bf16": (HeadLayout(4, 2, 64, (32, 64), (64, 16)), [33, 64, 65, 1], 32, jnp.bfloat16, 3,
                                 "naive", 0, 32),
+    "G3 ragged p16 f32": (HeadLayout(6, 2, 64, (16, 64), (32, 16)), [5, 90, 200], 16, jnp.float32, 4, "lpt", 1, 16),
 }
 
 
+@pytest.mark.parametrize("fold_tokens", [16, 64])  # 16: token chunks folded into the score tile's spare rows
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_decode_matches_reference(name):
+def test_decode_matches_reference(name, fold_tokens):
     layout, lengths, ps, dtype, programs, order, headroom, min_chunk = CASES[name]
     rng = np.random.default_rng()
     q, k, v, table, lens = paged_inputs(rng, layout, lengths, ps, dtype)
     plan = build_decode_schedule(lengths, layout, ps, programs, order=order, headroom_pages=headroom,
                                  min_chunk_tokens=min_chunk)
-    out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, block_tokens=16, max_step_tokens=32,
-                       interpret=True)
+    out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, block_tokens=16, max_step_tokens=64,
+                       fold_tokens=fold_tokens, interpret=True)
     assert out.shape == (len(lengths), layout.out_cols) and out.dtype == dtype
     assert rel_err(out, reference(q, k, v, table, lens, layout)) < (1e-4 if dtype == jnp.float32 else 1e-2)
 
@@ -93,3 +95,4 @@ def test_decode_on_gpu(dtype):
     plan = build_decode_schedule(lengths, layout, 32, headroom_pages=1)
     out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout)
     assert rel_err(out, reference(q, k, v, table, lens, layout)) < (1e-4 if dtype == jnp.float32 else 1e-2)
+

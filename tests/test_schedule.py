@@ -3,8 +3,13 @@ import numpy as np
 import pytest
 
 from kvjax.layout import HeadLayout
-from kvjax.schedule import (END_PAGE, FIRST_PAGE, HEAD, SEQ, SLOT, DecodePlanner, build_decode_schedule,
-                            static_decode_schedule)
+from kvjax.schedule import (END_PAGE, FIRST_PAGE, HEAD, ITEM_OVERHEAD, SEQ, SLOT, TOKEN_COST, DecodePlanner,
+                            build_decode_schedule, load_balance, realized_loads, static_decode_schedule)
+
+
+def token_cost(layout, head):
+    """The planner's default cost of one token of a head: its K and V widths and a fixed part."""
+    return layout.k_widths[head] + layout.v_widths[head] + TOKEN_COST
 
 
 def random_layouts(rng, num_layers, heads=8, window=None):
@@ -25,7 +30,8 @@ def test_every_visible_page_once(order, window):
     layouts = random_layouts(rng, 3, window=window)
     lengths = rng.integers(0, 3000, 11)
     lengths[0], lengths[1] = 1, 0
-    ps, headroom = 16, int(rng.integers(0, 3))
+    ps = 16
+    headroom = rng.integers(0, 3, len(lengths)) if rng.random() < 0.5 else int(rng.integers(0, 3))  # per sequence
     plan = build_decode_schedule(lengths, layouts, ps, int(rng.integers(4, 40)), order=order, headroom_pages=headroom,
                                  min_chunk_tokens=32)
     s = plan.schedule
@@ -42,7 +48,7 @@ def test_every_visible_page_once(order, window):
                 if n == 0:
                     assert not pages
                     continue
-                last = -(-n // ps) + headroom
+                last = -(-n // ps) + np.broadcast_to(headroom, lengths.shape)[b]
                 first = max(n - window, 0) // ps if window else 0
                 assert sorted(pages) == list(range(first, last))
     assert plan.covers(lengths) and not plan.covers(lengths + (headroom + 1) * ps)
@@ -81,7 +87,7 @@ def test_lpt_balances_and_beats_naive():
         lpt = build_decode_schedule(lengths, layouts, 16, P)
         naive = build_decode_schedule(lengths, layouts, 16, P, order="naive")
         for layer in range(4):
-            costs = [(e - f) * 16 * (layouts[layer].k_widths[h] + layouts[layer].v_widths[h])
+            costs = [(e - f) * 16 * token_cost(layouts[layer], h)
                      for _, h, f, e, _ in planned_items(lpt.schedule, layer)]
             avg = lpt.loads[layer].sum() / P
             assert lpt.loads[layer].max() <= avg + max(costs) + 32 * 64  # the list-scheduling bound
@@ -106,9 +112,45 @@ def test_shapes_are_bucketed_int32_and_layers_independent():
     assert same_work(one, 0) == same_work(s, 1)
 
 
+def test_lpt_deal_matches_a_plain_loop():
+    """The vectorized deal gives every program the same items in the same order as round-by-round LPT in Python:
+    items sorted by cost (ties in natural order), each round's items to the programs by load (ties by index)."""
+    rng = np.random.default_rng()
+    layouts = random_layouts(rng, 2)
+    lengths = rng.integers(0, 4000, 21)
+    ps, P = 16, int(rng.integers(3, 30))
+    s = build_decode_schedule(lengths, layouts, ps, P, min_chunk_tokens=64).schedule
+    for layer, lay in enumerate(layouts):
+        items = sorted(planned_items(s, layer))  # natural order: seq, head, first page
+        cost = [(e - f) * ps * token_cost(lay, h) + ITEM_OVERHEAD for _, h, f, e, _ in items]
+        order = sorted(range(len(items)), key=lambda i: (-cost[i], i))
+        loads, rows = np.zeros(P, np.int64), [[] for _ in range(P)]
+        for r in range(0, len(order), P):
+            for program, i in zip(np.argsort(loads, kind="stable"), order[r:r + P]):
+                rows[program].append(items[i])
+                loads[program] += cost[i]
+        assert rows == [[tuple(it) for it in s.items[layer, p, :s.counts[layer, p]]] for p in range(P)]
+
+
+def test_realized_loads_clip_items_to_the_real_lengths():
+    rng = np.random.default_rng()
+    layouts = random_layouts(rng, 3)
+    lengths = rng.integers(0, 3000, 9)
+    ps = 16
+    plan = build_decode_schedule(lengths, layouts, ps, 16, headroom_pages=rng.integers(0, 20, 9),
+                                 min_chunk_tokens=32)
+    # at the lengths it was planned for, the plan meets exactly its planned loads
+    assert np.array_equal(realized_loads(plan.schedule, plan.capacity, layouts, ps), plan.loads)
+    # at the real lengths, every token is counted once (no window), however far the plan reaches past it
+    real = realized_loads(plan.schedule, lengths, layouts, ps)
+    widths = np.array([[token_cost(lay, h) for h in range(lay.num_kv_heads)] for lay in layouts])
+    assert np.array_equal(real.sum(axis=1), lengths.sum() * widths.sum(axis=1) + ITEM_OVERHEAD * plan.num_items)
+    assert np.all(real <= plan.loads) and 0 < load_balance(real) <= 1
+
+
 def test_planner_reuses_until_a_sequence_outgrows_its_pages():
     layouts = random_layouts(np.random.default_rng(), 2)
-    planner = DecodePlanner(layouts, 16, 32, headroom_pages=1)
+    planner = DecodePlanner(layouts, 16, 32, headroom_tokens=16, ahead=False)
     lengths = np.array([5, 16, 17, 40])
     first = planner(lengths)
     for step in range(1, 30):
@@ -119,6 +161,33 @@ def test_planner_reuses_until_a_sequence_outgrows_its_pages():
     assert 1 < planner.rebuilds <= 3
     planner(np.array([5, 16, 17]))  # the batch changed
     assert planner.plan.capacity.shape == (3,)
+
+
+def test_planner_headroom_is_capped_at_the_length():
+    layouts = random_layouts(np.random.default_rng(), 1)
+    planner = DecodePlanner(layouts, 16, 8, headroom_tokens=100, ahead=False)
+    lengths = np.array([0, 1, 16, 17, 99, 100, 101, 1000])
+    room = np.array([0, 1, 1, 2, 7, 7, 7, 7]) * 16  # min(100, length) rounded up to pages
+    assert np.array_equal(planner.build(lengths).capacity, -(-lengths // 16) * 16 + room)
+
+
+def test_planner_builds_ahead():
+    """Growing sequences (with padding rows that stay at length 1 and empty rows): every plan after the first is
+    built ahead for the lengths it meets, and each one taken covers every step it serves."""
+    rng = np.random.default_rng()
+    layouts = random_layouts(rng, 2)
+    batch = 12
+    lengths = np.concatenate([rng.integers(1, 300, batch - 3), [1, 1, 0]])
+    grows = np.arange(batch) < batch - 3
+    planner = DecodePlanner(layouts, 16, 16, headroom_tokens=int(rng.integers(16, 100)))
+    for step in range(300):
+        schedule = planner(lengths + step * grows)
+        assert planner.plan.covers(lengths + step * grows) and schedule is planner.plan.schedule
+        assert np.array_equal(planner.plan.capacity[-3:], [32, 32, 0])  # planned as they are: no growth expected
+    assert planner.rebuilds >= 3 and planner.built_ahead == planner.rebuilds - 1  # a plan lasts < 128 steps
+    taken = planner.built_ahead
+    planner(np.full(batch, 5000))  # outgrew everything: the plan built ahead (if any) does not cover it
+    assert planner.built_ahead == taken and planner.plan.covers(np.full(batch, 5000))
 
 
 def test_static_schedule_covers_the_whole_table():

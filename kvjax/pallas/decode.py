@@ -6,15 +6,19 @@ the chunk's K and V rows out of the packed pages through the block table with an
 either the normalized output (the group's only chunk) or a partial (acc, max, sum) that ``merge`` combines after.
 
 Bytes in flight stay constant as widths shrink: a step moves ``block_tokens * 256 / (k_tile + v_tile)`` tokens
-(capped), so a 32+32-wide head moves 4x the tokens of a 128+128 one per step. Steps with every token visible run
-without masks; only a chunk's last step (or all, under a sliding window) is masked. Heads sharing (K width,
-V width) share one code path, selected per item by ``lax.switch``; their column offsets come from a static table
-and are multiples of 16, so loads are 16-byte vectors and never touch a column the head does not own (tile columns
-past the width masked).
+(capped), so a 32+32-wide head moves 4x the tokens of a 128+128 one per step. The score tile has 16 rows but a
+group only G real query heads, so narrow classes fold the step's tokens into the spare rows: with F folds, rows
+``c*G .. c*G+G-1`` score token chunk ``c`` (F masked copies of q, F dots summed), softmax runs on [16, tokens / F],
+and the folds' softmax states are merged once per item. Steps with every token visible run without masks; only a
+chunk's last step (or all, under a sliding window) is masked. Heads sharing (K width, V width) share one code
+path, selected per item by ``lax.switch``; their column offsets come from a static table and are multiples of
+16, so loads are 16-byte vectors and never touch a column the head does not own (tile columns past the width
+masked).
 
-Measured on the H100 (bench/RESULTS.md): full-width heads read at 94-98% of copy bandwidth, but narrow heads are
-instruction-bound, not memory-bound: the score tile has 16 rows of which only G are real, so softmax work per byte
-grows as widths shrink, and every class shares the register allocation of the worst one.
+Measured on the H100 (bench/RESULTS.md): full-width heads read near copy bandwidth and uniform narrower heads
+progressively less (folding nearly doubled 16-wide heads and left wider ones unchanged); a layer of mixed widths
+(a rate-0.5 plan) reads below each of its widths alone. Narrow heads are instruction-bound, not byte-bound. One
+launch per width class was slower still (each launch too small to fill the GPU, plus its own merge).
 
 Lowering: Pallas's Triton backend. Decode is a gather through the block table of ``[tokens, width]`` tiles at
 16-column-aligned offsets inside a packed row; Triton's masked pointer loads express that directly, its pipeliner
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -42,39 +47,47 @@ BLOCK_H = 16  # query rows per item: a GQA group (G <= 8) padded to the tensor c
 
 
 def step_tokens(k_tile: int, v_tile: int, block_tokens: int, max_tokens: int) -> int:
-    """Tokens per loop step for a head class: ``block_tokens`` at 128+128 wide, more for narrower heads, capped.
-
-    At 512 tokens a narrow class's [16, 512] score tile pushes the kernel to 255 registers (ncu, H100), which holds
-    every class to 2 programs per SM; a cap of 128 with more programs measured slower still, so 512 is the default.
-    """
+    """Tokens per loop step for a head class: ``block_tokens`` at 128+128 wide, more for narrower heads, capped."""
     return min(max_tokens, pow2_floor(block_tokens * 256 / (k_tile + v_tile)))
 
 
-def _attend_item(cls, item, refs, *, group, page_size, window, scale, block_tokens, max_step_tokens):
+def folds(group: int, k_tile: int, step: int, fold_tokens: int) -> int:
+    """How many token chunks of a step share the 16-row score tile (a power of two).
+
+    A group has G real query rows; with F folds, rows ``c*G .. c*G+G-1`` score chunk ``c`` of the step, so softmax
+    work per byte falls F-fold. Bounded by the rows (F*G <= 16), by chunks of at least ``fold_tokens`` tokens, and
+    by F*k_tile <= 256 (the F masked copies of q live in registers for the whole item)."""
+    return max(1, min(pow2_floor(BLOCK_H // group), step // fold_tokens, 256 // k_tile))
+
+
+def _attend_item(cls, item, refs, *, group, page_size, window, scale, block_tokens, max_step_tokens, fold_tokens):
     """Online-softmax attention of one item (its class's widths are static) and the write of its result."""
     table_ref, q_ref, k_ref, v_ref, out_ref, acc_ref, m_ref, l_ref = refs
     seq, head, first, end, slot, length = item
     kw, vw, kt, vt = cls.k_width, cls.v_width, cls.k_tile, cls.v_tile
     bt = step_tokens(kt, vt, block_tokens, max_step_tokens)
+    nf = folds(group, kt, bt, fold_tokens)
+    bc = bt // nf  # tokens per chunk
     precision = dot_precision(k_ref.dtype)
     qo, ko, vo, oo = (offset16(head, cls.heads, offs) for offs in (cls.q_off, cls.k_off, cls.v_off, cls.o_off))
 
     rows = jnp.arange(BLOCK_H)[:, None]
+    chunk_of_row, head_of_row = rows // group, rows % group
     kc, vc = jnp.arange(kt)[None, :], jnp.arange(vt)[None, :]
-    q_mask = (rows < group) & (kc < kw)
-    q = plgpu.load(q_ref.at[seq, jnp.where(q_mask, qo + rows * kw + kc, 0)], mask=q_mask, other=0.0)
+    q_mask = (rows < nf * group) & (kc < kw)
+    q = plgpu.load(q_ref.at[seq, jnp.where(q_mask, qo + head_of_row * kw + kc, 0)], mask=q_mask, other=0.0)
     q = (q.astype(jnp.float32) * (scale * LOG2E)).astype(q.dtype)  # scores come out in log2 units
+    q_folds = [q] if nf == 1 else [jnp.where(chunk_of_row == c, q, 0).astype(q.dtype) for c in range(nf)]
 
     lo = first * page_size
     hi = jnp.minimum(end * page_size, length)
     visible_from = jnp.maximum(length - window, 0) if window else 0
     pages_per_seq = table_ref.shape[1]
 
-    def step(j, carry, masked):
-        acc, m, l = carry
-        tok = lo + j * bt + jnp.arange(bt)
+    def load_chunk(tok, masked):
+        """K and V rows [bc, tile] of tokens ``tok`` through the block table, and which of them are visible."""
+        valid = (tok < hi) & (tok >= visible_from) if masked else None
         if masked:
-            valid = (tok < hi) & (tok >= visible_from)
             page = plgpu.load(table_ref.at[seq, jnp.minimum(tok // page_size, pages_per_seq - 1)], mask=valid,
                               other=0)
         else:
@@ -83,18 +96,29 @@ def _attend_item(cls, item, refs, *, group, page_size, window, scale, block_toke
         k_mask = valid[:, None] if masked else None
         if kt != kw:
             k_mask = (kc < kw) if k_mask is None else k_mask & (kc < kw)
-        k = plgpu.load(k_ref.at[row, ko + kc], mask=k_mask, other=0.0 if k_mask is not None else None)
-        s = plgpu.dot(q, k, trans_b=True, precision=precision)
-        if masked:
-            s = jnp.where(valid[None, :], s, MASK)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
         v_mask = valid[:, None] if masked else None
         if vt != vw:
             v_mask = (vc < vw) if v_mask is None else v_mask & (vc < vw)
+        k = plgpu.load(k_ref.at[row, ko + kc], mask=k_mask, other=0.0 if k_mask is not None else None)
         v = plgpu.load(v_ref.at[row, vo + vc], mask=v_mask, other=0.0 if v_mask is not None else None)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        return k, v, valid
+
+    def step(j, carry, masked):
+        acc, m, l = carry
+        chunks = [load_chunk(lo + j * bt + c * bc + jnp.arange(bc), masked) for c in range(nf)]
+        s = functools.reduce(operator.add, [plgpu.dot(qf, k, trans_b=True, precision=precision)
+                                            for qf, (k, _, _) in zip(q_folds, chunks)])
+        if masked:
+            visible = functools.reduce(operator.or_, [(chunk_of_row == c) & valid[None, :]
+                                                      for c, (_, _, valid) in enumerate(chunks)])
+            s = jnp.where(visible, s, MASK)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        pv = p.astype(k_ref.dtype)
+        pv_folds = [pv] if nf == 1 else [jnp.where(chunk_of_row == c, pv, 0).astype(pv.dtype) for c in range(nf)]
+        acc = acc * alpha[:, None] + functools.reduce(operator.add, [plgpu.dot(pf, v, precision=precision)
+                                                                     for pf, (_, v, _) in zip(pv_folds, chunks)])
         return acc, m_new, l * alpha + p.sum(axis=1)
 
     carry = (jnp.zeros((BLOCK_H, vt), jnp.float32), jnp.full((BLOCK_H,), MASK, jnp.float32),
@@ -103,6 +127,8 @@ def _attend_item(cls, item, refs, *, group, page_size, window, scale, block_toke
     full = 0 if window else span // bt  # steps with every token visible run without masks
     carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
     acc, m, l = lax.fori_loop(full, pl.cdiv(span, bt), functools.partial(step, masked=True), carry)
+    if nf > 1:
+        acc, m, l = _unfold(acc, m, l, group, nf)
 
     # Masked lanes get out-of-range indices: the GPU never touches them, and interpret mode drops them rather than
     # letting a masked lane's write-back collide with a real lane's store.
@@ -117,6 +143,22 @@ def _attend_item(cls, item, refs, *, group, page_size, window, scale, block_toke
     plgpu.store(acc_ref.at[part[:, None], vc], acc, mask=part_mask[:, None] & (vc < vw))
     plgpu.store(m_ref.at[part], m, mask=part_mask)
     plgpu.store(l_ref.at[part], l, mask=part_mask)
+
+
+def _unfold(acc, m, l, group, nf):
+    """Merge the softmax states of the folds: row ``c*G + g`` into row ``g`` (rows past G are left undefined)."""
+    r = jnp.arange(BLOCK_H)
+    head_of_row, real = r % group, r < nf * group
+    m_head = jnp.full((BLOCK_H,), MASK, jnp.float32)
+    for g in range(group):
+        m_head = jnp.where(head_of_row == g, jnp.max(jnp.where(real & (head_of_row == g), m, MASK)), m_head)
+    w = jnp.where(real, jnp.exp2(m - m_head), 0.0)
+    l_head = jnp.zeros((BLOCK_H,), jnp.float32)
+    for g in range(group):
+        l_head = jnp.where(head_of_row == g, jnp.sum(jnp.where(head_of_row == g, l * w, 0.0)), l_head)
+    same_head = (head_of_row[:, None] == head_of_row[None, :]).astype(jnp.float32)
+    acc = plgpu.dot(same_head, acc * w[:, None], precision=lax.Precision.HIGHEST)
+    return acc, m_head, l_head
 
 
 def _kernel(items_ref, counts_ref, lengths_ref, *refs, classes, class_of, **static):
@@ -159,11 +201,11 @@ def merge(out, acc, m, l, schedule: DecodeSchedule, layout: HeadLayout):
     return flat.reshape(b, cols)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "block_tokens", "max_step_tokens", "num_warps", "num_stages",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("layout", "block_tokens", "max_step_tokens", "fold_tokens", "num_warps",
+                                             "num_stages", "interpret"))
 def paged_decode(q, k_pages, v_pages, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout, *,
-                 block_tokens: int = 64, max_step_tokens: int = 512, num_warps: int = 4, num_stages: int = 3,
-                 interpret: bool = False):
+                 block_tokens: int = 64, max_step_tokens: int = 512, fold_tokens: int = 64, num_warps: int = 4,
+                 num_stages: int = 3, interpret: bool = False):
     """One new query per sequence against its paged cache; same contract as ``paged_decode_reference``.
 
     q [B, q_cols]; k_pages [num_pages, page_size, k_cols], v_pages likewise; block_table [B, pages_per_seq] int32;
@@ -178,7 +220,8 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, schedule: DecodeSche
     v_max = max(c.v_tile for c in classes)
     kernel = functools.partial(
         _kernel, classes=classes, class_of=class_of, group=g, page_size=page_size, window=layout.sliding_window,
-        scale=1.0 / math.sqrt(layout.head_dim), block_tokens=block_tokens, max_step_tokens=max_step_tokens)
+        scale=1.0 / math.sqrt(layout.head_dim), block_tokens=block_tokens, max_step_tokens=max_step_tokens,
+        fold_tokens=fold_tokens)
     out_shape = (jax.ShapeDtypeStruct((b, layout.out_cols), q.dtype),
                  jax.ShapeDtypeStruct((n_slots * g, v_max), jnp.float32),
                  jax.ShapeDtypeStruct((n_slots * g,), jnp.float32),

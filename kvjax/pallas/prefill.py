@@ -16,9 +16,10 @@ for the [block_q, width] x [width, block_k] dots itself.
 
 Measured on the H100 (bench/RESULTS.md): 256-row blocks with 8 warps gave wrong results (relative error 5e-2 to
 9e-2; right with 4 warps and in interpret mode), so blocks are capped at 128 rows by default; float32 tiles are
-halved to fit shared memory. This kernel reaches about a third of the matmul rate, about half of cuDNN's, so a
-rate-0.5 plan does not yet beat cuDNN on uncompressed heads: the next steps are one program per KV group (its G
-query heads share each K/V tile) and Mosaic GPU's wgmma pipeline.
+halved to fit shared memory. Steps left of the diagonal load without row masks (every key exists) and the
+cache write happens only in the diagonal steps, where the item's own keys are. This kernel reaches well under
+the matmul rate cuDNN reaches, so a rate-0.5 plan does not yet beat cuDNN on uncompressed heads: the next steps
+are one program per KV group (its G query heads share each K/V tile) and Mosaic GPU's wgmma pipeline.
 """
 from __future__ import annotations
 
@@ -84,16 +85,23 @@ def _attend_block(cls, item, refs, *, group, seq_len, page_size, window, scale, 
     kc, vc = jnp.arange(kt)[None, :], jnp.arange(vt)[None, :]
     row_ok = (rows < seq_len)[:, None]
     q = plgpu.load(q_ref.at[b, rows[:, None], qo + kc], mask=row_ok & (kc < kw), other=0.0)
+    q = (q.astype(jnp.float32) * (scale * LOG2E)).astype(q.dtype)  # scores come out in log2 units
     q_end = jnp.minimum(q0 + bq, length)  # keys past the last live query row are never needed
     writer = (gi == 0) & write_pages
+
+    def load(ref, cols, offset, c, width, tile, masked):
+        """Rows ``cols`` of a head's columns; steps left of the diagonal need no row mask (every key exists)."""
+        mask = (cols < seq_len)[:, None] if masked else None
+        if tile != width:
+            mask = (c < width) if mask is None else mask & (c < width)
+        return plgpu.load(ref.at[b, cols[:, None], offset + c], mask=mask, other=None if mask is None else 0.0)
 
     def body(j, carry, masked):
         acc, m, l = carry
         cols = j * bk + jnp.arange(bk)
-        col_ok = (cols < seq_len)[:, None]
-        k = plgpu.load(k_ref.at[b, cols[:, None], ko + kc], mask=col_ok & (kc < kw), other=0.0)
-        v = plgpu.load(v_ref.at[b, cols[:, None], vo + vc], mask=col_ok & (vc < vw), other=0.0)
-        s = plgpu.dot(q, k, trans_b=True, precision=precision) * (scale * LOG2E)
+        k = load(k_ref, cols, ko, kc, kw, kt, masked)
+        v = load(v_ref, cols, vo, vc, vw, vt, masked)
+        s = plgpu.dot(q, k, trans_b=True, precision=precision)
         if masked:
             ok = cols[None, :] <= rows[:, None]
             if window:
@@ -103,7 +111,7 @@ def _attend_block(cls, item, refs, *, group, seq_len, page_size, window, scale, 
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-        if write_pages:
+        if write_pages and masked:  # the item's own keys (>= q0) all lie in masked steps
             tok_ok = (cols >= q0) & (cols < length) & writer
             page = plgpu.load(table_ref.at[b, jnp.minimum(cols // page_size, table_ref.shape[1] - 1)], mask=tok_ok,
                               other=0)
