@@ -30,15 +30,15 @@ import math
 import statistics
 import sys
 import time
-import warnings
-
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 from kvjax import attention  # noqa: E402
 from kvjax.layout import HeadLayout  # noqa: E402
 from kvjax.pallas.common import width_classes  # noqa: E402
@@ -741,10 +741,16 @@ def main(argv=None):
     ap.add_argument("--rates", default="0,0.5,0.7", help="decode table rates, comma-separated")
     ap.add_argument("--orders", default="lpt,naive", help="decode table orders for compressed plans")
     ap.add_argument("--match", default="", help="only the correctness cases whose name contains this")
+    ap.add_argument("--cache-dir", default=os.path.join(ROOT, ".jaxcache"),
+                    help="JAX's persistent compilation cache (width-mixed kernels are slow to compile; a rerun of an "
+                         "unchanged kernel loads it from here); '' turns it off")
     ap.add_argument("--only", default="check_decode,decode,schedule,check_prefill,prefill,lpt",
                     help="comma list of sections, run in this order: widths,classes,autotune,check_decode,decode,"
                          "schedules,schedule,check_prefill,prefill (add sweep: pick prefill knobs first),lpt")
     args = ap.parse_args(argv)
+    if args.cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     if args.profile:
         return profile_one(args.profile)
     only = set(args.only.split(","))

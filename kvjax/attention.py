@@ -110,15 +110,19 @@ def prefill(q, k, v, layout: HeadLayout, k_pages, v_pages, block_table, lengths,
                              interpret=backend == "interpret")
 
 
-def decode(q, k_pages, v_pages, block_table, lengths, layout: HeadLayout, *, backend="reference", schedule=None,
-           rebuild=None):
-    """One query per sequence against its paged cache (the new token's K/V already written).
+def decode(q, k, v, layout: HeadLayout, k_pages, v_pages, block_table, lengths, *, backend="reference",
+           schedule=None, rebuild=None):
+    """One new token per sequence: its K/V [B, cols] written into the pages at position ``lengths - 1``, then its
+    query [B, q_cols] against the whole paged cache. Returns (out, k_pages, v_pages), like ``prefill``.
 
     ``schedule``: this layer's ``kvjax.schedule.DecodeSchedule`` (needed by the kernels; built on the host).
     """
+    positions, valid = (lengths - 1)[:, None], jnp.ones((q.shape[0], 1), bool)
+    k_pages = write_pages(k_pages, block_table, positions, k[:, None], valid)
+    v_pages = write_pages(v_pages, block_table, positions, v[:, None], valid)
     if backend == "reference" or rebuild is not None:
-        return paged_decode_attention(q, k_pages, v_pages, block_table, lengths, layout, rebuild)
+        return paged_decode_attention(q, k_pages, v_pages, block_table, lengths, layout, rebuild), k_pages, v_pages
     from kvjax.pallas.decode import paged_decode
 
-    return paged_decode(q, k_pages, v_pages, block_table, lengths, schedule, layout,
-                        interpret=backend == "interpret")
+    out = paged_decode(q, k_pages, v_pages, block_table, lengths, schedule, layout, interpret=backend == "interpret")
+    return out, k_pages, v_pages

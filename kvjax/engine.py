@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax import attention
-from kvjax.cache import PagedKVCache, PageAllocator, block_table, write_pages
+from kvjax.cache import PagedKVCache, PageAllocator, block_table
 from kvjax.schedule import DecodePlanner
 from kvjax.schedule import bucket as pow2_bucket
 
@@ -57,13 +57,11 @@ def _decode_step(graphdef, state, cache, tokens, positions, table, schedule, key
                  backend):
     module = nnx.merge(graphdef, state)
     ks, vs = list(cache.k), list(cache.v)
-    valid = jnp.ones(positions.shape + (1,), bool)
 
     def attend(i, q, k, v, rebuild=None):
-        ks[i] = write_pages(ks[i], table, positions[:, None], k, valid)
-        vs[i] = write_pages(vs[i], table, positions[:, None], v, valid)
-        out = attention.decode(q[:, 0], ks[i], vs[i], table, positions + 1, module.layouts[i], backend=backend,
-                               schedule=None if schedule is None else schedule.layer(i), rebuild=rebuild)
+        out, ks[i], vs[i] = attention.decode(q[:, 0], k[:, 0], v[:, 0], module.layouts[i], ks[i], vs[i], table,
+                                             positions + 1, backend=backend, rebuild=rebuild,
+                                             schedule=None if schedule is None else schedule.layer(i))
         return out[:, None]
 
     hidden = module.hidden(tokens[:, None], positions[:, None], attend)

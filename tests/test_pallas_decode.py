@@ -77,12 +77,23 @@ def test_one_plan_serves_growing_lengths():
 
 
 def test_attention_seam_with_a_length_blind_schedule():
-    """attention.decode inside jit, with the trace-time schedule planned at the table's full width."""
+    """attention.decode inside jit: the new token's K/V written at length - 1, then the kernel with the trace-time
+    schedule planned at the table's full width; the same out and pages as the reference backend."""
     layout = HeadLayout(4, 2, 32, (32, 16), (16, 32))
-    q, k, v, table, lens = paged_inputs(np.random.default_rng(), layout, [5, 40], 16, jnp.float32)
+    rng = np.random.default_rng()
+    q, k_pages, v_pages, table, lens = paged_inputs(rng, layout, [5, 40], 16, jnp.float32)
+    k_new = jnp.asarray(rng.standard_normal((2, layout.k_cols)), jnp.float32)
+    v_new = jnp.asarray(rng.standard_normal((2, layout.v_cols)), jnp.float32)
     schedule = static_decode_schedule(2, table.shape[1], layout, 16, 4)
-    step = jax.jit(lambda *a: attention.decode(*a, layout, backend="interpret", schedule=schedule))
-    assert rel_err(step(q, k, v, table, lens), reference(q, k, v, table, lens, layout)) < 1e-4
+    outs = {}
+    for backend in ("interpret", "reference"):
+        step = jax.jit(lambda *a, b=backend: attention.decode(*a, backend=b, schedule=schedule), static_argnums=3)
+        outs[backend] = step(q, k_new, v_new, layout, k_pages, v_pages, table, lens)
+    (out, kp, vp), (ref, kp_ref, vp_ref) = outs["interpret"], outs["reference"]
+    assert rel_err(out, ref) < 1e-4
+    assert np.array_equal(kp, kp_ref) and np.array_equal(vp, vp_ref)
+    page, slot = table[1, (40 - 1) // 16], (40 - 1) % 16  # sequence 1's new token sits at position 39
+    assert np.array_equal(kp[page, slot], k_new[1]) and np.array_equal(vp[page, slot], v_new[1])
 
 
 @pytest.mark.gpu
