@@ -360,7 +360,7 @@ def print_row(r):
           f"{r['floor_us']:.1f} | {ratio:.2f} | {100 / ratio:.0f}% | {speedup} |", flush=True)
 
 
-DECODE_CONFIGS = [dict(programs=264, block_tokens=64, max_step_tokens=512, fold_tokens=64)]  # the kernel's defaults
+DECODE_DEFAULTS = dict(programs=264, block_tokens=64, max_step_tokens=512, fold_tokens=64)  # the kernel's
 DECODE_SWEEP = [dict(programs=p, block_tokens=b, max_step_tokens=m, fold_tokens=f)
                 for p, b, m, f in ((264, 64, 512, 1024), (264, 64, 512, 64), (264, 64, 512, 32), (264, 64, 512, 128),
                                    (264, 64, 1024, 64), (264, 64, 1024, 128), (264, 128, 1024, 128),
@@ -586,8 +586,9 @@ def schedule_cost(decode_us_per_layer: float | None, bw: float, steps: int = 102
     return res
 
 
-PREFILL_CONFIGS = [dict(block_q=128, block_k=64, max_block_q=128, num_warps=8, num_stages=3)]  # the defaults
-PREFILL_SWEEP = PREFILL_CONFIGS + [
+PREFILL_DEFAULTS = dict(block_q=128, block_k=64, max_block_q=128, num_warps=8, num_stages=3)  # the kernel's
+PREFILL_SWEEP = [
+    PREFILL_DEFAULTS,
     dict(block_q=128, block_k=128, max_block_q=128, num_warps=8, num_stages=3),
     dict(block_q=128, block_k=128, max_block_q=128, num_warps=8, num_stages=2),
     dict(block_q=128, block_k=64, max_block_q=128, num_warps=4, num_stages=3),
@@ -616,7 +617,7 @@ def prefill_sweep(key, flops_rate, batch=1, t=4096, rate=0.5):
         if err < 1e-2 and (best is None or tm < best[0]):
             best = (tm, cfg)
     log("prefill sweep done")
-    return best[1] if best else PREFILL_CONFIGS[0]
+    return best[1] if best else PREFILL_DEFAULTS
 
 
 def prefill_table(key, flops_rate, cases, knobs):
@@ -773,7 +774,7 @@ def main(argv=None):
         width_sweep(key, bw)
     if "classes" in only:
         per_class_launches(key, bw, pick_layer(rank_plan(0.5), 0.5))
-    tuned = {r: DECODE_CONFIGS[0] for r in (0.0, 0.5, 0.7)}  # the defaults; --only autotune picks per rate
+    tuned = {r: DECODE_DEFAULTS for r in (0.0, 0.5, 0.7)}  # the defaults; --only autotune picks per rate
     if "autotune" in only:
         tuned = decode_autotune(key, bw, (0.0, 0.5, 0.7))
     result["decode_knobs"] = tuned
@@ -800,7 +801,7 @@ def main(argv=None):
         result["prefill_checks"] = prefill_checks(key, args.match)
         dump()
     if "prefill" in only:
-        knobs = prefill_sweep(key, rate) if "sweep" in only else PREFILL_CONFIGS[0]
+        knobs = prefill_sweep(key, rate) if "sweep" in only else PREFILL_DEFAULTS
         cases = ([(1, 4096, ((0.0, (True,)), (0.5, (True, False))))] if args.quick else
                  [(1, 4096, ((0.0, (True,)), (0.5, (True, False)), (0.7, (True,)))),
                   (1, 16384, ((0.0, ()), (0.5, (True,))))])

@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
 
@@ -63,6 +64,16 @@ def width_classes(layout: HeadLayout) -> tuple[tuple[WidthClass, ...], tuple[int
         classes.append(WidthClass(kw, vw, heads, *(tuple(offs[n][h] // 16 for h in heads) for n in "qkvo")))
     class_of = tuple(pairs.index(p) for p in zip(layout.k_widths, layout.v_widths))
     return tuple(classes), class_of
+
+
+def load_columns(ref, lead: tuple, offset, cols, width: int, rows_ok=None):
+    """``ref[*lead, offset + cols]``: a head ``width`` columns wide read through a ``cols``-wide tile. Tile columns
+    past the width and rows not ``rows_ok`` [R] are masked (fetch nothing, read 0); with neither, the load has no
+    mask at all, so it stays plain 16-byte vectors."""
+    mask = None if rows_ok is None else rows_ok[:, None]
+    if cols.shape[-1] != width:
+        mask = (cols < width) if mask is None else mask & (cols < width)
+    return plgpu.load(ref.at[(*lead, offset + cols)], mask=mask, other=None if mask is None else 0.0)
 
 
 def lookup(index, keys, values):

@@ -40,7 +40,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
-from kvjax.pallas.common import LOG2E, MASK, dot_precision, lookup, offset16, pow2_floor, width_classes
+from kvjax.pallas.common import (LOG2E, MASK, dot_precision, load_columns, lookup, offset16, pow2_floor,
+                                 width_classes)
 from kvjax.schedule import END_PAGE, FIRST_PAGE, HEAD, SEQ, SLOT, DecodeSchedule
 
 BLOCK_H = 16  # query rows per item: a GQA group (G <= 8) padded to the tensor cores' smallest M
@@ -93,15 +94,7 @@ def _attend_item(cls, item, refs, *, group, page_size, window, scale, block_toke
         else:
             page = table_ref[seq, tok // page_size]
         row = (page * page_size + tok % page_size)[:, None]
-        k_mask = valid[:, None] if masked else None
-        if kt != kw:
-            k_mask = (kc < kw) if k_mask is None else k_mask & (kc < kw)
-        v_mask = valid[:, None] if masked else None
-        if vt != vw:
-            v_mask = (vc < vw) if v_mask is None else v_mask & (vc < vw)
-        k = plgpu.load(k_ref.at[row, ko + kc], mask=k_mask, other=0.0 if k_mask is not None else None)
-        v = plgpu.load(v_ref.at[row, vo + vc], mask=v_mask, other=0.0 if v_mask is not None else None)
-        return k, v, valid
+        return load_columns(k_ref, (row,), ko, kc, kw, valid), load_columns(v_ref, (row,), vo, vc, vw, valid), valid
 
     def step(j, carry, masked):
         acc, m, l = carry

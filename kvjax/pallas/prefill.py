@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
-from kvjax.pallas.common import LOG2E, MASK, dot_precision, lookup, offset16, pow2_floor, width_classes
+from kvjax.pallas.common import LOG2E, MASK, dot_precision, load_columns, lookup, offset16, pow2_floor, width_classes
 
 
 def block_rows(cls, block_q: int, seq_len: int, balanced: bool, max_rows: int) -> int:
@@ -89,18 +89,12 @@ def _attend_block(cls, item, refs, *, group, seq_len, page_size, window, scale, 
     q_end = jnp.minimum(q0 + bq, length)  # keys past the last live query row are never needed
     writer = (gi == 0) & write_pages
 
-    def load(ref, cols, offset, c, width, tile, masked):
-        """Rows ``cols`` of a head's columns; steps left of the diagonal need no row mask (every key exists)."""
-        mask = (cols < seq_len)[:, None] if masked else None
-        if tile != width:
-            mask = (c < width) if mask is None else mask & (c < width)
-        return plgpu.load(ref.at[b, cols[:, None], offset + c], mask=mask, other=None if mask is None else 0.0)
-
     def body(j, carry, masked):
         acc, m, l = carry
         cols = j * bk + jnp.arange(bk)
-        k = load(k_ref, cols, ko, kc, kw, kt, masked)
-        v = load(v_ref, cols, vo, vc, vw, vt, masked)
+        keys_ok = (cols < seq_len) if masked else None  # left of the diagonal every key exists: no row mask
+        k = load_columns(k_ref, (b, cols[:, None]), ko, kc, kw, keys_ok)
+        v = load_columns(v_ref, (b, cols[:, None]), vo, vc, vw, keys_ok)
         s = plgpu.dot(q, k, trans_b=True, precision=precision)
         if masked:
             ok = cols[None, :] <= rows[:, None]
