@@ -4,10 +4,11 @@
 
 Sections run in this order (default: check_decode, decode, schedule, check_prefill, prefill, lpt; the whole set
 takes over 10 minutes on an H100, mostly compiling, so split it across calls with --only): widths (decode bandwidth
-by head width, folding on and off), classes (the rate-0.5 layer as one launch per width class), autotune (decode
+by head width, each head as one padded tile or as exact pieces), classes (the rate-0.5 layer as one launch per width class), autotune (decode
 knobs per rate), check_decode, decode, schedules (planner options side by side), schedule (host cost),
 check_prefill, prefill, sweep (with prefill: pick the prefill knobs first), lpt. ``--quick`` runs one shape per
-table. ``--profile uniform:16`` runs one decode call for ncu.
+table. ``--profile uniform:16`` runs one decode call for ncu. Within a section, the Pallas variants are compiled
+side by side in threads first (``compile_ahead``, into the persistent cache in ``--cache-dir``), then timed.
 
 Measures, in the same run: the copy bandwidth (a 1 GiB elementwise pass, bytes read + written) and the bf16 matmul
 rate (8192^3). Every timing is the median of several batches of jitted calls queued back to back (device-side
@@ -119,13 +120,8 @@ def copies_for(bytes_per_call: int) -> int:
 
 # ---------------------------------------------------------------- timing
 
-def time_calls(fn, shared, per_call, min_total_s=0.05, reps=5, chain=None):
-    """Median seconds per call of ``fn(*shared, *per_call[u])`` over the U argument sets, run in one jitted function.
-
-    The U calls differ in their inputs (so none is merged with another) and all their outputs are returned (so
-    nothing is sliced away); dispatches are queued back to back and only the last is waited for. ``chain``: the
-    indices of ``shared`` that each call returns updated (after its first output) for the next call (pages).
-    """
+def batched(fn, chain=None):
+    """``fn`` over a list of argument sets in one jitted function (see ``time_calls``)."""
     def many(shared, calls):
         shared, outs = list(shared), []
         for c in calls:
@@ -136,8 +132,46 @@ def time_calls(fn, shared, per_call, min_total_s=0.05, reps=5, chain=None):
                 res = res[0]
             outs.append(res)
         return outs
+    return jax.jit(many)
 
-    f = jax.jit(many)
+
+def compile_ahead(lowerings, threads=16):
+    """Compile side by side in threads, into JAX's persistent cache: ``lowerings`` are zero-argument functions that
+    return a ``jax.stages.Lowered`` (``timing_job`` makes one for ``time_calls``). Returns each one's error (None
+    when it compiled), so a sweep can skip a variant the GPU cannot run (e.g. too much shared memory).
+
+    A width-mixed Triton kernel takes 20-90 s to compile, mostly in XLA/Triton/ptxas with the GIL released, so N
+    variants cost far less than N compiles; the later calls load each from the cache."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def compile_one(lower):
+        try:
+            lower().compile()
+        except Exception as e:  # noqa: BLE001 - reported per variant
+            return e
+
+    if not jax.config.jax_compilation_cache_dir or not lowerings:
+        return [None] * len(lowerings)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(min(threads, len(lowerings))) as pool:
+        errors = list(pool.map(compile_one, lowerings))
+    log(f"compiled {len(lowerings)} variants side by side in {time.perf_counter() - t0:.0f} s")
+    return errors
+
+
+def timing_job(fn, shared, per_call, chain=None):
+    """The lowering ``time_calls(fn, shared, per_call, chain=chain)`` will compile, for ``compile_ahead``."""
+    return lambda: batched(fn, chain).lower(shared, per_call)
+
+
+def time_calls(fn, shared, per_call, min_total_s=0.05, reps=5, chain=None):
+    """Median seconds per call of ``fn(*shared, *per_call[u])`` over the U argument sets, run in one jitted function.
+
+    The U calls differ in their inputs (so none is merged with another) and all their outputs are returned (so
+    nothing is sliced away); dispatches are queued back to back and only the last is waited for. ``chain``: the
+    indices of ``shared`` that each call returns updated (after its first output) for the next call (pages).
+    """
+    f = batched(fn, chain)
     jax.block_until_ready(f(shared, per_call))
     t0 = time.perf_counter()
     jax.block_until_ready(f(shared, per_call))
@@ -259,18 +293,24 @@ def worst_head(out, ref, layout, cols):
     return max(errs), int(np.argmax(errs))
 
 
-def check_decode(key, layout, batch, lengths, page_size, dtype, num_programs=None, headroom=1):
+def decode_check_inputs(key, layout, batch, lengths, page_size, dtype, num_programs=None, headroom=1):
+    """``paged_decode``'s arguments for one check case."""
     case = PagedCase(layout, batch, lengths, page_size, 1, key, dtype)
     plan = build_decode_schedule(case.lengths, layout, page_size, num_programs, headroom_pages=headroom,
                                  min_chunk_tokens=page_size)
-    table, lengths = case.tables[0], jnp.asarray(case.lengths)
-    out = paged_decode(case.q, case.k, case.v, table, lengths, plan.schedule.layer(0), layout)
+    return case.q, case.k, case.v, case.tables[0], jnp.asarray(case.lengths), plan.schedule.layer(0), layout
+
+
+def check_decode(args):
+    out = paged_decode(*args)
+    (q, k, v, table, lengths), layout = args[:5], args[-1]
     ref = highest(lambda q, k, v, lay: attention.paged_decode_attention(q, k, v, table, lengths, lay),
-                  case.q, case.k, case.v, layout)
+                  q, k, v, layout)
     return rel_err(out, ref), worst_head(out, ref, layout, layout.v_widths)
 
 
-def check_prefill(key, layout, batch, seq_len, dtype, balanced=True, page_size=32, **knobs):
+def prefill_check_inputs(key, layout, batch, seq_len, dtype, page_size=32):
+    """``prefill_attention``'s arguments for one check case (random prompts and pages, a shuffled block table)."""
     ks = jax.random.split(key, 6)
     q = randn(ks[0], (batch, seq_len, layout.q_cols), dtype)
     k = randn(ks[1], (batch, seq_len, layout.k_cols), dtype)
@@ -281,8 +321,13 @@ def check_prefill(key, layout, batch, seq_len, dtype, balanced=True, page_size=3
     table = jnp.asarray(np.random.default_rng(seed).permutation(np.arange(1, n)).reshape(batch, pps).astype(np.int32))
     kp = randn(ks[4], (n, page_size, layout.k_cols), dtype)
     vp = randn(ks[5], (n, page_size, layout.v_cols), dtype)
-    lengths = jnp.full((batch,), seq_len, jnp.int32)
-    out, kp, vp = prefill_attention(q, k, v, layout, lengths, kp, vp, table, balanced=balanced, **knobs)
+    return q, k, v, layout, jnp.full((batch,), seq_len, jnp.int32), kp, vp, table
+
+
+def check_prefill(args):
+    q, k, v, layout, _, _, _, table = args
+    batch, seq_len = q.shape[:2]
+    out, kp, vp = prefill_attention(*args)
     ref = highest(lambda q, k, v, lay: attention.causal_attention(q, k, v, lay), q, k, v, layout)
     pages_ok = bool(jnp.array_equal(kp[table].reshape(batch, -1, layout.k_cols)[:, :seq_len], k)
                     & jnp.array_equal(vp[table].reshape(batch, -1, layout.v_cols)[:, :seq_len], v))
@@ -312,9 +357,12 @@ def decode_checks(key, match=""):
         ("G8 B1 32K p32", HeadLayout(32, 4, 128, (32, 64, 96, 128), (128, 96, 64, 32)), 1, [32768], 32, bf),
         ("G2 p32", HeadLayout(4, 2, 64, (32, 64), (64, 16)), 5, [33, 64, 65, 700, 1], 32, f32),
     ]
+    cases = [(name, dt, decode_check_inputs(next(keys), lay, b, lengths, ps, dt))
+             for name, lay, b, lengths, ps, dt in cases if match in name]
+    compile_ahead([lambda a=args: paged_decode.lower(*a) for _, _, args in cases])
     rows = []
-    for name, lay, b, lengths, ps, dt in [c for c in cases if match in c[0]]:
-        err, (worst, head) = check_decode(next(keys), lay, b, lengths, ps, dt)
+    for name, dt, args in cases:
+        err, (worst, head) = check_decode(args)
         log(f"decode check {name}: {err:.1e}")
         tol = 1e-2 if dt == bf else 1e-4
         rows.append(("decode", name, jnp.dtype(dt).name, err, f"{worst:.1e} (kv head {head})", err < tol))
@@ -328,13 +376,17 @@ def prefill_checks(key, match=""):
     keys = iter(jax.random.split(key, 16))
     bf, f32 = jnp.bfloat16, jnp.float32
     cases = [
-        ("llama r0.5 B1 2K", pick_layer(rank_plan(0.5), 0.5), 1, 2048, bf, True),
-        ("odd widths B2 1000", ODD, 2, 1000, f32, True),
-        ("G1 window 300", WINDOWED, 2, 700, bf, True),
+        ("llama r0.5 B1 2K", pick_layer(rank_plan(0.5), 0.5), 1, 2048, bf),
+        ("odd widths B2 1000", ODD, 2, 1000, f32),
+        ("odd widths B1 1000", ODD, 1, 1000, bf),
+        ("G1 window 300", WINDOWED, 2, 700, bf),
     ]
+    cases = [(name, dt, prefill_check_inputs(next(keys), lay, b, t, dt)) for name, lay, b, t, dt in cases
+             if match in name]
+    compile_ahead([lambda a=args: prefill_attention.lower(*a) for _, _, args in cases])
     rows = []
-    for name, lay, b, t, dt, bal in [c for c in cases if match in c[0]]:
-        err, pages_ok, (worst, head) = check_prefill(next(keys), lay, b, t, dt, bal)
+    for name, dt, args in cases:
+        err, pages_ok, (worst, head) = check_prefill(args)
         log(f"prefill check {name}: {err:.1e}")
         tol = 1e-2 if dt == bf else 1e-4
         rows.append(("prefill", name + ("" if pages_ok else " PAGES WRONG"), jnp.dtype(dt).name, err,
@@ -360,11 +412,12 @@ def print_row(r):
           f"{r['floor_us']:.1f} | {ratio:.2f} | {100 / ratio:.0f}% | {speedup} |", flush=True)
 
 
-DECODE_DEFAULTS = dict(programs=264, block_tokens=64, max_step_tokens=512, fold_tokens=64)  # the kernel's
-DECODE_SWEEP = [dict(programs=p, block_tokens=b, max_step_tokens=m, fold_tokens=f)
-                for p, b, m, f in ((264, 64, 512, 1024), (264, 64, 512, 64), (264, 64, 512, 32), (264, 64, 512, 128),
-                                   (264, 64, 1024, 64), (264, 64, 1024, 128), (264, 128, 1024, 128),
-                                   (264, 64, 256, 32), (396, 64, 512, 64), (528, 64, 512, 64), (528, 64, 256, 32))]
+DECODE_DEFAULTS = dict(programs=264, block_tokens=64, max_step_tokens=512, fold_tokens=64, max_segments=1,
+                       num_warps=4, num_stages=3)  # the kernel's
+SWEPT = ("programs", "num_warps", "num_stages", "block_tokens", "fold_tokens", "max_segments")
+DECODE_SWEEP = [dict(DECODE_DEFAULTS, **dict(zip(SWEPT, v)))
+                for v in ((264, 4, 3, 64, 64, 1), (264, 8, 3, 64, 64, 1), (264, 8, 2, 64, 64, 1), (264, 8, 4, 64, 64, 1),
+                          (264, 4, 2, 64, 64, 1), (264, 8, 3, 128, 64, 1), (264, 8, 3, 64, 32, 1), (264, 8, 3, 64, 64, 3))]
 
 
 def knobs_of(cfg):
@@ -373,22 +426,25 @@ def knobs_of(cfg):
 
 
 def decode_autotune(key, bw, rates):
-    """Per rate plan, the fastest of DECODE_SWEEP at batch 32, 4K (the table then uses it for every shape).
-
-    fold_tokens 1024 turns folding off (no step has that many tokens per fold)."""
-    print("\n| rate | programs | block / max step / fold tokens | time us | % of copy bw |\n|---|---|---|---|---|")
-    best = {}
+    """Per rate plan, the fastest of DECODE_SWEEP at batch 32, 4K (the table then uses it for every shape); every
+    variant of every rate is compiled ahead, side by side."""
+    print(f"\n| rate | {' / '.join(SWEPT)} | time us | % of copy bw |\n|---|---|---|---|")
+    jobs = []
     for rate in rates:
         lay = pick_layer(rank_plan(rate), rate)
         case = PagedCase(lay, 32, np.full(32, 4096), 32, 1, key)
         for cfg in DECODE_SWEEP:
-            plan = build_decode_schedule(case.lengths, lay, 32, cfg["programs"])
-            t = time_calls(*kvjax_decode_call(case, plan.schedule.layer(0), key, **knobs_of(cfg)))
-            print(f"| {rate} | {cfg['programs']} | {cfg['block_tokens']} / {cfg['max_step_tokens']} / "
-                  f"{cfg['fold_tokens']} | {t * 1e6:.1f} | {100 * case.bytes / bw / t:.0f}% |", flush=True)
-            if rate not in best or t < best[rate][0]:
-                best[rate] = (t, cfg)
-        del case
+            sched = build_decode_schedule(case.lengths, lay, 32, cfg["programs"]).schedule.layer(0)
+            jobs.append((rate, cfg, case.bytes, kvjax_decode_call(case, sched, key, **knobs_of(cfg))))
+    compile_ahead([timing_job(*job) for *_, job in jobs])
+    best = {}
+    for rate, cfg, nbytes, job in jobs:
+        t = time_calls(*job)
+        print(f"| {rate} | {' / '.join(str(cfg[n]) for n in SWEPT)} | {t * 1e6:.1f} | {100 * nbytes / bw / t:.0f}% |",
+              flush=True)
+        if rate not in best or t < best[rate][0]:
+            best[rate] = (t, cfg)
+    del jobs
     log("decode autotune done")
     return {r: cfg for r, (t, cfg) in best.items()}
 
@@ -400,6 +456,16 @@ def decode_table(key, bw, shapes, rates, quick, tuned, orders=("lpt", "naive")):
     rows = []
     plans = {r: rank_plan(r) for r in rates}
     for batch, ctx in shapes:
+        ahead = []
+        for rate in rates:
+            lay = pick_layer(plans[rate], rate)
+            case = PagedCase(lay, batch, np.full(batch, ctx), 32, copies_for(batch * ctx * (lay.k_cols + lay.v_cols) * 2),
+                             key)  # the same shapes as below, so the timed calls find these compiles in the cache
+            for order in (orders if rate > 0 else ("lpt",)):
+                plan = build_decode_schedule(case.lengths, lay, 32, tuned[rate]["programs"], order=order)
+                ahead.append(timing_job(*kvjax_decode_call(case, plan.schedule.layer(0), key, **knobs_of(tuned[rate]))))
+        compile_ahead(ahead)
+        del ahead, case
         base = None
         for rate in rates:
             lay = pick_layer(plans[rate], rate)
@@ -586,33 +652,33 @@ def schedule_cost(decode_us_per_layer: float | None, bw: float, steps: int = 102
     return res
 
 
-PREFILL_DEFAULTS = dict(block_q=128, block_k=64, max_block_q=128, num_warps=8, num_stages=3)  # the kernel's
-PREFILL_SWEEP = [
-    PREFILL_DEFAULTS,
-    dict(block_q=128, block_k=128, max_block_q=128, num_warps=8, num_stages=3),
-    dict(block_q=128, block_k=128, max_block_q=128, num_warps=8, num_stages=2),
-    dict(block_q=128, block_k=64, max_block_q=128, num_warps=4, num_stages=3),
-    dict(block_q=64, block_k=64, max_block_q=128, num_warps=4, num_stages=3),
-    dict(block_q=128, block_k=32, max_block_q=128, num_warps=4, num_stages=4),
-]
+PREFILL_DEFAULTS = dict(block_q=128, block_k=128, max_block_q=128, max_segments=3, num_warps=8, num_stages=3)
+PREFILL_SWEEP = [dict(PREFILL_DEFAULTS, **dict(zip(("block_q", "block_k", "max_segments", "num_warps", "num_stages"), v)))
+                 for v in ((128, 128, 3, 8, 3), (128, 128, 1, 8, 3), (128, 128, 3, 4, 3), (64, 128, 3, 4, 3),
+                           (128, 128, 3, 8, 4), (64, 64, 3, 4, 3), (128, 128, 3, 4, 2), (128, 64, 3, 8, 3))]
 
 
 def prefill_sweep(key, flops_rate, batch=1, t=4096, rate=0.5):
     """Balanced prefill knobs at rate 0.5: each checked against the reference, timed; returns the fastest correct."""
-    print("\n| block q / k | max rows | warps | stages | rel. error | time ms | % of matmul rate |"
-          "\n|---|---|---|---|---|---|---|")
+    names = ("block_q", "block_k", "max_block_q", "max_segments", "num_warps", "num_stages")
+    print(f"\n| {' / '.join(names)} | rel. error | time ms | % of matmul rate |\n|---|---|---|---|")
     lay = pick_layer(rank_plan(rate), rate)
     ks = jax.random.split(key, 4)
     qs = queries(ks[0], (batch, t, lay.q_cols), 4)
     k, v = randn(ks[1], (batch, t, lay.k_cols)), randn(ks[2], (batch, t, lay.v_cols))
     ref = highest(lambda q, k, v, lay: attention.causal_attention(q, k, v, lay), qs[0][0], k, v, lay)
     flops = 2 * batch * t * (t + 1) / 2 * lay.group_size * (lay.k_cols + lay.v_cols)
+    jobs = [(functools.partial(lambda k, v, q, cfg: prefill_attention(q, k, v, lay, **cfg), cfg=cfg), (k, v), qs)
+            for cfg in PREFILL_SWEEP]
+    errors = compile_ahead([timing_job(*job) for job in jobs])
     best = None
-    for cfg in PREFILL_SWEEP:
-        err = rel_err(prefill_attention(qs[0][0], k, v, lay, **cfg), ref)
-        tm = time_calls(lambda k, v, q: prefill_attention(q, k, v, lay, **cfg), (k, v), qs)
-        print(f"| {cfg['block_q']} / {cfg['block_k']} | {cfg['max_block_q']} | {cfg['num_warps']} | "
-              f"{cfg['num_stages']} | {err:.1e} | {tm * 1e3:.3f} | "
+    for cfg, job, error in zip(PREFILL_SWEEP, jobs, errors):
+        if error is not None:
+            print(f"| {' / '.join(str(cfg[n]) for n in names)} | does not compile: {str(error)[:80]} | | |")
+            continue
+        err = rel_err(batched(job[0])(job[1], job[2])[0], ref)
+        tm = time_calls(*job)
+        print(f"| {' / '.join(str(cfg[n]) for n in names)} | {err:.1e} | {tm * 1e3:.3f} | "
               f"{100 * flops / flops_rate / tm:.0f}% |", flush=True)
         if err < 1e-2 and (best is None or tm < best[0]):
             best = (tm, cfg)
@@ -625,22 +691,19 @@ def prefill_table(key, flops_rate, cases, knobs):
     print(f"\nbalanced knobs: {knobs}")
     print("\n| kernel | batch | T | rate | time ms | floor ms | time/floor | % of matmul rate | vs cuDNN |"
           "\n|---|---|---|---|---|---|---|---|---|")
-    rows = []
+    specs = []  # (row without time, job): every kvjax job is compiled ahead, side by side
     for batch, t, rates in cases:
-        cudnn = None
+        pairs = t * (t + 1) / 2
         for rate, variants in rates:
             lay = pick_layer(rank_plan(rate), rate)
             ks = jax.random.split(key, 4)
-            pairs = t * (t + 1) / 2
             if rate == 0:
                 kf = randn(ks[1], (batch, t, HKV, D))
                 vf = randn(ks[2], (batch, t, HKV, D))
                 fn = lambda k, v, q: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-                cudnn = time_calls(fn, (kf, vf), queries(ks[0], (batch, t, HQ, D), 4))
-                rows.append(dict(kernel="cudnn (uncompressed)", batch=batch, t=t, rate=0.0, time_ms=cudnn * 1e3,
-                                 floor_ms=2 * batch * pairs * HQ * 2 * D / flops_rate * 1e3, vs_cudnn=1.0))
-                print_prefill(rows[-1])
-                del kf, vf
+                specs.append((dict(kernel="cudnn (uncompressed)", batch=batch, t=t, rate=0.0,
+                                   floor_ms=2 * batch * pairs * HQ * 2 * D / flops_rate * 1e3),
+                              (fn, (kf, vf), queries(ks[0], (batch, t, HQ, D), 4))))
             k = randn(ks[1], (batch, t, lay.k_cols))
             v = randn(ks[2], (batch, t, lay.v_cols))
             pps = t // 32
@@ -652,13 +715,21 @@ def prefill_table(key, flops_rate, cases, knobs):
             for balanced in variants:
                 kn = knobs if balanced else dict(knobs, block_q=128, max_block_q=128)
                 fn = functools.partial(_prefill_fn, layout=lay, balanced=balanced, knobs=kn)
-                tm = time_calls(fn, (k, v, kp, vp, table, lengths), queries(ks[0], (batch, t, lay.q_cols), 4),
-                                chain=(2, 3))
-                rows.append(dict(kernel="kvjax " + ("balanced" if balanced else "unbalanced"), batch=batch, t=t,
-                                 rate=rate, time_ms=tm * 1e3, floor_ms=flops / flops_rate * 1e3,
-                                 vs_cudnn=cudnn / tm if cudnn else None))
-                print_prefill(rows[-1])
-        log(f"prefill {batch}x{t} done")
+                specs.append((dict(kernel="kvjax " + ("balanced" if balanced else "unbalanced"), batch=batch, t=t,
+                                   rate=rate, floor_ms=flops / flops_rate * 1e3),
+                              (fn, (k, v, kp, vp, table, lengths), queries(ks[0], (batch, t, lay.q_cols), 4),
+                               (2, 3))))
+    compile_ahead([timing_job(*job) for row, job in specs if row["kernel"].startswith("kvjax")])
+    rows, cudnn = [], {}
+    for row, job in specs:
+        tm = time_calls(*job[:3], chain=job[3] if len(job) > 3 else None)
+        if row["kernel"].startswith("cudnn"):
+            cudnn[row["batch"], row["t"]] = tm
+        base = cudnn.get((row["batch"], row["t"]))
+        rows.append(dict(row, time_ms=tm * 1e3, vs_cudnn=base / tm if base else None))
+        print_prefill(rows[-1])
+    del specs
+    log("prefill table done")
     return rows
 
 
@@ -674,20 +745,24 @@ def print_prefill(r):
 
 
 def width_sweep(key, bw):
-    """Decode at batch 32, 4K: bandwidth by head width (uniform layouts), with and without folding."""
-    print("\n| layout | fold tokens | time us | % of copy bw |\n|---|---|---|---|")
+    """Decode at batch 32, 4K: bandwidth by head width (uniform layouts and the rate plans' layers), with each head
+    read as one padded power-of-two tile or as exact power-of-two pieces (``max_segments``)."""
+    print("\n| layout | pieces | time us | % of copy bw |\n|---|---|---|---|")
     uni = lambda w: HeadLayout(HQ, HKV, D, (w,) * HKV, (w,) * HKV)
-    sweep = [("rate 0.5", pick_layer(rank_plan(0.5), 0.5)), ("uniform 16", uni(16)), ("uniform 32", uni(32)),
-             ("uniform 64", uni(64)), ("uniform 128", uni(128)),
-             ("alternating 128/32", HeadLayout(HQ, HKV, D, (128, 32) * 4, (128, 32) * 4))]
+    sweep = [("rate 0.5 layer", pick_layer(rank_plan(0.5), 0.5)), ("rate 0.7 layer", pick_layer(rank_plan(0.7), 0.7)),
+             ("uniform 48", uni(48)), ("uniform 64", uni(64)), ("uniform 80", uni(80)), ("uniform 96", uni(96)),
+             ("uniform 112", uni(112))]
+    jobs = {}
     for name, lay in sweep:
         case = PagedCase(lay, 32, np.full(32, 4096), 32, 1, key)
         plan = build_decode_schedule(case.lengths, lay, 32, 264)
-        for fold in (1024, 64):
-            t = time_calls(*kvjax_decode_call(case, plan.schedule.layer(0), key, fold_tokens=fold))
-            print(f"| {name} | {fold if fold < 1024 else 'off'} | {t * 1e6:.1f} | {100 * case.bytes / bw / t:.0f}% |",
-                  flush=True)
-        del case
+        for pieces in ((1, 3) if name != "uniform 64" else (1,)):
+            jobs[name, pieces] = case.bytes, kvjax_decode_call(case, plan.schedule.layer(0), key, max_segments=pieces)
+    compile_ahead([timing_job(*job) for _, job in jobs.values()])
+    for (name, pieces), (nbytes, job) in jobs.items():
+        t = time_calls(*job)
+        print(f"| {name} | {'one tile' if pieces == 1 else 'exact'} | {t * 1e6:.1f} | {100 * nbytes / bw / t:.0f}% |",
+              flush=True)
     log("width sweep done")
 
 
@@ -776,7 +851,7 @@ def main(argv=None):
         per_class_launches(key, bw, pick_layer(rank_plan(0.5), 0.5))
     tuned = {r: DECODE_DEFAULTS for r in (0.0, 0.5, 0.7)}  # the defaults; --only autotune picks per rate
     if "autotune" in only:
-        tuned = decode_autotune(key, bw, (0.0, 0.5, 0.7))
+        tuned.update(decode_autotune(key, bw, tuple(float(r) for r in args.rates.split(","))))
     result["decode_knobs"] = tuned
     if "check_decode" in only:
         result["decode_checks"] = decode_checks(key, args.match)

@@ -45,19 +45,23 @@ CASES = {
     "G2 naive order p32 bf16": (HeadLayout(4, 2, 64, (32, 64), (64, 16)), [33, 64, 65, 1], 32, jnp.bfloat16, 3,
                                 "naive", 0, 32),
     "G3 ragged p16 f32": (HeadLayout(6, 2, 64, (16, 64), (32, 16)), [5, 90, 200], 16, jnp.float32, 4, "lpt", 1, 16),
+    "G2 pieces 112/80 p16 f32": (HeadLayout(4, 2, 128, (112, 80), (96, 48)), [3, 77, 150], 16, jnp.float32, 3,
+                                 "lpt", 1, 16),
 }
 
 
-@pytest.mark.parametrize("fold_tokens", [16, 64])  # 16: token chunks folded into the score tile's spare rows
+# fold_tokens 16: token chunks folded into the score tile's spare rows; max_segments 3: heads read as exact
+# power-of-two pieces (112 = 64 + 32 + 16), 1: as one padded tile
+@pytest.mark.parametrize("fold_tokens, max_segments", [(16, 3), (64, 1)])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_decode_matches_reference(name, fold_tokens):
+def test_decode_matches_reference(name, fold_tokens, max_segments):
     layout, lengths, ps, dtype, programs, order, headroom, min_chunk = CASES[name]
     rng = np.random.default_rng()
     q, k, v, table, lens = paged_inputs(rng, layout, lengths, ps, dtype)
     plan = build_decode_schedule(lengths, layout, ps, programs, order=order, headroom_pages=headroom,
                                  min_chunk_tokens=min_chunk)
     out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, block_tokens=16, max_step_tokens=64,
-                       fold_tokens=fold_tokens, interpret=True)
+                       fold_tokens=fold_tokens, max_segments=max_segments, interpret=True)
     assert out.shape == (len(lengths), layout.out_cols) and out.dtype == dtype
     assert rel_err(out, reference(q, k, v, table, lens, layout)) < (1e-4 if dtype == jnp.float32 else 1e-2)
 

@@ -35,7 +35,9 @@ def reference(q, k, v, layout):
 CASES = {
     # name: (layout, batch, T, lengths, dtype, knobs)
     "odd widths ragged f32 balanced": (HeadLayout(8, 2, 64, (48, 16), (16, 64)), 2, 48, [48, 21], jnp.float32,
-                                       dict(block_q=16, block_k=16, max_block_q=32)),
+                                       dict(block_q=16, block_k=16, max_block_q=32, max_segments=1)),
+    "exact pieces 112/80 f32": (HeadLayout(4, 2, 128, (112, 80), (96, 48)), 1, 48, [45], jnp.float32,
+                                dict(block_q=16, block_k=16, max_block_q=32)),
     "bf16 unbalanced": (HeadLayout(8, 2, 64, (32, 64), (64, 32)), 1, 64, [64], jnp.bfloat16,
                         dict(block_q=32, block_k=16, balanced=False)),
     "G1 sliding window f32": (HeadLayout(3, 3, 32, (32, 16, 32), (16, 32, 16), sliding_window=10), 1, 40, [40],
@@ -61,12 +63,12 @@ def test_prefill_matches_reference_and_writes_pages(name):
 
 def test_balanced_items_are_taller_for_narrow_heads_and_longest_first():
     layout = HeadLayout(8, 2, 128, (128, 32), (128, 32))
-    items = work_items(layout, 1, 1024, 64, True, 256)
+    items = work_items(layout, 1, 1024, 64, True, 256, 3)
     rows = {h: np.diff(np.unique(items[items[:, 1] == h, 2]))[0] for h in (0, 4)}
     assert rows[0] == 64 and rows[4] == 256  # head 0 is in the wide group, head 4 in the narrow one
     cost = [(256 if h >= 4 else 64) * (q0 + (256 if h >= 4 else 64)) * (64 if h >= 4 else 256) for _, h, q0 in items]
     assert cost == sorted(cost, reverse=True)
-    plain = work_items(layout, 1, 1024, 64, False, 256)
+    plain = work_items(layout, 1, 1024, 64, False, 256, 3)
     assert len(plain) == 8 * 1024 // 64 and (plain[:, 2] % 64 == 0).all()
 
 

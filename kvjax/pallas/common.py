@@ -66,6 +66,21 @@ def width_classes(layout: HeadLayout) -> tuple[tuple[WidthClass, ...], tuple[int
     return tuple(classes), class_of
 
 
+def segments(width: int, max_segments: int) -> tuple[tuple[int, int, int], ...]:
+    """How a head ``width`` columns wide is read: (start, tile, columns) pieces with power-of-two tiles, widest
+    first, at most ``max_segments`` of them (the last one padded to its tile when the width needs more).
+
+    One piece (``tile(width)``) wastes up to 60% of the columns (80 on a 128 tile); exact pieces (80 = 64 + 16)
+    load and multiply only the head's own columns, at the price of one more (smaller) dot per piece."""
+    pieces, start = [], 0
+    while start < width:
+        rest = width - start
+        t = tile(rest) if len(pieces) == max_segments - 1 else max(16, pow2_floor(rest))
+        pieces.append((start, t, min(t, rest)))
+        start += t
+    return tuple(pieces)
+
+
 def load_columns(ref, lead: tuple, offset, cols, width: int, rows_ok=None):
     """``ref[*lead, offset + cols]``: a head ``width`` columns wide read through a ``cols``-wide tile. Tile columns
     past the width and rows not ``rows_ok`` [R] are masked (fetch nothing, read 0); with neither, the load has no

@@ -13,12 +13,18 @@ and the folds' softmax states are merged once per item. Steps with every token v
 chunk's last step (or all, under a sliding window) is masked. Heads sharing (K width, V width) share one code
 path, selected per item by ``lax.switch``; their column offsets come from a static table and are multiples of
 16, so loads are 16-byte vectors and never touch a column the head does not own (tile columns past the width
-masked).
+masked). ``max_segments`` > 1 reads a non-power-of-two head as exact power-of-two pieces instead (80 = 64 + 16:
+one dot per piece), as prefill does.
 
 Measured on the H100 (bench/RESULTS.md): full-width heads read near copy bandwidth and uniform narrower heads
 progressively less (folding nearly doubled 16-wide heads and left wider ones unchanged); a layer of mixed widths
-(a rate-0.5 plan) reads below each of its widths alone. Narrow heads are instruction-bound, not byte-bound. One
-launch per width class was slower still (each launch too small to fill the GPU, plus its own merge).
+(a rate-0.5 plan) reads below each of its widths alone. The kernel is issue-bound, not byte-bound: Nsight Compute
+shows 2 warps per scheduler issuing once every ~9 cycles, and time follows the instruction count (the rate-0.5
+layer executes 1.46x the instructions of uniform 64-wide heads for the same bytes, and takes 1.5x as long; it
+also needs 255 registers a thread against 168). Exact pieces did not help (16-wide pieces cost more than the
+padding they save; only 96 = 64 + 32 gained, 5%), so one padded tile is the default; 8 warps a program were 1.5x
+slower on mixed layers. One launch per width class was slower still (each launch too small to fill the GPU, plus
+its own merge).
 
 Lowering: Pallas's Triton backend. Decode is a gather through the block table of ``[tokens, width]`` tiles at
 16-column-aligned offsets inside a packed row; Triton's masked pointer loads express that directly, its pipeliner
@@ -40,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
-from kvjax.pallas.common import (LOG2E, MASK, dot_precision, load_columns, lookup, offset16, pow2_floor,
+from kvjax.pallas.common import (LOG2E, MASK, dot_precision, load_columns, lookup, offset16, pow2_floor, segments,
                                  width_classes)
 from kvjax.schedule import END_PAGE, FIRST_PAGE, HEAD, SEQ, SLOT, DecodeSchedule
 
@@ -61,11 +67,14 @@ def folds(group: int, k_tile: int, step: int, fold_tokens: int) -> int:
     return max(1, min(pow2_floor(BLOCK_H // group), step // fold_tokens, 256 // k_tile))
 
 
-def _attend_item(cls, item, refs, *, group, page_size, window, scale, block_tokens, max_step_tokens, fold_tokens):
+def _attend_item(cls, item, refs, *, group, page_size, window, scale, block_tokens, max_step_tokens, fold_tokens,
+                 max_segments):
     """Online-softmax attention of one item (its class's widths are static) and the write of its result."""
     table_ref, q_ref, k_ref, v_ref, out_ref, acc_ref, m_ref, l_ref = refs
     seq, head, first, end, slot, length = item
-    kw, vw, kt, vt = cls.k_width, cls.v_width, cls.k_tile, cls.v_tile
+    kw, vw = cls.k_width, cls.v_width
+    k_pieces, v_pieces = segments(kw, max_segments), segments(vw, max_segments)
+    kt, vt = (sum(t for _, t, _ in pieces) for pieces in (k_pieces, v_pieces))  # columns loaded per token
     bt = step_tokens(kt, vt, block_tokens, max_step_tokens)
     nf = folds(group, kt, bt, fold_tokens)
     bc = bt // nf  # tokens per chunk
@@ -74,11 +83,19 @@ def _attend_item(cls, item, refs, *, group, page_size, window, scale, block_toke
 
     rows = jnp.arange(BLOCK_H)[:, None]
     chunk_of_row, head_of_row = rows // group, rows % group
-    kc, vc = jnp.arange(kt)[None, :], jnp.arange(vt)[None, :]
-    q_mask = (rows < nf * group) & (kc < kw)
-    q = plgpu.load(q_ref.at[seq, jnp.where(q_mask, qo + head_of_row * kw + kc, 0)], mask=q_mask, other=0.0)
-    q = (q.astype(jnp.float32) * (scale * LOG2E)).astype(q.dtype)  # scores come out in log2 units
-    q_folds = [q] if nf == 1 else [jnp.where(chunk_of_row == c, q, 0).astype(q.dtype) for c in range(nf)]
+
+    def fold(x, c):  # rows of chunk c kept, the others zeroed
+        return x if nf == 1 else jnp.where(chunk_of_row == c, x, 0).astype(x.dtype)
+
+    def load_q(start, t, w):
+        cols = jnp.arange(t)[None, :]
+        mask = (rows < nf * group) & (cols < w)
+        q = plgpu.load(q_ref.at[seq, jnp.where(mask, qo + head_of_row * kw + start + cols, 0)], mask=mask,
+                       other=0.0)
+        q = (q.astype(jnp.float32) * (scale * LOG2E)).astype(q.dtype)  # scores come out in log2 units
+        return [fold(q, c) for c in range(nf)]
+
+    q_folds = [load_q(*piece) for piece in k_pieces]  # [piece][fold]
 
     lo = first * page_size
     hi = jnp.minimum(end * page_size, length)
@@ -86,7 +103,7 @@ def _attend_item(cls, item, refs, *, group, page_size, window, scale, block_toke
     pages_per_seq = table_ref.shape[1]
 
     def load_chunk(tok, masked):
-        """K and V rows [bc, tile] of tokens ``tok`` through the block table, and which of them are visible."""
+        """K and V pieces [bc, tile] of tokens ``tok`` through the block table, and which of them are visible."""
         valid = (tok < hi) & (tok >= visible_from) if masked else None
         if masked:
             page = plgpu.load(table_ref.at[seq, jnp.minimum(tok // page_size, pages_per_seq - 1)], mask=valid,
@@ -94,13 +111,15 @@ def _attend_item(cls, item, refs, *, group, page_size, window, scale, block_toke
         else:
             page = table_ref[seq, tok // page_size]
         row = (page * page_size + tok % page_size)[:, None]
-        return load_columns(k_ref, (row,), ko, kc, kw, valid), load_columns(v_ref, (row,), vo, vc, vw, valid), valid
+        ks = [load_columns(k_ref, (row,), ko + a, jnp.arange(t)[None, :], w, valid) for a, t, w in k_pieces]
+        vs = [load_columns(v_ref, (row,), vo + a, jnp.arange(t)[None, :], w, valid) for a, t, w in v_pieces]
+        return ks, vs, valid
 
     def step(j, carry, masked):
-        acc, m, l = carry
+        accs, m, l = carry
         chunks = [load_chunk(lo + j * bt + c * bc + jnp.arange(bc), masked) for c in range(nf)]
-        s = functools.reduce(operator.add, [plgpu.dot(qf, k, trans_b=True, precision=precision)
-                                            for qf, (k, _, _) in zip(q_folds, chunks)])
+        s = functools.reduce(operator.add, [plgpu.dot(q_folds[i][c], k, trans_b=True, precision=precision)
+                                            for c, (ks, _, _) in enumerate(chunks) for i, k in enumerate(ks)])
         if masked:
             visible = functools.reduce(operator.or_, [(chunk_of_row == c) & valid[None, :]
                                                       for c, (_, _, valid) in enumerate(chunks)])
@@ -108,37 +127,39 @@ def _attend_item(cls, item, refs, *, group, page_size, window, scale, block_toke
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
-        pv = p.astype(k_ref.dtype)
-        pv_folds = [pv] if nf == 1 else [jnp.where(chunk_of_row == c, pv, 0).astype(pv.dtype) for c in range(nf)]
-        acc = acc * alpha[:, None] + functools.reduce(operator.add, [plgpu.dot(pf, v, precision=precision)
-                                                                     for pf, (_, v, _) in zip(pv_folds, chunks)])
-        return acc, m_new, l * alpha + p.sum(axis=1)
+        p_folds = [fold(p.astype(k_ref.dtype), c) for c in range(nf)]
+        accs = tuple(acc * alpha[:, None] + functools.reduce(operator.add, [
+            plgpu.dot(pf, vs[i], precision=precision) for pf, (_, vs, _) in zip(p_folds, chunks)])
+            for i, acc in enumerate(accs))
+        return accs, m_new, l * alpha + p.sum(axis=1)
 
-    carry = (jnp.zeros((BLOCK_H, vt), jnp.float32), jnp.full((BLOCK_H,), MASK, jnp.float32),
-             jnp.zeros((BLOCK_H,), jnp.float32))
+    carry = (tuple(jnp.zeros((BLOCK_H, t), jnp.float32) for _, t, _ in v_pieces),
+             jnp.full((BLOCK_H,), MASK, jnp.float32), jnp.zeros((BLOCK_H,), jnp.float32))
     span = jnp.maximum(hi - lo, 0)
     full = 0 if window else span // bt  # steps with every token visible run without masks
     carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
-    acc, m, l = lax.fori_loop(full, pl.cdiv(span, bt), functools.partial(step, masked=True), carry)
+    accs, m, l = lax.fori_loop(full, pl.cdiv(span, bt), functools.partial(step, masked=True), carry)
     if nf > 1:
-        acc, m, l = _unfold(acc, m, l, group, nf)
+        accs, m, l = _unfold(accs, m, l, group, nf)
 
     # Masked lanes get out-of-range indices: the GPU never touches them, and interpret mode drops them rather than
     # letting a masked lane's write-back collide with a real lane's store.
     direct = slot < 0
-    o_mask = (rows < group) & (vc < vw)
-    out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_ref.dtype)
-    out_mask = o_mask & direct
-    plgpu.store(out_ref.at[seq, jnp.where(out_mask, oo + rows * vw + vc, out_ref.shape[1])], out, mask=out_mask)
     part = jnp.maximum(slot, 0) * group + jnp.arange(BLOCK_H)
     part_mask = (jnp.arange(BLOCK_H) < group) & ~direct
     part = jnp.where(part_mask, part, m_ref.shape[0])
-    plgpu.store(acc_ref.at[part[:, None], vc], acc, mask=part_mask[:, None] & (vc < vw))
+    inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
+    for acc, (a, t, w) in zip(accs, v_pieces):
+        cols = jnp.arange(t)[None, :]
+        out_mask = (rows < group) & (cols < w) & direct
+        plgpu.store(out_ref.at[seq, jnp.where(out_mask, oo + rows * vw + a + cols, out_ref.shape[1])],
+                    (acc * inv_l[:, None]).astype(out_ref.dtype), mask=out_mask)
+        plgpu.store(acc_ref.at[part[:, None], a + cols], acc, mask=part_mask[:, None] & (cols < w))
     plgpu.store(m_ref.at[part], m, mask=part_mask)
     plgpu.store(l_ref.at[part], l, mask=part_mask)
 
 
-def _unfold(acc, m, l, group, nf):
+def _unfold(accs, m, l, group, nf):
     """Merge the softmax states of the folds: row ``c*G + g`` into row ``g`` (rows past G are left undefined)."""
     r = jnp.arange(BLOCK_H)
     head_of_row, real = r % group, r < nf * group
@@ -150,8 +171,8 @@ def _unfold(acc, m, l, group, nf):
     for g in range(group):
         l_head = jnp.where(head_of_row == g, jnp.sum(jnp.where(head_of_row == g, l * w, 0.0)), l_head)
     same_head = (head_of_row[:, None] == head_of_row[None, :]).astype(jnp.float32)
-    acc = plgpu.dot(same_head, acc * w[:, None], precision=lax.Precision.HIGHEST)
-    return acc, m_head, l_head
+    accs = tuple(plgpu.dot(same_head, acc * w[:, None], precision=lax.Precision.HIGHEST) for acc in accs)
+    return accs, m_head, l_head
 
 
 def _kernel(items_ref, counts_ref, lengths_ref, *refs, classes, class_of, **static):
@@ -194,11 +215,11 @@ def merge(out, acc, m, l, schedule: DecodeSchedule, layout: HeadLayout):
     return flat.reshape(b, cols)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "block_tokens", "max_step_tokens", "fold_tokens", "num_warps",
-                                             "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("layout", "block_tokens", "max_step_tokens", "fold_tokens", "max_segments",
+                                             "num_warps", "num_stages", "interpret"))
 def paged_decode(q, k_pages, v_pages, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout, *,
-                 block_tokens: int = 64, max_step_tokens: int = 512, fold_tokens: int = 64, num_warps: int = 4,
-                 num_stages: int = 3, interpret: bool = False):
+                 block_tokens: int = 64, max_step_tokens: int = 512, fold_tokens: int = 64, max_segments: int = 1,
+                 num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
     """One new query per sequence against its paged cache; same contract as ``paged_decode_reference``.
 
     q [B, q_cols]; k_pages [num_pages, page_size, k_cols], v_pages likewise; block_table [B, pages_per_seq] int32;
@@ -214,7 +235,7 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, schedule: DecodeSche
     kernel = functools.partial(
         _kernel, classes=classes, class_of=class_of, group=g, page_size=page_size, window=layout.sliding_window,
         scale=1.0 / math.sqrt(layout.head_dim), block_tokens=block_tokens, max_step_tokens=max_step_tokens,
-        fold_tokens=fold_tokens)
+        fold_tokens=fold_tokens, max_segments=max_segments)
     out_shape = (jax.ShapeDtypeStruct((b, layout.out_cols), q.dtype),
                  jax.ShapeDtypeStruct((n_slots * g, v_max), jnp.float32),
                  jax.ShapeDtypeStruct((n_slots * g,), jnp.float32),

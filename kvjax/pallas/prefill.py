@@ -2,7 +2,7 @@
 
 One program per work item (prompt, query head, block of query rows), items listed in a static int32 table built
 at trace time. Balancing follows the papers: a head class of width ``k + v`` gets query blocks
-``block_q * 256 / (k_tile + v_tile)`` rows tall (capped), so every item does about the same work per key whatever
+``block_q * 256 / (K + V columns loaded)`` rows tall (capped), so every item does about the same work per key whatever
 its width; items are then ordered longest first (causal blocks late in the prompt see more keys), so the hardware
 scheduler packs the short ones into the tail. ``balanced=False`` is the ablation: ``block_q`` rows for every head,
 natural (prompt, head, block) order. Heads sharing (K width, V width) share one code path chosen by ``lax.switch``.
@@ -14,17 +14,24 @@ Lowering: Pallas's Triton backend, for the same reasons as ``decode.py`` (masked
 packed rows, per-token page addresses for the cache write, CPU interpret mode for CI); Triton picks Hopper's wgmma
 for the [block_q, width] x [width, block_k] dots itself.
 
+A head whose width is not a power of two is read as exact power-of-two pieces (``max_segments``, via
+``common.segments``: 80 = 64 + 16), one dot per piece, rather than through one padded tile: no multiply is spent
+on padding, and a layer whose pieces are all <= 64 wide fits 128-key steps in shared memory (one padded 128-wide
+tile per class did not: 272 KB asked for). Classes with a 128-wide piece step through half the keys.
+
 Measured on the H100 (bench/RESULTS.md): 256-row blocks with 8 warps gave wrong results (relative error 5e-2 to
 9e-2; right with 4 warps and in interpret mode), so blocks are capped at 128 rows by default; float32 tiles are
 halved to fit shared memory. Steps left of the diagonal load without row masks (every key exists) and the
-cache write happens only in the diagonal steps, where the item's own keys are. This kernel reaches well under
-the matmul rate cuDNN reaches, so a rate-0.5 plan does not yet beat cuDNN on uncompressed heads: the next steps
-are one program per KV group (its G query heads share each K/V tile) and Mosaic GPU's wgmma pipeline.
+cache write happens only in the diagonal steps, where the item's own keys are. 128-key steps made the rate-0.5
+layer 15% faster (0.356 -> 0.301 ms at 4K), but it still runs at about 0.9x of cuDNN on the uncompressed heads
+(this kernel reaches 40% of the matmul rate where cuDNN reaches 67%): the next steps are one program per KV group
+(its G query heads share each K/V tile) and Mosaic GPU's wgmma pipeline.
 """
 from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -34,24 +41,30 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
-from kvjax.pallas.common import LOG2E, MASK, dot_precision, load_columns, lookup, offset16, pow2_floor, width_classes
+from kvjax.pallas.common import (LOG2E, MASK, dot_precision, load_columns, lookup, offset16, pow2_floor, segments,
+                                 width_classes)
 
 
-def block_rows(cls, block_q: int, seq_len: int, balanced: bool, max_rows: int) -> int:
+def loaded_columns(width: int, max_segments: int) -> int:
+    return sum(t for _, t, _ in segments(width, max_segments))
+
+
+def block_rows(cls, block_q: int, seq_len: int, balanced: bool, max_rows: int, max_segments: int) -> int:
     """Query rows per item for a head class: taller for narrower heads when balanced."""
-    rows = pow2_floor(block_q * 256 / (cls.k_tile + cls.v_tile)) if balanced else block_q
+    cols = loaded_columns(cls.k_width, max_segments) + loaded_columns(cls.v_width, max_segments)
+    rows = pow2_floor(block_q * 256 / cols) if balanced else block_q
     return max(16, min(rows, max_rows, 1 << math.ceil(math.log2(max(seq_len, 16)))))
 
 
 def work_items(layout: HeadLayout, batch: int, seq_len: int, block_q: int, balanced: bool,
-               max_rows: int) -> np.ndarray:
+               max_rows: int, max_segments: int) -> np.ndarray:
     """int32 [N, 3] items (prompt, query head, first query row), longest first when balanced."""
     classes, class_of = width_classes(layout)
     g = layout.group_size
     items, costs = [], []
     for h in range(layout.num_heads):
         cls = classes[class_of[h // g]]
-        rows = block_rows(cls, block_q, seq_len, balanced, max_rows)
+        rows = block_rows(cls, block_q, seq_len, balanced, max_rows, max_segments)
         for q0 in range(0, seq_len, rows):
             for b in range(batch):
                 items.append((b, h, q0))
@@ -65,16 +78,18 @@ def work_items(layout: HeadLayout, batch: int, seq_len: int, block_q: int, balan
 
 
 def _attend_block(cls, item, refs, *, group, seq_len, page_size, window, scale, block_q, block_k, balanced,
-                  max_rows, write_pages):
+                  max_rows, max_segments, write_pages):
     """One item of a class (static widths): flash attention of its query rows, output store, cache write."""
     if write_pages:
         table_ref, q_ref, k_ref, v_ref, _, _, out_ref, kp_ref, vp_ref = refs
     else:
         table_ref, q_ref, k_ref, v_ref, out_ref = refs
     b, h, q0, length = item
-    kw, vw, kt, vt = cls.k_width, cls.v_width, cls.k_tile, cls.v_tile
-    bq = block_rows(cls, block_q, seq_len, balanced, max_rows)
-    bk = min(block_k, bq)
+    kw, vw = cls.k_width, cls.v_width
+    k_pieces, v_pieces = segments(kw, max_segments), segments(vw, max_segments)
+    bq = block_rows(cls, block_q, seq_len, balanced, max_rows, max_segments)
+    widest = max(t for _, t, _ in k_pieces + v_pieces)
+    bk = min(block_k * 64 // max(widest, 64), block_k, bq)  # 128-wide pieces: half the keys (shared memory)
     precision = dot_precision(k_ref.dtype)
     kv_head, gi = h // group, h % group
     qo = offset16(kv_head, cls.heads, cls.q_off) + gi * kw
@@ -82,39 +97,44 @@ def _attend_block(cls, item, refs, *, group, seq_len, page_size, window, scale, 
     oo = offset16(kv_head, cls.heads, cls.o_off) + gi * vw
 
     rows = q0 + jnp.arange(bq)
-    kc, vc = jnp.arange(kt)[None, :], jnp.arange(vt)[None, :]
     row_ok = (rows < seq_len)[:, None]
-    q = plgpu.load(q_ref.at[b, rows[:, None], qo + kc], mask=row_ok & (kc < kw), other=0.0)
-    q = (q.astype(jnp.float32) * (scale * LOG2E)).astype(q.dtype)  # scores come out in log2 units
+    cols_of = lambda t: jnp.arange(t)[None, :]
+    qs = [plgpu.load(q_ref.at[b, rows[:, None], qo + a + cols_of(t)], mask=row_ok & (cols_of(t) < w), other=0.0)
+          for a, t, w in k_pieces]
+    qs = [(q.astype(jnp.float32) * (scale * LOG2E)).astype(q.dtype) for q in qs]  # scores come out in log2 units
     q_end = jnp.minimum(q0 + bq, length)  # keys past the last live query row are never needed
     writer = (gi == 0) & write_pages
 
     def body(j, carry, masked):
-        acc, m, l = carry
-        cols = j * bk + jnp.arange(bk)
-        keys_ok = (cols < seq_len) if masked else None  # left of the diagonal every key exists: no row mask
-        k = load_columns(k_ref, (b, cols[:, None]), ko, kc, kw, keys_ok)
-        v = load_columns(v_ref, (b, cols[:, None]), vo, vc, vw, keys_ok)
-        s = plgpu.dot(q, k, trans_b=True, precision=precision)
+        accs, m, l = carry
+        keys = j * bk + jnp.arange(bk)
+        keys_ok = (keys < seq_len) if masked else None  # left of the diagonal every key exists: no row mask
+        ks = [load_columns(k_ref, (b, keys[:, None]), ko + a, cols_of(t), w, keys_ok) for a, t, w in k_pieces]
+        vs = [load_columns(v_ref, (b, keys[:, None]), vo + a, cols_of(t), w, keys_ok) for a, t, w in v_pieces]
+        s = functools.reduce(operator.add, [plgpu.dot(q, k, trans_b=True, precision=precision)
+                                            for q, k in zip(qs, ks)])
         if masked:
-            ok = cols[None, :] <= rows[:, None]
+            ok = keys[None, :] <= rows[:, None]
             if window:
-                ok &= rows[:, None] - cols[None, :] < window
+                ok &= rows[:, None] - keys[None, :] < window
             s = jnp.where(ok, s, MASK)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        pv = p.astype(k_ref.dtype)
+        accs = tuple(acc * alpha[:, None] + plgpu.dot(pv, v, precision=precision) for acc, v in zip(accs, vs))
         if write_pages and masked:  # the item's own keys (>= q0) all lie in masked steps
-            tok_ok = (cols >= q0) & (cols < length) & writer
-            page = plgpu.load(table_ref.at[b, jnp.minimum(cols // page_size, table_ref.shape[1] - 1)], mask=tok_ok,
+            tok_ok = (keys >= q0) & (keys < length) & writer
+            page = plgpu.load(table_ref.at[b, jnp.minimum(keys // page_size, table_ref.shape[1] - 1)], mask=tok_ok,
                               other=0)
-            dest = jnp.where(tok_ok, page * page_size + cols % page_size, kp_ref.shape[0])[:, None]
-            plgpu.store(kp_ref.at[dest, ko + kc], k, mask=tok_ok[:, None] & (kc < kw))
-            plgpu.store(vp_ref.at[dest, vo + vc], v, mask=tok_ok[:, None] & (vc < vw))
-        return acc, m_new, l * alpha + p.sum(axis=1)
+            dest = jnp.where(tok_ok, page * page_size + keys % page_size, kp_ref.shape[0])[:, None]
+            for ref, off, pieces, xs in ((kp_ref, ko, k_pieces, ks), (vp_ref, vo, v_pieces, vs)):
+                for (a, t, w), x in zip(pieces, xs):
+                    plgpu.store(ref.at[dest, off + a + cols_of(t)], x, mask=tok_ok[:, None] & (cols_of(t) < w))
+        return accs, m_new, l * alpha + p.sum(axis=1)
 
-    carry = (jnp.zeros((bq, vt), jnp.float32), jnp.full((bq,), MASK, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    carry = (tuple(jnp.zeros((bq, t), jnp.float32) for _, t, _ in v_pieces), jnp.full((bq,), MASK, jnp.float32),
+             jnp.zeros((bq,), jnp.float32))
     live = q0 < length
     diag_lo = q0 // bk
     if window:  # the window's lower edge cuts blocks too: mask them all
@@ -125,10 +145,12 @@ def _attend_block(cls, item, refs, *, group, seq_len, page_size, window, scale, 
         carry = lax.fori_loop(0, jnp.where(live, diag_lo, 0), functools.partial(body, masked=False), carry)
         carry = lax.fori_loop(diag_lo, jnp.where(live, pl.cdiv(q_end, bk), diag_lo),
                               functools.partial(body, masked=True), carry)
-    acc, _, l = carry
-    out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_ref.dtype)
-    o_mask = row_ok & (vc < vw)
-    plgpu.store(out_ref.at[b, jnp.where(o_mask, rows[:, None], seq_len), oo + vc], out, mask=o_mask)
+    accs, _, l = carry
+    inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
+    for acc, (a, t, w) in zip(accs, v_pieces):
+        o_mask = row_ok & (cols_of(t) < w)
+        plgpu.store(out_ref.at[b, jnp.where(o_mask, rows[:, None], seq_len), oo + a + cols_of(t)],
+                    (acc * inv_l[:, None]).astype(out_ref.dtype), mask=o_mask)
 
 
 def _kernel(items_ref, lengths_ref, *refs, classes, class_of, group, **static):
@@ -143,12 +165,11 @@ def _kernel(items_ref, lengths_ref, *refs, classes, class_of, group, **static):
         lax.switch(cls_index, [lambda it, f=f: f(it) for f in branches], item)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "balanced", "block_q", "block_k", "max_block_q", "num_warps",
-                                             "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("layout", "balanced", "block_q", "block_k", "max_block_q", "max_segments",
+                                             "num_warps", "num_stages", "interpret"))
 def prefill_attention(q, k, v, layout: HeadLayout, lengths=None, k_pages=None, v_pages=None, block_table=None, *,
-                      balanced: bool = True, block_q: int = 128, block_k: int = 64, max_block_q: int = 128,
-                      num_warps: int = 8,
-                      num_stages: int = 3, interpret: bool = False):
+                      balanced: bool = True, block_q: int = 128, block_k: int = 128, max_block_q: int = 128,
+                      max_segments: int = 3, num_warps: int = 8, num_stages: int = 3, interpret: bool = False):
     """Causal attention of T prompt tokens among themselves; same contract as ``causal_attention``.
 
     q [B, T, q_cols], k [B, T, k_cols], v [B, T, v_cols]; lengths [B] (default T): rows at positions >= length
@@ -160,14 +181,14 @@ def prefill_attention(q, k, v, layout: HeadLayout, lengths=None, k_pages=None, v
         block_q, max_block_q, block_k = min(block_q, 64), min(max_block_q, 64), min(block_k, 32)
         num_stages = min(num_stages, 2)
     classes, class_of = width_classes(layout)
-    items = jnp.asarray(work_items(layout, b, t, block_q, balanced, max_block_q))
+    items = jnp.asarray(work_items(layout, b, t, block_q, balanced, max_block_q, max_segments))
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     write = k_pages is not None
     page_size = k_pages.shape[1] if write else 1
     kernel = functools.partial(
         _kernel, classes=classes, class_of=class_of, group=layout.group_size, seq_len=t, page_size=page_size,
         window=layout.sliding_window, scale=1.0 / math.sqrt(layout.head_dim), block_q=block_q, block_k=block_k,
-        balanced=balanced, max_rows=max_block_q, write_pages=write)
+        balanced=balanced, max_rows=max_block_q, max_segments=max_segments, write_pages=write)
     out_shape = [jax.ShapeDtypeStruct((b, t, layout.out_cols), q.dtype)]
     args = [items, lengths, jnp.zeros((b, 1), jnp.int32) if block_table is None else block_table.astype(jnp.int32),
             q, k, v]
