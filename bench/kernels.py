@@ -335,6 +335,7 @@ def check_prefill(args):
 
 
 ODD = HeadLayout(32, 8, 128, (128, 48, 16, 80, 112, 32, 64, 96), (16, 96, 128, 48, 64, 112, 80, 32))
+WIDE = HeadLayout(32, 8, 128, (112, 128, 16, 96, 112, 64, 128, 48), (112, 16, 128, 112, 80, 128, 96, 48))  # prefill smem
 WINDOWED = HeadLayout(8, 8, 64, (64, 16, 32, 48, 64, 16, 32, 48), (16,) * 4 + (64,) * 4, 300)
 
 
@@ -379,6 +380,7 @@ def prefill_checks(key, match=""):
         ("llama r0.5 B1 2K", pick_layer(rank_plan(0.5), 0.5), 1, 2048, bf),
         ("odd widths B2 1000", ODD, 2, 1000, f32),
         ("odd widths B1 1000", ODD, 1, 1000, bf),
+        ("wide classes B1 1000", WIDE, 1, 1000, bf),
         ("G1 window 300", WINDOWED, 2, 700, bf),
     ]
     cases = [(name, dt, prefill_check_inputs(next(keys), lay, b, t, dt)) for name, lay, b, t, dt in cases

@@ -7,7 +7,7 @@ import pytest
 from kvjax import attention
 from kvjax.cache import NULL_PAGE, write_pages
 from kvjax.layout import HeadLayout
-from kvjax.pallas.prefill import prefill_attention, prefill_attention_reference, work_items
+from kvjax.pallas.prefill import keys_per_step, prefill_attention, prefill_attention_reference, work_items
 
 
 def prompts(rng, layout, batch, t, dtype, page_size=16):
@@ -70,6 +70,13 @@ def test_balanced_items_are_taller_for_narrow_heads_and_longest_first():
     assert cost == sorted(cost, reverse=True)
     plain = work_items(layout, 1, 1024, 64, False, 256, 3)
     assert len(plain) == 8 * 1024 // 64 and (plain[:, 2] % 64 == 0).all()
+
+
+def test_keys_per_step_fit_shared_memory():
+    """128-key steps for classes up to 176 loaded columns (measured to compile on the H100), fewer past that."""
+    assert keys_per_step(128, 128, 176, 2, 3) == 128 and keys_per_step(128, 64, 96, 2, 3) == 64
+    assert keys_per_step(128, 128, 256, 2, 3) == 64 and keys_per_step(128, 128, 256, 2, 4) == 32
+    assert keys_per_step(32, 64, 256, 4, 2) == 32
 
 
 def test_attention_seam():

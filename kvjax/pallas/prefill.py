@@ -16,8 +16,8 @@ for the [block_q, width] x [width, block_k] dots itself.
 
 A head whose width is not a power of two is read as exact power-of-two pieces (``max_segments``, via
 ``common.segments``: 80 = 64 + 16), one dot per piece, rather than through one padded tile: no multiply is spent
-on padding, and a layer whose pieces are all <= 64 wide fits 128-key steps in shared memory (one padded 128-wide
-tile per class did not: 272 KB asked for). Classes with a 128-wide piece step through half the keys.
+on padding, and the narrower loads let 128-key steps fit in shared memory (one padded 128-wide tile per class did
+not: 272 KB asked for). ``keys_per_step`` halves the keys of classes too wide for that (full 128+128 heads).
 
 Measured on the H100 (bench/RESULTS.md): 256-row blocks with 8 warps gave wrong results (relative error 5e-2 to
 9e-2; right with 4 warps and in interpret mode), so blocks are capped at 128 rows by default; float32 tiles are
@@ -49,6 +49,21 @@ def loaded_columns(width: int, max_segments: int) -> int:
     return sum(t for _, t, _ in segments(width, max_segments))
 
 
+# Bytes of K/V tiles one pipelined key loop keeps in flight, (num_stages - 1) x keys x loaded columns x itemsize,
+# that fit Hopper's shared memory (each class has two such loops, plus its q tile): 2 x 128 x 176 x 2 (the odd-widths
+# layer's widest class, 112+64, with 128 keys) compiled on the H100 at 8 warps and 3 stages; 2 x 128 x 256 x 2
+# (an 80+80 class through 128-wide tiles) did not (272 KB asked for).
+KV_TILE_BYTES = 2 * 128 * 176 * 2
+
+
+def keys_per_step(block_k: int, rows: int, cols: int, itemsize: int, num_stages: int) -> int:
+    """Keys per loop step: ``block_k`` (at most the query rows), halved until the K/V tiles fit shared memory."""
+    keys = min(block_k, rows)
+    while keys > 16 and max(num_stages - 1, 1) * keys * cols * itemsize > KV_TILE_BYTES:
+        keys //= 2
+    return keys
+
+
 def block_rows(cls, block_q: int, seq_len: int, balanced: bool, max_rows: int, max_segments: int) -> int:
     """Query rows per item for a head class: taller for narrower heads when balanced."""
     cols = loaded_columns(cls.k_width, max_segments) + loaded_columns(cls.v_width, max_segments)
@@ -78,7 +93,7 @@ def work_items(layout: HeadLayout, batch: int, seq_len: int, block_q: int, balan
 
 
 def _attend_block(cls, item, refs, *, group, seq_len, page_size, window, scale, block_q, block_k, balanced,
-                  max_rows, max_segments, write_pages):
+                  max_rows, max_segments, num_stages, write_pages):
     """One item of a class (static widths): flash attention of its query rows, output store, cache write."""
     if write_pages:
         table_ref, q_ref, k_ref, v_ref, _, _, out_ref, kp_ref, vp_ref = refs
@@ -88,8 +103,8 @@ def _attend_block(cls, item, refs, *, group, seq_len, page_size, window, scale, 
     kw, vw = cls.k_width, cls.v_width
     k_pieces, v_pieces = segments(kw, max_segments), segments(vw, max_segments)
     bq = block_rows(cls, block_q, seq_len, balanced, max_rows, max_segments)
-    widest = max(t for _, t, _ in k_pieces + v_pieces)
-    bk = min(block_k * 64 // max(widest, 64), block_k, bq)  # 128-wide pieces: half the keys (shared memory)
+    cols = sum(t for _, t, _ in k_pieces + v_pieces)
+    bk = keys_per_step(block_k, bq, cols, jnp.dtype(k_ref.dtype).itemsize, num_stages)
     precision = dot_precision(k_ref.dtype)
     kv_head, gi = h // group, h % group
     qo = offset16(kv_head, cls.heads, cls.q_off) + gi * kw
@@ -188,7 +203,7 @@ def prefill_attention(q, k, v, layout: HeadLayout, lengths=None, k_pages=None, v
     kernel = functools.partial(
         _kernel, classes=classes, class_of=class_of, group=layout.group_size, seq_len=t, page_size=page_size,
         window=layout.sliding_window, scale=1.0 / math.sqrt(layout.head_dim), block_q=block_q, block_k=block_k,
-        balanced=balanced, max_rows=max_block_q, max_segments=max_segments, write_pages=write)
+        balanced=balanced, max_rows=max_block_q, max_segments=max_segments, num_stages=num_stages, write_pages=write)
     out_shape = [jax.ShapeDtypeStruct((b, t, layout.out_cols), q.dtype)]
     args = [items, lengths, jnp.zeros((b, 1), jnp.int32) if block_table is None else block_table.astype(jnp.int32),
             q, k, v]
