@@ -278,9 +278,11 @@ def palu_decode_call(case, layout, key):
 # ---------------------------------------------------------------- correctness
 
 def highest(fn, *args):
-    """The jnp reference in float32 with exact matmuls (XLA's GPU default for float32 is TF32)."""
+    """The jnp reference in float32 with exact matmuls (XLA's GPU default for float32 is TF32), jitted as a whole:
+    run op by op, the per-head reference of a 32-head layer spent about a minute compiling its many small ops."""
+    arrays = [a.astype(jnp.float32) if a.dtype != jnp.int32 else a for a in args[:-1]]
     with jax.default_matmul_precision("highest"):
-        return fn(*(a.astype(jnp.float32) if a.dtype != jnp.int32 else a for a in args[:-1]), args[-1])
+        return jax.jit(fn, static_argnums=len(arrays))(*arrays, args[-1])
 
 
 def worst_head(out, ref, layout, cols):
