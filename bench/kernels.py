@@ -337,7 +337,8 @@ def check_prefill(args):
 
 
 ODD = HeadLayout(32, 8, 128, (128, 48, 16, 80, 112, 32, 64, 96), (16, 96, 128, 48, 64, 112, 80, 32))
-WIDE = HeadLayout(32, 8, 128, (112, 128, 16, 96, 112, 64, 128, 48), (112, 16, 128, 112, 80, 128, 96, 48))  # prefill smem
+# heads too wide for 128-key prefill steps (keys_per_step gives them 64) beside narrow ones
+WIDE = HeadLayout(32, 8, 128, (112, 128, 16, 96, 112, 64, 128, 48), (112, 16, 128, 112, 80, 128, 96, 48))
 WINDOWED = HeadLayout(8, 8, 64, (64, 16, 32, 48, 64, 16, 32, 48), (16,) * 4 + (64,) * 4, 300)
 
 
@@ -420,8 +421,9 @@ DECODE_DEFAULTS = dict(programs=264, block_tokens=64, max_step_tokens=512, fold_
                        num_warps=4, num_stages=3)  # the kernel's
 SWEPT = ("programs", "num_warps", "num_stages", "block_tokens", "fold_tokens", "max_segments")
 DECODE_SWEEP = [dict(DECODE_DEFAULTS, **dict(zip(SWEPT, v)))
-                for v in ((264, 4, 3, 64, 64, 1), (264, 8, 3, 64, 64, 1), (264, 8, 2, 64, 64, 1), (264, 8, 4, 64, 64, 1),
-                          (264, 4, 2, 64, 64, 1), (264, 8, 3, 128, 64, 1), (264, 8, 3, 64, 32, 1), (264, 8, 3, 64, 64, 3))]
+                for v in ((264, 4, 3, 64, 64, 1), (264, 8, 3, 64, 64, 1), (264, 8, 2, 64, 64, 1),
+                          (264, 8, 4, 64, 64, 1), (264, 4, 2, 64, 64, 1), (264, 8, 3, 128, 64, 1),
+                          (264, 8, 3, 64, 32, 1), (264, 8, 3, 64, 64, 3))]
 
 
 def knobs_of(cfg):
@@ -460,34 +462,33 @@ def decode_table(key, bw, shapes, rates, quick, tuned, orders=("lpt", "naive")):
     rows = []
     plans = {r: rank_plan(r) for r in rates}
     for batch, ctx in shapes:
-        ahead = []
-        for rate in rates:
-            lay = pick_layer(plans[rate], rate)
-            case = PagedCase(lay, batch, np.full(batch, ctx), 32, copies_for(batch * ctx * (lay.k_cols + lay.v_cols) * 2),
-                             key)  # the same shapes as below, so the timed calls find these compiles in the cache
-            for order in (orders if rate > 0 else ("lpt",)):
-                plan = build_decode_schedule(case.lengths, lay, 32, tuned[rate]["programs"], order=order)
-                ahead.append(timing_job(*kvjax_decode_call(case, plan.schedule.layer(0), key, **knobs_of(tuned[rate]))))
-        compile_ahead(ahead)
-        del ahead, case
-        base = None
+        # every case, plan and kvjax call of the shape first, so their kernels compile side by side
+        cases, calls = {}, {}
         for rate in rates:
             lay = pick_layer(plans[rate], rate)
             nbytes = batch * ctx * (lay.k_cols + lay.v_cols) * 2
-            case = PagedCase(lay, batch, np.full(batch, ctx), 32, copies_for(nbytes), key)
-            floor = case.bytes / bw
-            cfg = tuned[rate]
-            knobs = knobs_of(cfg)
+            cases[rate] = case = PagedCase(lay, batch, np.full(batch, ctx), 32, copies_for(nbytes), key)
             for order in (orders if rate > 0 else ("lpt",)):
                 t0 = time.perf_counter()
-                plan = build_decode_schedule(case.lengths, lay, 32, cfg["programs"], order=order)
+                plan = build_decode_schedule(case.lengths, lay, 32, tuned[rate]["programs"], order=order)
                 host = time.perf_counter() - t0
-                t = time_calls(*kvjax_decode_call(case, plan.schedule.layer(0), key, **knobs))
+                call = kvjax_decode_call(case, plan.schedule.layer(0), key, **knobs_of(tuned[rate]))
+                calls[rate, order] = host, call
+        compile_ahead([timing_job(*call) for _, call in calls.values()])
+        base = None
+        for rate in rates:
+            case = cases.pop(rate)
+            lay = case.layout
+            floor = case.bytes / bw
+            for order in (orders if rate > 0 else ("lpt",)):
+                host, call = calls.pop((rate, order))
+                t = time_calls(*call)
                 base = t if rate == 0 else base
                 rows.append(dict(kernel=f"kvjax {order}", batch=batch, ctx=ctx, rate=rate,
                                  widths=f"{lay.k_cols}+{lay.v_cols}", time_us=t * 1e6, floor_us=floor * 1e6,
                                  speedup_vs_rate0=(base / t) if base else None, host_ms=host * 1e3))
                 print_row(rows[-1])
+                del call
             if rate == 0:
                 best = None
                 for ppb, splits in ((4, 16 if ctx >= 16384 else 8),):
@@ -657,7 +658,8 @@ def schedule_cost(decode_us_per_layer: float | None, bw: float, steps: int = 102
 
 
 PREFILL_DEFAULTS = dict(block_q=128, block_k=128, max_block_q=128, max_segments=3, num_warps=8, num_stages=3)
-PREFILL_SWEEP = [dict(PREFILL_DEFAULTS, **dict(zip(("block_q", "block_k", "max_segments", "num_warps", "num_stages"), v)))
+PREFILL_SWEPT = ("block_q", "block_k", "max_segments", "num_warps", "num_stages")
+PREFILL_SWEEP = [dict(PREFILL_DEFAULTS, **dict(zip(PREFILL_SWEPT, v)))
                  for v in ((128, 128, 3, 8, 3), (128, 128, 1, 8, 3), (128, 128, 3, 4, 3), (64, 128, 3, 4, 3),
                            (128, 128, 3, 8, 4), (64, 64, 3, 4, 3), (128, 128, 3, 4, 2), (128, 64, 3, 8, 3))]
 

@@ -46,7 +46,8 @@ def layout_of(spec: str) -> HeadLayout:
         return pick_layer(rank_plan(float(val)), float(val))
     if kind == "widths":
         k, v = ([int(x) for x in part.split(",")] for part in val.split("/"))
-        return HeadLayout(HQ, HKV, D, tuple(k[h % len(k)] for h in range(HKV)), tuple(v[h % len(v)] for h in range(HKV)))
+        cycle = lambda ws: tuple(ws[h % len(ws)] for h in range(HKV))
+        return HeadLayout(HQ, HKV, D, cycle(k), cycle(v))
     raise SystemExit(f"unknown layout {spec!r}: use rate:R, uniform:W or widths:K,../V,..")
 
 
@@ -116,7 +117,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     knobs = {k: int(v) for k, v in (kv.split("=") for kv in args.knob)}
     print(f"paged_decode, sm_90, {args.warps} warps, {args.stages} stages, knobs {knobs or 'default'}\n")
-    print("| layout | classes | registers | spilled bytes | shared bytes | SASS instructions |\n|---|---|---|---|---|---|")
+    print("| layout | classes | registers | spilled bytes | shared bytes | SASS instructions |\n"
+          "|---|---|---|---|---|---|")
     for spec in args.layouts:
         layout = layout_of(spec)
         ir = triton_ir(layout, num_warps=args.warps, num_stages=args.stages, **knobs)

@@ -81,6 +81,11 @@ def segments(width: int, max_segments: int) -> tuple[tuple[int, int, int], ...]:
     return tuple(pieces)
 
 
+def loaded_columns(width: int, max_segments: int) -> int:
+    """Columns a head ``width`` wide loads per row when read as ``segments`` (its pieces' tiles together)."""
+    return sum(t for _, t, _ in segments(width, max_segments))
+
+
 def load_columns(ref, lead: tuple, offset, cols, width: int, rows_ok=None):
     """``ref[*lead, offset + cols]``: a head ``width`` columns wide read through a ``cols``-wide tile. Tile columns
     past the width and rows not ``rows_ok`` [R] are masked (fetch nothing, read 0); with neither, the load has no

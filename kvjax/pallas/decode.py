@@ -46,8 +46,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
-from kvjax.pallas.common import (LOG2E, MASK, dot_precision, load_columns, lookup, offset16, pow2_floor, segments,
-                                 width_classes)
+from kvjax.pallas.common import (LOG2E, MASK, dot_precision, load_columns, loaded_columns, lookup, offset16,
+                                 pow2_floor, segments, width_classes)
 from kvjax.schedule import END_PAGE, FIRST_PAGE, HEAD, SEQ, SLOT, DecodeSchedule
 
 BLOCK_H = 16  # query rows per item: a GQA group (G <= 8) padded to the tensor cores' smallest M
@@ -74,7 +74,7 @@ def _attend_item(cls, item, refs, *, group, page_size, window, scale, block_toke
     seq, head, first, end, slot, length = item
     kw, vw = cls.k_width, cls.v_width
     k_pieces, v_pieces = segments(kw, max_segments), segments(vw, max_segments)
-    kt, vt = (sum(t for _, t, _ in pieces) for pieces in (k_pieces, v_pieces))  # columns loaded per token
+    kt, vt = loaded_columns(kw, max_segments), loaded_columns(vw, max_segments)
     bt = step_tokens(kt, vt, block_tokens, max_step_tokens)
     nf = folds(group, kt, bt, fold_tokens)
     bc = bt // nf  # tokens per chunk
@@ -127,7 +127,8 @@ def _attend_item(cls, item, refs, *, group, page_size, window, scale, block_toke
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
-        p_folds = [fold(p.astype(k_ref.dtype), c) for c in range(nf)]
+        pv = p.astype(k_ref.dtype)
+        p_folds = [fold(pv, c) for c in range(nf)]
         accs = tuple(acc * alpha[:, None] + functools.reduce(operator.add, [
             plgpu.dot(pf, vs[i], precision=precision) for pf, (_, vs, _) in zip(p_folds, chunks)])
             for i, acc in enumerate(accs))

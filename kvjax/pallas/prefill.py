@@ -41,12 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
-from kvjax.pallas.common import (LOG2E, MASK, dot_precision, load_columns, lookup, offset16, pow2_floor, segments,
-                                 width_classes)
-
-
-def loaded_columns(width: int, max_segments: int) -> int:
-    return sum(t for _, t, _ in segments(width, max_segments))
+from kvjax.pallas.common import (LOG2E, MASK, dot_precision, load_columns, loaded_columns, lookup, offset16,
+                                 pow2_floor, segments, width_classes)
 
 
 # Bytes of K/V tiles one pipelined key loop keeps in flight, (num_stages - 1) x keys x loaded columns x itemsize,
@@ -103,7 +99,7 @@ def _attend_block(cls, item, refs, *, group, seq_len, page_size, window, scale, 
     kw, vw = cls.k_width, cls.v_width
     k_pieces, v_pieces = segments(kw, max_segments), segments(vw, max_segments)
     bq = block_rows(cls, block_q, seq_len, balanced, max_rows, max_segments)
-    cols = sum(t for _, t, _ in k_pieces + v_pieces)
+    cols = loaded_columns(kw, max_segments) + loaded_columns(vw, max_segments)
     bk = keys_per_step(block_k, bq, cols, jnp.dtype(k_ref.dtype).itemsize, num_stages)
     precision = dot_precision(k_ref.dtype)
     kv_head, gi = h // group, h % group
