@@ -3,12 +3,14 @@
     PYTHONPATH=. python3 bench/kernels.py [--only SECTIONS] [--quick] [--json out.json]
 
 Sections run in this order (default: check_decode, decode, schedule, check_prefill, prefill, lpt; the whole set
-takes over 10 minutes on an H100, mostly compiling, so split it across calls with --only): widths (decode bandwidth
-by head width, each head as one padded tile or as exact pieces), classes (the rate-0.5 layer as one launch per width class), autotune (decode
-knobs per rate), check_decode, decode, schedules (planner options side by side), schedule (host cost),
-check_prefill, prefill, sweep (with prefill: pick the prefill knobs first), lpt. ``--quick`` runs one shape per
-table. ``--profile uniform:16`` runs one decode call for ncu. Within a section, the Pallas variants are compiled
-side by side in threads first (``compile_ahead``, into the persistent cache in ``--cache-dir``), then timed.
+takes over 10 minutes on an H100, mostly compiling, so split it across calls with --only): compile (XLA's compile
+time for modules calling the decode kernel), widths (decode bandwidth by head width, each head as one padded tile
+or as exact pieces), classes (the rate-0.5 layer as one launch per width class), autotune (decode schedule and
+kernel knobs per rate, at --tune-shape), check_decode, decode, schedules (planner options side by side),
+schedule (host cost), check_prefill, prefill, sweep (with prefill: pick the prefill knobs first), lpt.
+``--quick`` runs one shape per table. ``--profile uniform:16`` runs one decode call for ncu. Within a section,
+the Pallas variants are compiled side by side in threads first (``compile_ahead``, into the persistent cache in
+``--cache-dir``), then timed.
 
 Measures, in the same run: the copy bandwidth (a 1 GiB elementwise pass, bytes read + written) and the bf16 matmul
 rate (8192^3). Every timing is the median of several batches of jitted calls queued back to back (device-side
@@ -43,8 +45,8 @@ sys.path.insert(0, ROOT)
 from kvjax import attention  # noqa: E402
 from kvjax.layout import HeadLayout  # noqa: E402
 from kvjax.pallas.common import width_classes  # noqa: E402
-from kvjax.schedule import (SLOT, DecodePlanner, DecodeSchedule, build_decode_schedule, load_balance,  # noqa: E402
-                            realized_loads)
+from kvjax.schedule import (ORDER, PACK_TILE, SLOT, TILE_WEIGHT, DecodePlanner, DecodeSchedule,  # noqa: E402
+                            build_decode_schedule, load_balance, realized_loads)
 from kvjax.pallas.decode import paged_decode  # noqa: E402
 from kvjax.pallas.prefill import prefill_attention  # noqa: E402
 
@@ -295,11 +297,12 @@ def worst_head(out, ref, layout, cols):
     return max(errs), int(np.argmax(errs))
 
 
-def decode_check_inputs(key, layout, batch, lengths, page_size, dtype, num_programs=None, headroom=1):
+def decode_check_inputs(key, layout, batch, lengths, page_size, dtype, num_programs=None, headroom=1,
+                        pack_tile=PACK_TILE):
     """``paged_decode``'s arguments for one check case."""
     case = PagedCase(layout, batch, lengths, page_size, 1, key, dtype)
     plan = build_decode_schedule(case.lengths, layout, page_size, num_programs, headroom_pages=headroom,
-                                 min_chunk_tokens=page_size)
+                                 min_chunk_tokens=page_size, pack_tile=pack_tile)
     return case.q, case.k, case.v, case.tables[0], jnp.asarray(case.lengths), plan.schedule.layer(0), layout
 
 
@@ -353,16 +356,29 @@ def decode_checks(key, match=""):
     a sliding window; split groups (merge); bf16 and float32; rate-0, rate-0.5 and odd (non power of two) widths."""
     keys = iter(jax.random.split(key, 16))
     bf, f32 = jnp.bfloat16, jnp.float32
+    r05, r07 = pick_layer(rank_plan(0.5), 0.5), pick_layer(rank_plan(0.7), 0.7)
     cases = [
-        ("llama r0.5 B32 4K p32", pick_layer(rank_plan(0.5), 0.5), 32, np.full(32, 4096), 32, bf),
-        ("llama r0 B8 ragged p16", HeadLayout.uniform(32, 8, 128), 8, np.linspace(100, 3000, 8).astype(int), 16, bf),
-        ("odd widths B4 ragged p16", ODD, 4, [1, 17, 600, 2049], 16, f32),
-        ("G1 window 300 p16", WINDOWED, 3, [1000, 299, 5], 16, bf),
-        ("G8 B1 32K p32", HeadLayout(32, 4, 128, (32, 64, 96, 128), (128, 96, 64, 32)), 1, [32768], 32, bf),
-        ("G2 p32", HeadLayout(4, 2, 64, (32, 64), (64, 16)), 5, [33, 64, 65, 700, 1], 32, f32),
+        ("llama r0.5 B32 4K p32", r05, 32, np.full(32, 4096), 32, bf, PACK_TILE),
+        ("llama r0 B8 ragged p16", HeadLayout.uniform(32, 8, 128), 8, np.linspace(100, 3000, 8).astype(int), 16, bf,
+         PACK_TILE),
+        ("odd widths B4 ragged p16", ODD, 4, [1, 17, 600, 2049], 16, f32, PACK_TILE),
+        ("G1 window 300 p16", WINDOWED, 3, [1000, 299, 5], 16, bf, PACK_TILE),
+        ("G8 B1 32K p32", HeadLayout(32, 4, 128, (32, 64, 96, 128), (128, 96, 64, 32)), 1, [32768], 32, bf,
+         PACK_TILE),
+        ("G2 p32", HeadLayout(4, 2, 64, (32, 64), (64, 16)), 5, [33, 64, 65, 700, 1], 32, f32, PACK_TILE),
+        # runs of adjacent heads read as one (kvjax.runs), at both run widths the bench sweeps
+        ("packed 128: llama r0.7 B32 4K p32", r07, 32, np.full(32, 4096), 32, bf, 128),
+        ("packed 256: llama r0.5 B32 4K p32", r05, 32, np.full(32, 4096), 32, bf, 256),
+        ("packed 256: llama r0 B8 ragged p16", HeadLayout.uniform(32, 8, 128), 8, np.linspace(100, 3000, 8).astype(int),
+         16, bf, 256),
+        ("packed 128: odd widths B4 ragged p16", ODD, 4, [1, 17, 600, 2049], 16, f32, 128),
+        ("packed 256: G1 window 300 p16", WINDOWED, 3, [1000, 299, 5], 16, bf, 256),
+        ("packed 256: G8 B1 32K p32", HeadLayout(32, 4, 128, (32, 64, 96, 128), (128, 96, 64, 32)), 1, [32768], 32,
+         bf, 256),
+        ("packed 128: G2 p32", HeadLayout(4, 2, 64, (32, 64), (64, 16)), 5, [33, 64, 65, 700, 1], 32, f32, 128),
     ]
-    cases = [(name, dt, decode_check_inputs(next(keys), lay, b, lengths, ps, dt))
-             for name, lay, b, lengths, ps, dt in cases if match in name]
+    cases = [(name, dt, decode_check_inputs(next(keys), lay, b, lengths, ps, dt, pack_tile=pack))
+             for name, lay, b, lengths, ps, dt, pack in cases if match in name]
     compile_ahead([lambda a=args: paged_decode.lower(*a) for _, _, args in cases])
     rows = []
     for name, dt, args in cases:
@@ -417,30 +433,43 @@ def print_row(r):
           f"{r['floor_us']:.1f} | {ratio:.2f} | {100 / ratio:.0f}% | {speedup} |", flush=True)
 
 
-DECODE_DEFAULTS = dict(programs=264, block_tokens=64, max_step_tokens=512, fold_tokens=64, max_segments=1,
-                       num_warps=4, num_stages=3)  # the kernel's
-SWEPT = ("programs", "num_warps", "num_stages", "block_tokens", "fold_tokens", "max_segments")
+DECODE_DEFAULTS = dict(programs=264, order=ORDER, pack_tile=PACK_TILE, tile_weight=TILE_WEIGHT, block_tokens=64,
+                       max_step_tokens=512, fold_tokens=64, max_segments=1, num_warps=4,
+                       num_stages=3)  # the schedule's and the kernel's
+SWEPT = ("order", "pack_tile", "tile_weight", "programs", "num_warps", "num_stages", "block_tokens")
+# the previous sessions' sweeps (warps, stages, pieces, folding) are in RESULTS.md; this one: stream order, head
+# packing and the tile-aware cost model, each against the one before
 DECODE_SWEEP = [dict(DECODE_DEFAULTS, **dict(zip(SWEPT, v)))
-                for v in ((264, 4, 3, 64, 64, 1), (264, 8, 3, 64, 64, 1), (264, 8, 2, 64, 64, 1),
-                          (264, 8, 4, 64, 64, 1), (264, 4, 2, 64, 64, 1), (264, 8, 3, 128, 64, 1),
-                          (264, 8, 3, 64, 32, 1), (264, 8, 3, 64, 64, 3))]
+                for v in (("lpt", 0, 0, 264, 4, 3, 64), ("stream", 0, 0, 264, 4, 3, 64),
+                          ("stream", 0, 1, 264, 4, 3, 64), ("lpt", 128, 1, 264, 4, 3, 64),
+                          ("stream", 128, 1, 264, 4, 3, 64), ("stream", 256, 1, 264, 4, 3, 64),
+                          ("auto", 128, 1, 264, 4, 3, 64))]
+SCHEDULE_KNOBS = ("programs", "order", "pack_tile", "tile_weight")
 
 
 def knobs_of(cfg):
-    """The kernel's keyword arguments in a config (everything but the program count, which the schedule fixes)."""
-    return {k: v for k, v in cfg.items() if k != "programs"}
+    """The kernel's keyword arguments in a config (everything but what the schedule fixes)."""
+    return {k: v for k, v in cfg.items() if k not in SCHEDULE_KNOBS}
 
 
-def decode_autotune(key, bw, rates):
-    """Per rate plan, the fastest of DECODE_SWEEP at batch 32, 4K (the table then uses it for every shape); every
-    variant of every rate is compiled ahead, side by side."""
-    print(f"\n| rate | {' / '.join(SWEPT)} | time us | % of copy bw |\n|---|---|---|---|")
+def schedule_of(case, cfg, **options):
+    """The plan for a case under a config's schedule knobs (program count, order, head packing); ``options``
+    override them."""
+    options = dict({k: cfg[k] for k in SCHEDULE_KNOBS if k != "programs"}, **options)
+    return build_decode_schedule(case.lengths, case.layout, case.page_size, cfg["programs"], **options)
+
+
+def decode_autotune(key, bw, rates, batch=32, ctx=4096):
+    """Per rate plan, the fastest of DECODE_SWEEP at one shape (batch 32, 4K unless --tune-shape; the table then
+    uses it for every shape); every variant of every rate is compiled ahead, side by side."""
+    print(f"\n{batch} x {ctx}:\n| rate | {' / '.join(SWEPT)} | time us | % of copy bw |\n|---|---|---|---|")
     jobs = []
     for rate in rates:
         lay = pick_layer(rank_plan(rate), rate)
-        case = PagedCase(lay, 32, np.full(32, 4096), 32, 1, key)
+        case = PagedCase(lay, batch, np.full(batch, ctx), 32, copies_for(batch * ctx * (lay.k_cols + lay.v_cols) * 2),
+                         key)
         for cfg in DECODE_SWEEP:
-            sched = build_decode_schedule(case.lengths, lay, 32, cfg["programs"]).schedule.layer(0)
+            sched = schedule_of(case, cfg).schedule.layer(0)
             jobs.append((rate, cfg, case.bytes, kvjax_decode_call(case, sched, key, **knobs_of(cfg))))
     compile_ahead([timing_job(*job) for *_, job in jobs])
     best = {}
@@ -468,9 +497,9 @@ def decode_table(key, bw, shapes, rates, quick, tuned, orders=("lpt", "naive")):
             lay = pick_layer(plans[rate], rate)
             nbytes = batch * ctx * (lay.k_cols + lay.v_cols) * 2
             cases[rate] = case = PagedCase(lay, batch, np.full(batch, ctx), 32, copies_for(nbytes), key)
-            for order in (orders if rate > 0 else ("lpt",)):
+            for order in (orders if rate > 0 else (tuned[rate]["order"],)):
                 t0 = time.perf_counter()
-                plan = build_decode_schedule(case.lengths, lay, 32, tuned[rate]["programs"], order=order)
+                plan = schedule_of(case, tuned[rate], order=order)
                 host = time.perf_counter() - t0
                 call = kvjax_decode_call(case, plan.schedule.layer(0), key, **knobs_of(tuned[rate]))
                 calls[rate, order] = host, call
@@ -480,7 +509,7 @@ def decode_table(key, bw, shapes, rates, quick, tuned, orders=("lpt", "naive")):
             case = cases.pop(rate)
             lay = case.layout
             floor = case.bytes / bw
-            for order in (orders if rate > 0 else ("lpt",)):
+            for order in (orders if rate > 0 else (tuned[rate]["order"],)):
                 host, call = calls.pop((rate, order))
                 t = time_calls(*call)
                 base = t if rate == 0 else base
@@ -529,11 +558,13 @@ def pad_schedule(s: DecodeSchedule, rounds: int, groups: int, splits: int) -> De
     dest[: len(s.merge_dest)] = s.merge_dest
     slots = np.full((groups, splits), -1, np.int32)
     slots[: len(s.merge_slots), :S] = renumber(s.merge_slots)
-    return DecodeSchedule(items, s.counts, dest, slots)
+    return DecodeSchedule(items, s.counts, dest, slots, s.pack_tile)
 
 
-SCHEDULE_VARIANTS = [dict(items_per_program=1, token_cost=0), dict(items_per_program=2, token_cost=0),
-                     dict(items_per_program=1, token_cost=32), dict(items_per_program=2, token_cost=32)]
+# the second session's LPT options (one head per unit, costs from widths), kept to rerun that table
+SCHEDULE_VARIANTS = [dict(order="lpt", pack_tile=0, tile_weight=0, **v) for v in (
+    dict(items_per_program=1, token_cost=0), dict(items_per_program=2, token_cost=0),
+    dict(items_per_program=1, token_cost=32), dict(items_per_program=2, token_cost=32))]
 
 
 def schedule_table(key, bw, cases, programs=264):
@@ -562,7 +593,8 @@ def schedule_table(key, bw, cases, programs=264):
 
 
 def lpt_table(key, bw, cases, tuned):
-    """LPT vs naive order on ragged batches (lengths uniform in [ctx/8, ctx]) with per-head width variation."""
+    """Stream vs LPT vs naive order on ragged batches (lengths uniform in [ctx/8, ctx]) with per-head width
+    variation (the tuned config otherwise)."""
     print("\n| plan | batch | max ctx | order | time us | floor us | % of copy bw | planned balance | host plan ms |"
           "\n|---|---|---|---|---|---|---|---|---|")
     rows = []
@@ -573,10 +605,10 @@ def lpt_table(key, bw, cases, tuned):
         case = PagedCase(lay, batch, lengths, 32, copies_for(nbytes), key)
         floor = case.bytes / bw
         cfg = tuned[rate]
-        knobs, programs = knobs_of(cfg), cfg["programs"]
-        for order in ("lpt", "naive"):
+        knobs = knobs_of(cfg)
+        for order in ("auto", "stream", "lpt", "naive"):
             t0 = time.perf_counter()
-            plan = build_decode_schedule(case.lengths, lay, 32, programs, order=order)
+            plan = schedule_of(case, cfg, order=order)
             host = time.perf_counter() - t0
             t = time_calls(*kvjax_decode_call(case, plan.schedule.layer(0), key, **knobs))
             rows.append(dict(rate=rate, batch=batch, ctx=ctx, order=order, time_us=t * 1e6, floor_us=floor * 1e6,
@@ -798,6 +830,41 @@ def per_class_launches(key, bw, lay, batch=32, ctx=4096, programs=264):
           f"| one launch per width class ({len(subs)}) | {t * 1e6:.1f} | {100 * nbytes / bw / t:.0f}% |", flush=True)
 
 
+def compile_times(key):
+    """Seconds XLA takes to compile modules that call the decode kernel (persistent cache off): does a module pay
+    once per call site, or once per distinct kernel, and is a kernel compiled earlier in the process reused?"""
+    jax.config.update("jax_enable_compilation_cache", False)
+    plan05 = rank_plan(0.5)
+    layers = sorted(plan05, key=lambda lay: abs(lay.k_cols + lay.v_cols - 1024))  # distinct layers of the plan
+
+    def module(layouts, calls_each=1):
+        """A jitted function calling the kernel ``calls_each`` times on each layout (each call its own q)."""
+        cases = [PagedCase(lay, 32, np.full(32, 4096), 32, 1, key) for lay in layouts]
+        scheds = [schedule_of(c, DECODE_DEFAULTS).schedule.layer(0) for c in cases]
+
+        def fn(qs):
+            outs = []
+            for c, sch, q in zip(cases, scheds, qs):
+                outs += [paged_decode(q * (i + 1), c.k, c.v, c.tables[0], jnp.asarray(c.lengths), sch, c.layout)
+                         for i in range(calls_each)]
+            return outs
+        return jax.jit(fn), [c.q for c in cases]
+
+    print("\n| module | kernel call sites | distinct kernels | compile s |\n|---|---|---|---|")
+    rows = []
+    for name, layouts, each in (("a rate-0.5 layer, 1 call (fresh)", [layers[0]], 1),
+                                ("the same layer, 8 calls (compiled above, in another module)", [layers[0]], 8),
+                                ("4 other rate-0.5 layers, 1 call each (fresh)", layers[1:5], 1)):
+        fn, qs = module(layouts, each)
+        t0 = time.perf_counter()
+        fn.lower(qs).compile()
+        t = time.perf_counter() - t0
+        rows.append(dict(module=name, sites=len(layouts) * each, kernels=len(layouts), seconds=t))
+        print(f"| {name} | {len(layouts) * each} | {len(layouts)} | {t:.1f} |", flush=True)
+    jax.config.update("jax_enable_compilation_cache", True)
+    return rows
+
+
 def profile_one(spec: str):
     """Run one decode call (after a warm-up) for ``ncu``: spec "uniform:W" or "rate:R" at batch 32, 4K."""
     kind, val = spec.split(":")
@@ -820,15 +887,16 @@ def main(argv=None):
     ap.add_argument("--json", help="write all rows here")
     ap.add_argument("--shapes", help="decode shapes BxCTX, comma-separated (default: 32x4096,128x4096,1x32768,"
                                      "256x512; --quick: 32x4096)")
+    ap.add_argument("--tune-shape", default="32x4096", help="BxCTX the autotune section times its variants at")
     ap.add_argument("--rates", default="0,0.5,0.7", help="decode table rates, comma-separated")
-    ap.add_argument("--orders", default="lpt,naive", help="decode table orders for compressed plans")
+    ap.add_argument("--orders", default="auto,stream,lpt,naive", help="decode table orders for compressed plans")
     ap.add_argument("--match", default="", help="only the correctness cases whose name contains this")
     ap.add_argument("--cache-dir", default=os.path.join(ROOT, ".jaxcache"),
                     help="JAX's persistent compilation cache (width-mixed kernels are slow to compile; a rerun of an "
                          "unchanged kernel loads it from here); '' turns it off")
     ap.add_argument("--only", default="check_decode,decode,schedule,check_prefill,prefill,lpt",
-                    help="comma list of sections, run in this order: widths,classes,autotune,check_decode,decode,"
-                         "schedules,schedule,check_prefill,prefill (add sweep: pick prefill knobs first),lpt")
+                    help="comma list of sections, run in this order: compile,widths,classes,autotune,check_decode,"
+                         "decode,schedules,schedule,check_prefill,prefill (add sweep: pick prefill knobs first),lpt")
     args = ap.parse_args(argv)
     if args.cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
@@ -851,13 +919,17 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1, default=str)
 
+    if "compile" in only:
+        result["compile"] = compile_times(key)
+        dump()
     if "widths" in only:
         width_sweep(key, bw)
     if "classes" in only:
         per_class_launches(key, bw, pick_layer(rank_plan(0.5), 0.5))
     tuned = {r: DECODE_DEFAULTS for r in (0.0, 0.5, 0.7)}  # the defaults; --only autotune picks per rate
     if "autotune" in only:
-        tuned.update(decode_autotune(key, bw, tuple(float(r) for r in args.rates.split(","))))
+        batch, ctx = map(int, args.tune_shape.split("x"))
+        tuned.update(decode_autotune(key, bw, tuple(float(r) for r in args.rates.split(",")), batch, ctx))
     result["decode_knobs"] = tuned
     if "check_decode" in only:
         result["decode_checks"] = decode_checks(key, args.match)

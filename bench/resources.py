@@ -29,9 +29,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from kvjax.layout import HeadLayout  # noqa: E402
-from kvjax.pallas.common import width_classes  # noqa: E402
+from kvjax.pallas.common import run_classes  # noqa: E402
 from kvjax.pallas.decode import paged_decode  # noqa: E402
-from kvjax.schedule import build_decode_schedule  # noqa: E402
+from kvjax.schedule import PACK_TILE, build_decode_schedule  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
@@ -51,7 +51,7 @@ def layout_of(spec: str) -> HeadLayout:
     raise SystemExit(f"unknown layout {spec!r}: use rate:R, uniform:W or widths:K,../V,..")
 
 
-def triton_ir(layout: HeadLayout, batch=32, ctx=4096, page_size=32, **knobs) -> str:
+def triton_ir(layout: HeadLayout, batch=32, ctx=4096, page_size=32, pack_tile=PACK_TILE, **knobs) -> str:
     """The Triton IR Pallas builds for ``paged_decode`` on this layout, lowered for CUDA without a GPU."""
     from jax._src.pallas.triton import pallas_call_registration as registration
 
@@ -70,7 +70,8 @@ def triton_ir(layout: HeadLayout, batch=32, ctx=4096, page_size=32, **knobs) -> 
     try:
         pps = ctx // page_size
         pages = batch * pps + 1
-        plan = build_decode_schedule(np.full(batch, ctx), layout, page_size, 264).schedule.layer(0)
+        plan = build_decode_schedule(np.full(batch, ctx), layout, page_size, 264,
+                                     pack_tile=pack_tile).schedule.layer(0)
         bf16 = jnp.bfloat16
         args = (jax.ShapeDtypeStruct((batch, layout.q_cols), bf16),
                 jax.ShapeDtypeStruct((pages, page_size, layout.k_cols), bf16),
@@ -113,7 +114,8 @@ def main(argv=None):
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--knob", action="append", default=[], metavar="NAME=INT",
-                    help="a paged_decode keyword, e.g. --knob block_tokens=32 (repeatable)")
+                    help="a paged_decode keyword, e.g. --knob block_tokens=32 (repeatable), or pack_tile (the "
+                         "schedule's)")
     args = ap.parse_args(argv)
     knobs = {k: int(v) for k, v in (kv.split("=") for kv in args.knob)}
     print(f"paged_decode, sm_90, {args.warps} warps, {args.stages} stages, knobs {knobs or 'default'}\n")
@@ -123,7 +125,8 @@ def main(argv=None):
         layout = layout_of(spec)
         ir = triton_ir(layout, num_warps=args.warps, num_stages=args.stages, **knobs)
         r = resources(ir, args.warps, args.stages)
-        print(f"| {spec} | {len(width_classes(layout)[0])} | {r['registers']} | {r['local_bytes']} | "
+        classes = len(run_classes(layout, knobs.get("pack_tile", PACK_TILE))[0])
+        print(f"| {spec} | {classes} | {r['registers']} | {r['local_bytes']} | "
               f"{r['shared_bytes']} | {r['sass_instructions']} |", flush=True)
 
 

@@ -1,15 +1,26 @@
 """Host-side decode schedule: the "plan" step before each decode kernel "run" (numpy only).
 
 The decode kernel (``kvjax.pallas.decode``) runs ``P`` persistent programs; program ``p`` works through row ``p`` of
-the schedule. A work item is (sequence, KV head, chunk of pages) and costs ``tokens * (k_width + v_width + 32)``
-(the kernel's per-token work that does not shrink with width) plus a small fixed overhead. Groups (sequence, KV
-head) whose cost exceeds the average load per program are split into chunks first, so no item dominates; items are
-sorted longest first and dealt to the least-loaded program (LPT). Dealing runs in rounds of ``P`` items (each round
-gives its items, longest first, to the programs in order of load), vectorized with numpy over all layers at once; an
-item-by-item heap in Python would cost about a microsecond per item (65K items for 32 layers at batch 256). Both
-orders come from sorting packed 64-bit keys (cost or load, then index), cheaper than argsorts. Chunks of a split
-group write partial softmax states to slots that ``merge`` in the kernel module combines afterwards. Measured host
-cost: bench/RESULTS.md.
+the schedule. A work unit is a run of adjacent KV heads (``kvjax.runs``; one head when packing is off), a group is
+(sequence, unit), and a work item is a chunk of a group's pages. A token of a unit costs its K + V columns (the
+bytes), plus its tiles' columns (the instructions: padded columns fetch nothing but are computed on), plus 32 (the
+per-token work that does not shrink with width); an item adds a small fixed overhead.
+
+Orders (``order``):
+- "lpt": groups costlier than the average load are split into chunks, the items sorted longest first and dealt to
+  the least-loaded program (longest processing time first), in rounds of ``P`` items vectorized over all layers
+  (sorting packed 64-bit keys).
+- "stream": each layer's groups laid end to end and cut into ``P`` equal shares at page boundaries (stream-K's
+  split), so every program plans the same load up to a page, with one to a few items.
+- "auto" (the default): the LPT plan when it balances to within 5% of perfect, else the stream plan.
+- "naive": natural order dealt round-robin (the ablation).
+
+LPT balances many small items well and splits nothing it need not, but cannot cut items to fit: on Llama-shaped
+rate-0.5 and 0.7 layers at batch 32 (units of runs of heads) it planned 0.65-0.84 of a perfect balance, where
+stream plans 0.98-0.99 and ran 14-22% faster; with many groups per program (batch 256 x 512 tokens) LPT balances
+at 0.97 and stream's extra cuts and merges made it 8% slower (bench/RESULTS.md). Chunks of a split group write
+partial softmax states to slots that ``merge`` in the kernel module combines afterwards. Measured host cost:
+bench/RESULTS.md.
 
 The schedule depends only on page counts and widths. It covers ``headroom_pages`` pages past each sequence's last
 one (the kernel stops at the real length), so one plan serves every step until a sequence outgrows it or the
@@ -30,14 +41,19 @@ import jax
 import numpy as np
 
 from kvjax.layout import HeadLayout
+from kvjax.runs import TOKEN_COST, head_runs, tile
 
 H100_SMS = 132
 
 # Item fields, in this order along the last axis of ``DecodeSchedule.items``.
-SEQ, HEAD, FIRST_PAGE, END_PAGE, SLOT = range(5)
-ITEM = np.dtype({"names": ["seq", "head", "first_page", "end_page", "slot"], "formats": [np.int32] * 5})
+SEQ, UNIT, FIRST_PAGE, END_PAGE, SLOT = range(5)
+ITEM = np.dtype({"names": ["seq", "unit", "first_page", "end_page", "slot"], "formats": [np.int32] * 5})
 ITEM_OVERHEAD = 32 * 64  # an item's fixed cost, in tokens * width
-TOKEN_COST = 32  # a token's fixed cost (page lookup, softmax), in columns of width
+# Defaults, measured best on the H100 (bench/RESULTS.md, "Stream order and head runs"):
+ORDER = "auto"  # how items reach programs: "auto", "stream" (equal shares of the work), "lpt" or "naive"
+AUTO_BALANCE = 0.95  # "auto" keeps the LPT plan when it balances at least this well, else cuts equal shares
+TILE_WEIGHT = 1  # weight of a unit's tile columns in its token cost (see _widths)
+PACK_TILE = 128  # runs of adjacent heads (kvjax.runs) read through tiles at most this wide; 0: one head per unit
 
 
 def bucket(n: int) -> int:
@@ -62,21 +78,24 @@ def default_num_programs() -> int:
 class DecodeSchedule:
     """Device-side schedule, one entry per layer along axis 0 (pass it into a jitted step as is).
 
-    items [L, P, R, 5]: per program, its items (seq, kv_head, first_page, end_page, slot) in run order;
+    items [L, P, R, 5]: per program, its items (seq, unit, first_page, end_page, slot) in run order; a unit is a
+        run of adjacent KV heads (``kvjax.runs.head_runs(layout, pack_tile)``; one head each when pack_tile is 0);
         slot is -1 when the item is its group's only chunk (the kernel writes the output directly).
     counts [L, P]: how many items of each row are real.
-    merge_dest [L, M, 2]: (seq, kv_head) of each split group; padding rows hold seq = -1.
+    merge_dest [L, M, 2]: (seq, unit) of each split group; padding rows hold seq = -1.
     merge_slots [L, M, S]: the partial slots of each split group (slot = m * S + chunk), -1 where unused.
+    pack_tile: static; how the units were cut, so the kernel reads the same runs.
     """
 
     items: np.ndarray
     counts: np.ndarray
     merge_dest: np.ndarray
     merge_slots: np.ndarray
+    pack_tile: int = dataclasses.field(default=PACK_TILE, metadata=dict(static=True))
 
     def layer(self, i: int) -> "DecodeSchedule":
         """The schedule of layer ``i`` (arrays without the leading layer axis)."""
-        return DecodeSchedule(self.items[i], self.counts[i], self.merge_dest[i], self.merge_slots[i])
+        return DecodeSchedule(self.items[i], self.counts[i], self.merge_dest[i], self.merge_slots[i], self.pack_tile)
 
     @property
     def num_programs(self) -> int:
@@ -121,43 +140,65 @@ def _as_layouts(layouts) -> tuple[HeadLayout, ...]:
     return layouts
 
 
-def _widths(layouts: tuple[HeadLayout, ...], token_cost: int = TOKEN_COST) -> np.ndarray:
-    """[L, H] cost of one token of every head: k_width + v_width, plus ``token_cost`` for the per-token work that
-    does not scale with width (page lookup, softmax)."""
-    return np.array([[k + v + token_cost for k, v in zip(lay.k_widths, lay.v_widths)] for lay in layouts],
-                    np.int64)
+def _widths(layouts: tuple[HeadLayout, ...], token_cost: int = TOKEN_COST, pack_tile: int = PACK_TILE,
+            tile_weight: int = TILE_WEIGHT) -> np.ndarray:
+    """[L, U] cost of one token of every unit (run of heads): its K + V columns (the bytes), ``tile_weight`` times
+    the columns of its tiles (the instructions: a K and a V tile as wide as the wider of the two; padded columns
+    fetch nothing but are computed on), plus ``token_cost`` for the per-token work that does not scale with width
+    (page lookup, softmax). Layers with fewer units than the most have 0 past their last (they get no items)."""
+    runs = [head_runs(lay, pack_tile) for lay in layouts]
+    out = np.zeros((len(layouts), max(map(len, runs))), np.int64)
+    for i, layer in enumerate(runs):
+        out[i, :len(layer)] = [r.k_cols + r.v_cols + tile_weight * 2 * tile(max(r.k_cols, r.v_cols)) + token_cost
+                               for r in layer]
+    return out
 
 
 def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], page_size: int,
-                          num_programs: int | None = None, *, order: str = "lpt", headroom_pages=0,
+                          num_programs: int | None = None, *, order: str = ORDER, headroom_pages=0,
                           min_chunk_tokens: int = 256, item_overhead: int = ITEM_OVERHEAD,
-                          items_per_program: int = 1, token_cost: int = TOKEN_COST) -> DecodePlan:
+                          items_per_program: int = 1, token_cost: int = TOKEN_COST, tile_weight: int = TILE_WEIGHT,
+                          pack_tile: int = PACK_TILE) -> DecodePlan:
     """Plan decode for sequences of ``lengths`` tokens (new token included) over one layer or all layers.
 
-    headroom_pages: pages planned past each sequence's last one (one number, or one per sequence). order: "lpt"
-    (longest first to the least-loaded program) or "naive" (natural (seq, head, chunk) order dealt round-robin:
-    the ablation). min_chunk_tokens: chunks are never made shorter than this (a chunk's fixed cost then outweighs
-    balance). item_overhead: fixed cost of an item in the units of tokens * width. items_per_program: groups are
-    split into chunks no costlier than 1 / items_per_program of the average program load (finer items give LPT
-    more to balance with; each costs a merge slot). token_cost: a token's fixed cost, in columns (0 weighs items
-    by bytes; the kernel's time per token fits about width + 32 over widths 16..128). The defaults measured best
-    on the H100 (bench/kernels.py --only schedules, widths).
+    headroom_pages: pages planned past each sequence's last one (one number, or one per sequence). order: "stream",
+    "lpt" or "naive" (module doc). min_chunk_tokens: LPT never makes chunks shorter than this (a chunk's fixed cost
+    then outweighs balance); stream moves a cut within a quarter of it of a group's edge to the edge.
+    item_overhead: fixed cost of an item in the units of tokens * width. items_per_program (LPT): groups are split
+    into chunks no costlier than 1 / items_per_program of the average program load. token_cost: a token's fixed
+    cost, in columns. tile_weight: weight of the tile columns in a token's cost (0 weighs only bytes and the fixed
+    part). pack_tile: work units are runs of adjacent heads read through tiles at most this wide (``kvjax.runs``;
+    0: one head per unit). The defaults measured best on the H100 (bench/kernels.py --only autotune).
     """
-    if order not in ("lpt", "naive"):
-        raise ValueError(f"order must be 'lpt' or 'naive', not {order!r}")
+    if order not in ("auto", "lpt", "naive", "stream"):
+        raise ValueError(f"order must be 'auto', 'lpt', 'naive' or 'stream', not {order!r}")
+    if order == "auto":
+        options = dict(headroom_pages=headroom_pages, min_chunk_tokens=min_chunk_tokens, item_overhead=item_overhead,
+                       items_per_program=items_per_program, token_cost=token_cost, tile_weight=tile_weight,
+                       pack_tile=pack_tile)
+        plan = build_decode_schedule(lengths, layouts, page_size, num_programs, order="lpt", **options)
+        if plan.balance >= AUTO_BALANCE:
+            return plan
+        return build_decode_schedule(lengths, layouts, page_size, num_programs, order="stream", **options)
     _keep_heap()
     layouts = _as_layouts(layouts)
     P = num_programs or default_num_programs()
     lengths = np.asarray(lengths, np.int64)
-    B, L, H = len(lengths), len(layouts), layouts[0].num_kv_heads
-    page_cost = page_size * _widths(layouts, token_cost)[:, None, :]  # [L, 1, H]
+    unit_cost = _widths(layouts, token_cost, pack_tile, tile_weight)  # [L, H]: H units (runs of heads) per layer
+    B, L, H = len(lengths), len(layouts), unit_cost.shape[1]
+    page_cost = page_size * unit_cost[:, None, :]  # [L, 1, H]
 
     live = lengths > 0
     end_page = np.where(live, -(-lengths // page_size) + headroom_pages, 0)  # [B]
     window = np.array([lay.sliding_window or 0 for lay in layouts], np.int64)[:, None]  # [L, 1]
     first_page = np.where(window > 0, np.maximum(lengths[None] - window, 0) // page_size, 0)
     first_page = np.minimum(first_page, end_page[None])[:, :, None]  # [L, B, 1]
-    pages = end_page[None, :, None] - first_page  # [L, B, 1]
+    pages = (end_page[None, :, None] - first_page) * (page_cost > 0)  # [L, B, H]: none for missing units
+    capacity = np.where(live, end_page * page_size, 0)
+    if order == "stream":
+        schedule, loads, per_layer = _stream(np.broadcast_to(first_page, pages.shape), pages, page_cost, P,
+                                             item_overhead, max(1, min_chunk_tokens // page_size // 4), pack_tile)
+        return DecodePlan(schedule, capacity, loads, per_layer)
 
     # Split each (layer, seq, head) group into chunks no costlier than the average program load (in integers:
     # ceil(cost / max(total / P, 1))) and no shorter than min_chunk_tokens. Large batches split nothing.
@@ -177,7 +218,7 @@ def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], p
     fields = np.zeros((L * B * H + 1, 5), np.int32)
     first = fields[:-1].reshape(L, B, H, 5)
     first[..., SEQ] = np.arange(B)[:, None]
-    first[..., HEAD] = np.arange(H)
+    first[..., UNIT] = np.arange(H)
     first[..., FIRST_PAGE] = first_page
     first[..., END_PAGE] = first_page + chunk_pages
     first[..., SLOT] = -1
@@ -253,19 +294,108 @@ def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], p
     # Whole items move as records of five int32 fields: twice as fast as gathering rows of an int32 matrix.
     items = np.take(fields.view(ITEM).ravel(), table).view(np.int32).reshape(L, P, R, 5)
 
-    capacity = np.where(live, end_page * page_size, 0)
-    return DecodePlan(DecodeSchedule(items, counts, merge_dest, merge_slots), capacity, loads, per_layer)
+    return DecodePlan(DecodeSchedule(items, counts, merge_dest, merge_slots, pack_tile), capacity, loads, per_layer)
+
+
+def _stream(first_page, pages, page_cost, P, item_overhead, snap_pages, pack_tile):
+    """Equal shares of each layer's work, cut at page boundaries: program p takes the stretch from p/P to
+    (p+1)/P of the layer's groups laid end to end (stream-K's split), so it gets one to a few items (the ends of
+    the groups it spans) and every program plans the same load up to a page. A cut within ``snap_pages`` of a
+    group's edge moves to the edge (no slivers). first_page, pages: [L, B, H]; page_cost [L, 1, H].
+
+    Returns (schedule, loads [L, P], items per layer [L]). Vectorized over all layers: every group and every cut
+    is a point on one line of pages, layer after layer."""
+    L, B, H = pages.shape
+    pc = np.broadcast_to(page_cost, pages.shape).ravel()
+    real = np.flatnonzero(pages.ravel() > 0)  # groups with work, layer-major in natural (seq, unit) order
+    g_pages, g_cost, g_first = pages.ravel()[real], pc[real], first_page.ravel()[real]
+    g_layer, g_seq, g_unit = real // (B * H), real % (B * H) // H, real % H
+    n = len(real)
+    line = np.concatenate([[0], np.cumsum(g_pages)])  # where each group starts on the page line
+    worth = np.concatenate([[0], np.cumsum(g_pages * g_cost)])  # the same points in cost
+    per_group = np.bincount(g_layer, minlength=L)
+    layer_first = np.concatenate([[0], np.cumsum(per_group)])  # first group of each layer
+    total = worth[layer_first[1:]] - worth[layer_first[:-1]]  # [L]
+
+    # Cuts p = 1 .. P-1 of every layer at its equal shares, as (group, page in the group), then on the line.
+    target = worth[layer_first[:-1], None] + np.arange(1, P) * total[:, None] // P  # [L, P-1]
+    g = np.clip(np.searchsorted(worth, target, side="right") - 1, layer_first[:-1, None],
+                np.maximum(layer_first[1:, None] - 1, 0))
+    g = np.minimum(g, max(n - 1, 0))
+    if n:
+        k = np.clip(np.rint((target - worth[g]) / g_cost[g]).astype(np.int64), 0, g_pages[g])
+        k = np.where(k < snap_pages, 0, np.where(g_pages[g] - k < snap_pages, g_pages[g], k))
+        cut = line[g] + k
+    else:
+        cut = np.zeros((L, P - 1), np.int64)
+    start = line[layer_first[:-1]]  # [L]: each layer's start on the line (program 0 starts there)
+    cut = np.where(total[:, None] > 0, np.maximum.accumulate(cut, axis=1), start[:, None])
+    cuts = np.concatenate([start[:, None], cut], axis=1)  # [L, P], nondecreasing along the whole line
+
+    # Items: each group cut at the distinct cuts strictly inside it (a group's items are adjacent on the line).
+    flat = cuts.ravel()
+    inner = np.unique(flat)
+    owner = np.searchsorted(line, inner, side="right") - 1  # the group each distinct cut falls in
+    inside = (owner < n) & (inner > line[np.minimum(owner, n)])
+    cut_at, owner = inner[inside], owner[inside]  # sorted, grouped by group
+    pieces = 1 + np.bincount(owner, minlength=n)  # [n]
+    grp = np.repeat(np.arange(n), pieces)
+    before = np.cumsum(pieces) - pieces
+    chunk = np.arange(len(grp)) - before[grp]  # index of the item in its group
+    inner_before = before - np.arange(n)  # cuts of earlier groups
+    top = max(len(cut_at) - 1, 0)
+    take = lambda i: cut_at[np.minimum(i, top)] if len(cut_at) else line[grp]
+    a = np.where(chunk == 0, line[grp], take(inner_before[grp] + chunk - 1))
+    b = np.where(chunk == pieces[grp] - 1, line[grp + 1], take(inner_before[grp] + chunk))
+    layer = g_layer[grp]
+    # the last cut at or before each item's start: count the cuts at or before it (cheaper from the cuts' side)
+    prog = np.cumsum(np.bincount(np.searchsorted(a, flat, side="left"), minlength=len(a) + 1))[:-1] - 1 - layer * P
+    first = g_first[grp] + (a - line[grp])
+    end = first + (b - a)
+
+    # Partial slots for the groups cut into several items.
+    split = pieces > 1
+    split_groups = np.flatnonzero(split)
+    m_of = np.full(n, -1, np.int64)
+    per_layer_split = np.bincount(g_layer[split_groups], minlength=L)
+    m_of[split_groups] = np.arange(len(split_groups)) - np.repeat(np.cumsum(per_layer_split) - per_layer_split,
+                                                                  per_layer_split)
+    S, M = bucket(int(pieces.max(initial=1))), bucket(int(per_layer_split.max(initial=1)))
+    slot = np.where(split[grp], m_of[grp] * S + chunk, -1)
+    merge_dest, merge_slots = np.full((L, M, 2), -1, np.int32), np.full((L, M, S), -1, np.int32)
+    if len(split_groups):
+        merge_dest[g_layer[split_groups], m_of[split_groups]] = np.stack(
+            [g_seq[split_groups], g_unit[split_groups]], axis=1)
+        it = split[grp]
+        merge_slots[layer[it], m_of[grp[it]], chunk[it]] = slot[it]
+
+    # The table: items of each (layer, program) in line order.
+    row = layer * P + prog  # nondecreasing along the line
+    per_row = np.bincount(row, minlength=L * P)
+    counts = per_row.reshape(L, P).astype(np.int32)
+    rank = np.arange(len(a)) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+    R = bucket(int(counts.max(initial=1)))
+    items = np.zeros((L * P * R, 5), np.int32)
+    items[row * R + rank] = np.stack([g_seq[grp], g_unit[grp], first, end, slot], axis=1)
+    items = items.reshape(L, P, R, 5)
+    cost = (b - a) * g_cost[grp] + item_overhead
+    loads = np.bincount(row, weights=cost, minlength=L * P).reshape(L, P).astype(np.int64)
+    schedule = DecodeSchedule(items, counts, merge_dest, merge_slots, pack_tile)
+    return schedule, loads, np.bincount(layer, minlength=L)
 
 
 def realized_loads(schedule: DecodeSchedule, lengths, layouts: Sequence[HeadLayout], page_size: int,
-                   item_overhead: int = ITEM_OVERHEAD) -> np.ndarray:
-    """[L, P] work each program meets at ``lengths`` (which the plan covers): its items' token loops stop at the
-    real lengths, so an aged plan's loads differ from the planned ones. Its balance: ``load_balance``."""
+                   item_overhead: int = ITEM_OVERHEAD, token_cost: int = TOKEN_COST,
+                   tile_weight: int = TILE_WEIGHT) -> np.ndarray:
+    """[L, P] work each program meets at ``lengths`` (which the plan covers), in the cost model the plan was built
+    with: its items' token loops stop at the real lengths, so an aged plan's loads differ from the planned ones.
+    Its balance: ``load_balance``."""
     lengths = np.asarray(lengths, np.int64)
     items = schedule.items.astype(np.int64)
-    seq, head, first, end = (items[..., f] for f in (SEQ, HEAD, FIRST_PAGE, END_PAGE))
+    seq, unit, first, end = (items[..., f] for f in (SEQ, UNIT, FIRST_PAGE, END_PAGE))
     tokens = np.maximum(np.minimum(end * page_size, lengths[seq]) - first * page_size, 0)
-    width = _widths(_as_layouts(layouts))[np.arange(len(items))[:, None, None], head]
+    width = _widths(_as_layouts(layouts), token_cost, schedule.pack_tile, tile_weight)[
+        np.arange(len(items))[:, None, None], unit]
     cost = tokens * width + item_overhead
     real = np.arange(items.shape[2]) < schedule.counts[..., None]
     return np.where(real, cost, 0).sum(axis=2)

@@ -45,6 +45,8 @@ CASES = {
     "G2 naive order p32 bf16": (HeadLayout(4, 2, 64, (32, 64), (64, 16)), [33, 64, 65, 1], 32, jnp.bfloat16, 3,
                                 "naive", 0, 32),
     "G3 ragged p16 f32": (HeadLayout(6, 2, 64, (16, 64), (32, 16)), [5, 90, 200], 16, jnp.float32, 4, "lpt", 1, 16),
+    "G4 stream order p16 bf16": (HeadLayout(8, 2, 64, (32, 64), (48, 16)), [300, 7, 41], 16, jnp.bfloat16, 6,
+                                 "stream", 1, 16),
     "G2 pieces 112/80 p16 f32": (HeadLayout(4, 2, 128, (112, 80), (96, 48)), [3, 77, 150], 16, jnp.float32, 3,
                                  "lpt", 1, 16),
 }
@@ -63,6 +65,30 @@ def test_decode_matches_reference(name, fold_tokens, max_segments):
     out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, block_tokens=16, max_step_tokens=64,
                        fold_tokens=fold_tokens, max_segments=max_segments, interpret=True)
     assert out.shape == (len(lengths), layout.out_cols) and out.dtype == dtype
+    assert rel_err(out, reference(q, k, v, table, lens, layout)) < (1e-4 if dtype == jnp.float32 else 1e-2)
+
+
+PACKED = {
+    # name: (layout, lengths, page_size, dtype, pack_tile): runs of adjacent heads read as one (kvjax.runs)
+    "G2 four narrow heads, split and folded, f32": (HeadLayout(8, 4, 64, (16, 32, 48, 16), (32, 16, 16, 48)),
+                                                    [300, 2, 97], 16, jnp.float32, 64),
+    "G1 window, runs of up to 3, bf16": (HeadLayout(5, 5, 32, (16, 16, 32, 16, 16), (16, 32, 16, 16, 16),
+                                                    sliding_window=40), [130, 9], 16, jnp.bfloat16, 64),
+    "G4 odd widths, f32": (HeadLayout(12, 3, 128, (48, 80, 32), (96, 32, 16)), [1, 200, 513], 32, jnp.float32, 128),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PACKED))
+def test_packed_runs_match_reference(name):
+    """Runs of heads share one score tile (each row masked to its head's columns of q) and one K and V tile."""
+    layout, lengths, ps, dtype, pack_tile = PACKED[name]
+    rng = np.random.default_rng()
+    q, k, v, table, lens = paged_inputs(rng, layout, lengths, ps, dtype)
+    plan = build_decode_schedule(lengths, layout, ps, 5, headroom_pages=1, min_chunk_tokens=16, pack_tile=pack_tile,
+                                 order="stream")
+    assert plan.schedule.items[0, :, :, 1].max() < layout.num_kv_heads - 1  # heads did pack into runs
+    out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, block_tokens=16, max_step_tokens=64,
+                       fold_tokens=16, interpret=True)
     assert rel_err(out, reference(q, k, v, table, lens, layout)) < (1e-4 if dtype == jnp.float32 else 1e-2)
 
 

@@ -3,8 +3,10 @@ import numpy as np
 import pytest
 
 from kvjax.layout import HeadLayout
-from kvjax.schedule import (END_PAGE, FIRST_PAGE, HEAD, ITEM_OVERHEAD, SEQ, SLOT, TOKEN_COST, DecodePlanner,
-                            build_decode_schedule, load_balance, realized_loads, static_decode_schedule)
+from kvjax.runs import head_runs
+from kvjax.schedule import (AUTO_BALANCE, END_PAGE, FIRST_PAGE, ITEM_OVERHEAD, SEQ, SLOT, TOKEN_COST, UNIT,
+                            DecodePlanner, build_decode_schedule, load_balance, realized_loads,
+                            static_decode_schedule)
 
 
 def token_cost(layout, head):
@@ -23,9 +25,10 @@ def planned_items(schedule, layer):
     return [tuple(items[p, i]) for p in range(items.shape[0]) for i in range(counts[p])]
 
 
-@pytest.mark.parametrize("order", ["lpt", "naive"])
-@pytest.mark.parametrize("window", [None, 200])
-def test_every_visible_page_once(order, window):
+@pytest.mark.parametrize("order", ["lpt", "naive", "stream", "auto"])
+@pytest.mark.parametrize("window, pack_tile", [(None, 0), (200, 0), (None, 128), (200, 256)])
+def test_every_visible_page_once(order, window, pack_tile):
+    """Every page of every (sequence, unit) group planned once; units are runs of heads when packed."""
     rng = np.random.default_rng()
     layouts = random_layouts(rng, 3, window=window)
     lengths = rng.integers(0, 3000, 11)
@@ -33,8 +36,9 @@ def test_every_visible_page_once(order, window):
     ps = 16
     headroom = rng.integers(0, 3, len(lengths)) if rng.random() < 0.5 else int(rng.integers(0, 3))  # per sequence
     plan = build_decode_schedule(lengths, layouts, ps, int(rng.integers(4, 40)), order=order, headroom_pages=headroom,
-                                 min_chunk_tokens=32)
+                                 min_chunk_tokens=32, pack_tile=pack_tile)
     s = plan.schedule
+    assert s.pack_tile == pack_tile
     for layer, lay in enumerate(layouts):
         covered = {}
         for seq, head, first, end, slot in planned_items(s, layer):
@@ -43,7 +47,7 @@ def test_every_visible_page_once(order, window):
                 assert (seq, head, page) not in covered
                 covered[seq, head, page] = slot
         for b, n in enumerate(lengths):
-            for h in range(lay.num_kv_heads):
+            for h in range(len(head_runs(lay, pack_tile))):
                 pages = [p for (sb, sh, p) in covered if (sb, sh) == (b, h)]
                 if n == 0:
                     assert not pages
@@ -54,11 +58,12 @@ def test_every_visible_page_once(order, window):
     assert plan.covers(lengths) and not plan.covers(lengths + (headroom + 1) * ps)
 
 
-def test_split_groups_have_merge_slots():
+@pytest.mark.parametrize("order", ["lpt", "stream"])
+def test_split_groups_have_merge_slots(order):
     rng = np.random.default_rng()
     lay = random_layouts(rng, 1)[0]
     lengths = rng.integers(100, 20000, 3)
-    s = build_decode_schedule(lengths, lay, 32, 132, min_chunk_tokens=64).schedule
+    s = build_decode_schedule(lengths, lay, 32, 132, min_chunk_tokens=64, order=order).schedule
     items = planned_items(s, 0)
     chunks = {}
     for seq, head, first, end, slot in items:
@@ -76,24 +81,55 @@ def test_split_groups_have_merge_slots():
 
 
 def test_lpt_balances_and_beats_naive():
-    """On 5 fresh random batches: the list-scheduling bound always holds, LPT always beats naive order, and the
-    typical (median) balance is above 0.9 (single draws dip below it about once in 300)."""
+    """On 5 fresh random batches: the list-scheduling bound always holds, LPT (and stream) always beat naive order,
+    and LPT's typical (median) balance is above 0.9 (single draws dip below it about once in 300)."""
     balances = []
     for _ in range(5):
         rng = np.random.default_rng()
         layouts = random_layouts(rng, 4)
         lengths = rng.integers(64, 8192, 48)
         P = 64
-        lpt = build_decode_schedule(lengths, layouts, 16, P)
-        naive = build_decode_schedule(lengths, layouts, 16, P, order="naive")
+        heads = dict(pack_tile=0, tile_weight=0)  # one head per unit, costs as token_cost says
+        lpt = build_decode_schedule(lengths, layouts, 16, P, order="lpt", **heads)
+        naive = build_decode_schedule(lengths, layouts, 16, P, order="naive", **heads)
+        stream = build_decode_schedule(lengths, layouts, 16, P, order="stream", **heads)
         for layer in range(4):
             costs = [(e - f) * 16 * token_cost(layouts[layer], h)
                      for _, h, f, e, _ in planned_items(lpt.schedule, layer)]
             avg = lpt.loads[layer].sum() / P
             assert lpt.loads[layer].max() <= avg + max(costs) + 32 * 64  # the list-scheduling bound
         assert lpt.loads.max(axis=1).sum() < naive.loads.max(axis=1).sum()
+        assert stream.loads.max(axis=1).sum() < naive.loads.max(axis=1).sum()
         balances.append(lpt.balance)
     assert np.median(balances) > 0.9
+
+
+def test_stream_gives_every_program_an_equal_share():
+    """Stream order cuts each layer's work into P equal shares: a program's load is the average up to the pages
+    that cuts round or snap away, and the items of a program are adjacent stretches of the groups laid end to end."""
+    rng = np.random.default_rng()
+    layouts = random_layouts(rng, 3)
+    lengths = rng.integers(1, 6000, int(rng.integers(1, 40)))
+    ps, P, min_chunk = 16, int(rng.integers(8, 200)), 64
+    plan = build_decode_schedule(lengths, layouts, ps, P, order="stream", min_chunk_tokens=min_chunk, pack_tile=0,
+                                 tile_weight=0)
+    snap = max(1, min_chunk // ps // 4)
+    for layer, lay in enumerate(layouts):
+        work = plan.loads[layer] - ITEM_OVERHEAD * plan.schedule.counts[layer]
+        page = ps * max(token_cost(lay, h) for h in range(lay.num_kv_heads))
+        assert np.abs(work - work.sum() / P).max() <= 2 * (snap + 1) * page
+        line = [(seq, head, first) for seq, head, first, _, _ in planned_items(plan.schedule, layer)]
+        assert line == sorted(line)  # program after program along the line, in natural group order
+
+
+def test_auto_keeps_lpt_when_it_balances_else_cuts_equal_shares():
+    rng = np.random.default_rng()
+    layouts = random_layouts(rng, 2)
+    for lengths, P in ((rng.integers(200, 600, 256), 16), (np.full(3, 4096), 64)):  # many small groups; few long
+        auto, lpt, stream = (build_decode_schedule(lengths, layouts, 16, P, order=o) for o in ("auto", "lpt", "stream"))
+        picked = lpt if lpt.balance >= AUTO_BALANCE else stream
+        assert np.array_equal(auto.schedule.items, picked.schedule.items) and auto.balance == picked.balance
+        assert auto.balance >= min(AUTO_BALANCE, stream.balance)
 
 
 def test_shapes_are_bucketed_int32_and_layers_independent():
@@ -119,7 +155,8 @@ def test_lpt_deal_matches_a_plain_loop():
     layouts = random_layouts(rng, 2)
     lengths = rng.integers(0, 4000, 21)
     ps, P = 16, int(rng.integers(3, 30))
-    s = build_decode_schedule(lengths, layouts, ps, P, min_chunk_tokens=64).schedule
+    s = build_decode_schedule(lengths, layouts, ps, P, min_chunk_tokens=64, order="lpt", pack_tile=0,
+                              tile_weight=0).schedule
     for layer, lay in enumerate(layouts):
         items = sorted(planned_items(s, layer))  # natural order: seq, head, first page
         cost = [(e - f) * ps * token_cost(lay, h) + ITEM_OVERHEAD for _, h, f, e, _ in items]
@@ -138,11 +175,11 @@ def test_realized_loads_clip_items_to_the_real_lengths():
     lengths = rng.integers(0, 3000, 9)
     ps = 16
     plan = build_decode_schedule(lengths, layouts, ps, 16, headroom_pages=rng.integers(0, 20, 9),
-                                 min_chunk_tokens=32)
+                                 min_chunk_tokens=32, pack_tile=0, tile_weight=0)
     # at the lengths it was planned for, the plan meets exactly its planned loads
-    assert np.array_equal(realized_loads(plan.schedule, plan.capacity, layouts, ps), plan.loads)
+    assert np.array_equal(realized_loads(plan.schedule, plan.capacity, layouts, ps, tile_weight=0), plan.loads)
     # at the real lengths, every token is counted once (no window), however far the plan reaches past it
-    real = realized_loads(plan.schedule, lengths, layouts, ps)
+    real = realized_loads(plan.schedule, lengths, layouts, ps, tile_weight=0)
     widths = np.array([[token_cost(lay, h) for h in range(lay.num_kv_heads)] for lay in layouts])
     assert np.array_equal(real.sum(axis=1), lengths.sum() * widths.sum(axis=1) + ITEM_OVERHEAD * plan.num_items)
     assert np.all(real <= plan.loads) and 0 < load_balance(real) <= 1
@@ -194,6 +231,7 @@ def test_static_schedule_covers_the_whole_table():
     lay = random_layouts(np.random.default_rng(), 1)[0]
     s = static_decode_schedule(3, 10, lay, 16, 8)  # one layer: no leading layer axis
     items = [tuple(s.items[p, i]) for p in range(8) for i in range(s.counts[p])]
-    assert sum(it[END_PAGE] - it[FIRST_PAGE] for it in items) == 3 * 10 * lay.num_kv_heads
-    assert {(it[SEQ], it[HEAD]) for it in items} == {(b, h) for b in range(3) for h in range(lay.num_kv_heads)}
+    units = len(head_runs(lay, s.pack_tile))
+    assert sum(it[END_PAGE] - it[FIRST_PAGE] for it in items) == 3 * 10 * units
+    assert {(it[SEQ], it[UNIT]) for it in items} == {(b, u) for b in range(3) for u in range(units)}
     assert all(it[SLOT] >= -1 for it in items)

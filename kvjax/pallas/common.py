@@ -3,6 +3,7 @@
 Kernels are written for Pallas's Triton lowering. Tiles must have power-of-two shapes, so a head of width ``w`` is
 read through a ``tile(w)``-wide tile whose columns past ``w`` are masked (a masked lane fetches nothing). Heads of the
 same (K width, V width) share one compiled code path (a "class"); a program picks its class with ``lax.switch``.
+Decode reads runs of adjacent heads (``kvjax.runs``) the same way: runs of one shape form a ``RunClass``.
 """
 from __future__ import annotations
 
@@ -15,14 +16,10 @@ import numpy as np
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
+from kvjax.runs import head_runs, tile  # noqa: F401  (tile: re-exported for the kernels)
 
 LOG2E = math.log2(math.e)
 MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked block must not make exp2(-inf + inf) NaN
-
-
-def tile(width: int) -> int:
-    """Power-of-two tile width (>= 16) that holds ``width`` columns."""
-    return max(16, 1 << math.ceil(math.log2(width)))
 
 
 def pow2_floor(n: float) -> int:
@@ -52,11 +49,7 @@ class WidthClass:
 
 def width_classes(layout: HeadLayout) -> tuple[tuple[WidthClass, ...], tuple[int, ...]]:
     """The layer's width classes, and the class index of every KV head."""
-    g = layout.group_size
-    offs = dict(q=HeadLayout.offsets(layout.k_widths, g), k=HeadLayout.offsets(layout.k_widths),
-                v=HeadLayout.offsets(layout.v_widths), o=HeadLayout.offsets(layout.v_widths, g))
-    if any(o % 16 for lst in offs.values() for o in lst):
-        raise ValueError(f"head widths must be multiples of 16 for the Pallas kernels: {layout}")
+    offs = _column_offsets(layout)
     pairs = list(dict.fromkeys(zip(layout.k_widths, layout.v_widths)))
     classes = []
     for kw, vw in pairs:
@@ -64,6 +57,64 @@ def width_classes(layout: HeadLayout) -> tuple[tuple[WidthClass, ...], tuple[int
         classes.append(WidthClass(kw, vw, heads, *(tuple(offs[n][h] // 16 for h in heads) for n in "qkvo")))
     class_of = tuple(pairs.index(p) for p in zip(layout.k_widths, layout.v_widths))
     return tuple(classes), class_of
+
+
+def _column_offsets(layout: HeadLayout) -> dict[str, list[int]]:
+    g = layout.group_size
+    offs = dict(q=HeadLayout.offsets(layout.k_widths, g), k=HeadLayout.offsets(layout.k_widths),
+                v=HeadLayout.offsets(layout.v_widths), o=HeadLayout.offsets(layout.v_widths, g))
+    if any(o % 16 for lst in offs.values() for o in lst):
+        raise ValueError(f"head widths must be multiples of 16 for the Pallas kernels: {layout}")
+    return offs
+
+
+@dataclasses.dataclass(frozen=True)
+class RunClass:
+    """The runs of adjacent heads (``kvjax.runs``) of one layer that share a shape, with the column offsets of each
+    run's first head in units of 16. A run of n heads is read like one head ``k_cols`` + ``v_cols`` wide whose
+    score tile has n * G real rows; the per-head tables below say where each row's columns lie."""
+
+    k_widths: tuple[int, ...]
+    v_widths: tuple[int, ...]
+    units: tuple[int, ...]  # the runs' indices in the layer (the schedule's unit ids)
+    q_off: tuple[int, ...]
+    k_off: tuple[int, ...]
+    v_off: tuple[int, ...]
+    o_off: tuple[int, ...]
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.k_widths)
+
+    @property
+    def k_cols(self) -> int:
+        return sum(self.k_widths)
+
+    @property
+    def v_cols(self) -> int:
+        return sum(self.v_widths)
+
+    @property
+    def k_starts(self) -> tuple[int, ...]:
+        """Each head's first column among the run's K columns (its V columns: ``v_starts``)."""
+        return tuple(HeadLayout.offsets(self.k_widths))
+
+    @property
+    def v_starts(self) -> tuple[int, ...]:
+        return tuple(HeadLayout.offsets(self.v_widths))
+
+
+def run_classes(layout: HeadLayout, pack_tile: int) -> tuple[tuple[RunClass, ...], tuple[int, ...]]:
+    """The layer's run classes (runs from ``kvjax.runs.head_runs(layout, pack_tile)``), and each run's class."""
+    offs = _column_offsets(layout)
+    runs = head_runs(layout, pack_tile)
+    shapes = list(dict.fromkeys(r.shape for r in runs))
+    classes = []
+    for kw, vw in shapes:
+        units = tuple(u for u, r in enumerate(runs) if r.shape == (kw, vw))
+        classes.append(RunClass(kw, vw, units, *(tuple(offs[n][runs[u].first] // 16 for u in units)
+                                                 for n in "qkvo")))
+    return tuple(classes), tuple(shapes.index(r.shape) for r in runs)
 
 
 def segments(width: int, max_segments: int) -> tuple[tuple[int, int, int], ...]:

@@ -1,30 +1,33 @@
 """Paged decode attention over KV heads of different widths: one persistent program per schedule row.
 
 Each program walks its row of the host-built ``DecodeSchedule`` (``kvjax.schedule``): for every item (sequence,
-KV head, chunk of pages) it loads the G query heads of that group once ([16, k_tile], rows past G masked), streams
-the chunk's K and V rows out of the packed pages through the block table with an online softmax, and then writes
-either the normalized output (the group's only chunk) or a partial (acc, max, sum) that ``merge`` combines after.
+unit, chunk of pages) it loads the query heads of the unit once ([16, k_tile], rows past the real ones masked),
+streams the chunk's K and V rows out of the packed pages through the block table with an online softmax, and then
+writes either the normalized output (the group's only chunk) or a partial (acc, max, sum) that ``merge`` combines.
+
+A unit is a run of adjacent KV heads (``kvjax.runs``, chosen with the schedule: ``schedule.pack_tile``). Its heads'
+columns are adjacent in the packed rows, so a run of n heads reads like one head ``sum(k)`` + ``sum(v)`` wide whose
+score tile has n * G real rows: row ``i*G + g`` holds query g of head i, masked to head i's columns of the run's K
+tile, so each row scores only its own head; the P·V product fills every row over the run's V columns, and each row
+keeps only its head's. One page lookup per token and one padded tile serve the whole run.
 
 Bytes in flight stay constant as widths shrink: a step moves ``block_tokens * 256 / (k_tile + v_tile)`` tokens
-(capped), so a 32+32-wide head moves 4x the tokens of a 128+128 one per step. The score tile has 16 rows but a
-group only G real query heads, so narrow classes fold the step's tokens into the spare rows: with F folds, rows
-``c*G .. c*G+G-1`` score token chunk ``c`` (F masked copies of q, F dots summed), softmax runs on [16, tokens / F],
-and the folds' softmax states are merged once per item. Steps with every token visible run without masks; only a
-chunk's last step (or all, under a sliding window) is masked. Heads sharing (K width, V width) share one code
-path, selected per item by ``lax.switch``; their column offsets come from a static table and are multiples of
-16, so loads are 16-byte vectors and never touch a column the head does not own (tile columns past the width
-masked). ``max_segments`` > 1 reads a non-power-of-two head as exact power-of-two pieces instead (80 = 64 + 16:
-one dot per piece), as prefill does.
+(capped), so a 32+32-wide unit moves 4x the tokens of a 128+128 one per step. When a unit fills few of the 16
+rows, the step's tokens fold into the spare rows: with F folds, rows ``c*R .. c*R+R-1`` (R real rows) score token
+chunk ``c`` (F masked copies of q, F dots summed), softmax runs on [16, tokens / F], and the folds' softmax states
+are merged once per item. Steps with every token visible run without masks; only a chunk's last step (or all,
+under a sliding window) is masked. Units of the same shape share one code path, selected per item by
+``lax.switch``; their column offsets come from a static table and are multiples of 16, so loads are 16-byte
+vectors and never touch a column the unit does not own (tile columns past its width masked). ``max_segments`` > 1
+reads a non-power-of-two width as exact power-of-two pieces instead (80 = 64 + 16: one dot per piece).
 
-Measured on the H100 (bench/RESULTS.md): full-width heads read near copy bandwidth and uniform narrower heads
-progressively less (folding nearly doubled 16-wide heads and left wider ones unchanged); a layer of mixed widths
-(a rate-0.5 plan) reads below each of its widths alone. The kernel is issue-bound, not byte-bound: Nsight Compute
-shows 2 warps per scheduler issuing once every ~9 cycles, and time follows the instruction count (the rate-0.5
-layer executes 1.46x the instructions of uniform 64-wide heads for the same bytes, and takes 1.5x as long; it
-also needs 255 registers a thread against 168). Exact pieces did not help (16-wide pieces cost more than the
-padding they save; only 96 = 64 + 32 gained, 5%), so one padded tile is the default; 8 warps a program were 1.5x
-slower on mixed layers. One launch per width class was slower still (each launch too small to fill the GPU, plus
-its own merge).
+Measured on the H100 (bench/RESULTS.md): the kernel is issue-bound, not byte-bound (Nsight Compute: 2 warps per
+scheduler issuing once every ~5 cycles), and time follows the instructions per byte, which grow as a head's tile
+narrows or pads (48 on a 64-wide tile, 80 on 128). Runs of heads cut those: on Llama-shaped rate-0.5 and 0.7
+layers, runs (tiles up to 128 wide) with the stream schedule read at 66-81% of copy bandwidth against 50-60% one
+head at a time. Exact pieces (16-wide pieces cost more than the padding they save), 8 warps a program (1.5x slower
+on mixed layers), one launch per width class (too small to fill the GPU) and K and V tiles of equal width
+(no change) were measured and not kept.
 
 Lowering: Pallas's Triton backend. Decode is a gather through the block table of ``[tokens, width]`` tiles at
 16-column-aligned offsets inside a packed row; Triton's masked pointer loads express that directly, its pipeliner
@@ -41,14 +44,16 @@ import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
 from kvjax.pallas.common import (LOG2E, MASK, dot_precision, load_columns, loaded_columns, lookup, offset16,
-                                 pow2_floor, segments, width_classes)
-from kvjax.schedule import END_PAGE, FIRST_PAGE, HEAD, SEQ, SLOT, DecodeSchedule
+                                 pow2_floor, run_classes, segments)
+from kvjax.runs import head_runs
+from kvjax.schedule import END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, DecodeSchedule
 
 BLOCK_H = 16  # query rows per item: a GQA group (G <= 8) padded to the tensor cores' smallest M
 
@@ -67,31 +72,49 @@ def folds(group: int, k_tile: int, step: int, fold_tokens: int) -> int:
     return max(1, min(pow2_floor(BLOCK_H // group), step // fold_tokens, 256 // k_tile))
 
 
-def _attend_item(cls, item, refs, *, group, page_size, window, scale, block_tokens, max_step_tokens, fold_tokens,
-                 max_segments):
-    """Online-softmax attention of one item (its class's widths are static) and the write of its result."""
+def _per_row(values, index):
+    """A per-head static table as a value per row (``index``: the row's head in its run); a plain int for one head."""
+    if len(set(values)) == 1:
+        return values[0]
+    out = jnp.int32(values[-1])
+    for i, value in enumerate(values[:-1]):
+        out = jnp.where(index == i, jnp.int32(value), out)
+    return out
+
+
+def _in_head(cols, start, width):
+    """Which of a run's ``cols`` belong to the row's head (columns ``start .. start + width - 1``)."""
+    return cols < width if isinstance(start, int) and start == 0 else (cols >= start) & (cols < start + width)
+
+
+def _attend_item(cls, item, refs, *, group, rows_per_slot, page_size, window, scale, block_tokens, max_step_tokens,
+                 fold_tokens, max_segments):
+    """Online-softmax attention of one item (its run class's widths are static) and the write of its result."""
     table_ref, q_ref, k_ref, v_ref, out_ref, acc_ref, m_ref, l_ref = refs
-    seq, head, first, end, slot, length = item
-    kw, vw = cls.k_width, cls.v_width
-    k_pieces, v_pieces = segments(kw, max_segments), segments(vw, max_segments)
-    kt, vt = loaded_columns(kw, max_segments), loaded_columns(vw, max_segments)
+    seq, unit, first, end, slot, length = item
+    run_rows = cls.num_heads * group  # real rows of the score tile: head i of the run has rows i*G .. i*G+G-1
+    k_pieces, v_pieces = segments(cls.k_cols, max_segments), segments(cls.v_cols, max_segments)
+    kt, vt = loaded_columns(cls.k_cols, max_segments), loaded_columns(cls.v_cols, max_segments)
     bt = step_tokens(kt, vt, block_tokens, max_step_tokens)
-    nf = folds(group, kt, bt, fold_tokens)
+    nf = folds(run_rows, kt, bt, fold_tokens)
     bc = bt // nf  # tokens per chunk
     precision = dot_precision(k_ref.dtype)
-    qo, ko, vo, oo = (offset16(head, cls.heads, offs) for offs in (cls.q_off, cls.k_off, cls.v_off, cls.o_off))
+    qo, ko, vo, oo = (offset16(unit, cls.units, offs) for offs in (cls.q_off, cls.k_off, cls.v_off, cls.o_off))
 
     rows = jnp.arange(BLOCK_H)[:, None]
-    chunk_of_row, head_of_row = rows // group, rows % group
+    chunk_of_row, head_of_row, query_of_row = rows // run_rows, rows % run_rows // group, rows % group
+    k_start, k_width = _per_row(cls.k_starts, head_of_row), _per_row(cls.k_widths, head_of_row)
+    v_start, v_width = _per_row(cls.v_starts, head_of_row), _per_row(cls.v_widths, head_of_row)
+    q_row = _per_row(tuple(group * s for s in cls.k_starts), head_of_row) + query_of_row * k_width - k_start
+    o_row = _per_row(tuple(group * s for s in cls.v_starts), head_of_row) + query_of_row * v_width - v_start
 
     def fold(x, c):  # rows of chunk c kept, the others zeroed
         return x if nf == 1 else jnp.where(chunk_of_row == c, x, 0).astype(x.dtype)
 
     def load_q(start, t, w):
-        cols = jnp.arange(t)[None, :]
-        mask = (rows < nf * group) & (cols < w)
-        q = plgpu.load(q_ref.at[seq, jnp.where(mask, qo + head_of_row * kw + start + cols, 0)], mask=mask,
-                       other=0.0)
+        cols = start + jnp.arange(t)[None, :]  # the run's K columns
+        mask = (rows < nf * run_rows) & _in_head(cols, k_start, k_width)
+        q = plgpu.load(q_ref.at[seq, jnp.where(mask, qo + q_row + cols, 0)], mask=mask, other=0.0)
         q = (q.astype(jnp.float32) * (scale * LOG2E)).astype(q.dtype)  # scores come out in log2 units
         return [fold(q, c) for c in range(nf)]
 
@@ -141,21 +164,21 @@ def _attend_item(cls, item, refs, *, group, page_size, window, scale, block_toke
     carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
     accs, m, l = lax.fori_loop(full, pl.cdiv(span, bt), functools.partial(step, masked=True), carry)
     if nf > 1:
-        accs, m, l = _unfold(accs, m, l, group, nf)
+        accs, m, l = _unfold(accs, m, l, run_rows, nf)
 
     # Masked lanes get out-of-range indices: the GPU never touches them, and interpret mode drops them rather than
     # letting a masked lane's write-back collide with a real lane's store.
     direct = slot < 0
-    part = jnp.maximum(slot, 0) * group + jnp.arange(BLOCK_H)
-    part_mask = (jnp.arange(BLOCK_H) < group) & ~direct
+    part = jnp.maximum(slot, 0) * rows_per_slot + jnp.arange(BLOCK_H)
+    part_mask = (jnp.arange(BLOCK_H) < run_rows) & ~direct
     part = jnp.where(part_mask, part, m_ref.shape[0])
     inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
     for acc, (a, t, w) in zip(accs, v_pieces):
-        cols = jnp.arange(t)[None, :]
-        out_mask = (rows < group) & (cols < w) & direct
-        plgpu.store(out_ref.at[seq, jnp.where(out_mask, oo + rows * vw + a + cols, out_ref.shape[1])],
+        cols = a + jnp.arange(t)[None, :]  # the run's V columns
+        out_mask = (rows < run_rows) & _in_head(cols, v_start, v_width) & direct
+        plgpu.store(out_ref.at[seq, jnp.where(out_mask, oo + o_row + cols, out_ref.shape[1])],
                     (acc * inv_l[:, None]).astype(out_ref.dtype), mask=out_mask)
-        plgpu.store(acc_ref.at[part[:, None], a + cols], acc, mask=part_mask[:, None] & (cols < w))
+        plgpu.store(acc_ref.at[part[:, None], cols], acc, mask=part_mask[:, None] & (cols < a + w))
     plgpu.store(m_ref.at[part], m, mask=part_mask)
     plgpu.store(l_ref.at[part], l, mask=part_mask)
 
@@ -179,40 +202,51 @@ def _unfold(accs, m, l, group, nf):
 def _kernel(items_ref, counts_ref, lengths_ref, *refs, classes, class_of, **static):
     pid = pl.program_id(0)
     branches = [functools.partial(_attend_item, cls, refs=refs, **static) for cls in classes]
-    heads = tuple(range(len(class_of)))
+    units = tuple(range(len(class_of)))
 
     def run(i, carry):
-        seq, head = items_ref[pid, i, SEQ], items_ref[pid, i, HEAD]
-        item = (seq, head, items_ref[pid, i, FIRST_PAGE], items_ref[pid, i, END_PAGE], items_ref[pid, i, SLOT],
+        seq, unit = items_ref[pid, i, SEQ], items_ref[pid, i, UNIT]
+        item = (seq, unit, items_ref[pid, i, FIRST_PAGE], items_ref[pid, i, END_PAGE], items_ref[pid, i, SLOT],
                 lengths_ref[seq])
         if len(branches) == 1:
             branches[0](item)
         else:
-            lax.switch(lookup(head, heads, class_of), [lambda it, b=b: b(it) for b in branches], item)
+            lax.switch(lookup(unit, units, class_of), [lambda it, b=b: b(it) for b in branches], item)
         return carry
 
     lax.fori_loop(0, counts_ref[pid], run, 0)
 
 
-def merge(out, acc, m, l, schedule: DecodeSchedule, layout: HeadLayout):
-    """Combine the partial softmax states of split groups and place them in the packed output."""
-    g = layout.group_size
+def merge(out, acc, m, l, schedule: DecodeSchedule, layout: HeadLayout, rows_per_slot: int):
+    """Combine the partial softmax states of split groups and place them in the packed output.
+
+    A split group is (sequence, run of heads); its partials have ``rows_per_slot`` rows (row i*G + g: query g of
+    the run's head i) over the run's V columns."""
     n_groups, splits = schedule.merge_slots.shape
     valid = (schedule.merge_slots >= 0)[..., None]  # [M, S, 1]
-    m = jnp.where(valid, m.reshape(n_groups, splits, g), -jnp.inf)
+    m = jnp.where(valid, m.reshape(n_groups, splits, rows_per_slot), -jnp.inf)
     w = jnp.where(valid, jnp.exp2(m - m.max(axis=1, keepdims=True)), 0.0)
-    acc = jnp.where(valid[..., None], acc.reshape(n_groups, splits, g, -1), 0.0)
-    den = (w * jnp.where(valid, l.reshape(n_groups, splits, g), 0.0)).sum(axis=1)
-    merged = (w[..., None] * acc).sum(axis=1) / den[..., None]  # [M, G, Vmax]
+    acc = jnp.where(valid[..., None], acc.reshape(n_groups, splits, rows_per_slot, -1), 0.0)
+    den = (w * jnp.where(valid, l.reshape(n_groups, splits, rows_per_slot), 0.0)).sum(axis=1)
+    merged = (w[..., None] * acc).sum(axis=1) / den[..., None]  # [M, rows, V columns of the widest run]
 
-    seq, head = schedule.merge_dest[:, 0], schedule.merge_dest[:, 1]
-    vw = jnp.asarray(layout.v_widths, jnp.int32)[head][:, None, None]
-    start = jnp.asarray(HeadLayout.offsets(layout.v_widths, g), jnp.int32)[head][:, None, None]
-    col = jnp.arange(merged.shape[-1])[None, None, :]
+    # Per run and row: where the row's head starts among the run's V columns, where its output starts in a packed
+    # output row, and its width (0 for rows past the run's).
+    g = layout.group_size
+    runs = head_runs(layout, schedule.pack_tile)
+    o_off = HeadLayout.offsets(layout.v_widths, g)
+    start, dest, width = (np.zeros((len(runs), rows_per_slot), np.int32) for _ in range(3))
+    for u, run in enumerate(runs):
+        for i, (s0, vw) in enumerate(zip(HeadLayout.offsets(run.v_widths), run.v_widths)):
+            r = slice(i * g, (i + 1) * g)
+            start[u, r], dest[u, r], width[u, r] = s0, o_off[run.first + i] + np.arange(g) * vw, vw
+    seq, unit = schedule.merge_dest[:, 0], schedule.merge_dest[:, 1]
+    col = jnp.arange(max(layout.v_widths))[None, None, :]
+    start, dest, width = (jnp.asarray(t)[unit][..., None] for t in (start, dest, width))  # [M, rows, 1]
+    values = jnp.take_along_axis(merged, jnp.minimum(start + col, merged.shape[-1] - 1), axis=2)
     b, cols = out.shape
-    index = seq[:, None, None] * cols + start + jnp.arange(g)[None, :, None] * vw + col
-    index = jnp.where((seq >= 0)[:, None, None] & (col < vw), index, b * cols)  # out of range: dropped
-    flat = out.reshape(-1).at[index.reshape(-1)].set(merged.reshape(-1).astype(out.dtype), mode="drop")
+    index = jnp.where((seq >= 0)[:, None, None] & (col < width), seq[:, None, None] * cols + dest + col, b * cols)
+    flat = out.reshape(-1).at[index.reshape(-1)].set(values.reshape(-1).astype(out.dtype), mode="drop")
     return flat.reshape(b, cols)
 
 
@@ -225,29 +259,32 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, schedule: DecodeSche
 
     q [B, q_cols]; k_pages [num_pages, page_size, k_cols], v_pages likewise; block_table [B, pages_per_seq] int32;
     lengths [B] int32 (the new token included); schedule: one layer's ``DecodeSchedule`` built for these lengths
-    (or any lengths they do not exceed). Returns [B, out_cols] in q's dtype. Rows with length 0 are unspecified.
+    (or any lengths they do not exceed; its ``pack_tile`` says which heads its work units read together). Returns
+    [B, out_cols] in q's dtype. Rows with length 0 are unspecified.
     """
     b = q.shape[0]
     num_pages, page_size, _ = k_pages.shape
     g = layout.group_size
-    classes, class_of = width_classes(layout)
+    classes, class_of = run_classes(layout, schedule.pack_tile)
     n_slots = math.prod(schedule.merge_slots.shape)
-    v_max = max(c.v_tile for c in classes)
+    rows = max(c.num_heads for c in classes) * g  # rows of a partial slot
+    v_max = max(loaded_columns(c.v_cols, max_segments) for c in classes)
     kernel = functools.partial(
-        _kernel, classes=classes, class_of=class_of, group=g, page_size=page_size, window=layout.sliding_window,
+        _kernel, classes=classes, class_of=class_of, group=g, rows_per_slot=rows, page_size=page_size,
+        window=layout.sliding_window,
         scale=1.0 / math.sqrt(layout.head_dim), block_tokens=block_tokens, max_step_tokens=max_step_tokens,
         fold_tokens=fold_tokens, max_segments=max_segments)
     out_shape = (jax.ShapeDtypeStruct((b, layout.out_cols), q.dtype),
-                 jax.ShapeDtypeStruct((n_slots * g, v_max), jnp.float32),
-                 jax.ShapeDtypeStruct((n_slots * g,), jnp.float32),
-                 jax.ShapeDtypeStruct((n_slots * g,), jnp.float32))
+                 jax.ShapeDtypeStruct((n_slots * rows, v_max), jnp.float32),
+                 jax.ShapeDtypeStruct((n_slots * rows,), jnp.float32),
+                 jax.ShapeDtypeStruct((n_slots * rows,), jnp.float32))
     out, acc, m, l = pl.pallas_call(
         kernel, grid=(schedule.num_programs,), out_shape=out_shape, interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="kvjax_paged_decode",
     )(schedule.items, schedule.counts, lengths.astype(jnp.int32), block_table.astype(jnp.int32), q,
       k_pages.reshape(num_pages * page_size, -1), v_pages.reshape(num_pages * page_size, -1))
-    return merge(out, acc, m, l, schedule, layout)
+    return merge(out, acc, m, l, schedule, layout, rows)
 
 
 def paged_decode_reference(q, k_pages, v_pages, block_table, lengths, layout: HeadLayout):
