@@ -830,7 +830,7 @@ def per_class_launches(key, bw, lay, batch=32, ctx=4096, programs=264):
           f"| one launch per width class ({len(subs)}) | {t * 1e6:.1f} | {100 * nbytes / bw / t:.0f}% |", flush=True)
 
 
-def compile_times(key):
+def compile_times(key, match=""):
     """Seconds XLA takes to compile modules that call the decode kernel (persistent cache off): does a module pay
     once per call site, or once per distinct kernel, and is a kernel compiled earlier in the process reused?"""
     jax.config.update("jax_enable_compilation_cache", False)
@@ -855,6 +855,8 @@ def compile_times(key):
     for name, layouts, each in (("a rate-0.5 layer, 1 call (fresh)", [layers[0]], 1),
                                 ("the same layer, 8 calls (compiled above, in another module)", [layers[0]], 8),
                                 ("4 other rate-0.5 layers, 1 call each (fresh)", layers[1:5], 1)):
+        if match not in name:
+            continue
         fn, qs = module(layouts, each)
         t0 = time.perf_counter()
         fn.lower(qs).compile()
@@ -890,7 +892,8 @@ def main(argv=None):
     ap.add_argument("--tune-shape", default="32x4096", help="BxCTX the autotune section times its variants at")
     ap.add_argument("--rates", default="0,0.5,0.7", help="decode table rates, comma-separated")
     ap.add_argument("--orders", default="auto,stream,lpt,naive", help="decode table orders for compressed plans")
-    ap.add_argument("--match", default="", help="only the correctness cases whose name contains this")
+    ap.add_argument("--match", default="",
+                    help="only the correctness cases (and compile rows) whose name contains this")
     ap.add_argument("--cache-dir", default=os.path.join(ROOT, ".jaxcache"),
                     help="JAX's persistent compilation cache (width-mixed kernels are slow to compile; a rerun of an "
                          "unchanged kernel loads it from here); '' turns it off")
@@ -920,7 +923,7 @@ def main(argv=None):
                 json.dump(result, f, indent=1, default=str)
 
     if "compile" in only:
-        result["compile"] = compile_times(key)
+        result["compile"] = compile_times(key, args.match)
         dump()
     if "widths" in only:
         width_sweep(key, bw)
