@@ -437,13 +437,10 @@ DECODE_DEFAULTS = dict(programs=264, order=ORDER, pack_tile=PACK_TILE, tile_weig
                        max_step_tokens=512, fold_tokens=64, max_segments=1, num_warps=4,
                        num_stages=3)  # the schedule's and the kernel's
 SWEPT = ("order", "pack_tile", "tile_weight", "programs", "num_warps", "num_stages", "block_tokens")
-# the previous sessions' sweeps (warps, stages, pieces, folding) are in RESULTS.md; this one: stream order, head
-# packing and the tile-aware cost model, each against the one before
-DECODE_SWEEP = [dict(DECODE_DEFAULTS, **dict(zip(SWEPT, v)))
-                for v in (("lpt", 0, 0, 264, 4, 3, 64), ("stream", 0, 0, 264, 4, 3, 64),
-                          ("stream", 0, 1, 264, 4, 3, 64), ("lpt", 128, 1, 264, 4, 3, 64),
-                          ("stream", 128, 1, 264, 4, 3, 64), ("stream", 256, 1, 264, 4, 3, 64),
-                          ("auto", 128, 1, 264, 4, 3, 64))]
+# the previous sweeps (warps, stages, pieces, folding; orders, packing, cost model) are in RESULTS.md; this one:
+# tokens per step and pipeline stages with the current schedule defaults
+DECODE_SWEEP = [dict(DECODE_DEFAULTS, **dict(zip(SWEPT[-2:], v)))
+                for v in ((3, 64), (2, 64), (2, 112), (3, 96), (3, 112), (3, 128))]
 SCHEDULE_KNOBS = ("programs", "order", "pack_tile", "tile_weight")
 
 
