@@ -343,10 +343,12 @@ def _stream(first_page, pages, page_cost, P, item_overhead, snap_pages, pack_til
     before = np.cumsum(pieces) - pieces
     chunk = np.arange(len(grp)) - before[grp]  # index of the item in its group
     inner_before = before - np.arange(n)  # cuts of earlier groups
-    top = max(len(cut_at) - 1, 0)
-    take = lambda i: cut_at[np.minimum(i, top)] if len(cut_at) else line[grp]
-    a = np.where(chunk == 0, line[grp], take(inner_before[grp] + chunk - 1))
-    b = np.where(chunk == pieces[grp] - 1, line[grp + 1], take(inner_before[grp] + chunk))
+
+    def inner_cut(i):  # the i-th inner cut (clipped: where it is not used, any value will do)
+        return cut_at[np.minimum(i, len(cut_at) - 1)] if len(cut_at) else line[grp]
+
+    a = np.where(chunk == 0, line[grp], inner_cut(inner_before[grp] + chunk - 1))  # each item's stretch [a, b)
+    b = np.where(chunk == pieces[grp] - 1, line[grp + 1], inner_cut(inner_before[grp] + chunk))
     layer = g_layer[grp]
     # the last cut at or before each item's start: count the cuts at or before it (cheaper from the cuts' side)
     prog = np.cumsum(np.bincount(np.searchsorted(a, flat, side="left"), minlength=len(a) + 1))[:-1] - 1 - layer * P
