@@ -2,6 +2,10 @@
 
     PYTHONPATH=. python bench/resources.py rate:0.5 uniform:64 widths:80,48/96,32 [--warps 4 --stages 3]
 
+Besides registers and sizes, each row gives the SASS instructions in the body of every loop of the kernel (a loop
+is a backward branch), first to last: for a layout of one class, the first is the steady-state step (every token
+visible), the second its masked twin, the third the loop over a program's items.
+
 Each layout (``rate:R`` = the bench's representative layer of a rate-R plan, ``uniform:W``, or ``widths:K,K,../V,V,..``
 cycled over the 8 KV heads) is lowered by Pallas for CUDA (sm_90) on this machine, then compiled by the ``triton``
 package's own compiler and ptxas (``pip install triton``; it is not a kvjax dependency). Device time is scarce and
@@ -104,8 +108,26 @@ def resources(ir: str, warps: int, stages: int) -> dict:
         sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", cubin], capture_output=True, text=True,
                               check=True).stdout
     field = lambda name: int(re.search(rf"\b{name}:(\d+)", usage).group(1))
+    body = loop_bodies(sass)
     return dict(registers=field("REG"), local_bytes=field("LOCAL"), shared_bytes=kernel.metadata.shared,
-                sass_instructions=sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)))
+                sass_instructions=body[-1], loops=body[:-1])
+
+
+def loop_bodies(sass: str) -> list[int]:
+    """Instructions in the body of each loop of ``nvdisasm`` output (a branch back to an earlier label), in code
+    order, then the kernel's total."""
+    instructions, labels = 0, {}
+    loops = []
+    for line in sass.splitlines():
+        label = re.match(r"^\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = instructions
+        elif re.match(r"\s+/\*[0-9a-f]{4,}\*/", line):
+            back = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
+            if back and back.group(1) in labels:
+                loops.append(instructions + 1 - labels[back.group(1)])
+            instructions += 1
+    return [n for n in loops if n > 1] + [instructions]
 
 
 def main(argv=None):
@@ -119,15 +141,15 @@ def main(argv=None):
     args = ap.parse_args(argv)
     knobs = {k: int(v) for k, v in (kv.split("=") for kv in args.knob)}
     print(f"paged_decode, sm_90, {args.warps} warps, {args.stages} stages, knobs {knobs or 'default'}\n")
-    print("| layout | classes | registers | spilled bytes | shared bytes | SASS instructions |\n"
-          "|---|---|---|---|---|---|")
+    print("| layout | classes | registers | spilled bytes | shared bytes | SASS instructions | loop bodies |\n"
+          "|---|---|---|---|---|---|---|")
     for spec in args.layouts:
         layout = layout_of(spec)
         ir = triton_ir(layout, num_warps=args.warps, num_stages=args.stages, **knobs)
         r = resources(ir, args.warps, args.stages)
         classes = len(run_classes(layout, knobs.get("pack_tile", PACK_TILE))[0])
         print(f"| {spec} | {classes} | {r['registers']} | {r['local_bytes']} | "
-              f"{r['shared_bytes']} | {r['sass_instructions']} |", flush=True)
+              f"{r['shared_bytes']} | {r['sass_instructions']} | {' '.join(map(str, r['loops']))} |", flush=True)
 
 
 if __name__ == "__main__":
