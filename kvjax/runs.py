@@ -31,10 +31,10 @@ def tile(width: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
-    """KV heads ``first .. first + len(k_widths) - 1`` of a layer, read as one unit."""
+class RunShape:
+    """The K and V widths of adjacent heads read as one unit; what the kernel compiles for (runs of one shape share
+    code, their offsets differ)."""
 
-    first: int
     k_widths: tuple[int, ...]
     v_widths: tuple[int, ...]
 
@@ -51,9 +51,24 @@ class Run:
         return sum(self.v_widths)
 
     @property
-    def shape(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """What the kernel compiles for: runs of the same shape share code (their offsets differ)."""
-        return self.k_widths, self.v_widths
+    def k_starts(self) -> tuple[int, ...]:
+        """Each head's first column among the run's K columns (its V columns: ``v_starts``)."""
+        return tuple(HeadLayout.offsets(self.k_widths))
+
+    @property
+    def v_starts(self) -> tuple[int, ...]:
+        return tuple(HeadLayout.offsets(self.v_widths))
+
+    @property
+    def shape(self) -> "RunShape":
+        return RunShape(self.k_widths, self.v_widths)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run(RunShape):
+    """KV heads ``first .. first + num_heads - 1`` of a layer, read as one unit."""
+
+    first: int = 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,7 +79,7 @@ def head_runs(layout: HeadLayout, max_tile: int = 0, token_cost: int = TOKEN_COS
     k, v, g = layout.k_widths, layout.v_widths, layout.group_size
     n = layout.num_kv_heads
     if max_tile <= 0 or g > ROWS // 2:
-        return tuple(Run(h, (k[h],), (v[h],)) for h in range(n))
+        return tuple(Run((k[h],), (v[h],), first=h) for h in range(n))
     best, start = [0] + [math.inf] * n, [0] * (n + 1)
     for end in range(1, n + 1):
         for first in range(max(0, end - ROWS // g), end):
@@ -77,6 +92,6 @@ def head_runs(layout: HeadLayout, max_tile: int = 0, token_cost: int = TOKEN_COS
     runs, end = [], n
     while end:
         first = start[end]
-        runs.append(Run(first, k[first:end], v[first:end]))
+        runs.append(Run(k[first:end], v[first:end], first=first))
         end = first
     return tuple(reversed(runs))

@@ -49,10 +49,10 @@ H100_SMS = 132
 SEQ, UNIT, FIRST_PAGE, END_PAGE, SLOT = range(5)
 ITEM = np.dtype({"names": ["seq", "unit", "first_page", "end_page", "slot"], "formats": [np.int32] * 5})
 ITEM_OVERHEAD = 32 * 64  # an item's fixed cost, in tokens * width
-# Defaults, measured best on the H100 (bench/RESULTS.md, "Stream order and head runs"):
+# Defaults, measured best on the H100 (bench/RESULTS.md, "Fourth session"):
 ORDER = "auto"  # how items reach programs: "auto", "stream" (equal shares of the work), "lpt" or "naive"
 AUTO_BALANCE = 0.95  # "auto" keeps the LPT plan when it balances at least this well, else cuts equal shares
-TILE_WEIGHT = 1  # weight of a unit's tile columns in its token cost (see _widths)
+TILE_WEIGHT = 1  # weight of a unit's tile columns in its token cost (see _unit_costs)
 PACK_TILE = 128  # runs of adjacent heads (kvjax.runs) read through tiles at most this wide; 0: one head per unit
 
 
@@ -140,7 +140,7 @@ def _as_layouts(layouts) -> tuple[HeadLayout, ...]:
     return layouts
 
 
-def _widths(layouts: tuple[HeadLayout, ...], token_cost: int = TOKEN_COST, pack_tile: int = PACK_TILE,
+def _unit_costs(layouts: tuple[HeadLayout, ...], token_cost: int = TOKEN_COST, pack_tile: int = PACK_TILE,
             tile_weight: int = TILE_WEIGHT) -> np.ndarray:
     """[L, U] cost of one token of every unit (run of heads): its K + V columns (the bytes), ``tile_weight`` times
     the columns of its tiles (the instructions: a K and a V tile as wide as the wider of the two; padded columns
@@ -184,7 +184,7 @@ def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], p
     layouts = _as_layouts(layouts)
     P = num_programs or default_num_programs()
     lengths = np.asarray(lengths, np.int64)
-    unit_cost = _widths(layouts, token_cost, pack_tile, tile_weight)  # [L, H]: H units (runs of heads) per layer
+    unit_cost = _unit_costs(layouts, token_cost, pack_tile, tile_weight)  # [L, H]: H units (runs of heads) per layer
     B, L, H = len(lengths), len(layouts), unit_cost.shape[1]
     page_cost = page_size * unit_cost[:, None, :]  # [L, 1, H]
 
@@ -396,7 +396,7 @@ def realized_loads(schedule: DecodeSchedule, lengths, layouts: Sequence[HeadLayo
     items = schedule.items.astype(np.int64)
     seq, unit, first, end = (items[..., f] for f in (SEQ, UNIT, FIRST_PAGE, END_PAGE))
     tokens = np.maximum(np.minimum(end * page_size, lengths[seq]) - first * page_size, 0)
-    width = _widths(_as_layouts(layouts), token_cost, schedule.pack_tile, tile_weight)[
+    width = _unit_costs(_as_layouts(layouts), token_cost, schedule.pack_tile, tile_weight)[
         np.arange(len(items))[:, None, None], unit]
     cost = tokens * width + item_overhead
     real = np.arange(items.shape[2]) < schedule.counts[..., None]

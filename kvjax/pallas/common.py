@@ -16,7 +16,7 @@ import numpy as np
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
-from kvjax.runs import head_runs, tile  # noqa: F401  (tile: re-exported for the kernels)
+from kvjax.runs import RunShape, head_runs, tile  # noqa: F401  (tile: re-exported for the kernels)
 
 LOG2E = math.log2(math.e)
 MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked block must not make exp2(-inf + inf) NaN
@@ -69,39 +69,16 @@ def _column_offsets(layout: HeadLayout) -> dict[str, list[int]]:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunClass:
+class RunClass(RunShape):
     """The runs of adjacent heads (``kvjax.runs``) of one layer that share a shape, with the column offsets of each
     run's first head in units of 16. A run of n heads is read like one head ``k_cols`` + ``v_cols`` wide whose
-    score tile has n * G real rows; the per-head tables below say where each row's columns lie."""
+    score tile has n * G real rows; ``k_starts``/``v_starts`` say where each row's columns lie."""
 
-    k_widths: tuple[int, ...]
-    v_widths: tuple[int, ...]
-    units: tuple[int, ...]  # the runs' indices in the layer (the schedule's unit ids)
-    q_off: tuple[int, ...]
-    k_off: tuple[int, ...]
-    v_off: tuple[int, ...]
-    o_off: tuple[int, ...]
-
-    @property
-    def num_heads(self) -> int:
-        return len(self.k_widths)
-
-    @property
-    def k_cols(self) -> int:
-        return sum(self.k_widths)
-
-    @property
-    def v_cols(self) -> int:
-        return sum(self.v_widths)
-
-    @property
-    def k_starts(self) -> tuple[int, ...]:
-        """Each head's first column among the run's K columns (its V columns: ``v_starts``)."""
-        return tuple(HeadLayout.offsets(self.k_widths))
-
-    @property
-    def v_starts(self) -> tuple[int, ...]:
-        return tuple(HeadLayout.offsets(self.v_widths))
+    units: tuple[int, ...] = ()  # the runs' indices in the layer (the schedule's unit ids)
+    q_off: tuple[int, ...] = ()
+    k_off: tuple[int, ...] = ()
+    v_off: tuple[int, ...] = ()
+    o_off: tuple[int, ...] = ()
 
 
 def run_classes(layout: HeadLayout, pack_tile: int) -> tuple[tuple[RunClass, ...], tuple[int, ...]]:
@@ -110,10 +87,10 @@ def run_classes(layout: HeadLayout, pack_tile: int) -> tuple[tuple[RunClass, ...
     runs = head_runs(layout, pack_tile)
     shapes = list(dict.fromkeys(r.shape for r in runs))
     classes = []
-    for kw, vw in shapes:
-        units = tuple(u for u, r in enumerate(runs) if r.shape == (kw, vw))
-        classes.append(RunClass(kw, vw, units, *(tuple(offs[n][runs[u].first] // 16 for u in units)
-                                                 for n in "qkvo")))
+    for shape in shapes:
+        units = tuple(u for u, r in enumerate(runs) if r.shape == shape)
+        classes.append(RunClass(shape.k_widths, shape.v_widths, units,
+                                *(tuple(offs[n][runs[u].first] // 16 for u in units) for n in "qkvo")))
     return tuple(classes), tuple(shapes.index(r.shape) for r in runs)
 
 

@@ -73,13 +73,9 @@ def folds(group: int, k_tile: int, step: int, fold_tokens: int) -> int:
 
 
 def _per_row(values, index):
-    """A per-head static table as a value per row (``index``: the row's head in its run); a plain int for one head."""
-    if len(set(values)) == 1:
-        return values[0]
-    out = jnp.int32(values[-1])
-    for i, value in enumerate(values[:-1]):
-        out = jnp.where(index == i, jnp.int32(value), out)
-    return out
+    """A per-head static table as a value per row (``index``: the row's head in its run); a plain int when every
+    head has the same value (so one head's code stays as it was)."""
+    return values[0] if len(set(values)) == 1 else lookup(index, tuple(range(len(values))), values)
 
 
 def _in_head(cols, start, width):
