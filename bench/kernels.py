@@ -43,7 +43,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from kvjax import attention  # noqa: E402
+from kvjax import runs  # noqa: E402
 from kvjax.layout import HeadLayout  # noqa: E402
+from kvjax.runs import FLOOR_TILE, permuted  # noqa: E402
 from kvjax.pallas.common import width_classes  # noqa: E402
 from kvjax.schedule import (ORDER, PACK_TILE, SLOT, TILE_WEIGHT, DecodePlanner, DecodeSchedule,  # noqa: E402
                             build_decode_schedule, load_balance, realized_loads)
@@ -57,11 +59,14 @@ L2_BYTES = 50 << 20
 
 # ---------------------------------------------------------------- inputs
 
-def rank_plan(rate: float, num_layers: int = 32, cv: float = 0.45, seed: int = 0) -> list[HeadLayout]:
+def rank_plan(rate: float, num_layers: int = 32, cv: float = 0.45, seed: int = 0,
+              order_heads: bool = True) -> list[HeadLayout]:
     """Per-layer layouts whose widths (multiples of 16 in [16, 128]) average (1 - rate) * 128 with the given spread.
 
     Widths are log-normal around a common scale (coefficient of variation ``cv`` before rounding), the scale
-    bisected so the overall rate 1 - sum(k + v) / (2 * heads * 128 * layers) matches ``rate``.
+    bisected so the overall rate 1 - sum(k + v) / (2 * heads * 128 * layers) matches ``rate``. With
+    ``order_heads`` each layer's heads are in the order compression stores them (``kvjax.runs.order_heads`` for
+    the decode defaults' tile), else in the order drawn.
     """
     if rate == 0:
         return [HeadLayout.uniform(HQ, HKV, D) for _ in range(num_layers)]
@@ -77,7 +82,10 @@ def rank_plan(rate: float, num_layers: int = 32, cv: float = 0.45, seed: int = 0
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if widths(mid).mean() < (1 - rate) * D else (lo, mid)
     w = widths(hi)
-    return [HeadLayout(HQ, HKV, D, tuple(map(int, w[i, 0])), tuple(map(int, w[i, 1]))) for i in range(num_layers)]
+    layouts = [HeadLayout(HQ, HKV, D, tuple(map(int, w[i, 0])), tuple(map(int, w[i, 1]))) for i in range(num_layers)]
+    if order_heads:
+        layouts = [permuted(lay, runs.order_heads(lay, DECODE_DEFAULTS["pack_tile"])) for lay in layouts]
+    return layouts
 
 
 def plan_rate(layouts) -> float:
@@ -433,15 +441,14 @@ def print_row(r):
           f"{r['floor_us']:.1f} | {ratio:.2f} | {100 / ratio:.0f}% | {speedup} |", flush=True)
 
 
-DECODE_DEFAULTS = dict(programs=264, order=ORDER, pack_tile=PACK_TILE, tile_weight=TILE_WEIGHT, block_tokens=64,
-                       max_step_tokens=512, fold_tokens=64, max_segments=1, num_warps=4,
-                       num_stages=3)  # the schedule's and the kernel's
-SWEPT = ("order", "pack_tile", "tile_weight", "programs", "num_warps", "num_stages", "block_tokens")
-# the previous sweeps (warps, stages, pieces, folding; orders, packing, cost model) are in RESULTS.md; this one:
-# tokens per step and pipeline stages with the current schedule defaults
-DECODE_SWEEP = [dict(DECODE_DEFAULTS, **dict(zip(SWEPT[-2:], v)))
-                for v in ((3, 64), (2, 64), (2, 112), (3, 96), (3, 112), (3, 128))]
-SCHEDULE_KNOBS = ("programs", "order", "pack_tile", "tile_weight")
+DECODE_DEFAULTS = dict(programs=264, order=ORDER, pack_tile=PACK_TILE, tile_weight=TILE_WEIGHT,
+                       floor_tile=FLOOR_TILE, block_tokens=64, max_step_tokens=512, fold_tokens=64, max_segments=1,
+                       num_warps=4, num_stages=3)  # the schedule's and the kernel's
+SWEPT = ("order", "pack_tile", "tile_weight", "floor_tile", "programs", "num_warps", "num_stages", "block_tokens")
+# the previous sweeps (warps, stages, pieces, folding; orders, packing, cost model, tokens per step) are in
+# RESULTS.md; this one: the schedule's cost floor (a narrow unit's token costs as much as a 128+128 one's, or less)
+DECODE_SWEEP = [dict(DECODE_DEFAULTS, floor_tile=f) for f in (FLOOR_TILE, 0)]
+SCHEDULE_KNOBS = ("programs", "order", "pack_tile", "tile_weight", "floor_tile")
 
 
 def knobs_of(cfg):
@@ -481,40 +488,51 @@ def decode_autotune(key, bw, rates, batch=32, ctx=4096):
     return {r: cfg for r, (t, cfg) in best.items()}
 
 
-def decode_table(key, bw, shapes, rates, quick, tuned, orders=("lpt", "naive")):
-    """kvjax (per-rate tuned knobs) vs naive order, JAX paged_attention, cuDNN and Palu, beside the floor."""
+def decode_table(key, bw, shapes, rates, quick, tuned, orders=("lpt", "naive"), head_orders=("runs",)):
+    """kvjax (per-rate tuned knobs) vs naive order, JAX paged_attention, cuDNN and Palu, beside the floor.
+
+    head_orders: "runs" (compression's head order), "natural" (the order drawn: the ablation)."""
     print("\n| kernel | batch | ctx | rate | K+V cols | time us | floor us | time/floor | % of copy bw | vs rate 0 |"
           "\n|---|---|---|---|---|---|---|---|---|---|")
     rows = []
-    plans = {r: rank_plan(r) for r in rates}
+    variants = {r: [(o, h) for h in (head_orders if r > 0 else ("runs",)) for o in (orders if r > 0 else
+                                                                                   (tuned[r]["order"],))]
+                for r in rates}
+    layers = {(r, h): pick_layer(rank_plan(r, order_heads=h == "runs"), r) for r in rates for _, h in variants[r]}
     for batch, ctx in shapes:
         # every case, plan and kvjax call of the shape first, so their kernels compile side by side
         cases, calls = {}, {}
         for rate in rates:
-            lay = pick_layer(plans[rate], rate)
-            nbytes = batch * ctx * (lay.k_cols + lay.v_cols) * 2
-            cases[rate] = case = PagedCase(lay, batch, np.full(batch, ctx), 32, copies_for(nbytes), key)
-            for order in (orders if rate > 0 else (tuned[rate]["order"],)):
+            for order, heads in variants[rate]:
+                lay = layers[rate, heads]
+                nbytes = batch * ctx * (lay.k_cols + lay.v_cols) * 2
+                if (rate, heads) not in cases:
+                    cases[rate, heads] = PagedCase(lay, batch, np.full(batch, ctx), 32, copies_for(nbytes), key)
+                case = cases[rate, heads]
                 t0 = time.perf_counter()
                 plan = schedule_of(case, tuned[rate], order=order)
                 host = time.perf_counter() - t0
                 call = kvjax_decode_call(case, plan.schedule.layer(0), key, **knobs_of(tuned[rate]))
-                calls[rate, order] = host, call
+                calls[rate, order, heads] = host, call
         compile_ahead([timing_job(*call) for _, call in calls.values()])
         base = None
         for rate in rates:
-            case = cases.pop(rate)
-            lay = case.layout
-            floor = case.bytes / bw
-            for order in (orders if rate > 0 else (tuned[rate]["order"],)):
-                host, call = calls.pop((rate, order))
+            for order, heads in variants[rate]:
+                case = cases[rate, heads]
+                lay = case.layout
+                floor = case.bytes / bw
+                host, call = calls.pop((rate, order, heads))
                 t = time_calls(*call)
                 base = t if rate == 0 else base
-                rows.append(dict(kernel=f"kvjax {order}", batch=batch, ctx=ctx, rate=rate,
-                                 widths=f"{lay.k_cols}+{lay.v_cols}", time_us=t * 1e6, floor_us=floor * 1e6,
+                rows.append(dict(kernel=f"kvjax {order}" + (" (natural head order)" if heads == "natural" else ""),
+                                 batch=batch, ctx=ctx, rate=rate, widths=f"{lay.k_cols}+{lay.v_cols}",
+                                 time_us=t * 1e6, floor_us=floor * 1e6,
                                  speedup_vs_rate0=(base / t) if base else None, host_ms=host * 1e3))
                 print_row(rows[-1])
                 del call
+            case = cases.get((rate, "runs")) or cases[rate, head_orders[0]]
+            lay = case.layout
+            floor = case.bytes / bw
             if rate == 0:
                 best = None
                 for ppb, splits in ((4, 16 if ctx >= 16384 else 8),):
@@ -539,6 +557,7 @@ def decode_table(key, bw, shapes, rates, quick, tuned, orders=("lpt", "naive")):
                                  speedup_vs_rate0=base / t))
                 print_row(rows[-1])
             del case
+        del cases
         log(f"decode {batch}x{ctx} done")
     return rows
 
@@ -889,6 +908,12 @@ def main(argv=None):
     ap.add_argument("--tune-shape", default="32x4096", help="BxCTX the autotune section times its variants at")
     ap.add_argument("--rates", default="0,0.5,0.7", help="decode table rates, comma-separated")
     ap.add_argument("--orders", default="auto,stream,lpt,naive", help="decode table orders for compressed plans")
+    ap.add_argument("--head-orders", default="runs",
+                    help="decode table KV head orders for compressed plans: runs (as compression stores them), "
+                         "natural (as drawn: the ablation), comma-separated")
+    ap.add_argument("--pack-tile", type=int, default=PACK_TILE,
+                    help="widest tile a run of several heads reads (the schedule's pack_tile, and the tile the "
+                         "bench's plans order their heads for)")
     ap.add_argument("--match", default="",
                     help="only the correctness cases (and compile rows) whose name contains this")
     ap.add_argument("--cache-dir", default=os.path.join(ROOT, ".jaxcache"),
@@ -901,6 +926,7 @@ def main(argv=None):
     if args.cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    DECODE_DEFAULTS["pack_tile"] = args.pack_tile
     if args.profile:
         return profile_one(args.profile)
     only = set(args.only.split(","))
@@ -939,7 +965,8 @@ def main(argv=None):
         if args.shapes:
             shapes = [tuple(map(int, sh.split("x"))) for sh in args.shapes.split(",")]
         rates = tuple(float(r) for r in args.rates.split(","))
-        result["decode"] = decode_table(key, bw, shapes, rates, args.quick, tuned, tuple(args.orders.split(",")))
+        result["decode"] = decode_table(key, bw, shapes, rates, args.quick, tuned, tuple(args.orders.split(",")),
+                                        tuple(args.head_orders.split(",")))
         dump()
     if "schedules" in only:
         result["schedules"] = schedule_table(key, bw, [(0.5, 32, 4096), (0.7, 32, 4096), (0.5, 1, 32768),

@@ -34,6 +34,9 @@ def parse_args(argv=None):
     p.add_argument("--method", choices=("zack", "palu"), default="zack",
                    help="zack: rotate Q/K after RoPE (default); palu: pre-RoPE low-rank K baseline")
     p.add_argument("--uniform", action="store_true", help="same rank for every head (the ablation)")
+    p.add_argument("--keep-head-order", action="store_true",
+                   help="keep each layer's KV heads in their original order (by default they are reordered so the "
+                        "decode kernel reads adjacent narrow heads as one; the model's output does not change)")
     p.add_argument("--calibration", default="random",
                    help="'random' token ids (default), 'text' (Python's pydoc topics), or 'text:FILE'")
     p.add_argument("--num-tokens", type=int, default=16384, help="calibration tokens (default 16384)")
@@ -66,7 +69,8 @@ def main(argv=None) -> int:
         model = kvjax.load(args.src, dtype="float32")  # calibrate and fold in float32, store in --dtype
         compressed = kvjax.compress(model, target_rate=args.target_rate, removal_rate=args.removal_rate,
                                     method=args.method, adaptive=not args.uniform, calibration=args.calibration,
-                                    num_tokens=args.num_tokens, seed=args.seed, seq_len=args.seq_len)
+                                    num_tokens=args.num_tokens, seed=args.seed, seq_len=args.seq_len,
+                                    order_heads=not args.keep_head_order)
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
     if args.dtype != "float32":

@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from kvjax.layout import HeadLayout
-from kvjax.runs import TOKEN_COST, head_runs, tile
+from kvjax.runs import FLOOR_TILE, PACK_TILE, TOKEN_COST, head_runs, tile
 
 H100_SMS = 132
 
@@ -49,11 +49,11 @@ H100_SMS = 132
 SEQ, UNIT, FIRST_PAGE, END_PAGE, SLOT = range(5)
 ITEM = np.dtype({"names": ["seq", "unit", "first_page", "end_page", "slot"], "formats": [np.int32] * 5})
 ITEM_OVERHEAD = 32 * 64  # an item's fixed cost, in tokens * width
-# Defaults, measured best on the H100 (bench/RESULTS.md, "Fourth session"):
+# Defaults, measured best on the H100 (bench/RESULTS.md, "Fourth session"; kvjax.runs' PACK_TILE and FLOOR_TILE:
+# "Fifth session"):
 ORDER = "auto"  # how items reach programs: "auto", "stream" (equal shares of the work), "lpt" or "naive"
 AUTO_BALANCE = 0.95  # "auto" keeps the LPT plan when it balances at least this well, else cuts equal shares
 TILE_WEIGHT = 1  # weight of a unit's tile columns in its token cost (see _unit_costs)
-PACK_TILE = 128  # runs of adjacent heads (kvjax.runs) read through tiles at most this wide; 0: one head per unit
 
 
 def bucket(n: int) -> int:
@@ -141,16 +141,19 @@ def _as_layouts(layouts) -> tuple[HeadLayout, ...]:
 
 
 def _unit_costs(layouts: tuple[HeadLayout, ...], token_cost: int = TOKEN_COST, pack_tile: int = PACK_TILE,
-            tile_weight: int = TILE_WEIGHT) -> np.ndarray:
-    """[L, U] cost of one token of every unit (run of heads): its K + V columns (the bytes), ``tile_weight`` times
-    the columns of its tiles (the instructions: a K and a V tile as wide as the wider of the two; padded columns
-    fetch nothing but are computed on), plus ``token_cost`` for the per-token work that does not scale with width
-    (page lookup, softmax). Layers with fewer units than the most have 0 past their last (they get no items)."""
+                tile_weight: int = TILE_WEIGHT, floor_tile: int = FLOOR_TILE) -> np.ndarray:
+    """[L, U] cost of one token of every unit (run of heads): its K + V columns (the bytes) plus ``tile_weight``
+    times the columns of its tiles (the instructions: a K and a V tile as wide as the wider of the two; padded
+    columns fetch nothing but are computed on), at least what a unit of ``floor_tile`` + ``floor_tile`` columns
+    costs (a narrower step takes as long: ``kvjax.runs.run_cost``), plus ``token_cost`` for the per-token work
+    that does not scale with width (page lookup, softmax). Layers with fewer units than the most have 0 past their
+    last (they get no items)."""
     runs = [head_runs(lay, pack_tile) for lay in layouts]
+    width_cost = lambda k, v: k + v + tile_weight * 2 * tile(max(k, v))  # noqa: E731
+    floor = width_cost(floor_tile, floor_tile) if floor_tile else 0
     out = np.zeros((len(layouts), max(map(len, runs))), np.int64)
     for i, layer in enumerate(runs):
-        out[i, :len(layer)] = [r.k_cols + r.v_cols + tile_weight * 2 * tile(max(r.k_cols, r.v_cols)) + token_cost
-                               for r in layer]
+        out[i, :len(layer)] = [max(width_cost(r.k_cols, r.v_cols), floor) + token_cost for r in layer]
     return out
 
 
@@ -158,7 +161,7 @@ def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], p
                           num_programs: int | None = None, *, order: str = ORDER, headroom_pages=0,
                           min_chunk_tokens: int = 256, item_overhead: int = ITEM_OVERHEAD,
                           items_per_program: int = 1, token_cost: int = TOKEN_COST, tile_weight: int = TILE_WEIGHT,
-                          pack_tile: int = PACK_TILE) -> DecodePlan:
+                          pack_tile: int = PACK_TILE, floor_tile: int = FLOOR_TILE) -> DecodePlan:
     """Plan decode for sequences of ``lengths`` tokens (new token included) over one layer or all layers.
 
     headroom_pages: pages planned past each sequence's last one (one number, or one per sequence). order: "stream",
@@ -168,14 +171,15 @@ def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], p
     into chunks no costlier than 1 / items_per_program of the average program load. token_cost: a token's fixed
     cost, in columns. tile_weight: weight of the tile columns in a token's cost (0 weighs only bytes and the fixed
     part). pack_tile: work units are runs of adjacent heads read through tiles at most this wide (``kvjax.runs``;
-    0: one head per unit). The defaults measured best on the H100 (bench/kernels.py --only autotune).
+    0: one head per unit). floor_tile: a unit's token costs at least one of ``floor_tile`` + ``floor_tile``
+    columns (0: no floor). The defaults measured best on the H100 (bench/kernels.py --only autotune).
     """
     if order not in ("auto", "lpt", "naive", "stream"):
         raise ValueError(f"order must be 'auto', 'lpt', 'naive' or 'stream', not {order!r}")
     if order == "auto":
         options = dict(headroom_pages=headroom_pages, min_chunk_tokens=min_chunk_tokens, item_overhead=item_overhead,
                        items_per_program=items_per_program, token_cost=token_cost, tile_weight=tile_weight,
-                       pack_tile=pack_tile)
+                       pack_tile=pack_tile, floor_tile=floor_tile)
         plan = build_decode_schedule(lengths, layouts, page_size, num_programs, order="lpt", **options)
         if plan.balance >= AUTO_BALANCE:
             return plan
@@ -184,7 +188,7 @@ def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], p
     layouts = _as_layouts(layouts)
     P = num_programs or default_num_programs()
     lengths = np.asarray(lengths, np.int64)
-    unit_cost = _unit_costs(layouts, token_cost, pack_tile, tile_weight)  # [L, H]: H units (runs of heads) per layer
+    unit_cost = _unit_costs(layouts, token_cost, pack_tile, tile_weight, floor_tile)  # [L, H]: H units (runs) a layer
     B, L, H = len(lengths), len(layouts), unit_cost.shape[1]
     page_cost = page_size * unit_cost[:, None, :]  # [L, 1, H]
 
@@ -388,7 +392,7 @@ def _stream(first_page, pages, page_cost, P, item_overhead, snap_pages, pack_til
 
 def realized_loads(schedule: DecodeSchedule, lengths, layouts: Sequence[HeadLayout], page_size: int,
                    item_overhead: int = ITEM_OVERHEAD, token_cost: int = TOKEN_COST,
-                   tile_weight: int = TILE_WEIGHT) -> np.ndarray:
+                   tile_weight: int = TILE_WEIGHT, floor_tile: int = FLOOR_TILE) -> np.ndarray:
     """[L, P] work each program meets at ``lengths`` (which the plan covers), in the cost model the plan was built
     with: its items' token loops stop at the real lengths, so an aged plan's loads differ from the planned ones.
     Its balance: ``load_balance``."""
@@ -396,7 +400,7 @@ def realized_loads(schedule: DecodeSchedule, lengths, layouts: Sequence[HeadLayo
     items = schedule.items.astype(np.int64)
     seq, unit, first, end = (items[..., f] for f in (SEQ, UNIT, FIRST_PAGE, END_PAGE))
     tokens = np.maximum(np.minimum(end * page_size, lengths[seq]) - first * page_size, 0)
-    width = _unit_costs(_as_layouts(layouts), token_cost, schedule.pack_tile, tile_weight)[
+    width = _unit_costs(_as_layouts(layouts), token_cost, schedule.pack_tile, tile_weight, floor_tile)[
         np.arange(len(items))[:, None, None], unit]
     cost = tokens * width + item_overhead
     real = np.arange(items.shape[2]) < schedule.counts[..., None]

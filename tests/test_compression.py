@@ -9,7 +9,7 @@ import kvjax
 from conftest import FIXTURES, TINY_CONFIGS
 from convert import convert
 from kvjax.cache import bytes_per_token
-from kvjax.compression import RankPlan, calibrate, calibration_tokens
+from kvjax.compression import RankPlan, calibrate, calibration_tokens, fold, make_plan
 from test_generate import argmax_continuation
 
 CASES = ["llama", "llama3_rope", "mistral", "falcon_7b", "falcon_new"]
@@ -110,6 +110,40 @@ def test_compressed_model_runs_everywhere(method, tmp_path):
         small.save(str(tmp_path / "ckpt"))
     with pytest.raises(ValueError, match="already compressed"):
         kvjax.compress(small, removal_rate=0.1)
+
+
+@pytest.mark.parametrize("method", ["zack", "palu"])
+@pytest.mark.parametrize("case", ["mistral", "falcon_new"])  # falcon_new: q/k/v biases
+def test_head_order_leaves_the_output_unchanged(case, method):
+    """Any order of the KV heads (with their query heads and W_o's rows) folds into the same function."""
+    model = kvjax.Model.random(dataclasses.replace(WIDE[case], num_heads=8, num_kv_heads=4), seed=3, scale=5.0)
+    stats = calibrate(model, calibration_tokens(model, "random", 128, 64), progress=False)
+    plan, bases = make_plan(model, stats, target_rate=0.4, method=method, order_heads=False)
+    rng = np.random.default_rng()
+    order = np.stack([rng.permutation(4) for _ in range(plan.num_layers)])
+    mixed = dataclasses.replace(plan, head_order=order)
+    a, b = fold(model, plan, bases), fold(model, mixed, bases)
+    for i, (lay_a, lay_b) in enumerate(zip(a.layouts, b.layouts)):
+        assert lay_b.k_widths == tuple(lay_a.k_widths[h] for h in order[i])
+        assert lay_b.v_widths == tuple(lay_a.v_widths[h] for h in order[i])
+    tokens = [rng.integers(0, 97, 12).tolist()]
+    np.testing.assert_allclose(np.asarray(b.logits(tokens)), np.asarray(a.logits(tokens)), atol=1e-4, rtol=0)
+    assert RankPlan.from_json(mixed.to_json()).layer_order(1) == tuple(order[1])
+    with pytest.raises(ValueError, match="permutation"):
+        dataclasses.replace(plan, head_order=np.zeros_like(order))
+
+
+def test_plans_order_heads_for_the_decode_runs():
+    """make_plan's default order: adjacent heads whose widths fill the kernel's tiles (kvjax.runs.order_heads)."""
+    from kvjax.layout import HeadLayout
+    from kvjax.runs import order_heads
+
+    k_qk, k_v = np.array([[48, 64, 80, 64]]), np.array([[96, 64, 32, 64]])
+    s = np.ones((1, 4, 128))
+    plan = RankPlan("zack", 128, k_qk, k_v, s, s).ordered_for_runs(group_size=4)
+    assert plan.layer_order(0) == order_heads(HeadLayout(16, 4, 128, (48, 64, 80, 64), (96, 64, 32, 64)))
+    assert plan.layer_order(0) != (0, 1, 2, 3)
+    assert "reordered" in plan.summary()
 
 
 def test_converter_writes_atomically_and_rejects_bad_input(tmp_path, capsys):

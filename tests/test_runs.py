@@ -1,16 +1,17 @@
-"""Runs of adjacent KV heads (kvjax.runs): a partition of the heads, within the tile and row limits, cheapest."""
+"""Runs of adjacent KV heads (kvjax.runs): a partition of the heads, within the tile and row limits, cheapest; and
+the head order whose runs cost least."""
 import itertools
 
 import numpy as np
 import pytest
 
 from kvjax.layout import HeadLayout
-from kvjax.runs import ROWS, TOKEN_COST, head_runs, tile
+from kvjax.runs import FLOOR_TILE, ROWS, TOKEN_COST, head_runs, order_heads, permuted, runs_cost, tile
 
 
 def cost(run_widths):
     k, v = (sum(w) for w in zip(*run_widths))
-    return tile(k) + tile(v) + TOKEN_COST
+    return max(tile(k) + tile(v), 2 * FLOOR_TILE) + TOKEN_COST
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
@@ -45,3 +46,35 @@ def test_no_packing_keeps_one_head_per_run():
     lay = HeadLayout(8, 4, 64, (16, 16, 32, 16), (16, 32, 16, 16))
     assert [r.num_heads for r in head_runs(lay, 0)] == [1, 1, 1, 1]
     assert [r.num_heads for r in head_runs(lay, 64)] != [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_head_order_makes_the_cheapest_runs(group):
+    rng = np.random.default_rng()
+    heads = int(rng.integers(2, 7))
+    widths = lambda: tuple(int(w) for w in rng.choice(np.arange(16, 129, 16), heads))  # noqa: E731
+    lay = HeadLayout(group * heads, heads, 128, widths(), widths())
+    max_tile = int(rng.choice([128, 256]))
+    order = order_heads(lay, max_tile)
+    assert sorted(order) == list(range(heads))
+    ordered = permuted(lay, order)
+    assert ordered.k_widths == tuple(lay.k_widths[h] for h in order)
+    # no order of the heads gives cheaper runs (brute force over the permutations)
+    best = min(runs_cost(permuted(lay, p), max_tile) for p in itertools.permutations(range(heads)))
+    assert runs_cost(ordered, max_tile) == best
+    if runs_cost(lay, max_tile) == best:
+        assert order == tuple(range(heads))
+
+
+def test_head_order_pairs_complementary_widths():
+    lay = HeadLayout(16, 4, 128, (48, 64, 80, 64), (96, 64, 32, 64))
+    order = order_heads(lay, 128)
+    runs = head_runs(permuted(lay, order), 128)
+    assert sorted(sorted(r.k_widths) for r in runs) == [[48, 80], [64, 64]]
+
+
+def test_narrow_runs_cost_as_much_as_full_ones():
+    """The floor: fewer runs beat narrower ones (three 128+128 runs, not four with two narrow ones)."""
+    lay = HeadLayout(32, 8, 128, (32, 32, 64, 32, 32, 32, 48, 48), (16, 80, 48, 32, 32, 16, 32, 32))
+    assert len(head_runs(lay, 128)) == 3
+    assert runs_cost(permuted(lay, order_heads(lay, 128)), 128) == runs_cost(lay, 128)

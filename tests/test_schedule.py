@@ -89,7 +89,7 @@ def test_lpt_balances_and_beats_naive():
         layouts = random_layouts(rng, 4)
         lengths = rng.integers(64, 8192, 48)
         P = 64
-        heads = dict(pack_tile=0, tile_weight=0)  # one head per unit, costs as token_cost says
+        heads = dict(pack_tile=0, tile_weight=0, floor_tile=0)  # one head per unit, costs as token_cost says
         lpt = build_decode_schedule(lengths, layouts, 16, P, order="lpt", **heads)
         naive = build_decode_schedule(lengths, layouts, 16, P, order="naive", **heads)
         stream = build_decode_schedule(lengths, layouts, 16, P, order="stream", **heads)
@@ -112,7 +112,7 @@ def test_stream_gives_every_program_an_equal_share():
     lengths = rng.integers(1, 6000, int(rng.integers(1, 40)))
     ps, P, min_chunk = 16, int(rng.integers(8, 200)), 64
     plan = build_decode_schedule(lengths, layouts, ps, P, order="stream", min_chunk_tokens=min_chunk, pack_tile=0,
-                                 tile_weight=0)
+                                 tile_weight=0, floor_tile=0)
     snap = max(1, min_chunk // ps // 4)
     for layer, lay in enumerate(layouts):
         work = plan.loads[layer] - ITEM_OVERHEAD * plan.schedule.counts[layer]
@@ -156,7 +156,7 @@ def test_lpt_deal_matches_a_plain_loop():
     lengths = rng.integers(0, 4000, 21)
     ps, P = 16, int(rng.integers(3, 30))
     s = build_decode_schedule(lengths, layouts, ps, P, min_chunk_tokens=64, order="lpt", pack_tile=0,
-                              tile_weight=0).schedule
+                              tile_weight=0, floor_tile=0).schedule
     for layer, lay in enumerate(layouts):
         items = sorted(planned_items(s, layer))  # natural order: seq, head, first page
         cost = [(e - f) * ps * token_cost(lay, h) + ITEM_OVERHEAD for _, h, f, e, _ in items]
@@ -175,11 +175,11 @@ def test_realized_loads_clip_items_to_the_real_lengths():
     lengths = rng.integers(0, 3000, 9)
     ps = 16
     plan = build_decode_schedule(lengths, layouts, ps, 16, headroom_pages=rng.integers(0, 20, 9),
-                                 min_chunk_tokens=32, pack_tile=0, tile_weight=0)
+                                 min_chunk_tokens=32, pack_tile=0, tile_weight=0, floor_tile=0)
     # at the lengths it was planned for, the plan meets exactly its planned loads
-    assert np.array_equal(realized_loads(plan.schedule, plan.capacity, layouts, ps, tile_weight=0), plan.loads)
+    assert np.array_equal(realized_loads(plan.schedule, plan.capacity, layouts, ps, tile_weight=0, floor_tile=0), plan.loads)
     # at the real lengths, every token is counted once (no window), however far the plan reaches past it
-    real = realized_loads(plan.schedule, lengths, layouts, ps, tile_weight=0)
+    real = realized_loads(plan.schedule, lengths, layouts, ps, tile_weight=0, floor_tile=0)
     widths = np.array([[token_cost(lay, h) for h in range(lay.num_kv_heads)] for lay in layouts])
     assert np.array_equal(real.sum(axis=1), lengths.sum() * widths.sum(axis=1) + ITEM_OVERHEAD * plan.num_items)
     assert np.all(real <= plan.loads) and 0 < load_balance(real) <= 1

@@ -24,24 +24,30 @@ def _check_request(target_rate, removal_rate, method) -> None:
 
 
 def make_plan(model, stats: CalibrationStats, *, target_rate=None, removal_rate=None, method="zack",
-              adaptive=True) -> tuple[RankPlan, dict]:
-    """The rank plan and the bases it truncates ({"k": Basis, "v": Basis}), from calibration statistics (cheap)."""
+              adaptive=True, order_heads=True) -> tuple[RankPlan, dict]:
+    """The rank plan and the bases it truncates ({"k": Basis, "v": Basis}), from calibration statistics (cheap).
+
+    ``order_heads``: reorder each layer's KV heads so the decode kernel reads adjacent narrow heads as one
+    (``RankPlan.ordered_for_runs``; the model's output does not change)."""
     _check_request(target_rate, removal_rate, method)
     k_basis, v_basis = (stats.basis(kind, model) for kind in BASIS[method])
     if target_rate is not None:
         plan = RankPlan.for_target_rate(method, k_basis.s, v_basis.s, target_rate, adaptive)
     else:
         plan = RankPlan.from_removal_rate(method, k_basis.s, v_basis.s, removal_rate, adaptive)
+    if order_heads:
+        plan = plan.ordered_for_runs(model.config.num_heads // model.config.num_kv_heads)
     return plan, {"k": k_basis, "v": v_basis}
 
 
 def compress(model, target_rate=None, removal_rate=None, method="zack", adaptive=True, calibration="random",
-             num_tokens=16384, seed=0, *, seq_len=512, batch_size=4, progress=True):
+             num_tokens=16384, seed=0, *, seq_len=512, batch_size=4, order_heads=True, progress=True):
     """Compress ``model``'s KV cache along the head dimension; returns a new ``kvjax.Model`` with ``.plan``.
 
     Give exactly one of ``target_rate`` (overall rate p in [0, 1), reached by bisection on the removal rate) and
     ``removal_rate`` (the singular-value mass r each head may drop). ``calibration``: "random" token ids, "text"
     (Python's pydoc topics), "text:PATH", or token ids. ``method="palu"`` is the pre-RoPE low-rank baseline.
+    ``order_heads``: store each layer's KV heads in the order the decode kernel reads fastest (output unchanged).
     """
     _check_request(target_rate, removal_rate, method)  # before the (slow) calibration
     if model.plan is not None:
@@ -49,5 +55,5 @@ def compress(model, target_rate=None, removal_rate=None, method="zack", adaptive
     tokens = calibration_tokens(model, calibration, num_tokens, min(seq_len, num_tokens), seed)
     stats = calibrate(model, tokens, batch_size=batch_size, progress=progress)
     plan, bases = make_plan(model, stats, target_rate=target_rate, removal_rate=removal_rate, method=method,
-                            adaptive=adaptive)
+                            adaptive=adaptive, order_heads=order_heads)
     return fold(model, plan, bases)

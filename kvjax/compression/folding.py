@@ -4,6 +4,9 @@ V's basis goes into W_v (and b_v) and W_o, so V is produced short and read back 
 Q/K rotation cannot pass through the position-dependent RoPE, so it is stored per group and applied right after RoPE
 (``Attention.rotate_qk``). Palu's K factorisation puts ``W_k down`` in the K projection and ``up`` in ``k_up``,
 which rebuilds K before RoPE at every attention call.
+
+A plan with a ``head_order`` first permutes each layer's KV heads (with their query heads and W_o's rows, which
+leaves the output unchanged), then folds the bases of the heads at their new positions.
 """
 from __future__ import annotations
 
@@ -41,30 +44,49 @@ def fold_k_lowrank(wk, bk, down, up, *, widths):
             [up[g, :k] for g, k in enumerate(widths)])
 
 
+def permute_heads(w: dict, order, group_size: int, head_dim: int) -> dict:
+    """One layer's projections ``w`` ({(proj, "kernel" | "bias"): array or None}) with the KV heads in ``order``:
+    the columns of q (G query heads per KV head), k and v and their biases, and the rows of o."""
+    order = jnp.asarray(order)
+    heads = lambda x, block: x.reshape(*x.shape[:-1], -1, block)[..., order, :].reshape(x.shape)  # noqa: E731
+    out = dict(w)
+    for (proj, kind), x in w.items():
+        if x is not None and proj in ("q", "k", "v"):
+            out[proj, kind] = heads(x, (group_size if proj == "q" else 1) * head_dim)
+    if w["o", "kernel"] is not None:  # [H * d, E]
+        out["o", "kernel"] = heads(w["o", "kernel"].T, group_size * head_dim).T
+    return out
+
+
 def fold(model: Model, plan, bases: dict) -> Model:
-    """A new model whose weights carry ``plan``'s truncated bases (``bases``: {"k": Basis, "v": Basis})."""
+    """A new model whose weights carry ``plan``'s truncated bases (``bases``: {"k": Basis, "v": Basis}), its KV
+    heads in ``plan.layer_order``."""
     dtype = model.dtype
     old = dict(nnx.to_flat_state(nnx.state(model.module, nnx.Param)))
     module = nnx.eval_shape(lambda: Transformer(model.config, plan=plan, dtype=dtype, rngs=nnx.Rngs(0)))
     new = dict(nnx.to_flat_state(nnx.state(module, nnx.Param)))
     f32 = lambda path: None if path not in old else old[path].get_value().astype(jnp.float32)  # noqa: E731
-    as_f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     values = {}
     for i, layout in enumerate(module.layouts):
         a = ("layers", i, "attn")
-        wv, bv, wo = fold_v(f32((*a, "v", "kernel")), f32((*a, "v", "bias")), f32((*a, "o", "kernel")),
-                            as_f32(bases["v"].down[i]), as_f32(bases["v"].up[i]),
+        order = list(plan.layer_order(i))
+        w = {(p, kind): f32((*a, p, kind)) for p in ("q", "k", "v", "o") for kind in ("kernel", "bias")}
+        if order != sorted(order):
+            w = permute_heads(w, order, layout.group_size, layout.head_dim)
+            values.update({(*a, p, kind): x for (p, kind), x in w.items() if p in ("q", "k") and x is not None})
+        down, up = ({kind: jnp.asarray(getattr(b, which)[i], jnp.float32)[jnp.asarray(order)]
+                     for kind, b in bases.items()} for which in ("down", "up"))
+        wv, bv, wo = fold_v(w["v", "kernel"], w["v", "bias"], w["o", "kernel"], down["v"], up["v"],
                             widths=layout.v_widths, group_size=layout.group_size)
         values.update({(*a, "v", "kernel"): wv, (*a, "o", "kernel"): wo, (*a, "v", "bias"): bv})
         if plan.method == "zack":
             for g, k in enumerate(layout.k_widths):
-                values[(*a, "qk_rotation", g)] = bases["k"].down[i, g, :, :k]
+                values[(*a, "qk_rotation", g)] = down["k"][g, :, :k]
         else:
-            down, bias, ups = fold_k_lowrank(f32((*a, "k", "kernel")), f32((*a, "k", "bias")),
-                                             as_f32(bases["k"].down[i]), as_f32(bases["k"].up[i]),
-                                             widths=layout.k_widths)
-            values.update({(*a, "k", "kernel"): down, (*a, "k", "bias"): bias})
-            values.update({(*a, "k_up", g): up for g, up in enumerate(ups)})
+            wk, bk, k_ups = fold_k_lowrank(w["k", "kernel"], w["k", "bias"], down["k"], up["k"],
+                                           widths=layout.k_widths)
+            values.update({(*a, "k", "kernel"): wk, (*a, "k", "bias"): bk})
+            values.update({(*a, "k_up", g): k_up for g, k_up in enumerate(k_ups)})
     for path, var in new.items():
         value = values.get(path)
         if value is None:

@@ -3,6 +3,10 @@
 A head keeps the smallest ``k`` whose removed tail of singular values stays within the shared removal rate ``r``
 (``sum_{i>=k} s_i / sum_i s_i <= r``), rounded up to a multiple of 16 (kernel alignment), at least 16. The overall
 rate is ``p = 1 - sum(k_qk + k_v) / (2 * Hkv * d_h * L)``; ``F_p`` finds ``r`` for a target ``p`` by bisection.
+
+A plan may also reorder each layer's KV heads (``head_order``, see ``kvjax.runs.order_heads``): the ranks stay
+those of the calibrated heads, the folded model and its cache hold the heads in the new order, where adjacent
+narrow heads fill the decode kernel's tiles. Reordering heads does not change the model's output.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ class RankPlan:
     s_v: np.ndarray  # float [L, Hkv, d_h]
     removal_rate: float | None = None
     adaptive: bool = True
+    head_order: np.ndarray | None = None  # int [L, Hkv]: the calibrated head at each cached position (None: as is)
 
     def __post_init__(self):
         self.k_qk, self.k_v = np.asarray(self.k_qk, np.int64), np.asarray(self.k_v, np.int64)
@@ -46,6 +51,11 @@ class RankPlan:
             if k.shape != self.s_qk.shape[:2] or np.any(k % ALIGN) or k.min() < ALIGN or k.max() > self.head_dim:
                 raise ValueError(f"{name} must be multiples of {ALIGN} in [{ALIGN}, head_dim={self.head_dim}] "
                                  f"of shape {self.s_qk.shape[:2]}")
+        if self.head_order is not None:
+            self.head_order = np.asarray(self.head_order, np.int64)
+            heads = self.s_qk.shape[1]
+            if self.head_order.shape != self.s_qk.shape[:2] or np.any(np.sort(self.head_order, 1) != np.arange(heads)):
+                raise ValueError(f"head_order must hold a permutation of the {heads} KV heads for every layer")
 
     @property
     def num_layers(self) -> int:
@@ -56,8 +66,29 @@ class RankPlan:
         """Overall KV-cache compression rate p."""
         return 1.0 - float(self.k_qk.sum() + self.k_v.sum()) / (2 * self.k_qk.size * self.head_dim)
 
+    def layer_order(self, layer: int) -> tuple[int, ...]:
+        """The calibrated KV head at each cached position of ``layer``."""
+        if self.head_order is None:
+            return tuple(range(self.k_qk.shape[1]))
+        return tuple(int(h) for h in self.head_order[layer])
+
     def layer_widths(self, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return tuple(int(k) for k in self.k_qk[layer]), tuple(int(k) for k in self.k_v[layer])
+        """The cached K and V widths of ``layer``'s KV heads, in cache order."""
+        order = self.layer_order(layer)
+        return tuple(int(self.k_qk[layer, h]) for h in order), tuple(int(self.k_v[layer, h]) for h in order)
+
+    def ordered_for_runs(self, group_size: int, max_tile: int | None = None) -> "RankPlan":
+        """This plan with every layer's KV heads in the order whose decode runs cost least (``kvjax.runs``)."""
+        from kvjax.layout import HeadLayout
+        from kvjax.runs import PACK_TILE, order_heads
+
+        heads = self.k_qk.shape[1]
+
+        def order(k, v):
+            lay = HeadLayout(group_size * heads, heads, self.head_dim, tuple(map(int, k)), tuple(map(int, v)))
+            return order_heads(lay, PACK_TILE if max_tile is None else max_tile)
+
+        return dataclasses.replace(self, head_order=np.asarray([order(k, v) for k, v in zip(self.k_qk, self.k_v)]))
 
     @classmethod
     def from_removal_rate(cls, method, s_qk, s_v, r: float, adaptive: bool = True) -> "RankPlan":
@@ -103,6 +134,9 @@ class RankPlan:
                  f"{self.rate:.4f}" + (f", removal rate r = {self.removal_rate:.4g}" if self.removal_rate is not None
                                        else ""),
                  "layer | k_qk min/mean/max | k_v min/mean/max"]
+        if self.head_order is not None:
+            moved = sum(self.layer_order(i) != tuple(range(self.k_qk.shape[1])) for i in range(self.num_layers))
+            lines.insert(1, f"KV heads reordered for the decode kernel's runs in {moved} of {self.num_layers} layers")
         for i in range(self.num_layers):
             a, b = self.k_qk[i], self.k_v[i]
             lines.append(f"{i:5d} | {a.min():3d} / {a.mean():5.1f} / {a.max():3d} | {b.min():3d} / {b.mean():5.1f} / "
@@ -113,7 +147,8 @@ class RankPlan:
         return json.dumps({"method": self.method, "head_dim": self.head_dim, "rate": self.rate,
                            "removal_rate": self.removal_rate, "adaptive": self.adaptive,
                            "k_qk": self.k_qk.tolist(), "k_v": self.k_v.tolist(),
-                           "s_qk": self.s_qk.tolist(), "s_v": self.s_v.tolist()})
+                           "s_qk": self.s_qk.tolist(), "s_v": self.s_v.tolist(),
+                           "head_order": None if self.head_order is None else self.head_order.tolist()})
 
     @classmethod
     def from_json(cls, text: str) -> "RankPlan":
