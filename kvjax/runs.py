@@ -11,8 +11,8 @@ keeps its own softmax, so the result is exact.
 ``head_runs`` picks the runs of a layer by dynamic programming over the cost model of a token (``run_cost``: K
 tile + V tile, at least a 128+128 run's, + ``token_cost``), with at most 16 rows and tiles at most ``max_tile``
 wide; ``max_tile`` 0 keeps every head alone (the layout as it is). Measured, a narrow run costs about as much as a
-full one, so the fewest runs win. The schedule (``kvjax.schedule``) plans runs as its work units, and the decode kernel
-reads them; both take them from here, so they agree.
+full one, so the fewest runs win. The schedule (``kvjax.schedule``) plans runs as its work units, and the decode
+kernel reads them; both take them from here, so they agree.
 
 Only adjacent heads can form a run, but the order of a layer's KV heads is free: permuting them (each with its
 query heads, and W_o's rows alike) leaves the model's output unchanged. ``order_heads`` finds the order whose runs
@@ -85,10 +85,11 @@ def run_cost(k_widths, v_widths, group_size: int, max_tile: int, token_cost: int
     ``token_cost``; inf where the run is not allowed (more than 16 rows, or several heads through a tile wider than
     ``max_tile``).
 
-    The floor is measured (bench/RESULTS.md, fifth session): on the H100 a decode step of a narrow run (32+16,
-    64+32 or 64+128 tile columns) takes about as long as one of a 128+128 run, whose bytes just keep the memory
-    busy; the step's fixed work (page lookup, addresses, softmax of the 16-row tile) sets its time. So fewer runs
-    beat narrower ones."""
+    The floor is measured (bench/RESULTS.md, fifth session): in the H100's mixed-width layers, splitting two narrow
+    runs (32+16 and 64+32 tile columns) off the rate-0.7 layer made it 40% slower, and a layer's time follows its
+    number of runs (about 26 us each at batch 32 x 4K) more than its tile columns. Priced right by the schedule, such
+    narrow runs still cost about 0.55-0.6 of a full one, and 160-192-column runs about a full one; the floor is the
+    simple bound that picks the fewest runs and balanced best."""
     n = len(k_widths)
     kt, vt = tile(sum(k_widths)), tile(sum(v_widths))
     if n > 1 and (max_tile <= 0 or n * group_size > ROWS or max(kt, vt) > max_tile):

@@ -176,10 +176,11 @@ def test_realized_loads_clip_items_to_the_real_lengths():
     ps = 16
     plan = build_decode_schedule(lengths, layouts, ps, 16, headroom_pages=rng.integers(0, 20, 9),
                                  min_chunk_tokens=32, pack_tile=0, tile_weight=0, floor_tile=0)
+    widths_only = dict(tile_weight=0, floor_tile=0)
     # at the lengths it was planned for, the plan meets exactly its planned loads
-    assert np.array_equal(realized_loads(plan.schedule, plan.capacity, layouts, ps, tile_weight=0, floor_tile=0), plan.loads)
+    assert np.array_equal(realized_loads(plan.schedule, plan.capacity, layouts, ps, **widths_only), plan.loads)
     # at the real lengths, every token is counted once (no window), however far the plan reaches past it
-    real = realized_loads(plan.schedule, lengths, layouts, ps, tile_weight=0, floor_tile=0)
+    real = realized_loads(plan.schedule, lengths, layouts, ps, **widths_only)
     widths = np.array([[token_cost(lay, h) for h in range(lay.num_kv_heads)] for lay in layouts])
     assert np.array_equal(real.sum(axis=1), lengths.sum() * widths.sum(axis=1) + ITEM_OVERHEAD * plan.num_items)
     assert np.all(real <= plan.loads) and 0 < load_balance(real) <= 1
