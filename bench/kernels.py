@@ -361,20 +361,22 @@ def print_checks(rows):
 
 def decode_checks(key, match=""):
     """Every decode shape class: GQA groups 1, 2, 4, 8; pages 16 and 32; ragged, 1-token and 32K sequences;
-    a sliding window; split groups (merge); bf16 and float32; rate-0, rate-0.5 and odd (non power of two) widths."""
+    a sliding window; split groups (merge); bf16 and float32; rate-0, rate-0.5 and odd (non power of two) widths;
+    one head per unit, and runs of heads through 128- and 256-column tiles (the default: read in pieces where they
+    save columns)."""
     keys = iter(jax.random.split(key, 16))
     bf, f32 = jnp.bfloat16, jnp.float32
     r05, r07 = pick_layer(rank_plan(0.5), 0.5), pick_layer(rank_plan(0.7), 0.7)
     cases = [
-        ("llama r0.5 B32 4K p32", r05, 32, np.full(32, 4096), 32, bf, PACK_TILE),
+        ("llama r0.5 B32 4K p32", r05, 32, np.full(32, 4096), 32, bf, 0),
         ("llama r0 B8 ragged p16", HeadLayout.uniform(32, 8, 128), 8, np.linspace(100, 3000, 8).astype(int), 16, bf,
-         PACK_TILE),
-        ("odd widths B4 ragged p16", ODD, 4, [1, 17, 600, 2049], 16, f32, PACK_TILE),
-        ("G1 window 300 p16", WINDOWED, 3, [1000, 299, 5], 16, bf, PACK_TILE),
+         0),
+        ("odd widths B4 ragged p16", ODD, 4, [1, 17, 600, 2049], 16, f32, 0),
+        ("G1 window 300 p16", WINDOWED, 3, [1000, 299, 5], 16, bf, 0),
         ("G8 B1 32K p32", HeadLayout(32, 4, 128, (32, 64, 96, 128), (128, 96, 64, 32)), 1, [32768], 32, bf,
-         PACK_TILE),
-        ("G2 p32", HeadLayout(4, 2, 64, (32, 64), (64, 16)), 5, [33, 64, 65, 700, 1], 32, f32, PACK_TILE),
-        # runs of adjacent heads read as one (kvjax.runs), at both run widths the bench sweeps
+         0),
+        ("G2 p32", HeadLayout(4, 2, 64, (32, 64), (64, 16)), 5, [33, 64, 65, 700, 1], 32, f32, 0),
+        # runs of adjacent heads read as one (kvjax.runs), at both run widths
         ("packed 128: llama r0.7 B32 4K p32", r07, 32, np.full(32, 4096), 32, bf, 128),
         ("packed 256: llama r0.5 B32 4K p32", r05, 32, np.full(32, 4096), 32, bf, 256),
         ("packed 256: llama r0 B8 ragged p16", HeadLayout.uniform(32, 8, 128), 8, np.linspace(100, 3000, 8).astype(int),
@@ -442,12 +444,14 @@ def print_row(r):
 
 
 DECODE_DEFAULTS = dict(programs=264, order=ORDER, pack_tile=PACK_TILE, tile_weight=TILE_WEIGHT,
-                       floor_tile=FLOOR_TILE, block_tokens=64, max_step_tokens=512, fold_tokens=64, max_segments=1,
+                       floor_tile=FLOOR_TILE, block_tokens=64, max_step_tokens=512, fold_tokens=64, max_segments=2,
                        num_warps=4, num_stages=3)  # the schedule's and the kernel's
-SWEPT = ("order", "pack_tile", "tile_weight", "floor_tile", "programs", "num_warps", "num_stages", "block_tokens")
-# the previous sweeps (warps, stages, pieces, folding; orders, packing, cost model, tokens per step) are in
-# RESULTS.md; this one: the schedule's cost floor (a narrow unit's token costs as much as a 128+128 one's, or less)
-DECODE_SWEEP = [dict(DECODE_DEFAULTS, floor_tile=f) for f in (FLOOR_TILE, 0)]
+SWEPT = ("order", "pack_tile", "tile_weight", "floor_tile", "programs", "num_warps", "num_stages", "block_tokens",
+         "max_segments")
+# the previous sweeps (warps, stages, pieces, folding; orders, packing, cost model, tokens per step, the cost
+# floor) are in RESULTS.md; this one: runs through 128- or 256-column tiles, read as exact pieces where they save
+# columns (decode.PIECE_SAVING)
+DECODE_SWEEP = [dict(DECODE_DEFAULTS, pack_tile=p, max_segments=m) for p, m in ((128, 1), (256, 1), (256, 2))]
 SCHEDULE_KNOBS = ("programs", "order", "pack_tile", "tile_weight", "floor_tile")
 
 

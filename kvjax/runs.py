@@ -17,7 +17,7 @@ kernel reads them; both take them from here, so they agree.
 Only adjacent heads can form a run, but the order of a layer's KV heads is free: permuting them (each with its
 query heads, and W_o's rows alike) leaves the model's output unchanged. ``order_heads`` finds the order whose runs
 cost least (48 next to 80, 96 next to 32), and compression folds it into the weights (``RankPlan.head_order``):
-at batch 32 x 4K, rate 0.5, five runs instead of six, 9% faster (bench/RESULTS.md, fifth session).
+on a rate-0.5 layer, 13% faster than the drawn order at batch 32 and 128 x 4K (bench/RESULTS.md, fifth session).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from kvjax.layout import HeadLayout
 ROWS = 16  # rows of the kernels' score tile: the tensor cores' smallest M
 TOKEN_COST = 32  # a token's fixed cost (page lookup, softmax) in columns of width, as the schedule weighs it
 FLOOR_TILE = 128  # a token of a run costs at least one of a run of FLOOR_TILE + FLOOR_TILE columns (see run_cost)
-PACK_TILE = 128  # the decode schedule's default widest tile a run of several heads may read (0: one head per unit)
+PACK_TILE = 256  # the decode schedule's default widest tile a run of several heads may read (0: one head per unit)
 EXACT_ORDER_HEADS = 10  # order_heads searches every partition of up to this many KV heads (3^n steps)
 
 

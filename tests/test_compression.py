@@ -140,8 +140,8 @@ def test_plans_order_heads_for_the_decode_runs():
 
     k_qk, k_v = np.array([[48, 64, 80, 64]]), np.array([[96, 64, 32, 64]])
     s = np.ones((1, 4, 128))
-    plan = RankPlan("zack", 128, k_qk, k_v, s, s).ordered_for_runs(group_size=4)
-    assert plan.layer_order(0) == order_heads(HeadLayout(16, 4, 128, (48, 64, 80, 64), (96, 64, 32, 64)))
+    plan = RankPlan("zack", 128, k_qk, k_v, s, s).ordered_for_runs(group_size=4, max_tile=128)
+    assert plan.layer_order(0) == order_heads(HeadLayout(16, 4, 128, (48, 64, 80, 64), (96, 64, 32, 64)), 128)
     assert plan.layer_order(0) != (0, 1, 2, 3)
     assert "reordered" in plan.summary()
 

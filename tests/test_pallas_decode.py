@@ -6,7 +6,8 @@ import pytest
 
 from kvjax import attention
 from kvjax.layout import HeadLayout
-from kvjax.pallas.decode import paged_decode, paged_decode_reference
+from kvjax.pallas.common import segments
+from kvjax.pallas.decode import PIECE_SAVING, paged_decode, paged_decode_reference
 from kvjax.schedule import build_decode_schedule, static_decode_schedule
 
 GPU = jax.default_backend() == "gpu"
@@ -52,8 +53,8 @@ CASES = {
 }
 
 
-# fold_tokens 16: token chunks folded into the score tile's spare rows; max_segments 3: heads read as exact
-# power-of-two pieces (112 = 64 + 32 + 16), 1: as one padded tile
+# fold_tokens 16: token chunks folded into the score tile's spare rows; max_segments 3: heads may be read as exact
+# power-of-two pieces (only where they save enough: test_pieces_only_where_they_save_columns), 1: as one padded tile
 @pytest.mark.parametrize("fold_tokens, max_segments", [(16, 3), (64, 1)])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_decode_matches_reference(name, fold_tokens, max_segments):
@@ -69,27 +70,40 @@ def test_decode_matches_reference(name, fold_tokens, max_segments):
 
 
 PACKED = {
-    # name: (layout, lengths, page_size, dtype, pack_tile): runs of adjacent heads read as one (kvjax.runs)
+    # name: (layout, lengths, page_size, dtype, pack_tile, max_segments): runs of adjacent heads read as one
+    # (kvjax.runs)
     "G2 four narrow heads, split and folded, f32": (HeadLayout(8, 4, 64, (16, 32, 48, 16), (32, 16, 16, 48)),
-                                                    [300, 2, 97], 16, jnp.float32, 64),
+                                                    [300, 2, 97], 16, jnp.float32, 64, 1),
     "G1 window, runs of up to 3, bf16": (HeadLayout(5, 5, 32, (16, 16, 32, 16, 16), (16, 32, 16, 16, 16),
-                                                    sliding_window=40), [130, 9], 16, jnp.bfloat16, 64),
-    "G4 odd widths, f32": (HeadLayout(12, 3, 128, (48, 80, 32), (96, 32, 16)), [1, 200, 513], 32, jnp.float32, 128),
+                                                    sliding_window=40), [130, 9], 16, jnp.bfloat16, 64, 1),
+    "G4 odd widths, f32": (HeadLayout(12, 3, 128, (48, 80, 32), (96, 32, 16)), [1, 200, 513], 32, jnp.float32, 128,
+                           1),
+    # a 160 + 144 run through 256-column tiles, read as pieces 128 + 32 and 128 + 16
+    "G4 run in pieces, f32": (HeadLayout(8, 2, 128, (80, 80), (96, 48)), [40, 333], 16, jnp.float32, 256, 2),
 }
 
 
 @pytest.mark.parametrize("name", sorted(PACKED))
 def test_packed_runs_match_reference(name):
     """Runs of heads share one score tile (each row masked to its head's columns of q) and one K and V tile."""
-    layout, lengths, ps, dtype, pack_tile = PACKED[name]
+    layout, lengths, ps, dtype, pack_tile, max_segments = PACKED[name]
     rng = np.random.default_rng()
     q, k, v, table, lens = paged_inputs(rng, layout, lengths, ps, dtype)
     plan = build_decode_schedule(lengths, layout, ps, 5, headroom_pages=1, min_chunk_tokens=16, pack_tile=pack_tile,
                                  order="stream")
     assert plan.schedule.items[0, :, :, 1].max() < layout.num_kv_heads - 1  # heads did pack into runs
     out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, block_tokens=16, max_step_tokens=64,
-                       fold_tokens=16, interpret=True)
+                       fold_tokens=16, max_segments=max_segments, interpret=True)
     assert rel_err(out, reference(q, k, v, table, lens, layout)) < (1e-4 if dtype == jnp.float32 else 1e-2)
+
+
+def test_pieces_only_where_they_save_columns():
+    """Decode reads a unit as pieces only where each extra one saves PIECE_SAVING columns of the one tile."""
+    assert segments(160, 2, PIECE_SAVING) == ((0, 128, 128), (128, 32, 32))
+    assert segments(144, 3, PIECE_SAVING) == ((0, 128, 128), (128, 16, 16))
+    assert segments(112, 3, PIECE_SAVING) == ((0, 128, 112),)  # 64 + 32 + 16 saves 16 columns for two pieces
+    assert segments(80, 2, PIECE_SAVING) == ((0, 128, 80),)
+    assert segments(80, 2) == ((0, 64, 64), (64, 16, 16))  # prefill's rule: any saving
 
 
 def test_one_plan_serves_growing_lengths():

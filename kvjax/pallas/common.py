@@ -94,24 +94,27 @@ def run_classes(layout: HeadLayout, pack_tile: int) -> tuple[tuple[RunClass, ...
     return tuple(classes), tuple(shapes.index(r.shape) for r in runs)
 
 
-def segments(width: int, max_segments: int) -> tuple[tuple[int, int, int], ...]:
+def segments(width: int, max_segments: int, min_saving: int = 0) -> tuple[tuple[int, int, int], ...]:
     """How a head ``width`` columns wide is read: (start, tile, columns) pieces with power-of-two tiles, widest
     first, at most ``max_segments`` of them (the last one padded to its tile when the width needs more).
 
     One piece (``tile(width)``) wastes up to 60% of the columns (80 on a 128 tile); exact pieces (80 = 64 + 16)
-    load and multiply only the head's own columns, at the price of one more (smaller) dot per piece."""
+    load and multiply only the head's own columns, at the price of one more (smaller) dot per piece. So pieces are
+    taken only where they load at least ``min_saving`` fewer columns per extra piece than one tile would."""
     pieces, start = [], 0
     while start < width:
         rest = width - start
         t = tile(rest) if len(pieces) == max_segments - 1 else max(16, pow2_floor(rest))
         pieces.append((start, t, min(t, rest)))
         start += t
+    if tile(width) - sum(t for _, t, _ in pieces) < min_saving * (len(pieces) - 1):
+        return ((0, tile(width), width),)
     return tuple(pieces)
 
 
-def loaded_columns(width: int, max_segments: int) -> int:
+def loaded_columns(width: int, max_segments: int, min_saving: int = 0) -> int:
     """Columns a head ``width`` wide loads per row when read as ``segments`` (its pieces' tiles together)."""
-    return sum(t for _, t, _ in segments(width, max_segments))
+    return sum(t for _, t, _ in segments(width, max_segments, min_saving))
 
 
 def load_columns(ref, lead: tuple, offset, cols, width: int, rows_ok=None):

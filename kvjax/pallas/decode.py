@@ -19,15 +19,17 @@ are merged once per item. Steps with every token visible run without masks; only
 under a sliding window) is masked. Units of the same shape share one code path, selected per item by
 ``lax.switch``; their column offsets come from a static table and are multiples of 16, so loads are 16-byte
 vectors and never touch a column the unit does not own (tile columns past its width masked). ``max_segments`` > 1
-reads a non-power-of-two width as exact power-of-two pieces instead (80 = 64 + 16: one dot per piece).
+reads a non-power-of-two width as exact power-of-two pieces instead (160 = 128 + 32: one dot per piece), where each
+extra piece saves at least ``PIECE_SAVING`` columns of the one tile.
 
 Measured on the H100 (bench/RESULTS.md): the kernel is issue-bound, not byte-bound (Nsight Compute: 2 warps per
 scheduler issuing once every ~5 cycles), and time follows the instructions per byte, which grow as a head's tile
 narrows or pads (48 on a 64-wide tile, 80 on 128). Runs of heads cut those: on Llama-shaped rate-0.5 and 0.7
-layers, runs (tiles up to 128 wide) with the stream schedule read at 66-81% of copy bandwidth against 50-60% one
-head at a time. Exact pieces (16-wide pieces cost more than the padding they save), 8 warps a program (1.5x slower
-on mixed layers), one launch per width class (too small to fill the GPU) and K and V tiles of equal width
-(no change) were measured and not kept.
+layers, runs (tiles up to 256 wide, heads ordered by compression so they fill them) with the stream schedule read
+at 68-85% of copy bandwidth against 50-60% one head at a time. Pieces pay only where they save many columns (a
+160-column run: 128 + 32, 4-6% at rate 0.5); small savings (112 = 64 + 32 + 16, 80 = 64 + 16) cost more than the
+padding (up to 20% slower). 8 warps a program (1.5x slower on mixed layers), one launch per width class (too small
+to fill the GPU) and K and V tiles of equal width (no change) were measured and not kept.
 
 Lowering: Pallas's Triton backend. Decode is a gather through the block table of ``[tokens, width]`` tiles at
 16-column-aligned offsets inside a packed row; Triton's masked pointer loads express that directly, its pipeliner
@@ -56,6 +58,11 @@ from kvjax.runs import head_runs
 from kvjax.schedule import END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, DecodeSchedule
 
 BLOCK_H = 16  # query rows per item: a GQA group (G <= 8) padded to the tensor cores' smallest M
+PIECE_SAVING = 64  # with max_segments > 1, a unit is read as pieces only where each extra piece saves this many columns
+
+
+def _segments(width: int, max_segments: int):
+    return segments(width, max_segments, PIECE_SAVING)
 
 
 def step_tokens(k_tile: int, v_tile: int, block_tokens: int, max_tokens: int) -> int:
@@ -89,8 +96,8 @@ def _attend_item(cls, item, refs, *, group, rows_per_slot, page_size, window, sc
     table_ref, q_ref, k_ref, v_ref, out_ref, acc_ref, m_ref, l_ref = refs
     seq, unit, first, end, slot, length = item
     run_rows = cls.num_heads * group  # real rows of the score tile: head i of the run has rows i*G .. i*G+G-1
-    k_pieces, v_pieces = segments(cls.k_cols, max_segments), segments(cls.v_cols, max_segments)
-    kt, vt = loaded_columns(cls.k_cols, max_segments), loaded_columns(cls.v_cols, max_segments)
+    k_pieces, v_pieces = _segments(cls.k_cols, max_segments), _segments(cls.v_cols, max_segments)
+    kt, vt = (sum(t for _, t, _ in pieces) for pieces in (k_pieces, v_pieces))
     bt = step_tokens(kt, vt, block_tokens, max_step_tokens)
     nf = folds(run_rows, kt, bt, fold_tokens)
     bc = bt // nf  # tokens per chunk
@@ -249,7 +256,7 @@ def merge(out, acc, m, l, schedule: DecodeSchedule, layout: HeadLayout, rows_per
 @functools.partial(jax.jit, static_argnames=("layout", "block_tokens", "max_step_tokens", "fold_tokens", "max_segments",
                                              "num_warps", "num_stages", "interpret"))
 def paged_decode(q, k_pages, v_pages, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout, *,
-                 block_tokens: int = 64, max_step_tokens: int = 512, fold_tokens: int = 64, max_segments: int = 1,
+                 block_tokens: int = 64, max_step_tokens: int = 512, fold_tokens: int = 64, max_segments: int = 2,
                  num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
     """One new query per sequence against its paged cache; same contract as ``paged_decode_reference``.
 
@@ -264,7 +271,7 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, schedule: DecodeSche
     classes, class_of = run_classes(layout, schedule.pack_tile)
     n_slots = math.prod(schedule.merge_slots.shape)
     rows = max(c.num_heads for c in classes) * g  # rows of a partial slot
-    v_max = max(loaded_columns(c.v_cols, max_segments) for c in classes)
+    v_max = max(loaded_columns(c.v_cols, max_segments, PIECE_SAVING) for c in classes)
     kernel = functools.partial(
         _kernel, classes=classes, class_of=class_of, group=g, rows_per_slot=rows, page_size=page_size,
         window=layout.sliding_window,
