@@ -45,7 +45,7 @@ sys.path.insert(0, ROOT)
 from kvjax import attention  # noqa: E402
 from kvjax import runs  # noqa: E402
 from kvjax.layout import HeadLayout  # noqa: E402
-from kvjax.runs import FLOOR_TILE, permuted  # noqa: E402
+from kvjax.runs import FLOOR_TILE, TOKEN_COST, permuted  # noqa: E402
 from kvjax.pallas.common import width_classes  # noqa: E402
 from kvjax.schedule import (ORDER, PACK_TILE, SLOT, TILE_WEIGHT, DecodePlanner, DecodeSchedule,  # noqa: E402
                             build_decode_schedule, load_balance, realized_loads)
@@ -444,15 +444,16 @@ def print_row(r):
 
 
 DECODE_DEFAULTS = dict(programs=264, order=ORDER, pack_tile=PACK_TILE, tile_weight=TILE_WEIGHT,
-                       floor_tile=FLOOR_TILE, block_tokens=64, max_step_tokens=512, fold_tokens=64, max_segments=2,
-                       num_warps=4, num_stages=3)  # the schedule's and the kernel's
-SWEPT = ("order", "pack_tile", "tile_weight", "floor_tile", "programs", "num_warps", "num_stages", "block_tokens",
-         "max_segments")
+                       floor_tile=FLOOR_TILE, token_cost=TOKEN_COST, block_tokens=64, max_step_tokens=512,
+                       fold_tokens=64, max_segments=2, num_warps=4, num_stages=3)  # the schedule's and the kernel's
+SWEPT = ("order", "pack_tile", "tile_weight", "floor_tile", "token_cost", "programs", "num_warps", "num_stages",
+         "block_tokens", "max_segments")
 # the previous sweeps (warps, stages, pieces, folding; orders, packing, cost model, tokens per step, the cost
-# floor) are in RESULTS.md; this one: runs through 128- or 256-column tiles, read as exact pieces where they save
-# columns (decode.PIECE_SAVING)
-DECODE_SWEEP = [dict(DECODE_DEFAULTS, pack_tile=p, max_segments=m) for p, m in ((128, 1), (256, 1), (256, 2))]
-SCHEDULE_KNOBS = ("programs", "order", "pack_tile", "tile_weight", "floor_tile")
+# floor, pieces x run width) are in RESULTS.md; this one: the schedule's unit costs, a floor or a large fixed cost
+# per token (runs stay those of the default model)
+DECODE_SWEEP = [dict(DECODE_DEFAULTS, floor_tile=f, token_cost=c) for f, c in ((FLOOR_TILE, TOKEN_COST), (0, 256),
+                                                                               (FLOOR_TILE, 256))]
+SCHEDULE_KNOBS = ("programs", "order", "pack_tile", "tile_weight", "floor_tile", "token_cost")
 
 
 def knobs_of(cfg):
