@@ -26,9 +26,9 @@ Measured on the H100 (bench/RESULTS.md): the kernel is issue-bound, not byte-bou
 scheduler issuing once every ~5 cycles), and time follows the instructions per byte, which grow as a head's tile
 narrows or pads (48 on a 64-wide tile, 80 on 128). Runs of heads cut those: on Llama-shaped rate-0.5 and 0.7
 layers, runs (tiles up to 256 wide, heads ordered by compression so they fill them) with the stream schedule read
-at 68-85% of copy bandwidth against 50-60% one head at a time. Pieces pay only where they save many columns (a
+at 65-85% of copy bandwidth against 50-60% one head at a time. Pieces pay only where they save many columns (a
 160-column run: 128 + 32, 4-6% at rate 0.5); small savings (112 = 64 + 32 + 16, 80 = 64 + 16) cost more than the
-padding (up to 20% slower). 8 warps a program (1.5x slower on mixed layers), one launch per width class (too small
+padding (up to 40% slower). 8 warps a program (1.5x slower on mixed layers), one launch per width class (too small
 to fill the GPU) and K and V tiles of equal width (no change) were measured and not kept.
 
 Lowering: Pallas's Triton backend. Decode is a gather through the block table of ``[tokens, width]`` tiles at
