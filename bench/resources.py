@@ -51,8 +51,6 @@ from kvjax.pallas.prefill import block_rows, keys_per_step, prefill_attention  #
 from kvjax.schedule import PACK_TILE, build_decode_schedule  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
-# bench/kernels.py's PREFILL_DEFAULTS (not imported: that module pulls in the whole bench)
-PREFILL_KNOBS = dict(block_q=128, block_k=128, max_block_q=128, max_segments=3, num_warps=8, num_stages=3)
 
 
 def layout_of(spec: str) -> HeadLayout:
@@ -229,11 +227,12 @@ def prefill_report(specs, warps: int, stages: int, knobs: dict):
 
 
 def prefill_tile(cls, knobs: dict) -> tuple[int, int]:
-    """(query rows, keys) of one loop step of a class at T 4096, bf16, as ``prefill_attention`` picks them."""
-    kn = dict(PREFILL_KNOBS, **knobs)
-    rows = block_rows(cls, kn["block_q"], 4096, kn.get("balanced", True), kn["max_block_q"], kn["max_segments"])
-    cols = loaded_columns(cls.k_width, kn["max_segments"]) + loaded_columns(cls.v_width, kn["max_segments"])
-    return rows, keys_per_step(kn["block_k"], rows, cols, 2, kn["num_stages"])
+    """(query rows, keys) of one loop step of a class at T 4096, bf16, as ``prefill_attention`` picks them
+    (``knobs``: the bench's defaults with the command line's on top)."""
+    segs = knobs["max_segments"]
+    rows = block_rows(cls, knobs["block_q"], 4096, knobs.get("balanced", True), knobs["max_block_q"], segs)
+    cols = loaded_columns(cls.k_width, segs) + loaded_columns(cls.v_width, segs)
+    return rows, keys_per_step(knobs["block_k"], rows, cols, 2, knobs["num_stages"])
 
 
 def main(argv=None):
@@ -248,9 +247,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     knobs = {k: knob_value(v) for k, v in (kv.split("=", 1) for kv in args.knob)}
     if args.kernel == "prefill":
-        warps = args.warps or knobs.pop("num_warps", PREFILL_KNOBS["num_warps"])
-        stages = args.stages or knobs.pop("num_stages", PREFILL_KNOBS["num_stages"])
-        knobs = {**{k: v for k, v in PREFILL_KNOBS.items() if k not in ("num_warps", "num_stages")}, **knobs,
+        from bench.kernels import PREFILL_DEFAULTS
+
+        warps = args.warps or knobs.pop("num_warps", PREFILL_DEFAULTS["num_warps"])
+        stages = args.stages or knobs.pop("num_stages", PREFILL_DEFAULTS["num_stages"])
+        knobs = {**{k: v for k, v in PREFILL_DEFAULTS.items() if k not in ("num_warps", "num_stages")}, **knobs,
                  "num_stages": stages}
         print(f"prefill_attention, sm_90, batch 1, T 4096, bf16, writing pages, {warps} warps, {stages} stages, "
               f"knobs {knobs}\n")

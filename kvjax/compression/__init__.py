@@ -36,7 +36,7 @@ def make_plan(model, stats: CalibrationStats, *, target_rate=None, removal_rate=
     else:
         plan = RankPlan.from_removal_rate(method, k_basis.s, v_basis.s, removal_rate, adaptive)
     if order_heads:
-        plan = plan.ordered_for_runs(model.config.num_heads // model.config.num_kv_heads)
+        plan = plan.ordered_for_runs(model.layouts[0].group_size)
     return plan, {"k": k_basis, "v": v_basis}
 
 
