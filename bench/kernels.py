@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 import json
 import math
 import statistics
@@ -59,15 +60,22 @@ L2_BYTES = 50 << 20
 
 # ---------------------------------------------------------------- inputs
 
+PLAN_FORMS = ("ordered", "filled", "drawn")
+
+
+@functools.lru_cache(maxsize=None)
 def rank_plan(rate: float, num_layers: int = 32, cv: float = 0.45, seed: int = 0,
-              order_heads: bool = True) -> list[HeadLayout]:
+              form: str = "ordered") -> tuple[HeadLayout, ...]:
     """Per-layer layouts whose widths (multiples of 16 in [16, 128]) average (1 - rate) * 128 with the given spread.
 
     Widths are log-normal around a common scale (coefficient of variation ``cv`` before rounding), the scale
-    bisected so the overall rate 1 - sum(k + v) / (2 * heads * 128 * layers) matches ``rate``. With
-    ``order_heads`` each layer's heads are in the order compression stores them (``kvjax.runs.order_heads`` for
-    the decode defaults' tile), else in the order drawn.
+    bisected so the overall rate 1 - sum(k + v) / (2 * heads * 128 * layers) matches ``rate``. ``form``: as
+    compression stores them by default ("ordered": heads ordered by ``kvjax.runs.order_heads`` for the decode
+    defaults' tile), with its opt-in ``fill_tiles`` ("filled": widths first moved between heads so runs fill their
+    tiles, ``kvjax.runs.fill_runs``), or as drawn ("drawn": the ablation).
     """
+    if form not in PLAN_FORMS:
+        raise ValueError(f"form must be one of {PLAN_FORMS}, got {form!r}")
     if rate == 0:
         return [HeadLayout.uniform(HQ, HKV, D) for _ in range(num_layers)]
     rng = np.random.default_rng(seed)
@@ -83,9 +91,12 @@ def rank_plan(rate: float, num_layers: int = 32, cv: float = 0.45, seed: int = 0
         lo, hi = (mid, hi) if widths(mid).mean() < (1 - rate) * D else (lo, mid)
     w = widths(hi)
     layouts = [HeadLayout(HQ, HKV, D, tuple(map(int, w[i, 0])), tuple(map(int, w[i, 1]))) for i in range(num_layers)]
-    if order_heads:
-        layouts = [permuted(lay, runs.order_heads(lay, DECODE_DEFAULTS["pack_tile"])) for lay in layouts]
-    return layouts
+    tile = DECODE_DEFAULTS["pack_tile"]
+    if form == "filled":  # no singular values here: the fill moves as few columns as it can
+        layouts = [HeadLayout(HQ, HKV, D, *runs.fill_runs(lay, tile)) for lay in layouts]
+    if form != "drawn":
+        layouts = [permuted(lay, runs.order_heads(lay, tile)) for lay in layouts]
+    return tuple(layouts)
 
 
 def plan_rate(layouts) -> float:
@@ -379,6 +390,8 @@ def decode_checks(key, match=""):
         # runs of adjacent heads read as one (kvjax.runs), at both run widths
         ("packed 128: llama r0.7 B32 4K p32", r07, 32, np.full(32, 4096), 32, bf, 128),
         ("packed 256: llama r0.5 B32 4K p32", r05, 32, np.full(32, 4096), 32, bf, 256),
+        ("packed 256: llama r0.5 filled B32 4K p32", pick_layer(rank_plan(0.5, form="filled"), 0.5), 32,
+         np.full(32, 4096), 32, bf, 256),
         ("packed 256: llama r0 B8 ragged p16", HeadLayout.uniform(32, 8, 128), 8, np.linspace(100, 3000, 8).astype(int),
          16, bf, 256),
         ("packed 128: odd widths B4 ragged p16", ODD, 4, [1, 17, 600, 2049], 16, f32, 128),
@@ -493,17 +506,18 @@ def decode_autotune(key, bw, rates, batch=32, ctx=4096):
     return {r: cfg for r, (t, cfg) in best.items()}
 
 
-def decode_table(key, bw, shapes, rates, quick, tuned, orders=("lpt", "naive"), head_orders=("runs",)):
+def decode_table(key, bw, shapes, rates, quick, tuned, orders=("lpt", "naive"), forms=("ordered",)):
     """kvjax (per-rate tuned knobs) vs naive order, JAX paged_attention, cuDNN and Palu, beside the floor.
 
-    head_orders: "runs" (compression's head order), "natural" (the order drawn: the ablation)."""
+    forms: of the rank plans (``rank_plan``): "ordered" (as compression stores them by default), "filled" (its
+    opt-in fill of the runs' tiles) and "drawn" (heads in the drawn order: the ablation)."""
     print("\n| kernel | batch | ctx | rate | K+V cols | time us | floor us | time/floor | % of copy bw | vs rate 0 |"
           "\n|---|---|---|---|---|---|---|---|---|---|")
     rows = []
-    variants = {r: [(o, h) for h in (head_orders if r > 0 else ("runs",)) for o in (orders if r > 0 else
-                                                                                   (tuned[r]["order"],))]
+    variants = {r: [(o, h) for h in (forms if r > 0 else ("ordered",)) for o in (orders if r > 0 else
+                                                                                  (tuned[r]["order"],))]
                 for r in rates}
-    layers = {(r, h): pick_layer(rank_plan(r, order_heads=h == "runs"), r) for r in rates for _, h in variants[r]}
+    layers = {(r, h): pick_layer(rank_plan(r, form=h), r) for r in rates for _, h in variants[r]}
     for batch, ctx in shapes:
         # every case, plan and kvjax call of the shape first, so their kernels compile side by side
         cases, calls = {}, {}
@@ -529,13 +543,13 @@ def decode_table(key, bw, shapes, rates, quick, tuned, orders=("lpt", "naive"), 
                 host, call = calls.pop((rate, order, heads))
                 t = time_calls(*call)
                 base = t if rate == 0 else base
-                rows.append(dict(kernel=f"kvjax {order}" + (" (natural head order)" if heads == "natural" else ""),
+                rows.append(dict(kernel=f"kvjax {order}" + (f" ({heads} plan)" if heads != "ordered" else ""),
                                  batch=batch, ctx=ctx, rate=rate, widths=f"{lay.k_cols}+{lay.v_cols}",
                                  time_us=t * 1e6, floor_us=floor * 1e6,
                                  speedup_vs_rate0=(base / t) if base else None, host_ms=host * 1e3))
                 print_row(rows[-1])
                 del call
-            case = cases.get((rate, "runs")) or cases[rate, head_orders[0]]
+            case = cases.get((rate, "ordered")) or cases[rate, forms[0]]
             lay = case.layout
             floor = case.bytes / bw
             if rate == 0:
@@ -613,14 +627,15 @@ def schedule_table(key, bw, cases, programs=264):
     return rows
 
 
-def lpt_table(key, bw, cases, tuned):
+def lpt_table(key, bw, cases, tuned, forms=("ordered",)):
     """Stream vs LPT vs naive order on ragged batches (lengths uniform in [ctx/8, ctx]) with per-head width
-    variation (the tuned config otherwise)."""
+    variation (the tuned config otherwise), for each form of the rank plans (``rank_plan``)."""
     print("\n| plan | batch | max ctx | order | time us | floor us | % of copy bw | planned balance | host plan ms |"
           "\n|---|---|---|---|---|---|---|---|---|")
     rows = []
-    for rate, batch, ctx in cases:
-        lay = pick_layer(rank_plan(rate), rate)
+    for (rate, batch, ctx), form in itertools.product(cases, forms):
+        lay = pick_layer(rank_plan(rate, form=form), rate)
+        name = f"r{rate}" + (f" {form}" if form != "ordered" else "")
         lengths = np.random.default_rng(batch * ctx).integers(ctx // 8, ctx + 1, batch)
         nbytes = int(lengths.sum()) * (lay.k_cols + lay.v_cols) * 2
         case = PagedCase(lay, batch, lengths, 32, copies_for(nbytes), key)
@@ -632,9 +647,9 @@ def lpt_table(key, bw, cases, tuned):
             plan = schedule_of(case, cfg, order=order)
             host = time.perf_counter() - t0
             t = time_calls(*kvjax_decode_call(case, plan.schedule.layer(0), key, **knobs))
-            rows.append(dict(rate=rate, batch=batch, ctx=ctx, order=order, time_us=t * 1e6, floor_us=floor * 1e6,
-                             host_ms=host * 1e3, balance=plan.balance))
-            print(f"| r{rate} | {batch} | {ctx} | {order} | {t * 1e6:.1f} | {floor * 1e6:.1f} | "
+            rows.append(dict(rate=rate, form=form, batch=batch, ctx=ctx, order=order, time_us=t * 1e6,
+                             floor_us=floor * 1e6, host_ms=host * 1e3, balance=plan.balance))
+            print(f"| {name} | {batch} | {ctx} | {order} | {t * 1e6:.1f} | {floor * 1e6:.1f} | "
                   f"{100 * floor / t:.0f}% | {plan.balance:.3f} | {host * 1e3:.2f} |", flush=True)
     return rows
 
@@ -915,9 +930,11 @@ def main(argv=None):
     ap.add_argument("--tune-shape", default="32x4096", help="BxCTX the autotune section times its variants at")
     ap.add_argument("--rates", default="0,0.5,0.7", help="decode table rates, comma-separated")
     ap.add_argument("--orders", default="auto,stream,lpt,naive", help="decode table orders for compressed plans")
-    ap.add_argument("--head-orders", default="runs",
-                    help="decode table KV head orders for compressed plans: runs (as compression stores them), "
-                         "natural (as drawn: the ablation), comma-separated")
+    ap.add_argument("--plans", default="ordered,filled",
+                    help="forms of the rank plans for the decode and lpt tables, comma-separated: ordered (as "
+                         "compression stores them by default: heads ordered for runs), filled (compression's opt-in "
+                         "fill_tiles: widths also moved between heads so runs fill their tiles), drawn (the order "
+                         "drawn: the ablation)")
     ap.add_argument("--pack-tile", type=int, default=PACK_TILE,
                     help="widest tile a run of several heads reads (the schedule's pack_tile, and the tile the "
                          "bench's plans order their heads for)")
@@ -973,7 +990,7 @@ def main(argv=None):
             shapes = [tuple(map(int, sh.split("x"))) for sh in args.shapes.split(",")]
         rates = tuple(float(r) for r in args.rates.split(","))
         result["decode"] = decode_table(key, bw, shapes, rates, args.quick, tuned, tuple(args.orders.split(",")),
-                                        tuple(args.head_orders.split(",")))
+                                        tuple(args.plans.split(",")))
         dump()
     if "schedules" in only:
         result["schedules"] = schedule_table(key, bw, [(0.5, 32, 4096), (0.7, 32, 4096), (0.5, 1, 32768),
@@ -996,7 +1013,7 @@ def main(argv=None):
         dump()
     if "lpt" in only:
         cases = [(0.5, 32, 4096)] if args.quick else [(0.5, 128, 4096), (0.7, 8, 16384)]
-        result["lpt"] = lpt_table(key, bw, cases, tuned)
+        result["lpt"] = lpt_table(key, bw, cases, tuned, tuple(args.plans.split(",")))
         dump()
 
 

@@ -37,6 +37,9 @@ def parse_args(argv=None):
     p.add_argument("--keep-head-order", action="store_true",
                    help="keep each layer's KV heads in their original order (by default they are reordered so the "
                         "decode kernel reads adjacent narrow heads as one; the model's output does not change)")
+    p.add_argument("--fill-tiles", action="store_true",
+                   help="move up to 32 columns a head between a layer's heads, at the same rate, where that lets the "
+                        "decode kernel's runs fill their tiles: faster decode, some accuracy lost (see the README)")
     p.add_argument("--calibration", default="random",
                    help="'random' token ids (default), 'text' (Python's pydoc topics), or 'text:FILE'")
     p.add_argument("--num-tokens", type=int, default=16384, help="calibration tokens (default 16384)")
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
         compressed = kvjax.compress(model, target_rate=args.target_rate, removal_rate=args.removal_rate,
                                     method=args.method, adaptive=not args.uniform, calibration=args.calibration,
                                     num_tokens=args.num_tokens, seed=args.seed, seq_len=args.seq_len,
-                                    order_heads=not args.keep_head_order)
+                                    order_heads=not args.keep_head_order, fill_tiles=args.fill_tiles)
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
     if args.dtype != "float32":

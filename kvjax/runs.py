@@ -18,12 +18,18 @@ Only adjacent heads can form a run, but the order of a layer's KV heads is free:
 query heads, and W_o's rows alike) leaves the model's output unchanged. ``order_heads`` finds the order whose runs
 cost least (48 next to 80, 96 next to 32), and compression folds it into the weights (``RankPlan.head_order``):
 on a rate-0.5 layer, 13% faster than the drawn order at batch 32 and 128 x 4K (bench/RESULTS.md, fifth session).
+
+The widths can move too, at a price: ``fill_runs`` moves a few 16-column steps between a layer's heads (the
+layer's totals kept) so that its runs fill their tiles. Compression does so when asked (``fill_tiles``), moving
+the columns whose energy matters least; unlike the order, that changes the model's output.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+
+import numpy as np
 
 from kvjax.layout import HeadLayout
 
@@ -139,24 +145,179 @@ def order_heads(layout: HeadLayout, max_tile: int = PACK_TILE, token_cost: int =
         by_width = tuple(sorted(identity, key=lambda h: (layout.k_widths[h] + layout.v_widths[h], h)))
         return min((identity, by_width), key=lambda o: runs_cost(permuted(layout, o), max_tile, token_cost))
     k, v, g = layout.k_widths, layout.v_widths, layout.group_size
-    members = [tuple(h for h in range(n) if m >> h & 1) for m in range(1 << n)]
-    cost = [run_cost([k[h] for h in hs], [v[h] for h in hs], g, max_tile, token_cost) if hs else 0.0
-            for hs in members]
-    best, part = [0.0] + [math.inf] * ((1 << n) - 1), [0] * (1 << n)
-    for m in range(1, 1 << n):
+    costs = [run_cost([k[h] for h in hs], [v[h] for h in hs], g, max_tile, token_cost) if hs else 0.0
+             for hs in _members(n)]
+    best, part = _best_partition(costs)
+    if runs_cost(layout, max_tile, token_cost) <= best:
+        return identity
+    return tuple(h for hs in part for h in hs)
+
+
+def _members(n: int) -> list[tuple[int, ...]]:
+    """The heads of every subset mask of n heads."""
+    return [tuple(h for h in range(n) if m >> h & 1) for m in range(1 << n)]
+
+
+def _best_partition(costs) -> tuple[float, tuple[tuple[int, ...], ...]]:
+    """The partition of n heads into runs of least total cost (``costs[mask]``: a run of the heads in the mask), by
+    dynamic programming over subsets; and its cost."""
+    full = len(costs) - 1
+    best, part = [0.0] + [math.inf] * full, [0] * (full + 1)
+    for m in range(1, full + 1):
         low = m & -m  # the lowest head of m is in the run chosen for it: each partition is counted once
         rest = sub = m ^ low
         while True:
-            c = cost[sub | low] + best[m ^ (sub | low)]
+            c = costs[sub | low] + best[m ^ (sub | low)]
             if c < best[m]:
                 best[m], part[m] = c, sub | low
             if not sub:
                 break
             sub = (sub - 1) & rest
-    if runs_cost(layout, max_tile, token_cost) <= best[-1]:
-        return identity
-    order, m = [], (1 << n) - 1
+    runs, m = [], full
+    members = _members(full.bit_length())
     while m:
-        order += members[part[m]]
+        runs.append(members[part[m]])
         m ^= part[m]
-    return tuple(order)
+    return best[full], tuple(runs)
+
+
+def _partition(layout: HeadLayout, order, max_tile: int, token_cost: int) -> tuple[tuple[int, ...], ...]:
+    """The heads of each run of the layout in ``order`` (as heads of ``layout``)."""
+    return tuple(tuple(order[r.first + i] for i in range(r.num_heads))
+                 for r in head_runs(permuted(layout, order), max_tile, token_cost))
+
+
+def _shift_options(losses) -> dict[int, tuple[float, tuple[int, ...]]]:
+    """For a run's heads (row h: the loss of shifting head h by ``j - m`` steps): per total shift of the run, the
+    least loss and the heads' shifts that reach it (a min-plus convolution)."""
+    best = {0: (0.0, ())}
+    for loss in losses:
+        m = (len(loss) - 1) // 2
+        nxt: dict[int, tuple[float, tuple[int, ...]]] = {}
+        for total, (acc, shifts) in best.items():
+            for j, cost in enumerate(loss):
+                t = total + j - m
+                if math.isfinite(cost) and (t not in nxt or acc + cost < nxt[t][0]):
+                    nxt[t] = (acc + cost, shifts + (j - m,))
+        best = nxt
+    return best
+
+
+def _priced_costs(layout: HeadLayout, lk, lv, price, max_tile: int, token_cost: int) -> list[float]:
+    """Per subset mask of the heads: the least cost of their run when its K and V totals may move as far as its
+    heads may (``lk``/``lv``: inf where a head's shift is out of range), every 16-column step of K priced at
+    ``price[0]`` columns and of V at ``price[1]`` (a Lagrangian relaxation of keeping the layer's totals: -16 makes
+    a column that fills a tile free). Its best partition is a candidate for ``fill_runs``."""
+    n, g, m = layout.num_kv_heads, layout.group_size, (lk.shape[1] - 1) // 2
+
+    def reach(t):  # each head's least and greatest allowed shift
+        ok = np.isfinite(t)
+        return ok.argmax(1) - m, t.shape[1] - 1 - ok[:, ::-1].argmax(1) - m
+
+    (lo_k, hi_k), (lo_v, hi_v) = reach(lk), reach(lv)
+
+    def tiles(total, lo, hi, unit_price):  # {tile: least priced shift} over the run's reachable totals
+        out: dict[int, float] = {}
+        for step in range(lo, hi + 1):
+            t, p = tile(total + 16 * step), unit_price * step + 1e-3 * abs(step)
+            out[t] = min(out.get(t, math.inf), p)
+        return out
+
+    costs = [0.0]
+    for hs in _members(n)[1:]:
+        idx = list(hs)
+        tk = tiles(sum(layout.k_widths[h] for h in hs), int(lo_k[idx].sum()), int(hi_k[idx].sum()), price[0])
+        tv = tiles(sum(layout.v_widths[h] for h in hs), int(lo_v[idx].sum()), int(hi_v[idx].sum()), price[1])
+        best = math.inf
+        for a, pa in tk.items():
+            for b, pb in tv.items():
+                if len(hs) > 1 and (len(hs) * g > ROWS or max(a, b) > max_tile):
+                    continue
+                best = min(best, max(a + b, 2 * FLOOR_TILE) + token_cost + pa + pb)
+        costs.append(best)
+    return costs
+
+
+def fill_runs(layout: HeadLayout, max_tile: int = PACK_TILE, max_shift: int = 32, k_loss=None, v_loss=None,
+              token_cost: int = TOKEN_COST) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """K and V widths moved between the layer's heads so its runs fill their tiles: each head's width moves by at
+    most ``max_shift`` columns (steps of 16, within [16, head_dim]), the layer's K total and V total stay, and the
+    runs (at their best head order) cost least; among the cheapest, the least loss. Returns the widths unchanged
+    when no move makes the runs cheaper.
+
+    Why: a run's time follows its tiles more than its bytes (bench/RESULTS.md, sixth session), so a rate-0.5 layer
+    whose runs hold K 128 + V 208, K 256 + V 176 and K 128 + V 128 columns is slower than the same columns moved
+    into two runs of K 256 + V 256.
+
+    ``k_loss[h][j]`` (and ``v_loss``): what moving head h's width by ``16 * (j - max_shift // 16)`` columns costs
+    (compression: the share of the head's energy it drops, negative where it adds); by default the columns moved.
+    Searched per candidate partition of the heads into runs (the best runs of the given widths, the heads sorted by
+    width in blocks of each allowed run size, and the best partitions when moved columns are priced instead of
+    balanced), by dynamic programming over the partition's runs (``_fill``). A heuristic: on small random layers it
+    misses the cheapest widths about once in 40."""
+    n, d, m = layout.num_kv_heads, layout.head_dim, max_shift // 16
+    steps = np.arange(-m, m + 1)
+
+    def losses(widths, given):
+        table = np.abs(steps)[None, :].repeat(n, 0).astype(float) if given is None else np.array(given, float)
+        moved = np.asarray(widths)[:, None] + 16 * steps[None, :]
+        table[(moved < 16) | (moved > d)] = math.inf
+        return table
+
+    k, v = layout.k_widths, layout.v_widths
+    lk, lv = losses(k, k_loss), losses(v, v_loss)
+    by_width = sorted(range(n), key=lambda h: (k[h] + v[h], h))
+    candidates = {_partition(layout, order_heads(layout, max_tile, token_cost), max_tile, token_cost)}
+    candidates |= {tuple(tuple(by_width[i:i + size]) for i in range(0, n, size))
+                   for size in range(1, max(ROWS // layout.group_size, 1) + 1)}
+    if n <= EXACT_ORDER_HEADS:
+        candidates |= {_best_partition(_priced_costs(layout, lk, lv, price, max_tile, token_cost))[1]
+                       for price in ((-16, -16), (-8, -8), (0, 0), (-16, 0), (0, -16))}
+    best_key, best = (runs_cost(layout, max_tile, token_cost) - 8) * 1e3, (k, v)  # cheaper runs only
+    for part in sorted(candidates):
+        key, widths = _fill(layout, part, lk, lv, max_tile, token_cost)
+        if key < best_key:
+            best_key, best = key, widths
+    return best
+
+
+def _fill(layout: HeadLayout, part, lk, lv, max_tile: int, token_cost: int):
+    """``fill_runs`` for one partition of the heads into runs: (runs' cost * 1e3 + loss, (k widths, v widths)).
+
+    Dynamic programming over the runs, on the K and V totals shifted so far ([-span, span] steps each); a run's
+    options are its total shifts, each at the least loss its heads reach it with (``_shift_options``). Losses stay
+    far below the 16e3 of one step in cost, so cost comes first and loss second."""
+    k, v, g = layout.k_widths, layout.v_widths, layout.group_size
+    span = (lk.shape[1] - 1) // 2 * layout.num_kv_heads
+    key = np.full((2 * span + 1,) * 2, math.inf)  # [K shift, V shift] so far -> least cost * 1e3 + loss
+    key[span, span] = 0.0
+    choices = []
+    for heads in part:
+        ok, ov = _shift_options(lk[list(heads)]), _shift_options(lv[list(heads)])
+        pad = [0] * (len(heads) - 1)  # run_cost needs only a run's head count and totals
+        kk, vv = sum(k[h] for h in heads), sum(v[h] for h in heads)
+        new, arg = np.full_like(key, math.inf), np.zeros(key.shape + (2,), np.int64)
+        for dk, (loss_k, _) in ok.items():
+            for dv, (loss_v, _) in ov.items():
+                cost = run_cost([kk + 16 * dk] + pad, [vv + 16 * dv] + pad, g, max_tile, token_cost)
+                if not math.isfinite(cost):
+                    continue
+                moved = np.full_like(key, math.inf)  # key shifted by (dk, dv): the totals after this run
+                src = key[max(0, -dk):2 * span + 1 - max(0, dk), max(0, -dv):2 * span + 1 - max(0, dv)]
+                moved[max(0, dk):max(0, dk) + src.shape[0], max(0, dv):max(0, dv) + src.shape[1]] = src
+                moved += cost * 1e3 + loss_k + loss_v
+                better = moved < new
+                new[better], arg[better] = moved[better], (dk, dv)
+        choices.append((heads, ok, ov, arg))
+        key = new
+    widths = [list(k), list(v)]
+    if not math.isfinite(key[span, span]):
+        return math.inf, (k, v)
+    i = j = span
+    for heads, ok, ov, arg in reversed(choices):  # back from "totals kept" to each run's shifts
+        dk, dv = (int(x) for x in arg[i, j])
+        for h, sk, sv in zip(heads, ok[dk][1], ov[dv][1]):
+            widths[0][h] += 16 * sk
+            widths[1][h] += 16 * sv
+        i, j = i - dk, j - dv
+    return key[span, span], (tuple(widths[0]), tuple(widths[1]))

@@ -147,6 +147,31 @@ def test_plans_order_heads_for_the_decode_runs():
     assert "reordered" in plan.summary()
 
 
+def test_plans_fill_the_decode_runs_at_the_same_rate():
+    """make_plan's default fill (RankPlan.filled_for_runs): a few columns move between heads, the rate stays."""
+    from kvjax.layout import HeadLayout
+    from kvjax.runs import order_heads, permuted, runs_cost
+
+    k_qk = np.array([[48, 32, 48, 80, 64, 112, 48, 80]] * 2)
+    k_v = np.array([[96, 48, 64, 80, 64, 32, 96, 32]] * 2)
+    s = np.sort(np.random.default_rng().random((2, 8, 128)), axis=-1)[..., ::-1] ** 3
+    plan = RankPlan("zack", 128, k_qk, k_v, s, s, removal_rate=0.3)
+    filled = plan.filled_for_runs(group_size=4)
+    assert filled.rate == plan.rate
+    assert np.abs(filled.k_qk - k_qk).max() <= 32 and np.abs(filled.k_v - k_v).max() <= 32
+    assert filled.moved_columns == (np.abs(filled.k_qk - k_qk).sum() + np.abs(filled.k_v - k_v).sum()) // 2 > 0
+
+    def cost(p, i):
+        lay = HeadLayout(32, 8, 128, *p.layer_widths(i))
+        return runs_cost(permuted(lay, order_heads(lay)))
+    ordered = filled.ordered_for_runs(group_size=4)
+    assert all(cost(ordered, i) < cost(plan.ordered_for_runs(group_size=4), i) for i in range(2))
+    assert "moved between heads" in ordered.summary()
+    assert RankPlan.from_json(ordered.to_json()).moved_columns == filled.moved_columns
+    with pytest.raises(ValueError, match="before ordering"):
+        ordered.filled_for_runs(group_size=4)
+
+
 def test_converter_writes_atomically_and_rejects_bad_input(tmp_path, capsys):
     src = os.path.join(FIXTURES, "falcon_new")
     out = tmp_path / "out"

@@ -1,12 +1,13 @@
-"""Runs of adjacent KV heads (kvjax.runs): a partition of the heads, within the tile and row limits, cheapest; and
-the head order whose runs cost least."""
+"""Runs of adjacent KV heads (kvjax.runs): a partition of the heads, within the tile and row limits, cheapest; the
+head order whose runs cost least; and widths moved between heads so runs fill their tiles."""
 import itertools
 
 import numpy as np
 import pytest
 
 from kvjax.layout import HeadLayout
-from kvjax.runs import FLOOR_TILE, ROWS, TOKEN_COST, head_runs, order_heads, permuted, runs_cost, tile
+from kvjax.runs import (FLOOR_TILE, ROWS, TOKEN_COST, fill_runs, head_runs, order_heads, permuted, runs_cost,
+                        tile)
 
 
 def cost(run_widths):
@@ -78,3 +79,53 @@ def test_narrow_runs_cost_as_much_as_full_ones():
     lay = HeadLayout(32, 8, 128, (32, 32, 64, 32, 32, 32, 48, 48), (16, 80, 48, 32, 32, 16, 32, 32))
     assert len(head_runs(lay, 128)) == 3
     assert runs_cost(permuted(lay, order_heads(lay, 128)), 128) == runs_cost(lay, 128)
+
+
+def best_cost(k, v, group, max_tile):
+    lay = HeadLayout(group * len(k), len(k), 128, tuple(k), tuple(v))
+    return runs_cost(permuted(lay, order_heads(lay, max_tile)), max_tile)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_filled_widths_keep_the_totals_and_the_bounds(group):
+    rng = np.random.default_rng()
+    heads = int(rng.integers(2, 9))
+    widths = lambda: tuple(int(w) for w in rng.choice(np.arange(16, 129, 16), heads))  # noqa: E731
+    lay = HeadLayout(group * heads, heads, 128, widths(), widths())
+    max_tile, max_shift = int(rng.choice([128, 256])), int(rng.choice([16, 32, 48]))
+    k, v = fill_runs(lay, max_tile, max_shift)
+    for new, old in ((k, lay.k_widths), (v, lay.v_widths)):
+        assert sum(new) == sum(old)
+        assert all(w % 16 == 0 and 16 <= w <= 128 for w in new)
+        assert max(abs(a - b) for a, b in zip(new, old)) <= max_shift
+    cost = best_cost(k, v, group, max_tile)
+    assert cost <= best_cost(lay.k_widths, lay.v_widths, group, max_tile)
+    if (k, v) != (lay.k_widths, lay.v_widths):
+        assert cost < best_cost(lay.k_widths, lay.v_widths, group, max_tile)  # no move without a gain
+
+
+def test_fill_makes_full_runs_of_a_rate_half_layer():
+    """The bench's rate-0.5 layer: runs of K 128 + V 208, 256 + 176 and 128 + 128 columns become two full runs."""
+    lay = HeadLayout(32, 8, 128, (48, 32, 48, 80, 64, 112, 48, 80), (96, 48, 64, 80, 64, 32, 96, 32))
+    k, v = fill_runs(lay, 256, 32)
+    filled = HeadLayout(32, 8, 128, k, v)
+    runs = head_runs(permuted(filled, order_heads(filled, 256)), 256)
+    assert [(r.k_cols, r.v_cols) for r in runs] == [(256, 256), (256, 256)]
+    assert sum(abs(a - b) for a, b in zip(k + v, lay.k_widths + lay.v_widths)) <= 128
+    for full in (HeadLayout.uniform(32, 8, 128), HeadLayout(32, 8, 128, (64,) * 8, (64,) * 8)):
+        assert fill_runs(full, 256, 32) == (full.k_widths, full.v_widths)
+
+
+def test_fill_moves_the_columns_that_cost_least():
+    """Where several heads could give up the columns, the loss table picks the cheapest donor."""
+    lay = HeadLayout(32, 8, 128, (48, 32, 48, 80, 64, 112, 48, 80), (96, 48, 64, 80, 64, 32, 96, 32))
+    m = 2
+    loss = np.abs(np.arange(-m, m + 1))[None, :].repeat(8, 0).astype(float)  # the default: columns moved
+    k, v = fill_runs(lay, 256, 32, k_loss=loss)
+    assert (k, v) == fill_runs(lay, 256, 32)
+    donors = [h for h in range(8) if k[h] < lay.k_widths[h]]
+    assert donors
+    loss[donors, :m] = 50.0  # now shrinking those heads is dear
+    k2, v2 = fill_runs(lay, 256, 32, k_loss=loss)
+    assert best_cost(k2, v2, 4, 256) == best_cost(k, v, 4, 256)
+    assert all(k2[h] >= lay.k_widths[h] for h in donors)

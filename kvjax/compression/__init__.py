@@ -24,9 +24,12 @@ def _check_request(target_rate, removal_rate, method) -> None:
 
 
 def make_plan(model, stats: CalibrationStats, *, target_rate=None, removal_rate=None, method="zack",
-              adaptive=True, order_heads=True) -> tuple[RankPlan, dict]:
+              adaptive=True, order_heads=True, fill_tiles=False) -> tuple[RankPlan, dict]:
     """The rank plan and the bases it truncates ({"k": Basis, "v": Basis}), from calibration statistics (cheap).
 
+    ``fill_tiles``: move up to 32 columns a head between each layer's heads, at the same rate, where that lets the
+    decode kernel's runs fill their tiles (``RankPlan.filled_for_runs``: faster decode for some accuracy; adaptive
+    zack plans only).
     ``order_heads``: reorder each layer's KV heads so the decode kernel reads adjacent narrow heads as one
     (``RankPlan.ordered_for_runs``; the model's output does not change)."""
     _check_request(target_rate, removal_rate, method)
@@ -35,19 +38,25 @@ def make_plan(model, stats: CalibrationStats, *, target_rate=None, removal_rate=
         plan = RankPlan.for_target_rate(method, k_basis.s, v_basis.s, target_rate, adaptive)
     else:
         plan = RankPlan.from_removal_rate(method, k_basis.s, v_basis.s, removal_rate, adaptive)
+    if fill_tiles and adaptive and method == "zack":
+        plan = plan.filled_for_runs(model.layouts[0].group_size)
     if order_heads:
         plan = plan.ordered_for_runs(model.layouts[0].group_size)
     return plan, {"k": k_basis, "v": v_basis}
 
 
 def compress(model, target_rate=None, removal_rate=None, method="zack", adaptive=True, calibration="random",
-             num_tokens=16384, seed=0, *, seq_len=512, batch_size=4, order_heads=True, progress=True):
+             num_tokens=16384, seed=0, *, seq_len=512, batch_size=4, order_heads=True, fill_tiles=False,
+             progress=True):
     """Compress ``model``'s KV cache along the head dimension; returns a new ``kvjax.Model`` with ``.plan``.
 
     Give exactly one of ``target_rate`` (overall rate p in [0, 1), reached by bisection on the removal rate) and
     ``removal_rate`` (the singular-value mass r each head may drop). ``calibration``: "random" token ids, "text"
     (Python's pydoc topics), "text:PATH", or token ids. ``method="palu"`` is the pre-RoPE low-rank baseline.
     ``order_heads``: store each layer's KV heads in the order the decode kernel reads fastest (output unchanged).
+    ``fill_tiles``: move a few columns between a layer's heads, at the same rate, so the kernel's runs fill their
+    tiles: faster decode (10% on a Llama-shaped rate-0.5 layer), some accuracy lost (ranks then differ from the
+    calibrated ones by at most 32 columns a head).
     """
     _check_request(target_rate, removal_rate, method)  # before the (slow) calibration
     if model.plan is not None:
@@ -55,5 +64,5 @@ def compress(model, target_rate=None, removal_rate=None, method="zack", adaptive
     tokens = calibration_tokens(model, calibration, num_tokens, min(seq_len, num_tokens), seed)
     stats = calibrate(model, tokens, batch_size=batch_size, progress=progress)
     plan, bases = make_plan(model, stats, target_rate=target_rate, removal_rate=removal_rate, method=method,
-                            adaptive=adaptive, order_heads=order_heads)
+                            adaptive=adaptive, order_heads=order_heads, fill_tiles=fill_tiles)
     return fold(model, plan, bases)

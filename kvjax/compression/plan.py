@@ -7,6 +7,11 @@ rate is ``p = 1 - sum(k_qk + k_v) / (2 * Hkv * d_h * L)``; ``F_p`` finds ``r`` f
 A plan may also reorder each layer's KV heads (``head_order``, see ``kvjax.runs.order_heads``): the ranks stay
 those of the calibrated heads, the folded model and its cache hold the heads in the new order, where adjacent
 narrow heads fill the decode kernel's tiles. Reordering heads does not change the model's output.
+
+Before ordering, a plan may move a few columns between a layer's heads (``filled_for_runs``, see
+``kvjax.runs.fill_runs``; opt-in, it trades accuracy for decode speed): at most 32 a head, each layer's K and V
+totals kept (so the rate is unchanged), where that lets the kernel's runs fill their tiles. Those heads then keep a
+little more or less than the removal rate says; ``moved_columns`` counts what moved.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ class RankPlan:
     removal_rate: float | None = None
     adaptive: bool = True
     head_order: np.ndarray | None = None  # int [L, Hkv]: the calibrated head at each cached position (None: as is)
+    moved_columns: int = 0  # K + V columns that ``filled_for_runs`` moved between heads
 
     def __post_init__(self):
         self.k_qk, self.k_v = np.asarray(self.k_qk, np.int64), np.asarray(self.k_v, np.int64)
@@ -76,6 +82,35 @@ class RankPlan:
         """The cached K and V widths of ``layer``'s KV heads, in cache order."""
         order = self.layer_order(layer)
         return tuple(int(self.k_qk[layer, h]) for h in order), tuple(int(self.k_v[layer, h]) for h in order)
+
+    def filled_for_runs(self, group_size: int, max_tile: int | None = None, max_shift: int = 32) -> "RankPlan":
+        """This plan with widths moved between each layer's heads (at most ``max_shift`` columns a head, the layer's
+        K and V totals kept, so the rate stays) where that lets the decode kernel's runs fill their tiles
+        (``kvjax.runs.fill_runs``), dropping as little energy (squared singular values, each head's share) as it
+        can. Not free: on SmolLM2, moving 3% of the kept columns this way cost about as much perplexity as one
+        more point of compression rate (bench/RESULTS.md, sixth session), so compression leaves it off unless
+        asked."""
+        from kvjax.layout import HeadLayout
+        from kvjax.runs import PACK_TILE, fill_runs
+
+        if self.head_order is not None:
+            raise ValueError("fill a plan's widths before ordering its heads")
+        heads, m = self.k_qk.shape[1], max_shift // ALIGN
+        shifts = ALIGN * np.arange(-m, m + 1)
+
+        def losses(s, widths):  # [H, 2m+1]: the share of each head's energy (s^2) a shift drops (< 0: adds)
+            energy = np.concatenate([np.zeros((heads, 1)), np.cumsum(s * s, 1)], 1)
+            energy /= np.maximum(energy[:, -1:], 1e-30)
+            moved = np.clip(widths[:, None] + shifts[None, :], 0, self.head_dim)
+            return np.take_along_axis(energy, widths[:, None], 1) - np.take_along_axis(energy, moved, 1)
+
+        k_qk, k_v = self.k_qk.copy(), self.k_v.copy()
+        for i in range(self.num_layers):
+            lay = HeadLayout(group_size * heads, heads, self.head_dim, *(tuple(map(int, w)) for w in (k_qk[i], k_v[i])))
+            k_qk[i], k_v[i] = fill_runs(lay, PACK_TILE if max_tile is None else max_tile, max_shift,
+                                        losses(self.s_qk[i], k_qk[i]), losses(self.s_v[i], k_v[i]))
+        moved = int(np.abs(k_qk - self.k_qk).sum() + np.abs(k_v - self.k_v).sum())
+        return dataclasses.replace(self, k_qk=k_qk, k_v=k_v, moved_columns=self.moved_columns + moved // 2)
 
     def ordered_for_runs(self, group_size: int, max_tile: int | None = None) -> "RankPlan":
         """This plan with every layer's KV heads in the order whose decode runs cost least (``kvjax.runs``)."""
@@ -134,6 +169,9 @@ class RankPlan:
                  f"{self.rate:.4f}" + (f", removal rate r = {self.removal_rate:.4g}" if self.removal_rate is not None
                                        else ""),
                  "layer | k_qk min/mean/max | k_v min/mean/max"]
+        if self.moved_columns:
+            lines.insert(1, f"{self.moved_columns} columns moved between heads so the decode kernel's runs fill "
+                            f"their tiles (rate unchanged)")
         if self.head_order is not None:
             moved = sum(self.layer_order(i) != tuple(range(self.k_qk.shape[1])) for i in range(self.num_layers))
             lines.insert(1, f"KV heads reordered for the decode kernel's runs in {moved} of {self.num_layers} layers")
@@ -148,7 +186,8 @@ class RankPlan:
                            "removal_rate": self.removal_rate, "adaptive": self.adaptive,
                            "k_qk": self.k_qk.tolist(), "k_v": self.k_v.tolist(),
                            "s_qk": self.s_qk.tolist(), "s_v": self.s_v.tolist(),
-                           "head_order": None if self.head_order is None else self.head_order.tolist()})
+                           "head_order": None if self.head_order is None else self.head_order.tolist(),
+                           "moved_columns": self.moved_columns})
 
     @classmethod
     def from_json(cls, text: str) -> "RankPlan":
