@@ -13,9 +13,10 @@ the Pallas variants are compiled side by side in threads first (``compile_ahead`
 ``--cache-dir``), then timed.
 
 Measures, in the same run: the copy bandwidth (a 1 GiB elementwise pass, bytes read + written) and the bf16 matmul
-rate (8192^3). Every timing is the median of several batches of jitted calls queued back to back (device-side
-back to back, no host gaps), divided by the calls; each call's inputs differ (a fresh query per call, and paged
-inputs rotate through block tables over disjoint pages when one call's bytes would fit in L2), so nothing is
+rate (8192^3). Every timing is the median of several batches of jitted calls, divided by the calls: by default
+the GPU's own kernel durations summed by CUPTI (``--timer cupti``; launch gaps and host noise drop out), or the
+wall clock over batches queued back to back (``--timer host``). Each call's inputs differ (a fresh query per call,
+and paged inputs rotate through block tables over disjoint pages when one call's bytes would fit in L2), so nothing is
 merged, sliced away or served from L2 (contiguous baselines reuse one cache: rows under 2x L2 may read from it).
 Floors: decode = bytes it must read (K/V rows of every visible token + q + out) / copy bandwidth; prefill = causal
 FLOPs / matmul rate.
@@ -56,6 +57,7 @@ from kvjax.pallas.prefill import prefill_attention  # noqa: E402
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 HQ, HKV, D = 32, 8, 128
 L2_BYTES = 50 << 20
+TIMER = {"name": "cupti"}  # --timer: "cupti" (the kernels' own durations) or "host" (wall clock over queued calls)
 
 
 # ---------------------------------------------------------------- inputs
@@ -189,10 +191,18 @@ def time_calls(fn, shared, per_call, min_total_s=0.05, reps=5, chain=None):
     """Median seconds per call of ``fn(*shared, *per_call[u])`` over the U argument sets, run in one jitted function.
 
     The U calls differ in their inputs (so none is merged with another) and all their outputs are returned (so
-    nothing is sliced away); dispatches are queued back to back and only the last is waited for. ``chain``: the
-    indices of ``shared`` that each call returns updated (after its first output) for the next call (pages).
+    nothing is sliced away). With the host timer, dispatches are queued back to back and only the last is waited
+    for; with ``--timer cupti``, CUPTI sums the kernels' own durations (``jax.experimental.mosaic.gpu.profiler``),
+    so launch gaps and host noise drop out: the timer for calls too short to time from the host (a single
+    sequence's decode). ``chain``: the indices of ``shared`` that each call returns updated (after its first
+    output) for the next call (pages).
     """
     f = batched(fn, chain)
+    if TIMER["name"] == "cupti":
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, ms = profiler.measure(f, iterations=reps)(shared, per_call)  # runs a warm-up call first
+        return statistics.median(ms) / 1e3 / len(per_call)
     jax.block_until_ready(f(shared, per_call))
     t0 = time.perf_counter()
     jax.block_until_ready(f(shared, per_call))
@@ -925,6 +935,10 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="smoke test: a few checks, one decode shape, one prefill")
     ap.add_argument("--profile", help="only run one decode call for ncu: uniform:W or rate:R")
     ap.add_argument("--json", help="write all rows here")
+    ap.add_argument("--timer", choices=("cupti", "host"), default="cupti",
+                    help="cupti: the kernels' own durations, summed by CUPTI (default: host timing moves 20-30%% "
+                         "between calls on 50-us single-sequence calls); host: wall clock over calls queued back "
+                         "to back (launch gaps included)")
     ap.add_argument("--shapes", help="decode shapes BxCTX, comma-separated (default: 32x4096,128x4096,1x32768,"
                                      "256x512; --quick: 32x4096)")
     ap.add_argument("--tune-shape", default="32x4096", help="BxCTX the autotune section times its variants at")
@@ -951,12 +965,13 @@ def main(argv=None):
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     DECODE_DEFAULTS["pack_tile"] = args.pack_tile
+    TIMER["name"] = args.timer
     if args.profile:
         return profile_one(args.profile)
     only = set(args.only.split(","))
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({getattr(dev, 'core_count', '?')} SMs), jax {jax.__version__}, "
-          f"{datetime.date.today()}, command: {' '.join(sys.argv)}")
+          f"{datetime.date.today()}, timer {args.timer}, command: {' '.join(sys.argv)}")
     key = jax.random.key(int(time.time()))
     result = dict(device=dev.device_kind, date=str(datetime.date.today()), argv=sys.argv)
     bw = copy_bandwidth()
