@@ -79,7 +79,7 @@ def rank_plan(rate: float, num_layers: int = 32, cv: float = 0.45, seed: int = 0
     if form not in PLAN_FORMS:
         raise ValueError(f"form must be one of {PLAN_FORMS}, got {form!r}")
     if rate == 0:
-        return [HeadLayout.uniform(HQ, HKV, D) for _ in range(num_layers)]
+        return tuple(HeadLayout.uniform(HQ, HKV, D) for _ in range(num_layers))
     rng = np.random.default_rng(seed)
     sigma = math.sqrt(math.log(1 + cv * cv))
     z = rng.lognormal(-sigma * sigma / 2, sigma, (num_layers, 2, HKV))
@@ -524,36 +524,36 @@ def decode_table(key, bw, shapes, rates, quick, tuned, orders=("lpt", "naive"), 
     print("\n| kernel | batch | ctx | rate | K+V cols | time us | floor us | time/floor | % of copy bw | vs rate 0 |"
           "\n|---|---|---|---|---|---|---|---|---|---|")
     rows = []
-    variants = {r: [(o, h) for h in (forms if r > 0 else ("ordered",)) for o in (orders if r > 0 else
+    variants = {r: [(o, f) for f in (forms if r > 0 else ("ordered",)) for o in (orders if r > 0 else
                                                                                   (tuned[r]["order"],))]
                 for r in rates}
-    layers = {(r, h): pick_layer(rank_plan(r, form=h), r) for r in rates for _, h in variants[r]}
+    layers = {(r, f): pick_layer(rank_plan(r, form=f), r) for r in rates for _, f in variants[r]}
     for batch, ctx in shapes:
         # every case, plan and kvjax call of the shape first, so their kernels compile side by side
         cases, calls = {}, {}
         for rate in rates:
-            for order, heads in variants[rate]:
-                lay = layers[rate, heads]
+            for order, form in variants[rate]:
+                lay = layers[rate, form]
                 nbytes = batch * ctx * (lay.k_cols + lay.v_cols) * 2
-                if (rate, heads) not in cases:
-                    cases[rate, heads] = PagedCase(lay, batch, np.full(batch, ctx), 32, copies_for(nbytes), key)
-                case = cases[rate, heads]
+                if (rate, form) not in cases:
+                    cases[rate, form] = PagedCase(lay, batch, np.full(batch, ctx), 32, copies_for(nbytes), key)
+                case = cases[rate, form]
                 t0 = time.perf_counter()
                 plan = schedule_of(case, tuned[rate], order=order)
                 host = time.perf_counter() - t0
                 call = kvjax_decode_call(case, plan.schedule.layer(0), key, **knobs_of(tuned[rate]))
-                calls[rate, order, heads] = host, call
+                calls[rate, order, form] = host, call
         compile_ahead([timing_job(*call) for _, call in calls.values()])
         base = None
         for rate in rates:
-            for order, heads in variants[rate]:
-                case = cases[rate, heads]
+            for order, form in variants[rate]:
+                case = cases[rate, form]
                 lay = case.layout
                 floor = case.bytes / bw
-                host, call = calls.pop((rate, order, heads))
+                host, call = calls.pop((rate, order, form))
                 t = time_calls(*call)
                 base = t if rate == 0 else base
-                rows.append(dict(kernel=f"kvjax {order}" + (f" ({heads} plan)" if heads != "ordered" else ""),
+                rows.append(dict(kernel=f"kvjax {order}" + (f" ({form} plan)" if form != "ordered" else ""),
                                  batch=batch, ctx=ctx, rate=rate, widths=f"{lay.k_cols}+{lay.v_cols}",
                                  time_us=t * 1e6, floor_us=floor * 1e6,
                                  speedup_vs_rate0=(base / t) if base else None, host_ms=host * 1e3))
@@ -973,7 +973,7 @@ def main(argv=None):
     print(f"device: {dev.device_kind} ({getattr(dev, 'core_count', '?')} SMs), jax {jax.__version__}, "
           f"{datetime.date.today()}, timer {args.timer}, command: {' '.join(sys.argv)}")
     key = jax.random.key(int(time.time()))
-    result = dict(device=dev.device_kind, date=str(datetime.date.today()), argv=sys.argv)
+    result = dict(device=dev.device_kind, date=str(datetime.date.today()), argv=sys.argv, timer=args.timer)
     bw = copy_bandwidth()
     rate = matmul_rate()
     print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {rate / 1e12:.0f} TFLOP/s")

@@ -10,6 +10,13 @@ from kvjax.runs import (FLOOR_TILE, ROWS, TOKEN_COST, fill_runs, head_runs, orde
                         tile)
 
 
+def random_layout(rng, group, min_heads, max_heads):
+    """A layer of ``min_heads`` to ``max_heads - 1`` KV heads of random widths (multiples of 16 up to 128)."""
+    heads = int(rng.integers(min_heads, max_heads))
+    widths = lambda: tuple(int(w) for w in rng.choice(np.arange(16, 129, 16), heads))  # noqa: E731
+    return HeadLayout(group * heads, heads, 128, widths(), widths())
+
+
 def cost(run_widths):
     k, v = (sum(w) for w in zip(*run_widths))
     return max(tile(k) + tile(v), 2 * FLOOR_TILE) + TOKEN_COST
@@ -18,9 +25,8 @@ def cost(run_widths):
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_runs_partition_the_heads_cheapest_first(group):
     rng = np.random.default_rng()
-    heads = int(rng.integers(1, 7))
-    widths = lambda: tuple(int(w) for w in rng.choice(np.arange(16, 129, 16), heads))  # noqa: E731
-    lay = HeadLayout(group * heads, heads, 128, widths(), widths())
+    lay = random_layout(rng, group, 1, 7)
+    heads = lay.num_kv_heads
     max_tile = int(rng.choice([64, 128, 256]))
     runs = head_runs(lay, max_tile)
     assert [h for r in runs for h in range(r.first, r.first + r.num_heads)] == list(range(heads))
@@ -52,9 +58,8 @@ def test_no_packing_keeps_one_head_per_run():
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_head_order_makes_the_cheapest_runs(group):
     rng = np.random.default_rng()
-    heads = int(rng.integers(2, 7))
-    widths = lambda: tuple(int(w) for w in rng.choice(np.arange(16, 129, 16), heads))  # noqa: E731
-    lay = HeadLayout(group * heads, heads, 128, widths(), widths())
+    lay = random_layout(rng, group, 2, 7)
+    heads = lay.num_kv_heads
     max_tile = int(rng.choice([128, 256]))
     order = order_heads(lay, max_tile)
     assert sorted(order) == list(range(heads))
@@ -89,9 +94,7 @@ def best_cost(k, v, group, max_tile):
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_filled_widths_keep_the_totals_and_the_bounds(group):
     rng = np.random.default_rng()
-    heads = int(rng.integers(2, 9))
-    widths = lambda: tuple(int(w) for w in rng.choice(np.arange(16, 129, 16), heads))  # noqa: E731
-    lay = HeadLayout(group * heads, heads, 128, widths(), widths())
+    lay = random_layout(rng, group, 2, 9)
     max_tile, max_shift = int(rng.choice([128, 256])), int(rng.choice([16, 32, 48]))
     k, v = fill_runs(lay, max_tile, max_shift)
     for new, old in ((k, lay.k_widths), (v, lay.v_widths)):
