@@ -175,7 +175,8 @@ def test_plans_fill_the_decode_runs_at_the_same_rate():
 def test_converter_writes_atomically_and_rejects_bad_input(tmp_path, capsys):
     src = os.path.join(FIXTURES, "falcon_new")
     out = tmp_path / "out"
-    assert convert.main([src, str(out), "--removal-rate", "0.2", "--num-tokens", "128", "--seq-len", "64"]) == 0
+    assert convert.main([src, str(out), "--removal-rate", "0.2", "--num-tokens", "128", "--seq-len", "64",
+                         "--fill-tiles"]) == 0
     assert "overall rate p" in capsys.readouterr().out
     assert sorted(os.listdir(out)) == ["kvjax.json", "params", "plan.json"]
     assert kvjax.load(str(out)).plan.method == "zack"
