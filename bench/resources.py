@@ -45,7 +45,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from kvjax.layout import HeadLayout  # noqa: E402
-from kvjax.pallas.common import loaded_columns, run_classes, width_classes  # noqa: E402
+from kvjax.pallas.common import run_classes, width_classes  # noqa: E402
+from kvjax.runs import loaded_columns  # noqa: E402
 from kvjax.pallas.decode import paged_decode  # noqa: E402
 from kvjax.pallas.prefill import block_rows, keys_per_step, prefill_attention  # noqa: E402
 from kvjax.schedule import PACK_TILE, build_decode_schedule  # noqa: E402

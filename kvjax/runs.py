@@ -37,12 +37,40 @@ ROWS = 16  # rows of the kernels' score tile: the tensor cores' smallest M
 TOKEN_COST = 32  # a token's fixed cost (page lookup, softmax) in columns of width, as the schedule weighs it
 FLOOR_TILE = 128  # a token of a run costs at least one of a run of FLOOR_TILE + FLOOR_TILE columns (see run_cost)
 PACK_TILE = 256  # the decode schedule's default widest tile a run of several heads may read (0: one head per unit)
+PIECE_SAVING = 64  # decode reads a run's K (or V) columns as two pieces only where that saves this many columns
 EXACT_ORDER_HEADS = 10  # order_heads searches every partition of up to this many KV heads (3^n steps)
 
 
 def tile(width: int) -> int:
     """Power-of-two tile width (>= 16) that holds ``width`` columns."""
     return max(16, 1 << math.ceil(math.log2(width)))
+
+
+def pow2_floor(n: float) -> int:
+    return 1 << max(0, int(math.floor(math.log2(max(n, 1)))))
+
+
+def segments(width: int, max_segments: int, min_saving: int = 0) -> tuple[tuple[int, int, int], ...]:
+    """How a head ``width`` columns wide is read: (start, tile, columns) pieces with power-of-two tiles, widest
+    first, at most ``max_segments`` of them (the last one padded to its tile when the width needs more).
+
+    One piece (``tile(width)``) wastes up to 60% of the columns (80 on a 128 tile); exact pieces (80 = 64 + 16)
+    load and multiply only the head's own columns, at the price of one more (smaller) dot per piece. So pieces are
+    taken only where they load at least ``min_saving`` fewer columns per extra piece than one tile would."""
+    pieces, start = [], 0
+    while start < width:
+        rest = width - start
+        t = tile(rest) if len(pieces) == max_segments - 1 else max(16, pow2_floor(rest))
+        pieces.append((start, t, min(t, rest)))
+        start += t
+    if tile(width) - sum(t for _, t, _ in pieces) < min_saving * (len(pieces) - 1):
+        return ((0, tile(width), width),)
+    return tuple(pieces)
+
+
+def loaded_columns(width: int, max_segments: int, min_saving: int = 0) -> int:
+    """Columns a head ``width`` wide loads per row when read as ``segments`` (its pieces' tiles together)."""
+    return sum(t for _, t, _ in segments(width, max_segments, min_saving))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +271,7 @@ def fill_runs(layout: HeadLayout, max_tile: int = PACK_TILE, max_shift: int = 32
     """K and V widths moved between the layer's heads so its runs fill their tiles: each head's width moves by at
     most ``max_shift`` columns (steps of 16, within [16, head_dim]), the layer's K total and V total stay, and the
     runs (at their best head order) cost least; among the cheapest, the least loss. Returns the widths unchanged
-    when no move makes the runs cheaper.
+    when no move makes the runs cheaper, by tiles and by the columns the kernel loads (``loaded_cost``).
 
     Why: a run's time follows its tiles more than its bytes (bench/RESULTS.md, sixth session), so a rate-0.5 layer
     whose runs hold K 128 + V 208, K 256 + V 176 and K 128 + V 128 columns is slower than the same columns moved
@@ -278,7 +306,21 @@ def fill_runs(layout: HeadLayout, max_tile: int = PACK_TILE, max_shift: int = 32
         key, widths = _fill(layout, part, lk, lv, max_tile, token_cost)
         if key < best_key:
             best_key, best = key, widths
+    filled = dataclasses.replace(layout, k_widths=best[0], v_widths=best[1])
+    if loaded_cost(filled, max_tile, token_cost) >= loaded_cost(layout, max_tile, token_cost):
+        return k, v  # cheaper tiles, but the kernel would not load fewer columns
     return best
+
+
+def loaded_cost(layout: HeadLayout, max_tile: int = PACK_TILE, token_cost: int = TOKEN_COST) -> float:
+    """A token's cost over the layer's runs at their best head order, counted by the columns the decode kernel loads
+    (a run's K or V columns read as two pieces where that saves ``PIECE_SAVING``: 160 = 128 + 32) instead of by
+    tiles. ``fill_runs`` checks its moves with it: by tiles alone, the rate-0.7 layer's moves promised 15% and
+    measured nothing, since the kernel already read its 160-column run as 128 + 32 (bench/RESULTS.md, sixth
+    session)."""
+    lay = permuted(layout, order_heads(layout, max_tile, token_cost))
+    return sum(max(loaded_columns(r.k_cols, 2, PIECE_SAVING) + loaded_columns(r.v_cols, 2, PIECE_SAVING),
+                   2 * FLOOR_TILE) + token_cost for r in head_runs(lay, max_tile, token_cost))
 
 
 def _fill(layout: HeadLayout, part, lk, lv, max_tile: int, token_cost: int):

@@ -6,8 +6,8 @@ import pytest
 
 from kvjax import attention
 from kvjax.layout import HeadLayout
-from kvjax.pallas.common import segments
-from kvjax.pallas.decode import PIECE_SAVING, paged_decode, paged_decode_reference
+from kvjax.pallas.decode import paged_decode, paged_decode_reference
+from kvjax.runs import PIECE_SAVING, segments
 from kvjax.schedule import build_decode_schedule, static_decode_schedule
 
 GPU = jax.default_backend() == "gpu"

@@ -3,7 +3,8 @@
 Kernels are written for Pallas's Triton lowering. Tiles must have power-of-two shapes, so a head of width ``w`` is
 read through a ``tile(w)``-wide tile whose columns past ``w`` are masked (a masked lane fetches nothing). Heads of the
 same (K width, V width) share one compiled code path (a "class"); a program picks its class with ``lax.switch``.
-Decode reads runs of adjacent heads (``kvjax.runs``) the same way: runs of one shape form a ``RunClass``.
+Decode reads runs of adjacent heads (``kvjax.runs``) the same way: runs of one shape form a ``RunClass``. How a
+width is cut into power-of-two pieces (``segments``) lives in ``kvjax.runs``, whose cost model counts them too.
 """
 from __future__ import annotations
 
@@ -20,10 +21,6 @@ from kvjax.runs import RunShape, head_runs, tile  # noqa: F401  (tile: re-export
 
 LOG2E = math.log2(math.e)
 MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked block must not make exp2(-inf + inf) NaN
-
-
-def pow2_floor(n: float) -> int:
-    return 1 << max(0, int(math.floor(math.log2(max(n, 1)))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,29 +89,6 @@ def run_classes(layout: HeadLayout, pack_tile: int) -> tuple[tuple[RunClass, ...
         classes.append(RunClass(shape.k_widths, shape.v_widths, units,
                                 *(tuple(offs[n][runs[u].first] // 16 for u in units) for n in "qkvo")))
     return tuple(classes), tuple(shapes.index(r.shape) for r in runs)
-
-
-def segments(width: int, max_segments: int, min_saving: int = 0) -> tuple[tuple[int, int, int], ...]:
-    """How a head ``width`` columns wide is read: (start, tile, columns) pieces with power-of-two tiles, widest
-    first, at most ``max_segments`` of them (the last one padded to its tile when the width needs more).
-
-    One piece (``tile(width)``) wastes up to 60% of the columns (80 on a 128 tile); exact pieces (80 = 64 + 16)
-    load and multiply only the head's own columns, at the price of one more (smaller) dot per piece. So pieces are
-    taken only where they load at least ``min_saving`` fewer columns per extra piece than one tile would."""
-    pieces, start = [], 0
-    while start < width:
-        rest = width - start
-        t = tile(rest) if len(pieces) == max_segments - 1 else max(16, pow2_floor(rest))
-        pieces.append((start, t, min(t, rest)))
-        start += t
-    if tile(width) - sum(t for _, t, _ in pieces) < min_saving * (len(pieces) - 1):
-        return ((0, tile(width), width),)
-    return tuple(pieces)
-
-
-def loaded_columns(width: int, max_segments: int, min_saving: int = 0) -> int:
-    """Columns a head ``width`` wide loads per row when read as ``segments`` (its pieces' tiles together)."""
-    return sum(t for _, t, _ in segments(width, max_segments, min_saving))
 
 
 def load_columns(ref, lead: tuple, offset, cols, width: int, rows_ok=None):

@@ -52,13 +52,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
-from kvjax.pallas.common import (LOG2E, MASK, dot_precision, load_columns, loaded_columns, lookup, offset16,
-                                 pow2_floor, run_classes, segments)
-from kvjax.runs import head_runs
+from kvjax.pallas.common import LOG2E, MASK, dot_precision, load_columns, lookup, offset16, run_classes
+from kvjax.runs import PIECE_SAVING, head_runs, loaded_columns, pow2_floor, segments
 from kvjax.schedule import END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, DecodeSchedule
 
 BLOCK_H = 16  # query rows per item: a GQA group (G <= 8) padded to the tensor cores' smallest M
-PIECE_SAVING = 64  # with max_segments > 1, a unit is read as pieces only where each extra piece saves this many columns
 
 
 def _segments(width: int, max_segments: int):

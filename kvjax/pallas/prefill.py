@@ -41,8 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
-from kvjax.pallas.common import (LOG2E, MASK, dot_precision, load_columns, loaded_columns, lookup, offset16,
-                                 pow2_floor, segments, width_classes)
+from kvjax.pallas.common import LOG2E, MASK, dot_precision, load_columns, lookup, offset16, width_classes
+from kvjax.runs import loaded_columns, pow2_floor, segments
 
 
 # Bytes of K/V tiles one pipelined key loop keeps in flight, (num_stages - 1) x keys x loaded columns x itemsize,
