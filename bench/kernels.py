@@ -916,10 +916,11 @@ def compile_times(key, match=""):
 
 
 def profile_one(spec: str):
-    """Run one decode call (after a warm-up) for ``ncu``: spec "uniform:W" or "rate:R" at batch 32, 4K."""
+    """Run one decode call (after a warm-up) for ``ncu``: spec "uniform:W", "rate:R" or "filled:R" (the rate-R
+    plan with ``fill_tiles``) at batch 32, 4K."""
     kind, val = spec.split(":")
     lay = (HeadLayout(HQ, HKV, D, (int(val),) * HKV, (int(val),) * HKV) if kind == "uniform"
-           else pick_layer(rank_plan(float(val)), float(val)))
+           else pick_layer(rank_plan(float(val), form="filled" if kind == "filled" else "ordered"), float(val)))
     key = jax.random.key(0)
     case = PagedCase(lay, 32, np.full(32, 4096), 32, 1, key)
     plan = build_decode_schedule(case.lengths, lay, 32)
@@ -933,7 +934,7 @@ def profile_one(spec: str):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke test: a few checks, one decode shape, one prefill")
-    ap.add_argument("--profile", help="only run one decode call for ncu: uniform:W or rate:R")
+    ap.add_argument("--profile", help="only run one decode call for ncu: uniform:W, rate:R or filled:R")
     ap.add_argument("--json", help="write all rows here")
     ap.add_argument("--timer", choices=("cupti", "host"), default="cupti",
                     help="cupti: the kernels' own durations, summed by CUPTI (default: host timing moves 20-30%% "
