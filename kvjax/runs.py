@@ -124,11 +124,15 @@ def run_cost(k_widths, v_widths, group_size: int, max_tile: int, token_cost: int
     number of runs (about 26 us each at batch 32 x 4K) more than its tile columns. Priced right by the schedule, such
     narrow runs still cost about 0.55-0.6 of a full one, and 160-192-column runs about a full one; the floor is the
     simple bound that picks the fewest runs and balanced best."""
-    n = len(k_widths)
-    kt, vt = tile(sum(k_widths)), tile(sum(v_widths))
-    if n > 1 and (max_tile <= 0 or n * group_size > ROWS or max(kt, vt) > max_tile):
+    return _priced(len(k_widths), tile(sum(k_widths)), tile(sum(v_widths)), group_size, max_tile, token_cost)
+
+
+def _priced(num_heads: int, k_tile: int, v_tile: int, group_size: int, max_tile: int, token_cost: int) -> float:
+    """``run_cost``'s rule for a run of ``num_heads`` heads read through ``k_tile`` + ``v_tile`` columns (the
+    callers that already know a run's tiles, or count its loaded columns instead, use it directly)."""
+    if num_heads > 1 and (max_tile <= 0 or num_heads * group_size > ROWS or max(k_tile, v_tile) > max_tile):
         return math.inf
-    return max(kt + vt, 2 * FLOOR_TILE) + token_cost
+    return max(k_tile + v_tile, 2 * FLOOR_TILE) + token_cost
 
 
 @functools.lru_cache(maxsize=None)
@@ -256,13 +260,8 @@ def _priced_costs(layout: HeadLayout, lk, lv, price, max_tile: int, token_cost: 
         idx = list(hs)
         tk = tiles(sum(layout.k_widths[h] for h in hs), int(lo_k[idx].sum()), int(hi_k[idx].sum()), price[0])
         tv = tiles(sum(layout.v_widths[h] for h in hs), int(lo_v[idx].sum()), int(hi_v[idx].sum()), price[1])
-        best = math.inf
-        for a, pa in tk.items():
-            for b, pb in tv.items():
-                if len(hs) > 1 and (len(hs) * g > ROWS or max(a, b) > max_tile):
-                    continue
-                best = min(best, max(a + b, 2 * FLOOR_TILE) + token_cost + pa + pb)
-        costs.append(best)
+        costs.append(min(_priced(len(hs), a, b, g, max_tile, token_cost) + pa + pb
+                         for a, pa in tk.items() for b, pb in tv.items()))
     return costs
 
 
@@ -319,8 +318,9 @@ def loaded_cost(layout: HeadLayout, max_tile: int = PACK_TILE, token_cost: int =
     measured nothing, since the kernel already read its 160-column run as 128 + 32 (bench/RESULTS.md, sixth
     session)."""
     lay = permuted(layout, order_heads(layout, max_tile, token_cost))
-    return sum(max(loaded_columns(r.k_cols, 2, PIECE_SAVING) + loaded_columns(r.v_cols, 2, PIECE_SAVING),
-                   2 * FLOOR_TILE) + token_cost for r in head_runs(lay, max_tile, token_cost))
+    loaded = functools.partial(loaded_columns, max_segments=2, min_saving=PIECE_SAVING)
+    return sum(_priced(r.num_heads, loaded(r.k_cols), loaded(r.v_cols), layout.group_size, max_tile, token_cost)
+               for r in head_runs(lay, max_tile, token_cost))
 
 
 def _fill(layout: HeadLayout, part, lk, lv, max_tile: int, token_cost: int):
@@ -336,12 +336,11 @@ def _fill(layout: HeadLayout, part, lk, lv, max_tile: int, token_cost: int):
     choices = []
     for heads in part:
         ok, ov = _shift_options(lk[list(heads)]), _shift_options(lv[list(heads)])
-        pad = [0] * (len(heads) - 1)  # run_cost needs only a run's head count and totals
         kk, vv = sum(k[h] for h in heads), sum(v[h] for h in heads)
         new, arg = np.full_like(key, math.inf), np.zeros(key.shape + (2,), np.int64)
         for dk, (loss_k, _) in ok.items():
             for dv, (loss_v, _) in ov.items():
-                cost = run_cost([kk + 16 * dk] + pad, [vv + 16 * dv] + pad, g, max_tile, token_cost)
+                cost = _priced(len(heads), tile(kk + 16 * dk), tile(vv + 16 * dv), g, max_tile, token_cost)
                 if not math.isfinite(cost):
                     continue
                 moved = np.full_like(key, math.inf)  # key shifted by (dk, dv): the totals after this run

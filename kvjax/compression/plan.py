@@ -90,7 +90,6 @@ class RankPlan:
         can. Not free: on SmolLM2, moving 3% of the kept columns this way cost about as much perplexity as one
         more point of compression rate (bench/RESULTS.md, sixth session), so compression leaves it off unless
         asked."""
-        from kvjax.layout import HeadLayout
         from kvjax.runs import PACK_TILE, fill_runs
 
         if self.head_order is not None:
@@ -104,26 +103,28 @@ class RankPlan:
             moved = np.clip(widths[:, None] + shifts[None, :], 0, self.head_dim)
             return np.take_along_axis(energy, widths[:, None], 1) - np.take_along_axis(energy, moved, 1)
 
+        tile = PACK_TILE if max_tile is None else max_tile
         k_qk, k_v = self.k_qk.copy(), self.k_v.copy()
         for i in range(self.num_layers):
-            lay = HeadLayout(group_size * heads, heads, self.head_dim, *(tuple(map(int, w)) for w in (k_qk[i], k_v[i])))
-            k_qk[i], k_v[i] = fill_runs(lay, PACK_TILE if max_tile is None else max_tile, max_shift,
+            k_qk[i], k_v[i] = fill_runs(self._layout(k_qk[i], k_v[i], group_size), tile, max_shift,
                                         losses(self.s_qk[i], k_qk[i]), losses(self.s_v[i], k_v[i]))
         moved = int(np.abs(k_qk - self.k_qk).sum() + np.abs(k_v - self.k_v).sum())
         return dataclasses.replace(self, k_qk=k_qk, k_v=k_v, moved_columns=self.moved_columns + moved // 2)
 
     def ordered_for_runs(self, group_size: int, max_tile: int | None = None) -> "RankPlan":
         """This plan with every layer's KV heads in the order whose decode runs cost least (``kvjax.runs``)."""
-        from kvjax.layout import HeadLayout
         from kvjax.runs import PACK_TILE, order_heads
 
-        heads = self.k_qk.shape[1]
+        tile = PACK_TILE if max_tile is None else max_tile
+        return dataclasses.replace(self, head_order=np.asarray([order_heads(self._layout(k, v, group_size), tile)
+                                                                for k, v in zip(self.k_qk, self.k_v)]))
 
-        def order(k, v):
-            lay = HeadLayout(group_size * heads, heads, self.head_dim, tuple(map(int, k)), tuple(map(int, v)))
-            return order_heads(lay, PACK_TILE if max_tile is None else max_tile)
+    def _layout(self, k, v, group_size: int):
+        """One layer's widths (calibrated order) as the ``HeadLayout`` that ``kvjax.runs`` plans runs for."""
+        from kvjax.layout import HeadLayout
 
-        return dataclasses.replace(self, head_order=np.asarray([order(k, v) for k, v in zip(self.k_qk, self.k_v)]))
+        heads = len(k)
+        return HeadLayout(group_size * heads, heads, self.head_dim, tuple(map(int, k)), tuple(map(int, v)))
 
     @classmethod
     def from_removal_rate(cls, method, s_qk, s_v, r: float, adaptive: bool = True) -> "RankPlan":
