@@ -3,12 +3,14 @@
     python convert/convert.py SRC OUT (--target-rate P | --removal-rate R) [--method zack|palu] [--uniform]
                               [--calibration random|text|text:FILE] [--num-tokens N]
 
-SRC is anything ``kvjax.load`` reads (a Hugging Face directory, a .gguf file, 'smollm2'). OUT is written atomically:
-into a temporary sibling directory renamed into place at the end, so a failure leaves nothing half-written.
+SRC is anything ``kvjax.load`` reads (a Hugging Face directory, a .gguf file, 'smollm2'). OUT is written beside and
+swapped in by renames at the end, so a failure leaves nothing half-written; --overwrite replaces only a kvjax
+checkpoint, and OUT may not be, contain or lie inside SRC.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -16,21 +18,20 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _rate(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
-    return value
-
-
 def parse_args(argv=None):
+    from kvjax import atomic, validate
+    from kvjax.load import resolve
+    from kvjax.saving import is_replaceable
+
+    rate = functools.partial(validate.rate, "the rate")
     p = argparse.ArgumentParser(prog="convert.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="source checkpoint: Hugging Face directory, .gguf file, or 'smollm2'")
     p.add_argument("out", help="output directory (must not exist unless --overwrite)")
-    rate = p.add_mutually_exclusive_group(required=True)
-    rate.add_argument("--target-rate", type=_rate, help="overall KV compression rate p in [0, 1)")
-    rate.add_argument("--removal-rate", type=_rate, help="singular-value mass r every head may drop, in [0, 1)")
+    rates = p.add_mutually_exclusive_group(required=True)
+    rates.add_argument("--target-rate", type=validate.arg(rate, float), help="overall KV compression rate p in [0, 1)")
+    rates.add_argument("--removal-rate", type=validate.arg(rate, float),
+                       help="singular-value mass r every head may drop, in [0, 1)")
     p.add_argument("--method", choices=("zack", "palu"), default="zack",
                    help="zack: rotate Q/K after RoPE (default); palu: pre-RoPE low-rank K baseline")
     p.add_argument("--uniform", action="store_true", help="same rank for every head (the ablation)")
@@ -42,24 +43,26 @@ def parse_args(argv=None):
                         "decode kernel's runs fill their tiles: faster decode, some accuracy lost (see the README)")
     p.add_argument("--calibration", default="random",
                    help="'random' token ids (default), 'text' (Python's pydoc topics), or 'text:FILE'")
-    p.add_argument("--num-tokens", type=int, default=16384, help="calibration tokens (default 16384)")
-    p.add_argument("--seq-len", type=int, default=512, help="calibration sequence length (default 512)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bfloat16", help="parameter dtype of the output (default bfloat16)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    count = functools.partial(validate.positive, "the count")
+    p.add_argument("--num-tokens", type=validate.arg(count, int), default=16384,
+                   help="calibration tokens (default 16384)")
+    p.add_argument("--seq-len", type=validate.arg(count, int), default=512,
+                   help="calibration sequence length (default 512)")
+    p.add_argument("--seed", type=validate.arg(validate.seed, int), default=0)
+    p.add_argument("--dtype", type=validate.arg(validate.dtype), default="bfloat16",
+                   help=f"parameter dtype of the output: {', '.join(validate.DTYPES)} (default bfloat16)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it is a kvjax checkpoint (never anything else, never SRC)")
     args = p.parse_args(argv)
-    if args.num_tokens <= 0 or args.seq_len <= 0:
-        p.error("--num-tokens and --seq-len must be positive")
     if args.calibration not in ("random", "text") and not args.calibration.startswith("text:"):
         p.error("--calibration must be 'random', 'text' or 'text:FILE'")
     if args.calibration.startswith("text:") and not os.path.isfile(args.calibration[5:]):
         p.error(f"calibration file {args.calibration[5:]!r} does not exist")
-    out = os.path.abspath(args.out)
-    if os.path.exists(out) and not args.overwrite:
-        p.error(f"{args.out} already exists (use --overwrite to replace it)")
-    parent = os.path.dirname(out)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        p.error(f"cannot write {args.out}: {parent} is not a writable directory")
+    try:
+        atomic.check_target(args.out, overwrite=args.overwrite, replaceable=is_replaceable, what="kvjax checkpoint",
+                            sources=(resolve(args.src),), hint="--overwrite")
+    except (OSError, ValueError) as e:
+        p.error(str(e))
     return p, args
 
 
@@ -78,7 +81,7 @@ def main(argv=None) -> int:
         parser.error(str(e))
     if args.dtype != "float32":
         compressed = compressed.astype(args.dtype)
-    compressed.save(args.out, overwrite=args.overwrite)
+    compressed.save(args.out, overwrite=args.overwrite, hint="--overwrite")
     print(compressed.plan.summary())
     print(f"wrote {args.out} ({compressed}) in {time.perf_counter() - start:.0f} s")
     return 0

@@ -8,6 +8,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from kvjax import validate
 from kvjax.engine import Engine, bucket
 
 
@@ -19,24 +20,20 @@ class Generation:
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
 
 
-def _tokenize(model, prompt, chat: bool) -> list[int]:
+def encode_prompt(model, prompt, chat: bool, name: str = "prompt") -> list[int]:
+    """A prompt (a string, or token ids) as checked token ids; errors name it ``name``."""
     if isinstance(prompt, str):
         tok = model.tokenizer
         if tok is None:
-            raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            raise ValueError(f"{name} is a string, but this model has no tokenizer: pass lists of token ids")
         if chat:
             ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                           tokenize=True, return_dict=False)
             ids = ids["input_ids"] if isinstance(ids, dict) else ids
         else:
             ids = tok(prompt, add_special_tokens=True)["input_ids"]
-    else:
-        ids = [int(t) for t in prompt]
-    if not ids:
-        raise ValueError("a prompt must have at least one token")
-    if min(ids) < 0 or max(ids) >= model.config.vocab_size:
-        raise ValueError(f"prompt token ids must be in [0, {model.config.vocab_size})")
-    return list(ids)
+        return validate.token_ids(name, list(ids), model.config.vocab_size)
+    return validate.token_ids(name, prompt, model.config.vocab_size)
 
 
 def _engine(model, max_batch: int, seq_len: int, page_size: int, backend: str | None) -> Engine:
@@ -60,24 +57,26 @@ def generate(model, prompts: Sequence, max_new_tokens: int = 64, temperature: fl
     ``max_position_embeddings``) bounds prompt + new tokens per sequence. ``backend`` picks the attention path:
     "pallas" (the kernels, default on a GPU), "reference" (jnp, default elsewhere) or "interpret" (the kernels on the
     CPU). ``stats``, if given, receives timings.
+
     """
-    if max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-    if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+    max_new_tokens = validate.positive("max_new_tokens", max_new_tokens)
+    temperature, top_p, seed = validate.temperature(temperature), validate.top_p(top_p), validate.seed(seed)
+    max_batch, page_size = validate.positive("max_batch", max_batch), validate.positive("page_size", page_size)
+    capacity = model.config.max_position_embeddings
+    if max_seq_len is not None:
+        capacity = validate.positive("max_seq_len", max_seq_len)
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or (
+            len(prompts) and isinstance(prompts[0], (int, np.integer))):
         raise TypeError("prompts must be a list of prompts (strings or lists of token ids)")
-    capacity = max_seq_len or model.config.max_position_embeddings
-    encoded = [_tokenize(model, p, chat) for p in prompts]
+    stop_ids, stop_texts = validate.stops(stop)
+    encoded = [encode_prompt(model, p, chat, f"prompt {i}") for i, p in enumerate(prompts)]
     for i, ids in enumerate(encoded):
         if len(ids) + max_new_tokens > capacity:
             raise ValueError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it needs "
                              f"{len(ids) + max_new_tokens} cache positions, more than the cache's {capacity}")
-    stops = [stop] if isinstance(stop, (str, int)) else list(stop or [])
-    stop_ids = {s for s in stops if isinstance(s, int)} | set(model.config.eos_token_ids)
+    stop_ids |= set(model.config.eos_token_ids)
     if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
         stop_ids.add(model.tokenizer.eos_token_id)
-    stop_texts = [s for s in stops if isinstance(s, str)]
     if stop_texts and model.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; pass stop token ids instead")
 
@@ -95,23 +94,28 @@ def generate(model, prompts: Sequence, max_new_tokens: int = 64, temperature: fl
 
 
 def _run_batch(model, engine, batch, max_new_tokens, temperature, top_p, key, stop_ids, stop_texts, stats):
+    """Generate for one batch; ``done`` rows keep decoding (their tokens are dropped) until every row is done."""
+
+    def step_key(j):  # split off the batch's key
+        nonlocal key
+        key, sub = jax.random.split(key)
+        return sub
+
     pages = []
     try:
         for ids in batch:
             pages.append(engine.allocator.allocate(-(-(len(ids) + max_new_tokens) // engine.page_size)))
         t0 = time.perf_counter()
-        key, sub = jax.random.split(key)
-        token, table = engine.prefill(batch, pages, sub, temperature, top_p)
+        token, table = engine.prefill(batch, pages, step_key(0), temperature, top_p)
         out = [[int(t)] for t in np.asarray(token)[:len(batch)]]
         t1 = time.perf_counter()
         positions = np.zeros(table.shape[0], np.int32)
         positions[:len(batch)] = [len(ids) for ids in batch]
         done = [_finished(model, o, stop_ids, stop_texts) for o in out]
-        for _ in range(max_new_tokens - 1):
+        for step in range(1, max_new_tokens):
             if all(done):
                 break
-            key, sub = jax.random.split(key)
-            token = engine.decode(token, positions, table, sub, temperature, top_p)
+            token = engine.decode(token, positions, table, step_key(step), temperature, top_p)
             positions = positions + (np.arange(len(positions)) < len(batch))  # new array: the step may alias it
             for row, t in enumerate(np.asarray(token)[:len(batch)]):
                 if not done[row]:
@@ -127,10 +131,15 @@ def _run_batch(model, engine, batch, max_new_tokens, temperature, top_p, key, st
 
 
 def _finished(model, tokens, stop_ids, stop_texts) -> bool:
+    """The last token is a stop id, or a stop string ends in the text of the last tokens.
+
+    Every token decodes to at least one byte, so a stop string of n UTF-8 bytes lies within the last n + 1
+    tokens (one more for a token that starts before it)."""
     if tokens[-1] in stop_ids:
         return True
     if stop_texts:
-        text = model.tokenizer.decode(tokens[-16:], skip_special_tokens=True)
+        window = max(len(s.encode("utf-8")) for s in stop_texts) + 2
+        text = model.tokenizer.decode(tokens[-window:], skip_special_tokens=True)
         return any(s in text for s in stop_texts)
     return False
 

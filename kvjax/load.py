@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
+import warnings
 
 import jax.numpy as jnp
 from flax import nnx
 from tqdm.auto import tqdm
 
+from kvjax import atomic, validate
+from kvjax.errors import CheckpointError
 from kvjax.model import Model
 from kvjax.saving import is_kvjax_checkpoint, load_saved
-from kvjax.models.checkpoint import SafetensorsReader, fill_params, hf_sources
+from kvjax.models.checkpoint import SafetensorsReader, fill_params, hf_sources, read_json
 from kvjax.models.config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError, config_from_hf
 from kvjax.models.transformer import Transformer
 
@@ -45,9 +47,15 @@ def _load_hf_dir(path: str, dtype, progress: bool) -> Model:
 
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
+        kvjax_parts = [p for p in ("params", "plan.json") if os.path.exists(os.path.join(path, p))]
+        if kvjax_parts:
+            raise CheckpointError(f"{path} looks like a kvjax checkpoint (it has {' and '.join(kvjax_parts)}) but "
+                                  "is missing its kvjax.json")
         raise FileNotFoundError(f"{path!r} is not a Hugging Face checkpoint directory: it has no config.json")
-    with open(config_file) as f:
-        model_type = json.load(f).get("model_type")
+    hf_config = read_json(config_file)
+    if not isinstance(hf_config, dict):
+        raise CheckpointError(f"{config_file}: expected a JSON object, got {type(hf_config).__name__}")
+    model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED_ARCHS:
         raise UnsupportedModelError(
             f"{path}: model_type {model_type!r} is not supported; kvjax supports {', '.join(SUPPORTED_ARCHS)}")
@@ -72,12 +80,17 @@ def load(path: str, dtype: str = "bfloat16", *, progress: bool = True) -> Model:
     ``dtype`` is the parameter dtype ("bfloat16", "float32", ...). Weights are read and converted one tensor at a
     time, so host memory stays near the model's size in ``dtype``.
     """
-    dtype = jnp.dtype(dtype)
-    path = resolve(os.fspath(path))
+    dtype = jnp.dtype(validate.dtype(dtype))
+    path = os.fspath(path)
+    if path not in EMBEDDED:  # a save cut short by a crash is finished or undone first
+        for line in atomic.recover(os.path.abspath(path), is_kvjax_checkpoint):
+            warnings.warn(line, stacklevel=2)
+    path = resolve(path)
     if os.path.isdir(path):
-        if is_kvjax_checkpoint(path):
-            return load_saved(path, dtype)
-        return _load_hf_dir(path, dtype, progress)
-    if path.endswith(".gguf"):
-        return _load_gguf(path, dtype, progress)
-    raise ValueError(f"cannot load {path!r}: expected a Hugging Face checkpoint directory or a .gguf file")
+        model = load_saved(path, dtype) if is_kvjax_checkpoint(path) else _load_hf_dir(path, dtype, progress)
+    elif path.endswith(".gguf"):
+        model = _load_gguf(path, dtype, progress)
+    else:
+        raise ValueError(f"cannot load {path!r}: expected a Hugging Face checkpoint directory or a .gguf file")
+    model.source = os.path.abspath(path)
+    return model

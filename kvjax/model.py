@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax import attention
+from kvjax import attention, validate
 from kvjax.models.transformer import Transformer
 
 
@@ -23,9 +23,10 @@ def _full_logits(graphdef, state, tokens):
 class Model:
     """What ``kvjax.load`` returns and every other entry point takes."""
 
-    def __init__(self, module: Transformer, tokenizer=None, plan=None):
-        """``plan`` is the ``RankPlan`` a compressed module was built with (None: uncompressed)."""
-        self.module, self.tokenizer, self.plan = module, tokenizer, plan
+    def __init__(self, module: Transformer, tokenizer=None, plan=None, source: str | None = None):
+        """``plan`` is the ``RankPlan`` a compressed module was built with (None: uncompressed); ``source`` the
+        checkpoint it was read from (``save`` never writes over, into or around it)."""
+        self.module, self.tokenizer, self.plan, self.source = module, tokenizer, plan, source
         self.graphdef, self.state = nnx.split(module)
         self._engines: dict = {}
 
@@ -60,16 +61,19 @@ class Model:
         return _full_logits(self.graphdef, self.state, jnp.asarray(tokens, jnp.int32))
 
     def astype(self, dtype) -> "Model":
-        """The same model with its parameters cast to ``dtype``."""
-        dtype = jnp.dtype(dtype)
+        """The same model with its parameters cast to ``dtype`` (one of ``kvjax.validate.DTYPES``)."""
+        dtype = jnp.dtype(validate.dtype(dtype))
         module = nnx.merge(self.graphdef, jax.tree.map(lambda x: x.astype(dtype), self.state))
-        return Model(module, self.tokenizer, self.plan)
+        return Model(module, self.tokenizer, self.plan, self.source)
 
-    def save(self, directory: str, *, overwrite: bool = False) -> str:
-        """Write orbax params + ``kvjax.json`` (+ ``plan.json``, tokenizer) atomically; ``kvjax.load`` reads it."""
+    def save(self, directory: str, *, overwrite: bool = False, hint: str = "overwrite=True") -> str:
+        """Write orbax params + ``kvjax.json`` (+ ``plan.json``, tokenizer) atomically; ``kvjax.load`` reads it.
+
+        ``overwrite`` replaces only an empty directory or a kvjax checkpoint, never the one this model was read
+        from; the old one is deleted only once the new one is in place (``kvjax.atomic``)."""
         from kvjax.saving import save
 
-        return save(self, directory, overwrite=overwrite)
+        return save(self, directory, overwrite=overwrite, hint=hint)
 
     def __repr__(self):
         c = self.config

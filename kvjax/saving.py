@@ -1,49 +1,74 @@
 """Saving and loading kvjax checkpoints: ``kvjax.json`` (config), ``plan.json`` (rank plan, if compressed),
-``params/`` (an orbax checkpoint of the Flax parameters) and ``tokenizer/``. Written atomically: everything goes
-into a temporary sibling directory that is renamed into place only when complete.
+``params/`` (an orbax checkpoint of the Flax parameters) and ``tokenizer/``. Written so that no failure loses data:
+built in a sibling directory and swapped in by renames (``kvjax.atomic``).
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
+import re
 import shutil
-import tempfile
+import sys
+import time
+import warnings
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kvjax import atomic
+from kvjax.errors import CheckpointError
+from kvjax.models.checkpoint import json_error, one_line, read_json, some
+
 FORMAT = 1
+PARTS = ("kvjax.json", "plan.json", "params", "tokenizer")  # everything a checkpoint directory may hold
 
 
-def save(model, directory: str, *, overwrite: bool = False) -> str:
+def save(model, directory: str, *, overwrite: bool = False, hint: str = "overwrite=True") -> str:
+    """Write ``model`` to ``directory`` so that no failure loses data (``kvjax.atomic``); returns its absolute path.
+
+    ``kvjax.json`` is written last: it marks the new directory complete. ``hint`` names the overwrite switch in
+    errors (the converter's is ``--overwrite``)."""
     import orbax.checkpoint as ocp
 
-    directory = os.path.abspath(directory)
-    parent = os.path.dirname(directory)
-    if os.path.exists(directory) and not overwrite:
-        raise FileExistsError(f"{directory} already exists (pass overwrite=True to replace it)")
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise PermissionError(f"cannot write {directory}: {parent} is not a writable directory")
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=parent)
+    for line in atomic.recover(os.path.abspath(directory), is_kvjax_checkpoint):
+        warnings.warn(line, stacklevel=2)
+    sources = () if model.source is None else (model.source,)
+    directory = atomic.check_target(directory, overwrite=overwrite, replaceable=is_replaceable,
+                                    what="kvjax checkpoint", sources=sources, hint=hint)
+    tmp = atomic.temp_dir(directory)
     try:
-        with open(os.path.join(tmp, "kvjax.json"), "w") as f:
-            json.dump({"format": FORMAT, "config": model.config.to_dict(), "dtype": str(model.dtype)}, f, indent=1)
-        if model.plan is not None:
-            with open(os.path.join(tmp, "plan.json"), "w") as f:
-                f.write(model.plan.to_json())
-        if model.tokenizer is not None:
-            model.tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
+        parts = ["params"]
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(os.path.join(tmp, "params"), nnx.to_pure_dict(nnx.state(model.module, nnx.Param)))
         checkpointer.wait_until_finished()
-        if os.path.exists(directory):
-            shutil.rmtree(directory)
-        os.rename(tmp, directory)
+        if model.plan is not None:
+            _write(os.path.join(tmp, "plan.json"), model.plan.to_json())
+            parts.append("plan.json")
+        if model.tokenizer is not None:
+            model.tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
+            parts.append("tokenizer")
+        meta = {"format": FORMAT, "config": model.config.to_dict(), "dtype": str(model.dtype), "parts": parts}
+        _write(os.path.join(tmp, "kvjax.json"), json.dumps(meta, indent=1))
+        atomic.commit(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory
+
+
+def _write(path: str, text: str) -> None:
+    """Write ``text`` and flush it to disk before returning."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def is_replaceable(directory: str) -> bool:
+    """A kvjax checkpoint holding nothing else: the only kind of directory ``save`` may replace."""
+    return is_kvjax_checkpoint(directory) and set(os.listdir(directory)) <= set(PARTS)
 
 
 def is_kvjax_checkpoint(directory: str) -> bool:
@@ -51,6 +76,8 @@ def is_kvjax_checkpoint(directory: str) -> bool:
 
 
 def load_saved(directory: str, dtype):
+    """Read a checkpoint written by ``save``, cast to ``dtype``; a missing, corrupt or inconsistent part, or a
+    NaN/inf parameter, is a ``CheckpointError`` naming it."""
     import orbax.checkpoint as ocp
 
     from kvjax.compression.plan import RankPlan
@@ -58,21 +85,66 @@ def load_saved(directory: str, dtype):
     from kvjax.models.config import ModelConfig
     from kvjax.models.transformer import Transformer
 
-    directory = os.path.abspath(directory)
-    with open(os.path.join(directory, "kvjax.json")) as f:
-        meta = json.load(f)
+    directory, dtype = os.path.abspath(directory), jnp.dtype(dtype)
+    meta_file, plan_file = os.path.join(directory, "kvjax.json"), os.path.join(directory, "plan.json")
+    params_dir = os.path.join(directory, "params")
+    meta = read_json(meta_file)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_file}: expected a JSON object, got {type(meta).__name__}")
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{directory}: unknown kvjax checkpoint format {meta.get('format')!r}")
-    cfg = ModelConfig.from_dict(meta["config"])
+        raise CheckpointError(f"{meta_file}: unknown kvjax checkpoint format {meta.get('format')!r}")
+    parts = meta.get("parts")
+    if parts is not None and not (isinstance(parts, list) and all(isinstance(p, str) for p in parts)):
+        raise CheckpointError(f"{meta_file}: 'parts' must be a list of names, got {parts!r}")
+    for part in dict.fromkeys([*(parts or []), "params"]):
+        if not os.path.exists(os.path.join(directory, part)):
+            raise CheckpointError(f"kvjax checkpoint {directory} is missing its {part}")
+    if not isinstance(meta.get("config"), dict) or not isinstance(meta.get("dtype"), str):
+        raise CheckpointError(f"{meta_file}: needs a config object and a dtype name")
+    try:
+        cfg = ModelConfig.from_dict(meta["config"])
+        saved_dtype = jnp.dtype(meta["dtype"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{meta_file}: bad config or dtype: {one_line(e)}") from None
     plan = None
-    if os.path.isfile(os.path.join(directory, "plan.json")):
-        with open(os.path.join(directory, "plan.json")) as f:
-            plan = RankPlan.from_json(f.read())
-    saved_dtype = jnp.dtype(meta["dtype"])
-    module = nnx.eval_shape(lambda: Transformer(cfg, plan=plan, dtype=saved_dtype, rngs=nnx.Rngs(0)))
+    if os.path.isfile(plan_file):
+        with open(plan_file) as f:
+            text = f.read()
+        try:
+            plan = RankPlan.from_json(text)
+        except json.JSONDecodeError as e:
+            raise json_error(plan_file, e) from None
+        except (TypeError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{plan_file}: not a valid rank plan: {one_line(e)}") from None
+    try:
+        module = nnx.eval_shape(lambda: Transformer(cfg, plan=plan, dtype=saved_dtype, rngs=nnx.Rngs(0)))
+    except (TypeError, ValueError, IndexError) as e:
+        if plan is None:
+            raise
+        raise CheckpointError(f"{plan_file}: does not fit the config in kvjax.json: {one_line(e)}") from None
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                             nnx.to_pure_dict(nnx.state(module, nnx.Param)))
-    restored = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), abstract)
+    ocdbt = os.path.isdir(os.path.join(params_dir, "ocdbt.process_0"))
+    for name in ("_METADATA", "manifest.ocdbt") if ocdbt else ("_METADATA",):
+        if not os.path.isfile(os.path.join(params_dir, name)):
+            raise CheckpointError(f"{params_dir}: corrupt orbax checkpoint: it is missing its {name}")
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        saved = checkpointer.metadata(params_dir).item_metadata
+    except Exception as e:
+        raise CheckpointError(f"{params_dir}: unreadable orbax metadata: {one_line(e)}") from None
+    if saved is None:
+        raise CheckpointError(f"{params_dir}: corrupt orbax checkpoint: its metadata cannot be read")
+    _check_params(params_dir, _flat(saved), _flat(abstract), plan_may_be_missing=parts is None and plan is None)
+    restored = _restore(checkpointer, params_dir, abstract)
+    checks = jax.device_get(jax.tree.map(
+        lambda x: jnp.stack([jnp.isfinite(x).all(), jnp.isfinite(x.astype(dtype)).all()]), restored))
+    for name, (finite, fits) in _flat(checks).items():
+        if not finite:
+            raise CheckpointError(f"{params_dir}: parameter {name} holds NaN or infinite values")
+        if not fits:
+            raise CheckpointError(f"{params_dir}: parameter {name} has values beyond {dtype.name}'s range; load it "
+                                  "as bfloat16 or float32")
     restored = jax.tree.map(lambda x: jnp.asarray(x, dtype), restored)
     state = nnx.state(module, nnx.Param)
     nnx.replace_by_pure_dict(state, restored)
@@ -81,5 +153,69 @@ def load_saved(directory: str, dtype):
     if os.path.isdir(os.path.join(directory, "tokenizer")):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
+        except (OSError, ValueError, TypeError) as e:
+            raise CheckpointError(f"{os.path.join(directory, 'tokenizer')}: unreadable tokenizer: "
+                                  f"{one_line(e)}") from None
     return Model(module, tokenizer, plan)
+
+
+def _flat(tree) -> dict:
+    """``{"layers.0.attn.q.kernel": leaf, ...}`` of a nested parameter tree."""
+    return {jax.tree_util.keystr(path, simple=True, separator="."): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_params(params_dir: str, saved: dict, want: dict, plan_may_be_missing: bool) -> None:
+    """The saved parameters are exactly those of the config (and plan), with the same shapes."""
+    extra, absent = sorted(set(saved) - set(want)), sorted(set(want) - set(saved))
+    hint = "; the checkpoint's plan.json may be missing" if plan_may_be_missing else ""
+    if extra or absent:
+        what = "; ".join(s for s in (extra and f"unexpected {some(extra)}", absent and f"missing {some(absent)}") if s)
+        raise CheckpointError(f"{params_dir}: parameters do not match the config in kvjax.json ({what}){hint}")
+    for name, leaf in want.items():
+        shape = getattr(saved[name], "shape", None)
+        if shape is not None and tuple(shape) != tuple(leaf.shape):
+            raise CheckpointError(f"{params_dir}: parameter {name} has shape {tuple(shape)}, the config in kvjax.json "
+                                  f"needs {tuple(leaf.shape)}{hint}")
+
+
+def _restore_error(e: BaseException) -> str:
+    """One line saying which parameter orbax could not read and why, from its chain of TensorStore errors."""
+    chain = []
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for err in chain:
+        m = re.search(r'Error reading "([^"/]+)/[^"]*".*?"[^"]*": (.*)', str(err))
+        if m:
+            return f"corrupt or truncated orbax checkpoint: cannot read parameter {m[1]}: {one_line(m[2])}"
+    return f"corrupt or truncated orbax checkpoint: {one_line(chain[-1])}"
+
+
+def _restore(checkpointer, params_dir: str, abstract):
+    """orbax's restore; a failure is one CheckpointError line, and the noise of the reads it abandoned is dropped."""
+    previous, noise = sys.unraisablehook, []
+
+    def hook(unraisable):  # the abandoned reads end in TensorStore's threads: their loop is closed, their coroutines
+        coro = getattr(getattr(unraisable.object, "cr_code", None), "co_name", "")  # are closed unfinished
+        closed_loop = unraisable.object is None and str(unraisable.exc_value) == "Event loop is closed"
+        if coro == "_read_array_index_and_device_put" or closed_loop:
+            noise.append(time.monotonic())
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        try:
+            return checkpointer.restore(params_dir, abstract)
+        except Exception as e:
+            error = _restore_error(e)
+        start = time.monotonic()
+        while time.monotonic() - max([start, *noise]) < 0.3 and time.monotonic() - start < 5:  # the reads end
+            gc.collect()
+            time.sleep(0.05)
+    finally:
+        sys.unraisablehook = previous
+    raise CheckpointError(f"{params_dir}: {error}")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from kvjax.compression.calibration import Basis, CalibrationStats, calibrate, calibration_tokens
 from kvjax.compression.folding import fold
-from kvjax.compression.plan import METHODS, RankPlan, check_rate
+from kvjax import validate
+from kvjax.compression.plan import METHODS, RankPlan
 
 __all__ = ["CalibrationStats", "RankPlan", "calibrate", "calibration_tokens", "compress", "fold", "make_plan"]
 
@@ -20,7 +21,7 @@ def _check_request(target_rate, removal_rate, method) -> None:
         raise ValueError("give exactly one of target_rate and removal_rate")
     for name, value in (("target_rate", target_rate), ("removal_rate", removal_rate)):
         if value is not None:
-            check_rate(name, value)
+            validate.rate(name, value)
 
 
 def make_plan(model, stats: CalibrationStats, *, target_rate=None, removal_rate=None, method="zack",
@@ -59,6 +60,8 @@ def compress(model, target_rate=None, removal_rate=None, method="zack", adaptive
     calibrated ones by at most 32 columns a head).
     """
     _check_request(target_rate, removal_rate, method)  # before the (slow) calibration
+    num_tokens, seq_len = validate.positive("num_tokens", num_tokens), validate.positive("seq_len", seq_len)
+    batch_size, seed = validate.positive("batch_size", batch_size), validate.seed(seed)
     if model.plan is not None:
         raise ValueError("model is already compressed; compress the original model")
     tokens = calibration_tokens(model, calibration, num_tokens, min(seq_len, num_tokens), seed)

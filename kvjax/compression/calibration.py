@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from kvjax import attention
+from kvjax import attention, validate
 from kvjax.models.rope import apply_rope, inverse_frequencies
 
 KINDS = ("q", "k", "k_pre", "v")
@@ -153,15 +153,17 @@ def calibration_tokens(model, source="random", num_tokens: int = 16384, seq_len:
     ``source``: "random" (uniform ids), "text" (the calibration half of Python's pydoc topics), "text:PATH"
     (a UTF-8 file), or a sequence of token ids.
     """
-    if num_tokens <= 0 or seq_len <= 0:
-        raise ValueError("num_tokens and seq_len must be positive")
+    num_tokens, seq_len = validate.positive("num_tokens", num_tokens), validate.positive("seq_len", seq_len)
+    vocab = model.config.vocab_size
     if isinstance(source, str) and source == "random":
-        ids = np.random.default_rng(seed).integers(0, model.config.vocab_size, num_tokens)
+        ids = np.random.default_rng(seed).integers(0, vocab, num_tokens)
     else:
         if isinstance(source, str):
             ids = _text_ids(model, source)
         else:
-            ids = np.asarray(source).reshape(-1)
+            if isinstance(source, np.ndarray):
+                source = source.reshape(-1)
+            ids = validate.token_ids("calibration tokens", source, vocab)
         if len(ids) < num_tokens:
             raise ValueError(f"calibration {source if isinstance(source, str) else 'tokens'} has {len(ids)} tokens, "
                              f"fewer than the {num_tokens} asked for")
@@ -175,6 +177,8 @@ def calibration_tokens(model, source="random", num_tokens: int = 16384, seq_len:
 def _text_ids(model, source: str) -> np.ndarray:
     from kvjax.compression.text import pydoc_text
 
+    if source != "text" and not source.startswith("text:"):
+        raise ValueError(f"calibration must be 'random', 'text', 'text:PATH' or token ids, got {source!r}")
     if model.tokenizer is None:
         raise ValueError("text calibration needs a model with a tokenizer")
     if source == "text":
@@ -185,6 +189,5 @@ def _text_ids(model, source: str) -> np.ndarray:
             raise FileNotFoundError(f"calibration text file {path!r} does not exist")
         with open(path, encoding="utf-8") as f:
             text = f.read()
-    else:
-        raise ValueError(f"calibration must be 'random', 'text', 'text:PATH' or token ids, got {source!r}")
-    return np.asarray(model.tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = model.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return np.asarray(validate.token_ids(f"calibration text {source!r}", ids, model.config.vocab_size))

@@ -94,4 +94,4 @@ def fold(model: Model, plan, bases: dict) -> Model:
         if tuple(value.shape) != tuple(var.get_value().shape):
             raise AssertionError(f"folded {path} has shape {value.shape}, expected {var.get_value().shape}")
         var.set_value(jnp.asarray(value, dtype))
-    return Model(module, model.tokenizer, plan)
+    return Model(module, model.tokenizer, plan, model.source)

@@ -20,6 +20,8 @@ import json
 
 import numpy as np
 
+from kvjax import validate
+
 ALIGN = 16
 METHODS = ("zack", "palu")
 
@@ -128,7 +130,7 @@ class RankPlan:
 
     @classmethod
     def from_removal_rate(cls, method, s_qk, s_v, r: float, adaptive: bool = True) -> "RankPlan":
-        check_rate("removal_rate", r)
+        validate.rate("removal_rate", r)
         d = s_qk.shape[-1]
         rank = np.vectorize(lambda layer, head, which: rank_for_removal(
             (s_qk if which == 0 else s_v)[layer, head], r, d))
@@ -143,7 +145,7 @@ class RankPlan:
     @classmethod
     def for_target_rate(cls, method, s_qk, s_v, p: float, adaptive: bool = True, steps: int = 50) -> "RankPlan":
         """``F_p``: the plan whose rate is closest to ``p`` without going under it (bisection on ``r``)."""
-        check_rate("target_rate", p)
+        validate.rate("target_rate", p)
         d = s_qk.shape[-1]
         if not adaptive:
             k_qk, k_v = uniform_widths(p, d, s_qk, s_v)
@@ -207,6 +209,3 @@ def uniform_widths(p: float, head_dim: int, s_qk, s_v) -> tuple[int, int]:
     return int(k_qk), int(budget - k_qk)
 
 
-def check_rate(name: str, value: float) -> None:
-    if value is None or not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {value!r}")

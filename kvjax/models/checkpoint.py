@@ -7,23 +7,62 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable
+import re
+from typing import Callable, Iterable
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvjax.errors import CheckpointError
 from kvjax.models.config import ModelConfig
 
 Path = tuple  # a parameter's nnx path, e.g. ("layers", 0, "attn", "q", "kernel")
 Source = tuple[str, Callable[[np.ndarray], np.ndarray]]  # (checkpoint tensor name, transform)
 
 
-def _same(x):
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blk)\.(\d+)\.")  # model.layers.N., transformer.h.N., blk.N.
+
+
+class MissingTensorError(CheckpointError, KeyError):
+    """A tensor the config needs is not in the checkpoint; a ``KeyError`` too, as a failed lookup by name."""
+
+    __str__ = Exception.__str__
+
+
+def one_line(text) -> str:
+    """The first line of ``text`` (an exception's message, say), cut to 300 characters."""
+    line = (str(text).strip().splitlines() or [""])[0]
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def some(names: Iterable[str], k: int = 3) -> str:
+    """Up to ``k`` quoted names, and how many more there are."""
+    names = list(names)
+    more = f" and {len(names) - k} more" if len(names) > k else ""
+    return ", ".join(map(repr, names[:k])) + more
+
+
+def read_json(path: str):
+    """The parsed contents of a JSON file; a ``CheckpointError`` naming the file, line and column if it is invalid."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise json_error(path, e) from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not a text file ({one_line(e)})") from None
+
+
+def json_error(path: str, e: json.JSONDecodeError) -> CheckpointError:
+    return CheckpointError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}")
+
+
+def as_is(x):
     return x
 
 
-def _transpose(x):
+def transposed(x):
     return x.T
 
 
@@ -51,15 +90,15 @@ def _falcon_qkv_part(cfg: ModelConfig, part: int, transpose: bool):
 def hf_sources(cfg: ModelConfig) -> dict[Path, Source]:
     """Where every parameter of ``Transformer(cfg)`` comes from in a Hugging Face checkpoint."""
     src: dict[Path, Source] = {}
-    lin = [("kernel", "weight", _transpose)] + ([("bias", "bias", _same)] if cfg.attention_bias else [])
-    mlp_lin = [("kernel", "weight", _transpose)] + ([("bias", "bias", _same)] if cfg.mlp_bias else [])
+    lin = [("kernel", "weight", transposed)] + ([("bias", "bias", as_is)] if cfg.attention_bias else [])
+    mlp_lin = [("kernel", "weight", transposed)] + ([("bias", "bias", as_is)] if cfg.mlp_bias else [])
     if cfg.arch in ("llama", "mistral"):
-        src[("embed",)] = ("model.embed_tokens.weight", _same)
-        src[("final_norm", "scale")] = ("model.norm.weight", _same)
+        src[("embed",)] = ("model.embed_tokens.weight", as_is)
+        src[("final_norm", "scale")] = ("model.norm.weight", as_is)
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}"
-            src[("layers", i, "attn_norm", "scale")] = (f"{p}.input_layernorm.weight", _same)
-            src[("layers", i, "mlp_norm", "scale")] = (f"{p}.post_attention_layernorm.weight", _same)
+            src[("layers", i, "attn_norm", "scale")] = (f"{p}.input_layernorm.weight", as_is)
+            src[("layers", i, "mlp_norm", "scale")] = (f"{p}.post_attention_layernorm.weight", as_is)
             for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj")):
                 for leaf, suffix, fn in lin:
                     src[("layers", i, "attn", ours, leaf)] = (f"{p}.self_attn.{theirs}.{suffix}", fn)
@@ -67,9 +106,9 @@ def hf_sources(cfg: ModelConfig) -> dict[Path, Source]:
                 for leaf, suffix, fn in mlp_lin:
                     src[("layers", i, "mlp", ours, leaf)] = (f"{p}.mlp.{ours}_proj.{suffix}", fn)
     else:  # falcon
-        src[("embed",)] = ("transformer.word_embeddings.weight", _same)
-        src[("final_norm", "scale")] = ("transformer.ln_f.weight", _same)
-        src[("final_norm", "bias")] = ("transformer.ln_f.bias", _same)
+        src[("embed",)] = ("transformer.word_embeddings.weight", as_is)
+        src[("final_norm", "scale")] = ("transformer.ln_f.weight", as_is)
+        src[("final_norm", "bias")] = ("transformer.ln_f.bias", as_is)
         if not cfg.parallel_block:
             norms = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
         elif cfg.parallel_norms == 2:
@@ -79,11 +118,11 @@ def hf_sources(cfg: ModelConfig) -> dict[Path, Source]:
         for i in range(cfg.num_layers):
             p = f"transformer.h.{i}"
             for ours, theirs in norms.items():
-                src[("layers", i, ours, "scale")] = (f"{p}.{theirs}.weight", _same)
-                src[("layers", i, ours, "bias")] = (f"{p}.{theirs}.bias", _same)
+                src[("layers", i, ours, "scale")] = (f"{p}.{theirs}.weight", as_is)
+                src[("layers", i, ours, "bias")] = (f"{p}.{theirs}.bias", as_is)
             for part, ours in enumerate("qkv"):
                 for leaf, suffix, fn in lin:
-                    pick = _falcon_qkv_part(cfg, part, transpose=fn is _transpose)
+                    pick = _falcon_qkv_part(cfg, part, transpose=fn is transposed)
                     src[("layers", i, "attn", ours, leaf)] = (f"{p}.self_attention.query_key_value.{suffix}", pick)
             for leaf, suffix, fn in lin:
                 src[("layers", i, "attn", "o", leaf)] = (f"{p}.self_attention.dense.{suffix}", fn)
@@ -91,55 +130,124 @@ def hf_sources(cfg: ModelConfig) -> dict[Path, Source]:
                 for leaf, suffix, fn in mlp_lin:
                     src[("layers", i, "mlp", ours, leaf)] = (f"{p}.mlp.{theirs}.{suffix}", fn)
     if not cfg.tie_word_embeddings:
-        src[("lm_head", "kernel")] = ("lm_head.weight", _transpose)
+        src[("lm_head", "kernel")] = ("lm_head.weight", transposed)
     return src
 
 
 class SafetensorsReader:
-    """Reads single tensors from one or many ``*.safetensors`` files of a Hugging Face directory."""
+    """Reads single tensors, as float32, from the ``*.safetensors`` files of a Hugging Face directory.
+
+    Every file's header is checked when the reader is made: a corrupt or truncated file fails here, named."""
+
+    layers_key = "config.json's num_hidden_layers"
 
     def __init__(self, directory: str):
-        from safetensors import safe_open
-
+        self.path = directory
         index = os.path.join(directory, "model.safetensors.index.json")
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = read_json(index)
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: has no weight_map object")
+            for fname in sorted(set(weight_map.values())):
+                if not os.path.isfile(os.path.join(directory, fname)):
+                    raise CheckpointError(f"{index}: names the file {fname!r}, which is not in {directory}")
+                held = set(self._keys(fname))
+                absent = sorted(k for k, v in weight_map.items() if v == fname and k not in held)
+                if absent:
+                    raise MissingTensorError(f"{os.path.join(directory, fname)}: has no tensor {some(absent)}, "
+                                             f"which {index} places in it")
         else:
             files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
             if not files:
                 raise FileNotFoundError(f"no *.safetensors files in {directory}")
-            weight_map = {}
-            for fname in files:
-                with safe_open(os.path.join(directory, fname), framework="numpy") as f:
-                    weight_map.update({k: fname for k in f.keys()})
-        self._open = lambda fname: safe_open(os.path.join(directory, fname), framework="flax")
+            weight_map = {k: fname for fname in files for k in self._keys(fname)}
         self.weight_map = weight_map
+
+    def _keys(self, fname: str) -> list[str]:
+        from safetensors import SafetensorError, safe_open
+
+        path = os.path.join(self.path, fname)
+        try:
+            with safe_open(path, framework="numpy") as f:
+                return list(f.keys())
+        except SafetensorError as e:
+            raise CheckpointError(f"{path}: corrupt or truncated safetensors file: {one_line(e)}") from None
+
+    def file_of(self, name: str) -> str:
+        return os.path.join(self.path, self.weight_map[name]) if name in self.weight_map else self.path
+
+    def __iter__(self):
+        return iter(self.weight_map)
 
     def __contains__(self, name):
         return name in self.weight_map
 
     def __call__(self, name: str) -> np.ndarray:
+        from safetensors import SafetensorError, safe_open
+
         if name not in self.weight_map:
-            raise KeyError(f"checkpoint has no tensor {name!r}")
-        with self._open(self.weight_map[name]) as f:
-            x = f.get_tensor(name)
+            raise MissingTensorError(f"{self.path}: checkpoint has no tensor {name!r}")
+        try:
+            with safe_open(self.file_of(name), framework="flax") as f:
+                x = f.get_tensor(name)
+        except SafetensorError as e:
+            raise CheckpointError(f"{self.file_of(name)}: cannot read tensor {name!r}: {one_line(e)}") from None
         return np.asarray(x.astype(jnp.float32))
 
 
-def fill_params(model: nnx.Module, sources: dict[Path, Source], read: Callable[[str], np.ndarray],
-                dtype, progress=None) -> None:
-    """Set every parameter of an abstract (``nnx.eval_shape``) model from the checkpoint, one tensor at a time."""
+def _check_layers(read, num_layers: int) -> None:
+    """No tensor of the checkpoint may belong to a layer past the config's ``num_layers``."""
+    extra = sorted((n for n in read if (m := _LAYER.search(n)) and int(m.group(1)) >= num_layers),
+                   key=lambda n: (int(_LAYER.search(n).group(1)), n))
+    if extra:
+        raise CheckpointError(f"{read.file_of(extra[0])}: {read.layers_key} is {num_layers}, but the checkpoint "
+                              f"holds tensors of more layers: {some(extra)}")
+
+
+def _source_shape(transform, want: tuple) -> str:
+    """The checkpoint tensor shape the config implies, where the transform's inverse is known."""
+    if transform is as_is:
+        return str(want)
+    if transform is transposed:
+        return str(want[::-1])
+    return f"{want} after conversion"
+
+
+def fill_params(model: nnx.Module, sources: dict[Path, Source], read, dtype, progress=None) -> None:
+    """Set every parameter of an abstract (``nnx.eval_shape``) model from the checkpoint, one tensor at a time.
+
+    ``read(name)`` gives a tensor as float32; ``read`` also has ``path``, ``layers_key``, ``file_of(name)`` and
+    iterates over its tensor names. Missing tensors, tensors of extra layers, shapes that do not fit the config and
+    NaN/inf values are a ``CheckpointError`` naming the file and the tensor."""
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     missing = set(params) - set(sources)
     if missing:
         raise ValueError(f"no checkpoint source for parameters {sorted(map(str, missing))[:5]}")
+    absent = sorted({name for name, _ in sources.values() if name not in read})
+    if absent:
+        raise MissingTensorError(f"{read.path}: checkpoint lacks tensors the config needs: {some(absent)}")
+    _check_layers(read, model.config.num_layers)
+    dtype = jnp.dtype(dtype)
+    limit = float(jnp.finfo(dtype).max)
     for path in sorted(params, key=str):
         name, transform = sources[path]
-        value = transform(read(name))
-        want = params[path].get_value().shape
-        if tuple(value.shape) != tuple(want):
-            raise ValueError(f"tensor {name!r} has shape {value.shape} after conversion, expected {want}")
+        raw = read(name)
+        where = f"{read.file_of(name)}: tensor {name!r}"
+        finite = np.isfinite(raw)
+        if not finite.all():
+            raise CheckpointError(f"{where} holds {raw.size - int(finite.sum())} NaN or infinite values")
+        want = tuple(params[path].get_value().shape)
+        try:
+            value = transform(raw)
+        except ValueError:
+            value = None
+        if value is None or tuple(value.shape) != want:
+            raise CheckpointError(f"{where} has shape {tuple(raw.shape)}, the config needs "
+                                  f"{_source_shape(transform, want)}")
+        if raw.size and limit < np.finfo(np.float32).max and np.abs(raw).max() > limit:
+            raise CheckpointError(f"{where} has values up to {np.abs(raw).max():.4g}, beyond {dtype.name}'s range; "
+                                  "load it as bfloat16 or float32")
         params[path].set_value(jnp.asarray(value, dtype))
         if progress is not None:
             progress.update(1)

@@ -6,9 +6,12 @@ built from the file's vocabulary and merges with ``tokenizers`` (transformers' o
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from kvjax.models.checkpoint import Path, Source
+from kvjax.errors import CheckpointError
+from kvjax.models.checkpoint import MissingTensorError, Path, Source, as_is, one_line, transposed
 from kvjax.models.config import ModelConfig, UnsupportedModelError
 
 # llama.cpp's pre-tokenizer names -> how the text is split before byte-level BPE.
@@ -19,14 +22,51 @@ _SPLITS = {"smollm": ("digits", _GPT2_SPLIT), "gpt2": (None, _GPT2_SPLIT), "defa
            "llama-bpe": (None, _LLAMA3_SPLIT), "llama3": (None, _LLAMA3_SPLIT), "smaug-bpe": (None, _LLAMA3_SPLIT)}
 
 
+def _read(path: str):
+    """A ``gguf.GGUFReader`` of ``path``; a corrupt file, or one too short for its tensors, is a CheckpointError."""
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):  # check every tensor's bytes lie in the file before views
+            size = len(self.data)
+            for field in sorted(fields, key=lambda f: int(f.parts[5][0])):
+                _, name, _, dims, raw_type, offset = field.parts
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_type[0]))]
+                end = int(start_offs) + int(offset[0]) + math.prod(int(d) for d in dims) * type_size // block
+                if end > size:
+                    raise CheckpointError(f"{path}: truncated: tensor {bytes(name).decode(errors='replace')} needs "
+                                          f"bytes up to {end}, the file has {size}")
+            super()._build_tensors(start_offs, fields)
+
+    try:
+        return Reader(path)
+    except (CheckpointError, OSError):
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file (corrupt or truncated): {one_line(e)}") from None
+
+
 class GGUFCheckpoint:
+    """A GGUF file's config, tensors (dequantized to float32 one at a time) and tokenizer."""
+
+    layers_key = "llama.block_count"
+
     def __init__(self, path: str):
         import gguf
 
         self.path = path
         self._gguf = gguf
-        self.reader = gguf.GGUFReader(path)
+        self.reader = _read(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def file_of(self, name: str) -> str:
+        return self.path
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __contains__(self, name):
+        return name in self.tensors
 
     def field(self, key, default=None):
         f = self.reader.fields.get(key)
@@ -38,7 +78,14 @@ class GGUFCheckpoint:
             raise UnsupportedModelError(
                 f"GGUF architecture {arch!r} is not supported; kvjax reads GGUF files of the llama architecture "
                 "(Llama, Mistral); load Falcon from a Hugging Face directory")
-        a = lambda key, default=None: self.field(f"llama.{key}", default)  # noqa: E731
+
+        def a(key, default=None):
+            return self.field(f"llama.{key}", default)
+
+        for key in ("block_count", "attention.head_count", "embedding_length", "feed_forward_length",
+                    "attention.layer_norm_rms_epsilon"):
+            if a(key) is None:
+                raise CheckpointError(f"{self.path}: GGUF metadata has no llama.{key}")
         num_heads, hidden = a("attention.head_count"), a("embedding_length")
         scaling = None
         if a("rope.scaling.type") == "linear":
@@ -59,8 +106,14 @@ class GGUFCheckpoint:
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"), eos_token_ids=() if eos is None else (eos,))
 
     def __call__(self, name: str) -> np.ndarray:
+        if name not in self.tensors:
+            raise MissingTensorError(f"{self.path}: GGUF file has no tensor {name!r}")
         t = self.tensors[name]
-        x = self._gguf.quants.dequantize(t.data, t.tensor_type)
+        try:
+            x = self._gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise UnsupportedModelError(f"{self.path}: tensor {name!r} is of type {t.tensor_type.name}, which the "
+                                        "gguf package cannot dequantize") from None
         return np.asarray(x, np.float32).reshape(tuple(int(n) for n in reversed(t.shape)))
 
     def sources(self, cfg: ModelConfig) -> dict[Path, Source]:
@@ -69,8 +122,7 @@ class GGUFCheckpoint:
                 return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape).T
             return fn
 
-        t = lambda w: w.T  # noqa: E731
-        same = lambda w: w  # noqa: E731
+        t, same = transposed, as_is
         src: dict[Path, Source] = {("embed",): ("token_embd.weight", same),
                                    ("final_norm", "scale"): ("output_norm.weight", same)}
         for i in range(cfg.num_layers):
