@@ -84,20 +84,25 @@ def test_kvjax_infer_writes_results_atomically(tmp_path, capsys):
                        "--max-new-tokens", "4", "--batch-size", "2", "--dtype", "float32"]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == [[1, 2, 3], [4, 5], [6]] and all(len(r["tokens"]) == 4 for r in rows)
+    assert [r["index"] for r in rows] == [0, 1, 2]
     assert "tok/s" in capsys.readouterr().out
-    # a failing run (a prompt longer than the cache) leaves the old output untouched and no temporary file
+    # a prompt longer than the cache gets an error record (exit 1) and the output is replaced whole, no temporary file
     prompts.write_text(json.dumps({"prompt": [1] * 300}) + "\n")
-    with pytest.raises(SystemExit):
-        infer.main(["--model", model_dir, "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "4"])
-    assert len(out.read_text().splitlines()) == 3 and sorted(os.listdir(tmp_path)) == ["out.jsonl", "prompts.jsonl"]
+    status = infer.main(["--model", model_dir, "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "4"])
+    assert status == 1
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 1 and "300 tokens" in rows[0]["error"] and "1 of 1 prompts failed" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["out.jsonl", "prompts.jsonl"]
 
 
-def test_kvjax_infer_rejects_bad_paths(tmp_path):
+def test_kvjax_infer_rejects_bad_paths(tmp_path, capsys):
     with pytest.raises(SystemExit):
         infer.main(["--model", "smollm2", "--prompts", str(tmp_path / "missing.jsonl"), "--out",
                     str(tmp_path / "o.jsonl")])
     (tmp_path / "p.jsonl").write_text('{"text": "no prompt key"}\n')
-    with pytest.raises(SystemExit, match="prompt"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
         infer.main(["--model", "smollm2", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl")])
+    assert e.value.code == 2 and "prompt" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         infer.main(["--model", "smollm2", "--prompts", str(tmp_path / "p.jsonl"), "--out", "/nonexistent/o.jsonl"])

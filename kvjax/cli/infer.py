@@ -1,117 +1,301 @@
-"""``kvjax-infer``: batch inference over a JSONL file of prompts, written atomically."""
+"""``kvjax-infer``: batch inference over a JSONL file of prompts, each result written as soon as its batch finishes."""
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
-import tempfile
 import time
 
 from tqdm.auto import tqdm
 
+from kvjax import validate
+
+EPILOG = """\
+input (--prompts): JSONL, one JSON object per line with a "prompt" key: a
+  string (tokenized by the model's tokenizer; --chat wraps it in the chat
+  template) or a list of integer token ids. Blank lines are skipped.
+
+output (--out): JSONL, one record per prompt, in input order ("index" is the
+  prompt's 0-based position among the prompts):
+    {"index": 0, "prompt": ..., "text": "..." (null without a tokenizer),
+     "tokens": [...], "finish_reason": "stop" or "length"}
+  A prompt that cannot be generated (a token id outside the vocabulary, too
+  long for the cache with --max-new-tokens, or its batch failed) gets
+    {"index": n, "prompt": ..., "error": "..."}
+  and the other prompts go on.
+
+  Records go to OUT.partial (beside OUT), each line flushed as soon as its
+  batch finishes; OUT.partial is renamed onto OUT once every prompt has a
+  record, so an existing OUT is replaced whole or not at all. An interrupted
+  run (Ctrl-C, a crash) keeps its finished records in OUT.partial and leaves
+  OUT as it was.
+
+  Flags, paths and the input file are checked before the model is loaded;
+  prompts are checked against the model before anything is generated.
+
+exit status:
+  0    every prompt has a result
+  1    some prompts got an error record (summary on stderr), or OUT.partial
+       could not be written
+  2    usage error: a bad flag, path, model or input line (nothing written)
+  130  interrupted (Ctrl-C); finished records are kept in OUT.partial
+"""
+
+
+def _message(e: BaseException) -> str:
+    """One line describing ``e``: its message's first line, behind its type unless that is ValueError/TypeError."""
+    lines = str(e).strip().splitlines()
+    text = lines[0][:500] if lines else ""
+    if type(e) in (ValueError, TypeError) and text:
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _json_type(value) -> str:
+    """The JSON name of a parsed value's type, with the value when it is short."""
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    name = names.get(type(value), "number")
+    shown = json.dumps(value)
+    return f"{name} {shown}" if len(shown) <= 40 else name
+
+
+def _prompt(record):
+    """The "prompt" of one parsed input line: a string, or a non-empty list of integer token ids >= 0."""
+    if not isinstance(record, dict):
+        raise ValueError(f'expected a JSON object with a "prompt" key, got {_json_type(record)}')
+    if "prompt" not in record:
+        keys = ", ".join(json.dumps(k) for k in list(record)[:5]) + (", ..." if len(record) > 5 else "")
+        raise ValueError(f'no "prompt" key (keys: {keys or "none"})')
+    prompt = record["prompt"]
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f'"prompt" is not valid text: lone surrogate {prompt[e.start]!r} at character {e.start}')
+        return prompt
+    if isinstance(prompt, list):
+        return validate.token_ids('"prompt"', prompt, math.inf)  # the vocabulary is checked once the model is loaded
+    raise ValueError(f'"prompt" must be a string or a list of token ids, got {_json_type(prompt)}')
+
 
 def _read_prompts(path: str) -> list:
-    prompts = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                prompt = record["prompt"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise SystemExit(f"{path}:{n}: expected a JSON object with a \"prompt\" key ({e})")
-            is_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
-            if not isinstance(prompt, str) and not is_ids:
-                raise SystemExit(f"{path}:{n}: \"prompt\" must be a string or a list of token ids")
-            prompts.append(prompt)
+    """The prompts of a JSONL file; raises ValueError as ``path:line: what is wrong`` for the first bad line."""
+    with open(path, "rb") as f:
+        data = f.read()
+    prompts, problems = [], []
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            problems.append(f"{path}:{n}: not UTF-8 text (byte {raw[e.start]:#04x} at byte {e.start + 1} of the line)")
+            continue
+        if not line.strip():
+            continue
+        try:
+            prompts.append(_prompt(json.loads(line)))
+        except json.JSONDecodeError as e:
+            problems.append(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})")
+        except RecursionError:
+            problems.append(f"{path}:{n}: JSON nested too deeply")
+        except (TypeError, ValueError) as e:
+            problems.append(f"{path}:{n}: {e}")
+    if problems:
+        more = len(problems) - 1
+        raise ValueError(problems[0] + (f" (and {more} more bad line{'s' * (more > 1)})" if more else ""))
     if not prompts:
-        raise SystemExit(f"{path}: no prompts")
+        raise ValueError(f"{path}: no prompts")
     return prompts
 
 
-def write_atomically(path: str, lines: list[str]) -> None:
-    """Write to a temporary file beside ``path`` and rename it into place, so no half-written file remains."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".kvjax-infer-", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.writelines(lines)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (through links too); ``a`` need not exist."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="kvjax-infer", description="Run greedy or sampled generation for every prompt of a JSONL file.",
-        epilog="Each input line is {\"prompt\": \"text\" or [token ids]}; each output line adds \"text\", "
-               "\"tokens\" and \"finish_reason\". The output is written only once every prompt has finished.")
-    p.add_argument("--model", required=True,
-                   help="Hugging Face directory, .gguf file, kvjax checkpoint (Model.save, convert/convert.py), "
-                        "or 'smollm2' (embedded)")
-    p.add_argument("--prompts", required=True, help="input JSONL file")
-    p.add_argument("--out", required=True, help="output JSONL file (replaced atomically)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per jitted batch (default 8)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chat", action="store_true", help="wrap string prompts in the model's chat template")
-    p.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
-    p.add_argument("--attention", choices=("pallas", "reference"), default=None,
-                   help="attention path: the Pallas kernels (default on a GPU) or the jnp reference (default on CPU)")
-    p.add_argument("--show", action="store_true", help="also print every prompt with its generated text")
-    p.add_argument("--max-seq-len", type=int, default=None, help="cache positions per sequence (default: model's)")
-    args = p.parse_args(argv)
-
-    if args.max_new_tokens <= 0:
-        p.error("--max-new-tokens must be positive")
-    if args.batch_size <= 0:
-        p.error("--batch-size must be positive")
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
-        p.error(f"cannot write --out {args.out!r}: {out_dir} is not a writable directory")
+def _check_paths(p: argparse.ArgumentParser, args) -> None:
+    """Refuse (as usage errors) a --prompts that is no readable file and an --out that cannot be written safely."""
+    if not os.path.exists(args.prompts):
+        p.error(f"--prompts {args.prompts!r}: no such file")
     if not os.path.isfile(args.prompts):
-        p.error(f"--prompts {args.prompts!r} does not exist")
-    prompts = _read_prompts(args.prompts)
+        p.error(f"--prompts {args.prompts!r} is not a regular file")
+    out, partial = args.out, args.out + ".partial"
+    if os.path.isdir(out):
+        p.error(f"--out {out!r} is a directory")
+    if os.path.lexists(out) and not os.path.isfile(out):
+        p.error(f"--out {out!r} exists and is not a regular file")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        p.error(f"--out {out!r}: directory {parent!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        p.error(f"--out {out!r}: directory {parent!r} is not writable")
+    if _same_file(out, args.prompts) or _same_file(partial, args.prompts):
+        p.error(f"--out {out!r} would overwrite --prompts {args.prompts!r}")
+    if os.path.lexists(partial) and not os.path.isfile(partial):
+        p.error(f"--out {out!r}: {partial!r} exists and is not a regular file")
 
+
+def _encode(model, prompts: list, args, capacity: int, where: str) -> tuple[dict, dict]:
+    """Each prompt's token ids, or the one-line reason it cannot be generated: ({index: ids}, {index: error})."""
+    from kvjax.generate import encode_prompt
+
+    encoded, errors = {}, {}
+    for n, prompt in enumerate(prompts):
+        try:
+            ids = encode_prompt(model, prompt, args.chat, f"prompt {n}")
+        except Exception as e:
+            errors[n] = _message(e)
+            continue
+        if len(ids) + args.max_new_tokens > capacity:
+            errors[n] = (f"prompt {n} has {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} it needs "
+                         f"{len(ids) + args.max_new_tokens} cache positions, more than the {capacity} of {where}")
+        else:
+            encoded[n] = ids
+    return encoded, errors
+
+
+def _run(args, model, prompts: list, encoded: dict, errors: dict) -> int:
+    """Generate the encoded prompts batch by batch into OUT.partial, then rename it onto OUT; returns the status."""
     import kvjax
 
-    try:
-        model = kvjax.load(args.model, dtype=args.dtype)
-    except (FileNotFoundError, ValueError) as e:
-        p.error(str(e))
-    records, totals = [], {"prefill_s": 0.0, "decode_s": 0.0, "prompt_tokens": 0, "new_tokens": 0}
+    partial = args.out + ".partial"
+    records = [{"index": n, "prompt": prompts[n], "error": errors[n]} if n in errors else None
+               for n in range(len(prompts))]
+    good = sorted(encoded)
+    totals = {"prefill_s": 0.0, "decode_s": 0.0, "prompt_tokens": 0, "new_tokens": 0}
+    written = 0
+    if os.path.exists(partial):
+        print(f"kvjax-infer: replacing {partial}, left by an earlier run", file=sys.stderr)
     start = time.perf_counter()
-    with tqdm(total=len(prompts), desc="generating", unit="prompt") as bar:
-        for i in range(0, len(prompts), args.batch_size):
-            chunk, stats = prompts[i:i + args.batch_size], {}
-            try:
-                results = kvjax.generate(model, chunk, args.max_new_tokens, args.temperature, args.top_p,
-                                         args.seed + i, chat=args.chat, max_batch=args.batch_size,
-                                         max_seq_len=args.max_seq_len, backend=args.attention, stats=stats)
-            except ValueError as e:
-                p.error(f"prompts {i}..{i + len(chunk) - 1}: {e}")
-            for key in totals:
-                totals[key] += stats[key]
-            for prompt, r in zip(chunk, results):
-                records.append(json.dumps({"prompt": prompt, "text": r.text, "tokens": r.tokens,
-                                           "finish_reason": r.finish_reason}) + "\n")
-            bar.update(len(chunk))
-    write_atomically(args.out, records)
+    try:
+        f = open(partial, "w", encoding="utf-8")
+    except OSError as e:
+        print(f"kvjax-infer: error: cannot write {partial}: {e.strerror or e}", file=sys.stderr)
+        return 1
+
+    def flush() -> None:
+        """Write the records finished so far that follow the written ones in input order, each line whole."""
+        nonlocal written
+        while written < len(records) and records[written] is not None:
+            f.write(json.dumps(records[written]) + "\n")
+            written += 1
+        f.flush()
+
+    try:
+        with f, tqdm(total=len(good), desc="generating", unit="prompt") as bar:
+            flush()
+            for b in range(0, len(good), args.batch_size):
+                batch, stats = good[b:b + args.batch_size], {}
+                try:
+                    results = kvjax.generate(model, [encoded[n] for n in batch], args.max_new_tokens, args.temperature,
+                                             args.top_p, (args.seed + b) % 2**63, max_batch=args.batch_size,
+                                             max_seq_len=args.max_seq_len, backend=args.attention, stats=stats)
+                    done = [{"index": n, "prompt": prompts[n], "text": r.text, "tokens": r.tokens,
+                             "finish_reason": r.finish_reason} for n, r in zip(batch, results, strict=True)]
+                except Exception as e:
+                    message = f"generation failed for the batch of prompts {', '.join(map(str, batch))}: {_message(e)}"
+                    done = [{"index": n, "prompt": prompts[n], "error": message} for n in batch]
+                else:
+                    for key in totals:
+                        totals[key] += stats[key]
+                for n, record in zip(batch, done):
+                    records[n] = record
+                flush()
+                bar.update(len(batch))
+            os.fsync(f.fileno())
+    except BaseException as e:
+        what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped by {_message(e)}"
+        print(f"kvjax-infer: {what}: the {written} finished records (of {len(prompts)}) are kept in {partial}; "
+              f"{args.out} was left as it was", file=sys.stderr)
+        if isinstance(e, KeyboardInterrupt):
+            return 130
+        if isinstance(e, OSError):
+            return 1
+        raise
+    os.replace(partial, args.out)
+
     if args.show:
-        for line in records:
-            r = json.loads(line)
-            print(f"> {r['prompt']}\n{r['text'] if r['text'] is not None else r['tokens']}\n")
+        for r in records:
+            body = f"error: {r['error']}" if "error" in r else r["text"] if r["text"] is not None else r["tokens"]
+            print(f"> {r['prompt']}\n{body}\n")
     wall = time.perf_counter() - start
-    print(f"wrote {len(records)} results to {args.out} in {wall:.1f} s: "
+    print(f"wrote {len(records)} records to {args.out} in {wall:.1f} s: "
           f"{totals['prompt_tokens']} prompt tokens at {totals['prompt_tokens'] / max(totals['prefill_s'], 1e-9):.0f} "
           f"tok/s (prefill), {totals['new_tokens']} generated tokens at "
           f"{totals['new_tokens'] / max(totals['decode_s'], 1e-9):.1f} tok/s (decode), compilation included")
+    failed = sum("error" in r for r in records)
+    if failed:
+        print(f"kvjax-infer: {failed} of {len(records)} prompts failed; their records in {args.out} hold an \"error\"",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def _positive(name: str):
+    """An argparse ``type=``: a positive integer, called ``name`` in messages."""
+    return validate.arg(lambda v: validate.positive(name, v), int)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command's argument parser; every ``type=`` refuses a bad value as a usage error."""
+    p = argparse.ArgumentParser(
+        prog="kvjax-infer", description="Run greedy or sampled generation for every prompt of a JSONL file.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="Hugging Face directory, .gguf file, kvjax checkpoint (Model.save, convert/convert.py), "
+                        "or 'smollm2' (embedded)")
+    p.add_argument("--prompts", required=True, help="input JSONL file (format below)")
+    p.add_argument("--out", required=True, help="output JSONL file (format below; written through OUT.partial)")
+    p.add_argument("--max-new-tokens", type=_positive("max_new_tokens"), default=64,
+                   help="new tokens per prompt (default 64)")
+    p.add_argument("--batch-size", type=_positive("batch_size"), default=8,
+                   help="prompts per jitted batch (default 8)")
+    p.add_argument("--temperature", type=validate.arg(validate.temperature, float), default=0.0,
+                   help="0 is greedy (default)")
+    p.add_argument("--top-p", type=validate.arg(validate.top_p, float), default=1.0,
+                   help="nucleus sampling mass in (0, 1] (default 1.0)")
+    p.add_argument("--seed", type=validate.arg(validate.seed, int), default=0, help="random seed >= 0 (default 0)")
+    p.add_argument("--chat", action="store_true", help="wrap string prompts in the model's chat template")
+    p.add_argument("--dtype", type=validate.arg(validate.dtype), default="bfloat16",
+                   help=f"parameter dtype: {', '.join(validate.DTYPES)} (default bfloat16)")
+    p.add_argument("--attention", choices=("pallas", "reference"), default=None,
+                   help="attention path: the Pallas kernels (default on a GPU) or the jnp reference (default on CPU)")
+    p.add_argument("--show", action="store_true", help="also print every prompt with its generated text")
+    p.add_argument("--max-seq-len", type=_positive("max_seq_len"), default=None,
+                   help="cache positions per sequence: prompt + new tokens (default: the model's)")
+    return p
+
+
+def main(argv=None) -> int:
+    """Run ``kvjax-infer``; returns 0 (all prompts done), 1 (some failed) or 130 (interrupted); usage errors exit 2."""
+    p = _parser()
+    args = p.parse_args(argv)
+    try:
+        _check_paths(p, args)
+        try:
+            prompts = _read_prompts(args.prompts)
+        except (OSError, ValueError) as e:
+            p.error(str(e))
+
+        import kvjax
+
+        try:
+            model = kvjax.load(args.model, dtype=args.dtype)
+        except (OSError, ValueError) as e:
+            p.error(f"--model {args.model!r}: {e}")
+        capacity = args.max_seq_len or model.config.max_position_embeddings
+        where = "--max-seq-len" if args.max_seq_len else "the model's max_position_embeddings"
+        if args.max_new_tokens >= capacity:
+            p.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the {capacity} cache "
+                    f"positions of {where}")
+        encoded, errors = _encode(model, prompts, args, capacity, where)
+    except KeyboardInterrupt:
+        print("kvjax-infer: interrupted before generating; nothing was written", file=sys.stderr)
+        return 130
+    return _run(args, model, prompts, encoded, errors)
 
 
 if __name__ == "__main__":
