@@ -15,7 +15,7 @@ from flax import nnx
 
 from kvjax import attention
 from kvjax.cache import PagedKVCache, PageAllocator, block_table
-from kvjax.schedule import DecodePlanner
+from kvjax.schedule import FIXED_CHUNK_TOKENS, DecodePlanner
 from kvjax.schedule import bucket as pow2_bucket
 
 
@@ -25,8 +25,9 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     return size if maximum is None else min(size, maximum)
 
 
-def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array, greedy: bool) -> jax.Array:
-    """Next token ids [B] from float32 logits [B, V]: argmax, or temperature + nucleus (top-p) sampling."""
+def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array, greedy: bool) -> jax.Array:
+    """Next token ids [B] from float32 logits [B, V]: argmax, or temperature + nucleus (top-p) sampling with row
+    i drawn from ``keys[i]`` alone."""
     if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
@@ -34,10 +35,17 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax
     probs = jax.nn.softmax(ordered, axis=-1)
     keep = jnp.cumsum(probs, axis=-1) - probs < top_p  # always keeps the most likely token
     threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
-    return jax.random.categorical(key, jnp.where(logits >= threshold, logits, -jnp.inf)).astype(jnp.int32)
+    draw = jax.vmap(jax.random.categorical)
+    return draw(keys, jnp.where(logits >= threshold, logits, -jnp.inf)).astype(jnp.int32)
 
 
-def _prefill_step(graphdef, state, cache, tokens, lengths, table, key, temperature, top_p, *, greedy, backend):
+def _row_keys(key, rows: int, shared: bool):
+    """One key per row: the same for every row (batch-invariant: a row's draws depend on no other row), or split."""
+    return jnp.broadcast_to(key, (rows,)) if shared else jax.random.split(key, rows)
+
+
+def _prefill_step(graphdef, state, cache, tokens, lengths, table, key, temperature, top_p, *, greedy, backend,
+                  shared_key):
     module = nnx.merge(graphdef, state)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -50,11 +58,12 @@ def _prefill_step(graphdef, state, cache, tokens, lengths, table, key, temperatu
 
     hidden = module.hidden(tokens, positions, attend)
     logits = module.logits(hidden[jnp.arange(b), lengths - 1])
-    return sample(logits, key, temperature, top_p, greedy), PagedKVCache(tuple(ks), tuple(vs))
+    keys = _row_keys(key, b, shared_key)
+    return sample(logits, keys, temperature, top_p, greedy), PagedKVCache(tuple(ks), tuple(vs))
 
 
 def _decode_step(graphdef, state, cache, tokens, positions, table, schedule, key, temperature, top_p, *, greedy,
-                 backend):
+                 backend, shared_key):
     module = nnx.merge(graphdef, state)
     ks, vs = list(cache.k), list(cache.v)
 
@@ -66,28 +75,35 @@ def _decode_step(graphdef, state, cache, tokens, positions, table, schedule, key
 
     hidden = module.hidden(tokens[:, None], positions[:, None], attend)
     logits = module.logits(hidden[:, 0])
-    return sample(logits, key, temperature, top_p, greedy), PagedKVCache(tuple(ks), tuple(vs))
+    keys = _row_keys(key, tokens.shape[0], shared_key)
+    return sample(logits, keys, temperature, top_p, greedy), PagedKVCache(tuple(ks), tuple(vs))
 
 
 class Engine:
     """One paged cache sized for ``max_batch`` sequences of up to ``max_seq_len`` tokens, and its jitted steps."""
 
     def __init__(self, model, *, max_batch: int = 8, max_seq_len: int = 512, page_size: int = 16,
-                 num_pages: int | None = None, cache_dtype=None, backend: str | None = None):
+                 num_pages: int | None = None, cache_dtype=None, backend: str | None = None,
+                 batch_invariant: bool = False):
         """``backend``: "reference" (jnp), "pallas" (GPU kernels) or "interpret" (the kernels on the CPU);
-        default: the kernels on a GPU, the reference elsewhere."""
+        default: the kernels on a GPU, the reference elsewhere. ``batch_invariant``: the kernels' decode plan splits
+        each sequence by its own length alone (``schedule.fixed_chunk_schedule``); the caller then prefills one
+        sequence at a time and decodes ``max_batch`` rows every step (``kvjax.generate``)."""
         self.model, self.max_batch, self.page_size = model, max_batch, page_size
+        self.batch_invariant = batch_invariant
         self.backend = attention.check_backend(backend or attention.default_backend())
         kernel_ready = all(w % 16 == 0 for lay in model.layouts for w in lay.k_widths + lay.v_widths)
         if self.backend != "reference" and not kernel_ready:
             if backend is not None:
                 raise ValueError("the attention kernels need head widths that are multiples of 16")
             self.backend = "reference"
+        self.pages_per_seq = -(-max_seq_len // page_size)
         self.planner = None
         if self.backend != "reference" and model.module.method != "palu":  # Palu layers take the reference path
-            self.planner = DecodePlanner(model.layouts, page_size)
+            chunk = -(-FIXED_CHUNK_TOKENS // page_size) if batch_invariant else 0
+            splits = pow2_bucket(-(-self.pages_per_seq // chunk)) if chunk else 0
+            self.planner = DecodePlanner(model.layouts, page_size, chunk_pages=chunk, splits=splits)
         self._schedule, self._plan_id = None, -1
-        self.pages_per_seq = -(-max_seq_len // page_size)
         self.max_seq_len = self.pages_per_seq * page_size
         num_pages = num_pages or max_batch * self.pages_per_seq + 1
         self.cache = PagedKVCache.create(model.layouts, num_pages, page_size, cache_dtype or model.dtype)
@@ -96,7 +112,8 @@ class Engine:
         self._steps = {}
         for name, fn in (("prefill", _prefill_step), ("decode", _decode_step)):
             for greedy in (True, False):
-                step = functools.partial(fn, model.graphdef, greedy=greedy, backend=self.backend)
+                step = functools.partial(fn, model.graphdef, greedy=greedy, backend=self.backend,
+                                         shared_key=batch_invariant)
                 self._steps[name, greedy] = jax.jit(step, donate_argnums=donate)
 
     def compiled_shapes(self) -> int:

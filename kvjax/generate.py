@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from kvjax import validate
+from kvjax.cache import block_table
 from kvjax.engine import Engine, bucket
 
 
@@ -36,20 +37,21 @@ def encode_prompt(model, prompt, chat: bool, name: str = "prompt") -> list[int]:
     return validate.token_ids(name, prompt, model.config.vocab_size)
 
 
-def _engine(model, max_batch: int, seq_len: int, page_size: int, backend: str | None) -> Engine:
+def _engine(model, max_batch: int, seq_len: int, page_size: int, backend: str | None,
+            batch_invariant: bool = False) -> Engine:
     """Engines are cached on the model so their compiled steps are reused across calls."""
-    key = (max_batch, seq_len, page_size, backend)
+    key = (max_batch, seq_len, page_size, backend, batch_invariant)
     if key not in model._engines:
         model._engines.clear()  # keep one cache's memory alive at a time
         model._engines[key] = Engine(model, max_batch=max_batch, max_seq_len=seq_len, page_size=page_size,
-                                     backend=backend)
+                                     backend=backend, batch_invariant=batch_invariant)
     return model._engines[key]
 
 
 def generate(model, prompts: Sequence, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, stop: Sequence[str | int] | str | None = None, *, chat: bool = False,
              max_batch: int = 8, max_seq_len: int | None = None, page_size: int = 16, backend: str | None = None,
-             stats: dict | None = None) -> list[Generation]:
+             batch_invariant: bool = False, stats: dict | None = None) -> list[Generation]:
     """Generate up to ``max_new_tokens`` tokens for each prompt (strings, or lists of token ids).
 
     ``temperature=0`` is greedy decoding. ``stop`` holds stop strings and/or stop token ids (EOS always stops).
@@ -58,6 +60,11 @@ def generate(model, prompts: Sequence, max_new_tokens: int = 64, temperature: fl
     "pallas" (the kernels, default on a GPU), "reference" (jnp, default elsewhere) or "interpret" (the kernels on the
     CPU). ``stats``, if given, receives timings.
 
+    ``batch_invariant=True``: a prompt's tokens depend only on it, ``seed`` and the fixed settings (``max_batch``,
+    ``max_seq_len``, ``page_size``, backend, dtype, device), never on the other prompts or their order: prompts are
+    prefilled one at a time, every decode step runs ``max_batch`` rows, the cache is sized for ``max_seq_len``, the
+    kernels split each sequence by its own length (``schedule.fixed_chunk_schedule``) and samples draw from
+    ``seed`` and the step alone (so equal prompts sample equally). Its cost: bench/RESULTS.md, "Batch invariance".
     """
     max_new_tokens = validate.positive("max_new_tokens", max_new_tokens)
     temperature, top_p, seed = validate.temperature(temperature), validate.top_p(top_p), validate.seed(seed)
@@ -80,24 +87,40 @@ def generate(model, prompts: Sequence, max_new_tokens: int = 64, temperature: fl
     if stop_texts and model.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; pass stop token ids instead")
 
-    needed = max(map(len, encoded), default=0) + max_new_tokens
-    engine = _engine(model, max_batch, min(bucket(needed, minimum=page_size), capacity), page_size, backend)
+    seq_len = capacity  # batch-invariant: a cache shape no prompt of the call chooses
+    if not batch_invariant:
+        seq_len = min(bucket(max(map(len, encoded), default=0) + max_new_tokens, minimum=page_size), capacity)
+    engine = _engine(model, max_batch, seq_len, page_size, backend, bool(batch_invariant))
     stats = {} if stats is None else stats
     stats.update(prefill_s=0.0, decode_s=0.0, prompt_tokens=sum(map(len, encoded)), new_tokens=0)
     key = jax.random.key(seed)
     results = []
     for start in range(0, len(encoded), max_batch):
-        key, sub = jax.random.split(key)
+        if not batch_invariant:
+            key, sub = jax.random.split(key)
         results += _run_batch(model, engine, encoded[start:start + max_batch], max_new_tokens, temperature, top_p,
-                              sub, stop_ids, stop_texts, stats)
+                              key if batch_invariant else sub, stop_ids, stop_texts, stats)
     return results
+
+
+def _prefill(engine, batch, pages, key, temperature, top_p):
+    """First tokens [rows] and the block table [rows, pages] of a batch; batch-invariant: one prompt at a time, and
+    ``max_batch`` rows."""
+    if not engine.batch_invariant:
+        return engine.prefill(batch, pages, key, temperature, top_p)
+    first = [np.asarray(engine.prefill([ids], [p], key, temperature, top_p)[0])[0] for ids, p in zip(batch, pages)]
+    rows = engine.max_batch
+    token = jax.numpy.asarray(np.array(first + [0] * (rows - len(batch)), np.int32))
+    return token, block_table(pages + [[]] * (rows - len(batch)), engine.pages_per_seq)
 
 
 def _run_batch(model, engine, batch, max_new_tokens, temperature, top_p, key, stop_ids, stop_texts, stats):
     """Generate for one batch; ``done`` rows keep decoding (their tokens are dropped) until every row is done."""
 
-    def step_key(j):  # split off the batch's key
+    def step_key(j):  # batch-invariant: the seed's own stream at step j; else split off the batch's key
         nonlocal key
+        if engine.batch_invariant:
+            return jax.random.fold_in(key, j)
         key, sub = jax.random.split(key)
         return sub
 
@@ -106,7 +129,7 @@ def _run_batch(model, engine, batch, max_new_tokens, temperature, top_p, key, st
         for ids in batch:
             pages.append(engine.allocator.allocate(-(-(len(ids) + max_new_tokens) // engine.page_size)))
         t0 = time.perf_counter()
-        token, table = engine.prefill(batch, pages, step_key(0), temperature, top_p)
+        token, table = _prefill(engine, batch, pages, step_key(0), temperature, top_p)
         out = [[int(t)] for t in np.asarray(token)[:len(batch)]]
         t1 = time.perf_counter()
         positions = np.zeros(table.shape[0], np.int32)

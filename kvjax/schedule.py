@@ -54,6 +54,7 @@ ITEM_OVERHEAD = 32 * 64  # an item's fixed cost, in tokens * width
 ORDER = "auto"  # how items reach programs: "auto", "stream" (equal shares of the work), "lpt" or "naive"
 AUTO_BALANCE = 0.95  # "auto" keeps the LPT plan when it balances at least this well, else cuts equal shares
 TILE_WEIGHT = 1  # weight of a unit's tile columns in its token cost (see _unit_costs)
+FIXED_CHUNK_TOKENS = 512  # batch-invariant plans split every sequence at multiples of this (fixed_chunk_schedule)
 
 
 def bucket(n: int) -> int:
@@ -301,6 +302,67 @@ def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], p
     return DecodePlan(DecodeSchedule(items, counts, merge_dest, merge_slots, pack_tile), capacity, loads, per_layer)
 
 
+def fixed_chunk_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], page_size: int,
+                         num_programs: int | None = None, *, chunk_pages: int, splits: int,
+                         token_cost: int = TOKEN_COST, tile_weight: int = TILE_WEIGHT, pack_tile: int = PACK_TILE,
+                         floor_tile: int = FLOOR_TILE, item_overhead: int = ITEM_OVERHEAD) -> DecodePlan:
+    """A batch-invariant plan: how a sequence is split and merged depends on its own length alone.
+
+    Chunk k of every group covers pages ``[k * chunk_pages, (k + 1) * chunk_pages)`` and always goes through the
+    merge, into partial slot position k of ``splits`` (a fixed count, so the merge's sums have one shape whatever
+    the batch). Under a sliding window, chunks wholly before the window's first page are left out. A plan covers a
+    sequence until it leaves its last chunk or its window leaves its first one (``capacity``). Items are dealt to
+    programs longest first, round-robin; where an item runs changes nothing in its result.
+    """
+    layouts = _as_layouts(layouts)
+    P = num_programs or default_num_programs()
+    lengths = np.asarray(lengths, np.int64)
+    unit_cost = _unit_costs(layouts, token_cost, pack_tile, tile_weight, floor_tile)  # [L, H]
+    B, L, H, C = len(lengths), len(layouts), unit_cost.shape[1], chunk_pages
+    live = lengths > 0
+    last = np.where(live, (-(-lengths // page_size) - 1) // C, -1)  # [B] last chunk index
+    capacity = np.where(live, (last + 1) * C * page_size, 0)
+    first = np.zeros((L, B), np.int64)
+    for i, lay in enumerate(layouts):
+        if lay.sliding_window:
+            first[i] = np.maximum(lengths - lay.sliding_window, 0) // page_size // C
+            capacity = np.minimum(capacity, np.where(live, (first[i] + 1) * C * page_size + lay.sliding_window - 1,
+                                                     capacity))
+    if int((last + 1).max(initial=0)) > splits:
+        raise ValueError(f"a sequence needs {int(last.max()) + 1} chunks of {C} pages, more than splits={splits}")
+    # Items: (layer, seq, unit, chunk) for every live unit and chunk first..last, layer-major.
+    chunks = np.where(live[None], last[None] - first + 1, 0)[:, :, None] * (unit_cost[:, None, :] > 0)  # [L, B, H]
+    n = chunks.ravel()
+    group = np.repeat(np.arange(n.size), n)
+    k = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n) + np.repeat(first[:, :, None].repeat(H, 2).ravel(), n)
+    layer, seq, unit = group // (B * H), group % (B * H) // H, group % H
+    per_layer = np.bincount(layer, minlength=L)
+    groups_per_layer = np.bincount(np.flatnonzero(n) // (B * H), minlength=L)
+    M = bucket(int(groups_per_layer.max(initial=1)))
+    real = np.flatnonzero(n)
+    m_of = np.zeros(n.size, np.int64)
+    m_of[real] = np.arange(real.size) - np.repeat(np.cumsum(groups_per_layer) - groups_per_layer, groups_per_layer)
+    slot = m_of[group] * splits + k
+    merge_dest, merge_slots = np.full((L, M, 2), -1, np.int32), np.full((L, M, splits), -1, np.int32)
+    merge_dest[real // (B * H), m_of[real]] = np.stack([real % (B * H) // H, real % H], axis=1)
+    merge_slots[layer, m_of[group], k] = slot
+    tokens = np.minimum((k + 1) * C * page_size, capacity[seq]) - k * C * page_size
+    cost = tokens * unit_cost[layer, unit] + item_overhead
+    # Deal each layer's items longest first, round-robin over the programs.
+    order = np.lexsort((-cost, layer))
+    rank = np.arange(order.size) - np.repeat(np.cumsum(per_layer) - per_layer, per_layer)
+    prog, turn = rank % P, rank // P
+    R = bucket(int(turn.max(initial=0)) + 1)
+    items = np.zeros((L, P, R, 5), np.int32)
+    o = order
+    items[layer[o], prog, turn] = np.stack([seq[o], unit[o], k[o] * C, (k[o] + 1) * C, slot[o]], axis=1)
+    counts = np.zeros((L, P), np.int32)
+    np.add.at(counts, (layer[o], prog), 1)
+    loads = np.zeros((L, P), np.int64)
+    np.add.at(loads, (layer[o], prog), cost[o])
+    return DecodePlan(DecodeSchedule(items, counts, merge_dest, merge_slots, pack_tile), capacity, loads, per_layer)
+
+
 def _stream(first_page, pages, page_cost, P, item_overhead, snap_pages, pack_tile):
     """Equal shares of each layer's work, cut at page boundaries: program p takes the stretch from p/P to
     (p+1)/P of the layer's groups laid end to end (stream-K's split), so it gets one to a few items (the ends of
@@ -451,8 +513,10 @@ class DecodePlanner:
     """
 
     def __init__(self, layouts, page_size: int, num_programs: int | None = None, *, headroom_tokens: int = 128,
-                 ahead: bool = True, **options):
+                 ahead: bool = True, chunk_pages: int = 0, splits: int = 0, **options):
+        """``chunk_pages`` > 0 plans batch-invariantly (``fixed_chunk_schedule``, with ``splits`` slots a group)."""
         self.layouts, self.page_size = _as_layouts(layouts), page_size
+        self.chunk_pages, self.splits = chunk_pages, splits
         self.num_programs = num_programs or default_num_programs()
         self.headroom_tokens, self.ahead, self.options = headroom_tokens, ahead, options
         self.plan: DecodePlan | None = None
@@ -465,6 +529,9 @@ class DecodePlanner:
     def build(self, lengths) -> DecodePlan:
         """A plan for these lengths with this planner's headroom, built in the calling thread."""
         lengths = np.asarray(lengths)
+        if self.chunk_pages:
+            return fixed_chunk_schedule(lengths, self.layouts, self.page_size, self.num_programs,
+                                        chunk_pages=self.chunk_pages, splits=self.splits, **self.options)
         headroom = -(-np.minimum(self.headroom_tokens, lengths) // self.page_size)
         return build_decode_schedule(lengths, self.layouts, self.page_size, self.num_programs,
                                      headroom_pages=headroom, **self.options)

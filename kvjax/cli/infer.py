@@ -189,10 +189,12 @@ def _run(args, model, prompts: list, encoded: dict, errors: dict) -> int:
             flush()
             for b in range(0, len(good), args.batch_size):
                 batch, stats = good[b:b + args.batch_size], {}
+                seed = args.seed if args.batch_invariant else (args.seed + b) % 2**63  # invariant: one stream
                 try:
                     results = kvjax.generate(model, [encoded[n] for n in batch], args.max_new_tokens, args.temperature,
-                                             args.top_p, (args.seed + b) % 2**63, max_batch=args.batch_size,
-                                             max_seq_len=args.max_seq_len, backend=args.attention, stats=stats)
+                                             args.top_p, seed, max_batch=args.batch_size,
+                                             max_seq_len=args.max_seq_len, backend=args.attention,
+                                             batch_invariant=args.batch_invariant, stats=stats)
                     done = [{"index": n, "prompt": prompts[n], "text": r.text, "tokens": r.tokens,
                              "finish_reason": r.finish_reason} for n, r in zip(batch, results, strict=True)]
                 except Exception as e:
@@ -263,6 +265,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"parameter dtype: {', '.join(validate.DTYPES)} (default bfloat16)")
     p.add_argument("--attention", choices=("pallas", "reference"), default=None,
                    help="attention path: the Pallas kernels (default on a GPU) or the jnp reference (default on CPU)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="each prompt's tokens depend on it alone, not on the other prompts of its batch (prompts are "
+                        "prefilled one at a time; see kvjax.generate)")
     p.add_argument("--show", action="store_true", help="also print every prompt with its generated text")
     p.add_argument("--max-seq-len", type=_positive("max_seq_len"), default=None,
                    help="cache positions per sequence: prompt + new tokens (default: the model's)")

@@ -1,0 +1,226 @@
+"""Batch invariance: how often batching changes greedy tokens, where the changes come from, and what the
+batch-invariant mode (``kvjax.generate(..., batch_invariant=True)``) costs.
+
+    PYTHONPATH=. python bench/invariance.py [--only count,probes,cost] [--prompts 200] [--dtype bfloat16]
+
+count:  N random prompts (lengths 8-256, random ids) through a random Llama-shaped model, greedy; each prompt's
+        tokens batched (``--max-batch``) against the same prompt alone, in the default and the invariant mode;
+        a difference in the first token comes from prefill, a later one from decode.
+probes: the candidate sources one at a time, bitwise: a GEMM row computed in batches of 1 to 64 rows; a prompt's
+        prefill logits padded to longer buckets; a sequence's decode attention (the kernels, on a GPU) planned
+        with other sequences beside it against alone, with the default and the fixed-chunk schedule.
+cost:   (GPU) the decode kernel per layer with the default plan against the fixed-chunk plan, beside the floor
+        (CUPTI), at rate 0 and 0.5 on Llama-3.1-8B attention shapes; and prefill of B prompts batched against one
+        at a time on a 2-layer Llama-3.1-8B-shaped model (host timer, whole calls of tens of ms).
+Prints tables and writes bench/invariance.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kvjax
+from kvjax.models.config import ModelConfig
+from kvjax.schedule import bucket
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SMALL = ModelConfig(arch="llama", num_layers=4, num_heads=8, num_kv_heads=2, head_dim=64, hidden_size=512,
+                    intermediate_size=1024, vocab_size=2048, norm_eps=1e-5, max_position_embeddings=1024)
+LLAMA8B_2L = ModelConfig(arch="llama", num_layers=2, num_heads=32, num_kv_heads=8, head_dim=128, hidden_size=4096,
+                         intermediate_size=14336, vocab_size=128256, norm_eps=1e-5, rope_theta=5e5,
+                         max_position_embeddings=8192)
+
+
+def count(args) -> dict:
+    model = kvjax.Model.random(SMALL, dtype=args.dtype, seed=args.seed)
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(0, SMALL.vocab_size, int(n)).tolist() for n in rng.integers(8, 257, args.prompts)]
+    opts = dict(max_new_tokens=args.new_tokens, max_seq_len=512, max_batch=args.max_batch)
+    out = {}
+    for mode, inv in (("default", False), ("batch_invariant", True)):
+        t0 = time.perf_counter()
+        batched = [r.tokens for r in kvjax.generate(model, prompts, batch_invariant=inv, **opts)]
+        alone = [kvjax.generate(model, [p], batch_invariant=inv, **opts)[0].tokens for p in prompts]
+        differ = [i for i, (a, b) in enumerate(zip(batched, alone)) if a != b]
+        first = sum(batched[i][0] != alone[i][0] for i in differ)
+        out[mode] = dict(differ=len(differ), first_token=first, later=len(differ) - first,
+                         seconds=time.perf_counter() - t0)
+    print(f"\n{args.prompts} prompts, {args.dtype}, {args.new_tokens} new tokens, max_batch {args.max_batch}, "
+          f"backend {jax.default_backend()}:\n| mode | prompts whose tokens differ batched vs alone | first token "
+          f"(prefill) | later (decode) |\n|---|---|---|---|")
+    for mode, r in out.items():
+        print(f"| {mode} | {r['differ']} of {args.prompts} | {r['first_token']} | {r['later']} |")
+    return out
+
+
+def _bitwise(a, b) -> tuple[bool, float]:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return bool(np.array_equal(a, b)), float(np.max(np.abs(a - b)))
+
+
+def probes(args) -> dict:
+    dtype = jnp.dtype(args.dtype)
+    key = jax.random.key(args.seed)
+    k1, k2, k3 = jax.random.split(key, 3)
+    out = {}
+    # GEMM: row 0 of x @ w as the number of rows changes (what a batch bucket changes).
+    w = jax.random.normal(k1, (4096, 14336), jnp.float32).astype(dtype)
+    x = jax.random.normal(k2, (256, 4096), jnp.float32).astype(dtype)
+    mm = jax.jit(lambda x, w: x @ w)
+    ref = mm(x[:1], w)[0]
+    out["gemm"] = {m: _bitwise(mm(x[:m], w)[0], ref) for m in (2, 8, 32, 64, 256)}
+    # Prefill: a prompt's last-token logits as its padded length grows (what a longer prompt beside it does).
+    model = kvjax.Model.random(SMALL, dtype=args.dtype, seed=args.seed)
+    prompt = np.asarray(jax.random.randint(k3, (1, 40), 0, SMALL.vocab_size))
+    from kvjax.engine import Engine
+
+    engine = Engine(model, max_batch=1, max_seq_len=512, page_size=16)
+    table = np.arange(1, 33, dtype=np.int32)[None]
+    lengths = np.array([40], np.int32)
+    step = jax.jit(lambda t: _prefill_logits(model, engine, t, lengths, table))
+    base = step(np.pad(prompt, ((0, 0), (0, 24))))
+    out["prefill_padding"] = {t: _bitwise(step(np.pad(prompt, ((0, 0), (0, t - 40)))), base) for t in (128, 256, 512)}
+    if jax.default_backend() == "gpu":
+        out["decode_kernel"] = _decode_probe(args)
+    print("\nprobes (bitwise equal?, max |diff|):")
+    for name, rows in out.items():
+        print(f"  {name}: " + ", ".join(f"{k}: {'equal' if eq else f'differs {d:.3g}'}" for k, (eq, d) in rows.items()))
+    return {name: {str(k): v for k, v in rows.items()} for name, rows in out.items()}
+
+
+def _prefill_logits(model, engine, tokens, lengths, table):
+    from flax import nnx
+
+    from kvjax import attention
+
+    module = nnx.merge(model.graphdef, model.state)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    ks, vs = list(engine.cache.k), list(engine.cache.v)
+
+    def attend(i, q, k, v, rebuild=None):
+        o, ks[i], vs[i] = attention.prefill(q, k, v, module.layouts[i], ks[i], vs[i], table, lengths,
+                                            backend=engine.backend, rebuild=rebuild)
+        return o
+
+    hidden = module.hidden(tokens, positions, attend)
+    return module.logits(hidden[jnp.arange(b), lengths - 1])
+
+
+def _decode_probe(args) -> dict:
+    """Sequence 0's decode attention output: alone vs beside 31 others, default plan vs fixed-chunk plan."""
+    from kernels import rank_plan
+    from kvjax.pallas.decode import paged_decode
+    from kvjax.schedule import FIXED_CHUNK_TOKENS, build_decode_schedule, fixed_chunk_schedule
+
+    rows = {}
+    for rate in (0.0, 0.5):
+        lay = rank_plan(rate)[0]
+        ps, ctx, b = 16, 4096, 32
+        pps = ctx // ps
+        key = jax.random.key(args.seed + 7)
+        kk, kv, kq = jax.random.split(key, 3)
+        n = b * pps + 1
+        k = jax.random.normal(kk, (n, ps, lay.k_cols), jnp.float32).astype(jnp.bfloat16)
+        v = jax.random.normal(kv, (n, ps, lay.v_cols), jnp.float32).astype(jnp.bfloat16)
+        q = jax.random.normal(kq, (b, lay.q_cols), jnp.float32).astype(jnp.bfloat16)
+        table = jnp.asarray(1 + np.arange(b * pps, dtype=np.int32).reshape(b, pps))
+        lengths = np.random.default_rng(args.seed).integers(ctx // 2, ctx + 1, b).astype(np.int32)
+        lengths[0] = 3000
+
+        def run(batch, fixed):
+            lens = lengths[:batch]
+            if fixed:
+                chunk = FIXED_CHUNK_TOKENS // ps
+                plan = fixed_chunk_schedule(lens, lay, ps, chunk_pages=chunk, splits=pps // chunk)
+            else:
+                plan = build_decode_schedule(lens, lay, ps)
+            return paged_decode(q[:batch], k, v, table[:batch], jnp.asarray(lens), plan.schedule.layer(0), lay)[0]
+
+        for fixed in (False, True):
+            rows[f"rate {rate} {'fixed' if fixed else 'default'} plan"] = _bitwise(run(b, fixed), run(1, fixed))
+    return rows
+
+
+def cost(args) -> dict:
+    """Decode kernel per layer, default plan vs fixed-chunk plan (CUPTI), and prefill batched vs one at a time."""
+    import kernels as kb
+    from kvjax.schedule import FIXED_CHUNK_TOKENS, build_decode_schedule, fixed_chunk_schedule
+
+    bw = kb.copy_bandwidth()
+    key = jax.random.key(args.seed)
+    out = {"copy_bandwidth_GBps": bw / 1e9, "decode": [], "prefill": []}
+    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s\n| shape | rate | default plan us | fixed-chunk plan us | floor us | "
+          f"fixed / default |\n|---|---|---|---|---|---|")
+    for b, ctx in ((32, 2048), (32, 4096), (128, 4096), (1, 32768)):
+        for rate in (0.0, 0.5):
+            lay = kb.pick_layer(kb.rank_plan(rate), rate)
+            ps = 16
+            case = kb.PagedCase(lay, b, np.full(b, ctx), ps, kb.copies_for(b * ctx * (lay.k_cols + lay.v_cols) * 2),
+                                key)
+            chunk = FIXED_CHUNK_TOKENS // ps
+            plans = {"default": build_decode_schedule(case.lengths, lay, ps),
+                     "fixed": fixed_chunk_schedule(case.lengths, lay, ps, chunk_pages=chunk,
+                                                   splits=bucket(-(-ctx // FIXED_CHUNK_TOKENS)))}
+            t = {name: kb.time_calls(*kb.kvjax_decode_call(case, p.schedule.layer(0), key))
+                 for name, p in plans.items()}
+            floor = case.bytes / bw
+            row = dict(batch=b, ctx=ctx, rate=rate, default_us=t["default"] * 1e6, fixed_us=t["fixed"] * 1e6,
+                       floor_us=floor * 1e6)
+            out["decode"].append(row)
+            print(f"| B{b} x {ctx} | {rate} | {row['default_us']:.1f} | {row['fixed_us']:.1f} | "
+                  f"{row['floor_us']:.1f} | {t['fixed'] / t['default']:.2f}x |", flush=True)
+    model = kvjax.Model.random(LLAMA8B_2L, dtype="bfloat16", seed=args.seed, scale=0.02)
+    print("\nprefill, 2-layer Llama-3.1-8B shape (host timer):\n| prompts | batched ms | one at a time ms | ratio |"
+          "\n|---|---|---|---|")
+    for b, t in ((8, 1024), (32, 512)):
+        prompts = np.random.default_rng(args.seed).integers(0, LLAMA8B_2L.vocab_size, (b, t)).tolist()
+        times = {}
+        for inv in (False, True):
+            opts = dict(max_new_tokens=1, max_batch=b, max_seq_len=t + 16, batch_invariant=inv)
+            kvjax.generate(model, prompts, **opts)  # compile
+            t0 = time.perf_counter()
+            for _ in range(3):
+                kvjax.generate(model, prompts, **opts)
+            times[inv] = (time.perf_counter() - t0) / 3
+        row = dict(prompts=b, tokens=t, batched_ms=times[False] * 1e3, alone_ms=times[True] * 1e3)
+        out["prefill"].append(row)
+        print(f"| {b} x {t} | {row['batched_ms']:.1f} | {row['alone_ms']:.1f} | {times[True] / times[False]:.2f}x |")
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="count,probes,cost", help="sections: count, probes, cost (GPU)")
+    ap.add_argument("--prompts", type=int, default=200)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "invariance.json"))
+    args = ap.parse_args(argv)
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    result = {"date": datetime.date.today().isoformat(), "device": str(jax.devices()[0].device_kind),
+              "args": vars(args)}
+    sections = {"count": count, "probes": probes, "cost": cost}
+    for name in args.only.split(","):
+        if name == "cost" and jax.default_backend() != "gpu":
+            print("cost: needs a GPU, skipped")
+            continue
+        result[name] = sections[name](args)
+        with open(args.out, "w") as f:  # after every section, so a cut-short run keeps what it measured
+            json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
