@@ -4,9 +4,9 @@
 """
 from __future__ import annotations
 
+from kvjax import validate
 from kvjax.compression.calibration import Basis, CalibrationStats, calibrate, calibration_tokens
 from kvjax.compression.folding import fold
-from kvjax import validate
 from kvjax.compression.plan import METHODS, RankPlan
 
 __all__ = ["CalibrationStats", "RankPlan", "calibrate", "calibration_tokens", "compress", "fold", "make_plan"]

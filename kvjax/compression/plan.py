@@ -207,5 +207,3 @@ def uniform_widths(p: float, head_dim: int, s_qk, s_v) -> tuple[int, int]:
     k_qk = min(head_dim, max(ALIGN, round(budget * share / ALIGN) * ALIGN))
     k_qk = min(max(k_qk, budget - head_dim), budget - ALIGN)
     return int(k_qk), int(budget - k_qk)
-
-
