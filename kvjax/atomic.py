@@ -63,18 +63,20 @@ def recover(path: str, is_complete: Callable[[str], bool]) -> list[str]:
     if not os.path.lexists(path):
         new = [d for d in dead(NEW) if is_complete(d)]
         old = dead(OLD)
-        if new:
-            os.rename(new[-1], path)
-            done.append(f"finished an interrupted save: moved {os.path.basename(new[-1])} to {path}")
-        elif old:
-            os.rename(old[-1], path)
-            done.append(f"undid an interrupted save: moved the previous checkpoint back to {path}")
-        else:
+        if not new and not old:
+            return done
+        found, verb, done_verb = (new[-1], "finish", "finished") if new else (old[-1], "undo", "undid")
+        try:
+            os.rename(found, path)
+        except OSError as e:  # a directory we may not write: say what is there, change nothing
+            done.append(f"could not {verb} an interrupted save of {path}: its checkpoint is at {found} ({e.strerror})")
             return done
         _sync_dir(os.path.dirname(path))
+        done.append(f"{done_verb} an interrupted save: moved {os.path.basename(found)} to {path}")
     for d in dead(NEW) + dead(OLD):
         shutil.rmtree(d, ignore_errors=True)
-        done.append(f"deleted {d}, left by an interrupted save")
+        if not os.path.lexists(d):
+            done.append(f"deleted {d}, left by an interrupted save")
     return done
 
 

@@ -200,3 +200,16 @@ def test_recover_leaves_the_directories_of_a_running_writer_alone(tmp_path):
     live = tmp_path / f".ckpt.{atomic.NEW}-{os.getpid()}-abcd1234"
     live.mkdir()
     assert atomic.recover(str(ckpt), is_kvjax_checkpoint) == [] and live.exists()
+
+
+def test_recover_in_a_read_only_directory_reports_and_changes_nothing(tmp_path, monkeypatch):
+    old = tmp_path / f".ckpt.{atomic.OLD}-999999999-abcd1234"  # a writer that cannot be running
+    old.mkdir()
+    (old / "kvjax.json").write_text("{}")
+
+    def refuse(*args):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(atomic.os, "rename", refuse)
+    (line,) = atomic.recover(str(tmp_path / "ckpt"), is_kvjax_checkpoint)
+    assert "could not undo an interrupted save" in line and str(old) in line and old.exists()
