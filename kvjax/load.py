@@ -87,7 +87,7 @@ def load(path: str, dtype: str = "bfloat16", *, progress: bool = True) -> Model:
             warnings.warn(line, stacklevel=2)
     path = resolve(path)
     if os.path.isdir(path):
-        model = load_saved(path, dtype) if is_kvjax_checkpoint(path) else _load_hf_dir(path, dtype, progress)
+        model = Model(*load_saved(path, dtype)) if is_kvjax_checkpoint(path) else _load_hf_dir(path, dtype, progress)
     elif path.endswith(".gguf"):
         model = _load_gguf(path, dtype, progress)
     else:

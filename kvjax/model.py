@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax import attention, validate
+from kvjax import validate
+from kvjax.attention_reference import causal_attention
 from kvjax.models.transformer import Transformer
 
 
@@ -16,7 +17,7 @@ from kvjax.models.transformer import Transformer
 def _full_logits(graphdef, state, tokens):
     module = nnx.merge(graphdef, state)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    attend = lambda i, q, k, v, rebuild=None: attention.causal_attention(q, k, v, module.layouts[i], rebuild)  # noqa
+    attend = lambda i, q, k, v, rebuild=None: causal_attention(q, k, v, module.layouts[i], rebuild)  # noqa
     return module.logits(module.hidden(tokens, positions, attend))
 
 

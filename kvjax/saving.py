@@ -76,12 +76,11 @@ def is_kvjax_checkpoint(directory: str) -> bool:
 
 
 def load_saved(directory: str, dtype):
-    """Read a checkpoint written by ``save``, cast to ``dtype``; a missing, corrupt or inconsistent part, or a
-    NaN/inf parameter, is a ``CheckpointError`` naming it."""
+    """(module, tokenizer, plan) of a checkpoint written by ``save``, cast to ``dtype``; a missing, corrupt or
+    inconsistent part, or a NaN/inf parameter, is a ``CheckpointError`` naming it."""
     import orbax.checkpoint as ocp
 
     from kvjax.compression.plan import RankPlan
-    from kvjax.model import Model
     from kvjax.models.config import ModelConfig
     from kvjax.models.transformer import Transformer
 
@@ -158,7 +157,7 @@ def load_saved(directory: str, dtype):
         except (OSError, ValueError, TypeError) as e:
             raise CheckpointError(f"{os.path.join(directory, 'tokenizer')}: unreadable tokenizer: "
                                   f"{one_line(e)}") from None
-    return Model(module, tokenizer, plan)
+    return module, tokenizer, plan
 
 
 def _flat(tree) -> dict:

@@ -17,7 +17,8 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from kvjax import attention, validate
+from kvjax import validate
+from kvjax.attention_reference import causal_attention
 from kvjax.models.rope import apply_rope, inverse_frequencies
 
 KINDS = ("q", "k", "k_pre", "v")
@@ -114,7 +115,7 @@ def _batch_grams(graphdef, state, tokens, valid):
         grams["k"].append(gram(kh))
         grams["k_pre"].append(gram(apply_rope(kh[:, :, :, 0], -positions, inv_freq)[:, :, :, None]))
         grams["v"].append(gram(v.reshape(b, t, hkv, 1, d)))
-        return attention.causal_attention(q, k, v, module.layouts[i])
+        return causal_attention(q, k, v, module.layouts[i])
 
     module.hidden(tokens, positions, attend)
     return {kind: jnp.stack(g) for kind, g in grams.items()}

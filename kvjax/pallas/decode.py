@@ -51,6 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kvjax.attention_reference import paged_decode_attention
 from kvjax.layout import HeadLayout
 from kvjax.pallas.common import LOG2E, MASK, dot_precision, load_columns, lookup, offset16, run_classes
 from kvjax.runs import PIECE_SAVING, head_runs, loaded_columns, pow2_floor, segments
@@ -290,6 +291,4 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, schedule: DecodeSche
 
 def paged_decode_reference(q, k_pages, v_pages, block_table, lengths, layout: HeadLayout):
     """The pure-jnp reference the kernel must match."""
-    from kvjax.attention import paged_decode_attention
-
     return paged_decode_attention(q, k_pages, v_pages, block_table, lengths, layout)

@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kvjax.attention_reference import causal_attention
 from kvjax.layout import HeadLayout
 from kvjax.pallas.common import LOG2E, MASK, dot_precision, load_columns, lookup, offset16, width_classes
 from kvjax.runs import loaded_columns, pow2_floor, segments
@@ -221,6 +222,4 @@ def prefill_attention(q, k, v, layout: HeadLayout, lengths=None, k_pages=None, v
 
 def prefill_attention_reference(q, k, v, layout: HeadLayout):
     """The pure-jnp reference the kernel must match."""
-    from kvjax.attention import causal_attention
-
     return causal_attention(q, k, v, layout)

@@ -1,0 +1,92 @@
+"""The package's import graph: no cycles, and the models know nothing of the kernels or the engine.
+
+Every ``import`` of a kvjax module counts, including imports inside functions: a lazy import hides a cycle from
+Python's loader, not from a reader.
+"""
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kvjax")
+
+
+def modules() -> dict[str, str]:
+    """Dotted module name -> file, for every module of the package (a package's ``__init__`` as the package)."""
+    found = {}
+    for folder, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(folder, f), os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+                found[rel.removesuffix(".__init__")] = os.path.join(folder, f)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the kvjax modules it imports (``from kvjax.x import y`` is an edge to ``kvjax.x.y`` when that
+    is a module, else to ``kvjax.x``)."""
+    mods = modules()
+
+    def owner(name):
+        while name not in mods and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name if name in mods else None
+
+    graph = {}
+    for name, path in mods.items():
+        deps = set()
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                deps |= {owner(a.name) for a in node.names if a.name.startswith("kvjax")}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kvjax"):
+                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else owner(node.module)
+                         for a in node.names}
+        graph[name] = deps - {None, name}
+    return graph
+
+
+def cycles(graph) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                on_stack.discard(w)
+                component.append(w)
+            on_stack.discard(v)
+            if component:
+                found.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_import_graph_has_no_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("forbidden", ["kvjax.pallas", "kvjax.attention", "kvjax.engine", "kvjax.schedule"])
+def test_the_models_know_nothing_of_kernels_or_the_engine(forbidden):
+    graph = import_graph()
+    for name, deps in graph.items():
+        if name.startswith("kvjax.models"):
+            assert not {d for d in deps if d == forbidden or d.startswith(forbidden + ".")}, name
