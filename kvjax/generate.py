@@ -69,6 +69,7 @@ def generate(model, prompts: Sequence, max_new_tokens: int = 64, temperature: fl
     max_new_tokens = validate.positive("max_new_tokens", max_new_tokens)
     temperature, top_p, seed = validate.temperature(temperature), validate.top_p(top_p), validate.seed(seed)
     max_batch, page_size = validate.positive("max_batch", max_batch), validate.positive("page_size", page_size)
+    chat, batch_invariant = validate.flag("chat", chat), validate.flag("batch_invariant", batch_invariant)
     capacity = model.config.max_position_embeddings
     if max_seq_len is not None:
         capacity = validate.positive("max_seq_len", max_seq_len)
@@ -90,7 +91,7 @@ def generate(model, prompts: Sequence, max_new_tokens: int = 64, temperature: fl
     seq_len = capacity  # batch-invariant: a cache shape no prompt of the call chooses
     if not batch_invariant:
         seq_len = min(bucket(max(map(len, encoded), default=0) + max_new_tokens, minimum=page_size), capacity)
-    engine = _engine(model, max_batch, seq_len, page_size, backend, bool(batch_invariant))
+    engine = _engine(model, max_batch, seq_len, page_size, backend, batch_invariant)
     stats = {} if stats is None else stats
     stats.update(prefill_s=0.0, decode_s=0.0, prompt_tokens=sum(map(len, encoded)), new_tokens=0)
     key = jax.random.key(seed)

@@ -72,6 +72,13 @@ def top_p(value) -> float:
     return number("top_p", value, low=0.0, high=1.0, low_open=True)
 
 
+def flag(name: str, value) -> bool:
+    """A bool (Python or NumPy); ``"no"`` or ``1`` would be truthy or falsy by accident, so they are refused."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
 def seed(value) -> int:
     return integer("seed", value, low=0, high=2**63 - 1)
 

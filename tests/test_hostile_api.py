@@ -35,6 +35,8 @@ NON_FINITE = [math.nan, math.inf, -math.inf, np.float32("nan")]
     (dict(stop=[1.5]), TypeError, "stop entries must be strings or token ids, got 1.5"),
     (dict(stop=[""]), ValueError, "stop strings must not be empty"),
     (dict(stop=-3), ValueError, "stop token id must be >= 0, got -3"),
+    (dict(batch_invariant="no"), TypeError, "batch_invariant must be True or False, got 'no'"),
+    (dict(chat=1), TypeError, "chat must be True or False, got 1"),
 ])
 def test_generate_refuses_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
