@@ -7,8 +7,8 @@ import pytest
 
 import kvjax
 from conftest import FIXTURES, TINY_CONFIGS
-from convert import convert
 from kvjax.cache import bytes_per_token
+from kvjax.cli import convert
 from kvjax.compression import RankPlan, calibrate, calibration_tokens, fold, make_plan
 from test_generate import argmax_continuation
 

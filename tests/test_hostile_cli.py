@@ -239,7 +239,7 @@ def test_interrupted_run_keeps_finished_records_in_partial_file(files, tmp_path,
     (["--target-rate", "0.5", "--calibration", "wiki"], "--calibration must be 'random', 'text' or 'text:FILE'"),
 ])
 def test_convert_refuses_bad_flags_before_loading(tmp_path, capsys, no_model, flags, shown):
-    from convert import convert
+    from kvjax.cli import convert
 
     with pytest.raises(SystemExit) as e:
         convert.main([MODEL, str(tmp_path / "out"), *flags])

@@ -9,8 +9,8 @@ import pytest
 
 import kvjax
 from conftest import FIXTURES, TINY_CONFIGS
-from convert import convert
 from kvjax import atomic
+from kvjax.cli import convert
 from kvjax.saving import is_kvjax_checkpoint
 
 PROMPT = [[5, 3, 9, 1]]

@@ -247,7 +247,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="kvjax-infer", description="Run greedy or sampled generation for every prompt of a JSONL file.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True,
-                   help="Hugging Face directory, .gguf file, kvjax checkpoint (Model.save, convert/convert.py), "
+                   help="Hugging Face directory, .gguf file, kvjax checkpoint (Model.save, kvjax-convert), "
                         "or 'smollm2' (embedded)")
     p.add_argument("--prompts", required=True, help="input JSONL file (format below)")
     p.add_argument("--out", required=True, help="output JSONL file (format below; written through OUT.partial)")
