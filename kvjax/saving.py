@@ -35,8 +35,7 @@ def save(model, directory: str, *, overwrite: bool = False, hint: str = "overwri
     for line in atomic.recover(os.path.abspath(directory), is_kvjax_checkpoint):
         warnings.warn(line, stacklevel=2)
     sources = () if model.source is None else (model.source,)
-    directory = atomic.check_target(directory, overwrite=overwrite, replaceable=is_replaceable,
-                                    what="kvjax checkpoint", sources=sources, hint=hint)
+    directory = check_target(directory, overwrite=overwrite, sources=sources, hint=hint)
     tmp = atomic.temp_dir(directory)
     try:
         parts = ["params"]
@@ -66,7 +65,15 @@ def _write(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def is_replaceable(directory: str) -> bool:
+def check_target(directory: str, *, overwrite: bool, sources: tuple[str, ...] = (),
+                 hint: str = "overwrite=True") -> str:
+    """The absolute ``directory`` if ``save`` may write there (``atomic.check_target``: an existing one only with
+    ``overwrite``, and only if empty or a kvjax checkpoint holding nothing else), else a clear error."""
+    return atomic.check_target(directory, overwrite=overwrite, replaceable=_replaceable, what="kvjax checkpoint",
+                               sources=sources, hint=hint)
+
+
+def _replaceable(directory: str) -> bool:
     """A kvjax checkpoint holding nothing else: the only kind of directory ``save`` may replace."""
     return is_kvjax_checkpoint(directory) and set(os.listdir(directory)) <= set(PARTS)
 

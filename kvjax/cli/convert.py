@@ -17,9 +17,9 @@ import time
 
 
 def parse_args(argv=None):
-    from kvjax import atomic, validate
+    from kvjax import validate
     from kvjax.load import resolve
-    from kvjax.saving import is_replaceable
+    from kvjax.saving import check_target
 
     rate = functools.partial(validate.rate, "the rate")
     p = argparse.ArgumentParser(prog="kvjax-convert", description=__doc__,
@@ -57,8 +57,7 @@ def parse_args(argv=None):
     if args.calibration.startswith("text:") and not os.path.isfile(args.calibration[5:]):
         p.error(f"calibration file {args.calibration[5:]!r} does not exist")
     try:
-        atomic.check_target(args.out, overwrite=args.overwrite, replaceable=is_replaceable, what="kvjax checkpoint",
-                            sources=(resolve(args.src),), hint="--overwrite")
+        check_target(args.out, overwrite=args.overwrite, sources=(resolve(args.src),), hint="--overwrite")
     except (OSError, ValueError) as e:
         p.error(str(e))
     return p, args
