@@ -1,4 +1,4 @@
-"""The package's import graph: no cycles, and the models know nothing of the kernels or the engine.
+"""The package's import graph: no cycles, and every stage imports only the stages before it.
 
 Every ``import`` of a kvjax module counts, including imports inside functions: a lazy import hides a cycle from
 Python's loader, not from a reader.
@@ -84,9 +84,41 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-@pytest.mark.parametrize("forbidden", ["kvjax.pallas", "kvjax.attention", "kvjax.engine", "kvjax.schedule"])
-def test_the_models_know_nothing_of_kernels_or_the_engine(forbidden):
+# The pipeline's stages in data-flow order (README, "Layout"); a module may import its own stage and earlier ones.
+STAGES = [
+    ("kvjax.errors", "kvjax.validate", "kvjax.layout"),  # the vocabulary every stage shares
+    ("kvjax.ops",),  # attention ops: plan + kernel + reference, and the dispatch
+    ("kvjax.models",),  # config, transformer, rope, the Model class (its full forward runs ops' references)
+    ("kvjax.compression",),  # calibration, rank plans, folding (head order through the decode op's cost model)
+    ("kvjax.io",),  # checkpoints in and out
+    ("kvjax.runtime",),  # cache, engine, generate
+    ("kvjax.cli", "kvjax"),  # console scripts and the public API
+]
+# Upward edges allowed, each with its reason.
+ALLOWED = {("kvjax.models.model", "kvjax.io.saved"): "Model.save is the user's handle on saving"}
+
+
+def stage(module: str) -> int:
+    """The index of the stage a module belongs to (the longest matching prefix)."""
+    best, found = -1, None
+    for i, prefixes in enumerate(STAGES):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, found = len(p), i
+    assert found is not None, f"{module} belongs to no stage: add it to STAGES"
+    return found
+
+
+def test_every_module_imports_only_its_stage_and_earlier_ones():
+    upward = [(name, dep) for name, deps in import_graph().items() for dep in deps
+              if stage(dep) > stage(name) and (name, dep) not in ALLOWED]
+    assert upward == []
+
+
+def test_the_models_know_no_kernel_and_the_ops_no_model():
     graph = import_graph()
     for name, deps in graph.items():
         if name.startswith("kvjax.models"):
-            assert not {d for d in deps if d == forbidden or d.startswith(forbidden + ".")}, name
+            assert all(d.startswith("kvjax.ops.") and d.endswith(".reference") for d in deps if d.startswith("kvjax.ops"))
+        if name.startswith("kvjax.ops"):
+            assert not [d for d in deps if stage(d) > stage(name)], name

@@ -2,10 +2,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import attention
-from kvjax.cache import (NULL_PAGE, CacheFullError, PageAllocator, PagedKVCache, block_table, bytes_per_token,
-                         write_pages)
 from kvjax.layout import HeadLayout
+from kvjax.ops.decode.reference import paged_decode_attention
+from kvjax.ops.paging import NULL_PAGE, write_pages
+from kvjax.ops.prefill.reference import causal_attention
+from kvjax.runtime.cache import CacheFullError, PageAllocator, PagedKVCache, block_table, bytes_per_token
 
 
 def test_allocator_hands_out_distinct_pages_and_errors_when_full():
@@ -50,7 +51,7 @@ def test_paged_decode_matches_dense_causal_attention(window):
     q = jnp.asarray(rng.normal(size=(b, t, layout.q_cols)), jnp.float32)
     k = jnp.asarray(rng.normal(size=(b, t, layout.k_cols)), jnp.float32)
     v = jnp.asarray(rng.normal(size=(b, t, layout.v_cols)), jnp.float32)
-    dense = attention.causal_attention(q, k, v, layout)
+    dense = causal_attention(q, k, v, layout)
     alloc = PageAllocator(16)
     alloc.allocate(2)  # so sequences do not start at page 1
     table = jnp.asarray(block_table([alloc.allocate(3), alloc.allocate(3)], 4))
@@ -59,7 +60,7 @@ def test_paged_decode_matches_dense_causal_attention(window):
     vp = write_pages(jnp.zeros((16, page, layout.v_cols)), table, pos, v, pos >= 0)
     for i in range(t):
         lengths = jnp.full((b,), i + 1)
-        out = attention.paged_decode_attention(q[:, i], kp, vp, table, lengths, layout)
+        out = paged_decode_attention(q[:, i], kp, vp, table, lengths, layout)
         np.testing.assert_allclose(out, dense[:, i], rtol=1e-5, atol=1e-5)
 
 

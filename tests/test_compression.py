@@ -7,8 +7,9 @@ import pytest
 
 import kvjax
 from conftest import FIXTURES, TINY_CONFIGS
-from kvjax.cache import bytes_per_token
+from kvjax.runtime.cache import bytes_per_token
 from kvjax.cli import convert
+from kvjax.runtime.engine import Engine
 from kvjax.compression import RankPlan, calibrate, calibration_tokens, fold, make_plan
 from test_generate import argmax_continuation
 
@@ -100,7 +101,7 @@ def test_compressed_model_runs_everywhere(method, tmp_path):
         (1 - small.plan.rate) * bytes_per_token(model.layouts, jnp.bfloat16))
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     assert kvjax.generate(small, [prompt], max_new_tokens=8)[0].tokens == argmax_continuation(small, prompt, 8)
-    engine = next(iter(small._engines.values()))
+    engine = Engine(small, max_batch=1, max_seq_len=32)
     assert [k.shape[-1] for k in engine.cache.k] == [sum(lay.k_widths) for lay in small.layouts]
     small.save(str(tmp_path / "ckpt"))
     back = kvjax.load(str(tmp_path / "ckpt"), dtype="float32")
@@ -135,14 +136,16 @@ def test_head_order_leaves_the_output_unchanged(case, method):
 
 
 def test_plans_order_heads_for_the_decode_runs():
-    """make_plan's default order: adjacent heads whose widths fill the kernel's tiles (kvjax.runs.order_heads)."""
+    """make_plan's default order: adjacent heads whose widths fill the kernel's tiles (kvjax.ops.decode.search.order_heads)."""
     from kvjax.layout import HeadLayout
-    from kvjax.runs import order_heads
+    from kvjax.ops.decode.config import DECODE
+    from kvjax.ops.decode.search import order_heads
 
     k_qk, k_v = np.array([[48, 64, 80, 64]]), np.array([[96, 64, 32, 64]])
     s = np.ones((1, 4, 128))
-    plan = RankPlan("zack", 128, k_qk, k_v, s, s).ordered_for_runs(group_size=4, max_tile=128)
-    assert plan.layer_order(0) == order_heads(HeadLayout(16, 4, 128, (48, 64, 80, 64), (96, 64, 32, 64)), 128)
+    config = dataclasses.replace(DECODE, pack_tile=128)
+    plan = RankPlan("zack", 128, k_qk, k_v, s, s).ordered_for_runs(group_size=4, config=config)
+    assert plan.layer_order(0) == order_heads(HeadLayout(16, 4, 128, (48, 64, 80, 64), (96, 64, 32, 64)), config)
     assert plan.layer_order(0) != (0, 1, 2, 3)
     assert "reordered" in plan.summary()
 
@@ -150,7 +153,7 @@ def test_plans_order_heads_for_the_decode_runs():
 def test_plans_fill_the_decode_runs_at_the_same_rate():
     """make_plan's default fill (RankPlan.filled_for_runs): a few columns move between heads, the rate stays."""
     from kvjax.layout import HeadLayout
-    from kvjax.runs import order_heads, permuted, runs_cost
+    from kvjax.ops.decode.search import order_heads, permuted, runs_cost
 
     k_qk = np.array([[48, 32, 48, 80, 64, 112, 48, 80]] * 2)
     k_v = np.array([[96, 48, 64, 80, 64, 32, 96, 32]] * 2)

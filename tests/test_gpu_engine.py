@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import attention
+from kvjax.ops import attention
 from kvjax.models.config import ModelConfig
 from test_engine_kernels import _varied_plan_model
 

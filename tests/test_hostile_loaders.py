@@ -13,7 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 import kvjax
 from conftest import FIXTURES, TINY_CONFIGS
-from kvjax.models.gguf_file import GGUFCheckpoint
+from kvjax.io.gguf_file import GGUFCheckpoint
 
 TOKENS = ["<unk>", "<s>", "</s>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["ab"]
 

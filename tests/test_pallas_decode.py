@@ -4,11 +4,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import attention
+import dataclasses
+
 from kvjax.layout import HeadLayout
-from kvjax.pallas.decode import paged_decode, paged_decode_reference
-from kvjax.runs import PIECE_SAVING, segments
-from kvjax.schedule import build_decode_schedule, static_decode_schedule
+from kvjax.ops import attention
+from kvjax.ops.decode.config import DECODE
+from kvjax.ops.decode.kernel import paged_decode
+from kvjax.ops.decode.op import DecodeOp
+from kvjax.ops.decode.plan import build_decode_schedule, static_decode_schedule
+from kvjax.ops.decode.reference import paged_decode_attention
+from kvjax.ops.tiles import segments, tile
 
 GPU = jax.default_backend() == "gpu"
 
@@ -33,7 +38,7 @@ def rel_err(out, ref):
 def reference(q, k, v, table, lengths, layout):
     f32 = lambda x: x.astype(jnp.float32)
     with jax.default_matmul_precision("highest"):
-        return paged_decode_reference(f32(q), f32(k), f32(v), table, lengths, layout)
+        return paged_decode_attention(f32(q), f32(k), f32(v), table, lengths, layout)
 
 
 CASES = {
@@ -61,17 +66,17 @@ def test_decode_matches_reference(name, fold_tokens, max_segments):
     layout, lengths, ps, dtype, programs, order, headroom, min_chunk = CASES[name]
     rng = np.random.default_rng()
     q, k, v, table, lens = paged_inputs(rng, layout, lengths, ps, dtype)
-    plan = build_decode_schedule(lengths, layout, ps, programs, order=order, headroom_pages=headroom,
-                                 min_chunk_tokens=min_chunk)
-    out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, block_tokens=16, max_step_tokens=64,
-                       fold_tokens=fold_tokens, max_segments=max_segments, interpret=True)
+    config = dataclasses.replace(DECODE, order=order, min_chunk_tokens=min_chunk, block_tokens=16, max_step_tokens=64,
+                                 fold_tokens=fold_tokens, max_segments=max_segments)
+    plan = build_decode_schedule(lengths, layout, ps, programs, config=config, headroom_pages=headroom)
+    out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, interpret=True)
     assert out.shape == (len(lengths), layout.out_cols) and out.dtype == dtype
     assert rel_err(out, reference(q, k, v, table, lens, layout)) < (1e-4 if dtype == jnp.float32 else 1e-2)
 
 
 PACKED = {
     # name: (layout, lengths, page_size, dtype, pack_tile, max_segments): runs of adjacent heads read as one
-    # (kvjax.runs)
+    # (kvjax.ops.decode.units)
     "G2 four narrow heads, split and folded, f32": (HeadLayout(8, 4, 64, (16, 32, 48, 16), (32, 16, 16, 48)),
                                                     [300, 2, 97], 16, jnp.float32, 64, 1),
     "G1 window, runs of up to 3, bf16": (HeadLayout(5, 5, 32, (16, 16, 32, 16, 16), (16, 32, 16, 16, 16),
@@ -89,21 +94,28 @@ def test_packed_runs_match_reference(name):
     layout, lengths, ps, dtype, pack_tile, max_segments = PACKED[name]
     rng = np.random.default_rng()
     q, k, v, table, lens = paged_inputs(rng, layout, lengths, ps, dtype)
-    plan = build_decode_schedule(lengths, layout, ps, 5, headroom_pages=1, min_chunk_tokens=16, pack_tile=pack_tile,
-                                 order="stream")
+    config = dataclasses.replace(DECODE, order="stream", min_chunk_tokens=16, pack_tile=pack_tile, block_tokens=16,
+                                 max_step_tokens=64, fold_tokens=16, max_segments=max_segments)
+    plan = build_decode_schedule(lengths, layout, ps, 5, config=config, headroom_pages=1)
     assert plan.schedule.items[0, :, :, 1].max() < layout.num_kv_heads - 1  # heads did pack into runs
-    out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, block_tokens=16, max_step_tokens=64,
-                       fold_tokens=16, max_segments=max_segments, interpret=True)
+    out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, interpret=True)
     assert rel_err(out, reference(q, k, v, table, lens, layout)) < (1e-4 if dtype == jnp.float32 else 1e-2)
 
 
-def test_pieces_only_where_they_save_columns():
-    """Decode reads a unit as pieces only where each extra one saves PIECE_SAVING columns of the one tile."""
-    assert segments(160, 2, PIECE_SAVING) == ((0, 128, 128), (128, 32, 32))
-    assert segments(144, 3, PIECE_SAVING) == ((0, 128, 128), (128, 16, 16))
-    assert segments(112, 3, PIECE_SAVING) == ((0, 128, 112),)  # 64 + 32 + 16 saves 16 columns for two pieces
-    assert segments(80, 2, PIECE_SAVING) == ((0, 128, 80),)
-    assert segments(80, 2) == ((0, 64, 64), (64, 16, 16))  # prefill's rule: any saving
+@pytest.mark.parametrize("max_segments", [1, 2, 3])
+@pytest.mark.parametrize("min_saving", [0, 16, 64])
+def test_pieces_cover_the_width_and_save_what_they_cost(max_segments, min_saving):
+    """A width is read as power-of-two pieces that cover exactly its columns, widest first, at most max_segments
+    of them, and more than one only where each extra piece saves min_saving columns of the one tile."""
+    for width in range(16, 257, 16):
+        pieces = segments(width, max_segments, min_saving)
+        assert 1 <= len(pieces) <= max_segments
+        assert [start for start, _, _ in pieces] == [sum(t for _, t, _ in pieces[:i]) for i in range(len(pieces))]
+        assert sum(cols for _, _, cols in pieces) == width
+        assert all(t == tile(t) and 0 < cols <= t for _, t, cols in pieces)
+        assert [t for _, t, _ in pieces] == sorted((t for _, t, _ in pieces), reverse=True)
+        if len(pieces) > 1:
+            assert tile(width) - sum(t for _, t, _ in pieces) >= min_saving * (len(pieces) - 1)
 
 
 def test_one_plan_serves_growing_lengths():
@@ -112,7 +124,8 @@ def test_one_plan_serves_growing_lengths():
     rng = np.random.default_rng()
     lengths = np.array([10, 31])
     q, k, v, table, _ = paged_inputs(rng, layout, lengths + 16, 16, jnp.float32)
-    plan = build_decode_schedule(lengths, layout, 16, 3, headroom_pages=1, min_chunk_tokens=16)
+    plan = build_decode_schedule(lengths, layout, 16, 3, config=dataclasses.replace(DECODE, min_chunk_tokens=16),
+                                 headroom_pages=1)
     for grown in (lengths, lengths + 6):
         assert plan.covers(grown)
         lens = jnp.asarray(grown, jnp.int32)
@@ -121,17 +134,18 @@ def test_one_plan_serves_growing_lengths():
 
 
 def test_attention_seam_with_a_length_blind_schedule():
-    """attention.decode inside jit: the new token's K/V written at length - 1, then the kernel with the trace-time
-    schedule planned at the table's full width; the same out and pages as the reference backend."""
+    """attention.decode inside jit: the new token's K/V written at length - 1, then the op's kernel with the
+    trace-time schedule planned at the table's full width; the same out and pages as the reference path."""
     layout = HeadLayout(4, 2, 32, (32, 16), (16, 32))
     rng = np.random.default_rng()
     q, k_pages, v_pages, table, lens = paged_inputs(rng, layout, [5, 40], 16, jnp.float32)
     k_new = jnp.asarray(rng.standard_normal((2, layout.k_cols)), jnp.float32)
     v_new = jnp.asarray(rng.standard_normal((2, layout.v_cols)), jnp.float32)
     schedule = static_decode_schedule(2, table.shape[1], layout, 16, 4)
+    ops = {"interpret": DecodeOp([layout], 16, table.shape[1], num_programs=4, interpret=True), "reference": None}
     outs = {}
-    for backend in ("interpret", "reference"):
-        step = jax.jit(lambda *a, b=backend: attention.decode(*a, backend=b, schedule=schedule), static_argnums=3)
+    for backend, op in ops.items():
+        step = jax.jit(lambda *a, op=op: attention.decode(*a, op=op, schedule=schedule), static_argnums=3)
         outs[backend] = step(q, k_new, v_new, layout, k_pages, v_pages, table, lens)
     (out, kp, vp), (ref, kp_ref, vp_ref) = outs["interpret"], outs["reference"]
     assert rel_err(out, ref) < 1e-4

@@ -4,10 +4,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import attention
-from kvjax.cache import NULL_PAGE, write_pages
 from kvjax.layout import HeadLayout
-from kvjax.pallas.prefill import keys_per_step, prefill_attention, prefill_attention_reference, work_items
+from kvjax.ops import attention
+from kvjax.ops.paging import NULL_PAGE, write_pages
+from kvjax.ops.prefill.config import PrefillConfig
+from kvjax.ops.prefill.kernel import prefill_attention
+from kvjax.ops.prefill.op import PrefillOp
+from kvjax.ops.prefill.plan import KV_TILE_BYTES, block_rows, keys_per_step, width_classes, work_items
+from kvjax.ops.prefill.reference import causal_attention
 
 
 def prompts(rng, layout, batch, t, dtype, page_size=16):
@@ -29,7 +33,7 @@ def rel_err(out, ref, rows=None):
 def reference(q, k, v, layout):
     f32 = lambda x: x.astype(jnp.float32)
     with jax.default_matmul_precision("highest"):
-        return prefill_attention_reference(f32(q), f32(k), f32(v), layout)
+        return causal_attention(f32(q), f32(k), f32(v), layout)
 
 
 CASES = {
@@ -51,7 +55,8 @@ def test_prefill_matches_reference_and_writes_pages(name):
     rng = np.random.default_rng()
     q, k, v, table, kp, vp = prompts(rng, layout, batch, t, dtype)
     lens = jnp.asarray(lengths, jnp.int32)
-    out, kp2, vp2 = prefill_attention(q, k, v, layout, lens, kp, vp, table, interpret=True, **knobs)
+    out, kp2, vp2 = prefill_attention(q, k, v, layout, lens, kp, vp, table, config=PrefillConfig(**knobs),
+                                      interpret=True)
     live = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
     assert rel_err(out, reference(q, k, v, layout), live) < (1e-4 if dtype == jnp.float32 else 1e-2)
     positions = jnp.broadcast_to(jnp.arange(t), (batch, t))
@@ -61,29 +66,49 @@ def test_prefill_matches_reference_and_writes_pages(name):
         assert np.array_equal(np.asarray(got)[NULL_PAGE + 1:], np.asarray(want)[NULL_PAGE + 1:])
 
 
-def test_balanced_items_are_taller_for_narrow_heads_and_longest_first():
-    layout = HeadLayout(8, 2, 128, (128, 32), (128, 32))
-    items = work_items(layout, 1, 1024, 64, True, 256, 3)
-    rows = {h: np.diff(np.unique(items[items[:, 1] == h, 2]))[0] for h in (0, 4)}
-    assert rows[0] == 64 and rows[4] == 256  # head 0 is in the wide group, head 4 in the narrow one
-    cost = [(256 if h >= 4 else 64) * (q0 + (256 if h >= 4 else 64)) * (64 if h >= 4 else 256) for _, h, q0 in items]
-    assert cost == sorted(cost, reverse=True)
-    plain = work_items(layout, 1, 1024, 64, False, 256, 3)
-    assert len(plain) == 8 * 1024 // 64 and (plain[:, 2] % 64 == 0).all()
+@pytest.mark.parametrize("balanced", [True, False])
+def test_items_cover_every_row_once_narrow_heads_taller_longest_first(balanced):
+    """Every (prompt, query head, row) lies in exactly one item; balanced, a narrower head never gets shorter
+    blocks than a wider one and items run costliest first."""
+    rng = np.random.default_rng()
+    widths = tuple(int(w) for w in rng.choice(np.arange(16, 129, 16), 3))
+    layout = HeadLayout(6, 3, 128, widths, widths[::-1])
+    batch, t = 2, int(rng.integers(100, 700))
+    items = work_items(layout, batch, t, 64, balanced, 256, 3)
+    classes, class_of = width_classes(layout)
+    rows_of = {h: block_rows(classes[class_of[h // 2]], 64, t, balanced, 256, 3) for h in range(6)}
+    covered = np.zeros((batch, 6, t), int)
+    for b, h, q0 in items:
+        covered[b, h, q0:q0 + rows_of[h]] += 1
+    assert (covered == 1).all()
+    if balanced:
+        cols = {h: widths[h // 2] + widths[::-1][h // 2] for h in range(6)}
+        assert all(rows_of[a] >= rows_of[b] for a in range(6) for b in range(6) if cols[a] <= cols[b])
+        cost = [rows_of[h] * min(q0 + rows_of[h], t) * cols[h] for _, h, q0 in items]
+        assert cost == sorted(cost, reverse=True)
+    else:
+        assert set(rows_of.values()) == {64}
 
 
 def test_keys_per_step_fit_shared_memory():
-    """128-key steps for classes up to 176 loaded columns (measured to compile on the H100), fewer past that."""
-    assert keys_per_step(128, 128, 176, 2, 3) == 128 and keys_per_step(128, 64, 96, 2, 3) == 64
-    assert keys_per_step(128, 128, 256, 2, 3) == 64 and keys_per_step(128, 128, 256, 2, 4) == 32
-    assert keys_per_step(32, 64, 256, 4, 2) == 32
+    """Keys per step: a power of two, at most block_k and the query rows, and their K/V tiles fit the budget (or
+    the step is down to 16 keys)."""
+    for block_k in (16, 32, 64, 128):
+        for rows in (16, 64, 128, 256):
+            for cols in range(32, 513, 32):
+                for itemsize, stages in ((2, 3), (2, 4), (4, 2)):
+                    keys = keys_per_step(block_k, rows, cols, itemsize, stages)
+                    assert keys & (keys - 1) == 0 and keys <= min(block_k, rows)
+                    assert keys == 16 or (stages - 1) * keys * cols * itemsize <= KV_TILE_BYTES
+                    assert keys == min(block_k, rows) or 2 * keys * (stages - 1) * cols * itemsize > KV_TILE_BYTES
 
 
 def test_attention_seam():
     layout = HeadLayout(4, 2, 32, (32, 16), (16, 32))
     q, k, v, table, kp, vp = prompts(np.random.default_rng(), layout, 1, 32, jnp.float32)
     lens = jnp.asarray([32], jnp.int32)
-    out, kp2, vp2 = jax.jit(lambda *a: attention.prefill(*a, backend="interpret"), static_argnums=3)(
+    op = PrefillOp(interpret=True)
+    out, kp2, vp2 = jax.jit(lambda *a: attention.prefill(*a, op=op), static_argnums=3)(
         q, k, v, layout, kp, vp, table, lens)
     assert rel_err(out, reference(q, k, v, layout)) < 1e-4
 

@@ -9,9 +9,9 @@ import pytest
 
 import kvjax
 from conftest import FIXTURES, TINY_CONFIGS
-from kvjax import atomic
+from kvjax.io import atomic
 from kvjax.cli import convert
-from kvjax.saving import is_kvjax_checkpoint
+from kvjax.io.saved import is_kvjax_checkpoint
 
 PROMPT = [[5, 3, 9, 1]]
 STEPS = ("written", "aside", "in", "done")
@@ -163,7 +163,7 @@ KILLED_SAVE = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import kvjax
     from conftest import TINY_CONFIGS
-    from kvjax import atomic
+    from kvjax.io import atomic
     step = sys.argv[1]
     if step == "writing":  # killed while orbax writes: the checkpointer never returns
         import orbax.checkpoint as ocp

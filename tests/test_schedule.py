@@ -1,54 +1,68 @@
-"""The host decode schedule: every visible page planned exactly once, splits merged, LPT balanced, shapes fixed."""
+"""The host decode plan (kvjax.ops.decode.plan, .planner): every visible page planned once and inside its sequence,
+splits merged, loads as the cost model prices them, LPT and stream balanced, shapes bucketed, plans reused."""
+import dataclasses
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvjax.layout import HeadLayout
-from kvjax.runs import head_runs
-from kvjax.schedule import (AUTO_BALANCE, END_PAGE, FIRST_PAGE, ITEM_OVERHEAD, SEQ, SLOT, TOKEN_COST, UNIT,
-                            DecodePlanner, build_decode_schedule, load_balance, realized_loads,
-                            static_decode_schedule)
+from kvjax.ops.decode.config import DECODE
+from kvjax.ops.decode.cost import unit_cost
+from kvjax.ops.decode.plan import (END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, build_decode_schedule, fixed_chunk_schedule,
+                                   load_balance, realized_loads, static_decode_schedule)
+from kvjax.ops.decode.planner import DecodePlanner
+from kvjax.ops.decode.units import head_runs
 
 
-def token_cost(layout, head):
-    """The planner's default cost of one token of a head: its K and V widths and a fixed part."""
-    return layout.k_widths[head] + layout.v_widths[head] + TOKEN_COST
+def config(**fields):
+    return dataclasses.replace(DECODE, **fields)
+
+
+def unit_costs(layout, cfg):
+    """One token of each work unit of the layer, as the op's cost model prices it."""
+    return [unit_cost(r.num_heads, r.k_cols, r.v_cols, layout.group_size, cfg) for r in head_runs(layout, cfg)]
 
 
 def random_layouts(rng, num_layers, heads=8, window=None):
-    widths = lambda: tuple(int(w) for w in rng.choice(np.arange(16, 129, 16), heads))
+    def widths():
+        return tuple(int(w) for w in rng.choice(np.arange(16, 129, 16), heads))
     return [HeadLayout(4 * heads, heads, 128, widths(), widths(), window) for _ in range(num_layers)]
 
 
 def planned_items(schedule, layer):
-    """(seq, head, first, end, slot) of every real item of one layer."""
+    """(seq, unit, first, end, slot) of every real item of one layer."""
     items, counts = schedule.items[layer], schedule.counts[layer]
-    return [tuple(items[p, i]) for p in range(items.shape[0]) for i in range(counts[p])]
+    return [tuple(int(x) for x in items[p, i]) for p in range(items.shape[0]) for i in range(counts[p])]
 
 
 @pytest.mark.parametrize("order", ["lpt", "naive", "stream", "auto"])
 @pytest.mark.parametrize("window, pack_tile", [(None, 0), (200, 0), (None, 128), (200, 256)])
 def test_every_visible_page_once(order, window, pack_tile):
-    """Every page of every (sequence, unit) group planned once; units are runs of heads when packed."""
+    """Every page of every (sequence, unit) group planned once, each item inside its sequence's visible pages and
+    headroom; units are runs of heads when packed."""
     rng = np.random.default_rng()
     layouts = random_layouts(rng, 3, window=window)
     lengths = rng.integers(0, 3000, 11)
     lengths[0], lengths[1] = 1, 0
     ps = 16
     headroom = rng.integers(0, 3, len(lengths)) if rng.random() < 0.5 else int(rng.integers(0, 3))  # per sequence
-    plan = build_decode_schedule(lengths, layouts, ps, int(rng.integers(4, 40)), order=order, headroom_pages=headroom,
-                                 min_chunk_tokens=32, pack_tile=pack_tile)
+    cfg = config(order=order, min_chunk_tokens=32, pack_tile=pack_tile)
+    plan = build_decode_schedule(lengths, layouts, ps, int(rng.integers(4, 40)), config=cfg, headroom_pages=headroom)
     s = plan.schedule
-    assert s.pack_tile == pack_tile
+    assert s.config.pack_tile == pack_tile
     for layer, lay in enumerate(layouts):
+        units = len(head_runs(lay, s.config))
         covered = {}
-        for seq, head, first, end, slot in planned_items(s, layer):
-            assert first < end
+        for seq, unit, first, end, slot in planned_items(s, layer):
+            assert 0 <= seq < len(lengths) and 0 <= unit < units and first < end
             for page in range(first, end):
-                assert (seq, head, page) not in covered
-                covered[seq, head, page] = slot
+                assert (seq, unit, page) not in covered
+                covered[seq, unit, page] = slot
         for b, n in enumerate(lengths):
-            for h in range(len(head_runs(lay, pack_tile))):
-                pages = [p for (sb, sh, p) in covered if (sb, sh) == (b, h)]
+            for u in range(units):
+                pages = [p for (sb, su, p) in covered if (sb, su) == (b, u)]
                 if n == 0:
                     assert not pages
                     continue
@@ -58,18 +72,47 @@ def test_every_visible_page_once(order, window, pack_tile):
     assert plan.covers(lengths) and not plan.covers(lengths + (headroom + 1) * ps)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 700), min_size=1, max_size=10), st.integers(1, 4), st.integers(1, 9),
+       st.sampled_from([None, 40, 100]), st.sampled_from([0, 256]))
+def test_fixed_chunks_cover_every_visible_page_once(lengths, chunk_pages, programs, window, pack_tile):
+    """The batch-invariant plan: every item is one whole chunk [k * C, (k + 1) * C) that starts inside its sequence,
+    in merge slot position k, and the chunks cover every visible page of every group once."""
+    ps, splits = 16, 64
+    lay = HeadLayout(16, 4, 128, (48, 64, 80, 64), (96, 64, 32, 64), window)
+    plan = fixed_chunk_schedule(lengths, lay, ps, programs, chunk_pages=chunk_pages, splits=splits,
+                                config=config(pack_tile=pack_tile))
+    s, units = plan.schedule, len(head_runs(lay, plan.schedule.config))
+    covered = {}
+    for seq, unit, first, end, slot in planned_items(s, 0):
+        k = first // chunk_pages
+        assert (first, end) == (k * chunk_pages, (k + 1) * chunk_pages) and first * ps < lengths[seq]
+        assert slot >= 0 and slot % s.merge_slots.shape[-1] == k
+        for page in range(first, end):
+            assert (seq, unit, page) not in covered
+            covered[seq, unit, page] = slot
+    for b, n in enumerate(lengths):
+        visible = range(max(n - window, 0) // ps if window else 0, -(-n // ps))
+        for u in range(units):
+            pages = {p for (sb, su, p) in covered if (sb, su) == (b, u)}
+            assert pages >= set(visible) and (n > 0 or not pages)
+            if pages:  # no chunk lies wholly before the window
+                assert min(pages) // chunk_pages == visible[0] // chunk_pages
+    assert plan.covers(lengths)
+
+
 @pytest.mark.parametrize("order", ["lpt", "stream"])
 def test_split_groups_have_merge_slots(order):
     rng = np.random.default_rng()
     lay = random_layouts(rng, 1)[0]
     lengths = rng.integers(100, 20000, 3)
-    s = build_decode_schedule(lengths, lay, 32, 132, min_chunk_tokens=64, order=order).schedule
+    s = build_decode_schedule(lengths, lay, 32, 132, config=config(min_chunk_tokens=64, order=order)).schedule
     items = planned_items(s, 0)
     chunks = {}
-    for seq, head, first, end, slot in items:
-        chunks.setdefault((seq, head), []).append(slot)
+    for seq, unit, first, end, slot in items:
+        chunks.setdefault((seq, unit), []).append(slot)
     splits = s.merge_slots.shape[-1]
-    dest = {tuple(d): m for m, d in enumerate(s.merge_dest[0]) if d[0] >= 0}
+    dest = {tuple(int(x) for x in d): m for m, d in enumerate(s.merge_dest[0]) if d[0] >= 0}
     assert len(dest) == sum(len(v) > 1 for v in chunks.values()) > 0
     for group, slots in chunks.items():
         if len(slots) == 1:
@@ -89,15 +132,14 @@ def test_lpt_balances_and_beats_naive():
         layouts = random_layouts(rng, 4)
         lengths = rng.integers(64, 8192, 48)
         P = 64
-        heads = dict(pack_tile=0, tile_weight=0, floor_tile=0)  # one head per unit, costs as token_cost says
-        lpt = build_decode_schedule(lengths, layouts, 16, P, order="lpt", **heads)
-        naive = build_decode_schedule(lengths, layouts, 16, P, order="naive", **heads)
-        stream = build_decode_schedule(lengths, layouts, 16, P, order="stream", **heads)
-        for layer in range(4):
-            costs = [(e - f) * 16 * token_cost(layouts[layer], h)
-                     for _, h, f, e, _ in planned_items(lpt.schedule, layer)]
-            avg = lpt.loads[layer].sum() / P
-            assert lpt.loads[layer].max() <= avg + max(costs) + 32 * 64  # the list-scheduling bound
+        lpt, naive, stream = (build_decode_schedule(lengths, layouts, 16, P, config=config(order=o, pack_tile=0))
+                              for o in ("lpt", "naive", "stream"))  # one head per unit: 8 groups a sequence
+        for layer, lay in enumerate(layouts):
+            per_token = unit_costs(lay, lpt.schedule.config)
+            costs = [(e - f) * 16 * per_token[u] + DECODE.item_overhead
+                     for _, u, f, e, _ in planned_items(lpt.schedule, layer)]
+            assert lpt.loads[layer].sum() == sum(costs)
+            assert lpt.loads[layer].max() <= lpt.loads[layer].sum() / P + max(costs)  # the list-scheduling bound
         assert lpt.loads.max(axis=1).sum() < naive.loads.max(axis=1).sum()
         assert stream.loads.max(axis=1).sum() < naive.loads.max(axis=1).sum()
         balances.append(lpt.balance)
@@ -110,15 +152,15 @@ def test_stream_gives_every_program_an_equal_share():
     rng = np.random.default_rng()
     layouts = random_layouts(rng, 3)
     lengths = rng.integers(1, 6000, int(rng.integers(1, 40)))
-    ps, P, min_chunk = 16, int(rng.integers(8, 200)), 64
-    plan = build_decode_schedule(lengths, layouts, ps, P, order="stream", min_chunk_tokens=min_chunk, pack_tile=0,
-                                 tile_weight=0, floor_tile=0)
-    snap = max(1, min_chunk // ps // 4)
+    ps, P = 16, int(rng.integers(8, 200))
+    cfg = config(order="stream", min_chunk_tokens=64, pack_tile=int(rng.choice([0, 256])))
+    plan = build_decode_schedule(lengths, layouts, ps, P, config=cfg)
+    snap = max(1, cfg.min_chunk_tokens // ps // 4)
     for layer, lay in enumerate(layouts):
-        work = plan.loads[layer] - ITEM_OVERHEAD * plan.schedule.counts[layer]
-        page = ps * max(token_cost(lay, h) for h in range(lay.num_kv_heads))
+        work = plan.loads[layer] - cfg.item_overhead * plan.schedule.counts[layer]
+        page = ps * max(unit_costs(lay, cfg))
         assert np.abs(work - work.sum() / P).max() <= 2 * (snap + 1) * page
-        line = [(seq, head, first) for seq, head, first, _, _ in planned_items(plan.schedule, layer)]
+        line = [(seq, unit, first) for seq, unit, first, _, _ in planned_items(plan.schedule, layer)]
         assert line == sorted(line)  # program after program along the line, in natural group order
 
 
@@ -126,10 +168,11 @@ def test_auto_keeps_lpt_when_it_balances_else_cuts_equal_shares():
     rng = np.random.default_rng()
     layouts = random_layouts(rng, 2)
     for lengths, P in ((rng.integers(200, 600, 256), 16), (np.full(3, 4096), 64)):  # many small groups; few long
-        auto, lpt, stream = (build_decode_schedule(lengths, layouts, 16, P, order=o) for o in ("auto", "lpt", "stream"))
-        picked = lpt if lpt.balance >= AUTO_BALANCE else stream
+        auto, lpt, stream = (build_decode_schedule(lengths, layouts, 16, P, config=config(order=o))
+                             for o in ("auto", "lpt", "stream"))
+        picked = lpt if lpt.balance >= DECODE.auto_balance else stream
         assert np.array_equal(auto.schedule.items, picked.schedule.items) and auto.balance == picked.balance
-        assert auto.balance >= min(AUTO_BALANCE, stream.balance)
+        assert auto.balance >= min(DECODE.auto_balance, stream.balance)
 
 
 def test_shapes_are_bucketed_int32_and_layers_independent():
@@ -142,9 +185,12 @@ def test_shapes_are_bucketed_int32_and_layers_independent():
     for n in s.items.shape[2:3] + s.merge_slots.shape[1:]:
         assert n & (n - 1) == 0
     one = build_decode_schedule(lengths, layouts[1], 32, 40).schedule
-    # the same items on the same programs in the same order; partial slots are numbered within the merge table,
-    # whose bucketed width is shared by all layers, so compare only whether an item is direct or partial
-    same_work = lambda sched, layer: [item[:4] + (item[4] < 0,) for item in planned_items(sched, layer)]  # noqa
+
+    def same_work(sched, layer):
+        """The items on each program in order; partial slots are numbered within the merge table, whose bucketed
+        width all layers share, so only whether an item is direct or partial."""
+        return [item[:4] + (item[4] < 0,) for item in planned_items(sched, layer)]
+
     assert same_work(one, 0) == same_work(s, 1)
 
 
@@ -155,18 +201,20 @@ def test_lpt_deal_matches_a_plain_loop():
     layouts = random_layouts(rng, 2)
     lengths = rng.integers(0, 4000, 21)
     ps, P = 16, int(rng.integers(3, 30))
-    s = build_decode_schedule(lengths, layouts, ps, P, min_chunk_tokens=64, order="lpt", pack_tile=0,
-                              tile_weight=0, floor_tile=0).schedule
+    cfg = config(min_chunk_tokens=64, order="lpt", pack_tile=int(rng.choice([0, 256])))
+    s = build_decode_schedule(lengths, layouts, ps, P, config=cfg).schedule
     for layer, lay in enumerate(layouts):
-        items = sorted(planned_items(s, layer))  # natural order: seq, head, first page
-        cost = [(e - f) * ps * token_cost(lay, h) + ITEM_OVERHEAD for _, h, f, e, _ in items]
+        per_token = unit_costs(lay, cfg)
+        items = sorted(planned_items(s, layer))  # natural order: seq, unit, first page
+        cost = [(e - f) * ps * per_token[u] + cfg.item_overhead for _, u, f, e, _ in items]
         order = sorted(range(len(items)), key=lambda i: (-cost[i], i))
         loads, rows = np.zeros(P, np.int64), [[] for _ in range(P)]
         for r in range(0, len(order), P):
             for program, i in zip(np.argsort(loads, kind="stable"), order[r:r + P]):
                 rows[program].append(items[i])
                 loads[program] += cost[i]
-        assert rows == [[tuple(it) for it in s.items[layer, p, :s.counts[layer, p]]] for p in range(P)]
+        assert rows == [[tuple(int(x) for x in it) for it in s.items[layer, p, :s.counts[layer, p]]]
+                        for p in range(P)]
 
 
 def test_realized_loads_clip_items_to_the_real_lengths():
@@ -174,21 +222,20 @@ def test_realized_loads_clip_items_to_the_real_lengths():
     layouts = random_layouts(rng, 3)
     lengths = rng.integers(0, 3000, 9)
     ps = 16
-    plan = build_decode_schedule(lengths, layouts, ps, 16, headroom_pages=rng.integers(0, 20, 9),
-                                 min_chunk_tokens=32, pack_tile=0, tile_weight=0, floor_tile=0)
-    widths_only = dict(tile_weight=0, floor_tile=0)
+    cfg = config(min_chunk_tokens=32, pack_tile=int(rng.choice([0, 256])))
+    plan = build_decode_schedule(lengths, layouts, ps, 16, config=cfg, headroom_pages=rng.integers(0, 20, 9))
     # at the lengths it was planned for, the plan meets exactly its planned loads
-    assert np.array_equal(realized_loads(plan.schedule, plan.capacity, layouts, ps, **widths_only), plan.loads)
+    assert np.array_equal(realized_loads(plan.schedule, plan.capacity, layouts, ps), plan.loads)
     # at the real lengths, every token is counted once (no window), however far the plan reaches past it
-    real = realized_loads(plan.schedule, lengths, layouts, ps, **widths_only)
-    widths = np.array([[token_cost(lay, h) for h in range(lay.num_kv_heads)] for lay in layouts])
-    assert np.array_equal(real.sum(axis=1), lengths.sum() * widths.sum(axis=1) + ITEM_OVERHEAD * plan.num_items)
+    real = realized_loads(plan.schedule, lengths, layouts, ps)
+    per_token = np.array([sum(unit_costs(lay, cfg)) for lay in layouts])
+    assert np.array_equal(real.sum(axis=1), lengths.sum() * per_token + cfg.item_overhead * plan.num_items)
     assert np.all(real <= plan.loads) and 0 < load_balance(real) <= 1
 
 
 def test_planner_reuses_until_a_sequence_outgrows_its_pages():
     layouts = random_layouts(np.random.default_rng(), 2)
-    planner = DecodePlanner(layouts, 16, 32, headroom_tokens=16, ahead=False)
+    planner = DecodePlanner(layouts, 16, 32, config=config(headroom_tokens=16), ahead=False)
     lengths = np.array([5, 16, 17, 40])
     first = planner(lengths)
     for step in range(1, 30):
@@ -203,7 +250,7 @@ def test_planner_reuses_until_a_sequence_outgrows_its_pages():
 
 def test_planner_headroom_is_capped_at_the_length():
     layouts = random_layouts(np.random.default_rng(), 1)
-    planner = DecodePlanner(layouts, 16, 8, headroom_tokens=100, ahead=False)
+    planner = DecodePlanner(layouts, 16, 8, config=config(headroom_tokens=100), ahead=False)
     lengths = np.array([0, 1, 16, 17, 99, 100, 101, 1000])
     room = np.array([0, 1, 1, 2, 7, 7, 7, 7]) * 16  # min(100, length) rounded up to pages
     assert np.array_equal(planner.build(lengths).capacity, -(-lengths // 16) * 16 + room)
@@ -217,7 +264,7 @@ def test_planner_builds_ahead():
     batch = 12
     lengths = np.concatenate([rng.integers(1, 300, batch - 3), [1, 1, 0]])
     grows = np.arange(batch) < batch - 3
-    planner = DecodePlanner(layouts, 16, 16, headroom_tokens=int(rng.integers(16, 100)))
+    planner = DecodePlanner(layouts, 16, 16, config=config(headroom_tokens=int(rng.integers(16, 100))))
     for step in range(300):
         schedule = planner(lengths + step * grows)
         assert planner.plan.covers(lengths + step * grows) and schedule is planner.plan.schedule
@@ -232,7 +279,7 @@ def test_static_schedule_covers_the_whole_table():
     lay = random_layouts(np.random.default_rng(), 1)[0]
     s = static_decode_schedule(3, 10, lay, 16, 8)  # one layer: no leading layer axis
     items = [tuple(s.items[p, i]) for p in range(8) for i in range(s.counts[p])]
-    units = len(head_runs(lay, s.pack_tile))
+    units = len(head_runs(lay, s.config))
     assert sum(it[END_PAGE] - it[FIRST_PAGE] for it in items) == 3 * 10 * units
     assert {(it[SEQ], it[UNIT]) for it in items} == {(b, u) for b in range(3) for u in range(units)}
     assert all(it[SLOT] >= -1 for it in items)

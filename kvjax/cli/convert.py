@@ -18,8 +18,8 @@ import time
 
 def parse_args(argv=None):
     from kvjax import validate
-    from kvjax.load import resolve
-    from kvjax.saving import check_target
+    from kvjax.io.load import resolve
+    from kvjax.io.saved import check_target
 
     rate = functools.partial(validate.rate, "the rate")
     p = argparse.ArgumentParser(prog="kvjax-convert", description=__doc__,

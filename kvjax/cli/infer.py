@@ -140,7 +140,7 @@ def _check_paths(p: argparse.ArgumentParser, args) -> None:
 
 def _encode(model, prompts: list, args, capacity: int, where: str) -> tuple[dict, dict]:
     """Each prompt's token ids, or the one-line reason it cannot be generated: ({index: ids}, {index: error})."""
-    from kvjax.generate import encode_prompt
+    from kvjax.runtime.generate import encode_prompt
 
     encoded, errors = {}, {}
     for n, prompt in enumerate(prompts):
@@ -162,8 +162,8 @@ def _run(args, model, prompts: list, encoded: dict, errors: dict) -> int:
     import kvjax
 
     partial = args.out + ".partial"
-    records = [{"index": n, "prompt": prompts[n], "error": errors[n]} if n in errors else None
-               for n in range(len(prompts))]
+    records: list[dict] = [{"index": n, "prompt": prompts[n], "error": errors[n]} if n in errors else {}
+                           for n in range(len(prompts))]
     good = sorted(encoded)
     totals = {"prefill_s": 0.0, "decode_s": 0.0, "prompt_tokens": 0, "new_tokens": 0}
     written = 0
@@ -179,7 +179,7 @@ def _run(args, model, prompts: list, encoded: dict, errors: dict) -> int:
     def flush() -> None:
         """Write the records finished so far that follow the written ones in input order, each line whole."""
         nonlocal written
-        while written < len(records) and records[written] is not None:
+        while written < len(records) and records[written]:
             f.write(json.dumps(records[written]) + "\n")
             written += 1
         f.flush()
@@ -188,7 +188,8 @@ def _run(args, model, prompts: list, encoded: dict, errors: dict) -> int:
         with f, tqdm(total=len(good), desc="generating", unit="prompt") as bar:
             flush()
             for b in range(0, len(good), args.batch_size):
-                batch, stats = good[b:b + args.batch_size], {}
+                batch = good[b:b + args.batch_size]
+                stats: dict[str, float] = {}
                 seed = args.seed if args.batch_invariant else (args.seed + b) % 2**63  # invariant: one stream
                 try:
                     results = kvjax.generate(model, [encoded[n] for n in batch], args.max_new_tokens, args.temperature,

@@ -18,7 +18,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from kvjax import validate
-from kvjax.attention_reference import causal_attention
+from kvjax.ops.prefill.reference import causal_attention
 from kvjax.models.rope import apply_rope, inverse_frequencies
 
 KINDS = ("q", "k", "k_pre", "v")
@@ -33,13 +33,13 @@ class CalibrationStats:
         """The directions a method truncates, by descending singular value.
 
         ``qk`` (ZACK's shared Q/K rotation): eigenvectors of the q and k Grams, each normalised by its trace so
-        that neither the G query heads nor the one key head dominates (measured: lower perplexity than the raw
-        stacked rows on SmolLM2, both for random and text calibration). Orthogonal: ``up = down^T``.
+        that neither the G query heads nor the one key head dominates the shared rotation. Orthogonal:
+        ``up = down^T``.
         ``k_pre``: eigenvectors of the pre-RoPE k Gram (Palu). Orthogonal.
         ``v``: output-aware. Truncating V's directions costs ``||V (I - P) W_o||``, so the basis comes from
         ``C V^T V C`` with ``C = (sum_j W_o^(j) W_o^(j)^T)^(1/2)`` over the group's query heads ``j``:
-        ``down = C Z``, ``up = Z^T C^-1`` (``down @ up = I``). Measured on SmolLM2: perplexity at a V rate of
-        0.12 drops from 45 to 28 (random tokens) and from 18.3 to 15.4 (text) against plain PCA of [V; W_o^T].
+        ``down = C Z``, ``up = Z^T C^-1`` (``down @ up = I``): the error that reaches the attention output is
+        what the truncation minimises, not V's own (bench/notes/2026-11-accuracy.md, "Basis choices").
         """
         g = self.grams
         if kind == "qk":
@@ -130,7 +130,8 @@ def calibrate(model, tokens: np.ndarray, *, batch_size: int = 4, snapshots=(), p
     if model.plan is not None:
         raise ValueError("calibrate an uncompressed model")
     tokens = np.asarray(tokens)
-    totals, seen, taken = None, 0, {}
+    totals: dict[str, np.ndarray] = {}
+    seen, taken = 0, {}
     with tqdm(total=int((tokens >= 0).sum()), desc="calibrating", unit="tok", disable=not progress) as bar:
         for start in range(0, len(tokens), batch_size):
             chunk = tokens[start:start + batch_size]
@@ -139,7 +140,7 @@ def calibrate(model, tokens: np.ndarray, *, batch_size: int = 4, snapshots=(), p
             valid = chunk >= 0
             out = _batch_grams(model.graphdef, model.state, jnp.asarray(np.maximum(chunk, 0), jnp.int32), valid)
             out = {kind: np.asarray(g, np.float64) for kind, g in out.items()}
-            totals = out if totals is None else {kind: totals[kind] + out[kind] for kind in KINDS}
+            totals = {kind: totals[kind] + out[kind] for kind in KINDS} if totals else out
             seen += int(valid.sum())
             bar.update(int(valid.sum()))
             for count in snapshots:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvjax.model import Model
+from kvjax.models.model import Model
 from kvjax.models.transformer import Transformer
 
 
@@ -66,7 +66,7 @@ def fold(model: Model, plan, bases: dict) -> Model:
     module = nnx.eval_shape(lambda: Transformer(model.config, plan=plan, dtype=dtype, rngs=nnx.Rngs(0)))
     new = dict(nnx.to_flat_state(nnx.state(module, nnx.Param)))
     f32 = lambda path: None if path not in old else old[path].get_value().astype(jnp.float32)  # noqa: E731
-    values = {}
+    values: dict[tuple, jax.Array] = {}
     for i, layout in enumerate(module.layouts):
         a = ("layers", i, "attn")
         order = list(plan.layer_order(i))

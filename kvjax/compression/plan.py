@@ -4,14 +4,14 @@ A head keeps the smallest ``k`` whose removed tail of singular values stays with
 (``sum_{i>=k} s_i / sum_i s_i <= r``), rounded up to a multiple of 16 (kernel alignment), at least 16. The overall
 rate is ``p = 1 - sum(k_qk + k_v) / (2 * Hkv * d_h * L)``; ``F_p`` finds ``r`` for a target ``p`` by bisection.
 
-A plan may also reorder each layer's KV heads (``head_order``, see ``kvjax.runs.order_heads``): the ranks stay
-those of the calibrated heads, the folded model and its cache hold the heads in the new order, where adjacent
-narrow heads fill the decode kernel's tiles. Reordering heads does not change the model's output.
+A plan may also reorder each layer's KV heads (``head_order``, see ``kvjax.ops.decode.search.order_heads``): the
+ranks stay those of the calibrated heads, the folded model and its cache hold the heads in the new order, where
+adjacent narrow heads fill the decode kernel's tiles. Reordering heads does not change the model's output.
 
 Before ordering, a plan may move a few columns between a layer's heads (``filled_for_runs``, see
-``kvjax.runs.fill_runs``; opt-in, it trades accuracy for decode speed): at most 32 a head, each layer's K and V
-totals kept (so the rate is unchanged), where that lets the kernel's runs fill their tiles. Those heads then keep a
-little more or less than the removal rate says; ``moved_columns`` counts what moved.
+``kvjax.ops.decode.search.fill_runs``; opt-in, it trades accuracy for decode speed): at most 32 a head, each
+layer's K and V totals kept (so the rate is unchanged), where that lets the kernel's runs fill their tiles. Those
+heads then keep a little more or less than the removal rate says; ``moved_columns`` counts what moved.
 """
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ import json
 import numpy as np
 
 from kvjax import validate
+from kvjax.layout import HeadLayout
+from kvjax.ops.decode.config import DECODE, DecodeConfig
+from kvjax.ops.decode.search import fill_runs, order_heads
 
 ALIGN = 16
 METHODS = ("zack", "palu")
@@ -85,15 +88,12 @@ class RankPlan:
         order = self.layer_order(layer)
         return tuple(int(self.k_qk[layer, h]) for h in order), tuple(int(self.k_v[layer, h]) for h in order)
 
-    def filled_for_runs(self, group_size: int, max_tile: int | None = None, max_shift: int = 32) -> "RankPlan":
+    def filled_for_runs(self, group_size: int, config: DecodeConfig = DECODE, max_shift: int = 32) -> "RankPlan":
         """This plan with widths moved between each layer's heads (at most ``max_shift`` columns a head, the layer's
         K and V totals kept, so the rate stays) where that lets the decode kernel's runs fill their tiles
-        (``kvjax.runs.fill_runs``), dropping as little energy (squared singular values, each head's share) as it
-        can. Not free: on SmolLM2, moving 3% of the kept columns this way cost about as much perplexity as one
-        more point of compression rate (bench/RESULTS.md, sixth session), so compression leaves it off unless
-        asked."""
-        from kvjax.runs import PACK_TILE, fill_runs
-
+        (``kvjax.ops.decode.search.fill_runs``), dropping as little energy (squared singular values, each head's
+        share) as it can. Not free: on SmolLM2, moving 3% of the kept columns cost about as much perplexity as one
+        more point of rate (bench/RESULTS.md "Decode: filled tiles"), so compression leaves it off unless asked."""
         if self.head_order is not None:
             raise ValueError("fill a plan's widths before ordering its heads")
         heads, m = self.k_qk.shape[1], max_shift // ALIGN
@@ -105,26 +105,21 @@ class RankPlan:
             moved = np.clip(widths[:, None] + shifts[None, :], 0, self.head_dim)
             return np.take_along_axis(energy, widths[:, None], 1) - np.take_along_axis(energy, moved, 1)
 
-        tile = PACK_TILE if max_tile is None else max_tile
         k_qk, k_v = self.k_qk.copy(), self.k_v.copy()
         for i in range(self.num_layers):
-            k_qk[i], k_v[i] = fill_runs(self._layout(k_qk[i], k_v[i], group_size), tile, max_shift,
+            k_qk[i], k_v[i] = fill_runs(self._layout(k_qk[i], k_v[i], group_size), config, max_shift,
                                         losses(self.s_qk[i], k_qk[i]), losses(self.s_v[i], k_v[i]))
         moved = int(np.abs(k_qk - self.k_qk).sum() + np.abs(k_v - self.k_v).sum())
         return dataclasses.replace(self, k_qk=k_qk, k_v=k_v, moved_columns=self.moved_columns + moved // 2)
 
-    def ordered_for_runs(self, group_size: int, max_tile: int | None = None) -> "RankPlan":
-        """This plan with every layer's KV heads in the order whose decode runs cost least (``kvjax.runs``)."""
-        from kvjax.runs import PACK_TILE, order_heads
-
-        tile = PACK_TILE if max_tile is None else max_tile
-        return dataclasses.replace(self, head_order=np.asarray([order_heads(self._layout(k, v, group_size), tile)
+    def ordered_for_runs(self, group_size: int, config: DecodeConfig = DECODE) -> "RankPlan":
+        """This plan with every layer's KV heads in the order whose decode runs cost least
+        (``kvjax.ops.decode.search.order_heads``); the model's output does not change."""
+        return dataclasses.replace(self, head_order=np.asarray([order_heads(self._layout(k, v, group_size), config)
                                                                 for k, v in zip(self.k_qk, self.k_v)]))
 
     def _layout(self, k, v, group_size: int):
-        """One layer's widths (calibrated order) as the ``HeadLayout`` that ``kvjax.runs`` plans runs for."""
-        from kvjax.layout import HeadLayout
-
+        """One layer's widths (calibrated order) as the ``HeadLayout`` the decode op plans runs for."""
         heads = len(k)
         return HeadLayout(group_size * heads, heads, self.head_dim, tuple(map(int, k)), tuple(map(int, v)))
 

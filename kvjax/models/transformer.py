@@ -95,6 +95,7 @@ class Attention(nnx.Module):
         b, t = q.shape[:2]
         g_size = layout.group_size
         qs, ks = [], []
+        assert self.qk_rotation is not None  # ZACK layers only
         for g, rot in enumerate(self.qk_rotation):
             qs.append((q[:, :, g * g_size:(g + 1) * g_size] @ rot[...]).reshape(b, t, -1))
             ks.append(k[:, :, g] @ rot[...])
@@ -103,6 +104,7 @@ class Attention(nnx.Module):
     def rebuild_k(self, latent, positions, inv_freq, layout: HeadLayout):
         """Palu: packed pre-RoPE latent [B,S,k_cols] at ``positions`` [B,S] -> full post-RoPE K [B,S,Hkv*d]."""
         starts = HeadLayout.offsets(layout.k_widths)
+        assert self.k_up is not None  # Palu layers only
         full = jnp.stack([latent[..., s:s + w] @ up[...] for s, w, up in zip(starts, layout.k_widths, self.k_up)],
                          axis=2)
         return apply_rope(full, positions, inv_freq).reshape(*latent.shape[:2], -1)

@@ -59,7 +59,7 @@ def recover(path: str, is_complete: Callable[[str], bool]) -> list[str]:
     def dead(kind):
         return [d for d in _siblings(path, kind) if not _alive(d)]
 
-    done = []
+    done: list[str] = []
     if not os.path.lexists(path):
         new = [d for d in dead(NEW) if is_complete(d)]
         old = dead(OLD)

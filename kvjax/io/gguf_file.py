@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from kvjax.errors import CheckpointError
-from kvjax.models.checkpoint import MissingTensorError, Path, Source, as_is, one_line, transposed
+from kvjax.io.hf import MissingTensorError, Path, Source, as_is, one_line, transposed
 from kvjax.models.config import ModelConfig, UnsupportedModelError
 
 # llama.cpp's pre-tokenizer names -> how the text is split before byte-level BPE.

@@ -9,8 +9,8 @@ import jax
 import numpy as np
 
 from kvjax import validate
-from kvjax.cache import block_table
-from kvjax.engine import Engine, bucket
+from kvjax.runtime.cache import block_table
+from kvjax.runtime.engine import Engine, bucket
 
 
 @dataclasses.dataclass

@@ -1,45 +1,30 @@
-"""Paged decode attention over KV heads of different widths: one persistent program per schedule row.
+"""The decode op's run step: paged attention over KV heads of different widths, one persistent program per
+schedule row (Pallas, Triton lowering).
 
-Each program walks its row of the host-built ``DecodeSchedule`` (``kvjax.schedule``): for every item (sequence,
-unit, chunk of pages) it loads the query heads of the unit once ([16, k_tile], rows past the real ones masked),
-streams the chunk's K and V rows out of the packed pages through the block table with an online softmax, and then
-writes either the normalized output (the group's only chunk) or a partial (acc, max, sum) that ``merge`` combines.
+Each program walks its row of the host-built ``plan.DecodeSchedule``: for every item (sequence, unit, chunk of
+pages) it loads the unit's query heads once ([16, k_tile], rows past the real ones masked), streams the chunk's K
+and V rows out of the packed pages through the block table with an online softmax, and writes either the
+normalized output (the group's only chunk) or a partial (acc, max, sum) that ``merge`` combines.
 
-A unit is a run of adjacent KV heads (``kvjax.runs``, chosen with the schedule: ``schedule.pack_tile``). Its heads'
-columns are adjacent in the packed rows, so a run of n heads reads like one head ``sum(k)`` + ``sum(v)`` wide whose
-score tile has n * G real rows: row ``i*G + g`` holds query g of head i, masked to head i's columns of the run's K
-tile, so each row scores only its own head; the P·V product fills every row over the run's V columns, and each row
-keeps only its head's. One page lookup per token and one padded tile serve the whole run.
+A unit is a run of adjacent KV heads (``units``): row ``i*G + g`` of the score tile holds query g of head i, masked
+to head i's columns of the run's K tile, so each row scores only its own head, and one page lookup per token and
+one padded tile serve the whole run. A step moves ``block_tokens * 256 / (k_tile + v_tile)`` tokens (capped), so
+bytes in flight stay constant as widths shrink; when a unit fills few of the 16 rows, the step's tokens fold into
+the spare rows (``folds``). Steps with every token visible run unmasked. Units of one shape share a code path,
+picked per item by ``lax.switch``; column offsets come from static tables in multiples of 16, so loads are 16-byte
+vectors that never touch a column the unit does not own. A run's K or V columns are read as two power-of-two
+pieces where that saves ``piece_saving`` columns (160 = 128 + 32).
 
-Bytes in flight stay constant as widths shrink: a step moves ``block_tokens * 256 / (k_tile + v_tile)`` tokens
-(capped), so a 32+32-wide unit moves 4x the tokens of a 128+128 one per step. When a unit fills few of the 16
-rows, the step's tokens fold into the spare rows: with F folds, rows ``c*R .. c*R+R-1`` (R real rows) score token
-chunk ``c`` (F masked copies of q, F dots summed), softmax runs on [16, tokens / F], and the folds' softmax states
-are merged once per item. Steps with every token visible run without masks; only a chunk's last step (or all,
-under a sliding window) is masked. Units of the same shape share one code path, selected per item by
-``lax.switch``; their column offsets come from a static table and are multiples of 16, so loads are 16-byte
-vectors and never touch a column the unit does not own (tile columns past its width masked). ``max_segments`` > 1
-reads a non-power-of-two width as exact power-of-two pieces instead (160 = 128 + 32: one dot per piece), where each
-extra piece saves at least ``PIECE_SAVING`` columns of the one tile.
-
-Measured on the H100 (bench/RESULTS.md): the kernel is issue-bound, not byte-bound (Nsight Compute: 2 warps per
-scheduler issuing once every ~5 cycles), and time follows the instructions per byte, which grow as a head's tile
-narrows or pads (48 on a 64-wide tile, 80 on 128). Runs of heads cut those: on Llama-shaped rate-0.5 and 0.7
-layers, runs (tiles up to 256 wide, heads ordered by compression so they fill them) with the stream schedule read
-at 65-85% of copy bandwidth against 50-60% one head at a time. Pieces pay only where they save many columns (a
-160-column run: 128 + 32, 4-6% at rate 0.5); small savings (112 = 64 + 32 + 16, 80 = 64 + 16) cost more than the
-padding (up to 40% slower). 8 warps a program (1.5x slower on mixed layers), one launch per width class (too small
-to fill the GPU) and K and V tiles of equal width (no change) were measured and not kept.
-
-Lowering: Pallas's Triton backend. Decode is a gather through the block table of ``[tokens, width]`` tiles at
-16-column-aligned offsets inside a packed row; Triton's masked pointer loads express that directly, its pipeliner
-overlaps the next tile's loads with the current dots, and the same kernel runs in ``interpret=True`` mode on the CPU
-for CI. Mosaic GPU would need TMA-shaped, statically placed copies (one descriptor per head width and offset) and
-has no CPU interpreter for its primitives. Neither lowering has scalar prefetch, so the schedule is an ordinary
-int32 input read with scalar loads.
+Why Triton: decode is a gather of ``[tokens, width]`` tiles at 16-column offsets inside packed rows through the
+block table, which masked pointer loads express directly, the pipeliner overlaps the next tile's loads with the
+current dots, and ``interpret=True`` runs the same kernel on the CPU for CI. Mosaic GPU would need one TMA
+descriptor per head width and offset, and has no CPU interpreter. Neither lowering has scalar prefetch, so the
+schedule is an ordinary int32 input read with scalar loads. Where the time goes: bench/RESULTS.md "Decode: where
+the time goes (Nsight Compute)".
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import operator
@@ -51,17 +36,40 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kvjax.attention_reference import paged_decode_attention
 from kvjax.layout import HeadLayout
-from kvjax.pallas.common import LOG2E, MASK, dot_precision, load_columns, lookup, offset16, run_classes
-from kvjax.runs import PIECE_SAVING, head_runs, loaded_columns, pow2_floor, segments
-from kvjax.schedule import END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, DecodeSchedule
+from kvjax.ops.decode.config import DecodeConfig
+from kvjax.ops.decode.cost import loaded
+from kvjax.ops.decode.plan import END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, DecodeSchedule
+from kvjax.ops.decode.units import RunShape, head_runs
+from kvjax.ops.pallas_util import LOG2E, MASK, column_offsets, dot_precision, load_columns, lookup, offset16
+from kvjax.ops.tiles import pow2_floor, segments
 
 BLOCK_H = 16  # query rows per item: a GQA group (G <= 8) padded to the tensor cores' smallest M
 
 
-def _segments(width: int, max_segments: int):
-    return segments(width, max_segments, PIECE_SAVING)
+@dataclasses.dataclass(frozen=True)
+class RunClass(RunShape):
+    """The runs of one layer that share a shape, with each run's first-head column offsets in units of 16: a run
+    of n heads reads like one head ``k_cols`` + ``v_cols`` wide whose score tile has n * G real rows."""
+
+    units: tuple[int, ...] = ()  # the runs' indices in the layer (the schedule's unit ids)
+    q_off: tuple[int, ...] = ()
+    k_off: tuple[int, ...] = ()
+    v_off: tuple[int, ...] = ()
+    o_off: tuple[int, ...] = ()
+
+
+def run_classes(layout: HeadLayout, config: DecodeConfig) -> tuple[tuple[RunClass, ...], tuple[int, ...]]:
+    """The layer's run classes (runs from ``units.head_runs(layout, config)``), and each run's class index."""
+    offs = column_offsets(layout)
+    runs = head_runs(layout, config)
+    shapes = list(dict.fromkeys(r.shape for r in runs))
+    classes = []
+    for shape in shapes:
+        units = tuple(u for u, r in enumerate(runs) if r.shape == shape)
+        classes.append(RunClass(shape.k_widths, shape.v_widths, units,
+                                *(tuple(offs[n][runs[u].first] // 16 for u in units) for n in "qkvo")))
+    return tuple(classes), tuple(shapes.index(r.shape) for r in runs)
 
 
 def step_tokens(k_tile: int, v_tile: int, block_tokens: int, max_tokens: int) -> int:
@@ -89,16 +97,15 @@ def _in_head(cols, start, width):
     return cols < width if isinstance(start, int) and start == 0 else (cols >= start) & (cols < start + width)
 
 
-def _attend_item(cls, item, refs, *, group, rows_per_slot, page_size, window, scale, block_tokens, max_step_tokens,
-                 fold_tokens, max_segments):
+def _attend_item(cls, item, refs, *, group, rows_per_slot, page_size, window, scale, config: DecodeConfig):
     """Online-softmax attention of one item (its run class's widths are static) and the write of its result."""
     table_ref, q_ref, k_ref, v_ref, out_ref, acc_ref, m_ref, l_ref = refs
     seq, unit, first, end, slot, length = item
     run_rows = cls.num_heads * group  # real rows of the score tile: head i of the run has rows i*G .. i*G+G-1
-    k_pieces, v_pieces = _segments(cls.k_cols, max_segments), _segments(cls.v_cols, max_segments)
+    k_pieces, v_pieces = (segments(c, config.max_segments, config.piece_saving) for c in (cls.k_cols, cls.v_cols))
     kt, vt = (sum(t for _, t, _ in pieces) for pieces in (k_pieces, v_pieces))
-    bt = step_tokens(kt, vt, block_tokens, max_step_tokens)
-    nf = folds(run_rows, kt, bt, fold_tokens)
+    bt = step_tokens(kt, vt, config.block_tokens, config.max_step_tokens)
+    nf = folds(run_rows, kt, bt, config.fold_tokens)
     bc = bt // nf  # tokens per chunk
     precision = dot_precision(k_ref.dtype)
     qo, ko, vo, oo = (offset16(unit, cls.units, offs) for offs in (cls.q_off, cls.k_off, cls.v_off, cls.o_off))
@@ -235,7 +242,7 @@ def merge(out, acc, m, l, schedule: DecodeSchedule, layout: HeadLayout, rows_per
     # Per run and row: where the row's head starts among the run's V columns, where its output starts in a packed
     # output row, and its width (0 for rows past the run's).
     g = layout.group_size
-    runs = head_runs(layout, schedule.pack_tile)
+    runs = head_runs(layout, schedule.config)
     o_off = HeadLayout.offsets(layout.v_widths, g)
     start, dest, width = (np.zeros((len(runs), rows_per_slot), np.int32) for _ in range(3))
     for u, run in enumerate(runs):
@@ -244,51 +251,43 @@ def merge(out, acc, m, l, schedule: DecodeSchedule, layout: HeadLayout, rows_per
             start[u, r], dest[u, r], width[u, r] = s0, o_off[run.first + i] + np.arange(g) * vw, vw
     seq, unit = schedule.merge_dest[:, 0], schedule.merge_dest[:, 1]
     col = jnp.arange(max(layout.v_widths))[None, None, :]
-    start, dest, width = (jnp.asarray(t)[unit][..., None] for t in (start, dest, width))  # [M, rows, 1]
-    values = jnp.take_along_axis(merged, jnp.minimum(start + col, merged.shape[-1] - 1), axis=2)
+    at, to, wide = (jnp.asarray(t)[unit][..., None] for t in (start, dest, width))  # [M, rows, 1]
+    values = jnp.take_along_axis(merged, jnp.minimum(at + col, merged.shape[-1] - 1), axis=2)
     b, cols = out.shape
-    index = jnp.where((seq >= 0)[:, None, None] & (col < width), seq[:, None, None] * cols + dest + col, b * cols)
+    index = jnp.where((seq >= 0)[:, None, None] & (col < wide), seq[:, None, None] * cols + to + col, b * cols)
     flat = out.reshape(-1).at[index.reshape(-1)].set(values.reshape(-1).astype(out.dtype), mode="drop")
     return flat.reshape(b, cols)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "block_tokens", "max_step_tokens", "fold_tokens", "max_segments",
-                                             "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("layout", "interpret"))
 def paged_decode(q, k_pages, v_pages, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout, *,
-                 block_tokens: int = 64, max_step_tokens: int = 512, fold_tokens: int = 64, max_segments: int = 2,
-                 num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
-    """One new query per sequence against its paged cache; same contract as ``paged_decode_reference``.
+                 interpret: bool = False):
+    """One new query per sequence against its paged cache; equal to ``reference.paged_decode_attention``.
 
     q [B, q_cols]; k_pages [num_pages, page_size, k_cols], v_pages likewise; block_table [B, pages_per_seq] int32;
     lengths [B] int32 (the new token included); schedule: one layer's ``DecodeSchedule`` built for these lengths
-    (or any lengths they do not exceed; its ``pack_tile`` says which heads its work units read together). Returns
+    or any they do not exceed (its ``config`` says how units were cut and how the kernel runs). Returns
     [B, out_cols] in q's dtype. Rows with length 0 are unspecified.
     """
+    config = schedule.config
     b = q.shape[0]
     num_pages, page_size, _ = k_pages.shape
     g = layout.group_size
-    classes, class_of = run_classes(layout, schedule.pack_tile)
+    classes, class_of = run_classes(layout, config)
     n_slots = math.prod(schedule.merge_slots.shape)
     rows = max(c.num_heads for c in classes) * g  # rows of a partial slot
-    v_max = max(loaded_columns(c.v_cols, max_segments, PIECE_SAVING) for c in classes)
+    v_max = max(loaded(c.v_cols, config) for c in classes)
     kernel = functools.partial(
         _kernel, classes=classes, class_of=class_of, group=g, rows_per_slot=rows, page_size=page_size,
-        window=layout.sliding_window,
-        scale=1.0 / math.sqrt(layout.head_dim), block_tokens=block_tokens, max_step_tokens=max_step_tokens,
-        fold_tokens=fold_tokens, max_segments=max_segments)
+        window=layout.sliding_window, scale=1.0 / math.sqrt(layout.head_dim), config=config)
     out_shape = (jax.ShapeDtypeStruct((b, layout.out_cols), q.dtype),
                  jax.ShapeDtypeStruct((n_slots * rows, v_max), jnp.float32),
                  jax.ShapeDtypeStruct((n_slots * rows,), jnp.float32),
                  jax.ShapeDtypeStruct((n_slots * rows,), jnp.float32))
     out, acc, m, l = pl.pallas_call(
         kernel, grid=(schedule.num_programs,), out_shape=out_shape, interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         name="kvjax_paged_decode",
     )(schedule.items, schedule.counts, lengths.astype(jnp.int32), block_table.astype(jnp.int32), q,
       k_pages.reshape(num_pages * page_size, -1), v_pages.reshape(num_pages * page_size, -1))
     return merge(out, acc, m, l, schedule, layout, rows)
-
-
-def paged_decode_reference(q, k_pages, v_pages, block_table, lengths, layout: HeadLayout):
-    """The pure-jnp reference the kernel must match."""
-    return paged_decode_attention(q, k_pages, v_pages, block_table, lengths, layout)

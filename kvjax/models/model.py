@@ -9,7 +9,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax import validate
-from kvjax.attention_reference import causal_attention
+from kvjax.ops.prefill.reference import causal_attention
 from kvjax.models.transformer import Transformer
 
 
@@ -71,8 +71,8 @@ class Model:
         """Write orbax params + ``kvjax.json`` (+ ``plan.json``, tokenizer) atomically; ``kvjax.load`` reads it.
 
         ``overwrite`` replaces only an empty directory or a kvjax checkpoint, never the one this model was read
-        from; the old one is deleted only once the new one is in place (``kvjax.atomic``)."""
-        from kvjax.saving import save
+        from; the old one is deleted only once the new one is in place (``kvjax.io.atomic``)."""
+        from kvjax.io.saved import save
 
         return save(self, directory, overwrite=overwrite, hint=hint)
 

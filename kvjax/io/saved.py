@@ -1,6 +1,6 @@
 """Saving and loading kvjax checkpoints: ``kvjax.json`` (config), ``plan.json`` (rank plan, if compressed),
 ``params/`` (an orbax checkpoint of the Flax parameters) and ``tokenizer/``. Written so that no failure loses data:
-built in a sibling directory and swapped in by renames (``kvjax.atomic``).
+built in a sibling directory and swapped in by renames (``kvjax.io.atomic``).
 """
 from __future__ import annotations
 
@@ -17,16 +17,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvjax import atomic
+from kvjax.io import atomic
 from kvjax.errors import CheckpointError
-from kvjax.models.checkpoint import json_error, one_line, read_json, some
+from kvjax.io.hf import json_error, one_line, read_json, some
 
 FORMAT = 1
 PARTS = ("kvjax.json", "plan.json", "params", "tokenizer")  # everything a checkpoint directory may hold
 
 
 def save(model, directory: str, *, overwrite: bool = False, hint: str = "overwrite=True") -> str:
-    """Write ``model`` to ``directory`` so that no failure loses data (``kvjax.atomic``); returns its absolute path.
+    """Write ``model`` to ``directory`` so that no failure loses data (``kvjax.io.atomic``); returns its absolute path.
 
     ``kvjax.json`` is written last: it marks the new directory complete. ``hint`` names the overwrite switch in
     errors (the converter's is ``--overwrite``)."""
@@ -87,13 +87,36 @@ def load_saved(directory: str, dtype):
     inconsistent part, or a NaN/inf parameter, is a ``CheckpointError`` naming it."""
     import orbax.checkpoint as ocp
 
-    from kvjax.compression.plan import RankPlan
-    from kvjax.models.config import ModelConfig
     from kvjax.models.transformer import Transformer
 
     directory, dtype = os.path.abspath(directory), jnp.dtype(dtype)
-    meta_file, plan_file = os.path.join(directory, "kvjax.json"), os.path.join(directory, "plan.json")
-    params_dir = os.path.join(directory, "params")
+    plan_file, params_dir = os.path.join(directory, "plan.json"), os.path.join(directory, "params")
+    cfg, saved_dtype, parts = _read_meta(directory)
+    plan = _read_plan(plan_file)
+    try:
+        module = nnx.eval_shape(lambda: Transformer(cfg, plan=plan, dtype=saved_dtype, rngs=nnx.Rngs(0)))
+    except (TypeError, ValueError, IndexError) as e:
+        if plan is None:
+            raise
+        raise CheckpointError(f"{plan_file}: does not fit the config in kvjax.json: {one_line(e)}") from None
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            nnx.to_pure_dict(nnx.state(module, nnx.Param)))
+    checkpointer = ocp.StandardCheckpointer()
+    saved = _orbax_metadata(checkpointer, params_dir)
+    _check_params(params_dir, _flat(saved), _flat(abstract), plan_may_be_missing=parts is None and plan is None)
+    restored = _restore(checkpointer, params_dir, abstract)
+    _check_values(params_dir, restored, dtype)
+    state = nnx.state(module, nnx.Param)
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.asarray(x, dtype), restored))
+    nnx.update(module, state)
+    return module, _read_tokenizer(os.path.join(directory, "tokenizer")), plan
+
+
+def _read_meta(directory: str):
+    """(config, saved dtype, parts or None) from ``kvjax.json``, every part it lists present."""
+    from kvjax.models.config import ModelConfig
+
+    meta_file = os.path.join(directory, "kvjax.json")
     meta = read_json(meta_file)
     if not isinstance(meta, dict):
         raise CheckpointError(f"{meta_file}: expected a JSON object, got {type(meta).__name__}")
@@ -108,41 +131,44 @@ def load_saved(directory: str, dtype):
     if not isinstance(meta.get("config"), dict) or not isinstance(meta.get("dtype"), str):
         raise CheckpointError(f"{meta_file}: needs a config object and a dtype name")
     try:
-        cfg = ModelConfig.from_dict(meta["config"])
-        saved_dtype = jnp.dtype(meta["dtype"])
+        return ModelConfig.from_dict(meta["config"]), jnp.dtype(meta["dtype"]), parts
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{meta_file}: bad config or dtype: {one_line(e)}") from None
-    plan = None
-    if os.path.isfile(plan_file):
-        with open(plan_file) as f:
-            text = f.read()
-        try:
-            plan = RankPlan.from_json(text)
-        except json.JSONDecodeError as e:
-            raise json_error(plan_file, e) from None
-        except (TypeError, ValueError, KeyError) as e:
-            raise CheckpointError(f"{plan_file}: not a valid rank plan: {one_line(e)}") from None
+
+
+def _read_plan(plan_file: str):
+    """The ``RankPlan`` in ``plan_file``, or None when there is none (an uncompressed model)."""
+    from kvjax.compression.plan import RankPlan
+
+    if not os.path.isfile(plan_file):
+        return None
+    with open(plan_file) as f:
+        text = f.read()
     try:
-        module = nnx.eval_shape(lambda: Transformer(cfg, plan=plan, dtype=saved_dtype, rngs=nnx.Rngs(0)))
-    except (TypeError, ValueError, IndexError) as e:
-        if plan is None:
-            raise
-        raise CheckpointError(f"{plan_file}: does not fit the config in kvjax.json: {one_line(e)}") from None
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                            nnx.to_pure_dict(nnx.state(module, nnx.Param)))
+        return RankPlan.from_json(text)
+    except json.JSONDecodeError as e:
+        raise json_error(plan_file, e) from None
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{plan_file}: not a valid rank plan: {one_line(e)}") from None
+
+
+def _orbax_metadata(checkpointer, params_dir: str):
+    """The saved parameter tree's metadata; a checkpoint missing its index files is a ``CheckpointError``."""
     ocdbt = os.path.isdir(os.path.join(params_dir, "ocdbt.process_0"))
     for name in ("_METADATA", "manifest.ocdbt") if ocdbt else ("_METADATA",):
         if not os.path.isfile(os.path.join(params_dir, name)):
             raise CheckpointError(f"{params_dir}: corrupt orbax checkpoint: it is missing its {name}")
-    checkpointer = ocp.StandardCheckpointer()
     try:
         saved = checkpointer.metadata(params_dir).item_metadata
     except Exception as e:
         raise CheckpointError(f"{params_dir}: unreadable orbax metadata: {one_line(e)}") from None
     if saved is None:
         raise CheckpointError(f"{params_dir}: corrupt orbax checkpoint: its metadata cannot be read")
-    _check_params(params_dir, _flat(saved), _flat(abstract), plan_may_be_missing=parts is None and plan is None)
-    restored = _restore(checkpointer, params_dir, abstract)
+    return saved
+
+
+def _check_values(params_dir: str, restored, dtype) -> None:
+    """Every restored parameter is finite and fits ``dtype``."""
     checks = jax.device_get(jax.tree.map(
         lambda x: jnp.stack([jnp.isfinite(x).all(), jnp.isfinite(x.astype(dtype)).all()]), restored))
     for name, (finite, fits) in _flat(checks).items():
@@ -151,20 +177,18 @@ def load_saved(directory: str, dtype):
         if not fits:
             raise CheckpointError(f"{params_dir}: parameter {name} has values beyond {dtype.name}'s range; load it "
                                   "as bfloat16 or float32")
-    restored = jax.tree.map(lambda x: jnp.asarray(x, dtype), restored)
-    state = nnx.state(module, nnx.Param)
-    nnx.replace_by_pure_dict(state, restored)
-    nnx.update(module, state)
-    tokenizer = None
-    if os.path.isdir(os.path.join(directory, "tokenizer")):
-        from transformers import AutoTokenizer
 
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
-        except (OSError, ValueError, TypeError) as e:
-            raise CheckpointError(f"{os.path.join(directory, 'tokenizer')}: unreadable tokenizer: "
-                                  f"{one_line(e)}") from None
-    return module, tokenizer, plan
+
+def _read_tokenizer(path: str):
+    """The saved tokenizer, or None when the checkpoint has none."""
+    if not os.path.isdir(path):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: unreadable tokenizer: {one_line(e)}") from None
 
 
 def _flat(tree) -> dict:
@@ -187,9 +211,10 @@ def _check_params(params_dir: str, saved: dict, want: dict, plan_may_be_missing:
                                   f"needs {tuple(leaf.shape)}{hint}")
 
 
-def _restore_error(e: BaseException) -> str:
+def _restore_error(error: BaseException) -> str:
     """One line saying which parameter orbax could not read and why, from its chain of TensorStore errors."""
-    chain = []
+    chain: list[BaseException] = []
+    e: BaseException | None = error
     while e is not None and len(chain) < 10:
         chain.append(e)
         e = e.__cause__ or e.__context__

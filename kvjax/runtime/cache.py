@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.layout import HeadLayout
+from kvjax.ops.paging import NULL_PAGE
 
-NULL_PAGE = 0
 
 
 class CacheFullError(RuntimeError):
@@ -44,15 +44,6 @@ class PagedKVCache:
 def bytes_per_token(layouts: tuple[HeadLayout, ...], dtype) -> int:
     """Cache bytes one token occupies across all layers."""
     return sum(lay.k_cols + lay.v_cols for lay in layouts) * jnp.dtype(dtype).itemsize
-
-
-def write_pages(pages: jax.Array, block_table: jax.Array, positions: jax.Array, values: jax.Array,
-                valid: jax.Array) -> jax.Array:
-    """Scatter ``values`` [B, T, cols] at ``positions`` [B, T] through ``block_table``; invalid rows go to page 0."""
-    page_size = pages.shape[1]
-    page = jnp.take_along_axis(block_table, positions // page_size, axis=1, mode="clip")
-    page = jnp.where(valid, page, NULL_PAGE)
-    return pages.at[page, positions % page_size].set(values.astype(pages.dtype), mode="drop")
 
 
 class PageAllocator:

@@ -16,6 +16,7 @@ from flax import nnx
 
 from kvjax.errors import CheckpointError
 from kvjax.models.config import ModelConfig
+from kvjax.models.transformer import Transformer
 
 Path = tuple  # a parameter's nnx path, e.g. ("layers", 0, "attn", "q", "kernel")
 Source = tuple[str, Callable[[np.ndarray], np.ndarray]]  # (checkpoint tensor name, transform)
@@ -198,8 +199,8 @@ class SafetensorsReader:
 
 def _check_layers(read, num_layers: int) -> None:
     """No tensor of the checkpoint may belong to a layer past the config's ``num_layers``."""
-    extra = sorted((n for n in read if (m := _LAYER.search(n)) and int(m.group(1)) >= num_layers),
-                   key=lambda n: (int(_LAYER.search(n).group(1)), n))
+    layer_of = {n: int(m.group(1)) for n in read if (m := _LAYER.search(n))}
+    extra = sorted((n for n, layer in layer_of.items() if layer >= num_layers), key=lambda n: (layer_of[n], n))
     if extra:
         raise CheckpointError(f"{read.file_of(extra[0])}: {read.layers_key} is {num_layers}, but the checkpoint "
                               f"holds tensors of more layers: {some(extra)}")
@@ -214,7 +215,7 @@ def _source_shape(transform, want: tuple) -> str:
     return f"{want} after conversion"
 
 
-def fill_params(model: nnx.Module, sources: dict[Path, Source], read, dtype, progress=None) -> None:
+def fill_params(model: Transformer, sources: dict[Path, Source], read, dtype, progress=None) -> None:
     """Set every parameter of an abstract (``nnx.eval_shape``) model from the checkpoint, one tensor at a time.
 
     ``read(name)`` gives a tensor as float32; ``read`` also has ``path``, ``layers_key``, ``file_of(name)`` and

@@ -1,39 +1,25 @@
-"""Host-side decode schedule: the "plan" step before each decode kernel "run" (numpy only).
+"""The decode op's plan step (host, numpy): which program reads which pages of which work unit, for given lengths.
 
-The decode kernel (``kvjax.pallas.decode``) runs ``P`` persistent programs; program ``p`` works through row ``p`` of
-the schedule. A work unit is a run of adjacent KV heads (``kvjax.runs``; one head when packing is off), a group is
-(sequence, unit), and a work item is a chunk of a group's pages. A token of a unit costs its K + V columns (the
-bytes), plus its tiles' columns (the instructions: padded columns fetch nothing but are computed on), plus 32 (the
-per-token work that does not shrink with width); an item adds a small fixed overhead.
-
-Orders (``order``):
-- "lpt": groups costlier than the average load are split into chunks, the items sorted longest first and dealt to
-  the least-loaded program (longest processing time first), in rounds of ``P`` items vectorized over all layers
-  (sorting packed 64-bit keys).
-- "stream": each layer's groups laid end to end and cut into ``P`` equal shares at page boundaries (stream-K's
-  split), so every program plans the same load up to a page, with one to a few items.
-- "auto" (the default): the LPT plan when it balances to within 5% of perfect, else the stream plan.
+The kernel (``kernel.paged_decode``) runs ``P`` persistent programs; program ``p`` works through row ``p`` of the
+schedule. A work unit is a run of adjacent KV heads (``units.head_runs``), a group is (sequence, unit), and a work
+item is a chunk of a group's pages. Items are weighed by the op's cost model (``cost.unit_cost``) plus a fixed
+``item_overhead``. Orders (``DecodeConfig.order``):
+- "lpt": groups costlier than a program's average load are split into chunks, and the items dealt longest first to
+  the least-loaded program, in rounds of ``P`` items vectorized over all layers;
+- "stream": each layer's groups laid end to end and cut into ``P`` equal shares at page boundaries (stream-K);
+- "auto": the LPT plan when it balances to ``auto_balance`` of perfect, else the stream plan (LPT splits nothing
+  it need not; stream balances any batch: bench/RESULTS.md "Decode schedule: orders side by side");
 - "naive": natural order dealt round-robin (the ablation).
+Chunks of a split group write partial softmax states to slots that ``kernel.merge`` combines.
 
-LPT balances many small items well and splits nothing it need not, but cannot cut items to fit: on Llama-shaped
-rate-0.5 and 0.7 layers at batch 32 (units of runs of heads) it planned 0.65-0.84 of a perfect balance, where
-stream plans 0.98-0.99 and ran 14-22% faster; with many groups per program (batch 256 x 512 tokens) LPT balances
-at 0.97 and stream's extra cuts and merges made it 8% slower (bench/RESULTS.md). Chunks of a split group write
-partial softmax states to slots that ``merge`` in the kernel module combines afterwards. Measured host cost:
-bench/RESULTS.md.
-
-The schedule depends only on page counts and widths. It covers ``headroom_pages`` pages past each sequence's last
-one (the kernel stops at the real length), so one plan serves every step until a sequence outgrows it or the
-batch changes: ``DecodePlanner`` keeps it until then, and builds the next one ahead on a background thread. All
-arrays are int32 with power-of-two bucketed shapes, so a jitted step that takes them as ordinary arguments
-recompiles only when a bucket changes.
+A plan depends only on page counts and widths, and covers ``headroom_pages`` past each sequence's last page (the
+kernel stops at the real length), so one plan serves many steps (``planner.DecodePlanner``). Arrays are int32 with
+power-of-two bucketed shapes, so a jitted step taking them recompiles only when a bucket changes. jax is imported
+only to register the schedule as a pytree.
 """
 from __future__ import annotations
 
-import concurrent.futures
-import ctypes
 import dataclasses
-import functools
 import math
 from typing import Sequence
 
@@ -41,37 +27,18 @@ import jax
 import numpy as np
 
 from kvjax.layout import HeadLayout
-from kvjax.runs import FLOOR_TILE, PACK_TILE, TOKEN_COST, head_runs, tile
-
-H100_SMS = 132
+from kvjax.ops.decode.config import DECODE, DecodeConfig
+from kvjax.ops.decode.cost import unit_cost
+from kvjax.ops.decode.units import head_runs
 
 # Item fields, in this order along the last axis of ``DecodeSchedule.items``.
 SEQ, UNIT, FIRST_PAGE, END_PAGE, SLOT = range(5)
 ITEM = np.dtype({"names": ["seq", "unit", "first_page", "end_page", "slot"], "formats": [np.int32] * 5})
-ITEM_OVERHEAD = 32 * 64  # an item's fixed cost, in tokens * width
-# Defaults, measured best on the H100 (bench/RESULTS.md, "Fourth session"; kvjax.runs' PACK_TILE and FLOOR_TILE:
-# "Fifth session"):
-ORDER = "auto"  # how items reach programs: "auto", "stream" (equal shares of the work), "lpt" or "naive"
-AUTO_BALANCE = 0.95  # "auto" keeps the LPT plan when it balances at least this well, else cuts equal shares
-TILE_WEIGHT = 1  # weight of a unit's tile columns in its token cost (see _unit_costs)
-FIXED_CHUNK_TOKENS = 512  # batch-invariant plans split every sequence at multiples of this (fixed_chunk_schedule)
 
 
 def bucket(n: int) -> int:
     """Smallest power of two >= max(n, 1)."""
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
-
-
-def default_num_programs() -> int:
-    """Two programs per SM of the first GPU (the H100's 132 SMs where there is none).
-
-    One per SM left the H100 latency-bound (4 warps per SM: rate-0.5 decode at batch 32, 4K took 255 us against
-    165 us with two); more than two split groups into more chunks without gaining (bench/RESULTS.md)."""
-    try:
-        dev = jax.devices("gpu")[0]
-        return 2 * int(getattr(dev, "core_count", 0) or H100_SMS)
-    except RuntimeError:
-        return 2 * H100_SMS
 
 
 @jax.tree_util.register_dataclass
@@ -80,23 +47,23 @@ class DecodeSchedule:
     """Device-side schedule, one entry per layer along axis 0 (pass it into a jitted step as is).
 
     items [L, P, R, 5]: per program, its items (seq, unit, first_page, end_page, slot) in run order; a unit is a
-        run of adjacent KV heads (``kvjax.runs.head_runs(layout, pack_tile)``; one head each when pack_tile is 0);
+        run of adjacent KV heads (``units.head_runs(layout, config)``);
         slot is -1 when the item is its group's only chunk (the kernel writes the output directly).
     counts [L, P]: how many items of each row are real.
     merge_dest [L, M, 2]: (seq, unit) of each split group; padding rows hold seq = -1.
     merge_slots [L, M, S]: the partial slots of each split group (slot = m * S + chunk), -1 where unused.
-    pack_tile: static; how the units were cut, so the kernel reads the same runs.
+    config: static; how the units were cut and how the kernel runs, so plan and run agree.
     """
 
     items: np.ndarray
     counts: np.ndarray
     merge_dest: np.ndarray
     merge_slots: np.ndarray
-    pack_tile: int = dataclasses.field(default=PACK_TILE, metadata=dict(static=True))
+    config: DecodeConfig = dataclasses.field(default=DECODE, metadata=dict(static=True))
 
     def layer(self, i: int) -> "DecodeSchedule":
         """The schedule of layer ``i`` (arrays without the leading layer axis)."""
-        return DecodeSchedule(self.items[i], self.counts[i], self.merge_dest[i], self.merge_slots[i], self.pack_tile)
+        return DecodeSchedule(self.items[i], self.counts[i], self.merge_dest[i], self.merge_slots[i], self.config)
 
     @property
     def num_programs(self) -> int:
@@ -122,18 +89,6 @@ class DecodePlan:
         return load_balance(self.loads)
 
 
-@functools.cache
-def _keep_heap() -> None:
-    """Ask glibc to keep freed memory: a plan's numpy temporaries are ~0.5 MB each, and returning them to the OS
-    after every plan means faulting them in again next time (5x slower in the VMs measured). Once per process."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-1, 512 << 20)  # M_TRIM_THRESHOLD
-        libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
 def _as_layouts(layouts) -> tuple[HeadLayout, ...]:
     layouts = (layouts,) if isinstance(layouts, HeadLayout) else tuple(layouts)
     if len({lay.num_kv_heads for lay in layouts}) != 1:
@@ -141,55 +96,33 @@ def _as_layouts(layouts) -> tuple[HeadLayout, ...]:
     return layouts
 
 
-def _unit_costs(layouts: tuple[HeadLayout, ...], token_cost: int = TOKEN_COST, pack_tile: int = PACK_TILE,
-                tile_weight: int = TILE_WEIGHT, floor_tile: int = FLOOR_TILE) -> np.ndarray:
-    """[L, U] cost of one token of every unit (run of heads): its K + V columns (the bytes) plus ``tile_weight``
-    times the columns of its tiles (the instructions: a K and a V tile as wide as the wider of the two; padded
-    columns fetch nothing but are computed on), at least what a unit of ``floor_tile`` + ``floor_tile`` columns
-    costs (a narrower step takes as long: ``kvjax.runs.run_cost``), plus ``token_cost`` for the per-token work
-    that does not scale with width (page lookup, softmax). Layers with fewer units than the most have 0 past their
-    last (they get no items)."""
-    runs = [head_runs(lay, pack_tile) for lay in layouts]
-    width_cost = lambda k, v: k + v + tile_weight * 2 * tile(max(k, v))  # noqa: E731
-    floor = width_cost(floor_tile, floor_tile) if floor_tile else 0
+def _unit_costs(layouts: tuple[HeadLayout, ...], config: DecodeConfig) -> np.ndarray:
+    """[L, U] cost of one token of every unit of every layer (``cost.unit_cost``); 0 past a layer's last unit."""
+    runs = [head_runs(lay, config) for lay in layouts]
     out = np.zeros((len(layouts), max(map(len, runs))), np.int64)
-    for i, layer in enumerate(runs):
-        out[i, :len(layer)] = [max(width_cost(r.k_cols, r.v_cols), floor) + token_cost for r in layer]
+    for i, (lay, layer) in enumerate(zip(layouts, runs)):
+        out[i, :len(layer)] = [unit_cost(r.num_heads, r.k_cols, r.v_cols, lay.group_size, config) for r in layer]
     return out
 
 
 def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], page_size: int,
-                          num_programs: int | None = None, *, order: str = ORDER, headroom_pages=0,
-                          min_chunk_tokens: int = 256, item_overhead: int = ITEM_OVERHEAD,
-                          items_per_program: int = 1, token_cost: int = TOKEN_COST, tile_weight: int = TILE_WEIGHT,
-                          pack_tile: int = PACK_TILE, floor_tile: int = FLOOR_TILE) -> DecodePlan:
-    """Plan decode for sequences of ``lengths`` tokens (new token included) over one layer or all layers.
-
-    headroom_pages: pages planned past each sequence's last one (one number, or one per sequence). order: "stream",
-    "lpt" or "naive" (module doc). min_chunk_tokens: LPT never makes chunks shorter than this (a chunk's fixed cost
-    then outweighs balance); stream moves a cut within a quarter of it of a group's edge to the edge.
-    item_overhead: fixed cost of an item in the units of tokens * width. items_per_program (LPT): groups are split
-    into chunks no costlier than 1 / items_per_program of the average program load. token_cost: a token's fixed
-    cost, in columns. tile_weight: weight of the tile columns in a token's cost (0 weighs only bytes and the fixed
-    part). pack_tile: work units are runs of adjacent heads read through tiles at most this wide (``kvjax.runs``;
-    0: one head per unit). floor_tile: a unit's token costs at least one of ``floor_tile`` + ``floor_tile``
-    columns (0: no floor). The defaults measured best on the H100 (bench/kernels.py --only autotune).
-    """
-    if order not in ("auto", "lpt", "naive", "stream"):
-        raise ValueError(f"order must be 'auto', 'lpt', 'naive' or 'stream', not {order!r}")
-    if order == "auto":
-        options = dict(headroom_pages=headroom_pages, min_chunk_tokens=min_chunk_tokens, item_overhead=item_overhead,
-                       items_per_program=items_per_program, token_cost=token_cost, tile_weight=tile_weight,
-                       pack_tile=pack_tile, floor_tile=floor_tile)
-        plan = build_decode_schedule(lengths, layouts, page_size, num_programs, order="lpt", **options)
-        if plan.balance >= AUTO_BALANCE:
+                          num_programs: int | None = None, *, config: DecodeConfig = DECODE,
+                          headroom_pages=0) -> DecodePlan:
+    """Plan decode for sequences of ``lengths`` tokens (new token included) over one layer or all layers, by
+    ``config.order`` (module doc); ``headroom_pages``: pages planned past each sequence's last one (one number, or
+    one per sequence). Every visible page of every (sequence, unit) is planned exactly once."""
+    if config.order == "auto":
+        plan = build_decode_schedule(lengths, layouts, page_size, num_programs,
+                                     config=dataclasses.replace(config, order="lpt"), headroom_pages=headroom_pages)
+        if plan.balance >= config.auto_balance:
             return plan
-        return build_decode_schedule(lengths, layouts, page_size, num_programs, order="stream", **options)
-    _keep_heap()
+        return build_decode_schedule(lengths, layouts, page_size, num_programs,
+                                     config=dataclasses.replace(config, order="stream"), headroom_pages=headroom_pages)
+    order, item_overhead, min_chunk_tokens = config.order, config.item_overhead, config.min_chunk_tokens
     layouts = _as_layouts(layouts)
-    P = num_programs or default_num_programs()
+    P = num_programs or config.num_programs()
     lengths = np.asarray(lengths, np.int64)
-    unit_cost = _unit_costs(layouts, token_cost, pack_tile, tile_weight, floor_tile)  # [L, H]: H units (runs) a layer
+    unit_cost = _unit_costs(layouts, config)  # [L, H]: H units (runs) a layer
     B, L, H = len(lengths), len(layouts), unit_cost.shape[1]
     page_cost = page_size * unit_cost[:, None, :]  # [L, 1, H]
 
@@ -202,13 +135,13 @@ def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], p
     capacity = np.where(live, end_page * page_size, 0)
     if order == "stream":
         schedule, loads, per_layer = _stream(np.broadcast_to(first_page, pages.shape), pages, page_cost, P,
-                                             item_overhead, max(1, min_chunk_tokens // page_size // 4), pack_tile)
+                                             item_overhead, max(1, min_chunk_tokens // page_size // 4), config)
         return DecodePlan(schedule, capacity, loads, per_layer)
 
     # Split each (layer, seq, head) group into chunks no costlier than the average program load (in integers:
     # ceil(cost / max(total / P, 1))) and no shorter than min_chunk_tokens. Large batches split nothing.
     cost = pages * page_cost  # [L, B, H]
-    total = np.maximum(cost.sum(axis=(1, 2)) // items_per_program, P)[:, None, None]
+    total = np.maximum(cost.sum(axis=(1, 2)) // config.items_per_program, P)[:, None, None]
     chunk_pages, n = pages, np.broadcast_to(pages > 0, cost.shape)  # pages per chunk, chunks per group
     if np.any(cost.max(axis=(1, 2), keepdims=True) * P > total):
         chunks = np.minimum(-(-cost * P // total), np.maximum(pages // max(1, min_chunk_tokens // page_size), 1))
@@ -274,7 +207,7 @@ def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], p
         col[:, :N], dealt[:, :N] = key & ((1 << cbits) - 1), top - (key >> cbits)
     else:
         col[:, :N], dealt[:, :N] = np.arange(N), costs
-    col, dealt = col.reshape(L, rounds, P), dealt.reshape(L, rounds, P)
+    col, dealt = col.reshape(L, rounds, P), dealt.reshape(L, rounds, P)  # type: ignore[assignment]
 
     # Deal in rounds of P: LPT gives each round's items, longest first, to the programs in order of load (ties by
     # program: sorting 64-bit keys (load, program)); naive deals them round-robin.
@@ -299,13 +232,12 @@ def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], p
     # Whole items move as records of five int32 fields: twice as fast as gathering rows of an int32 matrix.
     items = np.take(fields.view(ITEM).ravel(), table).view(np.int32).reshape(L, P, R, 5)
 
-    return DecodePlan(DecodeSchedule(items, counts, merge_dest, merge_slots, pack_tile), capacity, loads, per_layer)
+    return DecodePlan(DecodeSchedule(items, counts, merge_dest, merge_slots, config), capacity, loads, per_layer)
 
 
 def fixed_chunk_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], page_size: int,
                          num_programs: int | None = None, *, chunk_pages: int, splits: int,
-                         token_cost: int = TOKEN_COST, tile_weight: int = TILE_WEIGHT, pack_tile: int = PACK_TILE,
-                         floor_tile: int = FLOOR_TILE, item_overhead: int = ITEM_OVERHEAD) -> DecodePlan:
+                         config: DecodeConfig = DECODE) -> DecodePlan:
     """A batch-invariant plan: how a sequence is split and merged depends on its own length alone.
 
     Chunk k of every group covers pages ``[k * chunk_pages, (k + 1) * chunk_pages)`` and always goes through the
@@ -315,9 +247,9 @@ def fixed_chunk_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], pa
     programs longest first, round-robin; where an item runs changes nothing in its result.
     """
     layouts = _as_layouts(layouts)
-    P = num_programs or default_num_programs()
+    P = num_programs or config.num_programs()
     lengths = np.asarray(lengths, np.int64)
-    unit_cost = _unit_costs(layouts, token_cost, pack_tile, tile_weight, floor_tile)  # [L, H]
+    unit_cost = _unit_costs(layouts, config)  # [L, H]
     B, L, H, C = len(lengths), len(layouts), unit_cost.shape[1], chunk_pages
     live = lengths > 0
     last = np.where(live, (-(-lengths // page_size) - 1) // C, -1)  # [B] last chunk index
@@ -347,7 +279,7 @@ def fixed_chunk_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], pa
     merge_dest[real // (B * H), m_of[real]] = np.stack([real % (B * H) // H, real % H], axis=1)
     merge_slots[layer, m_of[group], k] = slot
     tokens = np.minimum((k + 1) * C * page_size, capacity[seq]) - k * C * page_size
-    cost = tokens * unit_cost[layer, unit] + item_overhead
+    cost = tokens * unit_cost[layer, unit] + config.item_overhead
     # Deal each layer's items longest first, round-robin over the programs.
     order = np.lexsort((-cost, layer))
     rank = np.arange(order.size) - np.repeat(np.cumsum(per_layer) - per_layer, per_layer)
@@ -360,10 +292,10 @@ def fixed_chunk_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], pa
     np.add.at(counts, (layer[o], prog), 1)
     loads = np.zeros((L, P), np.int64)
     np.add.at(loads, (layer[o], prog), cost[o])
-    return DecodePlan(DecodeSchedule(items, counts, merge_dest, merge_slots, pack_tile), capacity, loads, per_layer)
+    return DecodePlan(DecodeSchedule(items, counts, merge_dest, merge_slots, config), capacity, loads, per_layer)
 
 
-def _stream(first_page, pages, page_cost, P, item_overhead, snap_pages, pack_tile):
+def _stream(first_page, pages, page_cost, P, item_overhead, snap_pages, config):
     """Equal shares of each layer's work, cut at page boundaries: program p takes the stretch from p/P to
     (p+1)/P of the layer's groups laid end to end (stream-K's split), so it gets one to a few items (the ends of
     the groups it spans) and every program plans the same load up to a page. A cut within ``snap_pages`` of a
@@ -448,13 +380,11 @@ def _stream(first_page, pages, page_cost, P, item_overhead, snap_pages, pack_til
     items = items.reshape(L, P, R, 5)
     cost = (b - a) * g_cost[grp] + item_overhead
     loads = np.bincount(row, weights=cost, minlength=L * P).reshape(L, P).astype(np.int64)
-    schedule = DecodeSchedule(items, counts, merge_dest, merge_slots, pack_tile)
+    schedule = DecodeSchedule(items, counts, merge_dest, merge_slots, config)
     return schedule, loads, np.bincount(layer, minlength=L)
 
 
-def realized_loads(schedule: DecodeSchedule, lengths, layouts: Sequence[HeadLayout], page_size: int,
-                   item_overhead: int = ITEM_OVERHEAD, token_cost: int = TOKEN_COST,
-                   tile_weight: int = TILE_WEIGHT, floor_tile: int = FLOOR_TILE) -> np.ndarray:
+def realized_loads(schedule: DecodeSchedule, lengths, layouts: Sequence[HeadLayout], page_size: int) -> np.ndarray:
     """[L, P] work each program meets at ``lengths`` (which the plan covers), in the cost model the plan was built
     with: its items' token loops stop at the real lengths, so an aged plan's loads differ from the planned ones.
     Its balance: ``load_balance``."""
@@ -462,9 +392,9 @@ def realized_loads(schedule: DecodeSchedule, lengths, layouts: Sequence[HeadLayo
     items = schedule.items.astype(np.int64)
     seq, unit, first, end = (items[..., f] for f in (SEQ, UNIT, FIRST_PAGE, END_PAGE))
     tokens = np.maximum(np.minimum(end * page_size, lengths[seq]) - first * page_size, 0)
-    width = _unit_costs(_as_layouts(layouts), token_cost, schedule.pack_tile, tile_weight, floor_tile)[
+    width = _unit_costs(_as_layouts(layouts), schedule.config)[
         np.arange(len(items))[:, None, None], unit]
-    cost = tokens * width + item_overhead
+    cost = tokens * width + schedule.config.item_overhead
     real = np.arange(items.shape[2]) < schedule.counts[..., None]
     return np.where(real, cost, 0).sum(axis=2)
 
@@ -475,81 +405,12 @@ def load_balance(loads: np.ndarray) -> float:
 
 
 def static_decode_schedule(batch: int, pages_per_seq: int, layout: HeadLayout, page_size: int,
-                           num_programs: int | None = None) -> DecodeSchedule:
+                           num_programs: int | None = None, config: DecodeConfig = DECODE) -> DecodeSchedule:
     """A schedule that needs no lengths: every sequence planned at the block table's full width.
 
     For callers with no host plan (e.g. inside a jitted step): correct for any lengths, balanced only when the
     sequences fill their tables. Built with numpy at trace time, so it becomes a constant of the step.
     """
-    plan = build_decode_schedule(np.full(batch, pages_per_seq * page_size), layout, page_size, num_programs)
+    plan = build_decode_schedule(np.full(batch, pages_per_seq * page_size), layout, page_size, num_programs,
+                                 config=config)
     return plan.schedule.layer(0)
-
-
-@functools.cache
-def _planning_thread() -> concurrent.futures.ThreadPoolExecutor:
-    """One worker for all planners: builds run beside the steps (numpy drops the GIL in its loops). Started here,
-    with the planner: a step that started it would wait out the GIL's switch interval while it runs a build."""
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvjax-plan")
-    pool.submit(int).result()
-    return pool
-
-
-class DecodePlanner:
-    """Keeps one plan until a sequence outgrows it or the batch changes (the builder of vLLM / FlashInfer).
-
-    Each sequence is planned ``min(headroom_tokens, length)`` tokens past its length, in whole pages, so a plan
-    lives about ``headroom_tokens`` steps. The kernel loops only up to the real lengths: spare pages cost no
-    bandwidth, only balance, as the plan weighs sequences by lengths they reach only as it ages. At 128 tokens the
-    rebuilds cost a small fraction of a percent of a step and an aged plan balances nearly as well as a fresh one;
-    each doubling halves the rebuilds but about doubles the balance lost (``bench/kernels.py --only schedule``
-    measures both). Capping at the length keeps rows that barely started (padding rows have length 1) from weighing
-    like long ones.
-
-    ahead: when the sequences that grew in the last step will outgrow the plan within ``headroom_tokens // 4``
-    steps, the next plan is built on a background thread for the lengths expected then (those sequences one token
-    longer per step, the others as they are), and taken then if it covers the lengths (else the step builds one),
-    so steps do not wait for builds. ``rebuilds`` counts the plans taken (the engine's plan id), ``built_ahead``
-    those of them built ahead.
-    """
-
-    def __init__(self, layouts, page_size: int, num_programs: int | None = None, *, headroom_tokens: int = 128,
-                 ahead: bool = True, chunk_pages: int = 0, splits: int = 0, **options):
-        """``chunk_pages`` > 0 plans batch-invariantly (``fixed_chunk_schedule``, with ``splits`` slots a group)."""
-        self.layouts, self.page_size = _as_layouts(layouts), page_size
-        self.chunk_pages, self.splits = chunk_pages, splits
-        self.num_programs = num_programs or default_num_programs()
-        self.headroom_tokens, self.ahead, self.options = headroom_tokens, ahead, options
-        self.plan: DecodePlan | None = None
-        self.rebuilds = self.built_ahead = 0
-        self._next: concurrent.futures.Future | None = None
-        self._last = np.zeros(0, np.int64)  # the lengths of the previous call
-        if ahead:
-            _planning_thread()
-
-    def build(self, lengths) -> DecodePlan:
-        """A plan for these lengths with this planner's headroom, built in the calling thread."""
-        lengths = np.asarray(lengths)
-        if self.chunk_pages:
-            return fixed_chunk_schedule(lengths, self.layouts, self.page_size, self.num_programs,
-                                        chunk_pages=self.chunk_pages, splits=self.splits, **self.options)
-        headroom = -(-np.minimum(self.headroom_tokens, lengths) // self.page_size)
-        return build_decode_schedule(lengths, self.layouts, self.page_size, self.num_programs,
-                                     headroom_pages=headroom, **self.options)
-
-    def __call__(self, lengths) -> DecodeSchedule:
-        lengths = np.asarray(lengths)
-        last, self._last = self._last, lengths.copy()
-        if self.plan is None or not self.plan.covers(lengths):
-            ahead, self._next = self._next, None
-            plan = ahead.result() if ahead is not None else None
-            if plan is not None and plan.covers(lengths):
-                self.built_ahead += 1
-            else:
-                plan = self.build(lengths)
-            self.plan, self.rebuilds = plan, self.rebuilds + 1
-        elif self.ahead and self._next is None and last.shape == lengths.shape and np.any(grows := lengths > last):
-            steps_left = int((self.plan.capacity - lengths)[grows].min())
-            if steps_left <= self.headroom_tokens // 4:
-                expected = np.where(grows, lengths + steps_left + 1, lengths)
-                self._next = _planning_thread().submit(self.build, expected)
-        return self.plan.schedule

@@ -9,11 +9,12 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm.auto import tqdm
 
-from kvjax import atomic, validate
+from kvjax import validate
+from kvjax.io import atomic
 from kvjax.errors import CheckpointError
-from kvjax.model import Model
-from kvjax.saving import is_kvjax_checkpoint, load_saved
-from kvjax.models.checkpoint import SafetensorsReader, fill_params, hf_sources, read_json
+from kvjax.models.model import Model
+from kvjax.io.saved import is_kvjax_checkpoint, load_saved
+from kvjax.io.hf import SafetensorsReader, fill_params, hf_sources, read_json
 from kvjax.models.config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError, config_from_hf
 from kvjax.models.transformer import Transformer
 
@@ -66,7 +67,7 @@ def _load_hf_dir(path: str, dtype, progress: bool) -> Model:
 
 
 def _load_gguf(path: str, dtype, progress: bool) -> Model:
-    from kvjax.models.gguf_file import GGUFCheckpoint
+    from kvjax.io.gguf_file import GGUFCheckpoint
 
     ckpt = GGUFCheckpoint(path)
     cfg = ckpt.config()
@@ -80,16 +81,16 @@ def load(path: str, dtype: str = "bfloat16", *, progress: bool = True) -> Model:
     ``dtype`` is the parameter dtype ("bfloat16", "float32", ...). Weights are read and converted one tensor at a
     time, so host memory stays near the model's size in ``dtype``.
     """
-    dtype = jnp.dtype(validate.dtype(dtype))
+    param_dtype = jnp.dtype(validate.dtype(dtype))
     path = os.fspath(path)
     if path not in EMBEDDED:  # a save cut short by a crash is finished or undone first
         for line in atomic.recover(os.path.abspath(path), is_kvjax_checkpoint):
             warnings.warn(line, stacklevel=2)
     path = resolve(path)
     if os.path.isdir(path):
-        model = Model(*load_saved(path, dtype)) if is_kvjax_checkpoint(path) else _load_hf_dir(path, dtype, progress)
+        model = Model(*load_saved(path, param_dtype)) if is_kvjax_checkpoint(path) else _load_hf_dir(path, param_dtype, progress)
     elif path.endswith(".gguf"):
-        model = _load_gguf(path, dtype, progress)
+        model = _load_gguf(path, param_dtype, progress)
     else:
         raise ValueError(f"cannot load {path!r}: expected a Hugging Face checkpoint directory or a .gguf file")
     model.source = os.path.abspath(path)

@@ -1,31 +1,16 @@
-"""Causal flash attention for a batch of prompts whose KV heads have their own K and V widths; writes K/V pages.
+"""The prefill op's run step: causal flash attention for a batch of prompts whose KV heads have their own K and V
+widths, writing their K/V into the pages (Pallas, Triton lowering).
 
-One program per work item (prompt, query head, block of query rows), items listed in a static int32 table built
-at trace time. Balancing follows the papers: a head class of width ``k + v`` gets query blocks
-``block_q * 256 / (K + V columns loaded)`` rows tall (capped), so every item does about the same work per key whatever
-its width; items are then ordered longest first (causal blocks late in the prompt see more keys), so the hardware
-scheduler packs the short ones into the tail. ``balanced=False`` is the ablation: ``block_q`` rows for every head,
-natural (prompt, head, block) order. Heads sharing (K width, V width) share one code path chosen by ``lax.switch``.
+One program per work item (prompt, query head, block of query rows) from the static table ``plan.work_items``
+builds at trace time. Heads sharing (K width, V width) share one code path chosen by ``lax.switch``. A width that is
+not a power of two is read as exact power-of-two pieces (80 = 64 + 16), one dot per piece, so no multiply is spent
+on padding and 128-key steps fit shared memory. Steps left of the diagonal load without row masks; with pages, the
+program of a group's first query head stores the diagonal K/V blocks it has loaded into the cache
+(``input_output_aliases``: in place when the caller donates the pages).
 
-When pages are given, the program that owns the first query head of a KV group also stores the diagonal K/V blocks
-it has already loaded into the paged cache (``input_output_aliases``: in place when the caller donates the pages).
-
-Lowering: Pallas's Triton backend, for the same reasons as ``decode.py`` (masked loads at 16-column offsets inside
-packed rows, per-token page addresses for the cache write, CPU interpret mode for CI); Triton picks Hopper's wgmma
-for the [block_q, width] x [width, block_k] dots itself.
-
-A head whose width is not a power of two is read as exact power-of-two pieces (``max_segments``, via
-``common.segments``: 80 = 64 + 16), one dot per piece, rather than through one padded tile: no multiply is spent
-on padding, and the narrower loads let 128-key steps fit in shared memory (one padded 128-wide tile per class did
-not: 272 KB asked for). ``keys_per_step`` halves the keys of classes too wide for that (full 128+128 heads).
-
-Measured on the H100 (bench/RESULTS.md): 256-row blocks with 8 warps gave wrong results (relative error 5e-2 to
-9e-2; right with 4 warps and in interpret mode), so blocks are capped at 128 rows by default; float32 tiles are
-halved to fit shared memory. Steps left of the diagonal load without row masks (every key exists) and the
-cache write happens only in the diagonal steps, where the item's own keys are. 128-key steps made the rate-0.5
-layer 15% faster (0.356 -> 0.301 ms at 4K), but it still runs at about 0.9x of cuDNN on the uncompressed heads
-(this kernel reaches 40% of the matmul rate where cuDNN reaches 67%): the next steps are one program per KV group
-(its G query heads share each K/V tile) and Mosaic GPU's wgmma pipeline.
+Why Triton: masked loads at 16-column offsets inside packed rows and per-token page addresses for the cache write,
+as in decode, plus a CPU interpreter for CI; Triton picks Hopper's wgmma for the dots. How it compares with cuDNN:
+bench/RESULTS.md "Prefill vs cuDNN".
 """
 from __future__ import annotations
 
@@ -35,58 +20,15 @@ import operator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kvjax.attention_reference import causal_attention
 from kvjax.layout import HeadLayout
-from kvjax.pallas.common import LOG2E, MASK, dot_precision, load_columns, lookup, offset16, width_classes
-from kvjax.runs import loaded_columns, pow2_floor, segments
-
-
-# Bytes of K/V tiles one pipelined key loop keeps in flight, (num_stages - 1) x keys x loaded columns x itemsize,
-# that fit Hopper's shared memory (each class has two such loops, plus its q tile): 2 x 128 x 176 x 2 (the odd-widths
-# layer's widest class, 112+64, with 128 keys) compiled on the H100 at 8 warps and 3 stages; 2 x 128 x 256 x 2
-# (an 80+80 class through 128-wide tiles) did not (272 KB asked for).
-KV_TILE_BYTES = 2 * 128 * 176 * 2
-
-
-def keys_per_step(block_k: int, rows: int, cols: int, itemsize: int, num_stages: int) -> int:
-    """Keys per loop step: ``block_k`` (at most the query rows), halved until the K/V tiles fit shared memory."""
-    keys = min(block_k, rows)
-    while keys > 16 and max(num_stages - 1, 1) * keys * cols * itemsize > KV_TILE_BYTES:
-        keys //= 2
-    return keys
-
-
-def block_rows(cls, block_q: int, seq_len: int, balanced: bool, max_rows: int, max_segments: int) -> int:
-    """Query rows per item for a head class: taller for narrower heads when balanced."""
-    cols = loaded_columns(cls.k_width, max_segments) + loaded_columns(cls.v_width, max_segments)
-    rows = pow2_floor(block_q * 256 / cols) if balanced else block_q
-    return max(16, min(rows, max_rows, 1 << math.ceil(math.log2(max(seq_len, 16)))))
-
-
-def work_items(layout: HeadLayout, batch: int, seq_len: int, block_q: int, balanced: bool,
-               max_rows: int, max_segments: int) -> np.ndarray:
-    """int32 [N, 3] items (prompt, query head, first query row), longest first when balanced."""
-    classes, class_of = width_classes(layout)
-    g = layout.group_size
-    items, costs = [], []
-    for h in range(layout.num_heads):
-        cls = classes[class_of[h // g]]
-        rows = block_rows(cls, block_q, seq_len, balanced, max_rows, max_segments)
-        for q0 in range(0, seq_len, rows):
-            for b in range(batch):
-                items.append((b, h, q0))
-                costs.append(rows * min(q0 + rows, seq_len) * (cls.k_width + cls.v_width))
-    items = np.asarray(items, np.int32)
-    if balanced:
-        items = items[np.argsort(-np.asarray(costs), kind="stable")]
-    else:
-        items = items[np.lexsort((items[:, 2], items[:, 1], items[:, 0]))]
-    return items
+from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_columns, lookup, offset16
+from kvjax.ops.prefill.config import PREFILL, PrefillConfig
+from kvjax.ops.prefill.plan import block_rows, keys_per_step, width_classes, work_items
+from kvjax.ops.tiles import loaded_columns, segments
 
 
 def _attend_block(cls, item, refs, *, group, seq_len, page_size, window, scale, block_q, block_k, balanced,
@@ -177,21 +119,19 @@ def _kernel(items_ref, lengths_ref, *refs, classes, class_of, group, **static):
         lax.switch(cls_index, [lambda it, f=f: f(it) for f in branches], item)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "balanced", "block_q", "block_k", "max_block_q", "max_segments",
-                                             "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("layout", "config", "interpret"))
 def prefill_attention(q, k, v, layout: HeadLayout, lengths=None, k_pages=None, v_pages=None, block_table=None, *,
-                      balanced: bool = True, block_q: int = 128, block_k: int = 128, max_block_q: int = 128,
-                      max_segments: int = 3, num_warps: int = 8, num_stages: int = 3, interpret: bool = False):
-    """Causal attention of T prompt tokens among themselves; same contract as ``causal_attention``.
+                      config: PrefillConfig = PREFILL, interpret: bool = False):
+    """Causal attention of T prompt tokens among themselves; equal to ``reference.causal_attention``.
 
     q [B, T, q_cols], k [B, T, k_cols], v [B, T, v_cols]; lengths [B] (default T): rows at positions >= length
     are unspecified. With k_pages/v_pages [num_pages, page_size, cols] and block_table [B, pages_per_seq], also
     writes K/V rows at positions < length into the pages and returns (out, k_pages, v_pages); else returns out.
     """
     b, t, _ = q.shape
-    if jnp.dtype(q.dtype).itemsize == 4:  # float32 tiles: 128 rows x 3 stages asked for 384 KB of shared memory
-        block_q, max_block_q, block_k = min(block_q, 64), min(max_block_q, 64), min(block_k, 32)
-        num_stages = min(num_stages, 2)
+    config = config.for_dtype(q.dtype)
+    balanced, block_q, block_k, max_block_q = config.balanced, config.block_q, config.block_k, config.max_block_q
+    max_segments, num_warps, num_stages = config.max_segments, config.num_warps, config.num_stages
     classes, class_of = width_classes(layout)
     items = jnp.asarray(work_items(layout, b, t, block_q, balanced, max_block_q, max_segments))
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
@@ -218,8 +158,3 @@ def prefill_attention(q, k, v, layout: HeadLayout, lengths=None, k_pages=None, v
     if write:
         return res[0], res[1].reshape(k_pages.shape), res[2].reshape(v_pages.shape)
     return res[0]
-
-
-def prefill_attention_reference(q, k, v, layout: HeadLayout):
-    """The pure-jnp reference the kernel must match."""
-    return causal_attention(q, k, v, layout)

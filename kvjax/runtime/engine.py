@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax import attention
-from kvjax.cache import PagedKVCache, PageAllocator, block_table
-from kvjax.schedule import FIXED_CHUNK_TOKENS, DecodePlanner
-from kvjax.schedule import bucket as pow2_bucket
+from kvjax.ops import attention
+from kvjax.ops.decode.op import DecodeOp
+from kvjax.ops.decode.plan import bucket as pow2_bucket
+from kvjax.ops.prefill.op import PrefillOp
+from kvjax.runtime.cache import PagedKVCache, PageAllocator, block_table
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
@@ -44,7 +45,7 @@ def _row_keys(key, rows: int, shared: bool):
     return jnp.broadcast_to(key, (rows,)) if shared else jax.random.split(key, rows)
 
 
-def _prefill_step(graphdef, state, cache, tokens, lengths, table, key, temperature, top_p, *, greedy, backend,
+def _prefill_step(graphdef, state, cache, tokens, lengths, table, key, temperature, top_p, *, greedy, op,
                   shared_key):
     module = nnx.merge(graphdef, state)
     b, t = tokens.shape
@@ -52,8 +53,8 @@ def _prefill_step(graphdef, state, cache, tokens, lengths, table, key, temperatu
     ks, vs = list(cache.k), list(cache.v)
 
     def attend(i, q, k, v, rebuild=None):
-        out, ks[i], vs[i] = attention.prefill(q, k, v, module.layouts[i], ks[i], vs[i], table, lengths,
-                                              backend=backend, rebuild=rebuild)
+        out, ks[i], vs[i] = attention.prefill(q, k, v, module.layouts[i], ks[i], vs[i], table, lengths, op=op,
+                                              rebuild=rebuild)
         return out
 
     hidden = module.hidden(tokens, positions, attend)
@@ -62,14 +63,14 @@ def _prefill_step(graphdef, state, cache, tokens, lengths, table, key, temperatu
     return sample(logits, keys, temperature, top_p, greedy), PagedKVCache(tuple(ks), tuple(vs))
 
 
-def _decode_step(graphdef, state, cache, tokens, positions, table, schedule, key, temperature, top_p, *, greedy,
-                 backend, shared_key):
+def _decode_step(graphdef, state, cache, tokens, positions, table, schedule, key, temperature, top_p, *, greedy, op,
+                 shared_key):
     module = nnx.merge(graphdef, state)
     ks, vs = list(cache.k), list(cache.v)
 
     def attend(i, q, k, v, rebuild=None):
         out, ks[i], vs[i] = attention.decode(q[:, 0], k[:, 0], v[:, 0], module.layouts[i], ks[i], vs[i], table,
-                                             positions + 1, backend=backend, rebuild=rebuild,
+                                             positions + 1, op=op, rebuild=rebuild,
                                              schedule=None if schedule is None else schedule.layer(i))
         return out[:, None]
 
@@ -80,15 +81,16 @@ def _decode_step(graphdef, state, cache, tokens, positions, table, schedule, key
 
 
 class Engine:
-    """One paged cache sized for ``max_batch`` sequences of up to ``max_seq_len`` tokens, and its jitted steps."""
+    """One paged cache sized for ``max_batch`` sequences of up to ``max_seq_len`` tokens, the decode and prefill ops,
+    and the jitted steps that run the model over them."""
 
     def __init__(self, model, *, max_batch: int = 8, max_seq_len: int = 512, page_size: int = 16,
                  num_pages: int | None = None, cache_dtype=None, backend: str | None = None,
                  batch_invariant: bool = False):
         """``backend``: "reference" (jnp), "pallas" (GPU kernels) or "interpret" (the kernels on the CPU);
-        default: the kernels on a GPU, the reference elsewhere. ``batch_invariant``: the kernels' decode plan splits
-        each sequence by its own length alone (``schedule.fixed_chunk_schedule``); the caller then prefills one
-        sequence at a time and decodes ``max_batch`` rows every step (``kvjax.generate``)."""
+        default: the kernels on a GPU, the reference elsewhere. ``batch_invariant``: decode plans split each
+        sequence by its own length alone; the caller then prefills one sequence at a time and decodes
+        ``max_batch`` rows every step (``kvjax.generate``)."""
         self.model, self.max_batch, self.page_size = model, max_batch, page_size
         self.batch_invariant = batch_invariant
         self.backend = attention.check_backend(backend or attention.default_backend())
@@ -98,28 +100,23 @@ class Engine:
                 raise ValueError("the attention kernels need head widths that are multiples of 16")
             self.backend = "reference"
         self.pages_per_seq = -(-max_seq_len // page_size)
-        self.planner = None
-        if self.backend != "reference" and model.module.method != "palu":  # Palu layers take the reference path
-            chunk = -(-FIXED_CHUNK_TOKENS // page_size) if batch_invariant else 0
-            splits = pow2_bucket(-(-self.pages_per_seq // chunk)) if chunk else 0
-            self.planner = DecodePlanner(model.layouts, page_size, chunk_pages=chunk, splits=splits)
-        self._schedule, self._plan_id = None, -1
         self.max_seq_len = self.pages_per_seq * page_size
+        self.decode_op = self.prefill_op = None
+        if self.backend != "reference":
+            interpret = self.backend == "interpret"
+            self.prefill_op = PrefillOp(interpret=interpret)
+            if model.module.method != "palu":  # Palu layers take the reference path
+                self.decode_op = DecodeOp(model.layouts, page_size, self.pages_per_seq,
+                                          batch_invariant=batch_invariant, interpret=interpret)
         num_pages = num_pages or max_batch * self.pages_per_seq + 1
         self.cache = PagedKVCache.create(model.layouts, num_pages, page_size, cache_dtype or model.dtype)
         self.allocator = PageAllocator(num_pages)
         donate = (1,) if jax.default_backend() != "cpu" else ()
         self._steps = {}
-        for name, fn in (("prefill", _prefill_step), ("decode", _decode_step)):
+        for name, fn, op in (("prefill", _prefill_step, self.prefill_op), ("decode", _decode_step, self.decode_op)):
             for greedy in (True, False):
-                step = functools.partial(fn, model.graphdef, greedy=greedy, backend=self.backend,
-                                         shared_key=batch_invariant)
+                step = functools.partial(fn, model.graphdef, greedy=greedy, op=op, shared_key=batch_invariant)
                 self._steps[name, greedy] = jax.jit(step, donate_argnums=donate)
-
-    def compiled_shapes(self) -> int:
-        """How many shapes the steps have compiled so far (for tests of bucketing)."""
-        return sum(step._cache_size() for step in self._steps.values())
-
     def prefill(self, prompts: list[list[int]], page_lists: list[list[int]], key, temperature: float, top_p: float):
         """Write the prompts' K/V into their pages; return the first sampled token per prompt (padded batch)."""
         b = bucket(len(prompts), maximum=self.max_batch)
@@ -144,10 +141,5 @@ class Engine:
         return nxt
 
     def schedule(self, lengths: np.ndarray):
-        """The kernels' decode schedule for these lengths, on the device; rebuilt only when the host plan is."""
-        if self.planner is None:
-            return None
-        plan = self.planner(np.asarray(lengths))
-        if self.planner.rebuilds != self._plan_id:
-            self._schedule, self._plan_id = jax.device_put(plan), self.planner.rebuilds
-        return self._schedule
+        """The decode op's device schedule for these lengths (None on the reference path)."""
+        return None if self.decode_op is None else self.decode_op.plan(lengths)

@@ -1,0 +1,58 @@
+"""The decode op's tuned defaults, in one place: the cost model, the planner and the kernel all read them.
+
+Each field names what it controls; the figures behind the defaults are in bench/RESULTS.md ("Decode: runs of heads
+and head order", "Decode schedule: orders side by side", "Decode kernel: time beside the floor"). Benchmarks sweep
+a field with ``dataclasses.replace(DECODE, field=value)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+ORDERS = ("auto", "lpt", "stream", "naive")
+H100_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """How decode cuts its work and runs it (hashable: a static argument of the jitted kernel)."""
+
+    # Work units: runs of adjacent KV heads (``units.head_runs``).
+    pack_tile: int = 256  # widest tile a run of several heads may read for its K or its V (0: one head per unit)
+    # The cost of one token of a unit (``cost.token_cost``), in columns of width.
+    token_cost: int = 32  # per-token work that does not shrink with width (page lookup, softmax)
+    floor_tile: int = 128  # a unit's token costs at least one of a floor_tile + floor_tile unit (0: no floor)
+    tile_weight: int = 1  # weight of the tile columns (instructions) beside the K + V columns (bytes)
+    piece_saving: int = 64  # a run's K (or V) is read as two power-of-two pieces where that saves this many columns
+    # The schedule (``plan``).
+    order: str = "auto"  # "auto" (LPT if it balances to auto_balance, else stream), "lpt", "stream" or "naive"
+    auto_balance: float = 0.95
+    item_overhead: int = 32 * 64  # an item's fixed cost, in tokens x columns
+    min_chunk_tokens: int = 256  # LPT never cuts shorter chunks; stream snaps cuts this close (/4) to a group's edge
+    items_per_program: int = 1  # LPT splits groups costlier than 1/items_per_program of a program's average load
+    programs_per_sm: int = 2  # persistent programs per streaming multiprocessor
+    headroom_tokens: int = 128  # a plan covers this many tokens past each length (``planner.DecodePlanner``)
+    fixed_chunk_tokens: int = 512  # batch-invariant plans cut every sequence at multiples of this
+    # The kernel (``kernel.paged_decode``).
+    block_tokens: int = 64  # tokens per loop step for a 128 + 128-column unit (narrower units take more)
+    max_step_tokens: int = 512
+    fold_tokens: int = 64  # least tokens per fold when spare score-tile rows fold a step's tokens
+    max_segments: int = 2  # power-of-two pieces a run's K (or V) columns may be read as
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def num_programs(self) -> int:
+        """``programs_per_sm`` programs per SM of the first GPU (the H100's 132 SMs where there is none)."""
+        import jax
+
+        try:
+            sms = int(getattr(jax.devices("gpu")[0], "core_count", 0) or H100_SMS)
+        except RuntimeError:
+            sms = H100_SMS
+        return self.programs_per_sm * sms
+
+    def __post_init__(self):
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, not {self.order!r}")
+
+
+DECODE = DecodeConfig()

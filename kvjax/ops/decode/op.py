@@ -1,0 +1,41 @@
+"""The decode op as the engine holds it: ``plan`` on the host (as FlashInfer's ``plan()``), ``run`` on the device."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from kvjax.layout import HeadLayout
+from kvjax.ops.decode.config import DECODE, DecodeConfig
+from kvjax.ops.decode.kernel import paged_decode
+from kvjax.ops.decode.plan import DecodeSchedule, bucket
+from kvjax.ops.decode.planner import DecodePlanner
+
+
+class DecodeOp:
+    """Paged decode attention over a model's layers: ``plan(lengths)`` returns the device schedule for a step (the
+    kept plan while it covers the lengths, so most steps plan nothing), ``run`` attends one layer with it.
+
+    ``batch_invariant``: each sequence is split by its own length alone (``plan.fixed_chunk_schedule``), so a
+    row's result does not depend on the batch it runs in."""
+
+    def __init__(self, layouts, page_size: int, pages_per_seq: int, *, config: DecodeConfig = DECODE,
+                 num_programs: int | None = None, batch_invariant: bool = False, interpret: bool = False):
+        chunk = -(-config.fixed_chunk_tokens // page_size) if batch_invariant else 0
+        splits = bucket(-(-pages_per_seq // chunk)) if chunk else 0
+        self.config, self.interpret = config, interpret
+        self.planner = DecodePlanner(layouts, page_size, num_programs, config=config, chunk_pages=chunk,
+                                     splits=splits)
+        self._schedule: DecodeSchedule | None = None
+        self._plan_id = -1
+
+    def plan(self, lengths) -> DecodeSchedule:
+        """The schedule of all layers for sequences of ``lengths`` tokens (new token included), on the device."""
+        plan = self.planner(np.asarray(lengths))
+        if self.planner.rebuilds != self._plan_id:
+            self._schedule, self._plan_id = jax.device_put(plan), self.planner.rebuilds
+        assert self._schedule is not None
+        return self._schedule
+
+    def run(self, q, k_pages, v_pages, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout):
+        """One layer's attention (``schedule``: that layer's, ``DecodeSchedule.layer``); see ``paged_decode``."""
+        return paged_decode(q, k_pages, v_pages, block_table, lengths, schedule, layout, interpret=self.interpret)

@@ -1,0 +1,93 @@
+"""The decode op's plan cache: one plan kept until a sequence outgrows it, the next one built ahead on a thread.
+
+Each sequence is planned ``min(config.headroom_tokens, length)`` tokens past its length, in whole pages, so a plan
+lives about ``headroom_tokens`` steps. The kernel loops only up to the real lengths, so spare pages cost no
+bandwidth, only balance; each doubling of the headroom halves the rebuilds and about doubles the balance lost
+(bench/RESULTS.md "Host cost of the plan"). Capping at the length keeps rows that barely started (padding rows
+have length 1) from weighing like long ones.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import functools
+
+import numpy as np
+
+from kvjax.ops.decode.config import DECODE, DecodeConfig
+from kvjax.ops.decode.plan import DecodePlan, DecodeSchedule, _as_layouts, build_decode_schedule, fixed_chunk_schedule
+
+
+@functools.cache
+def keep_heap() -> None:
+    """Ask glibc to keep freed memory, once per process: a plan's numpy temporaries are ~0.5 MB each, and handing
+    them back to the OS after every plan means faulting them in again next time (5x slower plans in VMs)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-1, 512 << 20)  # M_TRIM_THRESHOLD
+        libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+@functools.cache
+def _planning_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """One worker for all planners: builds run beside the steps (numpy drops the GIL in its loops). Started with
+    the planner: a step that started it would wait out the GIL's switch interval while it runs a build."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvjax-plan")
+    pool.submit(int).result()
+    return pool
+
+
+class DecodePlanner:
+    """Keeps one plan until a sequence outgrows it or the batch changes (as vLLM's and FlashInfer's builders do).
+
+    ahead: when the sequences that grew in the last step will outgrow the plan within ``headroom_tokens // 4``
+    steps, the next plan is built on a background thread for the lengths expected then, and taken if it covers the
+    lengths (else the step builds one), so steps do not wait for builds. ``rebuilds`` counts the plans taken,
+    ``built_ahead`` those of them built ahead. ``chunk_pages`` > 0 plans batch-invariantly
+    (``plan.fixed_chunk_schedule`` with ``splits`` slots a group).
+    """
+
+    def __init__(self, layouts, page_size: int, num_programs: int | None = None, *, config: DecodeConfig = DECODE,
+                 ahead: bool = True, chunk_pages: int = 0, splits: int = 0):
+        self.layouts, self.page_size, self.config = _as_layouts(layouts), page_size, config
+        self.chunk_pages, self.splits = chunk_pages, splits
+        self.num_programs = num_programs or config.num_programs()
+        self.headroom_tokens, self.ahead = config.headroom_tokens, ahead
+        self.plan: DecodePlan | None = None
+        self.rebuilds = self.built_ahead = 0
+        self._next: concurrent.futures.Future | None = None
+        self._last = np.zeros(0, np.int64)  # the lengths of the previous call
+        keep_heap()
+        if ahead:
+            _planning_thread()
+
+    def build(self, lengths) -> DecodePlan:
+        """A plan for these lengths with this planner's headroom, built in the calling thread."""
+        lengths = np.asarray(lengths)
+        if self.chunk_pages:
+            return fixed_chunk_schedule(lengths, self.layouts, self.page_size, self.num_programs,
+                                        chunk_pages=self.chunk_pages, splits=self.splits, config=self.config)
+        headroom = -(-np.minimum(self.headroom_tokens, lengths) // self.page_size)
+        return build_decode_schedule(lengths, self.layouts, self.page_size, self.num_programs, config=self.config,
+                                     headroom_pages=headroom)
+
+    def __call__(self, lengths) -> DecodeSchedule:
+        """The kept plan's schedule if it covers ``lengths``, else a new one."""
+        lengths = np.asarray(lengths)
+        last, self._last = self._last, lengths.copy()
+        if self.plan is None or not self.plan.covers(lengths):
+            ahead, self._next = self._next, None
+            plan = ahead.result() if ahead is not None else None
+            if plan is not None and plan.covers(lengths):
+                self.built_ahead += 1
+            else:
+                plan = self.build(lengths)
+            self.plan, self.rebuilds = plan, self.rebuilds + 1
+        elif self.ahead and self._next is None and last.shape == lengths.shape and np.any(grows := lengths > last):
+            steps_left = int((self.plan.capacity - lengths)[grows].min())
+            if steps_left <= self.headroom_tokens // 4:
+                expected = np.where(grows, lengths + steps_left + 1, lengths)
+                self._next = _planning_thread().submit(self.build, expected)
+        return self.plan.schedule

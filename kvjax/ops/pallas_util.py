@@ -1,0 +1,53 @@
+"""Pieces the Pallas kernels share: masked column loads, scalar lookups in static tables, dot precision, and the
+packed column offsets of a layer's heads (multiples of 16, so loads are 16-byte vectors)."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import triton as plgpu
+
+from kvjax.layout import HeadLayout
+
+LOG2E = math.log2(math.e)
+MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked block must not make exp2(-inf + inf) NaN
+
+
+def column_offsets(layout: HeadLayout) -> dict[str, list[int]]:
+    """Each KV head's first column in packed q, K, V and output rows (keys "q", "k", "v", "o"), multiples of 16."""
+    g = layout.group_size
+    offs = dict(q=HeadLayout.offsets(layout.k_widths, g), k=HeadLayout.offsets(layout.k_widths),
+                v=HeadLayout.offsets(layout.v_widths), o=HeadLayout.offsets(layout.v_widths, g))
+    if any(o % 16 for lst in offs.values() for o in lst):
+        raise ValueError(f"head widths must be multiples of 16 for the Pallas kernels: {layout}")
+    return offs
+
+
+def load_columns(ref, lead: tuple, offset, cols, width: int, rows_ok=None):
+    """``ref[*lead, offset + cols]``: a head ``width`` columns wide read through a ``cols``-wide tile. Tile columns
+    past the width and rows not ``rows_ok`` [R] are masked (fetch nothing, read 0); with neither, the load has no
+    mask at all, so it stays plain 16-byte vectors."""
+    mask = None if rows_ok is None else rows_ok[:, None]
+    if cols.shape[-1] != width:
+        mask = (cols < width) if mask is None else mask & (cols < width)
+    return plgpu.load(ref.at[(*lead, offset + cols)], mask=mask, other=None if mask is None else 0.0)
+
+
+def lookup(index, keys, values):
+    """``values[keys.index(index)]`` for a traced scalar ``index`` over a short static table (a chain of selects)."""
+    out = jnp.int32(values[-1])
+    for key, value in zip(keys[:-1], values[:-1]):
+        out = jnp.where(index == key, jnp.int32(value), out)
+    return out
+
+
+def offset16(index, keys, values):
+    """A column offset from a table in units of 16, multiplied back so the compiler sees 16-alignment."""
+    return lookup(index, keys, values) * 16
+
+
+def dot_precision(dtype):
+    """float32 inputs get exact (IEEE) dots; bf16/f16 use the tensor cores' native precision."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None

@@ -1,0 +1,18 @@
+"""The prefill op as the engine holds it: its work items are planned at trace time, so it only runs."""
+from __future__ import annotations
+
+from kvjax.layout import HeadLayout
+from kvjax.ops.prefill.config import PREFILL, PrefillConfig
+from kvjax.ops.prefill.kernel import prefill_attention
+
+
+class PrefillOp:
+    """Causal attention of fresh prompts that also writes their K/V into the pages (``kernel.prefill_attention``)."""
+
+    def __init__(self, *, config: PrefillConfig = PREFILL, interpret: bool = False):
+        self.config, self.interpret = config, interpret
+
+    def run(self, q, k, v, layout: HeadLayout, lengths, k_pages, v_pages, block_table):
+        """(out, k_pages, v_pages) for prompts q/k/v [B, T, cols] of ``lengths`` tokens."""
+        return prefill_attention(q, k, v, layout, lengths, k_pages, v_pages, block_table, config=self.config,
+                                 interpret=self.interpret)
