@@ -1,5 +1,6 @@
 """The converter's script path, kept working: ``python convert/convert.py ...`` runs ``kvjax-convert``
 (``kvjax/cli/convert.py``)."""
+
 import sys
 
 from kvjax.cli.convert import main

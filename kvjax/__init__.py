@@ -1,4 +1,5 @@
 """kvjax: LLM inference in JAX with a KV cache compressed along its hidden dimension."""
+
 from kvjax.runtime.cache import CacheFullError
 from kvjax.compression import RankPlan, compress
 from kvjax.errors import CheckpointError
@@ -7,5 +8,15 @@ from kvjax.io.load import load
 from kvjax.models.model import Model
 from kvjax.models.config import ModelConfig, UnsupportedModelError
 
-__all__ = ["CacheFullError", "CheckpointError", "Generation", "Model", "ModelConfig", "RankPlan",
-           "UnsupportedModelError", "compress", "generate", "load"]
+__all__ = [
+    "CacheFullError",
+    "CheckpointError",
+    "Generation",
+    "Model",
+    "ModelConfig",
+    "RankPlan",
+    "UnsupportedModelError",
+    "compress",
+    "generate",
+    "load",
+]

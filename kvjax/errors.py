@@ -1,4 +1,5 @@
 """The errors kvjax raises for bad input it was handed, beside Python's own ``TypeError``/``ValueError``."""
+
 from __future__ import annotations
 
 

@@ -5,6 +5,7 @@ attention kernels all read widths from here, so a compressed model's cache shrin
 Tensors use a *packed* layout: a layer's K rows are the KV heads' K rows side by side (``sum(k_widths)`` columns),
 and likewise V; Q packs every query head at the K width of its group, the attention output at the V width.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,8 +34,9 @@ class HeadLayout:
 
     @classmethod
     def uniform(cls, num_heads, num_kv_heads, head_dim, sliding_window=None) -> "HeadLayout":
-        return cls(num_heads, num_kv_heads, head_dim, (head_dim,) * num_kv_heads, (head_dim,) * num_kv_heads,
-                   sliding_window)
+        return cls(
+            num_heads, num_kv_heads, head_dim, (head_dim,) * num_kv_heads, (head_dim,) * num_kv_heads, sliding_window
+        )
 
     @property
     def group_size(self) -> int:

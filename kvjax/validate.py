@@ -4,6 +4,7 @@ Every check returns the value normalised to a plain Python type or raises ``Type
 ``ValueError`` (right kind, bad value) with a message that names the argument and the value. Inside the library
 values are then trusted: nothing past these checks re-validates them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,15 @@ def positive(name: str, value) -> int:
     return value
 
 
-def number(name: str, value, *, low: float | None = None, high: float | None = None, low_open: bool = False,
-           high_open: bool = False) -> float:
+def number(
+    name: str,
+    value,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
     """A finite real number between ``low`` and ``high`` (closed unless ``*_open``)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")

@@ -4,6 +4,7 @@ Records greedy tokens of ``kvjax.generate`` (uncompressed, ZACK, ZACK with fille
 ``kvjax.compress`` makes (summary and JSON), what ``kvjax-convert`` writes, and hashes of the decode planner's
 tables for random layouts and lengths, on SmolLM2 and the test fixtures. Compare two runs with ``diff``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,20 +36,27 @@ def tokens(gens) -> list[list[int]]:
 def model_outputs(kvjax, model, prompts, backends, new_tokens) -> dict:
     out = {}
     for backend in backends:
-        out[f"generate/{backend}"] = tokens(kvjax.generate(model, prompts, max_new_tokens=new_tokens,
-                                                           backend=backend, max_seq_len=128))
+        out[f"generate/{backend}"] = tokens(
+            kvjax.generate(model, prompts, max_new_tokens=new_tokens, backend=backend, max_seq_len=128)
+        )
     return out
 
 
 def compressed(kvjax, model, prompts, backends, new_tokens, num_tokens) -> dict:
     out = {}
-    for name, kwargs in (("zack0.5", dict(target_rate=0.5)), ("zack0.5-fill", dict(target_rate=0.5, fill_tiles=True)),
-                         ("palu0.5", dict(target_rate=0.5, method="palu"))):
+    for name, kwargs in (
+        ("zack0.5", dict(target_rate=0.5)),
+        ("zack0.5-fill", dict(target_rate=0.5, fill_tiles=True)),
+        ("palu0.5", dict(target_rate=0.5, method="palu")),
+    ):
         small = kvjax.compress(model, num_tokens=num_tokens, seq_len=min(128, num_tokens), progress=False, **kwargs)
-        out[name] = dict(summary=small.plan.summary(), plan=json.loads(small.plan.to_json())["k_qk"],
-                         v=json.loads(small.plan.to_json())["k_v"],
-                         order=json.loads(small.plan.to_json())["head_order"],
-                         **model_outputs(kvjax, small, prompts, backends, new_tokens))
+        out[name] = dict(
+            summary=small.plan.summary(),
+            plan=json.loads(small.plan.to_json())["k_qk"],
+            v=json.loads(small.plan.to_json())["k_v"],
+            order=json.loads(small.plan.to_json())["head_order"],
+            **model_outputs(kvjax, small, prompts, backends, new_tokens),
+        )
     return out
 
 
@@ -59,8 +67,9 @@ def converted(source: str) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         dest = os.path.join(tmp, "out")
-        convert.main([source, dest, "--target-rate", "0.5", "--num-tokens", "256", "--seq-len", "64",
-                      "--dtype", "float32"])
+        convert.main(
+            [source, dest, "--target-rate", "0.5", "--num-tokens", "256", "--seq-len", "64", "--dtype", "float32"]
+        )
         model = kvjax.load(dest, dtype="float32", progress=False)
         return dict(plan=model.plan.summary(), **model_outputs(kvjax, model, SMOL_PROMPTS, ("reference",), 8))
 
@@ -82,16 +91,21 @@ def schedules() -> dict:
         v = tuple(int(x) for x in rng.choice([16, 32, 48, 64, 80, 96, 112, 128], kv))
         lay = HeadLayout(kv * g, kv, 128, k, v, None if case % 4 else 64)
         lengths = rng.integers(0, 3000, int(rng.choice([1, 4, 32])))
-        rec = dict(runs=str(units.head_runs(lay)), order=search.order_heads(lay), fill=search.fill_runs(lay),
-                   loaded=search.loaded_cost(lay))
+        rec = dict(
+            runs=str(units.head_runs(lay)),
+            order=search.order_heads(lay),
+            fill=search.fill_runs(lay),
+            loaded=search.loaded_cost(lay),
+        )
         for order in ("auto", "lpt", "stream", "naive"):
             config = dataclasses.replace(DECODE, order=order)
             p = build_decode_schedule(lengths, [lay, lay], 16, 64, config=config, headroom_pages=2)
             s = p.schedule
             rec[order] = digest(s.items, s.counts, s.merge_dest, s.merge_slots, p.loads, p.capacity)
         p = fixed_chunk_schedule(lengths, [lay], 16, 64, chunk_pages=32, splits=16)
-        rec["fixed"] = digest(p.schedule.items, p.schedule.counts, p.schedule.merge_dest, p.schedule.merge_slots,
-                              p.loads)
+        rec["fixed"] = digest(
+            p.schedule.items, p.schedule.counts, p.schedule.merge_dest, p.schedule.merge_slots, p.loads
+        )
         out[str(case)] = rec
     return out
 
@@ -106,9 +120,20 @@ def main(path: str) -> None:
         model = kvjax.load(fixture, dtype="float32", progress=False)
         result[name] = model_outputs(kvjax, model, PROMPTS, ("reference", "interpret"), 8)
     for arch, window in (("llama", None), ("mistral", 24)):  # head_dim 64: the fixtures' 16 cannot shrink
-        config = kvjax.ModelConfig(arch=arch, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=64, hidden_size=128,
-                                   intermediate_size=192, vocab_size=97, norm_eps=1e-5, max_position_embeddings=256,
-                                   eos_token_ids=(), sliding_window=window)
+        config = kvjax.ModelConfig(
+            arch=arch,
+            num_layers=2,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=64,
+            hidden_size=128,
+            intermediate_size=192,
+            vocab_size=97,
+            norm_eps=1e-5,
+            max_position_embeddings=256,
+            eos_token_ids=(),
+            sliding_window=window,
+        )
         model = kvjax.Model.random(config, seed=3)
         rec = model_outputs(kvjax, model, PROMPTS, ("reference", "interpret"), 8)
         rec.update(compressed(kvjax, model, PROMPTS, ("reference", "interpret"), 8, 512))

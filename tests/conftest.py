@@ -9,19 +9,46 @@ from kvjax.models.config import ModelConfig  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
-TINY = dict(num_layers=2, num_heads=4, head_dim=16, hidden_size=64, intermediate_size=96, vocab_size=97,
-            norm_eps=1e-5, max_position_embeddings=256, eos_token_ids=())
+TINY = dict(
+    num_layers=2,
+    num_heads=4,
+    head_dim=16,
+    hidden_size=64,
+    intermediate_size=96,
+    vocab_size=97,
+    norm_eps=1e-5,
+    max_position_embeddings=256,
+    eos_token_ids=(),
+)
 
 TINY_CONFIGS = {
     "llama": ModelConfig(arch="llama", num_kv_heads=2, **TINY),
-    "llama3_tied": ModelConfig(arch="llama", num_kv_heads=1, tie_word_embeddings=True, rope_theta=5e5,
-                               rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
-                                             ("original_max_position_embeddings", 32), ("rope_type", "llama3")),
-                               **TINY),
+    "llama3_tied": ModelConfig(
+        arch="llama",
+        num_kv_heads=1,
+        tie_word_embeddings=True,
+        rope_theta=5e5,
+        rope_scaling=(
+            ("factor", 8.0),
+            ("high_freq_factor", 4.0),
+            ("low_freq_factor", 1.0),
+            ("original_max_position_embeddings", 32),
+            ("rope_type", "llama3"),
+        ),
+        **TINY,
+    ),
     "mistral": ModelConfig(arch="mistral", num_kv_heads=2, sliding_window=5, **TINY),
     "falcon_7b": ModelConfig(arch="falcon", num_kv_heads=1, parallel_block=True, tie_word_embeddings=True, **TINY),
-    "falcon_new": ModelConfig(arch="falcon", num_kv_heads=2, parallel_block=True, parallel_norms=2,
-                              new_decoder_architecture=True, attention_bias=True, mlp_bias=True, **TINY),
+    "falcon_new": ModelConfig(
+        arch="falcon",
+        num_kv_heads=2,
+        parallel_block=True,
+        parallel_norms=2,
+        new_decoder_architecture=True,
+        attention_bias=True,
+        mlp_bias=True,
+        **TINY,
+    ),
 }
 
 

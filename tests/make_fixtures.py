@@ -247,8 +247,9 @@ def build_case(case: str, out_root: Path):
         assert d > 1e-3, "sliding window not applied by eager attention"
         # Empirical masking rule from the eager attention probabilities.
         with torch.no_grad():
-            att = model(input_ids=torch.from_numpy(tokens).long(), output_attentions=True,
-                        use_cache=False).attentions[0]
+            att = model(input_ids=torch.from_numpy(tokens).long(), output_attentions=True, use_cache=False).attentions[
+                0
+            ]
         vis = (att[0, 0] > 0).numpy()
         i, j = np.meshgrid(np.arange(SEQ), np.arange(SEQ), indexing="ij")
         expect = (j <= i) & (i - j < cfg.sliding_window)
@@ -256,8 +257,10 @@ def build_case(case: str, out_root: Path):
         print(f"  eager mask rule confirmed: key j visible from query i iff 0 <= i-j < {cfg.sliding_window}")
     if case.startswith("falcon"):
         layer = model.transformer.h[0]
-        print(f"  falcon layer norms: {[n for n, m in layer.named_children() if is_norm(m)]}, "
-              f"act={type(layer.mlp.act).__name__}({layer.mlp.act.act})")
+        print(
+            f"  falcon layer norms: {[n for n, m in layer.named_children() if is_norm(m)]}, "
+            f"act={type(layer.mlp.act).__name__}({layer.mlp.act.act})"
+        )
 
     # ---- write into a temp dir, reload to check the saved files, move in place
     out_root.mkdir(parents=True, exist_ok=True)
@@ -271,12 +274,14 @@ def build_case(case: str, out_root: Path):
         saved = json.loads((tmp / "config.json").read_text())
         if case == "llama3_rope":
             rp = saved.get("rope_parameters") or {}
-            assert rp.get("rope_type") == "llama3" and rp.get("factor") == 8.0 \
-                and rp.get("original_max_position_embeddings") == 32, saved
+            assert (
+                rp.get("rope_type") == "llama3"
+                and rp.get("factor") == 8.0
+                and rp.get("original_max_position_embeddings") == 32
+            ), saved
         if case == "mistral":
             assert saved.get("sliding_window") == 5, saved
-        reloaded = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager",
-                                                        dtype=torch.float32).eval()
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager", dtype=torch.float32).eval()
         d = (logits_of(reloaded, tokens) - logits).abs().max().item()
         assert d < 1e-5, f"reloaded checkpoint differs: {d}"
         dest = out_root / case
@@ -289,8 +294,7 @@ def build_case(case: str, out_root: Path):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    print(f"  wrote {dest}: " + ", ".join(
-        f"{p.name} {p.stat().st_size}B" for p in sorted(dest.iterdir())))
+    print(f"  wrote {dest}: " + ", ".join(f"{p.name} {p.stat().st_size}B" for p in sorted(dest.iterdir())))
 
 
 # --------------------------------------------------------------------- Part B
@@ -323,8 +327,7 @@ def build_smollm2(gguf: Path, out_root: Path):
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
     V = model.config.vocab_size
-    print(f"  loaded {gguf.name}: vocab {V}, tokenizer {type(tok).__name__}, "
-          f"layers {model.config.num_hidden_layers}")
+    print(f"  loaded {gguf.name}: vocab {V}, tokenizer {type(tok).__name__}, layers {model.config.num_hidden_layers}")
     out = {}
 
     # tokenizer checks
@@ -366,7 +369,7 @@ def build_smollm2(gguf: Path, out_root: Path):
     ppl_tokens = np.array(ppl_ids, dtype=np.int32)
     nll = []
     for w in range(4):
-        win = torch.from_numpy(ppl_tokens[w * 256:(w + 1) * 256]).long()[None]
+        win = torch.from_numpy(ppl_tokens[w * 256 : (w + 1) * 256]).long()[None]
         lg = model(input_ids=win, use_cache=False).logits[0].double()
         lp = torch.log_softmax(lg[:-1], -1)
         nll.append(-lp.gather(-1, win[0, 1:, None]).squeeze(-1))
@@ -389,9 +392,10 @@ def build_smollm2(gguf: Path, out_root: Path):
     # (generate() fills eos_token_id=None from model.generation_config, so
     # clear it there.)
     model.generation_config.eos_token_id = None
-    gen = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False,
-                         max_new_tokens=24, pad_token_id=tok.pad_token_id)
-    new = gen[0, inp.shape[1]:].numpy().astype(np.int32)
+    gen = model.generate(
+        inp, attention_mask=torch.ones_like(inp), do_sample=False, max_new_tokens=24, pad_token_id=tok.pad_token_id
+    )
+    new = gen[0, inp.shape[1] :].numpy().astype(np.int32)
     assert len(new) == 24, len(new)
     # cross-check against a cache-free argmax loop
     seq, margins = inp, []
@@ -400,7 +404,7 @@ def build_smollm2(gguf: Path, out_root: Path):
         top2 = last.topk(2).values
         margins.append(round(float(top2[0] - top2[1]), 3))
         seq = torch.cat([seq, last.argmax().view(1, 1)], dim=1)
-    manual = seq[0, inp.shape[1]:].numpy()
+    manual = seq[0, inp.shape[1] :].numpy()
     print(f"  greedy top1-top2 logit margins: {margins}")
     if not (manual == new).all():
         print(f"  WARNING: generate() and cache-free greedy differ: {manual.tolist()}")

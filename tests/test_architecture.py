@@ -3,6 +3,7 @@
 Every ``import`` of a kvjax module counts, including imports inside functions: a lazy import hides a cycle from
 Python's loader, not from a reader.
 """
+
 import ast
 import os
 
@@ -41,8 +42,10 @@ def import_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 deps |= {owner(a.name) for a in node.names if a.name.startswith("kvjax")}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kvjax"):
-                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else owner(node.module)
-                         for a in node.names}
+                deps |= {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else owner(node.module)
+                    for a in node.names
+                }
         graph[name] = deps - {None, name}
     return graph
 
@@ -110,8 +113,12 @@ def stage(module: str) -> int:
 
 
 def test_every_module_imports_only_its_stage_and_earlier_ones():
-    upward = [(name, dep) for name, deps in import_graph().items() for dep in deps
-              if stage(dep) > stage(name) and (name, dep) not in ALLOWED]
+    upward = [
+        (name, dep)
+        for name, deps in import_graph().items()
+        for dep in deps
+        if stage(dep) > stage(name) and (name, dep) not in ALLOWED
+    ]
     assert upward == []
 
 
@@ -119,6 +126,8 @@ def test_the_models_know_no_kernel_and_the_ops_no_model():
     graph = import_graph()
     for name, deps in graph.items():
         if name.startswith("kvjax.models"):
-            assert all(d.startswith("kvjax.ops.") and d.endswith(".reference") for d in deps if d.startswith("kvjax.ops"))
+            assert all(
+                d.startswith("kvjax.ops.") and d.endswith(".reference") for d in deps if d.startswith("kvjax.ops")
+            )
         if name.startswith("kvjax.ops"):
             assert not [d for d in deps if stage(d) > stage(name)], name

@@ -1,4 +1,5 @@
 """The batch-invariant mode: a sequence's plan, kernel output and tokens depend on it alone."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +14,10 @@ from kvjax.ops.decode.kernel import paged_decode
 from kvjax.ops.decode.plan import END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, fixed_chunk_schedule
 from test_pallas_decode import paged_inputs, reference, rel_err
 
-LAYOUTS = [HeadLayout(8, 2, 64, (48, 16), (16, 64)),
-           HeadLayout(3, 3, 32, (32, 16, 32), (16, 32, 32), sliding_window=20)]
+LAYOUTS = [
+    HeadLayout(8, 2, 64, (48, 16), (16, 64)),
+    HeadLayout(3, 3, 32, (32, 16, 32), (16, 32, 32), sliding_window=20),
+]
 
 
 def items_of(plan, seq):

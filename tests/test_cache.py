@@ -45,8 +45,9 @@ def test_layout_rejects_widths_larger_than_head():
 def test_paged_decode_matches_dense_causal_attention(window):
     """Write random K/V through scattered pages; paged decode at each position equals dense causal attention."""
     rng = np.random.default_rng(7)
-    layout = HeadLayout(num_heads=6, num_kv_heads=2, head_dim=32, k_widths=(32, 16), v_widths=(16, 32),
-                        sliding_window=window)
+    layout = HeadLayout(
+        num_heads=6, num_kv_heads=2, head_dim=32, k_widths=(32, 16), v_widths=(16, 32), sliding_window=window
+    )
     b, t, page = 2, 11, 4
     q = jnp.asarray(rng.normal(size=(b, t, layout.q_cols)), jnp.float32)
     k = jnp.asarray(rng.normal(size=(b, t, layout.k_cols)), jnp.float32)

@@ -98,7 +98,8 @@ def test_compressed_model_runs_everywhere(method, tmp_path):
     assert small.plan.rate >= 0.5
     # the cache spends exactly the plan's bytes
     assert bytes_per_token(small.layouts, jnp.bfloat16) == pytest.approx(
-        (1 - small.plan.rate) * bytes_per_token(model.layouts, jnp.bfloat16))
+        (1 - small.plan.rate) * bytes_per_token(model.layouts, jnp.bfloat16)
+    )
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     assert kvjax.generate(small, [prompt], max_new_tokens=8)[0].tokens == argmax_continuation(small, prompt, 8)
     engine = Engine(small, max_batch=1, max_seq_len=32)
@@ -167,6 +168,7 @@ def test_plans_fill_the_decode_runs_at_the_same_rate():
     def cost(p, i):
         lay = HeadLayout(32, 8, 128, *p.layer_widths(i))
         return runs_cost(permuted(lay, order_heads(lay)))
+
     ordered = filled.ordered_for_runs(group_size=4)
     assert all(cost(ordered, i) < cost(plan.ordered_for_runs(group_size=4), i) for i in range(2))
     assert "moved between heads" in ordered.summary()
@@ -178,16 +180,20 @@ def test_plans_fill_the_decode_runs_at_the_same_rate():
 def test_converter_writes_atomically_and_rejects_bad_input(tmp_path, capsys):
     src = os.path.join(FIXTURES, "falcon_new")
     out = tmp_path / "out"
-    assert convert.main([src, str(out), "--removal-rate", "0.2", "--num-tokens", "128", "--seq-len", "64",
-                         "--fill-tiles"]) == 0
+    assert (
+        convert.main([src, str(out), "--removal-rate", "0.2", "--num-tokens", "128", "--seq-len", "64", "--fill-tiles"])
+        == 0
+    )
     assert "overall rate p" in capsys.readouterr().out
     assert sorted(os.listdir(out)) == ["kvjax.json", "params", "plan.json"]
     assert kvjax.load(str(out)).plan.method == "zack"
-    for argv in ([src, str(out), "--removal-rate", "0.2"],  # exists
-                 [src, str(tmp_path / "x"), "--target-rate", "1.2"],
-                 [src, "/nonexistent-dir/out", "--removal-rate", "0.2"],
-                 [src, str(tmp_path / "y"), "--removal-rate", "0.2", "--calibration", "text:/missing.txt"],
-                 [src, str(tmp_path / "z"), "--removal-rate", "0.2", "--calibration", "text"]):  # no tokenizer
+    for argv in (
+        [src, str(out), "--removal-rate", "0.2"],  # exists
+        [src, str(tmp_path / "x"), "--target-rate", "1.2"],
+        [src, "/nonexistent-dir/out", "--removal-rate", "0.2"],
+        [src, str(tmp_path / "y"), "--removal-rate", "0.2", "--calibration", "text:/missing.txt"],
+        [src, str(tmp_path / "z"), "--removal-rate", "0.2", "--calibration", "text"],
+    ):  # no tokenizer
         with pytest.raises(SystemExit):
             convert.main(argv)
     assert sorted(os.listdir(tmp_path)) == ["out"]  # nothing half-written

@@ -1,4 +1,5 @@
 """The engine on the Pallas kernels (interpreted on the CPU) gives the reference path's greedy tokens."""
+
 import dataclasses
 
 import numpy as np
@@ -22,8 +23,9 @@ def _varied_plan_model(model, method="zack"):
     return fold(model, plan, bases)
 
 
-@pytest.mark.parametrize("name,method", [("llama", None), ("mistral", "zack"), ("falcon_new", "zack"),
-                                         ("llama", "palu")])
+@pytest.mark.parametrize(
+    "name,method", [("llama", None), ("mistral", "zack"), ("falcon_new", "zack"), ("llama", "palu")]
+)
 def test_kernel_backend_matches_reference_greedy(name, method):
     cfg = dataclasses.replace(TINY_CONFIGS[name], head_dim=64, hidden_size=128)
     model = kvjax.Model.random(cfg, seed=7, scale=5.0)

@@ -14,7 +14,7 @@ def argmax_continuation(model, prompt, n):
     tokens = list(prompt)
     for _ in range(n):
         tokens.append(int(np.asarray(model.logits(np.array([tokens])))[0, -1].argmax()))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
@@ -53,9 +53,8 @@ def test_sampling_is_seeded_and_stop_tokens_stop():
     b = kvjax.generate(model, [[1, 2]], max_new_tokens=10, temperature=1.0, top_p=0.9, seed=5)[0].tokens
     c = kvjax.generate(model, [[1, 2]], max_new_tokens=10, temperature=1.0, top_p=0.9, seed=6)[0].tokens
     assert a == b and a != c
-    stopped = kvjax.generate(model, [[1, 2]], max_new_tokens=10, temperature=1.0, top_p=0.9, seed=5,
-                             stop=[a[3]])[0]
-    assert stopped.tokens == a[:a.index(a[3]) + 1] and stopped.finish_reason == "stop"
+    stopped = kvjax.generate(model, [[1, 2]], max_new_tokens=10, temperature=1.0, top_p=0.9, seed=5, stop=[a[3]])[0]
+    assert stopped.tokens == a[: a.index(a[3]) + 1] and stopped.finish_reason == "stop"
 
 
 def test_top_p_near_zero_is_greedy():
@@ -90,8 +89,25 @@ def test_kvjax_infer_writes_results_atomically(tmp_path, capsys):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ([1, 2, 3], [4, 5], [6])))
     out = tmp_path / "out.jsonl"
     model_dir = os.path.join(FIXTURES, "llama")
-    assert infer.main(["--model", model_dir, "--prompts", str(prompts), "--out", str(out),
-                       "--max-new-tokens", "4", "--batch-size", "2", "--dtype", "float32"]) == 0
+    assert (
+        infer.main(
+            [
+                "--model",
+                model_dir,
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(out),
+                "--max-new-tokens",
+                "4",
+                "--batch-size",
+                "2",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == [[1, 2, 3], [4, 5], [6]] and all(len(r["tokens"]) == 4 for r in rows)
     assert [r["index"] for r in rows] == [0, 1, 2]
@@ -107,8 +123,9 @@ def test_kvjax_infer_writes_results_atomically(tmp_path, capsys):
 
 def test_kvjax_infer_rejects_bad_paths(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        infer.main(["--model", "smollm2", "--prompts", str(tmp_path / "missing.jsonl"), "--out",
-                    str(tmp_path / "o.jsonl")])
+        infer.main(
+            ["--model", "smollm2", "--prompts", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o.jsonl")]
+        )
     (tmp_path / "p.jsonl").write_text('{"text": "no prompt key"}\n')
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:

@@ -1,4 +1,5 @@
 """On a GPU: the engine's default path is the Pallas kernels, and its greedy tokens match the reference path."""
+
 import dataclasses
 
 import jax
@@ -12,8 +13,18 @@ from test_engine_kernels import _varied_plan_model
 
 pytestmark = pytest.mark.gpu
 
-SHAPE = ModelConfig(arch="llama", num_layers=2, num_heads=16, num_kv_heads=2, head_dim=64, hidden_size=512,
-                    intermediate_size=1024, vocab_size=512, norm_eps=1e-5, max_position_embeddings=4096)
+SHAPE = ModelConfig(
+    arch="llama",
+    num_layers=2,
+    num_heads=16,
+    num_kv_heads=2,
+    head_dim=64,
+    hidden_size=512,
+    intermediate_size=1024,
+    vocab_size=512,
+    norm_eps=1e-5,
+    max_position_embeddings=4096,
+)
 
 
 def test_default_backend_is_pallas_on_gpu():

@@ -1,4 +1,5 @@
 """Hostile input to the Python API: every bad value gets a clear error naming it, never a NaN or a silent change."""
+
 import math
 
 import numpy as np
@@ -16,48 +17,54 @@ VOCAB = TINY_CONFIGS["llama"].vocab_size
 NON_FINITE = [math.nan, math.inf, -math.inf, np.float32("nan")]
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    *[(dict(temperature=v), ValueError, "temperature must be a finite number") for v in NON_FINITE],
-    (dict(temperature=-0.5), ValueError, r"temperature must be in \[0, inf\), got -0.5"),
-    (dict(temperature="0.7"), TypeError, "temperature must be a number, got '0.7'"),
-    (dict(top_p=math.nan), ValueError, "top_p must be a finite number"),
-    (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\], got 0"),
-    (dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\], got 1.5"),
-    (dict(max_new_tokens=0), ValueError, "max_new_tokens must be positive, got 0"),
-    (dict(max_new_tokens=2.0), TypeError, "max_new_tokens must be an integer, got 2.0"),
-    (dict(max_new_tokens=True), TypeError, "max_new_tokens must be an integer, got True"),
-    (dict(seed=-1), ValueError, "seed must be in"),
-    (dict(seed=1.5), TypeError, "seed must be an integer"),
-    (dict(max_batch=0), ValueError, "max_batch must be positive"),
-    (dict(page_size=-16), ValueError, "page_size must be positive"),
-    (dict(max_seq_len=0), ValueError, "max_seq_len must be positive"),
-    (dict(stop=[b"\x00"]), TypeError, r"stop entries must be strings or token ids, got b'\\x00'"),
-    (dict(stop=[1.5]), TypeError, "stop entries must be strings or token ids, got 1.5"),
-    (dict(stop=[""]), ValueError, "stop strings must not be empty"),
-    (dict(stop=-3), ValueError, "stop token id must be >= 0, got -3"),
-    (dict(batch_invariant="no"), TypeError, "batch_invariant must be True or False, got 'no'"),
-    (dict(chat=1), TypeError, "chat must be True or False, got 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        *[(dict(temperature=v), ValueError, "temperature must be a finite number") for v in NON_FINITE],
+        (dict(temperature=-0.5), ValueError, r"temperature must be in \[0, inf\), got -0.5"),
+        (dict(temperature="0.7"), TypeError, "temperature must be a number, got '0.7'"),
+        (dict(top_p=math.nan), ValueError, "top_p must be a finite number"),
+        (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\], got 0"),
+        (dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\], got 1.5"),
+        (dict(max_new_tokens=0), ValueError, "max_new_tokens must be positive, got 0"),
+        (dict(max_new_tokens=2.0), TypeError, "max_new_tokens must be an integer, got 2.0"),
+        (dict(max_new_tokens=True), TypeError, "max_new_tokens must be an integer, got True"),
+        (dict(seed=-1), ValueError, "seed must be in"),
+        (dict(seed=1.5), TypeError, "seed must be an integer"),
+        (dict(max_batch=0), ValueError, "max_batch must be positive"),
+        (dict(page_size=-16), ValueError, "page_size must be positive"),
+        (dict(max_seq_len=0), ValueError, "max_seq_len must be positive"),
+        (dict(stop=[b"\x00"]), TypeError, r"stop entries must be strings or token ids, got b'\\x00'"),
+        (dict(stop=[1.5]), TypeError, "stop entries must be strings or token ids, got 1.5"),
+        (dict(stop=[""]), ValueError, "stop strings must not be empty"),
+        (dict(stop=-3), ValueError, "stop token id must be >= 0, got -3"),
+        (dict(batch_invariant="no"), TypeError, "batch_invariant must be True or False, got 'no'"),
+        (dict(chat=1), TypeError, "chat must be True or False, got 1"),
+    ],
+)
 def test_generate_refuses_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         kvjax.generate(MODEL, [[1, 2, 3]], **{"max_new_tokens": 2, **kwargs})
 
 
-@pytest.mark.parametrize("prompt, error, match", [
-    ([1.0, 2.0], TypeError, r"prompt 0 must hold integer token ids, got 1.0 \(float\)"),
-    (b"ab", TypeError, "prompt 0 must be a sequence of integer token ids, got bytes"),
-    (bytearray(b"ab"), TypeError, "prompt 0 must be a sequence of integer token ids, got bytearray"),
-    ([True, 3], TypeError, r"got True \(bool\)"),
-    ([[1, 2]], TypeError, r"got \[1, 2\] \(list\)"),
-    (["a"], TypeError, r"got 'a' \(str\)"),
-    (np.array([1.0, 2.0]), TypeError, "must be a 1-D integer array, got float64"),
-    (np.array([[1, 2]]), TypeError, r"must be a 1-D integer array, got int64 of shape \(1, 2\)"),
-    ([-1], ValueError, r"token ids must be in \[0, 97\), got -1"),
-    ([VOCAB], ValueError, r"token ids must be in \[0, 97\), got 97"),
-    ([], ValueError, "prompt 0 must have at least one token"),
-    (None, TypeError, "got NoneType"),
-    ("text", ValueError, "prompt 0 is a string, but this model has no tokenizer"),
-])
+@pytest.mark.parametrize(
+    "prompt, error, match",
+    [
+        ([1.0, 2.0], TypeError, r"prompt 0 must hold integer token ids, got 1.0 \(float\)"),
+        (b"ab", TypeError, "prompt 0 must be a sequence of integer token ids, got bytes"),
+        (bytearray(b"ab"), TypeError, "prompt 0 must be a sequence of integer token ids, got bytearray"),
+        ([True, 3], TypeError, r"got True \(bool\)"),
+        ([[1, 2]], TypeError, r"got \[1, 2\] \(list\)"),
+        (["a"], TypeError, r"got 'a' \(str\)"),
+        (np.array([1.0, 2.0]), TypeError, "must be a 1-D integer array, got float64"),
+        (np.array([[1, 2]]), TypeError, r"must be a 1-D integer array, got int64 of shape \(1, 2\)"),
+        ([-1], ValueError, r"token ids must be in \[0, 97\), got -1"),
+        ([VOCAB], ValueError, r"token ids must be in \[0, 97\), got 97"),
+        ([], ValueError, "prompt 0 must have at least one token"),
+        (None, TypeError, "got NoneType"),
+        ("text", ValueError, "prompt 0 is a string, but this model has no tokenizer"),
+    ],
+)
 def test_generate_refuses_bad_prompts(prompt, error, match):
     with pytest.raises(error, match=match):
         kvjax.generate(MODEL, [prompt], max_new_tokens=1)
@@ -76,7 +83,7 @@ def test_numpy_prompts_and_stop_ids_are_taken_as_their_values():
     stop = plain[3]
     for s in (np.int64(stop), np.int32(stop), [np.int16(stop)]):
         r = kvjax.generate(MODEL, [[5, 6, 7]], max_new_tokens=8, stop=s)[0]
-        assert r.tokens == plain[:plain.index(stop) + 1] and r.finish_reason == "stop"
+        assert r.tokens == plain[: plain.index(stop) + 1] and r.finish_reason == "stop"
 
 
 def test_a_long_stop_string_stops_generation_when_it_appears():
@@ -91,20 +98,26 @@ def test_a_long_stop_string_stops_generation_when_it_appears():
     assert r.finish_reason == "stop" and stop not in r.text and len(r.tokens) < len(full.tokens)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(target_rate=math.nan), ValueError, "target_rate must be a finite number"),
-    (dict(removal_rate=math.inf), ValueError, "removal_rate must be a finite number"),
-    (dict(target_rate="0.5"), TypeError, "target_rate must be a number"),
-    (dict(target_rate=0.5, num_tokens=0), ValueError, "num_tokens must be positive"),
-    (dict(target_rate=0.5, seq_len=-4), ValueError, "seq_len must be positive"),
-    (dict(target_rate=0.5, batch_size=0), ValueError, "batch_size must be positive"),
-    (dict(target_rate=0.5, seed=-2), ValueError, "seed must be in"),
-    (dict(target_rate=0.5, calibration=[1, 2, VOCAB + 5] * 10, num_tokens=30), ValueError,
-     r"calibration tokens: token ids must be in \[0, 97\), got 102"),
-    (dict(target_rate=0.5, calibration=[-1] * 40, num_tokens=30), ValueError, "token ids must be in .*, got -1"),
-    (dict(target_rate=0.5, calibration=[0.5] * 40, num_tokens=30), TypeError, "must hold integer token ids"),
-    (dict(target_rate=0.5, calibration="wikipedia"), ValueError, "calibration must be 'random', 'text'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(target_rate=math.nan), ValueError, "target_rate must be a finite number"),
+        (dict(removal_rate=math.inf), ValueError, "removal_rate must be a finite number"),
+        (dict(target_rate="0.5"), TypeError, "target_rate must be a number"),
+        (dict(target_rate=0.5, num_tokens=0), ValueError, "num_tokens must be positive"),
+        (dict(target_rate=0.5, seq_len=-4), ValueError, "seq_len must be positive"),
+        (dict(target_rate=0.5, batch_size=0), ValueError, "batch_size must be positive"),
+        (dict(target_rate=0.5, seed=-2), ValueError, "seed must be in"),
+        (
+            dict(target_rate=0.5, calibration=[1, 2, VOCAB + 5] * 10, num_tokens=30),
+            ValueError,
+            r"calibration tokens: token ids must be in \[0, 97\), got 102",
+        ),
+        (dict(target_rate=0.5, calibration=[-1] * 40, num_tokens=30), ValueError, "token ids must be in .*, got -1"),
+        (dict(target_rate=0.5, calibration=[0.5] * 40, num_tokens=30), TypeError, "must hold integer token ids"),
+        (dict(target_rate=0.5, calibration="wikipedia"), ValueError, "calibration must be 'random', 'text'"),
+    ],
+)
 def test_compress_refuses_bad_arguments_before_calibrating(kwargs, error, match):
     with pytest.raises(error, match=match):
         kvjax.compress(MODEL, progress=False, **kwargs)
@@ -118,14 +131,16 @@ def test_bad_dtypes_are_named(dtype):
         kvjax.load("smollm2", dtype=dtype)
 
 
-@pytest.mark.parametrize("tokens, match", [([[1.5, 2.0]], "integer array"), ([[97]], r"\[0, 97\)"),
-                                           ([1, 2, 3], r"\[batch, time\]")])
+@pytest.mark.parametrize(
+    "tokens, match", [([[1.5, 2.0]], "integer array"), ([[97]], r"\[0, 97\)"), ([1, 2, 3], r"\[batch, time\]")]
+)
 def test_logits_refuses_bad_tokens(tokens, match):
     with pytest.raises(ValueError, match=match):
         MODEL.logits(tokens)
 
 
 # ---- properties of the one validation module
+
 
 @settings(max_examples=200, deadline=None)
 @given(st.floats(allow_nan=True, allow_infinity=True))

@@ -1,4 +1,5 @@
 """``kvjax-infer`` against bad flags, paths, input files and prompts, failing batches and interruptions."""
+
 import functools
 import json
 import os
@@ -50,8 +51,9 @@ def snapshot(root) -> dict:
 
 
 def run(prompts, out, *flags, model=MODEL) -> int:
-    return infer.main(["--model", str(model), "--prompts", str(prompts), "--out", str(out), "--dtype", "float32",
-                       *flags])
+    return infer.main(
+        ["--model", str(model), "--prompts", str(prompts), "--out", str(out), "--dtype", "float32", *flags]
+    )
 
 
 def usage_error(capsys, *args, **kwargs) -> str:
@@ -68,11 +70,21 @@ def records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("flag, value, shown", [
-    ("--temperature", "nan", "nan"), ("--temperature", "-0.5", "-0.5"), ("--top-p", "0", "got 0"),
-    ("--top-p", "2", "got 2"), ("--dtype", "foo", "'foo'"), ("--max-new-tokens", "0", "got 0"),
-    ("--max-new-tokens", "1.5", "'1.5'"), ("--batch-size", "-1", "got -1"), ("--seed", "-3", "got -3"),
-    ("--max-seq-len", "0", "got 0")])
+@pytest.mark.parametrize(
+    "flag, value, shown",
+    [
+        ("--temperature", "nan", "nan"),
+        ("--temperature", "-0.5", "-0.5"),
+        ("--top-p", "0", "got 0"),
+        ("--top-p", "2", "got 2"),
+        ("--dtype", "foo", "'foo'"),
+        ("--max-new-tokens", "0", "got 0"),
+        ("--max-new-tokens", "1.5", "'1.5'"),
+        ("--batch-size", "-1", "got -1"),
+        ("--seed", "-3", "got -3"),
+        ("--max-seq-len", "0", "got 0"),
+    ],
+)
 def test_bad_flag_is_a_usage_error(files, tmp_path, capsys, no_model, flag, value, shown):
     before = snapshot(tmp_path)
     message = usage_error(capsys, *files, flag, value)
@@ -83,8 +95,13 @@ def test_bad_flag_is_a_usage_error(files, tmp_path, capsys, no_model, flag, valu
 @pytest.mark.parametrize("case", ["directory", "missing parent", "unwritable parent", "prompts file", "partial"])
 def test_bad_out_path_is_a_usage_error(files, tmp_path, capsys, monkeypatch, no_model, case):
     prompts, out = files
-    expected = {"directory": "is a directory", "missing parent": "does not exist", "unwritable parent": "not writable",
-                "prompts file": "would overwrite --prompts", "partial": "would overwrite --prompts"}[case]
+    expected = {
+        "directory": "is a directory",
+        "missing parent": "does not exist",
+        "unwritable parent": "not writable",
+        "prompts file": "would overwrite --prompts",
+        "partial": "would overwrite --prompts",
+    }[case]
     if case == "directory":
         out = tmp_path / "a-directory"
         out.mkdir()
@@ -109,25 +126,30 @@ def test_bad_out_path_is_a_usage_error(files, tmp_path, capsys, monkeypatch, no_
     assert snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize("content, expected", [
-    (None, "no such file"),
-    ("directory", "is not a regular file"),
-    (b'{"prompt": [1]}\n\xff\xfe\n', ":2: not UTF-8 text (byte 0xff"),
-    (b'{"prompt": [1]}\n\n{"prompt": [1,}\n', ":3: not valid JSON"),
-    (b'[1, 2]\n', ':1: expected a JSON object with a "prompt" key, got array [1, 2]'),
-    (b'{"text": "hi"}\n', ':1: no "prompt" key (keys: "text")'),
-    (b'{"prompt": [1, 2.0]}\n', ":1: \"prompt\" must hold integer token ids, got 2.0 (float)"),
-    (b'{"prompt": [1, true]}\n', ":1: \"prompt\" must hold integer token ids, got True (bool)"),
-    (b'{"prompt": [[1, 2]]}\n', ":1: \"prompt\" must hold integer token ids, got [1, 2] (list)"),
-    (b'{"prompt": 7}\n', ':1: "prompt" must be a string or a list of token ids, got number 7'),
-    (b'{"prompt": {"type": "Buffer", "data": [104, 105]}}\n', ":1: \"prompt\" must be a string or a list"),
-    (b'{"prompt": []}\n', ':1: "prompt" must have at least one token'),
-    (b'{"prompt": [3, -3]}\n', ":1: \"prompt\": token ids must be >= 0, got -3"),
-    (b'{"prompt": "\\ud800"}\n', ":1: \"prompt\" is not valid text: lone surrogate"),
-    (b'{"prompt": [1]}\n{"prompt": 1.5}\n{"prompt": null}\n', ":2: \"prompt\" must be a string or a list of token "
-                                                            "ids, got number 1.5 (and 1 more bad line)"),
-    (b"\n  \n", ": no prompts"),
-])
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (None, "no such file"),
+        ("directory", "is not a regular file"),
+        (b'{"prompt": [1]}\n\xff\xfe\n', ":2: not UTF-8 text (byte 0xff"),
+        (b'{"prompt": [1]}\n\n{"prompt": [1,}\n', ":3: not valid JSON"),
+        (b"[1, 2]\n", ':1: expected a JSON object with a "prompt" key, got array [1, 2]'),
+        (b'{"text": "hi"}\n', ':1: no "prompt" key (keys: "text")'),
+        (b'{"prompt": [1, 2.0]}\n', ':1: "prompt" must hold integer token ids, got 2.0 (float)'),
+        (b'{"prompt": [1, true]}\n', ':1: "prompt" must hold integer token ids, got True (bool)'),
+        (b'{"prompt": [[1, 2]]}\n', ':1: "prompt" must hold integer token ids, got [1, 2] (list)'),
+        (b'{"prompt": 7}\n', ':1: "prompt" must be a string or a list of token ids, got number 7'),
+        (b'{"prompt": {"type": "Buffer", "data": [104, 105]}}\n', ':1: "prompt" must be a string or a list'),
+        (b'{"prompt": []}\n', ':1: "prompt" must have at least one token'),
+        (b'{"prompt": [3, -3]}\n', ':1: "prompt": token ids must be >= 0, got -3'),
+        (b'{"prompt": "\\ud800"}\n', ':1: "prompt" is not valid text: lone surrogate'),
+        (
+            b'{"prompt": [1]}\n{"prompt": 1.5}\n{"prompt": null}\n',
+            ':2: "prompt" must be a string or a list of token ids, got number 1.5 (and 1 more bad line)',
+        ),
+        (b"\n  \n", ": no prompts"),
+    ],
+)
 def test_bad_prompts_file_is_a_usage_error(files, tmp_path, capsys, no_model, content, expected):
     _, out = files
     prompts = tmp_path / "input.jsonl"
@@ -180,10 +202,13 @@ def test_bad_prompts_in_later_batches_get_error_records(files, tmp_path, capsys,
     assert sorted(os.listdir(tmp_path)) == ["out.jsonl", "prompts.jsonl"]
 
 
-@pytest.mark.parametrize("error, shown", [(kvjax.CacheFullError("no free pages"), "CacheFullError: no free pages"),
-                                          (ValueError("bad batch"), "bad batch")])
-def test_failed_batch_gets_error_records_and_the_run_goes_on(files, tmp_path, capsys, monkeypatch, shared_model,
-                                                             error, shown):
+@pytest.mark.parametrize(
+    "error, shown",
+    [(kvjax.CacheFullError("no free pages"), "CacheFullError: no free pages"), (ValueError("bad batch"), "bad batch")],
+)
+def test_failed_batch_gets_error_records_and_the_run_goes_on(
+    files, tmp_path, capsys, monkeypatch, shared_model, error, shown
+):
     prompts, out = files
     marker = [9, 9, 9]
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ([1], [2], marker, [3], [4])))
@@ -228,16 +253,20 @@ def test_interrupted_run_keeps_finished_records_in_partial_file(files, tmp_path,
 
 # ---- the converter's flags: refused before anything is loaded or calibrated
 
-@pytest.mark.parametrize("flags, shown", [
-    (["--target-rate", "nan"], "argument --target-rate: the rate must be a finite number, got nan"),
-    (["--removal-rate", "1.0"], "argument --removal-rate: the rate must be in [0, 1), got 1"),
-    (["--target-rate", "half"], "argument --target-rate: could not convert string to float: 'half'"),
-    (["--target-rate", "0.5", "--dtype", "foo"], "dtype must be one of bfloat16, float16, float32, got 'foo'"),
-    (["--target-rate", "0.5", "--num-tokens", "0"], "argument --num-tokens: the count must be positive, got 0"),
-    (["--target-rate", "0.5", "--seq-len", "-8"], "argument --seq-len: the count must be positive, got -8"),
-    (["--target-rate", "0.5", "--seed", "-1"], "argument --seed: seed must be in"),
-    (["--target-rate", "0.5", "--calibration", "wiki"], "--calibration must be 'random', 'text' or 'text:FILE'"),
-])
+
+@pytest.mark.parametrize(
+    "flags, shown",
+    [
+        (["--target-rate", "nan"], "argument --target-rate: the rate must be a finite number, got nan"),
+        (["--removal-rate", "1.0"], "argument --removal-rate: the rate must be in [0, 1), got 1"),
+        (["--target-rate", "half"], "argument --target-rate: could not convert string to float: 'half'"),
+        (["--target-rate", "0.5", "--dtype", "foo"], "dtype must be one of bfloat16, float16, float32, got 'foo'"),
+        (["--target-rate", "0.5", "--num-tokens", "0"], "argument --num-tokens: the count must be positive, got 0"),
+        (["--target-rate", "0.5", "--seq-len", "-8"], "argument --seq-len: the count must be positive, got -8"),
+        (["--target-rate", "0.5", "--seed", "-1"], "argument --seed: seed must be in"),
+        (["--target-rate", "0.5", "--calibration", "wiki"], "--calibration must be 'random', 'text' or 'text:FILE'"),
+    ],
+)
 def test_convert_refuses_bad_flags_before_loading(tmp_path, capsys, no_model, flags, shown):
     from kvjax.cli import convert
 

@@ -1,4 +1,5 @@
 """Corrupt, truncated, inconsistent or non-finite checkpoints: one short CheckpointError naming the file and part."""
+
 import dataclasses
 import glob
 import json
@@ -24,11 +25,15 @@ def write_gguf(path, *, block_count=2, skip_key=None, change=None):
     ``change(name, array)`` may replace a tensor; ``skip_key`` leaves one llama.* metadata key out."""
     hidden, heads, kv, ffn, d = 64, 4, 2, 96, 16
     w = gguf.GGUFWriter(str(path), "llama")
-    meta = {"block_count": (w.add_block_count, block_count), "context_length": (w.add_context_length, 256),
-            "embedding_length": (w.add_embedding_length, hidden),
-            "feed_forward_length": (w.add_feed_forward_length, ffn),
-            "attention.head_count": (w.add_head_count, heads), "attention.head_count_kv": (w.add_head_count_kv, kv),
-            "attention.layer_norm_rms_epsilon": (w.add_layer_norm_rms_eps, 1e-5)}
+    meta = {
+        "block_count": (w.add_block_count, block_count),
+        "context_length": (w.add_context_length, 256),
+        "embedding_length": (w.add_embedding_length, hidden),
+        "feed_forward_length": (w.add_feed_forward_length, ffn),
+        "attention.head_count": (w.add_head_count, heads),
+        "attention.head_count_kv": (w.add_head_count_kv, kv),
+        "attention.layer_norm_rms_epsilon": (w.add_layer_norm_rms_eps, 1e-5),
+    }
     for key, (add, value) in meta.items():
         if key != skip_key:
             add(value)
@@ -40,14 +45,25 @@ def write_gguf(path, *, block_count=2, skip_key=None, change=None):
     w.add_token_merges(["a b"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    shapes = {"token_embd.weight": (len(TOKENS), hidden), "output_norm.weight": (hidden,),
-              "output.weight": (len(TOKENS), hidden)}
+    shapes = {
+        "token_embd.weight": (len(TOKENS), hidden),
+        "output_norm.weight": (hidden,),
+        "output.weight": (len(TOKENS), hidden),
+    }
     for i in range(2):
-        shapes.update({f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
-                       f"blk.{i}.attn_q.weight": (heads * d, hidden), f"blk.{i}.attn_k.weight": (kv * d, hidden),
-                       f"blk.{i}.attn_v.weight": (kv * d, hidden), f"blk.{i}.attn_output.weight": (hidden, heads * d),
-                       f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
-                       f"blk.{i}.ffn_down.weight": (hidden, ffn)})
+        shapes.update(
+            {
+                f"blk.{i}.attn_norm.weight": (hidden,),
+                f"blk.{i}.ffn_norm.weight": (hidden,),
+                f"blk.{i}.attn_q.weight": (heads * d, hidden),
+                f"blk.{i}.attn_k.weight": (kv * d, hidden),
+                f"blk.{i}.attn_v.weight": (kv * d, hidden),
+                f"blk.{i}.attn_output.weight": (hidden, heads * d),
+                f"blk.{i}.ffn_gate.weight": (ffn, hidden),
+                f"blk.{i}.ffn_up.weight": (ffn, hidden),
+                f"blk.{i}.ffn_down.weight": (hidden, ffn),
+            }
+        )
     rng = np.random.default_rng(0)
     for name, shape in shapes.items():
         x = rng.normal(0, 0.02, shape).astype(np.float32)
@@ -113,11 +129,17 @@ def set_parts(d, parts):
 
 # 1. a config with fewer layers than the weights hold
 
+
 def test_hf_config_with_fewer_layers_than_the_weights(tmp_path):
     d = hf_copy(tmp_path)
     edit_config(d, num_hidden_layers=1)
-    raises(kvjax.CheckpointError, r"model\.safetensors: config\.json's num_hidden_layers is 1, .*"
-           r"'model\.layers\.1\.input_layernorm\.weight'", load, d)
+    raises(
+        kvjax.CheckpointError,
+        r"model\.safetensors: config\.json's num_hidden_layers is 1, .*"
+        r"'model\.layers\.1\.input_layernorm\.weight'",
+        load,
+        d,
+    )
 
 
 def test_gguf_block_count_below_its_tensors(tmp_path):
@@ -134,37 +156,54 @@ def test_hf_config_with_more_layers_than_the_weights(tmp_path):
 
 # 2. every shape against the config
 
-@pytest.mark.parametrize("case, name, rows, needs", [
-    ("llama", "model.layers.0.mlp.up_proj.weight", 7, r"\(128, 64\)"),
-    ("llama", "model.embed_tokens.weight", 100, r"\(128, 64\)"),
-    ("falcon_7b", "transformer.h.1.self_attention.query_key_value.weight", 7, r"\(64, \d+\) after conversion"),
-])
+
+@pytest.mark.parametrize(
+    "case, name, rows, needs",
+    [
+        ("llama", "model.layers.0.mlp.up_proj.weight", 7, r"\(128, 64\)"),
+        ("llama", "model.embed_tokens.weight", 100, r"\(128, 64\)"),
+        ("falcon_7b", "transformer.h.1.self_attention.query_key_value.weight", 7, r"\(64, \d+\) after conversion"),
+    ],
+)
 def test_hf_tensor_of_the_wrong_shape(tmp_path, case, name, rows, needs):
     d = hf_copy(tmp_path, case)
     edit_tensors(d, lambda t: t.__setitem__(name, np.zeros((rows, 64), np.float32)))
-    raises(kvjax.CheckpointError, rf"model\.safetensors: tensor '{re.escape(name)}' has shape \({rows}, 64\), the "
-           rf"config needs {needs}$", load, d)
+    raises(
+        kvjax.CheckpointError,
+        rf"model\.safetensors: tensor '{re.escape(name)}' has shape \({rows}, 64\), the "
+        rf"config needs {needs}$",
+        load,
+        d,
+    )
 
 
 def test_gguf_tensor_of_the_wrong_shape(tmp_path):
-    path = write_gguf(tmp_path / "model.gguf",
-                      change=lambda n, x: np.zeros((5, 64), np.float32) if n == "blk.1.attn_q.weight" else x)
+    path = write_gguf(
+        tmp_path / "model.gguf", change=lambda n, x: np.zeros((5, 64), np.float32) if n == "blk.1.attn_q.weight" else x
+    )
     raises(kvjax.CheckpointError, r"model\.gguf: tensor 'blk\.1\.attn_q\.weight' has shape \(5, 64\)", load, path)
 
 
 # 3. non-finite weights
 
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_hf_non_finite_weight(tmp_path, bad):
     d = hf_copy(tmp_path)
     edit_tensors(d, lambda t: t["model.layers.1.self_attn.k_proj.weight"].__setitem__((0, 3), bad))
-    raises(kvjax.CheckpointError, r"model\.safetensors: tensor 'model\.layers\.1\.self_attn\.k_proj\.weight' holds 1 "
-           "NaN or infinite values", load, d)
+    raises(
+        kvjax.CheckpointError,
+        r"model\.safetensors: tensor 'model\.layers\.1\.self_attn\.k_proj\.weight' holds 1 "
+        "NaN or infinite values",
+        load,
+        d,
+    )
 
 
 def test_gguf_non_finite_weight(tmp_path):
-    path = write_gguf(tmp_path / "model.gguf",
-                      change=lambda n, x: np.full_like(x, np.nan) if n == "blk.0.ffn_up.weight" else x)
+    path = write_gguf(
+        tmp_path / "model.gguf", change=lambda n, x: np.full_like(x, np.nan) if n == "blk.0.ffn_up.weight" else x
+    )
     raises(kvjax.CheckpointError, r"model\.gguf: tensor 'blk\.0\.ffn_up\.weight' holds 6144 NaN", load, path)
 
 
@@ -173,18 +212,25 @@ def test_saved_non_finite_weight(tmp_path):
     kernel = model.module.layers[1].attn.k.kernel
     kernel.set_value(kernel.get_value().at[0, 0].set(np.inf))
     path = model.save(str(tmp_path / "ckpt"))
-    raises(kvjax.CheckpointError, r"ckpt/params: parameter layers\.1\.attn\.k\.kernel holds NaN or infinite", load,
-           path)
+    raises(
+        kvjax.CheckpointError, r"ckpt/params: parameter layers\.1\.attn\.k\.kernel holds NaN or infinite", load, path
+    )
 
 
 def test_weight_beyond_float16_range(tmp_path):
     d = hf_copy(tmp_path)
     edit_tensors(d, lambda t: t["model.norm.weight"].__setitem__(0, 1e6))
-    raises(kvjax.CheckpointError, r"tensor 'model\.norm\.weight' has values up to 1e\+06, beyond float16's range",
-           load, d, dtype="float16")
+    raises(
+        kvjax.CheckpointError,
+        r"tensor 'model\.norm\.weight' has values up to 1e\+06, beyond float16's range",
+        load,
+        d,
+        dtype="float16",
+    )
 
 
 # 4. truncated and corrupt files
+
 
 def test_gguf_fixture_loads(tmp_path):
     model = load(write_gguf(tmp_path / "model.gguf"))
@@ -196,8 +242,13 @@ def test_truncated_gguf(tmp_path, keep):
     path = write_gguf(tmp_path / "model.gguf")
     size = os.path.getsize(path)
     os.truncate(path, int(size * keep))
-    raises(kvjax.CheckpointError, rf"model\.gguf: truncated: tensor blk\.\d\.\w+\.weight needs bytes up to \d+, the "
-           rf"file has {int(size * keep)}$", load, path)
+    raises(
+        kvjax.CheckpointError,
+        rf"model\.gguf: truncated: tensor blk\.\d\.\w+\.weight needs bytes up to \d+, the "
+        rf"file has {int(size * keep)}$",
+        load,
+        path,
+    )
 
 
 @pytest.mark.parametrize("content", [b"", b"GGUF" + bytes(range(256)) * 8, bytes(3000), "header"])
@@ -206,8 +257,12 @@ def test_garbage_gguf(tmp_path, content):
     if content == "header":  # a real file cut inside its metadata
         content = open(write_gguf(tmp_path / "whole.gguf"), "rb").read()[:600]
     path.write_bytes(content)
-    raises(kvjax.CheckpointError, r"model\.gguf: not a readable GGUF file \(corrupt or truncated\): ", GGUFCheckpoint,
-           str(path))
+    raises(
+        kvjax.CheckpointError,
+        r"model\.gguf: not a readable GGUF file \(corrupt or truncated\): ",
+        GGUFCheckpoint,
+        str(path),
+    )
 
 
 def test_gguf_without_a_required_key(tmp_path):
@@ -236,8 +291,13 @@ def test_safetensors_index_naming_a_missing_shard(tmp_path):
     os.rename(d / "model.safetensors", d / "model-1-of-2.safetensors")
     weight_map = {name: "model-1-of-2.safetensors" for name in names} | {names[0]: "model-2-of-2.safetensors"}
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    raises(kvjax.CheckpointError, r"model\.safetensors\.index\.json: names the file 'model-2-of-2\.safetensors', "
-           "which is not in", load, d)
+    raises(
+        kvjax.CheckpointError,
+        r"model\.safetensors\.index\.json: names the file 'model-2-of-2\.safetensors', "
+        "which is not in",
+        load,
+        d,
+    )
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "no data", "no _METADATA", "no manifest.ocdbt"])
@@ -260,6 +320,7 @@ def test_corrupt_orbax_params(saved, tmp_path, damage):
 
 # 5. invalid JSON
 
+
 def test_invalid_config_json(tmp_path):
     d = hf_copy(tmp_path)
     (d / "config.json").write_text('{"model_type": "llama",\n "hidden_size": 64,,}')
@@ -275,14 +336,20 @@ def test_invalid_kvjax_json(saved, tmp_path, part):
 
 # 6. kvjax checkpoints with parts missing
 
+
 @pytest.mark.parametrize("kind, kept", [("plain", "params"), ("compressed", "plan.json")])
 def test_kvjax_checkpoint_without_kvjax_json(saved, tmp_path, kind, kept):
     d = saved_copy(saved, tmp_path, kind)
     os.remove(d / "kvjax.json")
     if kept == "plan.json":
         shutil.rmtree(d / "params")
-    raises(kvjax.CheckpointError, rf"{kind} looks like a kvjax checkpoint \(it has {kept}\) but is missing its "
-           r"kvjax\.json", load, d)
+    raises(
+        kvjax.CheckpointError,
+        rf"{kind} looks like a kvjax checkpoint \(it has {kept}\) but is missing its "
+        r"kvjax\.json",
+        load,
+        d,
+    )
 
 
 @pytest.mark.parametrize("part", ["params", "plan.json"])
@@ -297,8 +364,13 @@ def test_old_kvjax_checkpoint_missing_its_plan(saved, tmp_path):
     d = saved_copy(saved, tmp_path, "compressed")
     set_parts(d, None)
     os.remove(d / "plan.json")
-    raises(kvjax.CheckpointError, r"compressed/params: parameters do not match the config in kvjax\.json \(unexpected "
-           r"'layers\.0\.attn\.qk_rotation\.0'.*\); the checkpoint's plan\.json may be missing", load, d)
+    raises(
+        kvjax.CheckpointError,
+        r"compressed/params: parameters do not match the config in kvjax\.json \(unexpected "
+        r"'layers\.0\.attn\.qk_rotation\.0'.*\); the checkpoint's plan\.json may be missing",
+        load,
+        d,
+    )
 
 
 def test_old_kvjax_checkpoint_missing_its_params(saved, tmp_path):
@@ -310,7 +382,13 @@ def test_old_kvjax_checkpoint_missing_its_params(saved, tmp_path):
 
 # 7. a bad dtype fails before anything is read
 
+
 @pytest.mark.parametrize("dtype", ["foo", "int8", 3])
 def test_bad_dtype_fails_first(tmp_path, dtype):
-    raises(ValueError, r"dtype must be one of bfloat16, float16, float32", kvjax.load, str(tmp_path / "missing"),
-           dtype=dtype)
+    raises(
+        ValueError,
+        r"dtype must be one of bfloat16, float16, float32",
+        kvjax.load,
+        str(tmp_path / "missing"),
+        dtype=dtype,
+    )

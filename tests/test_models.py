@@ -1,4 +1,5 @@
 """Parity with transformers: tiny random checkpoints saved by tests/make_fixtures.py, float32, 1e-4 absolute."""
+
 import os
 
 import jax

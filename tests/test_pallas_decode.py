@@ -1,4 +1,5 @@
 """The Pallas paged decode kernel against the jnp reference (interpret mode on the CPU; compiled on a GPU)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,18 +44,58 @@ def reference(q, k, v, table, lengths, layout):
 
 CASES = {
     # name: (layout, lengths, page_size, dtype, programs, order, headroom, min_chunk_tokens)
-    "G4 odd widths ragged p16 bf16": (HeadLayout(8, 2, 64, (48, 16), (16, 64)), [1, 37, 130], 16, jnp.bfloat16, 4,
-                                      "lpt", 1, 16),
-    "G1 window p16 f32": (HeadLayout(3, 3, 32, (32, 16, 32), (16, 32, 32), sliding_window=20), [70, 19, 3], 16,
-                          jnp.float32, 5, "lpt", 0, 16),
+    "G4 odd widths ragged p16 bf16": (
+        HeadLayout(8, 2, 64, (48, 16), (16, 64)),
+        [1, 37, 130],
+        16,
+        jnp.bfloat16,
+        4,
+        "lpt",
+        1,
+        16,
+    ),
+    "G1 window p16 f32": (
+        HeadLayout(3, 3, 32, (32, 16, 32), (16, 32, 32), sliding_window=20),
+        [70, 19, 3],
+        16,
+        jnp.float32,
+        5,
+        "lpt",
+        0,
+        16,
+    ),
     "G8 split chunks p32 f32": (HeadLayout(8, 1, 64, (64,), (48,)), [700], 32, jnp.float32, 8, "lpt", 1, 32),
-    "G2 naive order p32 bf16": (HeadLayout(4, 2, 64, (32, 64), (64, 16)), [33, 64, 65, 1], 32, jnp.bfloat16, 3,
-                                "naive", 0, 32),
+    "G2 naive order p32 bf16": (
+        HeadLayout(4, 2, 64, (32, 64), (64, 16)),
+        [33, 64, 65, 1],
+        32,
+        jnp.bfloat16,
+        3,
+        "naive",
+        0,
+        32,
+    ),
     "G3 ragged p16 f32": (HeadLayout(6, 2, 64, (16, 64), (32, 16)), [5, 90, 200], 16, jnp.float32, 4, "lpt", 1, 16),
-    "G4 stream order p16 bf16": (HeadLayout(8, 2, 64, (32, 64), (48, 16)), [300, 7, 41], 16, jnp.bfloat16, 6,
-                                 "stream", 1, 16),
-    "G2 pieces 112/80 p16 f32": (HeadLayout(4, 2, 128, (112, 80), (96, 48)), [3, 77, 150], 16, jnp.float32, 3,
-                                 "lpt", 1, 16),
+    "G4 stream order p16 bf16": (
+        HeadLayout(8, 2, 64, (32, 64), (48, 16)),
+        [300, 7, 41],
+        16,
+        jnp.bfloat16,
+        6,
+        "stream",
+        1,
+        16,
+    ),
+    "G2 pieces 112/80 p16 f32": (
+        HeadLayout(4, 2, 128, (112, 80), (96, 48)),
+        [3, 77, 150],
+        16,
+        jnp.float32,
+        3,
+        "lpt",
+        1,
+        16,
+    ),
 }
 
 
@@ -66,8 +107,15 @@ def test_decode_matches_reference(name, fold_tokens, max_segments):
     layout, lengths, ps, dtype, programs, order, headroom, min_chunk = CASES[name]
     rng = np.random.default_rng()
     q, k, v, table, lens = paged_inputs(rng, layout, lengths, ps, dtype)
-    config = dataclasses.replace(DECODE, order=order, min_chunk_tokens=min_chunk, block_tokens=16, max_step_tokens=64,
-                                 fold_tokens=fold_tokens, max_segments=max_segments)
+    config = dataclasses.replace(
+        DECODE,
+        order=order,
+        min_chunk_tokens=min_chunk,
+        block_tokens=16,
+        max_step_tokens=64,
+        fold_tokens=fold_tokens,
+        max_segments=max_segments,
+    )
     plan = build_decode_schedule(lengths, layout, ps, programs, config=config, headroom_pages=headroom)
     out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, interpret=True)
     assert out.shape == (len(lengths), layout.out_cols) and out.dtype == dtype
@@ -77,12 +125,23 @@ def test_decode_matches_reference(name, fold_tokens, max_segments):
 PACKED = {
     # name: (layout, lengths, page_size, dtype, pack_tile, max_segments): runs of adjacent heads read as one
     # (kvjax.ops.decode.units)
-    "G2 four narrow heads, split and folded, f32": (HeadLayout(8, 4, 64, (16, 32, 48, 16), (32, 16, 16, 48)),
-                                                    [300, 2, 97], 16, jnp.float32, 64, 1),
-    "G1 window, runs of up to 3, bf16": (HeadLayout(5, 5, 32, (16, 16, 32, 16, 16), (16, 32, 16, 16, 16),
-                                                    sliding_window=40), [130, 9], 16, jnp.bfloat16, 64, 1),
-    "G4 odd widths, f32": (HeadLayout(12, 3, 128, (48, 80, 32), (96, 32, 16)), [1, 200, 513], 32, jnp.float32, 128,
-                           1),
+    "G2 four narrow heads, split and folded, f32": (
+        HeadLayout(8, 4, 64, (16, 32, 48, 16), (32, 16, 16, 48)),
+        [300, 2, 97],
+        16,
+        jnp.float32,
+        64,
+        1,
+    ),
+    "G1 window, runs of up to 3, bf16": (
+        HeadLayout(5, 5, 32, (16, 16, 32, 16, 16), (16, 32, 16, 16, 16), sliding_window=40),
+        [130, 9],
+        16,
+        jnp.bfloat16,
+        64,
+        1,
+    ),
+    "G4 odd widths, f32": (HeadLayout(12, 3, 128, (48, 80, 32), (96, 32, 16)), [1, 200, 513], 32, jnp.float32, 128, 1),
     # a 160 + 144 run through 256-column tiles, read as pieces 128 + 32 and 128 + 16
     "G4 run in pieces, f32": (HeadLayout(8, 2, 128, (80, 80), (96, 48)), [40, 333], 16, jnp.float32, 256, 2),
 }
@@ -94,8 +153,16 @@ def test_packed_runs_match_reference(name):
     layout, lengths, ps, dtype, pack_tile, max_segments = PACKED[name]
     rng = np.random.default_rng()
     q, k, v, table, lens = paged_inputs(rng, layout, lengths, ps, dtype)
-    config = dataclasses.replace(DECODE, order="stream", min_chunk_tokens=16, pack_tile=pack_tile, block_tokens=16,
-                                 max_step_tokens=64, fold_tokens=16, max_segments=max_segments)
+    config = dataclasses.replace(
+        DECODE,
+        order="stream",
+        min_chunk_tokens=16,
+        pack_tile=pack_tile,
+        block_tokens=16,
+        max_step_tokens=64,
+        fold_tokens=16,
+        max_segments=max_segments,
+    )
     plan = build_decode_schedule(lengths, layout, ps, 5, config=config, headroom_pages=1)
     assert plan.schedule.items[0, :, :, 1].max() < layout.num_kv_heads - 1  # heads did pack into runs
     out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, interpret=True)
@@ -124,8 +191,9 @@ def test_one_plan_serves_growing_lengths():
     rng = np.random.default_rng()
     lengths = np.array([10, 31])
     q, k, v, table, _ = paged_inputs(rng, layout, lengths + 16, 16, jnp.float32)
-    plan = build_decode_schedule(lengths, layout, 16, 3, config=dataclasses.replace(DECODE, min_chunk_tokens=16),
-                                 headroom_pages=1)
+    plan = build_decode_schedule(
+        lengths, layout, 16, 3, config=dataclasses.replace(DECODE, min_chunk_tokens=16), headroom_pages=1
+    )
     for grown in (lengths, lengths + 6):
         assert plan.covers(grown)
         lens = jnp.asarray(grown, jnp.int32)
@@ -164,4 +232,3 @@ def test_decode_on_gpu(dtype):
     plan = build_decode_schedule(lengths, layout, 32, headroom_pages=1)
     out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout)
     assert rel_err(out, reference(q, k, v, table, lens, layout)) < (1e-4 if dtype == jnp.float32 else 1e-2)
-

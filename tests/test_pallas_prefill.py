@@ -1,4 +1,5 @@
 """The Pallas prefill kernel against the jnp reference, and its cache writes against ``write_pages``."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,8 +20,14 @@ def prompts(rng, layout, batch, t, dtype, page_size=16):
     pps = -(-t // page_size)
     num_pages = batch * pps + 1
     table = jnp.asarray(rng.permutation(np.arange(1, num_pages)).reshape(batch, pps).astype(np.int32))
-    return (arr(batch, t, layout.q_cols), arr(batch, t, layout.k_cols), arr(batch, t, layout.v_cols), table,
-            arr(num_pages, page_size, layout.k_cols), arr(num_pages, page_size, layout.v_cols))
+    return (
+        arr(batch, t, layout.q_cols),
+        arr(batch, t, layout.k_cols),
+        arr(batch, t, layout.v_cols),
+        table,
+        arr(num_pages, page_size, layout.k_cols),
+        arr(num_pages, page_size, layout.v_cols),
+    )
 
 
 def rel_err(out, ref, rows=None):
@@ -38,14 +45,38 @@ def reference(q, k, v, layout):
 
 CASES = {
     # name: (layout, batch, T, lengths, dtype, knobs)
-    "odd widths ragged f32 balanced": (HeadLayout(8, 2, 64, (48, 16), (16, 64)), 2, 48, [48, 21], jnp.float32,
-                                       dict(block_q=16, block_k=16, max_block_q=32, max_segments=1)),
-    "exact pieces 112/80 f32": (HeadLayout(4, 2, 128, (112, 80), (96, 48)), 1, 48, [45], jnp.float32,
-                                dict(block_q=16, block_k=16, max_block_q=32)),
-    "bf16 unbalanced": (HeadLayout(8, 2, 64, (32, 64), (64, 32)), 1, 64, [64], jnp.bfloat16,
-                        dict(block_q=32, block_k=16, balanced=False)),
-    "G1 sliding window f32": (HeadLayout(3, 3, 32, (32, 16, 32), (16, 32, 16), sliding_window=10), 1, 40, [40],
-                              jnp.float32, dict(block_q=16, block_k=16)),
+    "odd widths ragged f32 balanced": (
+        HeadLayout(8, 2, 64, (48, 16), (16, 64)),
+        2,
+        48,
+        [48, 21],
+        jnp.float32,
+        dict(block_q=16, block_k=16, max_block_q=32, max_segments=1),
+    ),
+    "exact pieces 112/80 f32": (
+        HeadLayout(4, 2, 128, (112, 80), (96, 48)),
+        1,
+        48,
+        [45],
+        jnp.float32,
+        dict(block_q=16, block_k=16, max_block_q=32),
+    ),
+    "bf16 unbalanced": (
+        HeadLayout(8, 2, 64, (32, 64), (64, 32)),
+        1,
+        64,
+        [64],
+        jnp.bfloat16,
+        dict(block_q=32, block_k=16, balanced=False),
+    ),
+    "G1 sliding window f32": (
+        HeadLayout(3, 3, 32, (32, 16, 32), (16, 32, 16), sliding_window=10),
+        1,
+        40,
+        [40],
+        jnp.float32,
+        dict(block_q=16, block_k=16),
+    ),
 }
 
 
@@ -55,15 +86,16 @@ def test_prefill_matches_reference_and_writes_pages(name):
     rng = np.random.default_rng()
     q, k, v, table, kp, vp = prompts(rng, layout, batch, t, dtype)
     lens = jnp.asarray(lengths, jnp.int32)
-    out, kp2, vp2 = prefill_attention(q, k, v, layout, lens, kp, vp, table, config=PrefillConfig(**knobs),
-                                      interpret=True)
+    out, kp2, vp2 = prefill_attention(
+        q, k, v, layout, lens, kp, vp, table, config=PrefillConfig(**knobs), interpret=True
+    )
     live = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
     assert rel_err(out, reference(q, k, v, layout), live) < (1e-4 if dtype == jnp.float32 else 1e-2)
     positions = jnp.broadcast_to(jnp.arange(t), (batch, t))
     for got, pages, new in ((kp2, kp, k), (vp2, vp, v)):
         want = write_pages(pages, table, positions, new, jnp.asarray(live))
         # the reference dumps padding rows on the null page; the kernel skips them
-        assert np.array_equal(np.asarray(got)[NULL_PAGE + 1:], np.asarray(want)[NULL_PAGE + 1:])
+        assert np.array_equal(np.asarray(got)[NULL_PAGE + 1 :], np.asarray(want)[NULL_PAGE + 1 :])
 
 
 @pytest.mark.parametrize("balanced", [True, False])
@@ -79,7 +111,7 @@ def test_items_cover_every_row_once_narrow_heads_taller_longest_first(balanced):
     rows_of = {h: block_rows(classes[class_of[h // 2]], 64, t, balanced, 256, 3) for h in range(6)}
     covered = np.zeros((batch, 6, t), int)
     for b, h, q0 in items:
-        covered[b, h, q0:q0 + rows_of[h]] += 1
+        covered[b, h, q0 : q0 + rows_of[h]] += 1
     assert (covered == 1).all()
     if balanced:
         cols = {h: widths[h // 2] + widths[::-1][h // 2] for h in range(6)}
@@ -109,7 +141,8 @@ def test_attention_seam():
     lens = jnp.asarray([32], jnp.int32)
     op = PrefillOp(interpret=True)
     out, kp2, vp2 = jax.jit(lambda *a: attention.prefill(*a, op=op), static_argnums=3)(
-        q, k, v, layout, kp, vp, table, lens)
+        q, k, v, layout, kp, vp, table, lens
+    )
     assert rel_err(out, reference(q, k, v, layout)) < 1e-4
 
 

@@ -1,5 +1,6 @@
 """Runs of adjacent KV heads (kvjax.ops.decode.units, .search): the cheapest cut into allowed runs, the cheapest head
 order, and widths moved so runs fill their tiles, all checked against the library's own cost model by brute force."""
+
 import dataclasses
 import itertools
 
@@ -17,9 +18,15 @@ from kvjax.ops.tiles import loaded_columns, segments, tile
 WIDTH = st.sampled_from(range(16, 129, 16))
 PACK_128, PACK_256 = (dataclasses.replace(DECODE, pack_tile=t) for t in (128, 256))
 # Cost models of every shape: the searches must be cheapest under any of them, not just under the tuned defaults.
-CONFIGS = st.builds(lambda pack, cost, floor, weight: dataclasses.replace(
-    DECODE, pack_tile=pack, token_cost=cost, floor_tile=floor, tile_weight=weight),
-    st.sampled_from([0, 64, 128, 256]), st.integers(0, 64), st.sampled_from([0, 64, 128]), st.integers(0, 2))
+CONFIGS = st.builds(
+    lambda pack, cost, floor, weight: dataclasses.replace(
+        DECODE, pack_tile=pack, token_cost=cost, floor_tile=floor, tile_weight=weight
+    ),
+    st.sampled_from([0, 64, 128, 256]),
+    st.integers(0, 64),
+    st.sampled_from([0, 64, 128]),
+    st.integers(0, 2),
+)
 
 
 @st.composite
@@ -70,9 +77,10 @@ def test_runs_partition_the_heads_cheapest_first(lay, config):
     assert [h for r in runs for h in range(r.first, r.first + r.num_heads)] == list(range(lay.num_kv_heads))
     assert sum((r.k_widths for r in runs), ()) == lay.k_widths and sum((r.v_widths for r in runs), ()) == lay.v_widths
     for r in runs:
-        assert r.k_widths == lay.k_widths[r.first:r.first + r.num_heads]
-        assert r.num_heads == 1 or (r.num_heads * lay.group_size <= ROWS
-                                    and max(tile(r.k_cols), tile(r.v_cols)) <= config.pack_tile)
+        assert r.k_widths == lay.k_widths[r.first : r.first + r.num_heads]
+        assert r.num_heads == 1 or (
+            r.num_heads * lay.group_size <= ROWS and max(tile(r.k_cols), tile(r.v_cols)) <= config.pack_tile
+        )
         assert allowed(r.num_heads, tile(r.k_cols), tile(r.v_cols), lay.group_size, config)
     cost = sum(run_cost(r.k_widths, r.v_widths, lay.group_size, config) for r in runs)
     assert cost == runs_cost(lay, config) == min(cut_cost(lay, cut, config) for cut in cuts(lay.num_kv_heads))
@@ -88,8 +96,11 @@ def test_packing_only_merges_heads_where_it_pays(lay, config):
     assert [r.num_heads for r in head_runs(lay, alone)] == [1] * lay.num_kv_heads
     assert runs_cost(lay, config) <= runs_cost(lay, alone)
     k, v, g = lay.k_widths, lay.v_widths, lay.group_size
-    if any(run_cost(k[h:h + 2], v[h:h + 2], g, config) < run_cost(k[h:h + 1], v[h:h + 1], g, config)
-           + run_cost(k[h + 1:h + 2], v[h + 1:h + 2], g, config) for h in range(lay.num_kv_heads - 1)):
+    if any(
+        run_cost(k[h : h + 2], v[h : h + 2], g, config)
+        < run_cost(k[h : h + 1], v[h : h + 1], g, config) + run_cost(k[h + 1 : h + 2], v[h + 1 : h + 2], g, config)
+        for h in range(lay.num_kv_heads - 1)
+    ):
         assert max(r.num_heads for r in head_runs(lay, config)) > 1
 
 
@@ -113,8 +124,11 @@ def test_head_order_makes_the_cheapest_runs(lay, config):
 @st.composite
 def complementary_layouts(draw):
     """Pairs of heads whose K widths and V widths each add up to 128, shuffled."""
-    pairs = draw(st.lists(st.tuples(st.sampled_from(range(16, 113, 16)), st.sampled_from(range(16, 113, 16))),
-                          min_size=1, max_size=4))
+    pairs = draw(
+        st.lists(
+            st.tuples(st.sampled_from(range(16, 113, 16)), st.sampled_from(range(16, 113, 16))), min_size=1, max_size=4
+        )
+    )
     heads = draw(st.permutations([h for k, v in pairs for h in ((k, v), (128 - k, 128 - v))]))
     n, group = len(heads), draw(st.sampled_from([1, 2, 4, 8]))
     return HeadLayout(group * n, n, 128, tuple(k for k, _ in heads), tuple(v for _, v in heads))
@@ -139,9 +153,11 @@ def test_narrow_runs_cost_as_much_as_full_ones(lay, pack_tile):
     config = dataclasses.replace(DECODE, pack_tile=pack_tile, floor_tile=pack_tile)
     runs = head_runs(lay, config)
     g = lay.group_size
-    fewest = min(len(cut) for cut in cuts(lay.num_kv_heads)
-                 if all(allowed(b - a, tile(sum(lay.k_widths[a:b])), tile(sum(lay.v_widths[a:b])), g, config)
-                        for a, b in cut))
+    fewest = min(
+        len(cut)
+        for cut in cuts(lay.num_kv_heads)
+        if all(allowed(b - a, tile(sum(lay.k_widths[a:b])), tile(sum(lay.v_widths[a:b])), g, config) for a, b in cut)
+    )
     assert len(runs) == fewest
     full = run_cost((128,), (128,), g, config)
     assert all(run_cost(r.k_widths, r.v_widths, g, config) == full for r in runs)
@@ -158,8 +174,11 @@ def test_loaded_cost_counts_pieces_within_tiles(lay, config):
 
 
 @settings(max_examples=60, deadline=None)
-@given(layouts(min_heads=2, max_heads=8, groups=(1, 2, 4)), st.sampled_from([PACK_128, PACK_256]),
-       st.sampled_from([16, 32, 48]))
+@given(
+    layouts(min_heads=2, max_heads=8, groups=(1, 2, 4)),
+    st.sampled_from([PACK_128, PACK_256]),
+    st.sampled_from([16, 32, 48]),
+)
 def test_filled_widths_keep_the_totals_and_the_bounds(lay, config, max_shift):
     """The fill keeps the layer's K and V totals and each width's bounds and steps, and never raises the runs' cost
     by tiles or the loaded cost; it moves nothing without lowering both."""

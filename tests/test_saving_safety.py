@@ -1,4 +1,5 @@
 """Saves and converts cannot lose data: what may be overwritten, and a fault or a kill at every step of a replace."""
+
 import os
 import subprocess
 import sys
@@ -105,8 +106,10 @@ def test_a_model_is_never_saved_over_into_or_around_its_source(tmp_path, where):
     model = kvjax.load(str(src), dtype="float32")
     before = tree(tmp_path)
     dest = {"same": src, "inside": src / "sub", "contains": src.parent}[where]
-    with pytest.raises(ValueError, match={"same": "is the source", "inside": "is inside the source",
-                                          "contains": "contains the source"}[where]):
+    with pytest.raises(
+        ValueError,
+        match={"same": "is the source", "inside": "is inside the source", "contains": "contains the source"}[where],
+    ):
         model.save(str(dest), overwrite=True)
     assert tree(tmp_path) == before
 

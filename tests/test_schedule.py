@@ -1,5 +1,6 @@
 """The host decode plan (kvjax.ops.decode.plan, .planner): every visible page planned once and inside its sequence,
 splits merged, loads as the cost model prices them, LPT and stream balanced, shapes bucketed, plans reused."""
+
 import dataclasses
 
 import numpy as np
@@ -10,8 +11,18 @@ from hypothesis import strategies as st
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.config import DECODE
 from kvjax.ops.decode.cost import unit_cost
-from kvjax.ops.decode.plan import (END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, build_decode_schedule, fixed_chunk_schedule,
-                                   load_balance, realized_loads, static_decode_schedule)
+from kvjax.ops.decode.plan import (
+    END_PAGE,
+    FIRST_PAGE,
+    SEQ,
+    SLOT,
+    UNIT,
+    build_decode_schedule,
+    fixed_chunk_schedule,
+    load_balance,
+    realized_loads,
+    static_decode_schedule,
+)
 from kvjax.ops.decode.planner import DecodePlanner
 from kvjax.ops.decode.units import head_runs
 
@@ -28,6 +39,7 @@ def unit_costs(layout, cfg):
 def random_layouts(rng, num_layers, heads=8, window=None):
     def widths():
         return tuple(int(w) for w in rng.choice(np.arange(16, 129, 16), heads))
+
     return [HeadLayout(4 * heads, heads, 128, widths(), widths(), window) for _ in range(num_layers)]
 
 
@@ -73,15 +85,21 @@ def test_every_visible_page_once(order, window, pack_tile):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(0, 700), min_size=1, max_size=10), st.integers(1, 4), st.integers(1, 9),
-       st.sampled_from([None, 40, 100]), st.sampled_from([0, 256]))
+@given(
+    st.lists(st.integers(0, 700), min_size=1, max_size=10),
+    st.integers(1, 4),
+    st.integers(1, 9),
+    st.sampled_from([None, 40, 100]),
+    st.sampled_from([0, 256]),
+)
 def test_fixed_chunks_cover_every_visible_page_once(lengths, chunk_pages, programs, window, pack_tile):
     """The batch-invariant plan: every item is one whole chunk [k * C, (k + 1) * C) that starts inside its sequence,
     in merge slot position k, and the chunks cover every visible page of every group once."""
     ps, splits = 16, 64
     lay = HeadLayout(16, 4, 128, (48, 64, 80, 64), (96, 64, 32, 64), window)
-    plan = fixed_chunk_schedule(lengths, lay, ps, programs, chunk_pages=chunk_pages, splits=splits,
-                                config=config(pack_tile=pack_tile))
+    plan = fixed_chunk_schedule(
+        lengths, lay, ps, programs, chunk_pages=chunk_pages, splits=splits, config=config(pack_tile=pack_tile)
+    )
     s, units = plan.schedule, len(head_runs(lay, plan.schedule.config))
     covered = {}
     for seq, unit, first, end, slot in planned_items(s, 0):
@@ -132,12 +150,16 @@ def test_lpt_balances_and_beats_naive():
         layouts = random_layouts(rng, 4)
         lengths = rng.integers(64, 8192, 48)
         P = 64
-        lpt, naive, stream = (build_decode_schedule(lengths, layouts, 16, P, config=config(order=o, pack_tile=0))
-                              for o in ("lpt", "naive", "stream"))  # one head per unit: 8 groups a sequence
+        lpt, naive, stream = (
+            build_decode_schedule(lengths, layouts, 16, P, config=config(order=o, pack_tile=0))
+            for o in ("lpt", "naive", "stream")
+        )  # one head per unit: 8 groups a sequence
         for layer, lay in enumerate(layouts):
             per_token = unit_costs(lay, lpt.schedule.config)
-            costs = [(e - f) * 16 * per_token[u] + DECODE.item_overhead
-                     for _, u, f, e, _ in planned_items(lpt.schedule, layer)]
+            costs = [
+                (e - f) * 16 * per_token[u] + DECODE.item_overhead
+                for _, u, f, e, _ in planned_items(lpt.schedule, layer)
+            ]
             assert lpt.loads[layer].sum() == sum(costs)
             assert lpt.loads[layer].max() <= lpt.loads[layer].sum() / P + max(costs)  # the list-scheduling bound
         assert lpt.loads.max(axis=1).sum() < naive.loads.max(axis=1).sum()
@@ -168,8 +190,9 @@ def test_auto_keeps_lpt_when_it_balances_else_cuts_equal_shares():
     rng = np.random.default_rng()
     layouts = random_layouts(rng, 2)
     for lengths, P in ((rng.integers(200, 600, 256), 16), (np.full(3, 4096), 64)):  # many small groups; few long
-        auto, lpt, stream = (build_decode_schedule(lengths, layouts, 16, P, config=config(order=o))
-                             for o in ("auto", "lpt", "stream"))
+        auto, lpt, stream = (
+            build_decode_schedule(lengths, layouts, 16, P, config=config(order=o)) for o in ("auto", "lpt", "stream")
+        )
         picked = lpt if lpt.balance >= DECODE.auto_balance else stream
         assert np.array_equal(auto.schedule.items, picked.schedule.items) and auto.balance == picked.balance
         assert auto.balance >= min(DECODE.auto_balance, stream.balance)
@@ -210,11 +233,10 @@ def test_lpt_deal_matches_a_plain_loop():
         order = sorted(range(len(items)), key=lambda i: (-cost[i], i))
         loads, rows = np.zeros(P, np.int64), [[] for _ in range(P)]
         for r in range(0, len(order), P):
-            for program, i in zip(np.argsort(loads, kind="stable"), order[r:r + P]):
+            for program, i in zip(np.argsort(loads, kind="stable"), order[r : r + P]):
                 rows[program].append(items[i])
                 loads[program] += cost[i]
-        assert rows == [[tuple(int(x) for x in it) for it in s.items[layer, p, :s.counts[layer, p]]]
-                        for p in range(P)]
+        assert rows == [[tuple(int(x) for x in it) for it in s.items[layer, p, : s.counts[layer, p]]] for p in range(P)]
 
 
 def test_realized_loads_clip_items_to_the_real_lengths():

@@ -1,4 +1,5 @@
 """The embedded SmolLM2 GGUF model against transformers' own GGUF loading (tests/fixtures/smollm2_reference.npz)."""
+
 import os
 
 import jax.numpy as jnp
@@ -18,8 +19,14 @@ def smollm2():
 
 def test_config(smollm2):
     c = smollm2.config
-    assert (c.arch, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == \
-        ("llama", 30, 9, 3, 64, 49152)
+    assert (c.arch, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (
+        "llama",
+        30,
+        9,
+        3,
+        64,
+        49152,
+    )
     assert c.tie_word_embeddings and c.rope_theta == 100000.0
 
 
@@ -42,14 +49,13 @@ def test_greedy_generation_is_fluent_and_matches_transformers(smollm2):
     prompt = REF["greedy_prompt_ids"].tolist()
     (result,) = kvjax.generate(smollm2, [prompt], max_new_tokens=24)
     assert result.finish_reason == "stop"  # <|im_end|>
-    assert result.tokens == REF["greedy_ids"].tolist()[:len(result.tokens)]
+    assert result.tokens == REF["greedy_ids"].tolist()[: len(result.tokens)]
     assert result.text == "The capital of France is Paris."
 
 
 def test_kernels_give_the_reference_greedy_tokens(smollm2):
     """The Pallas kernels (interpreted on the CPU) decode SmolLM2 exactly like the jnp reference, compressed too."""
-    small = kvjax.compress(smollm2, target_rate=0.25, calibration="text", num_tokens=1024, seq_len=256,
-                           progress=False)
+    small = kvjax.compress(smollm2, target_rate=0.25, calibration="text", num_tokens=1024, seq_len=256, progress=False)
     prompts = ["What is the capital of France?", "Name a prime number."]
     for model in (smollm2, small):
         ref = kvjax.generate(model, prompts, max_new_tokens=8, chat=True, backend="reference")

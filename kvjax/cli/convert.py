@@ -7,6 +7,7 @@ SRC is anything ``kvjax.load`` reads (a Hugging Face directory, a .gguf file, 's
 swapped in by renames at the end, so a failure leaves nothing half-written; --overwrite replaces only a kvjax
 checkpoint, and OUT may not be, contain or lie inside SRC.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,35 +23,59 @@ def parse_args(argv=None):
     from kvjax.io.saved import check_target
 
     rate = functools.partial(validate.rate, "the rate")
-    p = argparse.ArgumentParser(prog="kvjax-convert", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="kvjax-convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("src", help="source checkpoint: Hugging Face directory, .gguf file, or 'smollm2'")
     p.add_argument("out", help="output directory (must not exist unless --overwrite)")
     rates = p.add_mutually_exclusive_group(required=True)
     rates.add_argument("--target-rate", type=validate.arg(rate, float), help="overall KV compression rate p in [0, 1)")
-    rates.add_argument("--removal-rate", type=validate.arg(rate, float),
-                       help="singular-value mass r every head may drop, in [0, 1)")
-    p.add_argument("--method", choices=("zack", "palu"), default="zack",
-                   help="zack: rotate Q/K after RoPE (default); palu: pre-RoPE low-rank K baseline")
+    rates.add_argument(
+        "--removal-rate", type=validate.arg(rate, float), help="singular-value mass r every head may drop, in [0, 1)"
+    )
+    p.add_argument(
+        "--method",
+        choices=("zack", "palu"),
+        default="zack",
+        help="zack: rotate Q/K after RoPE (default); palu: pre-RoPE low-rank K baseline",
+    )
     p.add_argument("--uniform", action="store_true", help="same rank for every head (the ablation)")
-    p.add_argument("--keep-head-order", action="store_true",
-                   help="keep each layer's KV heads in their original order (by default they are reordered so the "
-                        "decode kernel reads adjacent narrow heads as one; the model's output does not change)")
-    p.add_argument("--fill-tiles", action="store_true",
-                   help="move up to 32 columns a head between a layer's heads, at the same rate, where that lets the "
-                        "decode kernel's runs fill their tiles: faster decode, some accuracy lost (see the README)")
-    p.add_argument("--calibration", default="random",
-                   help="'random' token ids (default), 'text' (Python's pydoc topics), or 'text:FILE'")
+    p.add_argument(
+        "--keep-head-order",
+        action="store_true",
+        help="keep each layer's KV heads in their original order (by default they are reordered so the "
+        "decode kernel reads adjacent narrow heads as one; the model's output does not change)",
+    )
+    p.add_argument(
+        "--fill-tiles",
+        action="store_true",
+        help="move up to 32 columns a head between a layer's heads, at the same rate, where that lets the "
+        "decode kernel's runs fill their tiles: faster decode, some accuracy lost (see the README)",
+    )
+    p.add_argument(
+        "--calibration",
+        default="random",
+        help="'random' token ids (default), 'text' (Python's pydoc topics), or 'text:FILE'",
+    )
     count = functools.partial(validate.positive, "the count")
-    p.add_argument("--num-tokens", type=validate.arg(count, int), default=16384,
-                   help="calibration tokens (default 16384)")
-    p.add_argument("--seq-len", type=validate.arg(count, int), default=512,
-                   help="calibration sequence length (default 512)")
+    p.add_argument(
+        "--num-tokens", type=validate.arg(count, int), default=16384, help="calibration tokens (default 16384)"
+    )
+    p.add_argument(
+        "--seq-len", type=validate.arg(count, int), default=512, help="calibration sequence length (default 512)"
+    )
     p.add_argument("--seed", type=validate.arg(validate.seed, int), default=0)
-    p.add_argument("--dtype", type=validate.arg(validate.dtype), default="bfloat16",
-                   help=f"parameter dtype of the output: {', '.join(validate.DTYPES)} (default bfloat16)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace OUT if it is a kvjax checkpoint (never anything else, never SRC)")
+    p.add_argument(
+        "--dtype",
+        type=validate.arg(validate.dtype),
+        default="bfloat16",
+        help=f"parameter dtype of the output: {', '.join(validate.DTYPES)} (default bfloat16)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT if it is a kvjax checkpoint (never anything else, never SRC)",
+    )
     args = p.parse_args(argv)
     if args.calibration not in ("random", "text") and not args.calibration.startswith("text:"):
         p.error("--calibration must be 'random', 'text' or 'text:FILE'")
@@ -70,10 +95,19 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     try:
         model = kvjax.load(args.src, dtype="float32")  # calibrate and fold in float32, store in --dtype
-        compressed = kvjax.compress(model, target_rate=args.target_rate, removal_rate=args.removal_rate,
-                                    method=args.method, adaptive=not args.uniform, calibration=args.calibration,
-                                    num_tokens=args.num_tokens, seed=args.seed, seq_len=args.seq_len,
-                                    order_heads=not args.keep_head_order, fill_tiles=args.fill_tiles)
+        compressed = kvjax.compress(
+            model,
+            target_rate=args.target_rate,
+            removal_rate=args.removal_rate,
+            method=args.method,
+            adaptive=not args.uniform,
+            calibration=args.calibration,
+            num_tokens=args.num_tokens,
+            seed=args.seed,
+            seq_len=args.seq_len,
+            order_heads=not args.keep_head_order,
+            fill_tiles=args.fill_tiles,
+        )
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
     if args.dtype != "float32":

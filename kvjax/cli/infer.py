@@ -1,4 +1,5 @@
 """``kvjax-infer``: batch inference over a JSONL file of prompts, each result written as soon as its batch finishes."""
+
 from __future__ import annotations
 
 import argparse
@@ -150,8 +151,10 @@ def _encode(model, prompts: list, args, capacity: int, where: str) -> tuple[dict
             errors[n] = _message(e)
             continue
         if len(ids) + args.max_new_tokens > capacity:
-            errors[n] = (f"prompt {n} has {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} it needs "
-                         f"{len(ids) + args.max_new_tokens} cache positions, more than the {capacity} of {where}")
+            errors[n] = (
+                f"prompt {n} has {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} it needs "
+                f"{len(ids) + args.max_new_tokens} cache positions, more than the {capacity} of {where}"
+            )
         else:
             encoded[n] = ids
     return encoded, errors
@@ -162,8 +165,9 @@ def _run(args, model, prompts: list, encoded: dict, errors: dict) -> int:
     import kvjax
 
     partial = args.out + ".partial"
-    records: list[dict] = [{"index": n, "prompt": prompts[n], "error": errors[n]} if n in errors else {}
-                           for n in range(len(prompts))]
+    records: list[dict] = [
+        {"index": n, "prompt": prompts[n], "error": errors[n]} if n in errors else {} for n in range(len(prompts))
+    ]
     good = sorted(encoded)
     totals = {"prefill_s": 0.0, "decode_s": 0.0, "prompt_tokens": 0, "new_tokens": 0}
     written = 0
@@ -188,16 +192,33 @@ def _run(args, model, prompts: list, encoded: dict, errors: dict) -> int:
         with f, tqdm(total=len(good), desc="generating", unit="prompt") as bar:
             flush()
             for b in range(0, len(good), args.batch_size):
-                batch = good[b:b + args.batch_size]
+                batch = good[b : b + args.batch_size]
                 stats: dict[str, float] = {}
                 seed = args.seed if args.batch_invariant else (args.seed + b) % 2**63  # invariant: one stream
                 try:
-                    results = kvjax.generate(model, [encoded[n] for n in batch], args.max_new_tokens, args.temperature,
-                                             args.top_p, seed, max_batch=args.batch_size,
-                                             max_seq_len=args.max_seq_len, backend=args.attention,
-                                             batch_invariant=args.batch_invariant, stats=stats)
-                    done = [{"index": n, "prompt": prompts[n], "text": r.text, "tokens": r.tokens,
-                             "finish_reason": r.finish_reason} for n, r in zip(batch, results, strict=True)]
+                    results = kvjax.generate(
+                        model,
+                        [encoded[n] for n in batch],
+                        args.max_new_tokens,
+                        args.temperature,
+                        args.top_p,
+                        seed,
+                        max_batch=args.batch_size,
+                        max_seq_len=args.max_seq_len,
+                        backend=args.attention,
+                        batch_invariant=args.batch_invariant,
+                        stats=stats,
+                    )
+                    done = [
+                        {
+                            "index": n,
+                            "prompt": prompts[n],
+                            "text": r.text,
+                            "tokens": r.tokens,
+                            "finish_reason": r.finish_reason,
+                        }
+                        for n, r in zip(batch, results, strict=True)
+                    ]
                 except Exception as e:
                     message = f"generation failed for the batch of prompts {', '.join(map(str, batch))}: {_message(e)}"
                     done = [{"index": n, "prompt": prompts[n], "error": message} for n in batch]
@@ -211,8 +232,11 @@ def _run(args, model, prompts: list, encoded: dict, errors: dict) -> int:
             os.fsync(f.fileno())
     except BaseException as e:
         what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped by {_message(e)}"
-        print(f"kvjax-infer: {what}: the {written} finished records (of {len(prompts)}) are kept in {partial}; "
-              f"{args.out} was left as it was", file=sys.stderr)
+        print(
+            f"kvjax-infer: {what}: the {written} finished records (of {len(prompts)}) are kept in {partial}; "
+            f"{args.out} was left as it was",
+            file=sys.stderr,
+        )
         if isinstance(e, KeyboardInterrupt):
             return 130
         if isinstance(e, OSError):
@@ -225,14 +249,18 @@ def _run(args, model, prompts: list, encoded: dict, errors: dict) -> int:
             body = f"error: {r['error']}" if "error" in r else r["text"] if r["text"] is not None else r["tokens"]
             print(f"> {r['prompt']}\n{body}\n")
     wall = time.perf_counter() - start
-    print(f"wrote {len(records)} records to {args.out} in {wall:.1f} s: "
-          f"{totals['prompt_tokens']} prompt tokens at {totals['prompt_tokens'] / max(totals['prefill_s'], 1e-9):.0f} "
-          f"tok/s (prefill), {totals['new_tokens']} generated tokens at "
-          f"{totals['new_tokens'] / max(totals['decode_s'], 1e-9):.1f} tok/s (decode), compilation included")
+    print(
+        f"wrote {len(records)} records to {args.out} in {wall:.1f} s: "
+        f"{totals['prompt_tokens']} prompt tokens at {totals['prompt_tokens'] / max(totals['prefill_s'], 1e-9):.0f} "
+        f"tok/s (prefill), {totals['new_tokens']} generated tokens at "
+        f"{totals['new_tokens'] / max(totals['decode_s'], 1e-9):.1f} tok/s (decode), compilation included"
+    )
     failed = sum("error" in r for r in records)
     if failed:
-        print(f"kvjax-infer: {failed} of {len(records)} prompts failed; their records in {args.out} hold an \"error\"",
-              file=sys.stderr)
+        print(
+            f'kvjax-infer: {failed} of {len(records)} prompts failed; their records in {args.out} hold an "error"',
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -245,33 +273,59 @@ def _positive(name: str):
 def _parser() -> argparse.ArgumentParser:
     """The command's argument parser; every ``type=`` refuses a bad value as a usage error."""
     p = argparse.ArgumentParser(
-        prog="kvjax-infer", description="Run greedy or sampled generation for every prompt of a JSONL file.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True,
-                   help="Hugging Face directory, .gguf file, kvjax checkpoint (Model.save, kvjax-convert), "
-                        "or 'smollm2' (embedded)")
+        prog="kvjax-infer",
+        description="Run greedy or sampled generation for every prompt of a JSONL file.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="Hugging Face directory, .gguf file, kvjax checkpoint (Model.save, kvjax-convert), "
+        "or 'smollm2' (embedded)",
+    )
     p.add_argument("--prompts", required=True, help="input JSONL file (format below)")
     p.add_argument("--out", required=True, help="output JSONL file (format below; written through OUT.partial)")
-    p.add_argument("--max-new-tokens", type=_positive("max_new_tokens"), default=64,
-                   help="new tokens per prompt (default 64)")
-    p.add_argument("--batch-size", type=_positive("batch_size"), default=8,
-                   help="prompts per jitted batch (default 8)")
-    p.add_argument("--temperature", type=validate.arg(validate.temperature, float), default=0.0,
-                   help="0 is greedy (default)")
-    p.add_argument("--top-p", type=validate.arg(validate.top_p, float), default=1.0,
-                   help="nucleus sampling mass in (0, 1] (default 1.0)")
+    p.add_argument(
+        "--max-new-tokens", type=_positive("max_new_tokens"), default=64, help="new tokens per prompt (default 64)"
+    )
+    p.add_argument("--batch-size", type=_positive("batch_size"), default=8, help="prompts per jitted batch (default 8)")
+    p.add_argument(
+        "--temperature", type=validate.arg(validate.temperature, float), default=0.0, help="0 is greedy (default)"
+    )
+    p.add_argument(
+        "--top-p",
+        type=validate.arg(validate.top_p, float),
+        default=1.0,
+        help="nucleus sampling mass in (0, 1] (default 1.0)",
+    )
     p.add_argument("--seed", type=validate.arg(validate.seed, int), default=0, help="random seed >= 0 (default 0)")
     p.add_argument("--chat", action="store_true", help="wrap string prompts in the model's chat template")
-    p.add_argument("--dtype", type=validate.arg(validate.dtype), default="bfloat16",
-                   help=f"parameter dtype: {', '.join(validate.DTYPES)} (default bfloat16)")
-    p.add_argument("--attention", choices=("pallas", "reference"), default=None,
-                   help="attention path: the Pallas kernels (default on a GPU) or the jnp reference (default on CPU)")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="each prompt's tokens depend on it alone, not on the other prompts of its batch (prompts are "
-                        "prefilled one at a time; see kvjax.generate)")
+    p.add_argument(
+        "--dtype",
+        type=validate.arg(validate.dtype),
+        default="bfloat16",
+        help=f"parameter dtype: {', '.join(validate.DTYPES)} (default bfloat16)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=("pallas", "reference"),
+        default=None,
+        help="attention path: the Pallas kernels (default on a GPU) or the jnp reference (default on CPU)",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="each prompt's tokens depend on it alone, not on the other prompts of its batch (prompts are "
+        "prefilled one at a time; see kvjax.generate)",
+    )
     p.add_argument("--show", action="store_true", help="also print every prompt with its generated text")
-    p.add_argument("--max-seq-len", type=_positive("max_seq_len"), default=None,
-                   help="cache positions per sequence: prompt + new tokens (default: the model's)")
+    p.add_argument(
+        "--max-seq-len",
+        type=_positive("max_seq_len"),
+        default=None,
+        help="cache positions per sequence: prompt + new tokens (default: the model's)",
+    )
     return p
 
 
@@ -295,8 +349,10 @@ def main(argv=None) -> int:
         capacity = args.max_seq_len or model.config.max_position_embeddings
         where = "--max-seq-len" if args.max_seq_len else "the model's max_position_embeddings"
         if args.max_new_tokens >= capacity:
-            p.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the {capacity} cache "
-                    f"positions of {where}")
+            p.error(
+                f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the {capacity} cache "
+                f"positions of {where}"
+            )
         encoded, errors = _encode(model, prompts, args, capacity, where)
     except KeyboardInterrupt:
         print("kvjax-infer: interrupted before generating; nothing was written", file=sys.stderr)

@@ -5,6 +5,7 @@ memory does not grow with the number of tokens: ``q`` (post-RoPE rows of every q
 (post-RoPE), ``k_pre`` (pre-RoPE k, the Palu baseline's basis) and ``v``. ``CalibrationStats.basis`` turns them into
 the directions each method keeps, ordered by singular value.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -134,7 +135,7 @@ def calibrate(model, tokens: np.ndarray, *, batch_size: int = 4, snapshots=(), p
     seen, taken = 0, {}
     with tqdm(total=int((tokens >= 0).sum()), desc="calibrating", unit="tok", disable=not progress) as bar:
         for start in range(0, len(tokens), batch_size):
-            chunk = tokens[start:start + batch_size]
+            chunk = tokens[start : start + batch_size]
             if len(chunk) < batch_size:  # keep one compiled shape
                 chunk = np.concatenate([chunk, np.full((batch_size - len(chunk), tokens.shape[1]), -1)])
             valid = chunk >= 0
@@ -167,8 +168,10 @@ def calibration_tokens(model, source="random", num_tokens: int = 16384, seq_len:
                 source = source.reshape(-1)
             ids = validate.token_ids("calibration tokens", source, vocab)
         if len(ids) < num_tokens:
-            raise ValueError(f"calibration {source if isinstance(source, str) else 'tokens'} has {len(ids)} tokens, "
-                             f"fewer than the {num_tokens} asked for")
+            raise ValueError(
+                f"calibration {source if isinstance(source, str) else 'tokens'} has {len(ids)} tokens, "
+                f"fewer than the {num_tokens} asked for"
+            )
         ids = np.asarray(ids[:num_tokens])
     rows = -(-num_tokens // seq_len)
     out = np.full(rows * seq_len, -1, np.int64)
@@ -186,7 +189,7 @@ def _text_ids(model, source: str) -> np.ndarray:
     if source == "text":
         text = pydoc_text("calibration")
     elif source.startswith("text:"):
-        path = source[len("text:"):]
+        path = source[len("text:") :]
         if not os.path.isfile(path):
             raise FileNotFoundError(f"calibration text file {path!r} does not exist")
         with open(path, encoding="utf-8") as f:

@@ -8,6 +8,7 @@ which rebuilds K before RoPE at every attention call.
 A plan with a ``head_order`` first permutes each layer's KV heads (with their query heads and W_o's rows, which
 leaves the output unchanged), then folds the bases of the heads at their new positions.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,16 +33,20 @@ def fold_v(wv, bv, wo, down, up, *, widths, group_size):
     """W_v [E, Hkv*d] -> [E, sum k_v], b_v likewise, W_o [H*d, E] -> [G*sum k_v, E] (packed query-head order)."""
     hkv, d, _ = down.shape
     wo_heads = wo.reshape(hkv * group_size, d, -1)
-    new_wo = jnp.concatenate([up[j // group_size, :widths[j // group_size]] @ wo_heads[j]
-                              for j in range(hkv * group_size)], axis=0)
+    new_wo = jnp.concatenate(
+        [up[j // group_size, : widths[j // group_size]] @ wo_heads[j] for j in range(hkv * group_size)], axis=0
+    )
     return _heads_times(wv, down, widths), None if bv is None else _heads_times(bv, down, widths), new_wo
 
 
 @functools.partial(jax.jit, static_argnames=("widths",))
 def fold_k_lowrank(wk, bk, down, up, *, widths):
     """Palu: W_k(g) -> W_k(g) down[:, :k] (packed), b_k likewise, and per-group k_up = up[:k] [k, d]."""
-    return (_heads_times(wk, down, widths), None if bk is None else _heads_times(bk, down, widths),
-            [up[g, :k] for g, k in enumerate(widths)])
+    return (
+        _heads_times(wk, down, widths),
+        None if bk is None else _heads_times(bk, down, widths),
+        [up[g, :k] for g, k in enumerate(widths)],
+    )
 
 
 def permute_heads(w: dict, order, group_size: int, head_dim: int) -> dict:
@@ -74,17 +79,25 @@ def fold(model: Model, plan, bases: dict) -> Model:
         if order != sorted(order):
             w = permute_heads(w, order, layout.group_size, layout.head_dim)
             values.update({(*a, p, kind): x for (p, kind), x in w.items() if p in ("q", "k") and x is not None})
-        down, up = ({kind: jnp.asarray(getattr(b, which)[i], jnp.float32)[jnp.asarray(order)]
-                     for kind, b in bases.items()} for which in ("down", "up"))
-        wv, bv, wo = fold_v(w["v", "kernel"], w["v", "bias"], w["o", "kernel"], down["v"], up["v"],
-                            widths=layout.v_widths, group_size=layout.group_size)
+        down, up = (
+            {kind: jnp.asarray(getattr(b, which)[i], jnp.float32)[jnp.asarray(order)] for kind, b in bases.items()}
+            for which in ("down", "up")
+        )
+        wv, bv, wo = fold_v(
+            w["v", "kernel"],
+            w["v", "bias"],
+            w["o", "kernel"],
+            down["v"],
+            up["v"],
+            widths=layout.v_widths,
+            group_size=layout.group_size,
+        )
         values.update({(*a, "v", "kernel"): wv, (*a, "o", "kernel"): wo, (*a, "v", "bias"): bv})
         if plan.method == "zack":
             for g, k in enumerate(layout.k_widths):
                 values[(*a, "qk_rotation", g)] = down["k"][g, :, :k]
         else:
-            wk, bk, k_ups = fold_k_lowrank(w["k", "kernel"], w["k", "bias"], down["k"], up["k"],
-                                           widths=layout.k_widths)
+            wk, bk, k_ups = fold_k_lowrank(w["k", "kernel"], w["k", "bias"], down["k"], up["k"], widths=layout.k_widths)
             values.update({(*a, "k", "kernel"): wk, (*a, "k", "bias"): bk})
             values.update({(*a, "k_up", g): k_up for g, k_up in enumerate(k_ups)})
     for path, var in new.items():

@@ -1,4 +1,5 @@
 """``kvjax.compress``: calibrate a model, plan each head's ranks, and fold the bases into its weights."""
+
 from __future__ import annotations
 
 from kvjax import validate
@@ -19,8 +20,17 @@ def _check_request(target_rate, removal_rate, method) -> None:
             validate.rate(name, value)
 
 
-def make_plan(model, stats: CalibrationStats, *, target_rate=None, removal_rate=None, method="zack",
-              adaptive=True, order_heads=True, fill_tiles=False) -> tuple[RankPlan, dict]:
+def make_plan(
+    model,
+    stats: CalibrationStats,
+    *,
+    target_rate=None,
+    removal_rate=None,
+    method="zack",
+    adaptive=True,
+    order_heads=True,
+    fill_tiles=False,
+) -> tuple[RankPlan, dict]:
     """The rank plan and the bases it truncates ({"k": Basis, "v": Basis}), from calibration statistics (cheap).
 
     ``fill_tiles``: move up to 32 columns a head between each layer's heads, at the same rate, where that lets the
@@ -41,9 +51,22 @@ def make_plan(model, stats: CalibrationStats, *, target_rate=None, removal_rate=
     return plan, {"k": k_basis, "v": v_basis}
 
 
-def compress(model, target_rate=None, removal_rate=None, method="zack", adaptive=True, calibration="random",
-             num_tokens=16384, seed=0, *, seq_len=512, batch_size=4, order_heads=True, fill_tiles=False,
-             progress=True):
+def compress(
+    model,
+    target_rate=None,
+    removal_rate=None,
+    method="zack",
+    adaptive=True,
+    calibration="random",
+    num_tokens=16384,
+    seed=0,
+    *,
+    seq_len=512,
+    batch_size=4,
+    order_heads=True,
+    fill_tiles=False,
+    progress=True,
+):
     """Compress ``model``'s KV cache along the head dimension; returns a new ``kvjax.Model`` with ``.plan``.
 
     Give exactly one of ``target_rate`` (overall rate p in [0, 1), reached by bisection on the removal rate) and
@@ -61,6 +84,14 @@ def compress(model, target_rate=None, removal_rate=None, method="zack", adaptive
         raise ValueError("model is already compressed; compress the original model")
     tokens = calibration_tokens(model, calibration, num_tokens, min(seq_len, num_tokens), seed)
     stats = calibrate(model, tokens, batch_size=batch_size, progress=progress)
-    plan, bases = make_plan(model, stats, target_rate=target_rate, removal_rate=removal_rate, method=method,
-                            adaptive=adaptive, order_heads=order_heads, fill_tiles=fill_tiles)
+    plan, bases = make_plan(
+        model,
+        stats,
+        target_rate=target_rate,
+        removal_rate=removal_rate,
+        method=method,
+        adaptive=adaptive,
+        order_heads=order_heads,
+        fill_tiles=fill_tiles,
+    )
     return fold(model, plan, bases)

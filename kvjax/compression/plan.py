@@ -13,6 +13,7 @@ Before ordering, a plan may move a few columns between a layer's heads (``filled
 layer's K and V totals kept (so the rate is unchanged), where that lets the kernel's runs fill their tiles. Those
 heads then keep a little more or less than the removal rate says; ``moved_columns`` counts what moved.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,8 +61,10 @@ class RankPlan:
         for name in ("k_qk", "k_v"):
             k = getattr(self, name)
             if k.shape != self.s_qk.shape[:2] or np.any(k % ALIGN) or k.min() < ALIGN or k.max() > self.head_dim:
-                raise ValueError(f"{name} must be multiples of {ALIGN} in [{ALIGN}, head_dim={self.head_dim}] "
-                                 f"of shape {self.s_qk.shape[:2]}")
+                raise ValueError(
+                    f"{name} must be multiples of {ALIGN} in [{ALIGN}, head_dim={self.head_dim}] "
+                    f"of shape {self.s_qk.shape[:2]}"
+                )
         if self.head_order is not None:
             self.head_order = np.asarray(self.head_order, np.int64)
             heads = self.s_qk.shape[1]
@@ -107,16 +110,25 @@ class RankPlan:
 
         k_qk, k_v = self.k_qk.copy(), self.k_v.copy()
         for i in range(self.num_layers):
-            k_qk[i], k_v[i] = fill_runs(self._layout(k_qk[i], k_v[i], group_size), config, max_shift,
-                                        losses(self.s_qk[i], k_qk[i]), losses(self.s_v[i], k_v[i]))
+            k_qk[i], k_v[i] = fill_runs(
+                self._layout(k_qk[i], k_v[i], group_size),
+                config,
+                max_shift,
+                losses(self.s_qk[i], k_qk[i]),
+                losses(self.s_v[i], k_v[i]),
+            )
         moved = int(np.abs(k_qk - self.k_qk).sum() + np.abs(k_v - self.k_v).sum())
         return dataclasses.replace(self, k_qk=k_qk, k_v=k_v, moved_columns=self.moved_columns + moved // 2)
 
     def ordered_for_runs(self, group_size: int, config: DecodeConfig = DECODE) -> "RankPlan":
         """This plan with every layer's KV heads in the order whose decode runs cost least
         (``kvjax.ops.decode.search.order_heads``); the model's output does not change."""
-        return dataclasses.replace(self, head_order=np.asarray([order_heads(self._layout(k, v, group_size), config)
-                                                                for k, v in zip(self.k_qk, self.k_v)]))
+        return dataclasses.replace(
+            self,
+            head_order=np.asarray(
+                [order_heads(self._layout(k, v, group_size), config) for k, v in zip(self.k_qk, self.k_v)]
+            ),
+        )
 
     def _layout(self, k, v, group_size: int):
         """One layer's widths (calibrated order) as the ``HeadLayout`` the decode op plans runs for."""
@@ -127,13 +139,15 @@ class RankPlan:
     def from_removal_rate(cls, method, s_qk, s_v, r: float, adaptive: bool = True) -> "RankPlan":
         validate.rate("removal_rate", r)
         d = s_qk.shape[-1]
-        rank = np.vectorize(lambda layer, head, which: rank_for_removal(
-            (s_qk if which == 0 else s_v)[layer, head], r, d))
+        rank = np.vectorize(
+            lambda layer, head, which: rank_for_removal((s_qk if which == 0 else s_v)[layer, head], r, d)
+        )
         layers, heads = np.indices(s_qk.shape[:2])
         k_qk, k_v = rank(layers, heads, 0), rank(layers, heads, 1)
         if not adaptive:  # the ablation: the same widths everywhere, spending the same total
-            plan = cls.for_target_rate(method, s_qk, s_v, 1.0 - (k_qk.sum() + k_v.sum()) / (2 * k_qk.size * d),
-                                       adaptive=False)
+            plan = cls.for_target_rate(
+                method, s_qk, s_v, 1.0 - (k_qk.sum() + k_v.sum()) / (2 * k_qk.size * d), adaptive=False
+            )
             return dataclasses.replace(plan, removal_rate=r)
         return cls(method, d, k_qk, k_v, s_qk, s_v, removal_rate=r, adaptive=adaptive)
 
@@ -158,34 +172,51 @@ class RankPlan:
             else:
                 lo = mid
         if best.rate < p:
-            raise ValueError(f"target_rate {p} is out of reach: with every head at {ALIGN} columns the rate is "
-                             f"{1 - ALIGN / d:.4f}")
+            raise ValueError(
+                f"target_rate {p} is out of reach: with every head at {ALIGN} columns the rate is {1 - ALIGN / d:.4f}"
+            )
         return best
 
     def summary(self) -> str:
-        lines = [f"{self.method} plan ({'adaptive' if self.adaptive else 'uniform'}): overall rate p = "
-                 f"{self.rate:.4f}" + (f", removal rate r = {self.removal_rate:.4g}" if self.removal_rate is not None
-                                       else ""),
-                 "layer | k_qk min/mean/max | k_v min/mean/max"]
+        lines = [
+            f"{self.method} plan ({'adaptive' if self.adaptive else 'uniform'}): overall rate p = "
+            f"{self.rate:.4f}"
+            + (f", removal rate r = {self.removal_rate:.4g}" if self.removal_rate is not None else ""),
+            "layer | k_qk min/mean/max | k_v min/mean/max",
+        ]
         if self.moved_columns:
-            lines.insert(1, f"{self.moved_columns} columns moved between heads so the decode kernel's runs fill "
-                            f"their tiles (rate unchanged)")
+            lines.insert(
+                1,
+                f"{self.moved_columns} columns moved between heads so the decode kernel's runs fill "
+                f"their tiles (rate unchanged)",
+            )
         if self.head_order is not None:
             moved = sum(self.layer_order(i) != tuple(range(self.k_qk.shape[1])) for i in range(self.num_layers))
             lines.insert(1, f"KV heads reordered for the decode kernel's runs in {moved} of {self.num_layers} layers")
         for i in range(self.num_layers):
             a, b = self.k_qk[i], self.k_v[i]
-            lines.append(f"{i:5d} | {a.min():3d} / {a.mean():5.1f} / {a.max():3d} | {b.min():3d} / {b.mean():5.1f} / "
-                         f"{b.max():3d}")
+            lines.append(
+                f"{i:5d} | {a.min():3d} / {a.mean():5.1f} / {a.max():3d} | {b.min():3d} / {b.mean():5.1f} / "
+                f"{b.max():3d}"
+            )
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        return json.dumps({"method": self.method, "head_dim": self.head_dim, "rate": self.rate,
-                           "removal_rate": self.removal_rate, "adaptive": self.adaptive,
-                           "k_qk": self.k_qk.tolist(), "k_v": self.k_v.tolist(),
-                           "s_qk": self.s_qk.tolist(), "s_v": self.s_v.tolist(),
-                           "head_order": None if self.head_order is None else self.head_order.tolist(),
-                           "moved_columns": self.moved_columns})
+        return json.dumps(
+            {
+                "method": self.method,
+                "head_dim": self.head_dim,
+                "rate": self.rate,
+                "removal_rate": self.removal_rate,
+                "adaptive": self.adaptive,
+                "k_qk": self.k_qk.tolist(),
+                "k_v": self.k_v.tolist(),
+                "s_qk": self.s_qk.tolist(),
+                "s_v": self.s_v.tolist(),
+                "head_order": None if self.head_order is None else self.head_order.tolist(),
+                "moved_columns": self.moved_columns,
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "RankPlan":

@@ -3,6 +3,7 @@
 The first half calibrates, the second half is held out for perplexity, so no evaluation text was seen while
 choosing rotations.
 """
+
 from __future__ import annotations
 
 

@@ -5,6 +5,7 @@ last). Replacing an existing ``NAME`` renames it aside to ``.NAME.kvjax-old-PID-
 and only then deletes the old one. Whenever the writer dies, the old or the new directory is whole, under ``NAME``
 or under a sibling whose name says which; ``recover`` puts it back and deletes what dead writers left behind.
 """
+
 from __future__ import annotations
 
 import os
@@ -80,8 +81,15 @@ def recover(path: str, is_complete: Callable[[str], bool]) -> list[str]:
     return done
 
 
-def check_target(path: str, *, overwrite: bool, replaceable: Callable[[str], bool], what: str,
-                 sources: tuple[str, ...] = (), hint: str = "overwrite=True") -> str:
+def check_target(
+    path: str,
+    *,
+    overwrite: bool,
+    replaceable: Callable[[str], bool],
+    what: str,
+    sources: tuple[str, ...] = (),
+    hint: str = "overwrite=True",
+) -> str:
     """The absolute ``path`` if writing there can lose nothing of the user's, else a clear error.
 
     A path that exists is replaced only with ``overwrite`` and only if it is an empty directory or ``replaceable``

@@ -4,6 +4,7 @@ Tensors are dequantized with the ``gguf`` package one at a time. llama.cpp store
 own RoPE layout; we undo that so the weights match the Hugging Face ``rotate_half`` convention. The tokenizer is
 built from the file's vocabulary and merges with ``tokenizers`` (transformers' own GGUF path needs torch).
 """
+
 from __future__ import annotations
 
 import math
@@ -16,10 +17,18 @@ from kvjax.models.config import ModelConfig, UnsupportedModelError
 
 # llama.cpp's pre-tokenizer names -> how the text is split before byte-level BPE.
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLITS = {"smollm": ("digits", _GPT2_SPLIT), "gpt2": (None, _GPT2_SPLIT), "default": (None, _GPT2_SPLIT),
-           "llama-bpe": (None, _LLAMA3_SPLIT), "llama3": (None, _LLAMA3_SPLIT), "smaug-bpe": (None, _LLAMA3_SPLIT)}
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    "smollm": ("digits", _GPT2_SPLIT),
+    "gpt2": (None, _GPT2_SPLIT),
+    "default": (None, _GPT2_SPLIT),
+    "llama-bpe": (None, _LLAMA3_SPLIT),
+    "llama3": (None, _LLAMA3_SPLIT),
+    "smaug-bpe": (None, _LLAMA3_SPLIT),
+}
 
 
 def _read(path: str):
@@ -34,8 +43,10 @@ def _read(path: str):
                 block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_type[0]))]
                 end = int(start_offs) + int(offset[0]) + math.prod(int(d) for d in dims) * type_size // block
                 if end > size:
-                    raise CheckpointError(f"{path}: truncated: tensor {bytes(name).decode(errors='replace')} needs "
-                                          f"bytes up to {end}, the file has {size}")
+                    raise CheckpointError(
+                        f"{path}: truncated: tensor {bytes(name).decode(errors='replace')} needs "
+                        f"bytes up to {end}, the file has {size}"
+                    )
             super()._build_tensors(start_offs, fields)
 
     try:
@@ -77,13 +88,19 @@ class GGUFCheckpoint:
         if arch != "llama":
             raise UnsupportedModelError(
                 f"GGUF architecture {arch!r} is not supported; kvjax reads GGUF files of the llama architecture "
-                "(Llama, Mistral); load Falcon from a Hugging Face directory")
+                "(Llama, Mistral); load Falcon from a Hugging Face directory"
+            )
 
         def a(key, default=None):
             return self.field(f"llama.{key}", default)
 
-        for key in ("block_count", "attention.head_count", "embedding_length", "feed_forward_length",
-                    "attention.layer_norm_rms_epsilon"):
+        for key in (
+            "block_count",
+            "attention.head_count",
+            "embedding_length",
+            "feed_forward_length",
+            "attention.layer_norm_rms_epsilon",
+        ):
             if a(key) is None:
                 raise CheckpointError(f"{self.path}: GGUF metadata has no llama.{key}")
         num_heads, hidden = a("attention.head_count"), a("embedding_length")
@@ -95,15 +112,23 @@ class GGUFCheckpoint:
         window = a("attention.sliding_window")
         eos = self.field("tokenizer.ggml.eos_token_id")
         return ModelConfig(
-            arch="mistral" if window else "llama", num_layers=a("block_count"), num_heads=num_heads,
+            arch="mistral" if window else "llama",
+            num_layers=a("block_count"),
+            num_heads=num_heads,
             num_kv_heads=a("attention.head_count_kv", num_heads),
-            head_dim=a("attention.key_length", hidden // num_heads), hidden_size=hidden,
+            head_dim=a("attention.key_length", hidden // num_heads),
+            hidden_size=hidden,
             intermediate_size=a("feed_forward_length"),
             vocab_size=a("vocab_size") or len(self.field("tokenizer.ggml.tokens")),
-            norm_eps=float(a("attention.layer_norm_rms_epsilon")), rope_theta=float(a("rope.freq_base", 10000.0)),
-            rope_scaling=scaling, tie_word_embeddings="output.weight" not in self.tensors,
-            sliding_window=window, max_position_embeddings=a("context_length", 4096),
-            bos_token_id=self.field("tokenizer.ggml.bos_token_id"), eos_token_ids=() if eos is None else (eos,))
+            norm_eps=float(a("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(a("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            tie_word_embeddings="output.weight" not in self.tensors,
+            sliding_window=window,
+            max_position_embeddings=a("context_length", 4096),
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (eos,),
+        )
 
     def __call__(self, name: str) -> np.ndarray:
         if name not in self.tensors:
@@ -112,19 +137,24 @@ class GGUFCheckpoint:
         try:
             x = self._gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
-            raise UnsupportedModelError(f"{self.path}: tensor {name!r} is of type {t.tensor_type.name}, which the "
-                                        "gguf package cannot dequantize") from None
+            raise UnsupportedModelError(
+                f"{self.path}: tensor {name!r} is of type {t.tensor_type.name}, which the "
+                "gguf package cannot dequantize"
+            ) from None
         return np.asarray(x, np.float32).reshape(tuple(int(n) for n in reversed(t.shape)))
 
     def sources(self, cfg: ModelConfig) -> dict[Path, Source]:
         def unpermute(heads):  # inverse of llama.cpp's convert-time permute of q/k rows
             def fn(w):
                 return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape).T
+
             return fn
 
         t, same = transposed, as_is
-        src: dict[Path, Source] = {("embed",): ("token_embd.weight", same),
-                                   ("final_norm", "scale"): ("output_norm.weight", same)}
+        src: dict[Path, Source] = {
+            ("embed",): ("token_embd.weight", same),
+            ("final_norm", "scale"): ("output_norm.weight", same),
+        }
         for i in range(cfg.num_layers):
             b, layer = f"blk.{i}", ("layers", i)
             src[(*layer, "attn_norm", "scale")] = (f"{b}.attn_norm.weight", same)
@@ -148,23 +178,34 @@ class GGUFCheckpoint:
         if kind != "gpt2" or pre not in _SPLITS:
             raise UnsupportedModelError(
                 f"GGUF tokenizer {kind!r}/{pre!r} is not supported (byte-level BPE with pre-tokenizer in "
-                f"{sorted(_SPLITS)})")
+                f"{sorted(_SPLITS)})"
+            )
         tokens = list(self.field("tokenizer.ggml.tokens"))
         merges = [tuple(m.split(" ", 1)) for m in self.field("tokenizer.ggml.merges")]
-        backend = Tokenizer(models.BPE(vocab={tok: i for i, tok in enumerate(tokens)}, merges=merges,
-                                       fuse_unk=False, byte_fallback=False))
+        backend = Tokenizer(
+            models.BPE(
+                vocab={tok: i for i, tok in enumerate(tokens)}, merges=merges, fuse_unk=False, byte_fallback=False
+            )
+        )
         digits, split = _SPLITS[pre]
         steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
-        steps += [pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        steps += [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
         backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
         backend.decoder = decoders.ByteLevel()
         types = self.field("tokenizer.ggml.token_type") or [1] * len(tokens)
-        backend.add_special_tokens([AddedToken(tok, special=True, normalized=False)
-                                    for tok, kind_ in zip(tokens, types) if kind_ == 3])
+        backend.add_special_tokens(
+            [AddedToken(tok, special=True, normalized=False) for tok, kind_ in zip(tokens, types) if kind_ == 3]
+        )
         name = lambda key: None if self.field(key) is None else tokens[self.field(key)]  # noqa: E731
         return PreTrainedTokenizerFast(
-            tokenizer_object=backend, bos_token=name("tokenizer.ggml.bos_token_id"),
-            eos_token=name("tokenizer.ggml.eos_token_id"), unk_token=name("tokenizer.ggml.unknown_token_id"),
-            pad_token=name("tokenizer.ggml.padding_token_id"), chat_template=self.field("tokenizer.chat_template"),
-            clean_up_tokenization_spaces=False)
+            tokenizer_object=backend,
+            bos_token=name("tokenizer.ggml.bos_token_id"),
+            eos_token=name("tokenizer.ggml.eos_token_id"),
+            unk_token=name("tokenizer.ggml.unknown_token_id"),
+            pad_token=name("tokenizer.ggml.padding_token_id"),
+            chat_template=self.field("tokenizer.chat_template"),
+            clean_up_tokenization_spaces=False,
+        )

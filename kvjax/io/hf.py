@@ -3,6 +3,7 @@
 Each parameter is read, transformed and cast on its own, so peak host memory stays near one tensor rather than
 the whole checkpoint.
 """
+
 from __future__ import annotations
 
 import json
@@ -76,10 +77,10 @@ def _falcon_qkv_part(cfg: ModelConfig, part: int, transpose: bool):
         if cfg.new_decoder_architecture:  # new decoder: [kv, group q heads + k + v, d]
             g = h // kv
             x = x.reshape(kv, g + 2, d, *rest)
-            x = (x[:, :g], x[:, g:g + 1], x[:, g + 1:])[part]
+            x = (x[:, :g], x[:, g : g + 1], x[:, g + 1 :])[part]
         elif kv == 1:  # multi-query (Falcon-7B): [h q heads, k, v]
             x = x.reshape(h + 2, d, *rest)
-            x = (x[:h], x[h:h + 1], x[h + 1:])[part]
+            x = (x[:h], x[h : h + 1], x[h + 1 :])[part]
         else:  # one k and v per head: [h, (q, k, v), d]
             x = x.reshape(h, 3, d, *rest)[:, part]
         x = x.reshape(-1, *rest)
@@ -156,8 +157,9 @@ class SafetensorsReader:
                 held = set(self._keys(fname))
                 absent = sorted(k for k, v in weight_map.items() if v == fname and k not in held)
                 if absent:
-                    raise MissingTensorError(f"{os.path.join(directory, fname)}: has no tensor {some(absent)}, "
-                                             f"which {index} places in it")
+                    raise MissingTensorError(
+                        f"{os.path.join(directory, fname)}: has no tensor {some(absent)}, which {index} places in it"
+                    )
         else:
             files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
             if not files:
@@ -202,8 +204,10 @@ def _check_layers(read, num_layers: int) -> None:
     layer_of = {n: int(m.group(1)) for n in read if (m := _LAYER.search(n))}
     extra = sorted((n for n, layer in layer_of.items() if layer >= num_layers), key=lambda n: (layer_of[n], n))
     if extra:
-        raise CheckpointError(f"{read.file_of(extra[0])}: {read.layers_key} is {num_layers}, but the checkpoint "
-                              f"holds tensors of more layers: {some(extra)}")
+        raise CheckpointError(
+            f"{read.file_of(extra[0])}: {read.layers_key} is {num_layers}, but the checkpoint "
+            f"holds tensors of more layers: {some(extra)}"
+        )
 
 
 def _source_shape(transform, want: tuple) -> str:
@@ -244,11 +248,14 @@ def fill_params(model: Transformer, sources: dict[Path, Source], read, dtype, pr
         except ValueError:
             value = None
         if value is None or tuple(value.shape) != want:
-            raise CheckpointError(f"{where} has shape {tuple(raw.shape)}, the config needs "
-                                  f"{_source_shape(transform, want)}")
+            raise CheckpointError(
+                f"{where} has shape {tuple(raw.shape)}, the config needs {_source_shape(transform, want)}"
+            )
         if raw.size and limit < np.finfo(np.float32).max and np.abs(raw).max() > limit:
-            raise CheckpointError(f"{where} has values up to {np.abs(raw).max():.4g}, beyond {dtype.name}'s range; "
-                                  "load it as bfloat16 or float32")
+            raise CheckpointError(
+                f"{where} has values up to {np.abs(raw).max():.4g}, beyond {dtype.name}'s range; "
+                "load it as bfloat16 or float32"
+            )
         params[path].set_value(jnp.asarray(value, dtype))
         if progress is not None:
             progress.update(1)

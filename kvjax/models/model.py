@@ -1,4 +1,5 @@
 """``kvjax.Model``: a loaded model (config, Flax module, tokenizer, rank plan) and its full causal forward."""
+
 from __future__ import annotations
 
 import functools
@@ -79,5 +80,7 @@ class Model:
     def __repr__(self):
         c = self.config
         plan = "" if self.plan is None else f", {self.plan.method} rate {self.plan.rate:.3f}"
-        return (f"kvjax.Model({c.arch}, {c.num_layers} layers, {c.num_heads} heads / {c.num_kv_heads} KV heads "
-                f"of {c.head_dim}, vocab {c.vocab_size}, {self.dtype}{plan})")
+        return (
+            f"kvjax.Model({c.arch}, {c.num_layers} layers, {c.num_heads} heads / {c.num_kv_heads} KV heads "
+            f"of {c.head_dim}, vocab {c.vocab_size}, {self.dtype}{plan})"
+        )

@@ -1,4 +1,5 @@
 """Rotary position embeddings (the Hugging Face ``rotate_half`` convention), with Llama-3 and linear scaling."""
+
 from __future__ import annotations
 
 import math

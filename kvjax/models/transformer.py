@@ -4,6 +4,7 @@ The model knows nothing about caches or kernels: each layer hands its packed, po
 ``attend(layer, q, k, v)`` callback and projects whatever comes back. A full causal forward passes a dense
 attention; the engine passes one that writes the paged cache and reads it.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -75,8 +76,9 @@ class Attention(nnx.Module):
         self.o = Linear(layout.out_cols, e, bias=bias, dtype=dtype, rngs=rngs)
         eye = lambda w: nnx.Param(jnp.eye(d, w, dtype=dtype))  # noqa: E731
         self.qk_rotation = nnx.List([eye(w) for w in layout.k_widths]) if method == "zack" else None
-        self.k_up = nnx.List([nnx.Param(jnp.eye(w, d, dtype=dtype)) for w in layout.k_widths]) \
-            if method == "palu" else None
+        self.k_up = (
+            nnx.List([nnx.Param(jnp.eye(w, d, dtype=dtype)) for w in layout.k_widths]) if method == "palu" else None
+        )
 
     def __call__(self, x, positions, inv_freq, layout: HeadLayout, attend: AttendFn, layer: int):
         b, t, _ = x.shape
@@ -97,7 +99,7 @@ class Attention(nnx.Module):
         qs, ks = [], []
         assert self.qk_rotation is not None  # ZACK layers only
         for g, rot in enumerate(self.qk_rotation):
-            qs.append((q[:, :, g * g_size:(g + 1) * g_size] @ rot[...]).reshape(b, t, -1))
+            qs.append((q[:, :, g * g_size : (g + 1) * g_size] @ rot[...]).reshape(b, t, -1))
             ks.append(k[:, :, g] @ rot[...])
         return jnp.concatenate(qs, -1), jnp.concatenate(ks, -1)
 
@@ -105,8 +107,9 @@ class Attention(nnx.Module):
         """Palu: packed pre-RoPE latent [B,S,k_cols] at ``positions`` [B,S] -> full post-RoPE K [B,S,Hkv*d]."""
         starts = HeadLayout.offsets(layout.k_widths)
         assert self.k_up is not None  # Palu layers only
-        full = jnp.stack([latent[..., s:s + w] @ up[...] for s, w, up in zip(starts, layout.k_widths, self.k_up)],
-                         axis=2)
+        full = jnp.stack(
+            [latent[..., s : s + w] @ up[...] for s, w, up in zip(starts, layout.k_widths, self.k_up)], axis=2
+        )
         return apply_rope(full, positions, inv_freq).reshape(*latent.shape[:2], -1)
 
 
@@ -161,11 +164,15 @@ class Transformer(nnx.Module):
         self.config, self.method = cfg, None if plan is None else plan.method
         self.layouts = tuple(layer_layout(cfg, plan, i) for i in range(cfg.num_layers))
         self.embed = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
-        self.layers = nnx.List([Block(cfg, self.layouts[i], self.method, dtype=dtype, rngs=rngs)
-                                for i in range(cfg.num_layers)])
+        self.layers = nnx.List(
+            [Block(cfg, self.layouts[i], self.method, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
+        )
         self.final_norm = Norm(cfg.hidden_size, kind=cfg.norm, eps=cfg.norm_eps, dtype=dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+        )
 
     def hidden(self, tokens: jax.Array, positions: jax.Array, attend: AttendFn) -> jax.Array:
         """Final-norm hidden states [B, T, E] for ``tokens`` at ``positions`` (both int32 [B, T])."""

@@ -1,5 +1,6 @@
 """The engine's one attention entry point: write the new K/V into the pages, then run the op's kernel or, without
 one (the "reference" backend, or a Palu layer), the jnp reference."""
+
 from __future__ import annotations
 
 import jax
@@ -27,8 +28,9 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def prefill(q, k, v, layout: HeadLayout, k_pages, v_pages, block_table, lengths, *, op: PrefillOp | None = None,
-            rebuild=None):
+def prefill(
+    q, k, v, layout: HeadLayout, k_pages, v_pages, block_table, lengths, *, op: PrefillOp | None = None, rebuild=None
+):
     """Attention of fresh prompts [B, T, cols] among themselves, and their K/V written into the pages; returns
     (out, k_pages, v_pages). ``rebuild`` (Palu layers) rebuilds full K from the cached latent: reference only."""
     if op is None or rebuild is not None:
@@ -41,8 +43,20 @@ def prefill(q, k, v, layout: HeadLayout, k_pages, v_pages, block_table, lengths,
     return op.run(q, k, v, layout, lengths, k_pages, v_pages, block_table)
 
 
-def decode(q, k, v, layout: HeadLayout, k_pages, v_pages, block_table, lengths, *, op: DecodeOp | None = None,
-           schedule=None, rebuild=None):
+def decode(
+    q,
+    k,
+    v,
+    layout: HeadLayout,
+    k_pages,
+    v_pages,
+    block_table,
+    lengths,
+    *,
+    op: DecodeOp | None = None,
+    schedule=None,
+    rebuild=None,
+):
     """One new token per sequence: its K/V [B, cols] written at position ``lengths - 1``, then its query [B, q_cols]
     against the whole paged cache; returns (out, k_pages, v_pages). ``schedule``: this layer's (``op.plan``)."""
     positions, valid = (lengths - 1)[:, None], jnp.ones((q.shape[0], 1), bool)

@@ -1,6 +1,7 @@
 """Paged K/V pools as the ops see them: a layer's pool is [num_pages, page_size, cols], a block table maps a
 sequence's token positions to pages, and page 0 is the null page (padding writes land there, unused table
 entries point there)."""
+
 from __future__ import annotations
 
 import jax
@@ -9,8 +10,9 @@ import jax.numpy as jnp
 NULL_PAGE = 0
 
 
-def write_pages(pages: jax.Array, block_table: jax.Array, positions: jax.Array, values: jax.Array,
-                valid: jax.Array) -> jax.Array:
+def write_pages(
+    pages: jax.Array, block_table: jax.Array, positions: jax.Array, values: jax.Array, valid: jax.Array
+) -> jax.Array:
     """Scatter ``values`` [B, T, cols] at ``positions`` [B, T] through ``block_table``; invalid rows go to page 0."""
     page_size = pages.shape[1]
     page = jnp.take_along_axis(block_table, positions // page_size, axis=1, mode="clip")

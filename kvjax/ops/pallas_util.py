@@ -1,5 +1,6 @@
 """Pieces the Pallas kernels share: masked column loads, scalar lookups in static tables, dot precision, and the
 packed column offsets of a layer's heads (multiples of 16, so loads are 16-byte vectors)."""
+
 from __future__ import annotations
 
 import math
@@ -18,8 +19,12 @@ MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked block mu
 def column_offsets(layout: HeadLayout) -> dict[str, list[int]]:
     """Each KV head's first column in packed q, K, V and output rows (keys "q", "k", "v", "o"), multiples of 16."""
     g = layout.group_size
-    offs = dict(q=HeadLayout.offsets(layout.k_widths, g), k=HeadLayout.offsets(layout.k_widths),
-                v=HeadLayout.offsets(layout.v_widths), o=HeadLayout.offsets(layout.v_widths, g))
+    offs = dict(
+        q=HeadLayout.offsets(layout.k_widths, g),
+        k=HeadLayout.offsets(layout.k_widths),
+        v=HeadLayout.offsets(layout.v_widths),
+        o=HeadLayout.offsets(layout.v_widths, g),
+    )
     if any(o % 16 for lst in offs.values() for o in lst):
         raise ValueError(f"head widths must be multiples of 16 for the Pallas kernels: {layout}")
     return offs

@@ -1,4 +1,5 @@
 """Power-of-two tile arithmetic shared by the kernels: Triton tiles have power-of-two shapes, head widths need not."""
+
 from __future__ import annotations
 
 import math

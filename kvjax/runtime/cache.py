@@ -4,6 +4,7 @@ A layer's K page holds ``page_size`` tokens of every KV head side by side (``lay
 its own width), V likewise, so the cache spends exactly the bytes the layout asks for. Page 0 is reserved as the
 null page: padding writes land there and unused block-table entries point there.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +15,6 @@ import numpy as np
 
 from kvjax.layout import HeadLayout
 from kvjax.ops.paging import NULL_PAGE
-
 
 
 class CacheFullError(RuntimeError):
@@ -29,8 +29,10 @@ class PagedKVCache:
 
     @classmethod
     def create(cls, layouts: tuple[HeadLayout, ...], num_pages: int, page_size: int, dtype) -> "PagedKVCache":
-        return cls(k=tuple(jnp.zeros((num_pages, page_size, lay.k_cols), dtype) for lay in layouts),
-                   v=tuple(jnp.zeros((num_pages, page_size, lay.v_cols), dtype) for lay in layouts))
+        return cls(
+            k=tuple(jnp.zeros((num_pages, page_size, lay.k_cols), dtype) for lay in layouts),
+            v=tuple(jnp.zeros((num_pages, page_size, lay.v_cols), dtype) for lay in layouts),
+        )
 
     @property
     def page_size(self) -> int:
@@ -61,8 +63,10 @@ class PageAllocator:
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
-            raise CacheFullError(f"KV cache is full: {n} pages requested, {len(self._free)} of "
-                                 f"{self.num_pages - 1} free; use fewer or shorter sequences, or a larger cache")
+            raise CacheFullError(
+                f"KV cache is full: {n} pages requested, {len(self._free)} of "
+                f"{self.num_pages - 1} free; use fewer or shorter sequences, or a larger cache"
+            )
         if n <= 0:
             return []
         pages, self._free = self._free[-n:][::-1], self._free[:-n]
@@ -84,5 +88,5 @@ def block_table(page_lists: list[list[int]], width: int) -> np.ndarray:
     for row, pages in enumerate(page_lists):
         if len(pages) > width:
             raise ValueError(f"sequence needs {len(pages)} pages, block table holds {width}")
-        table[row, :len(pages)] = pages
+        table[row, : len(pages)] = pages
     return table

@@ -4,6 +4,7 @@ The engine joins the model (which only calls ``attend``), the cache (pages, bloc
 attention entry point. Shapes are bucketed to powers of two (batch, prompt length) and the block table has a fixed
 width, so a new prompt length or batch size rarely compiles a new step.
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,16 +46,16 @@ def _row_keys(key, rows: int, shared: bool):
     return jnp.broadcast_to(key, (rows,)) if shared else jax.random.split(key, rows)
 
 
-def _prefill_step(graphdef, state, cache, tokens, lengths, table, key, temperature, top_p, *, greedy, op,
-                  shared_key):
+def _prefill_step(graphdef, state, cache, tokens, lengths, table, key, temperature, top_p, *, greedy, op, shared_key):
     module = nnx.merge(graphdef, state)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     ks, vs = list(cache.k), list(cache.v)
 
     def attend(i, q, k, v, rebuild=None):
-        out, ks[i], vs[i] = attention.prefill(q, k, v, module.layouts[i], ks[i], vs[i], table, lengths, op=op,
-                                              rebuild=rebuild)
+        out, ks[i], vs[i] = attention.prefill(
+            q, k, v, module.layouts[i], ks[i], vs[i], table, lengths, op=op, rebuild=rebuild
+        )
         return out
 
     hidden = module.hidden(tokens, positions, attend)
@@ -63,15 +64,26 @@ def _prefill_step(graphdef, state, cache, tokens, lengths, table, key, temperatu
     return sample(logits, keys, temperature, top_p, greedy), PagedKVCache(tuple(ks), tuple(vs))
 
 
-def _decode_step(graphdef, state, cache, tokens, positions, table, schedule, key, temperature, top_p, *, greedy, op,
-                 shared_key):
+def _decode_step(
+    graphdef, state, cache, tokens, positions, table, schedule, key, temperature, top_p, *, greedy, op, shared_key
+):
     module = nnx.merge(graphdef, state)
     ks, vs = list(cache.k), list(cache.v)
 
     def attend(i, q, k, v, rebuild=None):
-        out, ks[i], vs[i] = attention.decode(q[:, 0], k[:, 0], v[:, 0], module.layouts[i], ks[i], vs[i], table,
-                                             positions + 1, op=op, rebuild=rebuild,
-                                             schedule=None if schedule is None else schedule.layer(i))
+        out, ks[i], vs[i] = attention.decode(
+            q[:, 0],
+            k[:, 0],
+            v[:, 0],
+            module.layouts[i],
+            ks[i],
+            vs[i],
+            table,
+            positions + 1,
+            op=op,
+            rebuild=rebuild,
+            schedule=None if schedule is None else schedule.layer(i),
+        )
         return out[:, None]
 
     hidden = module.hidden(tokens[:, None], positions[:, None], attend)
@@ -84,9 +96,18 @@ class Engine:
     """One paged cache sized for ``max_batch`` sequences of up to ``max_seq_len`` tokens, the decode and prefill ops,
     and the jitted steps that run the model over them."""
 
-    def __init__(self, model, *, max_batch: int = 8, max_seq_len: int = 512, page_size: int = 16,
-                 num_pages: int | None = None, cache_dtype=None, backend: str | None = None,
-                 batch_invariant: bool = False):
+    def __init__(
+        self,
+        model,
+        *,
+        max_batch: int = 8,
+        max_seq_len: int = 512,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        cache_dtype=None,
+        backend: str | None = None,
+        batch_invariant: bool = False,
+    ):
         """``backend``: "reference" (jnp), "pallas" (GPU kernels) or "interpret" (the kernels on the CPU);
         default: the kernels on a GPU, the reference elsewhere. ``batch_invariant``: decode plans split each
         sequence by its own length alone; the caller then prefills one sequence at a time and decodes
@@ -106,8 +127,9 @@ class Engine:
             interpret = self.backend == "interpret"
             self.prefill_op = PrefillOp(interpret=interpret)
             if model.module.method != "palu":  # Palu layers take the reference path
-                self.decode_op = DecodeOp(model.layouts, page_size, self.pages_per_seq,
-                                          batch_invariant=batch_invariant, interpret=interpret)
+                self.decode_op = DecodeOp(
+                    model.layouts, page_size, self.pages_per_seq, batch_invariant=batch_invariant, interpret=interpret
+                )
         num_pages = num_pages or max_batch * self.pages_per_seq + 1
         self.cache = PagedKVCache.create(model.layouts, num_pages, page_size, cache_dtype or model.dtype)
         self.allocator = PageAllocator(num_pages)
@@ -117,6 +139,7 @@ class Engine:
             for greedy in (True, False):
                 step = functools.partial(fn, model.graphdef, greedy=greedy, op=op, shared_key=batch_invariant)
                 self._steps[name, greedy] = jax.jit(step, donate_argnums=donate)
+
     def prefill(self, prompts: list[list[int]], page_lists: list[list[int]], key, temperature: float, top_p: float):
         """Write the prompts' K/V into their pages; return the first sampled token per prompt (padded batch)."""
         b = bucket(len(prompts), maximum=self.max_batch)
@@ -124,20 +147,36 @@ class Engine:
         tokens = np.zeros((b, t), np.int32)
         lengths = np.ones((b,), np.int32)
         for row, prompt in enumerate(prompts):
-            tokens[row, :len(prompt)] = prompt
+            tokens[row, : len(prompt)] = prompt
             lengths[row] = len(prompt)
         table = block_table(page_lists + [[]] * (b - len(prompts)), self.pages_per_seq)
         step = self._steps["prefill", temperature == 0.0]
-        first, self.cache = step(self.model.state, self.cache, tokens, lengths, table, key,
-                                 jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p))
+        first, self.cache = step(
+            self.model.state,
+            self.cache,
+            tokens,
+            lengths,
+            table,
+            key,
+            jnp.float32(max(temperature, 1e-6)),
+            jnp.float32(top_p),
+        )
         return first, table
 
     def decode(self, tokens, positions: np.ndarray, table: np.ndarray, key, temperature: float, top_p: float):
         """Append one token per sequence at ``positions``; return the next sampled token per sequence."""
         step = self._steps["decode", temperature == 0.0]
-        nxt, self.cache = step(self.model.state, self.cache, tokens, jnp.array(positions, jnp.int32), table,
-                               self.schedule(positions + 1), key, jnp.float32(max(temperature, 1e-6)),
-                               jnp.float32(top_p))
+        nxt, self.cache = step(
+            self.model.state,
+            self.cache,
+            tokens,
+            jnp.array(positions, jnp.int32),
+            table,
+            self.schedule(positions + 1),
+            key,
+            jnp.float32(max(temperature, 1e-6)),
+            jnp.float32(top_p),
+        )
         return nxt
 
     def schedule(self, lengths: np.ndarray):

@@ -1,4 +1,5 @@
 """``kvjax.generate``: prompts in, new tokens and text out, through the paged engine."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,9 @@ def encode_prompt(model, prompt, chat: bool, name: str = "prompt") -> list[int]:
         if tok is None:
             raise ValueError(f"{name} is a string, but this model has no tokenizer: pass lists of token ids")
         if chat:
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False)
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
             ids = ids["input_ids"] if isinstance(ids, dict) else ids
         else:
             ids = tok(prompt, add_special_tokens=True)["input_ids"]
@@ -37,21 +39,41 @@ def encode_prompt(model, prompt, chat: bool, name: str = "prompt") -> list[int]:
     return validate.token_ids(name, prompt, model.config.vocab_size)
 
 
-def _engine(model, max_batch: int, seq_len: int, page_size: int, backend: str | None,
-            batch_invariant: bool = False) -> Engine:
+def _engine(
+    model, max_batch: int, seq_len: int, page_size: int, backend: str | None, batch_invariant: bool = False
+) -> Engine:
     """Engines are cached on the model so their compiled steps are reused across calls."""
     key = (max_batch, seq_len, page_size, backend, batch_invariant)
     if key not in model._engines:
         model._engines.clear()  # keep one cache's memory alive at a time
-        model._engines[key] = Engine(model, max_batch=max_batch, max_seq_len=seq_len, page_size=page_size,
-                                     backend=backend, batch_invariant=batch_invariant)
+        model._engines[key] = Engine(
+            model,
+            max_batch=max_batch,
+            max_seq_len=seq_len,
+            page_size=page_size,
+            backend=backend,
+            batch_invariant=batch_invariant,
+        )
     return model._engines[key]
 
 
-def generate(model, prompts: Sequence, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, stop: Sequence[str | int] | str | None = None, *, chat: bool = False,
-             max_batch: int = 8, max_seq_len: int | None = None, page_size: int = 16, backend: str | None = None,
-             batch_invariant: bool = False, stats: dict | None = None) -> list[Generation]:
+def generate(
+    model,
+    prompts: Sequence,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop: Sequence[str | int] | str | None = None,
+    *,
+    chat: bool = False,
+    max_batch: int = 8,
+    max_seq_len: int | None = None,
+    page_size: int = 16,
+    backend: str | None = None,
+    batch_invariant: bool = False,
+    stats: dict | None = None,
+) -> list[Generation]:
     """Generate up to ``max_new_tokens`` tokens for each prompt (strings, or lists of token ids).
 
     ``temperature=0`` is greedy decoding. ``stop`` holds stop strings and/or stop token ids (EOS always stops).
@@ -73,15 +95,20 @@ def generate(model, prompts: Sequence, max_new_tokens: int = 64, temperature: fl
     capacity = model.config.max_position_embeddings
     if max_seq_len is not None:
         capacity = validate.positive("max_seq_len", max_seq_len)
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or (
-            len(prompts) and isinstance(prompts[0], (int, np.integer))):
+    if (
+        isinstance(prompts, (str, bytes))
+        or not isinstance(prompts, Sequence)
+        or (len(prompts) and isinstance(prompts[0], (int, np.integer)))
+    ):
         raise TypeError("prompts must be a list of prompts (strings or lists of token ids)")
     stop_ids, stop_texts = validate.stops(stop)
     encoded = [encode_prompt(model, p, chat, f"prompt {i}") for i, p in enumerate(prompts)]
     for i, ids in enumerate(encoded):
         if len(ids) + max_new_tokens > capacity:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it needs "
-                             f"{len(ids) + max_new_tokens} cache positions, more than the cache's {capacity}")
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                f"{len(ids) + max_new_tokens} cache positions, more than the cache's {capacity}"
+            )
     stop_ids |= set(model.config.eos_token_ids)
     if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
         stop_ids.add(model.tokenizer.eos_token_id)
@@ -99,8 +126,18 @@ def generate(model, prompts: Sequence, max_new_tokens: int = 64, temperature: fl
     for start in range(0, len(encoded), max_batch):
         if not batch_invariant:
             key, sub = jax.random.split(key)
-        results += _run_batch(model, engine, encoded[start:start + max_batch], max_new_tokens, temperature, top_p,
-                              key if batch_invariant else sub, stop_ids, stop_texts, stats)
+        results += _run_batch(
+            model,
+            engine,
+            encoded[start : start + max_batch],
+            max_new_tokens,
+            temperature,
+            top_p,
+            key if batch_invariant else sub,
+            stop_ids,
+            stop_texts,
+            stats,
+        )
     return results
 
 
@@ -131,17 +168,17 @@ def _run_batch(model, engine, batch, max_new_tokens, temperature, top_p, key, st
             pages.append(engine.allocator.allocate(-(-(len(ids) + max_new_tokens) // engine.page_size)))
         t0 = time.perf_counter()
         token, table = _prefill(engine, batch, pages, step_key(0), temperature, top_p)
-        out = [[int(t)] for t in np.asarray(token)[:len(batch)]]
+        out = [[int(t)] for t in np.asarray(token)[: len(batch)]]
         t1 = time.perf_counter()
         positions = np.zeros(table.shape[0], np.int32)
-        positions[:len(batch)] = [len(ids) for ids in batch]
+        positions[: len(batch)] = [len(ids) for ids in batch]
         done = [_finished(model, o, stop_ids, stop_texts) for o in out]
         for step in range(1, max_new_tokens):
             if all(done):
                 break
             token = engine.decode(token, positions, table, step_key(step), temperature, top_p)
             positions = positions + (np.arange(len(positions)) < len(batch))  # new array: the step may alias it
-            for row, t in enumerate(np.asarray(token)[:len(batch)]):
+            for row, t in enumerate(np.asarray(token)[: len(batch)]):
                 if not done[row]:
                     out[row].append(int(t))
                     done[row] = _finished(model, out[row], stop_ids, stop_texts)
@@ -173,5 +210,5 @@ def _result(model, prompt, tokens, stopped, stop_texts) -> Generation:
     if model.tokenizer is not None:
         text = model.tokenizer.decode(tokens, skip_special_tokens=True)
         cuts = [text.index(s) for s in stop_texts if s in text]
-        text = text[:min(cuts)] if cuts else text
+        text = text[: min(cuts)] if cuts else text
     return Generation(tokens, text, len(prompt), "stop" if stopped else "length")

@@ -4,6 +4,7 @@ Each field names what it controls; the figures behind the defaults are in bench/
 and head order", "Decode schedule: orders side by side", "Decode kernel: time beside the floor"). Benchmarks sweep
 a field with ``dataclasses.replace(DECODE, field=value)``.
 """
+
 from __future__ import annotations
 
 import dataclasses

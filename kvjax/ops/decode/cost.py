@@ -9,6 +9,7 @@ The schedule weighs units with ``unit_cost``. The offline searches over runs (``
 ``search.order_heads``, ``search.fill_runs``) compare ways to cut one layer whose K and V totals are fixed, so the
 bytes are the same for every candidate and they price with ``token_cost`` alone.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,12 +23,14 @@ ROWS = 16  # rows of the kernel's score tile (the tensor cores' smallest M): a r
 def allowed(num_heads: int, k_tile: int, v_tile: int, group_size: int, config: DecodeConfig) -> bool:
     """Whether one item may read these heads together: one head always; several only within the score tile's rows
     and tiles at most ``config.pack_tile`` wide."""
-    return num_heads == 1 or (config.pack_tile > 0 and num_heads * group_size <= ROWS
-                              and max(k_tile, v_tile) <= config.pack_tile)
+    return num_heads == 1 or (
+        config.pack_tile > 0 and num_heads * group_size <= ROWS and max(k_tile, v_tile) <= config.pack_tile
+    )
 
 
-def token_cost(num_heads: int, k_tile: int, v_tile: int, group_size: int, config: DecodeConfig,
-               columns: int = 0) -> float:
+def token_cost(
+    num_heads: int, k_tile: int, v_tile: int, group_size: int, config: DecodeConfig, columns: int = 0
+) -> float:
     """One token of a unit of ``num_heads`` heads computing on ``k_tile`` + ``v_tile`` tile columns and reading
     ``columns`` K + V columns; inf where the unit is not ``allowed``."""
     if not allowed(num_heads, k_tile, v_tile, group_size, config):
@@ -42,5 +45,6 @@ def loaded(width: int, config: DecodeConfig) -> int:
 
 def unit_cost(num_heads: int, k_cols: int, v_cols: int, group_size: int, config: DecodeConfig) -> int:
     """One token of a unit as the kernel reads it: its bytes plus the tiles of its pieces (``loaded``)."""
-    return int(token_cost(num_heads, loaded(k_cols, config), loaded(v_cols, config), group_size, config,
-                          k_cols + v_cols))
+    return int(
+        token_cost(num_heads, loaded(k_cols, config), loaded(v_cols, config), group_size, config, k_cols + v_cols)
+    )

@@ -22,6 +22,7 @@ descriptor per head width and offset, and has no CPU interpreter. Neither loweri
 schedule is an ordinary int32 input read with scalar loads. Where the time goes: bench/RESULTS.md "Decode: where
 the time goes (Nsight Compute)".
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,8 +68,14 @@ def run_classes(layout: HeadLayout, config: DecodeConfig) -> tuple[tuple[RunClas
     classes = []
     for shape in shapes:
         units = tuple(u for u, r in enumerate(runs) if r.shape == shape)
-        classes.append(RunClass(shape.k_widths, shape.v_widths, units,
-                                *(tuple(offs[n][runs[u].first] // 16 for u in units) for n in "qkvo")))
+        classes.append(
+            RunClass(
+                shape.k_widths,
+                shape.v_widths,
+                units,
+                *(tuple(offs[n][runs[u].first] // 16 for u in units) for n in "qkvo"),
+            )
+        )
     return tuple(classes), tuple(shapes.index(r.shape) for r in runs)
 
 
@@ -138,8 +145,7 @@ def _attend_item(cls, item, refs, *, group, rows_per_slot, page_size, window, sc
         """K and V pieces [bc, tile] of tokens ``tok`` through the block table, and which of them are visible."""
         valid = (tok < hi) & (tok >= visible_from) if masked else None
         if masked:
-            page = plgpu.load(table_ref.at[seq, jnp.minimum(tok // page_size, pages_per_seq - 1)], mask=valid,
-                              other=0)
+            page = plgpu.load(table_ref.at[seq, jnp.minimum(tok // page_size, pages_per_seq - 1)], mask=valid, other=0)
         else:
             page = table_ref[seq, tok // page_size]
         row = (page * page_size + tok % page_size)[:, None]
@@ -150,24 +156,38 @@ def _attend_item(cls, item, refs, *, group, rows_per_slot, page_size, window, sc
     def step(j, carry, masked):
         accs, m, l = carry
         chunks = [load_chunk(lo + j * bt + c * bc + jnp.arange(bc), masked) for c in range(nf)]
-        s = functools.reduce(operator.add, [plgpu.dot(q_folds[i][c], k, trans_b=True, precision=precision)
-                                            for c, (ks, _, _) in enumerate(chunks) for i, k in enumerate(ks)])
+        s = functools.reduce(
+            operator.add,
+            [
+                plgpu.dot(q_folds[i][c], k, trans_b=True, precision=precision)
+                for c, (ks, _, _) in enumerate(chunks)
+                for i, k in enumerate(ks)
+            ],
+        )
         if masked:
-            visible = functools.reduce(operator.or_, [(chunk_of_row == c) & valid[None, :]
-                                                      for c, (_, _, valid) in enumerate(chunks)])
+            visible = functools.reduce(
+                operator.or_, [(chunk_of_row == c) & valid[None, :] for c, (_, _, valid) in enumerate(chunks)]
+            )
             s = jnp.where(visible, s, MASK)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
         pv = p.astype(k_ref.dtype)
         p_folds = [fold(pv, c) for c in range(nf)]
-        accs = tuple(acc * alpha[:, None] + functools.reduce(operator.add, [
-            plgpu.dot(pf, vs[i], precision=precision) for pf, (_, vs, _) in zip(p_folds, chunks)])
-            for i, acc in enumerate(accs))
+        accs = tuple(
+            acc * alpha[:, None]
+            + functools.reduce(
+                operator.add, [plgpu.dot(pf, vs[i], precision=precision) for pf, (_, vs, _) in zip(p_folds, chunks)]
+            )
+            for i, acc in enumerate(accs)
+        )
         return accs, m_new, l * alpha + p.sum(axis=1)
 
-    carry = (tuple(jnp.zeros((BLOCK_H, t), jnp.float32) for _, t, _ in v_pieces),
-             jnp.full((BLOCK_H,), MASK, jnp.float32), jnp.zeros((BLOCK_H,), jnp.float32))
+    carry = (
+        tuple(jnp.zeros((BLOCK_H, t), jnp.float32) for _, t, _ in v_pieces),
+        jnp.full((BLOCK_H,), MASK, jnp.float32),
+        jnp.zeros((BLOCK_H,), jnp.float32),
+    )
     span = jnp.maximum(hi - lo, 0)
     full = 0 if window else span // bt  # steps with every token visible run without masks
     carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
@@ -185,8 +205,11 @@ def _attend_item(cls, item, refs, *, group, rows_per_slot, page_size, window, sc
     for acc, (a, t, w) in zip(accs, v_pieces):
         cols = a + jnp.arange(t)[None, :]  # the run's V columns
         out_mask = (rows < run_rows) & _in_head(cols, v_start, v_width) & direct
-        plgpu.store(out_ref.at[seq, jnp.where(out_mask, oo + o_row + cols, out_ref.shape[1])],
-                    (acc * inv_l[:, None]).astype(out_ref.dtype), mask=out_mask)
+        plgpu.store(
+            out_ref.at[seq, jnp.where(out_mask, oo + o_row + cols, out_ref.shape[1])],
+            (acc * inv_l[:, None]).astype(out_ref.dtype),
+            mask=out_mask,
+        )
         plgpu.store(acc_ref.at[part[:, None], cols], acc, mask=part_mask[:, None] & (cols < a + w))
     plgpu.store(m_ref.at[part], m, mask=part_mask)
     plgpu.store(l_ref.at[part], l, mask=part_mask)
@@ -215,8 +238,14 @@ def _kernel(items_ref, counts_ref, lengths_ref, *refs, classes, class_of, **stat
 
     def run(i, carry):
         seq, unit = items_ref[pid, i, SEQ], items_ref[pid, i, UNIT]
-        item = (seq, unit, items_ref[pid, i, FIRST_PAGE], items_ref[pid, i, END_PAGE], items_ref[pid, i, SLOT],
-                lengths_ref[seq])
+        item = (
+            seq,
+            unit,
+            items_ref[pid, i, FIRST_PAGE],
+            items_ref[pid, i, END_PAGE],
+            items_ref[pid, i, SLOT],
+            lengths_ref[seq],
+        )
         if len(branches) == 1:
             branches[0](item)
         else:
@@ -260,8 +289,9 @@ def merge(out, acc, m, l, schedule: DecodeSchedule, layout: HeadLayout, rows_per
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "interpret"))
-def paged_decode(q, k_pages, v_pages, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout, *,
-                 interpret: bool = False):
+def paged_decode(
+    q, k_pages, v_pages, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout, *, interpret: bool = False
+):
     """One new query per sequence against its paged cache; equal to ``reference.paged_decode_attention``.
 
     q [B, q_cols]; k_pages [num_pages, page_size, k_cols], v_pages likewise; block_table [B, pages_per_seq] int32;
@@ -278,16 +308,36 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, schedule: DecodeSche
     rows = max(c.num_heads for c in classes) * g  # rows of a partial slot
     v_max = max(loaded(c.v_cols, config) for c in classes)
     kernel = functools.partial(
-        _kernel, classes=classes, class_of=class_of, group=g, rows_per_slot=rows, page_size=page_size,
-        window=layout.sliding_window, scale=1.0 / math.sqrt(layout.head_dim), config=config)
-    out_shape = (jax.ShapeDtypeStruct((b, layout.out_cols), q.dtype),
-                 jax.ShapeDtypeStruct((n_slots * rows, v_max), jnp.float32),
-                 jax.ShapeDtypeStruct((n_slots * rows,), jnp.float32),
-                 jax.ShapeDtypeStruct((n_slots * rows,), jnp.float32))
+        _kernel,
+        classes=classes,
+        class_of=class_of,
+        group=g,
+        rows_per_slot=rows,
+        page_size=page_size,
+        window=layout.sliding_window,
+        scale=1.0 / math.sqrt(layout.head_dim),
+        config=config,
+    )
+    out_shape = (
+        jax.ShapeDtypeStruct((b, layout.out_cols), q.dtype),
+        jax.ShapeDtypeStruct((n_slots * rows, v_max), jnp.float32),
+        jax.ShapeDtypeStruct((n_slots * rows,), jnp.float32),
+        jax.ShapeDtypeStruct((n_slots * rows,), jnp.float32),
+    )
     out, acc, m, l = pl.pallas_call(
-        kernel, grid=(schedule.num_programs,), out_shape=out_shape, interpret=interpret,
+        kernel,
+        grid=(schedule.num_programs,),
+        out_shape=out_shape,
+        interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         name="kvjax_paged_decode",
-    )(schedule.items, schedule.counts, lengths.astype(jnp.int32), block_table.astype(jnp.int32), q,
-      k_pages.reshape(num_pages * page_size, -1), v_pages.reshape(num_pages * page_size, -1))
+    )(
+        schedule.items,
+        schedule.counts,
+        lengths.astype(jnp.int32),
+        block_table.astype(jnp.int32),
+        q,
+        k_pages.reshape(num_pages * page_size, -1),
+        v_pages.reshape(num_pages * page_size, -1),
+    )
     return merge(out, acc, m, l, schedule, layout, rows)

@@ -1,4 +1,5 @@
 """The decode op as the engine holds it: ``plan`` on the host (as FlashInfer's ``plan()``), ``run`` on the device."""
+
 from __future__ import annotations
 
 import jax
@@ -18,13 +19,21 @@ class DecodeOp:
     ``batch_invariant``: each sequence is split by its own length alone (``plan.fixed_chunk_schedule``), so a
     row's result does not depend on the batch it runs in."""
 
-    def __init__(self, layouts, page_size: int, pages_per_seq: int, *, config: DecodeConfig = DECODE,
-                 num_programs: int | None = None, batch_invariant: bool = False, interpret: bool = False):
+    def __init__(
+        self,
+        layouts,
+        page_size: int,
+        pages_per_seq: int,
+        *,
+        config: DecodeConfig = DECODE,
+        num_programs: int | None = None,
+        batch_invariant: bool = False,
+        interpret: bool = False,
+    ):
         chunk = -(-config.fixed_chunk_tokens // page_size) if batch_invariant else 0
         splits = bucket(-(-pages_per_seq // chunk)) if chunk else 0
         self.config, self.interpret = config, interpret
-        self.planner = DecodePlanner(layouts, page_size, num_programs, config=config, chunk_pages=chunk,
-                                     splits=splits)
+        self.planner = DecodePlanner(layouts, page_size, num_programs, config=config, chunk_pages=chunk, splits=splits)
         self._schedule: DecodeSchedule | None = None
         self._plan_id = -1
 

@@ -17,6 +17,7 @@ kernel stops at the real length), so one plan serves many steps (``planner.Decod
 power-of-two bucketed shapes, so a jitted step taking them recompiles only when a bucket changes. jax is imported
 only to register the schedule as a pytree.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -101,23 +102,41 @@ def _unit_costs(layouts: tuple[HeadLayout, ...], config: DecodeConfig) -> np.nda
     runs = [head_runs(lay, config) for lay in layouts]
     out = np.zeros((len(layouts), max(map(len, runs))), np.int64)
     for i, (lay, layer) in enumerate(zip(layouts, runs)):
-        out[i, :len(layer)] = [unit_cost(r.num_heads, r.k_cols, r.v_cols, lay.group_size, config) for r in layer]
+        out[i, : len(layer)] = [unit_cost(r.num_heads, r.k_cols, r.v_cols, lay.group_size, config) for r in layer]
     return out
 
 
-def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], page_size: int,
-                          num_programs: int | None = None, *, config: DecodeConfig = DECODE,
-                          headroom_pages=0) -> DecodePlan:
+def build_decode_schedule(
+    lengths,
+    layouts: HeadLayout | Sequence[HeadLayout],
+    page_size: int,
+    num_programs: int | None = None,
+    *,
+    config: DecodeConfig = DECODE,
+    headroom_pages=0,
+) -> DecodePlan:
     """Plan decode for sequences of ``lengths`` tokens (new token included) over one layer or all layers, by
     ``config.order`` (module doc); ``headroom_pages``: pages planned past each sequence's last one (one number, or
     one per sequence). Every visible page of every (sequence, unit) is planned exactly once."""
     if config.order == "auto":
-        plan = build_decode_schedule(lengths, layouts, page_size, num_programs,
-                                     config=dataclasses.replace(config, order="lpt"), headroom_pages=headroom_pages)
+        plan = build_decode_schedule(
+            lengths,
+            layouts,
+            page_size,
+            num_programs,
+            config=dataclasses.replace(config, order="lpt"),
+            headroom_pages=headroom_pages,
+        )
         if plan.balance >= config.auto_balance:
             return plan
-        return build_decode_schedule(lengths, layouts, page_size, num_programs,
-                                     config=dataclasses.replace(config, order="stream"), headroom_pages=headroom_pages)
+        return build_decode_schedule(
+            lengths,
+            layouts,
+            page_size,
+            num_programs,
+            config=dataclasses.replace(config, order="stream"),
+            headroom_pages=headroom_pages,
+        )
     order, item_overhead, min_chunk_tokens = config.order, config.item_overhead, config.min_chunk_tokens
     layouts = _as_layouts(layouts)
     P = num_programs or config.num_programs()
@@ -134,8 +153,15 @@ def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], p
     pages = (end_page[None, :, None] - first_page) * (page_cost > 0)  # [L, B, H]: none for missing units
     capacity = np.where(live, end_page * page_size, 0)
     if order == "stream":
-        schedule, loads, per_layer = _stream(np.broadcast_to(first_page, pages.shape), pages, page_cost, P,
-                                             item_overhead, max(1, min_chunk_tokens // page_size // 4), config)
+        schedule, loads, per_layer = _stream(
+            np.broadcast_to(first_page, pages.shape),
+            pages,
+            page_cost,
+            P,
+            item_overhead,
+            max(1, min_chunk_tokens // page_size // 4),
+            config,
+        )
         return DecodePlan(schedule, capacity, loads, per_layer)
 
     # Split each (layer, seq, head) group into chunks no costlier than the average program load (in integers:
@@ -193,7 +219,7 @@ def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], p
         costs[:] = item_cost.reshape(L, N)
     else:
         for i in range(L):
-            costs[i, :per_layer[i]] = item_cost[start[i]:start[i] + per_layer[i]]
+            costs[i, : per_layer[i]] = item_cost[start[i] : start[i] + per_layer[i]]
     cbits, pbits = max(N - 1, 1).bit_length(), max(P - 1, 1).bit_length()
     if int(costs.sum(axis=1).max()).bit_length() + max(cbits, pbits) > 63:
         raise ValueError("too much work to plan with 64-bit sort keys")
@@ -235,9 +261,16 @@ def build_decode_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], p
     return DecodePlan(DecodeSchedule(items, counts, merge_dest, merge_slots, config), capacity, loads, per_layer)
 
 
-def fixed_chunk_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], page_size: int,
-                         num_programs: int | None = None, *, chunk_pages: int, splits: int,
-                         config: DecodeConfig = DECODE) -> DecodePlan:
+def fixed_chunk_schedule(
+    lengths,
+    layouts: HeadLayout | Sequence[HeadLayout],
+    page_size: int,
+    num_programs: int | None = None,
+    *,
+    chunk_pages: int,
+    splits: int,
+    config: DecodeConfig = DECODE,
+) -> DecodePlan:
     """A batch-invariant plan: how a sequence is split and merged depends on its own length alone.
 
     Chunk k of every group covers pages ``[k * chunk_pages, (k + 1) * chunk_pages)`` and always goes through the
@@ -258,8 +291,9 @@ def fixed_chunk_schedule(lengths, layouts: HeadLayout | Sequence[HeadLayout], pa
     for i, lay in enumerate(layouts):
         if lay.sliding_window:
             first[i] = np.maximum(lengths - lay.sliding_window, 0) // page_size // C
-            capacity = np.minimum(capacity, np.where(live, (first[i] + 1) * C * page_size + lay.sliding_window - 1,
-                                                     capacity))
+            capacity = np.minimum(
+                capacity, np.where(live, (first[i] + 1) * C * page_size + lay.sliding_window - 1, capacity)
+            )
     if int((last + 1).max(initial=0)) > splits:
         raise ValueError(f"a sequence needs {int(last.max()) + 1} chunks of {C} pages, more than splits={splits}")
     # Items: (layer, seq, unit, chunk) for every live unit and chunk first..last, layer-major.
@@ -317,8 +351,11 @@ def _stream(first_page, pages, page_cost, P, item_overhead, snap_pages, config):
 
     # Cuts p = 1 .. P-1 of every layer at its equal shares, as (group, page in the group), then on the line.
     target = worth[layer_first[:-1], None] + np.arange(1, P) * total[:, None] // P  # [L, P-1]
-    g = np.clip(np.searchsorted(worth, target, side="right") - 1, layer_first[:-1, None],
-                np.maximum(layer_first[1:, None] - 1, 0))
+    g = np.clip(
+        np.searchsorted(worth, target, side="right") - 1,
+        layer_first[:-1, None],
+        np.maximum(layer_first[1:, None] - 1, 0),
+    )
     g = np.minimum(g, max(n - 1, 0))
     if n:
         k = np.clip(np.rint((target - worth[g]) / g_cost[g]).astype(np.int64), 0, g_pages[g])
@@ -358,14 +395,16 @@ def _stream(first_page, pages, page_cost, P, item_overhead, snap_pages, config):
     split_groups = np.flatnonzero(split)
     m_of = np.full(n, -1, np.int64)
     per_layer_split = np.bincount(g_layer[split_groups], minlength=L)
-    m_of[split_groups] = np.arange(len(split_groups)) - np.repeat(np.cumsum(per_layer_split) - per_layer_split,
-                                                                  per_layer_split)
+    m_of[split_groups] = np.arange(len(split_groups)) - np.repeat(
+        np.cumsum(per_layer_split) - per_layer_split, per_layer_split
+    )
     S, M = bucket(int(pieces.max(initial=1))), bucket(int(per_layer_split.max(initial=1)))
     slot = np.where(split[grp], m_of[grp] * S + chunk, -1)
     merge_dest, merge_slots = np.full((L, M, 2), -1, np.int32), np.full((L, M, S), -1, np.int32)
     if len(split_groups):
         merge_dest[g_layer[split_groups], m_of[split_groups]] = np.stack(
-            [g_seq[split_groups], g_unit[split_groups]], axis=1)
+            [g_seq[split_groups], g_unit[split_groups]], axis=1
+        )
         it = split[grp]
         merge_slots[layer[it], m_of[grp[it]], chunk[it]] = slot[it]
 
@@ -392,8 +431,7 @@ def realized_loads(schedule: DecodeSchedule, lengths, layouts: Sequence[HeadLayo
     items = schedule.items.astype(np.int64)
     seq, unit, first, end = (items[..., f] for f in (SEQ, UNIT, FIRST_PAGE, END_PAGE))
     tokens = np.maximum(np.minimum(end * page_size, lengths[seq]) - first * page_size, 0)
-    width = _unit_costs(_as_layouts(layouts), schedule.config)[
-        np.arange(len(items))[:, None, None], unit]
+    width = _unit_costs(_as_layouts(layouts), schedule.config)[np.arange(len(items))[:, None, None], unit]
     cost = tokens * width + schedule.config.item_overhead
     real = np.arange(items.shape[2]) < schedule.counts[..., None]
     return np.where(real, cost, 0).sum(axis=2)
@@ -404,13 +442,20 @@ def load_balance(loads: np.ndarray) -> float:
     return float(np.mean(loads.mean(axis=1) / np.maximum(loads.max(axis=1), 1)))
 
 
-def static_decode_schedule(batch: int, pages_per_seq: int, layout: HeadLayout, page_size: int,
-                           num_programs: int | None = None, config: DecodeConfig = DECODE) -> DecodeSchedule:
+def static_decode_schedule(
+    batch: int,
+    pages_per_seq: int,
+    layout: HeadLayout,
+    page_size: int,
+    num_programs: int | None = None,
+    config: DecodeConfig = DECODE,
+) -> DecodeSchedule:
     """A schedule that needs no lengths: every sequence planned at the block table's full width.
 
     For callers with no host plan (e.g. inside a jitted step): correct for any lengths, balanced only when the
     sequences fill their tables. Built with numpy at trace time, so it becomes a constant of the step.
     """
-    plan = build_decode_schedule(np.full(batch, pages_per_seq * page_size), layout, page_size, num_programs,
-                                 config=config)
+    plan = build_decode_schedule(
+        np.full(batch, pages_per_seq * page_size), layout, page_size, num_programs, config=config
+    )
     return plan.schedule.layer(0)

@@ -6,6 +6,7 @@ bandwidth, only balance; each doubling of the headroom halves the rebuilds and a
 (bench/RESULTS.md "Host cost of the plan"). Capping at the length keeps rows that barely started (padding rows
 have length 1) from weighing like long ones.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -49,8 +50,17 @@ class DecodePlanner:
     (``plan.fixed_chunk_schedule`` with ``splits`` slots a group).
     """
 
-    def __init__(self, layouts, page_size: int, num_programs: int | None = None, *, config: DecodeConfig = DECODE,
-                 ahead: bool = True, chunk_pages: int = 0, splits: int = 0):
+    def __init__(
+        self,
+        layouts,
+        page_size: int,
+        num_programs: int | None = None,
+        *,
+        config: DecodeConfig = DECODE,
+        ahead: bool = True,
+        chunk_pages: int = 0,
+        splits: int = 0,
+    ):
         self.layouts, self.page_size, self.config = _as_layouts(layouts), page_size, config
         self.chunk_pages, self.splits = chunk_pages, splits
         self.num_programs = num_programs or config.num_programs()
@@ -67,11 +77,19 @@ class DecodePlanner:
         """A plan for these lengths with this planner's headroom, built in the calling thread."""
         lengths = np.asarray(lengths)
         if self.chunk_pages:
-            return fixed_chunk_schedule(lengths, self.layouts, self.page_size, self.num_programs,
-                                        chunk_pages=self.chunk_pages, splits=self.splits, config=self.config)
+            return fixed_chunk_schedule(
+                lengths,
+                self.layouts,
+                self.page_size,
+                self.num_programs,
+                chunk_pages=self.chunk_pages,
+                splits=self.splits,
+                config=self.config,
+            )
         headroom = -(-np.minimum(self.headroom_tokens, lengths) // self.page_size)
-        return build_decode_schedule(lengths, self.layouts, self.page_size, self.num_programs, config=self.config,
-                                     headroom_pages=headroom)
+        return build_decode_schedule(
+            lengths, self.layouts, self.page_size, self.num_programs, config=self.config, headroom_pages=headroom
+        )
 
     def __call__(self, lengths) -> DecodeSchedule:
         """The kept plan's schedule if it covers ``lengths``, else a new one."""

@@ -1,5 +1,6 @@
 """The decode op's jnp reference: one new query per sequence against its paged cache (the engine's "reference"
 backend runs it; ``kernel.paged_decode`` must equal it)."""
+
 from __future__ import annotations
 
 import jax.numpy as jnp

@@ -7,6 +7,7 @@ to 32). Widths can move too, at a price in accuracy: ``fill_runs`` moves a few 1
 keeping the layer's totals. Both price runs with the decode op's cost model (``cost.token_cost``); the bytes are
 the same for every candidate of a layer, so they are left out.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,14 +26,14 @@ EXACT_ORDER_HEADS = 10  # order_heads searches every partition of up to this man
 
 def runs_cost(layout: HeadLayout, config: DecodeConfig = DECODE) -> float:
     """A token's cost over all the layer's runs (``head_runs``)."""
-    return sum(run_cost(r.k_widths, r.v_widths, layout.group_size, config)
-               for r in head_runs(layout, config))
+    return sum(run_cost(r.k_widths, r.v_widths, layout.group_size, config) for r in head_runs(layout, config))
 
 
 def permuted(layout: HeadLayout, order) -> HeadLayout:
     """The layout with its KV heads in ``order`` (new position -> old head)."""
-    return dataclasses.replace(layout, k_widths=tuple(layout.k_widths[h] for h in order),
-                               v_widths=tuple(layout.v_widths[h] for h in order))
+    return dataclasses.replace(
+        layout, k_widths=tuple(layout.k_widths[h] for h in order), v_widths=tuple(layout.v_widths[h] for h in order)
+    )
 
 
 def order_heads(layout: HeadLayout, config: DecodeConfig = DECODE) -> tuple[int, ...]:
@@ -44,8 +45,7 @@ def order_heads(layout: HeadLayout, config: DecodeConfig = DECODE) -> tuple[int,
         by_width = tuple(sorted(identity, key=lambda h: (layout.k_widths[h] + layout.v_widths[h], h)))
         return min((identity, by_width), key=lambda o: runs_cost(permuted(layout, o), config))
     k, v, g = layout.k_widths, layout.v_widths, layout.group_size
-    costs = [run_cost([k[h] for h in hs], [v[h] for h in hs], g, config) if hs else 0.0
-             for hs in _members(n)]
+    costs = [run_cost([k[h] for h in hs], [v[h] for h in hs], g, config) if hs else 0.0 for hs in _members(n)]
     best, part = _best_partition(costs)
     if runs_cost(layout, config) <= best:
         return identity
@@ -82,8 +82,9 @@ def _best_partition(costs) -> tuple[float, tuple[tuple[int, ...], ...]]:
 
 def _partition(layout: HeadLayout, order, config: DecodeConfig) -> tuple[tuple[int, ...], ...]:
     """The heads of each run of the layout in ``order`` (as heads of ``layout``)."""
-    return tuple(tuple(order[r.first + i] for i in range(r.num_heads))
-                 for r in head_runs(permuted(layout, order), config))
+    return tuple(
+        tuple(order[r.first + i] for i in range(r.num_heads)) for r in head_runs(permuted(layout, order), config)
+    )
 
 
 def _shift_options(losses) -> dict[int, tuple[float, tuple[int, ...]]]:
@@ -127,13 +128,15 @@ def _priced_costs(layout: HeadLayout, lk, lv, price, config: DecodeConfig) -> li
         idx = list(hs)
         tk = tiles(sum(layout.k_widths[h] for h in hs), int(lo_k[idx].sum()), int(hi_k[idx].sum()), price[0])
         tv = tiles(sum(layout.v_widths[h] for h in hs), int(lo_v[idx].sum()), int(hi_v[idx].sum()), price[1])
-        costs.append(min(token_cost(len(hs), a, b, g, config) + pa + pb
-                         for a, pa in tk.items() for b, pb in tv.items()))
+        costs.append(
+            min(token_cost(len(hs), a, b, g, config) + pa + pb for a, pa in tk.items() for b, pb in tv.items())
+        )
     return costs
 
 
-def fill_runs(layout: HeadLayout, config: DecodeConfig = DECODE, max_shift: int = 32, k_loss=None,
-              v_loss=None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def fill_runs(
+    layout: HeadLayout, config: DecodeConfig = DECODE, max_shift: int = 32, k_loss=None, v_loss=None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """K and V widths moved between the layer's heads so its runs fill their tiles: each head's width moves by at
     most ``max_shift`` columns (steps of 16, within [16, head_dim]), the layer's K total and V total stay, and the
     runs (at their best head order) cost least; among the cheapest, the least loss. Returns the widths unchanged
@@ -162,11 +165,15 @@ def fill_runs(layout: HeadLayout, config: DecodeConfig = DECODE, max_shift: int 
     lk, lv = losses(k, k_loss), losses(v, v_loss)
     by_width = sorted(range(n), key=lambda h: (k[h] + v[h], h))
     candidates = {_partition(layout, order_heads(layout, config), config)}
-    candidates |= {tuple(tuple(by_width[i:i + size]) for i in range(0, n, size))
-                   for size in range(1, max(ROWS // layout.group_size, 1) + 1)}
+    candidates |= {
+        tuple(tuple(by_width[i : i + size]) for i in range(0, n, size))
+        for size in range(1, max(ROWS // layout.group_size, 1) + 1)
+    }
     if n <= EXACT_ORDER_HEADS:
-        candidates |= {_best_partition(_priced_costs(layout, lk, lv, price, config))[1]
-                       for price in ((-16, -16), (-8, -8), (0, 0), (-16, 0), (0, -16))}
+        candidates |= {
+            _best_partition(_priced_costs(layout, lk, lv, price, config))[1]
+            for price in ((-16, -16), (-8, -8), (0, 0), (-16, 0), (0, -16))
+        }
     best_key, best = (runs_cost(layout, config) - 8) * 1e3, (k, v)  # cheaper runs only
     for part in sorted(candidates):
         key, widths = _fill(layout, part, lk, lv, config)
@@ -184,8 +191,10 @@ def loaded_cost(layout: HeadLayout, config: DecodeConfig = DECODE) -> float:
     (moves that were cheaper by tiles alone measured no gain on a rate-0.7 layer: bench/RESULTS.md "Decode:
     filled tiles")."""
     lay = permuted(layout, order_heads(layout, config))
-    return sum(token_cost(r.num_heads, loaded(r.k_cols, config), loaded(r.v_cols, config), layout.group_size, config)
-               for r in head_runs(lay, config))
+    return sum(
+        token_cost(r.num_heads, loaded(r.k_cols, config), loaded(r.v_cols, config), layout.group_size, config)
+        for r in head_runs(lay, config)
+    )
 
 
 def _fill(layout: HeadLayout, part, lk, lv, config: DecodeConfig):
@@ -209,8 +218,8 @@ def _fill(layout: HeadLayout, part, lk, lv, config: DecodeConfig):
                 if not math.isfinite(cost):
                     continue
                 moved = np.full_like(key, math.inf)  # key shifted by (dk, dv): the totals after this run
-                src = key[max(0, -dk):2 * span + 1 - max(0, dk), max(0, -dv):2 * span + 1 - max(0, dv)]
-                moved[max(0, dk):max(0, dk) + src.shape[0], max(0, dv):max(0, dv) + src.shape[1]] = src
+                src = key[max(0, -dk) : 2 * span + 1 - max(0, dk), max(0, -dv) : 2 * span + 1 - max(0, dv)]
+                moved[max(0, dk) : max(0, dk) + src.shape[0], max(0, dv) : max(0, dv) + src.shape[1]] = src
                 moved += cost * 1e3 + loss_k + loss_v
                 better = moved < new
                 new[better], arg[better] = moved[better], (dk, dv)

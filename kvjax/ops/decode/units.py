@@ -6,6 +6,7 @@ its own exact softmax) and one tile over the run's K columns and one over its V 
 layer into the runs that cost least by the op's cost model (``cost.token_cost``); the schedule plans these runs
 and the kernel reads them, so both take them from here.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,5 +1,6 @@
 """The prefill op's tuned defaults, in one place: the work items and the kernel read them, and so do the benchmarks
 (bench/RESULTS.md "Prefill: knob sweep")."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,13 @@ class PrefillConfig:
         """This config with tiles that fit shared memory for ``dtype`` (float32 tiles are halved, fewer stages)."""
         if jnp.dtype(dtype).itemsize < 4:
             return self
-        return dataclasses.replace(self, block_q=min(self.block_q, 64), max_block_q=min(self.max_block_q, 64),
-                                   block_k=min(self.block_k, 32), num_stages=min(self.num_stages, 2))
+        return dataclasses.replace(
+            self,
+            block_q=min(self.block_q, 64),
+            max_block_q=min(self.max_block_q, 64),
+            block_k=min(self.block_k, 32),
+            num_stages=min(self.num_stages, 2),
+        )
 
 
 PREFILL = PrefillConfig()

@@ -12,6 +12,7 @@ Why Triton: masked loads at 16-column offsets inside packed rows and per-token p
 as in decode, plus a CPU interpreter for CI; Triton picks Hopper's wgmma for the dots. How it compares with cuDNN:
 bench/RESULTS.md "Prefill vs cuDNN".
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,24 @@ from kvjax.ops.prefill.plan import block_rows, keys_per_step, width_classes, wor
 from kvjax.ops.tiles import loaded_columns, segments
 
 
-def _attend_block(cls, item, refs, *, group, seq_len, page_size, window, scale, block_q, block_k, balanced,
-                  max_rows, max_segments, num_stages, write_pages):
+def _attend_block(
+    cls,
+    item,
+    refs,
+    *,
+    group,
+    seq_len,
+    page_size,
+    window,
+    scale,
+    block_q,
+    block_k,
+    balanced,
+    max_rows,
+    max_segments,
+    num_stages,
+    write_pages,
+):
     """One item of a class (static widths): flash attention of its query rows, output store, cache write."""
     if write_pages:
         table_ref, q_ref, k_ref, v_ref, _, _, out_ref, kp_ref, vp_ref = refs
@@ -53,8 +70,10 @@ def _attend_block(cls, item, refs, *, group, seq_len, page_size, window, scale, 
     rows = q0 + jnp.arange(bq)
     row_ok = (rows < seq_len)[:, None]
     cols_of = lambda t: jnp.arange(t)[None, :]
-    qs = [plgpu.load(q_ref.at[b, rows[:, None], qo + a + cols_of(t)], mask=row_ok & (cols_of(t) < w), other=0.0)
-          for a, t, w in k_pieces]
+    qs = [
+        plgpu.load(q_ref.at[b, rows[:, None], qo + a + cols_of(t)], mask=row_ok & (cols_of(t) < w), other=0.0)
+        for a, t, w in k_pieces
+    ]
     qs = [(q.astype(jnp.float32) * (scale * LOG2E)).astype(q.dtype) for q in qs]  # scores come out in log2 units
     q_end = jnp.minimum(q0 + bq, length)  # keys past the last live query row are never needed
     writer = (gi == 0) & write_pages
@@ -65,8 +84,7 @@ def _attend_block(cls, item, refs, *, group, seq_len, page_size, window, scale, 
         keys_ok = (keys < seq_len) if masked else None  # left of the diagonal every key exists: no row mask
         ks = [load_columns(k_ref, (b, keys[:, None]), ko + a, cols_of(t), w, keys_ok) for a, t, w in k_pieces]
         vs = [load_columns(v_ref, (b, keys[:, None]), vo + a, cols_of(t), w, keys_ok) for a, t, w in v_pieces]
-        s = functools.reduce(operator.add, [plgpu.dot(q, k, trans_b=True, precision=precision)
-                                            for q, k in zip(qs, ks)])
+        s = functools.reduce(operator.add, [plgpu.dot(q, k, trans_b=True, precision=precision) for q, k in zip(qs, ks)])
         if masked:
             ok = keys[None, :] <= rows[:, None]
             if window:
@@ -79,32 +97,41 @@ def _attend_block(cls, item, refs, *, group, seq_len, page_size, window, scale, 
         accs = tuple(acc * alpha[:, None] + plgpu.dot(pv, v, precision=precision) for acc, v in zip(accs, vs))
         if write_pages and masked:  # the item's own keys (>= q0) all lie in masked steps
             tok_ok = (keys >= q0) & (keys < length) & writer
-            page = plgpu.load(table_ref.at[b, jnp.minimum(keys // page_size, table_ref.shape[1] - 1)], mask=tok_ok,
-                              other=0)
+            page = plgpu.load(
+                table_ref.at[b, jnp.minimum(keys // page_size, table_ref.shape[1] - 1)], mask=tok_ok, other=0
+            )
             dest = jnp.where(tok_ok, page * page_size + keys % page_size, kp_ref.shape[0])[:, None]
             for ref, off, pieces, xs in ((kp_ref, ko, k_pieces, ks), (vp_ref, vo, v_pieces, vs)):
                 for (a, t, w), x in zip(pieces, xs):
                     plgpu.store(ref.at[dest, off + a + cols_of(t)], x, mask=tok_ok[:, None] & (cols_of(t) < w))
         return accs, m_new, l * alpha + p.sum(axis=1)
 
-    carry = (tuple(jnp.zeros((bq, t), jnp.float32) for _, t, _ in v_pieces), jnp.full((bq,), MASK, jnp.float32),
-             jnp.zeros((bq,), jnp.float32))
+    carry = (
+        tuple(jnp.zeros((bq, t), jnp.float32) for _, t, _ in v_pieces),
+        jnp.full((bq,), MASK, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+    )
     live = q0 < length
     diag_lo = q0 // bk
     if window:  # the window's lower edge cuts blocks too: mask them all
         first = jnp.maximum(q0 - window + 1, 0) // bk
-        carry = lax.fori_loop(first, jnp.where(live, pl.cdiv(q_end, bk), first),
-                              functools.partial(body, masked=True), carry)
+        carry = lax.fori_loop(
+            first, jnp.where(live, pl.cdiv(q_end, bk), first), functools.partial(body, masked=True), carry
+        )
     else:
         carry = lax.fori_loop(0, jnp.where(live, diag_lo, 0), functools.partial(body, masked=False), carry)
-        carry = lax.fori_loop(diag_lo, jnp.where(live, pl.cdiv(q_end, bk), diag_lo),
-                              functools.partial(body, masked=True), carry)
+        carry = lax.fori_loop(
+            diag_lo, jnp.where(live, pl.cdiv(q_end, bk), diag_lo), functools.partial(body, masked=True), carry
+        )
     accs, _, l = carry
     inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
     for acc, (a, t, w) in zip(accs, v_pieces):
         o_mask = row_ok & (cols_of(t) < w)
-        plgpu.store(out_ref.at[b, jnp.where(o_mask, rows[:, None], seq_len), oo + a + cols_of(t)],
-                    (acc * inv_l[:, None]).astype(out_ref.dtype), mask=o_mask)
+        plgpu.store(
+            out_ref.at[b, jnp.where(o_mask, rows[:, None], seq_len), oo + a + cols_of(t)],
+            (acc * inv_l[:, None]).astype(out_ref.dtype),
+            mask=o_mask,
+        )
 
 
 def _kernel(items_ref, lengths_ref, *refs, classes, class_of, group, **static):
@@ -120,8 +147,19 @@ def _kernel(items_ref, lengths_ref, *refs, classes, class_of, group, **static):
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "config", "interpret"))
-def prefill_attention(q, k, v, layout: HeadLayout, lengths=None, k_pages=None, v_pages=None, block_table=None, *,
-                      config: PrefillConfig = PREFILL, interpret: bool = False):
+def prefill_attention(
+    q,
+    k,
+    v,
+    layout: HeadLayout,
+    lengths=None,
+    k_pages=None,
+    v_pages=None,
+    block_table=None,
+    *,
+    config: PrefillConfig = PREFILL,
+    interpret: bool = False,
+):
     """Causal attention of T prompt tokens among themselves; equal to ``reference.causal_attention``.
 
     q [B, T, q_cols], k [B, T, k_cols], v [B, T, v_cols]; lengths [B] (default T): rows at positions >= length
@@ -138,12 +176,31 @@ def prefill_attention(q, k, v, layout: HeadLayout, lengths=None, k_pages=None, v
     write = k_pages is not None
     page_size = k_pages.shape[1] if write else 1
     kernel = functools.partial(
-        _kernel, classes=classes, class_of=class_of, group=layout.group_size, seq_len=t, page_size=page_size,
-        window=layout.sliding_window, scale=1.0 / math.sqrt(layout.head_dim), block_q=block_q, block_k=block_k,
-        balanced=balanced, max_rows=max_block_q, max_segments=max_segments, num_stages=num_stages, write_pages=write)
+        _kernel,
+        classes=classes,
+        class_of=class_of,
+        group=layout.group_size,
+        seq_len=t,
+        page_size=page_size,
+        window=layout.sliding_window,
+        scale=1.0 / math.sqrt(layout.head_dim),
+        block_q=block_q,
+        block_k=block_k,
+        balanced=balanced,
+        max_rows=max_block_q,
+        max_segments=max_segments,
+        num_stages=num_stages,
+        write_pages=write,
+    )
     out_shape = [jax.ShapeDtypeStruct((b, t, layout.out_cols), q.dtype)]
-    args = [items, lengths, jnp.zeros((b, 1), jnp.int32) if block_table is None else block_table.astype(jnp.int32),
-            q, k, v]
+    args = [
+        items,
+        lengths,
+        jnp.zeros((b, 1), jnp.int32) if block_table is None else block_table.astype(jnp.int32),
+        q,
+        k,
+        v,
+    ]
     aliases = {}
     if write:
         flat = [p.reshape(-1, p.shape[-1]) for p in (k_pages, v_pages)]
@@ -151,7 +208,11 @@ def prefill_attention(q, k, v, layout: HeadLayout, lengths=None, k_pages=None, v
         args += flat
         aliases = {6: 1, 7: 2}
     res = pl.pallas_call(
-        kernel, grid=(items.shape[0],), out_shape=out_shape, input_output_aliases=aliases, interpret=interpret,
+        kernel,
+        grid=(items.shape[0],),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="kvjax_prefill_attention",
     )(*args)

@@ -1,4 +1,5 @@
 """The prefill op as the engine holds it: its work items are planned at trace time, so it only runs."""
+
 from __future__ import annotations
 
 from kvjax.layout import HeadLayout
@@ -14,5 +15,6 @@ class PrefillOp:
 
     def run(self, q, k, v, layout: HeadLayout, lengths, k_pages, v_pages, block_table):
         """(out, k_pages, v_pages) for prompts q/k/v [B, T, cols] of ``lengths`` tokens."""
-        return prefill_attention(q, k, v, layout, lengths, k_pages, v_pages, block_table, config=self.config,
-                                 interpret=self.interpret)
+        return prefill_attention(
+            q, k, v, layout, lengths, k_pages, v_pages, block_table, config=self.config, interpret=self.interpret
+        )

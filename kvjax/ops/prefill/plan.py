@@ -5,6 +5,7 @@ Balancing: a head class of width ``k + v`` gets query blocks ``block_q * 256 / (
 (capped), so every item does about the same work per key whatever its width; items then run longest first (causal
 blocks late in the prompt see more keys), so the hardware scheduler packs the short ones into the tail.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,8 +73,9 @@ def block_rows(cls, block_q: int, seq_len: int, balanced: bool, max_rows: int, m
     return max(16, min(rows, max_rows, 1 << math.ceil(math.log2(max(seq_len, 16)))))
 
 
-def work_items(layout: HeadLayout, batch: int, seq_len: int, block_q: int, balanced: bool,
-               max_rows: int, max_segments: int) -> np.ndarray:
+def work_items(
+    layout: HeadLayout, batch: int, seq_len: int, block_q: int, balanced: bool, max_rows: int, max_segments: int
+) -> np.ndarray:
     """int32 [N, 3] items (prompt, query head, first query row), longest first when balanced."""
     classes, class_of = width_classes(layout)
     g = layout.group_size

@@ -1,5 +1,6 @@
 """The prefill op's jnp reference: causal attention of fresh prompts among themselves (the full forward, calibration
 and the engine's "reference" backend run it; ``kernel.prefill_attention`` must equal it)."""
+
 from __future__ import annotations
 
 import jax.numpy as jnp
