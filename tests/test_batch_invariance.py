@@ -4,15 +4,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import TINY_CONFIGS
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_pallas_decode import paged_inputs, reference, rel_err
 
 import kvjax
-from conftest import TINY_CONFIGS
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.kernel import paged_decode
 from kvjax.ops.decode.plan import END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, fixed_chunk_schedule
-from test_pallas_decode import paged_inputs, reference, rel_err
 
 LAYOUTS = [
     HeadLayout(8, 2, 64, (48, 16), (16, 64)),

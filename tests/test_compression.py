@@ -4,14 +4,14 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import FIXTURES, TINY_CONFIGS
+from test_generate import argmax_continuation
 
 import kvjax
-from conftest import FIXTURES, TINY_CONFIGS
-from kvjax.runtime.cache import bytes_per_token
 from kvjax.cli import convert
-from kvjax.runtime.engine import Engine
 from kvjax.compression import RankPlan, calibrate, calibration_tokens, fold, make_plan
-from test_generate import argmax_continuation
+from kvjax.runtime.cache import bytes_per_token
+from kvjax.runtime.engine import Engine
 
 CASES = ["llama", "llama3_rope", "mistral", "falcon_7b", "falcon_new"]
 WIDE = {name: dataclasses.replace(cfg, head_dim=64, hidden_size=128) for name, cfg in TINY_CONFIGS.items()}
@@ -137,7 +137,7 @@ def test_head_order_leaves_the_output_unchanged(case, method):
 
 
 def test_plans_order_heads_for_the_decode_runs():
-    """make_plan's default order: adjacent heads whose widths fill the kernel's tiles (kvjax.ops.decode.search.order_heads)."""
+    """make_plan's default order: adjacent heads whose widths fill the kernel's tiles (search.order_heads)."""
     from kvjax.layout import HeadLayout
     from kvjax.ops.decode.config import DECODE
     from kvjax.ops.decode.search import order_heads

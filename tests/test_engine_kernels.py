@@ -4,11 +4,10 @@ import dataclasses
 
 import numpy as np
 import pytest
+from conftest import TINY_CONFIGS
 
 import kvjax
-from conftest import TINY_CONFIGS
-from kvjax.compression import RankPlan, calibrate, calibration_tokens, fold
-from kvjax.compression import BASIS
+from kvjax.compression import BASIS, RankPlan, calibrate, calibration_tokens, fold
 
 
 def _varied_plan_model(model, method="zack"):

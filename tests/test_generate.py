@@ -4,9 +4,9 @@ import os
 import jax
 import numpy as np
 import pytest
+from conftest import FIXTURES, TINY_CONFIGS
 
 import kvjax
-from conftest import FIXTURES, TINY_CONFIGS
 from kvjax.cli import infer
 
 

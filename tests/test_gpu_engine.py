@@ -5,11 +5,11 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from test_engine_kernels import _varied_plan_model
 
 import kvjax
-from kvjax.ops import attention
 from kvjax.models.config import ModelConfig
-from test_engine_kernels import _varied_plan_model
+from kvjax.ops import attention
 
 pytestmark = pytest.mark.gpu
 

@@ -4,11 +4,11 @@ import math
 
 import numpy as np
 import pytest
+from conftest import TINY_CONFIGS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvjax
-from conftest import TINY_CONFIGS
 from kvjax import validate
 
 MODEL = kvjax.Model.random(TINY_CONFIGS["llama"], seed=0, scale=3.0)

@@ -5,9 +5,9 @@ import json
 import os
 
 import pytest
+from conftest import FIXTURES
 
 import kvjax
-from conftest import FIXTURES
 from kvjax.cli import infer
 
 MODEL = os.path.join(FIXTURES, "llama")

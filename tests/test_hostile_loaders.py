@@ -10,10 +10,10 @@ import shutil
 import gguf
 import numpy as np
 import pytest
+from conftest import FIXTURES, TINY_CONFIGS
 from safetensors.numpy import load_file, save_file
 
 import kvjax
-from conftest import FIXTURES, TINY_CONFIGS
 from kvjax.io.gguf_file import GGUFCheckpoint
 
 TOKENS = ["<unk>", "<s>", "</s>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["ab"]
@@ -289,7 +289,7 @@ def test_safetensors_index_naming_a_missing_shard(tmp_path):
     d = hf_copy(tmp_path)
     names = list(load_file(d / "model.safetensors"))
     os.rename(d / "model.safetensors", d / "model-1-of-2.safetensors")
-    weight_map = {name: "model-1-of-2.safetensors" for name in names} | {names[0]: "model-2-of-2.safetensors"}
+    weight_map = dict.fromkeys(names, "model-1-of-2.safetensors") | {names[0]: "model-2-of-2.safetensors"}
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     raises(
         kvjax.CheckpointError,

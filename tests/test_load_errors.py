@@ -3,9 +3,9 @@ import os
 import shutil
 
 import pytest
+from conftest import FIXTURES
 
 import kvjax
-from conftest import FIXTURES
 
 
 def test_missing_path():

@@ -5,9 +5,9 @@ import os
 import jax
 import numpy as np
 import pytest
+from conftest import FIXTURES
 
 import kvjax
-from conftest import FIXTURES
 
 CASES = ["llama", "llama3_rope", "mistral", "falcon_7b", "falcon_new"]
 

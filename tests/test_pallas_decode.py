@@ -1,11 +1,11 @@
 """The Pallas paged decode kernel against the jnp reference (interpret mode on the CPU; compiled on a GPU)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import dataclasses
 
 from kvjax.layout import HeadLayout
 from kvjax.ops import attention
@@ -37,7 +37,9 @@ def rel_err(out, ref):
 
 
 def reference(q, k, v, table, lengths, layout):
-    f32 = lambda x: x.astype(jnp.float32)
+    def f32(x):
+        return x.astype(jnp.float32)
+
     with jax.default_matmul_precision("highest"):
         return paged_decode_attention(f32(q), f32(k), f32(v), table, lengths, layout)
 

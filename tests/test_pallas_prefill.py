@@ -16,7 +16,9 @@ from kvjax.ops.prefill.reference import causal_attention
 
 
 def prompts(rng, layout, batch, t, dtype, page_size=16):
-    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+    def arr(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+
     pps = -(-t // page_size)
     num_pages = batch * pps + 1
     table = jnp.asarray(rng.permutation(np.arange(1, num_pages)).reshape(batch, pps).astype(np.int32))
@@ -38,7 +40,9 @@ def rel_err(out, ref, rows=None):
 
 
 def reference(q, k, v, layout):
-    f32 = lambda x: x.astype(jnp.float32)
+    def f32(x):
+        return x.astype(jnp.float32)
+
     with jax.default_matmul_precision("highest"):
         return causal_attention(f32(q), f32(k), f32(v), layout)
 

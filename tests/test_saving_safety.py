@@ -7,11 +7,11 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import FIXTURES, TINY_CONFIGS
 
 import kvjax
-from conftest import FIXTURES, TINY_CONFIGS
-from kvjax.io import atomic
 from kvjax.cli import convert
+from kvjax.io import atomic
 from kvjax.io.saved import is_kvjax_checkpoint
 
 PROMPT = [[5, 3, 9, 1]]

@@ -127,7 +127,7 @@ def test_split_groups_have_merge_slots(order):
     s = build_decode_schedule(lengths, lay, 32, 132, config=config(min_chunk_tokens=64, order=order)).schedule
     items = planned_items(s, 0)
     chunks = {}
-    for seq, unit, first, end, slot in items:
+    for seq, unit, _first, _end, slot in items:
         chunks.setdefault((seq, unit), []).append(slot)
     splits = s.merge_slots.shape[-1]
     dest = {tuple(int(x) for x in d): m for m, d in enumerate(s.merge_dest[0]) if d[0] >= 0}

@@ -5,9 +5,9 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import FIXTURES
 
 import kvjax
-from conftest import FIXTURES
 
 REF = np.load(os.path.join(FIXTURES, "smollm2_reference.npz"))
 

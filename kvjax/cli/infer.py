@@ -74,7 +74,9 @@ def _prompt(record):
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ValueError(f'"prompt" is not valid text: lone surrogate {prompt[e.start]!r} at character {e.start}')
+            raise ValueError(
+                f'"prompt" is not valid text: lone surrogate {prompt[e.start]!r} at character {e.start}'
+            ) from None
         return prompt
     if isinstance(prompt, list):
         return validate.token_ids('"prompt"', prompt, math.inf)  # the vocabulary is checked once the model is loaded
@@ -162,8 +164,6 @@ def _encode(model, prompts: list, args, capacity: int, where: str) -> tuple[dict
 
 def _run(args, model, prompts: list, encoded: dict, errors: dict) -> int:
     """Generate the encoded prompts batch by batch into OUT.partial, then rename it onto OUT; returns the status."""
-    import kvjax
-
     partial = args.out + ".partial"
     records: list[dict] = [
         {"index": n, "prompt": prompts[n], "error": errors[n]} if n in errors else {} for n in range(len(prompts))
@@ -193,39 +193,8 @@ def _run(args, model, prompts: list, encoded: dict, errors: dict) -> int:
             flush()
             for b in range(0, len(good), args.batch_size):
                 batch = good[b : b + args.batch_size]
-                stats: dict[str, float] = {}
                 seed = args.seed if args.batch_invariant else (args.seed + b) % 2**63  # invariant: one stream
-                try:
-                    results = kvjax.generate(
-                        model,
-                        [encoded[n] for n in batch],
-                        args.max_new_tokens,
-                        args.temperature,
-                        args.top_p,
-                        seed,
-                        max_batch=args.batch_size,
-                        max_seq_len=args.max_seq_len,
-                        backend=args.attention,
-                        batch_invariant=args.batch_invariant,
-                        stats=stats,
-                    )
-                    done = [
-                        {
-                            "index": n,
-                            "prompt": prompts[n],
-                            "text": r.text,
-                            "tokens": r.tokens,
-                            "finish_reason": r.finish_reason,
-                        }
-                        for n, r in zip(batch, results, strict=True)
-                    ]
-                except Exception as e:
-                    message = f"generation failed for the batch of prompts {', '.join(map(str, batch))}: {_message(e)}"
-                    done = [{"index": n, "prompt": prompts[n], "error": message} for n in batch]
-                else:
-                    for key in totals:
-                        totals[key] += stats[key]
-                for n, record in zip(batch, done):
+                for n, record in zip(batch, _generate_batch(args, model, prompts, encoded, batch, seed, totals)):
                     records[n] = record
                 flush()
                 bar.update(len(batch))
@@ -243,12 +212,45 @@ def _run(args, model, prompts: list, encoded: dict, errors: dict) -> int:
             return 1
         raise
     os.replace(partial, args.out)
+    return _report(args, records, totals, time.perf_counter() - start)
 
+
+def _generate_batch(args, model, prompts: list, encoded: dict, batch: list, seed: int, totals: dict) -> list[dict]:
+    """The records of one batch of prompts (an error record each if generation fails); adds its stats to totals."""
+    import kvjax
+
+    stats: dict[str, float] = {}
+    try:
+        results = kvjax.generate(
+            model,
+            [encoded[n] for n in batch],
+            args.max_new_tokens,
+            args.temperature,
+            args.top_p,
+            seed,
+            max_batch=args.batch_size,
+            max_seq_len=args.max_seq_len,
+            backend=args.attention,
+            batch_invariant=args.batch_invariant,
+            stats=stats,
+        )
+    except Exception as e:
+        message = f"generation failed for the batch of prompts {', '.join(map(str, batch))}: {_message(e)}"
+        return [{"index": n, "prompt": prompts[n], "error": message} for n in batch]
+    for key in totals:
+        totals[key] += stats[key]
+    return [
+        {"index": n, "prompt": prompts[n], "text": r.text, "tokens": r.tokens, "finish_reason": r.finish_reason}
+        for n, r in zip(batch, results, strict=True)
+    ]
+
+
+def _report(args, records: list[dict], totals: dict, wall: float) -> int:
+    """Print the records (--show) and the throughput; 1 if any prompt failed, else 0."""
     if args.show:
         for r in records:
             body = f"error: {r['error']}" if "error" in r else r["text"] if r["text"] is not None else r["tokens"]
             print(f"> {r['prompt']}\n{body}\n")
-    wall = time.perf_counter() - start
     print(
         f"wrote {len(records)} records to {args.out} in {wall:.1f} s: "
         f"{totals['prompt_tokens']} prompt tokens at {totals['prompt_tokens'] / max(totals['prefill_s'], 1e-9):.0f} "

@@ -19,8 +19,8 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from kvjax import validate
-from kvjax.ops.prefill.reference import causal_attention
 from kvjax.models.rope import apply_rope, inverse_frequencies
+from kvjax.ops.prefill.reference import causal_attention
 
 KINDS = ("q", "k", "k_pre", "v")
 
@@ -30,7 +30,7 @@ class CalibrationStats:
     grams: dict[str, np.ndarray]  # kind -> float64 [L, Hkv, d, d]
     num_tokens: int
 
-    def basis(self, kind: str, model) -> "Basis":
+    def basis(self, kind: str, model) -> Basis:
         """The directions a method truncates, by descending singular value.
 
         ``qk`` (ZACK's shared Q/K rotation): eigenvectors of the q and k Grams, each normalised by its trace so

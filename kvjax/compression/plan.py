@@ -91,7 +91,7 @@ class RankPlan:
         order = self.layer_order(layer)
         return tuple(int(self.k_qk[layer, h]) for h in order), tuple(int(self.k_v[layer, h]) for h in order)
 
-    def filled_for_runs(self, group_size: int, config: DecodeConfig = DECODE, max_shift: int = 32) -> "RankPlan":
+    def filled_for_runs(self, group_size: int, config: DecodeConfig = DECODE, max_shift: int = 32) -> RankPlan:
         """This plan with widths moved between each layer's heads (at most ``max_shift`` columns a head, the layer's
         K and V totals kept, so the rate stays) where that lets the decode kernel's runs fill their tiles
         (``kvjax.ops.decode.search.fill_runs``), dropping as little energy (squared singular values, each head's
@@ -120,7 +120,7 @@ class RankPlan:
         moved = int(np.abs(k_qk - self.k_qk).sum() + np.abs(k_v - self.k_v).sum())
         return dataclasses.replace(self, k_qk=k_qk, k_v=k_v, moved_columns=self.moved_columns + moved // 2)
 
-    def ordered_for_runs(self, group_size: int, config: DecodeConfig = DECODE) -> "RankPlan":
+    def ordered_for_runs(self, group_size: int, config: DecodeConfig = DECODE) -> RankPlan:
         """This plan with every layer's KV heads in the order whose decode runs cost least
         (``kvjax.ops.decode.search.order_heads``); the model's output does not change."""
         return dataclasses.replace(
@@ -136,7 +136,7 @@ class RankPlan:
         return HeadLayout(group_size * heads, heads, self.head_dim, tuple(map(int, k)), tuple(map(int, v)))
 
     @classmethod
-    def from_removal_rate(cls, method, s_qk, s_v, r: float, adaptive: bool = True) -> "RankPlan":
+    def from_removal_rate(cls, method, s_qk, s_v, r: float, adaptive: bool = True) -> RankPlan:
         validate.rate("removal_rate", r)
         d = s_qk.shape[-1]
         rank = np.vectorize(
@@ -152,7 +152,7 @@ class RankPlan:
         return cls(method, d, k_qk, k_v, s_qk, s_v, removal_rate=r, adaptive=adaptive)
 
     @classmethod
-    def for_target_rate(cls, method, s_qk, s_v, p: float, adaptive: bool = True, steps: int = 50) -> "RankPlan":
+    def for_target_rate(cls, method, s_qk, s_v, p: float, adaptive: bool = True, steps: int = 50) -> RankPlan:
         """``F_p``: the plan whose rate is closest to ``p`` without going under it (bisection on ``r``)."""
         validate.rate("target_rate", p)
         d = s_qk.shape[-1]
@@ -219,7 +219,7 @@ class RankPlan:
         )
 
     @classmethod
-    def from_json(cls, text: str) -> "RankPlan":
+    def from_json(cls, text: str) -> RankPlan:
         d = json.loads(text)
         d.pop("rate", None)
         return cls(**d)

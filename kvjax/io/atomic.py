@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-from typing import Callable
+from collections.abc import Callable
 
 NEW, OLD = "kvjax-new", "kvjax-old"
 

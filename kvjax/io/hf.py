@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import jax.numpy as jnp
 import numpy as np
@@ -91,48 +91,65 @@ def _falcon_qkv_part(cfg: ModelConfig, part: int, transpose: bool):
 
 def hf_sources(cfg: ModelConfig) -> dict[Path, Source]:
     """Where every parameter of ``Transformer(cfg)`` comes from in a Hugging Face checkpoint."""
-    src: dict[Path, Source] = {}
-    lin = [("kernel", "weight", transposed)] + ([("bias", "bias", as_is)] if cfg.attention_bias else [])
-    mlp_lin = [("kernel", "weight", transposed)] + ([("bias", "bias", as_is)] if cfg.mlp_bias else [])
-    if cfg.arch in ("llama", "mistral"):
-        src[("embed",)] = ("model.embed_tokens.weight", as_is)
-        src[("final_norm", "scale")] = ("model.norm.weight", as_is)
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}"
-            src[("layers", i, "attn_norm", "scale")] = (f"{p}.input_layernorm.weight", as_is)
-            src[("layers", i, "mlp_norm", "scale")] = (f"{p}.post_attention_layernorm.weight", as_is)
-            for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj")):
-                for leaf, suffix, fn in lin:
-                    src[("layers", i, "attn", ours, leaf)] = (f"{p}.self_attn.{theirs}.{suffix}", fn)
-            for ours in ("gate", "up", "down"):
-                for leaf, suffix, fn in mlp_lin:
-                    src[("layers", i, "mlp", ours, leaf)] = (f"{p}.mlp.{ours}_proj.{suffix}", fn)
-    else:  # falcon
-        src[("embed",)] = ("transformer.word_embeddings.weight", as_is)
-        src[("final_norm", "scale")] = ("transformer.ln_f.weight", as_is)
-        src[("final_norm", "bias")] = ("transformer.ln_f.bias", as_is)
-        if not cfg.parallel_block:
-            norms = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
-        elif cfg.parallel_norms == 2:
-            norms = {"attn_norm": "ln_attn", "mlp_norm": "ln_mlp"}
-        else:
-            norms = {"attn_norm": "input_layernorm"}
-        for i in range(cfg.num_layers):
-            p = f"transformer.h.{i}"
-            for ours, theirs in norms.items():
-                src[("layers", i, ours, "scale")] = (f"{p}.{theirs}.weight", as_is)
-                src[("layers", i, ours, "bias")] = (f"{p}.{theirs}.bias", as_is)
-            for part, ours in enumerate("qkv"):
-                for leaf, suffix, fn in lin:
-                    pick = _falcon_qkv_part(cfg, part, transpose=fn is transposed)
-                    src[("layers", i, "attn", ours, leaf)] = (f"{p}.self_attention.query_key_value.{suffix}", pick)
-            for leaf, suffix, fn in lin:
-                src[("layers", i, "attn", "o", leaf)] = (f"{p}.self_attention.dense.{suffix}", fn)
-            for ours, theirs in (("up", "dense_h_to_4h"), ("down", "dense_4h_to_h")):
-                for leaf, suffix, fn in mlp_lin:
-                    src[("layers", i, "mlp", ours, leaf)] = (f"{p}.mlp.{theirs}.{suffix}", fn)
+    src = _llama_sources(cfg) if cfg.arch in ("llama", "mistral") else _falcon_sources(cfg)
     if not cfg.tie_word_embeddings:
         src[("lm_head", "kernel")] = ("lm_head.weight", transposed)
+    return src
+
+
+def _linear(bias: bool) -> list[tuple[str, str, Callable]]:
+    """(our leaf, HF suffix, transform) of a linear layer's weight, and of its bias if it has one."""
+    return [("kernel", "weight", transposed)] + ([("bias", "bias", as_is)] if bias else [])
+
+
+def _llama_sources(cfg: ModelConfig) -> dict[Path, Source]:
+    """``hf_sources`` of the Llama family (Llama, Mistral)."""
+    lin, mlp_lin = _linear(cfg.attention_bias), _linear(cfg.mlp_bias)
+    src: dict[Path, Source] = {
+        ("embed",): ("model.embed_tokens.weight", as_is),
+        ("final_norm", "scale"): ("model.norm.weight", as_is),
+    }
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        src[("layers", i, "attn_norm", "scale")] = (f"{p}.input_layernorm.weight", as_is)
+        src[("layers", i, "mlp_norm", "scale")] = (f"{p}.post_attention_layernorm.weight", as_is)
+        for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj")):
+            for leaf, suffix, fn in lin:
+                src[("layers", i, "attn", ours, leaf)] = (f"{p}.self_attn.{theirs}.{suffix}", fn)
+        for ours in ("gate", "up", "down"):
+            for leaf, suffix, fn in mlp_lin:
+                src[("layers", i, "mlp", ours, leaf)] = (f"{p}.mlp.{ours}_proj.{suffix}", fn)
+    return src
+
+
+def _falcon_sources(cfg: ModelConfig) -> dict[Path, Source]:
+    """``hf_sources`` of Falcon (7B-style and the new decoder architecture)."""
+    lin, mlp_lin = _linear(cfg.attention_bias), _linear(cfg.mlp_bias)
+    src: dict[Path, Source] = {
+        ("embed",): ("transformer.word_embeddings.weight", as_is),
+        ("final_norm", "scale"): ("transformer.ln_f.weight", as_is),
+        ("final_norm", "bias"): ("transformer.ln_f.bias", as_is),
+    }
+    if not cfg.parallel_block:
+        norms = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+    elif cfg.parallel_norms == 2:
+        norms = {"attn_norm": "ln_attn", "mlp_norm": "ln_mlp"}
+    else:
+        norms = {"attn_norm": "input_layernorm"}
+    for i in range(cfg.num_layers):
+        p = f"transformer.h.{i}"
+        for ours, theirs in norms.items():
+            src[("layers", i, ours, "scale")] = (f"{p}.{theirs}.weight", as_is)
+            src[("layers", i, ours, "bias")] = (f"{p}.{theirs}.bias", as_is)
+        for part, ours in enumerate("qkv"):
+            for leaf, suffix, fn in lin:
+                pick = _falcon_qkv_part(cfg, part, transpose=fn is transposed)
+                src[("layers", i, "attn", ours, leaf)] = (f"{p}.self_attention.query_key_value.{suffix}", pick)
+        for leaf, suffix, fn in lin:
+            src[("layers", i, "attn", "o", leaf)] = (f"{p}.self_attention.dense.{suffix}", fn)
+        for ours, theirs in (("up", "dense_h_to_4h"), ("down", "dense_4h_to_h")):
+            for leaf, suffix, fn in mlp_lin:
+                src[("layers", i, "mlp", ours, leaf)] = (f"{p}.mlp.{theirs}.{suffix}", fn)
     return src
 
 

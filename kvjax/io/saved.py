@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvjax.io import atomic
 from kvjax.errors import CheckpointError
+from kvjax.io import atomic
 from kvjax.io.hf import json_error, one_line, read_json, some
 
 FORMAT = 1

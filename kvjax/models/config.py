@@ -50,7 +50,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
+    def from_dict(cls, d: dict) -> ModelConfig:
         d = dict(d)
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = tuple(tuple(kv) for kv in d["rope_scaling"])

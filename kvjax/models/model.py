@@ -10,8 +10,8 @@ import numpy as np
 from flax import nnx
 
 from kvjax import validate
-from kvjax.ops.prefill.reference import causal_attention
 from kvjax.models.transformer import Transformer
+from kvjax.ops.prefill.reference import causal_attention
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -33,7 +33,7 @@ class Model:
         self._engines: dict = {}
 
     @classmethod
-    def random(cls, config, dtype="float32", seed: int = 0, scale: float = 1.0) -> "Model":
+    def random(cls, config, dtype="float32", seed: int = 0, scale: float = 1.0) -> Model:
         """A model with random weights (tests, benchmarks of realistic shapes); ``scale`` multiplies them."""
         module = Transformer(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))
         if scale != 1.0:
@@ -62,7 +62,7 @@ class Model:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
         return _full_logits(self.graphdef, self.state, jnp.asarray(tokens, jnp.int32))
 
-    def astype(self, dtype) -> "Model":
+    def astype(self, dtype) -> Model:
         """The same model with its parameters cast to ``dtype`` (one of ``kvjax.validate.DTYPES``)."""
         dtype = jnp.dtype(validate.dtype(dtype))
         module = nnx.merge(self.graphdef, jax.tree.map(lambda x: x.astype(dtype), self.state))

@@ -7,7 +7,7 @@ attention; the engine passes one that writes the paged cache and reads it.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

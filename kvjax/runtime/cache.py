@@ -28,7 +28,7 @@ class PagedKVCache:
     v: tuple[jax.Array, ...]  # per layer [num_pages, page_size, v_cols]
 
     @classmethod
-    def create(cls, layouts: tuple[HeadLayout, ...], num_pages: int, page_size: int, dtype) -> "PagedKVCache":
+    def create(cls, layouts: tuple[HeadLayout, ...], num_pages: int, page_size: int, dtype) -> PagedKVCache:
         return cls(
             k=tuple(jnp.zeros((num_pages, page_size, lay.k_cols), dtype) for lay in layouts),
             v=tuple(jnp.zeros((num_pages, page_size, lay.v_cols), dtype) for lay in layouts),

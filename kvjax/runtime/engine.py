@@ -18,7 +18,7 @@ from kvjax.ops import attention
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.plan import bucket as pow2_bucket
 from kvjax.ops.prefill.op import PrefillOp
-from kvjax.runtime.cache import PagedKVCache, PageAllocator, block_table
+from kvjax.runtime.cache import PageAllocator, PagedKVCache, block_table
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:

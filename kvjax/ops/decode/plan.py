@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -62,7 +62,7 @@ class DecodeSchedule:
     merge_slots: np.ndarray
     config: DecodeConfig = dataclasses.field(default=DECODE, metadata=dict(static=True))
 
-    def layer(self, i: int) -> "DecodeSchedule":
+    def layer(self, i: int) -> DecodeSchedule:
         """The schedule of layer ``i`` (arrays without the leading layer axis)."""
         return DecodeSchedule(self.items[i], self.counts[i], self.merge_dest[i], self.merge_slots[i], self.config)
 
@@ -137,12 +137,10 @@ def build_decode_schedule(
             config=dataclasses.replace(config, order="stream"),
             headroom_pages=headroom_pages,
         )
-    order, item_overhead, min_chunk_tokens = config.order, config.item_overhead, config.min_chunk_tokens
     layouts = _as_layouts(layouts)
     P = num_programs or config.num_programs()
     lengths = np.asarray(lengths, np.int64)
     unit_cost = _unit_costs(layouts, config)  # [L, H]: H units (runs) a layer
-    B, L, H = len(lengths), len(layouts), unit_cost.shape[1]
     page_cost = page_size * unit_cost[:, None, :]  # [L, 1, H]
 
     live = lengths > 0
@@ -152,18 +150,23 @@ def build_decode_schedule(
     first_page = np.minimum(first_page, end_page[None])[:, :, None]  # [L, B, 1]
     pages = (end_page[None, :, None] - first_page) * (page_cost > 0)  # [L, B, H]: none for missing units
     capacity = np.where(live, end_page * page_size, 0)
-    if order == "stream":
+    if config.order == "stream":
+        snap = max(1, config.min_chunk_tokens // page_size // 4)
         schedule, loads, per_layer = _stream(
-            np.broadcast_to(first_page, pages.shape),
-            pages,
-            page_cost,
-            P,
-            item_overhead,
-            max(1, min_chunk_tokens // page_size // 4),
-            config,
+            np.broadcast_to(first_page, pages.shape), pages, page_cost, P, config.item_overhead, snap, config
         )
         return DecodePlan(schedule, capacity, loads, per_layer)
 
+    schedule, loads, per_layer = _lpt(first_page, end_page, pages, page_cost, P, page_size, config)
+    return DecodePlan(schedule, capacity, loads, per_layer)
+
+
+def _lpt(first_page, end_page, pages, page_cost, P, page_size, config):
+    """LPT (or, for order "naive", round-robin) items of each layer: groups costlier than a program's average load
+    split into chunks of at least ``min_chunk_tokens``, then dealt in rounds of P. first_page [L, B, 1], end_page
+    [B], pages [L, B, H], page_cost [L, 1, H]. Returns (schedule, loads [L, P], items per layer [L])."""
+    order, item_overhead, min_chunk_tokens = config.order, config.item_overhead, config.min_chunk_tokens
+    L, B, H = pages.shape
     # Split each (layer, seq, head) group into chunks no costlier than the average program load (in integers:
     # ceil(cost / max(total / P, 1))) and no shorter than min_chunk_tokens. Large batches split nothing.
     cost = pages * page_cost  # [L, B, H]
@@ -233,7 +236,7 @@ def build_decode_schedule(
         col[:, :N], dealt[:, :N] = key & ((1 << cbits) - 1), top - (key >> cbits)
     else:
         col[:, :N], dealt[:, :N] = np.arange(N), costs
-    col, dealt = col.reshape(L, rounds, P), dealt.reshape(L, rounds, P)  # type: ignore[assignment]
+    col, dealt = col.reshape(L, rounds, P), dealt.reshape(L, rounds, P)
 
     # Deal in rounds of P: LPT gives each round's items, longest first, to the programs in order of load (ties by
     # program: sorting 64-bit keys (load, program)); naive deals them round-robin.
@@ -258,7 +261,7 @@ def build_decode_schedule(
     # Whole items move as records of five int32 fields: twice as fast as gathering rows of an int32 matrix.
     items = np.take(fields.view(ITEM).ravel(), table).view(np.int32).reshape(L, P, R, 5)
 
-    return DecodePlan(DecodeSchedule(items, counts, merge_dest, merge_slots, config), capacity, loads, per_layer)
+    return DecodeSchedule(items, counts, merge_dest, merge_slots, config), loads, per_layer
 
 
 def fixed_chunk_schedule(

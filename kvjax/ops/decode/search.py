@@ -142,9 +142,9 @@ def fill_runs(
     runs (at their best head order) cost least; among the cheapest, the least loss. Returns the widths unchanged
     when no move makes the runs cheaper, by tiles and by the columns the kernel loads (``loaded_cost``).
 
-    Why: a run's time follows its tiles more than its bytes (bench/RESULTS.md "Decode: filled tiles"), so a rate-0.5 layer
-    whose runs hold K 128 + V 208, K 256 + V 176 and K 128 + V 128 columns is slower than the same columns moved
-    into two runs of K 256 + V 256.
+    Why: a run's time follows its tiles more than its bytes (bench/RESULTS.md "Decode: filled tiles"), so a
+    rate-0.5 layer whose runs hold K 128 + V 208, K 256 + V 176 and K 128 + V 128 columns is slower than the same
+    columns moved into two runs of K 256 + V 256.
 
     ``k_loss[h][j]`` (and ``v_loss``): what moving head h's width by ``16 * (j - max_shift // 16)`` columns costs
     (compression: the share of the head's energy it drops, negative where it adds); by default the columns moved.

@@ -49,7 +49,7 @@ class RunShape:
         return tuple(HeadLayout.offsets(self.v_widths))
 
     @property
-    def shape(self) -> "RunShape":
+    def shape(self) -> RunShape:
         return RunShape(self.k_widths, self.v_widths)
 
 
@@ -65,7 +65,7 @@ def run_cost(k_widths, v_widths, group_size: int, config: DecodeConfig = DECODE)
     return token_cost(len(k_widths), tile(sum(k_widths)), tile(sum(v_widths)), group_size, config)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def head_runs(layout: HeadLayout, config: DecodeConfig = DECODE) -> tuple[Run, ...]:
     """The layer's KV heads cut into the runs of adjacent heads that cost least together (dynamic programming over
     the cut points); ``config.pack_tile`` 0 keeps every head alone."""

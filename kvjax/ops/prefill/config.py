@@ -20,7 +20,7 @@ class PrefillConfig:
     num_warps: int = 8
     num_stages: int = 3
 
-    def for_dtype(self, dtype) -> "PrefillConfig":
+    def for_dtype(self, dtype) -> PrefillConfig:
         """This config with tiles that fit shared memory for ``dtype`` (float32 tiles are halved, fewer stages)."""
         if jnp.dtype(dtype).itemsize < 4:
             return self

@@ -69,7 +69,10 @@ def _attend_block(
 
     rows = q0 + jnp.arange(bq)
     row_ok = (rows < seq_len)[:, None]
-    cols_of = lambda t: jnp.arange(t)[None, :]
+
+    def cols_of(t):
+        return jnp.arange(t)[None, :]
+
     qs = [
         plgpu.load(q_ref.at[b, rows[:, None], qo + a + cols_of(t)], mask=row_ok & (cols_of(t) < w), other=0.0)
         for a, t, w in k_pieces
