@@ -305,3 +305,19 @@ def test_static_schedule_covers_the_whole_table():
     assert sum(it[END_PAGE] - it[FIRST_PAGE] for it in items) == 3 * 10 * units
     assert {(it[SEQ], it[UNIT]) for it in items} == {(b, u) for b in range(3) for u in range(units)}
     assert all(it[SLOT] >= -1 for it in items)
+
+
+def test_the_order_does_not_change_what_the_kernel_compiles_for():
+    """Plans of any order (and other planner-only fields) carry one run config, so a step taking them as an
+    argument compiles once even when "auto" switches between LPT and stream."""
+    rng = np.random.default_rng()
+    layouts = random_layouts(rng, 2)
+    lengths = rng.integers(1, 3000, 9)
+    configs = {
+        build_decode_schedule(
+            lengths, layouts, 16, 8, config=dataclasses.replace(DECODE, order=order, min_chunk_tokens=chunk)
+        ).schedule.config
+        for order in ("auto", "lpt", "stream", "naive")
+        for chunk in (32, 256)
+    }
+    assert configs == {DECODE}

@@ -41,6 +41,11 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
 
+    def for_run(self) -> DecodeConfig:
+        """This config with the planner-only fields at their defaults: what the kernel compiles for (a plan that
+        switches order, as "auto" does, must not make the jitted step compile again)."""
+        return dataclasses.replace(self, **{f: getattr(DECODE, f) for f in PLANNER_ONLY})
+
     def num_programs(self) -> int:
         """``programs_per_sm`` programs per SM of the first GPU (the H100's 132 SMs where there is none)."""
         import jax
@@ -57,3 +62,14 @@ class DecodeConfig:
 
 
 DECODE = DecodeConfig()
+# Fields that shape the schedule but neither the units nor the kernel.
+PLANNER_ONLY = (
+    "order",
+    "auto_balance",
+    "item_overhead",
+    "min_chunk_tokens",
+    "items_per_program",
+    "programs_per_sm",
+    "headroom_tokens",
+    "fixed_chunk_tokens",
+)

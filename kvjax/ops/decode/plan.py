@@ -53,7 +53,8 @@ class DecodeSchedule:
     counts [L, P]: how many items of each row are real.
     merge_dest [L, M, 2]: (seq, unit) of each split group; padding rows hold seq = -1.
     merge_slots [L, M, S]: the partial slots of each split group (slot = m * S + chunk), -1 where unused.
-    config: static; how the units were cut and how the kernel runs, so plan and run agree.
+    config: static; how the units were cut and how the kernel runs, so plan and run agree (``for_run``: a
+        change of order or of another planner-only field compiles nothing new).
     """
 
     items: np.ndarray
@@ -261,7 +262,7 @@ def _lpt(first_page, end_page, pages, page_cost, P, page_size, config):
     # Whole items move as records of five int32 fields: twice as fast as gathering rows of an int32 matrix.
     items = np.take(fields.view(ITEM).ravel(), table).view(np.int32).reshape(L, P, R, 5)
 
-    return DecodeSchedule(items, counts, merge_dest, merge_slots, config), loads, per_layer
+    return DecodeSchedule(items, counts, merge_dest, merge_slots, config.for_run()), loads, per_layer
 
 
 def fixed_chunk_schedule(
@@ -329,7 +330,9 @@ def fixed_chunk_schedule(
     np.add.at(counts, (layer[o], prog), 1)
     loads = np.zeros((L, P), np.int64)
     np.add.at(loads, (layer[o], prog), cost[o])
-    return DecodePlan(DecodeSchedule(items, counts, merge_dest, merge_slots, config), capacity, loads, per_layer)
+    return DecodePlan(
+        DecodeSchedule(items, counts, merge_dest, merge_slots, config.for_run()), capacity, loads, per_layer
+    )
 
 
 def _stream(first_page, pages, page_cost, P, item_overhead, snap_pages, config):
@@ -422,7 +425,7 @@ def _stream(first_page, pages, page_cost, P, item_overhead, snap_pages, config):
     items = items.reshape(L, P, R, 5)
     cost = (b - a) * g_cost[grp] + item_overhead
     loads = np.bincount(row, weights=cost, minlength=L * P).reshape(L, P).astype(np.int64)
-    schedule = DecodeSchedule(items, counts, merge_dest, merge_slots, config)
+    schedule = DecodeSchedule(items, counts, merge_dest, merge_slots, config.for_run())
     return schedule, loads, np.bincount(layer, minlength=L)
 
 
