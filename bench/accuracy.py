@@ -1,47 +1,45 @@
-"""Accuracy harness: how much quality KV compression costs, measured the same way every time.
+"""How much quality KV compression costs, measured the same way every time: perplexity on held-out text (the second
+half of Python's ``pydoc_data.topics``; calibration text comes from the first half) and teacher-forced greedy
+agreement with the uncompressed model over N held-out prompts continued M tokens, per variant (ZACK adaptive or
+uniform ranks, Palu) and calibration source (random token ids, text); "99% of baseline" = perplexity within +1% and
+agreement >= 99%. Results: bench/RESULTS.md "Compression accuracy (SmolLM2)" and "GGUF perplexity vs
+transformers"."""
 
-Quality = perplexity on held-out text (the second half of Python's ``pydoc_data.topics``; calibration text comes
-from the first half) and greedy token agreement against the uncompressed model: the uncompressed model continues
-N held-out prompts greedily for M tokens; agreement is the fraction of those positions where the compressed model,
-fed the same tokens, picks the same argmax (teacher-forced, so one early difference does not count M times).
-"99% of baseline" = perplexity within +1% and agreement >= 99%.
-
-    python bench/accuracy.py rates  --model smollm2 --rates 0.25 0.375 0.5 [--json out.json]
-    python bench/accuracy.py search --model smollm2            # largest p meeting 99% of baseline, per variant
-    python bench/accuracy.py stability --model smollm2         # rotation stability (the papers' Table 4)
-    python bench/accuracy.py transformers                       # SmolLM2 perplexity next to transformers'
-
-Variants: zack (adaptive ranks), zack-uniform (same rank everywhere), palu (pre-RoPE low-rank K), each calibrated
-on random token ids and on text. Calibration statistics are gathered once per source and reused for every rate.
-"""
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 import time
 
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import kvjax  # noqa: E402
-from kvjax.compression import calibrate, calibration_tokens, fold, make_plan  # noqa: E402
-from kvjax.compression.calibration import _eig  # noqa: E402
-from kvjax.compression.text import pydoc_text  # noqa: E402
+import kvjax
+from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
+from kvjax.compression.calibration import _eig
+from kvjax.compression.text import pydoc_text
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "smollm2_reference.npz")
-VARIANTS = {"zack": ("zack", True), "zack-uniform": ("zack", False), "palu": ("palu", True)}
+VARIANTS = {"zack": ("zack", True), "zack-uniform": ("zack", False), "palu": ("palu", True)}  # (method, adaptive)
+EPILOG = """modes:
+  python bench/accuracy.py rates  --model smollm2 --rates 0.25 0.375 0.5 [--json out.json]
+  python bench/accuracy.py search --model smollm2      # largest p meeting 99% of baseline, per variant
+  python bench/accuracy.py stability --model smollm2   # rotation stability (the papers' Table 4)
+  python bench/accuracy.py transformers                # SmolLM2 perplexity next to transformers'
+
+Agreement: the uncompressed model continues the prompts greedily; it is the fraction of those positions where the
+compressed model, fed the same tokens, picks the same argmax (so one early difference does not count M times).
+Calibration statistics are gathered once per source and reused for every rate."""
 
 
 def perplexity(model, tokens: np.ndarray, window: int = 256, batch: int = 4) -> float:
     """exp(mean NLL) of predicting tokens 1..window-1 of every independent ``window``-token slice of ``tokens``."""
     n = len(tokens) // window
-    windows = np.asarray(tokens[:n * window], np.int32).reshape(n, window)
+    windows = np.asarray(tokens[: n * window], np.int32).reshape(n, window)
     nll = []
     for i in range(0, n, batch):
-        chunk = windows[i:i + batch]
+        chunk = windows[i : i + batch]
         logp = jax.nn.log_softmax(model.logits(chunk)[:, :-1], axis=-1)
         nll.append(-np.take_along_axis(np.asarray(logp, np.float64), chunk[:, 1:, None], axis=-1)[..., 0])
     return float(np.exp(np.concatenate(nll).mean()))
@@ -51,41 +49,53 @@ class Evaluator:
     """Held-out perplexity and teacher-forced greedy agreement against one uncompressed model."""
 
     def __init__(self, base, eval_tokens: int, prompts: int, prompt_len: int, new_tokens: int):
+        """Held-out tokens and ``base``'s greedy continuations of ``prompts`` prompts, and ``base``'s own scores."""
         ids = np.asarray(base.tokenizer(pydoc_text("heldout"), add_special_tokens=False)["input_ids"])
         need = eval_tokens + prompts * prompt_len
         if len(ids) < need:
             raise ValueError(f"held-out text has {len(ids)} tokens, fewer than the {need} asked for")
         self.ppl_ids = ids[:eval_tokens]
         starts = eval_tokens + np.arange(prompts) * prompt_len
-        prompt_ids = [ids[s:s + prompt_len].tolist() for s in starts]
-        gen = kvjax.generate(base, prompt_ids, max_new_tokens=new_tokens, stop=[-1], max_batch=prompts)
-        self.sequences = np.array([p + g.tokens + [0] * (new_tokens - len(g.tokens))
-                                   for p, g in zip(prompt_ids, gen)], np.int32)
+        prompt_ids = [ids[s : s + prompt_len].tolist() for s in starts]
+        gen = kvjax.generate(base, prompt_ids, max_new_tokens=new_tokens, max_batch=prompts)
+        self.sequences = np.array(
+            [p + g.tokens + [0] * (new_tokens - len(g.tokens)) for p, g in zip(prompt_ids, gen, strict=True)], np.int32
+        )
         self.lengths = [len(g.tokens) for g in gen]
         self.prompt_len = prompt_len
         self.base = self.score(base)
 
     def score(self, model) -> dict:
+        """{"ppl": held-out perplexity, "agreement": teacher-forced greedy agreement} of ``model``."""
         logits = np.asarray(model.logits(self.sequences))
         hits = total = 0
         for row, n in enumerate(self.lengths):
-            pred = logits[row, self.prompt_len - 1:self.prompt_len - 1 + n].argmax(-1)
-            hits += int((pred == self.sequences[row, self.prompt_len:self.prompt_len + n]).sum())
+            pred = logits[row, self.prompt_len - 1 : self.prompt_len - 1 + n].argmax(-1)
+            hits += int((pred == self.sequences[row, self.prompt_len : self.prompt_len + n]).sum())
             total += n
         return {"ppl": perplexity(model, self.ppl_ids), "agreement": hits / max(total, 1)}
 
     def meets(self, s) -> bool:
+        """Whether scores ``s`` are within 99% of the baseline (perplexity +1% at most, agreement >= 99%)."""
         return s["ppl"] <= 1.01 * self.base["ppl"] and s["agreement"] >= 0.99
 
 
 def _calibrate(base, source, num_tokens, seq_len):
+    """Calibration statistics of ``base`` on ``num_tokens`` tokens from ``source`` ("random" or "text")."""
     return calibrate(base, calibration_tokens(base, source, num_tokens, seq_len, seed=0))
 
 
 def _row(calibration, variant, target, model, scores, base):
-    return {"calibration": calibration, "variant": variant, "target_rate": target, "rate": model.plan.rate,
-            "ppl": scores["ppl"], "ppl_change_pct": 100 * (scores["ppl"] / base["ppl"] - 1),
-            "agreement": scores["agreement"]}
+    """One result row: the variant, its target and achieved rate, and its scores beside the baseline's."""
+    return {
+        "calibration": calibration,
+        "variant": variant,
+        "target_rate": target,
+        "rate": model.plan.rate,
+        "ppl": scores["ppl"],
+        "ppl_change_pct": 100 * (scores["ppl"] / base["ppl"] - 1),
+        "agreement": scores["agreement"],
+    }
 
 
 def _variants(base, args):
@@ -97,11 +107,13 @@ def _variants(base, args):
 
 
 def _compressed(base, stats, p, method, adaptive):
+    """``base`` compressed to target rate ``p`` by ``method`` (adaptive or uniform ranks) from ``stats``."""
     plan, bases = make_plan(base, stats, target_rate=p, method=method, adaptive=adaptive)
     return fold(base, plan, bases)
 
 
 def run_rates(base, ev, args):
+    """One row per calibration source, variant and ``--rates`` target."""
     rows = []
     for source, variant, method, adaptive, stats in _variants(base, args):
         for p in args.rates:
@@ -124,18 +136,29 @@ def run_search(base, ev, args):
                 lo, best = max(mid, model.plan.rate), row
             else:
                 hi = mid
-        rows.append(best or {"calibration": source, "variant": variant, "target_rate": 0.0, "rate": 0.0,
-                             "ppl": ev.base["ppl"], "ppl_change_pct": 0.0, "agreement": ev.base["agreement"]})
+        rows.append(
+            best
+            or {
+                "calibration": source,
+                "variant": variant,
+                "target_rate": 0.0,
+                "rate": 0.0,
+                "ppl": ev.base["ppl"],
+                "ppl_change_pct": 0.0,
+                "agreement": ev.base["agreement"],
+            }
+        )
         print(_fmt(rows[-1]), flush=True)
     return rows
 
 
 def run_stability(base, args):
-    """Average |R|, average |R_random - R_text| (signs aligned), and the overlap of their leading half-subspaces,
-    for growing calibration token counts."""
+    """Per calibration token count: mean |R|, mean |R_random - R_text| and their leading half-subspaces' overlap."""
     counts = [c for c in (2048, 4096, 8192, 16384, 32768) if c <= args.max_tokens]
-    snaps = {src: calibrate(base, calibration_tokens(base, src, counts[-1], args.seq_len, seed=0), snapshots=counts)
-             for src in ("random", "text")}
+    snaps = {
+        src: calibrate(base, calibration_tokens(base, src, counts[-1], args.seq_len, seed=0), snapshots=counts)
+        for src in ("random", "text")
+    }
     rows = []
     for count in counts:
         row = {"tokens": count}
@@ -147,7 +170,7 @@ def run_stability(base, args):
             # element-wise differences overstate change inside near-degenerate eigenvalue clusters; the overlap of
             # the leading half-subspaces (1 = the same subspace) is what truncation depends on
             overlap = np.linalg.norm(np.swapaxes(r_rand[..., :half], -1, -2) @ r_text[..., :half], axis=(-2, -1))
-            row[f"{kind}_half_subspace_overlap"] = float(np.mean(overlap ** 2 / half))
+            row[f"{kind}_half_subspace_overlap"] = float(np.mean(overlap**2 / half))
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -159,17 +182,22 @@ def _rotation(stats, kind, model):
 
 
 def run_transformers(args):
+    """kvjax's perplexity on the reference tokens beside transformers' (from the stored reference)."""
     ref = np.load(REFERENCE)
     model = kvjax.load(args.model, dtype=args.dtype)
-    return [{"implementation": "kvjax", "dtype": args.dtype, "ppl": perplexity(model, ref["ppl_tokens"])},
-            {"implementation": "transformers (GGUF)", "dtype": "float32", "ppl": float(ref["ppl"])}]
+    return [
+        {"implementation": "kvjax", "dtype": args.dtype, "ppl": perplexity(model, ref["ppl_tokens"])},
+        {"implementation": "transformers (GGUF)", "dtype": "float32", "ppl": float(ref["ppl"])},
+    ]
 
 
 def _fmt(row) -> str:
+    """A row's values joined by " | " (floats to 4 places)."""
     return " | ".join(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row.values())
 
 
 def table(rows) -> str:
+    """Rows as a markdown table."""
     if not rows:
         return "(no rows)"
     keys = list(rows[0])
@@ -179,7 +207,10 @@ def table(rows) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The command line: one mode's rows, printed as a table and optionally written as JSON."""
+    p = argparse.ArgumentParser(
+        description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("mode", choices=("rates", "search", "stability", "transformers"))
     p.add_argument("--model", default="smollm2", help="model path or 'smollm2' (default)")
     p.add_argument("--dtype", default="float32")
@@ -209,8 +240,18 @@ def main(argv=None):
             ev = Evaluator(base, args.eval_tokens, args.prompts, args.prompt_len, args.new_tokens)
             print(f"uncompressed: perplexity {ev.base['ppl']:.4f}, agreement {ev.base['agreement']:.4f}", flush=True)
             rows = (run_rates if args.mode == "rates" else run_search)(base, ev, args)
-            rows.insert(0, {"calibration": "-", "variant": "uncompressed", "target_rate": 0.0, "rate": 0.0,
-                            "ppl": ev.base["ppl"], "ppl_change_pct": 0.0, "agreement": ev.base["agreement"]})
+            rows.insert(
+                0,
+                {
+                    "calibration": "-",
+                    "variant": "uncompressed",
+                    "target_rate": 0.0,
+                    "rate": 0.0,
+                    "ppl": ev.base["ppl"],
+                    "ppl_change_pct": 0.0,
+                    "agreement": ev.base["agreement"],
+                },
+            )
     print(f"\n{args.mode} on {args.model} ({args.dtype}), {time.time() - start:.0f} s\n\n{table(rows)}")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,46 +1,74 @@
-"""Batch invariance: how often batching changes greedy tokens, where the changes come from, and what the
-batch-invariant mode (``kvjax.generate(..., batch_invariant=True)``) costs.
+"""Batch invariance measured: how often batching changes greedy tokens, where the changes come from (GEMM rows,
+prefill padding, the decode plan), and what the batch-invariant mode (``kvjax.generate(..., batch_invariant=True)``)
+costs in decode kernel time and prefill time; ``--help`` describes each section. Results: bench/RESULTS.md "Batch
+invariance"."""
 
-    PYTHONPATH=. python bench/invariance.py [--only count,probes,cost] [--prompts 200] [--dtype bfloat16]
-
-count:  N random prompts (lengths 8-256, random ids) through a random Llama-shaped model, greedy; each prompt's
-        tokens batched (``--max-batch``) against the same prompt alone, in the default and the invariant mode;
-        a difference in the first token comes from prefill, a later one from decode.
-probes: the candidate sources one at a time, bitwise: a GEMM row computed in batches of 1 to 64 rows; a prompt's
-        prefill logits padded to longer buckets; a sequence's decode attention (the kernels, on a GPU) planned
-        with other sequences beside it against alone, with the default and the fixed-chunk schedule.
-cost:   (GPU) the decode kernel per layer with the default plan against the fixed-chunk plan, beside the floor
-        (CUPTI), at rate 0 and 0.5 on Llama-3.1-8B attention shapes; and prefill of B prompts batched against one
-        at a time on a 2-layer Llama-3.1-8B-shaped model (host timer, whole calls of tens of ms).
-Prints tables and writes bench/invariance.json.
-"""
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
 import os
-import sys
+import textwrap
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from decode import kvjax_decode_call
+from flax import nnx
+from harness import PagedCase, copies_for, copy_bandwidth, pick_layer, rank_plan, time_calls
 
 import kvjax
 from kvjax.models.config import ModelConfig
-from kvjax.schedule import bucket
+from kvjax.ops import attention
+from kvjax.ops.decode.config import DECODE
+from kvjax.ops.decode.kernel import paged_decode
+from kvjax.ops.decode.plan import bucket, build_decode_schedule, fixed_chunk_schedule
+from kvjax.runtime.engine import Engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECTIONS = {
+    "count": "N random prompts (lengths 8-256, random ids) through a random Llama-shaped model, greedy; each "
+    "prompt's tokens batched (--max-batch) against the same prompt alone, in the default and the invariant "
+    "mode; a difference in the first token comes from prefill, a later one from decode",
+    "probes": "the candidate sources one at a time, bitwise: a GEMM row computed in batches of 1 to 256 rows; a "
+    "prompt's prefill logits padded to longer buckets; a sequence's decode attention (the kernels, on a "
+    "GPU) planned with other sequences beside it against alone, with the default and the fixed-chunk plan",
+    "cost": "(GPU) the decode kernel per layer with the default plan against the fixed-chunk plan, beside the floor "
+    "(CUPTI), at rate 0 and 0.5 on Llama-3.1-8B attention shapes; and prefill of B prompts batched against "
+    "one at a time on a 2-layer Llama-3.1-8B-shaped model (host timer, whole calls of tens of ms)",
+}
 
-SMALL = ModelConfig(arch="llama", num_layers=4, num_heads=8, num_kv_heads=2, head_dim=64, hidden_size=512,
-                    intermediate_size=1024, vocab_size=2048, norm_eps=1e-5, max_position_embeddings=1024)
-LLAMA8B_2L = ModelConfig(arch="llama", num_layers=2, num_heads=32, num_kv_heads=8, head_dim=128, hidden_size=4096,
-                         intermediate_size=14336, vocab_size=128256, norm_eps=1e-5, rope_theta=5e5,
-                         max_position_embeddings=8192)
+SMALL = ModelConfig(
+    arch="llama",
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=64,
+    hidden_size=512,
+    intermediate_size=1024,
+    vocab_size=2048,
+    norm_eps=1e-5,
+    max_position_embeddings=1024,
+)
+LLAMA8B_2L = ModelConfig(
+    arch="llama",
+    num_layers=2,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    hidden_size=4096,
+    intermediate_size=14336,
+    vocab_size=128256,
+    norm_eps=1e-5,
+    rope_theta=5e5,
+    max_position_embeddings=8192,
+)
 
 
 def count(args) -> dict:
+    """Prompts whose greedy tokens differ batched vs alone, by mode, and whether the first token (prefill) differs."""
     model = kvjax.Model.random(SMALL, dtype=args.dtype, seed=args.seed)
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, SMALL.vocab_size, int(n)).tolist() for n in rng.integers(8, 257, args.prompts)]
@@ -50,24 +78,29 @@ def count(args) -> dict:
         t0 = time.perf_counter()
         batched = [r.tokens for r in kvjax.generate(model, prompts, batch_invariant=inv, **opts)]
         alone = [kvjax.generate(model, [p], batch_invariant=inv, **opts)[0].tokens for p in prompts]
-        differ = [i for i, (a, b) in enumerate(zip(batched, alone)) if a != b]
+        differ = [i for i, (a, b) in enumerate(zip(batched, alone, strict=True)) if a != b]
         first = sum(batched[i][0] != alone[i][0] for i in differ)
-        out[mode] = dict(differ=len(differ), first_token=first, later=len(differ) - first,
-                         seconds=time.perf_counter() - t0)
-    print(f"\n{args.prompts} prompts, {args.dtype}, {args.new_tokens} new tokens, max_batch {args.max_batch}, "
-          f"backend {jax.default_backend()}:\n| mode | prompts whose tokens differ batched vs alone | first token "
-          f"(prefill) | later (decode) |\n|---|---|---|---|")
+        out[mode] = dict(
+            differ=len(differ), first_token=first, later=len(differ) - first, seconds=time.perf_counter() - t0
+        )
+    print(
+        f"\n{args.prompts} prompts, {args.dtype}, {args.new_tokens} new tokens, max_batch {args.max_batch}, "
+        f"backend {jax.default_backend()}:\n| mode | prompts whose tokens differ batched vs alone | first token "
+        f"(prefill) | later (decode) |\n|---|---|---|---|"
+    )
     for mode, r in out.items():
         print(f"| {mode} | {r['differ']} of {args.prompts} | {r['first_token']} | {r['later']} |")
     return out
 
 
 def _bitwise(a, b) -> tuple[bool, float]:
+    """(whether a and b are bitwise equal, their largest absolute difference)."""
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return bool(np.array_equal(a, b)), float(np.max(np.abs(a - b)))
 
 
 def probes(args) -> dict:
+    """Bitwise probes of each candidate source: GEMM rows, prefill padding, and (on a GPU) the decode plan."""
     dtype = jnp.dtype(args.dtype)
     key = jax.random.key(args.seed)
     k1, k2, k3 = jax.random.split(key, 3)
@@ -81,8 +114,6 @@ def probes(args) -> dict:
     # Prefill: a prompt's last-token logits as its padded length grows (what a longer prompt beside it does).
     model = kvjax.Model.random(SMALL, dtype=args.dtype, seed=args.seed)
     prompt = np.asarray(jax.random.randint(k3, (1, 40), 0, SMALL.vocab_size))
-    from kvjax.engine import Engine
-
     engine = Engine(model, max_batch=1, max_seq_len=512, page_size=16)
     table = np.arange(1, 33, dtype=np.int32)[None]
     lengths = np.array([40], np.int32)
@@ -98,18 +129,16 @@ def probes(args) -> dict:
 
 
 def _prefill_logits(model, engine, tokens, lengths, table):
-    from flax import nnx
-
-    from kvjax import attention
-
+    """Last-token logits of prompts ``tokens`` [B, T] of ``lengths`` run through the engine's prefill op."""
     module = nnx.merge(model.graphdef, model.state)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     ks, vs = list(engine.cache.k), list(engine.cache.v)
 
     def attend(i, q, k, v, rebuild=None):
-        o, ks[i], vs[i] = attention.prefill(q, k, v, module.layouts[i], ks[i], vs[i], table, lengths,
-                                            backend=engine.backend, rebuild=rebuild)
+        o, ks[i], vs[i] = attention.prefill(
+            q, k, v, module.layouts[i], ks[i], vs[i], table, lengths, op=engine.prefill_op, rebuild=rebuild
+        )
         return o
 
     hidden = module.hidden(tokens, positions, attend)
@@ -118,10 +147,6 @@ def _prefill_logits(model, engine, tokens, lengths, table):
 
 def _decode_probe(args) -> dict:
     """Sequence 0's decode attention output: alone vs beside 31 others, default plan vs fixed-chunk plan."""
-    from kernels import rank_plan
-    from kvjax.pallas.decode import paged_decode
-    from kvjax.schedule import FIXED_CHUNK_TOKENS, build_decode_schedule, fixed_chunk_schedule
-
     rows = {}
     for rate in (0.0, 0.5):
         lay = rank_plan(rate)[0]
@@ -136,52 +161,67 @@ def _decode_probe(args) -> dict:
         table = jnp.asarray(1 + np.arange(b * pps, dtype=np.int32).reshape(b, pps))
         lengths = np.random.default_rng(args.seed).integers(ctx // 2, ctx + 1, b).astype(np.int32)
         lengths[0] = 3000
-
-        def run(batch, fixed):
-            lens = lengths[:batch]
-            if fixed:
-                chunk = FIXED_CHUNK_TOKENS // ps
-                plan = fixed_chunk_schedule(lens, lay, ps, chunk_pages=chunk, splits=pps // chunk)
-            else:
-                plan = build_decode_schedule(lens, lay, ps)
-            return paged_decode(q[:batch], k, v, table[:batch], jnp.asarray(lens), plan.schedule.layer(0), lay)[0]
-
+        inputs = (q, k, v, table, lengths, lay)
         for fixed in (False, True):
-            rows[f"rate {rate} {'fixed' if fixed else 'default'} plan"] = _bitwise(run(b, fixed), run(1, fixed))
+            rows[f"rate {rate} {'fixed' if fixed else 'default'} plan"] = _bitwise(
+                _first_row(*inputs, batch=b, fixed=fixed), _first_row(*inputs, batch=1, fixed=fixed)
+            )
     return rows
+
+
+def _first_row(q, k, v, table, lengths, lay, *, batch, fixed):
+    """Row 0 of decode attention over the first ``batch`` sequences, planned by default or in fixed chunks."""
+    lens, ps = lengths[:batch], k.shape[1]
+    if fixed:
+        chunk = DECODE.fixed_chunk_tokens // ps
+        plan = fixed_chunk_schedule(lens, lay, ps, chunk_pages=chunk, splits=table.shape[1] // chunk)
+    else:
+        plan = build_decode_schedule(lens, lay, ps)
+    return paged_decode(q[:batch], k, v, table[:batch], jnp.asarray(lens), plan.schedule.layer(0), lay)[0]
 
 
 def cost(args) -> dict:
     """Decode kernel per layer, default plan vs fixed-chunk plan (CUPTI), and prefill batched vs one at a time."""
-    import kernels as kb
-    from kvjax.schedule import FIXED_CHUNK_TOKENS, build_decode_schedule, fixed_chunk_schedule
-
-    bw = kb.copy_bandwidth()
+    bw = copy_bandwidth()
     key = jax.random.key(args.seed)
     out = {"copy_bandwidth_GBps": bw / 1e9, "decode": [], "prefill": []}
-    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s\n| shape | rate | default plan us | fixed-chunk plan us | floor us | "
-          f"fixed / default |\n|---|---|---|---|---|---|")
+    print(
+        f"\ncopy bandwidth {bw / 1e9:.0f} GB/s\n| shape | rate | default plan us | fixed-chunk plan us | floor us | "
+        f"fixed / default |\n|---|---|---|---|---|---|"
+    )
     for b, ctx in ((32, 2048), (32, 4096), (128, 4096), (1, 32768)):
         for rate in (0.0, 0.5):
-            lay = kb.pick_layer(kb.rank_plan(rate), rate)
+            lay = pick_layer(rank_plan(rate), rate)
             ps = 16
-            case = kb.PagedCase(lay, b, np.full(b, ctx), ps, kb.copies_for(b * ctx * (lay.k_cols + lay.v_cols) * 2),
-                                key)
-            chunk = FIXED_CHUNK_TOKENS // ps
-            plans = {"default": build_decode_schedule(case.lengths, lay, ps),
-                     "fixed": fixed_chunk_schedule(case.lengths, lay, ps, chunk_pages=chunk,
-                                                   splits=bucket(-(-ctx // FIXED_CHUNK_TOKENS)))}
-            t = {name: kb.time_calls(*kb.kvjax_decode_call(case, p.schedule.layer(0), key))
-                 for name, p in plans.items()}
+            case = PagedCase(lay, b, np.full(b, ctx), ps, copies_for(b * ctx * (lay.k_cols + lay.v_cols) * 2), key)
+            chunk = DECODE.fixed_chunk_tokens // ps
+            plans = {
+                "default": build_decode_schedule(case.lengths, lay, ps),
+                "fixed": fixed_chunk_schedule(
+                    case.lengths, lay, ps, chunk_pages=chunk, splits=bucket(-(-ctx // DECODE.fixed_chunk_tokens))
+                ),
+            }
+            t = {name: time_calls(*kvjax_decode_call(case, p.schedule.layer(0), key)) for name, p in plans.items()}
             floor = case.bytes / bw
-            row = dict(batch=b, ctx=ctx, rate=rate, default_us=t["default"] * 1e6, fixed_us=t["fixed"] * 1e6,
-                       floor_us=floor * 1e6)
+            row = dict(
+                batch=b,
+                ctx=ctx,
+                rate=rate,
+                default_us=t["default"] * 1e6,
+                fixed_us=t["fixed"] * 1e6,
+                floor_us=floor * 1e6,
+            )
             out["decode"].append(row)
-            print(f"| B{b} x {ctx} | {rate} | {row['default_us']:.1f} | {row['fixed_us']:.1f} | "
-                  f"{row['floor_us']:.1f} | {t['fixed'] / t['default']:.2f}x |", flush=True)
+            print(
+                f"| B{b} x {ctx} | {rate} | {row['default_us']:.1f} | {row['fixed_us']:.1f} | "
+                f"{row['floor_us']:.1f} | {t['fixed'] / t['default']:.2f}x |",
+                flush=True,
+            )
     model = kvjax.Model.random(LLAMA8B_2L, dtype="bfloat16", seed=args.seed, scale=0.02)
-    print("\nprefill, 2-layer Llama-3.1-8B shape (host timer):\n| prompts | batched ms | one at a time ms | ratio |"
-          "\n|---|---|---|---|")
+    print(
+        "\nprefill, 2-layer Llama-3.1-8B shape (host timer):\n| prompts | batched ms | one at a time ms | ratio |"
+        "\n|---|---|---|---|"
+    )
     for b, t in ((8, 1024), (32, 512)):
         prompts = np.random.default_rng(args.seed).integers(0, LLAMA8B_2L.vocab_size, (b, t)).tolist()
         times = {}
@@ -199,22 +239,40 @@ def cost(args) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="count,probes,cost", help="sections: count, probes, cost (GPU)")
+    """Run the sections asked for, writing ``--out`` after each."""
+    epilog = "sections (--only):\n" + "\n".join(
+        textwrap.fill(what, 118, initial_indent=f"  {name:<8}", subsequent_indent=" " * 10)
+        for name, what in SECTIONS.items()
+    )
+    ap = argparse.ArgumentParser(
+        description=__doc__, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--only", default="count,probes,cost", help="comma list of sections: count, probes, cost (GPU)")
     ap.add_argument("--prompts", type=int, default=200)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "invariance.json"))
+    ap.add_argument(
+        "--out",
+        default=os.path.join(ROOT, "bench", "invariance.json"),
+        help="JSON of every section, rewritten after each",
+    )
     args = ap.parse_args(argv)
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    result = {"date": datetime.date.today().isoformat(), "device": str(jax.devices()[0].device_kind),
-              "args": vars(args)}
+    if unknown := sorted(set(args.only.split(",")) - set(SECTIONS)):
+        ap.error(f"unknown sections {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "device": str(jax.devices()[0].device_kind),
+        "args": vars(args),
+    }
     sections = {"count": count, "probes": probes, "cost": cost}
     for name in args.only.split(","):
         if name == "cost" and jax.default_backend() != "gpu":
-            print("cost: needs a GPU, skipped")
+            print(
+                f"cost: times the compiled decode kernel and needs a GPU (JAX backend: {jax.default_backend()}), "
+                "skipped"
+            )
             continue
         result[name] = sections[name](args)
         with open(args.out, "w") as f:  # after every section, so a cut-short run keeps what it measured

@@ -1,100 +1,99 @@
-"""What a decode kernel costs the H100 before it runs: registers, shared memory and code size, found on a CPU.
+"""What a kernel costs the H100 before it runs, found on a CPU: the registers, spills, shared memory, code size and
+the SASS instructions of each loop body of ``paged_decode`` (or, with ``--kernel prefill``, ``prefill_attention``
+and each of its width classes compiled alone, with its steady-state loop's instructions per score and opcode mix),
+for layouts given on the command line, lowered by Pallas for CUDA sm_90 here and compiled by the ``triton``
+package's own compiler and ptxas (``pip install triton``; not a kvjax dependency). Device time is scarce and a
+width-mixed kernel takes a minute to compile there, so questions such as which width class sets the register count
+are answered here; this Triton is not the exact build inside jaxlib, so expect the same trends and similar numbers
+(bench/RESULTS.md "Decode: registers and code size (offline)", "Decode: instructions per step by tile shape
+(offline)")."""
 
-    PYTHONPATH=. python bench/resources.py rate:0.5 uniform:64 widths:80,48/96,32 [--warps 4 --stages 3]
-    PYTHONPATH=. python bench/resources.py --kernel prefill rate:0.5 uniform:64 uniform:128 [--knob block_k=64]
-
-Besides registers and sizes, each row gives the SASS instructions in the body of every loop of the kernel (a loop
-is a backward branch), first to last: for a layout of one class, the first is the steady-state step (every token
-visible), the second its masked twin, the third the loop over a program's items.
-
-Each layout (``rate:R`` = the bench's representative layer of a rate-R plan, ``uniform:W``, or ``widths:K,K,../V,V,..``
-cycled over the 8 KV heads) is lowered by Pallas for CUDA (sm_90) on this machine, then compiled by the ``triton``
-package's own compiler and ptxas (``pip install triton``; it is not a kvjax dependency). Device time is scarce and
-every width-mixed kernel takes a minute to compile there, so questions like "which width class sets the register
-count" are answered here. Triton here is not the exact build inside jaxlib, so expect the same trends and similar,
-not identical, numbers (the rate-0.5 layer: 255 registers here and under Nsight Compute on the H100; uniform 64:
-144 here, 168 there).
-
-``--kernel prefill`` does the same for ``prefill_attention`` (batch 1, T 4096, bf16, writing pages; the bench's
-prefill knobs, ``--knob block_k=64`` etc. on top): the whole kernel's row, then each width class compiled alone,
-whose first loop is its steady-state (unmasked) step, with instructions per score (rows x keys / threads) and its
-MUFU.EX2 / HGMMA / FMNMX / FADD / FFMA / FMUL / F2FP counts.
-
-The IR first goes through Triton's own TTIR passes (``ttir_pipeline``): jaxlib runs them, ``triton.compile`` skips
-them for IR input, and without them no dot takes an accumulator (every prefill K piece cost one FADD per score, and
-decode loops counted 1-2% more instructions than since).
-
-Pallas asks the GPU for its compute capability while lowering; with no GPU the lookup is replaced by sm_90.
-"""
 from __future__ import annotations
 
 import argparse
 import ast
 import collections
+import dataclasses
+import importlib.util
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from harness import HKV, HQ, D, pick_layer, rank_plan, uniform
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from kvjax.layout import HeadLayout  # noqa: E402
-from kvjax.pallas.common import run_classes, width_classes  # noqa: E402
-from kvjax.runs import loaded_columns  # noqa: E402
-from kvjax.pallas.decode import paged_decode  # noqa: E402
-from kvjax.pallas.prefill import block_rows, keys_per_step, prefill_attention  # noqa: E402
-from kvjax.schedule import PACK_TILE, build_decode_schedule  # noqa: E402
+from kvjax.layout import HeadLayout
+from kvjax.ops.decode.config import DECODE, DecodeConfig
+from kvjax.ops.decode.kernel import paged_decode, run_classes
+from kvjax.ops.decode.plan import build_decode_schedule
+from kvjax.ops.prefill.config import PREFILL, PrefillConfig
+from kvjax.ops.prefill.kernel import prefill_attention
+from kvjax.ops.prefill.plan import block_rows, keys_per_step, width_classes
+from kvjax.ops.tiles import loaded_columns
 
-HQ, HKV, D = 32, 8, 128
+EPILOG = """examples:
+  python bench/resources.py rate:0.5 uniform:64 widths:80,48/96,32 [--warps 4 --stages 3]
+  python bench/resources.py --kernel prefill rate:0.5 uniform:64 uniform:128 [--knob block_k=64]
+
+Layouts: rate:R (the bench's representative layer of a rate-R plan), uniform:W, or widths:K,K,../V,V,.. (cycled
+over the 8 KV heads). Each decode row gives the SASS instructions in the body of every loop of the kernel (a loop
+is a backward branch), first to last: for a layout of one class, the first is the steady-state step (every token
+visible), the second its masked twin, the third the loop over a program's items. The prefill report gives the
+whole kernel's row, then each width class compiled alone, whose first loop is its steady-state (unmasked) step,
+with instructions per score (rows x keys / threads) and its MUFU.EX2 / HGMMA / FMNMX / FADD / FFMA / FMUL / F2FP
+counts."""
 
 
 def layout_of(spec: str) -> HeadLayout:
+    """The layout a command-line spec names: rate:R, uniform:W or widths:K,../V,.. (cycled over the KV heads)."""
     kind, _, val = spec.partition(":")
     if kind == "uniform":
-        return HeadLayout(HQ, HKV, D, (int(val),) * HKV, (int(val),) * HKV)
+        return uniform(int(val))
     if kind == "rate":
-        from bench.kernels import pick_layer, rank_plan
-
         return pick_layer(rank_plan(float(val)), float(val))
     if kind == "widths":
         k, v = ([int(x) for x in part.split(",")] for part in val.split("/"))
-        cycle = lambda ws: tuple(ws[h % len(ws)] for h in range(HKV))
-        return HeadLayout(HQ, HKV, D, cycle(k), cycle(v))
+        return HeadLayout(HQ, HKV, D, *(tuple(ws[h % len(ws)] for h in range(HKV)) for ws in (k, v)))
     raise SystemExit(f"unknown layout {spec!r}: use rate:R, uniform:W or widths:K,../V,..")
 
 
-def triton_ir(layout: HeadLayout, batch=32, ctx=4096, page_size=32, pack_tile=PACK_TILE, **knobs) -> str:
-    """The Triton IR Pallas builds for ``paged_decode`` on this layout, lowered for CUDA without a GPU."""
+def triton_ir(layout: HeadLayout, config: DecodeConfig = DECODE, batch=32, ctx=4096, page_size=32) -> str:
+    """The Triton IR Pallas builds for ``paged_decode`` on this layout, planned and run with ``config``."""
     pps = ctx // page_size
     pages = batch * pps + 1
-    plan = build_decode_schedule(np.full(batch, ctx), layout, page_size, 264, pack_tile=pack_tile).schedule.layer(0)
+    plan = build_decode_schedule(np.full(batch, ctx), layout, page_size, config=config).schedule.layer(0)
     bf16 = jnp.bfloat16
-    args = (jax.ShapeDtypeStruct((batch, layout.q_cols), bf16),
-            jax.ShapeDtypeStruct((pages, page_size, layout.k_cols), bf16),
-            jax.ShapeDtypeStruct((pages, page_size, layout.v_cols), bf16),
-            jax.ShapeDtypeStruct((batch, pps), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32), plan)
-    return lowered_ir(lambda *a: paged_decode(*a, layout, **knobs), args)
+    args = (
+        jax.ShapeDtypeStruct((batch, layout.q_cols), bf16),
+        jax.ShapeDtypeStruct((pages, page_size, layout.k_cols), bf16),
+        jax.ShapeDtypeStruct((pages, page_size, layout.v_cols), bf16),
+        jax.ShapeDtypeStruct((batch, pps), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        plan,
+    )
+    return lowered_ir(lambda *a: paged_decode(*a, layout), args)
 
 
-def prefill_ir(layout: HeadLayout, batch=1, t=4096, page_size=32, **knobs) -> str:
+def prefill_ir(layout: HeadLayout, config: PrefillConfig = PREFILL, batch=1, t=4096, page_size=32) -> str:
     """The Triton IR of ``prefill_attention`` as the bench times it (bf16, writing the prompt's K/V pages)."""
     pps = t // page_size
     bf16 = jnp.bfloat16
     args = tuple(jax.ShapeDtypeStruct((batch, t, c), bf16) for c in (layout.q_cols, layout.k_cols, layout.v_cols))
-    args += (jax.ShapeDtypeStruct((batch,), jnp.int32),
-             *(jax.ShapeDtypeStruct((batch * pps + 1, page_size, c), bf16) for c in (layout.k_cols, layout.v_cols)),
-             jax.ShapeDtypeStruct((batch, pps), jnp.int32))
-    return lowered_ir(lambda q, k, v, *rest: prefill_attention(q, k, v, layout, *rest, **knobs), args)
+    args += (
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        *(jax.ShapeDtypeStruct((batch * pps + 1, page_size, c), bf16) for c in (layout.k_cols, layout.v_cols)),
+        jax.ShapeDtypeStruct((batch, pps), jnp.int32),
+    )
+    return lowered_ir(lambda q, k, v, *rest: prefill_attention(q, k, v, layout, *rest, config=config), args)
 
 
 def lowered_ir(fn, args) -> str:
     """The Triton IR of the (one) Pallas kernel in ``fn(*args)``, lowered for CUDA sm_90 without a GPU."""
+    # Pallas asks the GPU for its compute capability while lowering: the lookup answers 9.0 meanwhile
     from jax._src.pallas.triton import pallas_call_registration as registration
 
     captured = []
@@ -107,7 +106,8 @@ def lowered_ir(fn, args) -> str:
 
     gpu_info = registration.gpu_info_lib
     registration.gpu_info_lib = types.SimpleNamespace(
-        get_gpu_info=lambda: types.SimpleNamespace(compute_capability="9.0"))
+        get_gpu_info=lambda: types.SimpleNamespace(compute_capability="9.0")
+    )
     registration.lowering.lower_jaxpr_to_triton_module = capture
     try:
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
@@ -118,8 +118,7 @@ def lowered_ir(fn, args) -> str:
 
 
 def resources(ir: str, warps: int, stages: int) -> dict:
-    """Registers, spills (local bytes), shared memory and static SASS instructions of the IR compiled for sm_90
-    after the TTIR passes jaxlib runs (``ttir_pipeline``); ``loop_ops`` counts each loop body's opcodes."""
+    """Registers, spills, shared memory, SASS instructions and loop bodies (``loop_ops``) of ``ir`` built for sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -134,20 +133,31 @@ def resources(ir: str, warps: int, stages: int) -> dict:
         cubin = os.path.join(tmp, "kernel.cubin")
         with open(cubin, "wb") as f:
             f.write(kernel.asm["cubin"])
-        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", cubin], capture_output=True,
-                               text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", cubin], capture_output=True, text=True,
-                              check=True).stdout
-    field = lambda name: int(re.search(rf"\b{name}:(\d+)", usage).group(1))
+        usage = subprocess.run(
+            [os.path.join(tools, "cuobjdump"), "-res-usage", cubin], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run(
+            [os.path.join(tools, "nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True
+        ).stdout
+
+    def field(name):
+        return int(re.search(rf"\b{name}:(\d+)", usage).group(1))
+
     instructions, loops = loop_bodies(sass)
-    return dict(registers=field("REG"), local_bytes=field("LOCAL"), shared_bytes=kernel.metadata.shared,
-                sass_instructions=len(instructions), loops=[b - a for a, b in loops],
-                loop_ops=[collections.Counter(opcode(i) for i in instructions[a:b]) for a, b in loops])
+    return dict(
+        registers=field("REG"),
+        local_bytes=field("LOCAL"),
+        shared_bytes=kernel.metadata.shared,
+        sass_instructions=len(instructions),
+        loops=[b - a for a, b in loops],
+        loop_ops=[collections.Counter(opcode(i) for i in instructions[a:b]) for a, b in loops],
+    )
 
 
 def ttir_pipeline(ir: str, target, options) -> str:
-    """``ir`` after Triton's own TTIR passes (``make_ttir``: combine, canonicalize, CSE), as text: ``triton.compile``
-    skips them for IR input, and without them ``acc + dot(p, v)`` is not fused into the dot's accumulator."""
+    """``ir`` after Triton's own TTIR passes (``make_ttir``: combine, canonicalize, CSE), as text."""
+    # jaxlib runs them; ``triton.compile`` skips them for IR input, and without them ``acc + dot(p, v)`` is not fused
+    # into the dot's accumulator (every prefill K piece cost one FADD per score)
     from triton._C.libtriton import ir as tir
     from triton.compiler.compiler import make_backend
 
@@ -165,8 +175,7 @@ def ttir_pipeline(ir: str, target, options) -> str:
 
 
 def loop_bodies(sass: str) -> tuple[list[str], list[tuple[int, int]]]:
-    """The instructions of ``nvdisasm`` output, and the [start, end) range of each loop body in them (a branch back
-    to an earlier label), in code order."""
+    """The instructions of ``nvdisasm`` output and the [start, end) of each loop body (a branch back), in order."""
     instructions, labels, loops = [], {}, []
     for line in sass.splitlines():
         label = re.match(r"^\s*(\.L_x_\d+):", line)
@@ -193,81 +202,126 @@ def knob_value(text: str):
         return text
 
 
-def prefill_report(specs, warps: int, stages: int, knobs: dict):
-    """The whole kernel of each layout, then each width class compiled alone (one class: its loops are easy to
-    name) with its steady-state loop's instructions per score and opcode mix."""
-    print("| layout | classes | registers | spilled bytes | shared bytes | SASS instructions | loop bodies |\n"
-          "|---|---|---|---|---|---|---|")
+def prefill_report(specs, config: PrefillConfig):
+    """Each layout's whole kernel, then each width class alone with its steady loop's instructions per score."""
+    warps, stages = config.num_warps, config.num_stages
+    print(
+        "| layout | classes | registers | spilled bytes | shared bytes | SASS instructions | loop bodies |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     for spec in specs:
         layout = layout_of(spec)
-        r = resources(prefill_ir(layout, num_warps=warps, **knobs), warps, stages)
-        print(f"| {spec} | {len(width_classes(layout)[0])} | {r['registers']} | {r['local_bytes']} | "
-              f"{r['shared_bytes']} | {r['sass_instructions']} | {' '.join(map(str, r['loops']))} |", flush=True)
+        r = resources(prefill_ir(layout, config), warps, stages)
+        print(
+            f"| {spec} | {len(width_classes(layout)[0])} | {r['registers']} | {r['local_bytes']} | "
+            f"{r['shared_bytes']} | {r['sass_instructions']} | {' '.join(map(str, r['loops']))} |",
+            flush=True,
+        )
     ops = ("MUFU.EX2", "HGMMA", "FMNMX", "FADD", "FFMA", "FMUL", "F2FP")
-    print("\nSteady-state (unmasked) loop of each class compiled alone; opcode columns count its body, per score "
-          "= per (row, key) pair a thread owns in one step (rows x keys / threads).\n")
-    print(f"| layout | K/V width | heads | rows x keys | registers | steady | masked | instr/score | "
-          f"{' | '.join(ops)} | other |\n|{'---|' * (9 + len(ops))}")
+    print(
+        "\nSteady-state (unmasked) loop of each class compiled alone; opcode columns count its body, per score "
+        "= per (row, key) pair a thread owns in one step (rows x keys / threads).\n"
+    )
+    print(
+        f"| layout | K/V width | heads | rows x keys | registers | steady | masked | instr/score | "
+        f"{' | '.join(ops)} | other |\n|{'---|' * (9 + len(ops))}"
+    )
     for spec in specs:
         layout = layout_of(spec)
         classes, _ = width_classes(layout)
         total = weight = 0
         for cls in classes:
             alone = HeadLayout(HQ, HKV, D, (cls.k_width,) * HKV, (cls.v_width,) * HKV)
-            r = resources(prefill_ir(alone, num_warps=warps, **knobs), warps, stages)
-            rows, keys = prefill_tile(cls, knobs)
+            r = resources(prefill_ir(alone, config), warps, stages)
+            rows, keys = prefill_tile(cls, config)
             steady, counts = r["loops"][0], r["loop_ops"][0]
             per_score = steady / (rows * keys / (warps * 32))
             total, weight = total + per_score * len(cls.heads), weight + len(cls.heads)
             mix = [sum(n for op, n in counts.items() if op.startswith(name)) for name in ops]
-            print(f"| {spec} | {cls.k_width}/{cls.v_width} | {len(cls.heads)} | {rows}x{keys} | {r['registers']} | "
-                  f"{steady} | {r['loops'][1]} | {per_score:.2f} | {' | '.join(map(str, mix))} | "
-                  f"{steady - sum(mix)} |", flush=True)
+            print(
+                f"| {spec} | {cls.k_width}/{cls.v_width} | {len(cls.heads)} | {rows}x{keys} | {r['registers']} | "
+                f"{steady} | {r['loops'][1]} | {per_score:.2f} | {' | '.join(map(str, mix))} | "
+                f"{steady - sum(mix)} |",
+                flush=True,
+            )
         if len(classes) > 1:
             print(f"| {spec} | mean over heads | {weight} | | | | | {total / weight:.2f} |{' |' * (len(ops) + 1)}")
 
 
-def prefill_tile(cls, knobs: dict) -> tuple[int, int]:
-    """(query rows, keys) of one loop step of a class at T 4096, bf16, as ``prefill_attention`` picks them
-    (``knobs``: the bench's defaults with the command line's on top)."""
-    segs = knobs["max_segments"]
-    rows = block_rows(cls, knobs["block_q"], 4096, knobs.get("balanced", True), knobs["max_block_q"], segs)
+def prefill_tile(cls, config: PrefillConfig) -> tuple[int, int]:
+    """(query rows, keys) of one loop step of a width class at T 4096, bf16, as ``prefill_attention`` picks them."""
+    segs = config.max_segments
+    rows = block_rows(cls, config.block_q, 4096, config.balanced, config.max_block_q, segs)
     cols = loaded_columns(cls.k_width, segs) + loaded_columns(cls.v_width, segs)
-    return rows, keys_per_step(knobs["block_k"], rows, cols, 2, knobs["num_stages"])
+    return rows, keys_per_step(config.block_k, rows, cols, 2, config.num_stages)
+
+
+def with_knobs(config, knobs: dict, warps: int | None, stages: int | None):
+    """``config`` with the ``--knob`` fields and ``--warps`` / ``--stages`` set (exits if a knob is no field)."""
+    fields = [f.name for f in dataclasses.fields(config)]
+    if unknown := sorted(set(knobs) - set(fields)):
+        raise SystemExit(f"unknown knob {', '.join(unknown)} for {type(config).__name__}: use {', '.join(fields)}")
+    knobs = dict(knobs, **({"num_warps": warps} if warps else {}), **({"num_stages": stages} if stages else {}))
+    return dataclasses.replace(config, **knobs)
+
+
+def changes(config, default) -> dict:
+    """The fields of ``config`` that differ from ``default``."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if v != getattr(default, k)}
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    """The command line: one table row per layout (decode), or the prefill report."""
+    ap = argparse.ArgumentParser(
+        description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("layouts", nargs="+", help="rate:R, uniform:W or widths:K,K,../V,V,.. (cycled over 8 KV heads)")
     ap.add_argument("--kernel", choices=("decode", "prefill"), default="decode")
-    ap.add_argument("--warps", type=int, help="default: 4 (decode), the bench's prefill knobs' 8 (prefill)")
-    ap.add_argument("--stages", type=int, help="default: 3")
-    ap.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
-                    help="a paged_decode (prefill_attention) keyword, e.g. --knob block_tokens=32 (repeatable), or "
-                         "pack_tile (the decode schedule's)")
+    ap.add_argument(
+        "--warps",
+        type=int,
+        help=f"default: DECODE's {DECODE.num_warps} (decode), PREFILL's {PREFILL.num_warps} (prefill)",
+    )
+    ap.add_argument("--stages", type=int, help=f"default: DECODE's {DECODE.num_stages}, PREFILL's {PREFILL.num_stages}")
+    ap.add_argument(
+        "--knob",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a DecodeConfig (PrefillConfig) field, e.g. --knob block_tokens=32 or --knob pack_tile=128 (repeatable)",
+    )
     args = ap.parse_args(argv)
     knobs = {k: knob_value(v) for k, v in (kv.split("=", 1) for kv in args.knob)}
+    if importlib.util.find_spec("triton") is None:
+        raise SystemExit(
+            "resources.py compiles the lowered kernels with the triton package's compiler and ptxas: "
+            "pip install triton (it is not a kvjax dependency)"
+        )
     if args.kernel == "prefill":
-        from bench.kernels import PREFILL_DEFAULTS
-
-        warps = args.warps or knobs.pop("num_warps", PREFILL_DEFAULTS["num_warps"])
-        stages = args.stages or knobs.pop("num_stages", PREFILL_DEFAULTS["num_stages"])
-        knobs = {**{k: v for k, v in PREFILL_DEFAULTS.items() if k not in ("num_warps", "num_stages")}, **knobs,
-                 "num_stages": stages}
-        print(f"prefill_attention, sm_90, batch 1, T 4096, bf16, writing pages, {warps} warps, {stages} stages, "
-              f"knobs {knobs}\n")
-        return prefill_report(args.layouts, warps, stages, knobs)
-    warps, stages = args.warps or 4, args.stages or 3
-    print(f"paged_decode, sm_90, {warps} warps, {stages} stages, knobs {knobs or 'default'}\n")
-    print("| layout | classes | registers | spilled bytes | shared bytes | SASS instructions | loop bodies |\n"
-          "|---|---|---|---|---|---|---|")
+        config = with_knobs(PREFILL, knobs, args.warps, args.stages)
+        print(
+            f"prefill_attention, sm_90, batch 1, T 4096, bf16, writing pages, {config.num_warps} warps, "
+            f"{config.num_stages} stages, PREFILL with {changes(config, PREFILL) or 'nothing changed'}\n"
+        )
+        return prefill_report(args.layouts, config)
+    config = with_knobs(DECODE, knobs, args.warps, args.stages)
+    print(
+        f"paged_decode, sm_90, {config.num_warps} warps, {config.num_stages} stages, DECODE with "
+        f"{changes(config, DECODE) or 'nothing changed'}\n"
+    )
+    print(
+        "| layout | classes | registers | spilled bytes | shared bytes | SASS instructions | loop bodies |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     for spec in args.layouts:
         layout = layout_of(spec)
-        ir = triton_ir(layout, num_warps=warps, num_stages=stages, **knobs)
-        r = resources(ir, warps, stages)
-        classes = len(run_classes(layout, knobs.get("pack_tile", PACK_TILE))[0])
-        print(f"| {spec} | {classes} | {r['registers']} | {r['local_bytes']} | "
-              f"{r['shared_bytes']} | {r['sass_instructions']} | {' '.join(map(str, r['loops']))} |", flush=True)
+        r = resources(triton_ir(layout, config), config.num_warps, config.num_stages)
+        classes = len(run_classes(layout, config)[0])
+        print(
+            f"| {spec} | {classes} | {r['registers']} | {r['local_bytes']} | "
+            f"{r['shared_bytes']} | {r['sass_instructions']} | {' '.join(map(str, r['loops']))} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
