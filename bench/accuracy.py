@@ -17,7 +17,7 @@ import numpy as np
 
 import kvjax
 from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
-from kvjax.compression.calibration import _eig
+from kvjax.compression.calibration import principal_axes
 from kvjax.compression.text import pydoc_text
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "smollm2_reference.npz")
@@ -178,7 +178,7 @@ def run_stability(base, args):
 
 def _rotation(stats, kind, model):
     """The orthogonal rotation R of a calibration: ZACK's shared Q/K rotation, or V's principal directions."""
-    return stats.basis("qk", model).down if kind == "qk" else _eig(stats.grams["v"])[0]
+    return stats.basis("qk", model).down if kind == "qk" else principal_axes(stats.grams["v"])[0]
 
 
 def run_transformers(args):

@@ -1,11 +1,11 @@
 import os
 
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+import jax
+import pytest
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+from kvjax.models.config import ModelConfig
 
-from kvjax.models.config import ModelConfig  # noqa: E402
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # before any test imports transformers
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 

@@ -44,15 +44,18 @@ class CalibrationStats:
         """
         g = self.grams
         if kind == "qk":
-            trace = lambda x: np.trace(x, axis1=-2, axis2=-1)[..., None, None]  # noqa: E731
-            down, s = _eig(g["q"] / trace(g["q"]) + g["k"] / trace(g["k"]))
+
+            def trace(x):
+                return np.trace(x, axis1=-2, axis2=-1)[..., None, None]
+
+            down, s = principal_axes(g["q"] / trace(g["q"]) + g["k"] / trace(g["k"]))
             return Basis(down, np.swapaxes(down, -1, -2), s)
         if kind == "k_pre":
-            down, s = _eig(g["k_pre"])
+            down, s = principal_axes(g["k_pre"])
             return Basis(down, np.swapaxes(down, -1, -2), s)
         if kind == "v":
             c, c_inv = _sqrtm(_wo_grams(model))
-            z, s = _eig(c @ g["v"] @ c)
+            z, s = principal_axes(c @ g["v"] @ c)
             return Basis(c @ z, np.swapaxes(z, -1, -2) @ c_inv, s)
         raise ValueError(f"unknown basis kind {kind!r}")
 
@@ -67,7 +70,7 @@ class Basis:
     s: np.ndarray
 
 
-def _eig(gram):
+def principal_axes(gram):
     """Eigenvectors by descending eigenvalue, each column's sign fixed (largest entry positive), and sqrt(eig)."""
     lam, vecs = np.linalg.eigh(gram)
     lam, vecs = lam[..., ::-1], vecs[..., ::-1]

@@ -53,7 +53,10 @@ def permute_heads(w: dict, order, group_size: int, head_dim: int) -> dict:
     """One layer's projections ``w`` ({(proj, "kernel" | "bias"): array or None}) with the KV heads in ``order``:
     the columns of q (G query heads per KV head), k and v and their biases, and the rows of o."""
     order = jnp.asarray(order)
-    heads = lambda x, block: x.reshape(*x.shape[:-1], -1, block)[..., order, :].reshape(x.shape)  # noqa: E731
+
+    def heads(x, block):
+        return x.reshape(*x.shape[:-1], -1, block)[..., order, :].reshape(x.shape)
+
     out = dict(w)
     for (proj, kind), x in w.items():
         if x is not None and proj in ("q", "k", "v"):
@@ -70,7 +73,10 @@ def fold(model: Model, plan, bases: dict) -> Model:
     old = dict(nnx.to_flat_state(nnx.state(model.module, nnx.Param)))
     module = nnx.eval_shape(lambda: Transformer(model.config, plan=plan, dtype=dtype, rngs=nnx.Rngs(0)))
     new = dict(nnx.to_flat_state(nnx.state(module, nnx.Param)))
-    f32 = lambda path: None if path not in old else old[path].get_value().astype(jnp.float32)  # noqa: E731
+
+    def f32(path):
+        return None if path not in old else old[path].get_value().astype(jnp.float32)
+
     values: dict[tuple, jax.Array] = {}
     for i, layout in enumerate(module.layouts):
         a = ("layers", i, "attn")

@@ -199,7 +199,10 @@ class GGUFCheckpoint:
         backend.add_special_tokens(
             [AddedToken(tok, special=True, normalized=False) for tok, kind_ in zip(tokens, types) if kind_ == 3]
         )
-        name = lambda key: None if self.field(key) is None else tokens[self.field(key)]  # noqa: E731
+
+        def name(key):
+            return None if self.field(key) is None else tokens[self.field(key)]
+
         return PreTrainedTokenizerFast(
             tokenizer_object=backend,
             bos_token=name("tokenizer.ggml.bos_token_id"),

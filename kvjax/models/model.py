@@ -18,7 +18,10 @@ from kvjax.ops.prefill.reference import causal_attention
 def _full_logits(graphdef, state, tokens):
     module = nnx.merge(graphdef, state)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    attend = lambda i, q, k, v, rebuild=None: causal_attention(q, k, v, module.layouts[i], rebuild)  # noqa
+
+    def attend(i, q, k, v, rebuild=None):
+        return causal_attention(q, k, v, module.layouts[i], rebuild)
+
     return module.logits(module.hidden(tokens, positions, attend))
 
 

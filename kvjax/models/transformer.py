@@ -74,7 +74,10 @@ class Attention(nnx.Module):
         self.k = Linear(e, layout.k_cols if method == "palu" else kv * d, bias=bias, dtype=dtype, rngs=rngs)
         self.v = Linear(e, layout.v_cols, bias=bias, dtype=dtype, rngs=rngs)
         self.o = Linear(layout.out_cols, e, bias=bias, dtype=dtype, rngs=rngs)
-        eye = lambda w: nnx.Param(jnp.eye(d, w, dtype=dtype))  # noqa: E731
+
+        def eye(w):
+            return nnx.Param(jnp.eye(d, w, dtype=dtype))
+
         self.qk_rotation = nnx.List([eye(w) for w in layout.k_widths]) if method == "zack" else None
         self.k_up = (
             nnx.List([nnx.Param(jnp.eye(w, d, dtype=dtype)) for w in layout.k_widths]) if method == "palu" else None
@@ -82,10 +85,16 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, inv_freq, layout: HeadLayout, attend: AttendFn, layer: int):
         b, t, _ = x.shape
-        heads = lambda y, n: y.reshape(b, t, n, layout.head_dim)  # noqa: E731
+
+        def heads(y, n):
+            return y.reshape(b, t, n, layout.head_dim)
+
         q = apply_rope(heads(self.q(x), layout.num_heads), positions, inv_freq)
         if self.method == "palu":
-            rebuild = lambda latent, pos: self.rebuild_k(latent, pos, inv_freq, layout)  # noqa: E731
+
+            def rebuild(latent, pos):
+                return self.rebuild_k(latent, pos, inv_freq, layout)
+
             return self.o(attend(layer, q.reshape(b, t, -1), self.k(x), self.v(x), rebuild))
         k = apply_rope(heads(self.k(x), layout.num_kv_heads), positions, inv_freq)
         if self.method == "zack":
