@@ -120,24 +120,15 @@ def build_decode_schedule(
     ``config.order`` (module doc); ``headroom_pages``: pages planned past each sequence's last one (one number, or
     one per sequence). Every visible page of every (sequence, unit) is planned exactly once."""
     if config.order == "auto":
-        plan = build_decode_schedule(
-            lengths,
-            layouts,
-            page_size,
-            num_programs,
-            config=dataclasses.replace(config, order="lpt"),
-            headroom_pages=headroom_pages,
-        )
-        if plan.balance >= config.auto_balance:
-            return plan
-        return build_decode_schedule(
-            lengths,
-            layouts,
-            page_size,
-            num_programs,
-            config=dataclasses.replace(config, order="stream"),
-            headroom_pages=headroom_pages,
-        )
+
+        def by(order):
+            options = dataclasses.replace(config, order=order)
+            return build_decode_schedule(
+                lengths, layouts, page_size, num_programs, config=options, headroom_pages=headroom_pages
+            )
+
+        plan = by("lpt")
+        return plan if plan.balance >= config.auto_balance else by("stream")
     layouts = _as_layouts(layouts)
     P = num_programs or config.num_programs()
     lengths = np.asarray(lengths, np.int64)
