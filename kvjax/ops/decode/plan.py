@@ -230,21 +230,7 @@ def _lpt(first_page, end_page, pages, page_cost, P, page_size, config):
         col[:, :N], dealt[:, :N] = np.arange(N), costs
     col, dealt = col.reshape(L, rounds, P), dealt.reshape(L, rounds, P)
 
-    # Deal in rounds of P: LPT gives each round's items, longest first, to the programs in order of load (ties by
-    # program: sorting 64-bit keys (load, program)); naive deals them round-robin.
-    if order == "lpt":
-        prog = np.empty((L, rounds, P), np.int64)
-        key = np.tile(np.arange(P), (L, 1))
-        for r in range(rounds):
-            if r:
-                key.sort(axis=1)
-            prog[:, r] = key & ((1 << pbits) - 1)
-            key += dealt[:, r] << pbits
-        loads = np.empty((L, P), np.int64)
-        np.put_along_axis(loads, key & ((1 << pbits) - 1), key >> pbits, axis=1)
-    else:
-        prog = np.broadcast_to(np.arange(P), (L, rounds, P))
-        loads = dealt.sum(axis=1)
+    prog, loads = _deal(dealt, order, pbits)
     R = bucket(rounds)
     table = np.full((L, P, R), T, np.int32)  # the item at each program and round; T: none
     where = prog * R + (np.arange(L)[:, None, None] * (P * R) + np.arange(rounds)[:, None])
@@ -254,6 +240,25 @@ def _lpt(first_page, end_page, pages, page_cost, P, page_size, config):
     items = np.take(fields.view(ITEM).ravel(), table).view(np.int32).reshape(L, P, R, 5)
 
     return DecodeSchedule(items, counts, merge_dest, merge_slots, config.for_run()), loads, per_layer
+
+
+def _deal(dealt, order: str, pbits: int):
+    """The program of every item of ``dealt`` [L, rounds, P] (their costs, longest first per round for LPT), and
+    the programs' loads [L, P]: LPT gives each round's items to the programs in order of load (ties by program:
+    sorting 64-bit keys (load, program)); naive deals them round-robin."""
+    L, rounds, P = dealt.shape
+    if order != "lpt":
+        return np.broadcast_to(np.arange(P), (L, rounds, P)), dealt.sum(axis=1)
+    prog = np.empty((L, rounds, P), np.int64)
+    key = np.tile(np.arange(P), (L, 1))
+    for r in range(rounds):
+        if r:
+            key.sort(axis=1)
+        prog[:, r] = key & ((1 << pbits) - 1)
+        key += dealt[:, r] << pbits
+    loads = np.empty((L, P), np.int64)
+    np.put_along_axis(loads, key & ((1 << pbits) - 1), key >> pbits, axis=1)
+    return prog, loads
 
 
 def fixed_chunk_schedule(

@@ -114,19 +114,7 @@ def _attend_block(
         jnp.full((bq,), MASK, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    live = q0 < length
-    diag_lo = q0 // bk
-    if window:  # the window's lower edge cuts blocks too: mask them all
-        first = jnp.maximum(q0 - window + 1, 0) // bk
-        carry = lax.fori_loop(
-            first, jnp.where(live, pl.cdiv(q_end, bk), first), functools.partial(body, masked=True), carry
-        )
-    else:
-        carry = lax.fori_loop(0, jnp.where(live, diag_lo, 0), functools.partial(body, masked=False), carry)
-        carry = lax.fori_loop(
-            diag_lo, jnp.where(live, pl.cdiv(q_end, bk), diag_lo), functools.partial(body, masked=True), carry
-        )
-    accs, _, l = carry
+    accs, _, l = _key_steps(body, carry, q0 < length, q0, q_end, bk, window)
     inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
     for acc, (a, t, w) in zip(accs, v_pieces):
         o_mask = row_ok & (cols_of(t) < w)
@@ -135,6 +123,21 @@ def _attend_block(
             (acc * inv_l[:, None]).astype(out_ref.dtype),
             mask=o_mask,
         )
+
+
+def _key_steps(body, carry, live, q0, q_end, bk, window):
+    """Run ``body`` over an item's key steps: unmasked left of the diagonal (every key exists and is visible),
+    masked on it; under a sliding window the window's lower edge cuts steps too, so all are masked."""
+    diag_lo = q0 // bk
+    if window:
+        first = jnp.maximum(q0 - window + 1, 0) // bk
+        return lax.fori_loop(
+            first, jnp.where(live, pl.cdiv(q_end, bk), first), functools.partial(body, masked=True), carry
+        )
+    carry = lax.fori_loop(0, jnp.where(live, diag_lo, 0), functools.partial(body, masked=False), carry)
+    return lax.fori_loop(
+        diag_lo, jnp.where(live, pl.cdiv(q_end, bk), diag_lo), functools.partial(body, masked=True), carry
+    )
 
 
 def _kernel(items_ref, lengths_ref, *refs, classes, class_of, group, **static):
