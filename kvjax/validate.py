@@ -8,6 +8,7 @@ values are then trusted: nothing past these checks re-validates them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -158,3 +159,16 @@ def arg(check: Callable, parse: Callable = str) -> Callable:
 
     convert.__name__ = getattr(check, "__name__", "value")  # argparse names the type in its messages
     return convert
+
+
+def int_fields(config, at_least_one=()) -> None:
+    """Every int field of a config dataclass is an int (not a bool), >= 1 when named in ``at_least_one``, else >= 0."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if field.type not in ("int", int):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{field.name} must be an integer, got {value!r}")
+        least = 1 if field.name in at_least_one else 0
+        if value < least:
+            raise ValueError(f"{field.name} must be at least {least}, got {value}")

@@ -173,3 +173,27 @@ def test_temperature_is_a_finite_non_negative_number(x):
     else:
         with pytest.raises((TypeError, ValueError), match="temperature must be"):
             validate.temperature(x)
+
+
+@pytest.mark.parametrize(
+    "make, field, value, message",
+    [
+        ("decode", "block_tokens", 0, "block_tokens must be at least 1, got 0"),
+        ("decode", "pack_tile", -16, "pack_tile must be at least 0, got -16"),
+        ("decode", "num_warps", True, "num_warps must be an integer, got True"),
+        ("decode", "token_cost", 2.5, "token_cost must be an integer, got 2.5"),
+        ("decode", "auto_balance", float("nan"), r"auto_balance must be in \[0, 1\], got nan"),
+        ("decode", "order", "fastest", "order must be one of"),
+        ("prefill", "block_q", 48, "block_q must be a power of two of at least 16, got 48"),
+        ("prefill", "num_stages", 0, "num_stages must be at least 1, got 0"),
+        ("prefill", "balanced", "yes", "balanced must be a bool, got 'yes'"),
+    ],
+)
+def test_op_configs_refuse_bad_fields(make, field, value, message):
+    """A decode or prefill config with a field no kernel or planner can run is refused when it is made."""
+    from kvjax.ops.decode.config import DecodeConfig
+    from kvjax.ops.prefill.config import PrefillConfig
+
+    cls = DecodeConfig if make == "decode" else PrefillConfig
+    with pytest.raises(ValueError, match=message):
+        cls(**{field: value})

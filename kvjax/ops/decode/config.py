@@ -9,8 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvjax import validate
+
 ORDERS = ("auto", "lpt", "stream", "naive")
 H100_SMS = 132
+# Fields that are counts or sizes of at least one; every other integer field must be >= 0.
+AT_LEAST_ONE = (
+    "min_chunk_tokens",
+    "items_per_program",
+    "programs_per_sm",
+    "fixed_chunk_tokens",
+    "block_tokens",
+    "max_step_tokens",
+    "fold_tokens",
+    "max_segments",
+    "num_warps",
+    "num_stages",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +74,9 @@ class DecodeConfig:
     def __post_init__(self):
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, not {self.order!r}")
+        validate.int_fields(self, at_least_one=AT_LEAST_ONE)
+        if not 0.0 <= self.auto_balance <= 1.0:
+            raise ValueError(f"auto_balance must be in [0, 1], got {self.auto_balance}")
 
 
 DECODE = DecodeConfig()

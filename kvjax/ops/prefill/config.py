@@ -7,6 +7,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from kvjax import validate
+
 
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
@@ -19,6 +21,15 @@ class PrefillConfig:
     max_segments: int = 3  # power-of-two pieces a head's width may be read as (80 = 64 + 16)
     num_warps: int = 8
     num_stages: int = 3
+
+    def __post_init__(self):
+        if not isinstance(self.balanced, bool):
+            raise ValueError(f"balanced must be a bool, got {self.balanced!r}")
+        validate.int_fields(self, at_least_one=tuple(f.name for f in dataclasses.fields(self) if f.name != "balanced"))
+        for name in ("block_q", "block_k", "max_block_q"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two of at least 16, got {value}")
 
     def for_dtype(self, dtype) -> PrefillConfig:
         """This config with tiles that fit shared memory for ``dtype`` (float32 tiles are halved, fewer stages)."""
