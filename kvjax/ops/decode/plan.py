@@ -91,7 +91,8 @@ class DecodePlan:
         return load_balance(self.loads)
 
 
-def _as_layouts(layouts) -> tuple[HeadLayout, ...]:
+def as_layouts(layouts) -> tuple[HeadLayout, ...]:
+    """One layout or a sequence of them as a tuple; every layer must have the same number of KV heads."""
     layouts = (layouts,) if isinstance(layouts, HeadLayout) else tuple(layouts)
     if len({lay.num_kv_heads for lay in layouts}) != 1:
         raise ValueError("all layers must have the same number of KV heads")
@@ -129,7 +130,7 @@ def build_decode_schedule(
 
         plan = by("lpt")
         return plan if plan.balance >= config.auto_balance else by("stream")
-    layouts = _as_layouts(layouts)
+    layouts = as_layouts(layouts)
     P = num_programs or config.num_programs()
     lengths = np.asarray(lengths, np.int64)
     unit_cost = _unit_costs(layouts, config)  # [L, H]: H units (runs) a layer
@@ -279,7 +280,7 @@ def fixed_chunk_schedule(
     sequence until it leaves its last chunk or its window leaves its first one (``capacity``). Items are dealt to
     programs longest first, round-robin; where an item runs changes nothing in its result.
     """
-    layouts = _as_layouts(layouts)
+    layouts = as_layouts(layouts)
     P = num_programs or config.num_programs()
     lengths = np.asarray(lengths, np.int64)
     unit_cost = _unit_costs(layouts, config)  # [L, H]
@@ -433,7 +434,7 @@ def realized_loads(schedule: DecodeSchedule, lengths, layouts: Sequence[HeadLayo
     items = schedule.items.astype(np.int64)
     seq, unit, first, end = (items[..., f] for f in (SEQ, UNIT, FIRST_PAGE, END_PAGE))
     tokens = np.maximum(np.minimum(end * page_size, lengths[seq]) - first * page_size, 0)
-    width = _unit_costs(_as_layouts(layouts), schedule.config)[np.arange(len(items))[:, None, None], unit]
+    width = _unit_costs(as_layouts(layouts), schedule.config)[np.arange(len(items))[:, None, None], unit]
     cost = tokens * width + schedule.config.item_overhead
     real = np.arange(items.shape[2]) < schedule.counts[..., None]
     return np.where(real, cost, 0).sum(axis=2)

@@ -16,7 +16,7 @@ import functools
 import numpy as np
 
 from kvjax.ops.decode.config import DECODE, DecodeConfig
-from kvjax.ops.decode.plan import DecodePlan, DecodeSchedule, _as_layouts, build_decode_schedule, fixed_chunk_schedule
+from kvjax.ops.decode.plan import DecodePlan, DecodeSchedule, as_layouts, build_decode_schedule, fixed_chunk_schedule
 
 
 @functools.cache
@@ -61,7 +61,7 @@ class DecodePlanner:
         chunk_pages: int = 0,
         splits: int = 0,
     ):
-        self.layouts, self.page_size, self.config = _as_layouts(layouts), page_size, config
+        self.layouts, self.page_size, self.config = as_layouts(layouts), page_size, config
         self.chunk_pages, self.splits = chunk_pages, splits
         self.num_programs = num_programs or config.num_programs()
         self.headroom_tokens, self.ahead = config.headroom_tokens, ahead
