@@ -234,3 +234,16 @@ def test_decode_on_gpu(dtype):
     plan = build_decode_schedule(lengths, layout, 32, headroom_pages=1)
     out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout)
     assert rel_err(out, reference(q, k, v, table, lens, layout)) < (1e-4 if dtype == jnp.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_a_slot_refilled_with_a_shorter_windowed_sequence_gets_a_new_plan(batch_invariant):
+    """Continuous batching hands a slot to a shorter sequence: a kept sliding-window plan starts past its window."""
+    layout = HeadLayout(4, 2, 16, (16, 16), (16, 16), sliding_window=5)
+    op = DecodeOp([layout], 4, 16, batch_invariant=batch_invariant, interpret=True)
+    rng = np.random.default_rng()
+    for lengths in ([30], [5], [13], [40], [6]):
+        q, k, v, table, lens = paged_inputs(rng, layout, lengths, 4, jnp.float32)
+        table = jnp.pad(table, ((0, 0), (0, 16 - table.shape[1])))
+        out = op.run(q, k, v, table, lens, op.plan(np.asarray(lengths)).layer(0), layout)
+        assert rel_err(out, reference(q, k, v, table, lens, layout)) < 1e-4, lengths

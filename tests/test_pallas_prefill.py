@@ -12,7 +12,7 @@ from kvjax.ops.prefill.config import PrefillConfig
 from kvjax.ops.prefill.kernel import prefill_attention
 from kvjax.ops.prefill.op import PrefillOp
 from kvjax.ops.prefill.plan import KV_TILE_BYTES, block_rows, keys_per_step, width_classes, work_items
-from kvjax.ops.prefill.reference import causal_attention
+from kvjax.ops.prefill.reference import causal_attention, chunk_attention
 
 
 def prompts(rng, layout, batch, t, dtype, page_size=16):
@@ -158,3 +158,60 @@ def test_prefill_on_gpu(dtype):
     q, k, v, table, kp, vp = prompts(rng, layout, 2, 1000, dtype, 32)
     out, _, _ = prefill_attention(q, k, v, layout, jnp.asarray([1000, 1000], jnp.int32), kp, vp, table)
     assert rel_err(out, reference(q, k, v, layout)) < (1e-4 if dtype == jnp.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_chunks_after_a_cached_prefix_match_the_reference(name):
+    """A chunk starting past position 0 reads its earlier keys from the pages: kernel == chunk reference, and a
+    prompt run in chunks equals the prompt run whole."""
+    layout, batch, t, lengths, dtype, knobs = CASES[name]
+    rng = np.random.default_rng()
+    q, k, v, table, kp, vp = prompts(rng, layout, batch, t, dtype)
+    config = PrefillConfig(**knobs)
+    cut = int(rng.integers(1, min(lengths)))
+    lens = jnp.asarray(lengths, jnp.int32)
+    starts = jnp.full((batch,), cut, jnp.int32)
+    _, kp1, vp1 = prefill_attention(
+        q, k, v, layout, jnp.full((batch,), cut), kp, vp, table, config=config, interpret=True
+    )
+
+    def tail(x):
+        return jnp.pad(x[:, cut:], ((0, 0), (0, cut), (0, 0)))
+
+    out, kp2, vp2 = prefill_attention(
+        tail(q), tail(k), tail(v), layout, lens - cut, kp1, vp1, table, starts, config=config, interpret=True
+    )
+    with jax.default_matmul_precision("highest"):
+        ref = chunk_attention(
+            tail(q).astype(jnp.float32), layout, kp2.astype(jnp.float32), vp2.astype(jnp.float32), table, starts
+        )
+    live = np.arange(t)[None, :] < (np.asarray(lengths) - cut)[:, None]
+    tol = 1e-4 if dtype == jnp.float32 else 1e-2
+    assert rel_err(out, ref, live) < tol
+    whole = reference(q, k, v, layout)[:, cut:]
+    assert rel_err(out[:, : t - cut], whole, live[:, : t - cut]) < tol
+    _, kp3, vp3 = prefill_attention(q, k, v, layout, lens, kp, vp, table, config=config, interpret=True)
+    assert np.array_equal(np.asarray(kp2)[1:], np.asarray(kp3)[1:]) and np.array_equal(
+        np.asarray(vp2)[1:], np.asarray(vp3)[1:]
+    )
+
+
+@pytest.mark.gpu
+def test_chunk_after_a_prefix_on_gpu():
+    layout = HeadLayout(32, 8, 128, (128, 48, 16, 80, 112, 32, 64, 96), (16, 96, 128, 48, 64, 112, 80, 32))
+    rng = np.random.default_rng()
+    q, k, v, table, kp, vp = prompts(rng, layout, 2, 1000, jnp.bfloat16, 32)
+    cut = 600
+    _, kp1, vp1 = prefill_attention(q, k, v, layout, jnp.asarray([cut, cut], jnp.int32), kp, vp, table)
+    out, _, _ = prefill_attention(
+        q[:, cut:],
+        k[:, cut:],
+        v[:, cut:],
+        layout,
+        jnp.asarray([400, 400], jnp.int32),
+        kp1,
+        vp1,
+        table,
+        jnp.asarray([cut, cut], jnp.int32),
+    )
+    assert rel_err(out, reference(q, k, v, layout)[:, cut:]) < 1e-2

@@ -11,7 +11,7 @@ from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.reference import paged_decode_attention
 from kvjax.ops.paging import write_pages
 from kvjax.ops.prefill.op import PrefillOp
-from kvjax.ops.prefill.reference import causal_attention
+from kvjax.ops.prefill.reference import causal_attention, chunk_attention
 
 BACKENDS = ("reference", "pallas", "interpret")
 
@@ -29,18 +29,33 @@ def check_backend(backend: str) -> str:
 
 
 def prefill(
-    q, k, v, layout: HeadLayout, k_pages, v_pages, block_table, lengths, *, op: PrefillOp | None = None, rebuild=None
+    q,
+    k,
+    v,
+    layout: HeadLayout,
+    k_pages,
+    v_pages,
+    block_table,
+    lengths,
+    starts=None,
+    *,
+    op: PrefillOp | None = None,
+    rebuild=None,
 ):
-    """Attention of fresh prompts [B, T, cols] among themselves, and their K/V written into the pages; returns
-    (out, k_pages, v_pages). ``rebuild`` (Palu layers) rebuilds full K from the cached latent: reference only."""
-    if op is None or rebuild is not None:
-        b, t = q.shape[:2]
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        valid = positions < lengths[:, None]
-        k_pages = write_pages(k_pages, block_table, positions, k, valid)
-        v_pages = write_pages(v_pages, block_table, positions, v, valid)
+    """Attention of prompt chunks [B, T, cols] (chunk b at positions ``starts[b]`` on, default 0) over themselves and
+    the earlier chunks in the pages, their K/V written into the pages; returns (out, k_pages, v_pages). ``rebuild``
+    (Palu layers) rebuilds full K from the cached latent: reference only."""
+    if op is not None and rebuild is None:
+        return op.run(q, k, v, layout, lengths, k_pages, v_pages, block_table, starts)
+    b, t = q.shape[:2]
+    offsets = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    positions = offsets if starts is None else starts[:, None] + offsets
+    valid = offsets < lengths[:, None]
+    k_pages = write_pages(k_pages, block_table, positions, k, valid)
+    v_pages = write_pages(v_pages, block_table, positions, v, valid)
+    if starts is None:
         return causal_attention(q, k, v, layout, rebuild), k_pages, v_pages
-    return op.run(q, k, v, layout, lengths, k_pages, v_pages, block_table)
+    return chunk_attention(q, layout, k_pages, v_pages, block_table, starts, rebuild), k_pages, v_pages
 
 
 def decode(

@@ -80,10 +80,17 @@ class DecodePlan:
     capacity: np.ndarray  # [B] tokens each sequence may reach before the plan must be rebuilt
     loads: np.ndarray  # [L, P] planned cost per program
     num_items: np.ndarray  # [L]
+    floor: np.ndarray | int = 0  # [B] fewest tokens a sequence may have: a sliding window's first planned page
 
     def covers(self, lengths) -> bool:
+        """The plan reads every visible page of sequences of ``lengths``: none past its capacity, and none before
+        its first page under a sliding window (a slot that now holds a shorter sequence)."""
         lengths = np.asarray(lengths)
-        return lengths.shape == self.capacity.shape and bool(np.all(lengths <= self.capacity))
+        return (
+            lengths.shape == self.capacity.shape
+            and bool(np.all(lengths <= self.capacity))
+            and bool(np.all(lengths >= self.floor))
+        )
 
     @property
     def balance(self) -> float:
@@ -143,15 +150,16 @@ def build_decode_schedule(
     first_page = np.minimum(first_page, end_page[None])[:, :, None]  # [L, B, 1]
     pages = (end_page[None, :, None] - first_page) * (page_cost > 0)  # [L, B, H]: none for missing units
     capacity = np.where(live, end_page * page_size, 0)
+    floor = np.where(first_page[..., 0] > 0, first_page[..., 0] * page_size + window, 0).max(axis=0)
     if config.order == "stream":
         snap = max(1, config.min_chunk_tokens // page_size // 4)
         schedule, loads, per_layer = _stream(
             np.broadcast_to(first_page, pages.shape), pages, page_cost, P, config.item_overhead, snap, config
         )
-        return DecodePlan(schedule, capacity, loads, per_layer)
+        return DecodePlan(schedule, capacity, loads, per_layer, floor)
 
     schedule, loads, per_layer = _lpt(first_page, end_page, pages, page_cost, P, page_size, config)
-    return DecodePlan(schedule, capacity, loads, per_layer)
+    return DecodePlan(schedule, capacity, loads, per_layer, floor)
 
 
 def _lpt(first_page, end_page, pages, page_cost, P, page_size, config):
@@ -289,12 +297,14 @@ def fixed_chunk_schedule(
     last = np.where(live, (-(-lengths // page_size) - 1) // C, -1)  # [B] last chunk index
     capacity = np.where(live, (last + 1) * C * page_size, 0)
     first = np.zeros((L, B), np.int64)
+    floor = np.zeros(B, np.int64)
     for i, lay in enumerate(layouts):
         if lay.sliding_window:
             first[i] = np.maximum(lengths - lay.sliding_window, 0) // page_size // C
             capacity = np.minimum(
                 capacity, np.where(live, (first[i] + 1) * C * page_size + lay.sliding_window - 1, capacity)
             )
+            floor = np.maximum(floor, np.where(first[i] > 0, first[i] * C * page_size + lay.sliding_window, 0))
     if int((last + 1).max(initial=0)) > splits:
         raise ValueError(f"a sequence needs {int(last.max()) + 1} chunks of {C} pages, more than splits={splits}")
     # Items: (layer, seq, unit, chunk) for every live unit and chunk first..last, layer-major.
@@ -328,7 +338,7 @@ def fixed_chunk_schedule(
     loads = np.zeros((L, P), np.int64)
     np.add.at(loads, (layer[o], prog), cost[o])
     return DecodePlan(
-        DecodeSchedule(items, counts, merge_dest, merge_slots, config.for_run()), capacity, loads, per_layer
+        DecodeSchedule(items, counts, merge_dest, merge_slots, config.for_run()), capacity, loads, per_layer, floor
     )
 
 

@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
+from kvjax.ops.grouped import visible
 from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_columns, lookup, offset16
 from kvjax.ops.prefill.config import PREFILL, PrefillConfig
 from kvjax.ops.prefill.plan import block_rows, keys_per_step, width_classes, work_items
@@ -49,13 +50,15 @@ def _attend_block(
     max_segments,
     num_stages,
     write_pages,
+    prefix,
 ):
-    """One item of a class (static widths): flash attention of its query rows, output store, cache write."""
+    """One item of a class (static widths): flash attention of its query rows (``prefix``: after the keys before
+    its chunk, read from the pages), output store, cache write."""
     if write_pages:
-        table_ref, q_ref, k_ref, v_ref, _, _, out_ref, kp_ref, vp_ref = refs
+        table_ref, q_ref, k_ref, v_ref, kp_in, vp_in, out_ref, kp_ref, vp_ref = refs
     else:
         table_ref, q_ref, k_ref, v_ref, out_ref = refs
-    b, h, q0, length = item
+    b, h, q0, length, start = item
     kw, vw = cls.k_width, cls.v_width
     k_pieces, v_pieces = segments(kw, max_segments), segments(vw, max_segments)
     bq = block_rows(cls, block_q, seq_len, balanced, max_rows, max_segments)
@@ -81,39 +84,42 @@ def _attend_block(
     q_end = jnp.minimum(q0 + bq, length)  # keys past the last live query row are never needed
     writer = (gi == 0) & write_pages
 
+    def scores(ks):
+        return functools.reduce(
+            operator.add, [plgpu.dot(q, k, trans_b=True, precision=precision) for q, k in zip(qs, ks)]
+        )
+
+    def prefix_body(j, carry):  # keys before the chunk, read from the pages at absolute positions
+        keys = j * bk + jnp.arange(bk)
+        ok = keys < start
+        src = _page_rows(table_ref, b, keys, page_size, ok)[:, None]
+        ks = [load_columns(kp_in, (src,), ko + a, cols_of(t), w, ok) for a, t, w in k_pieces]
+        vs = [load_columns(vp_in, (src,), vo + a, cols_of(t), w, ok) for a, t, w in v_pieces]
+        seen = ok[None, :] & visible(start + rows[:, None], keys[None, :], window)
+        return _softmax_step(carry, jnp.where(seen, scores(ks), MASK), vs, precision)
+
     def body(j, carry, masked):
-        accs, m, l = carry
         keys = j * bk + jnp.arange(bk)
         keys_ok = (keys < seq_len) if masked else None  # left of the diagonal every key exists: no row mask
         ks = [load_columns(k_ref, (b, keys[:, None]), ko + a, cols_of(t), w, keys_ok) for a, t, w in k_pieces]
         vs = [load_columns(v_ref, (b, keys[:, None]), vo + a, cols_of(t), w, keys_ok) for a, t, w in v_pieces]
-        s = functools.reduce(operator.add, [plgpu.dot(q, k, trans_b=True, precision=precision) for q, k in zip(qs, ks)])
+        s = scores(ks)
         if masked:
-            ok = keys[None, :] <= rows[:, None]
-            if window:
-                ok &= rows[:, None] - keys[None, :] < window
-            s = jnp.where(ok, s, MASK)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        pv = p.astype(k_ref.dtype)
-        accs = tuple(acc * alpha[:, None] + plgpu.dot(pv, v, precision=precision) for acc, v in zip(accs, vs))
+            s = jnp.where(visible(rows[:, None], keys[None, :], window), s, MASK)
         if write_pages and masked:  # the item's own keys (>= q0) all lie in masked steps
             tok_ok = (keys >= q0) & (keys < length) & writer
-            page = plgpu.load(
-                table_ref.at[b, jnp.minimum(keys // page_size, table_ref.shape[1] - 1)], mask=tok_ok, other=0
-            )
-            dest = jnp.where(tok_ok, page * page_size + keys % page_size, kp_ref.shape[0])[:, None]
-            for ref, off, pieces, xs in ((kp_ref, ko, k_pieces, ks), (vp_ref, vo, v_pieces, vs)):
-                for (a, t, w), x in zip(pieces, xs):
-                    plgpu.store(ref.at[dest, off + a + cols_of(t)], x, mask=tok_ok[:, None] & (cols_of(t) < w))
-        return accs, m_new, l * alpha + p.sum(axis=1)
+            dest = jnp.where(tok_ok, _page_rows(table_ref, b, start + keys, page_size, tok_ok), kp_ref.shape[0])
+            _store_rows(kp_ref, dest, tok_ok, ko, k_pieces, ks)
+            _store_rows(vp_ref, dest, tok_ok, vo, v_pieces, vs)
+        return _softmax_step(carry, s, vs, precision)
 
     carry = (
         tuple(jnp.zeros((bq, t), jnp.float32) for _, t, _ in v_pieces),
         jnp.full((bq,), MASK, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
+    if prefix:
+        carry = _prefix_steps(prefix_body, carry, q0 < length, start + q0, start, bk, window)
     accs, _, l = _key_steps(body, carry, q0 < length, q0, q_end, bk, window)
     inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
     for acc, (a, t, w) in zip(accs, v_pieces):
@@ -123,6 +129,37 @@ def _attend_block(
             (acc * inv_l[:, None]).astype(out_ref.dtype),
             mask=o_mask,
         )
+
+
+def _softmax_step(carry, s, vs, precision):
+    """One online-softmax step: scores ``s`` [rows, keys] (log2 units) against value tiles ``vs``."""
+    accs, m, l = carry
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    pv = p.astype(vs[0].dtype)
+    accs = tuple(acc * alpha[:, None] + plgpu.dot(pv, v, precision=precision) for acc, v in zip(accs, vs))
+    return accs, m_new, l * alpha + p.sum(axis=1)
+
+
+def _page_rows(table_ref, b, positions, page_size, ok):
+    """Rows of the flattened page pool [num_pages * page_size, cols] holding sequence b's ``positions``."""
+    page = plgpu.load(table_ref.at[b, jnp.minimum(positions // page_size, table_ref.shape[1] - 1)], mask=ok, other=0)
+    return page * page_size + positions % page_size
+
+
+def _store_rows(ref, dest, ok, offset, pieces, tiles):
+    """Store the ``ok`` rows of a head's column ``tiles`` at flattened page rows ``dest``."""
+    for (a, t, w), x in zip(pieces, tiles):
+        cols = jnp.arange(t)[None, :]
+        plgpu.store(ref.at[dest[:, None], offset + a + cols], x, mask=ok[:, None] & (cols < w))
+
+
+def _prefix_steps(body, carry, live, first_row, start, bk, window):
+    """Run ``body`` over the key steps before the chunk (positions < ``start``) that the item's first query row, at
+    ``first_row``, can see: all of them, or under a sliding window those from its lower edge."""
+    first = jnp.maximum(first_row - window + 1, 0) // bk if window else 0
+    return lax.fori_loop(first, jnp.where(live, jnp.maximum(pl.cdiv(start, bk), first), first), body, carry)
 
 
 def _key_steps(body, carry, live, q0, q_end, bk, window):
@@ -140,10 +177,10 @@ def _key_steps(body, carry, live, q0, q_end, bk, window):
     )
 
 
-def _kernel(items_ref, lengths_ref, *refs, classes, class_of, group, **static):
+def _kernel(items_ref, lengths_ref, starts_ref, *refs, classes, class_of, group, **static):
     pid = pl.program_id(0)
     b, h = items_ref[pid, 0], items_ref[pid, 1]
-    item = (b, h, items_ref[pid, 2], lengths_ref[b])
+    item = (b, h, items_ref[pid, 2], lengths_ref[b], starts_ref[b])
     branches = [functools.partial(_attend_block, cls, refs=refs, group=group, **static) for cls in classes]
     if len(branches) == 1:
         branches[0](item)
@@ -162,15 +199,19 @@ def prefill_attention(
     k_pages=None,
     v_pages=None,
     block_table=None,
+    starts=None,
     *,
     config: PrefillConfig = PREFILL,
     interpret: bool = False,
 ):
-    """Causal attention of T prompt tokens among themselves; equal to ``reference.causal_attention``.
+    """Causal attention of chunks of T prompt tokens; equal to ``reference.causal_attention`` (``starts`` None) and
+    ``reference.chunk_attention``.
 
     q [B, T, q_cols], k [B, T, k_cols], v [B, T, v_cols]; lengths [B] (default T): rows at positions >= length
     are unspecified. With k_pages/v_pages [num_pages, page_size, cols] and block_table [B, pages_per_seq], also
     writes K/V rows at positions < length into the pages and returns (out, k_pages, v_pages); else returns out.
+    ``starts`` [B] (pages only; default 0): chunk b holds positions ``starts[b]`` on, and its queries also attend
+    to the ``starts[b]`` keys before it, read from the pages (chunked prefill).
     """
     b, t, _ = q.shape
     config = config.for_dtype(q.dtype)
@@ -180,6 +221,10 @@ def prefill_attention(
     items = jnp.asarray(work_items(layout, b, t, block_q, balanced, max_block_q, max_segments))
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     write = k_pages is not None
+    prefix = starts is not None
+    if prefix and not write:
+        raise ValueError("chunks that start past position 0 read their earlier keys from the pages: pass them")
+    starts = starts.astype(jnp.int32) if prefix else jnp.zeros((b,), jnp.int32)
     page_size = k_pages.shape[1] if write else 1
     kernel = functools.partial(
         _kernel,
@@ -197,11 +242,13 @@ def prefill_attention(
         max_segments=max_segments,
         num_stages=num_stages,
         write_pages=write,
+        prefix=prefix,
     )
     out_shape = [jax.ShapeDtypeStruct((b, t, layout.out_cols), q.dtype)]
     args = [
         items,
         lengths,
+        starts,
         jnp.zeros((b, 1), jnp.int32) if block_table is None else block_table.astype(jnp.int32),
         q,
         k,
@@ -212,7 +259,7 @@ def prefill_attention(
         flat = [p.reshape(-1, p.shape[-1]) for p in (k_pages, v_pages)]
         out_shape += [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in flat]
         args += flat
-        aliases = {6: 1, 7: 2}
+        aliases = {7: 1, 8: 2}
     res = pl.pallas_call(
         kernel,
         grid=(items.shape[0],),

@@ -8,13 +8,23 @@ from kvjax.ops.prefill.kernel import prefill_attention
 
 
 class PrefillOp:
-    """Causal attention of fresh prompts that also writes their K/V into the pages (``kernel.prefill_attention``)."""
+    """Causal attention of prompt chunks that also writes their K/V into the pages (``kernel.prefill_attention``)."""
 
     def __init__(self, *, config: PrefillConfig = PREFILL, interpret: bool = False):
         self.config, self.interpret = config, interpret
 
-    def run(self, q, k, v, layout: HeadLayout, lengths, k_pages, v_pages, block_table):
-        """(out, k_pages, v_pages) for prompts q/k/v [B, T, cols] of ``lengths`` tokens."""
+    def run(self, q, k, v, layout: HeadLayout, lengths, k_pages, v_pages, block_table, starts=None):
+        """(out, k_pages, v_pages) for chunks q/k/v [B, T, cols] of ``lengths`` tokens from positions ``starts``."""
         return prefill_attention(
-            q, k, v, layout, lengths, k_pages, v_pages, block_table, config=self.config, interpret=self.interpret
+            q,
+            k,
+            v,
+            layout,
+            lengths,
+            k_pages,
+            v_pages,
+            block_table,
+            starts,
+            config=self.config,
+            interpret=self.interpret,
         )

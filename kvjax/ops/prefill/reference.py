@@ -1,5 +1,6 @@
-"""The prefill op's jnp reference: causal attention of fresh prompts among themselves (the full forward, calibration
-and the engine's "reference" backend run it; ``kernel.prefill_attention`` must equal it)."""
+"""The prefill op's jnp references: causal attention of fresh prompts among themselves (the full forward and
+calibration run it) and of prompt chunks over the pages (the engine's "reference" backend runs it);
+``kernel.prefill_attention`` must equal both."""
 
 from __future__ import annotations
 
@@ -19,3 +20,22 @@ def causal_attention(q, k, v, layout: HeadLayout, rebuild=None):
         k, layout = rebuild(k, jnp.broadcast_to(pos, k.shape[:2])), full_width(layout)
     mask = visible(pos[:, None], pos[None, :], layout.sliding_window)
     return attend_groups(q, k, v, jnp.broadcast_to(mask, (q.shape[0], *mask.shape)), layout)
+
+
+def chunk_attention(q, layout: HeadLayout, k_pages, v_pages, block_table, starts, rebuild=None):
+    """Causal attention of prompt chunks whose K/V (earlier chunks' and their own) are already in the pages: row i
+    of chunk b sits at position ``starts[b] + i`` and sees the positions up to it (chunked prefill), packed layout."""
+    b, t, _ = q.shape
+    page_size = k_pages.shape[1]
+    span = block_table.shape[1] * page_size
+
+    def gather(pages):
+        return pages[block_table].reshape(b, span, pages.shape[-1])
+
+    k, v = gather(k_pages), gather(v_pages)
+    k_pos = jnp.broadcast_to(jnp.arange(span, dtype=jnp.int32), (b, span))
+    if rebuild is not None:
+        k, layout = rebuild(k, k_pos), full_width(layout)
+    q_pos = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    mask = visible(q_pos[:, :, None], k_pos[:, None, :], layout.sliding_window)
+    return attend_groups(q, k, v, mask, layout)
