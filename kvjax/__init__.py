@@ -6,7 +6,7 @@ from kvjax.io.load import load
 from kvjax.models.config import ModelConfig, UnsupportedModelError
 from kvjax.models.model import Model
 from kvjax.runtime.cache import CacheFullError
-from kvjax.runtime.generate import Generation, generate
+from kvjax.runtime.generate import Generation, generate, generate_iter
 
 __all__ = [
     "CacheFullError",
@@ -18,5 +18,6 @@ __all__ = [
     "UnsupportedModelError",
     "compress",
     "generate",
+    "generate_iter",
     "load",
 ]

@@ -202,46 +202,43 @@ def test_bad_prompts_in_later_batches_get_error_records(files, tmp_path, capsys,
     assert sorted(os.listdir(tmp_path)) == ["out.jsonl", "prompts.jsonl"]
 
 
+def failing_after(n: int, error: BaseException):
+    """``kvjax.generate_iter`` that yields its first ``n`` results, then raises ``error``."""
+    real = kvjax.generate_iter
+
+    def generate_iter(*args, **kwargs):
+        for i, item in enumerate(real(*args, **kwargs)):
+            if i == n:
+                raise error
+            yield item
+
+    return generate_iter
+
+
 @pytest.mark.parametrize(
     "error, shown",
-    [(kvjax.CacheFullError("no free pages"), "CacheFullError: no free pages"), (ValueError("bad batch"), "bad batch")],
+    [(kvjax.CacheFullError("no free pages"), "CacheFullError: no free pages"), (ValueError("bad run"), "bad run")],
 )
-def test_failed_batch_gets_error_records_and_the_run_goes_on(
+def test_a_failed_run_gives_the_unfinished_prompts_error_records(
     files, tmp_path, capsys, monkeypatch, shared_model, error, shown
 ):
     prompts, out = files
-    marker = [9, 9, 9]
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ([1], [2], marker, [3], [4])))
-    real = kvjax.generate
-
-    def generate(model, batch, *args, **kwargs):
-        if marker in batch:
-            raise error
-        return real(model, batch, *args, **kwargs)
-
-    monkeypatch.setattr(kvjax, "generate", generate)
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ([1], [2], [9, 9, 9], [3], [4])))
+    monkeypatch.setattr(kvjax, "generate_iter", failing_after(2, error))
     assert run(prompts, out, "--max-new-tokens", "3", "--batch-size", "2") == 1
     got = records(out)
     assert [r["index"] for r in got] == list(range(5))
-    for n in (2, 3):
-        assert got[n]["error"] == f"generation failed for the batch of prompts 2, 3: {shown}"
-    assert all(len(got[n]["tokens"]) == 3 and "error" not in got[n] for n in (0, 1, 4))
-    assert f"2 of 5 prompts failed; their records in {out}" in capsys.readouterr().err
+    finished = [n for n in range(5) if "error" not in got[n]]
+    assert len(finished) == 2 and all(len(got[n]["tokens"]) == 3 for n in finished)
+    assert all(got[n]["error"] == f"generation failed: {shown}" for n in range(5) if n not in finished)
+    assert f"3 of 5 prompts failed; their records in {out}" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["out.jsonl", "prompts.jsonl"]
 
 
 def test_interrupted_run_keeps_finished_records_in_partial_file(files, tmp_path, capsys, monkeypatch, shared_model):
     prompts, out = files
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ([1], [2], [VOCAB + 5], [3], [4])))
-    real, calls = kvjax.generate, []
-
-    def generate(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(kvjax, "generate", generate)
+    monkeypatch.setattr(kvjax, "generate_iter", failing_after(2, KeyboardInterrupt()))
     assert run(prompts, out, "--max-new-tokens", "3", "--batch-size", "2") == 130
     partial = tmp_path / "out.jsonl.partial"
     got = records(partial)

@@ -1,4 +1,5 @@
-"""``kvjax-infer``: batch inference over a JSONL file of prompts, each result written as soon as its batch finishes."""
+"""``kvjax-infer``: inference over a JSONL file of prompts, continuously batched, each result written in input order as
+soon as it and those before it finish."""
 
 from __future__ import annotations
 
@@ -23,12 +24,13 @@ output (--out): JSONL, one record per prompt, in input order ("index" is the
     {"index": 0, "prompt": ..., "text": "..." (null without a tokenizer),
      "tokens": [...], "finish_reason": "stop" or "length"}
   A prompt that cannot be generated (a token id outside the vocabulary, too
-  long for the cache with --max-new-tokens, or its batch failed) gets
+  long for the cache with --max-new-tokens, or generation failed before it
+  finished) gets
     {"index": n, "prompt": ..., "error": "..."}
   and the other prompts go on.
 
-  Records go to OUT.partial (beside OUT), each line flushed as soon as its
-  batch finishes; OUT.partial is renamed onto OUT once every prompt has a
+  Records go to OUT.partial (beside OUT), each line flushed as soon as it and
+  every record before it have finished; OUT.partial is renamed onto OUT once every prompt has a
   record, so an existing OUT is replaced whole or not at all. An interrupted
   run (Ctrl-C, a crash) keeps its finished records in OUT.partial and leaves
   OUT as it was.
@@ -163,13 +165,14 @@ def _encode(model, prompts: list, args, capacity: int, where: str) -> tuple[dict
 
 
 def _run(args, model, prompts: list, encoded: dict, errors: dict) -> int:
-    """Generate the encoded prompts batch by batch into OUT.partial, then rename it onto OUT; returns the status."""
+    """Generate the encoded prompts, continuously batched, into OUT.partial, then rename it onto OUT; returns the
+    status."""
     partial = args.out + ".partial"
     records: list[dict] = [
         {"index": n, "prompt": prompts[n], "error": errors[n]} if n in errors else {} for n in range(len(prompts))
     ]
     good = sorted(encoded)
-    totals = {"prefill_s": 0.0, "decode_s": 0.0, "prompt_tokens": 0, "new_tokens": 0}
+    stats: dict = {}
     written = 0
     if os.path.exists(partial):
         print(f"kvjax-infer: replacing {partial}, left by an earlier run", file=sys.stderr)
@@ -191,13 +194,10 @@ def _run(args, model, prompts: list, encoded: dict, errors: dict) -> int:
     try:
         with f, tqdm(total=len(good), desc="generating", unit="prompt") as bar:
             flush()
-            for b in range(0, len(good), args.batch_size):
-                batch = good[b : b + args.batch_size]
-                seed = args.seed if args.batch_invariant else (args.seed + b) % 2**63  # invariant: one stream
-                for n, record in zip(batch, _generate_batch(args, model, prompts, encoded, batch, seed, totals)):
-                    records[n] = record
+            for n, record in _generate(args, model, prompts, [encoded[n] for n in good], good, stats):
+                records[n] = record
                 flush()
-                bar.update(len(batch))
+                bar.update(1)
             os.fsync(f.fileno())
     except BaseException as e:
         what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped by {_message(e)}"
@@ -212,51 +212,64 @@ def _run(args, model, prompts: list, encoded: dict, errors: dict) -> int:
             return 1
         raise
     os.replace(partial, args.out)
-    return _report(args, records, totals, time.perf_counter() - start)
+    return _report(args, records, stats, time.perf_counter() - start)
 
 
-def _generate_batch(args, model, prompts: list, encoded: dict, batch: list, seed: int, totals: dict) -> list[dict]:
-    """The records of one batch of prompts (an error record each if generation fails); adds its stats to totals."""
+def _generate(args, model, prompts: list, ids: list, index: list, stats: dict):
+    """(prompt index, record) as each prompt finishes; if generation fails, an error record for each prompt left."""
     import kvjax
 
-    stats: dict[str, float] = {}
+    pending = set(index)
     try:
-        results = kvjax.generate(
+        run = kvjax.generate_iter(
             model,
-            [encoded[n] for n in batch],
+            ids,
             args.max_new_tokens,
             args.temperature,
             args.top_p,
-            seed,
+            args.seed,
             max_batch=args.batch_size,
             max_seq_len=args.max_seq_len,
+            chunk_tokens=args.chunk_tokens,
             backend=args.attention,
             batch_invariant=args.batch_invariant,
             stats=stats,
         )
+        for i, r in run:
+            n = index[i]
+            pending.discard(n)
+            yield (
+                n,
+                {
+                    "index": n,
+                    "prompt": prompts[n],
+                    "text": r.text,
+                    "tokens": r.tokens,
+                    "finish_reason": r.finish_reason,
+                },
+            )
     except Exception as e:
-        message = f"generation failed for the batch of prompts {', '.join(map(str, batch))}: {_message(e)}"
-        return [{"index": n, "prompt": prompts[n], "error": message} for n in batch]
-    for key in totals:
-        totals[key] += stats[key]
-    return [
-        {"index": n, "prompt": prompts[n], "text": r.text, "tokens": r.tokens, "finish_reason": r.finish_reason}
-        for n, r in zip(batch, results, strict=True)
-    ]
+        message = f"generation failed: {_message(e)}"
+        for n in sorted(pending):
+            yield n, {"index": n, "prompt": prompts[n], "error": message}
 
 
-def _report(args, records: list[dict], totals: dict, wall: float) -> int:
+def _report(args, records: list[dict], stats: dict, wall: float) -> int:
     """Print the records (--show) and the throughput; 1 if any prompt failed, else 0."""
     if args.show:
         for r in records:
             body = f"error: {r['error']}" if "error" in r else r["text"] if r["text"] is not None else r["tokens"]
             print(f"> {r['prompt']}\n{body}\n")
-    print(
-        f"wrote {len(records)} records to {args.out} in {wall:.1f} s: "
-        f"{totals['prompt_tokens']} prompt tokens at {totals['prompt_tokens'] / max(totals['prefill_s'], 1e-9):.0f} "
-        f"tok/s (prefill), {totals['new_tokens']} generated tokens at "
-        f"{totals['new_tokens'] / max(totals['decode_s'], 1e-9):.1f} tok/s (decode), compilation included"
-    )
+    if stats:
+        first = sorted(stats["first_token_s"])
+        print(
+            f"wrote {len(records)} records to {args.out} in {wall:.1f} s: {stats['prompt_tokens']} prompt tokens and "
+            f"{stats['new_tokens']} generated tokens in {stats['steps']} steps, "
+            f"{stats['new_tokens'] / max(stats['wall_s'], 1e-9):.1f} generated tok/s, median time to first token "
+            f"{first[len(first) // 2] if first else 0.0:.2f} s, compilation included"
+        )
+    else:
+        print(f"wrote {len(records)} records to {args.out} in {wall:.1f} s")
     failed = sum("error" in r for r in records)
     if failed:
         print(
@@ -291,7 +304,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-new-tokens", type=_positive("max_new_tokens"), default=64, help="new tokens per prompt (default 64)"
     )
-    p.add_argument("--batch-size", type=_positive("batch_size"), default=8, help="prompts per jitted batch (default 8)")
+    p.add_argument(
+        "--batch-size",
+        type=_positive("batch_size"),
+        default=8,
+        help="most prompts decoded at once; a finished one's place goes to the next at once (default 8)",
+    )
+    p.add_argument(
+        "--chunk-tokens",
+        type=_positive("chunk_tokens"),
+        default=512,
+        help="prompt tokens prefilled per step, beside the running prompts' decoding (default 512)",
+    )
     p.add_argument(
         "--temperature", type=validate.arg(validate.temperature, float), default=0.0, help="0 is greedy (default)"
     )
@@ -318,8 +342,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-invariant",
         action="store_true",
-        help="each prompt's tokens depend on it alone, not on the other prompts of its batch (prompts are "
-        "prefilled one at a time; see kvjax.generate)",
+        help="each prompt's tokens depend on it alone, not on the prompts running beside it (chunks run one at "
+        "a time and every decode step runs --batch-size rows; see kvjax.generate)",
     )
     p.add_argument("--show", action="store_true", help="also print every prompt with its generated text")
     p.add_argument(

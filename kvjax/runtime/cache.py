@@ -61,6 +61,10 @@ class PageAllocator:
     def free_pages(self) -> int:
         return len(self._free)
 
+    def free_set(self) -> set[int]:
+        """The free page numbers (for invariant checks)."""
+        return set(self._free)
+
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise CacheFullError(

@@ -1,13 +1,16 @@
-"""Jitted prefill and decode steps over a paged cache, and the host bookkeeping around them.
+"""Jitted prefill-chunk and decode steps over a paged cache, and the device state between them.
 
-The engine joins the model (which only calls ``attend``), the cache (pages, block tables, allocator) and the
-attention entry point. Shapes are bucketed to powers of two (batch, prompt length) and the block table has a fixed
-width, so a new prompt length or batch size rarely compiles a new step.
+The engine joins the model (which only calls ``attend``), the cache and the attention ops. It keeps every running
+request's latest token on the device, one row per slot, so a decode step reads its inputs from the step before
+without the host in between. Shapes are bucketed to powers of two (chunk rows and length, decode rows) and the block
+table has a fixed width, so a new mix of requests rarely compiles a new step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +20,9 @@ from flax import nnx
 from kvjax.ops import attention
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.plan import bucket as pow2_bucket
+from kvjax.ops.paging import NULL_PAGE
 from kvjax.ops.prefill.op import PrefillOp
-from kvjax.runtime.cache import PageAllocator, PagedKVCache, block_table
+from kvjax.runtime.cache import PagedKVCache
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
@@ -27,47 +31,89 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     return size if maximum is None else min(size, maximum)
 
 
-def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array, greedy: bool) -> jax.Array:
-    """Next token ids [B] from float32 logits [B, V]: argmax, or temperature + nucleus (top-p) sampling with row
-    i drawn from ``keys[i]`` alone."""
+@dataclasses.dataclass
+class Rows:
+    """Per-row inputs of a step, host side: where each row's pages are and how it samples."""
+
+    table: np.ndarray  # int32 [rows, pages_per_seq]
+    seeds: np.ndarray  # uint32 [rows, 2]: the request's seed as two words
+    streams: np.ndarray  # int32 [rows]
+    counters: np.ndarray  # int32 [rows]: index of the token sampled
+    temperature: np.ndarray  # float32 [rows]; 0 is greedy
+    top_p: np.ndarray  # float32 [rows]
+
+    @classmethod
+    def empty(cls, rows: int, pages_per_seq: int) -> Rows:
+        return cls(
+            np.full((rows, pages_per_seq), NULL_PAGE, np.int32),
+            np.zeros((rows, 2), np.uint32),
+            np.zeros(rows, np.int32),
+            np.zeros(rows, np.int32),
+            np.zeros(rows, np.float32),
+            np.ones(rows, np.float32),
+        )
+
+    def set(self, row: int, pages, seed: int, stream: int, counter: int, temperature: float, top_p: float) -> None:
+        self.table[row, : len(pages)] = pages
+        self.seeds[row] = (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
+        self.streams[row], self.counters[row] = stream, counter
+        self.temperature[row], self.top_p[row] = temperature, top_p
+
+    @property
+    def greedy(self) -> bool:
+        return not self.temperature.any()
+
+    def sampling(self) -> tuple:
+        return self.seeds, self.streams, self.counters, self.temperature, self.top_p
+
+
+def sample(logits: jax.Array, seeds, streams, counters, temperature, top_p, greedy: bool) -> jax.Array:
+    """Next token ids [B] from float32 logits [B, V]: argmax where a row's temperature is 0, else temperature +
+    nucleus (top-p) sampling; row i draws from its request's (seed, stream) folded with its token index alone, so
+    a request samples the same whatever runs beside it."""
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        return best
+    keys = jax.vmap(lambda s, a, c: jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(s), a), c))(
+        seeds, streams, counters
+    )
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
     probs = jax.nn.softmax(ordered, axis=-1)
-    keep = jnp.cumsum(probs, axis=-1) - probs < top_p  # always keeps the most likely token
+    keep = jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]  # always keeps the most likely token
     threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
-    draw = jax.vmap(jax.random.categorical)
-    return draw(keys, jnp.where(logits >= threshold, logits, -jnp.inf)).astype(jnp.int32)
+    drawn = jax.vmap(jax.random.categorical)(keys, jnp.where(scaled >= threshold, scaled, -jnp.inf))
+    return jnp.where(temperature > 0, drawn.astype(jnp.int32), best)
 
 
-def _row_keys(key, rows: int, shared: bool):
-    """One key per row: the same for every row (batch-invariant: a row's draws depend on no other row), or split."""
-    return jnp.broadcast_to(key, (rows,)) if shared else jax.random.split(key, rows)
-
-
-def _prefill_step(graphdef, state, cache, tokens, lengths, table, key, temperature, top_p, *, greedy, op, shared_key):
+def _prefill_step(
+    graphdef, state, cache, slot_tokens, tokens, starts, lengths, table, slots, sampling, *, greedy, op, prefix
+):
+    """Run prompt chunks [B, T] (chunk b from position ``starts[b]``, ``lengths[b]`` tokens) through the model,
+    writing their K/V; the token sampled after each chunk's last row goes to its ``slots`` row (a row past the end:
+    nowhere, the chunk does not end its prompt). ``prefix`` False: every chunk starts at 0, and attention reads no
+    pages (a kernel without the prefix loop, which compiles faster)."""
     module = nnx.merge(graphdef, state)
     b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     ks, vs = list(cache.k), list(cache.v)
 
     def attend(i, q, k, v, rebuild=None):
         out, ks[i], vs[i] = attention.prefill(
-            q, k, v, module.layouts[i], ks[i], vs[i], table, lengths, op=op, rebuild=rebuild
+            q, k, v, module.layouts[i], ks[i], vs[i], table, lengths, starts if prefix else None, op=op, rebuild=rebuild
         )
         return out
 
     hidden = module.hidden(tokens, positions, attend)
-    logits = module.logits(hidden[jnp.arange(b), lengths - 1])
-    keys = _row_keys(key, b, shared_key)
-    return sample(logits, keys, temperature, top_p, greedy), PagedKVCache(tuple(ks), tuple(vs))
+    new = sample(module.logits(hidden[jnp.arange(b), lengths - 1]), *sampling, greedy=greedy)
+    return slot_tokens.at[slots].set(new, mode="drop"), new, PagedKVCache(tuple(ks), tuple(vs))
 
 
-def _decode_step(
-    graphdef, state, cache, tokens, positions, table, schedule, key, temperature, top_p, *, greedy, op, shared_key
-):
+def _decode_step(graphdef, state, cache, slot_tokens, positions, active, table, schedule, sampling, *, greedy, op):
+    """Feed each active row's token (``slot_tokens``) at ``positions``, and put the next one in its place."""
     module = nnx.merge(graphdef, state)
+    rows = positions.shape[0]
+    tokens = slot_tokens[:rows]
     ks, vs = list(cache.k), list(cache.v)
 
     def attend(i, q, k, v, rebuild=None):
@@ -87,14 +133,14 @@ def _decode_step(
         return out[:, None]
 
     hidden = module.hidden(tokens[:, None], positions[:, None], attend)
-    logits = module.logits(hidden[:, 0])
-    keys = _row_keys(key, tokens.shape[0], shared_key)
-    return sample(logits, keys, temperature, top_p, greedy), PagedKVCache(tuple(ks), tuple(vs))
+    new = sample(module.logits(hidden[:, 0]), *sampling, greedy=greedy)
+    return slot_tokens.at[:rows].set(jnp.where(active, new, tokens)), PagedKVCache(tuple(ks), tuple(vs))
 
 
 class Engine:
-    """One paged cache sized for ``max_batch`` sequences of up to ``max_seq_len`` tokens, the decode and prefill ops,
-    and the jitted steps that run the model over them."""
+    """One paged cache of ``num_pages`` pages (default: room for ``max_batch`` sequences of ``max_seq_len``
+    tokens), the decode and prefill ops, the jitted steps that run the model over them, and the latest token of
+    each of ``max_batch`` slots on the device."""
 
     def __init__(
         self,
@@ -110,8 +156,8 @@ class Engine:
     ):
         """``backend``: "reference" (jnp), "pallas" (GPU kernels) or "interpret" (the kernels on the CPU);
         default: the kernels on a GPU, the reference elsewhere. ``batch_invariant``: decode plans split each
-        sequence by its own length alone; the caller then prefills one sequence at a time and decodes
-        ``max_batch`` rows every step (``kvjax.generate``)."""
+        sequence by its own length alone and every decode step runs ``max_batch`` rows, and the runner prefills
+        one chunk per step call (``kvjax.generate``)."""
         self.model, self.max_batch, self.page_size = model, max_batch, page_size
         self.batch_invariant = batch_invariant
         self.backend = attention.check_backend(backend or attention.default_backend())
@@ -130,55 +176,79 @@ class Engine:
                 self.decode_op = DecodeOp(
                     model.layouts, page_size, self.pages_per_seq, batch_invariant=batch_invariant, interpret=interpret
                 )
-        num_pages = num_pages or max_batch * self.pages_per_seq + 1
-        self.cache = PagedKVCache.create(model.layouts, num_pages, page_size, cache_dtype or model.dtype)
-        self.allocator = PageAllocator(num_pages)
+        self.num_pages = num_pages or max_batch * self.pages_per_seq + 1
+        self.cache = PagedKVCache.create(model.layouts, self.num_pages, page_size, cache_dtype or model.dtype)
+        self.slot_tokens = jnp.zeros((max_batch,), jnp.int32)
         donate = (1,) if jax.default_backend() != "cpu" else ()
-        self._steps = {}
-        for name, fn, op in (("prefill", _prefill_step, self.prefill_op), ("decode", _decode_step, self.decode_op)):
-            for greedy in (True, False):
-                step = functools.partial(fn, model.graphdef, greedy=greedy, op=op, shared_key=batch_invariant)
-                self._steps[name, greedy] = jax.jit(step, donate_argnums=donate)
+        self._steps: dict[tuple, Callable] = {}
+        for greedy in (True, False):
+            step = functools.partial(_decode_step, model.graphdef, greedy=greedy, op=self.decode_op)
+            self._steps["decode", greedy] = jax.jit(step, donate_argnums=donate)
+            for prefix in (True, False):
+                step = functools.partial(
+                    _prefill_step, model.graphdef, greedy=greedy, op=self.prefill_op, prefix=prefix
+                )
+                self._steps["prefill", greedy, prefix] = jax.jit(step, donate_argnums=donate)
 
-    def prefill(self, prompts: list[list[int]], page_lists: list[list[int]], key, temperature: float, top_p: float):
-        """Write the prompts' K/V into their pages; return the first sampled token per prompt (padded batch)."""
-        b = bucket(len(prompts), maximum=self.max_batch)
-        t = bucket(max(map(len, prompts)), minimum=self.page_size, maximum=self.max_seq_len)
+    def decode_rows(self, highest_slot: int) -> int:
+        """Rows of a decode step: always ``max_batch``, so the step compiles once. A padding row costs next to
+        nothing: the step reads every weight whatever its rows, and a padding row's attention reads one token."""
+        return self.max_batch
+
+    def prefill(self, chunks: list[list[int]], starts, rows: Rows, slots) -> jax.Array:
+        """Enqueue prompt chunks (token ids from positions ``starts``); the token sampled after each chunk goes to
+        slot ``slots[i]`` (-1: none). Returns the sampled tokens [padded rows] on the device, without waiting."""
+        n = len(chunks)
+        b = bucket(n, maximum=self.max_batch)  # one chunk per running request at most
+        t = bucket(max(map(len, chunks)), minimum=self.page_size, maximum=self.max_seq_len)
         tokens = np.zeros((b, t), np.int32)
-        lengths = np.ones((b,), np.int32)
-        for row, prompt in enumerate(prompts):
-            tokens[row, : len(prompt)] = prompt
-            lengths[row] = len(prompt)
-        table = block_table(page_lists + [[]] * (b - len(prompts)), self.pages_per_seq)
-        step = self._steps["prefill", temperature == 0.0]
-        first, self.cache = step(
+        lengths = np.ones(b, np.int32)
+        for row, ids in enumerate(chunks):
+            tokens[row, : len(ids)], lengths[row] = ids, len(ids)
+        padded = _pad_rows(rows, b, self.pages_per_seq)
+        where = np.full(b, self.max_batch, np.int32)
+        where[:n] = [s if s >= 0 else self.max_batch for s in slots]
+        starts = np.pad(np.asarray(starts, np.int32), (0, b - n))
+        self.slot_tokens, new, self.cache = self._steps["prefill", padded.greedy, bool(starts.any())](
             self.model.state,
             self.cache,
+            self.slot_tokens,
             tokens,
+            starts,
             lengths,
-            table,
-            key,
-            jnp.float32(max(temperature, 1e-6)),
-            jnp.float32(top_p),
+            padded.table,
+            where,
+            padded.sampling(),
         )
-        return first, table
+        return new
 
-    def decode(self, tokens, positions: np.ndarray, table: np.ndarray, key, temperature: float, top_p: float):
-        """Append one token per sequence at ``positions``; return the next sampled token per sequence."""
-        step = self._steps["decode", temperature == 0.0]
-        nxt, self.cache = step(
+    def decode(self, positions: np.ndarray, active: np.ndarray, rows: Rows) -> jax.Array:
+        """Enqueue one decode step: each active row feeds its slot's token at its position and samples the next
+        into the slot. Returns the slot tokens [max_batch] after the step on the device, without waiting."""
+        step = self._steps["decode", rows.greedy]
+        self.slot_tokens, self.cache = step(
             self.model.state,
             self.cache,
-            tokens,
-            jnp.array(positions, jnp.int32),
-            table,
+            self.slot_tokens,
+            positions,
+            active,
+            rows.table,
             self.schedule(positions + 1),
-            key,
-            jnp.float32(max(temperature, 1e-6)),
-            jnp.float32(top_p),
+            rows.sampling(),
         )
-        return nxt
+        return self.slot_tokens
 
     def schedule(self, lengths: np.ndarray):
         """The decode op's device schedule for these lengths (None on the reference path)."""
         return None if self.decode_op is None else self.decode_op.plan(lengths)
+
+
+def _pad_rows(rows: Rows, b: int, pages_per_seq: int) -> Rows:
+    """``rows`` grown to ``b`` rows with empty ones (null pages, greedy)."""
+    n = rows.table.shape[0]
+    if n == b:
+        return rows
+    out = Rows.empty(b, pages_per_seq)
+    for field in dataclasses.fields(Rows):
+        getattr(out, field.name)[:n] = getattr(rows, field.name)
+    return out

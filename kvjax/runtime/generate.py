@@ -1,17 +1,20 @@
-"""``kvjax.generate``: prompts in, new tokens and text out, through the paged engine."""
+"""``kvjax.generate``: prompts in, new tokens and text out, through the continuous-batching runner."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
-import jax
 import numpy as np
+from tqdm.auto import tqdm
 
 from kvjax import validate
-from kvjax.runtime.cache import block_table
 from kvjax.runtime.engine import Engine, bucket
+from kvjax.runtime.runner import Runner
+from kvjax.runtime.scheduler import Request
 
 
 @dataclasses.dataclass
@@ -57,7 +60,18 @@ def _engine(
     return model._engines[key]
 
 
-def generate(
+def generate(model, prompts: Sequence, *args, progress: bool = False, **kwargs) -> list[Generation]:
+    """``generate_iter``'s results in prompt order; ``progress`` shows a bar of finished prompts."""
+    results: list[Generation | None] = [None] * len(prompts) if isinstance(prompts, Sequence) else []
+    run = generate_iter(model, prompts, *args, **kwargs)
+    with tqdm(total=len(results), desc="generating", unit="prompt", disable=not progress) as bar:
+        for n, result in run:
+            results[n] = result
+            bar.update(1)
+    return [r for r in results if r is not None]
+
+
+def generate_iter(
     model,
     prompts: Sequence,
     max_new_tokens: int = 64,
@@ -70,27 +84,34 @@ def generate(
     max_batch: int = 8,
     max_seq_len: int | None = None,
     page_size: int = 16,
+    chunk_tokens: int = 512,
     backend: str | None = None,
     batch_invariant: bool = False,
     stats: dict | None = None,
-) -> list[Generation]:
-    """Generate up to ``max_new_tokens`` tokens for each prompt (strings, or lists of token ids).
+) -> Iterable[tuple[int, Generation]]:
+    """Check the arguments and queue the prompts; iterating the result runs them and yields (prompt index,
+    ``Generation``) as each finishes.
 
     ``temperature=0`` is greedy decoding. ``stop`` holds stop strings and/or stop token ids (EOS always stops).
     ``chat=True`` wraps string prompts in the tokenizer's chat template. ``max_seq_len`` (default: the model's
-    ``max_position_embeddings``) bounds prompt + new tokens per sequence. ``backend`` picks the attention path:
-    "pallas" (the kernels, default on a GPU), "reference" (jnp, default elsewhere) or "interpret" (the kernels on the
-    CPU). ``stats``, if given, receives timings.
+    ``max_position_embeddings``) bounds prompt + new tokens per sequence. Prompts run continuously batched: up to
+    ``max_batch`` at once, a finished one's place taken by the next at once, prompts prefilled ``chunk_tokens`` per
+    step beside the others' decoding. ``backend`` picks the attention path: "pallas" (the kernels, default on a
+    GPU), "reference" (jnp, default elsewhere) or "interpret" (the kernels on the CPU). ``stats``, if given,
+    receives counts and per-prompt times once the iteration ends.
 
-    ``batch_invariant=True``: a prompt's tokens depend only on it, ``seed`` and the fixed settings (``max_batch``,
-    ``max_seq_len``, ``page_size``, backend, dtype, device), never on the other prompts or their order: prompts are
-    prefilled one at a time, every decode step runs ``max_batch`` rows, the cache is sized for ``max_seq_len``, the
-    kernels split each sequence by its own length (``schedule.fixed_chunk_schedule``) and samples draw from
-    ``seed`` and the step alone (so equal prompts sample equally). Its cost: bench/RESULTS.md, "Batch invariance".
+    Sampling draws token i of prompt n from (``seed``, n, i) alone, so it does not depend on the other prompts'
+    timing. ``batch_invariant=True``: a prompt's tokens depend only on it, ``seed`` and the fixed settings
+    (``max_batch``, ``max_seq_len``, ``page_size``, ``chunk_tokens``, backend, dtype, device), never on the other
+    prompts or their order: chunks are cut every ``chunk_tokens`` positions and run one per call, every decode
+    step runs ``max_batch`` rows, the kernels split each sequence by its own length (``plan.fixed_chunk_schedule``)
+    and every prompt samples from (``seed``, 0, i), so equal prompts sample equally. Its cost: bench/RESULTS.md,
+    "Batch invariance".
     """
     max_new_tokens = validate.positive("max_new_tokens", max_new_tokens)
     temperature, top_p, seed = validate.temperature(temperature), validate.top_p(top_p), validate.seed(seed)
     max_batch, page_size = validate.positive("max_batch", max_batch), validate.positive("page_size", page_size)
+    chunk_tokens = validate.positive("chunk_tokens", chunk_tokens)
     chat, batch_invariant = validate.flag("chat", chat), validate.flag("batch_invariant", batch_invariant)
     capacity = model.config.max_position_embeddings
     if max_seq_len is not None:
@@ -118,77 +139,41 @@ def generate(
     seq_len = capacity  # batch-invariant: a cache shape no prompt of the call chooses
     if not batch_invariant:
         seq_len = min(bucket(max(map(len, encoded), default=0) + max_new_tokens, minimum=page_size), capacity)
-    engine = _engine(model, max_batch, seq_len, page_size, backend, batch_invariant)
-    stats = {} if stats is None else stats
-    stats.update(prefill_s=0.0, decode_s=0.0, prompt_tokens=sum(map(len, encoded)), new_tokens=0)
-    key = jax.random.key(seed)
-    results = []
-    for start in range(0, len(encoded), max_batch):
-        if not batch_invariant:
-            key, sub = jax.random.split(key)
-        results += _run_batch(
-            model,
-            engine,
-            encoded[start : start + max_batch],
-            max_new_tokens,
-            temperature,
-            top_p,
-            key if batch_invariant else sub,
-            stop_ids,
-            stop_texts,
-            stats,
-        )
-    return results
+    runner = Runner(_engine(model, max_batch, seq_len, page_size, backend, batch_invariant), chunk_tokens=chunk_tokens)
+    stopper = functools.partial(_finished, model, stop_ids=stop_ids, stop_texts=stop_texts)
+    requests = [
+        runner.add(Request(ids, max_new_tokens, temperature, top_p, seed, 0 if batch_invariant else n, stopper))
+        for n, ids in enumerate(encoded)
+    ]
+    return _Run(model, runner, requests, stop_texts, stats)
 
 
-def _prefill(engine, batch, pages, key, temperature, top_p):
-    """First tokens [rows] and the block table [rows, pages] of a batch; batch-invariant: one prompt at a time, and
-    ``max_batch`` rows."""
-    if not engine.batch_invariant:
-        return engine.prefill(batch, pages, key, temperature, top_p)
-    first = [np.asarray(engine.prefill([ids], [p], key, temperature, top_p)[0])[0] for ids, p in zip(batch, pages)]
-    rows = engine.max_batch
-    token = jax.numpy.asarray(np.array(first + [0] * (rows - len(batch)), np.int32))
-    return token, block_table(pages + [[]] * (rows - len(batch)), engine.pages_per_seq)
+class _Run:
+    """A started ``generate_iter`` call: iterate for (prompt index, Generation) as each prompt finishes."""
+
+    def __init__(self, model, runner: Runner, requests: list[Request], stop_texts, stats: dict | None):
+        self.model, self.runner, self.requests, self.stop_texts, self.stats = model, runner, requests, stop_texts, stats
+        self.index = {id(r): n for n, r in enumerate(requests)}
+
+    def __iter__(self) -> Iterator[tuple[int, Generation]]:
+        start = time.perf_counter()
+        for r in self.runner.run():
+            yield self.index[id(r)], _result(self.model, r, self.stop_texts)
+        if self.stats is not None:
+            _stats(self.stats, self.requests, start, self.runner)
 
 
-def _run_batch(model, engine, batch, max_new_tokens, temperature, top_p, key, stop_ids, stop_texts, stats):
-    """Generate for one batch; ``done`` rows keep decoding (their tokens are dropped) until every row is done."""
-
-    def step_key(j):  # batch-invariant: the seed's own stream at step j; else split off the batch's key
-        nonlocal key
-        if engine.batch_invariant:
-            return jax.random.fold_in(key, j)
-        key, sub = jax.random.split(key)
-        return sub
-
-    pages = []
-    try:
-        for ids in batch:
-            pages.append(engine.allocator.allocate(-(-(len(ids) + max_new_tokens) // engine.page_size)))
-        t0 = time.perf_counter()
-        token, table = _prefill(engine, batch, pages, step_key(0), temperature, top_p)
-        out = [[int(t)] for t in np.asarray(token)[: len(batch)]]
-        t1 = time.perf_counter()
-        positions = np.zeros(table.shape[0], np.int32)
-        positions[: len(batch)] = [len(ids) for ids in batch]
-        done = [_finished(model, o, stop_ids, stop_texts) for o in out]
-        for step in range(1, max_new_tokens):
-            if all(done):
-                break
-            token = engine.decode(token, positions, table, step_key(step), temperature, top_p)
-            positions = positions + (np.arange(len(positions)) < len(batch))  # new array: the step may alias it
-            for row, t in enumerate(np.asarray(token)[: len(batch)]):
-                if not done[row]:
-                    out[row].append(int(t))
-                    done[row] = _finished(model, out[row], stop_ids, stop_texts)
-        stats["prefill_s"] += t1 - t0
-        stats["decode_s"] += time.perf_counter() - t1
-    finally:
-        for p in pages:
-            engine.allocator.free(p)
-    stats["new_tokens"] += sum(map(len, out))
-    return [_result(model, ids, o, done[row], stop_texts) for row, (ids, o) in enumerate(zip(batch, out))]
+def _stats(stats: dict, requests: list[Request], start: float, runner: Runner) -> None:
+    """Counts and per-request times (seconds from the call's start) of a finished run."""
+    stats.update(
+        wall_s=time.perf_counter() - start,
+        steps=runner.steps,
+        prompt_tokens=sum(len(r.prompt) for r in requests),
+        new_tokens=sum(len(r.tokens) for r in requests),
+        preemptions=sum(r.preemptions for r in requests),
+        first_token_s=[r.first_token_time - start for r in requests if r.first_token_time is not None],
+        finish_s=[r.finish_time - start for r in requests if r.finish_time is not None],
+    )
 
 
 def _finished(model, tokens, stop_ids, stop_texts) -> bool:
@@ -205,10 +190,19 @@ def _finished(model, tokens, stop_ids, stop_texts) -> bool:
     return False
 
 
-def _result(model, prompt, tokens, stopped, stop_texts) -> Generation:
+def _result(model, r: Request, stop_texts) -> Generation:
     text = None
     if model.tokenizer is not None:
-        text = model.tokenizer.decode(tokens, skip_special_tokens=True)
+        text = model.tokenizer.decode(r.tokens, skip_special_tokens=True)
         cuts = [text.index(s) for s in stop_texts if s in text]
         text = text[: min(cuts)] if cuts else text
-    return Generation(tokens, text, len(prompt), "stop" if stopped else "length")
+    return Generation(r.tokens, text, len(r.prompt), r.finish_reason or "length")
+
+
+generate.__signature__ = inspect.signature(generate_iter).replace(  # type: ignore[attr-defined]
+    parameters=[
+        *inspect.signature(generate_iter).parameters.values(),
+        inspect.Parameter("progress", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=bool),
+    ],
+    return_annotation=list[Generation],
+)

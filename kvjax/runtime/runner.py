@@ -1,0 +1,122 @@
+"""The continuous-batching loop: schedule step n + 1 and enqueue it on the device, then read step n's tokens.
+
+Sampled tokens stay on the device between steps (``Engine.slot_tokens``), so the host never waits for a token before
+it launches the next step; it learns of an EOS or a stop string one step late and drops the extra token. In each
+step the decode rows run before the prompt chunks: a slot or page handed from a request that just finished to one
+just admitted is then written by the newcomer last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+
+from kvjax.runtime.engine import Engine, Rows
+from kvjax.runtime.scheduler import Chunk, Decode, Request, Scheduler, Step
+
+
+@dataclasses.dataclass
+class _Pending:
+    """Tokens of an enqueued step, still on the device: ``tokens[row]`` is new token ``index`` of ``request``."""
+
+    tokens: jax.Array
+    rows: list[tuple[Request, int, int]]
+
+
+class Runner:
+    """Requests in, finished requests out, over one engine. ``chunk_tokens``: prompt tokens prefilled per step;
+    ``lag``: steps enqueued ahead of the one read (0: read each step before the next, as a plain loop would)."""
+
+    def __init__(self, engine: Engine, *, chunk_tokens: int = 512, lag: int = 1):
+        self.engine, self.lag = engine, lag
+        self.scheduler = Scheduler(
+            engine.num_pages,
+            engine.page_size,
+            engine.max_batch,
+            chunk_tokens,
+            max_pages_per_seq=engine.pages_per_seq,
+            fixed_chunks=engine.batch_invariant,
+        )
+        self._pending: deque[list[_Pending]] = deque()
+        self.steps = 0
+
+    def add(self, request: Request) -> Request:
+        return self.scheduler.add(request)
+
+    def step(self) -> list[Request]:
+        """Schedule and enqueue one step, then read the steps more than ``lag`` behind it; returns the requests
+        that finished (an error on add finishes a request too: ``add`` returns it finished)."""
+        step = self.scheduler.schedule()
+        if not step:  # all waits on tokens in flight (or nothing is left): read them
+            if not self._pending and not self.scheduler.idle:
+                raise RuntimeError("the scheduler can run nothing and waits for nothing")  # a bug, never a load
+            return self.drain()
+        self._pending.append(self._enqueue(step))
+        self.steps += 1
+        finished = []
+        while len(self._pending) > self.lag:
+            finished += self._read(self._pending.popleft())
+        return finished
+
+    def drain(self) -> list[Request]:
+        """Read every enqueued step (waiting for the device); returns the requests that finished."""
+        finished = []
+        while self._pending:
+            finished += self._read(self._pending.popleft())
+        return finished
+
+    def run(self) -> Iterator[Request]:
+        """Step until every added request has finished, yielding each as it finishes."""
+        while not self.scheduler.idle or self._pending:
+            yield from self.step()
+
+    def _enqueue(self, step: Step) -> list[_Pending]:
+        out = []
+        if step.decodes:
+            out.append(self._decode(step.decodes))
+        if step.chunks:
+            groups = [[c] for c in step.chunks] if self.engine.batch_invariant else [step.chunks]
+            out += [self._prefill(g) for g in groups]
+        for p in out:
+            p.tokens.copy_to_host_async()
+        return out
+
+    def _decode(self, decodes: list[Decode]) -> _Pending:
+        engine = self.engine
+        rows = engine.decode_rows(max(d.slot for d in decodes))
+        meta = Rows.empty(rows, engine.pages_per_seq)
+        positions, active = np.zeros(rows, np.int32), np.zeros(rows, bool)
+        for d in decodes:
+            r = d.request
+            meta.set(d.slot, d.pages, r.seed, r.stream, d.index, r.temperature, r.top_p)
+            positions[d.slot], active[d.slot] = d.position, True
+        tokens = engine.decode(positions, active, meta)
+        return _Pending(tokens, [(d.request, d.slot, d.index) for d in decodes])
+
+    def _prefill(self, chunks: list[Chunk]) -> _Pending:
+        meta = Rows.empty(len(chunks), self.engine.pages_per_seq)
+        for row, c in enumerate(chunks):
+            r = c.request
+            meta.set(row, c.pages, r.seed, r.stream, max(c.index, 0), r.temperature, r.top_p)
+        tokens = self.engine.prefill(
+            [c.request.context[c.start : c.end] for c in chunks],
+            [c.start for c in chunks],
+            meta,
+            [c.slot for c in chunks],
+        )
+        return _Pending(tokens, [(c.request, row, c.index) for row, c in enumerate(chunks) if c.index >= 0])
+
+    def _read(self, pending: list[_Pending]) -> list[Request]:
+        finished = []
+        for p in pending:
+            tokens = np.asarray(p.tokens)
+            now = time.perf_counter()
+            for request, row, index in p.rows:
+                if self.scheduler.arrived(request, index, int(tokens[row]), now):
+                    finished.append(request)
+        return finished

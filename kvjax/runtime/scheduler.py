@@ -1,0 +1,296 @@
+"""Continuous batching on the host: which requests run in the next step, which prompt chunks they prefill, and which
+pages they own (vLLM's scheduler, in its recompute-preemption form).
+
+Each step the running requests go first, oldest first: a decoding request gets the page its next token needs, a
+prefilling one its next chunk of the prompt within the step's token budget. Then waiting requests are admitted, first
+come first served, while a slot, the budget and free pages allow. A request owns pages only for the tokens it has
+reached, and gives them all back when it finishes. When a running request needs a page and none is free, the most
+recently admitted request is preempted: its pages are freed and it waits at the head of the queue, to prefill its
+prompt and the tokens it has so far again (recompute), so no token is dropped, repeated or reordered.
+
+The scheduler knows nothing of devices: it only counts. A step's sampled tokens may reach it a step or more late
+(``Runner`` enqueues step n + 1 before reading step n), so a request stops scheduling once its last token is
+enqueued, and one preempted with tokens still in flight is readmitted only once they have arrived.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections import deque
+from collections.abc import Callable
+
+from kvjax.runtime.cache import PageAllocator
+
+
+class State(enum.Enum):
+    WAITING = "waiting"  # queued: not admitted yet, or preempted
+    RUNNING = "running"  # owns a slot and pages; prefilling or decoding
+    DRAINING = "draining"  # every token's sampling is enqueued; waits for the last tokens (its pages go back
+    # once the next step is scheduled: a step never reuses a page or slot that one of its own rows still reads)
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One prompt to continue, its sampling stream, and its timeline (``time.perf_counter`` seconds)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0  # the sampling stream is (seed, stream); token i draws from it folded with i
+    stream: int = 0
+    stop: Callable[[list[int]], bool] | None = None  # called with the new tokens after each one: True stops
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    id: int = -1  # set by Scheduler.add
+
+    tokens: list[int] = dataclasses.field(default_factory=list)  # new tokens, as they arrive
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    finish_time: float | None = None
+    finish_reason: str | None = None  # "stop", "length" or "error"
+    error: str | None = None
+    preemptions: int = 0
+
+    state: State = State.WAITING
+    slot: int | None = None  # its row in the decode step
+    pages: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0  # context positions whose K/V are written or enqueued
+    target: int = 0  # context positions to prefill before decoding: the prompt, plus the tokens kept at a preemption
+    sampled: int = 0  # new tokens whose sampling is enqueued
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.tokens
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.target
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Prefill positions [start, end) of ``request``'s context into ``pages``; ``index`` >= 0: the chunk ends the
+    prefill, and its last row's logits give new token ``index``, kept in row ``slot`` for the next decode (-1: none
+    follows)."""
+
+    request: Request
+    start: int
+    end: int
+    pages: tuple[int, ...]
+    index: int
+    slot: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Decode:
+    """Feed ``request``'s latest token (on the device, in row ``slot``) at ``position`` of ``pages``; sample new
+    token ``index`` into the same row."""
+
+    request: Request
+    slot: int
+    position: int
+    pages: tuple[int, ...]
+    index: int
+
+
+@dataclasses.dataclass
+class Step:
+    chunks: list[Chunk]
+    decodes: list[Decode]
+    preempted: list[Request]
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks or self.decodes)
+
+
+class Scheduler:
+    """Requests, a page pool of ``num_pages`` pages of ``page_size`` tokens, ``max_running`` slots and a budget of
+    ``chunk_tokens`` prompt tokens per step. ``fixed_chunks``: chunk boundaries fall every ``chunk_tokens``
+    positions of a context whatever else runs (batch-invariant prefill)."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        max_running: int,
+        chunk_tokens: int,
+        *,
+        max_pages_per_seq: int | None = None,
+        fixed_chunks: bool = False,
+    ):
+        self.allocator = PageAllocator(num_pages)
+        self.page_size, self.max_running, self.chunk_tokens = page_size, max_running, chunk_tokens
+        self.max_pages_per_seq = min(num_pages - 1, max_pages_per_seq or num_pages)
+        self.fixed_chunks = fixed_chunks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.draining: list[Request] = []
+        self._free_slots = list(range(max_running - 1, -1, -1))
+        self._next_id = 0
+
+    # requests in
+
+    def add(self, request: Request) -> Request:
+        """Queue ``request``; one that could never fit the cache finishes at once with an error of its own."""
+        request.id, self._next_id = self._next_id, self._next_id + 1
+        need = self.pages_for(len(request.prompt) + request.max_new_tokens - 1)
+        if need > self.max_pages_per_seq:
+            capacity = self.max_pages_per_seq * self.page_size
+            self._finish(
+                request,
+                "error",
+                f"request {request.id} needs {len(request.prompt) + request.max_new_tokens - 1} cache positions "
+                f"({len(request.prompt)} prompt tokens + {request.max_new_tokens} new - 1), more than the "
+                f"{capacity} one sequence can hold",
+            )
+            return request
+        request.target = len(request.prompt)
+        self.waiting.append(request)
+        return request
+
+    def pages_for(self, positions: int) -> int:
+        return -(-positions // self.page_size)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.running or self.draining)
+
+    # the next step
+
+    def schedule(self) -> Step:
+        """The next step's chunks and decode rows, with the pages they need allocated (preempting if none are
+        free)."""
+        for r in self.draining:  # their last step is enqueued: a later one may reuse what they held
+            self._release(r)
+        step = Step([], [], [])
+        budget = self.chunk_tokens
+        for r in list(self.running):
+            if r.state is not State.RUNNING:  # preempted earlier in this loop
+                continue
+            if r.prefilling:
+                budget -= self._schedule_chunk(r, budget, step)
+            else:
+                self._schedule_decode(r, step)
+        while self.waiting and self._free_slots and budget > 0:
+            r = self.waiting[0]
+            if r.sampled > len(r.tokens):  # preempted with tokens in flight: wait for them
+                break
+            first = self._chunk_end(r, budget) - r.computed
+            if first <= 0 or self.pages_for(r.computed + first) > self.allocator.free_pages:
+                break
+            self.waiting.popleft()
+            r.state, r.slot = State.RUNNING, self._free_slots.pop()
+            self.running.append(r)
+            budget -= self._schedule_chunk(r, budget, step)
+        return step
+
+    def _chunk_end(self, r: Request, budget: int) -> int:
+        if self.fixed_chunks:
+            end = min(r.target, (r.computed // self.chunk_tokens + 1) * self.chunk_tokens)
+            return end if end - r.computed <= budget else r.computed
+        return min(r.target, r.computed + budget)
+
+    def _schedule_chunk(self, r: Request, budget: int, step: Step) -> int:
+        """Schedule r's next chunk within ``budget``; returns the tokens it takes."""
+        end = self._chunk_end(r, budget)
+        if end <= r.computed or not self._grow(r, end, step):
+            return 0
+        sample = end == r.target
+        start, pages, index = r.computed, tuple(r.pages), r.sampled if sample else -1
+        taken, r.computed = end - r.computed, end
+        if sample:
+            self._sampled_one(r)
+        step.chunks.append(Chunk(r, start, end, pages, index, r.slot if sample and r.slot is not None else -1))
+        return taken
+
+    def _schedule_decode(self, r: Request, step: Step) -> None:
+        if not self._grow(r, r.computed + 1, step):
+            return
+        assert r.slot is not None
+        step.decodes.append(Decode(r, r.slot, r.computed, tuple(r.pages), r.sampled))
+        r.computed += 1
+        self._sampled_one(r)
+
+    def _sampled_one(self, r: Request) -> None:
+        r.sampled += 1
+        if r.sampled == r.max_new_tokens:  # nothing more to run: its pages and slot go back after this step
+            self.running.remove(r)
+            r.state = State.DRAINING
+            self.draining.append(r)
+
+    def _grow(self, r: Request, positions: int, step: Step) -> bool:
+        """Give r pages for ``positions`` tokens, preempting the newest other requests if needed; False if r itself
+        had to be preempted."""
+        need = self.pages_for(positions) - len(r.pages)
+        while need > self.allocator.free_pages:
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is r:
+                return False
+        if need > 0:
+            r.pages += self.allocator.allocate(need)
+        return True
+
+    def _preempt(self, r: Request, step: Step) -> None:
+        self.running.remove(r)
+        self._release(r)
+        r.state, r.computed, r.preemptions = State.WAITING, 0, r.preemptions + 1
+        r.target = len(r.prompt) + r.sampled  # its tokens so far are prefilled again
+        self.waiting.appendleft(r)
+        step.preempted.append(r)
+
+    def _release(self, r: Request) -> None:
+        if r.pages:
+            self.allocator.free(r.pages)
+            r.pages = []
+        if r.slot is not None:
+            self._free_slots.append(r.slot)
+            self._free_slots.sort(reverse=True)  # the lowest slot goes first: decode rows stay packed
+            r.slot = None
+
+    # tokens out
+
+    def arrived(self, r: Request, index: int, token: int, now: float) -> bool:
+        """Record new token ``index`` of r (sampled in a step now read); tokens after r finished are dropped.
+        Returns whether r finished with it."""
+        if r.state is State.FINISHED:
+            return False
+        if index != len(r.tokens):
+            raise RuntimeError(f"request {r.id}: token {index} arrived after {len(r.tokens)} tokens")
+        r.tokens.append(token)
+        r.token_times.append(now)
+        if r.stop is not None and r.stop(r.tokens):
+            self._finish(r, "stop")
+        elif len(r.tokens) == r.max_new_tokens:
+            self._finish(r, "length")
+        else:
+            return False
+        return True
+
+    def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
+        for queue in (self.running, self.draining):
+            if r in queue:
+                queue.remove(r)
+        if r in self.waiting:
+            self.waiting.remove(r)
+        self._release(r)
+        r.state, r.finish_reason, r.error, r.finish_time = State.FINISHED, reason, error, time.perf_counter()
+
+    def check(self) -> None:
+        """Raise AssertionError unless pages and slots add up: owned + free == the pool, none owned twice, one slot
+        per request that holds one (the scheduler tests call it after every step)."""
+        holders = [*self.running, *self.draining]
+        owned = [p for r in holders for p in r.pages]
+        assert len(owned) == len(set(owned)), "a page is owned twice"
+        assert len(owned) + self.allocator.free_pages == self.allocator.num_pages - 1, "pages leaked"
+        assert not set(owned) & self.allocator.free_set(), "an owned page is free"
+        slots = [r.slot for r in self.running] + [r.slot for r in self.draining if r.slot is not None]
+        assert None not in slots and len(set(slots)) == len(slots), "slots are not one per running request"
+        assert len(slots) + len(self._free_slots) == self.max_running, "slots leaked"
+        assert all(not r.pages and r.slot is None for r in self.waiting), "a waiting request holds pages"

@@ -1,0 +1,156 @@
+"""Continuous batching: the scheduler and runner over a page-exact fake engine (fast, thousands of steps) and over a
+real tiny model (greedy tokens equal the repeated-argmax loop whatever the arrival order, preemptions included)."""
+
+import hashlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_CONFIGS
+from test_generate import argmax_continuation
+
+import kvjax
+from kvjax.runtime.engine import Engine
+from kvjax.runtime.runner import Runner
+from kvjax.runtime.scheduler import Request, Scheduler, State
+
+VOCAB = 50
+
+
+def next_token(context) -> int:
+    """The fake model: the next token is a hash of the whole context, so a page read wrong changes it."""
+    return hashlib.blake2b(np.asarray(context, np.int64).tobytes(), digest_size=4).digest()[0] % VOCAB
+
+
+def single_run(prompt, max_new, stops) -> list[int]:
+    tokens: list[int] = []
+    while len(tokens) < max_new:
+        tokens.append(next_token(prompt + tokens))
+        if tokens[-1] in stops:
+            break
+    return tokens
+
+
+class FakeEngine:
+    """The engine's contract on token ids instead of K/V: pages hold the ids written at each position, and a
+    sampled token is ``next_token`` of the ids read back through the block table."""
+
+    def __init__(self, num_pages, page_size, max_batch, pages_per_seq, batch_invariant=False):
+        self.num_pages, self.page_size, self.max_batch = num_pages, page_size, max_batch
+        self.pages_per_seq, self.batch_invariant = pages_per_seq, batch_invariant
+        self.pages = np.full((num_pages, page_size), -1, np.int64)
+        self.slot_tokens = np.zeros(max_batch, np.int64)
+
+    def decode_rows(self, highest_slot):
+        return self.max_batch
+
+    def _write(self, table_row, position, token):
+        page = table_row[position // self.page_size]
+        assert page != 0, "a write through the null page"
+        self.pages[page, position % self.page_size] = token
+
+    def _read(self, table_row, end):
+        return [int(self.pages[table_row[p // self.page_size], p % self.page_size]) for p in range(end)]
+
+    def prefill(self, chunks, starts, rows, slots):
+        new = np.zeros(len(chunks), np.int64)
+        for i, (ids, start) in enumerate(zip(chunks, starts)):
+            for j, token in enumerate(ids):
+                self._write(rows.table[i], start + j, token)
+            new[i] = next_token(self._read(rows.table[i], start + len(ids)))
+            if slots[i] >= 0:
+                self.slot_tokens[slots[i]] = new[i]
+        return jnp.asarray(new)
+
+    def decode(self, positions, active, rows):
+        for slot in np.flatnonzero(active):
+            self._write(rows.table[slot], positions[slot], self.slot_tokens[slot])
+        for slot in np.flatnonzero(active):
+            self.slot_tokens[slot] = next_token(self._read(rows.table[slot], positions[slot] + 1))
+        return jnp.asarray(self.slot_tokens.copy())
+
+
+def check(scheduler: Scheduler):
+    scheduler.check()
+    for r in scheduler.running:
+        assert len(r.pages) == scheduler.pages_for(r.computed)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_arrivals_finish_with_their_single_run_tokens(seed):
+    rng = np.random.default_rng(seed)
+    page_size, num_pages = int(rng.choice([2, 4, 8])), int(rng.integers(12, 40))
+    lag, invariant = int(rng.integers(0, 3)), bool(rng.integers(0, 2))
+    engine = FakeEngine(num_pages, page_size, int(rng.integers(1, 6)), (num_pages - 1), invariant)
+    runner = Runner(engine, chunk_tokens=int(rng.integers(1, 24)), lag=lag)
+    stops = set(rng.choice(VOCAB, 3, replace=False).tolist())
+    capacity = (num_pages - 1) * page_size
+    arrivals, requests, done = sorted(rng.integers(0, 60, 30).tolist()), [], []
+    step = 0
+    while arrivals or not runner.scheduler.idle or runner._pending:
+        while arrivals and arrivals[0] <= step:
+            arrivals.pop(0)
+            n_prompt = int(rng.integers(1, capacity // 2))
+            prompt = rng.integers(0, VOCAB, n_prompt).tolist()
+            max_new = int(rng.integers(1, capacity - n_prompt + 2))
+            r = Request(prompt, max_new, stop=lambda toks: toks[-1] in stops)
+            requests.append(runner.add(r))
+        done += runner.step()
+        check(runner.scheduler)
+        step += 1
+        assert step < 20_000
+    assert sorted(r.id for r in done) == sorted(r.id for r in requests if r.finish_reason != "error")
+    for r in requests:
+        assert r.state is State.FINISHED
+        if r.finish_reason == "error":
+            assert len(r.prompt) + r.max_new_tokens - 1 > capacity and "more than the" in r.error
+            continue
+        assert r.tokens == single_run(r.prompt, r.max_new_tokens, stops), r.id
+        assert r.finish_reason == ("stop" if r.tokens[-1] in stops else "length")
+        assert r.arrival <= r.first_token_time <= r.finish_time and r.token_times == sorted(r.token_times)
+    assert runner.scheduler.allocator.free_pages == num_pages - 1
+
+
+def test_preemption_recomputes_and_keeps_every_token():
+    """Four long requests in a pool that holds about two: the newest are preempted, recomputed, and finish right."""
+    engine = FakeEngine(num_pages=17, page_size=4, max_batch=4, pages_per_seq=16)
+    runner = Runner(engine, chunk_tokens=8)
+    rng = np.random.default_rng(3)
+    requests = [runner.add(Request(rng.integers(0, VOCAB, 10).tolist(), 40)) for _ in range(4)]
+    while not runner.scheduler.idle or runner._pending:
+        runner.step()
+        check(runner.scheduler)
+    assert sum(r.preemptions for r in requests) > 0
+    assert requests[0].preemptions == 0  # the oldest is never the victim
+    for r in requests:
+        assert r.tokens == single_run(r.prompt, 40, set()) and r.finish_reason == "length"
+
+
+def test_a_request_that_can_never_fit_gets_its_own_error_and_the_others_finish():
+    engine = FakeEngine(num_pages=9, page_size=4, max_batch=2, pages_per_seq=8)
+    runner = Runner(engine, chunk_tokens=16)
+    ok = runner.add(Request([1, 2, 3], 5))
+    too_big = runner.add(Request(list(range(30)), 10))
+    assert too_big.state is State.FINISHED and too_big.finish_reason == "error"
+    assert "needs 39 cache positions" in too_big.error and "32" in too_big.error
+    assert [r.id for r in runner.run()] == [ok.id]
+    assert ok.tokens == single_run([1, 2, 3], 5, set())
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_greedy_equals_repeated_argmax_for_any_arrival_order_with_preemption(backend):
+    model = kvjax.Model.random(TINY_CONFIGS["mistral"], seed=4, scale=10.0)  # sliding window 5
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, 97, int(n)).tolist() for n in (3, 21, 9, 14)]
+    want = [argmax_continuation(model, p, 10) for p in prompts]
+    engine = Engine(model, max_batch=3, max_seq_len=32, page_size=4, num_pages=12, backend=backend)
+    for order in ([0, 1, 2, 3], [3, 2, 1, 0]):
+        runner = Runner(engine, chunk_tokens=6)
+        requests = {}
+        for n in order:
+            requests[n] = runner.add(Request(prompts[n], 10))
+            runner.step()  # arrivals interleave with steps
+        for _ in runner.run():
+            check(runner.scheduler)
+        assert [requests[n].tokens for n in range(4)] == want
+        assert sum(r.preemptions for r in requests.values()) > 0
