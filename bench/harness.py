@@ -19,10 +19,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.layout import HeadLayout
+from kvjax.models.config import ModelConfig
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.search import fill_runs, order_heads, permuted
 
 HQ, HKV, D = 32, 8, 128
+LLAMA_8B = ModelConfig(  # the whole model's shape, for engine benchmarks (random weights)
+    arch="llama",
+    num_layers=32,
+    num_heads=HQ,
+    num_kv_heads=HKV,
+    head_dim=D,
+    hidden_size=4096,
+    intermediate_size=14336,
+    vocab_size=128256,
+    norm_eps=1e-5,
+    rope_theta=5e5,
+    max_position_embeddings=131072,
+)
 L2_BYTES = 50 << 20
 TIMER = {"name": "cupti"}  # "cupti" (the kernels' own durations) or "host" (wall clock over queued calls)
 START = time.perf_counter()

@@ -6,6 +6,7 @@ invariance"."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from decode import kvjax_decode_call
 from flax import nnx
-from harness import PagedCase, copies_for, copy_bandwidth, pick_layer, rank_plan, time_calls
+from harness import LLAMA_8B, PagedCase, copies_for, copy_bandwidth, pick_layer, rank_plan, time_calls
 
 import kvjax
 from kvjax.models.config import ModelConfig
@@ -52,19 +53,7 @@ SMALL = ModelConfig(
     norm_eps=1e-5,
     max_position_embeddings=1024,
 )
-LLAMA8B_2L = ModelConfig(
-    arch="llama",
-    num_layers=2,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    hidden_size=4096,
-    intermediate_size=14336,
-    vocab_size=128256,
-    norm_eps=1e-5,
-    rope_theta=5e5,
-    max_position_embeddings=8192,
-)
+LLAMA8B_2L = dataclasses.replace(LLAMA_8B, num_layers=2, max_position_embeddings=8192)
 
 
 def count(args) -> dict:

@@ -1,0 +1,170 @@
+"""The engine end to end on a random Llama-3.1-8B-shaped model (bf16): per rate and shape (batch x prompt length),
+prompts prefilled through the continuous-batching runner in chunks, then decode steps in steady state timed twice,
+by the host's clock (wall per step, the runner's own loop) and by CUPTI (the step's kernels, summed), beside the floor
+(weights + K/V bytes read per step over the measured copy bandwidth) and split into GEMMs, attention and the rest.
+Table: bench/RESULTS.md "Engine: decode step beside the floor"."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from harness import LLAMA_8B, copy_bandwidth, log, on_gpu, rank_plan
+
+import kvjax
+from kvjax.compression import RankPlan
+from kvjax.models.config import ModelConfig
+from kvjax.models.transformer import Transformer
+from kvjax.runtime.cache import bytes_per_token
+from kvjax.runtime.engine import Engine
+from kvjax.runtime.runner import Runner
+from kvjax.runtime.scheduler import Request
+
+
+def model_at(rate: float, cfg: ModelConfig = LLAMA_8B) -> kvjax.Model:
+    """Random bf16 weights of the 8B shape; rate > 0: ZACK-compressed to the widths of ``harness.rank_plan``."""
+    plan = None
+    if rate > 0:
+        layouts = rank_plan(rate, cfg.num_layers)
+        k = np.array([lay.k_widths for lay in layouts])
+        v = np.array([lay.v_widths for lay in layouts])
+        ones = np.ones((*k.shape, cfg.head_dim))
+        plan = RankPlan("zack", cfg.head_dim, k, v, ones, ones)
+    return kvjax.Model(Transformer(cfg, plan=plan, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), plan=plan)
+
+
+def kind(name: str) -> str:
+    """A CUPTI kernel's share of the split: GEMM, attention or rest."""
+    low = name.lower()
+    if "kvjax" in low or "paged_decode" in low or "attention" in low:
+        return "attention"
+    if any(s in low for s in ("gemm", "nvjet", "cutlass", "xmma", "matmul", "dot")):
+        return "gemm"
+    return "rest"
+
+
+def cupti_steps(runner: Runner, steps: int) -> list[tuple[str, float]]:
+    """The kernels (name, ms) of ``steps`` runner steps, as CUPTI saw them run."""
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    ext._cupti_init()
+    try:
+        for _ in range(steps):
+            runner.step()
+        runner.drain()
+    finally:
+        timings = ext._cupti_get_timings(True)
+    return list(timings)
+
+
+def floor_bytes(model: kvjax.Model, lengths: np.ndarray) -> int:
+    """Bytes a decode step must read: every weight but the embedding table, and each sequence's K/V."""
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.state))
+    embed = model.config.vocab_size * model.config.hidden_size * jnp.dtype(model.dtype).itemsize
+    return weights - embed + int(lengths.sum()) * bytes_per_token(model.layouts, model.dtype)
+
+
+def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
+    """Prefill ``batch`` random prompts of ``ctx`` tokens, then time decode steps in steady state."""
+    new = args.warm_steps + 2 * args.steps + 8
+    engine = Engine(model, max_batch=batch, max_seq_len=ctx + new, page_size=16)
+    runner = Runner(engine, chunk_tokens=args.chunk_tokens)
+    rng = np.random.default_rng(0)
+    requests = [runner.add(Request(rng.integers(0, 32000, ctx).tolist(), new)) for _ in range(batch)]
+    t0 = time.perf_counter()
+    while any(r.first_token_time is None for r in requests):
+        runner.step()
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    runner.step()
+    runner.drain()
+    first_decode_s = time.perf_counter() - t0  # the decode step's compile, mostly
+    for _ in range(args.warm_steps):
+        runner.step()
+    runner.drain()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        runner.step()
+    runner.drain()
+    wall = (time.perf_counter() - t0) / args.steps
+    lengths = np.array([len(r.prompt) + r.sampled for r in requests])
+    kernels = cupti_steps(runner, args.steps)
+    split = {"gemm": 0.0, "attention": 0.0, "rest": 0.0}
+    for name, ms in kernels:
+        split[kind(name)] += ms / 1e3 / args.steps
+    device = sum(split.values())
+    floor = floor_bytes(model, lengths + args.steps // 2) / bandwidth  # mean lengths of the CUPTI steps
+    del engine, runner
+    return dict(
+        rate=rate,
+        batch=batch,
+        ctx=ctx,
+        wall_ms=wall * 1e3,
+        device_ms=device * 1e3,
+        floor_ms=floor * 1e3,
+        pct_of_floor=100 * floor / device,
+        wall_over_device=wall / device,
+        tokens_per_s=batch / wall,
+        gemm_ms=split["gemm"] * 1e3,
+        attention_ms=split["attention"] * 1e3,
+        rest_ms=split["rest"] * 1e3,
+        kernels_per_step=len(kernels) / args.steps,
+        prefill_tok_s=batch * ctx / prefill_s,
+        prefill_s=prefill_s,
+        first_decode_step_s=first_decode_s,
+        chunk_tokens=args.chunk_tokens,
+    )
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(
+        "\n| rate | B x ctx | wall ms/step | device ms/step | floor ms | % of floor | wall/device | tok/s | "
+        "GEMM ms | attention ms | rest ms | kernels/step | prefill tok/s (chunk) | first decode step s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['rate']} | {r['batch']} x {r['ctx']} | {r['wall_ms']:.2f} | {r['device_ms']:.2f} | "
+            f"{r['floor_ms']:.2f} | {r['pct_of_floor']:.0f}% | {r['wall_over_device']:.3f} | {r['tokens_per_s']:.0f} | "
+            f"{r['gemm_ms']:.2f} | {r['attention_ms']:.2f} | {r['rest_ms']:.2f} | {r['kernels_per_step']:.0f} | "
+            f"{r['prefill_tok_s']:.0f} ({r['chunk_tokens']}) | {r['first_decode_step_s']:.1f} |",
+            flush=True,
+        )
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", default="0,0.5,0.7", help="compression rates, comma-separated (default 0,0.5,0.7)")
+    ap.add_argument("--shapes", default="32x2048,32x8192,8x32768", help="BxCTX decode shapes, comma-separated")
+    ap.add_argument("--chunk-tokens", type=int, default=2048, help="prompt tokens prefilled per step (default 2048)")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps timed, by each timer (default 32)")
+    ap.add_argument("--warm-steps", type=int, default=4, help="decode steps run before timing (default 4)")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    if not on_gpu():
+        raise SystemExit("bench/engine.py times the engine on a GPU (CUPTI)")
+    bandwidth = copy_bandwidth()
+    log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    rows = []
+    for rate in map(float, args.rates.split(",")):
+        model = model_at(rate)
+        for batch, ctx in shapes:
+            log(f"rate {rate}, {batch} x {ctx}")
+            rows.append(run_shape(model, rate, batch, ctx, args, bandwidth))
+            print_rows(rows[-1:])
+        del model
+    print_rows(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, bandwidth=bandwidth, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
