@@ -68,6 +68,11 @@ def test_bad_generate_arguments():
     model = kvjax.Model.random(TINY_CONFIGS["llama"])
     with pytest.raises(ValueError, match="max_new_tokens must be positive"):
         kvjax.generate(model, [[1]], max_new_tokens=0)
+    for bad in (0, -3, float("nan"), "8", True):
+        with pytest.raises((ValueError, TypeError), match="chunk_tokens"):
+            kvjax.generate(model, [[1]], max_new_tokens=1, chunk_tokens=bad)
+        with pytest.raises((ValueError, TypeError), match="chunk_tokens"):
+            kvjax.generate_iter(model, [[1]], max_new_tokens=1, chunk_tokens=bad)
     with pytest.raises(ValueError, match="more than the cache"):
         kvjax.generate(model, [[1] * 200], max_new_tokens=100)  # max_position_embeddings is 256
     with pytest.raises(ValueError, match="more than the cache"):
