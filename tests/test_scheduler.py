@@ -41,9 +41,6 @@ class FakeEngine:
         self.pages = np.full((num_pages, page_size), -1, np.int64)
         self.slot_tokens = np.zeros(max_batch, np.int64)
 
-    def decode_rows(self, highest_slot):
-        return self.max_batch
-
     def _write(self, table_row, position, token):
         page = table_row[position // self.page_size]
         assert page != 0, "a write through the null page"

@@ -2,8 +2,8 @@
 
 The engine joins the model (which only calls ``attend``), the cache and the attention ops. It keeps every running
 request's latest token on the device, one row per slot, so a decode step reads its inputs from the step before
-without the host in between. Shapes are bucketed to powers of two (chunk rows and length, decode rows) and the block
-table has a fixed width, so a new mix of requests rarely compiles a new step.
+without the host in between. Chunk shapes are bucketed to powers of two (rows and length), a decode step always
+runs ``max_batch`` rows and the block table has a fixed width, so a new mix of requests rarely compiles a new step.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from flax import nnx
 from kvjax.ops import attention
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.plan import bucket as pow2_bucket
-from kvjax.ops.paging import NULL_PAGE
 from kvjax.ops.prefill.op import PrefillOp
-from kvjax.runtime.cache import PagedKVCache
+from kvjax.runtime.cache import PagedKVCache, block_table
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
@@ -45,7 +44,7 @@ class Rows:
     @classmethod
     def empty(cls, rows: int, pages_per_seq: int) -> Rows:
         return cls(
-            np.full((rows, pages_per_seq), NULL_PAGE, np.int32),
+            block_table([[]] * rows, pages_per_seq),
             np.zeros((rows, 2), np.uint32),
             np.zeros(rows, np.int32),
             np.zeros(rows, np.int32),
@@ -54,7 +53,7 @@ class Rows:
         )
 
     def set(self, row: int, pages, seed: int, stream: int, counter: int, temperature: float, top_p: float) -> None:
-        self.table[row, : len(pages)] = pages
+        self.table[row] = block_table([list(pages)], self.table.shape[1])[0]
         self.seeds[row] = (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
         self.streams[row], self.counters[row] = stream, counter
         self.temperature[row], self.top_p[row] = temperature, top_p
@@ -110,10 +109,9 @@ def _prefill_step(
 
 
 def _decode_step(graphdef, state, cache, slot_tokens, positions, active, table, schedule, sampling, *, greedy, op):
-    """Feed each active row's token (``slot_tokens``) at ``positions``, and put the next one in its place."""
+    """Feed each active row's token (``slot_tokens``, one row per slot) at ``positions``, and put the next one in
+    its place."""
     module = nnx.merge(graphdef, state)
-    rows = positions.shape[0]
-    tokens = slot_tokens[:rows]
     ks, vs = list(cache.k), list(cache.v)
 
     def attend(i, q, k, v, rebuild=None):
@@ -132,9 +130,9 @@ def _decode_step(graphdef, state, cache, slot_tokens, positions, active, table, 
         )
         return out[:, None]
 
-    hidden = module.hidden(tokens[:, None], positions[:, None], attend)
+    hidden = module.hidden(slot_tokens[:, None], positions[:, None], attend)
     new = sample(module.logits(hidden[:, 0]), *sampling, greedy=greedy)
-    return slot_tokens.at[:rows].set(jnp.where(active, new, tokens)), PagedKVCache(tuple(ks), tuple(vs))
+    return jnp.where(active, new, slot_tokens), PagedKVCache(tuple(ks), tuple(vs))
 
 
 class Engine:
@@ -190,11 +188,6 @@ class Engine:
                 )
                 self._steps["prefill", greedy, prefix] = jax.jit(step, donate_argnums=donate)
 
-    def decode_rows(self, highest_slot: int) -> int:
-        """Rows of a decode step: always ``max_batch``, so the step compiles once. A padding row costs next to
-        nothing: the step reads every weight whatever its rows, and a padding row's attention reads one token."""
-        return self.max_batch
-
     def prefill(self, chunks: list[list[int]], starts, rows: Rows, slots) -> jax.Array:
         """Enqueue prompt chunks (token ids from positions ``starts``); the token sampled after each chunk goes to
         slot ``slots[i]`` (-1: none). Returns the sampled tokens [padded rows] on the device, without waiting."""
@@ -223,8 +216,10 @@ class Engine:
         return new
 
     def decode(self, positions: np.ndarray, active: np.ndarray, rows: Rows) -> jax.Array:
-        """Enqueue one decode step: each active row feeds its slot's token at its position and samples the next
-        into the slot. Returns the slot tokens [max_batch] after the step on the device, without waiting."""
+        """Enqueue one decode step over all ``max_batch`` slots (row i is slot i, so the step compiles once; an
+        inactive row costs next to nothing: the step reads every weight whatever its rows, and the row's attention
+        one token): each active row feeds its slot's token at its position and samples the next into the slot.
+        Returns the slot tokens [max_batch] after the step on the device, without waiting."""
         step = self._steps["decode", rows.greedy]
         self.slot_tokens, self.cache = step(
             self.model.state,

@@ -88,7 +88,7 @@ class Runner:
 
     def _decode(self, decodes: list[Decode]) -> _Pending:
         engine = self.engine
-        rows = engine.decode_rows(max(d.slot for d in decodes))
+        rows = engine.max_batch  # row i is slot i
         meta = Rows.empty(rows, engine.pages_per_seq)
         positions, active = np.zeros(rows, np.int32), np.zeros(rows, bool)
         for d in decodes:
