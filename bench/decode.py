@@ -7,6 +7,7 @@ kernel reads its knobs from ``schedule.config``). Tables: bench/RESULTS.md "Deco
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -42,7 +43,6 @@ from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.kernel import paged_decode
 from kvjax.ops.decode.plan import DecodePlan, build_decode_schedule
 from kvjax.ops.decode.reference import paged_decode_attention
-from kvjax.ops.prefill.plan import width_classes
 
 # The fields the autotune table prints, and its variants: the schedule's unit costs, a floor or a large fixed cost
 # per token (bench/RESULTS.md "Decode schedule: unit costs"; the earlier sweeps of warps, stages, tokens per step,
@@ -336,9 +336,8 @@ def width_sweep(key, bw, config: DecodeConfig = DECODE):
 def per_class_launches(key, bw, lay, batch=32, ctx=4096, config: DecodeConfig = DECODE):
     """The rate-0.5 layer as one launch per width class (own schedule, own code) against one launch switching them."""
     subs, inputs, nbytes = [], [], 0
-    for cls in width_classes(lay)[0]:
-        n = len(cls.heads)
-        sub = HeadLayout(lay.group_size * n, n, D, (cls.k_width,) * n, (cls.v_width,) * n)
+    for (kw, vw), n in collections.Counter(zip(lay.k_widths, lay.v_widths)).items():
+        sub = HeadLayout(lay.group_size * n, n, D, (kw,) * n, (vw,) * n)
         case = PagedCase(sub, batch, np.full(batch, ctx), 32, 1, key)
         sched = schedule_of(case, config).schedule.layer(0)
         subs.append(sub)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from harness import LLAMA_8B, copy_bandwidth, log, on_gpu, rank_plan
+from jax._src import dispatch
 
 import kvjax
 from kvjax.compression import RankPlan
@@ -36,6 +37,28 @@ def model_at(rate: float, cfg: ModelConfig = LLAMA_8B) -> kvjax.Model:
         ones = np.ones((*k.shape, cfg.head_dim))
         plan = RankPlan("zack", cfg.head_dim, k, v, ones, ones)
     return kvjax.Model(Transformer(cfg, plan=plan, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), plan=plan)
+
+
+COMPILES: list[tuple[str, float]] = []  # (function, seconds) of every XLA compile since the bench started
+
+
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+    if event == dispatch.BACKEND_COMPILE_EVENT:
+        COMPILES.append((str(kwargs.get("fun_name", "")), duration))
+        if duration > 1:
+            log(f"compiled {COMPILES[-1][0]} in {duration:.1f} s")
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+def compile_times(since: int) -> dict:
+    """Seconds XLA spent compiling each engine step since ``COMPILES[since]``, and how many variants it compiled."""
+    out = {}
+    for step in ("decode", "prefill"):
+        times = [s for name, s in COMPILES[since:] if f"_{step}_step" in name]
+        out[f"{step}_compile_s"], out[f"{step}_compiles"] = sum(times), len(times)
+    return out
 
 
 def kind(name: str) -> str:
@@ -77,6 +100,7 @@ def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
     runner = Runner(engine, chunk_tokens=args.chunk_tokens)
     rng = np.random.default_rng(0)
     requests = [runner.add(Request(rng.integers(0, 32000, ctx).tolist(), new)) for _ in range(batch)]
+    since = len(COMPILES)
     t0 = time.perf_counter()
     while any(r.first_token_time is None for r in requests):
         runner.step()
@@ -119,21 +143,24 @@ def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
         prefill_s=prefill_s,
         first_decode_step_s=first_decode_s,
         chunk_tokens=args.chunk_tokens,
+        **compile_times(since),
     )
 
 
 def print_rows(rows: list[dict]) -> None:
     print(
         "\n| rate | B x ctx | wall ms/step | device ms/step | floor ms | % of floor | wall/device | tok/s | "
-        "GEMM ms | attention ms | rest ms | kernels/step | prefill tok/s (chunk) | first decode step s |"
+        "GEMM ms | attention ms | rest ms | kernels/step | prefill tok/s (chunk) | first decode step s | "
+        "compile s: decode / prefill (variants) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['rate']} | {r['batch']} x {r['ctx']} | {r['wall_ms']:.2f} | {r['device_ms']:.2f} | "
             f"{r['floor_ms']:.2f} | {r['pct_of_floor']:.0f}% | {r['wall_over_device']:.3f} | {r['tokens_per_s']:.0f} | "
             f"{r['gemm_ms']:.2f} | {r['attention_ms']:.2f} | {r['rest_ms']:.2f} | {r['kernels_per_step']:.0f} | "
-            f"{r['prefill_tok_s']:.0f} ({r['chunk_tokens']}) | {r['first_decode_step_s']:.1f} |",
+            f"{r['prefill_tok_s']:.0f} ({r['chunk_tokens']}) | {r['first_decode_step_s']:.1f} | "
+            f"{r['decode_compile_s']:.1f} / {r['prefill_compile_s']:.1f} ({r['prefill_compiles']}) |",
             flush=True,
         )
 

@@ -40,13 +40,14 @@ from kvjax.ops.prefill.reference import causal_attention
 # heads too wide for 128-key prefill steps (``plan.keys_per_step`` gives them 64) beside narrow ones
 WIDE = HeadLayout(32, 8, 128, (112, 128, 16, 96, 112, 64, 128, 48), (112, 16, 128, 112, 80, 128, 96, 48))
 # The fields the sweep prints, and its variants of the defaults (bench/RESULTS.md "Prefill: knob sweep").
-PREFILL_SWEPT = ("block_q", "block_k", "max_block_q", "max_segments", "num_warps", "num_stages")
+PREFILL_SWEPT = ("block_q", "block_k", "max_block_q", "tile_widths", "num_warps", "num_stages")
 PREFILL_SWEEP = [
     PREFILL,
     *(
         dataclasses.replace(PREFILL, **change)
         for change in (
-            dict(max_segments=1),
+            dict(tile_widths=(128,)),
+            dict(tile_widths=(16, 32, 64, 128)),
             dict(num_warps=4),
             dict(block_q=64, num_warps=4),
             dict(num_stages=4),

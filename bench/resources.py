@@ -32,8 +32,7 @@ from kvjax.ops.decode.kernel import paged_decode, run_classes
 from kvjax.ops.decode.plan import build_decode_schedule
 from kvjax.ops.prefill.config import PREFILL, PrefillConfig
 from kvjax.ops.prefill.kernel import prefill_attention
-from kvjax.ops.prefill.plan import block_rows, keys_per_step, width_classes
-from kvjax.ops.tiles import loaded_columns
+from kvjax.ops.prefill.plan import block_rows, class_of, keys_per_step, tile_classes
 
 EPILOG = """examples:
   python bench/resources.py rate:0.5 uniform:64 widths:80,48/96,32 [--warps 4 --stages 3]
@@ -213,7 +212,7 @@ def prefill_report(specs, config: PrefillConfig):
         layout = layout_of(spec)
         r = resources(prefill_ir(layout, config), warps, stages)
         print(
-            f"| {spec} | {len(width_classes(layout)[0])} | {r['registers']} | {r['local_bytes']} | "
+            f"| {spec} | {len(tile_classes([layout], config.tile_widths))} | {r['registers']} | {r['local_bytes']} | "
             f"{r['shared_bytes']} | {r['sass_instructions']} | {' '.join(map(str, r['loops']))} |",
             flush=True,
         )
@@ -228,18 +227,20 @@ def prefill_report(specs, config: PrefillConfig):
     )
     for spec in specs:
         layout = layout_of(spec)
-        classes, _ = width_classes(layout)
+        classes = tile_classes([layout], config.tile_widths)
+        heads = class_of(layout, classes, config.tile_widths)
         total = weight = 0
-        for cls in classes:
-            alone = HeadLayout(HQ, HKV, D, (cls.k_width,) * HKV, (cls.v_width,) * HKV)
+        for index, cls in enumerate(classes):
+            n = heads.count(index)
+            alone = HeadLayout(HQ, HKV, D, (cls.k_tile,) * HKV, (cls.v_tile,) * HKV)
             r = resources(prefill_ir(alone, config), warps, stages)
             rows, keys = prefill_tile(cls, config)
             steady, counts = r["loops"][0], r["loop_ops"][0]
             per_score = steady / (rows * keys / (warps * 32))
-            total, weight = total + per_score * len(cls.heads), weight + len(cls.heads)
+            total, weight = total + per_score * n, weight + n
             mix = [sum(n for op, n in counts.items() if op.startswith(name)) for name in ops]
             print(
-                f"| {spec} | {cls.k_width}/{cls.v_width} | {len(cls.heads)} | {rows}x{keys} | {r['registers']} | "
+                f"| {spec} | {cls.k_tile}/{cls.v_tile} | {n} | {rows}x{keys} | {r['registers']} | "
                 f"{steady} | {r['loops'][1]} | {per_score:.2f} | {' | '.join(map(str, mix))} | "
                 f"{steady - sum(mix)} |",
                 flush=True,
@@ -249,11 +250,9 @@ def prefill_report(specs, config: PrefillConfig):
 
 
 def prefill_tile(cls, config: PrefillConfig) -> tuple[int, int]:
-    """(query rows, keys) of one loop step of a width class at T 4096, bf16, as ``prefill_attention`` picks them."""
-    segs = config.max_segments
-    rows = block_rows(cls, config.block_q, 4096, config.balanced, config.max_block_q, segs)
-    cols = loaded_columns(cls.k_width, segs) + loaded_columns(cls.v_width, segs)
-    return rows, keys_per_step(config.block_k, rows, cols, 2, config.num_stages)
+    """(query rows, keys) of one loop step of a tile class at T 4096, bf16, as ``prefill_attention`` picks them."""
+    rows = block_rows(cls, config.block_q, 4096, config.balanced, config.max_block_q)
+    return rows, keys_per_step(config.block_k, rows, cls.cols, 2, config.num_stages)
 
 
 def with_knobs(config, knobs: dict, warps: int | None, stages: int | None):

@@ -187,6 +187,8 @@ def test_temperature_is_a_finite_non_negative_number(x):
         ("prefill", "block_q", 48, "block_q must be a power of two of at least 16, got 48"),
         ("prefill", "num_stages", 0, "num_stages must be at least 1, got 0"),
         ("prefill", "balanced", "yes", "balanced must be a bool, got 'yes'"),
+        ("prefill", "tile_widths", (48, 128), r"tile_widths must be a non-empty tuple of powers of two"),
+        ("prefill", "tile_widths", (), r"tile_widths must be a non-empty tuple of powers of two"),
     ],
 )
 def test_op_configs_refuse_bad_fields(make, field, value, message):

@@ -11,7 +11,16 @@ from kvjax.ops.paging import NULL_PAGE, write_pages
 from kvjax.ops.prefill.config import PrefillConfig
 from kvjax.ops.prefill.kernel import prefill_attention
 from kvjax.ops.prefill.op import PrefillOp
-from kvjax.ops.prefill.plan import KV_TILE_BYTES, block_rows, keys_per_step, width_classes, work_items
+from kvjax.ops.prefill.plan import (
+    KV_TILE_BYTES,
+    block_rows,
+    class_of,
+    keys_per_step,
+    num_items,
+    tile_classes,
+    tile_for,
+    work_items,
+)
 from kvjax.ops.prefill.reference import causal_attention, chunk_attention
 
 
@@ -30,6 +39,13 @@ def prompts(rng, layout, batch, t, dtype, page_size=16):
         arr(num_pages, page_size, layout.k_cols),
         arr(num_pages, page_size, layout.v_cols),
     )
+
+
+def kernel_args(layout, knobs):
+    """(config, shared) of a case's knobs: ``shared_with`` names another layer that shares the kernel."""
+    knobs = dict(knobs)
+    other = knobs.pop("shared_with", None)
+    return PrefillConfig(**knobs), None if other is None else (other, layout)
 
 
 def rel_err(out, ref, rows=None):
@@ -55,15 +71,24 @@ CASES = {
         48,
         [48, 21],
         jnp.float32,
-        dict(block_q=16, block_k=16, max_block_q=32, max_segments=1),
+        dict(block_q=16, block_k=16, max_block_q=32, tile_widths=(64,)),
     ),
-    "exact pieces 112/80 f32": (
+    "every power-of-two tile 112/80 f32": (
         HeadLayout(4, 2, 128, (112, 80), (96, 48)),
         1,
         48,
         [45],
         jnp.float32,
-        dict(block_q=16, block_k=16, max_block_q=32),
+        dict(block_q=16, block_k=16, max_block_q=32, tile_widths=(16, 32, 64, 128)),
+    ),
+    # one kernel for this layer and a wider one: classes of both, and the wider layer's item count (padding items)
+    "shared with another layer bf16": (
+        HeadLayout(8, 2, 64, (16, 48), (64, 32)),
+        2,
+        64,
+        [64, 37],
+        jnp.bfloat16,
+        dict(block_q=32, block_k=16, tile_widths=(32, 64), shared_with=HeadLayout(8, 2, 64, (64, 64), (16, 64))),
     ),
     "bf16 unbalanced": (
         HeadLayout(8, 2, 64, (32, 64), (64, 32)),
@@ -90,8 +115,9 @@ def test_prefill_matches_reference_and_writes_pages(name):
     rng = np.random.default_rng()
     q, k, v, table, kp, vp = prompts(rng, layout, batch, t, dtype)
     lens = jnp.asarray(lengths, jnp.int32)
+    config, shared = kernel_args(layout, knobs)
     out, kp2, vp2 = prefill_attention(
-        q, k, v, layout, lens, kp, vp, table, config=PrefillConfig(**knobs), interpret=True
+        q, k, v, layout, lens, kp, vp, table, config=config, interpret=True, shared=shared
     )
     live = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
     assert rel_err(out, reference(q, k, v, layout), live) < (1e-4 if dtype == jnp.float32 else 1e-2)
@@ -104,26 +130,57 @@ def test_prefill_matches_reference_and_writes_pages(name):
 
 @pytest.mark.parametrize("balanced", [True, False])
 def test_items_cover_every_row_once_narrow_heads_taller_longest_first(balanced):
-    """Every (prompt, query head, row) lies in exactly one item; balanced, a narrower head never gets shorter
-    blocks than a wider one and items run costliest first."""
+    """Every (prompt, query head, row) lies in exactly one item, padding items start past the chunk; balanced, a
+    narrower class never gets shorter blocks than a wider one and items run costliest first."""
     rng = np.random.default_rng()
     widths = tuple(int(w) for w in rng.choice(np.arange(16, 129, 16), 3))
     layout = HeadLayout(6, 3, 128, widths, widths[::-1])
+    tile_widths = (32, 64, 128)
+    classes = tile_classes([layout], tile_widths)
+    heads_class = class_of(layout, classes, tile_widths)
     batch, t = 2, int(rng.integers(100, 700))
-    items = work_items(layout, batch, t, 64, balanced, 256, 3)
-    classes, class_of = width_classes(layout)
-    rows_of = {h: block_rows(classes[class_of[h // 2]], 64, t, balanced, 256, 3) for h in range(6)}
+    count = num_items(layout, classes, tile_widths, batch, t, 64, balanced, 256)
+    items = work_items(layout, classes, heads_class, batch, t, 64, balanced, 256, count=count + 5)
+    rows_of = {h: block_rows(classes[heads_class[h // 2]], 64, t, balanced, 256) for h in range(6)}
+    assert len(items) == count + 5 and (items[count:, 2] == t).all()
     covered = np.zeros((batch, 6, t), int)
-    for b, h, q0 in items:
+    for b, h, q0 in items[:count]:
         covered[b, h, q0 : q0 + rows_of[h]] += 1
     assert (covered == 1).all()
     if balanced:
-        cols = {h: widths[h // 2] + widths[::-1][h // 2] for h in range(6)}
+        cols = {h: classes[heads_class[h // 2]].cols for h in range(6)}
         assert all(rows_of[a] >= rows_of[b] for a in range(6) for b in range(6) if cols[a] <= cols[b])
-        cost = [rows_of[h] * min(q0 + rows_of[h], t) * cols[h] for _, h, q0 in items]
+        cost = [rows_of[h] * min(q0 + rows_of[h], t) * cols[h] for _, h, q0 in items[:count]]
         assert cost == sorted(cost, reverse=True)
     else:
         assert set(rows_of.values()) == {64}
+
+
+def test_tile_classes_hold_every_head_and_mask_only_where_needed():
+    """A head's class is the narrowest allowed tile pair that holds it; a class masks K (V) only if some head in
+    it is narrower than its tile."""
+    rng = np.random.default_rng()
+    tile_widths = (32, 128)
+    layouts = [
+        HeadLayout(8, 4, 128, *(tuple(int(w) for w in rng.choice(np.arange(16, 129, 16), 4)) for _ in "kv"))
+        for _ in range(3)
+    ]
+    classes = tile_classes(layouts, tile_widths)
+    assert len({(c.k_tile, c.v_tile) for c in classes}) == len(classes)
+    for lay in layouts:
+        for (kw, vw), c in zip(zip(lay.k_widths, lay.v_widths), class_of(lay, classes, tile_widths)):
+            cls = classes[c]
+            assert cls.k_tile == (32 if kw <= 32 else 128) and cls.v_tile == (32 if vw <= 32 else 128)
+            assert (kw < cls.k_tile) <= cls.k_masked and (vw < cls.v_tile) <= cls.v_masked
+    for cls in classes:
+        widths = [
+            (kw, vw)
+            for lay in layouts
+            for kw, vw in zip(lay.k_widths, lay.v_widths)
+            if (tile_for(kw, tile_widths), tile_for(vw, tile_widths)) == (cls.k_tile, cls.v_tile)
+        ]
+        assert cls.k_masked == any(kw < cls.k_tile for kw, _ in widths)
+        assert cls.v_masked == any(vw < cls.v_tile for _, vw in widths)
 
 
 def test_keys_per_step_fit_shared_memory():
@@ -167,19 +224,30 @@ def test_chunks_after_a_cached_prefix_match_the_reference(name):
     layout, batch, t, lengths, dtype, knobs = CASES[name]
     rng = np.random.default_rng()
     q, k, v, table, kp, vp = prompts(rng, layout, batch, t, dtype)
-    config = PrefillConfig(**knobs)
+    config, shared = kernel_args(layout, knobs)
     cut = int(rng.integers(1, min(lengths)))
     lens = jnp.asarray(lengths, jnp.int32)
     starts = jnp.full((batch,), cut, jnp.int32)
     _, kp1, vp1 = prefill_attention(
-        q, k, v, layout, jnp.full((batch,), cut), kp, vp, table, config=config, interpret=True
+        q, k, v, layout, jnp.full((batch,), cut), kp, vp, table, config=config, interpret=True, shared=shared
     )
 
     def tail(x):
         return jnp.pad(x[:, cut:], ((0, 0), (0, cut), (0, 0)))
 
     out, kp2, vp2 = prefill_attention(
-        tail(q), tail(k), tail(v), layout, lens - cut, kp1, vp1, table, starts, config=config, interpret=True
+        tail(q),
+        tail(k),
+        tail(v),
+        layout,
+        lens - cut,
+        kp1,
+        vp1,
+        table,
+        starts,
+        config=config,
+        interpret=True,
+        shared=shared,
     )
     with jax.default_matmul_precision("highest"):
         ref = chunk_attention(
@@ -190,7 +258,7 @@ def test_chunks_after_a_cached_prefix_match_the_reference(name):
     assert rel_err(out, ref, live) < tol
     whole = reference(q, k, v, layout)[:, cut:]
     assert rel_err(out[:, : t - cut], whole, live[:, : t - cut]) < tol
-    _, kp3, vp3 = prefill_attention(q, k, v, layout, lens, kp, vp, table, config=config, interpret=True)
+    _, kp3, vp3 = prefill_attention(q, k, v, layout, lens, kp, vp, table, config=config, interpret=True, shared=shared)
     assert np.array_equal(np.asarray(kp2)[1:], np.asarray(kp3)[1:]) and np.array_equal(
         np.asarray(vp2)[1:], np.asarray(vp3)[1:]
     )

@@ -14,6 +14,9 @@ from kvjax.layout import HeadLayout
 
 LOG2E = math.log2(math.e)
 MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked block must not make exp2(-inf + inf) NaN
+# An index past every buffer, where masked lanes of a store point in interpret mode: it drops them instead of letting
+# a masked lane's write-back collide with a real lane's store.
+NOWHERE = int(np.iinfo(np.int32).max)
 
 
 def column_offsets(layout: HeadLayout) -> dict[str, list[int]]:
@@ -38,6 +41,33 @@ def load_columns(ref, lead: tuple, offset, cols, width: int, rows_ok=None):
     if cols.shape[-1] != width:
         mask = (cols < width) if mask is None else mask & (cols < width)
     return plgpu.load(ref.at[(*lead, offset + cols)], mask=mask, other=None if mask is None else 0.0)
+
+
+def _mask(cols_ok, rows_ok):
+    if rows_ok is None:
+        return cols_ok
+    return rows_ok[:, None] if cols_ok is None else rows_ok[:, None] & cols_ok
+
+
+def load_rows(ref, rows, stride, offset, cols, cols_ok=None, rows_ok=None):
+    """Flat ``ref`` read as rows ``stride`` wide: ``ref[rows, offset + cols]`` [R, C], 0 where ``cols_ok`` [1, C] or
+    ``rows_ok`` [R] is false; with neither mask, plain vector loads."""
+    mask = _mask(cols_ok, rows_ok)
+    index = rows[:, None] * stride + offset + cols
+    return plgpu.load(ref.at[index], mask=mask, other=None if mask is None else 0.0)
+
+
+def store_rows(ref, rows, stride, offset, cols, values, cols_ok=None, rows_ok=None, *, interpret=False):
+    """``ref[rows, offset + cols] = values`` for flat ``ref`` read as rows ``stride`` wide, where both masks allow.
+
+    On the GPU a masked lane touches no memory, and the plain index keeps the store vectorized; interpret mode
+    scatters every lane, and a masked column can wrap into the next row onto a real lane's index, so there its
+    lanes point ``NOWHERE``."""
+    mask = _mask(cols_ok, rows_ok)
+    index = rows[:, None] * stride + offset + cols
+    if interpret and mask is not None:
+        index = jnp.where(mask, index, NOWHERE)
+    plgpu.store(ref.at[index], values.astype(ref.dtype), mask=mask)
 
 
 def lookup(index, keys, values):

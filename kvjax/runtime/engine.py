@@ -169,7 +169,7 @@ class Engine:
         self.decode_op = self.prefill_op = None
         if self.backend != "reference":
             interpret = self.backend == "interpret"
-            self.prefill_op = PrefillOp(interpret=interpret)
+            self.prefill_op = PrefillOp(model.layouts, interpret=interpret)
             if model.module.method != "palu":  # Palu layers take the reference path
                 self.decode_op = DecodeOp(
                     model.layouts, page_size, self.pages_per_seq, batch_invariant=batch_invariant, interpret=interpret

@@ -18,7 +18,9 @@ class PrefillConfig:
     block_q: int = 128  # query rows per item for a 128 + 128-column head
     block_k: int = 128  # keys per loop step (halved where the K/V tiles would not fit shared memory)
     max_block_q: int = 128  # 256-row blocks with 8 warps computed wrong results on the H100
-    max_segments: int = 3  # power-of-two pieces a head's width may be read as (80 = 64 + 16)
+    # Tile widths a head's K and V may be read through (its narrowest that fits): few, so few classes and one short
+    # compile for every layer (bench/RESULTS.md "Engine: compile times"); masked columns are fetched from no memory.
+    tile_widths: tuple[int, ...] = (64, 128)
     num_warps: int = 8
     num_stages: int = 3
 
@@ -26,9 +28,12 @@ class PrefillConfig:
         if not isinstance(self.balanced, bool):
             raise ValueError(f"balanced must be a bool, got {self.balanced!r}")
         validate.int_fields(self, at_least_one=tuple(f.name for f in dataclasses.fields(self) if f.name != "balanced"))
+        tiles = self.tile_widths
+        if not isinstance(tiles, tuple) or not tiles or any(not _pow2_at_least_16(t) for t in tiles):
+            raise ValueError(f"tile_widths must be a non-empty tuple of powers of two of at least 16, got {tiles!r}")
         for name in ("block_q", "block_k", "max_block_q"):
             value = getattr(self, name)
-            if value < 16 or value & (value - 1):
+            if not _pow2_at_least_16(value):
                 raise ValueError(f"{name} must be a power of two of at least 16, got {value}")
 
     def for_dtype(self, dtype) -> PrefillConfig:
@@ -42,6 +47,10 @@ class PrefillConfig:
             block_k=min(self.block_k, 32),
             num_stages=min(self.num_stages, 2),
         )
+
+
+def _pow2_at_least_16(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 16 and not value & (value - 1)
 
 
 PREFILL = PrefillConfig()

@@ -2,11 +2,13 @@
 widths, writing their K/V into the pages (Pallas, Triton lowering).
 
 One program per work item (prompt, query head, block of query rows) from the static table ``plan.work_items``
-builds at trace time. Heads sharing (K width, V width) share one code path chosen by ``lax.switch``. A width that is
-not a power of two is read as exact power-of-two pieces (80 = 64 + 16), one dot per piece, so no multiply is spent
-on padding and 128-key steps fit shared memory. Steps left of the diagonal load without row masks; with pages, the
-program of a group's first query head stores the diagonal K/V blocks it has loaded into the cache
-(``input_output_aliases``: in place when the caller donates the pages).
+builds at trace time. Heads of one tile class (``plan.TileClass``) share one code path chosen by ``lax.switch``;
+a head's widths and column offsets come from its layer's head table at run time and its loads are masked to its
+widths, and every array is addressed as flat rows whose widths come from that table too. So one kernel serves
+every layer of a model: XLA compiles it once, not once per layer (bench/RESULTS.md "Engine: compile times"). Steps
+left of the diagonal load without row masks; with pages, the program of a group's first query head stores the
+diagonal K/V blocks it has loaded into the cache (``input_output_aliases``: in place when the caller donates the
+pages).
 
 Why Triton: masked loads at 16-column offsets inside packed rows and per-token page addresses for the cache write,
 as in decode, plus a CPU interpreter for CI; Triton picks Hopper's wgmma for the dots. How it compares with cuDNN:
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -27,15 +28,17 @@ from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
 from kvjax.ops.grouped import visible
-from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_columns, lookup, offset16
+from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, store_rows
+from kvjax.ops.prefill import plan
 from kvjax.ops.prefill.config import PREFILL, PrefillConfig
-from kvjax.ops.prefill.plan import block_rows, keys_per_step, width_classes, work_items
-from kvjax.ops.tiles import loaded_columns, segments
+from kvjax.ops.prefill.plan import block_rows, keys_per_step
 
 
 def _attend_block(
     cls,
     item,
+    head,
+    cols,
     refs,
     *,
     group,
@@ -47,112 +50,90 @@ def _attend_block(
     block_k,
     balanced,
     max_rows,
-    max_segments,
     num_stages,
     write_pages,
     prefix,
+    interpret,
 ):
-    """One item of a class (static widths): flash attention of its query rows (``prefix``: after the keys before
-    its chunk, read from the pages), output store, cache write."""
+    """One item of a class (static tiles; ``head``: its KV head's widths and offsets, ``cols``: its layer's row
+    widths, both traced): flash attention of its query rows (``prefix``: after the keys before its chunk, read from
+    the pages), output store, cache write."""
     if write_pages:
         table_ref, q_ref, k_ref, v_ref, kp_in, vp_in, out_ref, kp_ref, vp_ref = refs
     else:
         table_ref, q_ref, k_ref, v_ref, out_ref = refs
     b, h, q0, length, start = item
-    kw, vw = cls.k_width, cls.v_width
-    k_pieces, v_pieces = segments(kw, max_segments), segments(vw, max_segments)
-    bq = block_rows(cls, block_q, seq_len, balanced, max_rows, max_segments)
-    cols = loaded_columns(kw, max_segments) + loaded_columns(vw, max_segments)
-    bk = keys_per_step(block_k, bq, cols, jnp.dtype(k_ref.dtype).itemsize, num_stages)
+    kw, vw, qo, ko, vo, oo = head
+    qc, kc, vc, oc = cols
+    bq = block_rows(cls, block_q, seq_len, balanced, max_rows)
+    bk = keys_per_step(block_k, bq, cls.cols, jnp.dtype(k_ref.dtype).itemsize, num_stages)
     precision = dot_precision(k_ref.dtype)
-    kv_head, gi = h // group, h % group
-    qo = offset16(kv_head, cls.heads, cls.q_off) + gi * kw
-    ko, vo = offset16(kv_head, cls.heads, cls.k_off), offset16(kv_head, cls.heads, cls.v_off)
-    oo = offset16(kv_head, cls.heads, cls.o_off) + gi * vw
+    gi = h % group
+    k_cols, v_cols = jnp.arange(cls.k_tile)[None, :], jnp.arange(cls.v_tile)[None, :]
+    k_ok = (k_cols < kw) if cls.k_masked else None
+    v_ok = (v_cols < vw) if cls.v_masked else None
 
     rows = q0 + jnp.arange(bq)
-    row_ok = (rows < seq_len)[:, None]
-
-    def cols_of(t):
-        return jnp.arange(t)[None, :]
-
-    qs = [
-        plgpu.load(q_ref.at[b, rows[:, None], qo + a + cols_of(t)], mask=row_ok & (cols_of(t) < w), other=0.0)
-        for a, t, w in k_pieces
-    ]
-    qs = [(q.astype(jnp.float32) * (scale * LOG2E)).astype(q.dtype) for q in qs]  # scores come out in log2 units
+    row_ok = rows < seq_len
+    q = load_rows(q_ref, b * seq_len + rows, qc, qo + gi * kw, k_cols, k_ok, row_ok)
+    q = (q.astype(jnp.float32) * (scale * LOG2E)).astype(q.dtype)  # scores come out in log2 units
     q_end = jnp.minimum(q0 + bq, length)  # keys past the last live query row are never needed
     writer = (gi == 0) & write_pages
 
-    def scores(ks):
-        return functools.reduce(
-            operator.add, [plgpu.dot(q, k, trans_b=True, precision=precision) for q, k in zip(qs, ks)]
-        )
+    def scores(k):
+        return plgpu.dot(q, k, trans_b=True, precision=precision)
 
     def prefix_body(j, carry):  # keys before the chunk, read from the pages at absolute positions
         keys = j * bk + jnp.arange(bk)
         ok = keys < start
-        src = _page_rows(table_ref, b, keys, page_size, ok)[:, None]
-        ks = [load_columns(kp_in, (src,), ko + a, cols_of(t), w, ok) for a, t, w in k_pieces]
-        vs = [load_columns(vp_in, (src,), vo + a, cols_of(t), w, ok) for a, t, w in v_pieces]
+        src = _page_rows(table_ref, b, keys, page_size, ok)
+        k = load_rows(kp_in, src, kc, ko, k_cols, k_ok, ok)
+        v = load_rows(vp_in, src, vc, vo, v_cols, v_ok, ok)
         seen = ok[None, :] & visible(start + rows[:, None], keys[None, :], window)
-        return _softmax_step(carry, jnp.where(seen, scores(ks), MASK), vs, precision)
+        return _softmax_step(carry, jnp.where(seen, scores(k), MASK), v, precision)
 
     def body(j, carry, masked):
         keys = j * bk + jnp.arange(bk)
         keys_ok = (keys < seq_len) if masked else None  # left of the diagonal every key exists: no row mask
-        ks = [load_columns(k_ref, (b, keys[:, None]), ko + a, cols_of(t), w, keys_ok) for a, t, w in k_pieces]
-        vs = [load_columns(v_ref, (b, keys[:, None]), vo + a, cols_of(t), w, keys_ok) for a, t, w in v_pieces]
-        s = scores(ks)
+        k = load_rows(k_ref, b * seq_len + keys, kc, ko, k_cols, k_ok, keys_ok)
+        v = load_rows(v_ref, b * seq_len + keys, vc, vo, v_cols, v_ok, keys_ok)
+        s = scores(k)
         if masked:
             s = jnp.where(visible(rows[:, None], keys[None, :], window), s, MASK)
         if write_pages and masked:  # the item's own keys (>= q0) all lie in masked steps
             tok_ok = (keys >= q0) & (keys < length) & writer
-            dest = jnp.where(tok_ok, _page_rows(table_ref, b, start + keys, page_size, tok_ok), kp_ref.shape[0])
-            _store_rows(kp_ref, dest, tok_ok, ko, k_pieces, ks)
-            _store_rows(vp_ref, dest, tok_ok, vo, v_pieces, vs)
-        return _softmax_step(carry, s, vs, precision)
+            dest = _page_rows(table_ref, b, start + keys, page_size, tok_ok)
+            store_rows(kp_ref, dest, kc, ko, k_cols, k, k_ok, tok_ok, interpret=interpret)
+            store_rows(vp_ref, dest, vc, vo, v_cols, v, v_ok, tok_ok, interpret=interpret)
+        return _softmax_step(carry, s, v, precision)
 
     carry = (
-        tuple(jnp.zeros((bq, t), jnp.float32) for _, t, _ in v_pieces),
+        jnp.zeros((bq, cls.v_tile), jnp.float32),
         jnp.full((bq,), MASK, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
     if prefix:
         carry = _prefix_steps(prefix_body, carry, q0 < length, start + q0, start, bk, window)
-    accs, _, l = _key_steps(body, carry, q0 < length, q0, q_end, bk, window)
+    acc, _, l = _key_steps(body, carry, q0 < length, q0, q_end, bk, window)
     inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
-    for acc, (a, t, w) in zip(accs, v_pieces):
-        o_mask = row_ok & (cols_of(t) < w)
-        plgpu.store(
-            out_ref.at[b, jnp.where(o_mask, rows[:, None], seq_len), oo + a + cols_of(t)],
-            (acc * inv_l[:, None]).astype(out_ref.dtype),
-            mask=o_mask,
-        )
+    out = (acc * inv_l[:, None]).astype(out_ref.dtype)
+    store_rows(out_ref, b * seq_len + rows, oc, oo + gi * vw, v_cols, out, v_ok, row_ok, interpret=interpret)
 
 
-def _softmax_step(carry, s, vs, precision):
-    """One online-softmax step: scores ``s`` [rows, keys] (log2 units) against value tiles ``vs``."""
-    accs, m, l = carry
+def _softmax_step(carry, s, v, precision):
+    """One online-softmax step: scores ``s`` [rows, keys] (log2 units) against the value tile ``v``."""
+    acc, m, l = carry
     m_new = jnp.maximum(m, s.max(axis=1))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
-    pv = p.astype(vs[0].dtype)
-    accs = tuple(acc * alpha[:, None] + plgpu.dot(pv, v, precision=precision) for acc, v in zip(accs, vs))
-    return accs, m_new, l * alpha + p.sum(axis=1)
+    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+    return acc, m_new, l * alpha + p.sum(axis=1)
 
 
 def _page_rows(table_ref, b, positions, page_size, ok):
     """Rows of the flattened page pool [num_pages * page_size, cols] holding sequence b's ``positions``."""
     page = plgpu.load(table_ref.at[b, jnp.minimum(positions // page_size, table_ref.shape[1] - 1)], mask=ok, other=0)
     return page * page_size + positions % page_size
-
-
-def _store_rows(ref, dest, ok, offset, pieces, tiles):
-    """Store the ``ok`` rows of a head's column ``tiles`` at flattened page rows ``dest``."""
-    for (a, t, w), x in zip(pieces, tiles):
-        cols = jnp.arange(t)[None, :]
-        plgpu.store(ref.at[dest[:, None], offset + a + cols], x, mask=ok[:, None] & (cols < w))
 
 
 def _prefix_steps(body, carry, live, first_row, start, bk, window):
@@ -177,19 +158,31 @@ def _key_steps(body, carry, live, q0, q_end, bk, window):
     )
 
 
-def _kernel(items_ref, lengths_ref, starts_ref, *refs, classes, class_of, group, **static):
+def _kernel(items_ref, lengths_ref, starts_ref, heads_ref, cols_ref, *refs, classes, group, **static):
     pid = pl.program_id(0)
     b, h = items_ref[pid, 0], items_ref[pid, 1]
     item = (b, h, items_ref[pid, 2], lengths_ref[b], starts_ref[b])
+    kv = h // group
+    head = tuple(
+        heads_ref[kv, c] * 16 for c in (plan.K_WIDTH, plan.V_WIDTH, plan.Q_OFF, plan.K_OFF, plan.V_OFF, plan.O_OFF)
+    )
+    cols = tuple(cols_ref[c] * 16 for c in (plan.Q_COLS, plan.K_COLS, plan.V_COLS, plan.O_COLS))
     branches = [functools.partial(_attend_block, cls, refs=refs, group=group, **static) for cls in classes]
     if len(branches) == 1:
-        branches[0](item)
+        branches[0](item, head, cols)
     else:
-        cls_index = lookup(h // group, tuple(range(len(class_of))), class_of)
-        lax.switch(cls_index, [lambda it, f=f: f(it) for f in branches], item)
+        lax.switch(heads_ref[kv, plan.CLASS], [lambda *a, f=f: f(*a) for f in branches], item, head, cols)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "config", "interpret"))
+def _whole(x) -> pl.BlockSpec:
+    """The whole array as every program's block; a flat array's length stays out of the kernel's code (an element
+    offset, not a block size), so layers of other widths share the compiled kernel."""
+    if len(x.shape) == 1:
+        return pl.BlockSpec((pl.Element(x.shape[0]),), lambda i: (0,))
+    return pl.BlockSpec(x.shape, lambda i: (0,) * len(x.shape))
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "config", "interpret", "shared"))
 def prefill_attention(
     q,
     k,
@@ -203,6 +196,7 @@ def prefill_attention(
     *,
     config: PrefillConfig = PREFILL,
     interpret: bool = False,
+    shared: tuple[HeadLayout, ...] | None = None,
 ):
     """Causal attention of chunks of T prompt tokens; equal to ``reference.causal_attention`` (``starts`` None) and
     ``reference.chunk_attention``.
@@ -211,64 +205,73 @@ def prefill_attention(
     are unspecified. With k_pages/v_pages [num_pages, page_size, cols] and block_table [B, pages_per_seq], also
     writes K/V rows at positions < length into the pages and returns (out, k_pages, v_pages); else returns out.
     ``starts`` [B] (pages only; default 0): chunk b holds positions ``starts[b]`` on, and its queries also attend
-    to the ``starts[b]`` keys before it, read from the pages (chunked prefill).
+    to the ``starts[b]`` keys before it, read from the pages (chunked prefill). ``shared``: the layouts of every
+    layer that runs this kernel (default: ``layout`` alone); the kernel's code and grid depend on them, not on
+    ``layout``, so XLA compiles one kernel for all of them.
     """
     b, t, _ = q.shape
     config = config.for_dtype(q.dtype)
-    balanced, block_q, block_k, max_block_q = config.balanced, config.block_q, config.block_k, config.max_block_q
-    max_segments, num_warps, num_stages = config.max_segments, config.num_warps, config.num_stages
-    classes, class_of = width_classes(layout)
-    items = jnp.asarray(work_items(layout, b, t, block_q, balanced, max_block_q, max_segments))
+    shared = shared or (layout,)
+    if layout not in shared:
+        raise ValueError("layout must be one of the shared layouts")
+    widths = config.tile_widths
+    classes = plan.tile_classes(shared, widths)
+    sizes = (b, t, config.block_q, config.balanced, config.max_block_q)
+    count = max(plan.num_items(lay, classes, widths, *sizes) for lay in set(shared))
+    items = plan.work_items(layout, classes, plan.class_of(layout, classes, widths), *sizes, count=count)
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     write = k_pages is not None
     prefix = starts is not None
     if prefix and not write:
         raise ValueError("chunks that start past position 0 read their earlier keys from the pages: pass them")
     starts = starts.astype(jnp.int32) if prefix else jnp.zeros((b,), jnp.int32)
-    page_size = k_pages.shape[1] if write else 1
     kernel = functools.partial(
         _kernel,
         classes=classes,
-        class_of=class_of,
         group=layout.group_size,
         seq_len=t,
-        page_size=page_size,
+        page_size=k_pages.shape[1] if write else 1,
         window=layout.sliding_window,
         scale=1.0 / math.sqrt(layout.head_dim),
-        block_q=block_q,
-        block_k=block_k,
-        balanced=balanced,
-        max_rows=max_block_q,
-        max_segments=max_segments,
-        num_stages=num_stages,
+        block_q=config.block_q,
+        block_k=config.block_k,
+        balanced=config.balanced,
+        max_rows=config.max_block_q,
+        num_stages=config.num_stages,
         write_pages=write,
         prefix=prefix,
+        interpret=interpret,
     )
-    out_shape = [jax.ShapeDtypeStruct((b, t, layout.out_cols), q.dtype)]
+    out_shape = [jax.ShapeDtypeStruct((b * t * layout.out_cols,), q.dtype)]
     args = [
-        items,
+        jnp.asarray(items),
         lengths,
         starts,
+        jnp.asarray(plan.head_table(layout, classes, widths)),
+        jnp.asarray(plan.layer_cols(layout)),
         jnp.zeros((b, 1), jnp.int32) if block_table is None else block_table.astype(jnp.int32),
-        q,
-        k,
-        v,
+        q.reshape(-1),
+        k.reshape(-1),
+        v.reshape(-1),
     ]
     aliases = {}
     if write:
-        flat = [p.reshape(-1, p.shape[-1]) for p in (k_pages, v_pages)]
+        flat = [p.reshape(-1) for p in (k_pages, v_pages)]
         out_shape += [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in flat]
         args += flat
-        aliases = {7: 1, 8: 2}
+        aliases = {9: 1, 10: 2}
     res = pl.pallas_call(
         kernel,
         grid=(items.shape[0],),
+        in_specs=[_whole(x) for x in args],
+        out_specs=[_whole(x) for x in out_shape],
         out_shape=out_shape,
         input_output_aliases=aliases,
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         name="kvjax_prefill_attention",
     )(*args)
+    out = res[0].reshape(b, t, layout.out_cols)
     if write:
-        return res[0], res[1].reshape(k_pages.shape), res[2].reshape(v_pages.shape)
-    return res[0]
+        return out, res[1].reshape(k_pages.shape), res[2].reshape(v_pages.shape)
+    return out

@@ -8,9 +8,11 @@ from kvjax.ops.prefill.kernel import prefill_attention
 
 
 class PrefillOp:
-    """Causal attention of prompt chunks that also writes their K/V into the pages (``kernel.prefill_attention``)."""
+    """Causal attention of prompt chunks that also writes their K/V into the pages (``kernel.prefill_attention``),
+    one kernel shared by the layers of ``layouts`` (default: each layer its own)."""
 
-    def __init__(self, *, config: PrefillConfig = PREFILL, interpret: bool = False):
+    def __init__(self, layouts=None, *, config: PrefillConfig = PREFILL, interpret: bool = False):
+        self.layouts = None if layouts is None else tuple(layouts)
         self.config, self.interpret = config, interpret
 
     def run(self, q, k, v, layout: HeadLayout, lengths, k_pages, v_pages, block_table, starts=None):
@@ -27,4 +29,5 @@ class PrefillOp:
             starts,
             config=self.config,
             interpret=self.interpret,
+            shared=self.layouts,
         )

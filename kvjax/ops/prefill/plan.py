@@ -1,9 +1,15 @@
-"""The prefill op's plan step: the static table of work items (prompt, query head, first query row), built at
-trace time, and the tile arithmetic it shares with the kernel.
+"""The prefill op's plan step, built at trace time: the tile classes its kernel compiles for, each layer's head table
+(which class, widths and column offsets every KV head has, read by the kernel at run time), and the work items
+(prompt, query head, first query row).
 
-Balancing: a head class of width ``k + v`` gets query blocks ``block_q * 256 / (K + V columns loaded)`` rows tall
-(capped), so every item does about the same work per key whatever its width; items then run longest first (causal
-blocks late in the prompt see more keys), so the hardware scheduler packs the short ones into the tail.
+Layers share one kernel: a class is a (K tile, V tile) pair from ``PrefillConfig.tile_widths`` and holds every head
+whose widths fit it, the kernel masks each head's tile to its own widths, and a layer's widths and offsets travel in
+its head table; so the kernel's code and grid depend on the model's classes and the chunk shape, never on the layer,
+and XLA compiles it once for all layers (bench/RESULTS.md "Engine: compile times").
+
+Balancing: a class gets query blocks ``block_q * 256 / (K tile + V tile)`` rows tall (capped), so every item does
+about the same work per key whatever its width; items then run longest first (causal blocks late in the prompt see
+more keys), so the hardware scheduler packs the short ones into the tail.
 """
 
 from __future__ import annotations
@@ -15,40 +21,68 @@ import numpy as np
 
 from kvjax.layout import HeadLayout
 from kvjax.ops.pallas_util import column_offsets
-from kvjax.ops.tiles import loaded_columns, pow2_floor, tile
+from kvjax.ops.tiles import pow2_floor, tile
+
+# Columns of a head table row (units of 16 for widths and offsets, so the kernel sees 16-alignment).
+CLASS, K_WIDTH, V_WIDTH, Q_OFF, K_OFF, V_OFF, O_OFF = range(7)
+# Entries of a layer's column counts (units of 16): the row widths of packed q, K, V and output.
+Q_COLS, K_COLS, V_COLS, O_COLS = range(4)
 
 
 @dataclasses.dataclass(frozen=True)
-class WidthClass:
-    """The heads of one layer that share (k_width, v_width), with each head's column offsets in units of 16."""
+class TileClass:
+    """Heads read through a ``k_tile``-wide K tile and a ``v_tile``-wide V tile; ``*_masked``: some head of the class
+    is narrower than its tile, so loads mask columns past each head's width (else they stay plain vectors)."""
 
-    k_width: int
-    v_width: int
-    heads: tuple[int, ...]
-    q_off: tuple[int, ...]  # start of the head's group of query heads in q (packed, K widths)
-    k_off: tuple[int, ...]
-    v_off: tuple[int, ...]
-    o_off: tuple[int, ...]  # start of the head's group of outputs in out (packed, V widths)
+    k_tile: int
+    v_tile: int
+    k_masked: bool
+    v_masked: bool
 
     @property
-    def k_tile(self) -> int:
-        return tile(self.k_width)
-
-    @property
-    def v_tile(self) -> int:
-        return tile(self.v_width)
+    def cols(self) -> int:
+        return self.k_tile + self.v_tile
 
 
-def width_classes(layout: HeadLayout) -> tuple[tuple[WidthClass, ...], tuple[int, ...]]:
-    """The layer's width classes, and the class index of every KV head."""
+def tile_for(width: int, tile_widths: tuple[int, ...]) -> int:
+    """The narrowest of ``tile_widths`` that holds ``width`` columns (a power-of-two tile past the widest)."""
+    return next((t for t in sorted(tile_widths) if t >= width), tile(width))
+
+
+def tile_classes(layouts, tile_widths: tuple[int, ...]) -> tuple[TileClass, ...]:
+    """The classes of every head of ``layouts`` (the layers that share a kernel), in first-seen order."""
+    seen: dict[tuple[int, int], list[bool]] = {}
+    for layout in layouts:
+        for kw, vw in zip(layout.k_widths, layout.v_widths):
+            kt, vt = tile_for(kw, tile_widths), tile_for(vw, tile_widths)
+            masked = seen.setdefault((kt, vt), [False, False])
+            masked[0] |= kw < kt
+            masked[1] |= vw < vt
+    return tuple(TileClass(kt, vt, *m) for (kt, vt), m in seen.items())
+
+
+def class_of(layout: HeadLayout, classes: tuple[TileClass, ...], tile_widths: tuple[int, ...]) -> tuple[int, ...]:
+    """Each KV head's class index."""
+    pairs = [(c.k_tile, c.v_tile) for c in classes]
+    return tuple(
+        pairs.index((tile_for(kw, tile_widths), tile_for(vw, tile_widths)))
+        for kw, vw in zip(layout.k_widths, layout.v_widths)
+    )
+
+
+def head_table(layout: HeadLayout, classes: tuple[TileClass, ...], tile_widths: tuple[int, ...]) -> np.ndarray:
+    """int32 [num_kv_heads, 7]: each KV head's class, K and V widths and q/K/V/output offsets (see ``CLASS``)."""
     offs = column_offsets(layout)
-    pairs = list(dict.fromkeys(zip(layout.k_widths, layout.v_widths)))
-    classes = []
-    for kw, vw in pairs:
-        heads = tuple(h for h in range(layout.num_kv_heads) if (layout.k_widths[h], layout.v_widths[h]) == (kw, vw))
-        classes.append(WidthClass(kw, vw, heads, *(tuple(offs[n][h] // 16 for h in heads) for n in "qkvo")))
-    class_of = tuple(pairs.index(p) for p in zip(layout.k_widths, layout.v_widths))
-    return tuple(classes), class_of
+    rows = [
+        (c, kw // 16, vw // 16, offs["q"][h] // 16, offs["k"][h] // 16, offs["v"][h] // 16, offs["o"][h] // 16)
+        for h, (c, kw, vw) in enumerate(zip(class_of(layout, classes, tile_widths), layout.k_widths, layout.v_widths))
+    ]
+    return np.asarray(rows, np.int32)
+
+
+def layer_cols(layout: HeadLayout) -> np.ndarray:
+    """int32 [4]: the layer's packed q, K, V and output row widths in units of 16 (see ``Q_COLS``)."""
+    return np.asarray([layout.q_cols, layout.k_cols, layout.v_cols, layout.out_cols], np.int32) // 16
 
 
 # Bytes of K/V tiles one pipelined key loop keeps in flight, (num_stages - 1) x keys x loaded columns x itemsize,
@@ -66,28 +100,58 @@ def keys_per_step(block_k: int, rows: int, cols: int, itemsize: int, num_stages:
     return keys
 
 
-def block_rows(cls, block_q: int, seq_len: int, balanced: bool, max_rows: int, max_segments: int) -> int:
-    """Query rows per item for a head class: taller for narrower heads when balanced."""
-    cols = loaded_columns(cls.k_width, max_segments) + loaded_columns(cls.v_width, max_segments)
-    rows = pow2_floor(block_q * 256 / cols) if balanced else block_q
+def block_rows(cls: TileClass, block_q: int, seq_len: int, balanced: bool, max_rows: int) -> int:
+    """Query rows per item for a class: taller for narrower tiles when balanced."""
+    rows = pow2_floor(block_q * 256 / cls.cols) if balanced else block_q
     return max(16, min(rows, max_rows, 1 << math.ceil(math.log2(max(seq_len, 16)))))
 
 
+def num_items(
+    layout: HeadLayout,
+    classes: tuple[TileClass, ...],
+    tile_widths: tuple[int, ...],
+    batch: int,
+    seq_len: int,
+    block_q: int,
+    balanced: bool,
+    max_rows: int,
+) -> int:
+    """How many work items the layer's chunks of ``seq_len`` rows have."""
+    heads_class = class_of(layout, classes, tile_widths)
+    blocks = [
+        -(-seq_len // block_rows(classes[heads_class[h // layout.group_size]], block_q, seq_len, balanced, max_rows))
+        for h in range(layout.num_heads)
+    ]
+    return batch * sum(blocks)
+
+
 def work_items(
-    layout: HeadLayout, batch: int, seq_len: int, block_q: int, balanced: bool, max_rows: int, max_segments: int
+    layout: HeadLayout,
+    classes: tuple[TileClass, ...],
+    heads_class: tuple[int, ...],
+    batch: int,
+    seq_len: int,
+    block_q: int,
+    balanced: bool,
+    max_rows: int,
+    count: int | None = None,
 ) -> np.ndarray:
-    """int32 [N, 3] items (prompt, query head, first query row), longest first when balanced."""
-    classes, class_of = width_classes(layout)
+    """int32 [count, 3] items (prompt, query head, first query row), longest first when balanced; rows past the
+    layer's own items (``count``: the most any layer sharing the kernel has) start at ``seq_len``: they do nothing."""
     g = layout.group_size
     items, costs = [], []
     for h in range(layout.num_heads):
-        cls = classes[class_of[h // g]]
-        rows = block_rows(cls, block_q, seq_len, balanced, max_rows, max_segments)
+        cls = classes[heads_class[h // g]]
+        rows = block_rows(cls, block_q, seq_len, balanced, max_rows)
         for q0 in range(0, seq_len, rows):
             for b in range(batch):
                 items.append((b, h, q0))
-                costs.append(rows * min(q0 + rows, seq_len) * (cls.k_width + cls.v_width))
+                costs.append(rows * min(q0 + rows, seq_len) * cls.cols)
     table = np.asarray(items, np.int32)
     if balanced:
-        return table[np.argsort(-np.asarray(costs), kind="stable")]
-    return table[np.lexsort((table[:, 2], table[:, 1], table[:, 0]))]
+        table = table[np.argsort(-np.asarray(costs), kind="stable")]
+    else:
+        table = table[np.lexsort((table[:, 2], table[:, 1], table[:, 0]))]
+    if count is not None and count > len(table):
+        table = np.concatenate([table, np.tile(np.asarray([[0, 0, seq_len]], np.int32), (count - len(table), 1))])
+    return table
