@@ -183,6 +183,14 @@ def test_tile_classes_hold_every_head_and_mask_only_where_needed():
         assert cls.v_masked == any(vw < cls.v_tile for _, vw in widths)
 
 
+def test_a_layout_outside_the_shared_ones_is_refused():
+    """A layer whose layout is not among those sharing the kernel has no class table: a clear error."""
+    layout, other = HeadLayout(4, 2, 32, (32, 16), (16, 32)), HeadLayout(4, 2, 32, (32, 32), (32, 32))
+    q, k, v, table, kp, vp = prompts(np.random.default_rng(), layout, 1, 16, jnp.float32)
+    with pytest.raises(ValueError, match="one of the shared layouts"):
+        prefill_attention(q, k, v, layout, None, kp, vp, table, interpret=True, shared=(other,))
+
+
 def test_keys_per_step_fit_shared_memory():
     """Keys per step: a power of two, at most block_k and the query rows, and their K/V tiles fit the budget (or
     the step is down to 16 keys)."""

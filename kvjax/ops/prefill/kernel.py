@@ -31,7 +31,6 @@ from kvjax.ops.grouped import visible
 from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, store_rows
 from kvjax.ops.prefill import plan
 from kvjax.ops.prefill.config import PREFILL, PrefillConfig
-from kvjax.ops.prefill.plan import block_rows, keys_per_step
 
 
 def _attend_block(
@@ -65,8 +64,8 @@ def _attend_block(
     b, h, q0, length, start = item
     kw, vw, qo, ko, vo, oo = head
     qc, kc, vc, oc = cols
-    bq = block_rows(cls, block_q, seq_len, balanced, max_rows)
-    bk = keys_per_step(block_k, bq, cls.cols, jnp.dtype(k_ref.dtype).itemsize, num_stages)
+    bq = plan.block_rows(cls, block_q, seq_len, balanced, max_rows)
+    bk = plan.keys_per_step(block_k, bq, cls.cols, jnp.dtype(k_ref.dtype).itemsize, num_stages)
     precision = dot_precision(k_ref.dtype)
     gi = h % group
     k_cols, v_cols = jnp.arange(cls.k_tile)[None, :], jnp.arange(cls.v_tile)[None, :]
