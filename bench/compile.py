@@ -73,7 +73,7 @@ def decode_case(layouts, batch: int, ctx: int, page_size: int = 16):
     """A function running the decode op of every layer for ``batch`` sequences of ``ctx`` tokens, and its arguments."""
     widest = max(layouts, key=lambda lay: lay.q_cols + lay.k_cols + lay.v_cols)
     pps = -(-ctx // page_size)
-    op = DecodeOp(layouts, page_size, pps)
+    op = DecodeOp(layouts, page_size, pps, max_batch=batch)
     lengths = np.full(batch, ctx, np.int32)
     schedule = op.plan(lengths)
     rng = np.random.default_rng(0)

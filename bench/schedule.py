@@ -8,6 +8,7 @@ plan"."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import statistics
 import time
@@ -17,7 +18,13 @@ from decode import kvjax_decode_call, schedule_of
 from harness import PagedCase, copies_for, log, pick_layer, rank_plan, time_calls
 
 from kvjax.ops.decode.config import DECODE, DecodeConfig
-from kvjax.ops.decode.plan import SLOT, DecodeSchedule, build_decode_schedule, load_balance, realized_loads
+from kvjax.ops.decode.plan import (
+    DecodeSchedule,
+    ScheduleShape,
+    build_decode_schedule,
+    load_balance,
+    realized_loads,
+)
 from kvjax.ops.decode.planner import DecodePlanner
 from kvjax.ops.decode.units import head_runs
 
@@ -31,21 +38,9 @@ SCHEDULE_VARIANTS = [
 ORDERS = ("auto", "stream", "lpt", "naive")
 
 
-def pad_schedule(s: DecodeSchedule, rounds: int, groups: int, splits: int, config: DecodeConfig) -> DecodeSchedule:
-    """One layer's schedule padded to fixed shapes and run with ``config``, so plans compared share one kernel."""
-    S = s.merge_slots.shape[1]
-
-    def renumber(slot):
-        return np.where(slot >= 0, slot // S * splits + slot % S, slot)
-
-    items = np.zeros(s.items.shape[:1] + (rounds, 5), np.int32)
-    items[:, : s.items.shape[1]] = s.items
-    items[..., SLOT] = renumber(items[..., SLOT])
-    dest = np.full((groups, 2), -1, np.int32)
-    dest[: len(s.merge_dest)] = s.merge_dest
-    slots = np.full((groups, splits), -1, np.int32)
-    slots[: len(s.merge_slots), :S] = renumber(s.merge_slots)
-    return DecodeSchedule(items, s.counts, dest, slots, config)
+def pad_schedule(s: DecodeSchedule, shape: ScheduleShape, config: DecodeConfig) -> DecodeSchedule:
+    """One layer's schedule padded to ``shape`` and run with ``config``, so plans compared share one kernel."""
+    return dataclasses.replace(s.padded(shape), config=config)
 
 
 def schedule_table(key, bw, cases, variants=SCHEDULE_VARIANTS, num_programs=None):
@@ -63,13 +58,9 @@ def schedule_table(key, bw, cases, variants=SCHEDULE_VARIANTS, num_programs=None
         nbytes = batch * ctx * (lay.k_cols + lay.v_cols) * 2
         case = PagedCase(lay, batch, np.full(batch, ctx), 32, copies_for(nbytes), key)
         plans = [schedule_of(case, v, num_programs) for v in variants]
-        shape = [
-            max(p.schedule.layer(0).items.shape[1] for p in plans),
-            max(p.schedule.layer(0).merge_slots.shape[0] for p in plans),
-            max(p.schedule.layer(0).merge_slots.shape[1] for p in plans),
-        ]
+        shape = functools.reduce(ScheduleShape.cover, (p.schedule.shape for p in plans))
         for v, plan in zip(variants, plans, strict=True):
-            sched = pad_schedule(plan.schedule.layer(0), *shape, variants[0])
+            sched = pad_schedule(plan.schedule.layer(0), shape, variants[0])
             t = time_calls(*kvjax_decode_call(case, sched, key))
             rows.append(
                 dict(

@@ -100,10 +100,10 @@ def schedules() -> dict:
             config = dataclasses.replace(DECODE, order=order)
             p = build_decode_schedule(lengths, [lay, lay], 16, 64, config=config, headroom_pages=2)
             s = p.schedule
-            rec[order] = digest(s.items, s.counts, s.merge_dest, s.merge_slots, p.loads, p.capacity)
+            rec[order] = digest(s.items, s.counts, s.merge_dest, s.merge_range, p.loads, p.capacity)
         p = fixed_chunk_schedule(lengths, [lay], 16, 64, chunk_pages=32, splits=16)
         rec["fixed"] = digest(
-            p.schedule.items, p.schedule.counts, p.schedule.merge_dest, p.schedule.merge_slots, p.loads
+            p.schedule.items, p.schedule.counts, p.schedule.merge_dest, p.schedule.merge_range, p.loads
         )
         out[str(case)] = rec
     return out

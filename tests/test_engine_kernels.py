@@ -8,6 +8,9 @@ from conftest import TINY_CONFIGS
 
 import kvjax
 from kvjax.compression import BASIS, RankPlan, calibrate, calibration_tokens, fold
+from kvjax.runtime.engine import Engine
+from kvjax.runtime.runner import Runner
+from kvjax.runtime.scheduler import Request
 
 
 def _varied_plan_model(model, method="zack"):
@@ -43,3 +46,19 @@ def test_unknown_backend_and_unaligned_widths_are_rejected():
     odd = kvjax.Model.random(dataclasses.replace(TINY_CONFIGS["llama"], head_dim=24, hidden_size=96))
     with pytest.raises(ValueError, match="multiples of 16"):
         kvjax.generate(odd, [[1, 2]], max_new_tokens=2, backend="interpret")
+
+
+def test_the_decode_step_compiles_once_as_requests_come_and_go():
+    """Requests of random lengths join and leave the batch, so the decode plans differ from step to step: every
+    schedule comes in the shape the op was built for, and the jitted decode step compiles once."""
+    cfg = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)
+    model = _varied_plan_model(kvjax.Model.random(cfg, seed=2))
+    rng = np.random.default_rng()
+    engine = Engine(model, max_batch=4, max_seq_len=256, backend="interpret")
+    runner = Runner(engine, chunk_tokens=64)
+    for n, new in zip(rng.integers(1, 200, 7), rng.integers(1, 12, 7)):
+        runner.add(Request(rng.integers(0, 97, n).tolist(), int(new)))
+    done = list(runner.run())
+    assert len(done) == 7 and all(r.finish_reason == "length" for r in done)
+    assert engine.decode_op.planner.rebuilds > 1 and engine.decode_op.planner.reshaped == 0
+    assert engine._steps["decode", True]._cache_size() == 1

@@ -17,7 +17,9 @@ from kvjax.ops.decode.plan import (
     SEQ,
     SLOT,
     UNIT,
+    ScheduleShape,
     build_decode_schedule,
+    compiled_shape,
     fixed_chunk_schedule,
     load_balance,
     realized_loads,
@@ -94,7 +96,8 @@ def test_every_visible_page_once(order, window, pack_tile):
 )
 def test_fixed_chunks_cover_every_visible_page_once(lengths, chunk_pages, programs, window, pack_tile):
     """The batch-invariant plan: every item is one whole chunk [k * C, (k + 1) * C) that starts inside its sequence,
-    in merge slot position k, and the chunks cover every visible page of every group once."""
+    goes through the merge in its group's slots in chunk order, and the chunks cover every visible page of every
+    group once."""
     ps, splits = 16, 64
     lay = HeadLayout(16, 4, 128, (48, 64, 80, 64), (96, 64, 32, 64), window)
     plan = fixed_chunk_schedule(
@@ -105,7 +108,7 @@ def test_fixed_chunks_cover_every_visible_page_once(lengths, chunk_pages, progra
     for seq, unit, first, end, slot in planned_items(s, 0):
         k = first // chunk_pages
         assert (first, end) == (k * chunk_pages, (k + 1) * chunk_pages) and first * ps < lengths[seq]
-        assert slot >= 0 and slot % s.merge_slots.shape[-1] == k
+        assert 0 <= slot < s.num_slots
         for page in range(first, end):
             assert (seq, unit, page) not in covered
             covered[seq, unit, page] = slot
@@ -117,6 +120,28 @@ def test_fixed_chunks_cover_every_visible_page_once(lengths, chunk_pages, progra
             if pages:  # no chunk lies wholly before the window
                 assert min(pages) // chunk_pages == visible[0] // chunk_pages
     assert plan.covers(lengths)
+    assert_merge_rows(s, 0, planned_items(s, 0), every_group=True)
+
+
+def assert_merge_rows(s, layer, items, every_group=False):
+    """Every group of several chunks (or every group) has one merge row whose slot range holds its chunks' slots in
+    chunk order, one slot each; no slot serves two groups; direct items have slot -1."""
+    chunks = {}
+    for seq, unit, _first, _end, slot in sorted(items, key=lambda it: it[2]):
+        chunks.setdefault((seq, unit), []).append(slot)
+    rows = {
+        tuple(int(x) for x in d): tuple(int(x) for x in r) for d, r in zip(s.merge_dest[layer], s.merge_range[layer])
+    }
+    assert rows.pop((-1, -1), (0, 0)) == (0, 0) and all(r[1] > 0 for r in rows.values())
+    used = [slot for begin, n in rows.values() for slot in range(begin, begin + n)]
+    assert len(used) == len(set(used)) and all(0 <= slot < s.num_slots for slot in used)
+    assert len(rows) == sum(every_group or len(v) > 1 for v in chunks.values())
+    for group, slots in chunks.items():
+        if group in rows:
+            begin, n = rows[group]
+            assert slots == list(range(begin, begin + n))
+        else:
+            assert slots == [-1]
 
 
 @pytest.mark.parametrize("order", ["lpt", "stream"])
@@ -125,20 +150,8 @@ def test_split_groups_have_merge_slots(order):
     lay = random_layouts(rng, 1)[0]
     lengths = rng.integers(100, 20000, 3)
     s = build_decode_schedule(lengths, lay, 32, 132, config=config(min_chunk_tokens=64, order=order)).schedule
-    items = planned_items(s, 0)
-    chunks = {}
-    for seq, unit, _first, _end, slot in items:
-        chunks.setdefault((seq, unit), []).append(slot)
-    splits = s.merge_slots.shape[-1]
-    dest = {tuple(int(x) for x in d): m for m, d in enumerate(s.merge_dest[0]) if d[0] >= 0}
-    assert len(dest) == sum(len(v) > 1 for v in chunks.values()) > 0
-    for group, slots in chunks.items():
-        if len(slots) == 1:
-            assert slots == [-1]
-        else:
-            m = dest[group]
-            assert sorted(slots) == sorted(x for x in s.merge_slots[0, m] if x >= 0)
-            assert all(m * splits <= x < (m + 1) * splits for x in slots)
+    assert_merge_rows(s, 0, planned_items(s, 0))
+    assert s.merge_dest[0, 0, 0] >= 0  # something was split
 
 
 def test_lpt_balances_and_beats_naive():
@@ -203,9 +216,9 @@ def test_shapes_are_bucketed_int32_and_layers_independent():
     layouts = random_layouts(rng, 3)
     lengths = rng.integers(1, 5000, 7)
     s = build_decode_schedule(lengths, layouts, 32, 40).schedule
-    for a in (s.items, s.counts, s.merge_dest, s.merge_slots):
+    for a in (s.items, s.counts, s.merge_dest, s.merge_range):
         assert a.dtype == np.int32
-    for n in s.items.shape[2:3] + s.merge_slots.shape[1:]:
+    for n in s.shape:
         assert n & (n - 1) == 0
     one = build_decode_schedule(lengths, layouts[1], 32, 40).schedule
 
@@ -295,6 +308,49 @@ def test_planner_builds_ahead():
     taken = planner.built_ahead
     planner(np.full(batch, 5000))  # outgrew everything: the plan built ahead (if any) does not cover it
     assert planner.built_ahead == taken and planner.plan.covers(np.full(batch, 5000))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(0, 2**32 - 1),
+    st.integers(1, 40),
+    st.sampled_from([8, 40, 264]),
+    st.sampled_from(["auto", "lpt"]),
+    st.integers(1, 2),
+    st.booleans(),
+)
+def test_one_compiled_shape_holds_every_plan_of_the_batch(seed, max_batch, programs, order, per_program, invariant):
+    """Requests arrive, grow and finish at random in ``max_batch`` slots (empty slots at length 1, as the engine
+    runs them): every schedule the planner hands out has the shape ``compiled_shape`` gave it, so the jitted step
+    never compiles again."""
+    rng = np.random.default_rng(seed)
+    layouts = random_layouts(rng, 2, heads=int(rng.choice([2, 8])), window=rng.choice([None, 300]))
+    cfg = config(order=order, items_per_program=per_program, min_chunk_tokens=int(rng.choice([16, 256])))
+    ps, pages_per_seq = 16, int(rng.integers(4, 600))
+    splits = 1 << (pages_per_seq - 1).bit_length() if invariant else 0
+    shape = compiled_shape(layouts, max_batch, programs, config=cfg, splits=splits)
+    planner = DecodePlanner(
+        layouts, ps, programs, config=cfg, ahead=False, chunk_pages=int(invariant), splits=splits, shape=shape
+    )
+    lengths = np.ones(max_batch, np.int64)
+    for _ in range(40):
+        event = rng.integers(0, 3, max_batch)  # 0: admit a prompt (empty slots), 1: grow, 2: finish
+        admit = (event == 0) & (lengths == 1)
+        lengths = np.where(admit, rng.integers(1, pages_per_seq * ps, max_batch), lengths)
+        lengths = np.where((event == 2) & (rng.random(max_batch) < 0.2), 1, lengths + (lengths > 1))
+        lengths = np.minimum(lengths, pages_per_seq * ps)
+        schedule = planner(lengths)
+        assert schedule.shape == shape and planner.reshaped == 0
+
+
+def test_a_plan_wider_than_the_shape_widens_it_for_good():
+    rng = np.random.default_rng()
+    layouts = random_layouts(rng, 2)
+    planner = DecodePlanner(layouts, 16, 8, ahead=False, shape=ScheduleShape(1, 1, 1))
+    wide = planner(rng.integers(1000, 4000, 16)).shape
+    assert planner.reshaped == 1 and wide == planner.shape and wide != (1, 1, 1)
+    planner.plan = None
+    assert planner(np.full(16, 1)).shape == wide and planner.reshaped == 1
 
 
 def test_static_schedule_covers_the_whole_table():

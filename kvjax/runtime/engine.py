@@ -172,7 +172,12 @@ class Engine:
             self.prefill_op = PrefillOp(model.layouts, interpret=interpret)
             if model.module.method != "palu":  # Palu layers take the reference path
                 self.decode_op = DecodeOp(
-                    model.layouts, page_size, self.pages_per_seq, batch_invariant=batch_invariant, interpret=interpret
+                    model.layouts,
+                    page_size,
+                    self.pages_per_seq,
+                    max_batch=max_batch,
+                    batch_invariant=batch_invariant,
+                    interpret=interpret,
                 )
         self.num_pages = num_pages or max_batch * self.pages_per_seq + 1
         self.cache = PagedKVCache.create(model.layouts, self.num_pages, page_size, cache_dtype or model.dtype)

@@ -4,7 +4,7 @@ schedule row (Pallas, Triton lowering).
 Each program walks its row of the host-built ``plan.DecodeSchedule``: for every item (sequence, unit, chunk of
 pages) it loads the unit's query heads once ([16, k_tile], rows past the real ones masked), streams the chunk's K
 and V rows out of the packed pages through the block table with an online softmax, and writes either the
-normalized output (the group's only chunk) or a partial (acc, max, sum) that ``merge`` combines.
+normalized output (the group's only chunk) or a partial (acc, max, sum) that ``merge.merge`` combines.
 
 A unit is a run of adjacent KV heads (``units``): row ``i*G + g`` of the score tile holds query g of head i, masked
 to head i's columns of the run's K tile, so each row scores only its own head, and one page lookup per token and
@@ -32,20 +32,20 @@ import operator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.config import DecodeConfig
-from kvjax.ops.decode.cost import loaded
+from kvjax.ops.decode.cost import ROWS, loaded
+from kvjax.ops.decode.merge import merge
 from kvjax.ops.decode.plan import END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, DecodeSchedule
 from kvjax.ops.decode.units import RunShape, head_runs
 from kvjax.ops.pallas_util import LOG2E, MASK, column_offsets, dot_precision, load_columns, lookup, offset16
 from kvjax.ops.tiles import pow2_floor, segments
 
-BLOCK_H = 16  # query rows per item: a GQA group (G <= 8) padded to the tensor cores' smallest M
+BLOCK_H = ROWS  # query rows per item: a GQA group (G <= 8) padded to the tensor cores' smallest M
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,39 +255,6 @@ def _kernel(items_ref, counts_ref, lengths_ref, *refs, classes, class_of, **stat
     lax.fori_loop(0, counts_ref[pid], run, 0)
 
 
-def merge(out, acc, m, l, schedule: DecodeSchedule, layout: HeadLayout, rows_per_slot: int):
-    """Combine the partial softmax states of split groups and place them in the packed output.
-
-    A split group is (sequence, run of heads); its partials have ``rows_per_slot`` rows (row i*G + g: query g of
-    the run's head i) over the run's V columns."""
-    n_groups, splits = schedule.merge_slots.shape
-    valid = (schedule.merge_slots >= 0)[..., None]  # [M, S, 1]
-    m = jnp.where(valid, m.reshape(n_groups, splits, rows_per_slot), -jnp.inf)
-    w = jnp.where(valid, jnp.exp2(m - m.max(axis=1, keepdims=True)), 0.0)
-    acc = jnp.where(valid[..., None], acc.reshape(n_groups, splits, rows_per_slot, -1), 0.0)
-    den = (w * jnp.where(valid, l.reshape(n_groups, splits, rows_per_slot), 0.0)).sum(axis=1)
-    merged = (w[..., None] * acc).sum(axis=1) / den[..., None]  # [M, rows, V columns of the widest run]
-
-    # Per run and row: where the row's head starts among the run's V columns, where its output starts in a packed
-    # output row, and its width (0 for rows past the run's).
-    g = layout.group_size
-    runs = head_runs(layout, schedule.config)
-    o_off = HeadLayout.offsets(layout.v_widths, g)
-    start, dest, width = (np.zeros((len(runs), rows_per_slot), np.int32) for _ in range(3))
-    for u, run in enumerate(runs):
-        for i, (s0, vw) in enumerate(zip(HeadLayout.offsets(run.v_widths), run.v_widths)):
-            r = slice(i * g, (i + 1) * g)
-            start[u, r], dest[u, r], width[u, r] = s0, o_off[run.first + i] + np.arange(g) * vw, vw
-    seq, unit = schedule.merge_dest[:, 0], schedule.merge_dest[:, 1]
-    col = jnp.arange(max(layout.v_widths))[None, None, :]
-    at, to, wide = (jnp.asarray(t)[unit][..., None] for t in (start, dest, width))  # [M, rows, 1]
-    values = jnp.take_along_axis(merged, jnp.minimum(at + col, merged.shape[-1] - 1), axis=2)
-    b, cols = out.shape
-    index = jnp.where((seq >= 0)[:, None, None] & (col < wide), seq[:, None, None] * cols + to + col, b * cols)
-    flat = out.reshape(-1).at[index.reshape(-1)].set(values.reshape(-1).astype(out.dtype), mode="drop")
-    return flat.reshape(b, cols)
-
-
 @functools.partial(jax.jit, static_argnames=("layout", "interpret"))
 def paged_decode(
     q, k_pages, v_pages, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout, *, interpret: bool = False
@@ -304,15 +271,14 @@ def paged_decode(
     num_pages, page_size, _ = k_pages.shape
     g = layout.group_size
     classes, class_of = run_classes(layout, config)
-    n_slots = math.prod(schedule.merge_slots.shape)
-    rows = max(c.num_heads for c in classes) * g  # rows of a partial slot
+    rows = BLOCK_H * schedule.num_slots  # a partial slot has a row per row of the score tile
     v_max = max(loaded(c.v_cols, config) for c in classes)
     kernel = functools.partial(
         _kernel,
         classes=classes,
         class_of=class_of,
         group=g,
-        rows_per_slot=rows,
+        rows_per_slot=BLOCK_H,
         page_size=page_size,
         window=layout.sliding_window,
         scale=1.0 / math.sqrt(layout.head_dim),
@@ -320,9 +286,9 @@ def paged_decode(
     )
     out_shape = (
         jax.ShapeDtypeStruct((b, layout.out_cols), q.dtype),
-        jax.ShapeDtypeStruct((n_slots * rows, v_max), jnp.float32),
-        jax.ShapeDtypeStruct((n_slots * rows,), jnp.float32),
-        jax.ShapeDtypeStruct((n_slots * rows,), jnp.float32),
+        jax.ShapeDtypeStruct((rows, v_max), jnp.float32),
+        jax.ShapeDtypeStruct((rows,), jnp.float32),
+        jax.ShapeDtypeStruct((rows,), jnp.float32),
     )
     out, acc, m, l = pl.pallas_call(
         kernel,
@@ -340,4 +306,5 @@ def paged_decode(
         k_pages.reshape(num_pages * page_size, -1),
         v_pages.reshape(num_pages * page_size, -1),
     )
-    return merge(out, acc, m, l, schedule, layout, rows)
+    runs = head_runs(layout, config)
+    return merge(out, acc, m, l, schedule.merge_dest, schedule.merge_range, layout, runs, interpret=interpret)

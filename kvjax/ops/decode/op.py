@@ -8,7 +8,7 @@ import numpy as np
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.kernel import paged_decode
-from kvjax.ops.decode.plan import DecodeSchedule, bucket
+from kvjax.ops.decode.plan import DecodeSchedule, bucket, compiled_shape
 from kvjax.ops.decode.planner import DecodePlanner
 
 
@@ -17,7 +17,8 @@ class DecodeOp:
     kept plan while it covers the lengths, so most steps plan nothing), ``run`` attends one layer with it.
 
     ``batch_invariant``: each sequence is split by its own length alone (``plan.fixed_chunk_schedule``), so a
-    row's result does not depend on the batch it runs in."""
+    row's result does not depend on the batch it runs in. Schedules of up to ``max_batch`` sequences come in one
+    shape (``plan.compiled_shape``), so the step that takes them compiles once."""
 
     def __init__(
         self,
@@ -25,6 +26,7 @@ class DecodeOp:
         page_size: int,
         pages_per_seq: int,
         *,
+        max_batch: int = 1,
         config: DecodeConfig = DECODE,
         num_programs: int | None = None,
         batch_invariant: bool = False,
@@ -33,7 +35,10 @@ class DecodeOp:
         chunk = -(-config.fixed_chunk_tokens // page_size) if batch_invariant else 0
         splits = bucket(-(-pages_per_seq // chunk)) if chunk else 0
         self.config, self.interpret = config, interpret
-        self.planner = DecodePlanner(layouts, page_size, num_programs, config=config, chunk_pages=chunk, splits=splits)
+        shape = compiled_shape(layouts, max_batch, num_programs, config=config, splits=splits)
+        self.planner = DecodePlanner(
+            layouts, page_size, num_programs, config=config, chunk_pages=chunk, splits=splits, shape=shape
+        )
         self._schedule: DecodeSchedule | None = None
         self._plan_id = -1
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -52,7 +53,9 @@ class DecodeSchedule:
         slot is -1 when the item is its group's only chunk (the kernel writes the output directly).
     counts [L, P]: how many items of each row are real.
     merge_dest [L, M, 2]: (seq, unit) of each split group; padding rows hold seq = -1.
-    merge_slots [L, M, S]: the partial slots of each split group (slot = m * S + chunk), -1 where unused.
+    merge_range [L, M, 2]: (first slot, number of slots) of each split group's partials, which lie in adjacent
+        slots in chunk order; (0, 0) in padding rows.
+    num_slots: static; partial slots a layer may use (every slot is below it).
     config: static; how the units were cut and how the kernel runs, so plan and run agree (``for_run``: a
         change of order or of another planner-only field compiles nothing new).
     """
@@ -60,16 +63,54 @@ class DecodeSchedule:
     items: np.ndarray
     counts: np.ndarray
     merge_dest: np.ndarray
-    merge_slots: np.ndarray
+    merge_range: np.ndarray
+    num_slots: int = dataclasses.field(default=1, metadata=dict(static=True))
     config: DecodeConfig = dataclasses.field(default=DECODE, metadata=dict(static=True))
 
     def layer(self, i: int) -> DecodeSchedule:
         """The schedule of layer ``i`` (arrays without the leading layer axis)."""
-        return DecodeSchedule(self.items[i], self.counts[i], self.merge_dest[i], self.merge_slots[i], self.config)
+        return DecodeSchedule(
+            self.items[i], self.counts[i], self.merge_dest[i], self.merge_range[i], self.num_slots, self.config
+        )
 
     @property
     def num_programs(self) -> int:
         return self.items.shape[-3]
+
+    @property
+    def shape(self) -> ScheduleShape:
+        """The sizes a jitted step compiles for (besides the programs and layers)."""
+        return ScheduleShape(self.items.shape[-2], self.merge_dest.shape[-2], self.num_slots)
+
+    def padded(self, shape: ScheduleShape) -> DecodeSchedule:
+        """The same schedule in arrays of ``shape`` (each size at least this schedule's): more rounds hold no
+        items, more merge rows have no group, more slots go unused."""
+        rounds, groups = shape.rounds - self.items.shape[-2], shape.groups - self.merge_dest.shape[-2]
+        if min(rounds, groups, shape.slots - self.num_slots) < 0:
+            raise ValueError(f"cannot pad a schedule of {self.shape} to {shape}")
+        lead = [(0, 0)] * (self.items.ndim - 3)
+
+        def grow(a, by, value):
+            return np.pad(a, lead + [(0, by), (0, 0)], constant_values=value)
+
+        items = np.pad(self.items, lead + [(0, 0), (0, rounds), (0, 0)])
+        dest, ranges = grow(self.merge_dest, groups, -1), grow(self.merge_range, groups, 0)
+        return DecodeSchedule(items, self.counts, dest, ranges, shape.slots, self.config)
+
+
+class ScheduleShape(NamedTuple):
+    """A schedule's compiled sizes: item rounds per program, merge rows (split groups) and partial slots."""
+
+    rounds: int
+    groups: int
+    slots: int
+
+    def cover(self, other: ScheduleShape) -> ScheduleShape:
+        """The smallest shape holding both."""
+        return ScheduleShape(*map(max, self, other))
+
+    def holds(self, other: ScheduleShape) -> bool:
+        return all(a >= b for a, b in zip(self, other))
 
 
 @dataclasses.dataclass
@@ -123,10 +164,12 @@ def build_decode_schedule(
     *,
     config: DecodeConfig = DECODE,
     headroom_pages=0,
+    fit: ScheduleShape | None = None,
 ) -> DecodePlan:
     """Plan decode for sequences of ``lengths`` tokens (new token included) over one layer or all layers, by
     ``config.order`` (module doc); ``headroom_pages``: pages planned past each sequence's last one (one number, or
-    one per sequence). Every visible page of every (sequence, unit) is planned exactly once."""
+    one per sequence). Every visible page of every (sequence, unit) is planned exactly once. ``fit``: "auto" takes
+    the stream plan only if its shape is within this one (a stream program may span many short groups)."""
     if config.order == "auto":
 
         def by(order):
@@ -136,7 +179,10 @@ def build_decode_schedule(
             )
 
         plan = by("lpt")
-        return plan if plan.balance >= config.auto_balance else by("stream")
+        if plan.balance >= config.auto_balance:
+            return plan
+        stream = by("stream")
+        return stream if fit is None or fit.holds(stream.schedule.shape) else plan
     layouts = as_layouts(layouts)
     P = num_programs or config.num_programs()
     lengths = np.asarray(lengths, np.int64)
@@ -191,29 +237,23 @@ def _lpt(first_page, end_page, pages, page_cost, P, page_size, config):
     first[..., END_PAGE] = first_page + chunk_pages
     first[..., SLOT] = -1
     item_cost = (chunk_pages * page_cost + item_overhead).ravel()
-    merge_dest, merge_slots = np.full((L, 1, 2), -1, np.int32), np.full((L, 1, 1), -1, np.int32)
+    merge = _merges(L, *np.zeros((3, 0), np.int64), H)
     if T < n.size or n.max(initial=0) > 1:
         n = n.ravel().astype(np.int64)
         fields, item_cost = np.repeat(fields, np.append(n, 1), axis=0), np.repeat(item_cost, n)
         split = np.flatnonzero(n > 1)  # flat (layer, seq, head) of the groups of several chunks
         if split.size:
-            # Partial slots, dense per layer: slot = m * S + chunk, m the group's merge index in its layer.
-            ns, layer = n[split], split // (B * H)
-            per = np.bincount(layer, minlength=L)
-            m = np.arange(split.size) - (np.cumsum(per) - per)[layer]
-            S, M = bucket(int(ns.max())), bucket(int(per.max()))
+            ns = n[split]
+            merge = _merges(L, split // (B * H), split % (B * H), ns, H)
             k = np.arange(ns.sum()) - np.repeat(np.cumsum(ns) - ns, ns)  # chunk index within its group
             item = np.repeat((np.cumsum(n) - n)[split], ns) + k
             group = np.repeat(split, ns)
             cp = np.broadcast_to(chunk_pages, cost.shape).ravel()[group]
             p0 = fields[item, FIRST_PAGE] + k * cp
             p1 = np.minimum(p0 + cp, end_page[fields[item, SEQ]])
-            slot = np.repeat(m * S, ns) + k
-            fields[item, FIRST_PAGE], fields[item, END_PAGE], fields[item, SLOT] = p0, p1, slot
+            fields[item, FIRST_PAGE], fields[item, END_PAGE] = p0, p1
+            fields[item, SLOT] = np.repeat(merge.begin, ns) + k
             item_cost[item] = (p1 - p0) * page_cost.ravel()[group // (B * H) * H + group % H] + item_overhead
-            merge_dest, merge_slots = np.full((L, M, 2), -1, np.int32), np.full((L, M, S), -1, np.int32)
-            merge_dest[layer, m] = np.stack([split % (B * H) // H, split % H], axis=1)
-            merge_slots[np.repeat(layer, ns), np.repeat(m, ns), k] = slot
 
     # Per layer, the items' columns and costs in dealing order, padded to whole rounds of P with column N (no
     # item) and cost 0. LPT order: longest first, ties in natural order, by sorting 64-bit keys (cost, column).
@@ -248,7 +288,34 @@ def _lpt(first_page, end_page, pages, page_cost, P, page_size, config):
     # Whole items move as records of five int32 fields: twice as fast as gathering rows of an int32 matrix.
     items = np.take(fields.view(ITEM).ravel(), table).view(np.int32).reshape(L, P, R, 5)
 
-    return DecodeSchedule(items, counts, merge_dest, merge_slots, config.for_run()), loads, per_layer
+    return merge.schedule(items, counts, config), loads, per_layer
+
+
+@dataclasses.dataclass
+class _Merges:
+    """The merge rows of a plan's split groups and where each group's partial slots begin."""
+
+    dest: np.ndarray  # [L, M, 2]
+    range: np.ndarray  # [L, M, 2]
+    begin: np.ndarray  # [groups]: each split group's first slot in its layer
+    num_slots: int
+
+    def schedule(self, items, counts, config: DecodeConfig) -> DecodeSchedule:
+        return DecodeSchedule(items, counts, self.dest, self.range, self.num_slots, config.for_run())
+
+
+def _merges(L: int, layer, group, chunks, H: int) -> _Merges:
+    """Merge rows for split groups given in layer-major order by ``layer``, flat (seq, unit) ``group`` = seq * H +
+    unit, and ``chunks`` each: a group's partials take the next ``chunks`` slots of its layer, in chunk order."""
+    per = np.bincount(layer, minlength=L)  # split groups per layer
+    used = np.bincount(layer, weights=chunks, minlength=L).astype(np.int64)  # slots per layer
+    m = np.arange(len(layer)) - (np.cumsum(per) - per)[layer]  # the group's merge row in its layer
+    begin = (np.cumsum(chunks) - chunks) - (np.cumsum(used) - used)[layer]
+    M = bucket(int(per.max(initial=1)))
+    dest, ranges = np.full((L, M, 2), -1, np.int32), np.zeros((L, M, 2), np.int32)
+    dest[layer, m] = np.stack([group // H, group % H], axis=1)
+    ranges[layer, m] = np.stack([begin, chunks], axis=1)
+    return _Merges(dest, ranges, begin, bucket(int(used.max(initial=1))))
 
 
 def _deal(dealt, order: str, pbits: int):
@@ -283,10 +350,10 @@ def fixed_chunk_schedule(
     """A batch-invariant plan: how a sequence is split and merged depends on its own length alone.
 
     Chunk k of every group covers pages ``[k * chunk_pages, (k + 1) * chunk_pages)`` and always goes through the
-    merge, into partial slot position k of ``splits`` (a fixed count, so the merge's sums have one shape whatever
-    the batch). Under a sliding window, chunks wholly before the window's first page are left out. A plan covers a
-    sequence until it leaves its last chunk or its window leaves its first one (``capacity``). Items are dealt to
-    programs longest first, round-robin; where an item runs changes nothing in its result.
+    merge, which folds a group's chunks in chunk order (its result depends on the group alone); a sequence may
+    have at most ``splits`` chunks. Under a sliding window, chunks wholly before the window's first page are left
+    out. A plan covers a sequence until it leaves its last chunk or its window leaves its first one (``capacity``).
+    Items are dealt to programs longest first, round-robin; where an item runs changes nothing in its result.
     """
     layouts = as_layouts(layouts)
     P = num_programs or config.num_programs()
@@ -314,15 +381,11 @@ def fixed_chunk_schedule(
     k = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n) + np.repeat(first[:, :, None].repeat(H, 2).ravel(), n)
     layer, seq, unit = group // (B * H), group % (B * H) // H, group % H
     per_layer = np.bincount(layer, minlength=L)
-    groups_per_layer = np.bincount(np.flatnonzero(n) // (B * H), minlength=L)
-    M = bucket(int(groups_per_layer.max(initial=1)))
     real = np.flatnonzero(n)
-    m_of = np.zeros(n.size, np.int64)
-    m_of[real] = np.arange(real.size) - np.repeat(np.cumsum(groups_per_layer) - groups_per_layer, groups_per_layer)
-    slot = m_of[group] * splits + k
-    merge_dest, merge_slots = np.full((L, M, 2), -1, np.int32), np.full((L, M, splits), -1, np.int32)
-    merge_dest[real // (B * H), m_of[real]] = np.stack([real % (B * H) // H, real % H], axis=1)
-    merge_slots[layer, m_of[group], k] = slot
+    merge = _merges(L, real // (B * H), real % (B * H), n[real], H)
+    begin = np.zeros(n.size, np.int64)
+    begin[real] = merge.begin
+    slot = np.repeat(begin, n) + np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)  # chunks in slot order
     tokens = np.minimum((k + 1) * C * page_size, capacity[seq]) - k * C * page_size
     cost = tokens * unit_cost[layer, unit] + config.item_overhead
     # Deal each layer's items longest first, round-robin over the programs.
@@ -337,9 +400,7 @@ def fixed_chunk_schedule(
     np.add.at(counts, (layer[o], prog), 1)
     loads = np.zeros((L, P), np.int64)
     np.add.at(loads, (layer[o], prog), cost[o])
-    return DecodePlan(
-        DecodeSchedule(items, counts, merge_dest, merge_slots, config.for_run()), capacity, loads, per_layer, floor
-    )
+    return DecodePlan(merge.schedule(items, counts, config), capacity, loads, per_layer, floor)
 
 
 def _stream(first_page, pages, page_cost, P, item_overhead, snap_pages, config):
@@ -406,20 +467,10 @@ def _stream(first_page, pages, page_cost, P, item_overhead, snap_pages, config):
     # Partial slots for the groups cut into several items.
     split = pieces > 1
     split_groups = np.flatnonzero(split)
-    m_of = np.full(n, -1, np.int64)
-    per_layer_split = np.bincount(g_layer[split_groups], minlength=L)
-    m_of[split_groups] = np.arange(len(split_groups)) - np.repeat(
-        np.cumsum(per_layer_split) - per_layer_split, per_layer_split
-    )
-    S, M = bucket(int(pieces.max(initial=1))), bucket(int(per_layer_split.max(initial=1)))
-    slot = np.where(split[grp], m_of[grp] * S + chunk, -1)
-    merge_dest, merge_slots = np.full((L, M, 2), -1, np.int32), np.full((L, M, S), -1, np.int32)
-    if len(split_groups):
-        merge_dest[g_layer[split_groups], m_of[split_groups]] = np.stack(
-            [g_seq[split_groups], g_unit[split_groups]], axis=1
-        )
-        it = split[grp]
-        merge_slots[layer[it], m_of[grp[it]], chunk[it]] = slot[it]
+    merge = _merges(L, g_layer[split_groups], real[split_groups] % (B * H), pieces[split_groups], H)
+    begin = np.zeros(n, np.int64)
+    begin[split_groups] = merge.begin
+    slot = np.where(split[grp], begin[grp] + chunk, -1)
 
     # The table: items of each (layer, program) in line order.
     row = layer * P + prog  # nondecreasing along the line
@@ -432,8 +483,31 @@ def _stream(first_page, pages, page_cost, P, item_overhead, snap_pages, config):
     items = items.reshape(L, P, R, 5)
     cost = (b - a) * g_cost[grp] + item_overhead
     loads = np.bincount(row, weights=cost, minlength=L * P).reshape(L, P).astype(np.int64)
-    schedule = DecodeSchedule(items, counts, merge_dest, merge_slots, config.for_run())
-    return schedule, loads, np.bincount(layer, minlength=L)
+    return merge.schedule(items, counts, config), loads, np.bincount(layer, minlength=L)
+
+
+def compiled_shape(
+    layouts: HeadLayout | Sequence[HeadLayout],
+    max_batch: int,
+    num_programs: int | None = None,
+    *,
+    config: DecodeConfig = DECODE,
+    splits: int = 0,
+) -> ScheduleShape:
+    """A shape that holds the LPT plan of any lengths of up to ``max_batch`` sequences (with ``splits``, the
+    batch-invariant plan of sequences of up to ``splits`` chunks), so a step compiled for it serves them all.
+
+    LPT splits only groups costlier than a program's average load, into chunks no costlier than it: at most
+    ``P * items_per_program`` split groups with ``2 * P * items_per_program`` partial slots among them, and
+    ``groups + slots`` items dealt ``P`` a round. The stream plan's split groups and slots are within the same
+    bounds (its ``P - 1`` cuts), its rounds are not ("auto" keeps it only where it fits)."""
+    P = num_programs or config.num_programs()
+    groups = max_batch * max(len(head_runs(lay, config)) for lay in as_layouts(layouts))
+    if splits:
+        return ScheduleShape(bucket(-(-groups * splits // P)), bucket(groups), bucket(groups * splits))
+    split = P * config.items_per_program + 1
+    slots = 2 * split
+    return ScheduleShape(bucket(-(-(groups + slots) // P)), bucket(min(groups, split)), bucket(slots))
 
 
 def realized_loads(schedule: DecodeSchedule, lengths, layouts: Sequence[HeadLayout], page_size: int) -> np.ndarray:

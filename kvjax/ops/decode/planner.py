@@ -11,12 +11,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import dataclasses
 import functools
 
 import numpy as np
 
 from kvjax.ops.decode.config import DECODE, DecodeConfig
-from kvjax.ops.decode.plan import DecodePlan, DecodeSchedule, as_layouts, build_decode_schedule, fixed_chunk_schedule
+from kvjax.ops.decode.plan import (
+    DecodePlan,
+    DecodeSchedule,
+    ScheduleShape,
+    as_layouts,
+    build_decode_schedule,
+    fixed_chunk_schedule,
+)
 
 
 @functools.cache
@@ -48,6 +56,10 @@ class DecodePlanner:
     lengths (else the step builds one), so steps do not wait for builds. ``rebuilds`` counts the plans taken,
     ``built_ahead`` those of them built ahead. ``chunk_pages`` > 0 plans batch-invariantly
     (``plan.fixed_chunk_schedule`` with ``splits`` slots a group).
+
+    shape: every schedule comes padded to this shape (``plan.compiled_shape``), so a jitted step taking them
+    compiles once; a plan that does not fit widens it for good (``reshaped`` counts how often: each compiles the
+    step again).
     """
 
     def __init__(
@@ -60,13 +72,15 @@ class DecodePlanner:
         ahead: bool = True,
         chunk_pages: int = 0,
         splits: int = 0,
+        shape: ScheduleShape | None = None,
     ):
         self.layouts, self.page_size, self.config = as_layouts(layouts), page_size, config
         self.chunk_pages, self.splits = chunk_pages, splits
         self.num_programs = num_programs or config.num_programs()
         self.headroom_tokens, self.ahead = config.headroom_tokens, ahead
         self.plan: DecodePlan | None = None
-        self.rebuilds = self.built_ahead = 0
+        self.shape = ScheduleShape(1, 1, 1) if shape is None else shape
+        self.rebuilds = self.built_ahead = self.reshaped = 0
         self._next: concurrent.futures.Future | None = None
         self._last = np.zeros(0, np.int64)  # the lengths of the previous call
         keep_heap()
@@ -77,7 +91,7 @@ class DecodePlanner:
         """A plan for these lengths with this planner's headroom, built in the calling thread."""
         lengths = np.asarray(lengths)
         if self.chunk_pages:
-            return fixed_chunk_schedule(
+            plan = fixed_chunk_schedule(
                 lengths,
                 self.layouts,
                 self.page_size,
@@ -86,10 +100,25 @@ class DecodePlanner:
                 splits=self.splits,
                 config=self.config,
             )
-        headroom = -(-np.minimum(self.headroom_tokens, lengths) // self.page_size)
-        return build_decode_schedule(
-            lengths, self.layouts, self.page_size, self.num_programs, config=self.config, headroom_pages=headroom
-        )
+        else:
+            headroom = -(-np.minimum(self.headroom_tokens, lengths) // self.page_size)
+            plan = build_decode_schedule(
+                lengths,
+                self.layouts,
+                self.page_size,
+                self.num_programs,
+                config=self.config,
+                headroom_pages=headroom,
+                fit=self.shape,
+            )
+        return self._fitted(plan)
+
+    def _fitted(self, plan: DecodePlan) -> DecodePlan:
+        """``plan`` padded to the planner's shape, or to the shape that holds both."""
+        shape = self.shape.cover(plan.schedule.shape)
+        if shape == plan.schedule.shape:
+            return plan
+        return dataclasses.replace(plan, schedule=plan.schedule.padded(shape))
 
     def __call__(self, lengths) -> DecodeSchedule:
         """The kept plan's schedule if it covers ``lengths``, else a new one."""
@@ -102,6 +131,9 @@ class DecodePlanner:
                 self.built_ahead += 1
             else:
                 plan = self.build(lengths)
+            plan = self._fitted(plan)  # a plan built ahead may predate a wider shape
+            if plan.schedule.shape != self.shape:
+                self.shape, self.reshaped = plan.schedule.shape, self.reshaped + 1
             self.plan, self.rebuilds = plan, self.rebuilds + 1
         elif self.ahead and self._next is None and last.shape == lengths.shape and np.any(grows := lengths > last):
             steps_left = int((self.plan.capacity - lengths)[grows].min())
