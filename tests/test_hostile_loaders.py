@@ -367,7 +367,7 @@ def test_old_kvjax_checkpoint_missing_its_plan(saved, tmp_path):
     raises(
         kvjax.CheckpointError,
         r"compressed/params: parameters do not match the config in kvjax\.json \(unexpected "
-        r"'layers\.0\.attn\.qk_rotation\.0'.*\); the checkpoint's plan\.json may be missing",
+        r"'layers\.0\.attn\.qk_rotation'.*\); the checkpoint's plan\.json may be missing",
         load,
         d,
     )

@@ -1,9 +1,10 @@
 """Folding a rank plan into the weights, with jitted functions: the compressed model is built once, offline.
 
 V's basis goes into W_v (and b_v) and W_o, so V is produced short and read back short at no run-time cost. ZACK's
-Q/K rotation cannot pass through the position-dependent RoPE, so it is stored per group and applied right after RoPE
-(``Attention.rotate_qk``). Palu's K factorisation puts ``W_k down`` in the K projection and ``up`` in ``k_up``,
-which rebuilds K before RoPE at every attention call.
+Q/K rotation cannot pass through the position-dependent RoPE, so it is stored as one [Hkv, d, W] tensor (each
+group's rotation, zero past its width) and applied right after RoPE (``Attention.rotate_qk``). Palu's K
+factorisation puts ``W_k down`` in the K projection and ``up`` in ``k_up``, which rebuilds K before RoPE at every
+attention call.
 
 A plan with a ``head_order`` first permutes each layer's KV heads (with their query heads and W_o's rows, which
 leaves the output unchanged), then folds the bases of the heads at their new positions.
@@ -100,8 +101,9 @@ def fold(model: Model, plan, bases: dict) -> Model:
         )
         values.update({(*a, "v", "kernel"): wv, (*a, "o", "kernel"): wo, (*a, "v", "bias"): bv})
         if plan.method == "zack":
-            for g, k in enumerate(layout.k_widths):
-                values[(*a, "qk_rotation", g)] = down["k"][g, :, :k]
+            width = max(layout.k_widths)
+            keep = jnp.arange(width)[None, :] < jnp.asarray(layout.k_widths)[:, None]  # [Hkv, W]
+            values[(*a, "qk_rotation")] = jnp.where(keep[:, None, :], down["k"][:, :, :width], 0.0)
         else:
             wk, bk, k_ups = fold_k_lowrank(w["k", "kernel"], w["k", "bias"], down["k"], up["k"], widths=layout.k_widths)
             values.update({(*a, "k", "kernel"): wk, (*a, "k", "bias"): bk})

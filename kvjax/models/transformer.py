@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from kvjax.layout import HeadLayout
@@ -75,10 +76,7 @@ class Attention(nnx.Module):
         self.v = Linear(e, layout.v_cols, bias=bias, dtype=dtype, rngs=rngs)
         self.o = Linear(layout.out_cols, e, bias=bias, dtype=dtype, rngs=rngs)
 
-        def eye(w):
-            return nnx.Param(jnp.eye(d, w, dtype=dtype))
-
-        self.qk_rotation = nnx.List([eye(w) for w in layout.k_widths]) if method == "zack" else None
+        self.qk_rotation = nnx.Param(_padded_eyes(layout, dtype)) if method == "zack" else None
         self.k_up = (
             nnx.List([nnx.Param(jnp.eye(w, d, dtype=dtype)) for w in layout.k_widths]) if method == "palu" else None
         )
@@ -102,15 +100,17 @@ class Attention(nnx.Module):
         return self.o(attend(layer, q.reshape(b, t, -1), k.reshape(b, t, -1), self.v(x)))
 
     def rotate_qk(self, q, k, layout: HeadLayout):
-        """Post-RoPE q [B,T,H,d] and k [B,T,Hkv,d] -> packed [B,T,q_cols] and [B,T,k_cols]."""
+        """Post-RoPE q [B,T,H,d] and k [B,T,Hkv,d] -> packed [B,T,q_cols] and [B,T,k_cols]: one batched
+        contraction each over every group's rotation, zero-padded to the widest, then the widths kept (one gather;
+        per-group matmuls and a concatenation cost a kernel each: bench/RESULTS.md "Engine: decode step beside
+        the floor")."""
         b, t = q.shape[:2]
-        g_size = layout.group_size
-        qs, ks = [], []
         assert self.qk_rotation is not None  # ZACK layers only
-        for g, rot in enumerate(self.qk_rotation):
-            qs.append((q[:, :, g * g_size : (g + 1) * g_size] @ rot[...]).reshape(b, t, -1))
-            ks.append(k[:, :, g] @ rot[...])
-        return jnp.concatenate(qs, -1), jnp.concatenate(ks, -1)
+        rot = self.qk_rotation[...]  # [Hkv, d, W]
+        q = jnp.einsum("bthgd,hdw->bthgw", q.reshape(b, t, layout.num_kv_heads, layout.group_size, -1), rot)
+        k = jnp.einsum("bthd,hdw->bthw", k, rot)
+        q_cols, k_cols = packed_columns(layout, rot.shape[-1])
+        return _take_columns(q.reshape(b, t, -1), q_cols), _take_columns(k.reshape(b, t, -1), k_cols)
 
     def rebuild_k(self, latent, positions, inv_freq, layout: HeadLayout):
         """Palu: packed pre-RoPE latent [B,S,k_cols] at ``positions`` [B,S] -> full post-RoPE K [B,S,Hkv*d]."""
@@ -120,6 +120,28 @@ class Attention(nnx.Module):
             [latent[..., s : s + w] @ up[...] for s, w, up in zip(starts, layout.k_widths, self.k_up)], axis=2
         )
         return apply_rope(full, positions, inv_freq).reshape(*latent.shape[:2], -1)
+
+
+def _padded_eyes(layout: HeadLayout, dtype) -> jax.Array:
+    """[Hkv, d, W] identity rotations, each group's first ``k_widths[g]`` columns, zero past them (W: the widest)."""
+    width = max(layout.k_widths)
+    eye = jnp.eye(layout.head_dim, width, dtype=dtype)
+    keep = jnp.arange(width)[None, :] < jnp.asarray(layout.k_widths)[:, None]
+    return jnp.where(keep[:, None, :], eye[None], 0).astype(dtype)
+
+
+def packed_columns(layout: HeadLayout, width: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Where each packed q and k column sits in rows of ``width`` columns per head (None: the rows are packed)."""
+    if all(w == width for w in layout.k_widths):
+        return None, None
+    g = layout.group_size
+    k = np.concatenate([h * width + np.arange(w) for h, w in enumerate(layout.k_widths)])
+    q = np.concatenate([(h * g + j) * width + np.arange(w) for h, w in enumerate(layout.k_widths) for j in range(g)])
+    return q, k
+
+
+def _take_columns(x, cols):
+    return x if cols is None else jnp.take(x, jnp.asarray(cols), axis=-1)
 
 
 class MLP(nnx.Module):
