@@ -1,5 +1,6 @@
 """The engine end to end on a random Llama-3.1-8B-shaped model (bf16): per rate and shape (batch x prompt length),
-prompts prefilled through the continuous-batching runner in chunks, then decode steps in steady state timed twice,
+one request run first so every step is compiled (compile times reported), then prompts prefilled through the
+continuous-batching runner in chunks, then decode steps in steady state timed twice,
 by the host's clock (wall per step, the runner's own loop) and by CUPTI (the step's kernels, summed), beside the floor
 (weights + K/V bytes read per step over the measured copy bandwidth) and split into GEMMs, attention and the rest.
 Table: bench/RESULTS.md "Engine: decode step beside the floor"."""
@@ -94,21 +95,24 @@ def floor_bytes(model: kvjax.Model, lengths: np.ndarray) -> int:
 
 
 def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
-    """Prefill ``batch`` random prompts of ``ctx`` tokens, then time decode steps in steady state."""
-    new = args.warm_steps + 2 * args.steps + 8
+    """Prefill ``batch`` random prompts of ``ctx`` tokens, then time decode steps in steady state, every request
+    still running (each may sample a token per prefill step before, one per step after)."""
+    new = batch * -(-ctx // args.chunk_tokens) + args.warm_steps + 2 * args.steps + 8
     engine = Engine(model, max_batch=batch, max_seq_len=ctx + new, page_size=16)
     runner = Runner(engine, chunk_tokens=args.chunk_tokens)
     rng = np.random.default_rng(0)
-    requests = [runner.add(Request(rng.integers(0, 32000, ctx).tolist(), new)) for _ in range(batch)]
     since = len(COMPILES)
+    t0 = time.perf_counter()
+    runner.add(Request(rng.integers(0, 32000, ctx).tolist(), 2))  # compiles every step the run takes
+    list(runner.run())
+    warm_up_s = time.perf_counter() - t0
+    compiled = compile_times(since)
+    since = len(COMPILES)
+    requests = [runner.add(Request(rng.integers(0, 32000, ctx).tolist(), new)) for _ in range(batch)]
     t0 = time.perf_counter()
     while any(r.first_token_time is None for r in requests):
         runner.step()
     prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    runner.step()
-    runner.drain()
-    first_decode_s = time.perf_counter() - t0  # the decode step's compile, mostly
     for _ in range(args.warm_steps):
         runner.step()
     runner.drain()
@@ -117,13 +121,18 @@ def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
         runner.step()
     runner.drain()
     wall = (time.perf_counter() - t0) / args.steps
-    lengths = np.array([len(r.prompt) + r.sampled for r in requests])
+    lengths = np.array([len(r.prompt) + len(r.tokens) for r in requests])
     kernels = cupti_steps(runner, args.steps)
+    if any(r.finish_time is not None for r in requests):
+        raise RuntimeError("a request finished while the steps were timed: the batch was not full")
     split = {"gemm": 0.0, "attention": 0.0, "rest": 0.0}
+    by_name: dict[str, float] = {}
     for name, ms in kernels:
         split[kind(name)] += ms / 1e3 / args.steps
+        by_name[name] = by_name.get(name, 0.0) + ms / args.steps
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     device = sum(split.values())
-    floor = floor_bytes(model, lengths + args.steps // 2) / bandwidth  # mean lengths of the CUPTI steps
+    floor = floor_bytes(model, lengths + args.steps // 2) / bandwidth  # mean lengths over the CUPTI steps
     del engine, runner
     return dict(
         rate=rate,
@@ -141,17 +150,20 @@ def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
         kernels_per_step=len(kernels) / args.steps,
         prefill_tok_s=batch * ctx / prefill_s,
         prefill_s=prefill_s,
-        first_decode_step_s=first_decode_s,
+        warm_up_s=warm_up_s,
         chunk_tokens=args.chunk_tokens,
-        **compile_times(since),
+        compiles_while_timed=sum(compile_times(since)[f"{s}_compiles"] for s in ("decode", "prefill")),
+        top_kernels_ms=[(name[:80], ms) for name, ms in top],
+        kernels_ms=by_name,
+        **compiled,
     )
 
 
 def print_rows(rows: list[dict]) -> None:
     print(
         "\n| rate | B x ctx | wall ms/step | device ms/step | floor ms | % of floor | wall/device | tok/s | "
-        "GEMM ms | attention ms | rest ms | kernels/step | prefill tok/s (chunk) | first decode step s | "
-        "compile s: decode / prefill (variants) |"
+        "GEMM ms | attention ms | rest ms | kernels/step | prefill tok/s (chunk) | "
+        "compile s: decode / prefill (variants) | compiles while timed |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -159,10 +171,19 @@ def print_rows(rows: list[dict]) -> None:
             f"| {r['rate']} | {r['batch']} x {r['ctx']} | {r['wall_ms']:.2f} | {r['device_ms']:.2f} | "
             f"{r['floor_ms']:.2f} | {r['pct_of_floor']:.0f}% | {r['wall_over_device']:.3f} | {r['tokens_per_s']:.0f} | "
             f"{r['gemm_ms']:.2f} | {r['attention_ms']:.2f} | {r['rest_ms']:.2f} | {r['kernels_per_step']:.0f} | "
-            f"{r['prefill_tok_s']:.0f} ({r['chunk_tokens']}) | {r['first_decode_step_s']:.1f} | "
-            f"{r['decode_compile_s']:.1f} / {r['prefill_compile_s']:.1f} ({r['prefill_compiles']}) |",
+            f"{r['prefill_tok_s']:.0f} ({r['chunk_tokens']}) | "
+            f"{r['decode_compile_s']:.1f} / {r['prefill_compile_s']:.1f} ({r['prefill_compiles']}) | "
+            f"{r['compiles_while_timed']} |",
             flush=True,
         )
+
+
+def print_top_kernels(rows: list[dict]) -> None:
+    """Each configuration's costliest kernels per decode step (CUPTI), to see what "rest" is made of."""
+    for r in rows:
+        print(f"\nrate {r['rate']}, {r['batch']} x {r['ctx']}: top kernels, ms per step")
+        for name, ms in r["top_kernels_ms"]:
+            print(f"  {ms:8.3f}  {name}")
 
 
 def main(argv=None) -> None:
@@ -188,6 +209,7 @@ def main(argv=None) -> None:
             print_rows(rows[-1:])
         del model
     print_rows(rows)
+    print_top_kernels(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, bandwidth=bandwidth, rows=rows), f, indent=1)

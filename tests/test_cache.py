@@ -65,9 +65,15 @@ def test_paged_decode_matches_dense_causal_attention(window):
         np.testing.assert_allclose(out, dense[:, i], rtol=1e-5, atol=1e-5)
 
 
-def test_invalid_writes_land_on_the_null_page():
-    pages = jnp.zeros((3, 2, 4))
-    table = jnp.asarray([[1, 2]])
-    pos = jnp.asarray([[0, 1, 2]])
-    out = write_pages(pages, table, pos, jnp.ones((1, 3, 4)), jnp.asarray([[True, True, False]]))
-    assert float(out[1].sum()) == 8 and float(out[2].sum()) == 0 and float(out[0].sum()) == 4
+def test_invalid_writes_and_writes_to_the_null_page_are_dropped():
+    rng = np.random.default_rng()
+    pages = jnp.asarray(rng.standard_normal((4, 2, 4)), jnp.float32)
+    table = jnp.asarray([[1, 2], [0, 0], [3, 0]])  # row 1 is padding: its table is all null pages
+    pos = jnp.asarray([[0, 1, 2], [0, 1, 0], [0, 1, 0]])
+    values = jnp.asarray(rng.standard_normal((3, 3, 4)), jnp.float32)
+    valid = jnp.asarray([[True, True, False], [True, True, True], [True, True, False]])
+    out = np.asarray(write_pages(pages, table, pos, values, valid))
+    want = np.array(pages)
+    want[1] = values[0, :2]
+    want[3] = values[2, :2]
+    np.testing.assert_array_equal(out, want)  # page 0 and page 2 (an invalid position) untouched

@@ -23,6 +23,11 @@ from kvjax.ops.decode.plan import bucket as pow2_bucket
 from kvjax.ops.prefill.op import PrefillOp
 from kvjax.runtime.cache import PagedKVCache, block_table
 
+# XLA merges dots that share an operand when each weighs under a threshold (32 MB) by concatenating their weights,
+# which are step inputs here, so a compressed layer's narrower K and V projections had Q, K and V copied into one
+# matrix at every step (0.6 ms of a 10 ms step: bench/RESULTS.md "Engine: decode step beside the floor").
+COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     """Smallest power of two >= max(n, minimum), capped at ``maximum``."""
@@ -182,16 +187,19 @@ class Engine:
         self.num_pages = num_pages or max_batch * self.pages_per_seq + 1
         self.cache = PagedKVCache.create(model.layouts, self.num_pages, page_size, cache_dtype or model.dtype)
         self.slot_tokens = jnp.zeros((max_batch,), jnp.int32)
-        donate = (1,) if jax.default_backend() != "cpu" else ()
+        jit = functools.partial(
+            jax.jit, donate_argnums=(1,) if jax.default_backend() != "cpu" else (), compiler_options=COMPILER_OPTIONS
+        )
         self._steps: dict[tuple, Callable] = {}
         for greedy in (True, False):
-            step = functools.partial(_decode_step, model.graphdef, greedy=greedy, op=self.decode_op)
-            self._steps["decode", greedy] = jax.jit(step, donate_argnums=donate)
+            self._steps["decode", greedy] = jit(
+                functools.partial(_decode_step, model.graphdef, greedy=greedy, op=self.decode_op)
+            )
             for prefix in (True, False):
                 step = functools.partial(
                     _prefill_step, model.graphdef, greedy=greedy, op=self.prefill_op, prefix=prefix
                 )
-                self._steps["prefill", greedy, prefix] = jax.jit(step, donate_argnums=donate)
+                self._steps["prefill", greedy, prefix] = jit(step)
 
     def prefill(self, chunks: list[list[int]], starts, rows: Rows, slots) -> jax.Array:
         """Enqueue prompt chunks (token ids from positions ``starts``); the token sampled after each chunk goes to
