@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvjax.models.model import Model
-from kvjax.models.transformer import Transformer
+from kvjax.models.transformer import Transformer, group_rotations
 
 
 def _heads_times(w, down, widths):
@@ -101,9 +101,7 @@ def fold(model: Model, plan, bases: dict) -> Model:
         )
         values.update({(*a, "v", "kernel"): wv, (*a, "o", "kernel"): wo, (*a, "v", "bias"): bv})
         if plan.method == "zack":
-            width = max(layout.k_widths)
-            keep = jnp.arange(width)[None, :] < jnp.asarray(layout.k_widths)[:, None]  # [Hkv, W]
-            values[(*a, "qk_rotation")] = jnp.where(keep[:, None, :], down["k"][:, :, :width], 0.0)
+            values[(*a, "qk_rotation")] = group_rotations(down["k"], layout.k_widths)
         else:
             wk, bk, k_ups = fold_k_lowrank(w["k", "kernel"], w["k", "bias"], down["k"], up["k"], widths=layout.k_widths)
             values.update({(*a, "k", "kernel"): wk, (*a, "k", "bias"): bk})

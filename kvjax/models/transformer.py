@@ -122,12 +122,18 @@ class Attention(nnx.Module):
         return apply_rope(full, positions, inv_freq).reshape(*latent.shape[:2], -1)
 
 
+def group_rotations(bases: jax.Array, k_widths) -> jax.Array:
+    """The ``qk_rotation`` tensor [Hkv, d, W] from per-group bases [Hkv, d, >= W]: each group's first
+    ``k_widths[g]`` columns, zero past them (W: the widest)."""
+    width = max(k_widths)
+    keep = jnp.arange(width)[None, :] < jnp.asarray(k_widths)[:, None]  # [Hkv, W]
+    return jnp.where(keep[:, None, :], bases[:, :, :width], 0).astype(bases.dtype)
+
+
 def _padded_eyes(layout: HeadLayout, dtype) -> jax.Array:
-    """[Hkv, d, W] identity rotations, each group's first ``k_widths[g]`` columns, zero past them (W: the widest)."""
-    width = max(layout.k_widths)
-    eye = jnp.eye(layout.head_dim, width, dtype=dtype)
-    keep = jnp.arange(width)[None, :] < jnp.asarray(layout.k_widths)[:, None]
-    return jnp.where(keep[:, None, :], eye[None], 0).astype(dtype)
+    """Identity rotations in the ``qk_rotation`` layout (``group_rotations``)."""
+    eye = jnp.eye(layout.head_dim, dtype=dtype)
+    return group_rotations(jnp.broadcast_to(eye, (layout.num_kv_heads, *eye.shape)), layout.k_widths)
 
 
 def packed_columns(layout: HeadLayout, width: int) -> tuple[np.ndarray | None, np.ndarray | None]:

@@ -23,7 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.cost import ROWS
 from kvjax.ops.decode.units import Run
-from kvjax.ops.pallas_util import MASK, NOWHERE
+from kvjax.ops.pallas_util import MASK, load_rows, store_rows
 from kvjax.ops.tiles import tile
 
 
@@ -41,7 +41,7 @@ def row_tables(layout: HeadLayout, runs: tuple[Run, ...]) -> np.ndarray:
     return table.reshape(3, -1)
 
 
-def _merge_kernel(dest_ref, range_ref, table_ref, acc_ref, m_ref, l_ref, _, out_ref, *, v_tile, interpret):
+def _merge_kernel(dest_ref, range_ref, table_ref, acc_ref, m_ref, l_ref, _, out_ref, *, v, out_cols, v_tile, interpret):
     g = pl.program_id(0)
     seq = dest_ref[g, 0]
 
@@ -59,18 +59,15 @@ def _merge_kernel(dest_ref, range_ref, table_ref, acc_ref, m_ref, l_ref, _, out_
             part = (range_ref[g, 0] + s) * ROWS + rows
             m_s = plgpu.load(m_ref.at[part], mask=live, other=MASK)
             l_s = plgpu.load(l_ref.at[part], mask=live, other=0.0)
-            a_s = plgpu.load(acc_ref.at[part[:, None], start[:, None] + cols], mask=cols_ok, other=0.0)
+            a_s = load_rows(acc_ref, part, v, start[:, None], cols, cols_ok)
             m_new = jnp.maximum(m, m_s)
             alpha, beta = jnp.exp2(m - m_new), jnp.exp2(m_s - m_new)
             return acc * alpha[:, None] + a_s * beta[:, None], m_new, l * alpha + l_s * beta
 
         init = (jnp.zeros((ROWS, v_tile), jnp.float32), jnp.full((ROWS,), MASK, jnp.float32), jnp.zeros((ROWS,)))
         acc, _, l = lax.fori_loop(0, range_ref[g, 1], fold, init)
-        out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_ref.dtype)
-        index = to[:, None] + cols
-        if interpret:  # interpret mode scatters masked lanes too: point them past the row
-            index = jnp.where(cols_ok, index, NOWHERE)
-        plgpu.store(out_ref.at[seq, index], out, mask=cols_ok)
+        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        store_rows(out_ref, jnp.full((ROWS,), seq), out_cols, to[:, None], cols, out, cols_ok, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "runs", "interpret"))
@@ -80,13 +77,16 @@ def merge(out, acc, m, l, merge_dest, merge_range, layout: HeadLayout, runs: tup
     acc [slots * ROWS, v] float32, m and l [slots * ROWS] float32 (log2 units); merge_dest, merge_range [M, 2]:
     one layer's ``DecodeSchedule`` fields (seq -1: no group)."""
     table = jnp.asarray(row_tables(layout, runs))
-    kernel = functools.partial(_merge_kernel, v_tile=tile(max(layout.v_widths)), interpret=interpret)
-    return pl.pallas_call(
+    kernel = functools.partial(
+        _merge_kernel, v=acc.shape[1], out_cols=out.shape[1], v_tile=tile(max(layout.v_widths)), interpret=interpret
+    )
+    merged = pl.pallas_call(
         kernel,
         grid=(merge_dest.shape[0],),
-        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
+        out_shape=jax.ShapeDtypeStruct((out.size,), out.dtype),
         input_output_aliases={6: 0},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         name="kvjax_decode_merge",
-    )(merge_dest, merge_range, table, acc, m, l, out)
+    )(merge_dest, merge_range, table, acc.reshape(-1), m, l, out.reshape(-1))
+    return merged.reshape(out.shape)

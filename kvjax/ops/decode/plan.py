@@ -38,6 +38,12 @@ SEQ, UNIT, FIRST_PAGE, END_PAGE, SLOT = range(5)
 ITEM = np.dtype({"names": ["seq", "unit", "first_page", "end_page", "slot"], "formats": [np.int32] * 5})
 
 
+def _rank_in_runs(counts) -> np.ndarray:
+    """Each element's index within its run, for runs of ``counts`` elements laid end to end."""
+    counts = np.asarray(counts, np.int64)
+    return np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 def bucket(n: int) -> int:
     """Smallest power of two >= max(n, 1)."""
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
@@ -245,7 +251,7 @@ def _lpt(first_page, end_page, pages, page_cost, P, page_size, config):
         if split.size:
             ns = n[split]
             merge = _merges(L, split // (B * H), split % (B * H), ns, H)
-            k = np.arange(ns.sum()) - np.repeat(np.cumsum(ns) - ns, ns)  # chunk index within its group
+            k = _rank_in_runs(ns)  # chunk index within its group
             item = np.repeat((np.cumsum(n) - n)[split], ns) + k
             group = np.repeat(split, ns)
             cp = np.broadcast_to(chunk_pages, cost.shape).ravel()[group]
@@ -309,7 +315,7 @@ def _merges(L: int, layer, group, chunks, H: int) -> _Merges:
     unit, and ``chunks`` each: a group's partials take the next ``chunks`` slots of its layer, in chunk order."""
     per = np.bincount(layer, minlength=L)  # split groups per layer
     used = np.bincount(layer, weights=chunks, minlength=L).astype(np.int64)  # slots per layer
-    m = np.arange(len(layer)) - (np.cumsum(per) - per)[layer]  # the group's merge row in its layer
+    m = _rank_in_runs(per)  # the group's merge row in its layer
     begin = (np.cumsum(chunks) - chunks) - (np.cumsum(used) - used)[layer]
     M = bucket(int(per.max(initial=1)))
     dest, ranges = np.full((L, M, 2), -1, np.int32), np.zeros((L, M, 2), np.int32)
@@ -378,19 +384,20 @@ def fixed_chunk_schedule(
     chunks = np.where(live[None], last[None] - first + 1, 0)[:, :, None] * (unit_cost[:, None, :] > 0)  # [L, B, H]
     n = chunks.ravel()
     group = np.repeat(np.arange(n.size), n)
-    k = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n) + np.repeat(first[:, :, None].repeat(H, 2).ravel(), n)
+    local = _rank_in_runs(n)  # the chunk's place among its group's chunks
+    k = local + np.repeat(first[:, :, None].repeat(H, 2).ravel(), n)
     layer, seq, unit = group // (B * H), group % (B * H) // H, group % H
     per_layer = np.bincount(layer, minlength=L)
     real = np.flatnonzero(n)
     merge = _merges(L, real // (B * H), real % (B * H), n[real], H)
     begin = np.zeros(n.size, np.int64)
     begin[real] = merge.begin
-    slot = np.repeat(begin, n) + np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)  # chunks in slot order
+    slot = np.repeat(begin, n) + local  # chunks in slot order
     tokens = np.minimum((k + 1) * C * page_size, capacity[seq]) - k * C * page_size
     cost = tokens * unit_cost[layer, unit] + config.item_overhead
     # Deal each layer's items longest first, round-robin over the programs.
     order = np.lexsort((-cost, layer))
-    rank = np.arange(order.size) - np.repeat(np.cumsum(per_layer) - per_layer, per_layer)
+    rank = _rank_in_runs(per_layer)
     prog, turn = rank % P, rank // P
     R = bucket(int(turn.max(initial=0)) + 1)
     items = np.zeros((L, P, R, 5), np.int32)
@@ -476,7 +483,7 @@ def _stream(first_page, pages, page_cost, P, item_overhead, snap_pages, config):
     row = layer * P + prog  # nondecreasing along the line
     per_row = np.bincount(row, minlength=L * P)
     counts = per_row.reshape(L, P).astype(np.int32)
-    rank = np.arange(len(a)) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+    rank = _rank_in_runs(per_row)
     R = bucket(int(counts.max(initial=1)))
     items = np.zeros((L * P * R, 5), np.int32)
     items[row * R + rank] = np.stack([g_seq[grp], g_unit[grp], first, end, slot], axis=1)
