@@ -9,16 +9,15 @@ the directions each method keeps, ordered by singular value.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
 from kvjax import validate
+from kvjax.compression.once import jit_once
 from kvjax.models.rope import apply_rope, inverse_frequencies
 from kvjax.ops.prefill.reference import causal_attention
 
@@ -88,41 +87,63 @@ def _sqrtm(gram, floor=1e-6):
 
 
 def _wo_grams(model) -> np.ndarray:
+    """Per layer and KV head, ``sum_j W_o^(j) W_o^(j)^T`` over the group's query heads [L, Hkv, d, d] (float64)."""
     cfg = model.config
-    d, g_size = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
-    out = []
-    for block in model.module.layers:
-        wo = np.asarray(block.attn.o.kernel[...], np.float64).reshape(cfg.num_kv_heads, g_size, d, -1)
-        out.append(np.einsum("gjde,gjfe->gdf", wo, wo))
-    return np.stack(out)
+    return np.stack(
+        [
+            np.asarray(_wo_gram(block.attn.o.kernel[...], cfg.num_kv_heads, cfg.head_dim), np.float64)
+            for block in model.module.layers
+        ]
+    )
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _batch_grams(graphdef, state, tokens, valid):
-    """Gram matrices [L, Hkv, d, d] (float32) of one batch of calibration sequences."""
-    module = nnx.merge(graphdef, state)
+@jit_once(static_argnums=(1, 2))
+def _wo_gram(wo, num_kv_heads: int, head_dim: int):
+    """One layer's W_o Grams on the device, in float32 at full precision (W_o stays where it is)."""
+    w = wo.astype(jnp.float32).reshape(num_kv_heads, -1, head_dim, wo.shape[-1])
+    return jnp.einsum("gjde,gjfe->gdf", w, w, precision="highest")
+
+
+def _batch_grams(model, tokens, valid) -> dict:
+    """Gram matrices [L, Hkv, d, d] (float32) of one batch of calibration sequences, layer by layer: the layers
+    share one compiled function (the model's layers differ only in their weights), so calibration compiles one
+    layer, not the whole model."""
+    module = model.module
     cfg = module.config
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope)
-    w = valid.astype(jnp.float32)[:, :, None, None]
-    grams = {kind: [] for kind in KINDS}
+    x = jnp.take(module.embed[...], tokens, axis=0)
+    grams = []
+    for block, layout in zip(module.layers, module.layouts):
+        graphdef, state = nnx.split(block)
+        x, g = _layer_grams(graphdef, state, x, positions, valid, inv_freq, layout)
+        grams.append(g)
+    return {kind: jnp.stack([g[kind] for g in grams]) for kind in KINDS}
+
+
+@jit_once(static_argnums=(0, 6))
+def _layer_grams(graphdef, state, x, positions, valid, inv_freq, layout):
+    """One layer's output and its Grams (q, k, k_pre, v: [Hkv, d, d]) over the valid rows of ``x``."""
+    block = nnx.merge(graphdef, state)
+    b, t, _ = x.shape
+    hkv, d = layout.num_kv_heads, layout.head_dim
+    w = valid.astype(jnp.float32)[:, :, None, None, None]
+    grams = {}
 
     def gram(rows):  # rows [B, T, Hkv, n, d] -> [Hkv, d, d]
-        rows = rows.astype(jnp.float32) * w[..., None]
+        rows = rows.astype(jnp.float32) * w
         return jnp.einsum("btgnd,btgne->gde", rows, rows, precision="highest")
 
     def attend(i, q, k, v, rebuild=None):
-        hkv, d = cfg.num_kv_heads, cfg.head_dim
         kh = k.reshape(b, t, hkv, 1, d)
-        grams["q"].append(gram(q.reshape(b, t, hkv, -1, d)))
-        grams["k"].append(gram(kh))
-        grams["k_pre"].append(gram(apply_rope(kh[:, :, :, 0], -positions, inv_freq)[:, :, :, None]))
-        grams["v"].append(gram(v.reshape(b, t, hkv, 1, d)))
-        return causal_attention(q, k, v, module.layouts[i])
+        grams["q"] = gram(q.reshape(b, t, hkv, -1, d))
+        grams["k"] = gram(kh)
+        grams["k_pre"] = gram(apply_rope(kh[:, :, :, 0], -positions, inv_freq)[:, :, :, None])
+        grams["v"] = gram(v.reshape(b, t, hkv, 1, d))
+        return causal_attention(q, k, v, layout)
 
-    module.hidden(tokens, positions, attend)
-    return {kind: jnp.stack(g) for kind, g in grams.items()}
+    return block(x, positions, inv_freq, layout, attend, 0), grams
 
 
 def calibrate(model, tokens: np.ndarray, *, batch_size: int = 4, snapshots=(), progress: bool = True):
@@ -142,7 +163,7 @@ def calibrate(model, tokens: np.ndarray, *, batch_size: int = 4, snapshots=(), p
             if len(chunk) < batch_size:  # keep one compiled shape
                 chunk = np.concatenate([chunk, np.full((batch_size - len(chunk), tokens.shape[1]), -1)])
             valid = chunk >= 0
-            out = _batch_grams(model.graphdef, model.state, jnp.asarray(np.maximum(chunk, 0), jnp.int32), valid)
+            out = _batch_grams(model, jnp.asarray(np.maximum(chunk, 0), jnp.int32), jnp.asarray(valid))
             out = {kind: np.asarray(g, np.float64) for kind, g in out.items()}
             totals = {kind: totals[kind] + out[kind] for kind in KINDS} if totals else out
             seen += int(valid.sum())

@@ -12,40 +12,53 @@ leaves the output unchanged), then folds the bases of the heads at their new pos
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from kvjax.compression.once import jit_once
 from kvjax.models.model import Model
 from kvjax.models.transformer import Transformer, group_rotations
 
 
-def _heads_times(w, down, widths):
-    """W [E, Hkv*d] -> [E, sum k]: head g's columns times down[g][:, :k_g], packed."""
+def _kept(widths, d: int) -> jnp.ndarray:
+    """Indices of the first ``widths[g]`` of each head's ``d`` columns, packed head after head."""
+    return jnp.asarray(np.concatenate([g * d + np.arange(w) for g, w in enumerate(widths)]))
+
+
+@jit_once
+def _heads_times(w, down):
+    """W [..., Hkv*d] -> [..., Hkv*d]: head g's columns times down[g] (every column; the caller keeps the first
+    ones of each head, so one compiled function serves every layer's widths)."""
     hkv, d, _ = down.shape
     heads = w.reshape(*w.shape[:-1], hkv, d)
-    return jnp.concatenate([heads[..., g, :] @ down[g, :, :k] for g, k in enumerate(widths)], axis=-1)
+    return jnp.einsum("...hd,hdk->...hk", heads, down, precision="highest").reshape(w.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("widths", "group_size"))
+@jit_once(static_argnames=("group_size",))
+def _up_times_wo(wo, up, *, group_size):
+    """W_o [H*d, E] -> [H*d, E]: query head j's rows are up[j // G] @ W_o(j) (every row)."""
+    hkv, d, _ = up.shape
+    heads = wo.reshape(hkv, group_size, d, -1)
+    return jnp.einsum("hkd,hjde->hjke", up, heads, precision="highest").reshape(wo.shape)
+
+
 def fold_v(wv, bv, wo, down, up, *, widths, group_size):
     """W_v [E, Hkv*d] -> [E, sum k_v], b_v likewise, W_o [H*d, E] -> [G*sum k_v, E] (packed query-head order)."""
-    hkv, d, _ = down.shape
-    wo_heads = wo.reshape(hkv * group_size, d, -1)
-    new_wo = jnp.concatenate(
-        [up[j // group_size, : widths[j // group_size]] @ wo_heads[j] for j in range(hkv * group_size)], axis=0
-    )
-    return _heads_times(wv, down, widths), None if bv is None else _heads_times(bv, down, widths), new_wo
+    d = down.shape[1]
+    cols = _kept(widths, d)
+    rows = _kept([w for w in widths for _ in range(group_size)], d)
+    new_wv, new_bv = _heads_times(wv, down)[:, cols], None if bv is None else _heads_times(bv, down)[cols]
+    return new_wv, new_bv, _up_times_wo(wo, up, group_size=group_size)[rows]
 
 
-@functools.partial(jax.jit, static_argnames=("widths",))
 def fold_k_lowrank(wk, bk, down, up, *, widths):
     """Palu: W_k(g) -> W_k(g) down[:, :k] (packed), b_k likewise, and per-group k_up = up[:k] [k, d]."""
+    cols = _kept(widths, down.shape[1])
     return (
-        _heads_times(wk, down, widths),
-        None if bk is None else _heads_times(bk, down, widths),
+        _heads_times(wk, down)[:, cols],
+        None if bk is None else _heads_times(bk, down)[cols],
         [up[g, :k] for g, k in enumerate(widths)],
     )
 
