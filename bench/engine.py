@@ -98,8 +98,8 @@ def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
     """Prefill ``batch`` random prompts of ``ctx`` tokens, then time decode steps in steady state, every request
     still running (each may sample a token per prefill step before, one per step after)."""
     new = batch * -(-ctx // args.chunk_tokens) + args.warm_steps + 2 * args.steps + 8
-    engine = Engine(model, max_batch=batch, max_seq_len=ctx + new, page_size=16)
-    runner = Runner(engine, chunk_tokens=args.chunk_tokens)
+    engine = Engine(model, max_batch=batch, max_seq_len=ctx + new, page_size=16, chunk_tokens=args.chunk_tokens)
+    runner = Runner(engine)
     rng = np.random.default_rng(0)
     since = len(COMPILES)
     t0 = time.perf_counter()
@@ -159,6 +159,47 @@ def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
     )
 
 
+def prefill_sweep(model, rate, batch, ctx, chunks: list[int]) -> list[dict]:
+    """Prompt tokens per second through the runner at each chunk budget: ``batch`` prompts of ``ctx`` tokens, one
+    new token each (sampled by the prefill, so no decode step runs), timed on a second pass of the same prompts
+    (the first compiles every call shape)."""
+    rows = []
+    for chunk in chunks:
+        engine = Engine(model, max_batch=batch, max_seq_len=ctx + 16, page_size=16, chunk_tokens=chunk)
+        runner = Runner(engine)
+        rng = np.random.default_rng(1)
+        since = len(COMPILES)
+        for timed in (False, True):  # the first pass compiles every call shape the workload takes
+            requests = [runner.add(Request(rng.integers(0, 32000, ctx).tolist(), 1)) for _ in range(batch)]
+            t0 = time.perf_counter()
+            list(runner.run())
+            seconds = time.perf_counter() - t0
+            if not timed:
+                compiled = compile_times(since)
+                since = len(COMPILES)
+        if len(COMPILES) > since:
+            raise RuntimeError("a prefill step compiled while timed")
+        assert all(len(r.tokens) == 1 for r in requests)
+        rows.append(
+            dict(
+                rate=rate,
+                batch=batch,
+                ctx=ctx,
+                chunk_tokens=chunk,
+                prefill_tok_s=batch * ctx / seconds,
+                steps=runner.steps,
+                **compiled,
+            )
+        )
+        print(
+            f"| {rate} | {batch} x {ctx} | {chunk} | {rows[-1]['prefill_tok_s']:.0f} | "
+            f"{compiled['prefill_compile_s']:.1f} ({compiled['prefill_compiles']}) |",
+            flush=True,
+        )
+        del engine, runner
+    return rows
+
+
 def print_rows(rows: list[dict]) -> None:
     print(
         "\n| rate | B x ctx | wall ms/step | device ms/step | floor ms | % of floor | wall/device | tok/s | "
@@ -193,6 +234,10 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk-tokens", type=int, default=2048, help="prompt tokens prefilled per step (default 2048)")
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed, by each timer (default 32)")
     ap.add_argument("--warm-steps", type=int, default=4, help="decode steps run before timing (default 4)")
+    ap.add_argument(
+        "--prefill-chunks",
+        help="instead of decode: prompt tokens/s at these chunk budgets (comma-separated), at the first shape",
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     if not on_gpu():
@@ -201,6 +246,17 @@ def main(argv=None) -> None:
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     rows = []
+    if args.prefill_chunks:
+        chunks = [int(c) for c in args.prefill_chunks.split(",")]
+        print(
+            "\n| rate | B x ctx | chunk tokens | prefill tok/s | prefill compile s (variants) |\n|---|---|---|---|---|"
+        )
+        for rate in map(float, args.rates.split(",")):
+            rows += prefill_sweep(model_at(rate), rate, *shapes[0], chunks)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+        return
     for rate in map(float, args.rates.split(",")):
         model = model_at(rate)
         for batch, ctx in shapes:

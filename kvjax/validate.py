@@ -148,6 +148,33 @@ def stops(stop) -> tuple[set[int], list[str]]:
     return ids, texts
 
 
+def memory_budget(name: str, value) -> float | int:
+    """A memory budget: a float fraction in (0, 1] of the free device memory, or an int count of bytes >= 1."""
+    if _is_int(value):
+        return positive(f"{name} (bytes)", value)
+    return number(f"{name} (a fraction of free device memory)", value, low=0, high=1, low_open=True)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_memory(text: str) -> float | int:
+    """Command-line memory: "0.9" (a fraction of free device memory), "12GiB", "500MB" or a byte count."""
+    number_part = text.strip().rstrip("BbIiKkMmGg ")
+    unit = text.strip()[len(number_part) :].strip().lower()
+    try:
+        value = float(number_part)
+    except ValueError:
+        raise ValueError(f"memory must be a fraction such as 0.9 or a size such as 12GiB, got {text!r}") from None
+    if unit not in _UNITS:
+        raise ValueError(f"memory unit must be one of B, KB, MB, GB, KiB, MiB, GiB, got {text!r}")
+    if not unit and value <= 1:
+        return value
+    if not unit and not value.is_integer():
+        raise ValueError(f"memory without a unit is a fraction in (0, 1] or a whole number of bytes, got {text!r}")
+    return round(value * _UNITS[unit])
+
+
 def arg(check: Callable, parse: Callable = str) -> Callable:
     """An argparse ``type=``: parse the text, then ``check`` it; a failure is a usage error, not a traceback."""
 

@@ -83,6 +83,10 @@ def records(path) -> list[dict]:
         ("--batch-size", "-1", "got -1"),
         ("--seed", "-3", "got -3"),
         ("--max-seq-len", "0", "got 0"),
+        ("--cache-memory", "0", "got 0"),
+        ("--cache-memory", "1.5", "'1.5'"),
+        ("--cache-memory", "12XB", "'12XB'"),
+        ("--cache-memory", "lots", "'lots'"),
     ],
 )
 def test_bad_flag_is_a_usage_error(files, tmp_path, capsys, no_model, flag, value, shown):

@@ -10,7 +10,7 @@ from conftest import TINY_CONFIGS
 from test_generate import argmax_continuation
 
 import kvjax
-from kvjax.runtime.engine import Engine
+from kvjax.runtime.engine import Engine, bucket
 from kvjax.runtime.runner import Runner
 from kvjax.runtime.scheduler import Request, Scheduler, State
 
@@ -35,9 +35,10 @@ class FakeEngine:
     """The engine's contract on token ids instead of K/V: pages hold the ids written at each position, and a
     sampled token is ``next_token`` of the ids read back through the block table."""
 
-    def __init__(self, num_pages, page_size, max_batch, pages_per_seq, batch_invariant=False):
+    def __init__(self, num_pages, page_size, max_batch, pages_per_seq, batch_invariant=False, prefill_limit=1 << 20):
         self.num_pages, self.page_size, self.max_batch = num_pages, page_size, max_batch
         self.pages_per_seq, self.batch_invariant = pages_per_seq, batch_invariant
+        self.chunk_tokens, self.prefill_limit = 1 << 20, prefill_limit
         self.pages = np.full((num_pages, page_size), -1, np.int64)
         self.slot_tokens = np.zeros(max_batch, np.int64)
 
@@ -50,6 +51,7 @@ class FakeEngine:
         return [int(self.pages[table_row[p // self.page_size], p % self.page_size]) for p in range(end)]
 
     def prefill(self, chunks, starts, rows, slots):
+        assert bucket(len(chunks)) * bucket(max(map(len, chunks)), self.page_size) <= self.prefill_limit
         new = np.zeros(len(chunks), np.int64)
         for i, (ids, start) in enumerate(zip(chunks, starts)):
             for j, token in enumerate(ids):
@@ -78,8 +80,10 @@ def test_random_arrivals_finish_with_their_single_run_tokens(seed):
     rng = np.random.default_rng(seed)
     page_size, num_pages = int(rng.choice([2, 4, 8])), int(rng.integers(12, 40))
     lag, invariant = int(rng.integers(0, 3)), bool(rng.integers(0, 2))
-    engine = FakeEngine(num_pages, page_size, int(rng.integers(1, 6)), (num_pages - 1), invariant)
-    runner = Runner(engine, chunk_tokens=int(rng.integers(1, 24)), lag=lag)
+    chunk_tokens = int(rng.integers(1, 24))
+    limit = 2 * bucket(max(chunk_tokens, page_size))  # the engine's bound on a prefill call's padded tokens
+    engine = FakeEngine(num_pages, page_size, int(rng.integers(1, 6)), (num_pages - 1), invariant, limit)
+    runner = Runner(engine, chunk_tokens=chunk_tokens, lag=lag)
     stops = set(rng.choice(VOCAB, 3, replace=False).tolist())
     capacity = (num_pages - 1) * page_size
     arrivals, requests, done = sorted(rng.integers(0, 60, 30).tolist()), [], []

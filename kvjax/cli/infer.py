@@ -231,6 +231,7 @@ def _generate(args, model, prompts: list, ids: list, index: list, stats: dict):
             max_batch=args.batch_size,
             max_seq_len=args.max_seq_len,
             chunk_tokens=args.chunk_tokens,
+            cache_memory=args.cache_memory,
             backend=args.attention,
             batch_invariant=args.batch_invariant,
             stats=stats,
@@ -315,6 +316,14 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive("chunk_tokens"),
         default=512,
         help="prompt tokens prefilled per step, beside the running prompts' decoding (default 512)",
+    )
+    p.add_argument(
+        "--cache-memory",
+        type=validate.arg(lambda v: validate.memory_budget("cache_memory", v), validate.parse_memory),
+        default=None,
+        help="KV cache budget: a fraction of free device memory (e.g. 0.9) or a size (e.g. 12GiB); a compressed "
+        "model's narrower pages fit more tokens in it (default: room for --batch-size full sequences, or 90%% of "
+        "free memory where that is less)",
     )
     p.add_argument(
         "--temperature", type=validate.arg(validate.temperature, float), default=0.0, help="0 is greedy (default)"

@@ -17,10 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvjax import validate
 from kvjax.ops import attention
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.plan import bucket as pow2_bucket
 from kvjax.ops.prefill.op import PrefillOp
+from kvjax.runtime import memory
 from kvjax.runtime.cache import PagedKVCache, block_table
 
 # XLA merges dots that share an operand when each weighs under a threshold (32 MB) by concatenating their weights,
@@ -33,6 +35,19 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     """Smallest power of two >= max(n, minimum), capped at ``maximum``."""
     size = max(minimum, pow2_bucket(n))
     return size if maximum is None else min(size, maximum)
+
+
+def prefill_groups(lengths, limit: int, min_length: int = 1) -> list[list[int]]:
+    """Chunks (given by their lengths) grouped into prefill calls, longest first, so that each call's padded rows x
+    length (each a power of two) stays within ``limit`` tokens: prefill activations are bounded by the step's
+    chunk budget, not by how many requests share the step."""
+    calls: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if calls and bucket(len(calls[-1]) + 1) * bucket(lengths[calls[-1][0]], min_length) <= limit:
+            calls[-1].append(i)
+        else:
+            calls.append([i])
+    return calls
 
 
 @dataclasses.dataclass
@@ -141,9 +156,14 @@ def _decode_step(graphdef, state, cache, slot_tokens, positions, active, table, 
 
 
 class Engine:
-    """One paged cache of ``num_pages`` pages (default: room for ``max_batch`` sequences of ``max_seq_len``
-    tokens), the decode and prefill ops, the jitted steps that run the model over them, and the latest token of
-    each of ``max_batch`` slots on the device."""
+    """One paged cache, the decode and prefill ops, the jitted steps that run the model over them, and the latest
+    token of each of ``max_batch`` slots on the device.
+
+    The cache holds ``num_pages`` pages if given; else what ``cache_memory`` buys (a fraction of the device memory
+    free now, or bytes; ``kvjax.runtime.memory``), after room for the largest step's activations, but never more
+    than ``max_batch`` sequences of ``max_seq_len`` tokens can use; with neither, those pages, or what 90% of free
+    memory buys where that is less. Prompts are prefilled at most ``chunk_tokens`` tokens a step, in calls of at
+    most ``prefill_limit`` padded tokens, which bounds the activations."""
 
     def __init__(
         self,
@@ -152,7 +172,9 @@ class Engine:
         max_batch: int = 8,
         max_seq_len: int = 512,
         page_size: int = 16,
+        chunk_tokens: int = 512,
         num_pages: int | None = None,
+        cache_memory: float | int | None = None,
         cache_dtype=None,
         backend: str | None = None,
         batch_invariant: bool = False,
@@ -162,7 +184,7 @@ class Engine:
         sequence by its own length alone and every decode step runs ``max_batch`` rows, and the runner prefills
         one chunk per step call (``kvjax.generate``)."""
         self.model, self.max_batch, self.page_size = model, max_batch, page_size
-        self.batch_invariant = batch_invariant
+        self.chunk_tokens, self.batch_invariant = chunk_tokens, batch_invariant
         self.backend = attention.check_backend(backend or attention.default_backend())
         kernel_ready = all(w % 16 == 0 for lay in model.layouts for w in lay.k_widths + lay.v_widths)
         if self.backend != "reference" and not kernel_ready:
@@ -171,6 +193,7 @@ class Engine:
             self.backend = "reference"
         self.pages_per_seq = -(-max_seq_len // page_size)
         self.max_seq_len = self.pages_per_seq * page_size
+        self.prefill_limit = min(2 * bucket(max(chunk_tokens, page_size)), max_batch * bucket(self.max_seq_len))
         self.decode_op = self.prefill_op = None
         if self.backend != "reference":
             interpret = self.backend == "interpret"
@@ -184,8 +207,9 @@ class Engine:
                     batch_invariant=batch_invariant,
                     interpret=interpret,
                 )
-        self.num_pages = num_pages or max_batch * self.pages_per_seq + 1
-        self.cache = PagedKVCache.create(model.layouts, self.num_pages, page_size, cache_dtype or model.dtype)
+        cache_dtype = cache_dtype or model.dtype
+        self.num_pages = self._pages(num_pages, cache_memory, cache_dtype)
+        self.cache = PagedKVCache.create(model.layouts, self.num_pages, page_size, cache_dtype)
         self.slot_tokens = jnp.zeros((max_batch,), jnp.int32)
         jit = functools.partial(
             jax.jit, donate_argnums=(1,) if jax.default_backend() != "cpu" else (), compiler_options=COMPILER_OPTIONS
@@ -201,12 +225,41 @@ class Engine:
                 )
                 self._steps["prefill", greedy, prefix] = jit(step)
 
+    def activation_bytes(self) -> int:
+        """The room the largest step needs beside the cache (``memory.activation_bytes``'s estimate)."""
+        cfg, dtype = self.model.config, self.model.dtype
+        scores = self.backend == "reference" or self.model.module.method == "palu"
+        rows = min(self.max_batch, self.prefill_limit)
+        prefill = memory.activation_bytes(cfg, self.prefill_limit, rows, self.max_seq_len, dtype, scores=scores)
+        decode = memory.activation_bytes(cfg, self.max_batch, self.max_batch, self.max_seq_len, dtype, scores=True)
+        return max(prefill, decode)
+
+    def _pages(self, num_pages, cache_memory, dtype) -> int:
+        """The cache's page count: ``num_pages``, or what ``cache_memory`` (or 90% of free memory) buys, capped at
+        what ``max_batch`` full sequences can use."""
+        need = self.max_batch * self.pages_per_seq + 1
+        if num_pages is not None:
+            if cache_memory is not None:
+                raise ValueError("give num_pages or cache_memory, not both")
+            return validate.integer("num_pages", num_pages, low=2)
+        layouts, reserve = self.model.layouts, self.activation_bytes()
+        if cache_memory is not None:
+            budget = memory.budget_bytes(cache_memory)
+            return min(need, memory.pages_within(budget, reserve, layouts, self.page_size, dtype, what="cache_memory"))
+        free = memory.free_bytes()
+        if free is None:
+            return need
+        budget = int(memory.DEFAULT_FRACTION * free)
+        return min(need, memory.pages_within(budget, reserve, layouts, self.page_size, dtype, what="free-memory"))
+
     def prefill(self, chunks: list[list[int]], starts, rows: Rows, slots) -> jax.Array:
         """Enqueue prompt chunks (token ids from positions ``starts``); the token sampled after each chunk goes to
         slot ``slots[i]`` (-1: none). Returns the sampled tokens [padded rows] on the device, without waiting."""
         n = len(chunks)
         b = bucket(n, maximum=self.max_batch)  # one chunk per running request at most
         t = bucket(max(map(len, chunks)), minimum=self.page_size, maximum=self.max_seq_len)
+        if b * t > self.prefill_limit:
+            raise ValueError(f"a prefill call of {b} x {t} padded tokens, more than the {self.prefill_limit} sized for")
         tokens = np.zeros((b, t), np.int32)
         lengths = np.ones(b, np.int32)
         for row, ids in enumerate(chunks):

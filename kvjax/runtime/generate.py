@@ -42,21 +42,12 @@ def encode_prompt(model, prompt, chat: bool, name: str = "prompt") -> list[int]:
     return validate.token_ids(name, prompt, model.config.vocab_size)
 
 
-def _engine(
-    model, max_batch: int, seq_len: int, page_size: int, backend: str | None, batch_invariant: bool = False
-) -> Engine:
-    """Engines are cached on the model so their compiled steps are reused across calls."""
-    key = (max_batch, seq_len, page_size, backend, batch_invariant)
+def _engine(model, **settings) -> Engine:
+    """Engines are cached on the model, by their settings, so their compiled steps are reused across calls."""
+    key = tuple(sorted(settings.items()))
     if key not in model._engines:
         model._engines.clear()  # keep one cache's memory alive at a time
-        model._engines[key] = Engine(
-            model,
-            max_batch=max_batch,
-            max_seq_len=seq_len,
-            page_size=page_size,
-            backend=backend,
-            batch_invariant=batch_invariant,
-        )
+        model._engines[key] = Engine(model, **settings)
     return model._engines[key]
 
 
@@ -85,6 +76,7 @@ def generate_iter(
     max_seq_len: int | None = None,
     page_size: int = 16,
     chunk_tokens: int = 512,
+    cache_memory: float | int | None = None,
     backend: str | None = None,
     batch_invariant: bool = False,
     stats: dict | None = None,
@@ -96,9 +88,11 @@ def generate_iter(
     ``chat=True`` wraps string prompts in the tokenizer's chat template. ``max_seq_len`` (default: the model's
     ``max_position_embeddings``) bounds prompt + new tokens per sequence. Prompts run continuously batched: up to
     ``max_batch`` at once, a finished one's place taken by the next at once, prompts prefilled ``chunk_tokens`` per
-    step beside the others' decoding. ``backend`` picks the attention path: "pallas" (the kernels, default on a
-    GPU), "reference" (jnp, default elsewhere) or "interpret" (the kernels on the CPU). ``stats``, if given,
-    receives counts and per-prompt times once the iteration ends.
+    step beside the others' decoding. ``cache_memory`` sizes the KV cache: a fraction of the device memory free
+    now, or bytes (default: room for ``max_batch`` full sequences, or 90% of free memory where that is less);
+    prompts that do not fit at once wait, or are preempted and recomputed later. ``backend`` picks the attention
+    path: "pallas" (the kernels, default on a GPU), "reference" (jnp, default elsewhere) or "interpret" (the
+    kernels on the CPU). ``stats``, if given, receives counts and per-prompt times once the iteration ends.
 
     Sampling draws token i of prompt n from (``seed``, n, i) alone, so it does not depend on the other prompts'
     timing. ``batch_invariant=True``: a prompt's tokens depend only on it, ``seed`` and the fixed settings
@@ -112,6 +106,8 @@ def generate_iter(
     temperature, top_p, seed = validate.temperature(temperature), validate.top_p(top_p), validate.seed(seed)
     max_batch, page_size = validate.positive("max_batch", max_batch), validate.positive("page_size", page_size)
     chunk_tokens = validate.positive("chunk_tokens", chunk_tokens)
+    if cache_memory is not None:
+        cache_memory = validate.memory_budget("cache_memory", cache_memory)
     chat, batch_invariant = validate.flag("chat", chat), validate.flag("batch_invariant", batch_invariant)
     capacity = model.config.max_position_embeddings
     if max_seq_len is not None:
@@ -139,7 +135,17 @@ def generate_iter(
     seq_len = capacity  # batch-invariant: a cache shape no prompt of the call chooses
     if not batch_invariant:
         seq_len = min(bucket(max(map(len, encoded), default=0) + max_new_tokens, minimum=page_size), capacity)
-    runner = Runner(_engine(model, max_batch, seq_len, page_size, backend, batch_invariant), chunk_tokens=chunk_tokens)
+    engine = _engine(
+        model,
+        max_batch=max_batch,
+        max_seq_len=seq_len,
+        page_size=page_size,
+        chunk_tokens=chunk_tokens,
+        cache_memory=cache_memory,
+        backend=backend,
+        batch_invariant=batch_invariant,
+    )
+    runner = Runner(engine)
     stopper = functools.partial(_finished, model, stop_ids=stop_ids, stop_texts=stop_texts)
     requests = [
         runner.add(Request(ids, max_new_tokens, temperature, top_p, seed, 0 if batch_invariant else n, stopper))

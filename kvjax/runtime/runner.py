@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-from kvjax.runtime.engine import Engine, Rows
+from kvjax.runtime.engine import Engine, Rows, prefill_groups
 from kvjax.runtime.scheduler import Chunk, Decode, Request, Scheduler, Step
 
 
@@ -29,11 +29,17 @@ class _Pending:
 
 
 class Runner:
-    """Requests in, finished requests out, over one engine. ``chunk_tokens``: prompt tokens prefilled per step;
-    ``lag``: steps enqueued ahead of the one read (0: read each step before the next, as a plain loop would)."""
+    """Requests in, finished requests out, over one engine. ``chunk_tokens``: prompt tokens prefilled per step (at
+    most, and by default, the engine's); ``lag``: steps enqueued ahead of the one read (0: read each step before
+    the next, as a plain loop would)."""
 
-    def __init__(self, engine: Engine, *, chunk_tokens: int = 512, lag: int = 1):
+    def __init__(self, engine: Engine, *, chunk_tokens: int | None = None, lag: int = 1):
         self.engine, self.lag = engine, lag
+        chunk_tokens = chunk_tokens or engine.chunk_tokens
+        if chunk_tokens > engine.chunk_tokens:
+            raise ValueError(
+                f"chunk_tokens={chunk_tokens} is more than the {engine.chunk_tokens} the engine's memory was sized for"
+            )
         self.scheduler = Scheduler(
             engine.num_pages,
             engine.page_size,
@@ -80,7 +86,12 @@ class Runner:
         if step.decodes:
             out.append(self._decode(step.decodes))
         if step.chunks:
-            groups = [[c] for c in step.chunks] if self.engine.batch_invariant else [step.chunks]
+            if self.engine.batch_invariant:
+                groups = [[c] for c in step.chunks]
+            else:
+                lengths = [c.end - c.start for c in step.chunks]
+                calls = prefill_groups(lengths, self.engine.prefill_limit, self.engine.page_size)
+                groups = [[step.chunks[i] for i in call] for call in calls]
             out += [self._prefill(g) for g in groups]
         for p in out:
             p.tokens.copy_to_host_async()

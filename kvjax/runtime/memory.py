@@ -1,0 +1,81 @@
+"""How many cache pages a memory budget buys.
+
+A budget is a fraction of the device memory free now (XLA's pool less what is live: the weights and anything else
+already allocated) or a byte count. The cache gets the budget less room for the largest step's activations, in
+whole pages; a page costs the same bytes in every layer as its layout asks for, so a compressed model's narrower
+pages buy proportionally more of them, and with them more tokens and concurrent sequences.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import validate
+from kvjax.layout import HeadLayout
+from kvjax.models.config import ModelConfig
+from kvjax.runtime.cache import bytes_per_token
+
+DEFAULT_FRACTION = 0.9  # of free device memory, when the caller gives no budget: headroom for compiler scratch
+
+
+def size(n: int) -> str:
+    """Bytes for people: "12.0 GiB", "3.5 MiB", "800 B"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def free_bytes(device=None) -> int | None:
+    """Bytes the device's allocator can still hand out, or None where the device does not say (the CPU)."""
+    stats = (device or jax.devices()[0]).memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def activation_bytes(config: ModelConfig, tokens: int, rows: int, context: int, dtype, *, scores: bool) -> int:
+    """An upper estimate of the live activations of one step over ``tokens`` padded tokens in ``rows`` rows: every
+    per-token tensor of a layer (residual, norms in float32, Q/K/V, attention output, the MLP's gate, up and
+    product) held at once, twice over for the compiler's copies, and each row's float32 logits; ``scores``:
+    attention gathers each row's ``context`` positions of K and V and materializes float32 scores against them
+    (the jnp reference path; the kernels stream them)."""
+    item = jnp.dtype(dtype).itemsize
+    h, mlp, heads = config.hidden_size, config.intermediate_size, config.num_heads
+    qkv = (heads + 2 * config.num_kv_heads) * config.head_dim
+    per_token = item * (4 * h + qkv + heads * config.head_dim + 3 * mlp) + 4 * 2 * h
+    total = 2 * tokens * per_token + 4 * rows * config.vocab_size
+    if scores:
+        total += 4 * tokens * heads * context + item * rows * context * 2 * config.num_kv_heads * config.head_dim
+    return total
+
+
+def budget_bytes(memory: float | int, name: str = "cache_memory") -> int:
+    """The budget in bytes: an int is bytes; a float in (0, 1] a fraction of the device memory free now."""
+    memory = validate.memory_budget(name, memory)
+    if isinstance(memory, int):
+        return memory
+    free = free_bytes()
+    if free is None:
+        raise ValueError(
+            f"{name}={memory} is a fraction of free device memory, and the {jax.devices()[0].platform} device does "
+            "not report its memory; give the budget in bytes instead"
+        )
+    return int(memory * free)
+
+
+def pages_within(
+    budget: int, reserve: int, layouts: tuple[HeadLayout, ...], page_size: int, dtype, *, what: str = "memory"
+) -> int:
+    """Whole pages (page 0, the null page, among them) that fit ``budget`` bytes after ``reserve``; a clear error
+    when that is fewer than two."""
+    page = page_size * bytes_per_token(layouts, dtype)
+    pages = (budget - reserve) // page
+    if pages < 2:
+        raise ValueError(
+            f"the {what} budget of {size(budget)}, less {size(reserve)} for a step's activations, holds "
+            f"{max(pages, 0)} pages of {size(page)}; a cache needs at least 2 "
+            "(give a larger budget, or a shorter chunk_tokens)"
+        )
+    return int(pages)

@@ -1,0 +1,93 @@
+"""The cache sized from a memory budget, and prefill calls bounded by the chunk budget rather than the batch."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_CONFIGS
+from flax import nnx
+
+import kvjax
+from kvjax.compression import RankPlan
+from kvjax.models.transformer import Transformer
+from kvjax.runtime import memory
+from kvjax.runtime.cache import bytes_per_token
+from kvjax.runtime.engine import Engine, bucket, prefill_groups
+
+
+def halved(config) -> kvjax.Model:
+    """A rate-0.5 model of ``config``'s shape: every head keeps half its K and V columns (random weights)."""
+    shape = (config.num_layers, config.num_kv_heads)
+    k = v = np.full(shape, config.head_dim // 2)
+    ones = np.ones((*shape, config.head_dim))
+    plan = RankPlan("zack", config.head_dim, k, v, ones, ones)
+    return kvjax.Model(Transformer(config, plan=plan, dtype=jnp.float32, rngs=nnx.Rngs(1)), plan=plan)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_prefill_calls_hold_every_chunk_once_within_the_limit(seed):
+    rng = np.random.default_rng(seed)
+    page_size = int(rng.choice([1, 4, 16]))
+    chunk_tokens = int(rng.integers(1, 300))
+    limit = 2 * bucket(max(chunk_tokens, page_size))
+    lengths = []
+    budget = chunk_tokens
+    while budget > 0 and len(lengths) < 40:  # a step's chunks share its budget
+        lengths.append(int(rng.integers(1, budget + 1)))
+        budget -= lengths[-1]
+    calls = prefill_groups(lengths, limit, page_size)
+    assert sorted(i for call in calls for i in call) == list(range(len(lengths)))
+    for call in calls:
+        assert bucket(len(call)) * bucket(max(lengths[i] for i in call), page_size) <= limit
+    assert len(calls[0]) >= min(2, len(lengths))  # the longest chunk never runs alone when another fits beside it
+
+
+def test_a_budget_buys_pages_in_proportion_to_the_bytes_a_token_takes():
+    config = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=32)  # plans keep multiples of 16 columns
+    full, half = kvjax.Model.random(config, seed=2), halved(config)
+    settings = dict(max_batch=64, max_seq_len=256, page_size=16, backend="reference")
+    reserve = Engine(full, num_pages=2, **settings).activation_bytes()  # the step's shape, not the plan, sets it
+    budget = reserve + 50 * 16 * bytes_per_token(full.layouts, full.dtype) + 1000
+    engines = [Engine(m, cache_memory=budget, **settings) for m in (full, half)]
+    for engine, model in zip(engines, (full, half)):
+        page = 16 * bytes_per_token(model.layouts, model.dtype)
+        assert engine.num_pages == (budget - engine.activation_bytes()) // page
+        assert engine.num_pages * page + engine.activation_bytes() <= budget
+    assert bytes_per_token(half.layouts, half.dtype) * 2 == bytes_per_token(full.layouts, full.dtype)
+    assert [e.num_pages for e in engines] == [50, 100]
+    roomy = Engine(full, max_batch=2, max_seq_len=64, page_size=16, cache_memory=2**30, backend="reference")
+    assert roomy.num_pages == 2 * 4 + 1  # never more than max_batch full sequences can use
+
+
+def test_bad_budgets_are_refused_with_clear_errors():
+    model = kvjax.Model.random(TINY_CONFIGS["llama"], seed=2)
+    with pytest.raises(ValueError, match="at least 2"):
+        Engine(model, max_batch=2, max_seq_len=64, cache_memory=1000, backend="reference")
+    with pytest.raises(ValueError, match="not both"):
+        Engine(model, max_batch=2, max_seq_len=64, cache_memory=2**20, num_pages=9, backend="reference")
+    if memory.free_bytes() is None:  # the CPU: a fraction of memory it does not report means nothing
+        with pytest.raises(ValueError, match="does not report its memory"):
+            Engine(model, max_batch=2, max_seq_len=64, cache_memory=0.5, backend="reference")
+    for bad in (0, -5, 1.5, 0.0, True, "1GiB", float("nan")):
+        with pytest.raises((TypeError, ValueError), match="cache_memory"):
+            kvjax.generate(model, [[1, 2]], max_new_tokens=1, cache_memory=bad)
+
+
+def test_a_budget_smaller_than_the_batch_preempts_and_keeps_every_greedy_token():
+    """Room for about two of six sequences: requests wait or are preempted and recomputed, and every prompt still
+    gets exactly the tokens it gets with room for all."""
+    model = kvjax.Model.random(TINY_CONFIGS["mistral"], seed=4, scale=10.0)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 97, int(n)).tolist() for n in rng.integers(5, 40, 6)]
+    want = [g.tokens for g in kvjax.generate(model, prompts, max_new_tokens=12, max_batch=6)]
+    engine = Engine(model, max_batch=6, max_seq_len=64, page_size=4, backend="reference")
+    page = 4 * bytes_per_token(model.layouts, model.dtype)
+    budget = engine.activation_bytes() + 33 * page  # 32 usable pages: two 64-token sequences
+    stats: dict = {}
+    got = kvjax.generate(
+        model, prompts, max_new_tokens=12, max_batch=6, max_seq_len=64, page_size=4, cache_memory=budget, stats=stats
+    )
+    assert [g.tokens for g in got] == want
+    assert stats["preemptions"] > 0
+    assert model._engines and next(iter(model._engines.values())).num_pages == 33
