@@ -108,13 +108,27 @@ def sample(logits: jax.Array, seeds, streams, counters, temperature, top_p, gree
 
 
 def _prefill_step(
-    graphdef, state, cache, slot_tokens, tokens, starts, lengths, table, slots, sampling, *, greedy, op, prefix
+    graphdef,
+    structure,
+    weights,
+    cache,
+    slot_tokens,
+    tokens,
+    starts,
+    lengths,
+    table,
+    slots,
+    sampling,
+    *,
+    greedy,
+    op,
+    prefix,
 ):
     """Run prompt chunks [B, T] (chunk b from position ``starts[b]``, ``lengths[b]`` tokens) through the model,
     writing their K/V; the token sampled after each chunk's last row goes to its ``slots`` row (a row past the end:
     nowhere, the chunk does not end its prompt). ``prefix`` False: every chunk starts at 0, and attention reads no
     pages (a kernel without the prefix loop, which compiles faster)."""
-    module = nnx.merge(graphdef, state)
+    module = nnx.merge(graphdef, jax.tree.unflatten(structure, weights))
     b, t = tokens.shape
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     ks, vs = list(cache.k), list(cache.v)
@@ -130,10 +144,12 @@ def _prefill_step(
     return slot_tokens.at[slots].set(new, mode="drop"), new, PagedKVCache(tuple(ks), tuple(vs))
 
 
-def _decode_step(graphdef, state, cache, slot_tokens, positions, active, table, schedule, sampling, *, greedy, op):
+def _decode_step(
+    graphdef, structure, weights, cache, slot_tokens, positions, active, table, schedule, sampling, *, greedy, op
+):
     """Feed each active row's token (``slot_tokens``, one row per slot) at ``positions``, and put the next one in
     its place."""
-    module = nnx.merge(graphdef, state)
+    module = nnx.merge(graphdef, jax.tree.unflatten(structure, weights))
     ks, vs = list(cache.k), list(cache.v)
 
     def attend(i, q, k, v, rebuild=None):
@@ -216,14 +232,17 @@ class Engine:
         jit = functools.partial(
             jax.jit, donate_argnums=(1,) if jax.default_backend() != "cpu" else (), compiler_options=COMPILER_OPTIONS
         )
+        # The weights go to the steps as a flat list: flattening the model's nnx state (its Variables, in Python)
+        # at every call cost the host about 0.9 ms a decode step (bench/notes/2026-11-24-memory-startup.md).
+        self.weights, structure = jax.tree.flatten(model.state)
         self._steps: dict[tuple, Callable] = {}
         for greedy in (True, False):
             self._steps["decode", greedy] = jit(
-                functools.partial(_decode_step, model.graphdef, greedy=greedy, op=self.decode_op)
+                functools.partial(_decode_step, model.graphdef, structure, greedy=greedy, op=self.decode_op)
             )
             for prefix in (True, False):
                 step = functools.partial(
-                    _prefill_step, model.graphdef, greedy=greedy, op=self.prefill_op, prefix=prefix
+                    _prefill_step, model.graphdef, structure, greedy=greedy, op=self.prefill_op, prefix=prefix
                 )
                 self._steps["prefill", greedy, prefix] = jit(step)
 
@@ -271,7 +290,7 @@ class Engine:
         where[:n] = [s if s >= 0 else self.max_batch for s in slots]
         starts = np.pad(np.asarray(starts, np.int32), (0, b - n))
         self.slot_tokens, new, self.cache = self._steps["prefill", padded.greedy, bool(starts.any())](
-            self.model.state,
+            self.weights,
             self.cache,
             self.slot_tokens,
             tokens,
@@ -290,7 +309,7 @@ class Engine:
         Returns the slot tokens [max_batch] after the step on the device, without waiting."""
         step = self._steps["decode", rows.greedy]
         self.slot_tokens, self.cache = step(
-            self.model.state,
+            self.weights,
             self.cache,
             self.slot_tokens,
             positions,
