@@ -180,6 +180,13 @@ def test_max_new_tokens_that_fill_the_cache_are_a_usage_error(files, tmp_path, c
     assert snapshot(tmp_path) == before
 
 
+def test_a_cache_budget_that_holds_no_pages_is_a_usage_error(files, tmp_path, capsys, shared_model):
+    before = snapshot(tmp_path)
+    message = usage_error(capsys, *files, "--cache-memory", "1000")
+    assert "cache_memory budget of 1000 B" in message and "a cache needs at least 2" in message
+    assert snapshot(tmp_path) == before
+
+
 def test_help_explains_formats_partial_file_and_exit_codes(capsys):
     with pytest.raises(SystemExit) as e:
         infer.main(["--help"])

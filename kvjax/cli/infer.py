@@ -164,15 +164,14 @@ def _encode(model, prompts: list, args, capacity: int, where: str) -> tuple[dict
     return encoded, errors
 
 
-def _run(args, model, prompts: list, encoded: dict, errors: dict) -> int:
-    """Generate the encoded prompts, continuously batched, into OUT.partial, then rename it onto OUT; returns the
-    status."""
+def _run(args, prompts: list, encoded: dict, errors: dict, run, stats: dict) -> int:
+    """Write the records of ``run`` (the encoded prompts, continuously batched) into OUT.partial, then rename it
+    onto OUT; returns the status."""
     partial = args.out + ".partial"
     records: list[dict] = [
         {"index": n, "prompt": prompts[n], "error": errors[n]} if n in errors else {} for n in range(len(prompts))
     ]
     good = sorted(encoded)
-    stats: dict = {}
     written = 0
     if os.path.exists(partial):
         print(f"kvjax-infer: replacing {partial}, left by an earlier run", file=sys.stderr)
@@ -194,7 +193,7 @@ def _run(args, model, prompts: list, encoded: dict, errors: dict) -> int:
     try:
         with f, tqdm(total=len(good), desc="generating", unit="prompt") as bar:
             flush()
-            for n, record in _generate(args, model, prompts, [encoded[n] for n in good], good, stats):
+            for n, record in _generate(run, prompts, good):
                 records[n] = record
                 flush()
                 bar.update(1)
@@ -215,27 +214,32 @@ def _run(args, model, prompts: list, encoded: dict, errors: dict) -> int:
     return _report(args, records, stats, time.perf_counter() - start)
 
 
-def _generate(args, model, prompts: list, ids: list, index: list, stats: dict):
-    """(prompt index, record) as each prompt finishes; if generation fails, an error record for each prompt left."""
+def _start(args, model, ids: list, stats: dict):
+    """Queue the prompts on an engine built for them (``kvjax.generate_iter``); a setting the engine refuses, such as
+    a --cache-memory that holds no pages, raises ValueError here, before anything is written."""
     import kvjax
 
+    return kvjax.generate_iter(
+        model,
+        ids,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_p,
+        args.seed,
+        max_batch=args.batch_size,
+        max_seq_len=args.max_seq_len,
+        chunk_tokens=args.chunk_tokens,
+        cache_memory=args.cache_memory,
+        backend=args.attention,
+        batch_invariant=args.batch_invariant,
+        stats=stats,
+    )
+
+
+def _generate(run, prompts: list, index: list):
+    """(prompt index, record) as each prompt finishes; if generation fails, an error record for each prompt left."""
     pending = set(index)
     try:
-        run = kvjax.generate_iter(
-            model,
-            ids,
-            args.max_new_tokens,
-            args.temperature,
-            args.top_p,
-            args.seed,
-            max_batch=args.batch_size,
-            max_seq_len=args.max_seq_len,
-            chunk_tokens=args.chunk_tokens,
-            cache_memory=args.cache_memory,
-            backend=args.attention,
-            batch_invariant=args.batch_invariant,
-            stats=stats,
-        )
         for i, r in run:
             n = index[i]
             pending.discard(n)
@@ -389,10 +393,15 @@ def main(argv=None) -> int:
                 f"positions of {where}"
             )
         encoded, errors = _encode(model, prompts, args, capacity, where)
+        stats: dict = {}
+        try:
+            run = _start(args, model, [encoded[n] for n in sorted(encoded)], stats)
+        except ValueError as e:
+            p.error(str(e))
     except KeyboardInterrupt:
         print("kvjax-infer: interrupted before generating; nothing was written", file=sys.stderr)
         return 130
-    return _run(args, model, prompts, encoded, errors)
+    return _run(args, prompts, encoded, errors, run, stats)
 
 
 if __name__ == "__main__":
