@@ -7,6 +7,8 @@ timer against the host timer"."""
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import functools
 import math
 import statistics
@@ -285,3 +287,19 @@ def print_checks(rows) -> None:
 def knobs(config, names, default) -> str:
     """``config``'s ``names`` fields joined by " / ", marked "(default)" where the config is ``default``."""
     return " / ".join(str(getattr(config, n)) for n in names) + (" (default)" if config == default else "")
+
+
+def with_knobs(config, pairs):
+    """``config`` with each ``NAME=VALUE`` of ``pairs`` set (a Python literal, else the string; ``--knob`` on the
+    command lines); exits naming the fields when one is not a field of the config."""
+    fields = [f.name for f in dataclasses.fields(config)]
+    knobs = {}
+    for pair in pairs:
+        name, _, text = pair.partition("=")
+        try:
+            knobs[name] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            knobs[name] = text
+    if unknown := sorted(set(knobs) - set(fields)):
+        raise SystemExit(f"unknown knob {', '.join(unknown)} for {type(config).__name__}: use {', '.join(fields)}")
+    return dataclasses.replace(config, **knobs)

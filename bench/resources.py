@@ -11,7 +11,6 @@ are answered here; this Triton is not the exact build inside jaxlib, so expect t
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import dataclasses
 import importlib.util
@@ -19,17 +18,18 @@ import os
 import re
 import subprocess
 import tempfile
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from harness import HKV, HQ, D, pick_layer, rank_plan, uniform
+from harness import HKV, HQ, D, pick_layer, rank_plan, uniform, with_knobs
 
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.config import DECODE, DecodeConfig
-from kvjax.ops.decode.kernel import paged_decode, run_classes
+from kvjax.ops.decode.kernel import paged_decode
 from kvjax.ops.decode.plan import build_decode_schedule
+from kvjax.ops.decode.tables import run_classes
+from kvjax.ops.lowering import triton_modules
 from kvjax.ops.prefill.config import PREFILL, PrefillConfig
 from kvjax.ops.prefill.kernel import prefill_attention
 from kvjax.ops.prefill.plan import block_rows, class_of, keys_per_step, tile_classes
@@ -91,29 +91,8 @@ def prefill_ir(layout: HeadLayout, config: PrefillConfig = PREFILL, batch=1, t=4
 
 
 def lowered_ir(fn, args) -> str:
-    """The Triton IR of the (one) Pallas kernel in ``fn(*args)``, lowered for CUDA sm_90 without a GPU."""
-    # Pallas asks the GPU for its compute capability while lowering: the lookup answers 9.0 meanwhile
-    from jax._src.pallas.triton import pallas_call_registration as registration
-
-    captured = []
-    lower = registration.lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        captured.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
-
-    gpu_info = registration.gpu_info_lib
-    registration.gpu_info_lib = types.SimpleNamespace(
-        get_gpu_info=lambda: types.SimpleNamespace(compute_capability="9.0")
-    )
-    registration.lowering.lower_jaxpr_to_triton_module = capture
-    try:
-        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-        registration.gpu_info_lib = gpu_info
-        registration.lowering.lower_jaxpr_to_triton_module = lower
-    return captured[0]
+    """The Triton IR of the first Pallas kernel in ``fn(*args)``, lowered for CUDA sm_90 without a GPU."""
+    return triton_modules(fn, args)[0]
 
 
 def resources(ir: str, warps: int, stages: int) -> dict:
@@ -193,14 +172,6 @@ def opcode(instruction: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].rstrip(";")
 
 
-def knob_value(text: str):
-    """``--knob`` values: ints, ``True``/``False``, else the string."""
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
 def prefill_report(specs, config: PrefillConfig):
     """Each layout's whole kernel, then each width class alone with its steady loop's instructions per score."""
     warps, stages = config.num_warps, config.num_stages
@@ -255,15 +226,6 @@ def prefill_tile(cls, config: PrefillConfig) -> tuple[int, int]:
     return rows, keys_per_step(config.block_k, rows, cls.cols, 2, config.num_stages)
 
 
-def with_knobs(config, knobs: dict, warps: int | None, stages: int | None):
-    """``config`` with the ``--knob`` fields and ``--warps`` / ``--stages`` set (exits if a knob is no field)."""
-    fields = [f.name for f in dataclasses.fields(config)]
-    if unknown := sorted(set(knobs) - set(fields)):
-        raise SystemExit(f"unknown knob {', '.join(unknown)} for {type(config).__name__}: use {', '.join(fields)}")
-    knobs = dict(knobs, **({"num_warps": warps} if warps else {}), **({"num_stages": stages} if stages else {}))
-    return dataclasses.replace(config, **knobs)
-
-
 def changes(config, default) -> dict:
     """The fields of ``config`` that differ from ``default``."""
     return {k: v for k, v in dataclasses.asdict(config).items() if v != getattr(default, k)}
@@ -290,20 +252,21 @@ def main(argv=None):
         help="a DecodeConfig (PrefillConfig) field, e.g. --knob block_tokens=32 or --knob pack_tile=128 (repeatable)",
     )
     args = ap.parse_args(argv)
-    knobs = {k: knob_value(v) for k, v in (kv.split("=", 1) for kv in args.knob)}
+    knobs = [*args.knob, *([f"num_warps={args.warps}"] if args.warps else [])]
+    knobs += [f"num_stages={args.stages}"] if args.stages else []
     if importlib.util.find_spec("triton") is None:
         raise SystemExit(
             "resources.py compiles the lowered kernels with the triton package's compiler and ptxas: "
             "pip install triton (it is not a kvjax dependency)"
         )
     if args.kernel == "prefill":
-        config = with_knobs(PREFILL, knobs, args.warps, args.stages)
+        config = with_knobs(PREFILL, knobs)
         print(
             f"prefill_attention, sm_90, batch 1, T 4096, bf16, writing pages, {config.num_warps} warps, "
             f"{config.num_stages} stages, PREFILL with {changes(config, PREFILL) or 'nothing changed'}\n"
         )
         return prefill_report(args.layouts, config)
-    config = with_knobs(DECODE, knobs, args.warps, args.stages)
+    config = with_knobs(DECODE, knobs)
     print(
         f"paged_decode, sm_90, {config.num_warps} warps, {config.num_stages} stages, DECODE with "
         f"{changes(config, DECODE) or 'nothing changed'}\n"
@@ -315,7 +278,7 @@ def main(argv=None):
     for spec in args.layouts:
         layout = layout_of(spec)
         r = resources(triton_ir(layout, config), config.num_warps, config.num_stages)
-        classes = len(run_classes(layout, config)[0])
+        classes = len(run_classes((layout,), config))
         print(
             f"| {spec} | {classes} | {r['registers']} | {r['local_bytes']} | "
             f"{r['shared_bytes']} | {r['sass_instructions']} | {' '.join(map(str, r['loops']))} |",

@@ -189,9 +189,12 @@ def arg(check: Callable, parse: Callable = str) -> Callable:
 
 
 def int_fields(config, at_least_one=()) -> None:
-    """Every int field of a config dataclass is an int (not a bool), >= 1 when named in ``at_least_one``, else >= 0."""
+    """Every int field of a config dataclass is an int (not a bool), >= 1 when named in ``at_least_one``, else >= 0;
+    every bool field is a bool."""
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
+        if field.type in ("bool", bool) and not isinstance(value, bool):
+            raise ValueError(f"{field.name} must be a bool, got {value!r}")
         if field.type not in ("int", int):
             continue
         if isinstance(value, bool) or not isinstance(value, int):

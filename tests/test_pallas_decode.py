@@ -14,6 +14,8 @@ from kvjax.ops.decode.kernel import paged_decode
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.plan import build_decode_schedule, static_decode_schedule
 from kvjax.ops.decode.reference import paged_decode_attention
+from kvjax.ops.decode.tables import kernel_groups, run_classes
+from kvjax.ops.lowering import triton_modules
 from kvjax.ops.tiles import segments, tile
 
 GPU = jax.default_backend() == "gpu"
@@ -102,10 +104,11 @@ CASES = {
 
 
 # fold_tokens 16: token chunks folded into the score tile's spare rows; max_segments 3: heads may be read as exact
-# power-of-two pieces (only where they save enough: test_pieces_only_where_they_save_columns), 1: as one padded tile
-@pytest.mark.parametrize("fold_tokens, max_segments", [(16, 3), (64, 1)])
+# power-of-two pieces (only where they save enough: test_pieces_only_where_they_save_columns), 1: as one padded tile;
+# unmasked False: every step in the masked loop
+@pytest.mark.parametrize("fold_tokens, max_segments, unmasked", [(16, 3, True), (64, 1, True), (16, 2, False)])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_decode_matches_reference(name, fold_tokens, max_segments):
+def test_decode_matches_reference(name, fold_tokens, max_segments, unmasked):
     layout, lengths, ps, dtype, programs, order, headroom, min_chunk = CASES[name]
     rng = np.random.default_rng()
     q, k, v, table, lens = paged_inputs(rng, layout, lengths, ps, dtype)
@@ -117,6 +120,7 @@ def test_decode_matches_reference(name, fold_tokens, max_segments):
         max_step_tokens=64,
         fold_tokens=fold_tokens,
         max_segments=max_segments,
+        unmasked_steps=unmasked,
     )
     plan = build_decode_schedule(lengths, layout, ps, programs, config=config, headroom_pages=headroom)
     out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, interpret=True)
@@ -169,6 +173,94 @@ def test_packed_runs_match_reference(name):
     assert plan.schedule.items[0, :, :, 1].max() < layout.num_kv_heads - 1  # heads did pack into runs
     out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, interpret=True)
     assert rel_err(out, reference(q, k, v, table, lens, layout)) < (1e-4 if dtype == jnp.float32 else 1e-2)
+
+
+# Layers of one model whose runs cut to different tiles: they share one decode and one merge kernel.
+LAYERS = (
+    HeadLayout(8, 2, 64, (48, 16), (16, 64)),
+    HeadLayout(8, 2, 64, (32, 64), (64, 48)),
+    HeadLayout(8, 2, 64, (64, 64), (64, 64)),
+    HeadLayout(8, 2, 64, (16, 16), (32, 16)),
+)
+LAYERS_CONFIG = dataclasses.replace(
+    DECODE, min_chunk_tokens=16, pack_tile=64, block_tokens=16, max_step_tokens=64, fold_tokens=16, kernel_classes=16
+)
+
+
+def layers_case(lengths, dtype, seed=None, interpret=True):
+    """A DecodeOp over ``LAYERS`` with few programs (so groups split and merge), its schedule for ``lengths``, and
+    each layer's random inputs."""
+    rng = np.random.default_rng(seed)
+    op = DecodeOp(
+        LAYERS,
+        16,
+        -(-max(lengths) // 16) + 1,
+        max_batch=len(lengths),
+        config=LAYERS_CONFIG,
+        num_programs=3,
+        interpret=interpret,
+    )
+    inputs = [paged_inputs(rng, lay, lengths, 16, dtype) for lay in LAYERS]
+    return op, op.plan(np.asarray(lengths)), inputs
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_every_layer_of_a_shared_kernel_matches_the_reference(dtype):
+    """One DecodeOp runs layers of other widths through the kernels compiled for all of them: each layer's output
+    equals the reference, with groups split across programs and merged."""
+    lengths = [90, 7, 200]
+    op, schedule, inputs = layers_case(lengths, dtype)
+    assert (schedule.merge_dest[..., 0] >= 0).any()  # some groups were split, so the merge ran
+    for i, (layout, (q, k, v, table, lens)) in enumerate(zip(LAYERS, inputs)):
+        out = op.run(q, k, v, table, lens, schedule.layer(i), layout)
+        assert out.shape == (len(lengths), layout.out_cols)
+        tol = 1e-4 if dtype == jnp.float32 else 1e-2
+        assert rel_err(out, reference(q, k, v, table, lens, layout)) < tol, layout
+
+
+def test_layers_of_other_widths_lower_to_one_kernel():
+    """The decode and merge kernels of every layer lower to the same Triton IR, so XLA compiles each once for the
+    model, not once per layer (bench/RESULTS.md "Engine: compile times")."""
+    op, schedule, inputs = layers_case([40, 300], jnp.bfloat16, seed=0, interpret=False)
+
+    def layers(schedule, *arrays):
+        return [op.run(*arrays[5 * i : 5 * i + 5], schedule.layer(i), lay) for i, lay in enumerate(LAYERS)]
+
+    modules = triton_modules(layers, (schedule, *[x for case in inputs for x in case]))
+    assert len(modules) == 2 * len(LAYERS)  # a decode and a merge kernel per layer
+    assert len(set(modules[0::2])) == 1 and len(set(modules[1::2])) == 1
+
+
+def test_a_layout_outside_the_op_or_the_shared_ones_is_refused():
+    op, schedule, inputs = layers_case([20], jnp.float32, seed=0)
+    other = HeadLayout(8, 2, 64, (16, 48), (16, 16))
+    q, k, v, table, lens = paged_inputs(np.random.default_rng(), other, [20], 16, jnp.float32)
+    with pytest.raises(ValueError, match="not one of the layouts this decode op was built for"):
+        op.run(q, k, v, table, lens, schedule.layer(0), other)
+    with pytest.raises(ValueError, match="one of the shared layouts"):
+        paged_decode(q, k, v, table, lens, schedule.layer(0), other, interpret=True, shared=LAYERS)
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3, 5])
+def test_kernel_groups_share_within_their_classes(cap):
+    """Layers whose runs fall in the same classes share kernels; groups hold at most ``kernel_classes`` classes
+    unless one layer alone has more; every layer is in its own group."""
+    rng = np.random.default_rng()
+    widths = [16, 32, 48, 64]
+    layouts = [HeadLayout(8, 4, 64, tuple(rng.choice(widths, 4)), tuple(rng.choice(widths, 4))) for _ in range(12)]
+    config = dataclasses.replace(LAYERS_CONFIG, kernel_classes=cap)
+    groups = kernel_groups(layouts, config)
+    for layout in layouts:
+        group = groups[layout]
+        assert layout in group and all(groups[other] == group for other in group)
+        classes = run_classes(group, config)
+        assert len(classes) <= max(cap, max(len(run_classes((lay,), config)) for lay in group))
+        same = [
+            o
+            for o in layouts
+            if {c.key for c in run_classes((o,), config)} == {c.key for c in run_classes((layout,), config)}
+        ]
+        assert all(o in group for o in same)
 
 
 @pytest.mark.parametrize("max_segments", [1, 2, 3])

@@ -1,5 +1,5 @@
-"""Pieces the Pallas kernels share: masked column loads, scalar lookups in static tables, dot precision, and the
-packed column offsets of a layer's heads (multiples of 16, so loads are 16-byte vectors)."""
+"""Pieces the Pallas kernels share: masked row loads and stores in flat arrays, whole-array blocks, dot precision,
+and the packed column offsets of a layer's heads (multiples of 16, so loads are 16-byte vectors)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
@@ -31,16 +32,6 @@ def column_offsets(layout: HeadLayout) -> dict[str, list[int]]:
     if any(o % 16 for lst in offs.values() for o in lst):
         raise ValueError(f"head widths must be multiples of 16 for the Pallas kernels: {layout}")
     return offs
-
-
-def load_columns(ref, lead: tuple, offset, cols, width: int, rows_ok=None):
-    """``ref[*lead, offset + cols]``: a head ``width`` columns wide read through a ``cols``-wide tile. Tile columns
-    past the width and rows not ``rows_ok`` [R] are masked (fetch nothing, read 0); with neither, the load has no
-    mask at all, so it stays plain 16-byte vectors."""
-    mask = None if rows_ok is None else rows_ok[:, None]
-    if cols.shape[-1] != width:
-        mask = (cols < width) if mask is None else mask & (cols < width)
-    return plgpu.load(ref.at[(*lead, offset + cols)], mask=mask, other=None if mask is None else 0.0)
 
 
 def _mask(cols_ok, rows_ok):
@@ -70,17 +61,12 @@ def store_rows(ref, rows, stride, offset, cols, values, cols_ok=None, rows_ok=No
     plgpu.store(ref.at[index], values.astype(ref.dtype), mask=mask)
 
 
-def lookup(index, keys, values):
-    """``values[keys.index(index)]`` for a traced scalar ``index`` over a short static table (a chain of selects)."""
-    out = jnp.int32(values[-1])
-    for key, value in zip(keys[:-1], values[:-1]):
-        out = jnp.where(index == key, jnp.int32(value), out)
-    return out
-
-
-def offset16(index, keys, values):
-    """A column offset from a table in units of 16, multiplied back so the compiler sees 16-alignment."""
-    return lookup(index, keys, values) * 16
+def whole_block(x) -> pl.BlockSpec:
+    """The whole array as every program's block; a flat array's length stays out of the kernel's code (an element
+    offset, not a block size), so layers of other widths share the compiled kernel."""
+    if len(x.shape) == 1:
+        return pl.BlockSpec((pl.Element(x.shape[0]),), lambda i: (0,))
+    return pl.BlockSpec(x.shape, lambda i: (0,) * len(x.shape))
 
 
 def dot_precision(dtype):

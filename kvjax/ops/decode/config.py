@@ -25,6 +25,7 @@ AT_LEAST_ONE = (
     "max_segments",
     "num_warps",
     "num_stages",
+    "kernel_classes",
 )
 
 
@@ -55,6 +56,10 @@ class DecodeConfig:
     max_segments: int = 2  # power-of-two pieces a run's K (or V) columns may be read as
     num_warps: int = 4
     num_stages: int = 3
+    # Steps with every token visible in a loop of their own, without masks: twice the loop code, so compile time,
+    # and no faster (bench/RESULTS.md "Engine: compile times").
+    unmasked_steps: bool = False
+    kernel_classes: int = 1  # layers share compiled kernels while these run classes cover them (``tables``)
 
     def for_run(self) -> DecodeConfig:
         """This config with the planner-only fields at their defaults: what the kernel compiles for (a plan that

@@ -10,10 +10,12 @@ A unit is a run of adjacent KV heads (``units``): row ``i*G + g`` of the score t
 to head i's columns of the run's K tile, so each row scores only its own head, and one page lookup per token and
 one padded tile serve the whole run. A step moves ``block_tokens * 256 / (k_tile + v_tile)`` tokens (capped), so
 bytes in flight stay constant as widths shrink; when a unit fills few of the 16 rows, the step's tokens fold into
-the spare rows (``folds``). Steps with every token visible run unmasked. Units of one shape share a code path,
-picked per item by ``lax.switch``; column offsets come from static tables in multiples of 16, so loads are 16-byte
-vectors that never touch a column the unit does not own. A run's K or V columns are read as two power-of-two
-pieces where that saves ``piece_saving`` columns (160 = 128 + 32).
+the spare rows (``folds``); every step is masked (``DecodeConfig.unmasked_steps``: the fully visible ones in a loop
+of their own). Runs that cut to the same tiles share a code path (``tables.RunClass``), picked per item by
+``lax.switch``; widths and column offsets come from the layer's tables at run time in multiples of 16, so loads are
+16-byte vectors that never touch a column the unit does not own, and layers whose runs fall in the same classes run
+one compiled kernel (``tables.kernel_groups``). A run's K or V columns are read as two power-of-two pieces where that
+saves ``piece_saving`` columns (160 = 128 + 32).
 
 Why Triton: decode is a gather of ``[tokens, width]`` tiles at 16-column offsets inside packed rows through the
 block table, which masked pointer loads express directly, the pipeliner overlaps the next tile's loads with the
@@ -25,7 +27,6 @@ the time goes (Nsight Compute)".
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import operator
@@ -37,46 +38,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
-from kvjax.ops.decode.config import DecodeConfig
-from kvjax.ops.decode.cost import ROWS, loaded
+from kvjax.ops.decode import tables
+from kvjax.ops.decode.cost import ROWS
 from kvjax.ops.decode.merge import merge
 from kvjax.ops.decode.plan import END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, DecodeSchedule
-from kvjax.ops.decode.units import RunShape, head_runs
-from kvjax.ops.pallas_util import LOG2E, MASK, column_offsets, dot_precision, load_columns, lookup, offset16
-from kvjax.ops.tiles import pow2_floor, segments
+from kvjax.ops.decode.tables import RunClass
+from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, store_rows, whole_block
+from kvjax.ops.tiles import pow2_floor, tile
 
 BLOCK_H = ROWS  # query rows per item: a GQA group (G <= 8) padded to the tensor cores' smallest M
-
-
-@dataclasses.dataclass(frozen=True)
-class RunClass(RunShape):
-    """The runs of one layer that share a shape, with each run's first-head column offsets in units of 16: a run
-    of n heads reads like one head ``k_cols`` + ``v_cols`` wide whose score tile has n * G real rows."""
-
-    units: tuple[int, ...] = ()  # the runs' indices in the layer (the schedule's unit ids)
-    q_off: tuple[int, ...] = ()
-    k_off: tuple[int, ...] = ()
-    v_off: tuple[int, ...] = ()
-    o_off: tuple[int, ...] = ()
-
-
-def run_classes(layout: HeadLayout, config: DecodeConfig) -> tuple[tuple[RunClass, ...], tuple[int, ...]]:
-    """The layer's run classes (runs from ``units.head_runs(layout, config)``), and each run's class index."""
-    offs = column_offsets(layout)
-    runs = head_runs(layout, config)
-    shapes = list(dict.fromkeys(r.shape for r in runs))
-    classes = []
-    for shape in shapes:
-        units = tuple(u for u, r in enumerate(runs) if r.shape == shape)
-        classes.append(
-            RunClass(
-                shape.k_widths,
-                shape.v_widths,
-                units,
-                *(tuple(offs[n][runs[u].first] // 16 for u in units) for n in "qkvo"),
-            )
-        )
-    return tuple(classes), tuple(shapes.index(r.shape) for r in runs)
 
 
 def step_tokens(k_tile: int, v_tile: int, block_tokens: int, max_tokens: int) -> int:
@@ -93,44 +63,56 @@ def folds(group: int, k_tile: int, step: int, fold_tokens: int) -> int:
     return max(1, min(pow2_floor(BLOCK_H // group), step // fold_tokens, 256 // k_tile))
 
 
-def _per_row(values, index):
-    """A per-head static table as a value per row (``index``: the row's head in its run); a plain int when every
-    head has the same value (so one head's code stays as it was)."""
-    return values[0] if len(set(values)) == 1 else lookup(index, tuple(range(len(values))), values)
+def _class_pieces(tiles, exact: bool, last):
+    """A class's pieces as (start, tile, columns): every piece full but the last, which is ``last`` columns wide
+    (read from the unit table) unless every run of the class fills it (``exact``)."""
+    starts = [sum(tiles[:i]) for i in range(len(tiles))]
+    widths = [*tiles[:-1], tiles[-1] if exact else last]
+    return tuple(zip(starts, tiles, widths))
 
 
-def _in_head(cols, start, width):
-    """Which of a run's ``cols`` belong to the row's head (columns ``start .. start + width - 1``)."""
-    return cols < width if isinstance(start, int) and start == 0 else (cols >= start) & (cols < start + width)
+def _cols_ok(t: int, width):
+    """Which of a piece's ``t`` tile columns it owns; None when it fills its tile (the loads stay unmasked)."""
+    return None if isinstance(width, int) and width == t else jnp.arange(t)[None, :] < width
 
 
-def _attend_item(cls, item, refs, *, group, rows_per_slot, page_size, window, scale, config: DecodeConfig):
-    """Online-softmax attention of one item (its run class's widths are static) and the write of its result."""
-    table_ref, q_ref, k_ref, v_ref, out_ref, acc_ref, m_ref, l_ref = refs
+def _attend_item(cls: RunClass, item, refs, *, group, page_size, window, scale, v_max, config, interpret):
+    """Online-softmax attention of one item (its class's tiles are static; its widths and offsets come from the
+    layer's tables) and the write of its result."""
+    units_ref, rows_ref, cols_ref, table_ref, q_ref, k_ref, v_ref, out_ref, acc_ref, m_ref, l_ref = refs
     seq, unit, first, end, slot, length = item
     run_rows = cls.num_heads * group  # real rows of the score tile: head i of the run has rows i*G .. i*G+G-1
-    k_pieces, v_pieces = (segments(c, config.max_segments, config.piece_saving) for c in (cls.k_cols, cls.v_cols))
-    kt, vt = (sum(t for _, t, _ in pieces) for pieces in (k_pieces, v_pieces))
+
+    def unit_field(f):
+        return units_ref[unit * tables.UNIT_FIELDS + f] * 16
+
+    qo, ko, vo, oo = (unit_field(f) for f in (tables.Q_OFF, tables.K_OFF, tables.V_OFF, tables.O_OFF))
+    q_cols, k_cols, v_cols, o_cols = (cols_ref[f] * 16 for f in range(4))
+    k_pieces = _class_pieces(cls.k_tiles, cls.k_exact, unit_field(tables.K_LAST))
+    v_pieces = _class_pieces(cls.v_tiles, cls.v_exact, unit_field(tables.V_LAST))
+    kt, vt = cls.k_cols, cls.v_cols
     bt = step_tokens(kt, vt, config.block_tokens, config.max_step_tokens)
     nf = folds(run_rows, kt, bt, config.fold_tokens)
     bc = bt // nf  # tokens per chunk
     precision = dot_precision(k_ref.dtype)
-    qo, ko, vo, oo = (offset16(unit, cls.units, offs) for offs in (cls.q_off, cls.k_off, cls.v_off, cls.o_off))
 
-    rows = jnp.arange(BLOCK_H)[:, None]
-    chunk_of_row, head_of_row, query_of_row = rows // run_rows, rows % run_rows // group, rows % group
-    k_start, k_width = _per_row(cls.k_starts, head_of_row), _per_row(cls.k_widths, head_of_row)
-    v_start, v_width = _per_row(cls.v_starts, head_of_row), _per_row(cls.v_widths, head_of_row)
-    q_row = _per_row(tuple(group * s for s in cls.k_starts), head_of_row) + query_of_row * k_width - k_start
-    o_row = _per_row(tuple(group * s for s in cls.v_starts), head_of_row) + query_of_row * v_width - v_start
+    rows = jnp.arange(BLOCK_H)
+    chunk_of_row = (rows // run_rows)[:, None]
+    run_row = rows % run_rows
+
+    def row_field(f):  # [BLOCK_H, 1]: the field for each row's head and query
+        return plgpu.load(rows_ref.at[(unit * tables.ROW_FIELDS + f) * BLOCK_H + run_row])[:, None] * 16
+
+    k_start, k_width, v_start, v_width, q_row, o_row = (row_field(f) for f in range(tables.ROW_FIELDS))
+    seqs = jnp.full((BLOCK_H,), seq)
 
     def fold(x, c):  # rows of chunk c kept, the others zeroed
         return x if nf == 1 else jnp.where(chunk_of_row == c, x, 0).astype(x.dtype)
 
-    def load_q(start, t, w):
+    def load_q(start, t, _):
         cols = start + jnp.arange(t)[None, :]  # the run's K columns
-        mask = (rows < nf * run_rows) & _in_head(cols, k_start, k_width)
-        q = plgpu.load(q_ref.at[seq, jnp.where(mask, qo + q_row + cols, 0)], mask=mask, other=0.0)
+        mask = (rows[:, None] < nf * run_rows) & (cols >= k_start) & (cols < k_start + k_width)
+        q = load_rows(q_ref, seqs, q_cols, qo + q_row, cols, mask)
         q = (q.astype(jnp.float32) * (scale * LOG2E)).astype(q.dtype)  # scores come out in log2 units
         return [fold(q, c) for c in range(nf)]
 
@@ -148,9 +130,13 @@ def _attend_item(cls, item, refs, *, group, rows_per_slot, page_size, window, sc
             page = plgpu.load(table_ref.at[seq, jnp.minimum(tok // page_size, pages_per_seq - 1)], mask=valid, other=0)
         else:
             page = table_ref[seq, tok // page_size]
-        row = (page * page_size + tok % page_size)[:, None]
-        ks = [load_columns(k_ref, (row,), ko + a, jnp.arange(t)[None, :], w, valid) for a, t, w in k_pieces]
-        vs = [load_columns(v_ref, (row,), vo + a, jnp.arange(t)[None, :], w, valid) for a, t, w in v_pieces]
+        row = page * page_size + tok % page_size
+        ks = [
+            load_rows(k_ref, row, k_cols, ko + a, jnp.arange(t)[None, :], _cols_ok(t, w), valid) for a, t, w in k_pieces
+        ]
+        vs = [
+            load_rows(v_ref, row, v_cols, vo + a, jnp.arange(t)[None, :], _cols_ok(t, w), valid) for a, t, w in v_pieces
+        ]
         return ks, vs, valid
 
     def step(j, carry, masked):
@@ -188,29 +174,42 @@ def _attend_item(cls, item, refs, *, group, rows_per_slot, page_size, window, sc
         jnp.full((BLOCK_H,), MASK, jnp.float32),
         jnp.zeros((BLOCK_H,), jnp.float32),
     )
-    span = jnp.maximum(hi - lo, 0)
-    full = 0 if window else span // bt  # steps with every token visible run without masks
-    carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
-    accs, m, l = lax.fori_loop(full, pl.cdiv(span, bt), functools.partial(step, masked=True), carry)
+    accs, m, l = _token_steps(step, carry, jnp.maximum(hi - lo, 0), bt, config.unmasked_steps and not window)
     if nf > 1:
         accs, m, l = _unfold(accs, m, l, run_rows, nf)
 
-    # Masked lanes get out-of-range indices: the GPU never touches them, and interpret mode drops them rather than
-    # letting a masked lane's write-back collide with a real lane's store.
+    out_at = (seqs, o_cols, oo + o_row, v_start, v_width)
+    _store_result(accs, m, l, slot, run_rows, v_pieces, out_at, (out_ref, acc_ref, m_ref, l_ref), v_max, interpret)
+
+
+def _token_steps(step, carry, span, bt, unmasked):
+    """Run ``step`` over the ``span`` tokens of an item, ``bt`` a step; ``unmasked``: the steps with every token
+    visible first, in a loop of their own without masks (twice the loop code, so twice the compile time)."""
+    full = span // bt if unmasked else 0
+    if unmasked:
+        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(full, pl.cdiv(span, bt), functools.partial(step, masked=True), carry)
+
+
+def _store_result(accs, m, l, slot, run_rows, v_pieces, out_at, refs, v_max, interpret):
+    """The group's only chunk (``slot`` < 0) writes its normalized output rows at ``out_at`` (rows, row width,
+    offsets, each row's V start and width); a chunk of a split group writes its partial state to its slot.
+
+    Masked lanes of the 1-D m and l stores point past the buffer: the GPU never touches them, and interpret mode
+    drops them rather than letting a masked lane's write-back collide with a real lane's store."""
+    out_ref, acc_ref, m_ref, l_ref = refs
+    seqs, o_cols, o_offset, v_start, v_width = out_at
+    rows = jnp.arange(BLOCK_H)
     direct = slot < 0
-    part = jnp.maximum(slot, 0) * rows_per_slot + jnp.arange(BLOCK_H)
-    part_mask = (jnp.arange(BLOCK_H) < run_rows) & ~direct
+    part = jnp.maximum(slot, 0) * BLOCK_H + rows
+    part_mask = (rows < run_rows) & ~direct
     part = jnp.where(part_mask, part, m_ref.shape[0])
     inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
     for acc, (a, t, w) in zip(accs, v_pieces):
         cols = a + jnp.arange(t)[None, :]  # the run's V columns
-        out_mask = (rows < run_rows) & _in_head(cols, v_start, v_width) & direct
-        plgpu.store(
-            out_ref.at[seq, jnp.where(out_mask, oo + o_row + cols, out_ref.shape[1])],
-            (acc * inv_l[:, None]).astype(out_ref.dtype),
-            mask=out_mask,
-        )
-        plgpu.store(acc_ref.at[part[:, None], cols], acc, mask=part_mask[:, None] & (cols < a + w))
+        out_mask = (rows[:, None] < run_rows) & (cols >= v_start) & (cols < v_start + v_width) & direct
+        store_rows(out_ref, seqs, o_cols, o_offset, cols, acc * inv_l[:, None], out_mask, interpret=interpret)
+        store_rows(acc_ref, part, v_max, a, jnp.arange(t)[None, :], acc, _cols_ok(t, w), part_mask, interpret=interpret)
     plgpu.store(m_ref.at[part], m, mask=part_mask)
     plgpu.store(l_ref.at[part], l, mask=part_mask)
 
@@ -231,10 +230,10 @@ def _unfold(accs, m, l, group, nf):
     return accs, m_head, l_head
 
 
-def _kernel(items_ref, counts_ref, lengths_ref, *refs, classes, class_of, **static):
+def _kernel(items_ref, counts_ref, lengths_ref, *refs, classes, **static):
     pid = pl.program_id(0)
+    units_ref = refs[0]
     branches = [functools.partial(_attend_item, cls, refs=refs, **static) for cls in classes]
-    units = tuple(range(len(class_of)))
 
     def run(i, carry):
         seq, unit = items_ref[pid, i, SEQ], items_ref[pid, i, UNIT]
@@ -249,62 +248,98 @@ def _kernel(items_ref, counts_ref, lengths_ref, *refs, classes, class_of, **stat
         if len(branches) == 1:
             branches[0](item)
         else:
-            lax.switch(lookup(unit, units, class_of), [lambda it, b=b: b(it) for b in branches], item)
+            cls = units_ref[unit * tables.UNIT_FIELDS + tables.CLASS]
+            lax.switch(cls, [lambda it, b=b: b(it) for b in branches], item)
         return carry
 
     lax.fori_loop(0, counts_ref[pid], run, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "interpret"))
+@functools.partial(jax.jit, static_argnames=("layout", "interpret", "shared"))
 def paged_decode(
-    q, k_pages, v_pages, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout, *, interpret: bool = False
+    q,
+    k_pages,
+    v_pages,
+    block_table,
+    lengths,
+    schedule: DecodeSchedule,
+    layout: HeadLayout,
+    *,
+    interpret: bool = False,
+    shared: tuple[HeadLayout, ...] | None = None,
 ):
     """One new query per sequence against its paged cache; equal to ``reference.paged_decode_attention``.
 
     q [B, q_cols]; k_pages [num_pages, page_size, k_cols], v_pages likewise; block_table [B, pages_per_seq] int32;
     lengths [B] int32 (the new token included); schedule: one layer's ``DecodeSchedule`` built for these lengths
     or any they do not exceed (its ``config`` says how units were cut and how the kernel runs). Returns
-    [B, out_cols] in q's dtype. Rows with length 0 are unspecified.
+    [B, out_cols] in q's dtype. Rows with length 0 are unspecified. ``shared``: the layouts of every layer that
+    runs these kernels (default: ``layout`` alone); their code depends on those, not on ``layout``, so XLA
+    compiles one decode and one merge kernel for all of them (``tables``).
     """
     config = schedule.config
+    shared = shared or (layout,)
+    if layout not in shared:
+        raise ValueError("layout must be one of the shared layouts")
     b = q.shape[0]
     num_pages, page_size, _ = k_pages.shape
-    g = layout.group_size
-    classes, class_of = run_classes(layout, config)
+    classes = tables.run_classes(shared, config)
+    layer = tables.layer_tables(layout, classes, config, tables.most_units(set(shared), config))
+    units, rows_table, cols = (jnp.asarray(t) for t in (layer.units, layer.rows, layer.cols))
+    v_max = max(c.v_cols for c in classes)  # partial rows hold a run's V tile columns
     rows = BLOCK_H * schedule.num_slots  # a partial slot has a row per row of the score tile
-    v_max = max(loaded(c.v_cols, config) for c in classes)
     kernel = functools.partial(
         _kernel,
         classes=classes,
-        class_of=class_of,
-        group=g,
-        rows_per_slot=BLOCK_H,
+        group=layout.group_size,
         page_size=page_size,
         window=layout.sliding_window,
         scale=1.0 / math.sqrt(layout.head_dim),
+        v_max=v_max,
         config=config,
+        interpret=interpret,
     )
-    out_shape = (
-        jax.ShapeDtypeStruct((b, layout.out_cols), q.dtype),
-        jax.ShapeDtypeStruct((rows, v_max), jnp.float32),
+    args = [
+        schedule.items,
+        schedule.counts,
+        lengths.astype(jnp.int32),
+        units,
+        rows_table,
+        cols,
+        block_table.astype(jnp.int32),
+        q.reshape(-1),
+        k_pages.reshape(-1),
+        v_pages.reshape(-1),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((b * layout.out_cols,), q.dtype),
+        jax.ShapeDtypeStruct((rows * v_max,), jnp.float32),
         jax.ShapeDtypeStruct((rows,), jnp.float32),
         jax.ShapeDtypeStruct((rows,), jnp.float32),
-    )
+    ]
     out, acc, m, l = pl.pallas_call(
         kernel,
         grid=(schedule.num_programs,),
+        in_specs=[whole_block(x) for x in args],
+        out_specs=[whole_block(x) for x in out_shape],
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         name="kvjax_paged_decode",
-    )(
-        schedule.items,
-        schedule.counts,
-        lengths.astype(jnp.int32),
-        block_table.astype(jnp.int32),
-        q,
-        k_pages.reshape(num_pages * page_size, -1),
-        v_pages.reshape(num_pages * page_size, -1),
+    )(*args)
+    v_tile = max(tile(w) for lay in shared for w in lay.v_widths)
+    out = merge(
+        out,
+        acc,
+        m,
+        l,
+        schedule.merge_dest,
+        schedule.merge_range,
+        units,
+        rows_table,
+        cols,
+        v_max=v_max,
+        v_tile=v_tile,
+        interpret=interpret,
     )
-    runs = head_runs(layout, config)
-    return merge(out, acc, m, l, schedule.merge_dest, schedule.merge_range, layout, runs, interpret=interpret)
+    return out.reshape(b, layout.out_cols)

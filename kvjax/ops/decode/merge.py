@@ -5,8 +5,9 @@ A split group is (sequence, run of heads); its chunks wrote (acc, max, sum) per 
 ``ROWS`` rows each (row ``i*G + g``: query g of the run's head i, over the run's V columns). One program per merge
 row of the schedule folds its group's slots in chunk order with the online-softmax update, so it reads only the
 slots the plan used, and the result depends on the group alone (the batch-invariant plans rely on this). Each row
-reads and writes its own head's columns, so the tile is one head wide, and lands at its place in the packed output,
-which is updated in place: rows of groups that were not split keep what the decode kernel wrote.
+reads and writes its own head's columns (the layer's row table, ``tables``), so the tile is one head wide, and lands
+at its place in the packed output, which is updated in place: rows of groups that were not split keep what the
+decode kernel wrote. Widths and offsets are read at run time, so one compiled merge serves every layer.
 """
 
 from __future__ import annotations
@@ -15,78 +16,86 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kvjax.layout import HeadLayout
+from kvjax.ops.decode import tables
 from kvjax.ops.decode.cost import ROWS
-from kvjax.ops.decode.units import Run
-from kvjax.ops.pallas_util import MASK, load_rows, store_rows
-from kvjax.ops.tiles import tile
+from kvjax.ops.pallas_util import MASK, load_rows, store_rows, whole_block
 
 
-def row_tables(layout: HeadLayout, runs: tuple[Run, ...]) -> np.ndarray:
-    """int32 [3, units * ROWS]: per run and partial row, where the row's head starts among the run's V columns,
-    where its output starts in a packed output row, and its width (0 for rows past the run's)."""
-    g = layout.group_size
-    o_off = HeadLayout.offsets(layout.v_widths, g)
-    table = np.zeros((3, len(runs), ROWS), np.int32)
-    for u, run in enumerate(runs):
-        for i, (start, width) in enumerate(zip(run.v_starts, run.v_widths)):
-            rows = slice(i * g, (i + 1) * g)
-            table[:, u, rows] = np.array([start, 0, width])[:, None]
-            table[1, u, rows] = o_off[run.first + i] + np.arange(g) * width
-    return table.reshape(3, -1)
-
-
-def _merge_kernel(dest_ref, range_ref, table_ref, acc_ref, m_ref, l_ref, _, out_ref, *, v, out_cols, v_tile, interpret):
+def _merge_kernel(dest_ref, range_ref, units_ref, rows_ref, cols_ref, acc_ref, m_ref, l_ref, _, out_ref, **static):
     g = pl.program_id(0)
     seq = dest_ref[g, 0]
 
     @pl.when(seq >= 0)
     def _():
-        rows = jnp.arange(ROWS)
-        at = dest_ref[g, 1] * ROWS + rows
-        start, to, width = (plgpu.load(table_ref.at[i, at]) for i in range(3))
-        live = width > 0
-        cols = jnp.arange(v_tile)[None, :]
-        cols_ok = live[:, None] & (cols < width[:, None])
-
-        def fold(s, carry):
-            acc, m, l = carry
-            part = (range_ref[g, 0] + s) * ROWS + rows
-            m_s = plgpu.load(m_ref.at[part], mask=live, other=MASK)
-            l_s = plgpu.load(l_ref.at[part], mask=live, other=0.0)
-            a_s = load_rows(acc_ref, part, v, start[:, None], cols, cols_ok)
-            m_new = jnp.maximum(m, m_s)
-            alpha, beta = jnp.exp2(m - m_new), jnp.exp2(m_s - m_new)
-            return acc * alpha[:, None] + a_s * beta[:, None], m_new, l * alpha + l_s * beta
-
-        init = (jnp.zeros((ROWS, v_tile), jnp.float32), jnp.full((ROWS,), MASK, jnp.float32), jnp.zeros((ROWS,)))
-        acc, _, l = lax.fori_loop(0, range_ref[g, 1], fold, init)
-        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-        store_rows(out_ref, jnp.full((ROWS,), seq), out_cols, to[:, None], cols, out, cols_ok, interpret=interpret)
+        _merge_group(
+            seq,
+            dest_ref[g, 1],
+            range_ref[g, 0],
+            range_ref[g, 1],
+            units_ref,
+            rows_ref,
+            cols_ref,
+            acc_ref,
+            m_ref,
+            l_ref,
+            out_ref,
+            **static,
+        )
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "runs", "interpret"))
-def merge(out, acc, m, l, merge_dest, merge_range, layout: HeadLayout, runs: tuple[Run, ...], *, interpret=False):
-    """``out`` [B, out_cols] with every split group's rows replaced by the merge of its partials.
+def _merge_group(
+    seq, unit, first, count, units_ref, rows_ref, cols_ref, acc_ref, m_ref, l_ref, out_ref, *, v_max, v_tile, interpret
+):
+    """Fold the ``count`` partial slots from ``first`` of (``seq``, ``unit``) into its output rows."""
+    rows = jnp.arange(ROWS)
 
-    acc [slots * ROWS, v] float32, m and l [slots * ROWS] float32 (log2 units); merge_dest, merge_range [M, 2]:
-    one layer's ``DecodeSchedule`` fields (seq -1: no group)."""
-    table = jnp.asarray(row_tables(layout, runs))
-    kernel = functools.partial(
-        _merge_kernel, v=acc.shape[1], out_cols=out.shape[1], v_tile=tile(max(layout.v_widths)), interpret=interpret
-    )
-    merged = pl.pallas_call(
+    def field(f):
+        return plgpu.load(rows_ref.at[(unit * tables.ROW_FIELDS + f) * ROWS + rows]) * 16
+
+    start, width, o_row = field(tables.V_START), field(tables.V_WIDTH), field(tables.O_ROW)
+    to = units_ref[unit * tables.UNIT_FIELDS + tables.O_OFF] * 16 + o_row + start
+    live = width > 0
+    cols = jnp.arange(v_tile)[None, :]
+    cols_ok = live[:, None] & (cols < width[:, None])
+
+    def fold(s, carry):
+        acc, m, l = carry
+        part = (first + s) * ROWS + rows
+        m_s = plgpu.load(m_ref.at[part], mask=live, other=MASK)
+        l_s = plgpu.load(l_ref.at[part], mask=live, other=0.0)
+        a_s = load_rows(acc_ref, part, v_max, start[:, None], cols, cols_ok)
+        m_new = jnp.maximum(m, m_s)
+        alpha, beta = jnp.exp2(m - m_new), jnp.exp2(m_s - m_new)
+        return acc * alpha[:, None] + a_s * beta[:, None], m_new, l * alpha + l_s * beta
+
+    init = (jnp.zeros((ROWS, v_tile), jnp.float32), jnp.full((ROWS,), MASK, jnp.float32), jnp.zeros((ROWS,)))
+    acc, _, l = lax.fori_loop(0, count, fold, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    o_cols = cols_ref[tables.O_COLS] * 16
+    store_rows(out_ref, jnp.full((ROWS,), seq), o_cols, to[:, None], cols, out, cols_ok, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("v_max", "v_tile", "interpret"))
+def merge(out, acc, m, l, merge_dest, merge_range, units, rows, cols, *, v_max: int, v_tile: int, interpret=False):
+    """Flat packed output ``out`` [B * out_cols] with every split group's rows replaced by the merge of its partials.
+
+    acc [slots * ROWS * v_max] float32, m and l [slots * ROWS] float32 (log2 units); merge_dest, merge_range [M, 2]:
+    one layer's ``DecodeSchedule`` fields (seq -1: no group); units, rows, cols: the layer's ``tables.LayerTables``;
+    ``v_tile``: a tile as wide as the widest head's V columns."""
+    kernel = functools.partial(_merge_kernel, v_max=v_max, v_tile=v_tile, interpret=interpret)
+    args = [merge_dest, merge_range, units, rows, cols, acc, m, l, out]
+    return pl.pallas_call(
         kernel,
         grid=(merge_dest.shape[0],),
-        out_shape=jax.ShapeDtypeStruct((out.size,), out.dtype),
-        input_output_aliases={6: 0},
+        in_specs=[whole_block(x) for x in args],
+        out_specs=whole_block(out),
+        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
+        input_output_aliases={8: 0},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         name="kvjax_decode_merge",
-    )(merge_dest, merge_range, table, acc.reshape(-1), m, l, out.reshape(-1))
-    return merged.reshape(out.shape)
+    )(*args)

@@ -8,8 +8,9 @@ import numpy as np
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.kernel import paged_decode
-from kvjax.ops.decode.plan import DecodeSchedule, bucket, compiled_shape
+from kvjax.ops.decode.plan import DecodeSchedule, as_layouts, bucket, compiled_shape
 from kvjax.ops.decode.planner import DecodePlanner
+from kvjax.ops.decode.tables import kernel_groups
 
 
 class DecodeOp:
@@ -35,6 +36,7 @@ class DecodeOp:
         chunk = -(-config.fixed_chunk_tokens // page_size) if batch_invariant else 0
         splits = bucket(-(-pages_per_seq // chunk)) if chunk else 0
         self.config, self.interpret = config, interpret
+        self.groups = kernel_groups(as_layouts(layouts), config)  # the layers that share each compiled kernel
         shape = compiled_shape(layouts, max_batch, num_programs, config=config, splits=splits)
         self.planner = DecodePlanner(
             layouts, page_size, num_programs, config=config, chunk_pages=chunk, splits=splits, shape=shape
@@ -51,5 +53,11 @@ class DecodeOp:
         return self._schedule
 
     def run(self, q, k_pages, v_pages, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout):
-        """One layer's attention (``schedule``: that layer's, ``DecodeSchedule.layer``); see ``paged_decode``."""
-        return paged_decode(q, k_pages, v_pages, block_table, lengths, schedule, layout, interpret=self.interpret)
+        """One layer's attention (``schedule``: that layer's, ``DecodeSchedule.layer``; ``layout``: one of the op's
+        layouts); see ``paged_decode``."""
+        shared = self.groups.get(layout)
+        if shared is None:
+            raise ValueError(f"{layout} is not one of the layouts this decode op was built for")
+        return paged_decode(
+            q, k_pages, v_pages, block_table, lengths, schedule, layout, interpret=self.interpret, shared=shared
+        )

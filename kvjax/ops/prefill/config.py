@@ -25,8 +25,6 @@ class PrefillConfig:
     num_stages: int = 3
 
     def __post_init__(self):
-        if not isinstance(self.balanced, bool):
-            raise ValueError(f"balanced must be a bool, got {self.balanced!r}")
         validate.int_fields(self, at_least_one=tuple(f.name for f in dataclasses.fields(self) if f.name != "balanced"))
         tiles = self.tile_widths
         if not isinstance(tiles, tuple) or not tiles or any(not _pow2_at_least_16(t) for t in tiles):

@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
 from kvjax.ops.grouped import visible
-from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, store_rows
+from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, store_rows, whole_block
 from kvjax.ops.prefill import plan
 from kvjax.ops.prefill.config import PREFILL, PrefillConfig
 
@@ -173,14 +173,6 @@ def _kernel(items_ref, lengths_ref, starts_ref, heads_ref, cols_ref, *refs, clas
         lax.switch(heads_ref[kv, plan.CLASS], [lambda *a, f=f: f(*a) for f in branches], item, head, cols)
 
 
-def _whole(x) -> pl.BlockSpec:
-    """The whole array as every program's block; a flat array's length stays out of the kernel's code (an element
-    offset, not a block size), so layers of other widths share the compiled kernel."""
-    if len(x.shape) == 1:
-        return pl.BlockSpec((pl.Element(x.shape[0]),), lambda i: (0,))
-    return pl.BlockSpec(x.shape, lambda i: (0,) * len(x.shape))
-
-
 @functools.partial(jax.jit, static_argnames=("layout", "config", "interpret", "shared"))
 def prefill_attention(
     q,
@@ -262,8 +254,8 @@ def prefill_attention(
     res = pl.pallas_call(
         kernel,
         grid=(items.shape[0],),
-        in_specs=[_whole(x) for x in args],
-        out_specs=[_whole(x) for x in out_shape],
+        in_specs=[whole_block(x) for x in args],
+        out_specs=[whole_block(x) for x in out_shape],
         out_shape=out_shape,
         input_output_aliases=aliases,
         interpret=interpret,

@@ -1,0 +1,138 @@
+"""What the decode kernels compile for, and the tables they read at run time: run classes shared by a model's layers,
+and each layer's unit and row tables.
+
+A class is a run's head count and the tiles of its K and V pieces (``pieces``). Everything else about a run (its
+widths, where each head's rows and columns sit, the layer's row widths) travels in int32 tables that the kernel
+and the merge read at run time, in units of 16 so the compiler still sees 16-aligned vectors. So the code of the
+decode and merge kernels depends on the classes of the layers that share them (``kernel_groups``), never on the
+layer, and XLA compiles each once for its group instead of once per layer (bench/RESULTS.md "Engine: compile
+times").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvjax.layout import HeadLayout
+from kvjax.ops.decode.config import DecodeConfig
+from kvjax.ops.decode.cost import ROWS
+from kvjax.ops.decode.units import Run, head_runs
+from kvjax.ops.pallas_util import column_offsets
+from kvjax.ops.tiles import segments
+
+# Columns of a unit's row in the unit table: its class, its first head's column in packed q, K, V and output rows,
+# and the width of its last K and last V piece.
+CLASS, Q_OFF, K_OFF, V_OFF, O_OFF, K_LAST, V_LAST = range(7)
+UNIT_FIELDS = 7
+# Fields of the row table, each a vector over the score tile's rows (row ``i * G + g``: query g of the run's head
+# i): the head's first column and width among the run's K and V columns, and where the row's query starts in a
+# packed q row and its output in a packed output row, relative to the unit's offsets, less the head's first column.
+K_START, K_WIDTH, V_START, V_WIDTH, Q_ROW, O_ROW = range(6)
+ROW_FIELDS = 6
+# Entries of a layer's row widths: packed q, K, V and output.
+Q_COLS, K_COLS, V_COLS, O_COLS = range(4)
+
+
+def pieces(cols: int, config: DecodeConfig) -> tuple[tuple[int, int, int], ...]:
+    """How the kernel reads a run's ``cols`` K (or V) columns: (start, tile, columns) power-of-two pieces."""
+    return segments(cols, config.max_segments, config.piece_saving)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunClass:
+    """Runs that share code: ``num_heads`` heads whose K and V columns are read as pieces of these tiles.
+    ``*_exact``: every run of the class fills its last piece, so those loads need no column mask."""
+
+    num_heads: int
+    k_tiles: tuple[int, ...]
+    v_tiles: tuple[int, ...]
+    k_exact: bool = True
+    v_exact: bool = True
+
+    @property
+    def key(self) -> tuple:
+        return self.num_heads, self.k_tiles, self.v_tiles
+
+    @property
+    def k_cols(self) -> int:
+        """Tile columns of K (the columns every step computes on)."""
+        return sum(self.k_tiles)
+
+    @property
+    def v_cols(self) -> int:
+        return sum(self.v_tiles)
+
+
+def _key(run: Run, config: DecodeConfig) -> tuple:
+    tiles = (tuple(t for _, t, _ in pieces(c, config)) for c in (run.k_cols, run.v_cols))
+    return (run.num_heads, *tiles)
+
+
+def _fills(cols: int, config: DecodeConfig) -> bool:
+    _, t, c = pieces(cols, config)[-1]
+    return t == c
+
+
+def run_classes(layouts, config: DecodeConfig) -> tuple[RunClass, ...]:
+    """The classes of every run of ``layouts`` (the layers that share the kernels), in first-seen order."""
+    exact: dict[tuple, list[bool]] = {}
+    for layout in layouts:
+        for run in head_runs(layout, config):
+            fills = exact.setdefault(_key(run, config), [True, True])
+            fills[0] &= _fills(run.k_cols, config)
+            fills[1] &= _fills(run.v_cols, config)
+    return tuple(RunClass(*key, *fills) for key, fills in exact.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTables:
+    """One layer's run-time tables (int32, widths and offsets in units of 16)."""
+
+    units: np.ndarray  # [units * UNIT_FIELDS]
+    rows: np.ndarray  # [units * ROW_FIELDS * ROWS]
+    cols: np.ndarray  # [4]: row widths of packed q, K, V and output
+
+
+def layer_tables(layout: HeadLayout, classes: tuple[RunClass, ...], config: DecodeConfig, units: int) -> LayerTables:
+    """The tables of ``layout``'s runs (``units.head_runs``) for kernels compiled for ``classes``, padded to
+    ``units`` runs (the most any shared layer has); rows past a run's heads are zero (width 0: no head)."""
+    offs = column_offsets(layout)
+    keys = [c.key for c in classes]
+    g = layout.group_size
+    unit = np.zeros((units, UNIT_FIELDS), np.int32)
+    row = np.zeros((units, ROW_FIELDS, ROWS), np.int32)
+    for u, run in enumerate(head_runs(layout, config)):
+        k_last, v_last = (pieces(c, config)[-1][2] for c in (run.k_cols, run.v_cols))
+        at = [offs[n][run.first] for n in "qkvo"]
+        unit[u] = (keys.index(_key(run, config)), *at, k_last, v_last)
+        for i, (ks, kw, vs, vw) in enumerate(zip(run.k_starts, run.k_widths, run.v_starts, run.v_widths)):
+            for j in range(g):
+                row[u, :, i * g + j] = ks, kw, vs, vw, (g - 1) * ks + j * kw, (g - 1) * vs + j * vw
+    unit[:, 1:] //= 16
+    cols = np.array([layout.q_cols, layout.k_cols, layout.v_cols, layout.out_cols], np.int32) // 16
+    return LayerTables(unit.ravel(), (row // 16).ravel(), cols)
+
+
+def kernel_groups(layouts, config: DecodeConfig) -> dict[HeadLayout, tuple[HeadLayout, ...]]:
+    """Each layout's kernel group: the layouts whose runs share its compiled kernels. Layers whose runs fall in the
+    same classes always share; groups then merge, largest first, while their classes together stay within
+    ``config.kernel_classes`` (compile time grows faster than a kernel's classes: bench/RESULTS.md "Engine: compile
+    times")."""
+    layouts = tuple(dict.fromkeys(layouts))
+    sets = {lay: frozenset(_key(run, config) for run in head_runs(lay, config)) for lay in layouts}
+    groups: list[set] = []  # each group's classes
+    for classes in sorted(set(sets.values()), key=lambda c: (-len(c), sorted(c))):
+        fits = [g for g in groups if len(g | classes) <= config.kernel_classes]
+        if fits:
+            min(fits, key=lambda g: len(g | classes) - len(g)).update(classes)
+        else:
+            groups.append(set(classes))
+    member = {lay: next(i for i, g in enumerate(groups) if sets[lay] <= g) for lay in layouts}
+    return {lay: tuple(other for other in layouts if member[other] == member[lay]) for lay in layouts}
+
+
+def most_units(layouts, config: DecodeConfig) -> int:
+    """The most runs any of ``layouts`` is cut into."""
+    return max(len(head_runs(layout, config)) for layout in layouts)

@@ -1,0 +1,34 @@
+"""The Triton IR of a function's Pallas kernels, lowered for CUDA sm_90 on a machine without a GPU: what XLA would
+compile, for tests (layers share one compiled kernel) and for offline resource counts (``bench/resources.py``)."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+
+
+def triton_modules(fn, args) -> list[str]:
+    """The Triton IR of every Pallas kernel call in ``fn(*args)``, in call order."""
+    # Pallas asks the GPU for its compute capability while lowering: the lookup answers 9.0 meanwhile
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    captured = []
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **kwargs):
+        result = lower(*a, **kwargs)
+        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    gpu_info = registration.gpu_info_lib
+    registration.gpu_info_lib = types.SimpleNamespace(  # type: ignore[assignment]  # a stand-in for the module
+        get_gpu_info=lambda: types.SimpleNamespace(compute_capability="9.0")
+    )
+    registration.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        registration.gpu_info_lib = gpu_info
+        registration.lowering.lower_jaxpr_to_triton_module = lower
+    return captured
