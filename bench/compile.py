@@ -1,6 +1,7 @@
 """Compile time of the attention kernels for a whole model (random Llama-3.1-8B rank plans, 32 layers, bf16): the
 prefill kernel over every layer (one kernel shared by all layers, ``prefill_attention(shared=...)``), with and without
-a cached prefix, and the decode op over every layer (one kernel per layer's layout). Each is lowered and compiled by
+a cached prefix, and the decode op over every layer (one decode and one merge kernel shared by all layers,
+``DecodeOp``). Each is lowered and compiled by
 XLA on its own, timed by the host. Table: bench/RESULTS.md "Engine: compile times"."""
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from harness import log, on_gpu, rank_plan
+from harness import log, on_gpu, rank_plan, with_knobs
 
+from kvjax.ops.decode.config import DECODE
 from kvjax.ops.decode.op import DecodeOp
+from kvjax.ops.decode.tables import kernel_groups, run_classes
 from kvjax.ops.prefill.config import PREFILL
 from kvjax.ops.prefill.kernel import prefill_attention
 from kvjax.ops.prefill.plan import tile_classes
@@ -69,11 +72,11 @@ def prefill_case(layouts, t: int, page_size: int = 16):
     return run, args
 
 
-def decode_case(layouts, batch: int, ctx: int, page_size: int = 16):
+def decode_case(layouts, batch: int, ctx: int, page_size: int = 16, config=DECODE):
     """A function running the decode op of every layer for ``batch`` sequences of ``ctx`` tokens, and its arguments."""
     widest = max(layouts, key=lambda lay: lay.q_cols + lay.k_cols + lay.v_cols)
     pps = -(-ctx // page_size)
-    op = DecodeOp(layouts, page_size, pps, max_batch=batch)
+    op = DecodeOp(layouts, page_size, pps, max_batch=batch, config=config)
     lengths = np.full(batch, ctx, np.int32)
     schedule = op.plan(lengths)
     rng = np.random.default_rng(0)
@@ -104,25 +107,46 @@ def main(argv=None) -> None:
     ap.add_argument("--rates", default="0,0.5,0.7", help="compression rates, comma-separated (default 0,0.5,0.7)")
     ap.add_argument("--layers", type=int, default=32, help="layers of the model (default 32)")
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk tokens (default 2048)")
+    ap.add_argument(
+        "--knob", action="append", default=[], metavar="NAME=VALUE", help="a DecodeConfig field (repeatable)"
+    )
+    ap.add_argument("--decode-only", action="store_true", help="compile the decode op only")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     if not on_gpu():
         raise SystemExit("bench/compile.py compiles the GPU kernels")
+    config = with_knobs(DECODE, args.knob)
     rows = []
-    print("\n| rate | width classes (prefill) | prefill s | prefill after a prefix s | decode s (32 x 2K) |")
-    print("|---|---|---|---|---|")
+    print(
+        "\n| rate | width classes (prefill) | prefill s | prefill after a prefix s | decode kernels (run classes) | "
+        "decode s (32 x 2K) |\n|---|---|---|---|---|---|"
+    )
     for rate in map(float, args.rates.split(",")):
         layouts = rank_plan(rate, args.layers)
-        run, pargs = prefill_case(layouts, args.chunk)
-        pre = [compile_seconds(functools.partial(run, prefix=p), *pargs) for p in (False, True)]
-        log(f"rate {rate}: prefill compiled")
-        run, dargs = decode_case(layouts, 32, 2048)
+        pre = [float("nan")] * 2
+        if not args.decode_only:
+            run, pargs = prefill_case(layouts, args.chunk)
+            pre = [compile_seconds(functools.partial(run, prefix=p), *pargs) for p in (False, True)]
+            log(f"rate {rate}: prefill compiled")
+        run, dargs = decode_case(layouts, 32, 2048, config=config)
         dec = compile_seconds(run, *dargs)
         classes = len(tile_classes(layouts, PREFILL.tile_widths))
+        groups = set(kernel_groups(layouts, config).values())
+        kernels, run_cls = len(groups), sum(len(run_classes(g, config)) for g in groups)
         rows.append(
-            dict(rate=rate, layers=args.layers, classes=classes, prefill_s=pre[0], prefix_s=pre[1], decode_s=dec)
+            dict(
+                rate=rate,
+                layers=args.layers,
+                classes=classes,
+                prefill_s=pre[0],
+                prefix_s=pre[1],
+                decode_kernels=kernels,
+                decode_classes=run_cls,
+                decode_s=dec,
+                knobs=args.knob,
+            )
         )
-        print(f"| {rate} | {classes} | {pre[0]:.1f} | {pre[1]:.1f} | {dec:.1f} |", flush=True)
+        print(f"| {rate} | {classes} | {pre[0]:.1f} | {pre[1]:.1f} | {kernels} ({run_cls}) | {dec:.1f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)

@@ -263,12 +263,12 @@ def main(argv=None) -> None:
             log(f"rate {rate}, {batch} x {ctx}")
             rows.append(run_shape(model, rate, batch, ctx, args, bandwidth))
             print_rows(rows[-1:])
+            if args.json:  # after every row: a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump(dict(device=jax.devices()[0].device_kind, bandwidth=bandwidth, rows=rows), f, indent=1)
         del model
     print_rows(rows)
     print_top_kernels(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, bandwidth=bandwidth, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
