@@ -7,7 +7,8 @@ row of the schedule folds its group's slots in chunk order with the online-softm
 slots the plan used, and the result depends on the group alone (the batch-invariant plans rely on this). Each row
 reads and writes its own head's columns (the layer's row table, ``tables``), so the tile is one head wide, and lands
 at its place in the packed output, which is updated in place: rows of groups that were not split keep what the
-decode kernel wrote. Widths and offsets are read at run time, so one compiled merge serves every layer.
+decode kernel wrote. Widths and offsets are read at run time, so the layers of a kernel group share one compiled
+merge.
 """
 
 from __future__ import annotations
