@@ -1,8 +1,8 @@
 """Compile time of the attention kernels for a whole model (random Llama-3.1-8B rank plans, 32 layers, bf16): the
 prefill kernel over every layer (one kernel shared by all layers, ``prefill_attention(shared=...)``), with and without
-a cached prefix, and the decode op over every layer (one decode and one merge kernel shared by all layers,
-``DecodeOp``). Each is lowered and compiled by
-XLA on its own, timed by the host. Table: bench/RESULTS.md "Engine: compile times"."""
+a cached prefix, and the decode op over every layer (a decode and a merge kernel for each group of layers that share
+them, ``tables.kernel_groups``; ``--knob`` sets DecodeConfig fields such as ``kernel_classes``). Each is lowered and
+compiled by XLA on its own, timed by the host. Table: bench/RESULTS.md "Engine: compile times"."""
 
 from __future__ import annotations
 
