@@ -2,12 +2,15 @@
 one request run first so every step is compiled (compile times reported), then prompts prefilled through the
 continuous-batching runner in chunks, then decode steps in steady state timed twice,
 by the host's clock (wall per step, the runner's own loop) and by CUPTI (the step's kernels, summed), beside the floor
-(weights + K/V bytes read per step over the measured copy bandwidth) and split into GEMMs, attention and the rest.
+(weights + K/V bytes read per step over the measured copy bandwidth) and split into GEMMs, attention and the rest;
+then the same step enqueued back to back without the runner (its span: kernels and the gaps between them), which
+tells the host's share of wall over device from the gaps'.
 Table: bench/RESULTS.md "Engine: decode step beside the floor"."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import time
 
@@ -22,8 +25,9 @@ import kvjax
 from kvjax.compression import RankPlan
 from kvjax.models.config import ModelConfig
 from kvjax.models.transformer import Transformer
+from kvjax.runtime import engine as engine_module
 from kvjax.runtime.cache import bytes_per_token
-from kvjax.runtime.engine import Engine
+from kvjax.runtime.engine import Engine, Rows
 from kvjax.runtime.runner import Runner
 from kvjax.runtime.scheduler import Request
 
@@ -125,6 +129,7 @@ def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
     kernels = cupti_steps(runner, args.steps)
     if any(r.finish_time is not None for r in requests):
         raise RuntimeError("a request finished while the steps were timed: the batch was not full")
+    span = back_to_back(engine, requests, args.steps)
     split = {"gemm": 0.0, "attention": 0.0, "rest": 0.0}
     by_name: dict[str, float] = {}
     for name, ms in kernels:
@@ -143,6 +148,9 @@ def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
         floor_ms=floor * 1e3,
         pct_of_floor=100 * floor / device,
         wall_over_device=wall / device,
+        span_ms=span * 1e3,
+        span_over_device=span / device,
+        wall_over_span=wall / span,
         tokens_per_s=batch / wall,
         gemm_ms=split["gemm"] * 1e3,
         attention_ms=split["attention"] * 1e3,
@@ -152,11 +160,29 @@ def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
         prefill_s=prefill_s,
         warm_up_s=warm_up_s,
         chunk_tokens=args.chunk_tokens,
+        xla_options=dict(engine_module.COMPILER_OPTIONS),
         compiles_while_timed=sum(compile_times(since)[f"{s}_compiles"] for s in ("decode", "prefill")),
         top_kernels_ms=[(name[:80], ms) for name, ms in top],
         kernels_ms=by_name,
         **compiled,
     )
+
+
+def back_to_back(engine: Engine, requests: list[Request], steps: int) -> float:
+    """Seconds per decode step when the same step (the requests' rows as they stand) is enqueued ``steps`` times
+    with nothing else on the host: the device's span of a step, its kernels and the gaps between them. Wall over
+    span is then what the runner's host work adds, span over CUPTI's sum what the gaps add."""
+    meta = Rows.empty(engine.max_batch, engine.pages_per_seq)
+    positions, active = np.zeros(engine.max_batch, np.int32), np.zeros(engine.max_batch, bool)
+    for r in requests:
+        meta.set(r.slot, r.pages, r.seed, r.stream, len(r.tokens), r.temperature, r.top_p)
+        positions[r.slot], active[r.slot] = len(r.prompt) + len(r.tokens) - 1, True
+    engine.decode(positions, active, meta).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.decode(positions, active, meta)
+    engine.slot_tokens.block_until_ready()
+    return (time.perf_counter() - t0) / steps
 
 
 def prefill_sweep(model, rate, batch, ctx, chunks: list[int]) -> list[dict]:
@@ -204,9 +230,9 @@ def print_rows(rows: list[dict]) -> None:
     print(
         "\n| rate | B x ctx | wall ms/step | device ms/step | floor ms | % of floor | wall/device | tok/s | "
         "GEMM ms | attention ms | rest ms | kernels/step | prefill tok/s (chunk) | "
-        "compile s: decode / prefill (variants) | compiles while timed |"
+        "compile s: decode / prefill (variants) | compiles while timed | span/device | wall/span |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['rate']} | {r['batch']} x {r['ctx']} | {r['wall_ms']:.2f} | {r['device_ms']:.2f} | "
@@ -214,7 +240,7 @@ def print_rows(rows: list[dict]) -> None:
             f"{r['gemm_ms']:.2f} | {r['attention_ms']:.2f} | {r['rest_ms']:.2f} | {r['kernels_per_step']:.0f} | "
             f"{r['prefill_tok_s']:.0f} ({r['chunk_tokens']}) | "
             f"{r['decode_compile_s']:.1f} / {r['prefill_compile_s']:.1f} ({r['prefill_compiles']}) | "
-            f"{r['compiles_while_timed']} |",
+            f"{r['compiles_while_timed']} | {r['span_over_device']:.3f} | {r['wall_over_span']:.3f} |",
             flush=True,
         )
 
@@ -238,10 +264,20 @@ def main(argv=None) -> None:
         "--prefill-chunks",
         help="instead of decode: prompt tokens/s at these chunk budgets (comma-separated), at the first shape",
     )
+    ap.add_argument(
+        "--xla-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an XLA option for the engine's steps over its own (repeatable), e.g. xla_gpu_autotune_level=0",
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     if not on_gpu():
         raise SystemExit("bench/engine.py times the engine on a GPU (CUPTI)")
+    for pair in args.xla_option:
+        name, _, value = pair.partition("=")
+        engine_module.COMPILER_OPTIONS[name] = ast.literal_eval(value)
     bandwidth = copy_bandwidth()
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
