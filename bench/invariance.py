@@ -124,9 +124,19 @@ def _prefill_logits(model, engine, tokens, lengths, table):
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     ks, vs = list(engine.cache.k), list(engine.cache.v)
 
-    def attend(i, q, k, v, rebuild=None):
+    def attend(i, q, k, v, rebuild=None, rotation=None):
         o, ks[i], vs[i] = attention.prefill(
-            q, k, v, module.layouts[i], ks[i], vs[i], table, lengths, op=engine.prefill_op, rebuild=rebuild
+            q,
+            k,
+            v,
+            module.layouts[i],
+            ks[i],
+            vs[i],
+            table,
+            lengths,
+            op=engine.prefill_op,
+            rebuild=rebuild,
+            rotation=rotation,
         )
         return o
 

@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import os
 
 import jax.numpy as jnp
@@ -112,6 +113,36 @@ def test_compressed_model_runs_everywhere(method, tmp_path):
         small.save(str(tmp_path / "ckpt"))
     with pytest.raises(ValueError, match="already compressed"):
         kvjax.compress(small, removal_rate=0.1)
+
+
+def test_a_format_1_checkpoint_loads_with_its_rotations_packed(tmp_path):
+    """Format 1 stored a ZACK layer's rotation per group, zero-padded to the widest ([Hkv, d, W]); it loads into
+    today's packed [d, k_cols] and gives the same logits."""
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    model = kvjax.Model.random(dataclasses.replace(WIDE["mistral"], num_heads=8, num_kv_heads=4), seed=3, scale=5.0)
+    small = kvjax.compress(model, target_rate=0.4, num_tokens=256, seq_len=64, progress=False)
+    assert any(len(set(lay.k_widths)) > 1 for lay in small.layouts)  # groups of other widths: padding shows
+    small.save(str(tmp_path / "ckpt"))
+    params = nnx.to_pure_dict(nnx.state(small.module, nnx.Param))
+    for layout, layer in zip(small.layouts, params["layers"].values()):
+        packed, width = np.asarray(layer["attn"]["qk_rotation"]), max(layout.k_widths)
+        old = np.zeros((layout.num_kv_heads, layout.head_dim, width), packed.dtype)
+        for g, (start, w) in enumerate(zip(kvjax.layout.HeadLayout.offsets(layout.k_widths), layout.k_widths)):
+            old[g, :, :w] = packed[:, start : start + w]
+        layer["attn"]["qk_rotation"] = old
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(str(tmp_path / "old" / "params"), params)
+    checkpointer.wait_until_finished()
+    for part in ("plan.json", "tokenizer"):
+        if (tmp_path / "ckpt" / part).exists():
+            os.rename(tmp_path / "ckpt" / part, tmp_path / "old" / part)
+    meta = json.loads((tmp_path / "ckpt" / "kvjax.json").read_text())
+    (tmp_path / "old" / "kvjax.json").write_text(json.dumps({**meta, "format": 1}))
+    back = kvjax.load(str(tmp_path / "old"), dtype="float32")
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    np.testing.assert_array_equal(np.asarray(back.logits(prompt)), np.asarray(small.logits(prompt)))
 
 
 @pytest.mark.parametrize("method", ["zack", "palu"])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvjax.layout import HeadLayout
+from kvjax.models.rotation import packed_query
 from kvjax.ops import attention
 from kvjax.ops.decode.config import DECODE
 from kvjax.ops.decode.kernel import paged_decode
@@ -216,6 +217,21 @@ def test_every_layer_of_a_shared_kernel_matches_the_reference(dtype):
         assert out.shape == (len(lengths), layout.out_cols)
         tol = 1e-4 if dtype == jnp.float32 else 1e-2
         assert rel_err(out, reference(q, k, v, table, lens, layout)) < tol, layout
+
+
+def test_a_wide_query_gives_the_packed_querys_output():
+    """ZACK's wide q (every head on every packed K column, ``QKRotation.wide``) gives each layer the output of its
+    packed q, exactly: the kernel reads each head's own columns, whatever the other columns hold."""
+    lengths = [90, 7, 200]
+    op, schedule, inputs = layers_case(lengths, jnp.bfloat16)
+    rng = np.random.default_rng()
+    for i, (layout, (_, k, v, table, lens)) in enumerate(zip(LAYERS, inputs)):
+        wide = jnp.asarray(rng.standard_normal((len(lengths), layout.num_heads + 1, layout.k_cols)), jnp.bfloat16)
+        out = op.run(wide, k, v, table, lens, schedule.layer(i), layout)
+        packed = op.run(packed_query(wide, layout), k, v, table, lens, schedule.layer(i), layout)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(packed, np.float32))
+    with pytest.raises(ValueError, match="a wide q must be"):
+        op.run(wide[:, :2], k, v, table, lens, schedule.layer(0), LAYERS[0])
 
 
 def test_layers_of_other_widths_lower_to_one_kernel():

@@ -135,7 +135,9 @@ def _layer_grams(graphdef, state, x, positions, valid, inv_freq, layout):
         rows = rows.astype(jnp.float32) * w
         return jnp.einsum("btgnd,btgne->gde", rows, rows, precision="highest")
 
-    def attend(i, q, k, v, rebuild=None):
+    def attend(i, q, k, v, rebuild=None, rotation=None):
+        if rebuild is not None or rotation is not None:
+            raise ValueError("calibration runs on an uncompressed model")
         kh = k.reshape(b, t, hkv, 1, d)
         grams["q"] = gram(q.reshape(b, t, hkv, -1, d))
         grams["k"] = gram(kh)

@@ -19,7 +19,8 @@ from flax import nnx
 
 from kvjax.compression.once import jit_once
 from kvjax.models.model import Model
-from kvjax.models.transformer import Transformer, group_rotations
+from kvjax.models.rotation import packed_rotation
+from kvjax.models.transformer import Transformer
 
 
 def _kept(widths, d: int) -> jnp.ndarray:
@@ -114,7 +115,7 @@ def fold(model: Model, plan, bases: dict) -> Model:
         )
         values.update({(*a, "v", "kernel"): wv, (*a, "o", "kernel"): wo, (*a, "v", "bias"): bv})
         if plan.method == "zack":
-            values[(*a, "qk_rotation")] = group_rotations(down["k"], layout.k_widths)
+            values[(*a, "qk_rotation")] = packed_rotation(down["k"], layout.k_widths)
         else:
             wk, bk, k_ups = fold_k_lowrank(w["k", "kernel"], w["k", "bias"], down["k"], up["k"], widths=layout.k_widths)
             values.update({(*a, "k", "kernel"): wk, (*a, "k", "bias"): bk})

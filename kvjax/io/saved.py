@@ -22,7 +22,9 @@ from kvjax.errors import CheckpointError
 from kvjax.io import atomic
 from kvjax.io.hf import json_error, one_line, read_json, some
 
-FORMAT = 1
+# 2: a ZACK layer's qk_rotation is [d, k_cols] (``models.rotation``); format 1 stored it per group, zero-padded to
+# the widest group, [Hkv, d, W], and loads as such, converted.
+FORMAT = 2
 PARTS = ("kvjax.json", "plan.json", "params", "tokenizer")  # everything a checkpoint directory may hold
 
 
@@ -94,7 +96,7 @@ def load_saved(directory: str, dtype):
 
     directory, dtype = os.path.abspath(directory), jnp.dtype(dtype)
     plan_file, params_dir = os.path.join(directory, "plan.json"), os.path.join(directory, "params")
-    cfg, saved_dtype, parts = _read_meta(directory)
+    cfg, saved_dtype, parts, fmt = _read_meta(directory)
     plan = _read_plan(plan_file)
     try:
         module = nnx.eval_shape(lambda: Transformer(cfg, plan=plan, dtype=saved_dtype, rngs=nnx.Rngs(0)))
@@ -105,26 +107,47 @@ def load_saved(directory: str, dtype):
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(nnx.state(module, nnx.Param))
     )
+    if fmt == 1:
+        _format1_rotations(abstract, module.layouts, lambda shape, old: jax.ShapeDtypeStruct(shape, old.dtype))
     checkpointer = ocp.StandardCheckpointer()
     saved = _orbax_metadata(checkpointer, params_dir)
     _check_params(params_dir, _flat(saved), _flat(abstract), plan_may_be_missing=parts is None and plan is None)
     restored = _restore(checkpointer, params_dir, abstract)
     _check_values(params_dir, restored, dtype)
+    if fmt == 1:
+        _format1_rotations(restored, module.layouts, None)
     state = nnx.state(module, nnx.Param)
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.asarray(x, dtype), restored))
     nnx.update(module, state)
     return module, _read_tokenizer(os.path.join(directory, "tokenizer")), plan
 
 
+def _format1_rotations(params: dict, layouts, abstract) -> None:
+    """Each ZACK layer's ``qk_rotation`` in ``params`` (a pure dict), in place: with ``abstract`` (shape, old leaf)
+    -> leaf, the format-1 leaf to restore [Hkv, d, widest]; else the restored format-1 value packed [d, k_cols]."""
+    from kvjax.models.rotation import packed_rotation
+
+    for i, layout in enumerate(layouts):
+        attn = params["layers"][i]["attn"]
+        if "qk_rotation" not in attn:
+            continue
+        old = attn["qk_rotation"]
+        if abstract is not None:
+            shape = (layout.num_kv_heads, layout.head_dim, max(layout.k_widths))
+            attn["qk_rotation"] = abstract(shape, old)
+        else:
+            attn["qk_rotation"] = packed_rotation(old, layout.k_widths)
+
+
 def _read_meta(directory: str):
-    """(config, saved dtype, parts or None) from ``kvjax.json``, every part it lists present."""
+    """(config, saved dtype, parts or None, format) from ``kvjax.json``, every part it lists present."""
     from kvjax.models.config import ModelConfig
 
     meta_file = os.path.join(directory, "kvjax.json")
     meta = read_json(meta_file)
     if not isinstance(meta, dict):
         raise CheckpointError(f"{meta_file}: expected a JSON object, got {type(meta).__name__}")
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in (1, FORMAT):
         raise CheckpointError(f"{meta_file}: unknown kvjax checkpoint format {meta.get('format')!r}")
     parts = meta.get("parts")
     if parts is not None and not (isinstance(parts, list) and all(isinstance(p, str) for p in parts)):
@@ -135,7 +158,7 @@ def _read_meta(directory: str):
     if not isinstance(meta.get("config"), dict) or not isinstance(meta.get("dtype"), str):
         raise CheckpointError(f"{meta_file}: needs a config object and a dtype name")
     try:
-        return ModelConfig.from_dict(meta["config"]), jnp.dtype(meta["dtype"]), parts
+        return ModelConfig.from_dict(meta["config"]), jnp.dtype(meta["dtype"]), parts, meta["format"]
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{meta_file}: bad config or dtype: {one_line(e)}") from None
 

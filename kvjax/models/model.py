@@ -19,7 +19,9 @@ def _full_logits(graphdef, state, tokens):
     module = nnx.merge(graphdef, state)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
-    def attend(i, q, k, v, rebuild=None):
+    def attend(i, q, k, v, rebuild=None, rotation=None):
+        if rotation is not None:
+            q, k = rotation.packed(q, k)
         return causal_attention(q, k, v, module.layouts[i], rebuild)
 
     return module.logits(module.hidden(tokens, positions, attend))

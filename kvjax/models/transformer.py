@@ -1,6 +1,6 @@
 """The decoder-only transformer shared by Llama, Mistral and Falcon (Flax nnx).
 
-The model knows nothing about caches or kernels: each layer hands its packed, post-RoPE q/k and v to an
+The model knows nothing about caches or kernels: each layer hands its post-RoPE q/k and v to an
 ``attend(layer, q, k, v)`` callback and projects whatever comes back. A full causal forward passes a dense
 attention; the engine passes one that writes the paged cache and reads it.
 """
@@ -11,15 +11,17 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from kvjax.layout import HeadLayout
 from kvjax.models.config import ModelConfig
 from kvjax.models.rope import apply_rope, inverse_frequencies
+from kvjax.models.rotation import QKRotation, identity_rotation
 
-# attend(layer, q, k, v[, rebuild_k]) -> attention output, all packed (see kvjax.layout). ``rebuild_k`` is passed
-# only by Palu-compressed layers, whose cached K is a pre-RoPE latent: rebuild_k(latent, positions) -> full K.
+# attend(layer, q, k, v, rebuild=None, rotation=None) -> attention output, packed (see kvjax.layout). q and k come
+# packed, except from ZACK layers, which pass them per head (H*d and Hkv*d columns) with the ``rotation``
+# (``rotation.QKRotation``) that packs them, so attention picks the form its op reads. ``rebuild`` is passed only
+# by Palu-compressed layers, whose cached K is a pre-RoPE latent: rebuild(latent, positions) -> full K.
 AttendFn = Callable[..., jax.Array]
 
 
@@ -61,10 +63,11 @@ class Norm(nnx.Module):
 class Attention(nnx.Module):
     """Self-attention whose cached K/V may be narrower than the heads (``layout`` widths).
 
-    ``method`` None: plain heads. "zack": q and k are rotated right after RoPE into each group's leading
-    ``k_widths[g]`` directions (``qk_rotation``), V comes out of ``v`` already rotated and truncated, and ``o`` reads
-    it back, so attention runs on the short vectors. "palu" (the baseline): ``k`` outputs a pre-RoPE latent of
-    ``k_widths[g]`` columns per head that ``rebuild_k`` expands (``k_up``) and rotates at every attention call.
+    ``method`` None: plain heads. "zack": q and k go to attention with the rotation into each group's leading
+    ``k_widths[g]`` directions after RoPE (``qk_rotation`` [d, k_cols], ``rotation.QKRotation``), V comes out of
+    ``v`` already rotated and truncated, and ``o`` reads it back, so attention runs on the short vectors. "palu"
+    (the baseline): ``k`` outputs a pre-RoPE latent of ``k_widths[g]`` columns per head that ``rebuild_k`` expands
+    (``k_up``) and rotates at every attention call.
     """
 
     def __init__(self, cfg: ModelConfig, layout: HeadLayout, method: str | None, *, dtype, rngs):
@@ -76,7 +79,7 @@ class Attention(nnx.Module):
         self.v = Linear(e, layout.v_cols, bias=bias, dtype=dtype, rngs=rngs)
         self.o = Linear(layout.out_cols, e, bias=bias, dtype=dtype, rngs=rngs)
 
-        self.qk_rotation = nnx.Param(_padded_eyes(layout, dtype)) if method == "zack" else None
+        self.qk_rotation = nnx.Param(identity_rotation(layout, dtype)) if method == "zack" else None
         self.k_up = (
             nnx.List([nnx.Param(jnp.eye(w, d, dtype=dtype)) for w in layout.k_widths]) if method == "palu" else None
         )
@@ -93,24 +96,13 @@ class Attention(nnx.Module):
             def rebuild(latent, pos):
                 return self.rebuild_k(latent, pos, inv_freq, layout)
 
-            return self.o(attend(layer, q.reshape(b, t, -1), self.k(x), self.v(x), rebuild))
+            return self.o(attend(layer, q.reshape(b, t, -1), self.k(x), self.v(x), rebuild=rebuild))
         k = apply_rope(heads(self.k(x), layout.num_kv_heads), positions, inv_freq)
+        q, k = q.reshape(b, t, -1), k.reshape(b, t, -1)
         if self.method == "zack":
-            q, k = self.rotate_qk(q, k, layout)
-        return self.o(attend(layer, q.reshape(b, t, -1), k.reshape(b, t, -1), self.v(x)))
-
-    def rotate_qk(self, q, k, layout: HeadLayout):
-        """Post-RoPE q [B,T,H,d] and k [B,T,Hkv,d] -> packed [B,T,q_cols] and [B,T,k_cols]: one batched
-        contraction each over every group's rotation, zero-padded to the widest, then the widths kept (one gather;
-        per-group matmuls and a concatenation cost a kernel each: bench/RESULTS.md "Engine: decode step beside
-        the floor")."""
-        b, t = q.shape[:2]
-        assert self.qk_rotation is not None  # ZACK layers only
-        rot = self.qk_rotation[...]  # [Hkv, d, W]
-        q = jnp.einsum("bthgd,hdw->bthgw", q.reshape(b, t, layout.num_kv_heads, layout.group_size, -1), rot)
-        k = jnp.einsum("bthd,hdw->bthw", k, rot)
-        q_cols, k_cols = packed_columns(layout, rot.shape[-1])
-        return _take_columns(q.reshape(b, t, -1), q_cols), _take_columns(k.reshape(b, t, -1), k_cols)
+            assert self.qk_rotation is not None
+            return self.o(attend(layer, q, k, self.v(x), rotation=QKRotation(self.qk_rotation[...], layout)))
+        return self.o(attend(layer, q, k, self.v(x)))
 
     def rebuild_k(self, latent, positions, inv_freq, layout: HeadLayout):
         """Palu: packed pre-RoPE latent [B,S,k_cols] at ``positions`` [B,S] -> full post-RoPE K [B,S,Hkv*d]."""
@@ -120,34 +112,6 @@ class Attention(nnx.Module):
             [latent[..., s : s + w] @ up[...] for s, w, up in zip(starts, layout.k_widths, self.k_up)], axis=2
         )
         return apply_rope(full, positions, inv_freq).reshape(*latent.shape[:2], -1)
-
-
-def group_rotations(bases: jax.Array, k_widths) -> jax.Array:
-    """The ``qk_rotation`` tensor [Hkv, d, W] from per-group bases [Hkv, d, >= W]: each group's first
-    ``k_widths[g]`` columns, zero past them (W: the widest)."""
-    width = max(k_widths)
-    keep = jnp.arange(width)[None, :] < jnp.asarray(k_widths)[:, None]  # [Hkv, W]
-    return jnp.where(keep[:, None, :], bases[:, :, :width], 0).astype(bases.dtype)
-
-
-def _padded_eyes(layout: HeadLayout, dtype) -> jax.Array:
-    """Identity rotations in the ``qk_rotation`` layout (``group_rotations``)."""
-    eye = jnp.eye(layout.head_dim, dtype=dtype)
-    return group_rotations(jnp.broadcast_to(eye, (layout.num_kv_heads, *eye.shape)), layout.k_widths)
-
-
-def packed_columns(layout: HeadLayout, width: int) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """Where each packed q and k column sits in rows of ``width`` columns per head (None: the rows are packed)."""
-    if all(w == width for w in layout.k_widths):
-        return None, None
-    g = layout.group_size
-    k = np.concatenate([h * width + np.arange(w) for h, w in enumerate(layout.k_widths)])
-    q = np.concatenate([(h * g + j) * width + np.arange(w) for h, w in enumerate(layout.k_widths) for j in range(g)])
-    return q, k
-
-
-def _take_columns(x, cols):
-    return x if cols is None else jnp.take(x, jnp.asarray(cols), axis=-1)
 
 
 class MLP(nnx.Module):

@@ -41,10 +41,14 @@ def prefill(
     *,
     op: PrefillOp | None = None,
     rebuild=None,
+    rotation=None,
 ):
     """Attention of prompt chunks [B, T, cols] (chunk b at positions ``starts[b]`` on, default 0) over themselves and
     the earlier chunks in the pages, their K/V written into the pages; returns (out, k_pages, v_pages). ``rebuild``
-    (Palu layers) rebuilds full K from the cached latent: reference only."""
+    (Palu layers) rebuilds full K from the cached latent: reference only. ``rotation`` (ZACK layers, with q and k
+    per head): packs them first."""
+    if rotation is not None:
+        q, k = rotation.packed(q, k)
     if op is not None and rebuild is None:
         return op.run(q, k, v, layout, lengths, k_pages, v_pages, block_table, starts)
     b, t = q.shape[:2]
@@ -71,12 +75,18 @@ def decode(
     op: DecodeOp | None = None,
     schedule=None,
     rebuild=None,
+    rotation=None,
 ):
     """One new token per sequence: its K/V [B, cols] written at position ``lengths - 1``, then its query [B, q_cols]
-    against the whole paged cache; returns (out, k_pages, v_pages). ``schedule``: this layer's (``op.plan``)."""
+    against the whole paged cache; returns (out, k_pages, v_pages). ``schedule``: this layer's (``op.plan``).
+    ``rotation`` (ZACK layers, with q and k per head): the kernel takes the wide q (one GEMM), the reference the
+    packed one."""
+    kernel = op is not None and rebuild is None
+    if rotation is not None:
+        q, k = rotation.wide(q, k) if kernel else rotation.packed(q, k)
     positions, valid = (lengths - 1)[:, None], jnp.ones((q.shape[0], 1), bool)
     k_pages = write_pages(k_pages, block_table, positions, k[:, None], valid)
     v_pages = write_pages(v_pages, block_table, positions, v[:, None], valid)
-    if op is None or rebuild is not None:
+    if op is None or not kernel:
         return paged_decode_attention(q, k_pages, v_pages, block_table, lengths, layout, rebuild), k_pages, v_pages
     return op.run(q, k_pages, v_pages, block_table, lengths, schedule, layout), k_pages, v_pages

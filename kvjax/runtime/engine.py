@@ -133,9 +133,20 @@ def _prefill_step(
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     ks, vs = list(cache.k), list(cache.v)
 
-    def attend(i, q, k, v, rebuild=None):
+    def attend(i, q, k, v, rebuild=None, rotation=None):
         out, ks[i], vs[i] = attention.prefill(
-            q, k, v, module.layouts[i], ks[i], vs[i], table, lengths, starts if prefix else None, op=op, rebuild=rebuild
+            q,
+            k,
+            v,
+            module.layouts[i],
+            ks[i],
+            vs[i],
+            table,
+            lengths,
+            starts if prefix else None,
+            op=op,
+            rebuild=rebuild,
+            rotation=rotation,
         )
         return out
 
@@ -152,7 +163,7 @@ def _decode_step(
     module = nnx.merge(graphdef, jax.tree.unflatten(structure, weights))
     ks, vs = list(cache.k), list(cache.v)
 
-    def attend(i, q, k, v, rebuild=None):
+    def attend(i, q, k, v, rebuild=None, rotation=None):
         out, ks[i], vs[i] = attention.decode(
             q[:, 0],
             k[:, 0],
@@ -164,6 +175,7 @@ def _decode_step(
             positions + 1,
             op=op,
             rebuild=rebuild,
+            rotation=rotation,
             schedule=None if schedule is None else schedule.layer(i),
         )
         return out[:, None]

@@ -270,7 +270,9 @@ def paged_decode(
 ):
     """One new query per sequence against its paged cache; equal to ``reference.paged_decode_attention``.
 
-    q [B, q_cols]; k_pages [num_pages, page_size, k_cols], v_pages likewise; block_table [B, pages_per_seq] int32;
+    q [B, q_cols] packed, or wide [B, >= H, k_cols] (``models.rotation.QKRotation.wide``: row h is query head h on
+    every packed K column; the kernel reads each head's own); k_pages [num_pages, page_size, k_cols], v_pages
+    likewise; block_table [B, pages_per_seq] int32;
     lengths [B] int32 (the new token included); schedule: one layer's ``DecodeSchedule`` built for these lengths
     or any they do not exceed (its ``config`` says how units were cut and how the kernel runs). Returns
     [B, out_cols] in q's dtype. Rows with length 0 are unspecified. ``shared``: the layouts of every layer that
@@ -284,7 +286,10 @@ def paged_decode(
     b = q.shape[0]
     num_pages, page_size, _ = k_pages.shape
     classes = tables.run_classes(shared, config)
-    layer = tables.layer_tables(layout, classes, config, tables.most_units(set(shared), config))
+    wide_rows = q.shape[1] if q.ndim == 3 else 0
+    if wide_rows and (wide_rows < layout.num_heads or q.shape[2] != layout.k_cols):
+        raise ValueError(f"a wide q must be [B, >= {layout.num_heads}, {layout.k_cols}], got {q.shape}")
+    layer = tables.layer_tables(layout, classes, config, tables.most_units(set(shared), config), wide_rows)
     units, rows_table, cols = (jnp.asarray(t) for t in (layer.units, layer.rows, layer.cols))
     v_max = max(c.v_cols for c in classes)  # partial rows hold a run's V tile columns
     rows = BLOCK_H * schedule.num_slots  # a partial slot has a row per row of the score tile

@@ -28,7 +28,7 @@ CLASS, Q_OFF, K_OFF, V_OFF, O_OFF, K_LAST, V_LAST = range(7)
 UNIT_FIELDS = 7
 # Fields of the row table, each a vector over the score tile's rows (row ``i * G + g``: query g of the run's head
 # i): the head's first column and width among the run's K and V columns, and where the row's query starts in a
-# packed q row and its output in a packed output row, relative to the unit's offsets, less the head's first column.
+# q row and its output in a packed output row, relative to the unit's offsets, less the head's first column.
 K_START, K_WIDTH, V_START, V_WIDTH, Q_ROW, O_ROW = range(6)
 ROW_FIELDS = 6
 # Entries of a layer's row widths: packed q, K, V and output.
@@ -95,9 +95,15 @@ class LayerTables:
     cols: np.ndarray  # [4]: row widths of packed q, K, V and output
 
 
-def layer_tables(layout: HeadLayout, classes: tuple[RunClass, ...], config: DecodeConfig, units: int) -> LayerTables:
+def layer_tables(
+    layout: HeadLayout, classes: tuple[RunClass, ...], config: DecodeConfig, units: int, wide_rows: int = 0
+) -> LayerTables:
     """The tables of ``layout``'s runs (``units.head_runs``) for kernels compiled for ``classes``, padded to
-    ``units`` runs (the most any shared layer has); rows past a run's heads are zero (width 0: no head)."""
+    ``units`` runs (the most any shared layer has); rows past a run's heads are zero (width 0: no head).
+
+    ``wide_rows`` > 0: q comes wide (``models.rotation.QKRotation.wide``: ``wide_rows`` rows of ``k_cols`` columns
+    a sequence, query head h in row h), so a row's query is its head's row at the K columns the row reads: the
+    kernel's one addressing (unit offset + row offset + K column) covers both forms."""
     offs = column_offsets(layout)
     keys = [c.key for c in classes]
     g = layout.group_size
@@ -106,12 +112,16 @@ def layer_tables(layout: HeadLayout, classes: tuple[RunClass, ...], config: Deco
     for u, run in enumerate(head_runs(layout, config)):
         k_last, v_last = (pieces(c, config)[-1][2] for c in (run.k_cols, run.v_cols))
         at = [offs[n][run.first] for n in "qkvo"]
+        if wide_rows:
+            at[0] = run.first * g * layout.k_cols + at[1]
         unit[u] = (keys.index(_key(run, config)), *at, k_last, v_last)
         for i, (ks, kw, vs, vw) in enumerate(zip(run.k_starts, run.k_widths, run.v_starts, run.v_widths)):
             for j in range(g):
-                row[u, :, i * g + j] = ks, kw, vs, vw, (g - 1) * ks + j * kw, (g - 1) * vs + j * vw
+                q_row = (i * g + j) * layout.k_cols if wide_rows else (g - 1) * ks + j * kw
+                row[u, :, i * g + j] = ks, kw, vs, vw, q_row, (g - 1) * vs + j * vw
     unit[:, 1:] //= 16
-    cols = np.array([layout.q_cols, layout.k_cols, layout.v_cols, layout.out_cols], np.int32) // 16
+    q_cols = wide_rows * layout.k_cols if wide_rows else layout.q_cols
+    cols = np.array([q_cols, layout.k_cols, layout.v_cols, layout.out_cols], np.int32) // 16
     return LayerTables(unit.ravel(), (row // 16).ravel(), cols)
 
 

@@ -1,0 +1,83 @@
+"""ZACK's post-RoPE Q/K rotation (DESIGN.md, "Q/K rotation shared per KV group"): each KV group's queries and key
+are projected on the group's first ``k_widths[g]`` basis directions, so scores are computed on the packed K columns
+the cache holds.
+
+The matrix holds every group's directions side by side, in the packed K column order. The product comes in two
+forms, for the attention ops to pick: ``packed`` (each query head on its own group's columns: the cache's and the
+references' layout) and ``wide`` (every head on every packed column in one GEMM, of which the decode kernel reads
+each head's own columns: no per-group matmuls, transposes or gathers of q in the step, bench/RESULTS.md "Engine:
+the Q/K rotation as one GEMM").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.layout import HeadLayout
+
+
+def packed_rotation(bases: jax.Array, k_widths) -> jax.Array:
+    """The rotation matrix [d, k_cols] from per-group bases [Hkv, d, >= max(k_widths)]: group g's first
+    ``k_widths[g]`` columns, groups side by side."""
+    return jnp.concatenate([bases[g, :, :w] for g, w in enumerate(k_widths)], axis=-1)
+
+
+def identity_rotation(layout: HeadLayout, dtype) -> jax.Array:
+    """The rotation that keeps each group's first ``k_widths[g]`` coordinates (a freshly built compressed model)."""
+    eye = jnp.eye(layout.head_dim, dtype=dtype)
+    return packed_rotation(jnp.broadcast_to(eye, (layout.num_kv_heads, *eye.shape)), layout.k_widths)
+
+
+@dataclasses.dataclass(frozen=True)
+class QKRotation:
+    """A ZACK layer's rotation as the model hands it to ``attend``, with post-RoPE q [..., H*d] and k [..., Hkv*d]."""
+
+    matrix: jax.Array  # [d, k_cols]: group g's directions in columns k_offsets[g] .. k_offsets[g] + k_widths[g]
+    layout: HeadLayout
+
+    def _columns(self):
+        lay = self.layout
+        return zip(HeadLayout.offsets(lay.k_widths), lay.k_widths)
+
+    def packed(self, q, k):
+        """(q [..., q_cols], k [..., k_cols]) packed as the cache is: per group, its query heads and its key times
+        its own directions."""
+        lay = self.layout
+        lead = q.shape[:-1]
+        qh = q.reshape(*lead, lay.num_kv_heads, lay.group_size, lay.head_dim)
+        kh = k.reshape(*lead, lay.num_kv_heads, lay.head_dim)
+        qs, ks = [], []
+        for g, (start, width) in enumerate(self._columns()):
+            r = self.matrix[:, start : start + width]
+            qs.append((qh[..., g, :, :] @ r).reshape(*lead, lay.group_size * width))
+            ks.append(kh[..., g, :] @ r)
+        return jnp.concatenate(qs, axis=-1), jnp.concatenate(ks, axis=-1)
+
+    def wide(self, q, k):
+        """For one token a row (q [B, H*d], k [B, Hkv*d]): (q [B, H + Hkv, k_cols], k [B, k_cols]). Row ``h`` of
+        the wide q is query head h on every packed column, of which only its group's are meaningful (rows past H
+        are the key heads); k is packed. One GEMM and one small fusion."""
+        lay = self.layout
+        b = q.shape[0]
+        rows = jnp.concatenate(
+            [q.reshape(b, lay.num_heads, lay.head_dim), k.reshape(b, lay.num_kv_heads, lay.head_dim)], axis=1
+        )
+        wide = rows @ self.matrix
+        # each packed key column from its own head's row: a select and a sum over the Hkv key rows, which XLA fuses
+        # into one small kernel (as a gather, XLA first transposed the whole wide block: 5 us a layer)
+        own = np.repeat(np.arange(lay.num_kv_heads), lay.k_widths)[None, :] == np.arange(lay.num_kv_heads)[:, None]
+        k = jnp.where(own, wide[:, lay.num_heads :], 0).sum(axis=1, dtype=wide.dtype)
+        return wide, k
+
+
+def packed_query(q_wide, layout: HeadLayout):
+    """A wide q [B, >= H, k_cols] (``QKRotation.wide``) packed: each query head on its own group's columns."""
+    g, starts = layout.group_size, HeadLayout.offsets(layout.k_widths)
+    heads = [(h * g + j, s, w) for h, (s, w) in enumerate(zip(starts, layout.k_widths)) for j in range(g)]
+    rows = np.concatenate([np.full(w, row) for row, _, w in heads])
+    cols = np.concatenate([np.arange(s, s + w) for _, s, w in heads])
+    return q_wide[:, rows, cols]
