@@ -1,6 +1,6 @@
-"""ZACK's post-RoPE Q/K rotation (DESIGN.md, "Q/K rotation shared per KV group"): each KV group's queries and key
-are projected on the group's first ``k_widths[g]`` basis directions, so scores are computed on the packed K columns
-the cache holds.
+"""ZACK's post-RoPE Q/K rotation (DESIGN.md section 1, "Zero-overhead application": q' = RoPE(E W_q) R_qk,k): each
+KV group's queries and key are projected on the group's first ``k_widths[g]`` basis directions, so scores are
+computed on the packed K columns the cache holds.
 
 The matrix holds every group's directions side by side, in the packed K column order. The product comes in two
 forms, for the attention ops to pick: ``packed`` (each query head on its own group's columns: the cache's and the
