@@ -11,20 +11,26 @@ from __future__ import annotations
 
 import argparse
 import ast
+import glob
 import json
+import os
+import re
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from harness import LLAMA_8B, copy_bandwidth, log, on_gpu, rank_plan
+from harness import LLAMA_8B, PLAN_FORMS, copy_bandwidth, log, on_gpu, rank_plan, with_knobs
 from jax._src import dispatch
+from jax.profiler import ProfileData
 
 import kvjax
 from kvjax.compression import RankPlan
 from kvjax.models.config import ModelConfig
 from kvjax.models.transformer import Transformer
+from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.runtime import engine as engine_module
 from kvjax.runtime.cache import bytes_per_token
 from kvjax.runtime.engine import Engine, Rows
@@ -32,11 +38,12 @@ from kvjax.runtime.runner import Runner
 from kvjax.runtime.scheduler import Request
 
 
-def model_at(rate: float, cfg: ModelConfig = LLAMA_8B) -> kvjax.Model:
-    """Random bf16 weights of the 8B shape; rate > 0: ZACK-compressed to the widths of ``harness.rank_plan``."""
+def model_at(rate: float, cfg: ModelConfig = LLAMA_8B, config: DecodeConfig = DECODE, form="ordered") -> kvjax.Model:
+    """Random bf16 weights of the 8B shape; rate > 0: ZACK-compressed to the widths of ``harness.rank_plan`` (in
+    ``form``, its heads ordered for the decode ``config``)."""
     plan = None
     if rate > 0:
-        layouts = rank_plan(rate, cfg.num_layers)
+        layouts = rank_plan(rate, cfg.num_layers, form=form, config=config)
         k = np.array([lay.k_widths for lay in layouts])
         v = np.array([lay.v_widths for lay in layouts])
         ones = np.ones((*k.shape, cfg.head_dim))
@@ -102,7 +109,14 @@ def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
     """Prefill ``batch`` random prompts of ``ctx`` tokens, then time decode steps in steady state, every request
     still running (each may sample a token per prefill step before, one per step after)."""
     new = batch * -(-ctx // args.chunk_tokens) + args.warm_steps + 2 * args.steps + 8
-    engine = Engine(model, max_batch=batch, max_seq_len=ctx + new, page_size=16, chunk_tokens=args.chunk_tokens)
+    engine = Engine(
+        model,
+        max_batch=batch,
+        max_seq_len=ctx + new,
+        page_size=16,
+        chunk_tokens=args.chunk_tokens,
+        decode_config=args.config,
+    )
     runner = Runner(engine)
     rng = np.random.default_rng(0)
     since = len(COMPILES)
@@ -130,6 +144,7 @@ def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
     if any(r.finish_time is not None for r in requests):
         raise RuntimeError("a request finished while the steps were timed: the batch was not full")
     span = back_to_back(engine, requests, args.steps)
+    gaps = gap_profile(engine, requests, args.steps) if args.gaps else {}
     split = {"gemm": 0.0, "attention": 0.0, "rest": 0.0}
     by_name: dict[str, float] = {}
     for name, ms in kernels:
@@ -161,6 +176,9 @@ def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
         warm_up_s=warm_up_s,
         chunk_tokens=args.chunk_tokens,
         xla_options=dict(engine_module.COMPILER_OPTIONS),
+        knobs=args.knob,
+        **gaps,
+        plan=args.plan,
         compiles_while_timed=sum(compile_times(since)[f"{s}_compiles"] for s in ("decode", "prefill")),
         top_kernels_ms=[(name[:80], ms) for name, ms in top],
         kernels_ms=by_name,
@@ -168,21 +186,60 @@ def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
     )
 
 
-def back_to_back(engine: Engine, requests: list[Request], steps: int) -> float:
-    """Seconds per decode step when the same step (the requests' rows as they stand) is enqueued ``steps`` times
-    with nothing else on the host: the device's span of a step, its kernels and the gaps between them. Wall over
-    span is then what the runner's host work adds, span over CUPTI's sum what the gaps add."""
+def step_inputs(engine: Engine, requests: list[Request]) -> tuple:
+    """The decode step's host inputs (positions, active, rows) for the requests as they stand."""
     meta = Rows.empty(engine.max_batch, engine.pages_per_seq)
     positions, active = np.zeros(engine.max_batch, np.int32), np.zeros(engine.max_batch, bool)
     for r in requests:
         meta.set(r.slot, r.pages, r.seed, r.stream, len(r.tokens), r.temperature, r.top_p)
         positions[r.slot], active[r.slot] = len(r.prompt) + len(r.tokens) - 1, True
-    engine.decode(positions, active, meta).block_until_ready()
+    return positions, active, meta
+
+
+def back_to_back(engine: Engine, requests: list[Request], steps: int) -> float:
+    """Seconds per decode step when the same step (the requests' rows as they stand) is enqueued ``steps`` times
+    with nothing else on the host: the device's span of a step, its kernels and the gaps between them. Wall over
+    span is then what the runner's host work adds, span over CUPTI's sum what the gaps add."""
+    inputs = step_inputs(engine, requests)
+    engine.decode(*inputs).block_until_ready()
     t0 = time.perf_counter()
     for _ in range(steps):
-        engine.decode(positions, active, meta)
+        engine.decode(*inputs)
     engine.slot_tokens.block_until_ready()
     return (time.perf_counter() - t0) / steps
+
+
+def gap_profile(engine: Engine, requests: list[Request], steps: int, top: int = 12) -> dict:
+    """Where the device idles inside a decode step: the step enqueued back to back under JAX's profiler, whose
+    CUPTI records carry start times; each gap on a stream is charged to the kernel that follows it (names without
+    their numeric suffix). XLA drops its CUDA graphs while profiling unless the step was compiled with
+    ``xla_enable_command_buffers_during_profiling`` (``--xla-option``), so compare runs made the same way."""
+    inputs = step_inputs(engine, requests)
+    engine.decode(*inputs).block_until_ready()
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            for _ in range(steps):
+                engine.decode(*inputs)
+            engine.slot_tokens.block_until_ready()
+        (path,) = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
+        data = ProfileData.from_file(path)
+    gaps: dict[str, float] = {}
+    busy = idle = 0.0
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            events = sorted((e.start_ns, e.duration_ns, e.name) for e in line.events)
+            for (start, length, _), (after, _, name) in zip(events, events[1:]):
+                gap = max(0.0, after - start - length) / 1e6  # ms
+                key = re.sub(r"[._]\d+$", "", name)[:60]
+                gaps[key] = gaps.get(key, 0.0) + gap / steps
+                idle += gap / steps
+            busy += sum(length for _, length, _ in events) / 1e6 / steps
+    worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:top]
+    return dict(profiled_busy_ms=busy, profiled_gap_ms=idle, gaps_before_ms=worst)
 
 
 def prefill_sweep(model, rate, batch, ctx, chunks: list[int]) -> list[dict]:
@@ -251,6 +308,11 @@ def print_top_kernels(rows: list[dict]) -> None:
         print(f"\nrate {r['rate']}, {r['batch']} x {r['ctx']}: top kernels, ms per step")
         for name, ms in r["top_kernels_ms"]:
             print(f"  {ms:8.3f}  {name}")
+        if "gaps_before_ms" in r:
+            gap, busy = r["profiled_gap_ms"], r["profiled_busy_ms"]
+            print(f"  gaps (profiled): {gap:.3f} ms a step beside {busy:.3f} ms busy; charged to the kernel after:")
+            for name, ms in r["gaps_before_ms"]:
+                print(f"  {ms:8.3f}  {name}")
 
 
 def main(argv=None) -> None:
@@ -271,8 +333,18 @@ def main(argv=None) -> None:
         metavar="NAME=VALUE",
         help="an XLA option for the engine's steps over its own (repeatable), e.g. xla_gpu_autotune_level=0",
     )
+    ap.add_argument(
+        "--knob", action="append", default=[], metavar="NAME=VALUE", help="a DecodeConfig field (repeatable)"
+    )
+    ap.add_argument("--plan", choices=PLAN_FORMS, default="ordered", help="the rank plan's form (harness.PLAN_FORMS)")
+    ap.add_argument(
+        "--gaps",
+        action="store_true",
+        help="also profile the step (JAX's profiler) and charge the device's idle gaps to the kernels they precede",
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
+    args.config = with_knobs(DECODE, args.knob)
     if not on_gpu():
         raise SystemExit("bench/engine.py times the engine on a GPU (CUPTI)")
     for pair in args.xla_option:
@@ -288,13 +360,13 @@ def main(argv=None) -> None:
             "\n| rate | B x ctx | chunk tokens | prefill tok/s | prefill compile s (variants) |\n|---|---|---|---|---|"
         )
         for rate in map(float, args.rates.split(",")):
-            rows += prefill_sweep(model_at(rate), rate, *shapes[0], chunks)
+            rows += prefill_sweep(model_at(rate, config=args.config, form=args.plan), rate, *shapes[0], chunks)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
         return
     for rate in map(float, args.rates.split(",")):
-        model = model_at(rate)
+        model = model_at(rate, config=args.config, form=args.plan)
         for batch, ctx in shapes:
             log(f"rate {rate}, {batch} x {ctx}")
             rows.append(run_shape(model, rate, batch, ctx, args, bandwidth))

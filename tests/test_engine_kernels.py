@@ -8,6 +8,7 @@ from conftest import TINY_CONFIGS
 
 import kvjax
 from kvjax.compression import BASIS, RankPlan, calibrate, calibration_tokens, fold
+from kvjax.ops.decode.config import DECODE
 from kvjax.runtime.engine import Engine
 from kvjax.runtime.runner import Runner
 from kvjax.runtime.scheduler import Request
@@ -37,6 +38,22 @@ def test_kernel_backend_matches_reference_greedy(name, method):
     ref = kvjax.generate(model, prompts, max_new_tokens=6, max_batch=4, page_size=16, backend="reference")
     ker = kvjax.generate(model, prompts, max_new_tokens=6, max_batch=4, page_size=16, backend="interpret")
     assert [r.tokens for r in ker] == [r.tokens for r in ref]
+
+
+def test_an_engine_with_other_decode_knobs_gives_the_reference_tokens():
+    """``Engine(decode_config=...)`` (bench/engine.py's ``--knob``) runs the kernels with those knobs: one piece a
+    run and runs of at most 64 columns cut the varied-width layers otherwise, and the greedy tokens stay the same."""
+    cfg = dataclasses.replace(TINY_CONFIGS["mistral"], head_dim=64, hidden_size=128)
+    model = _varied_plan_model(kvjax.Model.random(cfg, seed=3, scale=5.0))
+    prompts = [np.random.default_rng().integers(0, 97, n).tolist() for n in (9, 30)]
+    config = dataclasses.replace(DECODE, max_segments=1, pack_tile=64)
+    tokens = {}
+    for backend, knobs in (("reference", DECODE), ("interpret", config)):
+        runner = Runner(Engine(model, max_batch=2, max_seq_len=64, backend=backend, decode_config=knobs))
+        requests = [runner.add(Request(p, 6)) for p in prompts]
+        list(runner.run())
+        tokens[backend] = [r.tokens for r in requests]
+    assert tokens["interpret"] == tokens["reference"]
 
 
 def test_unknown_backend_and_unaligned_widths_are_rejected():

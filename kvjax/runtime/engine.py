@@ -19,6 +19,7 @@ from flax import nnx
 
 from kvjax import validate
 from kvjax.ops import attention
+from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.plan import bucket as pow2_bucket
 from kvjax.ops.prefill.op import PrefillOp
@@ -208,11 +209,13 @@ class Engine:
         cache_dtype=None,
         backend: str | None = None,
         batch_invariant: bool = False,
+        decode_config: DecodeConfig = DECODE,
     ):
         """``backend``: "reference" (jnp), "pallas" (GPU kernels) or "interpret" (the kernels on the CPU);
         default: the kernels on a GPU, the reference elsewhere. ``batch_invariant``: decode plans split each
         sequence by its own length alone and every decode step runs ``max_batch`` rows, and the runner prefills
-        one chunk per step call (``kvjax.generate``)."""
+        one chunk per step call (``kvjax.generate``). ``decode_config``: the decode kernel's knobs (its defaults
+        are the measured best; bench/engine.py's ``--knob`` sets them)."""
         self.model, self.max_batch, self.page_size = model, max_batch, page_size
         self.chunk_tokens, self.batch_invariant = chunk_tokens, batch_invariant
         self.backend = attention.check_backend(backend or attention.default_backend())
@@ -234,6 +237,7 @@ class Engine:
                     page_size,
                     self.pages_per_seq,
                     max_batch=max_batch,
+                    config=decode_config,
                     batch_invariant=batch_invariant,
                     interpret=interpret,
                 )
