@@ -112,6 +112,34 @@ def test_random_arrivals_finish_with_their_single_run_tokens(seed):
     assert runner.scheduler.allocator.free_pages == num_pages - 1
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_cancelled_requests_free_their_pages_and_the_others_keep_their_tokens(seed):
+    """Requests cancelled at random moments (waiting, prefilling, decoding, with tokens in flight): pages and slots
+    add up after every step, a cancelled request keeps a prefix of its single-run tokens, the others all of them."""
+    rng = np.random.default_rng(seed)
+    engine = FakeEngine(num_pages=20, page_size=4, max_batch=3, pages_per_seq=19)
+    runner = Runner(engine, chunk_tokens=6, lag=int(rng.integers(0, 3)))
+    requests = [runner.add(Request(rng.integers(0, VOCAB, int(rng.integers(1, 30))).tolist(), 30)) for _ in range(12)]
+    doomed = set(rng.choice(12, 5, replace=False).tolist())
+    step = 0
+    while not runner.scheduler.idle or runner._pending:
+        for i in doomed:
+            if rng.random() < 0.05 and runner.cancel(requests[i]):
+                assert requests[i].finish_reason == "abort"
+        runner.step()
+        check(runner.scheduler)
+        step += 1
+        assert step < 5_000
+    assert runner.scheduler.allocator.free_pages == 19
+    for i, r in enumerate(requests):
+        want = single_run(r.prompt, 30, set())
+        if r.finish_reason == "abort":
+            assert i in doomed and r.tokens == want[: len(r.tokens)]
+        else:
+            assert r.tokens == want and r.finish_reason == "length"
+    assert not runner.cancel(requests[0])  # already finished
+
+
 def test_preemption_recomputes_and_keeps_every_token():
     """Four long requests in a pool that holds about two: the newest are preempted, recomputed, and finish right."""
     engine = FakeEngine(num_pages=17, page_size=4, max_batch=4, pages_per_seq=16)

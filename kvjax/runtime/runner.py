@@ -69,6 +69,10 @@ class Runner:
             finished += self._read(self._pending.popleft())
         return finished
 
+    def cancel(self, request: Request) -> bool:
+        """Finish ``request`` now, its pages freed (``Scheduler.cancel``); False if it had already finished."""
+        return self.scheduler.cancel(request)
+
     def drain(self) -> list[Request]:
         """Read every enqueued step (waiting for the device); returns the requests that finished."""
         finished = []

@@ -49,7 +49,7 @@ class Request:
     tokens: list[int] = dataclasses.field(default_factory=list)  # new tokens, as they arrive
     token_times: list[float] = dataclasses.field(default_factory=list)
     finish_time: float | None = None
-    finish_reason: str | None = None  # "stop", "length" or "error"
+    finish_reason: str | None = None  # "stop", "length", "error" or "abort" (``Scheduler.cancel``)
     error: str | None = None
     preemptions: int = 0
 
@@ -271,6 +271,14 @@ class Scheduler:
             self._finish(r, "length")
         else:
             return False
+        return True
+
+    def cancel(self, r: Request, reason: str = "abort") -> bool:
+        """Finish ``r`` now (a client gone, a server stopping): its pages and slot go back at once, tokens still in
+        flight for it are dropped as they arrive. Returns False if it had already finished."""
+        if r.state is State.FINISHED:
+            return False
+        self._finish(r, reason)
         return True
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
