@@ -93,6 +93,7 @@ STAGES = [
     ("kvjax.compression",),  # calibration, rank plans, folding (head order through the decode op's cost model)
     ("kvjax.io",),  # checkpoints in and out
     ("kvjax.runtime",),  # cache, engine, generate
+    ("kvjax.serving",),  # the HTTP API and the engine's thread behind it
     ("kvjax.cli", "kvjax"),  # console scripts and the public API
 ]
 # Upward edges allowed, each with its reason.

@@ -19,6 +19,7 @@ import time
 
 def parse_args(argv=None):
     from kvjax import validate
+    from kvjax.cli import options
     from kvjax.io.load import resolve
     from kvjax.io.saved import check_target
 
@@ -65,12 +66,7 @@ def parse_args(argv=None):
         "--seq-len", type=validate.arg(count, int), default=512, help="calibration sequence length (default 512)"
     )
     p.add_argument("--seed", type=validate.arg(validate.seed, int), default=0)
-    p.add_argument(
-        "--dtype",
-        type=validate.arg(validate.dtype),
-        default="bfloat16",
-        help=f"parameter dtype of the output: {', '.join(validate.DTYPES)} (default bfloat16)",
-    )
+    options.add_dtype(p, "parameter dtype of the output")
     p.add_argument(
         "--overwrite",
         action="store_true",

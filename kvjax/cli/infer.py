@@ -13,6 +13,7 @@ import time
 from tqdm.auto import tqdm
 
 from kvjax import validate
+from kvjax.cli import options
 
 EPILOG = """\
 input (--prompts): JSONL, one JSON object per line with a "prompt" key: a
@@ -285,11 +286,6 @@ def _report(args, records: list[dict], stats: dict, wall: float) -> int:
     return 0
 
 
-def _positive(name: str):
-    """An argparse ``type=``: a positive integer, called ``name`` in messages."""
-    return validate.arg(lambda v: validate.positive(name, v), int)
-
-
 def _parser() -> argparse.ArgumentParser:
     """The command's argument parser; every ``type=`` refuses a bad value as a usage error."""
     p = argparse.ArgumentParser(
@@ -298,37 +294,22 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--model",
-        required=True,
-        help="Hugging Face directory, .gguf file, kvjax checkpoint (Model.save, kvjax-convert), "
-        "or 'smollm2' (embedded)",
-    )
+    options.add_model(p)
     p.add_argument("--prompts", required=True, help="input JSONL file (format below)")
     p.add_argument("--out", required=True, help="output JSONL file (format below; written through OUT.partial)")
     p.add_argument(
-        "--max-new-tokens", type=_positive("max_new_tokens"), default=64, help="new tokens per prompt (default 64)"
+        "--max-new-tokens",
+        type=options.positive("max_new_tokens"),
+        default=64,
+        help="new tokens per prompt (default 64)",
     )
     p.add_argument(
         "--batch-size",
-        type=_positive("batch_size"),
+        type=options.positive("batch_size"),
         default=8,
         help="most prompts decoded at once; a finished one's place goes to the next at once (default 8)",
     )
-    p.add_argument(
-        "--chunk-tokens",
-        type=_positive("chunk_tokens"),
-        default=512,
-        help="prompt tokens prefilled per step, beside the running prompts' decoding (default 512)",
-    )
-    p.add_argument(
-        "--cache-memory",
-        type=validate.arg(lambda v: validate.memory_budget("cache_memory", v), validate.parse_memory),
-        default=None,
-        help="KV cache budget: a fraction of free device memory (e.g. 0.9) or a size (e.g. 12GiB); a compressed "
-        "model's narrower pages fit more tokens in it (default: room for --batch-size full sequences, or 90%% of "
-        "free memory where that is less)",
-    )
+    options.add_engine(p, "--batch-size")
     p.add_argument(
         "--temperature", type=validate.arg(validate.temperature, float), default=0.0, help="0 is greedy (default)"
     )
@@ -341,18 +322,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=validate.arg(validate.seed, int), default=0, help="random seed >= 0 (default 0)")
     p.add_argument("--chat", action="store_true", help="wrap string prompts in the model's chat template")
     p.add_argument(
-        "--dtype",
-        type=validate.arg(validate.dtype),
-        default="bfloat16",
-        help=f"parameter dtype: {', '.join(validate.DTYPES)} (default bfloat16)",
-    )
-    p.add_argument(
-        "--attention",
-        choices=("pallas", "reference"),
-        default=None,
-        help="attention path: the Pallas kernels (default on a GPU) or the jnp reference (default on CPU)",
-    )
-    p.add_argument(
         "--batch-invariant",
         action="store_true",
         help="each prompt's tokens depend on it alone, not on the prompts running beside it (chunks run one at "
@@ -361,7 +330,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--show", action="store_true", help="also print every prompt with its generated text")
     p.add_argument(
         "--max-seq-len",
-        type=_positive("max_seq_len"),
+        type=options.positive("max_seq_len"),
         default=None,
         help="cache positions per sequence: prompt + new tokens (default: the model's)",
     )

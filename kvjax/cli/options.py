@@ -1,0 +1,56 @@
+"""The flags ``kvjax-infer`` and ``kvjax-serve`` share, defined once so that they read and check the same way."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvjax import validate
+
+
+def positive(name: str):
+    """An argparse ``type`` for an integer >= 1 (a bad value is a usage error naming ``name``)."""
+    return validate.arg(lambda v: validate.positive(name, v), int)
+
+
+def add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        required=True,
+        help="Hugging Face directory, .gguf file, kvjax checkpoint (Model.save, kvjax-convert), "
+        "or 'smollm2' (embedded)",
+    )
+
+
+def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
+    """--chunk-tokens, --cache-memory, --dtype, --attention and --max-seq-len (``batch_flag``: the command's flag
+    for the most sequences decoded at once, which the cache's default size follows)."""
+    p.add_argument(
+        "--chunk-tokens",
+        type=positive("chunk_tokens"),
+        default=512,
+        help="prompt tokens prefilled per step, beside the running sequences' decoding (default 512)",
+    )
+    p.add_argument(
+        "--cache-memory",
+        type=validate.arg(lambda v: validate.memory_budget("cache_memory", v), validate.parse_memory),
+        default=None,
+        help="KV cache budget: a fraction of free device memory (e.g. 0.9) or a size (e.g. 12GiB); a compressed "
+        f"model's narrower pages fit more tokens in it (default: room for {batch_flag} full sequences, or 90%% of "
+        "free memory where that is less)",
+    )
+    add_dtype(p, "parameter dtype")
+    p.add_argument(
+        "--attention",
+        choices=("pallas", "reference"),
+        default=None,
+        help="attention path: the Pallas kernels (default on a GPU) or the jnp reference (default on CPU)",
+    )
+
+
+def add_dtype(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--dtype",
+        type=validate.arg(validate.dtype),
+        default="bfloat16",
+        help=f"{what}: {', '.join(validate.DTYPES)} (default bfloat16)",
+    )

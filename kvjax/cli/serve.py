@@ -1,0 +1,138 @@
+"""``kvjax-serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the continuous-batching engine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from kvjax import validate
+from kvjax.cli import options
+
+EPILOG = """\
+endpoints:
+  POST /v1/completions        {"model", "prompt": text or token ids, "max_tokens", "temperature",
+                               "top_p", "stop", "seed", "stream"}
+  POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], ...} through the model's
+                               chat template ("max_completion_tokens" or "max_tokens"; default: what
+                               the cache leaves)
+  GET  /v1/models             the one model served (--served-model-name)
+  GET  /health                status, running and waiting requests, free and total KV pages
+
+  "stream": true answers with server-sent events, ending with "data: [DONE]". A bad request (malformed
+  JSON, another model, a prompt too long for the cache, max_tokens <= 0, temperature outside [0, 2],
+  top_p outside (0, 1]) gets a 400 with OpenAI's error body; the others are not disturbed. A client that
+  disconnects cancels its request and its KV pages are freed at once.
+
+example:
+  kvjax-serve --model smollm2 --port 8000 &
+  python -c "from openai import OpenAI; c = OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='-');
+  print(c.completions.create(model='smollm2', prompt='The capital of France is', max_tokens=8).choices[0].text)"
+
+signals:
+  SIGTERM or Ctrl-C: stop accepting connections, let requests in flight finish for --grace seconds, then
+  abort the rest (finish_reason "abort") and exit 0.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvjax-serve",
+        description="Serve a model over an OpenAI-compatible HTTP API, continuously batched on the KV-compressed "
+        "engine.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    options.add_model(p)
+    p.add_argument("--served-model-name", help="the model's name in the API (default: --model's base name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument(
+        "--port",
+        type=validate.arg(lambda v: validate.integer("port", v, low=1, high=65535), int),
+        default=8000,
+        help="TCP port (default 8000)",
+    )
+    p.add_argument(
+        "--max-batch", type=options.positive("max_batch"), default=32, help="most requests decoded at once (default 32)"
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=options.positive("max_seq_len"),
+        default=None,
+        help="cache positions per sequence: prompt + new tokens (default: the model's, at most 8192)",
+    )
+    options.add_engine(p, "--max-batch")
+    p.add_argument(
+        "--grace",
+        type=validate.arg(lambda v: validate.number("grace", v, low=0.0), float),
+        default=30.0,
+        help="seconds requests in flight may take to finish after SIGTERM (default 30)",
+    )
+    return p
+
+
+def capacity_line(engine, model) -> str:
+    """The KV capacity in tokens, and what the same pages' bytes would hold uncompressed."""
+    from kvjax.layout import HeadLayout
+    from kvjax.runtime.cache import bytes_per_token
+
+    tokens = (engine.num_pages - 1) * engine.page_size
+    dtype = engine.cache.k[0].dtype
+    cfg = model.config
+    full = (HeadLayout.uniform(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),) * cfg.num_layers
+    plain = int(tokens * bytes_per_token(model.layouts, dtype) / bytes_per_token(full, dtype))
+    rate = f"at rate {model.plan.rate:.2f}" if model.plan is not None else "uncompressed"
+    extra = f", {plain:,} uncompressed in the same memory" if model.plan is not None else ""
+    return f"KV cache: {tokens:,} tokens {rate}{extra} ({engine.num_pages - 1} pages of {engine.page_size})"
+
+
+def main(argv=None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    try:
+        import uvicorn
+    except ImportError:
+        p.error("kvjax-serve needs FastAPI and uvicorn: pip install 'kvjax[serve]'")
+    import kvjax
+    from kvjax.runtime.engine import Engine
+    from kvjax.serving.api import create_app
+    from kvjax.serving.worker import Worker
+
+    try:
+        model = kvjax.load(args.model, dtype=args.dtype)
+    except (OSError, ValueError) as e:
+        p.error(f"--model {args.model!r}: {e}")
+    seq_len = args.max_seq_len or min(model.config.max_position_embeddings, 8192)
+    try:
+        engine = Engine(
+            model,
+            max_batch=args.max_batch,
+            max_seq_len=seq_len,
+            chunk_tokens=args.chunk_tokens,
+            cache_memory=args.cache_memory,
+            backend=args.attention,
+        )
+    except ValueError as e:
+        p.error(str(e))
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    worker = Worker(engine).start()
+    app = create_app(worker, model, name)
+    print(capacity_line(engine, model), file=sys.stderr, flush=True)
+    print(f"kvjax-serve: {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=int(args.grace) or None)
+    server = uvicorn.Server(config)
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again for the handler it found: a
+    # no-op one here, so that a requested stop exits 0 once the worker is stopped
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        app.state.server.accepting = False
+        worker.stop(grace_s=0.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""The OpenAI-compatible HTTP API over a ``Worker`` (FastAPI): ``/v1/completions`` and ``/v1/chat/completions``,
+streamed by server-sent events or not, ``/v1/models`` and ``/health``.
+
+A bad request gets a 400 with OpenAI's error body and touches nothing else; a client that goes away mid-stream has
+its request cancelled, its pages freed before the next step. Text streams as it becomes final: a token that ends
+inside a UTF-8 character, or text that may still turn out to begin a stop string, is held back until it settles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvjax.runtime.generate import _finished, encode_prompt
+from kvjax.runtime.scheduler import Request
+from kvjax.serving.worker import Worker
+
+
+class BadRequest(Exception):
+    """A request the server refuses with a 400 and this message."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, gt=0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+    max_tokens: int | None = Field(default=16, gt=0)
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, gt=0)
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The first validation error as one line, and the field it is about."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    e = errors[0]
+    where = [str(x) for x in e.get("loc", ()) if x != "body"]
+    if e.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    field = ".".join(where) or None
+    return (f"{field}: {e.get('msg', 'invalid')}" if field else str(e.get("msg", "invalid request"))), field
+
+
+class _Stream:
+    """Tokens of one request, from the engine thread into the event loop, and the text they make so far."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, tokenizer, stops: list[str]):
+        self.loop, self.tokenizer, self.stops = loop, tokenizer, stops
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tokens: list[int] = []
+        self.sent_text = ""
+
+    def sink(self, request: Request, new: list[int], finished: bool) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (list(new), finished))
+
+    def text(self, final: bool) -> str:
+        """New text that is settled: cut before a stop string; while running, short of a partial character or of
+        a tail that might begin a stop string."""
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True) if self.tokenizer else ""
+        cuts = [text.index(s) for s in self.stops if s in text]
+        if cuts:
+            text = text[: min(cuts)]
+        elif not final:
+            text = text.rstrip("\ufffd")
+            hold = max((len(s) - 1 for s in self.stops), default=0)
+            text = text[: len(text) - hold] if hold else text
+        delta = text[len(self.sent_text) :] if text.startswith(self.sent_text) else ""
+        self.sent_text += delta
+        return delta
+
+
+class Server:
+    """The API's state and handlers: ``model`` served under ``name`` through ``worker``."""
+
+    def __init__(self, worker: Worker, model, name: str):
+        self.worker, self.model, self.name = worker, model, name
+        self.capacity = worker.engine.max_seq_len  # positions per sequence: prompt + new tokens
+        self.accepting = True
+        self.stop_ids = set(model.config.eos_token_ids)
+        if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+            self.stop_ids.add(model.tokenizer.eos_token_id)
+
+    def encode(self, prompt, messages: list[dict] | None = None) -> list[int]:
+        """Token ids of a completion prompt (text or ids) or of chat ``messages`` through the chat template."""
+        tok = self.model.tokenizer
+        try:
+            if messages is None:
+                return encode_prompt(self.model, prompt, chat=False)
+            if tok is None or not getattr(tok, "chat_template", None):
+                raise BadRequest("this model has no chat template: use /v1/completions", "messages")
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            ids = ids["input_ids"] if isinstance(ids, dict) else ids
+            return encode_prompt(self.model, list(ids), chat=False)
+        except (ValueError, TypeError) as e:
+            raise BadRequest(str(e).splitlines()[0], "prompt" if messages is None else "messages") from None
+
+    def start(self, body: _Sampling, ids: list[int], max_tokens: int) -> tuple[Request, _Stream]:
+        """Check ``body`` against this server and queue its request."""
+        if not self.accepting:
+            raise BadRequest("the server is shutting down")
+        if body.model != self.name:
+            raise BadRequest(f"model {body.model!r} is not served here; this server serves {self.name!r}", "model")
+        if len(ids) + max_tokens > self.capacity:
+            raise BadRequest(
+                f"the prompt has {len(ids)} tokens; with max_tokens={max_tokens} it needs {len(ids) + max_tokens} "
+                f"positions, more than the {self.capacity} this server's cache holds per sequence",
+                "max_tokens",
+            )
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if stops and self.model.tokenizer is None:
+            raise BadRequest("stop strings need a tokenizer, and this model has none", "stop")
+        stopper = functools.partial(_finished, self.model, stop_ids=self.stop_ids, stop_texts=stops)
+        seed = body.seed if body.seed is not None else uuid.uuid4().int >> 65
+        request = Request(ids, max_tokens, body.temperature, body.top_p, seed, 0, stopper)
+        stream = _Stream(asyncio.get_running_loop(), self.model.tokenizer, stops)
+        self.worker.submit(request, stream.sink)
+        return request, stream
+
+    async def respond(self, request: Request, stream: _Stream, streaming: bool, chunk, final) -> Any:
+        """``request``'s output, whole (``final``) or streamed as events (``chunk``); a client gone cancels it."""
+        created, rid = int(time.time()), uuid.uuid4().hex
+        if streaming:
+            return StreamingResponse(self._events(request, stream, chunk, rid, created), media_type="text/event-stream")
+        try:
+            while True:
+                new, finished = await stream.queue.get()
+                stream.tokens += new
+                if finished:
+                    break
+        finally:
+            self.worker.cancel(request)  # no-op once finished; frees the pages of a client that left
+        if request.finish_reason == "error":
+            return _error(500, request.error or "generation failed", kind="server_error")
+        stream.text(final=True)
+        return final(rid, created, stream.sent_text, _reason(request), _usage(request))
+
+    async def _events(self, request: Request, stream: _Stream, chunk, rid: str, created: int):
+        try:
+            first = chunk(rid, created, None, None)
+            if first is not None:
+                yield f"data: {json.dumps(first)}\n\n"
+            while True:
+                new, finished = await stream.queue.get()
+                stream.tokens += new
+                delta = stream.text(final=finished)
+                if delta:
+                    yield f"data: {json.dumps(chunk(rid, created, delta, None))}\n\n"
+                if finished:
+                    last = chunk(rid, created, "", _reason(request), _usage(request))
+                    yield f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n"
+                    return
+        finally:
+            self.worker.cancel(request)
+
+
+def _usage(request: Request) -> dict:
+    prompt, new = len(request.prompt), len(request.tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}
+
+
+def _event(obj: str, prefix: str, name: str, rid: str, created: int, choice: dict, usage=None) -> dict:
+    out = {"id": f"{prefix}-{rid}", "object": obj, "created": created, "model": name, "choices": [choice]}
+    return {**out, "usage": usage} if usage else out
+
+
+def _completion_chunk(name: str, rid: str, created: int, text: str | None, reason, usage=None):
+    if text is None:  # completions have no opening event
+        return None
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    return _event("text_completion", "cmpl", name, rid, created, choice, usage)
+
+
+def _chat_chunk(name: str, rid: str, created: int, text: str | None, reason, usage=None):
+    delta: dict = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+    return _event("chat.completion.chunk", "chatcmpl", name, rid, created, choice, usage)
+
+
+def _chat_final(name: str, rid: str, created: int, text: str, reason, usage):
+    message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+    return _event("chat.completion", "chatcmpl", name, rid, created, choice, usage)
+
+
+def create_app(worker: Worker, model, name: str) -> FastAPI:
+    """The API serving ``model`` (under ``name``) through ``worker``; ``app.state.server`` holds its state."""
+    app = FastAPI(title="kvjax", version="1")
+    server = app.state.server = Server(worker, model, name)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: HttpRequest, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return _error(400, message, param)
+
+    @app.exception_handler(BadRequest)
+    async def _bad(request: HttpRequest, exc: BadRequest):
+        return _error(400, str(exc), exc.param)
+
+    @app.get("/health")
+    async def health():
+        ok = server.accepting and worker.error is None
+        return {"status": "ok" if ok else "stopping", **worker.stats()}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvjax"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        request, stream = server.start(body, server.encode(body.prompt), body.max_tokens or 16)
+        chunk = functools.partial(_completion_chunk, name)
+        return await server.respond(request, stream, body.stream, chunk, chunk)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest):
+        ids = server.encode(None, [m.model_dump() for m in body.messages])
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, server.capacity - len(ids))
+        request, stream = server.start(body, ids, max_tokens)
+        chunk, final = functools.partial(_chat_chunk, name), functools.partial(_chat_final, name)
+        return await server.respond(request, stream, body.stream, chunk, final)
+
+    return app
+
+
+def _reason(request: Request) -> str:
+    """OpenAI's finish reason: "stop" (EOS or a stop string), "length", or "abort" when the server cut it short."""
+    return request.finish_reason if request.finish_reason in ("stop", "length") else "abort"

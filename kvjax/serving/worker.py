@@ -1,0 +1,149 @@
+"""The engine's own thread for a server: requests come in from any thread, every new token goes out to its
+request's sink as soon as the runner reads it, and a request can be cancelled at any time (its pages freed at once).
+
+The runner is not thread-safe, so only this thread touches it: ``submit`` and ``cancel`` post commands that the
+loop applies between steps. While nothing runs, the loop sleeps on the command queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from kvjax.runtime.engine import Engine
+from kvjax.runtime.runner import Runner
+from kvjax.runtime.scheduler import Request, State
+
+log = logging.getLogger("kvjax.serving")
+
+# sink(request, new_tokens, finished): called on the engine thread; it must not block
+Sink = Callable[[Request, list[int], bool], None]
+
+
+@dataclasses.dataclass
+class _Live:
+    request: Request
+    sink: Sink
+    sent: int = 0  # tokens handed to the sink
+
+
+class Worker:
+    """Runs ``engine`` continuously batched on a thread of its own (``start``), feeding each request's sink."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.runner = Runner(engine)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[int, _Live] = {}  # by id(request)
+        self._thread = threading.Thread(target=self._loop, name="kvjax-engine", daemon=True)
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.finished = self.preemptions = 0  # requests finished, and the preemptions they went through
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the KV cache holds (every page but the null page)."""
+        return (self.engine.num_pages - 1) * self.engine.page_size
+
+    def start(self) -> Worker:
+        self._thread.start()
+        return self
+
+    def submit(self, request: Request, sink: Sink) -> Request:
+        """Queue ``request``; ``sink`` gets its tokens as they arrive and a last call with ``finished`` True."""
+        self._commands.put(("add", request, sink))
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Finish ``request`` with reason "abort" if it has not finished; its pages go back before the next step."""
+        self._commands.put(("cancel", request, None))
+
+    def stats(self) -> dict:
+        """Counts for /health (read without locking: a snapshot, possibly a step old)."""
+        sched = self.runner.scheduler
+        return dict(
+            running=len(sched.running) + len(sched.draining),
+            waiting=len(sched.waiting),
+            free_pages=sched.allocator.free_pages,
+            total_pages=self.engine.num_pages - 1,
+            steps=self.runner.steps,
+            finished=self.finished,
+            preemptions=self.preemptions,
+        )
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Let running requests finish for up to ``grace_s`` seconds, abort the rest, and end the thread."""
+        deadline = time.monotonic() + grace_s
+        while self._live and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.01)
+        self._commands.put(("abort_all", None, None))
+        self._stop.set()
+        self._commands.put(("wake", None, None))
+        self._thread.join(timeout=30)
+
+    # the engine thread
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = not self.runner.scheduler.idle or bool(self.runner._pending)
+                self._apply(block=not busy)
+                if not self.runner.scheduler.idle or self.runner._pending:
+                    self.runner.step()
+                self._deliver()
+        except BaseException as e:  # a failed step fails every request, never silently
+            self.error = e
+            log.exception("the engine failed; every request in flight is finished with an error")
+            for live in list(self._live.values()):
+                live.request.finish_reason, live.request.error = "error", f"the engine failed: {e}"
+                live.request.state = State.FINISHED
+            self._deliver()
+        finally:
+            self._apply(block=False)
+            for live in list(self._live.values()):
+                self.runner.cancel(live.request)
+            self._deliver()
+
+    def _apply(self, block: bool) -> None:
+        """Apply the queued commands (waiting for one while the engine is idle)."""
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, request, sink = command
+            if kind == "add":
+                self._live[id(request)] = _Live(request, sink)
+                if self.error is not None or self._stop.is_set():
+                    request.state, request.finish_reason, request.error = State.FINISHED, "abort", "server stopping"
+                else:
+                    self.runner.add(request)
+            elif kind == "cancel":
+                self.runner.cancel(request)
+            elif kind == "abort_all":
+                for live in self._live.values():
+                    self.runner.cancel(live.request)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self) -> None:
+        """Hand every live request its new tokens; drop those that finished."""
+        for key, live in list(self._live.items()):
+            r = live.request
+            new = r.tokens[live.sent :]
+            done = r.state is State.FINISHED
+            if new or done:
+                live.sent += len(new)
+                try:
+                    live.sink(r, new, done)
+                except Exception:  # a sink's failure must not stop the engine
+                    log.exception("a request's sink failed")
+            if done:
+                del self._live[key]
+                self.finished, self.preemptions = self.finished + 1, self.preemptions + r.preemptions

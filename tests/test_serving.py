@@ -1,0 +1,246 @@
+"""kvjax-serve on loopback, driven by the official ``openai`` client: answers equal ``kvjax.generate``'s single-run
+greedy ones, streamed or not, 64 at once; a client that leaves frees its pages; bad input gets a 400 and disturbs
+nothing; SIGTERM lets requests in flight finish and exits cleanly."""
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import string
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from conftest import FIXTURES, TINY_CONFIGS
+
+import kvjax
+from kvjax.runtime.engine import Engine
+from kvjax.serving.api import create_app
+from kvjax.serving.worker import Worker
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+NAME = "tiny"
+CHAT = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}bot:{% endif %}"
+)
+
+
+def tiny_tokenizer(vocab_size: int):
+    """A character tokenizer of exactly ``vocab_size`` ids (the tiny model samples any of them), with a chat
+    template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", *string.ascii_letters, *string.digits, *" .,!?'-:;()\"/&%$#@+=*"]
+    pieces += [a + b for a in "thaeiou" for b in "nrst"][: vocab_size - len(pieces)]
+    tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT
+    return fast
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served():
+    """A tiny random model behind the real HTTP stack on 127.0.0.1; a cache of 40 pages of 16 (fewer than 8
+    sequences of 128 need), so a full batch of long requests preempts."""
+    model = kvjax.Model.random(TINY_CONFIGS["llama"], seed=3, scale=4.0)
+    model.tokenizer = tiny_tokenizer(model.config.vocab_size)
+    worker = Worker(Engine(model, max_batch=8, max_seq_len=128, chunk_tokens=32, num_pages=40)).start()
+    app = create_app(worker, model, NAME)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=120)
+    yield model, client, f"http://127.0.0.1:{port}", worker
+    server.should_exit = True
+    thread.join(timeout=30)
+    worker.stop()
+
+
+def reference(model, prompt, max_tokens, chat=False, stop=None):
+    """``kvjax.generate``'s greedy text for ``prompt`` alone."""
+    (r,) = kvjax.generate(model, [prompt], max_new_tokens=max_tokens, chat=chat, stop=stop, max_batch=1)
+    return r
+
+
+def wait_idle(base: str, timeout: float = 20.0) -> dict:
+    """/health once nothing runs and every page is free (or the last reading at the timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(base + "/health").json()
+        if (health["running"] == 0 and health["free_pages"] == health["total_pages"]) or time.monotonic() > deadline:
+            return health
+        time.sleep(0.05)
+
+
+def test_models_and_health(served):
+    _, client, base, _ = served
+    assert [m.id for m in client.models.list().data] == [NAME]
+    health = httpx.get(base + "/health").json()
+    assert health["status"] == "ok" and health["total_pages"] == 39
+
+
+def test_completions_and_chat_streamed_or_not_equal_generate(served):
+    model, client, _, _ = served
+    want = reference(model, "the cat sat", 12)
+    out = client.completions.create(model=NAME, prompt="the cat sat", max_tokens=12, temperature=0)
+    assert out.choices[0].text == want.text and out.choices[0].finish_reason == want.finish_reason
+    assert out.usage.completion_tokens == len(want.tokens) and out.usage.prompt_tokens == want.prompt_tokens
+    parts = client.completions.create(model=NAME, prompt="the cat sat", max_tokens=12, temperature=0, stream=True)
+    chunks = list(parts)
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+
+    want = reference(model, "hi there", 10, chat=True)
+    messages = [{"role": "user", "content": "hi there"}]
+    out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
+    assert out.choices[0].message.content == want.text and out.choices[0].message.role == "assistant"
+    parts = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in parts) == want.text
+
+
+def test_a_stop_string_ends_the_text_before_it(served):
+    model, client, _, _ = served
+    free = reference(model, "abc", 30).text
+    stop = free[3:5] if len(free) >= 5 else None
+    if not stop or not stop.strip():
+        pytest.skip("the random model's text has no usable stop string here")
+    want = reference(model, "abc", 30, stop=[stop])
+    for stream in (False, True):
+        out = client.completions.create(
+            model=NAME, prompt="abc", max_tokens=30, temperature=0, stop=stop, stream=stream
+        )
+        text = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
+        assert text == want.text and stop not in text
+
+
+def test_64_concurrent_requests_each_get_their_single_run_tokens(served):
+    model, client, base, worker = served
+    rng = np.random.default_rng()
+    alphabet = np.array(list(string.ascii_lowercase + " "))
+    prompts = ["".join(rng.choice(alphabet, int(n))) for n in rng.integers(40, 80, 64)]
+    lengths = [int(n) for n in rng.integers(40, 48, 64)]  # 8 running need more than the 39 pages: preemption
+    want = [reference(model, p, n).text for p, n in zip(prompts, lengths)]
+    before = httpx.get(base + "/health").json()
+
+    def ask(i):
+        out = client.completions.create(model=NAME, prompt=prompts[i], max_tokens=lengths[i], temperature=0)
+        return out.choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        got = list(pool.map(ask, range(64)))
+    assert got == want
+    after = wait_idle(base)
+    assert after["free_pages"] == 39 and after["preemptions"] > before["preemptions"]
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(served):
+    _, _, base, worker = served
+    body = {"model": NAME, "prompt": "a long one", "max_tokens": 100, "temperature": 0.8, "seed": 1, "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", base + "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+        assert httpx.get(base + "/health").json()["running"] == 1
+    health = wait_idle(base)
+    assert health["running"] == 0 and health["free_pages"] == health["total_pages"]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model": "other"}, "not served here"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"prompt": "x" * 200}, "more than the 128"),
+        ({"max_tokens": 127, "prompt": "xy"}, "more than the 128"),
+        ({"prompt": [1, 2, 500]}, "must be in [0, 97)"),
+        ({"n": 2}, "n"),
+    ],
+)
+def test_a_bad_request_gets_a_400_and_disturbs_nothing(served, change, message):
+    model, client, base, _ = served
+    body = {"model": NAME, "prompt": "ok", "max_tokens": 4, **change}
+    response = httpx.post(base + "/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(**body)
+    want = reference(model, "ok", 4)
+    assert client.completions.create(model=NAME, prompt="ok", max_tokens=4, temperature=0).choices[0].text == want.text
+
+
+def test_malformed_json_and_bad_messages_get_a_400(served):
+    _, _, base, _ = served
+    bad = httpx.post(
+        base + "/v1/completions", content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"}
+    )
+    assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+    bad = httpx.post(base + "/v1/chat/completions", json={"model": NAME, "messages": []})
+    assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
+    bad = httpx.post(
+        base + "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}
+    )
+    assert bad.status_code == 400
+
+
+def test_sigterm_lets_a_request_in_flight_finish_and_exits_cleanly():
+    """The command itself, on a fixture checkpoint (token-id prompts: it has no tokenizer)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvjax.cli.serve", "--model", os.path.join(FIXTURES, "llama"), "--port", str(port)]
+    cmd += ["--max-seq-len", "256", "--max-batch", "2", "--dtype", "float32", "--grace", "20"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "kvjax-serve did not start"
+            time.sleep(0.2)
+        body = {"model": "llama", "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0, "stream": True}
+        events = []
+        with httpx.Client(timeout=120) as http, http.stream("POST", base + "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and not events:
+                    proc.send_signal(signal.SIGTERM)  # while the request runs
+                events.append(line)
+        done = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+        assert [e for e in events if e][-1] == "data: [DONE]"
+        assert done[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+        assert proc.wait(timeout=60) == 0
+        assert "KV cache:" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
