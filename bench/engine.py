@@ -38,16 +38,18 @@ from kvjax.runtime.runner import Runner
 from kvjax.runtime.scheduler import Request
 
 
-def model_at(rate: float, cfg: ModelConfig = LLAMA_8B, config: DecodeConfig = DECODE, form="ordered") -> kvjax.Model:
-    """Random bf16 weights of the 8B shape; rate > 0: ZACK-compressed to the widths of ``harness.rank_plan`` (in
-    ``form``, its heads ordered for the decode ``config``)."""
+def model_at(
+    rate: float, cfg: ModelConfig = LLAMA_8B, config: DecodeConfig = DECODE, form="ordered", method: str = "zack"
+) -> kvjax.Model:
+    """Random bf16 weights of the 8B shape; rate > 0: compressed by ``method`` to the widths of
+    ``harness.rank_plan`` (in ``form``, its heads ordered for the decode ``config``)."""
     plan = None
     if rate > 0:
         layouts = rank_plan(rate, cfg.num_layers, form=form, config=config)
         k = np.array([lay.k_widths for lay in layouts])
         v = np.array([lay.v_widths for lay in layouts])
         ones = np.ones((*k.shape, cfg.head_dim))
-        plan = RankPlan("zack", cfg.head_dim, k, v, ones, ones)
+        plan = RankPlan(method, cfg.head_dim, k, v, ones, ones)
     return kvjax.Model(Transformer(cfg, plan=plan, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), plan=plan)
 
 

@@ -120,6 +120,21 @@ def test_completions_and_chat_streamed_or_not_equal_generate(served):
     assert "".join(c.choices[0].delta.content or "" for c in parts) == want.text
 
 
+def test_benchmark_extensions_stream_every_token_id_past_eos(served):
+    """``return_token_ids`` puts each token batch's ids in its event (text or not); ``ignore_eos`` runs to
+    max_tokens. The ids up to the first EOS are generate's tokens."""
+    model, _, base, _ = served
+    body = {"model": NAME, "prompt": [4, 5, 6], "max_tokens": 40, "temperature": 0, "stream": True}
+    body |= {"ignore_eos": True, "return_token_ids": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", base + "/v1/completions", json=body) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    ids = [t for e in events for t in e["choices"][0].get("token_ids", [])]
+    assert len(ids) == 40 and events[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(len(e["choices"][0]["token_ids"]) >= 1 for e in events[:-1])  # one event per step at least
+    (want,) = kvjax.generate(model, [[4, 5, 6]], max_new_tokens=40, max_batch=1)
+    assert ids[: len(want.tokens)] == want.tokens
+
+
 def test_a_stop_string_ends_the_text_before_it(served):
     model, client, _, _ = served
     free = reference(model, "abc", 30).text

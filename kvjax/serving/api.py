@@ -45,6 +45,9 @@ class _Sampling(BaseModel):
     stream: bool = False
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
+    # vLLM's extensions, for benchmarks: generate past EOS; and stream every token with its id, text or not
+    ignore_eos: bool = False
+    return_token_ids: bool = False
 
 
 class CompletionRequest(_Sampling):
@@ -147,18 +150,22 @@ class Server:
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if stops and self.model.tokenizer is None:
             raise BadRequest("stop strings need a tokenizer, and this model has none", "stop")
-        stopper = functools.partial(_finished, self.model, stop_ids=self.stop_ids, stop_texts=stops)
+        stop_ids = set() if body.ignore_eos else self.stop_ids
+        stopper = functools.partial(_finished, self.model, stop_ids=stop_ids, stop_texts=stops)
         seed = body.seed if body.seed is not None else uuid.uuid4().int >> 65
         request = Request(ids, max_tokens, body.temperature, body.top_p, seed, 0, stopper)
         stream = _Stream(asyncio.get_running_loop(), self.model.tokenizer, stops)
         self.worker.submit(request, stream.sink)
         return request, stream
 
-    async def respond(self, request: Request, stream: _Stream, streaming: bool, chunk, final) -> Any:
+    async def respond(self, request: Request, stream: _Stream, body: _Sampling, chunk, final) -> Any:
         """``request``'s output, whole (``final``) or streamed as events (``chunk``); a client gone cancels it."""
         created, rid = int(time.time()), uuid.uuid4().hex
-        if streaming:
-            return StreamingResponse(self._events(request, stream, chunk, rid, created), media_type="text/event-stream")
+        if body.stream:
+            if body.return_token_ids:
+                chunk = functools.partial(_with_ids, chunk)
+            events = self._events(request, stream, chunk, rid, created, body.return_token_ids)
+            return StreamingResponse(events, media_type="text/event-stream")
         try:
             while True:
                 new, finished = await stream.queue.get()
@@ -170,9 +177,13 @@ class Server:
         if request.finish_reason == "error":
             return _error(500, request.error or "generation failed", kind="server_error")
         stream.text(final=True)
-        return final(rid, created, stream.sent_text, _reason(request), _usage(request))
+        out = final(rid, created, stream.sent_text, _reason(request), _usage(request))
+        if body.return_token_ids:
+            out["choices"][0]["token_ids"] = list(request.tokens)
+        return out
 
-    async def _events(self, request: Request, stream: _Stream, chunk, rid: str, created: int):
+    async def _events(self, request: Request, stream: _Stream, chunk, rid: str, created: int, every: bool):
+        """Server-sent events: a chunk per settled text delta (``every``: per token batch, with their ids)."""
         try:
             first = chunk(rid, created, None, None)
             if first is not None:
@@ -181,14 +192,23 @@ class Server:
                 new, finished = await stream.queue.get()
                 stream.tokens += new
                 delta = stream.text(final=finished)
-                if delta:
-                    yield f"data: {json.dumps(chunk(rid, created, delta, None))}\n\n"
+                if delta or (every and new):
+                    event = chunk(rid, created, delta, None, ids=new) if every else chunk(rid, created, delta, None)
+                    yield f"data: {json.dumps(event)}\n\n"
                 if finished:
                     last = chunk(rid, created, "", _reason(request), _usage(request))
                     yield f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n"
                     return
         finally:
             self.worker.cancel(request)
+
+
+def _with_ids(chunk, rid, created, text, reason, usage=None, ids=None):
+    """``chunk``'s event with the ids of the tokens it carries (``return_token_ids``)."""
+    event = chunk(rid, created, text, reason, usage)
+    if event is not None:
+        event["choices"][0]["token_ids"] = list(ids or [])
+    return event
 
 
 def _usage(request: Request) -> dict:
@@ -247,7 +267,7 @@ def create_app(worker: Worker, model, name: str) -> FastAPI:
     async def completions(body: CompletionRequest):
         request, stream = server.start(body, server.encode(body.prompt), body.max_tokens or 16)
         chunk = functools.partial(_completion_chunk, name)
-        return await server.respond(request, stream, body.stream, chunk, chunk)
+        return await server.respond(request, stream, body, chunk, chunk)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest):
@@ -255,7 +275,7 @@ def create_app(worker: Worker, model, name: str) -> FastAPI:
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, server.capacity - len(ids))
         request, stream = server.start(body, ids, max_tokens)
         chunk, final = functools.partial(_chat_chunk, name), functools.partial(_chat_final, name)
-        return await server.respond(request, stream, body.stream, chunk, final)
+        return await server.respond(request, stream, body, chunk, final)
 
     return app
 
