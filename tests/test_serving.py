@@ -172,15 +172,17 @@ def test_64_concurrent_requests_each_get_their_single_run_tokens(served):
 
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(served):
     _, _, base, worker = served
-    body = {"model": NAME, "prompt": "a long one", "max_tokens": 100, "temperature": 0.8, "seed": 1, "stream": True}
+    body = {"model": NAME, "prompt": "a long one", "max_tokens": 110, "temperature": 0.8, "seed": 1, "stream": True}
+    body["ignore_eos"] = True  # it runs until cancelled
+    aborted = httpx.get(base + "/health").json()["aborted"]
     with httpx.Client(timeout=60) as http, http.stream("POST", base + "/v1/completions", json=body) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
-        assert httpx.get(base + "/health").json()["running"] == 1
     health = wait_idle(base)
     assert health["running"] == 0 and health["free_pages"] == health["total_pages"]
+    assert health["aborted"] == aborted + 1  # cancelled, not run to its end
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,8 @@ class Worker:
         self._thread = threading.Thread(target=self._loop, name="kvjax-engine", daemon=True)
         self._stop = threading.Event()
         self.error: BaseException | None = None
-        self.finished = self.preemptions = 0  # requests finished, and the preemptions they went through
+        # requests finished, those of them cancelled (a client gone, a stop), and the preemptions they went through
+        self.finished = self.aborted = self.preemptions = 0
 
     @property
     def capacity_tokens(self) -> int:
@@ -72,6 +73,7 @@ class Worker:
             total_pages=self.engine.num_pages - 1,
             steps=self.runner.steps,
             finished=self.finished,
+            aborted=self.aborted,
             preemptions=self.preemptions,
         )
 
@@ -147,3 +149,4 @@ class Worker:
             if done:
                 del self._live[key]
                 self.finished, self.preemptions = self.finished + 1, self.preemptions + r.preemptions
+                self.aborted += r.finish_reason == "abort"
