@@ -261,3 +261,21 @@ def test_sigterm_lets_a_request_in_flight_finish_and_exits_cleanly():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_capacity_line_counts_tokens_and_what_they_would_be_uncompressed():
+    import dataclasses
+    import re
+
+    from kvjax.cli.serve import capacity_line
+
+    cfg = dataclasses.replace(TINY_CONFIGS["mistral"], head_dim=64, hidden_size=128)
+    model = kvjax.Model.random(cfg, seed=1, scale=5.0)
+    plain = capacity_line(Engine(model, max_batch=2, max_seq_len=64, num_pages=21), model)
+    assert plain == "KV cache: 320 tokens uncompressed (20 pages of 16)"
+    small = kvjax.compress(model, target_rate=0.5, num_tokens=128, seq_len=32, progress=False)
+    line = capacity_line(Engine(small, max_batch=2, max_seq_len=64, num_pages=21), small)
+    m = re.fullmatch(
+        r"KV cache: 320 tokens at rate (\S+), (\d+) uncompressed in the same memory \(20 pages of 16\)", line
+    )
+    assert m and float(m[1]) == round(small.plan.rate, 2) and abs(int(m[2]) - 320 * (1 - small.plan.rate)) <= 1
