@@ -54,6 +54,8 @@ def test_an_engine_with_other_decode_knobs_gives_the_reference_tokens():
         list(runner.run())
         tokens[backend] = [r.tokens for r in requests]
     assert tokens["interpret"] == tokens["reference"]
+    with pytest.raises(TypeError, match="decode_config must be a DecodeConfig"):
+        Engine(model, max_batch=2, max_seq_len=64, decode_config={"max_segments": 1})
 
 
 def test_unknown_backend_and_unaligned_widths_are_rejected():

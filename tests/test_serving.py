@@ -199,6 +199,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(served):
         ({"max_tokens": 127, "prompt": "xy"}, "more than the 128"),
         ({"prompt": [1, 2, 500]}, "must be in [0, 97)"),
         ({"n": 2}, "n"),
+        ({"stop": ""}, "stop strings must not be empty"),
+        ({"stop": ["x", ""]}, "stop strings must not be empty"),
     ],
 )
 def test_a_bad_request_gets_a_400_and_disturbs_nothing(served, change, message):

@@ -22,8 +22,8 @@ def add_model(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
-    """--chunk-tokens, --cache-memory, --dtype, --attention and --max-seq-len (``batch_flag``: the command's flag
-    for the most sequences decoded at once, which the cache's default size follows)."""
+    """--chunk-tokens, --cache-memory, --dtype and --attention (``batch_flag``: the command's flag for the most
+    sequences decoded at once, which the cache's default size follows)."""
     p.add_argument(
         "--chunk-tokens",
         type=positive("chunk_tokens"),

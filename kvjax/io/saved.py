@@ -92,6 +92,7 @@ def load_saved(directory: str, dtype):
     inconsistent part, or a NaN/inf parameter, is a ``CheckpointError`` naming it."""
     import orbax.checkpoint as ocp
 
+    from kvjax.models.rotation import packed_rotation
     from kvjax.models.transformer import Transformer
 
     directory, dtype = os.path.abspath(directory), jnp.dtype(dtype)
@@ -107,36 +108,32 @@ def load_saved(directory: str, dtype):
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(nnx.state(module, nnx.Param))
     )
-    if fmt == 1:
-        _format1_rotations(abstract, module.layouts, lambda shape, old: jax.ShapeDtypeStruct(shape, old.dtype))
+    if fmt == 1:  # restore the rotations in format 1's shape, then pack them
+        _map_rotations(abstract, module.layouts, _format1_abstract)
     checkpointer = ocp.StandardCheckpointer()
     saved = _orbax_metadata(checkpointer, params_dir)
     _check_params(params_dir, _flat(saved), _flat(abstract), plan_may_be_missing=parts is None and plan is None)
     restored = _restore(checkpointer, params_dir, abstract)
     _check_values(params_dir, restored, dtype)
     if fmt == 1:
-        _format1_rotations(restored, module.layouts, None)
+        _map_rotations(restored, module.layouts, lambda layout, old: packed_rotation(old, layout.k_widths))
     state = nnx.state(module, nnx.Param)
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.asarray(x, dtype), restored))
     nnx.update(module, state)
     return module, _read_tokenizer(os.path.join(directory, "tokenizer")), plan
 
 
-def _format1_rotations(params: dict, layouts, abstract) -> None:
-    """Each ZACK layer's ``qk_rotation`` in ``params`` (a pure dict), in place: with ``abstract`` (shape, old leaf)
-    -> leaf, the format-1 leaf to restore [Hkv, d, widest]; else the restored format-1 value packed [d, k_cols]."""
-    from kvjax.models.rotation import packed_rotation
-
+def _map_rotations(params: dict, layouts, fn) -> None:
+    """Replace each ZACK layer's ``qk_rotation`` leaf in ``params`` (a pure dict) by ``fn(layout, leaf)``."""
     for i, layout in enumerate(layouts):
         attn = params["layers"][i]["attn"]
-        if "qk_rotation" not in attn:
-            continue
-        old = attn["qk_rotation"]
-        if abstract is not None:
-            shape = (layout.num_kv_heads, layout.head_dim, max(layout.k_widths))
-            attn["qk_rotation"] = abstract(shape, old)
-        else:
-            attn["qk_rotation"] = packed_rotation(old, layout.k_widths)
+        if "qk_rotation" in attn:
+            attn["qk_rotation"] = fn(layout, attn["qk_rotation"])
+
+
+def _format1_abstract(layout, leaf) -> jax.ShapeDtypeStruct:
+    """Format 1's rotation: per group, zero-padded to the widest group, [Hkv, d, W]."""
+    return jax.ShapeDtypeStruct((layout.num_kv_heads, layout.head_dim, max(layout.k_widths)), leaf.dtype)
 
 
 def _read_meta(directory: str):

@@ -216,6 +216,8 @@ class Engine:
         sequence by its own length alone and every decode step runs ``max_batch`` rows, and the runner prefills
         one chunk per step call (``kvjax.generate``). ``decode_config``: the decode kernel's knobs (its defaults
         are the measured best; bench/engine.py's ``--knob`` sets them)."""
+        if not isinstance(decode_config, DecodeConfig):
+            raise TypeError(f"decode_config must be a DecodeConfig, got {type(decode_config).__name__}")
         self.model, self.max_batch, self.page_size = model, max_batch, page_size
         self.chunk_tokens, self.batch_invariant = chunk_tokens, batch_invariant
         self.backend = attention.check_backend(backend or attention.default_backend())

@@ -32,14 +32,31 @@ def encode_prompt(model, prompt, chat: bool, name: str = "prompt") -> list[int]:
         if tok is None:
             raise ValueError(f"{name} is a string, but this model has no tokenizer: pass lists of token ids")
         if chat:
-            ids = tok.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            ids = ids["input_ids"] if isinstance(ids, dict) else ids
+            ids = chat_ids(tok, [{"role": "user", "content": prompt}])
         else:
             ids = tok(prompt, add_special_tokens=True)["input_ids"]
         return validate.token_ids(name, list(ids), model.config.vocab_size)
     return validate.token_ids(name, prompt, model.config.vocab_size)
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of chat ``messages`` through the tokenizer's chat template, ready for the assistant's turn."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def eos_ids(model) -> set[int]:
+    """The token ids that end a generation: the config's EOS ids and the tokenizer's."""
+    ids = set(model.config.eos_token_ids)
+    if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+        ids.add(model.tokenizer.eos_token_id)
+    return ids
+
+
+def cut_at_stop(text: str, stop_texts) -> str:
+    """``text`` up to the first stop string in it (all of it without one)."""
+    cuts = [text.index(s) for s in stop_texts if s in text]
+    return text[: min(cuts)] if cuts else text
 
 
 def _engine(model, **settings) -> Engine:
@@ -126,9 +143,7 @@ def generate_iter(
                 f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it needs "
                 f"{len(ids) + max_new_tokens} cache positions, more than the cache's {capacity}"
             )
-    stop_ids |= set(model.config.eos_token_ids)
-    if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
-        stop_ids.add(model.tokenizer.eos_token_id)
+    stop_ids |= eos_ids(model)
     if stop_texts and model.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; pass stop token ids instead")
 
@@ -146,7 +161,7 @@ def generate_iter(
         batch_invariant=batch_invariant,
     )
     runner = Runner(engine)
-    stopper = functools.partial(_finished, model, stop_ids=stop_ids, stop_texts=stop_texts)
+    stopper = functools.partial(stopped, model, stop_ids=stop_ids, stop_texts=stop_texts)
     requests = [
         runner.add(Request(ids, max_new_tokens, temperature, top_p, seed, 0 if batch_invariant else n, stopper))
         for n, ids in enumerate(encoded)
@@ -182,7 +197,7 @@ def _stats(stats: dict, requests: list[Request], start: float, runner: Runner) -
     )
 
 
-def _finished(model, tokens, stop_ids, stop_texts) -> bool:
+def stopped(model, tokens, stop_ids, stop_texts) -> bool:
     """The last token is a stop id, or a stop string ends in the text of the last tokens.
 
     Every token decodes to at least one byte, so a stop string of n UTF-8 bytes lies within the last n + 1
@@ -199,9 +214,7 @@ def _finished(model, tokens, stop_ids, stop_texts) -> bool:
 def _result(model, r: Request, stop_texts) -> Generation:
     text = None
     if model.tokenizer is not None:
-        text = model.tokenizer.decode(r.tokens, skip_special_tokens=True)
-        cuts = [text.index(s) for s in stop_texts if s in text]
-        text = text[: min(cuts)] if cuts else text
+        text = cut_at_stop(model.tokenizer.decode(r.tokens, skip_special_tokens=True), stop_texts)
     return Generation(r.tokens, text, len(r.prompt), r.finish_reason or "length")
 
 

@@ -51,6 +51,11 @@ class Runner:
         self._pending: deque[list[_Pending]] = deque()
         self.steps = 0
 
+    @property
+    def busy(self) -> bool:
+        """Requests remain to schedule, or steps remain to read."""
+        return not self.scheduler.idle or bool(self._pending)
+
     def add(self, request: Request) -> Request:
         return self.scheduler.add(request)
 
@@ -82,7 +87,7 @@ class Runner:
 
     def run(self) -> Iterator[Request]:
         """Step until every added request has finished, yielding each as it finishes."""
-        while not self.scheduler.idle or self._pending:
+        while self.busy:
             yield from self.step()
 
     def _enqueue(self, step: Step) -> list[_Pending]:

@@ -21,7 +21,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvjax.runtime.generate import _finished, encode_prompt
+from kvjax import validate
+from kvjax.runtime.generate import chat_ids, cut_at_stop, encode_prompt, eos_ids, stopped
 from kvjax.runtime.scheduler import Request
 from kvjax.serving.worker import Worker
 
@@ -97,11 +98,9 @@ class _Stream:
     def text(self, final: bool) -> str:
         """New text that is settled: cut before a stop string; while running, short of a partial character or of
         a tail that might begin a stop string."""
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True) if self.tokenizer else ""
-        cuts = [text.index(s) for s in self.stops if s in text]
-        if cuts:
-            text = text[: min(cuts)]
-        elif not final:
+        whole = self.tokenizer.decode(self.tokens, skip_special_tokens=True) if self.tokenizer else ""
+        text = cut_at_stop(whole, self.stops)
+        if len(text) == len(whole) and not final:
             text = text.rstrip("\ufffd")
             hold = max((len(s) - 1 for s in self.stops), default=0)
             text = text[: len(text) - hold] if hold else text
@@ -117,9 +116,7 @@ class Server:
         self.worker, self.model, self.name = worker, model, name
         self.capacity = worker.engine.max_seq_len  # positions per sequence: prompt + new tokens
         self.accepting = True
-        self.stop_ids = set(model.config.eos_token_ids)
-        if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
-            self.stop_ids.add(model.tokenizer.eos_token_id)
+        self.stop_ids = eos_ids(model)
 
     def encode(self, prompt, messages: list[dict] | None = None) -> list[int]:
         """Token ids of a completion prompt (text or ids) or of chat ``messages`` through the chat template."""
@@ -129,9 +126,7 @@ class Server:
                 return encode_prompt(self.model, prompt, chat=False)
             if tok is None or not getattr(tok, "chat_template", None):
                 raise BadRequest("this model has no chat template: use /v1/completions", "messages")
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-            ids = ids["input_ids"] if isinstance(ids, dict) else ids
-            return encode_prompt(self.model, list(ids), chat=False)
+            return encode_prompt(self.model, chat_ids(tok, messages), chat=False)
         except (ValueError, TypeError) as e:
             raise BadRequest(str(e).splitlines()[0], "prompt" if messages is None else "messages") from None
 
@@ -147,11 +142,14 @@ class Server:
                 f"positions, more than the {self.capacity} this server's cache holds per sequence",
                 "max_tokens",
             )
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        try:
+            _, stops = validate.stops(body.stop)
+        except (TypeError, ValueError) as e:
+            raise BadRequest(str(e), "stop") from None
         if stops and self.model.tokenizer is None:
             raise BadRequest("stop strings need a tokenizer, and this model has none", "stop")
         stop_ids = set() if body.ignore_eos else self.stop_ids
-        stopper = functools.partial(_finished, self.model, stop_ids=stop_ids, stop_texts=stops)
+        stopper = functools.partial(stopped, self.model, stop_ids=stop_ids, stop_texts=stops)
         seed = body.seed if body.seed is not None else uuid.uuid4().int >> 65
         request = Request(ids, max_tokens, body.temperature, body.top_p, seed, 0, stopper)
         stream = _Stream(asyncio.get_running_loop(), self.model.tokenizer, stops)

@@ -45,11 +45,6 @@ class Worker:
         # requests finished, those of them cancelled (a client gone, a stop), and the preemptions they went through
         self.finished = self.aborted = self.preemptions = 0
 
-    @property
-    def capacity_tokens(self) -> int:
-        """Tokens the KV cache holds (every page but the null page)."""
-        return (self.engine.num_pages - 1) * self.engine.page_size
-
     def start(self) -> Worker:
         self._thread.start()
         return self
@@ -82,9 +77,8 @@ class Worker:
         deadline = time.monotonic() + grace_s
         while self._live and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.01)
-        self._commands.put(("abort_all", None, None))
         self._stop.set()
-        self._commands.put(("wake", None, None))
+        self._commands.put(("wake", None, None))  # the loop then aborts every request left
         self._thread.join(timeout=30)
 
     # the engine thread
@@ -92,9 +86,8 @@ class Worker:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                busy = not self.runner.scheduler.idle or bool(self.runner._pending)
-                self._apply(block=not busy)
-                if not self.runner.scheduler.idle or self.runner._pending:
+                self._apply(block=not self.runner.busy)
+                if self.runner.busy:  # again: the commands may have added requests
                     self.runner.step()
                 self._deliver()
         except BaseException as e:  # a failed step fails every request, never silently
@@ -126,9 +119,6 @@ class Worker:
                     self.runner.add(request)
             elif kind == "cancel":
                 self.runner.cancel(request)
-            elif kind == "abort_all":
-                for live in self._live.values():
-                    self.runner.cancel(live.request)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
