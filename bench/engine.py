@@ -293,8 +293,9 @@ def print_rows(rows: list[dict]) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        rate = f"{r['rate']}{' palu' if r.get('method') == 'palu' else ''}"
         print(
-            f"| {r['rate']} | {r['batch']} x {r['ctx']} | {r['wall_ms']:.2f} | {r['device_ms']:.2f} | "
+            f"| {rate} | {r['batch']} x {r['ctx']} | {r['wall_ms']:.2f} | {r['device_ms']:.2f} | "
             f"{r['floor_ms']:.2f} | {r['pct_of_floor']:.0f}% | {r['wall_over_device']:.3f} | {r['tokens_per_s']:.0f} | "
             f"{r['gemm_ms']:.2f} | {r['attention_ms']:.2f} | {r['rest_ms']:.2f} | {r['kernels_per_step']:.0f} | "
             f"{r['prefill_tok_s']:.0f} ({r['chunk_tokens']}) | "
@@ -338,6 +339,9 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--knob", action="append", default=[], metavar="NAME=VALUE", help="a DecodeConfig field (repeatable)"
     )
+    ap.add_argument(
+        "--method", choices=("zack", "palu"), default="zack", help="how rates above 0 compress (default zack)"
+    )
     ap.add_argument("--plan", choices=PLAN_FORMS, default="ordered", help="the rank plan's form (harness.PLAN_FORMS)")
     ap.add_argument(
         "--gaps",
@@ -368,10 +372,12 @@ def main(argv=None) -> None:
                 json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
         return
     for rate in map(float, args.rates.split(",")):
-        model = model_at(rate, config=args.config, form=args.plan)
+        model = model_at(rate, config=args.config, form=args.plan, method=args.method)
         for batch, ctx in shapes:
             log(f"rate {rate}, {batch} x {ctx}")
-            rows.append(run_shape(model, rate, batch, ctx, args, bandwidth))
+            rows.append(
+                dict(run_shape(model, rate, batch, ctx, args, bandwidth), method=args.method if rate else "none")
+            )
             print_rows(rows[-1:])
             if args.json:  # after every row: a run cut short keeps what it measured
                 with open(args.json, "w") as f:

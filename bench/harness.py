@@ -45,7 +45,7 @@ START = time.perf_counter()
 # Forms of a rank plan: as compression stores it by default ("ordered": heads ordered by ``search.order_heads`` for
 # the decode config's runs), with its opt-in ``fill_tiles`` ("filled": widths first moved between heads so runs fill
 # their tiles, ``search.fill_runs``), or as drawn ("drawn": the ablation).
-PLAN_FORMS = ("ordered", "filled", "drawn")
+PLAN_FORMS = ("ordered", "filled", "drawn", "uniform")
 
 
 def log(msg: str) -> None:
@@ -75,6 +75,9 @@ def rank_plan(
         raise ValueError(f"form must be one of {PLAN_FORMS}, got {form!r}")
     if rate == 0:
         return tuple(HeadLayout.uniform(HQ, HKV, D) for _ in range(num_layers))
+    if form == "uniform":  # every head of every layer the same width (Palu's own setting), the rate's columns
+        width = int(np.clip(16 * round((1 - rate) * D / 16), 16, D))
+        return tuple(HeadLayout(HQ, HKV, D, (width,) * HKV, (width,) * HKV) for _ in range(num_layers))
     # log-normal around a common scale, bisected so 1 - sum(k + v) / (2 * heads * 128 * layers) matches the rate
     rng = np.random.default_rng(seed)
     sigma = math.sqrt(math.log(1 + cv * cv))

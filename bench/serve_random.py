@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+import time
 
 from engine import model_at
 from harness import LLAMA_8B
 
 from kvjax.cli.serve import capacity_line
 from kvjax.runtime.engine import Engine
+from kvjax.runtime.memory import bytes_per_token
 from kvjax.serving.api import create_app
 from kvjax.serving.worker import Worker
 from kvjax.validate import parse_memory
 
+PAGE_SIZE = 16
 SHAPES = {
     "llama-3.1-8b": LLAMA_8B,
     "mistral-7b": dataclasses.replace(
@@ -30,23 +34,49 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     ap.add_argument("--method", choices=("none", "zack", "palu"), default="zack")
     ap.add_argument("--rate", type=float, default=0.5, help="compression rate (ignored for --method none)")
+    ap.add_argument("--layers", type=int, help="keep only this many layers (smoke runs on the CPU)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--max-seq-len", type=int, default=32768)
     ap.add_argument("--chunk-tokens", type=int, default=2048)
-    ap.add_argument("--cache-memory", default="40GiB", help="KV cache bytes, the same for every method (40GiB)")
+    ap.add_argument(
+        "--prefill-min-tokens", type=int, default=128, help="shortest padded prefill call (default 128: fewer shapes)"
+    )
+    ap.add_argument("--prefill-max-rows", type=int, default=4, help="most chunks a prefill call holds (default 4)")
+    ap.add_argument(
+        "--no-compile-ahead", action="store_true", help="compile steps as requests need them (default: all first)"
+    )
+    ap.add_argument("--cache-memory", default="40GiB", help="KV cache bytes, the same for every method (default 40GiB)")
     args = ap.parse_args(argv)
+    budget = parse_memory(args.cache_memory)
+    if not isinstance(budget, int):
+        ap.error(
+            f"--cache-memory must be a size such as 40GiB (the same bytes for every method), got {args.cache_memory!r}"
+        )
     import uvicorn
 
     rate = 0.0 if args.method == "none" else args.rate
-    model = model_at(rate, SHAPES[args.shape], method=args.method if rate else "zack")
+    shape = (
+        SHAPES[args.shape] if args.layers is None else dataclasses.replace(SHAPES[args.shape], num_layers=args.layers)
+    )
+    model = model_at(rate, shape, method=args.method if rate else "zack")
+    # the cache itself gets the budget (not the budget less each method's activation reserve), so every method's
+    # K/V bytes are the same
+    page_bytes = PAGE_SIZE * bytes_per_token(model.layouts, model.dtype)
     engine = Engine(
         model,
         max_batch=args.max_batch,
         max_seq_len=args.max_seq_len,
+        page_size=PAGE_SIZE,
         chunk_tokens=args.chunk_tokens,
-        cache_memory=parse_memory(args.cache_memory),
+        num_pages=budget // page_bytes,
+        prefill_min_tokens=args.prefill_min_tokens,
+        prefill_max_rows=args.prefill_max_rows,
     )
+    if not args.no_compile_ahead:  # no request of the sweep waits for a compile
+        t0 = time.perf_counter()
+        n = engine.compile_ahead(greedy=(True,), threads=os.cpu_count() or 1, progress=True)
+        print(f"compiled {n} steps ahead in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     worker = Worker(engine).start()
     name = f"{args.shape}-{args.method}" + (f"-{rate:g}" if rate else "")
     print(capacity_line(engine, model), file=sys.stderr, flush=True)

@@ -64,6 +64,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     options.add_engine(p, "--max-batch")
     p.add_argument(
+        "--compile-ahead",
+        action="store_true",
+        help="compile every step shape the engine can run before listening, so no request waits for a compile "
+        "(a compressed 8B model's steps take seconds each: see --prefill-min-tokens)",
+    )
+    p.add_argument(
+        "--prefill-min-tokens",
+        type=options.positive("prefill_min_tokens"),
+        default=None,
+        help="shortest padded length of a prefill call (default: a page); larger means fewer step shapes",
+    )
+    p.add_argument(
+        "--prefill-max-rows",
+        type=options.positive("prefill_max_rows"),
+        default=None,
+        help="most prompt chunks one prefill call holds (default: --max-batch); fewer means fewer step shapes",
+    )
+    p.add_argument(
         "--grace",
         type=validate.arg(lambda v: validate.number("grace", v, low=0.0), float),
         default=30.0,
@@ -112,10 +130,14 @@ def main(argv=None) -> int:
             chunk_tokens=args.chunk_tokens,
             cache_memory=args.cache_memory,
             backend=args.attention,
+            prefill_min_tokens=args.prefill_min_tokens,
+            prefill_max_rows=args.prefill_max_rows,
         )
     except ValueError as e:
         p.error(str(e))
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    if args.compile_ahead:
+        engine.compile_ahead(threads=os.cpu_count() or 1, progress=True)
     worker = Worker(engine).start()
     app = create_app(worker, model, name)
     print(capacity_line(engine, model), file=sys.stderr, flush=True)

@@ -15,13 +15,15 @@ from flax import nnx
 
 from kvjax.layout import HeadLayout
 from kvjax.models.config import ModelConfig
+from kvjax.models.latent import LatentK
 from kvjax.models.rope import apply_rope, inverse_frequencies
 from kvjax.models.rotation import QKRotation, identity_rotation
 
 # attend(layer, q, k, v, rebuild=None, rotation=None) -> attention output, packed (see kvjax.layout). q and k come
 # packed, except from ZACK layers, which pass them per head (H*d and Hkv*d columns) with the ``rotation``
 # (``rotation.QKRotation``) that packs them, so attention picks the form its op reads. ``rebuild`` is passed only
-# by Palu-compressed layers, whose cached K is a pre-RoPE latent: rebuild(latent, positions) -> full K.
+# by Palu-compressed layers, whose cached K is a pre-RoPE latent (``latent.LatentK``: rebuild(latent, positions) ->
+# full K).
 AttendFn = Callable[..., jax.Array]
 
 
@@ -66,8 +68,8 @@ class Attention(nnx.Module):
     ``method`` None: plain heads. "zack": q and k go to attention with the rotation into each group's leading
     ``k_widths[g]`` directions after RoPE (``qk_rotation`` [d, k_cols], ``rotation.QKRotation``), V comes out of
     ``v`` already rotated and truncated, and ``o`` reads it back, so attention runs on the short vectors. "palu"
-    (the baseline): ``k`` outputs a pre-RoPE latent of ``k_widths[g]`` columns per head that ``rebuild_k`` expands
-    (``k_up``) and rotates at every attention call.
+    (the baseline): ``k`` outputs a pre-RoPE latent of ``k_widths[g]`` columns per head that attention rebuilds
+    (``latent.LatentK``: ``k_up``, then RoPE) at every call.
     """
 
     def __init__(self, cfg: ModelConfig, layout: HeadLayout, method: str | None, *, dtype, rngs):
@@ -92,10 +94,8 @@ class Attention(nnx.Module):
 
         q = apply_rope(heads(self.q(x), layout.num_heads), positions, inv_freq)
         if self.method == "palu":
-
-            def rebuild(latent, pos):
-                return self.rebuild_k(latent, pos, inv_freq, layout)
-
+            assert self.k_up is not None
+            rebuild = LatentK(tuple(up[...] for up in self.k_up), inv_freq, layout)
             return self.o(attend(layer, q.reshape(b, t, -1), self.k(x), self.v(x), rebuild=rebuild))
         k = apply_rope(heads(self.k(x), layout.num_kv_heads), positions, inv_freq)
         q, k = q.reshape(b, t, -1), k.reshape(b, t, -1)
@@ -103,15 +103,6 @@ class Attention(nnx.Module):
             assert self.qk_rotation is not None
             return self.o(attend(layer, q, k, self.v(x), rotation=QKRotation(self.qk_rotation[...], layout)))
         return self.o(attend(layer, q, k, self.v(x)))
-
-    def rebuild_k(self, latent, positions, inv_freq, layout: HeadLayout):
-        """Palu: packed pre-RoPE latent [B,S,k_cols] at ``positions`` [B,S] -> full post-RoPE K [B,S,Hkv*d]."""
-        starts = HeadLayout.offsets(layout.k_widths)
-        assert self.k_up is not None  # Palu layers only
-        full = jnp.stack(
-            [latent[..., s : s + w] @ up[...] for s, w, up in zip(starts, layout.k_widths, self.k_up)], axis=2
-        )
-        return apply_rope(full, positions, inv_freq).reshape(*latent.shape[:2], -1)
 
 
 class MLP(nnx.Module):

@@ -1,5 +1,5 @@
 """The engine's one attention entry point: write the new K/V into the pages, then run the op's kernel or, without
-one (the "reference" backend, or a Palu layer), the jnp reference."""
+one (the "reference" backend), the jnp reference."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import jax.numpy as jnp
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.reference import paged_decode_attention
+from kvjax.ops.grouped import full_width
 from kvjax.ops.paging import write_pages
+from kvjax.ops.palu import PaluDecodeOp
 from kvjax.ops.prefill.op import PrefillOp
 from kvjax.ops.prefill.reference import causal_attention, chunk_attention
 
@@ -45,7 +47,8 @@ def prefill(
 ):
     """Attention of prompt chunks [B, T, cols] (chunk b at positions ``starts[b]`` on, default 0) over themselves and
     the earlier chunks in the pages, their K/V written into the pages; returns (out, k_pages, v_pages). ``rebuild``
-    (Palu layers) rebuilds full K from the cached latent: reference only. ``rotation`` (ZACK layers, with q and k
+    (Palu layers, ``models.latent.LatentK``) rebuilds full K from the cached latent; with an op, the prefill kernel runs
+    at full width over the rebuilt K. ``rotation`` (ZACK layers, with q and k
     per head): packs them first."""
     if rotation is not None:
         q, k = rotation.packed(q, k)
@@ -57,9 +60,43 @@ def prefill(
     valid = offsets < lengths[:, None]
     k_pages = write_pages(k_pages, block_table, positions, k, valid)
     v_pages = write_pages(v_pages, block_table, positions, v, valid)
+    if op is not None:
+        return (
+            _rebuilt_prefill(
+                q, rebuild(k, positions), v, layout, k_pages, v_pages, block_table, lengths, starts, op, rebuild
+            ),
+            k_pages,
+            v_pages,
+        )
     if starts is None:
         return causal_attention(q, k, v, layout, rebuild), k_pages, v_pages
     return chunk_attention(q, layout, k_pages, v_pages, block_table, starts, rebuild), k_pages, v_pages
+
+
+def _rebuilt_prefill(q, k_full, v, layout, k_pages, v_pages, block_table, lengths, starts, op, rebuild):
+    """Palu's prefill as its authors run it: the chunk's and its prefix's K rebuilt to full heads, then the prefill
+    kernel at full K width, over scratch pages (the cache keeps the latent, already written)."""
+    b, t = q.shape[:2]
+    page_size = k_pages.shape[1]
+    full = full_width(layout)
+    if starts is None:  # no prefix: the kernel only writes the chunk, into pages of its own
+        n = -(-t // page_size)
+        k_scratch = jnp.zeros((b * n + 1, page_size, full.k_cols), k_pages.dtype)
+        v_scratch = jnp.zeros((b * n + 1, page_size, layout.v_cols), v_pages.dtype)
+    else:
+        n = block_table.shape[1]
+        span = n * page_size
+        latent = k_pages[block_table].reshape(b, span, layout.k_cols)
+        k_scratch = rebuild(latent, jnp.broadcast_to(jnp.arange(span, dtype=jnp.int32), (b, span)))
+        k_scratch = _after_null_page(k_scratch.reshape(b * n, page_size, full.k_cols))
+        v_scratch = _after_null_page(v_pages[block_table].reshape(b * n, page_size, layout.v_cols))
+    table = 1 + jnp.arange(b * n, dtype=jnp.int32).reshape(b, n)  # page 0 stays the null page
+    out, _, _ = op.run(q, k_full, v, full, lengths, k_scratch, v_scratch, table, starts)
+    return out
+
+
+def _after_null_page(pages):
+    return jnp.concatenate([jnp.zeros_like(pages[:1]), pages])
 
 
 def decode(
@@ -72,7 +109,7 @@ def decode(
     block_table,
     lengths,
     *,
-    op: DecodeOp | None = None,
+    op: DecodeOp | PaluDecodeOp | None = None,
     schedule=None,
     rebuild=None,
     rotation=None,
@@ -81,12 +118,13 @@ def decode(
     against the whole paged cache; returns (out, k_pages, v_pages). ``schedule``: this layer's (``op.plan``).
     ``rotation`` (ZACK layers, with q and k per head): the kernel takes the wide q (one GEMM), the reference the
     packed one."""
-    kernel = op is not None and rebuild is None
     if rotation is not None:
-        q, k = rotation.wide(q, k) if kernel else rotation.packed(q, k)
+        q, k = rotation.wide(q, k) if op is not None else rotation.packed(q, k)
     positions, valid = (lengths - 1)[:, None], jnp.ones((q.shape[0], 1), bool)
     k_pages = write_pages(k_pages, block_table, positions, k[:, None], valid)
     v_pages = write_pages(v_pages, block_table, positions, v[:, None], valid)
-    if op is None or not kernel:
+    if op is None:
         return paged_decode_attention(q, k_pages, v_pages, block_table, lengths, layout, rebuild), k_pages, v_pages
+    if rebuild is not None:
+        return op.run(q, k_pages, v_pages, block_table, lengths, rebuild, layout), k_pages, v_pages
     return op.run(q, k_pages, v_pages, block_table, lengths, schedule, layout), k_pages, v_pages

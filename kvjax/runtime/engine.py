@@ -22,6 +22,8 @@ from kvjax.ops import attention
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.plan import bucket as pow2_bucket
+from kvjax.ops.grouped import full_width
+from kvjax.ops.palu import PaluDecodeOp
 from kvjax.ops.prefill.op import PrefillOp
 from kvjax.runtime import memory
 from kvjax.runtime.cache import PagedKVCache, block_table
@@ -40,13 +42,15 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     return size if maximum is None else min(size, maximum)
 
 
-def prefill_groups(lengths, limit: int, min_length: int = 1) -> list[list[int]]:
+def prefill_groups(lengths, limit: int, min_length: int = 1, max_rows: int | None = None) -> list[list[int]]:
     """Chunks (given by their lengths) grouped into prefill calls, longest first, so that each call's padded rows x
-    length (each a power of two) stays within ``limit`` tokens: prefill activations are bounded by the step's
-    chunk budget, not by how many requests share the step."""
+    length (each a power of two, the length at least ``min_length``) stays within ``limit`` tokens and its rows
+    within ``max_rows``: prefill activations are bounded by the step's chunk budget, not by how many requests
+    share the step."""
     calls: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if calls and bucket(len(calls[-1]) + 1) * bucket(lengths[calls[-1][0]], min_length) <= limit:
+        fits = calls and (max_rows is None or len(calls[-1]) < max_rows)
+        if fits and bucket(len(calls[-1]) + 1) * bucket(lengths[calls[-1][0]], min_length) <= limit:
             calls[-1].append(i)
         else:
             calls.append([i])
@@ -210,12 +214,17 @@ class Engine:
         backend: str | None = None,
         batch_invariant: bool = False,
         decode_config: DecodeConfig = DECODE,
+        prefill_min_tokens: int | None = None,
+        prefill_max_rows: int | None = None,
     ):
         """``backend``: "reference" (jnp), "pallas" (GPU kernels) or "interpret" (the kernels on the CPU);
         default: the kernels on a GPU, the reference elsewhere. ``batch_invariant``: decode plans split each
         sequence by its own length alone and every decode step runs ``max_batch`` rows, and the runner prefills
         one chunk per step call (``kvjax.generate``). ``decode_config``: the decode kernel's knobs (its defaults
-        are the measured best; bench/engine.py's ``--knob`` sets them)."""
+        are the measured best; bench/engine.py's ``--knob`` sets them). ``prefill_min_tokens`` (default the page
+        size) and ``prefill_max_rows`` (default ``max_batch``): the shortest padded length and the most rows of a
+        prefill call; fewer step shapes to compile (``compile_ahead``) for a little padding, since a short prefill
+        call is bound by reading the weights anyway (bench/RESULTS.md "Serving: latency against request rate")."""
         if not isinstance(decode_config, DecodeConfig):
             raise TypeError(f"decode_config must be a DecodeConfig, got {type(decode_config).__name__}")
         self.model, self.max_batch, self.page_size = model, max_batch, page_size
@@ -228,12 +237,21 @@ class Engine:
             self.backend = "reference"
         self.pages_per_seq = -(-max_seq_len // page_size)
         self.max_seq_len = self.pages_per_seq * page_size
-        self.prefill_limit = min(2 * bucket(max(chunk_tokens, page_size)), max_batch * bucket(self.max_seq_len))
-        self.decode_op = self.prefill_op = None
+        self.prefill_min, self.prefill_rows = page_size, max_batch
+        if prefill_min_tokens is not None:
+            self.prefill_min = max(page_size, validate.integer("prefill_min_tokens", prefill_min_tokens, low=1))
+        if prefill_max_rows is not None:
+            self.prefill_rows = min(max_batch, validate.integer("prefill_max_rows", prefill_max_rows, low=1))
+        self.prefill_limit = min(2 * bucket(max(chunk_tokens, self.prefill_min)), max_batch * bucket(self.max_seq_len))
+        self.decode_op: DecodeOp | PaluDecodeOp | None = None
+        self.prefill_op: PrefillOp | None = None
         if self.backend != "reference":
             interpret = self.backend == "interpret"
-            self.prefill_op = PrefillOp(model.layouts, interpret=interpret)
-            if model.module.method != "palu":  # Palu layers take the reference path
+            if model.module.method == "palu":  # K rebuilt from its latent: Palu's own kernel, prefill at full width
+                self.prefill_op = PrefillOp([full_width(lay) for lay in model.layouts], interpret=interpret)
+                self.decode_op = PaluDecodeOp(max_batch, model.config.num_kv_heads, interpret=interpret)
+            else:
+                self.prefill_op = PrefillOp(model.layouts, interpret=interpret)
                 self.decode_op = DecodeOp(
                     model.layouts,
                     page_size,
@@ -254,6 +272,7 @@ class Engine:
         # at every call cost the host about 0.9 ms a decode step (bench/notes/2026-11-24-memory-startup.md).
         self.weights, structure = jax.tree.flatten(model.state)
         self._steps: dict[tuple, Callable] = {}
+        self._compiled: dict[tuple, Callable] = {}  # compile_ahead's executables, by step and input shape
         for greedy in (True, False):
             self._steps["decode", greedy] = jit(
                 functools.partial(_decode_step, model.graphdef, structure, greedy=greedy, op=self.decode_op)
@@ -267,10 +286,15 @@ class Engine:
     def activation_bytes(self) -> int:
         """The room the largest step needs beside the cache (``memory.activation_bytes``'s estimate)."""
         cfg, dtype = self.model.config, self.model.dtype
-        scores = self.backend == "reference" or self.model.module.method == "palu"
+        scores = self.backend == "reference"
+        gathers = scores or self.model.module.method == "palu"  # Palu's prefill rebuilds each row's K
         rows = min(self.max_batch, self.prefill_limit)
-        prefill = memory.activation_bytes(cfg, self.prefill_limit, rows, self.max_seq_len, dtype, scores=scores)
-        decode = memory.activation_bytes(cfg, self.max_batch, self.max_batch, self.max_seq_len, dtype, scores=True)
+        prefill = memory.activation_bytes(
+            cfg, self.prefill_limit, rows, self.max_seq_len, dtype, scores=scores, gathers=gathers
+        )
+        decode = memory.activation_bytes(
+            cfg, self.max_batch, self.max_batch, self.max_seq_len, dtype, scores=True, gathers=True
+        )
         return max(prefill, decode)
 
     def _pages(self, num_pages, cache_memory, dtype) -> int:
@@ -295,8 +319,9 @@ class Engine:
         """Enqueue prompt chunks (token ids from positions ``starts``); the token sampled after each chunk goes to
         slot ``slots[i]`` (-1: none). Returns the sampled tokens [padded rows] on the device, without waiting."""
         n = len(chunks)
-        b = bucket(n, maximum=self.max_batch)  # one chunk per running request at most
-        t = bucket(max(map(len, chunks)), minimum=self.page_size, maximum=self.max_seq_len)
+        if n > self.prefill_rows:
+            raise ValueError(f"a prefill call of {n} chunks, more than the {self.prefill_rows} rows a call holds")
+        b, t = self.call_shape(n, max(map(len, chunks)))
         if b * t > self.prefill_limit:
             raise ValueError(f"a prefill call of {b} x {t} padded tokens, more than the {self.prefill_limit} sized for")
         tokens = np.zeros((b, t), np.int32)
@@ -307,7 +332,9 @@ class Engine:
         where = np.full(b, self.max_batch, np.int32)
         where[:n] = [s if s >= 0 else self.max_batch for s in slots]
         starts = np.pad(np.asarray(starts, np.int32), (0, b - n))
-        self.slot_tokens, new, self.cache = self._steps["prefill", padded.greedy, bool(starts.any())](
+        key = ("prefill", padded.greedy, bool(starts.any()))
+        step = self._compiled.get((*key, b, t)) or self._steps[key]
+        self.slot_tokens, new, self.cache = step(
             self.weights,
             self.cache,
             self.slot_tokens,
@@ -325,7 +352,7 @@ class Engine:
         inactive row costs next to nothing: the step reads every weight whatever its rows, and the row's attention
         one token): each active row feeds its slot's token at its position and samples the next into the slot.
         Returns the slot tokens [max_batch] after the step on the device, without waiting."""
-        step = self._steps["decode", rows.greedy]
+        step = self._compiled.get(("decode", rows.greedy)) or self._steps["decode", rows.greedy]
         self.slot_tokens, self.cache = step(
             self.weights,
             self.cache,
@@ -337,6 +364,65 @@ class Engine:
             rows.sampling(),
         )
         return self.slot_tokens
+
+    def call_shape(self, chunks: int, longest: int) -> tuple[int, int]:
+        """The padded (rows, length) of a prefill call of ``chunks`` chunks, the longest ``longest`` tokens."""
+        b = bucket(chunks, maximum=self.prefill_rows)  # one chunk per running request at most
+        return b, bucket(longest, minimum=self.prefill_min, maximum=self.max_seq_len)
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, length) a prefill call can take: powers of two (rows capped at ``prefill_max_rows``, one row
+        in batch-invariant mode; lengths from ``prefill_min_tokens`` to the chunk budget, capped at
+        ``max_seq_len``) within ``prefill_limit`` padded tokens."""
+        top = bucket(self.chunk_tokens, minimum=self.prefill_min, maximum=self.max_seq_len)
+        lengths = {bucket(1 << i, minimum=self.prefill_min, maximum=top) for i in range(top.bit_length() + 1)}
+        most = 1 if self.batch_invariant else self.prefill_rows
+        rows = {bucket(1 << i, maximum=most) for i in range(most.bit_length() + 1)}
+        return [(b, t) for t in sorted(lengths) for b in sorted(rows) if b * t <= self.prefill_limit]
+
+    def compile_ahead(self, greedy=(True, False), threads: int = 8, progress: bool = False) -> int:
+        """Compile every step the engine can run (the decode step; each prefill shape, with and without a prefix)
+        before serving, ``threads`` at a time (XLA compiles with Python's lock released), so no request waits for
+        a compile (a compressed model's prefill shape takes about 10 s on the 8B shape: bench/RESULTS.md "Engine:
+        compile times"). Returns how many executables it compiled."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tqdm import tqdm
+
+        jobs: list[tuple[tuple, Callable, tuple]] = []
+        state = (self.weights, self.cache, self.slot_tokens)
+        for g in greedy:
+            rows = Rows.empty(self.max_batch, self.pages_per_seq)
+            rows.temperature[:] = 0.0 if g else 1.0
+            positions = np.zeros(self.max_batch, np.int32)
+            inputs: tuple = (
+                positions,
+                positions.astype(bool),
+                rows.table,
+                self.schedule(positions + 1),
+                rows.sampling(),
+            )
+            jobs.append((("decode", g), self._steps["decode", g], (*state, *inputs)))
+            for b, t in self.prefill_shapes():
+                rows = Rows.empty(b, self.pages_per_seq)
+                rows.temperature[:] = 0.0 if g else 1.0
+                ids, zeros = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
+                for prefix in (True, False):
+                    key = ("prefill", g, prefix)
+                    inputs = (ids, zeros, zeros + 1, rows.table, zeros, rows.sampling())
+                    jobs.append(((*key, b, t), self._steps[key], (*state, *inputs)))
+        jobs = [job for job in jobs if job[0] not in self._compiled]
+
+        def compile_one(job):
+            key, step, args = job
+            return key, step.lower(*args).compile()
+
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            done = tqdm(
+                pool.map(compile_one, jobs), total=len(jobs), desc="compiling", unit="step", disable=not progress
+            )
+            self._compiled.update(done)
+        return len(jobs)
 
     def schedule(self, lengths: np.ndarray):
         """The decode op's device schedule for these lengths (None on the reference path)."""

@@ -35,19 +35,24 @@ def free_bytes(device=None) -> int | None:
     return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
 
 
-def activation_bytes(config: ModelConfig, tokens: int, rows: int, context: int, dtype, *, scores: bool) -> int:
+def activation_bytes(
+    config: ModelConfig, tokens: int, rows: int, context: int, dtype, *, scores: bool, gathers: bool | None = None
+) -> int:
     """An upper estimate of the live activations of one step over ``tokens`` padded tokens in ``rows`` rows: every
     per-token tensor of a layer (residual, norms in float32, Q/K/V, attention output, the MLP's gate, up and
     product) held at once, twice over for the compiler's copies, and each row's float32 logits; ``scores``:
-    attention gathers each row's ``context`` positions of K and V and materializes float32 scores against them
-    (the jnp reference path; the kernels stream them)."""
+    attention materializes float32 scores against ``context`` positions (the jnp reference path; the kernels
+    stream them); ``gathers`` (default: ``scores``): it gathers each row's ``context`` positions of full K and V
+    (the reference, and Palu's prefill, which rebuilds K)."""
     item = jnp.dtype(dtype).itemsize
     h, mlp, heads = config.hidden_size, config.intermediate_size, config.num_heads
     qkv = (heads + 2 * config.num_kv_heads) * config.head_dim
     per_token = item * (4 * h + qkv + heads * config.head_dim + 3 * mlp) + 4 * 2 * h
     total = 2 * tokens * per_token + 4 * rows * config.vocab_size
     if scores:
-        total += 4 * tokens * heads * context + item * rows * context * 2 * config.num_kv_heads * config.head_dim
+        total += 4 * tokens * heads * context
+    if scores if gathers is None else gathers:
+        total += item * rows * context * 2 * config.num_kv_heads * config.head_dim
     return total
 
 

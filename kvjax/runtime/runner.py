@@ -99,7 +99,8 @@ class Runner:
                 groups = [[c] for c in step.chunks]
             else:
                 lengths = [c.end - c.start for c in step.chunks]
-                calls = prefill_groups(lengths, self.engine.prefill_limit, self.engine.page_size)
+                engine = self.engine
+                calls = prefill_groups(lengths, engine.prefill_limit, engine.prefill_min, engine.prefill_rows)
                 groups = [[step.chunks[i] for i in call] for call in calls]
             out += [self._prefill(g) for g in groups]
         for p in out:

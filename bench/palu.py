@@ -1,0 +1,146 @@
+"""Palu's fused decode kernel (``kvjax.ops.palu.palu_decode``) measured on one representative layer of the rate-0.5
+plan of the Llama-3.1-8B shape: checked against the jnp reference, then timed (CUPTI) at its knobs (tokens a step,
+warps, pipeline stages, splits), beside the floor (the latent K and V bytes over the copy bandwidth), ZACK's decode
+kernel on the same widths, and Palu's decode as XLA fuses the jnp form. Table: bench/RESULTS.md "Palu's decode
+kernel"."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from baselines import palu_decode_call
+from decode import kvjax_decode_call, schedule_of
+from harness import (
+    HKV,
+    D,
+    PagedCase,
+    copies_for,
+    copy_bandwidth,
+    log,
+    on_gpu,
+    pick_layer,
+    rank_plan,
+    rel_err,
+    time_calls,
+)
+
+from kvjax.layout import HeadLayout
+from kvjax.models.latent import LatentK
+from kvjax.models.rope import inverse_frequencies
+from kvjax.ops.decode.config import DECODE
+from kvjax.ops.decode.reference import paged_decode_attention
+from kvjax.ops.palu import default_splits, palu_decode
+
+
+def palu_kernel_call(case, rebuild, key, **knobs):
+    """(fn, shared, per_call) for ``time_calls``: ``palu_decode`` on the case's pages, fresh queries, rotating pages."""
+    lay, lengths = case.layout, jnp.asarray(case.lengths)
+    up = rebuild.up
+
+    def fn(k, v, lengths, up, q, table):
+        return palu_decode(q, k, v, table, lengths, up, rebuild.inv_freq, lay, **knobs)
+
+    qs = [jax.random.normal(k, (case.batch, lay.num_heads * D), jnp.bfloat16) for k in jax.random.split(key, 8)]
+    per_call = [(q, case.tables[u % case.tables.shape[0]]) for u, q in enumerate(qs)]
+    return fn, (case.k, case.v, lengths, up), per_call
+
+
+def latent_of(layout, key) -> LatentK:
+    """Random ``up`` per head for ``layout`` (Llama-3.1's RoPE base)."""
+    keys = jax.random.split(key, layout.num_kv_heads)
+    up = tuple(
+        (jax.random.normal(k, (w, D), jnp.float32) / np.sqrt(w)).astype(jnp.bfloat16)
+        for k, w in zip(keys, layout.k_widths)
+    )
+    return LatentK(up, inverse_frequencies(D, 500000.0, {}), layout)
+
+
+def check(case, rebuild, **knobs) -> float:
+    """Relative error of the kernel against the float32 reference on the case's first page set."""
+    q = jax.random.normal(jax.random.key(1), (case.batch, case.layout.num_heads * D), jnp.bfloat16)
+    table, lengths = case.tables[0], jnp.asarray(case.lengths)
+    up = rebuild.up
+    out = palu_decode(q, case.k, case.v, table, lengths, up, rebuild.inv_freq, case.layout, **knobs)
+    exact = LatentK(tuple(u.astype(jnp.float32) for u in rebuild.up), rebuild.inv_freq, case.layout)
+    f32 = jnp.float32
+    with jax.default_matmul_precision("highest"):
+        ref = paged_decode_attention(
+            q.astype(f32), case.k.astype(f32), case.v.astype(f32), table, lengths, case.layout, exact
+        )
+    return rel_err(out, ref)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", default="32x2048,32x8192,8x32768", help="BxCTX, comma-separated")
+    ap.add_argument("--rate", type=float, default=0.5, help="the plan's rate (default 0.5)")
+    ap.add_argument("--steps", default="16,32", help="tokens a loop step, comma-separated (default 16,32)")
+    ap.add_argument("--warps", default="2,4", help="warps, comma-separated (default 2,4)")
+    ap.add_argument("--stages", default="2", help="pipeline stages, comma-separated (default 2)")
+    ap.add_argument("--uniform", action="store_true", help="also every head at the plan's mean widths (Palu's own)")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    if not on_gpu():
+        raise SystemExit("bench/palu.py times the kernel on a GPU (CUPTI)")
+    bw = copy_bandwidth()
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    planned = pick_layer(rank_plan(args.rate), args.rate)
+    layouts = {"plan": planned}
+    if args.uniform:  # Palu's own setting: one rank for every head, the same columns in all
+        k, v = (16 * round(cols / HKV / 16) for cols in (planned.k_cols, planned.v_cols))
+        layouts["uniform"] = HeadLayout(planned.num_heads, HKV, D, (k,) * HKV, (v,) * HKV)
+    rows = []
+    print(
+        "\n| B x ctx | widths | kernel | knobs | us | floor us | % of floor | rel. err |"
+        "\n|---|---|---|---|---|---|---|---|"
+    )
+    for shape, (name, lay) in itertools.product(args.shapes.split(","), layouts.items()):
+        batch, ctx = map(int, shape.split("x"))
+        rebuild = latent_of(lay, jax.random.key(2))
+        key = jax.random.key(batch * ctx)
+        per_copy = batch * ctx * (lay.k_cols + lay.v_cols) * 2
+        case = PagedCase(lay, batch, [ctx] * batch, 16, copies_for(per_copy), key)
+        floor = case.bytes / bw
+        widths = f"{name} {lay.k_cols}+{lay.v_cols}"
+
+        def row(kernel, knobs, t, err=None, at=(batch, ctx, floor, widths)):
+            b, c, fl, w = at
+            rows.append(dict(batch=b, ctx=c, widths=w, kernel=kernel, knobs=knobs, us=t * 1e6, floor_us=fl * 1e6))
+            rows[-1]["rel_err"] = err
+            e = "" if err is None else f"{err:.1e}"
+            print(
+                f"| {b} x {c} | {w} | {kernel} | {knobs} | {t * 1e6:.0f} | {fl * 1e6:.0f} | {100 * fl / t:.0f}% | {e} |"
+            )
+
+        splits = default_splits(batch, lay.num_kv_heads)
+        grid = itertools.product(
+            map(int, args.steps.split(",")), map(int, args.warps.split(",")), map(int, args.stages.split(","))
+        )
+        for step, warps, stages in grid:
+            knobs = dict(step=step, num_warps=warps, num_stages=stages, splits=splits)
+            try:
+                err = check(case, rebuild, **knobs)
+                t = time_calls(*palu_kernel_call(case, rebuild, key, **knobs))
+            except Exception as e:  # a variant the GPU cannot run (shared memory, registers): reported, skipped
+                log(f"{knobs}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            row("palu (Pallas)", " ".join(f"{k}={v}" for k, v in knobs.items()), t, err)
+        t = time_calls(*kvjax_decode_call(case, schedule_of(case, DECODE).schedule.layer(0), key))
+        row("zack (Pallas)", "defaults", t)
+        if name == "uniform":
+            fn, shared, per_call, _, r, rv = palu_decode_call(case, lay, key)
+            row("palu (XLA, jnp)", "", time_calls(fn, shared, per_call))
+        del case
+    if args.json:
+        with open(args.json, "w") as f:
+            layouts = {name: str(lay) for name, lay in layouts.items()}
+            json.dump(dict(device=jax.devices()[0].device_kind, bandwidth=bw, layouts=layouts, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Palu's cached K: a pre-RoPE latent per KV head that attention rebuilds to full K (``up``) and rotates by RoPE at
+every call (the Palu paper, section 3.3: the baseline kvjax compares ZACK against).
+
+The model hands attention a ``LatentK`` with the latent; the ops pick the form they read: the references call it on
+the gathered latent (full post-RoPE K), the decode kernel takes ``up`` and rebuilds inside its tiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.layout import HeadLayout
+from kvjax.models.rope import apply_rope
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentK:
+    """A Palu layer's K rebuild: head g's latent (``layout.k_widths[g]`` packed columns) times ``up[g]`` [w, d], then
+    RoPE by ``inv_freq`` [d/2] at the token's position."""
+
+    up: tuple[jax.Array, ...]
+    inv_freq: np.ndarray
+    layout: HeadLayout
+
+    def __call__(self, latent, positions):
+        """Packed latent [B, S, k_cols] at ``positions`` [B, S] -> full post-RoPE K [B, S, Hkv*d]."""
+        starts = HeadLayout.offsets(self.layout.k_widths)
+        full = jnp.stack(
+            [latent[..., s : s + w] @ up for s, w, up in zip(starts, self.layout.k_widths, self.up)], axis=2
+        )
+        return apply_rope(full, positions, self.inv_freq).reshape(*latent.shape[:2], -1)

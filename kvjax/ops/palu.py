@@ -1,0 +1,308 @@
+"""Palu's decode in one kernel: each tile of cached K latent is rebuilt to full K, rotated by RoPE and scored without
+leaving the chip, as Palu's authors fuse it (the Palu paper, section 3.4), so the ZACK-against-Palu comparison runs
+against Palu's best decode, not a strawman (Pallas, Triton lowering).
+
+One program per (sequence, KV head, split of the sequence's pages). Per step of ``step`` tokens it loads the head's
+latent rows [step, k_tile] through the block table, multiplies them by the head's ``up`` halves [k_tile, d/2]
+(tensor cores), applies RoPE as HF's rotate-half on the two halves, with cos/sin of each token's angle made from the
+step's first angle and a per-program table of in-step offsets (angle addition: two trig calls per column a step, not
+per token), scores the group's queries against it, and runs the online softmax over the head's V rows. A split
+writes a partial (acc, max, sum) that ``_merge`` combines in jnp. Heads run in one launch per K tile
+(``head_classes``), so the rebuild multiplies by the head's own tile; heads narrower than the tile mask their
+columns, so loads never read a column the head does not own.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kvjax.layout import HeadLayout
+from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, column_offsets, dot_precision, load_rows, store_rows
+from kvjax.ops.tiles import pow2_floor, tile
+
+ROWS = 16  # query rows per program: a GQA group (G <= 16) padded to the tensor cores' smallest M
+HEAD_FIELDS = 5  # per KV head in a class's table: its index, K offset, K width, V offset, V width
+
+
+@functools.cache
+def head_classes(layout: HeadLayout) -> tuple[tuple[int, ...], ...]:
+    """The layer's KV heads grouped by K tile (``tiles.tile`` of the latent width), narrowest first: each class is
+    one launch whose rebuild multiplies by its own tile, not the layer's widest (as fast as one launch at the
+    widest tile on the 8B shape's plan, bench/RESULTS.md "Palu's decode kernel", and no padded ``up``)."""
+    by_tile: dict[int, list[int]] = {}
+    for g, w in enumerate(layout.k_widths):
+        by_tile.setdefault(tile(w), []).append(g)
+    return tuple(tuple(by_tile[t]) for t in sorted(by_tile))
+
+
+@functools.cache
+def _head_table(layout: HeadLayout, heads: tuple[int, ...]) -> np.ndarray:
+    """int32 [len(heads) * 5 + 3]: for each of ``heads``, its index, packed K offset and width, V offset and width;
+    then the q, K and V row widths (run-time values, so layers with the same tiles share the compiled kernel)."""
+    offs = column_offsets(layout)
+    fields = [(g, offs["k"][g], layout.k_widths[g], offs["v"][g], layout.v_widths[g]) for g in heads]
+    rows = (layout.num_heads * layout.head_dim, layout.k_cols, layout.v_cols)
+    return np.asarray([x for f in fields for x in f] + list(rows), np.int32)
+
+
+def default_splits(batch: int, num_kv_heads: int, target_programs: int = 1024) -> int:
+    """Splits per sequence so that about ``target_programs`` programs run (a power of two, 1 to 16)."""
+    return int(min(16, pow2_floor(max(1, target_programs // (batch * num_kv_heads)))))
+
+
+def _kernel(
+    lengths_ref,
+    heads_ref,
+    table_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    up_ref,
+    freq_ref,
+    acc_ref,
+    m_ref,
+    l_ref,
+    *,
+    group,
+    page_size,
+    head_dim,
+    k_tile,
+    v_tile,
+    step,
+    splits,
+    window,
+    scale,
+    interpret,
+):
+    seq, slot, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_heads = pl.num_programs(1)  # the class's heads
+    half = head_dim // 2
+    dtype = k_ref.dtype
+    precision = dot_precision(dtype)
+    head, k_off, k_width, v_off, v_width = (heads_ref[slot * HEAD_FIELDS + f] for f in range(HEAD_FIELDS))
+    q_cols, k_cols, v_cols = (heads_ref[num_heads * HEAD_FIELDS + f] for f in range(3))
+    length = lengths_ref[seq]
+
+    rows = jnp.arange(ROWS)
+    real = rows < group
+    seqs = jnp.full((ROWS,), seq)
+    halves = jnp.arange(half)[None, :]
+    q_at = ((head * group + rows) * head_dim)[:, None]
+
+    def load_q(offset):
+        q = load_rows(q_ref, seqs, q_cols, q_at + offset, halves, None, real)
+        return (q.astype(jnp.float32) * (scale * LOG2E)).astype(dtype)  # scores come out in log2 units
+
+    q1, q2 = load_q(0), load_q(half)
+    up_rows = slot * k_tile + jnp.arange(k_tile)
+    up1 = load_rows(up_ref, up_rows, head_dim, 0, halves)  # [k_tile, d/2], zero past the head's width
+    up2 = load_rows(up_ref, up_rows, head_dim, half, halves)
+    freq = plgpu.load(freq_ref.at[jnp.arange(half)])[None, :]  # [1, d/2] float32
+    offset_angle = jnp.arange(step, dtype=jnp.float32)[:, None] * freq
+    cos_in, sin_in = jnp.cos(offset_angle), jnp.sin(offset_angle)  # [step, d/2]: in-step offsets, once a program
+
+    per_step = step // page_size
+    pages = pl.cdiv(length, page_size)
+    per_split = pl.cdiv(pl.cdiv(pages, splits), per_step) * per_step
+    lo = split * per_split * page_size
+    hi = jnp.minimum((split + 1) * per_split * page_size, length)
+    visible_from = jnp.maximum(length - window, 0) if window else 0
+    if window:
+        lo = jnp.maximum(lo, visible_from // step * step)
+    pages_per_seq = table_ref.shape[1]
+    k_cols_ok = jnp.arange(k_tile)[None, :] < k_width
+    v_cols_ok = jnp.arange(v_tile)[None, :] < v_width
+
+    def body(j, carry):
+        acc, m, l = carry
+        first = lo + j * step
+        tok = first + jnp.arange(step)
+        valid = (tok < hi) & (tok >= visible_from)
+        page = plgpu.load(table_ref.at[seq, jnp.minimum(tok // page_size, pages_per_seq - 1)], mask=valid, other=0)
+        row = page * page_size + tok % page_size
+        latent = load_rows(k_ref, row, k_cols, k_off, jnp.arange(k_tile)[None, :], k_cols_ok, valid)
+        k1 = plgpu.dot(latent, up1, precision=precision)  # float32, where the reference rounds to the cache's dtype
+        k2 = plgpu.dot(latent, up2, precision=precision)
+        start = first.astype(jnp.float32) * freq
+        c0, s0 = jnp.cos(start), jnp.sin(start)
+        cos = c0 * cos_in - s0 * sin_in
+        sin = s0 * cos_in + c0 * sin_in
+        r1 = (k1 * cos - k2 * sin).astype(dtype)
+        r2 = (k2 * cos + k1 * sin).astype(dtype)
+        s = plgpu.dot(q1, r1, trans_b=True, precision=precision) + plgpu.dot(q2, r2, trans_b=True, precision=precision)
+        s = jnp.where(valid[None, :], s, MASK)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        v = load_rows(v_ref, row, v_cols, v_off, jnp.arange(v_tile)[None, :], v_cols_ok, valid)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(dtype), v, precision=precision)
+        return acc, m_new, l * alpha + p.sum(axis=1)
+
+    carry = (
+        jnp.zeros((ROWS, v_tile), jnp.float32),
+        jnp.full((ROWS,), MASK, jnp.float32),
+        jnp.zeros((ROWS,), jnp.float32),
+    )
+    acc, m, l = lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), step), body, carry)
+
+    part = ((seq * num_heads + slot) * splits + split) * group + rows
+    store_rows(acc_ref, part, v_tile, 0, jnp.arange(v_tile)[None, :], acc, None, real, interpret=interpret)
+    part = jnp.where(real, part, NOWHERE if interpret else 0)
+    plgpu.store(m_ref.at[part], m, mask=real)
+    plgpu.store(l_ref.at[part], l, mask=real)
+
+
+def _spec(x) -> pl.BlockSpec:
+    """The whole array as every program's block (flat arrays by element offset, as ``pallas_util.whole_block``)."""
+    if len(x.shape) == 1:
+        return pl.BlockSpec((pl.Element(x.shape[0]),), lambda *_: (0,))
+    return pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))
+
+
+@functools.cache
+def _packed_index(layout: HeadLayout) -> np.ndarray:
+    """For each packed output column (head g's queries side by side, each ``v_widths[g]`` wide), its place in the
+    classes' merged outputs laid side by side ([class heads, G, the class's V tile] each)."""
+    g_size, where, start = layout.group_size, {}, 0
+    for heads in head_classes(layout):
+        v_tile = tile(max(layout.v_widths[g] for g in heads))
+        for i, g in enumerate(heads):
+            where[g] = (start + i * g_size * v_tile, v_tile)
+        start += len(heads) * g_size * v_tile
+    index = [
+        where[g][0] + q * where[g][1] + c
+        for g, w in enumerate(layout.v_widths)
+        for q in range(g_size)
+        for c in range(w)
+    ]
+    return np.asarray(index, np.int32)
+
+
+def _merge(acc, m, l, heads: int, group: int, splits: int, v_tile: int):
+    """A class's partial softmax states [B * heads * splits * G, ...] -> [B, heads * G * v_tile] float32."""
+    acc = acc.reshape(-1, heads, splits, group, v_tile)
+    m, l = m.reshape(-1, heads, splits, group), l.reshape(-1, heads, splits, group)
+    top = m.max(axis=2, keepdims=True)
+    w = jnp.where(l > 0, jnp.exp2(m - top), 0.0)
+    total = (w * l).sum(axis=2)
+    out = (w[..., None] * acc).sum(axis=2) / jnp.where(total > 0, total, 1.0)[..., None]
+    return out.reshape(out.shape[0], -1)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "splits", "step", "num_warps", "num_stages", "interpret"))
+def palu_decode(
+    q,
+    k_pages,
+    v_pages,
+    block_table,
+    lengths,
+    up,
+    inv_freq,
+    layout: HeadLayout,
+    *,
+    splits: int = 1,
+    step: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+):
+    """One new query per sequence against its Palu-compressed paged cache; equal to
+    ``reference.paged_decode_attention`` with the layer's K rebuild (``models.latent.LatentK``).
+
+    q [B, H*d] (post-RoPE, full heads); k_pages [num_pages, page_size, k_cols] the K latent, v_pages
+    [num_pages, page_size, v_cols]; block_table [B, pages_per_seq]; lengths [B] (the new token included); up: each
+    KV head's [k_widths[g], d] (``LatentK.up``); inv_freq [d/2]. Heads run in one launch per K tile
+    (``head_classes``). Returns [B, out_cols] in q's dtype; rows of length 0 are zero."""
+    b = q.shape[0]
+    page_size = k_pages.shape[1]
+    hkv, g, d = layout.num_kv_heads, layout.group_size, layout.head_dim
+    if g > ROWS or step % page_size or len(up) != hkv or any(u.shape[1] != d for u in up):
+        raise ValueError(f"palu_decode: group {g} <= {ROWS}, step {step} a multiple of {page_size}, up per KV head")
+    shared = [lengths.astype(jnp.int32), block_table.astype(jnp.int32), q.reshape(-1)]
+    shared += [k_pages.reshape(-1), v_pages.reshape(-1)]
+    freq = jnp.asarray(inv_freq, jnp.float32)
+    outs = []
+    for heads in head_classes(layout):
+        k_tile, v_tile = tile(max(layout.k_widths[h] for h in heads)), tile(max(layout.v_widths[h] for h in heads))
+        ups = jnp.stack([jnp.pad(up[h], ((0, k_tile - up[h].shape[0]), (0, 0))) for h in heads])
+        parts = b * len(heads) * splits * g
+        kernel = functools.partial(
+            _kernel,
+            group=g,
+            page_size=page_size,
+            head_dim=d,
+            k_tile=k_tile,
+            v_tile=v_tile,
+            step=step,
+            splits=splits,
+            window=layout.sliding_window,
+            scale=1.0 / math.sqrt(d),
+            interpret=interpret,
+        )
+        args = [shared[0], jnp.asarray(_head_table(layout, heads)), *shared[1:]]
+        args += [ups.astype(k_pages.dtype).reshape(-1), freq]
+        out_shape = [
+            jax.ShapeDtypeStruct((parts * v_tile,), jnp.float32),
+            jax.ShapeDtypeStruct((parts,), jnp.float32),
+            jax.ShapeDtypeStruct((parts,), jnp.float32),
+        ]
+        acc, m, l = pl.pallas_call(
+            kernel,
+            grid=(b, len(heads), splits),
+            in_specs=[_spec(x) for x in args],
+            out_specs=[_spec(x) for x in out_shape],
+            out_shape=out_shape,
+            interpret=interpret,
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            name="kvjax_palu_decode",
+        )(*args)
+        outs.append(_merge(acc, m, l, len(heads), g, splits, v_tile))
+    merged = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-1)
+    return merged[:, _packed_index(layout)].astype(q.dtype)
+
+
+class PaluDecodeOp:
+    """Palu layers' decode as the engine holds it: no host plan (``plan`` returns None; each program splits its
+    sequence by the length it reads), ``run`` attends one layer with its K rebuild."""
+
+    def __init__(
+        self,
+        max_batch: int,
+        num_kv_heads: int,
+        *,
+        splits: int | None = None,
+        step: int = 16,
+        num_warps: int = 4,
+        interpret: bool = False,
+    ):
+        self.splits = splits or default_splits(max_batch, num_kv_heads)
+        self.step, self.num_warps, self.interpret = step, num_warps, interpret
+
+    def plan(self, lengths) -> None:
+        return None
+
+    def run(self, q, k_pages, v_pages, block_table, lengths, rebuild, layout: HeadLayout):
+        """One layer's attention; ``rebuild`` holds the layer's ``up`` and ``inv_freq`` (the model's
+        ``LatentK``); see ``palu_decode``."""
+        return palu_decode(
+            q,
+            k_pages,
+            v_pages,
+            block_table,
+            lengths,
+            rebuild.up,
+            rebuild.inv_freq,
+            layout,
+            splits=self.splits,
+            step=self.step,
+            num_warps=self.num_warps,
+            interpret=self.interpret,
+        )
