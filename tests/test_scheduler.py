@@ -39,6 +39,7 @@ class FakeEngine:
         self.num_pages, self.page_size, self.max_batch = num_pages, page_size, max_batch
         self.pages_per_seq, self.batch_invariant = pages_per_seq, batch_invariant
         self.chunk_tokens, self.prefill_limit = 1 << 20, prefill_limit
+        self.prefill_min, self.prefill_rows = page_size, max_batch  # the Engine's defaults
         self.pages = np.full((num_pages, page_size), -1, np.int64)
         self.slot_tokens = np.zeros(max_batch, np.int64)
 
@@ -51,7 +52,8 @@ class FakeEngine:
         return [int(self.pages[table_row[p // self.page_size], p % self.page_size]) for p in range(end)]
 
     def prefill(self, chunks, starts, rows, slots):
-        assert bucket(len(chunks)) * bucket(max(map(len, chunks)), self.page_size) <= self.prefill_limit
+        assert len(chunks) <= self.prefill_rows
+        assert bucket(len(chunks)) * bucket(max(map(len, chunks)), self.prefill_min) <= self.prefill_limit
         new = np.zeros(len(chunks), np.int64)
         for i, (ids, start) in enumerate(zip(chunks, starts)):
             for j, token in enumerate(ids):
