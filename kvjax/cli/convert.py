@@ -65,6 +65,13 @@ def parse_args(argv=None):
     p.add_argument(
         "--seq-len", type=validate.arg(count, int), default=512, help="calibration sequence length (default 512)"
     )
+    p.add_argument(
+        "--max-context",
+        type=validate.arg(count, int),
+        default=None,
+        help="zack: the longest prompt + new tokens the model will serve; the Q/K basis is derived for those "
+        "positions from pre-RoPE statistics, so it holds past --seq-len (default: the positions calibration saw)",
+    )
     p.add_argument("--seed", type=validate.arg(validate.seed, int), default=0)
     options.add_dtype(p, "parameter dtype of the output")
     p.add_argument(
@@ -103,6 +110,7 @@ def main(argv=None) -> int:
             seq_len=args.seq_len,
             order_heads=not args.keep_head_order,
             fill_tiles=args.fill_tiles,
+            max_context=args.max_context,
         )
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))

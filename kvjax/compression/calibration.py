@@ -1,9 +1,10 @@
 """Calibration: run the uncompressed model over calibration tokens and accumulate per-head Gram matrices.
 
 For every layer and KV head ``g`` we keep ``X^T X`` (``d_h x d_h``, float64 on the host) rather than the rows, so
-memory does not grow with the number of tokens: ``q`` (post-RoPE rows of every query head of the group), ``k``
-(post-RoPE), ``k_pre`` (pre-RoPE k, the Palu baseline's basis) and ``v``. ``CalibrationStats.basis`` turns them into
-the directions each method keeps, ordered by singular value.
+memory does not grow with the number of tokens: ``q`` (post-RoPE rows of every query head of the group), ``q_pre``
+(the same rows before RoPE), ``k`` (post-RoPE), ``k_pre`` (pre-RoPE k, the Palu baseline's basis) and ``v``.
+``CalibrationStats.basis`` turns them into the directions each method keeps, ordered by singular value; the pre-RoPE
+q and k Grams give ZACK's post-RoPE basis for positions calibration never reached (``positions.post_rope_gram``).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from tqdm.auto import tqdm
 
 from kvjax import validate
 from kvjax.compression.once import jit_once
+from kvjax.compression.positions import post_rope_gram
 from kvjax.models.rope import apply_rope, inverse_frequencies
 from kvjax.ops.prefill.reference import causal_attention
 
-KINDS = ("q", "k", "k_pre", "v")
+KINDS = ("q", "q_pre", "k", "k_pre", "v")
 
 
 @dataclasses.dataclass
@@ -29,12 +31,13 @@ class CalibrationStats:
     grams: dict[str, np.ndarray]  # kind -> float64 [L, Hkv, d, d]
     num_tokens: int
 
-    def basis(self, kind: str, model) -> Basis:
+    def basis(self, kind: str, model, max_context: int | None = None) -> Basis:
         """The directions a method truncates, by descending singular value.
 
         ``qk`` (ZACK's shared Q/K rotation): eigenvectors of the q and k Grams, each normalised by its trace so
         that neither the G query heads nor the one key head dominates the shared rotation. Orthogonal:
-        ``up = down^T``.
+        ``up = down^T``. With ``max_context``, the q and k Grams are those of positions ``0..max_context-1``
+        derived from the pre-RoPE ones (``post_rope_gram``) rather than those of the positions calibration saw.
         ``k_pre``: eigenvectors of the pre-RoPE k Gram (Palu). Orthogonal.
         ``v``: output-aware. Truncating V's directions costs ``||V (I - P) W_o||``, so the basis comes from
         ``C V^T V C`` with ``C = (sum_j W_o^(j) W_o^(j)^T)^(1/2)`` over the group's query heads ``j``:
@@ -42,12 +45,21 @@ class CalibrationStats:
         what the truncation minimises, not V's own (bench/notes/2026-11-accuracy.md, "Basis choices").
         """
         g = self.grams
+        if max_context is not None and kind != "qk":
+            raise ValueError(f"max_context applies to the 'qk' basis only, not {kind!r}")
         if kind == "qk":
 
             def trace(x):
                 return np.trace(x, axis1=-2, axis2=-1)[..., None, None]
 
-            down, s = principal_axes(g["q"] / trace(g["q"]) + g["k"] / trace(g["k"]))
+            q, k = g["q"], g["k"]
+            if max_context is not None:
+                if "q_pre" not in g:
+                    raise ValueError("these statistics have no pre-RoPE query Gram ('q_pre'); recalibrate")
+                cfg = model.config
+                inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope)
+                q, k = (post_rope_gram(g[pre], inv_freq, max_context) for pre in ("q_pre", "k_pre"))
+            down, s = principal_axes(q / trace(q) + k / trace(k))
             return Basis(down, np.swapaxes(down, -1, -2), s)
         if kind == "k_pre":
             down, s = principal_axes(g["k_pre"])
@@ -124,7 +136,7 @@ def _batch_grams(model, tokens, valid) -> dict:
 
 @jit_once(static_argnums=(0, 6))
 def _layer_grams(graphdef, state, x, positions, valid, inv_freq, layout):
-    """One layer's output and its Grams (q, k, k_pre, v: [Hkv, d, d]) over the valid rows of ``x``."""
+    """One layer's output and its Grams (q, q_pre, k, k_pre, v: [Hkv, d, d]) over the valid rows of ``x``."""
     block = nnx.merge(graphdef, state)
     b, t, _ = x.shape
     hkv, d = layout.num_kv_heads, layout.head_dim
@@ -140,6 +152,7 @@ def _layer_grams(graphdef, state, x, positions, valid, inv_freq, layout):
             raise ValueError("calibration runs on an uncompressed model")
         kh = k.reshape(b, t, hkv, 1, d)
         grams["q"] = gram(q.reshape(b, t, hkv, -1, d))
+        grams["q_pre"] = gram(apply_rope(q.reshape(b, t, -1, d), -positions, inv_freq).reshape(b, t, hkv, -1, d))
         grams["k"] = gram(kh)
         grams["k_pre"] = gram(apply_rope(kh[:, :, :, 0], -positions, inv_freq)[:, :, :, None])
         grams["v"] = gram(v.reshape(b, t, hkv, 1, d))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvjax import validate
 from kvjax.compression.calibration import CalibrationStats, calibrate, calibration_tokens
 from kvjax.compression.folding import fold
@@ -10,7 +12,8 @@ from kvjax.compression.plan import METHODS, RankPlan
 BASIS = {"zack": ("qk", "v"), "palu": ("k_pre", "v")}  # each method's K and V bases (CalibrationStats.basis)
 
 
-def _check_request(target_rate, removal_rate, method) -> None:
+def _check_request(target_rate, removal_rate, method, max_context=None) -> int | None:
+    """Refuse a bad request before any work; returns ``max_context`` checked (None stays None)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if (target_rate is None) == (removal_rate is None):
@@ -18,6 +21,11 @@ def _check_request(target_rate, removal_rate, method) -> None:
     for name, value in (("target_rate", target_rate), ("removal_rate", removal_rate)):
         if value is not None:
             validate.rate(name, value)
+    if max_context is None:
+        return None
+    if method != "zack":
+        raise ValueError(f"max_context applies to method='zack' (a post-RoPE basis), not {method!r}")
+    return validate.positive("max_context", max_context)
 
 
 def make_plan(
@@ -30,6 +38,7 @@ def make_plan(
     adaptive=True,
     order_heads=True,
     fill_tiles=False,
+    max_context=None,
 ) -> tuple[RankPlan, dict]:
     """The rank plan and the bases it truncates ({"k": Basis, "v": Basis}), from calibration statistics (cheap).
 
@@ -37,13 +46,17 @@ def make_plan(
     decode kernel's runs fill their tiles (``RankPlan.filled_for_runs``: faster decode for some accuracy; adaptive
     zack plans only).
     ``order_heads``: reorder each layer's KV heads so the decode kernel reads adjacent narrow heads as one
-    (``RankPlan.ordered_for_runs``; the model's output does not change)."""
-    _check_request(target_rate, removal_rate, method)
-    k_basis, v_basis = (stats.basis(kind, model) for kind in BASIS[method])
+    (``RankPlan.ordered_for_runs``; the model's output does not change).
+    ``max_context``: take ZACK's Q/K basis for positions 0..max_context-1, derived from the pre-RoPE statistics,
+    not for the positions calibration saw (recorded in the plan)."""
+    max_context = _check_request(target_rate, removal_rate, method, max_context)
+    k_kind, v_kind = BASIS[method]
+    k_basis, v_basis = stats.basis(k_kind, model, max_context=max_context), stats.basis(v_kind, model)
     if target_rate is not None:
         plan = RankPlan.for_target_rate(method, k_basis.s, v_basis.s, target_rate, adaptive)
     else:
         plan = RankPlan.from_removal_rate(method, k_basis.s, v_basis.s, removal_rate, adaptive)
+    plan = dataclasses.replace(plan, max_context=max_context)
     if fill_tiles and adaptive and method == "zack":
         plan = plan.filled_for_runs(model.layouts[0].group_size)
     if order_heads:
@@ -65,6 +78,7 @@ def compress(
     batch_size=4,
     order_heads=True,
     fill_tiles=False,
+    max_context=None,
     progress=True,
 ):
     """Compress ``model``'s KV cache along the head dimension; returns a new ``kvjax.Model`` with ``.plan``.
@@ -76,8 +90,11 @@ def compress(
     ``fill_tiles``: move a few columns between a layer's heads, at the same rate, so the kernel's runs fill their
     tiles: faster decode, some accuracy lost, ranks within 32 columns a head of the calibrated ones
     (bench/RESULTS.md "Decode: filled tiles").
+    ``max_context`` (zack): the longest prompt + new tokens the model will serve; its Q/K basis is derived for
+    positions 0..max_context-1 from pre-RoPE statistics, so it holds past the calibration rows' ``seq_len``
+    (default None: the basis of the positions calibration saw). ``kvjax.generate`` warns beyond it.
     """
-    _check_request(target_rate, removal_rate, method)  # before the (slow) calibration
+    _check_request(target_rate, removal_rate, method, max_context)  # before the (slow) calibration
     num_tokens, seq_len = validate.positive("num_tokens", num_tokens), validate.positive("seq_len", seq_len)
     batch_size, seed = validate.positive("batch_size", batch_size), validate.seed(seed)
     if model.plan is not None:
@@ -93,5 +110,6 @@ def compress(
         adaptive=adaptive,
         order_heads=order_heads,
         fill_tiles=fill_tiles,
+        max_context=max_context,
     )
     return fold(model, plan, bases)

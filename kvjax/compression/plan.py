@@ -52,6 +52,7 @@ class RankPlan:
     adaptive: bool = True
     head_order: np.ndarray | None = None  # int [L, Hkv]: the calibrated head at each cached position (None: as is)
     moved_columns: int = 0  # K + V columns that ``filled_for_runs`` moved between heads
+    max_context: int | None = None  # zack: Q/K basis derived for positions 0..max_context-1 (None: those calibrated)
 
     def __post_init__(self):
         self.k_qk, self.k_v = np.asarray(self.k_qk, np.int64), np.asarray(self.k_v, np.int64)
@@ -65,6 +66,8 @@ class RankPlan:
                     f"{name} must be multiples of {ALIGN} in [{ALIGN}, head_dim={self.head_dim}] "
                     f"of shape {self.s_qk.shape[:2]}"
                 )
+        if self.max_context is not None:
+            self.max_context = validate.positive("max_context", self.max_context)
         if self.head_order is not None:
             self.head_order = np.asarray(self.head_order, np.int64)
             heads = self.s_qk.shape[1]
@@ -184,6 +187,8 @@ class RankPlan:
             + (f", removal rate r = {self.removal_rate:.4g}" if self.removal_rate is not None else ""),
             "layer | k_qk min/mean/max | k_v min/mean/max",
         ]
+        if self.max_context is not None:
+            lines.insert(1, f"Q/K basis derived for positions 0..{self.max_context - 1} (max_context)")
         if self.moved_columns:
             lines.insert(
                 1,
@@ -215,6 +220,7 @@ class RankPlan:
                 "s_v": self.s_v.tolist(),
                 "head_order": None if self.head_order is None else self.head_order.tolist(),
                 "moved_columns": self.moved_columns,
+                "max_context": self.max_context,
             }
         )
 

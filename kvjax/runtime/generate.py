@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import inspect
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -143,6 +144,7 @@ def generate_iter(
                 f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it needs "
                 f"{len(ids) + max_new_tokens} cache positions, more than the cache's {capacity}"
             )
+    _warn_past_max_context(model, encoded, max_new_tokens)
     stop_ids |= eos_ids(model)
     if stop_texts and model.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; pass stop token ids instead")
@@ -167,6 +169,24 @@ def generate_iter(
         for n, ids in enumerate(encoded)
     ]
     return _Run(model, runner, requests, stop_texts, stats)
+
+
+def _warn_past_max_context(model, encoded: list[list[int]], max_new_tokens: int) -> None:
+    """Warn (once per call, naming the longest request) when a request runs past the positions the model's Q/K
+    basis was derived for: it still runs, but its quality past them is not what the plan was made for."""
+    limit = None if model.plan is None else model.plan.max_context
+    if limit is None or not encoded:
+        return
+    i = max(range(len(encoded)), key=lambda n: len(encoded[n]))
+    need = len(encoded[i]) + max_new_tokens
+    if need > limit:
+        over = sum(len(ids) + max_new_tokens > limit for ids in encoded)
+        warnings.warn(
+            f"prompt {i} needs {need} positions ({len(encoded[i])} prompt tokens + max_new_tokens={max_new_tokens}), "
+            f"more than the max_context={limit} this model's compression plan was made for ({over} of "
+            f"{len(encoded)} prompts go past it); its quality beyond the first {limit} positions may degrade",
+            stacklevel=3,
+        )
 
 
 class _Run:
