@@ -3,34 +3,46 @@ half of Python's ``pydoc_data.topics``; calibration text comes from the first ha
 agreement with the uncompressed model over N held-out prompts continued M tokens, per variant (ZACK adaptive or
 uniform ranks, Palu) and calibration source (random token ids, text); "99% of baseline" = perplexity within +1% and
 agreement >= 99%. Results: bench/RESULTS.md "Compression accuracy (SmolLM2)" and "GGUF perplexity vs
-transformers"."""
+transformers".
+
+Mode ``eval`` scores longer contexts on two kinds of held-out text, prose (pydoc topics) and code (standard-library
+sources, ``kvjax.compression.text.stdlib_code``), in windows of 1K and 4K tokens: perplexity, and against the
+uncompressed model's next-token distributions on the same windows, the mean per-token KL(base || compressed) and
+top-1 agreement."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import kvjax
 from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
 from kvjax.compression.calibration import principal_axes
-from kvjax.compression.text import pydoc_text
+from kvjax.compression.text import pydoc_text, stdlib_code
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "smollm2_reference.npz")
+SOURCES = {"prose": pydoc_text, "code": stdlib_code}  # eval's held-out text sources: part -> text
 VARIANTS = {"zack": ("zack", True), "zack-uniform": ("zack", False), "palu": ("palu", True)}  # (method, adaptive)
 EPILOG = """modes:
   python bench/accuracy.py rates  --model smollm2 --rates 0.25 0.375 0.5 [--json out.json]
   python bench/accuracy.py search --model smollm2      # largest p meeting 99% of baseline, per variant
   python bench/accuracy.py stability --model smollm2   # rotation stability (the papers' Table 4)
   python bench/accuracy.py transformers                # SmolLM2 perplexity next to transformers'
+  python bench/accuracy.py eval --windows 1024 4096 --rates 0.5 --calibrations text --max-context none 4096
 
 Agreement: the uncompressed model continues the prompts greedily; it is the fraction of those positions where the
 compressed model, fed the same tokens, picks the same argmax (so one early difference does not count M times).
-Calibration statistics are gathered once per source and reused for every rate."""
+Calibration statistics are gathered once per source and reused for every rate. Eval runs each window once through
+the uncompressed model and reuses its log-probs for every variant; compressed models are folded again per window
+from their (cheap, kept) plans, so memory holds one compressed model and two windows of log-probs at a time.
+Calibration "code" is the calibration part of the code source (files disjoint from eval's)."""
 
 
 def perplexity(model, tokens: np.ndarray, window: int = 256, batch: int = 4) -> float:
@@ -81,7 +93,9 @@ class Evaluator:
 
 
 def _calibrate(base, source, num_tokens, seq_len):
-    """Calibration statistics of ``base`` on ``num_tokens`` tokens from ``source`` ("random" or "text")."""
+    """Calibration statistics of ``base`` on ``num_tokens`` tokens from ``source`` ("random", "text" or "code")."""
+    if source == "code":
+        source = heldout_ids(base, "code", None, part="calibration")
     return calibrate(base, calibration_tokens(base, source, num_tokens, seq_len, seed=0))
 
 
@@ -191,9 +205,112 @@ def run_transformers(args):
     ]
 
 
+def heldout_ids(model, source: str, num_tokens: int | None, part: str = "heldout") -> np.ndarray:
+    """The first ``num_tokens`` token ids (all if None) of ``source``'s (``SOURCES``) ``part``."""
+    if model.tokenizer is None:
+        raise ValueError(f"source {source!r} needs a model with a tokenizer")
+    ids = np.asarray(model.tokenizer(SOURCES[source](part), add_special_tokens=False)["input_ids"])
+    if num_tokens is not None and len(ids) < num_tokens:
+        raise ValueError(f"{source} {part} text has {len(ids)} tokens, fewer than the {num_tokens} asked for")
+    return ids[:num_tokens]
+
+
+def log_probs(model, window: np.ndarray) -> jax.Array:
+    """``model``'s next-token log-probs [T - 1, vocab] at positions 0..T-2 of one ``window`` [T] of token ids."""
+    return jax.nn.log_softmax(model.logits(np.asarray(window, np.int32)[None])[0, :-1], axis=-1)
+
+
+@jax.jit
+def _window_terms(base_logp, logp, targets):
+    """Per position: the target's NLL under ``logp``, KL(base || model), and whether both argmaxes agree."""
+    kl = jnp.sum(jnp.exp(base_logp) * (base_logp - logp), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
+    return nll, kl, jnp.argmax(base_logp, -1) == jnp.argmax(logp, -1)
+
+
+def window_sums(base_logp, logp, targets) -> dict:
+    """Per-window sums over positions: target NLL, KL(base || model), top-1 agreements, and the position count.
+
+    ``base_logp``/``logp``: [T, vocab] log-probs of the uncompressed and the scored model; ``targets``: [T] ids."""
+    nll, kl, agree = (np.asarray(x, np.float64) for x in _window_terms(base_logp, logp, jnp.asarray(targets)))
+    return {"nll": float(nll.sum()), "kl": float(kl.sum()), "agree": float(agree.sum()), "n": len(targets)}
+
+
+def compare_windows(base, builders, ids: np.ndarray, window: int) -> list[dict]:
+    """Perplexity, mean KL(base || model) and top-1 agreement over ``ids``' ``window``-token slices: ``base``'s
+    own (KL 0, top-1 1), then each builder's model's.
+
+    ``builders``: zero-argument callables returning the models to score, called once per window, so only one is
+    held at a time; ``base``'s log-probs are computed once per window and shared by all of them. Each result also
+    holds "per_window": the same three numbers for every window."""
+    starts = range(0, len(ids) - window + 1, window)
+    if not starts:
+        raise ValueError(f"{len(ids)} tokens make no window of {window}")
+    sums: list[list[dict]] = [[] for _ in range(len(builders) + 1)]
+    for s in starts:
+        chunk = np.asarray(ids[s : s + window], np.int32)
+        base_logp = log_probs(base, chunk)
+        sums[0].append(window_sums(base_logp, base_logp, chunk[1:]))
+        for acc, build in zip(sums[1:], builders, strict=True):
+            acc.append(window_sums(base_logp, log_probs(build(), chunk), chunk[1:]))
+        del base_logp
+    return [_scores(acc) | {"per_window": [_scores([w]) for w in acc]} for acc in sums]
+
+
+def _scores(sums: list[dict]) -> dict:
+    """Perplexity, mean KL and top-1 agreement over all positions of ``sums`` (window_sums results)."""
+    n = sum(w["n"] for w in sums)
+    return {
+        "ppl": float(np.exp(sum(w["nll"] for w in sums) / n)),
+        "kl": sum(w["kl"] for w in sums) / n,
+        "top1": sum(w["agree"] for w in sums) / n,
+    }
+
+
+def _eval_plans(base, args):
+    """(row fields, plan, bases) per calibration, variant, zack ``--max-context`` and rate; folding waits."""
+    out = []
+    for source, variant, method, adaptive, stats in _variants(base, args):
+        for max_context in args.max_context if method == "zack" else [None]:
+            for p in args.rates:
+                plan, bases = make_plan(
+                    base, stats, target_rate=p, method=method, adaptive=adaptive, max_context=max_context
+                )
+                row = {"calibration": source, "variant": variant, "max_context": max_context, "target_rate": p}
+                out.append((row | {"rate": plan.rate}, plan, bases))
+    return out
+
+
+def run_eval(base, args, heldout: dict | None = None):
+    """One row per source, window, variant, calibration and rate (after an uncompressed row per source and window).
+
+    ``heldout``: token ids per source (default: ``--eval-tokens`` of each ``--sources`` held-out text)."""
+    tokens = args.eval_tokens or 8192
+    if heldout is None:
+        heldout = {source: heldout_ids(base, source, tokens) for source in args.sources}
+    plans = _eval_plans(base, args)
+    builders = [functools.partial(fold, base, plan, bases) for _, plan, bases in plans]
+    fields = [{"calibration": "-", "variant": "uncompressed", "max_context": None, "target_rate": 0.0, "rate": 0.0}]
+    fields += [row for row, _, _ in plans]
+    rows = []
+    for source, ids in heldout.items():
+        for window in args.windows:
+            scores = compare_windows(base, builders, ids, window)
+            used = len(ids) // window * window
+            for f, sc in zip(fields, scores, strict=True):
+                rows.append({"source": source, "window": window, "tokens": used} | f | sc)
+                print(_fmt(_shown(rows[-1])), flush=True)
+    return rows
+
+
+def _shown(row) -> dict:
+    """``row`` without its per-window lists (the JSON keeps them)."""
+    return {k: v for k, v in row.items() if k != "per_window"}
+
+
 def _fmt(row) -> str:
-    """A row's values joined by " | " (floats to 4 places)."""
-    return " | ".join(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row.values())
+    """A row's values joined by " | " (floats to 4 places, None as "-")."""
+    return " | ".join("-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v) for v in row.values())
 
 
 def table(rows) -> str:
@@ -206,27 +323,82 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
-    """The command line: one mode's rows, printed as a table and optionally written as JSON."""
+def _max_context(value: str) -> int | None:
+    """``--max-context`` values: a positive integer, or "none" (the basis of the positions calibration saw)."""
+    if value.lower() == "none":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or 'none', got {value!r}")
+    return n
+
+
+def _positive(value: str) -> int:
+    """A positive integer argument."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return n
+
+
+def parser() -> argparse.ArgumentParser:
+    """Every mode's flags."""
     p = argparse.ArgumentParser(
         description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("mode", choices=("rates", "search", "stability", "transformers"))
+    p.add_argument("mode", choices=("rates", "search", "stability", "transformers", "eval"))
     p.add_argument("--model", default="smollm2", help="model path or 'smollm2' (default)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.375, 0.5])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--calibrations", nargs="+", default=["random", "text"])
+    p.add_argument("--calibrations", nargs="+", default=["random", "text"], help="random, text, code or text:PATH")
     p.add_argument("--num-tokens", type=int, default=16384, help="calibration tokens (default 16384)")
     p.add_argument("--seq-len", type=int, default=512, help="calibration sequence length (default 512)")
-    p.add_argument("--eval-tokens", type=int, default=4096, help="held-out perplexity tokens (default 4096)")
+    p.add_argument(
+        "--eval-tokens", type=_positive, default=None, help="held-out tokens (default 4096; eval: 8192 per source)"
+    )
     p.add_argument("--prompts", type=int, default=8, help="agreement prompts N (default 8)")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32, help="agreement tokens per prompt M (default 32)")
     p.add_argument("--max-rate", type=float, default=0.75, help="search upper bound (default 0.75)")
     p.add_argument("--steps", type=int, default=6, help="search bisection steps (default 6)")
     p.add_argument("--max-tokens", type=int, default=32768, help="stability: largest token count")
+    p.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(SOURCES), help="eval: held-out text")
+    p.add_argument(
+        "--windows", type=_positive, nargs="+", default=[1024, 4096], help="eval: window lengths (default 1024 4096)"
+    )
+    p.add_argument(
+        "--max-context",
+        type=_max_context,
+        nargs="+",
+        default=[None],
+        metavar="N",
+        help="eval: zack plans' max_context, one row each (N or 'none', the default); palu ignores it",
+    )
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
+    return p
+
+
+def _check_eval(p, args, base) -> None:
+    """Refuse eval flags the model or the held-out tokens cannot serve, naming the flag."""
+    context = base.config.max_position_embeddings
+    if max(args.windows) > context:
+        p.error(f"--windows {max(args.windows)} exceeds the model's context of {context} tokens")
+    if min(args.windows) < 2:
+        p.error("--windows must be at least 2 tokens (one prediction)")
+    if (args.eval_tokens or 8192) < max(args.windows):
+        p.error(f"--eval-tokens {args.eval_tokens} is fewer than the longest --windows {max(args.windows)}")
+
+
+def main(argv=None):
+    """The command line: one mode's rows, printed as a table and optionally written as JSON."""
+    p = parser()
     args = p.parse_args(argv)
 
     start = time.time()
@@ -236,8 +408,11 @@ def main(argv=None):
         base = kvjax.load(args.model, dtype=args.dtype)
         if args.mode == "stability":
             rows = run_stability(base, args)
+        elif args.mode == "eval":
+            _check_eval(p, args, base)
+            rows = run_eval(base, args)
         else:
-            ev = Evaluator(base, args.eval_tokens, args.prompts, args.prompt_len, args.new_tokens)
+            ev = Evaluator(base, args.eval_tokens or 4096, args.prompts, args.prompt_len, args.new_tokens)
             print(f"uncompressed: perplexity {ev.base['ppl']:.4f}, agreement {ev.base['agreement']:.4f}", flush=True)
             rows = (run_rates if args.mode == "rates" else run_search)(base, ev, args)
             rows.insert(
@@ -252,7 +427,8 @@ def main(argv=None):
                     "agreement": ev.base["agreement"],
                 },
             )
-    print(f"\n{args.mode} on {args.model} ({args.dtype}), {time.time() - start:.0f} s\n\n{table(rows)}")
+    shown = table([_shown(r) for r in rows])
+    print(f"\n{args.mode} on {args.model} ({args.dtype}), {time.time() - start:.0f} s\n\n{shown}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"mode": args.mode, "args": vars(args), "rows": rows}, f, indent=1)
