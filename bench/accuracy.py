@@ -323,19 +323,6 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def _max_context(value: str) -> int | None:
-    """``--max-context`` values: a positive integer, or "none" (the basis of the positions calibration saw)."""
-    if value.lower() == "none":
-        return None
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer or 'none', got {value!r}")
-    return n
-
-
 def _positive(value: str) -> int:
     """A positive integer argument."""
     try:
@@ -345,6 +332,16 @@ def _positive(value: str) -> int:
     if n <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
     return n
+
+
+def _max_context(value: str) -> int | None:
+    """``--max-context`` values: a positive integer, or "none" (the basis of the positions calibration saw)."""
+    if value.lower() == "none":
+        return None
+    try:
+        return _positive(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or 'none', got {value!r}") from None
 
 
 def parser() -> argparse.ArgumentParser:
