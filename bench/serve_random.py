@@ -14,8 +14,8 @@ from engine import model_at
 from harness import LLAMA_8B
 
 from kvjax.cli.serve import capacity_line
+from kvjax.runtime.cache import bytes_per_token
 from kvjax.runtime.engine import Engine
-from kvjax.runtime.memory import bytes_per_token
 from kvjax.serving.api import create_app
 from kvjax.serving.worker import Worker
 from kvjax.validate import parse_memory

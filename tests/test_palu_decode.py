@@ -138,3 +138,9 @@ def test_palu_decode_on_gpu(dtype):
     up = rebuild.up
     out = palu_decode(q, k, v, table, lens, up, rebuild.inv_freq, layout, splits=4)
     assert rel_err(out, reference(q, k, v, table, lens, layout, rebuild)) < (2e-2 if dtype == jnp.bfloat16 else 1e-4)
+
+
+@pytest.mark.parametrize("splits", [0, -2, 1.5])
+def test_a_bad_split_count_is_refused(splits):
+    with pytest.raises((ValueError, TypeError), match="splits"):
+        PaluDecodeOp(8, 2, splits=splits, interpret=True)

@@ -47,9 +47,8 @@ def prefill(
 ):
     """Attention of prompt chunks [B, T, cols] (chunk b at positions ``starts[b]`` on, default 0) over themselves and
     the earlier chunks in the pages, their K/V written into the pages; returns (out, k_pages, v_pages). ``rebuild``
-    (Palu layers, ``models.latent.LatentK``) rebuilds full K from the cached latent; with an op, the prefill kernel runs
-    at full width over the rebuilt K. ``rotation`` (ZACK layers, with q and k
-    per head): packs them first."""
+    (Palu layers, ``models.latent.LatentK``) rebuilds full K from the cached latent; with an op, the prefill kernel
+    runs at full width over the rebuilt K. ``rotation`` (ZACK layers, with q and k per head): packs them first."""
     if rotation is not None:
         q, k = rotation.packed(q, k)
     if op is not None and rebuild is None:
@@ -61,21 +60,17 @@ def prefill(
     k_pages = write_pages(k_pages, block_table, positions, k, valid)
     v_pages = write_pages(v_pages, block_table, positions, v, valid)
     if op is not None:
-        return (
-            _rebuilt_prefill(
-                q, rebuild(k, positions), v, layout, k_pages, v_pages, block_table, lengths, starts, op, rebuild
-            ),
-            k_pages,
-            v_pages,
-        )
+        out = _rebuilt_prefill(q, k, v, positions, layout, k_pages, v_pages, block_table, lengths, starts, op, rebuild)
+        return out, k_pages, v_pages
     if starts is None:
         return causal_attention(q, k, v, layout, rebuild), k_pages, v_pages
     return chunk_attention(q, layout, k_pages, v_pages, block_table, starts, rebuild), k_pages, v_pages
 
 
-def _rebuilt_prefill(q, k_full, v, layout, k_pages, v_pages, block_table, lengths, starts, op, rebuild):
-    """Palu's prefill as its authors run it: the chunk's and its prefix's K rebuilt to full heads, then the prefill
-    kernel at full K width, over scratch pages (the cache keeps the latent, already written)."""
+def _rebuilt_prefill(q, k, v, positions, layout, k_pages, v_pages, block_table, lengths, starts, op, rebuild):
+    """Palu's prefill as its authors run it: the chunk's (latent ``k`` at ``positions``) and its prefix's K rebuilt
+    to full heads, then the prefill kernel at full K width, over scratch pages (the cache keeps the latent, already
+    written)."""
     b, t = q.shape[:2]
     page_size = k_pages.shape[1]
     full = full_width(layout)
@@ -91,7 +86,7 @@ def _rebuilt_prefill(q, k_full, v, layout, k_pages, v_pages, block_table, length
         k_scratch = _after_null_page(k_scratch.reshape(b * n, page_size, full.k_cols))
         v_scratch = _after_null_page(v_pages[block_table].reshape(b * n, page_size, layout.v_cols))
     table = 1 + jnp.arange(b * n, dtype=jnp.int32).reshape(b, n)  # page 0 stays the null page
-    out, _, _ = op.run(q, k_full, v, full, lengths, k_scratch, v_scratch, table, starts)
+    out, _, _ = op.run(q, rebuild(k, positions), v, full, lengths, k_scratch, v_scratch, table, starts)
     return out
 
 

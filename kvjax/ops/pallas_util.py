@@ -62,11 +62,11 @@ def store_rows(ref, rows, stride, offset, cols, values, cols_ok=None, rows_ok=No
 
 
 def whole_block(x) -> pl.BlockSpec:
-    """The whole array as every program's block; a flat array's length stays out of the kernel's code (an element
-    offset, not a block size), so layers of other widths share the compiled kernel."""
+    """The whole array as every program's block, whatever the grid's rank; a flat array's length stays out of the
+    kernel's code (an element offset, not a block size), so layers of other widths share the compiled kernel."""
     if len(x.shape) == 1:
-        return pl.BlockSpec((pl.Element(x.shape[0]),), lambda i: (0,))
-    return pl.BlockSpec(x.shape, lambda i: (0,) * len(x.shape))
+        return pl.BlockSpec((pl.Element(x.shape[0]),), lambda *_: (0,))
+    return pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))
 
 
 def dot_precision(dtype):

@@ -24,12 +24,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kvjax import validate
 from kvjax.layout import HeadLayout
-from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, column_offsets, dot_precision, load_rows, store_rows
+from kvjax.ops.pallas_util import (
+    LOG2E,
+    MASK,
+    NOWHERE,
+    column_offsets,
+    dot_precision,
+    load_rows,
+    store_rows,
+    whole_block,
+)
 from kvjax.ops.tiles import pow2_floor, tile
 
 ROWS = 16  # query rows per program: a GQA group (G <= 16) padded to the tensor cores' smallest M
 HEAD_FIELDS = 5  # per KV head in a class's table: its index, K offset, K width, V offset, V width
+STEP, WARPS = 16, 4  # tokens a loop step and warps: the best measured (bench/RESULTS.md "Palu's decode kernel")
 
 
 @functools.cache
@@ -160,13 +171,6 @@ def _kernel(
     plgpu.store(l_ref.at[part], l, mask=real)
 
 
-def _spec(x) -> pl.BlockSpec:
-    """The whole array as every program's block (flat arrays by element offset, as ``pallas_util.whole_block``)."""
-    if len(x.shape) == 1:
-        return pl.BlockSpec((pl.Element(x.shape[0]),), lambda *_: (0,))
-    return pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))
-
-
 @functools.cache
 def _packed_index(layout: HeadLayout) -> np.ndarray:
     """For each packed output column (head g's queries side by side, each ``v_widths[g]`` wide), its place in the
@@ -209,8 +213,8 @@ def palu_decode(
     layout: HeadLayout,
     *,
     splits: int = 1,
-    step: int = 32,
-    num_warps: int = 4,
+    step: int = STEP,
+    num_warps: int = WARPS,
     num_stages: int = 2,
     interpret: bool = False,
 ):
@@ -226,8 +230,8 @@ def palu_decode(
     hkv, g, d = layout.num_kv_heads, layout.group_size, layout.head_dim
     if g > ROWS or step % page_size or len(up) != hkv or any(u.shape[1] != d for u in up):
         raise ValueError(f"palu_decode: group {g} <= {ROWS}, step {step} a multiple of {page_size}, up per KV head")
-    shared = [lengths.astype(jnp.int32), block_table.astype(jnp.int32), q.reshape(-1)]
-    shared += [k_pages.reshape(-1), v_pages.reshape(-1)]
+    lengths, block_table = lengths.astype(jnp.int32), block_table.astype(jnp.int32)
+    flat = [q.reshape(-1), k_pages.reshape(-1), v_pages.reshape(-1)]
     freq = jnp.asarray(inv_freq, jnp.float32)
     outs = []
     for heads in head_classes(layout):
@@ -247,7 +251,7 @@ def palu_decode(
             scale=1.0 / math.sqrt(d),
             interpret=interpret,
         )
-        args = [shared[0], jnp.asarray(_head_table(layout, heads)), *shared[1:]]
+        args = [lengths, jnp.asarray(_head_table(layout, heads)), block_table, *flat]
         args += [ups.astype(k_pages.dtype).reshape(-1), freq]
         out_shape = [
             jax.ShapeDtypeStruct((parts * v_tile,), jnp.float32),
@@ -257,8 +261,8 @@ def palu_decode(
         acc, m, l = pl.pallas_call(
             kernel,
             grid=(b, len(heads), splits),
-            in_specs=[_spec(x) for x in args],
-            out_specs=[_spec(x) for x in out_shape],
+            in_specs=[whole_block(x) for x in args],
+            out_specs=[whole_block(x) for x in out_shape],
             out_shape=out_shape,
             interpret=interpret,
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -279,11 +283,13 @@ class PaluDecodeOp:
         num_kv_heads: int,
         *,
         splits: int | None = None,
-        step: int = 16,
-        num_warps: int = 4,
+        step: int = STEP,
+        num_warps: int = WARPS,
         interpret: bool = False,
     ):
-        self.splits = splits or default_splits(max_batch, num_kv_heads)
+        self.splits = (
+            default_splits(max_batch, num_kv_heads) if splits is None else validate.integer("splits", splits, low=1)
+        )
         self.step, self.num_warps, self.interpret = step, num_warps, interpret
 
     def plan(self, lengths) -> None:

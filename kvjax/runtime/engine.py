@@ -382,18 +382,23 @@ class Engine:
 
     def compile_ahead(self, greedy=(True, False), threads: int = 8, progress: bool = False) -> int:
         """Compile every step the engine can run (the decode step; each prefill shape, with and without a prefix)
-        before serving, ``threads`` at a time (XLA compiles with Python's lock released), so no request waits for
-        a compile (a compressed model's prefill shape takes about 10 s on the 8B shape: bench/RESULTS.md "Engine:
-        compile times"). Returns how many executables it compiled."""
+        before serving, so no request waits for a compile. ``threads`` overlap XLA's compiles; tracing and Pallas's
+        lowering hold Python's lock, and for a compressed 8B-shaped model they cost seconds a shape
+        (bench/RESULTS.md "Serving: latency against request rate"). Returns how many executables it compiled."""
         from concurrent.futures import ThreadPoolExecutor
 
         from tqdm import tqdm
 
         jobs: list[tuple[tuple, Callable, tuple]] = []
         state = (self.weights, self.cache, self.slot_tokens)
+
+        def rows_of(n: int, greedily: bool) -> Rows:  # n rows that sample greedily or not, as such a step gets them
+            rows = Rows.empty(n, self.pages_per_seq)
+            rows.temperature[:] = 0.0 if greedily else 1.0
+            return rows
+
         for g in greedy:
-            rows = Rows.empty(self.max_batch, self.pages_per_seq)
-            rows.temperature[:] = 0.0 if g else 1.0
+            rows = rows_of(self.max_batch, g)
             positions = np.zeros(self.max_batch, np.int32)
             inputs: tuple = (
                 positions,
@@ -404,8 +409,7 @@ class Engine:
             )
             jobs.append((("decode", g), self._steps["decode", g], (*state, *inputs)))
             for b, t in self.prefill_shapes():
-                rows = Rows.empty(b, self.pages_per_seq)
-                rows.temperature[:] = 0.0 if g else 1.0
+                rows = rows_of(b, g)
                 ids, zeros = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
                 for prefix in (True, False):
                     key = ("prefill", g, prefix)

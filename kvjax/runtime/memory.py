@@ -36,13 +36,13 @@ def free_bytes(device=None) -> int | None:
 
 
 def activation_bytes(
-    config: ModelConfig, tokens: int, rows: int, context: int, dtype, *, scores: bool, gathers: bool | None = None
+    config: ModelConfig, tokens: int, rows: int, context: int, dtype, *, scores: bool, gathers: bool
 ) -> int:
     """An upper estimate of the live activations of one step over ``tokens`` padded tokens in ``rows`` rows: every
     per-token tensor of a layer (residual, norms in float32, Q/K/V, attention output, the MLP's gate, up and
     product) held at once, twice over for the compiler's copies, and each row's float32 logits; ``scores``:
     attention materializes float32 scores against ``context`` positions (the jnp reference path; the kernels
-    stream them); ``gathers`` (default: ``scores``): it gathers each row's ``context`` positions of full K and V
+    stream them); ``gathers``: it gathers each row's ``context`` positions of full K and V
     (the reference, and Palu's prefill, which rebuilds K)."""
     item = jnp.dtype(dtype).itemsize
     h, mlp, heads = config.hidden_size, config.intermediate_size, config.num_heads
@@ -51,7 +51,7 @@ def activation_bytes(
     total = 2 * tokens * per_token + 4 * rows * config.vocab_size
     if scores:
         total += 4 * tokens * heads * context
-    if scores if gathers is None else gathers:
+    if gathers:
         total += item * rows * context * 2 * config.num_kv_heads * config.head_dim
     return total
 
