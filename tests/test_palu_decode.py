@@ -12,7 +12,7 @@ from kvjax.models.rope import inverse_frequencies
 from kvjax.ops import attention
 from kvjax.ops.decode.reference import paged_decode_attention
 from kvjax.ops.grouped import full_width
-from kvjax.ops.palu import PaluDecodeOp, default_splits, palu_decode
+from kvjax.ops.palu import PaluDecodeOp, default_splits, live_splits, palu_decode
 from kvjax.ops.prefill.op import PrefillOp
 
 GPU = jax.default_backend() == "gpu"
@@ -103,7 +103,7 @@ def test_attention_seams_run_palu_on_its_kernels():
     layout = HeadLayout(8, 2, 64, (32, 48), (64, 16))
     rng = np.random.default_rng()
     q, k_pages, v_pages, table, _, rebuild = case(rng, layout, [70, 40], 16, jnp.float32)
-    ops = {"kernel": (PrefillOp([full_width(layout)], interpret=True), PaluDecodeOp(2, 2, interpret=True))}
+    ops = {"kernel": (PrefillOp([full_width(layout)], interpret=True), PaluDecodeOp(interpret=True))}
     ops["reference"] = (None, None)
     chunk = 24
     qc = jnp.asarray(rng.standard_normal((2, chunk, layout.num_heads * 64)), jnp.float32)
@@ -143,4 +143,29 @@ def test_palu_decode_on_gpu(dtype):
 @pytest.mark.parametrize("splits", [0, -2, 1.5])
 def test_a_bad_split_count_is_refused(splits):
     with pytest.raises((ValueError, TypeError), match="splits"):
-        PaluDecodeOp(8, 2, splits=splits, interpret=True)
+        PaluDecodeOp(splits=splits, interpret=True)
+
+
+def test_live_rows_set_the_split_count():
+    """A padded batch's empty rows do no work, so only the live rows count toward the programs the splits fill."""
+    lengths = jnp.asarray([300, 0, 0, 0, 5, 0, 0, 0] * 8)  # 16 live rows of 64
+    assert int(live_splits(lengths, 8, 16)) == default_splits(16, 8) == 8
+    assert int(live_splits(lengths, 8, 4)) == 4  # never past the grid's splits
+    assert int(live_splits(jnp.zeros(64, jnp.int32), 8, 16)) == 16
+    assert int(live_splits(jnp.full(1024, 7), 8, 16)) == 1
+
+
+@pytest.mark.parametrize("live", [1, 3])
+def test_results_do_not_depend_on_the_split_count(live):
+    """Live-row splitting changes only how a sequence's keys are cut, not the answer (float error only)."""
+    layout = HeadLayout(4, 2, 32, (16, 32), (32, 16))
+    rng = np.random.default_rng()
+    q, k, v, table, lens, rebuild = case(rng, layout, [90, 130, 40][:live], 16, jnp.float32)
+    outs = [
+        palu_decode(
+            q, k, v, table, lens, rebuild.up, rebuild.inv_freq, layout, splits=s, target_programs=t, interpret=True
+        )
+        for s, t in ((1, None), (8, None), (8, 64))
+    ]
+    for out in outs[1:]:
+        np.testing.assert_allclose(np.asarray(out), np.asarray(outs[0]), rtol=1e-5, atol=1e-5)

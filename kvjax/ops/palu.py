@@ -2,14 +2,16 @@
 leaving the chip, as Palu's authors fuse it (the Palu paper, section 3.4), so the ZACK-against-Palu comparison runs
 against Palu's best decode, not a strawman (Pallas, Triton lowering).
 
-One program per (sequence, KV head, split of the sequence's pages). Per step of ``step`` tokens it loads the head's
-latent rows [step, k_tile] through the block table, multiplies them by the head's ``up`` halves [k_tile, d/2]
-(tensor cores), applies RoPE as HF's rotate-half on the two halves, with cos/sin of each token's angle made from the
-step's first angle and a per-program table of in-step offsets (angle addition: two trig calls per column a step, not
-per token), scores the group's queries against it, and runs the online softmax over the head's V rows. A split
-writes a partial (acc, max, sum) that ``_merge`` combines in jnp. Heads run in one launch per K tile
-(``head_classes``), so the rebuild multiplies by the head's own tile; heads narrower than the tile mask their
-columns, so loads never read a column the head does not own.
+One program per (sequence, KV head, split of the sequence's pages); how many of the grid's splits a sequence uses is
+decided on the device from the rows that are live this step (``live_splits``), so a step of few sequences still fills
+the GPU and a full one does not pay for merging splits it does not need. Per step of ``step`` tokens it loads the head's
+latent rows [step, k_tile] through the block table, multiplies them by the head's ``up`` halves [k_tile, d/2] (tensor
+cores), applies RoPE as HF's rotate-half on the two halves, with cos/sin of each token's angle made from the step's
+first angle and a per-program table of in-step offsets (angle addition: two trig calls per column a step, not per
+token), scores the group's queries against it, and runs the online softmax over the head's V rows. A split writes a
+partial (acc, max, sum) that ``_merge`` combines in jnp. Heads run in one launch per K tile (``head_classes``), so the
+rebuild multiplies by the head's own tile; heads narrower than the tile mask their columns, so loads never read a column
+the head does not own.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from kvjax.ops.tiles import pow2_floor, tile
 ROWS = 16  # query rows per program: a GQA group (G <= 16) padded to the tensor cores' smallest M
 HEAD_FIELDS = 5  # per KV head in a class's table: its index, K offset, K width, V offset, V width
 STEP, WARPS = 16, 4  # tokens a loop step and warps: the best measured (bench/RESULTS.md "Palu's decode kernel")
+MAX_SPLITS, TARGET_PROGRAMS = 16, 1024  # the grid's splits per sequence; the programs live rows should fill
 
 
 @functools.cache
@@ -64,13 +67,23 @@ def _head_table(layout: HeadLayout, heads: tuple[int, ...]) -> np.ndarray:
     return np.asarray([x for f in fields for x in f] + list(rows), np.int32)
 
 
-def default_splits(batch: int, num_kv_heads: int, target_programs: int = 1024) -> int:
-    """Splits per sequence so that about ``target_programs`` programs run (a power of two, 1 to 16)."""
-    return int(min(16, pow2_floor(max(1, target_programs // (batch * num_kv_heads)))))
+def default_splits(batch: int, num_kv_heads: int, target_programs: int = TARGET_PROGRAMS) -> int:
+    """Splits per sequence so that about ``target_programs`` programs run (a power of two, 1 to ``MAX_SPLITS``)."""
+    return int(min(MAX_SPLITS, pow2_floor(max(1, target_programs // (batch * num_kv_heads)))))
+
+
+def live_splits(lengths, num_kv_heads: int, splits: int, target_programs: int = TARGET_PROGRAMS):
+    """``default_splits`` of the rows with a length (int32 scalar, traced), at most ``splits``: inactive rows of a
+    padded batch do no work, so they must not thin the live rows' splits."""
+    live = jnp.maximum(jnp.sum(lengths > 0), 1)
+    options = 2 ** jnp.arange(MAX_SPLITS.bit_length(), dtype=jnp.int32)  # 1, 2, 4, ... MAX_SPLITS
+    fits = (options <= splits) & (options * live * num_kv_heads <= target_programs)
+    return jnp.max(jnp.where(fits, options, 1)).astype(jnp.int32)
 
 
 def _kernel(
     lengths_ref,
+    used_ref,
     heads_ref,
     table_ref,
     q_ref,
@@ -122,7 +135,8 @@ def _kernel(
 
     per_step = step // page_size
     pages = pl.cdiv(length, page_size)
-    per_split = pl.cdiv(pl.cdiv(pages, splits), per_step) * per_step
+    used = used_ref[0]  # splits this step's sequences take (<= splits); a program past them reads nothing
+    per_split = pl.cdiv(pl.cdiv(pages, used), per_step) * per_step
     lo = split * per_split * page_size
     hi = jnp.minimum((split + 1) * per_split * page_size, length)
     visible_from = jnp.maximum(length - window, 0) if window else 0
@@ -213,6 +227,7 @@ def palu_decode(
     layout: HeadLayout,
     *,
     splits: int = 1,
+    target_programs: int | None = TARGET_PROGRAMS,
     step: int = STEP,
     num_warps: int = WARPS,
     num_stages: int = 2,
@@ -224,7 +239,9 @@ def palu_decode(
     q [B, H*d] (post-RoPE, full heads); k_pages [num_pages, page_size, k_cols] the K latent, v_pages
     [num_pages, page_size, v_cols]; block_table [B, pages_per_seq]; lengths [B] (the new token included); up: each
     KV head's [k_widths[g], d] (``LatentK.up``); inv_freq [d/2]. Heads run in one launch per K tile
-    (``head_classes``). Returns [B, out_cols] in q's dtype; rows of length 0 are zero."""
+    (``head_classes``); each sequence takes ``live_splits`` of the grid's ``splits`` (about ``target_programs``
+    programs over the rows of nonzero length), or all of them with ``target_programs=None`` (then a row's result
+    depends on that row alone). Returns [B, out_cols] in q's dtype; rows of length 0 are zero."""
     b = q.shape[0]
     page_size = k_pages.shape[1]
     hkv, g, d = layout.num_kv_heads, layout.group_size, layout.head_dim
@@ -233,6 +250,10 @@ def palu_decode(
     lengths, block_table = lengths.astype(jnp.int32), block_table.astype(jnp.int32)
     flat = [q.reshape(-1), k_pages.reshape(-1), v_pages.reshape(-1)]
     freq = jnp.asarray(inv_freq, jnp.float32)
+    if target_programs is None:
+        used = jnp.full((1,), splits, jnp.int32)
+    else:
+        used = live_splits(lengths, hkv, splits, target_programs).reshape(1)
     outs = []
     for heads in head_classes(layout):
         k_tile, v_tile = tile(max(layout.k_widths[h] for h in heads)), tile(max(layout.v_widths[h] for h in heads))
@@ -251,7 +272,7 @@ def palu_decode(
             scale=1.0 / math.sqrt(d),
             interpret=interpret,
         )
-        args = [lengths, jnp.asarray(_head_table(layout, heads)), block_table, *flat]
+        args = [lengths, used, jnp.asarray(_head_table(layout, heads)), block_table, *flat]
         args += [ups.astype(k_pages.dtype).reshape(-1), freq]
         out_shape = [
             jax.ShapeDtypeStruct((parts * v_tile,), jnp.float32),
@@ -275,21 +296,21 @@ def palu_decode(
 
 class PaluDecodeOp:
     """Palu layers' decode as the engine holds it: no host plan (``plan`` returns None; each program splits its
-    sequence by the length it reads), ``run`` attends one layer with its K rebuild."""
+    sequence by the length it reads, into as many splits as this step's live rows need: ``live_splits``; with
+    ``batch_invariant``, into all ``splits``, so a row's result never depends on the others), ``run`` attends one
+    layer with its K rebuild."""
 
     def __init__(
         self,
-        max_batch: int,
-        num_kv_heads: int,
         *,
         splits: int | None = None,
+        batch_invariant: bool = False,
         step: int = STEP,
         num_warps: int = WARPS,
         interpret: bool = False,
     ):
-        self.splits = (
-            default_splits(max_batch, num_kv_heads) if splits is None else validate.integer("splits", splits, low=1)
-        )
+        self.splits = MAX_SPLITS if splits is None else validate.integer("splits", splits, low=1)
+        self.target_programs = None if batch_invariant else TARGET_PROGRAMS
         self.step, self.num_warps, self.interpret = step, num_warps, interpret
 
     def plan(self, lengths) -> None:
@@ -308,6 +329,7 @@ class PaluDecodeOp:
             rebuild.inv_freq,
             layout,
             splits=self.splits,
+            target_programs=self.target_programs,
             step=self.step,
             num_warps=self.num_warps,
             interpret=self.interpret,

@@ -182,6 +182,7 @@ def _decode_step(
             rebuild=rebuild,
             rotation=rotation,
             schedule=None if schedule is None else schedule.layer(i),
+            active=active,
         )
         return out[:, None]
 
@@ -249,7 +250,7 @@ class Engine:
             interpret = self.backend == "interpret"
             if model.module.method == "palu":  # K rebuilt from its latent: Palu's own kernel, prefill at full width
                 self.prefill_op = PrefillOp([full_width(lay) for lay in model.layouts], interpret=interpret)
-                self.decode_op = PaluDecodeOp(max_batch, model.config.num_kv_heads, interpret=interpret)
+                self.decode_op = PaluDecodeOp(batch_invariant=batch_invariant, interpret=interpret)
             else:
                 self.prefill_op = PrefillOp(model.layouts, interpret=interpret)
                 self.decode_op = DecodeOp(
