@@ -54,7 +54,8 @@ def cdf_plot(runs: list[dict], rate: float, out: str) -> None:
         for ax, x in ((left, ttft), (right, gaps)):
             ax.plot(x, np.arange(1, len(x) + 1) / max(len(x), 1), label=data["label"])
     left.set_xlabel("time to first token (s)")
-    right.set_xlabel("time between tokens (ms)")
+    right.set_xlabel("time between tokens (ms, log scale)")
+    right.set_xscale("log")
     for ax in (left, right):
         ax.set_ylabel("fraction of requests" if ax is left else "fraction of gaps")
         ax.grid(alpha=0.3)

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 import time
 from urllib.parse import urlparse
@@ -110,14 +111,35 @@ def summary(records: list[dict], slo_ttft: float, slo_tbt: float) -> dict:
     )
 
 
+def write_json(path: str, out: dict) -> None:
+    """``out`` to ``path`` whole or not at all (a temporary file renamed over it)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f)
+    os.replace(tmp, path)
+
+
 async def sweep(args) -> dict:
+    """Every rate of ``args.rates`` in turn, each drained before the next; the JSON (``args.json``) is rewritten
+    after each rate, so a run cut short keeps the rates it finished."""
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
         health = (await client.get(args.url + "/health")).json()
         model = args.model or (await client.get(args.url + "/v1/models")).json()["data"][0]["id"]
-        runs = []
+        runs: list[dict] = []
+        out = dict(
+            model=model,
+            url=args.url,
+            trace=args.trace,
+            scale=args.scale,
+            method=args.method,
+            slo_ttft_s=args.slo_ttft,
+            slo_tbt_ms=args.slo_tbt_ms,
+            health_before=health,
+            runs=runs,
+        )
         for rate in args.rates:
             work = workload(args.trace, args.requests, rate, args.vocab, args.seed, args.scale)
             work = [w for w in work if w[0] <= args.max_seconds] or work[:1]
@@ -126,19 +148,10 @@ async def sweep(args) -> dict:
             stats = summary(list(records), args.slo_ttft, args.slo_tbt_ms / 1e3)
             runs.append(dict(rate=rate, summary=stats, records=list(records)))
             print_row(rate, stats)
-        after = (await client.get(args.url + "/health")).json()
-    return dict(
-        model=model,
-        url=args.url,
-        trace=args.trace,
-        scale=args.scale,
-        method=args.method,
-        slo_ttft_s=args.slo_ttft,
-        slo_tbt_ms=args.slo_tbt_ms,
-        health_before=health,
-        health_after=after,
-        runs=runs,
-    )
+            out["health_after"] = (await client.get(args.url + "/health")).json()
+            if args.json:
+                write_json(args.json, out)
+    return out
 
 
 HEADER = (
@@ -180,10 +193,7 @@ def main(argv=None) -> int:
     if min(args.rates) <= 0 or args.requests < 1:
         ap.error("rates and --requests must be positive")
     print(f"\n{args.trace} trace, {args.requests} requests a rate, {args.url}\n{HEADER}", flush=True)
-    out = asyncio.run(sweep(args))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f)
+    asyncio.run(sweep(args))
     return 0
 
 

@@ -34,15 +34,25 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     ap.add_argument("--method", choices=("none", "zack", "palu"), default="zack")
     ap.add_argument("--rate", type=float, default=0.5, help="compression rate (ignored for --method none)")
+    ap.add_argument(
+        "--plan",
+        choices=("ordered", "uniform"),
+        default="ordered",
+        help="head widths: per head and layer as harness.rank_plan draws them (default), or one width for every "
+        "head (Palu's own setting, where its kernel runs fastest: bench/RESULTS.md \"Palu's decode kernel\")",
+    )
     ap.add_argument("--layers", type=int, help="keep only this many layers (smoke runs on the CPU)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--max-seq-len", type=int, default=32768)
     ap.add_argument("--chunk-tokens", type=int, default=2048)
     ap.add_argument(
-        "--prefill-min-tokens", type=int, default=128, help="shortest padded prefill call (default 128: fewer shapes)"
+        "--prefill-min-tokens",
+        type=int,
+        default=512,
+        help="shortest padded prefill call (default 512: with one row a call, 7 step shapes to compile)",
     )
-    ap.add_argument("--prefill-max-rows", type=int, default=4, help="most chunks a prefill call holds (default 4)")
+    ap.add_argument("--prefill-max-rows", type=int, default=1, help="most chunks a prefill call holds (default 1)")
     ap.add_argument(
         "--no-compile-ahead", action="store_true", help="compile steps as requests need them (default: all first)"
     )
@@ -59,7 +69,7 @@ def main(argv=None) -> int:
     shape = (
         SHAPES[args.shape] if args.layers is None else dataclasses.replace(SHAPES[args.shape], num_layers=args.layers)
     )
-    model = model_at(rate, shape, method=args.method if rate else "zack")
+    model = model_at(rate, shape, form=args.plan, method=args.method if rate else "zack")
     # the cache itself gets the budget (not the budget less each method's activation reserve), so every method's
     # K/V bytes are the same
     page_bytes = PAGE_SIZE * bytes_per_token(model.layouts, model.dtype)
@@ -79,6 +89,7 @@ def main(argv=None) -> int:
         print(f"compiled {n} steps ahead in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     worker = Worker(engine).start()
     name = f"{args.shape}-{args.method}" + (f"-{rate:g}" if rate else "")
+    name += "-uniform" if rate and args.plan == "uniform" else ""
     print(capacity_line(engine, model), file=sys.stderr, flush=True)
     print(f"serving {name!r} on http://127.0.0.1:{args.port}/v1", file=sys.stderr, flush=True)
     try:
