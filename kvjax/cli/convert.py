@@ -3,9 +3,9 @@
     kvjax-convert SRC OUT (--target-rate P | --removal-rate R) [--method zack|palu] [--uniform]
                               [--calibration random|text|text:FILE] [--num-tokens N]
 
-SRC is anything ``kvjax.load`` reads (a Hugging Face directory, a .gguf file, 'smollm2'). OUT is written beside and
-swapped in by renames at the end, so a failure leaves nothing half-written; --overwrite replaces only a kvjax
-checkpoint, and OUT may not be, contain or lie inside SRC.
+SRC is anything ``kvjax.load`` reads (a Hugging Face directory, a .gguf file, 'smollm2', 'gemma3-270m'). OUT is
+written beside and swapped in by renames at the end, so a failure leaves nothing half-written; --overwrite replaces
+only a kvjax checkpoint, and OUT may not be, contain or lie inside SRC.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="kvjax-convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("src", help="source checkpoint: Hugging Face directory, .gguf file, or 'smollm2'")
+    p.add_argument("src", help="source checkpoint: Hugging Face directory, .gguf file, 'smollm2' or 'gemma3-270m'")
     p.add_argument("out", help="output directory (must not exist unless --overwrite)")
     rates = p.add_mutually_exclusive_group(required=True)
     rates.add_argument("--target-rate", type=validate.arg(rate, float), help="overall KV compression rate p in [0, 1)")

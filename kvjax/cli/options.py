@@ -17,7 +17,7 @@ def add_model(p: argparse.ArgumentParser) -> None:
         "--model",
         required=True,
         help="Hugging Face directory, .gguf file, kvjax checkpoint (Model.save, kvjax-convert), "
-        "or 'smollm2' (embedded)",
+        "or 'smollm2' / 'gemma3-270m' (embedded)",
     )
 
 

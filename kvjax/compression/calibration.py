@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from kvjax import validate
 from kvjax.compression.once import jit_once
 from kvjax.compression.positions import post_rope_gram
-from kvjax.models.rope import apply_rope, inverse_frequencies
+from kvjax.models.rope import apply_rope
 from kvjax.ops.prefill.reference import causal_attention
 
 KINDS = ("q", "q_pre", "k", "k_pre", "v")
@@ -56,9 +56,12 @@ class CalibrationStats:
             if max_context is not None:
                 if "q_pre" not in g:
                     raise ValueError("these statistics have no pre-RoPE query Gram ('q_pre'); recalibrate")
-                cfg = model.config
-                inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope)
-                q, k = (post_rope_gram(g[pre], inv_freq, max_context) for pre in ("q_pre", "k_pre"))
+                q, k = (
+                    np.stack(
+                        [post_rope_gram(layer, model.module.inv_freq(i), max_context) for i, layer in enumerate(g[pre])]
+                    )
+                    for pre in ("q_pre", "k_pre")
+                )
             down, s = principal_axes(q / trace(q) + k / trace(k))
             return Basis(down, np.swapaxes(down, -1, -2), s)
         if kind == "k_pre":
@@ -117,19 +120,17 @@ def _wo_gram(wo, num_kv_heads: int, head_dim: int):
 
 
 def _batch_grams(model, tokens, valid) -> dict:
-    """Gram matrices [L, Hkv, d, d] (float32) of one batch of calibration sequences, layer by layer: the layers
-    share one compiled function (the model's layers differ only in their weights), so calibration compiles one
-    layer, not the whole model."""
+    """Gram matrices [L, Hkv, d, d] (float32) of one batch of calibration sequences, layer by layer: layers of one
+    layout share one compiled function (they differ only in their weights and RoPE frequencies), so calibration
+    compiles a layer per layout, not the whole model."""
     module = model.module
-    cfg = module.config
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope)
-    x = jnp.take(module.embed[...], tokens, axis=0)
+    x = module.embed_tokens(tokens)
     grams = []
-    for block, layout in zip(module.layers, module.layouts):
+    for i, (block, layout) in enumerate(zip(module.layers, module.layouts)):
         graphdef, state = nnx.split(block)
-        x, g = _layer_grams(graphdef, state, x, positions, valid, inv_freq, layout)
+        x, g = _layer_grams(graphdef, state, x, positions, valid, module.inv_freq(i), layout)
         grams.append(g)
     return {kind: jnp.stack([g[kind] for g in grams]) for kind in KINDS}
 

@@ -7,6 +7,7 @@ the whole checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Iterable
@@ -91,7 +92,12 @@ def _falcon_qkv_part(cfg: ModelConfig, part: int, transpose: bool):
 
 def hf_sources(cfg: ModelConfig) -> dict[Path, Source]:
     """Where every parameter of ``Transformer(cfg)`` comes from in a Hugging Face checkpoint."""
-    src = _llama_sources(cfg) if cfg.arch in ("llama", "mistral") else _falcon_sources(cfg)
+    if cfg.arch == "gemma3":
+        src = _gemma3_sources(cfg)
+    elif cfg.arch in ("llama", "mistral"):
+        src = _llama_sources(cfg)
+    else:
+        src = _falcon_sources(cfg)
     if not cfg.tie_word_embeddings:
         src[("lm_head", "kernel")] = ("lm_head.weight", transposed)
     return src
@@ -119,6 +125,44 @@ def _llama_sources(cfg: ModelConfig) -> dict[Path, Source]:
         for ours in ("gate", "up", "down"):
             for leaf, suffix, fn in mlp_lin:
                 src[("layers", i, "mlp", ours, leaf)] = (f"{p}.mlp.{ours}_proj.{suffix}", fn)
+    return src
+
+
+def q_norm_weight(cfg: ModelConfig, offset: float = 0.0) -> Callable[[np.ndarray], np.ndarray]:
+    """Gemma's q norm weight ``w`` (stored as ``w + offset``) with the attention scale folded in: ``1 + w`` times
+    ``sqrt(head_dim / query_pre_attn_scalar)``, so attention's ``1/sqrt(head_dim)`` gives the model's scale."""
+    c = math.sqrt(cfg.head_dim / (cfg.query_pre_attn_scalar or cfg.head_dim))
+
+    def fold(x):
+        return c * (x - offset) + (c - 1)  # = c * (1 + w) - 1, and exactly w when c == 1
+
+    return fold
+
+
+def _gemma3_sources(cfg: ModelConfig) -> dict[Path, Source]:
+    """``hf_sources`` of Gemma 3's text model (``Gemma3ForCausalLM``)."""
+    lin = _linear(cfg.attention_bias)
+    src: dict[Path, Source] = {
+        ("embed",): ("model.embed_tokens.weight", as_is),
+        ("final_norm", "scale"): ("model.norm.weight", as_is),
+    }
+    norms = {
+        "attn_norm": "input_layernorm",
+        "post_attn_norm": "post_attention_layernorm",
+        "mlp_norm": "pre_feedforward_layernorm",
+        "post_mlp_norm": "post_feedforward_layernorm",
+    }
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        for ours, theirs in norms.items():
+            src[("layers", i, ours, "scale")] = (f"{p}.{theirs}.weight", as_is)
+        for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj")):
+            for leaf, suffix, fn in lin:
+                src[("layers", i, "attn", ours, leaf)] = (f"{p}.self_attn.{theirs}.{suffix}", fn)
+        src[("layers", i, "attn", "q_norm", "scale")] = (f"{p}.self_attn.q_norm.weight", q_norm_weight(cfg))
+        src[("layers", i, "attn", "k_norm", "scale")] = (f"{p}.self_attn.k_norm.weight", as_is)
+        for ours in ("gate", "up", "down"):
+            src[("layers", i, "mlp", ours, "kernel")] = (f"{p}.mlp.{ours}_proj.weight", transposed)
     return src
 
 

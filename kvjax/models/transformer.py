@@ -1,4 +1,4 @@
-"""The decoder-only transformer shared by Llama, Mistral and Falcon (Flax nnx).
+"""The decoder-only transformer shared by Llama, Mistral, Falcon and Gemma 3 (Flax nnx).
 
 The model knows nothing about caches or kernels: each layer hands its post-RoPE q/k and v to an
 ``attend(layer, q, k, v)`` callback and projects whatever comes back. A full causal forward passes a dense
@@ -11,10 +11,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from kvjax.layout import HeadLayout
-from kvjax.models.config import ModelConfig
+from kvjax.models.config import ModelConfig, UnsupportedModelError
 from kvjax.models.latent import LatentK
 from kvjax.models.rope import apply_rope, inverse_frequencies
 from kvjax.models.rotation import QKRotation, identity_rotation
@@ -44,18 +45,24 @@ class Linear(nnx.Module):
 
 
 class Norm(nnx.Module):
-    """RMSNorm (Llama/Mistral) or LayerNorm (Falcon), computed in float32 as transformers does."""
+    """RMSNorm (Llama/Mistral), Gemma's RMSNorm or LayerNorm (Falcon), computed in float32 as transformers does.
+
+    ``kind`` "rms" returns ``scale * normalised(x)``; "gemma" returns ``(1 + scale) * normalised(x)`` (``scale``
+    holds Gemma's weight, zero-centred) with the product in float32; "layer" adds ``bias``.
+    """
 
     def __init__(self, dim, *, kind, eps, dtype):
         self.kind, self.eps = kind, eps
-        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.scale = nnx.Param((jnp.zeros if kind == "gemma" else jnp.ones)((dim,), dtype))
         self.bias = nnx.Param(jnp.zeros((dim,), dtype)) if kind == "layer" else None
 
     def __call__(self, x):
         xf = x.astype(jnp.float32)
-        if self.kind == "rms":
-            y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + self.eps)).astype(x.dtype)
-            return self.scale[...] * y
+        if self.kind in ("rms", "gemma"):
+            y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + self.eps)
+            if self.kind == "gemma":
+                return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+            return self.scale[...] * y.astype(x.dtype)
         mean = jnp.mean(xf, -1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mean), -1, keepdims=True)
         y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
@@ -69,13 +76,19 @@ class Attention(nnx.Module):
     ``k_widths[g]`` directions after RoPE (``qk_rotation`` [d, k_cols], ``rotation.QKRotation``), V comes out of
     ``v`` already rotated and truncated, and ``o`` reads it back, so attention runs on the short vectors. "palu"
     (the baseline): ``k`` outputs a pre-RoPE latent of ``k_widths[g]`` columns per head that attention rebuilds
-    (``latent.LatentK``: ``k_up``, then RoPE) at every call.
+    (``latent.LatentK``: ``k_up``, then RoPE) at every call. Gemma normalises every q and k head (``q_norm``,
+    ``k_norm``) before RoPE.
     """
 
     def __init__(self, cfg: ModelConfig, layout: HeadLayout, method: str | None, *, dtype, rngs):
         h, kv, d, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         bias = cfg.attention_bias
         self.method = method
+        if method == "palu" and cfg.gemma_norms:
+            raise UnsupportedModelError(
+                "Palu cannot compress a model with k norms (Gemma 3): its latent K would have to pass through the "
+                "norm inside the decode kernel; use method='zack'"
+            )
         self.q = Linear(e, h * d, bias=bias, dtype=dtype, rngs=rngs)
         self.k = Linear(e, layout.k_cols if method == "palu" else kv * d, bias=bias, dtype=dtype, rngs=rngs)
         self.v = Linear(e, layout.v_cols, bias=bias, dtype=dtype, rngs=rngs)
@@ -85,19 +98,23 @@ class Attention(nnx.Module):
         self.k_up = (
             nnx.List([nnx.Param(jnp.eye(w, d, dtype=dtype)) for w in layout.k_widths]) if method == "palu" else None
         )
+        qk_norm = dict(kind=cfg.norm, eps=cfg.norm_eps, dtype=dtype)
+        self.q_norm = Norm(d, **qk_norm) if cfg.gemma_norms else None
+        self.k_norm = Norm(d, **qk_norm) if cfg.gemma_norms else None
 
     def __call__(self, x, positions, inv_freq, layout: HeadLayout, attend: AttendFn, layer: int):
         b, t, _ = x.shape
 
-        def heads(y, n):
-            return y.reshape(b, t, n, layout.head_dim)
+        def heads(y, n, norm):
+            y = y.reshape(b, t, n, layout.head_dim)
+            return y if norm is None else norm(y)
 
-        q = apply_rope(heads(self.q(x), layout.num_heads), positions, inv_freq)
+        q = apply_rope(heads(self.q(x), layout.num_heads, self.q_norm), positions, inv_freq)
         if self.method == "palu":
             assert self.k_up is not None
             rebuild = LatentK(tuple(up[...] for up in self.k_up), inv_freq, layout)
             return self.o(attend(layer, q.reshape(b, t, -1), self.k(x), self.v(x), rebuild=rebuild))
-        k = apply_rope(heads(self.k(x), layout.num_kv_heads), positions, inv_freq)
+        k = apply_rope(heads(self.k(x), layout.num_kv_heads, self.k_norm), positions, inv_freq)
         q, k = q.reshape(b, t, -1), k.reshape(b, t, -1)
         if self.method == "zack":
             assert self.qk_rotation is not None
@@ -106,27 +123,34 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SiLU-gated (Llama/Mistral) or GELU (Falcon) feed-forward."""
+    """Gated feed-forward (SiLU: Llama/Mistral; GELU-tanh: Gemma) or plain GELU (Falcon)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs):
         e, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate = Linear(e, f, bias=bias, dtype=dtype, rngs=rngs) if cfg.arch != "falcon" else None
+        self.activation = cfg.activation
+        self.gate = Linear(e, f, bias=bias, dtype=dtype, rngs=rngs) if cfg.activation != "gelu" else None
         self.up = Linear(e, f, bias=bias, dtype=dtype, rngs=rngs)
         self.down = Linear(f, e, bias=bias, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
         if self.gate is None:
             return self.down(jax.nn.gelu(self.up(x), approximate=False))
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        gate = self.gate(x)
+        act = jax.nn.gelu(gate, approximate=True) if self.activation == "gelu_tanh" else jax.nn.silu(gate)
+        return self.down(act * self.up(x))
 
 
 class Block(nnx.Module):
+    """One decoder layer: pre-norm (Llama), parallel (Falcon), or Gemma's with norms after attention and MLP too."""
+
     def __init__(self, cfg: ModelConfig, layout: HeadLayout, method: str | None, *, dtype, rngs):
         self.parallel = cfg.parallel_block
         norm = dict(kind=cfg.norm, eps=cfg.norm_eps, dtype=dtype)
         self.attn_norm = Norm(cfg.hidden_size, **norm)
         two_norms = not cfg.parallel_block or cfg.parallel_norms == 2
         self.mlp_norm = Norm(cfg.hidden_size, **norm) if two_norms else None
+        self.post_attn_norm = Norm(cfg.hidden_size, **norm) if cfg.gemma_norms else None
+        self.post_mlp_norm = Norm(cfg.hidden_size, **norm) if cfg.gemma_norms else None
         self.attn = Attention(cfg, layout, method, dtype=dtype, rngs=rngs)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
@@ -135,16 +159,17 @@ class Block(nnx.Module):
         a = self.attn(h, positions, inv_freq, layout, attend, layer)
         if self.parallel:  # Falcon: attention and MLP read the same residual
             return x + (self.mlp(h if self.mlp_norm is None else self.mlp_norm(x)) + a)
-        x = x + a
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
+        m = self.mlp(self.mlp_norm(x))
+        return x + (m if self.post_mlp_norm is None else self.post_mlp_norm(m))
 
 
 def layer_layout(cfg: ModelConfig, plan, layer: int) -> HeadLayout:
-    """Layer ``layer``'s cached head widths: ``head_dim`` everywhere, or the plan's ranks."""
+    """Layer ``layer``'s cached head widths (``head_dim`` everywhere, or the plan's ranks) and sliding window."""
     if plan is None:
-        return HeadLayout.uniform(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+        return HeadLayout.uniform(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.window(layer))
     k_widths, v_widths = plan.layer_widths(layer)
-    return HeadLayout(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, k_widths, v_widths, cfg.sliding_window)
+    return HeadLayout(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, k_widths, v_widths, cfg.window(layer))
 
 
 class Transformer(nnx.Module):
@@ -166,13 +191,21 @@ class Transformer(nnx.Module):
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
 
+    def inv_freq(self, layer: int) -> np.ndarray:
+        """float64 RoPE inverse frequencies [head_dim / 2] of layer ``layer`` (Gemma 3's local and global differ)."""
+        return inverse_frequencies(self.config.head_dim, *self.config.layer_rope(layer))
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """The first layer's input [..., E] for token ids [...]: embeddings, times ``config.embed_scale`` if set."""
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        scale = self.config.embed_scale
+        return x if scale is None else x * jnp.asarray(scale, x.dtype)  # in the weights' dtype, as transformers
+
     def hidden(self, tokens: jax.Array, positions: jax.Array, attend: AttendFn) -> jax.Array:
         """Final-norm hidden states [B, T, E] for ``tokens`` at ``positions`` (both int32 [B, T])."""
-        cfg = self.config
-        inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope)
-        x = jnp.take(self.embed[...], tokens, axis=0)
+        x = self.embed_tokens(tokens)
         for i, block in enumerate(self.layers):
-            x = block(x, positions, inv_freq, self.layouts[i], attend, i)
+            x = block(x, positions, self.inv_freq(i), self.layouts[i], attend, i)
         return self.final_norm(x)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
