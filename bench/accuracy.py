@@ -8,7 +8,11 @@ transformers".
 Mode ``eval`` scores longer contexts on two kinds of held-out text, prose (pydoc topics) and code (standard-library
 sources, ``kvjax.compression.text.stdlib_code``), in windows of 1K and 4K tokens: perplexity, and against the
 uncompressed model's next-token distributions on the same windows, the mean per-token KL(base || compressed) and
-top-1 agreement."""
+top-1 agreement.
+
+Mode ``retrieval`` asks for a number hidden in a long prompt (``retrieval``: passkey and multi-key needle prompts of
+1K-8K tokens, the key at depths 0..1 of the filler), answered greedily through ``kvjax.generate``: accuracy per
+task, context and depth, for the uncompressed model and every variant and rate, with heat maps."""
 
 from __future__ import annotations
 
@@ -21,8 +25,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import retrieval
 
 import kvjax
+from kvjax import validate
 from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
 from kvjax.compression.calibration import principal_axes
 from kvjax.compression.text import pydoc_text, stdlib_code
@@ -36,13 +42,18 @@ EPILOG = """modes:
   python bench/accuracy.py stability --model smollm2   # rotation stability (the papers' Table 4)
   python bench/accuracy.py transformers                # SmolLM2 perplexity next to transformers'
   python bench/accuracy.py eval --windows 1024 4096 --rates 0.5 --calibrations text --max-context none 4096
+  python bench/accuracy.py retrieval --task passkey multikey --contexts 1024 2048 4096 8192 --trials 50 \\
+      --rates 0.5 --calibrations text --max-context 8200 --json retrieval.json --png-dir retrieval
 
 Agreement: the uncompressed model continues the prompts greedily; it is the fraction of those positions where the
 compressed model, fed the same tokens, picks the same argmax (so one early difference does not count M times).
 Calibration statistics are gathered once per source and reused for every rate. Eval runs each window once through
 the uncompressed model and reuses its log-probs for every variant; compressed models are folded again per window
 from their (cheap, kept) plans, so memory holds one compressed model and two windows of log-probs at a time.
-Calibration "code" is the calibration part of the code source (files disjoint from eval's)."""
+Calibration "code" is the calibration part of the code source (files disjoint from eval's).
+Retrieval builds each compressed model once and runs every task and context on it; a zack plan serving contexts
+past its calibration's --seq-len wants --max-context at least the longest context plus --answer-tokens. Its JSON
+holds every trial and is rewritten (whole) after each model, "complete" false until the last."""
 
 
 def perplexity(model, tokens: np.ndarray, window: int = 256, batch: int = 4) -> float:
@@ -303,6 +314,91 @@ def run_eval(base, args, heldout: dict | None = None):
     return rows
 
 
+UNCOMPRESSED = {"calibration": "-", "variant": "uncompressed", "max_context": None, "target_rate": 0.0, "rate": 0.0}
+
+
+def run_retrieval(base, args) -> tuple[list[dict], list[dict]]:
+    """Retrieval per task and model (uncompressed, then per calibration, variant, zack max_context and rate): table
+    rows (one per context: accuracy per depth, their mean and its change from the uncompressed model's) and every
+    run's ``retrieval.run`` results. Each compressed model is folded once and serves every task and context."""
+    models = [(UNCOMPRESSED, lambda: base)]
+    models += [(row, functools.partial(fold, base, plan, bases)) for row, plan, bases in _eval_plans(base, args)]
+    runs: list[dict] = []
+    for fields, build in models:
+        model = build()
+        results = retrieval.run(
+            model,
+            args.task,
+            args.contexts,
+            args.depths,
+            args.trials,
+            seed=args.seed,
+            max_batch=args.max_batch,
+            max_new_tokens=args.answer_tokens,
+            chunk_tokens=args.chunk_tokens,
+            backend=args.backend,
+        )
+        for task in args.task:
+            runs.append(fields | {"task": task, "results": results[task]})
+            for row in _retrieval_rows(runs[-1:], runs):
+                print(_fmt(row), flush=True)
+            if args.png_dir:
+                _retrieval_heatmap(runs[-1], args)
+        model.release_cache()  # not needed again: free its KV cache before the next model's
+        del model
+        if args.json:
+            _write_json(args.json, _retrieval_json(args, runs, complete=False))
+    return _retrieval_rows(runs, runs), runs
+
+
+def _retrieval_rows(runs: list[dict], everything: list[dict]) -> list[dict]:
+    """One row per run of ``runs`` and context: accuracy per depth, their mean, and the mean's change from the
+    uncompressed model's on the same task and context (its run is found among ``everything``)."""
+    base_mean = {
+        (r["task"], context): float(np.mean([c["accuracy"] for c in r["results"]["cells"] if c["context"] == context]))
+        for r in everything
+        if r["variant"] == "uncompressed"
+        for context in r["results"]["contexts"]
+    }
+    rows = []
+    for run in runs:
+        results = run["results"]
+        cells = retrieval.accuracy(results)
+        for context in results["contexts"]:
+            depths = {f"depth {d:g}": cells[(context, d)] for d in results["depths"]}
+            mean = float(np.mean(list(depths.values())))
+            row = {"task": run["task"]} | {k: run[k] for k in UNCOMPRESSED} | {"context": context} | depths
+            rows.append(row | {"mean": mean, "vs_base": mean - base_mean[(run["task"], context)]})
+    return rows
+
+
+def _retrieval_heatmap(run: dict, args) -> None:
+    """Write ``run``'s heat map to ``--png-dir``, named and titled by its task, variant, calibration and rate."""
+    if not run["results"]["contexts"]:
+        return
+    name = f"{run['task']}-{run['variant']}"
+    title = f"{args.model}: {run['task']}, {run['variant']}"
+    if run["variant"] != "uncompressed":
+        name += f"-{run['calibration']}-p{run['target_rate']:g}"
+        title += f" p={run['rate']:.3f} ({run['calibration']} calibration"
+        if run["max_context"] is not None:
+            name += f"-ctx{run['max_context']}"
+            title += f", max_context {run['max_context']}"
+        title += ")"
+    retrieval.heatmap(run["results"], os.path.join(args.png_dir, name.replace(os.sep, "_") + ".png"), title)
+
+
+def _retrieval_json(args, runs: list[dict], complete: bool) -> dict:
+    """The JSON of a retrieval run so far: its arguments, table rows and every run's results."""
+    rows = _retrieval_rows(runs, runs)
+    return {"mode": "retrieval", "args": vars(args), "rows": rows, "complete": complete, "runs": runs}
+
+
+def _write_json(path: str, data: dict) -> None:
+    """Write ``data`` to ``path`` as indented JSON, whole or not at all."""
+    retrieval.write_atomic(path, lambda f: json.dump(data, f, indent=1))
+
+
 def _shown(row) -> dict:
     """``row`` without its per-window lists (the JSON keeps them)."""
     return {k: v for k, v in row.items() if k != "per_window"}
@@ -344,12 +440,23 @@ def _max_context(value: str) -> int | None:
         raise argparse.ArgumentTypeError(f"must be a positive integer or 'none', got {value!r}") from None
 
 
+def _depth(value: str) -> float:
+    """``--depths`` values: a number in [0, 1]."""
+    try:
+        depth = float(value)
+    except ValueError:
+        depth = float("nan")
+    if not 0.0 <= depth <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {value!r}")
+    return depth
+
+
 def parser() -> argparse.ArgumentParser:
     """Every mode's flags."""
     p = argparse.ArgumentParser(
         description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("mode", choices=("rates", "search", "stability", "transformers", "eval"))
+    p.add_argument("mode", choices=("rates", "search", "stability", "transformers", "eval", "retrieval"))
     p.add_argument("--model", default="smollm2", help="model path or 'smollm2' (default)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.375, 0.5])
@@ -376,8 +483,48 @@ def parser() -> argparse.ArgumentParser:
         nargs="+",
         default=[None],
         metavar="N",
-        help="eval: zack plans' max_context, one row each (N or 'none', the default); palu ignores it",
+        help="eval, retrieval: zack plans' max_context, one row each (N or 'none', the default); palu ignores it",
     )
+    p.add_argument(
+        "--task",
+        nargs="+",
+        default=list(retrieval.TASKS),
+        choices=retrieval.TASKS,
+        help="retrieval: tasks (default: both)",
+    )
+    p.add_argument(
+        "--contexts",
+        type=_positive,
+        nargs="+",
+        default=[1024, 2048, 4096, 8192],
+        help="retrieval: prompt lengths in tokens (default 1024 2048 4096 8192)",
+    )
+    p.add_argument(
+        "--depths",
+        type=_depth,
+        nargs="+",
+        default=list(retrieval.DEPTHS),
+        help="retrieval: key depths, fractions of the filler (default 0 0.25 0.5 0.75 1)",
+    )
+    p.add_argument("--trials", type=_positive, default=50, help="retrieval: prompts per context and depth (default 50)")
+    p.add_argument(
+        "--seed",
+        type=validate.arg(validate.seed, int),
+        default=0,
+        help="retrieval: seed of the trials' keys (default 0)",
+    )
+    p.add_argument("--answer-tokens", type=_positive, default=8, help="retrieval: tokens generated (default 8)")
+    p.add_argument("--max-batch", type=_positive, default=16, help="retrieval: sequences at once (default 16)")
+    p.add_argument(
+        "--chunk-tokens", type=_positive, default=512, help="retrieval: prompt tokens prefilled a step (default 512)"
+    )
+    p.add_argument(
+        "--backend",
+        choices=("pallas", "reference", "interpret"),
+        default=None,
+        help="retrieval: attention path (default: kvjax's for this machine)",
+    )
+    p.add_argument("--png-dir", default=None, help="retrieval: write a heat map per task, variant and rate here")
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
     return p
 
@@ -393,12 +540,44 @@ def _check_eval(p, args, base) -> None:
         p.error(f"--eval-tokens {args.eval_tokens} is fewer than the longest --windows {max(args.windows)}")
 
 
+def _check_retrieval(p, args, base) -> None:
+    """Refuse retrieval flags the model cannot serve or outputs that cannot be written, naming the flag."""
+    if base.tokenizer is None:
+        p.error("retrieval needs a model with a tokenizer")
+    for flag, values in (("--task", args.task), ("--contexts", args.contexts), ("--depths", args.depths)):
+        if len(set(values)) < len(values):
+            p.error(f"{flag} values must be distinct, got {' '.join(map(str, values))}")
+    rng = np.random.default_rng(0)
+    for task in args.task:
+        try:
+            retrieval.build_prompt(task, base.tokenizer, min(args.contexts), 0.5, rng)
+        except ValueError as e:
+            p.error(f"--contexts {min(args.contexts)}: {e}")
+    _check_outputs(p, args)
+
+
+def _check_outputs(p, args) -> None:
+    """Refuse a --json whose folder cannot be written and a --png-dir that cannot be made or written."""
+    if args.json:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            p.error(f"--json {args.json}: {folder} is not a writable directory")
+    if args.png_dir:
+        try:
+            os.makedirs(args.png_dir, exist_ok=True)
+        except OSError as e:
+            p.error(f"--png-dir {args.png_dir}: {e.strerror}")
+        if not os.access(args.png_dir, os.W_OK):
+            p.error(f"--png-dir {args.png_dir} is not writable")
+
+
 def main(argv=None):
     """The command line: one mode's rows, printed as a table and optionally written as JSON."""
     p = parser()
     args = p.parse_args(argv)
 
     start = time.time()
+    extra: dict = {}
     if args.mode == "transformers":
         rows = run_transformers(args)
     else:
@@ -408,6 +587,10 @@ def main(argv=None):
         elif args.mode == "eval":
             _check_eval(p, args, base)
             rows = run_eval(base, args)
+        elif args.mode == "retrieval":
+            _check_retrieval(p, args, base)
+            rows, runs = run_retrieval(base, args)
+            extra = {"complete": True, "runs": runs}
         else:
             ev = Evaluator(base, args.eval_tokens or 4096, args.prompts, args.prompt_len, args.new_tokens)
             print(f"uncompressed: perplexity {ev.base['ppl']:.4f}, agreement {ev.base['agreement']:.4f}", flush=True)
@@ -427,8 +610,7 @@ def main(argv=None):
     shown = table([_shown(r) for r in rows])
     print(f"\n{args.mode} on {args.model} ({args.dtype}), {time.time() - start:.0f} s\n\n{shown}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"mode": args.mode, "args": vars(args), "rows": rows}, f, indent=1)
+        _write_json(args.json, {"mode": args.mode, "args": vars(args), "rows": rows} | extra)
 
 
 if __name__ == "__main__":

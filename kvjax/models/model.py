@@ -37,6 +37,10 @@ class Model:
         self.graphdef, self.state = nnx.split(module)
         self._engines: dict = {}
 
+    def release_cache(self) -> None:
+        """Drop the engine ``kvjax.generate`` keeps for this model, and with it its KV cache's device memory."""
+        self._engines.clear()
+
     @classmethod
     def random(cls, config, dtype="float32", seed: int = 0, scale: float = 1.0) -> Model:
         """A model with random weights (tests, benchmarks of realistic shapes); ``scale`` multiplies them."""
