@@ -19,6 +19,7 @@ $(VENV)/installed: pyproject.toml
 demo: $(VENV)/installed
 	$(VENV)/bin/kvjax-infer --model smollm2 --prompts examples/prompts.jsonl --out examples/results.jsonl \
 	    --max-new-tokens 48 --chat --show
+	$(PY) examples/demo.py
 
 test: $(VENV)/installed
 	$(PY) -m pytest -q
