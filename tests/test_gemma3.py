@@ -35,6 +35,18 @@ def assert_greedy(model, prompt, new):
     assert new == logits[len(prompt) - 1 : -1].argmax(-1).tolist()
 
 
+def assert_greedy_on_both_backends(model, prompts, new, **engine):
+    """The jnp reference and the (interpreted) kernels generate the same tokens, each the repeated argmax."""
+    runs = {
+        backend: kvjax.generate(model, prompts, max_new_tokens=new, max_batch=2, backend=backend, **engine)
+        for backend in ("reference", "interpret")
+    }
+    assert [r.tokens for r in runs["interpret"]] == [r.tokens for r in runs["reference"]]
+    for prompt, result in zip(prompts, runs["reference"]):
+        assert_greedy(model, prompt, result.tokens)
+    return runs["reference"]
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return kvjax.load(TINY, dtype="float32", progress=False)
@@ -62,15 +74,7 @@ def test_tiny_greedy_through_the_cache_equals_repeated_argmax(tiny):
     """Prompts longer than the window and than a page; chunked prefill; the jnp reference and the kernels."""
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 128, size=n).tolist() for n in (3, 19, 11)]
-    runs = {
-        backend: kvjax.generate(
-            tiny, prompts, max_new_tokens=10, max_batch=2, page_size=8, chunk_tokens=8, backend=backend
-        )
-        for backend in ("reference", "interpret")
-    }
-    assert [r.tokens for r in runs["interpret"]] == [r.tokens for r in runs["reference"]]
-    for prompt, result in zip(prompts, runs["reference"]):
-        assert_greedy(tiny, prompt, result.tokens)  # ended by EOS or after 10 tokens
+    assert_greedy_on_both_backends(tiny, prompts, 10, page_size=8, chunk_tokens=8)  # ended by EOS or 10 tokens
 
 
 def test_kernels_take_gemma_shaped_heads():
@@ -100,16 +104,8 @@ def test_kernels_take_gemma_shaped_heads():
     model = kvjax.Model(module)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 97, size=n).tolist() for n in (5, 21, 40)]
-    runs = {
-        backend: kvjax.generate(
-            model, prompts, max_new_tokens=12, max_batch=2, page_size=8, chunk_tokens=16, backend=backend
-        )
-        for backend in ("reference", "interpret")
-    }
-    assert [r.tokens for r in runs["interpret"]] == [r.tokens for r in runs["reference"]]
-    for prompt, result in zip(prompts, runs["reference"]):
-        assert len(set(result.tokens)) > 3  # not a degenerate model
-        assert_greedy(model, prompt, result.tokens)
+    results = assert_greedy_on_both_backends(model, prompts, 12, page_size=8, chunk_tokens=16)
+    assert all(len(set(r.tokens)) > 3 for r in results)  # not a degenerate model
 
 
 def test_tiny_full_rank_compression_is_exact_and_saves(tiny, tmp_path):
