@@ -1,7 +1,7 @@
 """``kvjax-convert``: a checkpoint -> a KV-compressed kvjax checkpoint (orbax params + plan.json + tokenizer).
 
     kvjax-convert SRC OUT (--target-rate P | --removal-rate R) [--method zack|palu] [--uniform]
-                              [--calibration random|text|text:FILE] [--num-tokens N]
+                              [--calibration random|text|text:FILE] [--num-tokens N] [--k-share S|measured]
 
 SRC is anything ``kvjax.load`` reads (a Hugging Face directory, a .gguf file, 'smollm2', 'gemma3-270m'). OUT is
 written beside and swapped in by renames at the end, so a failure leaves nothing half-written; --overwrite replaces
@@ -72,6 +72,14 @@ def parse_args(argv=None):
         help="zack: the longest prompt + new tokens the model will serve; the Q/K basis is derived for those "
         "positions from pre-RoPE statistics, so it holds past --seq-len (default: the positions calibration saw)",
     )
+    p.add_argument(
+        "--k-share",
+        type=_k_share,
+        default=None,
+        help="with --target-rate: the share of the kept columns Q/K gets (V the rest), or 'measured' to try 0.3-0.7 "
+        "and keep the share whose model stays closest to the original on held-in calibration rows (default: one "
+        "removal rate for both)",
+    )
     p.add_argument("--seed", type=validate.arg(validate.seed, int), default=0)
     options.add_dtype(p, "parameter dtype of the output")
     p.add_argument(
@@ -80,6 +88,8 @@ def parse_args(argv=None):
         help="replace OUT if it is a kvjax checkpoint (never anything else, never SRC)",
     )
     args = p.parse_args(argv)
+    if args.k_share is not None and args.target_rate is None:
+        p.error("--k-share splits a target rate's columns: give --target-rate")
     if args.calibration not in ("random", "text") and not args.calibration.startswith("text:"):
         p.error("--calibration must be 'random', 'text' or 'text:FILE'")
     if args.calibration.startswith("text:") and not os.path.isfile(args.calibration[5:]):
@@ -89,6 +99,19 @@ def parse_args(argv=None):
     except (OSError, ValueError) as e:
         p.error(str(e))
     return p, args
+
+
+def _k_share(value: str) -> float | str:
+    """--k-share: 'measured' or a number strictly between 0 and 1."""
+    if value == "measured":
+        return value
+    try:
+        share = float(value)
+    except ValueError:
+        share = float("nan")
+    if not 0 < share < 1:
+        raise argparse.ArgumentTypeError(f"must be 'measured' or a number strictly between 0 and 1, got {value!r}")
+    return share
 
 
 def main(argv=None) -> int:
@@ -111,6 +134,7 @@ def main(argv=None) -> int:
             order_heads=not args.keep_head_order,
             fill_tiles=args.fill_tiles,
             max_context=args.max_context,
+            k_share=args.k_share,
         )
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))

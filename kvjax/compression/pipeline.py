@@ -8,6 +8,7 @@ from kvjax import validate
 from kvjax.compression.calibration import CalibrationStats, calibrate, calibration_tokens
 from kvjax.compression.folding import fold
 from kvjax.compression.plan import METHODS, RankPlan
+from kvjax.compression.split import best_share, kl_to
 
 BASIS = {"zack": ("qk", "v"), "palu": ("k_pre", "v")}  # each method's K and V bases (CalibrationStats.basis)
 
@@ -39,6 +40,7 @@ def make_plan(
     order_heads=True,
     fill_tiles=False,
     max_context=None,
+    k_share=None,
 ) -> tuple[RankPlan, dict]:
     """The rank plan and the bases it truncates ({"k": Basis, "v": Basis}), from calibration statistics (cheap).
 
@@ -48,12 +50,16 @@ def make_plan(
     ``order_heads``: reorder each layer's KV heads so the decode kernel reads adjacent narrow heads as one
     (``RankPlan.ordered_for_runs``; the model's output does not change).
     ``max_context``: take ZACK's Q/K basis for positions 0..max_context-1, derived from the pre-RoPE statistics,
-    not for the positions calibration saw (recorded in the plan)."""
+    not for the positions calibration saw (recorded in the plan).
+    ``k_share`` (with ``target_rate``): the share of the kept columns Q/K gets (``RankPlan.for_target_rate``);
+    None: one removal rate for both (adaptive) or the singular-value mass split (uniform)."""
     max_context = _check_request(target_rate, removal_rate, method, max_context)
     k_kind, v_kind = BASIS[method]
     k_basis, v_basis = stats.basis(k_kind, model, max_context=max_context), stats.basis(v_kind, model)
     if target_rate is not None:
-        plan = RankPlan.for_target_rate(method, k_basis.s, v_basis.s, target_rate, adaptive)
+        plan = RankPlan.for_target_rate(method, k_basis.s, v_basis.s, target_rate, adaptive, k_share=k_share)
+    elif k_share is not None:
+        raise ValueError("k_share splits a target rate's columns: give target_rate, not removal_rate")
     else:
         plan = RankPlan.from_removal_rate(method, k_basis.s, v_basis.s, removal_rate, adaptive)
     plan = dataclasses.replace(plan, max_context=max_context)
@@ -79,6 +85,7 @@ def compress(
     order_heads=True,
     fill_tiles=False,
     max_context=None,
+    k_share=None,
     progress=True,
 ):
     """Compress ``model``'s KV cache along the head dimension; returns a new ``kvjax.Model`` with ``.plan``.
@@ -93,23 +100,27 @@ def compress(
     ``max_context`` (zack): the longest prompt + new tokens the model will serve; its Q/K basis is derived for
     positions 0..max_context-1 from pre-RoPE statistics, so it holds past the calibration rows' ``seq_len``
     (default None: the basis of the positions calibration saw). ``kvjax.generate`` warns beyond it.
+    ``k_share`` (with ``target_rate``): the share of the kept columns that Q/K gets, V the rest, each spread over
+    its heads by its own removal rate (adaptive) or evenly (uniform); "measured" tries shares 0.3-0.7 and keeps the
+    one whose model stays closest (KL) to this one on held-in calibration rows (``compression.split``; a fold and
+    a forward pass a share); None (default): one removal rate for both, or the uniform split by singular values.
     """
     _check_request(target_rate, removal_rate, method, max_context)  # before the (slow) calibration
+    if k_share is not None:
+        share = isinstance(k_share, (int, float)) and not isinstance(k_share, bool) and 0 < k_share < 1
+        if target_rate is None or not (share or k_share == "measured"):
+            raise ValueError(f"k_share takes a target_rate and a share in (0, 1) or 'measured', got {k_share!r}")
     num_tokens, seq_len = validate.positive("num_tokens", num_tokens), validate.positive("seq_len", seq_len)
     batch_size, seed = validate.positive("batch_size", batch_size), validate.seed(seed)
     if model.plan is not None:
         raise ValueError("model is already compressed; compress the original model")
     tokens = calibration_tokens(model, calibration, num_tokens, min(seq_len, num_tokens), seed)
     stats = calibrate(model, tokens, batch_size=batch_size, progress=progress)
-    plan, bases = make_plan(
-        model,
-        stats,
-        target_rate=target_rate,
-        removal_rate=removal_rate,
-        method=method,
-        adaptive=adaptive,
-        order_heads=order_heads,
-        fill_tiles=fill_tiles,
-        max_context=max_context,
+    settings = dict(
+        target_rate=target_rate, removal_rate=removal_rate, method=method, adaptive=adaptive, max_context=max_context
     )
+    if k_share == "measured":
+        score = kl_to(model, tokens[[i for i in range(len(tokens)) if tokens[i, -1] >= 0][-batch_size:]])
+        k_share, _ = best_share(lambda f: score(fold(model, *make_plan(model, stats, k_share=f, **settings))))
+    plan, bases = make_plan(model, stats, order_heads=order_heads, fill_tiles=fill_tiles, k_share=k_share, **settings)
     return fold(model, plan, bases)

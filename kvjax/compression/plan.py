@@ -53,6 +53,7 @@ class RankPlan:
     head_order: np.ndarray | None = None  # int [L, Hkv]: the calibrated head at each cached position (None: as is)
     moved_columns: int = 0  # K + V columns that ``filled_for_runs`` moved between heads
     max_context: int | None = None  # zack: Q/K basis derived for positions 0..max_context-1 (None: those calibrated)
+    k_share: float | None = None  # the share of the kept columns given to Q/K (None: one removal rate for both)
 
     def __post_init__(self):
         self.k_qk, self.k_v = np.asarray(self.k_qk, np.int64), np.asarray(self.k_v, np.int64)
@@ -155,14 +156,25 @@ class RankPlan:
         return cls(method, d, k_qk, k_v, s_qk, s_v, removal_rate=r, adaptive=adaptive)
 
     @classmethod
-    def for_target_rate(cls, method, s_qk, s_v, p: float, adaptive: bool = True, steps: int = 50) -> RankPlan:
-        """``F_p``: the plan whose rate is closest to ``p`` without going under it (bisection on ``r``)."""
+    def for_target_rate(
+        cls, method, s_qk, s_v, p: float, adaptive: bool = True, steps: int = 50, k_share: float | None = None
+    ) -> RankPlan:
+        """``F_p``: the plan whose rate is closest to ``p`` without going under it (bisection on ``r``). With
+        ``k_share`` (adaptive only): Q/K gets that share of the columns the rate keeps and V the rest, each spread
+        over its heads by a removal rate of its own (``for_column_budgets``), so K and V are never ranked against
+        each other on their singular values' different scales."""
         validate.rate("target_rate", p)
         d = s_qk.shape[-1]
+        if k_share is not None and not 0 < k_share < 1:
+            raise ValueError(f"k_share must lie strictly between 0 and 1, got {k_share!r}")
+        if k_share is not None and adaptive:
+            kept = int(np.floor(2 * s_qk[..., 0].size * d * (1 - p)))
+            k_cols = int(round(kept * k_share))
+            return cls.for_column_budgets(method, s_qk, s_v, k_cols, kept - k_cols, steps)
         if not adaptive:
-            k_qk, k_v = uniform_widths(p, d, s_qk, s_v)
+            k_qk, k_v = uniform_widths(p, d, s_qk, s_v, k_share)
             shape = s_qk.shape[:2]
-            return cls(method, d, np.full(shape, k_qk), np.full(shape, k_v), s_qk, s_v, adaptive=False)
+            return cls(method, d, np.full(shape, k_qk), np.full(shape, k_v), s_qk, s_v, adaptive=False, k_share=k_share)
         lo, hi = 0.0, 1.0  # rate(r) is monotone non-decreasing in r
         best = cls.from_removal_rate(method, s_qk, s_v, 0.0)
         if best.rate >= p:
@@ -180,11 +192,38 @@ class RankPlan:
             )
         return best
 
+    @classmethod
+    def for_column_budgets(cls, method, s_qk, s_v, k_cols: int, v_cols: int, steps: int = 50) -> RankPlan:
+        """The adaptive plan keeping at most ``k_cols`` Q/K and ``v_cols`` V columns in all: each kind's heads share
+        the smallest removal rate whose widths fit its budget (bisection per kind; every head keeps >= 16)."""
+        d = s_qk.shape[-1]
+        widths = []
+        for name, s, budget in (("k_cols", s_qk, k_cols), ("v_cols", s_v, v_cols)):
+            heads = s.reshape(-1, d)
+            if budget < ALIGN * len(heads):
+                raise ValueError(f"{name}={budget} is below {ALIGN} columns for each of the {len(heads)} heads")
+
+            def fit(r, heads=heads, shape=s.shape[:-1]):
+                return np.array([rank_for_removal(h, r, d) for h in heads]).reshape(shape)
+
+            lo, hi, best = 0.0, 1.0, fit(1.0)
+            if fit(0.0).sum() <= budget:
+                best = fit(0.0)
+            else:
+                for _ in range(steps):
+                    mid = (lo + hi) / 2
+                    w = fit(mid)
+                    lo, hi, best = (lo, mid, w) if w.sum() <= budget else (mid, hi, best)
+            widths.append(best)
+        k_share = k_cols / max(k_cols + v_cols, 1)
+        return cls(method, d, widths[0], widths[1], s_qk, s_v, adaptive=True, k_share=k_share)
+
     def summary(self) -> str:
         lines = [
             f"{self.method} plan ({'adaptive' if self.adaptive else 'uniform'}): overall rate p = "
             f"{self.rate:.4f}"
-            + (f", removal rate r = {self.removal_rate:.4g}" if self.removal_rate is not None else ""),
+            + (f", removal rate r = {self.removal_rate:.4g}" if self.removal_rate is not None else "")
+            + (f", Q/K share of the kept columns {self.k_share:.3f}" if self.k_share is not None else ""),
             "layer | k_qk min/mean/max | k_v min/mean/max",
         ]
         if self.max_context is not None:
@@ -221,6 +260,7 @@ class RankPlan:
                 "head_order": None if self.head_order is None else self.head_order.tolist(),
                 "moved_columns": self.moved_columns,
                 "max_context": self.max_context,
+                "k_share": self.k_share,
             }
         )
 
@@ -231,11 +271,12 @@ class RankPlan:
         return cls(**d)
 
 
-def uniform_widths(p: float, head_dim: int, s_qk, s_v) -> tuple[int, int]:
+def uniform_widths(p: float, head_dim: int, s_qk, s_v, k_share: float | None = None) -> tuple[int, int]:
     """One (k_qk, k_v) for every head: a per-head budget of ``2 * head_dim * (1 - p)`` columns rounded to 16,
-    split between K and V in proportion to their total singular-value mass (at least 16 each)."""
+    split between K and V by ``k_share``, by default in proportion to their total singular-value mass (at least 16
+    each; that default compares two scales and cuts K first: bench/RESULTS.md "Compression: K and V budgets")."""
     budget = min(2 * head_dim, max(2 * ALIGN, round(2 * head_dim * (1 - p) / ALIGN) * ALIGN))
-    share = float(np.sum(s_qk)) / max(float(np.sum(s_qk) + np.sum(s_v)), 1e-30)
+    share = k_share if k_share is not None else float(np.sum(s_qk)) / max(float(np.sum(s_qk) + np.sum(s_v)), 1e-30)
     k_qk = min(head_dim, max(ALIGN, round(budget * share / ALIGN) * ALIGN))
     k_qk = min(max(k_qk, budget - head_dim), budget - ALIGN)
     return int(k_qk), int(budget - k_qk)
