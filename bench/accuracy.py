@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import time
 
@@ -26,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import retrieval
+from files import write_json
 
 import kvjax
 from kvjax import validate
@@ -347,7 +347,7 @@ def run_retrieval(base, args) -> tuple[list[dict], list[dict]]:
         model.release_cache()  # not needed again: free its KV cache before the next model's
         del model
         if args.json:
-            _write_json(args.json, _retrieval_json(args, runs, complete=False))
+            write_json(args.json, _retrieval_json(args, runs, complete=False), indent=1)
     return _retrieval_rows(runs, runs), runs
 
 
@@ -392,11 +392,6 @@ def _retrieval_json(args, runs: list[dict], complete: bool) -> dict:
     """The JSON of a retrieval run so far: its arguments, table rows and every run's results."""
     rows = _retrieval_rows(runs, runs)
     return {"mode": "retrieval", "args": vars(args), "rows": rows, "complete": complete, "runs": runs}
-
-
-def _write_json(path: str, data: dict) -> None:
-    """Write ``data`` to ``path`` as indented JSON, whole or not at all."""
-    retrieval.write_atomic(path, lambda f: json.dump(data, f, indent=1))
 
 
 def _shown(row) -> dict:
@@ -610,7 +605,7 @@ def main(argv=None):
     shown = table([_shown(r) for r in rows])
     print(f"\n{args.mode} on {args.model} ({args.dtype}), {time.time() - start:.0f} s\n\n{shown}")
     if args.json:
-        _write_json(args.json, {"mode": args.mode, "args": vars(args), "rows": rows} | extra)
+        write_json(args.json, {"mode": args.mode, "args": vars(args), "rows": rows} | extra, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,12 @@ perplexity. Results: bench/RESULTS.md "Compression: K and V budgets".
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 
 import numpy as np
 from accuracy import perplexity
+from files import write_json
 
 import kvjax
 from kvjax.compression import calibrate, calibration_tokens, fold
@@ -54,6 +53,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not 0 < args.rate < 1 or any(not 0 < f < 1 for f in args.shares + args.uniform_shares):
         ap.error("--rate and every share must lie strictly between 0 and 1")
+    if args.num_tokens < 512 or args.eval_tokens < 1024:
+        ap.error("--num-tokens must be at least one 512-token row and --eval-tokens one 1,024-token window")
     base = kvjax.load(args.model, dtype="float32", progress=False)
     t0 = time.perf_counter()
     tokens = calibration_tokens(base, "text", args.num_tokens, 512, seed=0)
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
     k_kind, v_kind = BASIS[args.method]
     k_basis, v_basis = stats.basis(k_kind, base), stats.basis(v_kind, base)
     held = np.asarray(base.tokenizer(pydoc_text("heldout"), add_special_tokens=False)["input_ids"][: args.eval_tokens])
-    score = kl_to(base, tokens[[i for i in range(len(tokens)) if tokens[i, -1] >= 0][-4:]])  # as "measured" does
+    score = kl_to(base, tokens, 4)  # as compress(k_share="measured") does
     base_ppl = perplexity(base, held, window=1024)
     print(f"\n{args.model}, {args.method}, target rate {args.rate}; uncompressed held-out perplexity {base_ppl:.2f}")
     print("| plan | rate | Q/K share | held-in KL | held-out ppl |\n|---|---|---|---|---|")
@@ -74,10 +75,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"| {name} | {row['rate']:.4f} | {share:.3f} | {row['kl_heldin']:.4f} | {row['ppl']:.2f} |", flush=True)
     if args.json:
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(dict(args=vars(args), base_ppl=base_ppl, rows=rows), f, indent=1)
-        os.replace(tmp, args.json)
+        write_json(args.json, dict(args=vars(args), base_ppl=base_ppl, rows=rows), indent=1)
     return 0
 
 

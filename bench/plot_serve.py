@@ -72,7 +72,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", type=float, help="the rate of the CDF plot (default: the highest all share)")
     ap.add_argument("--out", default=".", help="folder for latency.png and cdf.png (default .)")
     args = ap.parse_args(argv)
-    runs = load(args.jsons)
+    try:
+        runs = load(args.jsons)
+    except (OSError, ValueError) as e:  # a missing file, or one that is not JSON
+        ap.error(f"cannot read the sweeps: {e}")
     shared = set.intersection(*({r["rate"] for r in d["runs"]} for d in runs))
     rate = args.rate if args.rate is not None else max(shared, default=runs[0]["runs"][-1]["rate"])
     os.makedirs(args.out, exist_ok=True)

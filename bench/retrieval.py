@@ -18,14 +18,13 @@ the first run of digits in the greedy continuation is the expected number (``sco
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from files import write_atomic
 
 import kvjax
 from kvjax import validate
@@ -320,25 +319,6 @@ def run(
 def accuracy(results: dict) -> dict[tuple[int, float], float]:
     """``run``'s accuracy per (context, depth) cell."""
     return {(c["context"], c["depth"]): c["accuracy"] for c in results["cells"]}
-
-
-def write_atomic(path: str, write: Callable, mode: str = "w") -> None:
-    """Write ``path`` whole or not at all: ``write(file)`` fills a temporary sibling, renamed over ``path`` last."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        with os.fdopen(fd, mode) as f:
-            os.fchmod(f.fileno(), 0o666 & ~umask)  # what open() would give, not mkstemp's owner-only 0600
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def heatmap(results: dict, path: str, title: str) -> None:

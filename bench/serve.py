@@ -12,12 +12,12 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import sys
 import time
 from urllib.parse import urlparse
 
 import numpy as np
+from files import write_json
 
 # (input average, min, max), (output average, min, max) in tokens: ZACK paper, Table 3 (Cocktail: the long one)
 TRACES = {
@@ -109,14 +109,6 @@ def summary(records: list[dict], slo_ttft: float, slo_tbt: float) -> dict:
         output_tokens_per_s=tokens / span if span > 0 else math.nan,
         goodput_requests_per_s=len(good) / span if span > 0 else math.nan,
     )
-
-
-def write_json(path: str, out: dict) -> None:
-    """``out`` to ``path`` whole or not at all (a temporary file renamed over it)."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f)
-    os.replace(tmp, path)
 
 
 async def sweep(args) -> dict:

@@ -6,11 +6,10 @@ ran, the ratio of their p50 TBT and TTFT to a baseline's."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 
+from files import write_json
 from plot_serve import load
 
 METRICS = {  # name -> (summary key, scale to the unit shown, unit)
@@ -127,7 +126,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--json", help="write both tables' rows here")
     args = ap.parse_args(argv)
-    runs = load(args.jsons)
+    if any(not 0 < b < math.inf for b in args.bounds):
+        ap.error(f"--bounds must be positive numbers, got {args.bounds}")
+    try:
+        runs = load(args.jsons)
+    except (OSError, ValueError) as e:  # a missing file, or one that is not JSON
+        ap.error(f"cannot read the sweeps: {e}")
     labels = [d["label"] for d in runs]
     missing = [b for b in args.baselines if b not in labels]
     if missing:
@@ -136,10 +140,7 @@ def main(argv=None) -> int:
     rate_rows = at_equal_rate(runs, args.baselines[0])
     print_tables(latency_rows, rate_rows, args.baselines)
     if args.json:
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(dict(at_equal_latency=latency_rows, at_equal_rate=rate_rows), f, indent=1)
-        os.replace(tmp, args.json)
+        write_json(args.json, dict(at_equal_latency=latency_rows, at_equal_rate=rate_rows), indent=1)
     return 0
 
 

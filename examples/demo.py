@@ -56,6 +56,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not 0 < args.rate < 1:
         ap.error(f"--rate must lie in (0, 1), got {args.rate}")
+    for flag in ("window", "max_new_tokens", "calibration_tokens"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     base = kvjax.load("smollm2", progress=False)
     path = os.path.join(args.cache, f"smollm2-zack-{round(args.rate * 100)}-{args.calibration_tokens}")
     small = compressed(base, path, args.rate, max(2048, args.window), args.calibration_tokens)

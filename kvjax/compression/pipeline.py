@@ -120,7 +120,7 @@ def compress(
         target_rate=target_rate, removal_rate=removal_rate, method=method, adaptive=adaptive, max_context=max_context
     )
     if k_share == "measured":
-        score = kl_to(model, tokens[[i for i in range(len(tokens)) if tokens[i, -1] >= 0][-batch_size:]])
+        score = kl_to(model, tokens, batch_size)
         k_share, _ = best_share(lambda f: score(fold(model, *make_plan(model, stats, k_share=f, **settings))))
     plan, bases = make_plan(model, stats, order_heads=order_heads, fill_tiles=fill_tiles, k_share=k_share, **settings)
     return fold(model, plan, bases)

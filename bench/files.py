@@ -1,0 +1,33 @@
+"""Bench outputs on disk whole or not at all: every JSON and PNG a benchmark writes goes through here, so a run
+cut short (a device call's time limit, Ctrl-C) leaves the previous file or none, never half of one."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+
+
+def write_atomic(path: str, write: Callable, mode: str = "w") -> None:
+    """Write ``path`` whole or not at all: ``write(file)`` fills a temporary sibling, renamed over ``path`` last."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        with os.fdopen(fd, mode) as f:
+            os.fchmod(f.fileno(), 0o666 & ~umask)  # what open() would give, not mkstemp's owner-only 0600
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_json(path: str, data, indent: int | None = None) -> None:
+    """``data`` as JSON at ``path``, whole or not at all."""
+    write_atomic(path, lambda f: json.dump(data, f, indent=indent))
