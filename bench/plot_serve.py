@@ -22,6 +22,12 @@ def load(paths: list[str]) -> list[dict]:
     return runs
 
 
+def _title(runs: list[dict]) -> str:
+    """The model shape all runs share (their model names' common prefix, e.g. "mistral-7b") and the trace."""
+    shape = os.path.commonprefix([data.get("model", "") for data in runs]).rstrip("-")
+    return f"{shape + ', ' if shape else ''}{runs[0]['trace']} trace"
+
+
 def latency_plot(runs: list[dict], out: str) -> None:
     import matplotlib.pyplot as plt
 
@@ -32,7 +38,7 @@ def latency_plot(runs: list[dict], out: str) -> None:
         ax.plot(rates, latency, marker="o", label=data["label"])
     ax.set_xlabel("request rate (requests/s)")
     ax.set_ylabel("normalized latency (s/token)")
-    ax.set_title(f"{runs[0]['trace']} trace")
+    ax.set_title(_title(runs))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -60,7 +66,7 @@ def cdf_plot(runs: list[dict], rate: float, out: str) -> None:
         ax.set_ylabel("fraction of requests" if ax is left else "fraction of gaps")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{runs[0]['trace']} trace at {rate:g} requests/s")
+    fig.suptitle(f"{_title(runs)} at {rate:g} requests/s")
     fig.tight_layout()
     fig.savefig(out, dpi=150)
     plt.close(fig)

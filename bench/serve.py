@@ -116,7 +116,9 @@ async def sweep(args) -> dict:
     after each rate, so a run cut short keeps the rates it finished."""
     import httpx
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # idle connections expire before uvicorn's default 5 s keep-alive closes them: a request sent on a socket the
+    # server is closing fails with a ReadError and never reaches the server
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=1.0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
         health = (await client.get(args.url + "/health")).json()
         model = args.model or (await client.get(args.url + "/v1/models")).json()["data"][0]["id"]
