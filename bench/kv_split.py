@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         ap.error("--num-tokens must be at least one 512-token row and --eval-tokens one 1,024-token window")
     base = kvjax.load(args.model, dtype="float32", progress=False)
     t0 = time.perf_counter()
-    tokens = calibration_tokens(base, "text", args.num_tokens, 512, seed=0)
+    tokens = calibration_tokens(base, "prose", args.num_tokens, 512, seed=0)
     stats = calibrate(base, tokens, progress=False)
     print(f"calibrated on {args.num_tokens} text tokens in {time.perf_counter() - t0:.0f} s", flush=True)
     k_kind, v_kind = BASIS[args.method]

@@ -59,7 +59,7 @@ def main(argv=None) -> None:
 
     report("uncompressed", None, None, base)
     for seq_len, contexts in ((512, (None, 512, 1024)), (1024, (None,))):
-        stats = calibrate(base, calibration_tokens(base, "text", args.num_tokens, seq_len, seed=0), progress=False)
+        stats = calibrate(base, calibration_tokens(base, "prose", args.num_tokens, seq_len, seed=0), progress=False)
         for max_context in contexts:
             plan, bases = make_plan(base, stats, target_rate=args.rate, max_context=max_context)
             report(f"zack p={plan.rate:.2f}", seq_len, max_context, fold(base, plan, bases))

@@ -2,8 +2,8 @@
 compressed by ZACK at rate 0.5, then says what the compression saves (KV bytes per token, tokens per GiB) and costs
 (per-token KL and top-1 agreement on held-out prose, the metrics of ``bench/accuracy.py eval``).
 
-The compressed checkpoint is built once (calibrated on Python's pydoc text, disjoint from the held-out part scored
-here) and kept in ``examples/.cache/`` (git-ignored); later runs load it."""
+The compressed checkpoint is built once (calibrated on prose and code shipped with Python, disjoint from the held-out
+prose scored here) and kept in ``examples/.cache/`` (git-ignored); later runs load it."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def compressed(base, path: str, rate: float, max_context: int, num_tokens: int):
     ``num_tokens`` calibration tokens) and saved."""
     if is_kvjax_checkpoint(path):
         return kvjax.load(path, progress=False)
-    print(f"compressing the model once (ZACK, rate {rate}, calibrated on pydoc text) into {path} ...", flush=True)
+    print(f"compressing the model once (ZACK, rate {rate}, calibrated on prose and code) into {path} ...", flush=True)
     t0 = time.perf_counter()
     model = kvjax.compress(base, target_rate=rate, calibration="text", num_tokens=num_tokens, max_context=max_context)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     base = kvjax.load("smollm2", progress=False)
-    path = os.path.join(args.cache, f"smollm2-zack-{round(args.rate * 100)}-{args.calibration_tokens}")
+    path = os.path.join(args.cache, f"smollm2-zack-{round(args.rate * 100)}-text-{args.calibration_tokens}")
     small = compressed(base, path, args.rate, max(2048, args.window), args.calibration_tokens)
 
     for name, model in (("uncompressed", base), (f"ZACK, rate {small.plan.rate:.2f}", small)):

@@ -24,7 +24,9 @@ def test_full_rank_compression_is_exact(case, method):
     """removal_rate=0 keeps every direction: the bases are invertible, so logits must not move."""
     model = kvjax.load(os.path.join(FIXTURES, case), dtype="float32", progress=False)
     tokens = np.load(os.path.join(FIXTURES, case, "reference.npz"))["tokens"]
-    full = kvjax.compress(model, removal_rate=0.0, method=method, num_tokens=256, seq_len=64, progress=False)
+    full = kvjax.compress(
+        model, removal_rate=0.0, method=method, calibration="random", num_tokens=256, seq_len=64, progress=False
+    )
     assert full.plan.rate == 0.0
     np.testing.assert_allclose(np.asarray(full.logits(tokens)), np.asarray(model.logits(tokens)), atol=1e-4, rtol=0)
 
@@ -67,7 +69,7 @@ def test_bad_rates_and_arguments():
     with pytest.raises(ValueError, match="method"):
         kvjax.compress(model, removal_rate=0.1, method="svd")
     with pytest.raises(ValueError, match="out of reach"):
-        kvjax.compress(model, target_rate=0.9, num_tokens=64, seq_len=32, progress=False)
+        kvjax.compress(model, target_rate=0.9, calibration="random", num_tokens=64, seq_len=32, progress=False)
 
 
 def test_calibration_text_too_short(tmp_path):
@@ -95,7 +97,9 @@ def test_gram_of_v_matches_direct_computation():
 @pytest.mark.parametrize("method", ["zack", "palu"])
 def test_compressed_model_runs_everywhere(method, tmp_path):
     model = kvjax.Model.random(WIDE["mistral"], seed=5, scale=5.0)
-    small = kvjax.compress(model, target_rate=0.5, method=method, num_tokens=256, seq_len=64, progress=False)
+    small = kvjax.compress(
+        model, target_rate=0.5, method=method, calibration="random", num_tokens=256, seq_len=64, progress=False
+    )
     assert small.plan.rate >= 0.5
     # the cache spends exactly the plan's bytes
     assert bytes_per_token(small.layouts, jnp.bfloat16) == pytest.approx(
@@ -122,7 +126,7 @@ def test_a_format_1_checkpoint_loads_with_its_rotations_packed(tmp_path):
     from flax import nnx
 
     model = kvjax.Model.random(dataclasses.replace(WIDE["mistral"], num_heads=8, num_kv_heads=4), seed=3, scale=5.0)
-    small = kvjax.compress(model, target_rate=0.4, num_tokens=256, seq_len=64, progress=False)
+    small = kvjax.compress(model, target_rate=0.4, calibration="random", num_tokens=256, seq_len=64, progress=False)
     assert any(len(set(lay.k_widths)) > 1 for lay in small.layouts)  # groups of other widths: padding shows
     small.save(str(tmp_path / "ckpt"))
     params = nnx.to_pure_dict(nnx.state(small.module, nnx.Param))
@@ -211,10 +215,8 @@ def test_plans_fill_the_decode_runs_at_the_same_rate():
 def test_converter_writes_atomically_and_rejects_bad_input(tmp_path, capsys):
     src = os.path.join(FIXTURES, "falcon_new")
     out = tmp_path / "out"
-    assert (
-        convert.main([src, str(out), "--removal-rate", "0.2", "--num-tokens", "128", "--seq-len", "64", "--fill-tiles"])
-        == 0
-    )
+    flags = "--removal-rate 0.2 --calibration random --num-tokens 128 --seq-len 64 --fill-tiles".split()
+    assert convert.main([src, str(out), *flags]) == 0
     assert "overall rate p" in capsys.readouterr().out
     assert sorted(os.listdir(out)) == ["kvjax.json", "params", "plan.json"]
     assert kvjax.load(str(out)).plan.method == "zack"

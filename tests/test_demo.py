@@ -19,7 +19,7 @@ def test_demo_compresses_once_then_loads(tmp_path, capsys, monkeypatch):
     first = capsys.readouterr().out
     assert "compressing the model once" in first and "[uncompressed]" in first and "[ZACK, rate 0.5" in first
     assert "bytes a token uncompressed" in first and "top-1 agreement" in first
-    assert os.listdir(tmp_path) == ["smollm2-zack-50-2048"]
+    assert os.listdir(tmp_path) == ["smollm2-zack-50-text-2048"]
     with pytest.raises(SystemExit):
         runpy.run_path(DEMO, run_name="__main__")
     assert "compressing the model once" not in capsys.readouterr().out

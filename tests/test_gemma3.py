@@ -110,7 +110,9 @@ def test_kernels_take_gemma_shaped_heads():
 
 def test_tiny_full_rank_compression_is_exact_and_saves(tiny, tmp_path):
     ref = np.load(os.path.join(TINY, "reference.npz"))
-    full = kvjax.compress(tiny, removal_rate=0.0, num_tokens=256, seq_len=64, max_context=128, progress=False)
+    full = kvjax.compress(
+        tiny, removal_rate=0.0, calibration="random", num_tokens=256, seq_len=64, max_context=128, progress=False
+    )
     assert full.plan.rate == 0.0
     np.testing.assert_allclose(
         np.asarray(full.logits(ref["tokens"])), np.asarray(tiny.logits(ref["tokens"])), atol=1e-4, rtol=0
@@ -123,7 +125,9 @@ def test_tiny_full_rank_compression_is_exact_and_saves(tiny, tmp_path):
 
 def test_palu_is_refused_for_k_norms(tiny):
     with pytest.raises(kvjax.UnsupportedModelError, match="Palu cannot compress a model with k norms"):
-        kvjax.compress(tiny, removal_rate=0.0, method="palu", num_tokens=64, seq_len=32, progress=False)
+        kvjax.compress(
+            tiny, removal_rate=0.0, method="palu", calibration="random", num_tokens=64, seq_len=32, progress=False
+        )
 
 
 @pytest.mark.parametrize(

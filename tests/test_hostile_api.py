@@ -116,6 +116,8 @@ def test_a_long_stop_string_stops_generation_when_it_appears():
         (dict(target_rate=0.5, calibration=[-1] * 40, num_tokens=30), ValueError, "token ids must be in .*, got -1"),
         (dict(target_rate=0.5, calibration=[0.5] * 40, num_tokens=30), TypeError, "must hold integer token ids"),
         (dict(target_rate=0.5, calibration="wikipedia"), ValueError, "calibration must be 'random', 'text'"),
+        (dict(target_rate=0.5), ValueError, "this model has no tokenizer: pass calibration='random'"),
+        (dict(target_rate=0.5, calibration="code"), ValueError, "this model has no tokenizer"),
     ],
 )
 def test_compress_refuses_bad_arguments_before_calibrating(kwargs, error, match):

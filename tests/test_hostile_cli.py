@@ -272,7 +272,10 @@ def test_interrupted_run_keeps_finished_records_in_partial_file(files, tmp_path,
         (["--target-rate", "0.5", "--num-tokens", "0"], "argument --num-tokens: the count must be positive, got 0"),
         (["--target-rate", "0.5", "--seq-len", "-8"], "argument --seq-len: the count must be positive, got -8"),
         (["--target-rate", "0.5", "--seed", "-1"], "argument --seed: seed must be in"),
-        (["--target-rate", "0.5", "--calibration", "wiki"], "--calibration must be 'random', 'text' or 'text:FILE'"),
+        (
+            ["--target-rate", "0.5", "--calibration", "wiki"],
+            "--calibration must be 'text', 'prose', 'code', 'random' or 'text:FILE'",
+        ),
         (["--target-rate", "0.5", "--max-context", "0"], "argument --max-context: the count must be positive, got 0"),
     ],
 )

@@ -111,7 +111,7 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("saved")
     cfg = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=32, hidden_size=128)
     model = kvjax.Model.random(cfg)
-    small = kvjax.compress(model, removal_rate=0.3, num_tokens=64, seq_len=32, progress=False)
+    small = kvjax.compress(model, removal_rate=0.3, calibration="random", num_tokens=64, seq_len=32, progress=False)
     return {"plain": model.save(str(root / "plain")), "compressed": small.save(str(root / "compressed"))}
 
 

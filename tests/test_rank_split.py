@@ -86,7 +86,9 @@ def test_compress_records_a_given_share_and_measures_one(wide, monkeypatch):
     import kvjax
     from kvjax.compression import split
 
-    given = kvjax.compress(wide, target_rate=0.5, k_share=0.4, num_tokens=256, seq_len=64, progress=False)
+    given = kvjax.compress(
+        wide, target_rate=0.5, k_share=0.4, calibration="random", num_tokens=256, seq_len=64, progress=False
+    )
     assert given.plan.rate >= 0.5 and given.plan.k_share == pytest.approx(0.4, abs=0.02)
     seen = []
     real = split.best_share
@@ -97,7 +99,9 @@ def test_compress_records_a_given_share_and_measures_one(wide, monkeypatch):
         return share, tried
 
     monkeypatch.setattr("kvjax.compression.pipeline.best_share", spy)
-    measured = kvjax.compress(wide, target_rate=0.5, k_share="measured", num_tokens=256, seq_len=64, progress=False)
+    measured = kvjax.compress(
+        wide, target_rate=0.5, k_share="measured", calibration="random", num_tokens=256, seq_len=64, progress=False
+    )
     ((share, tried),) = seen
     assert len(tried) == 7 and share == min(tried, key=lambda t: t[1])[0]  # five shares, then the best's neighbours
     assert measured.plan.k_share == pytest.approx(share, abs=0.02) and measured.plan.rate >= 0.5

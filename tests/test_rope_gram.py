@@ -122,10 +122,14 @@ def test_max_context_through_compress_save_load_and_generate(tmp_path):
     model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=5.0)
     with pytest.raises(ValueError, match="max_context must be positive"):
         kvjax.compress(model, target_rate=0.5, max_context=0)
-    small = kvjax.compress(model, target_rate=0.5, num_tokens=256, seq_len=64, max_context=128, progress=False)
+    small = kvjax.compress(
+        model, target_rate=0.5, calibration="random", num_tokens=256, seq_len=64, max_context=128, progress=False
+    )
     assert small.plan.max_context == 128 and small.plan.rate >= 0.5
     assert "positions 0..127 (max_context)" in small.plan.summary()
-    full = kvjax.compress(model, removal_rate=0.0, num_tokens=256, seq_len=64, max_context=200, progress=False)
+    full = kvjax.compress(
+        model, removal_rate=0.0, calibration="random", num_tokens=256, seq_len=64, max_context=200, progress=False
+    )
     tokens = np.random.default_rng(seed).integers(0, WIDE.vocab_size, size=(1, 24))
     want = np.asarray(model.logits(tokens))  # full rank: the rotation is orthogonal, the logits stay (float32)
     np.testing.assert_allclose(full.logits(tokens), want, atol=1e-4 * np.abs(want).max(), err_msg=f"seed {seed}")

@@ -275,7 +275,7 @@ def test_the_capacity_line_counts_tokens_and_what_they_would_be_uncompressed():
     model = kvjax.Model.random(cfg, seed=1, scale=5.0)
     plain = capacity_line(Engine(model, max_batch=2, max_seq_len=64, num_pages=21), model)
     assert plain == "KV cache: 320 tokens uncompressed (20 pages of 16)"
-    small = kvjax.compress(model, target_rate=0.5, num_tokens=128, seq_len=32, progress=False)
+    small = kvjax.compress(model, target_rate=0.5, calibration="random", num_tokens=128, seq_len=32, progress=False)
     line = capacity_line(Engine(small, max_batch=2, max_seq_len=64, num_pages=21), small)
     m = re.fullmatch(
         r"KV cache: 320 tokens at rate (\S+), (\d+) uncompressed in the same memory \(20 pages of 16\)", line

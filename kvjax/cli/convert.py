@@ -1,7 +1,7 @@
 """``kvjax-convert``: a checkpoint -> a KV-compressed kvjax checkpoint (orbax params + plan.json + tokenizer).
 
     kvjax-convert SRC OUT (--target-rate P | --removal-rate R) [--method zack|palu] [--uniform]
-                              [--calibration random|text|text:FILE] [--num-tokens N] [--k-share S|measured]
+                              [--calibration text|prose|code|random|text:FILE] [--num-tokens N] [--k-share S|measured]
 
 SRC is anything ``kvjax.load`` reads (a Hugging Face directory, a .gguf file, 'smollm2', 'gemma3-270m'). OUT is
 written beside and swapped in by renames at the end, so a failure leaves nothing half-written; --overwrite replaces
@@ -20,6 +20,7 @@ import time
 def parse_args(argv=None):
     from kvjax import validate
     from kvjax.cli import options
+    from kvjax.compression.calibration import TEXT_SOURCES
     from kvjax.io.load import resolve
     from kvjax.io.saved import check_target
 
@@ -55,8 +56,10 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--calibration",
-        default="random",
-        help="'random' token ids (default), 'text' (Python's pydoc topics), or 'text:FILE'",
+        default="text",
+        help="'text' (default): real text, rows alternating English prose (Python's pydoc topics) and Python code "
+        "(standard-library sources), both shipped with Python; 'prose' or 'code': one of the two; 'text:FILE': a "
+        "UTF-8 file; 'random': random token ids, for a model without a tokenizer",
     )
     count = functools.partial(validate.positive, "the count")
     p.add_argument(
@@ -90,15 +93,34 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.k_share is not None and args.target_rate is None:
         p.error("--k-share splits a target rate's columns: give --target-rate")
-    if args.calibration not in ("random", "text") and not args.calibration.startswith("text:"):
-        p.error("--calibration must be 'random', 'text' or 'text:FILE'")
+    if args.calibration not in ("random", *TEXT_SOURCES) and not args.calibration.startswith("text:"):
+        p.error("--calibration must be 'text', 'prose', 'code', 'random' or 'text:FILE'")
     if args.calibration.startswith("text:") and not os.path.isfile(args.calibration[5:]):
         p.error(f"calibration file {args.calibration[5:]!r} does not exist")
     try:
-        check_target(args.out, overwrite=args.overwrite, sources=(resolve(args.src),), hint="--overwrite")
+        src = resolve(args.src)
+        check_target(args.out, overwrite=args.overwrite, sources=(src,), hint="--overwrite")
     except (OSError, ValueError) as e:
         p.error(str(e))
+    if args.calibration != "random" and not _has_tokenizer(src):
+        p.error(
+            f"{args.src} has no tokenizer, so it cannot be calibrated on text (--calibration {args.calibration}): "
+            "pass --calibration random (random token ids)"
+        )
     return p, args
+
+
+def _has_tokenizer(path: str) -> bool:
+    """Whether ``kvjax.load(path)`` gives a model with a tokenizer, from its files alone (as ``kvjax.load`` decides):
+    a GGUF file builds one from its vocabulary; a kvjax checkpoint has ``tokenizer/``; a Hugging Face directory has
+    tokenizer.json or tokenizer_config.json."""
+    from kvjax.io.saved import is_kvjax_checkpoint
+
+    if not os.path.isdir(path):
+        return True
+    if is_kvjax_checkpoint(path):
+        return os.path.isdir(os.path.join(path, "tokenizer"))
+    return any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
 
 
 def _k_share(value: str) -> float | str:

@@ -190,49 +190,82 @@ def calibrate(model, tokens: np.ndarray, *, batch_size: int = 4, snapshots=(), p
     return taken if snapshots else CalibrationStats(totals, seen)
 
 
-def calibration_tokens(model, source="random", num_tokens: int = 16384, seq_len: int = 512, seed: int = 0):
-    """Token ids [num_sequences, seq_len] (trailing -1 pads the last row) from ``source``.
+# Named text sources -> the domains (``text.domain_text``) whose calibration parts they draw on, row by row in turn.
+TEXT_SOURCES = {"text": ("prose", "code"), "prose": ("prose",), "code": ("code",)}
 
-    ``source``: "random" (uniform ids), "text" (the calibration half of Python's pydoc topics), "text:PATH"
-    (a UTF-8 file), or a sequence of token ids.
+
+def calibration_tokens(model, source="text", num_tokens: int = 16384, seq_len: int = 512, seed: int = 0):
+    """Token ids [num_sequences, seq_len] (int64; trailing -1 pads the last row) from ``source``.
+
+    ``source``: "text" (rows alternate prose and code: row 0 the first ``seq_len`` tokens of "prose", row 1 those of
+    "code", row 2 the next prose ones, ...), "prose" (the calibration half of Python's pydoc topics), "code" (the
+    calibration part of the standard library's code: ``text.stdlib_code``), "text:PATH" (a UTF-8 file), "random"
+    (uniform ids from ``seed``), or a sequence of token ids. Text needs the model's tokenizer (``check_source``).
     """
     num_tokens, seq_len = validate.positive("num_tokens", num_tokens), validate.positive("seq_len", seq_len)
     vocab = model.config.vocab_size
     if isinstance(source, str) and source == "random":
-        ids = np.random.default_rng(seed).integers(0, vocab, num_tokens)
+        streams = {"random": np.random.default_rng(seed).integers(0, vocab, num_tokens)}
+    elif isinstance(source, str):
+        streams = _text_ids(model, source)
     else:
-        if isinstance(source, str):
-            ids = _text_ids(model, source)
-        else:
-            if isinstance(source, np.ndarray):
-                source = source.reshape(-1)
-            ids = validate.token_ids("calibration tokens", source, vocab)
-        if len(ids) < num_tokens:
-            raise ValueError(
-                f"calibration {source if isinstance(source, str) else 'tokens'} has {len(ids)} tokens, "
-                f"fewer than the {num_tokens} asked for"
-            )
-        ids = np.asarray(ids[:num_tokens])
+        if isinstance(source, np.ndarray):
+            source = source.reshape(-1)
+        streams = {"tokens": validate.token_ids("calibration tokens", source, vocab)}
     rows = -(-num_tokens // seq_len)
-    out = np.full(rows * seq_len, -1, np.int64)
-    out[:num_tokens] = ids
-    return out.reshape(rows, seq_len)
+    lengths = [min(seq_len, num_tokens - r * seq_len) for r in range(rows)]  # valid tokens of each row
+    names = list(streams)
+    owner = [names[r % len(names)] for r in range(rows)]  # the stream each row comes from, in turn
+    for name, ids in streams.items():
+        need = sum(n for n, o in zip(lengths, owner) if o == name)
+        if len(ids) < need:
+            what = name if len(names) == 1 else f"{source!r}: its {name} domain"
+            raise ValueError(f"calibration {what} has {len(ids)} tokens, fewer than the {need} asked for")
+    out = np.full((rows, seq_len), -1, np.int64)
+    taken = dict.fromkeys(names, 0)
+    for r, (n, name) in enumerate(zip(lengths, owner)):
+        out[r, :n] = np.asarray(streams[name][taken[name] : taken[name] + n])
+        taken[name] += n
+    return out
 
 
-def _text_ids(model, source: str) -> np.ndarray:
-    from kvjax.compression.text import pydoc_text
-
-    if source != "text" and not source.startswith("text:"):
-        raise ValueError(f"calibration must be 'random', 'text', 'text:PATH' or token ids, got {source!r}")
+def check_source(model, source) -> None:
+    """Refuse a calibration source that cannot work, before any work: an unknown name, text (any source but
+    "random" and token ids) for a model without a tokenizer, or a missing "text:PATH" file."""
+    if not isinstance(source, str) or source == "random":
+        return
+    if source not in TEXT_SOURCES and not source.startswith("text:"):
+        raise ValueError(
+            f"calibration must be 'random', 'text', 'prose', 'code', 'text:PATH' or token ids, got {source!r}"
+        )
     if model.tokenizer is None:
-        raise ValueError("text calibration needs a model with a tokenizer")
-    if source == "text":
-        text = pydoc_text("calibration")
-    elif source.startswith("text:"):
-        path = source[len("text:") :]
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"calibration text file {path!r} does not exist")
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    ids = model.tokenizer(text, add_special_tokens=False)["input_ids"]
-    return np.asarray(validate.token_ids(f"calibration text {source!r}", ids, model.config.vocab_size))
+        raise ValueError(
+            f"calibration {source!r} is text, but this model has no tokenizer: pass calibration='random' "
+            "(random token ids) or token ids"
+        )
+    path = source[len("text:") :] if source.startswith("text:") else None
+    if path is not None and not os.path.isfile(path):
+        raise FileNotFoundError(f"calibration text file {path!r} does not exist")
+
+
+def _text_ids(model, source: str) -> dict[str, np.ndarray]:
+    """The token ids of text ``source``, per domain ({"prose": ..., "code": ...} for "text"; one entry for the
+    others), in the order rows take them."""
+    from kvjax.compression.text import domain_text
+
+    check_source(model, source)
+    if source.startswith("text:"):
+        with open(source[len("text:") :], encoding="utf-8") as f:
+            texts = {source: f.read()}
+    else:
+        texts = {domain: domain_text(domain, "calibration") for domain in TEXT_SOURCES[source]}
+    return {
+        name: np.asarray(
+            validate.token_ids(
+                f"calibration text {name!r}",
+                model.tokenizer(text, add_special_tokens=False)["input_ids"],
+                model.config.vocab_size,
+            )
+        )
+        for name, text in texts.items()
+    }

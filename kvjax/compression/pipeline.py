@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax import validate
-from kvjax.compression.calibration import CalibrationStats, calibrate, calibration_tokens
+from kvjax.compression.calibration import CalibrationStats, calibrate, calibration_tokens, check_source
 from kvjax.compression.folding import fold
 from kvjax.compression.plan import METHODS, RankPlan
 from kvjax.compression.split import best_share, kl_to
@@ -76,7 +76,7 @@ def compress(
     removal_rate=None,
     method="zack",
     adaptive=True,
-    calibration="random",
+    calibration="text",
     num_tokens=16384,
     seed=0,
     *,
@@ -91,8 +91,11 @@ def compress(
     """Compress ``model``'s KV cache along the head dimension; returns a new ``kvjax.Model`` with ``.plan``.
 
     Give exactly one of ``target_rate`` (overall rate p in [0, 1), reached by bisection on the removal rate) and
-    ``removal_rate`` (the singular-value mass r each head may drop). ``calibration``: "random" token ids, "text"
-    (Python's pydoc topics), "text:PATH", or token ids. ``method="palu"`` is the pre-RoPE low-rank baseline.
+    ``removal_rate`` (the singular-value mass r each head may drop). ``calibration``: "text" (default: real
+    text, rows alternating English prose and Python code, both PSF-licensed and shipped with Python: the
+    calibration parts of ``compression.text``, disjoint from its held-out ones), "prose" or "code" (one domain),
+    "text:PATH" (a UTF-8 file), "random" token ids (for a model without a tokenizer), or token ids.
+    ``method="palu"`` is the pre-RoPE low-rank baseline.
     ``order_heads``: store each layer's KV heads in the order the decode kernel reads fastest (output unchanged).
     ``fill_tiles``: move a few columns between a layer's heads, at the same rate, so the kernel's runs fill their
     tiles: faster decode, some accuracy lost, ranks within 32 columns a head of the calibrated ones
@@ -114,6 +117,7 @@ def compress(
     batch_size, seed = validate.positive("batch_size", batch_size), validate.seed(seed)
     if model.plan is not None:
         raise ValueError("model is already compressed; compress the original model")
+    check_source(model, calibration)  # an unknown source, or text for a model without a tokenizer
     tokens = calibration_tokens(model, calibration, num_tokens, min(seq_len, num_tokens), seed)
     stats = calibrate(model, tokens, batch_size=batch_size, progress=progress)
     settings = dict(

@@ -2,7 +2,8 @@
 standard library's sources, each split into a calibration part and a disjoint held-out part.
 
 Calibration draws only on its part and evaluation only on the other, so no evaluation text was seen while choosing
-rotations.
+rotations. ``domain_text`` names the two domains ("prose", "code"); ``kvjax.compress``'s default calibration
+("text") alternates rows of both calibration parts.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ CODE_PACKAGES = {
     "heldout": ("concurrent", "http", "wsgiref", "xmlrpc"),
 }
 _SKIP_DIRS = {"__pycache__", "test", "tests", "idle_test"}
+DOMAINS = ("prose", "code")  # domain_text's domains, in the order calibration "text" alternates their rows
 
 
 def _check_part(part: str) -> None:
@@ -62,3 +64,10 @@ def stdlib_code(part: str) -> str:
         with open(os.path.join(os.path.dirname(top), *rel.split("/")), encoding="utf-8") as f:
             chunks.append(f"# {rel}\n{f.read()}")
     return "\n\n".join(chunks)
+
+
+def domain_text(domain: str, part: str) -> str:
+    """``part`` of ``domain``: "prose" (``pydoc_text``) or "code" (``stdlib_code``)."""
+    if domain not in DOMAINS:
+        raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
+    return pydoc_text(part) if domain == "prose" else stdlib_code(part)
