@@ -1,25 +1,31 @@
 """How much quality KV compression costs, measured the same way every time: perplexity on held-out text (the second
 half of Python's ``pydoc_data.topics``; calibration text comes from the first half) and teacher-forced greedy
 agreement with the uncompressed model over N held-out prompts continued M tokens, per variant (ZACK adaptive or
-uniform ranks, Palu) and calibration source (random token ids, text); "99% of baseline" = perplexity within +1% and
-agreement >= 99%. Results: bench/RESULTS.md "Compression accuracy (SmolLM2)" and "GGUF perplexity vs
-transformers".
+uniform ranks, Palu adaptive or uniform) and calibration source (random token ids, text, prose, code); "99% of
+baseline" = perplexity within +1% and agreement >= 99%. Results: bench/RESULTS.md "Compression accuracy (SmolLM2)"
+and "GGUF perplexity vs transformers".
 
 Mode ``eval`` scores longer contexts on two kinds of held-out text, prose (pydoc topics) and code (standard-library
 sources, ``kvjax.compression.text.stdlib_code``), in windows of 1K and 4K tokens: perplexity, and against the
 uncompressed model's next-token distributions on the same windows, the mean per-token KL(base || compressed) and
-top-1 agreement.
+top-1 agreement. With ``--bisect-steps N`` it then finds, per model group and source, the largest target rate whose
+perplexity (within +1%) or top-1 agreement (>= 99%) on the longest window stays at 99% of baseline: the bracket
+from the ``--rates`` grid, bisected N times.
 
 Mode ``retrieval`` asks for a number hidden in a long prompt (``retrieval``: passkey and multi-key needle prompts of
 1K-8K tokens, the key at depths 0..1 of the filler), answered greedily through ``kvjax.generate``: accuracy per
-task, context and depth, for the uncompressed model and every variant and rate, with heat maps."""
+task, context and depth, for the uncompressed model and every variant and rate, with heat maps, and per model group,
+task and context the largest grid rate whose mean accuracy stays within ``--retrieval-tolerance`` of the
+uncompressed model's."""
 
 from __future__ import annotations
 
 import argparse
 import functools
 import os
+import sys
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,25 +41,46 @@ from kvjax.compression.text import pydoc_text, stdlib_code
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "smollm2_reference.npz")
 SOURCES = {"prose": pydoc_text, "code": stdlib_code}  # eval's held-out text sources: part -> text
-VARIANTS = {"zack": ("zack", True), "zack-uniform": ("zack", False), "palu": ("palu", True)}  # (method, adaptive)
+VARIANTS = {  # name -> (method, adaptive); palu-uniform (one rank for every head) is the FDC paper's baseline
+    "zack": ("zack", True),
+    "zack-uniform": ("zack", False),
+    "palu": ("palu", True),
+    "palu-uniform": ("palu", False),
+}
+GROUP = ("calibration", "variant", "max_context", "k_share")  # what a model has besides its rate
+AT_99 = {  # eval's 99%-of-baseline tests, (value, uncompressed value) -> passes, as Evaluator.meets
+    "ppl": lambda value, base: value <= 1.01 * base,
+    "top1": lambda value, base: value >= 0.99,
+}
 EPILOG = """modes:
   python bench/accuracy.py rates  --model smollm2 --rates 0.25 0.375 0.5 [--json out.json]
   python bench/accuracy.py search --model smollm2      # largest p meeting 99% of baseline, per variant
   python bench/accuracy.py stability --model smollm2   # rotation stability (the papers' Table 4)
   python bench/accuracy.py transformers                # SmolLM2 perplexity next to transformers'
   python bench/accuracy.py eval --windows 1024 4096 --rates 0.5 --calibrations text --max-context none 4096
+  python bench/accuracy.py eval --rates 0.5 --k-share none 0.4 0.6     # one row per Q/K share of the kept columns
+  python bench/accuracy.py eval --rates 0.25 0.5 0.625 --bisect-steps 4   # largest rate at 99% of baseline
+  python bench/accuracy.py eval --calibrations random text prose code text:notes.txt --variants zack palu-uniform
   python bench/accuracy.py retrieval --task passkey multikey --contexts 1024 2048 4096 8192 --trials 50 \\
       --rates 0.5 --calibrations text --max-context 8200 --json retrieval.json --png-dir retrieval
+  python bench/accuracy.py retrieval --rates 0.25 0.375 0.5 --retrieval-tolerance 0.02   # within 2 points of base
 
 Agreement: the uncompressed model continues the prompts greedily; it is the fraction of those positions where the
 compressed model, fed the same tokens, picks the same argmax (so one early difference does not count M times).
-Calibration statistics are gathered once per source and reused for every rate. Eval runs each window once through
-the uncompressed model and reuses its log-probs for every variant; compressed models are folded again per window
-from their (cheap, kept) plans, so memory holds one compressed model and two windows of log-probs at a time.
-Calibration "code" is the calibration part of the code source (files disjoint from eval's).
+Calibration statistics are gathered once per source and reused for every rate. Eval runs each window once per model
+group (calibration, variant, max_context, k_share) through the uncompressed model and reuses its log-probs for every
+rate of the group; compressed models are folded again per window from their (cheap, kept) plans, so memory holds one
+compressed model and two windows of log-probs at a time.
+Calibration sources (kvjax.compression.calibration_tokens): "random" token ids, "text" (rows alternating prose and
+code), "prose" (the calibration half of pydoc topics), "code" (the calibration part of the code source, files
+disjoint from eval's) or "text:PATH". --k-share gives Q/K that share of the columns a rate keeps (V the rest;
+"none": one removal rate for both). Eval's --bisect-steps probes are full evaluations (every source and window),
+each target rate once per group, rows marked "probe"; its JSON is rewritten after each group, "complete" false until
+the last.
 Retrieval builds each compressed model once and runs every task and context on it; a zack plan serving contexts
 past its calibration's --seq-len wants --max-context at least the longest context plus --answer-tokens. Its JSON
-holds every trial and is rewritten (whole) after each model, "complete" false until the last."""
+holds every trial and is rewritten (whole) after each model, "complete" false until the last. Its summary takes
+grid rates only, no bisection: each probe would be thousands of generations."""
 
 
 def perplexity(model, tokens: np.ndarray, window: int = 256, batch: int = 4) -> float:
@@ -104,9 +131,7 @@ class Evaluator:
 
 
 def _calibrate(base, source, num_tokens, seq_len):
-    """Calibration statistics of ``base`` on ``num_tokens`` tokens from ``source`` ("random", "text" or "code")."""
-    if source == "code":
-        source = heldout_ids(base, "code", None, part="calibration")
+    """Calibration statistics of ``base`` on ``num_tokens`` tokens from ``source`` (a ``calibration_tokens`` source)."""
     return calibrate(base, calibration_tokens(base, source, num_tokens, seq_len, seed=0))
 
 
@@ -178,17 +203,18 @@ def run_search(base, ev, args):
 
 
 def run_stability(base, args):
-    """Per calibration token count: mean |R|, mean |R_random - R_text| and their leading half-subspaces' overlap."""
+    """Per calibration token count: mean |R|, mean |R_random - R_text| and their leading half-subspaces' overlap
+    (text: the pydoc prose, as the published table was measured)."""
     counts = [c for c in (2048, 4096, 8192, 16384, 32768) if c <= args.max_tokens]
     snaps = {
         src: calibrate(base, calibration_tokens(base, src, counts[-1], args.seq_len, seed=0), snapshots=counts)
-        for src in ("random", "text")
+        for src in ("random", "prose")
     }
     rows = []
     for count in counts:
         row = {"tokens": count}
         for kind in ("qk", "v"):
-            r_rand, r_text = (_rotation(snaps[src][count], kind, base) for src in ("random", "text"))
+            r_rand, r_text = (_rotation(snaps[src][count], kind, base) for src in ("random", "prose"))
             half = r_rand.shape[-1] // 2
             row[f"{kind}_mean_abs_R"] = float(np.abs(r_rand).mean())
             row[f"{kind}_mean_abs_diff"] = float(np.abs(r_rand - r_text).mean())
@@ -278,47 +304,194 @@ def _scores(sums: list[dict]) -> dict:
     }
 
 
-def _eval_plans(base, args):
-    """(row fields, plan, bases) per calibration, variant, zack ``--max-context`` and rate; folding waits."""
-    out = []
+UNCOMPRESSED = {
+    "calibration": "-",
+    "variant": "uncompressed",
+    "max_context": None,
+    "k_share": None,
+    "target_rate": 0.0,
+    "rate": 0.0,
+}
+
+
+def _groups(base, args):
+    """(group fields, plan_for) per calibration, variant, zack ``--max-context`` and ``--k-share``; ``plan_for(p)``
+    gives (row fields, plan, bases) at target rate ``p`` (folding waits)."""
     for source, variant, method, adaptive, stats in _variants(base, args):
         for max_context in args.max_context if method == "zack" else [None]:
-            for p in args.rates:
-                plan, bases = make_plan(
-                    base, stats, target_rate=p, method=method, adaptive=adaptive, max_context=max_context
-                )
-                row = {"calibration": source, "variant": variant, "max_context": max_context, "target_rate": p}
-                out.append((row | {"rate": plan.rate}, plan, bases))
+            for k_share in args.k_share:
+                group = {"calibration": source, "variant": variant, "max_context": max_context, "k_share": k_share}
+
+                def plan_for(p, group=group, stats=stats, method=method, adaptive=adaptive):
+                    plan, bases = make_plan(
+                        base,
+                        stats,
+                        target_rate=p,
+                        method=method,
+                        adaptive=adaptive,
+                        max_context=group["max_context"],
+                        k_share=group["k_share"],
+                    )
+                    return group | {"target_rate": p, "rate": plan.rate}, plan, bases
+
+                yield group, plan_for
+
+
+def _eval_plans(base, args):
+    """(row fields, plan, bases) per model group (``_groups``) and ``--rates`` target."""
+    return [plan_for(p) for _, plan_for in _groups(base, args) for p in args.rates]
+
+
+def largest_passing(
+    probe: Callable[[float], object],
+    grid,
+    passes: Callable[[object], bool],
+    steps: int,
+    upper: float,
+) -> tuple[float, object]:
+    """The largest rate whose ``probe(rate)`` ``passes``, and that probe (0.0 and None when none passes): the bracket
+    from ``grid``, then ``steps`` bisections of it.
+
+    The bracket runs from the largest grid rate passing with every smaller one passing (0.0 when the smallest fails)
+    to the next grid rate (``upper`` when all pass; no bisection when ``upper`` is not above the lower end)."""
+    lo, found, hi = 0.0, None, upper
+    for rate in sorted(set(grid)):
+        result = probe(rate)
+        if not passes(result):
+            hi = rate
+            break
+        lo, found = rate, result
+    for _ in range(steps if hi > lo else 0):
+        mid = (lo + hi) / 2
+        result = probe(mid)
+        if passes(result):
+            lo, found = mid, result
+        else:
+            hi = mid
+    return lo, found
+
+
+def cached(evaluate: Callable[[float], object], known: dict | None = None) -> Callable[[float], object]:
+    """``evaluate`` run at most once per rate: rates in ``known`` (rate -> result) and rates asked before answer from
+    the cache (the returned callable's ``results``)."""
+    results = dict(known or {})
+
+    def probe(rate: float):
+        if rate not in results:
+            results[rate] = evaluate(rate)
+        return results[rate]
+
+    probe.results = results
+    return probe
+
+
+def _score(base, heldout: dict, windows, models, base_rows: dict) -> list[dict]:
+    """Rows of every (row fields, plan, bases) of ``models`` per source and window, one ``compare_windows`` pass a
+    window; the uncompressed model's rows go to ``base_rows`` ((source, window) -> row) the first time."""
+    builders = [functools.partial(fold, base, plan, bases) for _, plan, bases in models]
+    rows = []
+    for source, ids in heldout.items():
+        for window in windows:
+            own, *scores = compare_windows(base, builders, ids, window)
+            head = {"source": source, "window": window, "tokens": len(ids) // window * window}
+            if (source, window) not in base_rows:
+                base_rows[(source, window)] = head | UNCOMPRESSED | {"probe": False} | own
+                print(_fmt(_shown(base_rows[(source, window)])), flush=True)
+            for (fields, _, _), sc in zip(models, scores, strict=True):
+                rows.append(head | fields | sc)
+                print(_fmt(_shown(rows[-1])), flush=True)
+    return rows
+
+
+def _same_plan(plan) -> tuple:
+    """What makes two plans of one group fold to the same model: their widths and head order."""
+    order = None if plan.head_order is None else plan.head_order.tobytes()
+    return plan.k_qk.tobytes(), plan.k_v.tobytes(), order
+
+
+def _at_99(
+    base, heldout: dict, args, group: dict, plan_for, models: list, grid_rows: list[dict], base_rows: dict, rows
+):
+    """Per source and metric (``AT_99``) on the longest window: ``group``'s largest target rate at 99% of baseline
+    (``largest_passing`` from its grid ``models``' ``grid_rows`` and ``--bisect-steps`` probes, each target rate
+    evaluated once and each plan scored once). Probe rows (marked "probe") go to ``rows``."""
+    longest = max(args.windows)
+
+    def at_longest(new_rows):
+        return {r["source"]: r for r in new_rows if r["window"] == longest}
+
+    known = {}
+    evaluated: dict[tuple, list[dict]] = {}  # a plan already scored (the same widths): its rows
+    for fields, plan, _ in models:
+        mine = {(r["source"], r["window"]): r for r in grid_rows if r["target_rate"] == fields["target_rate"]}
+        evaluated[_same_plan(plan)] = list(mine.values())
+        known[fields["target_rate"]] = at_longest(mine.values())
+
+    def evaluate(target: float):
+        try:
+            fields, plan, bases = plan_for(target)
+        except ValueError as e:  # a rate the plan cannot reach (say, a --k-share too small for it) fails
+            print(f"probe at target rate {target:.6g} fails: {e}", file=sys.stderr, flush=True)
+            return None
+        fields |= {"probe": True}
+        key = _same_plan(plan)
+        if key in evaluated:
+            new = [r | fields for r in evaluated[key]]
+            for r in new:
+                print(_fmt(_shown(r)), flush=True)
+        else:
+            new = evaluated[key] = _score(base, heldout, args.windows, [(fields, plan, bases)], base_rows)
+        rows.extend(new)
+        return at_longest(new)
+
+    probe = cached(evaluate, known)
+    out = []
+    for source in heldout:
+        base_row = base_rows[(source, longest)]
+        for metric, test in AT_99.items():
+
+            def passes(result, source=source, metric=metric, test=test, base_value=base_row[metric]):
+                return result is not None and test(result[source][metric], base_value)
+
+            target, result = largest_passing(probe, list(known), passes, args.bisect_steps, args.max_rate)
+            there = result[source] if result is not None else base_row
+            entry = group | {"source": source, "window": longest, "metric": metric}
+            out.append(entry | {"target_rate": target, "rate": there["rate"], "value": there[metric]})
+            out[-1]["base"] = base_row[metric]
+            print(_fmt(out[-1]), flush=True)
     return out
 
 
-def run_eval(base, args, heldout: dict | None = None):
-    """One row per source, window, variant, calibration and rate (after an uncompressed row per source and window).
+def run_eval(base, args, heldout: dict | None = None) -> tuple[list[dict], list[dict]]:
+    """Rows per source, window and model (the uncompressed model's first, then per model group its ``--rates`` and
+    ``--bisect-steps`` probes) and the at-99% entries (``_at_99``); ``--json`` is rewritten after every group.
 
     ``heldout``: token ids per source (default: ``--eval-tokens`` of each ``--sources`` held-out text)."""
     tokens = args.eval_tokens or 8192
     if heldout is None:
         heldout = {source: heldout_ids(base, source, tokens) for source in args.sources}
-    plans = _eval_plans(base, args)
-    builders = [functools.partial(fold, base, plan, bases) for _, plan, bases in plans]
-    fields = [{"calibration": "-", "variant": "uncompressed", "max_context": None, "target_rate": 0.0, "rate": 0.0}]
-    fields += [row for row, _, _ in plans]
-    rows = []
-    for source, ids in heldout.items():
-        for window in args.windows:
-            scores = compare_windows(base, builders, ids, window)
-            used = len(ids) // window * window
-            for f, sc in zip(fields, scores, strict=True):
-                rows.append({"source": source, "window": window, "tokens": used} | f | sc)
-                print(_fmt(_shown(rows[-1])), flush=True)
-    return rows
+    base_rows: dict = {}
+    rows: list[dict] = []
+    at_99: list[dict] = []
+    for group, plan_for in _groups(base, args):
+        models = [plan_for(p) for p in args.rates]
+        models = [(fields | {"probe": False}, plan, bases) for fields, plan, bases in models]
+        grid_rows = _score(base, heldout, args.windows, models, base_rows)
+        rows += grid_rows
+        if args.bisect_steps:
+            at_99 += _at_99(base, heldout, args, group, plan_for, models, grid_rows, base_rows, rows)
+        if args.json:
+            write_json(args.json, _eval_json(args, [*base_rows.values(), *rows], at_99, complete=False), indent=1)
+    return [*base_rows.values(), *rows], at_99
 
 
-UNCOMPRESSED = {"calibration": "-", "variant": "uncompressed", "max_context": None, "target_rate": 0.0, "rate": 0.0}
+def _eval_json(args, rows: list[dict], at_99: list[dict], complete: bool) -> dict:
+    """The JSON of an eval run so far: its arguments, every row (probes too) and the at-99% entries."""
+    return {"mode": "eval", "args": vars(args), "rows": rows, "complete": complete, "at_99": at_99}
 
 
 def run_retrieval(base, args) -> tuple[list[dict], list[dict]]:
-    """Retrieval per task and model (uncompressed, then per calibration, variant, zack max_context and rate): table
+    """Retrieval per task and model (uncompressed, then per model group and rate, ``_eval_plans``): table
     rows (one per context: accuracy per depth, their mean and its change from the uncompressed model's) and every
     run's ``retrieval.run`` results. Each compressed model is folded once and serves every task and context."""
     models = [(UNCOMPRESSED, lambda: base)]
@@ -372,6 +545,29 @@ def _retrieval_rows(runs: list[dict], everything: list[dict]) -> list[dict]:
     return rows
 
 
+def within_tolerance(runs: list[dict], tolerance: float) -> list[dict]:
+    """Per model group, task and context of ``runs``: the largest grid target rate whose mean accuracy over depths
+    is at least the uncompressed model's minus ``tolerance`` with every smaller grid rate's too (0.0 when none is)."""
+    rows = _retrieval_rows(runs, runs)
+    base_mean = {(r["task"], r["context"]): r["mean"] for r in rows if r["variant"] == "uncompressed"}
+    grids: dict[tuple, dict[float, dict]] = {}
+    for row in rows:
+        if row["variant"] != "uncompressed":
+            key = (*(row[k] for k in GROUP), row["task"], row["context"])
+            grids.setdefault(key, {})[row["target_rate"]] = row
+    out = []
+    for key, grid in grids.items():
+        base = base_mean[key[-2:]]
+
+        def passes(row, base=base):
+            return row["mean"] >= base - tolerance - 1e-9  # accuracies are fractions of trials: forgive rounding
+
+        target, row = largest_passing(grid.__getitem__, list(grid), passes, steps=0, upper=0.0)
+        entry = dict(zip((*GROUP, "task", "context"), key, strict=True)) | {"target_rate": target}
+        out.append(entry | {"rate": row["rate"] if row else 0.0, "mean": row["mean"] if row else base, "base": base})
+    return out
+
+
 def _retrieval_heatmap(run: dict, args) -> None:
     """Write ``run``'s heat map to ``--png-dir``, named and titled by its task, variant, calibration and rate."""
     if not run["results"]["contexts"]:
@@ -384,14 +580,25 @@ def _retrieval_heatmap(run: dict, args) -> None:
         if run["max_context"] is not None:
             name += f"-ctx{run['max_context']}"
             title += f", max_context {run['max_context']}"
+        if run["k_share"] is not None:
+            name += f"-k{run['k_share']:g}"
+            title += f", Q/K share {run['k_share']:g}"
         title += ")"
     retrieval.heatmap(run["results"], os.path.join(args.png_dir, name.replace(os.sep, "_") + ".png"), title)
 
 
 def _retrieval_json(args, runs: list[dict], complete: bool) -> dict:
-    """The JSON of a retrieval run so far: its arguments, table rows and every run's results."""
-    rows = _retrieval_rows(runs, runs)
-    return {"mode": "retrieval", "args": vars(args), "rows": rows, "complete": complete, "runs": runs}
+    """The JSON of a retrieval run so far: its arguments, table rows, the within-tolerance summary
+    (``within_tolerance``) and every run's results."""
+    rows, summary = _retrieval_rows(runs, runs), within_tolerance(runs, args.retrieval_tolerance)
+    return {
+        "mode": "retrieval",
+        "args": vars(args),
+        "rows": rows,
+        "within_tolerance": summary,
+        "complete": complete,
+        "runs": runs,
+    }
 
 
 def _shown(row) -> dict:
@@ -435,15 +642,39 @@ def _max_context(value: str) -> int | None:
         raise argparse.ArgumentTypeError(f"must be a positive integer or 'none', got {value!r}") from None
 
 
-def _depth(value: str) -> float:
-    """``--depths`` values: a number in [0, 1]."""
+def _non_negative(value: str) -> int:
+    """A non-negative integer argument."""
     try:
-        depth = float(value)
+        n = int(value)
     except ValueError:
-        depth = float("nan")
-    if not 0.0 <= depth <= 1.0:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value!r}")
+    return n
+
+
+def _k_share(value: str) -> float | None:
+    """``--k-share`` values: a number strictly between 0 and 1, or "none" (one removal rate for Q/K and V)."""
+    if value.lower() == "none":
+        return None
+    try:
+        share = float(value)
+    except ValueError:
+        share = float("nan")
+    if not 0.0 < share < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number strictly between 0 and 1 or 'none', got {value!r}")
+    return share
+
+
+def _fraction(value: str) -> float:
+    """A number in [0, 1] (``--depths``, ``--retrieval-tolerance``)."""
+    try:
+        share = float(value)
+    except ValueError:
+        share = float("nan")
+    if not 0.0 <= share <= 1.0:
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {value!r}")
-    return depth
+    return share
 
 
 def parser() -> argparse.ArgumentParser:
@@ -456,7 +687,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.375, 0.5])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--calibrations", nargs="+", default=["random", "text"], help="random, text, code or text:PATH")
+    p.add_argument(
+        "--calibrations",
+        nargs="+",
+        default=["random", "text"],
+        help="calibration sources: random, text (prose and code), prose, code or text:PATH (default: random text)",
+    )
     p.add_argument("--num-tokens", type=int, default=16384, help="calibration tokens (default 16384)")
     p.add_argument("--seq-len", type=int, default=512, help="calibration sequence length (default 512)")
     p.add_argument(
@@ -465,7 +701,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=8, help="agreement prompts N (default 8)")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32, help="agreement tokens per prompt M (default 32)")
-    p.add_argument("--max-rate", type=float, default=0.75, help="search upper bound (default 0.75)")
+    p.add_argument(
+        "--max-rate",
+        type=float,
+        default=0.75,
+        help="search, eval --bisect-steps: the rate's upper bound (default 0.75)",
+    )
     p.add_argument("--steps", type=int, default=6, help="search bisection steps (default 6)")
     p.add_argument("--max-tokens", type=int, default=32768, help="stability: largest token count")
     p.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(SOURCES), help="eval: held-out text")
@@ -479,6 +720,32 @@ def parser() -> argparse.ArgumentParser:
         default=[None],
         metavar="N",
         help="eval, retrieval: zack plans' max_context, one row each (N or 'none', the default); palu ignores it",
+    )
+    p.add_argument(
+        "--k-share",
+        type=_k_share,
+        nargs="+",
+        default=[None],
+        metavar="S",
+        help="eval, retrieval: Q/K's share of the columns a rate keeps, one row each (S in (0, 1) or 'none', the "
+        "default: one removal rate for both)",
+    )
+    p.add_argument(
+        "--bisect-steps",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="eval: per model group, source and metric (ppl, top1) on the longest window, bisect N times for the "
+        "largest rate at 99%% of baseline, from the --rates grid's bracket up to --max-rate (default 0: off)",
+    )
+    p.add_argument(
+        "--retrieval-tolerance",
+        type=_fraction,
+        default=0.02,
+        metavar="T",
+        help="retrieval: summarise the largest --rates target whose mean accuracy is at least the uncompressed "
+        "model's minus T (default 0.02: 2 points); grid rates only, no bisection (a probe is thousands of "
+        "generations)",
     )
     p.add_argument(
         "--task",
@@ -496,7 +763,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--depths",
-        type=_depth,
+        type=_fraction,
         nargs="+",
         default=list(retrieval.DEPTHS),
         help="retrieval: key depths, fractions of the filler (default 0 0.25 0.5 0.75 1)",
@@ -533,6 +800,9 @@ def _check_eval(p, args, base) -> None:
         p.error("--windows must be at least 2 tokens (one prediction)")
     if (args.eval_tokens or 8192) < max(args.windows):
         p.error(f"--eval-tokens {args.eval_tokens} is fewer than the longest --windows {max(args.windows)}")
+    if args.bisect_steps and not 0.0 < args.max_rate < 1.0:
+        p.error(f"--max-rate must lie strictly between 0 and 1 for --bisect-steps, got {args.max_rate}")
+    _check_outputs(p, args)
 
 
 def _check_retrieval(p, args, base) -> None:
@@ -570,9 +840,15 @@ def main(argv=None):
     """The command line: one mode's rows, printed as a table and optionally written as JSON."""
     p = parser()
     args = p.parse_args(argv)
+    if args.bisect_steps and args.mode != "eval":
+        p.error(
+            "--bisect-steps applies to eval only (retrieval summarises its --rates grid: each probe would be "
+            "thousands of generations)"
+        )
 
     start = time.time()
     extra: dict = {}
+    summary = ""
     if args.mode == "transformers":
         rows = run_transformers(args)
     else:
@@ -581,11 +857,16 @@ def main(argv=None):
             rows = run_stability(base, args)
         elif args.mode == "eval":
             _check_eval(p, args, base)
-            rows = run_eval(base, args)
+            rows, at_99 = run_eval(base, args)
+            extra = {"complete": True, "at_99": at_99}
+            if args.bisect_steps:
+                summary = f"\n\nlargest rate at 99% of baseline\n\n{table(at_99)}"
         elif args.mode == "retrieval":
             _check_retrieval(p, args, base)
             rows, runs = run_retrieval(base, args)
-            extra = {"complete": True, "runs": runs}
+            tolerance = within_tolerance(runs, args.retrieval_tolerance)
+            extra = {"within_tolerance": tolerance, "complete": True, "runs": runs}
+            summary = f"\n\nlargest rate within {100 * args.retrieval_tolerance:g} points of base\n\n{table(tolerance)}"
         else:
             ev = Evaluator(base, args.eval_tokens or 4096, args.prompts, args.prompt_len, args.new_tokens)
             print(f"uncompressed: perplexity {ev.base['ppl']:.4f}, agreement {ev.base['agreement']:.4f}", flush=True)
@@ -603,7 +884,7 @@ def main(argv=None):
                 },
             )
     shown = table([_shown(r) for r in rows])
-    print(f"\n{args.mode} on {args.model} ({args.dtype}), {time.time() - start:.0f} s\n\n{shown}")
+    print(f"\n{args.mode} on {args.model} ({args.dtype}), {time.time() - start:.0f} s\n\n{shown}{summary}")
     if args.json:
         write_json(args.json, {"mode": args.mode, "args": vars(args), "rows": rows} | extra, indent=1)
 

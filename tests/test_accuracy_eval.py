@@ -1,4 +1,5 @@
-"""bench/accuracy.py's eval mode: the code source's parts, and the per-window perplexity, KL and top-1 metrics."""
+"""bench/accuracy.py's eval mode: the code source's parts, the per-window perplexity, KL and top-1 metrics, the
+variants and --k-share rows, and the largest rate at 99% of baseline (bisection) and retrieval's tolerance summary."""
 
 import dataclasses
 import json
@@ -11,13 +12,16 @@ import pytest
 from conftest import TINY_CONFIGS
 
 import kvjax
+from kvjax.compression import make_plan
 from kvjax.compression.text import CODE_PACKAGES, pydoc_text, stdlib_code, stdlib_code_files
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import accuracy  # noqa: E402
 
 WIDE = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)  # compressible heads
-ROW_KEYS = {"source", "window", "tokens", "calibration", "variant", "max_context", "target_rate", "rate"}
+ROW_KEYS = {"source", "window", "tokens", "calibration", "variant", "max_context", "k_share", "target_rate", "rate"}
+ROW_KEYS |= {"probe"}
+GRID = [0.25, 0.375, 0.5]
 SCORE_KEYS = {"ppl", "kl", "top1"}
 
 
@@ -95,18 +99,30 @@ def test_eval_mode_writes_every_number_as_json(tmp_path, monkeypatch, capsys):
     model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
     monkeypatch.setattr(accuracy.kvjax, "load", lambda *a, **k: model)
     monkeypatch.setattr(accuracy, "heldout_ids", lambda m, source, n: random_ids(rng, n))
+    writes: list = []
+
+    def write_json(path, data, **kwargs):
+        writes.append((data["complete"], len(data["rows"])))
+        real_write_json(path, data, **kwargs)
+
+    real_write_json = accuracy.write_json
+    monkeypatch.setattr(accuracy, "write_json", write_json)
     out = tmp_path / "eval.json"
     flags = ["--rates", "0.5", "--calibrations", "random", "--num-tokens", "128", "--seq-len", "64"]
     flags += ["--variants", "zack", "palu", "--windows", "32", "64", "--eval-tokens", "128"]
     accuracy.main(["eval", *flags, "--max-context", "none", "128", "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["mode"] == "eval" and data["args"]["windows"] == [32, 64], f"seed {seed}"
+    # rewritten after each group (zack without and with max_context, palu), the uncompressed rows with the first
+    assert writes == [(False, 8), (False, 12), (False, 16), (True, 16)], f"seed {seed}: {writes}"
+    assert data["complete"] and data["at_99"] == [], f"seed {seed}"
     rows = data["rows"]
     # per source and window: uncompressed, zack without and with max_context, palu
     assert len(rows) == 2 * 2 * 4, f"seed {seed}: {len(rows)} rows"
     for row in rows:
         assert set(row) == ROW_KEYS | SCORE_KEYS | {"per_window"}, f"seed {seed}: {sorted(row)}"
         assert row["tokens"] == 128 and len(row["per_window"]) == 128 // row["window"], f"seed {seed}: {row}"
+        assert row["k_share"] is None and row["probe"] is False, f"seed {seed}: {row}"
         assert all(set(w) == SCORE_KEYS for w in row["per_window"]), f"seed {seed}"
         assert row["kl"] >= 0 and 0 <= row["top1"] <= 1 and row["ppl"] > 1, f"seed {seed}: {row}"
     assert {(r["variant"], r["max_context"]) for r in rows} == {
@@ -132,6 +148,15 @@ def test_eval_mode_writes_every_number_as_json(tmp_path, monkeypatch, capsys):
         (["--max-context", "lots"], "--max-context"),
         (["--windows", "512"], "--windows 512 exceeds"),
         (["--windows", "64", "--eval-tokens", "32"], "--eval-tokens 32"),
+        (["--k-share", "0"], "--k-share: must be a number strictly between 0 and 1 or 'none', got '0'"),
+        (["--k-share", "none", "1"], "must be a number strictly between 0 and 1 or 'none'"),
+        (["--k-share", "lots"], "--k-share"),
+        (["--bisect-steps", "-1"], "--bisect-steps: must be a non-negative integer, got '-1'"),
+        (
+            ["--windows", "64", "--bisect-steps", "2", "--max-rate", "1.5"],
+            "--max-rate must lie strictly between 0 and 1",
+        ),
+        (["--windows", "64", "--json", "/nonexistent/dir/eval.json"], "--json /nonexistent"),
     ],
 )
 def test_eval_mode_refuses_bad_flags_by_name(flags, message, monkeypatch, capsys):
@@ -139,4 +164,195 @@ def test_eval_mode_refuses_bad_flags_by_name(flags, message, monkeypatch, capsys
     monkeypatch.setattr(accuracy.kvjax, "load", lambda *a, **k: model)
     with pytest.raises(SystemExit):
         accuracy.main(["eval", *flags])
+    assert message in capsys.readouterr().err
+
+
+def probe_counting(calls: list):
+    """A probe whose result is its rate, recording every rate it is asked."""
+
+    def probe(rate):
+        calls.append(rate)
+        return rate
+
+    return probe
+
+
+@pytest.mark.parametrize("steps", [0, 1, 6])
+@pytest.mark.parametrize(
+    "threshold, lower, upper, grid_probes",
+    [
+        (0.43, 0.375, 0.5, 3),  # between two grid rates
+        (0.3, 0.25, 0.375, 2),
+        (0.1, 0.0, 0.25, 1),  # below the grid: the bracket starts at 0
+        (0.9, 0.5, 0.75, 3),  # every grid rate passes: the bracket ends at the upper bound
+        (0.5, 0.5, 0.75, 3),  # the largest grid rate exactly
+    ],
+)
+def test_largest_passing_bisects_the_grid_bracket(steps, threshold, lower, upper, grid_probes):
+    calls: list = []
+    grid = GRID[::-1]  # any order
+    target, result = accuracy.largest_passing(probe_counting(calls), grid, lambda r: r <= threshold, steps, 0.75)
+    truth = min(threshold, upper)
+    assert lower <= target <= truth and truth - target <= (upper - lower) / 2**steps + 1e-12, (target, truth)
+    assert result == (target if target > 0 else None)
+    # the grid up to its first failure, then one probe a step, never a rate twice
+    assert calls[:grid_probes] == sorted(GRID)[:grid_probes] and len(calls) == grid_probes + steps
+    assert len(set(calls)) == len(calls)
+
+
+def test_largest_passing_when_nothing_passes_and_on_a_non_monotone_grid():
+    for steps in (0, 4):
+        calls: list = []
+        assert accuracy.largest_passing(probe_counting(calls), GRID, lambda r: False, steps, 0.75) == (0.0, None)
+        assert len(calls) == 1 + steps and all(0 < r <= 0.25 for r in calls)
+    # 0.375 fails: 0.5 passing above it does not count; the bracket is [0.25, 0.375]
+    target, _ = accuracy.largest_passing(lambda r: r, GRID, lambda r: r != 0.375 and r < 0.3, 3, 0.75)
+    assert 0.25 <= target < 0.3
+    # an upper bound not above the grid: no bisection past it
+    calls = []
+    assert accuracy.largest_passing(probe_counting(calls), GRID, lambda r: True, 5, 0.5) == (0.5, 0.5)
+    assert calls == GRID
+
+
+def test_cached_probes_are_shared_across_predicates():
+    calls: list = []
+    probe = accuracy.cached(probe_counting(calls), known={0.25: 0.25, 0.5: 0.5})
+    first = accuracy.largest_passing(probe, [0.25, 0.5], lambda r: r <= 0.6, 3, 0.75)
+    assert first == (0.59375, 0.59375) and calls == [0.625, 0.5625, 0.59375]  # the grid came from the cache
+    assert accuracy.largest_passing(probe, [0.25, 0.5], lambda r: r <= 0.6, 3, 0.75) == first
+    assert len(calls) == 3
+    # a looser test walks 0.625 (cached), 0.6875 and 0.71875 (new)
+    assert accuracy.largest_passing(probe, [0.25, 0.5], lambda r: r <= 0.7, 3, 0.75)[0] == 0.6875
+    assert calls[3:] == [0.6875, 0.71875] and set(probe.results) == {0.25, 0.5, *calls}
+
+
+@pytest.mark.parametrize("k_share", [None, 0.4])
+def test_palu_uniform_gives_every_head_of_a_layer_one_width(k_share):
+    model = kvjax.Model.random(WIDE, seed=0, scale=3.0)
+    stats = accuracy._calibrate(model, "random", 128, 64)
+    method, adaptive = accuracy.VARIANTS["palu-uniform"]
+    plan, _ = make_plan(model, stats, target_rate=0.5, method=method, adaptive=adaptive, k_share=k_share)
+    assert plan.method == "palu" and not plan.adaptive and plan.rate >= 0.5 and plan.k_share == k_share
+    assert plan.k_qk.shape == (WIDE.num_layers, WIDE.num_kv_heads) and WIDE.num_kv_heads > 1
+    for layer in range(plan.num_layers):
+        k, v = plan.layer_widths(layer)
+        assert len(set(k)) == 1 and len(set(v)) == 1, (layer, k, v)
+
+
+def test_k_share_values_parse():
+    args = accuracy.parser().parse_args(["eval", "--k-share", "none", "0.4", "NONE", "0.75"])
+    assert args.k_share == [None, 0.4, None, 0.75]
+    assert accuracy.parser().parse_args(["eval"]).k_share == [None]
+
+
+def test_eval_bisects_for_the_largest_rate_at_99_percent(tmp_path, monkeypatch, capsys):
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
+    monkeypatch.setattr(accuracy.kvjax, "load", lambda *a, **k: model)
+    monkeypatch.setattr(accuracy, "heldout_ids", lambda m, source, n: random_ids(rng, n))
+    out = tmp_path / "eval.json"
+    flags = ["--rates", "0.5", "--calibrations", "random", "--num-tokens", "128", "--seq-len", "64"]
+    flags += ["--variants", "palu-uniform", "--k-share", "0.4", "--windows", "32", "64", "--eval-tokens", "128"]
+    accuracy.main(["eval", *flags, "--bisect-steps", "1", "--json", str(out)])
+    data = json.loads(out.read_text())
+    rows, at_99 = data["rows"], data["at_99"]
+    assert data["complete"], f"seed {seed}"
+    for row in rows:
+        assert set(row) == ROW_KEYS | SCORE_KEYS | {"per_window"}, f"seed {seed}: {sorted(row)}"
+    base = {(r["source"], r["window"]): r for r in rows if r["variant"] == "uncompressed"}
+    assert len(base) == 4 and all(not r["probe"] and r["k_share"] is None for r in base.values()), f"seed {seed}"
+    mine = [r for r in rows if r["variant"] == "palu-uniform"]
+    assert all(r["k_share"] == 0.4 for r in mine), f"seed {seed}"
+    grid = {r["target_rate"] for r in mine if not r["probe"]}
+    probes = {r["target_rate"] for r in mine if r["probe"]}
+    # one bisection step of a bracket from the grid, [0, 0.5] or [0.5, 0.75]; each probe scores every source and window
+    assert grid == {0.5} and probes and probes <= {0.25, 0.625}, f"seed {seed}: {probes}"
+    assert len(mine) == (len(grid) + len(probes)) * 2 * 2, f"seed {seed}"
+    assert {(e["source"], e["metric"]) for e in at_99} == {
+        (s, m) for s in ("prose", "code") for m in ("ppl", "top1")
+    }, f"seed {seed}"
+    for e in at_99:
+        test = accuracy.AT_99[e["metric"]]
+        assert e["window"] == 64 and e["variant"] == "palu-uniform" and e["k_share"] == 0.4, f"seed {seed}: {e}"
+        assert e["base"] == base[(e["source"], 64)][e["metric"]], f"seed {seed}: {e}"
+        at = {r["target_rate"]: r for r in mine if (r["source"], r["window"]) == (e["source"], 64)}
+        passing = {t for t, r in at.items() if test(r[e["metric"]], e["base"])}
+        if 0.5 in passing:  # the bracket [0.5, 0.75]
+            assert e["target_rate"] == (0.625 if 0.625 in passing else 0.5), f"seed {seed}: {e}"
+        else:  # the bracket [0, 0.5]
+            assert e["target_rate"] == (0.25 if 0.25 in passing else 0.0), f"seed {seed}: {e}"
+        if e["target_rate"] == 0.0:
+            assert e["rate"] == 0.0 and e["value"] == e["base"], f"seed {seed}: {e}"
+        else:
+            there = at[e["target_rate"]]
+            assert there["rate"] == e["rate"] >= e["target_rate"] and there[e["metric"]] == e["value"], f"seed {seed}"
+    printed = capsys.readouterr().out
+    assert "largest rate at 99% of baseline" in printed and "| metric | target_rate | rate | value | base |" in printed
+
+
+def fake_run(variant: str, target: float, accuracies: dict, task: str = "passkey", k_share=None) -> dict:
+    """A ``run_retrieval`` run: per context, the accuracy at depths 0 and 1."""
+    depths = [0.0, 1.0]
+    cells = [
+        {"context": c, "depth": d, "trials": 50, "correct": round(a * 50), "accuracy": a}
+        for c, accs in accuracies.items()
+        for d, a in zip(depths, accs, strict=True)
+    ]
+    results = {"contexts": list(accuracies), "depths": depths, "cells": cells}
+    if variant == "uncompressed":
+        fields = accuracy.UNCOMPRESSED
+    else:
+        fields = {"calibration": "random", "variant": variant, "max_context": None, "k_share": k_share}
+        fields |= {"target_rate": target, "rate": target + 0.01}
+    return fields | {"task": task, "results": results}
+
+
+def test_retrieval_tolerance_summary_takes_the_grid_up_to_the_first_failure():
+    runs = [
+        fake_run("uncompressed", 0.0, {1024: (1.0, 1.0), 2048: (1.0, 0.9)}),
+        fake_run("uncompressed", 0.0, {1024: (0.5, 0.5)}, task="multikey"),
+        fake_run("zack", 0.5, {1024: (0.9, 0.9), 2048: (0.92, 0.92)}),  # grid order does not matter
+        fake_run("zack", 0.25, {1024: (1.0, 0.98), 2048: (0.92, 0.94)}),
+        fake_run("zack", 0.375, {1024: (0.98, 0.98), 2048: (0.9, 0.9)}),  # exactly 2 points down at 1024
+        fake_run("zack", 0.625, {1024: (1.0, 1.0), 2048: (1.0, 1.0)}),  # passes, but 0.5 below it failed
+        fake_run("zack", 0.25, {1024: (0.5, 0.46)}, task="multikey"),
+        fake_run("palu", 0.25, {1024: (0.9, 1.0), 2048: (0.5, 0.5)}),
+        fake_run("palu", 0.25, {1024: (1.0, 1.0), 2048: (1.0, 1.0)}, k_share=0.4),
+    ]
+    summary = accuracy.within_tolerance(runs, 0.02)
+    got = {(e["task"], e["variant"], e["k_share"], e["context"]): e for e in summary}
+    expected = {  # (target rate, mean there, base mean)
+        ("passkey", "zack", None, 1024): (0.375, 0.98, 1.0),
+        ("passkey", "zack", None, 2048): (0.25, 0.93, 0.95),
+        ("multikey", "zack", None, 1024): (0.25, 0.48, 0.5),
+        ("passkey", "palu", None, 1024): (0.0, 1.0, 1.0),  # 5 points down: nothing passes
+        ("passkey", "palu", None, 2048): (0.0, 0.95, 0.95),
+        ("passkey", "palu", 0.4, 1024): (0.25, 1.0, 1.0),
+        ("passkey", "palu", 0.4, 2048): (0.25, 1.0, 0.95),
+    }
+    assert set(got) == set(expected)
+    for key, (target, mean, base) in expected.items():
+        e = got[key]
+        assert e["target_rate"] == target and e["rate"] == (target + 0.01 if target else 0.0), (key, e)
+        np.testing.assert_allclose([e["mean"], e["base"]], [mean, base], err_msg=str(key))
+        assert e["calibration"] == "random" and e["max_context"] is None
+    # no tolerance: only rates as good as the uncompressed model
+    strict = {(e["task"], e["variant"], e["k_share"], e["context"]): e for e in accuracy.within_tolerance(runs, 0.0)}
+    assert strict[("passkey", "zack", None, 1024)]["target_rate"] == 0.0
+    assert strict[("passkey", "palu", 0.4, 2048)]["target_rate"] == 0.25
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--bisect-steps", "2"], "--bisect-steps applies to eval only"),
+        (["--retrieval-tolerance", "1.5"], "--retrieval-tolerance"),
+        (["--k-share", "2"], "--k-share"),
+    ],
+)
+def test_retrieval_mode_refuses_bisection_and_bad_tolerances(flags, message, monkeypatch, capsys):
+    monkeypatch.setattr(accuracy.kvjax, "load", lambda *a, **k: pytest.fail("loaded a model for bad flags"))
+    with pytest.raises(SystemExit):
+        accuracy.main(["retrieval", *flags])
     assert message in capsys.readouterr().err

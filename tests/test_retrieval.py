@@ -272,6 +272,11 @@ def test_retrieval_mode_writes_table_json_and_heat_maps(smollm2, monkeypatch, tm
     assert calls[1][0].plan is not None and calls[1][0].plan.rate >= 0.5
     for row in data["rows"]:
         assert row["context"] == 256 and row["depth 0"] == row["depth 1"] == row["mean"] == 1.0 and row["vs_base"] == 0
+    # every answer right: the grid's rate is within 2 points of the uncompressed model's on both tasks
+    assert [(e["task"], e["context"], e["target_rate"]) for e in data["within_tolerance"]] == [
+        ("passkey", 256, 0.5),
+        ("multikey", 256, 0.5),
+    ]
     assert sorted(os.listdir(pngs)) == [
         "multikey-uncompressed.png",
         "multikey-zack-random-p0.5.png",
@@ -281,6 +286,7 @@ def test_retrieval_mode_writes_table_json_and_heat_maps(smollm2, monkeypatch, tm
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
     printed = capsys.readouterr()
     assert "| task | calibration | variant |" in printed.out and "| depth 0 | depth 1 | mean | vs_base |" in printed.out
+    assert "largest rate within 2 points of base" in printed.out
     assert f"skipping context {2 * limit}" in printed.err
 
 
