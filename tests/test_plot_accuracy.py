@@ -1,0 +1,106 @@
+"""bench/plot_retrieval.py (several models' retrieval runs in one heat map) and bench/plot_accuracy.py (perplexity
+and KL against the rate), read from bench/accuracy.py JSONs."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+
+import plot_retrieval  # noqa: E402
+
+pytest.importorskip("matplotlib")
+
+
+def _run(variant, target, rate, task="passkey", contexts=(1024, 2048), depths=(0.0, 1.0), correct=None):
+    cells = [
+        {"context": c, "depth": d, "trials": 4, "correct": k, "accuracy": k / 4}
+        for (c, d), k in zip([(c, d) for c in contexts for d in depths], correct, strict=True)
+    ]
+    results = {"trials": 4, "depths": list(depths), "contexts": list(contexts), "cells": cells}
+    return {
+        "calibration": "text",
+        "variant": variant,
+        "max_context": None,
+        "k_share": None,
+        "target_rate": target,
+        "rate": rate,
+        "task": task,
+        "results": results,
+    }
+
+
+def test_rows_put_the_uncompressed_model_first_once_then_variants_by_rate():
+    base = _run("uncompressed", 0.0, 0.0, correct=[4, 3, 2, 1])
+    runs = [
+        _run("zack", 0.5, 0.5, correct=[0, 0, 0, 1]),
+        base,
+        _run("zack", 0.1, 0.1014, correct=[4, 4, 4, 4]),
+        base,
+        _run("zack", 0.1, 0.1014, task="multikey", correct=[1, 1, 1, 1]),
+    ]
+    labels, depths, grid = plot_retrieval.grid_rows(runs, "passkey")
+    assert depths == [0.0, 1.0]
+    assert labels == [
+        "uncompressed, 1024",
+        "uncompressed, 2048",
+        "zack p=0.10, 1024",
+        "zack p=0.10, 2048",
+        "zack p=0.50, 1024",
+        "zack p=0.50, 2048",
+    ]
+    assert grid.tolist() == [[1.0, 0.75], [0.5, 0.25], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.25]]
+
+
+def test_the_command_writes_a_png_and_refuses_what_it_cannot_draw(tmp_path, capsys):
+    data = {
+        "mode": "retrieval",
+        "args": {"model": "tiny"},
+        "runs": [_run("uncompressed", 0.0, 0.0, correct=[4, 3, 2, 1]), _run("palu", 0.2, 0.2, correct=[1] * 4)],
+    }
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(data))
+    out = tmp_path / "map.png"
+    assert plot_retrieval.main([str(src), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        plot_retrieval.main([str(src), "--task", "multikey", "--out", str(tmp_path / "none.png")])
+    assert "no run of task 'multikey'" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text('{"mode": "eval"}')
+    with pytest.raises(SystemExit):
+        plot_retrieval.main([str(tmp_path / "bad.json"), "--out", str(tmp_path / "x.png")])
+    assert "is not a bench/accuracy.py retrieval JSON" in capsys.readouterr().err
+    assert not (tmp_path / "none.png").exists() and not (tmp_path / "x.png").exists()
+
+
+def test_accuracy_curves_keep_grid_rows_of_one_window_and_one_point_a_rate():
+    import plot_accuracy
+
+    def row(variant, rate, ppl, window=4096, probe=False, source="prose"):
+        return {
+            "source": source,
+            "window": window,
+            "variant": variant,
+            "k_share": None,
+            "rate": rate,
+            "ppl": ppl,
+            "kl": ppl / 10,
+            "probe": probe,
+        }
+
+    rows = [
+        row("uncompressed", 0.0, 9.0),
+        row("zack", 0.3, 15.0),
+        row("zack", 0.1, 10.0),
+        row("zack", 0.05, 9.5, probe=True),
+        row("zack", 0.1, 11.0, window=1024),
+        row("palu-uniform", 0.25, 11.0),
+        row("palu-uniform", 0.25, 11.0),
+    ]
+    assert plot_accuracy.curves(rows, 4096) == {
+        "prose": {"base": 9.0, "zack": [(0.1, 10.0, 1.0), (0.3, 15.0, 1.5)], "palu-uniform": [(0.25, 11.0, 1.1)]}
+    }
+    with pytest.raises(ValueError, match="no rows at window 512"):
+        plot_accuracy.curves(rows, 512)
