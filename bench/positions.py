@@ -1,27 +1,26 @@
 """ZACK's Q/K basis for the positions a model serves (``kvjax.compress(..., max_context=...)``), measured on SmolLM2:
-held-out perplexity on positions 1-511 and 512-1023 of 1,024-token windows, for the uncompressed model, ZACK at
-p = 0.5 calibrated on 512-token text rows without and with ``max_context`` (its post-RoPE Gram derived from pre-RoPE
-statistics for positions 0..max_context-1), and ZACK calibrated on 1,024-token rows. Calibration text: the first
-half of Python's pydoc topics; evaluation: the second half (``kvjax.compression.text``). Table: bench/RESULTS.md
-"Compression: the basis for the served positions"."""
+held-out perplexity by position (1-511, 512-1023, then doubling up to the window) of ``--window``-token windows, for
+the uncompressed model, ZACK calibrated on 512-token rows without and with ``max_context`` (its post-RoPE Gram
+derived from pre-RoPE statistics for positions 0..max_context-1), and ZACK calibrated on rows as long as the window.
+Calibration text: ``--calibration`` (default "prose", the first half of Python's pydoc topics); evaluation: the
+second half (``kvjax.compression.text``). Tables: bench/RESULTS.md "Compression: the basis for the served
+positions"."""
 
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import numpy as np
+from files import write_json
 
 import kvjax
 from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
 from kvjax.compression.text import pydoc_text
 
-WINDOW = 1024
-
 
 def nll_by_position(model, windows, batch=2) -> np.ndarray:
-    """[n, WINDOW - 1]: entry j is the negative log-likelihood of the token at position j + 1."""
+    """[n, window - 1]: entry j is the negative log-likelihood of the token at position j + 1."""
     out = []
     for i in range(0, len(windows), batch):
         chunk = windows[i : i + batch]
@@ -30,42 +29,54 @@ def nll_by_position(model, windows, batch=2) -> np.ndarray:
     return np.concatenate(out)
 
 
+def buckets(window: int) -> list[tuple[int, int]]:
+    """Position ranges [start, end) of a window: 1-511, 512-1023, then doubling (1024-2047, ...) up to the window."""
+    edges = [1, 512]
+    while edges[-1] < window:
+        edges.append(min(2 * edges[-1], window))
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--windows", type=int, default=8, help="held-out 1,024-token windows (default 8)")
+    ap.add_argument("--window", type=int, default=1024, help="evaluation window in tokens (default 1024)")
+    ap.add_argument("--windows", type=int, default=8, help="held-out windows (default 8)")
     ap.add_argument("--rate", type=float, default=0.5, help="ZACK's target rate (default 0.5)")
+    ap.add_argument("--calibration", default="prose", help="calibration source (default prose; see kvjax.compress)")
     ap.add_argument("--num-tokens", type=int, default=16384, help="calibration tokens (default 16384)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
+    if args.window <= 512 or args.windows < 1 or args.num_tokens < 1 or not 0 < args.rate < 1:
+        ap.error("--window must exceed 512, --windows and --num-tokens be positive, --rate lie in (0, 1)")
     base = kvjax.load("smollm2", dtype="float32", progress=False)
+    if args.window > base.config.max_position_embeddings:
+        ap.error(f"--window {args.window} exceeds the model's {base.config.max_position_embeddings} positions")
     ids = np.asarray(base.tokenizer(pydoc_text("heldout"), add_special_tokens=False)["input_ids"])
-    if len(ids) < args.windows * WINDOW:
-        raise SystemExit(f"the held-out text has {len(ids)} tokens, fewer than {args.windows} windows")
-    windows = ids[: args.windows * WINDOW].astype(np.int32).reshape(args.windows, WINDOW)
+    if len(ids) < args.windows * args.window:
+        ap.error(f"the held-out text has {len(ids)} tokens, fewer than {args.windows} windows of {args.window}")
+    windows = ids[: args.windows * args.window].astype(np.int32).reshape(args.windows, args.window)
+    spans = buckets(args.window)
+    names = [f"{a}-{b - 1}" for a, b in spans]
     rows = []
-    print("\n| model | calibration rows | max_context | ppl, positions 1-511 | ppl, positions 512-1023 |")
-    print("|---|---|---|---|---|")
+    print(f"\n| model | calibration rows | max_context | {' | '.join(f'ppl, positions {n}' for n in names)} |")
+    print("|---|---|---|" + "---|" * len(spans))
 
     def report(name, rows_len, max_context, model):
-        nll = nll_by_position(model, windows)
-        row = dict(model=name, rows=rows_len, max_context=max_context)
-        row |= dict(ppl_1_511=float(np.exp(nll[:, :511].mean())), ppl_512_1023=float(np.exp(nll[:, 511:].mean())))
-        rows.append(row)
-        print(
-            f"| {name} | {rows_len or '-'} | {max_context or '-'} | {row['ppl_1_511']:.2f} | "
-            f"{row['ppl_512_1023']:.2f} |",
-            flush=True,
-        )
+        nll = nll_by_position(model, windows, batch=max(1, 2048 // args.window))
+        ppl = {n: float(np.exp(nll[:, a - 1 : b - 1].mean())) for n, (a, b) in zip(names, spans, strict=True)}
+        rows.append(dict(model=name, rows=rows_len, max_context=max_context, ppl=ppl))
+        cells = " | ".join(f"{ppl[n]:.2f}" for n in names)
+        print(f"| {name} | {rows_len or '-'} | {max_context or '-'} | {cells} |", flush=True)
 
     report("uncompressed", None, None, base)
-    for seq_len, contexts in ((512, (None, 512, 1024)), (1024, (None,))):
-        stats = calibrate(base, calibration_tokens(base, "prose", args.num_tokens, seq_len, seed=0), progress=False)
+    for seq_len, contexts in ((512, (None, args.window)), (args.window, (None,))):
+        tokens = calibration_tokens(base, args.calibration, args.num_tokens, seq_len, seed=0)
+        stats = calibrate(base, tokens, progress=False)
         for max_context in contexts:
             plan, bases = make_plan(base, stats, target_rate=args.rate, max_context=max_context)
             report(f"zack p={plan.rate:.2f}", seq_len, max_context, fold(base, plan, bases))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(windows=args.windows, rows=rows), f, indent=1)
+        write_json(args.json, dict(window=args.window, windows=args.windows, calibration=args.calibration, rows=rows))
 
 
 if __name__ == "__main__":

@@ -91,20 +91,28 @@ def at_equal_rate(runs: list[dict], baseline: str) -> list[dict]:
     return rows
 
 
-def _ratio(row: dict, base: str, what: str) -> str:
+def _ratio(row: dict, base: str, what: str, capped: dict) -> str:
+    """``row``'s ratio to ``base`` as text: ">= " where only ``row``'s sweep never crossed its bound (its rate is a
+    lower bound), "<= " where only the baseline's did, "~" where both did; ``capped``: (method, metric, bound) ->
+    whether that sweep stayed within the bound at every rate."""
     x = row.get(f"{what}_vs_{base}")
-    return "" if x is None or math.isnan(x) else f"{x:.2f}x"
+    if x is None or math.isnan(x):
+        return ""
+    mine, theirs = row["capped"], capped.get((base, row["metric"], row["bound"]), False)
+    prefix = {(True, False): ">= ", (False, True): "<= ", (True, True): "~"}.get((mine, theirs), "")
+    return f"{prefix}{x:.2f}x"
 
 
 def print_tables(latency_rows: list[dict], rate_rows: list[dict], baselines: list[str]) -> None:
     heads = " | ".join(f"rate / tok/s vs {b}" for b in baselines)
     print(f"| latency bound | method | rate req/s | out tok/s | {heads} |")
     print("|---|---|---|---|" + "---|" * len(baselines))
+    capped = {(r["method"], r["metric"], r["bound"]): r["capped"] for r in latency_rows}
     for row in latency_rows:
         unit = METRICS[row["metric"]][2]
         rate = "below the lowest" if math.isnan(row["rate"]) else f"{'>= ' if row['capped'] else ''}{row['rate']:.2f}"
         tokens = "" if math.isnan(row["tokens_per_s"]) else f"{row['tokens_per_s']:.0f}"
-        ratios = " | ".join(f"{_ratio(row, b, 'rate')} / {_ratio(row, b, 'tokens')}" for b in baselines)
+        ratios = " | ".join(f"{_ratio(row, b, 'rate', capped)} / {_ratio(row, b, 'tokens', capped)}" for b in baselines)
         print(f"| {row['metric']} <= {row['bound']:g} {unit} | {row['method']} | {rate} | {tokens} | {ratios} |")
     if rate_rows:
         print("\n| method | rate req/s | p50 TBT ms | p50 TBT gain | p50 TTFT s | p50 TTFT gain | p99 TTFT gain |")

@@ -69,3 +69,14 @@ def test_tables_compare_methods_at_equal_latency_and_rate():
     assert zack["rate_vs_none"] == pytest.approx(2 / 1.5)
     gains = serve_compare.at_equal_rate(runs, "none")
     assert [g["tbt_p50_gain"] for g in gains] == pytest.approx([10 / 8, 12 / 6])
+
+
+def test_ratios_of_a_sweep_that_never_crossed_its_bound_are_bounds_themselves():
+    row = {"method": "zack", "metric": "p99 TBT", "bound": 100.0, "capped": True, "rate_vs_none": 2.0}
+    base = {"method": "none", "metric": "p99 TBT", "bound": 100.0, "capped": False, "rate_vs_zack": 0.5}
+    capped = {(r["method"], r["metric"], r["bound"]): r["capped"] for r in (row, base)}
+    assert serve_compare._ratio(row, "none", "rate", capped) == ">= 2.00x"
+    assert serve_compare._ratio(base, "zack", "rate", capped) == "<= 0.50x"
+    both = dict.fromkeys(capped, True)
+    assert serve_compare._ratio(row, "none", "rate", both) == "~2.00x"
+    assert serve_compare._ratio(row, "palu", "rate", capped) == ""
