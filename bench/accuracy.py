@@ -653,19 +653,6 @@ def _non_negative(value: str) -> int:
     return n
 
 
-def _k_share(value: str) -> float | None:
-    """``--k-share`` values: a number strictly between 0 and 1, or "none" (one removal rate for Q/K and V)."""
-    if value.lower() == "none":
-        return None
-    try:
-        share = float(value)
-    except ValueError:
-        share = float("nan")
-    if not 0.0 < share < 1.0:
-        raise argparse.ArgumentTypeError(f"must be a number strictly between 0 and 1 or 'none', got {value!r}")
-    return share
-
-
 def _fraction(value: str) -> float:
     """A number in [0, 1] (``--depths``, ``--retrieval-tolerance``)."""
     try:
@@ -723,7 +710,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--k-share",
-        type=_k_share,
+        type=validate.share_arg({"none": None}),
         nargs="+",
         default=[None],
         metavar="S",

@@ -1,8 +1,10 @@
 """Bench outputs on disk whole or not at all: every JSON and PNG a benchmark writes goes through here, so a run
-cut short (a device call's time limit, Ctrl-C) leaves the previous file or none, never half of one."""
+cut short (a device call's time limit, Ctrl-C) leaves the previous file or none, never half of one; and the plots'
+reading of those JSONs back (``read_accuracy_jsons``)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import tempfile
@@ -31,3 +33,22 @@ def write_atomic(path: str, write: Callable, mode: str = "w") -> None:
 def write_json(path: str, data, indent: int | None = None) -> None:
     """``data`` as JSON at ``path``, whole or not at all."""
     write_atomic(path, lambda f: json.dump(data, f, indent=indent))
+
+
+def read_accuracy_jsons(parser: argparse.ArgumentParser, names: list[str], mode: str) -> tuple[list[dict], str | None]:
+    """The row (eval) or run (retrieval) lists of ``bench/accuracy.py`` JSONs of ``mode`` joined in
+    order, and the first one's model; a file that cannot be read or holds another mode is ``parser``'s usage error."""
+    key = {"eval": "rows", "retrieval": "runs"}[mode]
+    items: list[dict] = []
+    model = None
+    for name in names:
+        try:
+            with open(name, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            parser.error(f"{name}: {e}")
+        if not isinstance(data, dict) or data.get("mode") != mode or key not in data:
+            parser.error(f"{name} is not a bench/accuracy.py {mode} JSON")
+        items += data[key]
+        model = model or data.get("args", {}).get("model")
+    return items, model

@@ -8,10 +8,9 @@ window length; grid rows only (bisection probes are left out).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from files import write_atomic
+from files import read_accuracy_jsons, write_atomic
 
 
 def curves(rows: list[dict], window: int) -> dict:
@@ -75,17 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="the PNG to write")
     ap.add_argument("--title", default=None, help="the plot's title (default: the model)")
     args = ap.parse_args(argv)
-    rows, model = [], None
-    for name in args.jsons:
-        try:
-            with open(name, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError) as e:
-            ap.error(f"{name}: {e}")
-        if data.get("mode") != "eval" or "rows" not in data:
-            ap.error(f"{name} is not a bench/accuracy.py eval JSON")
-        rows += data["rows"]
-        model = model or data["args"].get("model")
+    rows, model = read_accuracy_jsons(ap, args.jsons, "eval")
     try:
         plot(rows, args.window, args.out, args.title or f"{model}: held-out perplexity and KL against the rate")
     except ValueError as e:

@@ -8,12 +8,11 @@ written in it. The per-run maps ``accuracy.py --png-dir`` writes hold one model 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import numpy as np
 import retrieval
-from files import write_atomic
+from files import read_accuracy_jsons, write_atomic
 
 
 def _label(run: dict) -> str:
@@ -78,17 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="the PNG to write")
     ap.add_argument("--title", default=None, help="the plot's title (default: the model and task)")
     args = ap.parse_args(argv)
-    runs, model = [], None
-    for name in args.jsons:
-        try:
-            with open(name, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError) as e:
-            ap.error(f"{name}: {e}")
-        if data.get("mode") != "retrieval" or "runs" not in data:
-            ap.error(f"{name} is not a bench/accuracy.py retrieval JSON")
-        runs += data["runs"]
-        model = model or data["args"].get("model")
+    runs, model = read_accuracy_jsons(ap, args.jsons, "retrieval")
     try:
         plot(runs, args.task, args.out, args.title or f"{model}: {args.task} retrieval")
     except ValueError as e:

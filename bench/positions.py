@@ -67,16 +67,18 @@ def main(argv=None) -> None:
         rows.append(dict(model=name, rows=rows_len, max_context=max_context, ppl=ppl))
         cells = " | ".join(f"{ppl[n]:.2f}" for n in names)
         print(f"| {name} | {rows_len or '-'} | {max_context or '-'} | {cells} |", flush=True)
+        if args.json:  # after every row, so a run cut short keeps the rows it finished
+            write_json(
+                args.json, dict(window=args.window, windows=args.windows, calibration=args.calibration, rows=rows)
+            )
 
     report("uncompressed", None, None, base)
     for seq_len, contexts in ((512, (None, args.window)), (args.window, (None,))):
         tokens = calibration_tokens(base, args.calibration, args.num_tokens, seq_len, seed=0)
-        stats = calibrate(base, tokens, progress=False)
+        stats = calibrate(base, tokens, batch_size=max(1, 2048 // seq_len), progress=False)  # bounded memory
         for max_context in contexts:
             plan, bases = make_plan(base, stats, target_rate=args.rate, max_context=max_context)
             report(f"zack p={plan.rate:.2f}", seq_len, max_context, fold(base, plan, bases))
-    if args.json:
-        write_json(args.json, dict(window=args.window, windows=args.windows, calibration=args.calibration, rows=rows))
 
 
 if __name__ == "__main__":

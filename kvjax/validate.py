@@ -188,6 +188,25 @@ def arg(check: Callable, parse: Callable = str) -> Callable:
     return convert
 
 
+def share_arg(words: dict) -> Callable[[str], object]:
+    """An argparse ``type=`` for a share: a number strictly between 0 and 1, or one of ``words`` (text, any case ->
+    the value it stands for); anything else is a usage error naming both."""
+    options = " or ".join(repr(w) for w in words)
+
+    def share(text: str):
+        if text.lower() in words:
+            return words[text.lower()]
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not 0.0 < value < 1.0:
+            raise argparse.ArgumentTypeError(f"must be a number strictly between 0 and 1 or {options}, got {text!r}")
+        return value
+
+    return share
+
+
 def int_fields(config, at_least_one=()) -> None:
     """Every int field of a config dataclass is an int (not a bool), >= 1 when named in ``at_least_one``, else >= 0;
     every bool field is a bool."""

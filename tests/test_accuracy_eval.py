@@ -93,12 +93,18 @@ def test_a_perturbed_model_has_positive_kl_and_agreement_in_range():
     assert len(s["per_window"]) == 2, f"seed {seed}"
 
 
-def test_eval_mode_writes_every_number_as_json(tmp_path, monkeypatch, capsys):
+def random_eval_model(monkeypatch) -> int:
+    """Make ``accuracy.main`` load a fresh random model and score random held-out ids; returns the seed."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
     monkeypatch.setattr(accuracy.kvjax, "load", lambda *a, **k: model)
     monkeypatch.setattr(accuracy, "heldout_ids", lambda m, source, n: random_ids(rng, n))
+    return seed
+
+
+def test_eval_mode_writes_every_number_as_json(tmp_path, monkeypatch, capsys):
+    seed = random_eval_model(monkeypatch)
     writes: list = []
 
     def write_json(path, data, **kwargs):
@@ -246,11 +252,7 @@ def test_k_share_values_parse():
 
 
 def test_eval_bisects_for_the_largest_rate_at_99_percent(tmp_path, monkeypatch, capsys):
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
-    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
-    monkeypatch.setattr(accuracy.kvjax, "load", lambda *a, **k: model)
-    monkeypatch.setattr(accuracy, "heldout_ids", lambda m, source, n: random_ids(rng, n))
+    seed = random_eval_model(monkeypatch)
     out = tmp_path / "eval.json"
     flags = ["--rates", "0.5", "--calibrations", "random", "--num-tokens", "128", "--seq-len", "64"]
     flags += ["--variants", "palu-uniform", "--k-share", "0.4", "--windows", "32", "64", "--eval-tokens", "128"]

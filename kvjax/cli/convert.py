@@ -77,7 +77,7 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--k-share",
-        type=_k_share,
+        type=validate.share_arg({"measured": "measured"}),
         default=None,
         help="with --target-rate: the share of the kept columns Q/K gets (V the rest), or 'measured' to try 0.3-0.7 "
         "and keep the share whose model stays closest to the original on held-in calibration rows (default: one "
@@ -121,19 +121,6 @@ def _has_tokenizer(path: str) -> bool:
     if is_kvjax_checkpoint(path):
         return os.path.isdir(os.path.join(path, "tokenizer"))
     return any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
-
-
-def _k_share(value: str) -> float | str:
-    """--k-share: 'measured' or a number strictly between 0 and 1."""
-    if value == "measured":
-        return value
-    try:
-        share = float(value)
-    except ValueError:
-        share = float("nan")
-    if not 0 < share < 1:
-        raise argparse.ArgumentTypeError(f"must be 'measured' or a number strictly between 0 and 1, got {value!r}")
-    return share
 
 
 def main(argv=None) -> int:
