@@ -48,7 +48,7 @@ VARIANTS = {  # name -> (method, adaptive); palu-uniform (one rank for every hea
     "palu-uniform": ("palu", False),
 }
 GROUP = ("calibration", "variant", "max_context", "k_share")  # what a model has besides its rate
-AT_99 = {  # eval's 99%-of-baseline tests, (value, uncompressed value) -> passes, as Evaluator.meets
+AT_99 = {  # the 99%-of-baseline tests, (value, uncompressed value) -> passes: eval's bisection and Evaluator.meets
     "ppl": lambda value, base: value <= 1.01 * base,
     "top1": lambda value, base: value >= 0.99,
 }
@@ -127,7 +127,7 @@ class Evaluator:
 
     def meets(self, s) -> bool:
         """Whether scores ``s`` are within 99% of the baseline (perplexity +1% at most, agreement >= 99%)."""
-        return s["ppl"] <= 1.01 * self.base["ppl"] and s["agreement"] >= 0.99
+        return AT_99["ppl"](s["ppl"], self.base["ppl"]) and AT_99["top1"](s["agreement"], self.base["agreement"])
 
 
 def _calibrate(base, source, num_tokens, seq_len):
@@ -242,13 +242,13 @@ def run_transformers(args):
     ]
 
 
-def heldout_ids(model, source: str, num_tokens: int | None, part: str = "heldout") -> np.ndarray:
-    """The first ``num_tokens`` token ids (all if None) of ``source``'s (``SOURCES``) ``part``."""
+def heldout_ids(model, source: str, num_tokens: int | None) -> np.ndarray:
+    """The first ``num_tokens`` token ids (all if None) of ``source``'s (``SOURCES``) held-out part."""
     if model.tokenizer is None:
         raise ValueError(f"source {source!r} needs a model with a tokenizer")
-    ids = np.asarray(model.tokenizer(SOURCES[source](part), add_special_tokens=False)["input_ids"])
+    ids = np.asarray(model.tokenizer(SOURCES[source]("heldout"), add_special_tokens=False)["input_ids"])
     if num_tokens is not None and len(ids) < num_tokens:
-        raise ValueError(f"{source} {part} text has {len(ids)} tokens, fewer than the {num_tokens} asked for")
+        raise ValueError(f"{source} heldout text has {len(ids)} tokens, fewer than the {num_tokens} asked for")
     return ids[:num_tokens]
 
 

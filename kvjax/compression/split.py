@@ -18,8 +18,8 @@ SHARES = (0.3, 0.4, 0.5, 0.6, 0.7)  # the coarse pass; then the best one's neigh
 def kl_to(base, tokens: np.ndarray, rows: int) -> Callable:
     """A score for compressed models: mean per-token KL(base || model) over the last ``rows`` calibration rows of
     ``tokens`` [B, T] that are whole (the last row may end in -1 padding)."""
-    whole = np.asarray(tokens)[(np.asarray(tokens) >= 0).all(axis=1)]
-    tokens = whole[-rows:]
+    tokens = np.asarray(tokens)
+    tokens = tokens[(tokens >= 0).all(axis=1)][-rows:]
     base_logp = jax.nn.log_softmax(base.logits(tokens).astype(np.float32), axis=-1)
 
     def score(model) -> float:
