@@ -8,6 +8,7 @@ window length; grid rows only (bisection probes are left out).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from files import read_accuracy_jsons, write_atomic
@@ -76,8 +77,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows, model = read_accuracy_jsons(ap, args.jsons, "eval")
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         plot(rows, args.window, args.out, args.title or f"{model}: held-out perplexity and KL against the rate")
-    except ValueError as e:
+    except (OSError, ValueError) as e:
         ap.error(str(e))
     print(f"wrote {args.out}")
     return 0

@@ -8,6 +8,7 @@ written in it. The per-run maps ``accuracy.py --png-dir`` writes hold one model 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -79,8 +80,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     runs, model = read_accuracy_jsons(ap, args.jsons, "retrieval")
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         plot(runs, args.task, args.out, args.title or f"{model}: {args.task} retrieval")
-    except ValueError as e:
+    except (OSError, ValueError) as e:
         ap.error(str(e))
     print(f"wrote {args.out}")
     return 0

@@ -16,6 +16,7 @@ from files import write_json
 
 import kvjax
 from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
+from kvjax.compression.calibration import check_source
 from kvjax.compression.text import pydoc_text
 
 
@@ -49,6 +50,10 @@ def main(argv=None) -> None:
     if args.window <= 512 or args.windows < 1 or args.num_tokens < 1 or not 0 < args.rate < 1:
         ap.error("--window must exceed 512, --windows and --num-tokens be positive, --rate lie in (0, 1)")
     base = kvjax.load("smollm2", dtype="float32", progress=False)
+    try:
+        check_source(base, args.calibration)
+    except (OSError, ValueError) as e:
+        ap.error(f"--calibration: {e}")
     if args.window > base.config.max_position_embeddings:
         ap.error(f"--window {args.window} exceeds the model's {base.config.max_position_embeddings} positions")
     ids = np.asarray(base.tokenizer(pydoc_text("heldout"), add_special_tokens=False)["input_ids"])

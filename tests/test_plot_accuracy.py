@@ -62,7 +62,7 @@ def test_the_command_writes_a_png_and_refuses_what_it_cannot_draw(tmp_path, caps
     }
     src = tmp_path / "r.json"
     src.write_text(json.dumps(data))
-    out = tmp_path / "map.png"
+    out = tmp_path / "new" / "map.png"  # its folder is made
     assert plot_retrieval.main([str(src), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit):
