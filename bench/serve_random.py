@@ -16,7 +16,7 @@ from harness import LLAMA_8B
 from kvjax.cli.serve import capacity_line
 from kvjax.runtime.cache import bytes_per_token
 from kvjax.runtime.engine import Engine
-from kvjax.serving.api import create_app
+from kvjax.serving.api import create_app, server_config
 from kvjax.serving.worker import Worker
 from kvjax.validate import parse_memory
 
@@ -93,7 +93,9 @@ def main(argv=None) -> int:
     print(capacity_line(engine, model), file=sys.stderr, flush=True)
     print(f"serving {name!r} on http://127.0.0.1:{args.port}/v1", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(create_app(worker, model, name), host="127.0.0.1", port=args.port, log_level="warning")
+        uvicorn.Server(
+            server_config(create_app(worker, model, name), "127.0.0.1", args.port, log_level="warning")
+        ).run()
     finally:
         worker.stop()
     return 0

@@ -20,9 +20,10 @@ from conftest import FIXTURES, TINY_CONFIGS
 
 import kvjax
 from kvjax.runtime.engine import Engine
-from kvjax.serving.api import create_app
+from kvjax.serving.api import create_app, server_config
 from kvjax.serving.worker import Worker
 
+fastapi = pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
@@ -64,7 +65,7 @@ def served():
     worker = Worker(Engine(model, max_batch=8, max_seq_len=128, chunk_tokens=32, num_pages=40)).start()
     app = create_app(worker, model, NAME)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(server_config(app, "127.0.0.1", port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -214,6 +215,16 @@ def test_a_bad_request_gets_a_400_and_disturbs_nothing(served, change, message):
         client.completions.create(**body)
     want = reference(model, "ok", 4)
     assert client.completions.create(model=NAME, prompt="ok", max_tokens=4, temperature=0).choices[0].text == want.text
+
+
+def test_the_server_keeps_idle_connections_longer_than_clients_pool_them(served):
+    """A client reuses a pooled connection for up to its keep-alive expiry; were the server's shorter or equal, a
+    request could go out on a socket the server is closing and fail without reaching it."""
+    _, client, _, _ = served
+    pools = [httpx.Limits().keepalive_expiry, httpx.Client()._transport._pool._keepalive_expiry]
+    pools.append(client._client._transport._pool._keepalive_expiry)  # the openai client's own pool
+    config = server_config(fastapi.FastAPI(), "127.0.0.1", 0)
+    assert all(e is not None and config.timeout_keep_alive > e for e in pools), (config.timeout_keep_alive, pools)
 
 
 def test_malformed_json_and_bad_messages_get_a_400(served):

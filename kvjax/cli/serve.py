@@ -82,6 +82,13 @@ def _parser() -> argparse.ArgumentParser:
         help="most prompt chunks one prefill call holds (default: --max-batch); fewer means fewer step shapes",
     )
     p.add_argument(
+        "--keep-alive",
+        type=validate.arg(lambda v: validate.integer("keep_alive", v, low=1), int),
+        default=None,
+        help="seconds an idle connection stays open (default 75: longer than HTTP clients pool one, 5 s for httpx "
+        "and openai, so a client never sends on a connection the server is closing)",
+    )
+    p.add_argument(
         "--grace",
         type=validate.arg(lambda v: validate.number("grace", v, low=0.0), float),
         default=30.0,
@@ -114,7 +121,7 @@ def main(argv=None) -> int:
         p.error("kvjax-serve needs FastAPI and uvicorn: pip install 'kvjax[serve]'")
     import kvjax
     from kvjax.runtime.engine import Engine
-    from kvjax.serving.api import create_app
+    from kvjax.serving.api import KEEP_ALIVE_S, create_app, server_config
     from kvjax.serving.worker import Worker
 
     try:
@@ -142,7 +149,13 @@ def main(argv=None) -> int:
     app = create_app(worker, model, name)
     print(capacity_line(engine, model), file=sys.stderr, flush=True)
     print(f"kvjax-serve: {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=int(args.grace) or None)
+    config = server_config(
+        app,
+        args.host,
+        args.port,
+        keep_alive=args.keep_alive or KEEP_ALIVE_S,
+        timeout_graceful_shutdown=int(args.grace) or None,
+    )
     server = uvicorn.Server(config)
     # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again for the handler it found: a
     # no-op one here, so that a requested stop exits 0 once the worker is stopped

@@ -278,6 +278,20 @@ def create_app(worker: Worker, model, name: str) -> FastAPI:
     return app
 
 
+# Clients pool idle connections for 5 s (httpx's default, which the openai client keeps); uvicorn's default keep-alive
+# is also 5 s, so a request sent on a pooled socket as the server closes it fails without reaching the server
+# (a ConnectionError in the client, seen in CI). The server keeps idle connections longer than clients do.
+KEEP_ALIVE_S = 75
+
+
+def server_config(app: FastAPI, host: str, port: int, *, keep_alive: int = KEEP_ALIVE_S, **kwargs):
+    """uvicorn's config for ``app``: idle connections are kept ``keep_alive`` seconds, longer than clients' pools
+    keep them, so a client never reuses a connection the server is closing."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, timeout_keep_alive=keep_alive, **kwargs)
+
+
 def _reason(request: Request) -> str:
     """OpenAI's finish reason: "stop" (EOS or a stop string), "length", or "abort" when the server cut it short."""
     return request.finish_reason if request.finish_reason in ("stop", "length") else "abort"
