@@ -20,7 +20,6 @@ from harness import log, on_gpu
 
 from kvjax import validate
 from kvjax.runtime import memory
-from kvjax.runtime.cache import bytes_per_token
 from kvjax.runtime.engine import Engine
 from kvjax.runtime.runner import Runner
 from kvjax.runtime.scheduler import Request
@@ -39,7 +38,7 @@ def run_one(rate: float, batch: int, ctx: int, budget: float | int, chunk_tokens
     engine = Engine(
         model, max_batch=batch, max_seq_len=ctx + NEW_TOKENS, chunk_tokens=chunk_tokens, cache_memory=budget
     )
-    cache_bytes = engine.num_pages * engine.page_size * bytes_per_token(model.layouts, model.dtype)
+    cache_bytes = engine.cache.nbytes
     runner = Runner(engine)
     rng = np.random.default_rng(0)
     requests = [runner.add(Request(rng.integers(0, 32000, ctx).tolist(), NEW_TOKENS)) for _ in range(batch)]

@@ -33,7 +33,7 @@ from kvjax.models.transformer import Transformer
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.runtime import engine as engine_module
 from kvjax.runtime.cache import bytes_per_token
-from kvjax.runtime.engine import Engine, Rows
+from kvjax.runtime.engine import Engine
 from kvjax.runtime.runner import Runner
 from kvjax.runtime.scheduler import Request
 
@@ -190,7 +190,7 @@ def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
 
 def step_inputs(engine: Engine, requests: list[Request]) -> tuple:
     """The decode step's host inputs (positions, active, rows) for the requests as they stand."""
-    meta = Rows.empty(engine.max_batch, engine.pages_per_seq)
+    meta = engine.rows(engine.max_batch)
     positions, active = np.zeros(engine.max_batch, np.int32), np.zeros(engine.max_batch, bool)
     for r in requests:
         meta.set(r.slot, r.pages, r.seed, r.stream, len(r.tokens), r.temperature, r.top_p)

@@ -18,6 +18,9 @@ import kvjax
 from kvjax.compression.text import pydoc_text
 from kvjax.io.load import EMBEDDED
 from kvjax.runtime.cache import bytes_per_token
+from kvjax.runtime.engine import Engine
+from kvjax.runtime.runner import Runner
+from kvjax.runtime.scheduler import Request
 
 TINY = os.path.join(FIXTURES, "gemma3_tiny")
 GEMMA = EMBEDDED["gemma3-270m"]
@@ -77,6 +80,38 @@ def test_tiny_greedy_through_the_cache_equals_repeated_argmax(tiny):
     assert_greedy_on_both_backends(tiny, prompts, 10, page_size=8, chunk_tokens=8)  # ended by EOS or 10 tokens
 
 
+def varied_gemma(cfg, seed: int = 1, dtype: str = "float32") -> kvjax.Model:
+    """A random Gemma 3 of ``cfg`` whose layers matter: embeddings scaled down (else sqrt(hidden) * embedding
+    outweighs the layers) and norm scales drawn (Gemma's start at zero, a multiplier of one)."""
+    module = kvjax.Model.random(cfg, seed=seed, scale=5.0, dtype=dtype).module
+    module.embed.set_value(module.embed.get_value() * 0.05)
+    for i, (path, var) in enumerate(sorted(nnx.to_flat_state(nnx.state(module, nnx.Param)), key=lambda kv: str(kv[0]))):
+        if path[-1] == "scale":
+            var.set_value(jax.random.normal(jax.random.key(i), var.get_value().shape))
+    return kvjax.Model(module)
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_local_layers_give_their_pages_back_as_the_window_passes(tiny, backend):
+    """A 70-token context in pages of 4 with a window of 5: the local layers' pool holds what 2 windows and chunks
+    need (4 pages a sequence, not 18), pages go back as the window passes, and greedy tokens stay the argmax."""
+    engine = Engine(tiny, max_batch=2, max_seq_len=72, page_size=4, chunk_tokens=8, backend=backend)
+    assert engine.windows == (None, 5) and engine.window_pages == {5: 2 * 4 + 1} and engine.num_pages == 2 * 18 + 1
+    runner = Runner(engine)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(3, 128, size=n).tolist() for n in (30, 41)]
+    requests = [runner.add(Request(p, 72 - len(p), stop=lambda t: False)) for p in prompts]
+    most = 0
+    while runner.busy:
+        runner.step()
+        runner.scheduler.check()
+        most = max([most, *(sum(p != 0 for p in r.pages[1]) for r in runner.scheduler.running)])
+    assert most <= 4
+    for prompt, r in zip(prompts, requests):
+        assert r.finish_reason == "length"
+        assert_greedy(tiny, prompt, r.tokens)
+
+
 def test_kernels_take_gemma_shaped_heads():
     """Heads of 256 columns, one KV head, a local layer (window 8) before a global one: the Pallas kernels
     (interpreted) decode as the jnp reference and the repeated argmax do."""
@@ -96,12 +131,7 @@ def test_kernels_take_gemma_shaped_heads():
         layer_types=("sliding_attention", "full_attention"),
         tie_word_embeddings=True,
     )
-    module = kvjax.Model.random(cfg, seed=1, scale=5.0).module
-    module.embed.set_value(module.embed.get_value() * 0.05)  # else sqrt(hidden) * embedding outweighs the layers
-    for i, (path, var) in enumerate(sorted(nnx.to_flat_state(nnx.state(module, nnx.Param)), key=lambda kv: str(kv[0]))):
-        if path[-1] == "scale":  # Gemma's norms start at zero (a multiplier of one): make them differ
-            var.set_value(jax.random.normal(jax.random.key(i), var.get_value().shape))
-    model = kvjax.Model(module)
+    model = varied_gemma(cfg)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 97, size=n).tolist() for n in (5, 21, 40)]
     results = assert_greedy_on_both_backends(model, prompts, 12, page_size=8, chunk_tokens=16)

@@ -60,6 +60,37 @@ def test_a_budget_buys_pages_in_proportion_to_the_bytes_a_token_takes():
     assert roomy.num_pages == 2 * 4 + 1  # never more than max_batch full sequences can use
 
 
+@pytest.mark.parametrize("kind", ["gemma-like", "mistral"])
+def test_window_pools_fit_the_budget_beside_the_whole_context_pool(kind):
+    """Global layers beside local ones (window 24), or only windowed layers: pool 0 gets what the budget leaves
+    after the window pool, which never outgrows it nor what max_batch windows use; with no global layer pool 0
+    costs nothing and holds every sequence's positions."""
+    config = dataclasses.replace(TINY_CONFIGS["mistral"], sliding_window=24)
+    if kind == "gemma-like":
+        config = dataclasses.replace(config, layer_types=("sliding_attention", "full_attention"))
+    model = kvjax.Model.random(config, seed=2)
+    settings = dict(max_batch=4, max_seq_len=256, page_size=8, chunk_tokens=16, backend="reference")
+    span = -(-(24 - 1 + 16) // 8) + 1  # a chunk's pages and the window behind its first query
+    for pages in (6, 40, 200):
+        probe = Engine(model, num_pages=2, **settings)
+        local = [lay for lay in model.layouts if lay.sliding_window]
+        whole = [lay for lay in model.layouts if not lay.sliding_window]
+        local_page, whole_page = (8 * bytes_per_token(tuple(ls), model.dtype) for ls in (local, whole))
+        budget = probe.activation_bytes() + pages * (local_page + whole_page) + 100
+        engine = Engine(model, cache_memory=budget, **settings)
+        (held,) = engine.window_pages.values()
+        assert engine.windows == (None, 24) and held <= 4 * span + 1
+        if whole:
+            assert held <= engine.num_pages <= 4 * 32 + 1
+            assert engine.num_pages * whole_page + held * local_page + engine.activation_bytes() <= budget
+            assert (engine.num_pages + 1) * whole_page + held * local_page + engine.activation_bytes() > budget or (
+                engine.num_pages == 4 * 32 + 1
+            )
+        else:
+            assert engine.num_pages == 4 * 32 + 1 and held * local_page + engine.activation_bytes() <= budget
+        assert engine.cache.nbytes == engine.num_pages * whole_page + held * local_page
+
+
 def test_bad_budgets_are_refused_with_clear_errors():
     model = kvjax.Model.random(TINY_CONFIGS["llama"], seed=2)
     with pytest.raises(ValueError, match="at least 2"):
@@ -77,7 +108,7 @@ def test_bad_budgets_are_refused_with_clear_errors():
 def test_a_budget_smaller_than_the_batch_preempts_and_keeps_every_greedy_token():
     """Room for about two of six sequences: requests wait or are preempted and recomputed, and every prompt still
     gets exactly the tokens it gets with room for all."""
-    model = kvjax.Model.random(TINY_CONFIGS["mistral"], seed=4, scale=10.0)
+    model = kvjax.Model.random(TINY_CONFIGS["llama"], seed=4, scale=10.0)  # no window: every page stays held
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 97, int(n)).tolist() for n in rng.integers(5, 40, 6)]
     want = [g.tokens for g in kvjax.generate(model, prompts, max_new_tokens=12, max_batch=6)]

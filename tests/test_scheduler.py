@@ -10,7 +10,8 @@ from conftest import TINY_CONFIGS
 from test_generate import argmax_continuation
 
 import kvjax
-from kvjax.runtime.engine import Engine, bucket
+from kvjax.runtime.cache import window_span
+from kvjax.runtime.engine import Engine, Rows, bucket
 from kvjax.runtime.runner import Runner
 from kvjax.runtime.scheduler import Request, Scheduler, State
 
@@ -33,23 +34,41 @@ def single_run(prompt, max_new, stops) -> list[int]:
 
 class FakeEngine:
     """The engine's contract on token ids instead of K/V: pages hold the ids written at each position, and a
-    sampled token is ``next_token`` of the ids read back through the block table."""
+    sampled token is ``next_token`` of the ids read back through the block table. ``windows`` ({window: pages}):
+    sliding-window pools, written alike; each read checks that the last ``window`` ids read through a window's
+    table are the context's."""
 
-    def __init__(self, num_pages, page_size, max_batch, pages_per_seq, batch_invariant=False, prefill_limit=1 << 20):
+    def __init__(
+        self, num_pages, page_size, max_batch, pages_per_seq, batch_invariant=False, prefill_limit=1 << 20, windows=None
+    ):
         self.num_pages, self.page_size, self.max_batch = num_pages, page_size, max_batch
         self.pages_per_seq, self.batch_invariant = pages_per_seq, batch_invariant
         self.chunk_tokens, self.prefill_limit = 1 << 20, prefill_limit
         self.prefill_min, self.prefill_rows = page_size, max_batch  # the Engine's defaults
-        self.pages = np.full((num_pages, page_size), -1, np.int64)
+        self.window_pages = dict(windows or {})
+        self.windows = (None, *sorted(self.window_pages))
+        counts = [num_pages, *(self.window_pages[w] for w in self.windows[1:])]
+        self.pages = [np.full((n, page_size), -1, np.int64) for n in counts]
         self.slot_tokens = np.zeros(max_batch, np.int64)
 
-    def _write(self, table_row, position, token):
-        page = table_row[position // self.page_size]
-        assert page != 0, "a write through the null page"
-        self.pages[page, position % self.page_size] = token
+    def rows(self, n):
+        return Rows.empty(n, self.pages_per_seq, len(self.windows))
 
-    def _read(self, table_row, end):
-        return [int(self.pages[table_row[p // self.page_size], p % self.page_size]) for p in range(end)]
+    def _write(self, tables, position, token):
+        for pool, table in zip(self.pages, tables):
+            page = table[position // self.page_size]
+            assert page != 0, "a write through the null page"
+            pool[page, position % self.page_size] = token
+
+    def _read(self, tables, end):
+        def ids(pool, positions):
+            return [int(self.pages[pool][tables[pool][p // self.page_size], p % self.page_size]) for p in positions]
+
+        context = ids(0, range(end))
+        for pool, w in enumerate(self.windows[1:], 1):
+            seen = range(max(end - w, 0), end)
+            assert ids(pool, seen) == context[seen.start :], "a window read other ids than the context's"
+        return context
 
     def prefill(self, chunks, starts, rows, slots):
         assert len(chunks) <= self.prefill_rows
@@ -57,24 +76,24 @@ class FakeEngine:
         new = np.zeros(len(chunks), np.int64)
         for i, (ids, start) in enumerate(zip(chunks, starts)):
             for j, token in enumerate(ids):
-                self._write(rows.table[i], start + j, token)
-            new[i] = next_token(self._read(rows.table[i], start + len(ids)))
+                self._write(rows.table[:, i], start + j, token)
+            new[i] = next_token(self._read(rows.table[:, i], start + len(ids)))
             if slots[i] >= 0:
                 self.slot_tokens[slots[i]] = new[i]
         return jnp.asarray(new)
 
     def decode(self, positions, active, rows):
         for slot in np.flatnonzero(active):
-            self._write(rows.table[slot], positions[slot], self.slot_tokens[slot])
+            self._write(rows.table[:, slot], positions[slot], self.slot_tokens[slot])
         for slot in np.flatnonzero(active):
-            self.slot_tokens[slot] = next_token(self._read(rows.table[slot], positions[slot] + 1))
+            self.slot_tokens[slot] = next_token(self._read(rows.table[:, slot], positions[slot] + 1))
         return jnp.asarray(self.slot_tokens.copy())
 
 
 def check(scheduler: Scheduler):
     scheduler.check()
     for r in scheduler.running:
-        assert len(r.pages) == scheduler.pages_for(r.computed)
+        assert all(len(pages) == scheduler.pages_for(r.computed) for pages in r.pages)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -112,6 +131,52 @@ def test_random_arrivals_finish_with_their_single_run_tokens(seed):
         assert r.finish_reason == ("stop" if r.tokens[-1] in stops else "length")
         assert r.arrival <= r.first_token_time <= r.finish_time and r.token_times == sorted(r.token_times)
     assert runner.scheduler.allocator.free_pages == num_pages - 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_window_pools_give_pages_back_and_every_request_keeps_its_tokens(seed):
+    """Random arrivals over a whole-context pool and one or two sliding-window pools far smaller than the context:
+    each window's pages go back as it passes them (the window pools hold a few windows, the contexts are long),
+    pages add up in every pool after every step, and every request finishes with its single-run tokens."""
+    rng = np.random.default_rng(100 + seed)
+    page_size, chunk_tokens, max_batch = int(rng.choice([2, 4])), int(rng.integers(1, 12)), int(rng.integers(1, 4))
+    num_pages = int(rng.integers(30, 60))
+    windows = {}
+    for w in rng.choice(np.arange(2, 24), int(rng.integers(1, 3)), replace=False).tolist():
+        span = window_span(w, page_size, chunk_tokens, num_pages - 1)
+        windows[w] = span + 1 + int(rng.integers(0, max_batch * span))
+    engine = FakeEngine(num_pages, page_size, max_batch, num_pages - 1, windows=windows)
+    runner = Runner(engine, chunk_tokens=chunk_tokens, lag=int(rng.integers(0, 3)))
+    capacity = (num_pages - 1) * page_size
+    requests, done, held = [], [], 0
+    for _ in range(12):
+        n_prompt = int(rng.integers(1, capacity // 2))
+        prompt = rng.integers(0, VOCAB, n_prompt).tolist()
+        requests.append(runner.add(Request(prompt, int(rng.integers(1, capacity - n_prompt + 2)))))
+    step = 0
+    while runner.busy:
+        done += runner.step()
+        check(runner.scheduler)
+        for i, w in enumerate(runner.scheduler.windows[1:], 1):
+            for r in runner.scheduler.running:
+                live = [p for p in r.pages[i] if p]
+                assert len(live) <= window_span(w, page_size, chunk_tokens, num_pages - 1)
+                held = max(held, len(r.pages[0]) - len(live))
+        step += 1
+        assert step < 20_000
+    assert held > 0  # some window gave pages back
+    for r in requests:
+        assert r.finish_reason == "length" and r.tokens == single_run(r.prompt, r.max_new_tokens, set()), r.id
+    assert [a.free_pages for a in runner.scheduler.allocators] == [num_pages - 1, *(n - 1 for n in windows.values())]
+
+
+def test_a_request_whose_window_cannot_fit_its_pool_gets_its_own_error():
+    engine = FakeEngine(num_pages=40, page_size=4, max_batch=2, pages_per_seq=39, windows={16: 3})
+    runner = Runner(engine, chunk_tokens=8)
+    ok = runner.add(Request([1, 2], 2))  # 3 positions: one page of the window pool
+    too_wide = runner.add(Request(list(range(20)), 4))  # 16 + 8 - 1 positions ahead of a query: 7 pages at once
+    assert too_wide.finish_reason == "error" and "16-token window's pool, which holds 2" in too_wide.error
+    assert [r.id for r in runner.run()] == [ok.id] and ok.tokens == single_run([1, 2], 2, set())
 
 
 @pytest.mark.parametrize("seed", range(4))

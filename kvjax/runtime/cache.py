@@ -1,8 +1,14 @@
-"""Paged KV cache: one page pool per layer, one block table per sequence, and a host-side page allocator.
+"""Paged KV cache: one page pool per layer, one block table per sequence and page pool, and a host-side page
+allocator.
 
 A layer's K page holds ``page_size`` tokens of every KV head side by side (``layout.k_cols`` columns, each head at
 its own width), V likewise, so the cache spends exactly the bytes the layout asks for. Page 0 is reserved as the
 null page: padding writes land there and unused block-table entries point there.
+
+Layers are pooled by their attention window (``pool_windows``): pool 0 holds every position of a sequence (layers
+that see the whole context); a sliding-window layer's pool needs only the pages its window still covers, so those
+pages go back as the window passes (Gemma 3's local layers: a 32K context keeps 512 positions of them). A sequence
+has one block table per pool, indexed by the same logical page number; a page given back reads as the null page.
 """
 
 from __future__ import annotations
@@ -28,10 +34,16 @@ class PagedKVCache:
     v: tuple[jax.Array, ...]  # per layer [num_pages, page_size, v_cols]
 
     @classmethod
-    def create(cls, layouts: tuple[HeadLayout, ...], num_pages: int, page_size: int, dtype) -> PagedKVCache:
+    def create(
+        cls, layouts: tuple[HeadLayout, ...], num_pages, page_size: int, dtype, windows: tuple = (None,)
+    ) -> PagedKVCache:
+        """Zeroed pools; ``num_pages``: one count for every layer, or one per pool of ``windows``
+        (``pool_windows``), each layer's pool chosen by ``pool_of``."""
+        counts = (num_pages,) * len(windows) if isinstance(num_pages, int) else tuple(num_pages)
+        pages = [counts[pool_of(lay, windows)] for lay in layouts]
         return cls(
-            k=tuple(jnp.zeros((num_pages, page_size, lay.k_cols), dtype) for lay in layouts),
-            v=tuple(jnp.zeros((num_pages, page_size, lay.v_cols), dtype) for lay in layouts),
+            k=tuple(jnp.zeros((n, page_size, lay.k_cols), dtype) for n, lay in zip(pages, layouts)),
+            v=tuple(jnp.zeros((n, page_size, lay.v_cols), dtype) for n, lay in zip(pages, layouts)),
         )
 
     @property
@@ -39,8 +51,41 @@ class PagedKVCache:
         return self.k[0].shape[1]
 
     @property
+    def nbytes(self) -> int:
+        """Device bytes of every pool."""
+        return sum(a.nbytes for a in (*self.k, *self.v))
+
+    @property
     def num_pages(self) -> int:
         return self.k[0].shape[0]
+
+
+def pool_windows(layouts: tuple[HeadLayout, ...], max_seq_len: int | None = None) -> tuple[int | None, ...]:
+    """The page pools a cache of these layers keeps: None (whole context) first, then each sliding window shorter
+    than ``max_seq_len`` (a longer one never lets a page go, so its layers share pool 0)."""
+    short = {lay.sliding_window for lay in layouts if lay.sliding_window}
+    if max_seq_len is not None:
+        short = {w for w in short if w < max_seq_len}
+    return (None, *sorted(short))
+
+
+def pool_of(layout: HeadLayout, windows: tuple[int | None, ...]) -> int:
+    """The pool of ``windows`` that holds a layer's pages: its window's, else pool 0."""
+    return windows.index(layout.sliding_window) if layout.sliding_window in windows else 0
+
+
+def window_span(window: int | None, page_size: int, chunk_tokens: int, pages_per_seq: int) -> int:
+    """The most pages of a ``window`` pool one sequence holds at once: a chunk of ``chunk_tokens`` positions writes
+    all its pages while the window behind its first query still covers up to ``window - 1`` positions before it."""
+    if window is None:
+        return pages_per_seq
+    return min(pages_per_seq, -(-(window - 1 + chunk_tokens) // page_size) + 1)
+
+
+def first_kept_page(window: int | None, position: int, page_size: int) -> int:
+    """The first page a query at ``position`` (or any later one) can see under ``window``: pages before it are done
+    (the decode plan's and the kernels' first page too)."""
+    return 0 if window is None else max(position + 1 - window, 0) // page_size
 
 
 def bytes_per_token(layouts: tuple[HeadLayout, ...], dtype) -> int:

@@ -26,7 +26,7 @@ from kvjax.ops.grouped import full_width
 from kvjax.ops.palu import PaluDecodeOp
 from kvjax.ops.prefill.op import PrefillOp
 from kvjax.runtime import memory
-from kvjax.runtime.cache import PagedKVCache, block_table
+from kvjax.runtime.cache import PagedKVCache, block_table, bytes_per_token, pool_of, pool_windows, window_span
 
 # XLA merges dots that share an operand when each weighs under a threshold (32 MB) by concatenating their weights,
 # which are step inputs here, so a compressed layer's narrower K and V projections had Q, K and V copied into one
@@ -61,7 +61,7 @@ def prefill_groups(lengths, limit: int, min_length: int = 1, max_rows: int | Non
 class Rows:
     """Per-row inputs of a step, host side: where each row's pages are and how it samples."""
 
-    table: np.ndarray  # int32 [rows, pages_per_seq]
+    table: np.ndarray  # int32 [pools, rows, pages_per_seq]: each page pool's block table
     seeds: np.ndarray  # uint32 [rows, 2]: the request's seed as two words
     streams: np.ndarray  # int32 [rows]
     counters: np.ndarray  # int32 [rows]: index of the token sampled
@@ -69,9 +69,9 @@ class Rows:
     top_p: np.ndarray  # float32 [rows]
 
     @classmethod
-    def empty(cls, rows: int, pages_per_seq: int) -> Rows:
+    def empty(cls, rows: int, pages_per_seq: int, pools: int = 1) -> Rows:
         return cls(
-            block_table([[]] * rows, pages_per_seq),
+            np.stack([block_table([[]] * rows, pages_per_seq)] * pools),
             np.zeros((rows, 2), np.uint32),
             np.zeros(rows, np.int32),
             np.zeros(rows, np.int32),
@@ -80,7 +80,10 @@ class Rows:
         )
 
     def set(self, row: int, pages, seed: int, stream: int, counter: int, temperature: float, top_p: float) -> None:
-        self.table[row] = block_table([list(pages)], self.table.shape[1])[0]
+        """Row ``row``'s inputs; ``pages``: its page numbers in each pool, by logical page."""
+        if len(pages) != self.table.shape[0]:
+            raise ValueError(f"pages for {len(pages)} pools, the cache has {self.table.shape[0]}")
+        self.table[:, row] = block_table([list(p) for p in pages], self.table.shape[2])
         self.seeds[row] = (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
         self.streams[row], self.counters[row] = stream, counter
         self.temperature[row], self.top_p[row] = temperature, top_p
@@ -128,11 +131,13 @@ def _prefill_step(
     greedy,
     op,
     prefix,
+    pools,
 ):
     """Run prompt chunks [B, T] (chunk b from position ``starts[b]``, ``lengths[b]`` tokens) through the model,
     writing their K/V; the token sampled after each chunk's last row goes to its ``slots`` row (a row past the end:
     nowhere, the chunk does not end its prompt). ``prefix`` False: every chunk starts at 0, and attention reads no
-    pages (a kernel without the prefix loop, which compiles faster)."""
+    pages (a kernel without the prefix loop, which compiles faster). ``pools``: each layer's page pool, the index
+    of its block table in ``table``."""
     module = nnx.merge(graphdef, jax.tree.unflatten(structure, weights))
     b, t = tokens.shape
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -146,7 +151,7 @@ def _prefill_step(
             module.layouts[i],
             ks[i],
             vs[i],
-            table,
+            table[pools[i]],
             lengths,
             starts if prefix else None,
             op=op,
@@ -161,10 +166,10 @@ def _prefill_step(
 
 
 def _decode_step(
-    graphdef, structure, weights, cache, slot_tokens, positions, active, table, schedule, sampling, *, greedy, op
+    graphdef, structure, weights, cache, slot_tokens, positions, active, table, schedule, sampling, *, greedy, op, pools
 ):
     """Feed each active row's token (``slot_tokens``, one row per slot) at ``positions``, and put the next one in
-    its place."""
+    its place; layer i reads its pages through ``table[pools[i]]``."""
     module = nnx.merge(graphdef, jax.tree.unflatten(structure, weights))
     ks, vs = list(cache.k), list(cache.v)
 
@@ -176,7 +181,7 @@ def _decode_step(
             module.layouts[i],
             ks[i],
             vs[i],
-            table,
+            table[pools[i]],
             positions + 1,
             op=op,
             rebuild=rebuild,
@@ -199,7 +204,9 @@ class Engine:
     free now, or bytes; ``kvjax.runtime.memory``), after room for the largest step's activations, but never more
     than ``max_batch`` sequences of ``max_seq_len`` tokens can use; with neither, those pages, or what 90% of free
     memory buys where that is less. Prompts are prefilled at most ``chunk_tokens`` tokens a step, in calls of at
-    most ``prefill_limit`` padded tokens, which bounds the activations."""
+    most ``prefill_limit`` padded tokens, which bounds the activations. Sliding-window layers keep their pages in
+    pools of their own (``windows``; ``window_pages`` pages each, enough for every slot's window), whose pages are
+    given back as the window passes them, so the cache's tokens are those of its whole-context layers."""
 
     def __init__(
         self,
@@ -263,8 +270,12 @@ class Engine:
                     interpret=interpret,
                 )
         cache_dtype = cache_dtype or model.dtype
-        self.num_pages = self._pages(num_pages, cache_memory, cache_dtype)
-        self.cache = PagedKVCache.create(model.layouts, self.num_pages, page_size, cache_dtype)
+        self.windows = pool_windows(model.layouts, self.max_seq_len)
+        self.pools = tuple(pool_of(lay, self.windows) for lay in model.layouts)
+        self.pool_pages = self._pages(num_pages, cache_memory, cache_dtype)
+        self.num_pages = self.pool_pages[0]
+        self.window_pages = {w: n for w, n in zip(self.windows, self.pool_pages) if w is not None}
+        self.cache = PagedKVCache.create(model.layouts, self.pool_pages, page_size, cache_dtype, self.windows)
         self.slot_tokens = jnp.zeros((max_batch,), jnp.int32)
         jit = functools.partial(
             jax.jit, donate_argnums=(1,) if jax.default_backend() != "cpu" else (), compiler_options=COMPILER_OPTIONS
@@ -276,11 +287,19 @@ class Engine:
         self._compiled: dict[tuple, Callable] = {}  # compile_ahead's executables, by step and input shape
         for greedy in (True, False):
             self._steps["decode", greedy] = jit(
-                functools.partial(_decode_step, model.graphdef, structure, greedy=greedy, op=self.decode_op)
+                functools.partial(
+                    _decode_step, model.graphdef, structure, greedy=greedy, op=self.decode_op, pools=self.pools
+                )
             )
             for prefix in (True, False):
                 step = functools.partial(
-                    _prefill_step, model.graphdef, structure, greedy=greedy, op=self.prefill_op, prefix=prefix
+                    _prefill_step,
+                    model.graphdef,
+                    structure,
+                    greedy=greedy,
+                    op=self.prefill_op,
+                    prefix=prefix,
+                    pools=self.pools,
                 )
                 self._steps["prefill", greedy, prefix] = jit(step)
 
@@ -298,23 +317,28 @@ class Engine:
         )
         return max(prefill, decode)
 
-    def _pages(self, num_pages, cache_memory, dtype) -> int:
-        """The cache's page count: ``num_pages``, or what ``cache_memory`` (or 90% of free memory) buys, capped at
-        what ``max_batch`` full sequences can use."""
-        need = self.max_batch * self.pages_per_seq + 1
+    def _pages(self, num_pages, cache_memory, dtype) -> tuple[int, ...]:
+        """Each pool's page count. The whole-context pool: ``num_pages``, or what ``cache_memory`` (or 90% of free
+        memory) buys beside the window pools, capped at what ``max_batch`` full sequences can use; a window pool:
+        what ``max_batch`` windows use at once (``window_span``), never more than the whole-context pool."""
+        spans = [window_span(w, self.page_size, self.chunk_tokens, self.pages_per_seq) for w in self.windows]
+        needs = [self.max_batch * span + 1 for span in spans]
         if num_pages is not None:
             if cache_memory is not None:
                 raise ValueError("give num_pages or cache_memory, not both")
-            return validate.integer("num_pages", num_pages, low=2)
-        layouts, reserve = self.model.layouts, self.activation_bytes()
+            n = validate.integer("num_pages", num_pages, low=2)
+            return tuple(min(n, need) if i else n for i, need in enumerate(needs))
+        pooled = [tuple(lay for lay, p in zip(self.model.layouts, self.pools) if p == i) for i in range(len(needs))]
+        page_bytes = [self.page_size * bytes_per_token(layouts, dtype) for layouts in pooled]
+        reserve = self.activation_bytes()
         if cache_memory is not None:
-            budget = memory.budget_bytes(cache_memory)
-            return min(need, memory.pages_within(budget, reserve, layouts, self.page_size, dtype, what="cache_memory"))
-        free = memory.free_bytes()
-        if free is None:
-            return need
-        budget = int(memory.DEFAULT_FRACTION * free)
-        return min(need, memory.pages_within(budget, reserve, layouts, self.page_size, dtype, what="free-memory"))
+            budget, what = memory.budget_bytes(cache_memory), "cache_memory"
+        else:
+            free = memory.free_bytes()
+            if free is None:
+                return tuple(needs)
+            budget, what = int(memory.DEFAULT_FRACTION * free), "free-memory"
+        return memory.pool_pages(budget, reserve, page_bytes, needs, what=what)
 
     def prefill(self, chunks: list[list[int]], starts, rows: Rows, slots) -> jax.Array:
         """Enqueue prompt chunks (token ids from positions ``starts``); the token sampled after each chunk goes to
@@ -329,7 +353,7 @@ class Engine:
         lengths = np.ones(b, np.int32)
         for row, ids in enumerate(chunks):
             tokens[row, : len(ids)], lengths[row] = ids, len(ids)
-        padded = _pad_rows(rows, b, self.pages_per_seq)
+        padded = _pad_rows(rows, b, self.rows(b))
         where = np.full(b, self.max_batch, np.int32)
         where[:n] = [s if s >= 0 else self.max_batch for s in slots]
         starts = np.pad(np.asarray(starts, np.int32), (0, b - n))
@@ -366,6 +390,10 @@ class Engine:
         )
         return self.slot_tokens
 
+    def rows(self, n: int) -> Rows:
+        """``n`` empty rows of step inputs (null pages in every pool, greedy)."""
+        return Rows.empty(n, self.pages_per_seq, len(self.windows))
+
     def call_shape(self, chunks: int, longest: int) -> tuple[int, int]:
         """The padded (rows, length) of a prefill call of ``chunks`` chunks, the longest ``longest`` tokens."""
         b = bucket(chunks, maximum=self.prefill_rows)  # one chunk per running request at most
@@ -394,7 +422,7 @@ class Engine:
         state = (self.weights, self.cache, self.slot_tokens)
 
         def rows_of(n: int, greedily: bool) -> Rows:  # n rows that sample greedily or not, as such a step gets them
-            rows = Rows.empty(n, self.pages_per_seq)
+            rows = self.rows(n)
             rows.temperature[:] = 0.0 if greedily else 1.0
             return rows
 
@@ -434,12 +462,14 @@ class Engine:
         return None if self.decode_op is None else self.decode_op.plan(lengths)
 
 
-def _pad_rows(rows: Rows, b: int, pages_per_seq: int) -> Rows:
-    """``rows`` grown to ``b`` rows with empty ones (null pages, greedy)."""
-    n = rows.table.shape[0]
+def _pad_rows(rows: Rows, b: int, out: Rows) -> Rows:
+    """``rows`` grown to ``b`` rows with the empty ones of ``out`` (null pages, greedy)."""
+    n = rows.table.shape[1]
     if n == b:
         return rows
-    out = Rows.empty(b, pages_per_seq)
     for field in dataclasses.fields(Rows):
-        getattr(out, field.name)[:n] = getattr(rows, field.name)
+        if field.name == "table":
+            out.table[:, :n] = rows.table
+        else:
+            getattr(out, field.name)[:n] = getattr(rows, field.name)
     return out

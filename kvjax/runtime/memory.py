@@ -12,9 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import validate
-from kvjax.layout import HeadLayout
 from kvjax.models.config import ModelConfig
-from kvjax.runtime.cache import bytes_per_token
 
 DEFAULT_FRACTION = 0.9  # of free device memory, when the caller gives no budget: headroom for compiler scratch
 
@@ -70,17 +68,24 @@ def budget_bytes(memory: float | int, name: str = "cache_memory") -> int:
     return int(memory * free)
 
 
-def pages_within(
-    budget: int, reserve: int, layouts: tuple[HeadLayout, ...], page_size: int, dtype, *, what: str = "memory"
-) -> int:
-    """Whole pages (page 0, the null page, among them) that fit ``budget`` bytes after ``reserve``; a clear error
-    when that is fewer than two."""
-    page = page_size * bytes_per_token(layouts, dtype)
-    pages = (budget - reserve) // page
-    if pages < 2:
+def pool_pages(budget: int, reserve: int, page_bytes, needs, *, what: str = "memory") -> tuple[int, ...]:
+    """Pages per pool within ``budget`` bytes after ``reserve``: pool 0 holds every position of its sequences, a
+    window pool only some, so no pool gets more pages than pool 0, nor more than its ``needs``; pool 0 gets the
+    most that fit (``needs[0]`` if its layers take no bytes). A clear error when pool 0 gets fewer than two."""
+    room = budget - reserve
+
+    def cost(g: int) -> int:
+        return sum(b * min(n, g) for b, n in zip(page_bytes, needs))
+
+    lo, hi = 1, max(needs)  # the largest g with cost(g) <= room, by bisection: cost grows with g
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cost(mid) <= room else (lo, mid - 1)
+    if lo < 2 or cost(lo) > room:
+        page = sum(page_bytes)
         raise ValueError(
             f"the {what} budget of {size(budget)}, less {size(reserve)} for a step's activations, holds "
-            f"{max(pages, 0)} pages of {size(page)}; a cache needs at least 2 "
+            f"{max(room // page, 0)} pages of {size(page)}; a cache needs at least 2 "
             "(give a larger budget, or a shorter chunk_tokens)"
         )
-    return int(pages)
+    return tuple(needs[0] if i == 0 and not page_bytes[0] else min(n, lo) for i, n in enumerate(needs))

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-from kvjax.runtime.engine import Engine, Rows, prefill_groups
+from kvjax.runtime.engine import Engine, prefill_groups
 from kvjax.runtime.scheduler import Chunk, Decode, Request, Scheduler, Step
 
 
@@ -47,6 +47,7 @@ class Runner:
             chunk_tokens,
             max_pages_per_seq=engine.pages_per_seq,
             fixed_chunks=engine.batch_invariant,
+            windows=engine.window_pages,
         )
         self._pending: deque[list[_Pending]] = deque()
         self.steps = 0
@@ -110,7 +111,7 @@ class Runner:
     def _decode(self, decodes: list[Decode]) -> _Pending:
         engine = self.engine
         rows = engine.max_batch  # row i is slot i
-        meta = Rows.empty(rows, engine.pages_per_seq)
+        meta = engine.rows(rows)
         positions, active = np.zeros(rows, np.int32), np.zeros(rows, bool)
         for d in decodes:
             r = d.request
@@ -120,7 +121,7 @@ class Runner:
         return _Pending(tokens, [(d.request, d.slot, d.index) for d in decodes])
 
     def _prefill(self, chunks: list[Chunk]) -> _Pending:
-        meta = Rows.empty(len(chunks), self.engine.pages_per_seq)
+        meta = self.engine.rows(len(chunks))
         for row, c in enumerate(chunks):
             r = c.request
             meta.set(row, c.pages, r.seed, r.stream, max(c.index, 0), r.temperature, r.top_p)

@@ -4,7 +4,8 @@ pages they own (vLLM's scheduler, in its recompute-preemption form).
 Each step the running requests go first, oldest first: a decoding request gets the page its next token needs, a
 prefilling one its next chunk of the prompt within the step's token budget. Then waiting requests are admitted, first
 come first served, while a slot, the budget and free pages allow. A request owns pages only for the tokens it has
-reached, and gives them all back when it finishes. When a running request needs a page and none is free, the most
+reached, and gives them all back when it finishes; in a sliding-window pool (``kvjax.runtime.cache``) it gives back
+each page as soon as its window has passed it. When a running request needs a page and none is free, the most
 recently admitted request is preempted: its pages are freed and it waits at the head of the queue, to prefill its
 prompt and the tokens it has so far again (recompute), so no token is dropped, repeated or reordered.
 
@@ -21,7 +22,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from kvjax.runtime.cache import PageAllocator
+from kvjax.ops.paging import NULL_PAGE
+from kvjax.runtime.cache import PageAllocator, first_kept_page, window_span
 
 
 class State(enum.Enum):
@@ -55,7 +57,8 @@ class Request:
 
     state: State = State.WAITING
     slot: int | None = None  # its row in the decode step
-    pages: list[int] = dataclasses.field(default_factory=list)
+    pages: list[list[int]] = dataclasses.field(default_factory=list)  # per pool, by logical page; NULL_PAGE: given back
+    released: list[int] = dataclasses.field(default_factory=list)  # per pool: its first pages given back so far
     computed: int = 0  # context positions whose K/V are written or enqueued
     target: int = 0  # context positions to prefill before decoding: the prompt, plus the tokens kept at a preemption
     sampled: int = 0  # new tokens whose sampling is enqueued
@@ -75,14 +78,14 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """Prefill positions [start, end) of ``request``'s context into ``pages``; ``index`` >= 0: the chunk ends the
-    prefill, and its last row's logits give new token ``index``, kept in row ``slot`` for the next decode (-1: none
-    follows)."""
+    """Prefill positions [start, end) of ``request``'s context into ``pages`` (per pool, by logical page);
+    ``index`` >= 0: the chunk ends the prefill, and its last row's logits give new token ``index``, kept in row
+    ``slot`` for the next decode (-1: none follows)."""
 
     request: Request
     start: int
     end: int
-    pages: tuple[int, ...]
+    pages: tuple[tuple[int, ...], ...]
     index: int
     slot: int
 
@@ -95,7 +98,7 @@ class Decode:
     request: Request
     slot: int
     position: int
-    pages: tuple[int, ...]
+    pages: tuple[tuple[int, ...], ...]
     index: int
 
 
@@ -111,8 +114,9 @@ class Step:
 
 class Scheduler:
     """Requests, a page pool of ``num_pages`` pages of ``page_size`` tokens, ``max_running`` slots and a budget of
-    ``chunk_tokens`` prompt tokens per step. ``fixed_chunks``: chunk boundaries fall every ``chunk_tokens``
-    positions of a context whatever else runs (batch-invariant prefill)."""
+    ``chunk_tokens`` prompt tokens per step. ``windows``: sliding-window pools beside it, {window: pages}, whose
+    pages a request gives back as its window passes them. ``fixed_chunks``: chunk boundaries fall every
+    ``chunk_tokens`` positions of a context whatever else runs (batch-invariant prefill)."""
 
     def __init__(
         self,
@@ -123,8 +127,12 @@ class Scheduler:
         *,
         max_pages_per_seq: int | None = None,
         fixed_chunks: bool = False,
+        windows: dict[int, int] | None = None,
     ):
-        self.allocator = PageAllocator(num_pages)
+        short = sorted((windows or {}).items())
+        self.windows: tuple[int | None, ...] = (None, *(w for w, _ in short))
+        self.allocators = [PageAllocator(num_pages), *(PageAllocator(n) for _, n in short)]
+        self.allocator = self.allocators[0]  # the whole-context pool
         self.page_size, self.max_running, self.chunk_tokens = page_size, max_running, chunk_tokens
         self.max_pages_per_seq = min(num_pages - 1, max_pages_per_seq or num_pages)
         self.fixed_chunks = fixed_chunks
@@ -139,17 +147,28 @@ class Scheduler:
     def add(self, request: Request) -> Request:
         """Queue ``request``; one that could never fit the cache finishes at once with an error of its own."""
         request.id, self._next_id = self._next_id, self._next_id + 1
-        need = self.pages_for(len(request.prompt) + request.max_new_tokens - 1)
+        positions = len(request.prompt) + request.max_new_tokens - 1
+        need = self.pages_for(positions)
         if need > self.max_pages_per_seq:
             capacity = self.max_pages_per_seq * self.page_size
             self._finish(
                 request,
                 "error",
-                f"request {request.id} needs {len(request.prompt) + request.max_new_tokens - 1} cache positions "
+                f"request {request.id} needs {positions} cache positions "
                 f"({len(request.prompt)} prompt tokens + {request.max_new_tokens} new - 1), more than the "
                 f"{capacity} one sequence can hold",
             )
             return request
+        for w, alloc in zip(self.windows[1:], self.allocators[1:]):
+            span = min(need, window_span(w, self.page_size, self.chunk_tokens, self.max_pages_per_seq))
+            if span > alloc.num_pages - 1:
+                self._finish(
+                    request,
+                    "error",
+                    f"request {request.id} needs {span} pages at once in the {w}-token window's pool, which holds "
+                    f"{alloc.num_pages - 1}",
+                )
+                return request
         request.target = len(request.prompt)
         self.waiting.append(request)
         return request
@@ -182,7 +201,7 @@ class Scheduler:
             if r.sampled > len(r.tokens):  # preempted with tokens in flight: wait for them
                 break
             first = self._chunk_end(r, budget) - r.computed
-            if first <= 0 or self.pages_for(r.computed + first) > self.allocator.free_pages:
+            if first <= 0 or any(self.pages_for(r.computed + first) > a.free_pages for a in self.allocators):
                 break
             self.waiting.popleft()
             r.state, r.slot = State.RUNNING, self._free_slots.pop()
@@ -202,7 +221,7 @@ class Scheduler:
         if end <= r.computed or not self._grow(r, end, step):
             return 0
         sample = end == r.target
-        start, pages, index = r.computed, tuple(r.pages), r.sampled if sample else -1
+        start, pages, index = r.computed, tuple(map(tuple, r.pages)), r.sampled if sample else -1
         taken, r.computed = end - r.computed, end
         if sample:
             self._sampled_one(r)
@@ -213,7 +232,7 @@ class Scheduler:
         if not self._grow(r, r.computed + 1, step):
             return
         assert r.slot is not None
-        step.decodes.append(Decode(r, r.slot, r.computed, tuple(r.pages), r.sampled))
+        step.decodes.append(Decode(r, r.slot, r.computed, tuple(map(tuple, r.pages)), r.sampled))
         r.computed += 1
         self._sampled_one(r)
 
@@ -225,16 +244,25 @@ class Scheduler:
             self.draining.append(r)
 
     def _grow(self, r: Request, positions: int, step: Step) -> bool:
-        """Give r pages for ``positions`` tokens, preempting the newest other requests if needed; False if r itself
-        had to be preempted."""
-        need = self.pages_for(positions) - len(r.pages)
-        while need > self.allocator.free_pages:
+        """Give r pages for ``positions`` tokens (first giving back the window pages its queries from ``r.computed``
+        on can no longer see), preempting the newest other requests if needed; False if r itself had to be
+        preempted."""
+        if not r.pages:
+            r.pages, r.released = [[] for _ in self.windows], [0] * len(self.windows)
+        for i, w in enumerate(self.windows[1:], 1):
+            done = first_kept_page(w, r.computed, self.page_size)
+            if done > r.released[i]:  # this step's rows read none of them: another row may write them now
+                self.allocators[i].free(r.pages[i][r.released[i] : done])
+                r.pages[i][r.released[i] : done] = [NULL_PAGE] * (done - r.released[i])
+                r.released[i] = done
+        needs = [self.pages_for(positions) - len(pages) for pages in r.pages]
+        while any(n > a.free_pages for n, a in zip(needs, self.allocators)):
             victim = self.running[-1]
             self._preempt(victim, step)
             if victim is r:
                 return False
-        if need > 0:
-            r.pages += self.allocator.allocate(need)
+        for pages, alloc, n in zip(r.pages, self.allocators, needs):
+            pages += alloc.allocate(n)
         return True
 
     def _preempt(self, r: Request, step: Step) -> None:
@@ -246,9 +274,9 @@ class Scheduler:
         step.preempted.append(r)
 
     def _release(self, r: Request) -> None:
-        if r.pages:
-            self.allocator.free(r.pages)
-            r.pages = []
+        for pages, alloc, done in zip(r.pages, self.allocators, r.released):
+            alloc.free(pages[done:])
+        r.pages, r.released = [], []
         if r.slot is not None:
             self._free_slots.append(r.slot)
             self._free_slots.sort(reverse=True)  # the lowest slot goes first: decode rows stay packed
@@ -294,10 +322,16 @@ class Scheduler:
         """Raise AssertionError unless pages and slots add up: owned + free == the pool, none owned twice, one slot
         per request that holds one (the scheduler tests call it after every step)."""
         holders = [*self.running, *self.draining]
-        owned = [p for r in holders for p in r.pages]
-        assert len(owned) == len(set(owned)), "a page is owned twice"
-        assert len(owned) + self.allocator.free_pages == self.allocator.num_pages - 1, "pages leaked"
-        assert not set(owned) & self.allocator.free_set(), "an owned page is free"
+        for i, (w, alloc) in enumerate(zip(self.windows, self.allocators)):
+            owned = [p for r in holders if r.pages for p in r.pages[i] if p != NULL_PAGE]
+            assert len(owned) == len(set(owned)), "a page is owned twice"
+            assert len(owned) + alloc.free_pages == alloc.num_pages - 1, "pages leaked"
+            assert not set(owned) & alloc.free_set(), "an owned page is free"
+            for r in holders:
+                if r.pages:
+                    assert len(r.pages[i]) == self.pages_for(r.computed), "pages not those of the positions reached"
+                    kept = first_kept_page(w, max(r.computed - 1, 0), self.page_size)
+                    assert NULL_PAGE not in r.pages[i][kept:], "a page the window still sees was given back"
         slots = [r.slot for r in self.running] + [r.slot for r in self.draining if r.slot is not None]
         assert None not in slots and len(set(slots)) == len(slots), "slots are not one per running request"
         assert len(slots) + len(self._free_slots) == self.max_running, "slots leaked"
