@@ -39,6 +39,24 @@ LLAMA_8B = ModelConfig(  # the whole model's shape, for engine benchmarks (rando
     rope_theta=5e5,
     max_position_embeddings=131072,
 )
+GEMMA3_270M = ModelConfig(  # Gemma 3 270M's shape (its GGUF's config), for engine benchmarks (random weights)
+    arch="gemma3",
+    num_layers=18,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=256,
+    hidden_size=640,
+    intermediate_size=2048,
+    vocab_size=262144,
+    norm_eps=1e-6,
+    rope_theta=1e6,
+    rope_local_theta=1e4,
+    sliding_window=512,
+    layer_types=(("sliding_attention",) * 5 + ("full_attention",)) * 3,
+    query_pre_attn_scalar=256.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+)
 L2_BYTES = 50 << 20
 TIMER = {"name": "cupti"}  # "cupti" (the kernels' own durations) or "host" (wall clock over queued calls)
 START = time.perf_counter()

@@ -1,6 +1,9 @@
 """The cache sized from a memory budget, and prefill calls bounded by the chunk budget rather than the batch."""
 
 import dataclasses
+import json
+import os
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -89,6 +92,22 @@ def test_window_pools_fit_the_budget_beside_the_whole_context_pool(kind):
         else:
             assert engine.num_pages == 4 * 32 + 1 and held * local_page + engine.activation_bytes() <= budget
         assert engine.cache.nbytes == engine.num_pages * whole_page + held * local_page
+
+
+def test_the_window_pools_bench_prints_and_writes_its_rows(tmp_path, capsys):
+    """bench/window_pools.py on Gemma 3 270M's shape: at 4 GiB and 16 x 32K the window pools hold every sequence
+    where one pool held 6; bad flags are usage errors."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import window_pools
+
+    out = tmp_path / "rows.json"
+    assert window_pools.main(["--budgets", "4GiB", "--shapes", "16x32768", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["sequences"] == 16 and row["sequences_before"] == 6 and row["tokens"] > 2 * row["tokens_before"]
+    assert "| 4.0 GiB | 16 x 32768 |" in capsys.readouterr().out
+    for bad in (["--budgets", "0.5"], ["--shapes", "16by8"], ["--chunk-tokens", "0"]):
+        with pytest.raises(SystemExit):
+            window_pools.main(bad)
 
 
 def test_bad_budgets_are_refused_with_clear_errors():
