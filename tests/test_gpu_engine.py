@@ -1,6 +1,8 @@
 """On a GPU: the engine's default path is the Pallas kernels, and its greedy tokens match the reference path."""
 
 import dataclasses
+import os
+import sys
 
 import jax
 import numpy as np
@@ -10,6 +12,9 @@ from test_engine_kernels import _varied_plan_model
 import kvjax
 from kvjax.models.config import ModelConfig
 from kvjax.ops import attention
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+GEMMA3_270M = pytest.importorskip("harness").GEMMA3_270M
 
 pytestmark = pytest.mark.gpu
 
@@ -46,23 +51,8 @@ def test_pallas_engine_matches_reference(compressed, window):
     assert [r.tokens for r in ker] == [r.tokens for r in ref]
 
 
-GEMMA_SHAPE = ModelConfig(  # Gemma 3 270M's attention (a smaller vocabulary, 6 of its 18 layers)
-    arch="gemma3",
-    num_layers=6,
-    num_heads=4,
-    num_kv_heads=1,
-    head_dim=256,
-    hidden_size=640,
-    intermediate_size=2048,
-    vocab_size=512,
-    norm_eps=1e-6,
-    rope_theta=1e6,
-    rope_local_theta=1e4,
-    sliding_window=512,
-    layer_types=("sliding_attention",) * 5 + ("full_attention",),
-    query_pre_attn_scalar=256.0,
-    tie_word_embeddings=True,
-    max_position_embeddings=32768,
+GEMMA_SHAPE = dataclasses.replace(  # Gemma 3 270M's attention: 6 of its 18 layers, a smaller vocabulary
+    GEMMA3_270M, num_layers=6, layer_types=GEMMA3_270M.layer_types[:6], vocab_size=512
 )
 
 
