@@ -184,6 +184,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(served):
     health = wait_idle(base)
     assert health["running"] == 0 and health["free_pages"] == health["total_pages"]
     assert health["aborted"] == aborted + 1  # cancelled, not run to its end
+    assert health["window_pages"] == {}  # the tiny Llama has no sliding-window layers
 
 
 @pytest.mark.parametrize(
@@ -282,10 +283,13 @@ def test_the_capacity_line_counts_tokens_and_what_they_would_be_uncompressed():
 
     from kvjax.cli.serve import capacity_line
 
-    cfg = dataclasses.replace(TINY_CONFIGS["mistral"], head_dim=64, hidden_size=128)
+    cfg = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)
     model = kvjax.Model.random(cfg, seed=1, scale=5.0)
     plain = capacity_line(Engine(model, max_batch=2, max_seq_len=64, num_pages=21), model)
     assert plain == "KV cache: 320 tokens uncompressed (20 pages of 16)"
+    windowed = kvjax.Model.random(dataclasses.replace(cfg, arch="mistral", sliding_window=5), seed=1)
+    line = capacity_line(Engine(windowed, max_batch=2, max_seq_len=64, num_pages=21), windowed)
+    assert line.endswith("(20 pages of 16; layers with a 5-token window: 8 pages, given back as the window passes)")
     small = kvjax.compress(model, target_rate=0.5, calibration="random", num_tokens=128, seq_len=32, progress=False)
     line = capacity_line(Engine(small, max_batch=2, max_seq_len=64, num_pages=21), small)
     m = re.fullmatch(

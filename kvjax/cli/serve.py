@@ -18,7 +18,8 @@ endpoints:
                                chat template ("max_completion_tokens" or "max_tokens"; default: what
                                the cache leaves)
   GET  /v1/models             the one model served (--served-model-name)
-  GET  /health                status, running and waiting requests, free and total KV pages
+  GET  /health                status, running and waiting requests, free and total KV pages (and
+                              per sliding window, its own pool's: "window_pages")
 
   "stream": true answers with server-sent events, ending with "data: [DONE]". A bad request (malformed
   JSON, another model, a prompt too long for the cache, max_tokens <= 0, temperature outside [0, 2],
@@ -109,7 +110,11 @@ def capacity_line(engine, model) -> str:
     plain = int(tokens * bytes_per_token(model.layouts, dtype) / bytes_per_token(full, dtype))
     rate = f"at rate {model.plan.rate:.2f}" if model.plan is not None else "uncompressed"
     extra = f", {plain:,} uncompressed in the same memory" if model.plan is not None else ""
-    return f"KV cache: {tokens:,} tokens {rate}{extra} ({engine.num_pages - 1} pages of {engine.page_size})"
+    windows = "".join(
+        f"; layers with a {w}-token window: {n - 1} pages, given back as the window passes"
+        for w, n in engine.window_pages.items()
+    )
+    return f"KV cache: {tokens:,} tokens {rate}{extra} ({engine.num_pages - 1} pages of {engine.page_size}{windows})"
 
 
 def main(argv=None) -> int:

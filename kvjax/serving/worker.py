@@ -66,6 +66,10 @@ class Worker:
             waiting=len(sched.waiting),
             free_pages=sched.allocator.free_pages,
             total_pages=self.engine.num_pages - 1,
+            # sliding-window layers' pools, by window (kvjax.runtime.cache): {"512": [free, total]}
+            window_pages={
+                str(w): [a.free_pages, a.num_pages - 1] for w, a in zip(sched.windows[1:], sched.allocators[1:])
+            },
             steps=self.runner.steps,
             finished=self.finished,
             aborted=self.aborted,
