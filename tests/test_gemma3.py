@@ -153,11 +153,49 @@ def test_tiny_full_rank_compression_is_exact_and_saves(tiny, tmp_path):
     np.testing.assert_array_equal(np.asarray(back.logits(ref["tokens"])), np.asarray(full.logits(ref["tokens"])))
 
 
-def test_palu_is_refused_for_k_norms(tiny):
-    with pytest.raises(kvjax.UnsupportedModelError, match="Palu cannot compress a model with k norms"):
-        kvjax.compress(
-            tiny, removal_rate=0.0, method="palu", calibration="random", num_tokens=64, seq_len=32, progress=False
-        )
+def test_palu_at_full_rank_is_exact_and_saves(tiny, tmp_path):
+    """Palu on k-normed heads: the normed pre-RoPE head is projected onto its basis before caching (``k_down``), so
+    at full rank the model is the original one, and the projection survives a save and load."""
+    ref = np.load(os.path.join(TINY, "reference.npz"))
+    full = kvjax.compress(
+        tiny, removal_rate=0.0, method="palu", calibration="random", num_tokens=256, seq_len=64, progress=False
+    )
+    want = np.asarray(tiny.logits(ref["tokens"]))
+    np.testing.assert_allclose(np.asarray(full.logits(ref["tokens"])), want, atol=1e-4, rtol=0)
+    full.save(str(tmp_path / "ckpt"))
+    back = kvjax.load(str(tmp_path / "ckpt"), dtype="float32", progress=False)
+    np.testing.assert_array_equal(np.asarray(back.logits(ref["tokens"])), np.asarray(full.logits(ref["tokens"])))
+
+
+def test_palu_on_gemma_heads_decodes_as_its_own_forward():
+    """Palu at rate 0.5 on Gemma-shaped heads (q/k norms, a local layer before a global one): the cache keeps the
+    normed latent, and the reference path and Palu's kernels (interpreted) give its repeated argmax."""
+    cfg = kvjax.ModelConfig(
+        arch="gemma3",
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        hidden_size=128,
+        intermediate_size=256,
+        vocab_size=97,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        rope_local_theta=1e4,
+        sliding_window=8,
+        layer_types=("sliding_attention", "full_attention"),
+        tie_word_embeddings=True,
+    )
+    model = varied_gemma(cfg)
+    small = kvjax.compress(
+        model, target_rate=0.5, method="palu", calibration="random", num_tokens=512, seq_len=64, progress=False
+    )
+    assert small.plan.method == "palu" and 0.4 < small.plan.rate <= 0.5
+    assert sum(lay.k_cols for lay in small.layouts) < sum(lay.k_cols for lay in model.layouts)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 97, size=n).tolist() for n in (6, 23)]
+    results = assert_greedy_on_both_backends(small, prompts, 10, page_size=8, chunk_tokens=16)
+    assert all(len(set(r.tokens)) > 3 for r in results)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ V's basis goes into W_v (and b_v) and W_o, so V is produced short and read back 
 Q/K rotation cannot pass through the position-dependent RoPE, so it is stored as one [Hkv, d, W] tensor (each
 group's rotation, zero past its width) and applied right after RoPE (``Attention.rotate_qk``). Palu's K
 factorisation puts ``W_k down`` in the K projection and ``up`` in ``k_up``, which rebuilds K before RoPE at every
-attention call.
+attention call; where k is normed before RoPE (Gemma 3), ``down`` stays a projection of its own (``k_down``).
 
 A plan with a ``head_order`` first permutes each layer's KV heads (with their query heads and W_o's rows, which
 leaves the output unchanged), then folds the bases of the heads at their new positions.
@@ -116,6 +116,9 @@ def fold(model: Model, plan, bases: dict) -> Model:
         values.update({(*a, "v", "kernel"): wv, (*a, "o", "kernel"): wo, (*a, "v", "bias"): bv})
         if plan.method == "zack":
             values[(*a, "qk_rotation")] = packed_rotation(down["k"], layout.k_widths)
+        elif model.config.gemma_norms:  # k is normed before RoPE: the basis stays a projection of its own
+            values.update({(*a, "k_down", g): down["k"][g, :, :k] for g, k in enumerate(layout.k_widths)})
+            values.update({(*a, "k_up", g): up["k"][g, :k] for g, k in enumerate(layout.k_widths)})
         else:
             wk, bk, k_ups = fold_k_lowrank(w["k", "kernel"], w["k", "bias"], down["k"], up["k"], widths=layout.k_widths)
             values.update({(*a, "k", "kernel"): wk, (*a, "k", "bias"): bk})

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax.layout import HeadLayout
-from kvjax.models.config import ModelConfig, UnsupportedModelError
+from kvjax.models.config import ModelConfig
 from kvjax.models.latent import LatentK
 from kvjax.models.rope import apply_rope, inverse_frequencies
 from kvjax.models.rotation import QKRotation, identity_rotation
@@ -77,26 +77,28 @@ class Attention(nnx.Module):
     ``v`` already rotated and truncated, and ``o`` reads it back, so attention runs on the short vectors. "palu"
     (the baseline): ``k`` outputs a pre-RoPE latent of ``k_widths[g]`` columns per head that attention rebuilds
     (``latent.LatentK``: ``k_up``, then RoPE) at every call. Gemma normalises every q and k head (``q_norm``,
-    ``k_norm``) before RoPE.
+    ``k_norm``) before RoPE; a normalised k cannot have its basis folded into ``k``, so Palu there projects the
+    normed head onto it (``k_down`` [d, k_widths[g]] per head) before caching.
     """
 
     def __init__(self, cfg: ModelConfig, layout: HeadLayout, method: str | None, *, dtype, rngs):
         h, kv, d, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         bias = cfg.attention_bias
         self.method = method
-        if method == "palu" and cfg.gemma_norms:
-            raise UnsupportedModelError(
-                "Palu cannot compress a model with k norms (Gemma 3): its latent K would have to pass through the "
-                "norm inside the decode kernel; use method='zack'"
-            )
+        folded_k = method == "palu" and not cfg.gemma_norms  # Palu's basis folded into the K projection
         self.q = Linear(e, h * d, bias=bias, dtype=dtype, rngs=rngs)
-        self.k = Linear(e, layout.k_cols if method == "palu" else kv * d, bias=bias, dtype=dtype, rngs=rngs)
+        self.k = Linear(e, layout.k_cols if folded_k else kv * d, bias=bias, dtype=dtype, rngs=rngs)
         self.v = Linear(e, layout.v_cols, bias=bias, dtype=dtype, rngs=rngs)
         self.o = Linear(layout.out_cols, e, bias=bias, dtype=dtype, rngs=rngs)
 
         self.qk_rotation = nnx.Param(identity_rotation(layout, dtype)) if method == "zack" else None
         self.k_up = (
             nnx.List([nnx.Param(jnp.eye(w, d, dtype=dtype)) for w in layout.k_widths]) if method == "palu" else None
+        )
+        self.k_down = (
+            nnx.List([nnx.Param(jnp.eye(d, w, dtype=dtype)) for w in layout.k_widths])
+            if method == "palu" and not folded_k
+            else None
         )
         qk_norm = dict(kind=cfg.norm, eps=cfg.norm_eps, dtype=dtype)
         self.q_norm = Norm(d, **qk_norm) if cfg.gemma_norms else None
@@ -113,7 +115,11 @@ class Attention(nnx.Module):
         if self.method == "palu":
             assert self.k_up is not None
             rebuild = LatentK(tuple(up[...] for up in self.k_up), inv_freq, layout)
-            return self.o(attend(layer, q.reshape(b, t, -1), self.k(x), self.v(x), rebuild=rebuild))
+            latent = self.k(x)
+            if self.k_down is not None:  # the normed pre-RoPE heads onto their bases
+                normed = heads(latent, layout.num_kv_heads, self.k_norm)
+                latent = jnp.concatenate([normed[:, :, g] @ down[...] for g, down in enumerate(self.k_down)], -1)
+            return self.o(attend(layer, q.reshape(b, t, -1), latent, self.v(x), rebuild=rebuild))
         k = apply_rope(heads(self.k(x), layout.num_kv_heads, self.k_norm), positions, inv_freq)
         q, k = q.reshape(b, t, -1), k.reshape(b, t, -1)
         if self.method == "zack":
