@@ -91,6 +91,26 @@ def varied_gemma(cfg, seed: int = 1, dtype: str = "float32") -> kvjax.Model:
     return kvjax.Model(module)
 
 
+def local_then_global(num_kv_heads: int, head_dim: int) -> kvjax.ModelConfig:
+    """A small Gemma 3: a local layer (window 8) before a global one, 4 query heads over ``num_kv_heads``."""
+    return kvjax.ModelConfig(
+        arch="gemma3",
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        hidden_size=128,
+        intermediate_size=256,
+        vocab_size=97,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        rope_local_theta=1e4,
+        sliding_window=8,
+        layer_types=("sliding_attention", "full_attention"),
+        tie_word_embeddings=True,
+    )
+
+
 @pytest.mark.parametrize("backend", ["reference", "interpret"])
 def test_local_layers_give_their_pages_back_as_the_window_passes(tiny, backend):
     """A 70-token context in pages of 4 with a window of 5: the local layers' pool holds what 2 windows and chunks
@@ -115,23 +135,7 @@ def test_local_layers_give_their_pages_back_as_the_window_passes(tiny, backend):
 def test_kernels_take_gemma_shaped_heads():
     """Heads of 256 columns, one KV head, a local layer (window 8) before a global one: the Pallas kernels
     (interpreted) decode as the jnp reference and the repeated argmax do."""
-    cfg = kvjax.ModelConfig(
-        arch="gemma3",
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=1,
-        head_dim=256,
-        hidden_size=128,
-        intermediate_size=256,
-        vocab_size=97,
-        norm_eps=1e-6,
-        rope_theta=1e6,
-        rope_local_theta=1e4,
-        sliding_window=8,
-        layer_types=("sliding_attention", "full_attention"),
-        tie_word_embeddings=True,
-    )
-    model = varied_gemma(cfg)
+    model = varied_gemma(local_then_global(num_kv_heads=1, head_dim=256))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 97, size=n).tolist() for n in (5, 21, 40)]
     results = assert_greedy_on_both_backends(model, prompts, 12, page_size=8, chunk_tokens=16)
@@ -170,23 +174,7 @@ def test_palu_at_full_rank_is_exact_and_saves(tiny, tmp_path):
 def test_palu_on_gemma_heads_decodes_as_its_own_forward():
     """Palu at rate 0.5 on Gemma-shaped heads (q/k norms, a local layer before a global one): the cache keeps the
     normed latent, and the reference path and Palu's kernels (interpreted) give its repeated argmax."""
-    cfg = kvjax.ModelConfig(
-        arch="gemma3",
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        hidden_size=128,
-        intermediate_size=256,
-        vocab_size=97,
-        norm_eps=1e-6,
-        rope_theta=1e6,
-        rope_local_theta=1e4,
-        sliding_window=8,
-        layer_types=("sliding_attention", "full_attention"),
-        tie_word_embeddings=True,
-    )
-    model = varied_gemma(cfg)
+    model = varied_gemma(local_then_global(num_kv_heads=2, head_dim=64))
     small = kvjax.compress(
         model, target_rate=0.5, method="palu", calibration="random", num_tokens=512, seq_len=64, progress=False
     )
