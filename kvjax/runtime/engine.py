@@ -353,7 +353,7 @@ class Engine:
         lengths = np.ones(b, np.int32)
         for row, ids in enumerate(chunks):
             tokens[row, : len(ids)], lengths[row] = ids, len(ids)
-        padded = _pad_rows(rows, b, self.rows(b))
+        padded = rows if rows.table.shape[1] == b else _pad_rows(rows, self.rows(b))
         where = np.full(b, self.max_batch, np.int32)
         where[:n] = [s if s >= 0 else self.max_batch for s in slots]
         starts = np.pad(np.asarray(starts, np.int32), (0, b - n))
@@ -462,11 +462,9 @@ class Engine:
         return None if self.decode_op is None else self.decode_op.plan(lengths)
 
 
-def _pad_rows(rows: Rows, b: int, out: Rows) -> Rows:
-    """``rows`` grown to ``b`` rows with the empty ones of ``out`` (null pages, greedy)."""
+def _pad_rows(rows: Rows, out: Rows) -> Rows:
+    """``rows`` grown to the rows of ``out``, whose further rows stay empty (null pages, greedy)."""
     n = rows.table.shape[1]
-    if n == b:
-        return rows
     for field in dataclasses.fields(Rows):
         if field.name == "table":
             out.table[:, :n] = rows.table
