@@ -7,6 +7,7 @@ before window pools). The engine's arithmetic only: no step runs, so it needs no
 from __future__ import annotations
 
 import argparse
+import os
 
 from files import write_json
 from harness import GEMMA3_270M
@@ -54,15 +55,15 @@ def one(model: kvjax.Model, budget: int, batch: int, seq_len: int, chunk: int) -
 def budget_arg(text: str) -> int:
     """A budget in bytes ("4GiB", "500MB"); fractions of device memory mean nothing here."""
     value = validate.parse_memory(text)
-    if not isinstance(value, int):
-        raise ValueError(f"budgets are sizes here (like 4GiB), got {text!r}")
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"budgets are positive sizes here (like 4GiB), got {text!r}")
     return value
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="gemma3-270m")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     ap.add_argument(
         "--budgets",
         type=validate.arg(lambda v: [budget_arg(x) for x in v.split(",")]),
@@ -85,6 +86,11 @@ def main(argv=None) -> int:
         ap.error(f"--shapes: expected BATCHxLEN pairs like 16x32768, got {args.shapes!r}")
     if args.chunk_tokens < 1:
         ap.error("--chunk-tokens must be positive")
+    if args.json:  # its folder now, so a bad path fails before the work, not after it
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        except OSError as e:
+            ap.error(f"--json: {e}")
     cfg = SHAPES[args.shape]
     model = kvjax.Model.random(cfg, dtype=args.dtype)  # random weights: only shapes matter here
     rows = []

@@ -105,7 +105,8 @@ def test_the_window_pools_bench_prints_and_writes_its_rows(tmp_path, capsys):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["sequences"] == 16 and row["sequences_before"] == 6 and row["tokens"] > 2 * row["tokens_before"]
     assert "| 4.0 GiB | 16 x 32768 |" in capsys.readouterr().out
-    for bad in (["--budgets", "0.5"], ["--shapes", "16by8"], ["--chunk-tokens", "0"]):
+    bad_args = (["--budgets", "0.5"], ["--budgets", "0GiB"], ["--shapes", "16by8"], ["--chunk-tokens", "0"])
+    for bad in (*bad_args, ["--dtype", "foo"], ["--json", "/proc/no/such/dir/x.json"]):
         with pytest.raises(SystemExit):
             window_pools.main(bad)
 
