@@ -53,7 +53,9 @@ class DecodeConfig:
     block_tokens: int = 64  # tokens per loop step for a 128 + 128-column unit (narrower units take more)
     max_step_tokens: int = 512
     fold_tokens: int = 64  # least tokens per fold when spare score-tile rows fold a step's tokens
-    max_segments: int = 2  # power-of-two pieces a run's K (or V) columns may be read as
+    # Power-of-two pieces a run's K (or V) columns may be read as. One piece per run compiles 20-35% faster for
+    # about 1% more device time (bench/RESULTS.md "Engine: compile times", one piece a run).
+    max_segments: int = 1
     num_warps: int = 4
     num_stages: int = 3
     # Steps with every token visible in a loop of their own, without masks: twice the loop code, so compile time,
