@@ -39,7 +39,7 @@ class DecodeConfig:
     token_cost: int = 32  # per-token work that does not shrink with width (page lookup, softmax)
     floor_tile: int = 128  # a unit's token costs at least one of a floor_tile + floor_tile unit (0: no floor)
     tile_weight: int = 1  # weight of the tile columns (instructions) beside the K + V columns (bytes)
-    piece_saving: int = 64  # a run's K (or V) is read as two power-of-two pieces where that saves this many columns
+    piece_saving: int = 64  # with max_segments > 1: a run is read as pieces only where that saves this many columns
     # The schedule (``plan``).
     order: str = "auto"  # "auto" (LPT if it balances to auto_balance, else stream), "lpt", "stream" or "naive"
     auto_balance: float = 0.95
@@ -53,8 +53,8 @@ class DecodeConfig:
     block_tokens: int = 64  # tokens per loop step for a 128 + 128-column unit (narrower units take more)
     max_step_tokens: int = 512
     fold_tokens: int = 64  # least tokens per fold when spare score-tile rows fold a step's tokens
-    # Power-of-two pieces a run's K (or V) columns may be read as. One piece per run compiles 20-35% faster for
-    # about 1% more device time (bench/RESULTS.md "Engine: compile times", one piece a run).
+    # Power-of-two pieces a run's K (or V) columns may be read as. One piece a run compiles 20-33% faster for
+    # under 1% more device time (bench/RESULTS.md "Engine: one piece a run").
     max_segments: int = 1
     num_warps: int = 4
     num_stages: int = 3

@@ -39,7 +39,7 @@ def token_cost(
 
 
 def loaded(width: int, config: DecodeConfig) -> int:
-    """Tile columns the kernel computes on for ``width`` columns of a run (two pieces where that saves enough)."""
+    """Tile columns the kernel computes on for ``width`` columns of a run (up to ``max_segments`` pieces)."""
     return loaded_columns(width, config.max_segments, config.piece_saving)
 
 

@@ -14,8 +14,8 @@ the spare rows (``folds``); every step is masked (``DecodeConfig.unmasked_steps`
 of their own). Runs that cut to the same tiles share a code path (``tables.RunClass``), picked per item by
 ``lax.switch``; widths and column offsets come from the layer's tables at run time in multiples of 16, so loads are
 16-byte vectors that never touch a column the unit does not own, and layers whose runs fall in the same classes run
-one compiled kernel (``tables.kernel_groups``). A run's K or V columns are read as two power-of-two pieces where that
-saves ``piece_saving`` columns (160 = 128 + 32).
+one compiled kernel (``tables.kernel_groups``). A run's K or V columns are read as one power-of-two tile, or with
+``max_segments`` > 1 as pieces where that saves ``piece_saving`` columns (160 = 128 + 32).
 
 Why Triton: decode is a gather of ``[tokens, width]`` tiles at 16-column offsets inside packed rows through the
 block table, which masked pointer loads express directly, the pipeliner overlaps the next tile's loads with the
