@@ -1,16 +1,17 @@
-"""ZACK's Q/K basis for the positions a model serves (``kvjax.compress(..., max_context=...)``), measured on SmolLM2:
-held-out perplexity by position (1-511, 512-1023, then doubling up to the window) of ``--window``-token windows, for
-the uncompressed model, ZACK calibrated on 512-token rows without and with ``max_context`` (its post-RoPE Gram
-derived from pre-RoPE statistics for positions 0..max_context-1), and ZACK calibrated on rows as long as the window.
-Calibration text: ``--calibration`` (default "prose", the first half of Python's pydoc topics); evaluation: the
-second half (``kvjax.compression.text``). Tables: bench/RESULTS.md "Compression: the basis for the served
-positions"."""
+"""ZACK's Q/K basis for the positions a model serves (``kvjax.compress(..., max_context=...)``), measured on
+``--model`` (default SmolLM2): held-out perplexity by position (1-511, 512-1023, then doubling up to the window) of
+``--window``-token windows, for the uncompressed model, ZACK calibrated on 512-token rows without and with
+``max_context`` (its post-RoPE Gram derived from pre-RoPE statistics for positions 0..max_context-1), and ZACK
+calibrated on rows as long as the window. Calibration text: ``--calibration`` (default "prose", the first half of
+Python's pydoc topics); evaluation: the second half (``kvjax.compression.text``). Tables: bench/RESULTS.md
+"Compression: the basis for the served positions"."""
 
 from __future__ import annotations
 
 import argparse
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from files import write_json
 
@@ -26,7 +27,8 @@ def nll_by_position(model, windows, batch=2) -> np.ndarray:
     for i in range(0, len(windows), batch):
         chunk = windows[i : i + batch]
         logp = jax.nn.log_softmax(model.logits(chunk)[:, :-1], axis=-1)
-        out.append(-np.take_along_axis(np.asarray(logp, np.float64), chunk[:, 1:, None], axis=-1)[..., 0])
+        # the targets' entries only: a 262K-token vocabulary (Gemma 3) makes the whole array gigabytes
+        out.append(-np.asarray(jnp.take_along_axis(logp, jnp.asarray(chunk[:, 1:, None]), axis=-1)[..., 0], np.float64))
     return np.concatenate(out)
 
 
@@ -40,6 +42,7 @@ def buckets(window: int) -> list[tuple[int, int]]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="smollm2", help="what kvjax.load reads (default smollm2)")
     ap.add_argument("--window", type=int, default=1024, help="evaluation window in tokens (default 1024)")
     ap.add_argument("--windows", type=int, default=8, help="held-out windows (default 8)")
     ap.add_argument("--rate", type=float, default=0.5, help="ZACK's target rate (default 0.5)")
@@ -49,7 +52,10 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.window <= 512 or args.windows < 1 or args.num_tokens < 1 or not 0 < args.rate < 1:
         ap.error("--window must exceed 512, --windows and --num-tokens be positive, --rate lie in (0, 1)")
-    base = kvjax.load("smollm2", dtype="float32", progress=False)
+    try:
+        base = kvjax.load(args.model, dtype="float32", progress=False)
+    except (OSError, ValueError) as e:
+        ap.error(f"--model: {e}")
     try:
         check_source(base, args.calibration)
     except (OSError, ValueError) as e:
@@ -74,7 +80,10 @@ def main(argv=None) -> None:
         print(f"| {name} | {rows_len or '-'} | {max_context or '-'} | {cells} |", flush=True)
         if args.json:  # after every row, so a run cut short keeps the rows it finished
             write_json(
-                args.json, dict(window=args.window, windows=args.windows, calibration=args.calibration, rows=rows)
+                args.json,
+                dict(
+                    model=args.model, window=args.window, windows=args.windows, calibration=args.calibration, rows=rows
+                ),
             )
 
     report("uncompressed", None, None, base)
