@@ -20,6 +20,7 @@ from conftest import FIXTURES, TINY_CONFIGS
 
 import kvjax
 from kvjax.runtime.engine import Engine
+from kvjax.runtime.generate import encode_prompt
 from kvjax.serving.api import create_app, server_config
 from kvjax.serving.worker import Worker
 
@@ -83,6 +84,19 @@ def reference(model, prompt, max_tokens, chat=False, stop=None):
     """``kvjax.generate``'s greedy text for ``prompt`` alone."""
     (r,) = kvjax.generate(model, [prompt], max_new_tokens=max_tokens, chat=chat, stop=stop, max_batch=1)
     return r
+
+
+def settled_text(model, prompt: str, result, tol: float = 1e-3) -> tuple[str, bool]:
+    """``result``'s text up to its first near-tie (top-2 logits within ``tol``: a batch's float order may pick either
+    token there), and whether it has none; the logits come from one full forward over the prompt and its tokens."""
+    ids = encode_prompt(model, prompt, chat=False)
+    tokens = list(result.tokens)
+    logits = np.asarray(model.logits(np.asarray([ids + tokens], np.int32))[0, len(ids) - 1 :])
+    for j in range(len(tokens)):
+        top2 = np.sort(logits[j])[-2:]
+        if top2[1] - top2[0] < tol:
+            return model.tokenizer.decode(tokens[:j], skip_special_tokens=True), False
+    return result.text, True
 
 
 def wait_idle(base: str, timeout: float = 20.0) -> dict:
@@ -157,7 +171,7 @@ def test_64_concurrent_requests_each_get_their_single_run_tokens(served):
     alphabet = np.array(list(string.ascii_lowercase + " "))
     prompts = ["".join(rng.choice(alphabet, int(n))) for n in rng.integers(40, 80, 64)]
     lengths = [int(n) for n in rng.integers(40, 48, 64)]  # 8 running need more than the 39 pages: preemption
-    want = [reference(model, p, n).text for p, n in zip(prompts, lengths)]
+    want = [settled_text(model, p, reference(model, p, n)) for p, n in zip(prompts, lengths)]
     before = httpx.get(base + "/health").json()
 
     def ask(i):
@@ -166,7 +180,9 @@ def test_64_concurrent_requests_each_get_their_single_run_tokens(served):
 
     with concurrent.futures.ThreadPoolExecutor(64) as pool:
         got = list(pool.map(ask, range(64)))
-    assert got == want
+    # Exact where the greedy path has no near-tie; past one, float order in a batch may take the other token.
+    assert [g == w if exact else g.startswith(w) for g, (w, exact) in zip(got, want)] == [True] * 64
+    assert sum(exact for _, exact in want) >= 56  # the check still covers (nearly) every request whole
     after = wait_idle(base)
     assert after["free_pages"] == 39 and after["preemptions"] > before["preemptions"]
 
