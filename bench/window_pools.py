@@ -63,7 +63,7 @@ def budget_arg(text: str) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="gemma3-270m")
-    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    ap.add_argument("--dtype", choices=validate.DTYPES, default="bfloat16")
     ap.add_argument(
         "--budgets",
         type=validate.arg(lambda v: [budget_arg(x) for x in v.split(",")]),
