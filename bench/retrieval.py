@@ -8,6 +8,9 @@ Two tasks, built as token ids so the prompt is exactly the target context long:
 - ``multikey``: ``KEYS`` lines "The pass key for <word> is <number>." with distinct words and numbers, the target
   at the requested depth and the others at random sentence boundaries elsewhere; the question names the target word.
 
+Neither intro holds the words its question ends with ("The pass key is"), so a model that copies the intro where
+the number belongs scores nothing rather than being scored on the intro (RESULTS "Passkey retrieval on Gemma 3 270M").
+
 Depth is measured in filler tokens: a key line at depth d follows the filler sentence boundary nearest to
 d * (filler tokens), so 0 is right after the instructions and 1 right before the question. Every trial draws its
 numbers and words from its own generator, seeded by (seed, task, context, depth, trial), so the prompts do not
@@ -34,8 +37,8 @@ DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 KEYS = 4  # key lines in a multikey prompt
 INTRO = {
     "passkey": (
-        "A pass key is hidden somewhere in the long text below. Find it and remember it: you will be asked for it "
-        "at the end."
+        "Somewhere in the long text below there is a line with a secret number. Find it and remember it: you will "
+        "be asked for it at the end."
     ),
     "multikey": (
         "Several pass keys, each for a different word, are hidden in the long text below. Find them and remember "

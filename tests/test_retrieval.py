@@ -104,6 +104,17 @@ def test_passkey_prompt_has_the_length_and_puts_the_key_at_the_depth(smollm2, co
         assert abs(filler_before - depth * p.filler_tokens) <= LONGEST_SENTENCE / 2, f"seed {seed}: {depth}"
 
 
+@pytest.mark.parametrize("task", retrieval.TASKS)
+def test_no_intro_holds_the_words_the_answer_follows(smollm2, task):
+    """A model that copies the intro where the number belongs must score nothing, not the intro (Gemma 3 did)."""
+    seed = fresh_seed()
+    p = retrieval.build_prompt(task, smollm2.tokenizer, 512, 0.5, np.random.default_rng(seed))
+    text = smollm2.tokenizer.decode(p.ids)
+    stem = text[text.rindex("The pass key") :]  # the question's last sentence, up to where the answer goes
+    intro = retrieval.INTRO[task].lower()
+    assert stem.lower() not in intro and " ".join(stem.split()[-3:]).lower() not in intro, f"seed {seed}: {stem!r}"
+
+
 @pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 1.0])
 def test_multikey_prompt_holds_each_key_once_and_asks_for_the_target(smollm2, depth):
     seed = fresh_seed()
