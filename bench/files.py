@@ -5,6 +5,7 @@ reading of those JSONs back (``read_accuracy_jsons``)."""
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import tempfile
@@ -37,15 +38,16 @@ def write_json(path: str, data, indent: int | None = None) -> None:
 
 def read_accuracy_jsons(parser: argparse.ArgumentParser, names: list[str], mode: str) -> tuple[list[dict], str | None]:
     """The row (eval) or run (retrieval) lists of ``bench/accuracy.py`` JSONs of ``mode`` joined in
-    order, and the first one's model; a file that cannot be read or holds another mode is ``parser``'s usage error."""
+    order, and the first one's model; a file that cannot be read or holds another mode is ``parser``'s usage error.
+    A name ending ".gz" is read through gzip (the committed results of long grids are kept compressed)."""
     key = {"eval": "rows", "retrieval": "runs"}[mode]
     items: list[dict] = []
     model = None
     for name in names:
         try:
-            with open(name, encoding="utf-8") as f:
+            with (gzip.open if name.endswith(".gz") else open)(name, "rt", encoding="utf-8") as f:
                 data = json.load(f)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, EOFError) as e:  # EOFError: a cut gzip file
             parser.error(f"{name}: {e}")
         if not isinstance(data, dict) or data.get("mode") != mode or key not in data:
             parser.error(f"{name} is not a bench/accuracy.py {mode} JSON")

@@ -1,6 +1,8 @@
 """One heat map of retrieval accuracy for several models side by side, from ``bench/accuracy.py retrieval`` JSONs:
 a row per model (uncompressed first, then by variant and rate) and context, a column per depth, each cell's accuracy
 written in it. The per-run maps ``accuracy.py --png-dir`` writes hold one model each; this one is for comparing.
+A grid split over several runs (by context, by variant) reads as one. ``--markdown`` also prints the mean accuracy
+per model and context and the largest rate within 2 points of the uncompressed model, as in ``bench/RESULTS.md``.
 
     python3 plot_retrieval.py results/retrieval-a.json results/retrieval-b.json --task passkey --out plots/x.png
 """
@@ -24,29 +26,79 @@ def _label(run: dict) -> str:
     return f"{run['variant']} p={run['rate']:.2f}{share}"
 
 
-def grid_rows(runs: list[dict], task: str) -> tuple[list[str], list[float], np.ndarray]:
-    """Row labels, depths and accuracies [rows, depths] of ``task``'s runs: one row per model and context, the
-    uncompressed model once (the first of its runs), then the others by variant and target rate."""
-    chosen, seen = [], set()
+def models(runs: list[dict], task: str) -> list[tuple[dict, dict[tuple[int, float], float]]]:
+    """``task``'s models in ``runs``, each once (uncompressed first, then by variant and target rate): its first run
+    and its accuracy per (context, depth) joined over every run of it, so a grid split by context over several
+    JSONs reads as one; a context a model has twice (the uncompressed run each JSON repeats) keeps its first."""
+    merged: dict[tuple, tuple[dict, dict]] = {}
     for run in runs:
+        if run["task"] != task:
+            continue
         key = (_label(run), run.get("calibration"), run.get("max_context"))
-        if run["task"] == task and key not in seen:
-            seen.add(key)
-            chosen.append(run)
-    if not chosen:
+        first, cells = merged.setdefault(key, (run, {}))
+        if run["results"]["depths"] != first["results"]["depths"]:
+            raise ValueError(f"runs have different depths: {first['results']['depths']} and {run['results']['depths']}")
+        for cell, accuracy in retrieval.accuracy(run["results"]).items():
+            cells.setdefault(cell, accuracy)
+    if not merged:
         raise ValueError(f"no run of task {task!r} in the JSONs")
-    chosen.sort(key=lambda r: (r["variant"] != "uncompressed", r["variant"], r["target_rate"]))
-    depths = chosen[0]["results"]["depths"]
+    return sorted(
+        merged.values(), key=lambda m: (m[0]["variant"] != "uncompressed", m[0]["variant"], m[0]["target_rate"])
+    )
+
+
+def grid_rows(runs: list[dict], task: str) -> tuple[list[str], list[float], np.ndarray]:
+    """Row labels, depths and accuracies [rows, depths] of ``task``'s runs: one row per model (``models``) and
+    context, contexts ascending."""
+    chosen = models(runs, task)
+    depths = chosen[0][0]["results"]["depths"]
     labels, values = [], []
-    for run in chosen:
-        results = run["results"]
-        if results["depths"] != depths:
-            raise ValueError(f"runs have different depths: {depths} and {results['depths']}")
-        cells = retrieval.accuracy(results)
-        for context in results["contexts"]:
+    for run, cells in chosen:
+        for context in sorted({c for c, _ in cells}):
             labels.append(f"{_label(run)}, {context}")
             values.append([cells[(context, d)] for d in depths])
     return labels, depths, np.array(values)
+
+
+def table(runs: list[dict], task: str, tolerance: float = 0.02) -> list[str]:
+    """Markdown lines: ``task``'s mean accuracy over depths per model and context, then per variant and context
+    the largest grid target rate whose mean (and every smaller grid rate's) is within ``tolerance`` of the
+    uncompressed model's, as ``accuracy.within_tolerance`` judges it (0 where none is)."""
+    chosen = models(runs, task)
+    contexts = sorted({c for _, cells in chosen for c, _ in cells})
+    means = [
+        {c: float(np.mean([a for (cc, _), a in cells.items() if cc == c])) for c in contexts} for _, cells in chosen
+    ]
+    name = {c: f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in contexts}
+    lines = [
+        f"| {task} | rate | " + " | ".join(f"{name[c]} mean" for c in contexts) + " |",
+        "|---|---|" + "---|" * len(contexts),
+    ]
+    for (run, _), mean in zip(chosen, means, strict=True):
+        cols = " | ".join("-" if c not in mean or np.isnan(mean[c]) else f"{mean[c]:.3f}" for c in contexts)
+        lines.append(f"| {_label(run).split(' p=')[0]} | {run['rate']:.3f} | {cols} |")
+    base = next((m for (run, _), m in zip(chosen, means, strict=True) if run["variant"] == "uncompressed"), None)
+    if base is None:
+        return lines
+    lines += [
+        "",
+        f"| {task}: largest grid rate within {100 * tolerance:g} points | "
+        + " | ".join(name[c] for c in contexts)
+        + " |",
+    ]
+    lines.append("|---|" + "---|" * len(contexts))
+    for variant in sorted({run["variant"] for run, _ in chosen} - {"uncompressed"}):
+        grid = [(run["target_rate"], m) for (run, _), m in zip(chosen, means, strict=True) if run["variant"] == variant]
+        best = []
+        for c in contexts:
+            largest = 0.0
+            for target, m in sorted(grid, key=lambda g: g[0]):
+                if m[c] < base[c] - tolerance - 1e-9:
+                    break
+                largest = target
+            best.append(f"{largest:g}")
+        lines.append(f"| {variant} | " + " | ".join(best) + " |")
+    return lines
 
 
 def plot(runs: list[dict], task: str, path: str, title: str) -> None:
@@ -76,12 +128,17 @@ def main(argv=None) -> int:
     ap.add_argument("jsons", nargs="+", help="bench/accuracy.py retrieval outputs")
     ap.add_argument("--task", choices=retrieval.TASKS, default="passkey", help="the task to draw (default passkey)")
     ap.add_argument("--out", required=True, help="the PNG to write")
+    ap.add_argument(
+        "--markdown", action="store_true", help="also print the task's mean accuracy per model and context as Markdown"
+    )
     ap.add_argument("--title", default=None, help="the plot's title (default: the model and task)")
     args = ap.parse_args(argv)
     runs, model = read_accuracy_jsons(ap, args.jsons, "retrieval")
     try:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         plot(runs, args.task, args.out, args.title or f"{model}: {args.task} retrieval")
+        if args.markdown:
+            print("\n".join(table(runs, args.task)))
     except (OSError, ValueError) as e:
         ap.error(str(e))
     print(f"wrote {args.out}")

@@ -1,6 +1,7 @@
 """bench/plot_retrieval.py (several models' retrieval runs in one heat map) and bench/plot_accuracy.py (perplexity
 and KL against the rate), read from bench/accuracy.py JSONs."""
 
+import gzip
 import json
 import os
 import sys
@@ -54,6 +55,27 @@ def test_rows_put_the_uncompressed_model_first_once_then_variants_by_rate():
     assert grid.tolist() == [[1.0, 0.75], [0.5, 0.25], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.25]]
 
 
+def test_a_grid_split_by_context_reads_as_one_and_its_table_finds_the_largest_rate_within_tolerance():
+    base_a = _run("uncompressed", 0.0, 0.0, contexts=(1024,), correct=[4, 4])
+    base_b = _run("uncompressed", 0.0, 0.0, contexts=(8192,), correct=[4, 2])
+    runs = [  # two files: contexts 1K and 8K, each with its own copy of the uncompressed run
+        base_a,
+        _run("zack", 0.1, 0.1014, contexts=(1024,), correct=[4, 4]),
+        _run("zack", 0.5, 0.5, contexts=(1024,), correct=[4, 3]),
+        base_b,
+        _run("uncompressed", 0.0, 0.0, contexts=(1024,), correct=[0, 0]),  # a repeat of 1K: the first one counts
+        _run("zack", 0.1, 0.1014, contexts=(8192,), correct=[3, 2]),
+        _run("zack", 0.5, 0.5, contexts=(8192,), correct=[4, 2]),
+    ]
+    labels, _, grid = plot_retrieval.grid_rows(runs, "passkey")
+    assert labels == [f"{m}, {c}" for m in ("uncompressed", "zack p=0.10", "zack p=0.50") for c in (1024, 8192)]
+    assert grid.tolist() == [[1.0, 1.0], [1.0, 0.5], [1.0, 1.0], [0.75, 0.5], [1.0, 0.75], [1.0, 0.5]]
+    lines = plot_retrieval.table(runs, "passkey", tolerance=0.1)
+    assert "| uncompressed | 0.000 | 1.000 | 0.750 |" in lines and "| zack | 0.101 | 1.000 | 0.625 |" in lines
+    # 1K: 0.5 is 12.5 points short; 8K: 0.1 is 12.5 points short, so 0.5 does not count though it is level
+    assert lines[-1] == "| zack | 0.1 | 0 |"
+
+
 def test_the_command_writes_a_png_and_refuses_what_it_cannot_draw(tmp_path, capsys):
     data = {
         "mode": "retrieval",
@@ -65,6 +87,14 @@ def test_the_command_writes_a_png_and_refuses_what_it_cannot_draw(tmp_path, caps
     out = tmp_path / "new" / "map.png"  # its folder is made
     assert plot_retrieval.main([str(src), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    packed = tmp_path / "r.json.gz"  # the committed long grids are gzipped
+    packed.write_bytes(gzip.compress(src.read_bytes()))
+    assert plot_retrieval.main([str(packed), "--out", str(tmp_path / "gz.png"), "--markdown"]) == 0
+    assert "| palu | 0.200 | 0.250 | 0.250 |" in capsys.readouterr().out
+    (tmp_path / "cut.json.gz").write_bytes(packed.read_bytes()[:40])
+    with pytest.raises(SystemExit):
+        plot_retrieval.main([str(tmp_path / "cut.json.gz"), "--out", str(tmp_path / "cut.png")])
+    assert "cut.json.gz" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         plot_retrieval.main([str(src), "--task", "multikey", "--out", str(tmp_path / "none.png")])
     assert "no run of task 'multikey'" in capsys.readouterr().err
