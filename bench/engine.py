@@ -4,18 +4,15 @@ continuous-batching runner in chunks, then decode steps in steady state timed tw
 by the host's clock (wall per step, the runner's own loop) and by CUPTI (the step's kernels, summed), beside the floor
 (weights + K/V bytes read per step over the measured copy bandwidth) and split into GEMMs, attention and the rest;
 then the same step enqueued back to back without the runner (its span: kernels and the gaps between them), which
-tells the host's share of wall over device from the gaps'.
+tells the host's share of wall over device from the gaps'. Which kernels the gaps precede: bench/gaps.py.
 Table: bench/RESULTS.md "Engine: decode step beside the floor"."""
 
 from __future__ import annotations
 
 import argparse
 import ast
-import glob
+import dataclasses
 import json
-import os
-import re
-import tempfile
 import time
 
 import jax
@@ -24,7 +21,6 @@ import numpy as np
 from flax import nnx
 from harness import LLAMA_8B, PLAN_FORMS, copy_bandwidth, log, on_gpu, rank_plan, with_knobs
 from jax._src import dispatch
-from jax.profiler import ProfileData
 
 import kvjax
 from kvjax.compression import RankPlan
@@ -107,17 +103,26 @@ def floor_bytes(model: kvjax.Model, lengths: np.ndarray) -> int:
     return weights - embed + int(lengths.sum()) * bytes_per_token(model.layouts, model.dtype)
 
 
-def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
-    """Prefill ``batch`` random prompts of ``ctx`` tokens, then time decode steps in steady state, every request
-    still running (each may sample a token per prefill step before, one per step after)."""
-    new = batch * -(-ctx // args.chunk_tokens) + args.warm_steps + 2 * args.steps + 8
+@dataclasses.dataclass
+class Prefilled:
+    """``prefilled``'s engine in steady state and what it took to get there."""
+
+    engine: Engine
+    runner: Runner
+    requests: list[Request]
+    warm_up_s: float  # the one-request run that compiles every step shape
+    compiled: dict  # compile_times of that run
+    since: int  # len(COMPILES) after it: what compiles later compiled while timed
+    prefill_s: float  # the batch's prompts, through the runner in chunks
+
+
+def prefilled(
+    model, batch: int, ctx: int, new: int, chunk_tokens: int, config=DECODE, warm_steps: int = 8
+) -> Prefilled:
+    """An engine whose ``batch`` random ``ctx``-token requests (``new`` tokens each) are prefilled and
+    ``warm_steps`` decode steps in, every step shape compiled first by a one-request run of its own."""
     engine = Engine(
-        model,
-        max_batch=batch,
-        max_seq_len=ctx + new,
-        page_size=16,
-        chunk_tokens=args.chunk_tokens,
-        decode_config=args.config,
+        model, max_batch=batch, max_seq_len=ctx + new, page_size=16, chunk_tokens=chunk_tokens, decode_config=config
     )
     runner = Runner(engine)
     rng = np.random.default_rng(0)
@@ -126,16 +131,24 @@ def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
     runner.add(Request(rng.integers(0, 32000, ctx).tolist(), 2))  # compiles every step the run takes
     list(runner.run())
     warm_up_s = time.perf_counter() - t0
-    compiled = compile_times(since)
-    since = len(COMPILES)
+    compiled, since = compile_times(since), len(COMPILES)
     requests = [runner.add(Request(rng.integers(0, 32000, ctx).tolist(), new)) for _ in range(batch)]
     t0 = time.perf_counter()
     while any(r.first_token_time is None for r in requests):
         runner.step()
     prefill_s = time.perf_counter() - t0
-    for _ in range(args.warm_steps):
+    for _ in range(warm_steps):
         runner.step()
     runner.drain()
+    return Prefilled(engine, runner, requests, warm_up_s, compiled, since, prefill_s)
+
+
+def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
+    """Prefill ``batch`` random prompts of ``ctx`` tokens, then time decode steps in steady state, every request
+    still running (each may sample a token per prefill step before, one per step after)."""
+    new = batch * -(-ctx // args.chunk_tokens) + args.warm_steps + 2 * args.steps + 8
+    state = prefilled(model, batch, ctx, new, args.chunk_tokens, args.config, args.warm_steps)
+    engine, runner, requests, since = state.engine, state.runner, state.requests, state.since
     t0 = time.perf_counter()
     for _ in range(args.steps):
         runner.step()
@@ -146,7 +159,6 @@ def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
     if any(r.finish_time is not None for r in requests):
         raise RuntimeError("a request finished while the steps were timed: the batch was not full")
     span = back_to_back(engine, requests, args.steps)
-    gaps = gap_profile(engine, requests, args.steps) if args.gaps else {}
     split = {"gemm": 0.0, "attention": 0.0, "rest": 0.0}
     by_name: dict[str, float] = {}
     for name, ms in kernels:
@@ -173,18 +185,17 @@ def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
         attention_ms=split["attention"] * 1e3,
         rest_ms=split["rest"] * 1e3,
         kernels_per_step=len(kernels) / args.steps,
-        prefill_tok_s=batch * ctx / prefill_s,
-        prefill_s=prefill_s,
-        warm_up_s=warm_up_s,
+        prefill_tok_s=batch * ctx / state.prefill_s,
+        prefill_s=state.prefill_s,
+        warm_up_s=state.warm_up_s,
         chunk_tokens=args.chunk_tokens,
         xla_options=dict(engine_module.COMPILER_OPTIONS),
         knobs=args.knob,
-        **gaps,
         plan=args.plan,
         compiles_while_timed=sum(compile_times(since)[f"{s}_compiles"] for s in ("decode", "prefill")),
         top_kernels_ms=[(name[:80], ms) for name, ms in top],
         kernels_ms=by_name,
-        **compiled,
+        **state.compiled,
     )
 
 
@@ -209,39 +220,6 @@ def back_to_back(engine: Engine, requests: list[Request], steps: int) -> float:
         engine.decode(*inputs)
     engine.slot_tokens.block_until_ready()
     return (time.perf_counter() - t0) / steps
-
-
-def gap_profile(engine: Engine, requests: list[Request], steps: int, top: int = 12) -> dict:
-    """Where the device idles inside a decode step: the step enqueued back to back under JAX's profiler, whose
-    CUPTI records carry start times; each gap on a stream is charged to the kernel that follows it (names without
-    their numeric suffix). XLA drops its CUDA graphs while profiling unless the step was compiled with
-    ``xla_enable_command_buffers_during_profiling`` (``--xla-option``), so compare runs made the same way."""
-    inputs = step_inputs(engine, requests)
-    engine.decode(*inputs).block_until_ready()
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            for _ in range(steps):
-                engine.decode(*inputs)
-            engine.slot_tokens.block_until_ready()
-        (path,) = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
-        data = ProfileData.from_file(path)
-    gaps: dict[str, float] = {}
-    busy = idle = 0.0
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):
-                continue
-            events = sorted((e.start_ns, e.duration_ns, e.name) for e in line.events)
-            for (start, length, _), (after, _, name) in zip(events, events[1:]):
-                gap = max(0.0, after - start - length) / 1e6  # ms
-                key = re.sub(r"[._]\d+$", "", name)[:60]
-                gaps[key] = gaps.get(key, 0.0) + gap / steps
-                idle += gap / steps
-            busy += sum(length for _, length, _ in events) / 1e6 / steps
-    worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:top]
-    return dict(profiled_busy_ms=busy, profiled_gap_ms=idle, gaps_before_ms=worst)
 
 
 def prefill_sweep(model, rate, batch, ctx, chunks: list[int]) -> list[dict]:
@@ -311,11 +289,6 @@ def print_top_kernels(rows: list[dict]) -> None:
         print(f"\nrate {r['rate']}, {r['batch']} x {r['ctx']}: top kernels, ms per step")
         for name, ms in r["top_kernels_ms"]:
             print(f"  {ms:8.3f}  {name}")
-        if "gaps_before_ms" in r:
-            gap, busy = r["profiled_gap_ms"], r["profiled_busy_ms"]
-            print(f"  gaps (profiled): {gap:.3f} ms a step beside {busy:.3f} ms busy; charged to the kernel after:")
-            for name, ms in r["gaps_before_ms"]:
-                print(f"  {ms:8.3f}  {name}")
 
 
 def main(argv=None) -> None:
@@ -343,11 +316,6 @@ def main(argv=None) -> None:
         "--method", choices=("zack", "palu"), default="zack", help="how rates above 0 compress (default zack)"
     )
     ap.add_argument("--plan", choices=PLAN_FORMS, default="ordered", help="the rank plan's form (harness.PLAN_FORMS)")
-    ap.add_argument(
-        "--gaps",
-        action="store_true",
-        help="also profile the step (JAX's profiler) and charge the device's idle gaps to the kernels they precede",
-    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     args.config = with_knobs(DECODE, args.knob)
