@@ -67,7 +67,8 @@ def table(runs: list[dict], task: str, tolerance: float = 0.02) -> list[str]:
     chosen = models(runs, task)
     contexts = sorted({c for _, cells in chosen for c, _ in cells})
     means = [
-        {c: float(np.mean([a for (cc, _), a in cells.items() if cc == c])) for c in contexts} for _, cells in chosen
+        {c: float(np.mean([a for (cc, _), a in cells.items() if cc == c])) for c in sorted({c for c, _ in cells})}
+        for _, cells in chosen
     ]
     name = {c: f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in contexts}
     lines = [
@@ -75,7 +76,7 @@ def table(runs: list[dict], task: str, tolerance: float = 0.02) -> list[str]:
         "|---|---|" + "---|" * len(contexts),
     ]
     for (run, _), mean in zip(chosen, means, strict=True):
-        cols = " | ".join("-" if c not in mean or np.isnan(mean[c]) else f"{mean[c]:.3f}" for c in contexts)
+        cols = " | ".join(f"{mean[c]:.3f}" if c in mean else "-" for c in contexts)  # "-": a context it lacks
         lines.append(f"| {_label(run).split(' p=')[0]} | {run['rate']:.3f} | {cols} |")
     base = next((m for (run, _), m in zip(chosen, means, strict=True) if run["variant"] == "uncompressed"), None)
     if base is None:
@@ -93,7 +94,7 @@ def table(runs: list[dict], task: str, tolerance: float = 0.02) -> list[str]:
         for c in contexts:
             largest = 0.0
             for target, m in sorted(grid, key=lambda g: g[0]):
-                if m[c] < base[c] - tolerance - 1e-9:
+                if c not in m or c not in base or m[c] < base[c] - tolerance - 1e-9:
                     break
                 largest = target
             best.append(f"{largest:g}")

@@ -74,6 +74,8 @@ def test_a_grid_split_by_context_reads_as_one_and_its_table_finds_the_largest_ra
     assert "| uncompressed | 0.000 | 1.000 | 0.750 |" in lines and "| zack | 0.101 | 1.000 | 0.625 |" in lines
     # 1K: 0.5 is 12.5 points short; 8K: 0.1 is 12.5 points short, so 0.5 does not count though it is level
     assert lines[-1] == "| zack | 0.1 | 0 |"
+    lines = plot_retrieval.table([*runs, _run("palu", 0.2, 0.2, contexts=(1024,), correct=[4, 4])], "passkey", 0.1)
+    assert "| palu | 0.200 | 1.000 | - |" in lines and lines[-2] == "| palu | 0.2 | 0 |"  # no 8K run: no rate there
 
 
 def test_the_command_writes_a_png_and_refuses_what_it_cannot_draw(tmp_path, capsys):
