@@ -2,7 +2,8 @@
 a row per model (uncompressed first, then by variant and rate) and context, a column per depth, each cell's accuracy
 written in it. The per-run maps ``accuracy.py --png-dir`` writes hold one model each; this one is for comparing.
 A grid split over several runs (by context, by variant) reads as one. ``--markdown`` also prints the mean accuracy
-per model and context and the largest rate within 2 points of the uncompressed model, as in ``bench/RESULTS.md``.
+per model and context and the largest rate within 2 points of the uncompressed model, as in ``bench/RESULTS.md``;
+``--mean-depths`` averages only some depths (those the uncompressed model answers, say).
 
     python3 plot_retrieval.py results/retrieval-a.json results/retrieval-b.json --task passkey --out plots/x.png
 """
@@ -60,11 +61,17 @@ def grid_rows(runs: list[dict], task: str) -> tuple[list[str], list[float], np.n
     return labels, depths, np.array(values)
 
 
-def table(runs: list[dict], task: str, tolerance: float = 0.02) -> list[str]:
-    """Markdown lines: ``task``'s mean accuracy over depths per model and context, then per variant and context
-    the largest grid target rate whose mean (and every smaller grid rate's) is within ``tolerance`` of the
-    uncompressed model's, as ``accuracy.within_tolerance`` judges it (0 where none is)."""
+def table(runs: list[dict], task: str, tolerance: float = 0.02, depths: list[float] | None = None) -> list[str]:
+    """Markdown lines: ``task``'s mean accuracy over ``depths`` (default: all) per model and context, then per
+    variant and context the largest grid target rate whose mean (and every smaller grid rate's) is within
+    ``tolerance`` of the uncompressed model's, as ``accuracy.within_tolerance`` judges it (0 where none is). Fewer
+    depths leave out cells the uncompressed model fails (depth 1 for both real models: RESULTS "Retrieval")."""
     chosen = models(runs, task)
+    if depths is not None:
+        known = chosen[0][0]["results"]["depths"]
+        if not depths or any(d not in known for d in depths):
+            raise ValueError(f"--mean-depths must be some of the runs' depths {known}, got {depths}")
+        chosen = [(run, {cell: a for cell, a in cells.items() if cell[1] in depths}) for run, cells in chosen]
     contexts = sorted({c for _, cells in chosen for c, _ in cells})
     means = [
         {c: float(np.mean([a for (cc, _), a in cells.items() if cc == c])) for c in sorted({c for c, _ in cells})}
@@ -132,14 +139,22 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--markdown", action="store_true", help="also print the task's mean accuracy per model and context as Markdown"
     )
+    ap.add_argument(
+        "--mean-depths",
+        type=float,
+        nargs="+",
+        metavar="D",
+        help="--markdown: average these depths only (default: every depth of the runs)",
+    )
     ap.add_argument("--title", default=None, help="the plot's title (default: the model and task)")
     args = ap.parse_args(argv)
     runs, model = read_accuracy_jsons(ap, args.jsons, "retrieval")
     try:
+        lines = table(runs, args.task, depths=args.mean_depths) if args.markdown else []  # bad depths: no PNG
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         plot(runs, args.task, args.out, args.title or f"{model}: {args.task} retrieval")
-        if args.markdown:
-            print("\n".join(table(runs, args.task)))
+        if lines:
+            print("\n".join(lines))
     except (OSError, ValueError) as e:
         ap.error(str(e))
     print(f"wrote {args.out}")

@@ -76,6 +76,9 @@ def test_a_grid_split_by_context_reads_as_one_and_its_table_finds_the_largest_ra
     assert lines[-1] == "| zack | 0.1 | 0 |"
     lines = plot_retrieval.table([*runs, _run("palu", 0.2, 0.2, contexts=(1024,), correct=[4, 4])], "passkey", 0.1)
     assert "| palu | 0.200 | 1.000 | - |" in lines and lines[-2] == "| palu | 0.2 | 0 |"  # no 8K run: no rate there
+    # depth 0 alone: at 1K zack 0.5 (4 of 4) is level with the base, so it counts there; 8K fails at 0.1 already
+    lines = plot_retrieval.table(runs, "passkey", tolerance=0.1, depths=[0.0])
+    assert "| uncompressed | 0.000 | 1.000 | 1.000 |" in lines and lines[-1] == "| zack | 0.5 | 0 |"
 
 
 def test_the_command_writes_a_png_and_refuses_what_it_cannot_draw(tmp_path, capsys):
@@ -93,6 +96,9 @@ def test_the_command_writes_a_png_and_refuses_what_it_cannot_draw(tmp_path, caps
     packed.write_bytes(gzip.compress(src.read_bytes()))
     assert plot_retrieval.main([str(packed), "--out", str(tmp_path / "gz.png"), "--markdown"]) == 0
     assert "| palu | 0.200 | 0.250 | 0.250 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # a depth the runs lack: refused before any PNG is written
+        plot_retrieval.main([str(src), "--out", str(tmp_path / "d.png"), "--markdown", "--mean-depths", "0.3"])
+    assert "--mean-depths must be some of" in capsys.readouterr().err and not (tmp_path / "d.png").exists()
     (tmp_path / "cut.json.gz").write_bytes(packed.read_bytes()[:40])
     with pytest.raises(SystemExit):
         plot_retrieval.main([str(tmp_path / "cut.json.gz"), "--out", str(tmp_path / "cut.png")])
