@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 import retrieval
+from accuracy import largest_passing
 from files import read_accuracy_jsons, write_atomic
 
 
@@ -64,8 +65,9 @@ def grid_rows(runs: list[dict], task: str) -> tuple[list[str], list[float], np.n
 def table(runs: list[dict], task: str, tolerance: float = 0.02, depths: list[float] | None = None) -> list[str]:
     """Markdown lines: ``task``'s mean accuracy over ``depths`` (default: all) per model and context, then per
     variant and context the largest grid target rate whose mean (and every smaller grid rate's) is within
-    ``tolerance`` of the uncompressed model's, as ``accuracy.within_tolerance`` judges it (0 where none is). Fewer
-    depths leave out cells the uncompressed model fails (depth 1 for both real models: RESULTS "Retrieval")."""
+    ``tolerance`` of the uncompressed model's, by ``accuracy.largest_passing`` as ``within_tolerance`` judges it (0
+    where none is). Fewer depths leave out cells the uncompressed model fails (depth 1 for both real models:
+    RESULTS "Retrieval")."""
     chosen = models(runs, task)
     if depths is not None:
         known = chosen[0][0]["results"]["depths"]
@@ -96,15 +98,14 @@ def table(runs: list[dict], task: str, tolerance: float = 0.02, depths: list[flo
     ]
     lines.append("|---|" + "---|" * len(contexts))
     for variant in sorted({run["variant"] for run, _ in chosen} - {"uncompressed"}):
-        grid = [(run["target_rate"], m) for (run, _), m in zip(chosen, means, strict=True) if run["variant"] == variant]
+        grid = {run["target_rate"]: m for (run, _), m in zip(chosen, means, strict=True) if run["variant"] == variant}
         best = []
         for c in contexts:
-            largest = 0.0
-            for target, m in sorted(grid, key=lambda g: g[0]):
-                if c not in m or c not in base or m[c] < base[c] - tolerance - 1e-9:
-                    break
-                largest = target
-            best.append(f"{largest:g}")
+
+            def passes(m, c=c):
+                return c in m and c in base and m[c] >= base[c] - tolerance - 1e-9
+
+            best.append(f"{largest_passing(grid.__getitem__, grid, passes, steps=0, upper=0.0)[0]:g}")
         lines.append(f"| {variant} | " + " | ".join(best) + " |")
     return lines
 
