@@ -20,6 +20,7 @@ from files import write_json
 from harness import log, on_gpu
 from jax.profiler import ProfileData
 
+from kvjax import validate
 from kvjax.runtime import engine as engine_module
 from kvjax.runtime.engine import Engine
 from kvjax.runtime.scheduler import Request
@@ -74,13 +75,40 @@ def profile(engine: Engine, requests: list[Request], steps: int) -> dict:
     )
 
 
+def _count(flag: str):
+    """An argparse ``type=`` for a positive integer flag."""
+    return validate.arg(lambda v: validate.positive(flag, v), int)
+
+
+def _rates(text: str) -> list[float]:
+    """``--rates``: comma-separated compression rates, each in [0, 1)."""
+    return [validate.rate("--rates", float(r)) for r in text.split(",")]
+
+
+def _shape(text: str) -> tuple[int, int]:
+    """``--shape``: BxCTX, two positive integers."""
+    batch, _, ctx = text.partition("x")
+    if not (batch.isdigit() and ctx.isdigit()):
+        raise ValueError(f"--shape must be BxCTX (32x2048, say), got {text!r}")
+    return validate.positive("--shape's batch", int(batch)), validate.positive("--shape's context", int(ctx))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rates", default="0.5,0", help="compression rates, comma-separated (default 0.5,0)")
-    ap.add_argument("--shape", default="32x2048", help="BxCTX of the decode batch (default 32x2048)")
-    ap.add_argument("--steps", type=int, default=4, help="steps profiled (default 4: more drops CUPTI records)")
-    ap.add_argument("--chunk-tokens", type=int, default=2048, help="prefill chunk (default 2048)")
-    ap.add_argument("--top", type=int, default=12, help="kernel names printed per rate (default 12)")
+    ap.add_argument(
+        "--rates",
+        type=validate.arg(_rates),
+        default=[0.5, 0.0],
+        help="compression rates, comma-separated (default 0.5,0)",
+    )
+    ap.add_argument(
+        "--shape", type=validate.arg(_shape), default=(32, 2048), help="BxCTX of the decode batch (default 32x2048)"
+    )
+    ap.add_argument(
+        "--steps", type=_count("--steps"), default=4, help="steps profiled (default 4: more drops CUPTI records)"
+    )
+    ap.add_argument("--chunk-tokens", type=_count("--chunk-tokens"), default=2048, help="prefill chunk (default 2048)")
+    ap.add_argument("--top", type=_count("--top"), default=12, help="kernel names printed per rate (default 12)")
     ap.add_argument(
         "--no-graphs",
         action="store_true",
@@ -88,13 +116,15 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
+    if args.json and not os.access(os.path.dirname(os.path.abspath(args.json)), os.W_OK):
+        ap.error(f"--json {args.json}: its folder is not a writable directory")  # found now, not after a model's run
     if not on_gpu():
         raise SystemExit("bench/gaps.py profiles the engine on a GPU")
     if not args.no_graphs:
         engine_module.COMPILER_OPTIONS["xla_enable_command_buffers_during_profiling"] = True
-    batch, ctx = map(int, args.shape.split("x"))
+    batch, ctx = args.shape
     rows = []
-    for rate in map(float, args.rates.split(",")):
+    for rate in args.rates:
         log(f"rate {rate}, {batch} x {ctx}")
         new = batch * -(-ctx // args.chunk_tokens) + 64
         state = prefilled(model_at(rate), batch, ctx, new, args.chunk_tokens)

@@ -4,6 +4,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import gaps  # noqa: E402
@@ -24,3 +25,20 @@ def test_each_gap_goes_to_the_kernel_after_it_and_copies_neither_end_nor_take_on
         "kvjax_paged_decode": (float(idle[1]), 1),
         "gemm": (float(idle[2]), 1),  # gemm_1 starts the stream: no gap before it
     }
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--steps", "0"], "--steps must be positive"),
+        (["--rates", "0.5,nan"], "--rates must be a finite number"),
+        (["--rates", "1"], "--rates must be in [0, 1)"),
+        (["--shape", "32by2048"], "--shape must be BxCTX"),
+        (["--shape", "0x2048"], "--shape's batch must be positive"),
+        (["--json", "/nonexistent-folder/gaps.json"], "is not a writable directory"),
+    ],
+)
+def test_bad_arguments_are_usage_errors_before_any_model_is_built(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        gaps.main(args)
+    assert e.value.code == 2 and message in capsys.readouterr().err
