@@ -252,9 +252,12 @@ def heldout_ids(model, source: str, num_tokens: int | None) -> np.ndarray:
     return ids[:num_tokens]
 
 
-def log_probs(model, window: np.ndarray) -> jax.Array:
-    """``model``'s next-token log-probs [T - 1, vocab] at positions 0..T-2 of one ``window`` [T] of token ids."""
-    return jax.nn.log_softmax(model.logits(np.asarray(window, np.int32)[None])[0, :-1], axis=-1)
+LOGIT_ROWS = 512  # positions projected onto the vocabulary at a time: [4K, 262K] float32 log-probs are 4 GB each
+
+
+def log_probs(model, hidden: jax.Array) -> jax.Array:
+    """``model``'s next-token log-probs [T, vocab] from its final-norm hidden states [T, E] (``Model.hidden``)."""
+    return jax.nn.log_softmax(model.project(hidden), axis=-1)
 
 
 @jax.jit
@@ -273,24 +276,46 @@ def window_sums(base_logp, logp, targets) -> dict:
     return {"nll": float(nll.sum()), "kl": float(kl.sum()), "agree": float(agree.sum()), "n": len(targets)}
 
 
-def compare_windows(base, builders, ids: np.ndarray, window: int) -> list[dict]:
+def _add(a: dict, b: dict) -> dict:
+    return {key: a[key] + b[key] for key in a}
+
+
+def _vocab_weights(model) -> list:
+    module = model.module
+    return [module.embed[...]] + ([] if module.lm_head is None else [module.lm_head.kernel[...]])
+
+
+def _hidden_for_base(base, model, chunk) -> jax.Array:
+    """``model``'s final-norm hidden states [T - 1, E] of ``chunk``, checked projectable by ``base``'s vocabulary
+    weights (compression folds only attention weights)."""
+    if not all(a is b or bool(jnp.array_equal(a, b)) for a, b in zip(_vocab_weights(base), _vocab_weights(model))):
+        raise ValueError("a scored model must share the base model's embedding and output weights")
+    return model.hidden(chunk[None])[0, :-1]
+
+
+def compare_windows(base, builders, ids: np.ndarray, window: int, rows: int = LOGIT_ROWS) -> list[dict]:
     """Perplexity, mean KL(base || model) and top-1 agreement over ``ids``' ``window``-token slices: ``base``'s
     own (KL 0, top-1 1), then each builder's model's.
 
     ``builders``: zero-argument callables returning the models to score, called once per window, so only one is
-    held at a time; ``base``'s log-probs are computed once per window and shared by all of them. Each result also
-    holds "per_window": the same three numbers for every window."""
+    held at a time (its hidden states [window, E] are kept). Log-probs are formed ``rows`` positions at a time
+    through ``base``'s vocabulary weights, which every model shares, ``base``'s once per block: memory does not
+    grow with window x vocabulary. Each result also holds "per_window": the same three numbers for every window."""
     starts = range(0, len(ids) - window + 1, window)
     if not starts:
         raise ValueError(f"{len(ids)} tokens make no window of {window}")
     sums: list[list[dict]] = [[] for _ in range(len(builders) + 1)]
     for s in starts:
         chunk = np.asarray(ids[s : s + window], np.int32)
-        base_logp = log_probs(base, chunk)
-        sums[0].append(window_sums(base_logp, base_logp, chunk[1:]))
-        for acc, build in zip(sums[1:], builders, strict=True):
-            acc.append(window_sums(base_logp, log_probs(build(), chunk), chunk[1:]))
-        del base_logp
+        hidden = [base.hidden(chunk[None])[0, :-1]] + [_hidden_for_base(base, build(), chunk) for build in builders]
+        totals: list[dict | None] = [None] * len(hidden)
+        for r in range(0, window - 1, rows):
+            targets = chunk[1:][r : r + rows]
+            base_logp, *logps = (log_probs(base, h[r : r + rows]) for h in hidden)
+            blocks = [window_sums(base_logp, logp, targets) for logp in (base_logp, *logps)]
+            totals = [b if t is None else _add(t, b) for t, b in zip(totals, blocks, strict=True)]
+        for acc, total in zip(sums, totals, strict=True):
+            acc.append(total)
     return [_scores(acc) | {"per_window": [_scores([w]) for w in acc]} for acc in sums]
 
 

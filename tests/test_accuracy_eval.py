@@ -33,9 +33,16 @@ def random_ids(rng, n: int) -> np.ndarray:
     return rng.integers(1, WIDE.vocab_size, n)  # never 0
 
 
-def perturbed(model, rng, scale: float = 0.05):
-    """``model`` with every weight moved by ``scale`` times its own magnitude of random noise."""
-    state = jax.tree.map(lambda w: w * (1 + scale * rng.standard_normal(w.shape).astype(w.dtype)), model.state)
+def perturbed(model, rng, scale: float = 0.05, vocab: bool = False):
+    """``model`` with every weight moved by ``scale`` times its own magnitude of random noise; the embedding and
+    output weights too only if ``vocab`` (compression never moves them)."""
+
+    def move(path, w):
+        if not vocab and any(getattr(key, "key", None) in ("embed", "lm_head") for key in path):
+            return w
+        return w * (1 + scale * rng.standard_normal(w.shape).astype(w.dtype))
+
+    state = jax.tree_util.tree_map_with_path(move, model.state)
     from flax import nnx
 
     return kvjax.Model(nnx.merge(model.graphdef, state))
@@ -91,6 +98,28 @@ def test_a_perturbed_model_has_positive_kl_and_agreement_in_range():
     np.testing.assert_allclose(first["kl"], kl, rtol=1e-3, atol=1e-6, err_msg=f"seed {seed}")
     assert first["top1"] == top1, f"seed {seed}: {first['top1']} != {top1}"
     assert len(s["per_window"]) == 2, f"seed {seed}"
+
+
+def test_log_probs_a_few_rows_at_a_time_give_the_whole_windows_numbers():
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    base = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
+    other = perturbed(base, rng)
+    ids = random_ids(rng, 80)
+    whole = accuracy.compare_windows(base, [lambda: other], ids, window=40, rows=64)
+    blocks = accuracy.compare_windows(base, [lambda: other], ids, window=40, rows=int(rng.integers(3, 12)))
+    for a, b in zip(whole, blocks, strict=True):
+        for key in ("ppl", "kl", "top1"):
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-7, err_msg=f"seed {seed}: {key}")
+
+
+def test_a_model_with_other_vocabulary_weights_is_refused():
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    base = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
+    other = perturbed(base, rng, vocab=True)
+    with pytest.raises(ValueError, match="embedding and output weights"):
+        accuracy.compare_windows(base, [lambda: other], random_ids(rng, 40), window=40)
 
 
 def random_eval_model(monkeypatch) -> int:

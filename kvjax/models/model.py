@@ -14,9 +14,7 @@ from kvjax.models.transformer import Transformer
 from kvjax.ops.prefill.reference import causal_attention
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _full_logits(graphdef, state, tokens):
-    module = nnx.merge(graphdef, state)
+def _full_hidden(module, tokens):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
@@ -24,7 +22,23 @@ def _full_logits(graphdef, state, tokens):
             q, k = rotation.packed(q, k)
         return causal_attention(q, k, v, module.layouts[i], rebuild)
 
-    return module.logits(module.hidden(tokens, positions, attend))
+    return module.hidden(tokens, positions, attend)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _full_logits(graphdef, state, tokens):
+    module = nnx.merge(graphdef, state)
+    return module.logits(_full_hidden(module, tokens))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _hidden(graphdef, state, tokens):
+    return _full_hidden(nnx.merge(graphdef, state), tokens)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _project(graphdef, state, hidden):
+    return nnx.merge(graphdef, state).logits(hidden)
 
 
 class Model:
@@ -64,12 +78,24 @@ class Model:
 
     def logits(self, tokens) -> jax.Array:
         """One full causal forward, no cache: int32 [B, T] -> float32 [B, T, vocab]."""
+        return _full_logits(self.graphdef, self.state, self._tokens(tokens))
+
+    def hidden(self, tokens) -> jax.Array:
+        """``logits`` before the vocabulary projection: final-norm hidden states [B, T, E], for callers that project
+        a few rows at a time (``project``) because [T, vocab] would not fit."""
+        return _hidden(self.graphdef, self.state, self._tokens(tokens))
+
+    def project(self, hidden) -> jax.Array:
+        """float32 logits [..., vocab] of final-norm hidden states [..., E] (``hidden``)."""
+        return _project(self.graphdef, self.state, hidden)
+
+    def _tokens(self, tokens) -> jax.Array:
         tokens = np.asarray(tokens)
         if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"tokens must be an integer array [batch, time], got {tokens.dtype} {tokens.shape}")
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
-        return _full_logits(self.graphdef, self.state, jnp.asarray(tokens, jnp.int32))
+        return jnp.asarray(tokens, jnp.int32)
 
     def astype(self, dtype) -> Model:
         """The same model with its parameters cast to ``dtype`` (one of ``kvjax.validate.DTYPES``)."""
