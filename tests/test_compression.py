@@ -90,7 +90,7 @@ def test_gram_of_v_matches_direct_computation():
     assert stats.num_tokens == 40
     block = model.module.layers[0]
     x = block.attn_norm(jnp.take(model.module.embed[...], tokens[tokens >= 0], axis=0))
-    v = np.asarray(block.attn.v(x), np.float64).reshape(40, 2, 64)
+    v = np.asarray(block.attn.project(x)[2], np.float64).reshape(40, 2, 64)
     np.testing.assert_allclose(stats.grams["v"][0], np.einsum("tgd,tge->gde", v, v), rtol=1e-4, atol=1e-4)
 
 
@@ -123,13 +123,15 @@ def test_a_format_1_checkpoint_loads_with_its_rotations_packed(tmp_path):
     """Format 1 stored a ZACK layer's rotation per group, zero-padded to the widest ([Hkv, d, W]); it loads into
     today's packed [d, k_cols] and gives the same logits."""
     import orbax.checkpoint as ocp
-    from flax import nnx
+    from flax.traverse_util import unflatten_dict
+
+    from kvjax.models.transformer import separate_params
 
     model = kvjax.Model.random(dataclasses.replace(WIDE["mistral"], num_heads=8, num_kv_heads=4), seed=3, scale=5.0)
     small = kvjax.compress(model, target_rate=0.4, calibration="random", num_tokens=256, seq_len=64, progress=False)
     assert any(len(set(lay.k_widths)) > 1 for lay in small.layouts)  # groups of other widths: padding shows
     small.save(str(tmp_path / "ckpt"))
-    params = nnx.to_pure_dict(nnx.state(small.module, nnx.Param))
+    params = unflatten_dict(separate_params(small.module))
     for layout, layer in zip(small.layouts, params["layers"].values()):
         packed, width = np.asarray(layer["attn"]["qk_rotation"]), max(layout.k_widths)
         old = np.zeros((layout.num_kv_heads, layout.head_dim, width), packed.dtype)

@@ -210,8 +210,8 @@ def test_gguf_non_finite_weight(tmp_path):
 
 def test_saved_non_finite_weight(tmp_path):
     model = kvjax.Model.random(TINY_CONFIGS["llama"])
-    kernel = model.module.layers[1].attn.k.kernel
-    kernel.set_value(kernel.get_value().at[0, 0].set(np.inf))
+    qkv = model.module.layers[1].attn.qkv  # saved as q, k and v: the first k column
+    qkv.kernel.set_value(qkv.kernel.get_value().at[0, qkv.ends[0]].set(np.inf))
     path = model.save(str(tmp_path / "ckpt"))
     raises(
         kvjax.CheckpointError, r"ckpt/params: parameter layers\.1\.attn\.k\.kernel holds NaN or infinite", load, path

@@ -102,7 +102,7 @@ def test_calibration_gathers_the_pre_rope_query_gram():
     stats = calibrate(model, tokens, batch_size=2, progress=False)
     block = model.module.layers[0]
     x = block.attn_norm(jnp.take(model.module.embed[...], tokens[tokens >= 0], axis=0))
-    q = np.asarray(block.attn.q(x), np.float64).reshape(40, 2, -1, 64)  # [T, Hkv, G, d]
+    q = np.asarray(block.attn.project(x)[0], np.float64).reshape(40, 2, -1, 64)  # [T, Hkv, G, d]
     want = np.einsum("tgnd,tgne->gde", q, q)
     np.testing.assert_allclose(stats.grams["q_pre"][0], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert set(stats.grams) == {"q", "q_pre", "k", "k_pre", "v"}

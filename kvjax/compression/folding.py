@@ -20,7 +20,7 @@ from flax import nnx
 from kvjax.compression.once import jit_once
 from kvjax.models.model import Model
 from kvjax.models.rotation import packed_rotation
-from kvjax.models.transformer import Transformer
+from kvjax.models.transformer import Transformer, separate_params
 
 
 def _kept(widths, d: int) -> jnp.ndarray:
@@ -85,12 +85,12 @@ def fold(model: Model, plan, bases: dict) -> Model:
     """A new model whose weights carry ``plan``'s truncated bases (``bases``: {"k": Basis, "v": Basis}), its KV
     heads in ``plan.layer_order``."""
     dtype = model.dtype
-    old = dict(nnx.to_flat_state(nnx.state(model.module, nnx.Param)))
+    old = separate_params(model.module)
     module = nnx.eval_shape(lambda: Transformer(model.config, plan=plan, dtype=dtype, rngs=nnx.Rngs(0)))
     new = dict(nnx.to_flat_state(nnx.state(module, nnx.Param)))
 
     def f32(path):
-        return None if path not in old else old[path].get_value().astype(jnp.float32)
+        return None if path not in old else old[path].astype(jnp.float32)
 
     values: dict[tuple, jax.Array] = {}
     for i, layout in enumerate(module.layouts):
@@ -126,8 +126,10 @@ def fold(model: Model, plan, bases: dict) -> Model:
     for path, var in new.items():
         value = values.get(path)
         if value is None:
-            value = old[path].get_value()
+            value = old[path]
         if tuple(value.shape) != tuple(var.get_value().shape):
             raise AssertionError(f"folded {path} has shape {value.shape}, expected {var.get_value().shape}")
         var.set_value(jnp.asarray(value, dtype))
+    old.clear()  # Model joins the projections layer by layer: each layer's separate copies go as it does
+    values.clear()
     return Model(module, model.tokenizer, plan, model.source)

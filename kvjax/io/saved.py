@@ -34,6 +34,9 @@ def save(model, directory: str, *, overwrite: bool = False, hint: str = "overwri
     ``kvjax.json`` is written last: it marks the new directory complete. ``hint`` names the overwrite switch in
     errors (the converter's is ``--overwrite``)."""
     import orbax.checkpoint as ocp
+    from flax.traverse_util import unflatten_dict
+
+    from kvjax.models.transformer import separate_params
 
     for line in atomic.recover(os.path.abspath(directory), is_kvjax_checkpoint):
         warnings.warn(line, stacklevel=2)
@@ -43,7 +46,7 @@ def save(model, directory: str, *, overwrite: bool = False, hint: str = "overwri
     try:
         parts = ["params"]
         checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(os.path.join(tmp, "params"), nnx.to_pure_dict(nnx.state(model.module, nnx.Param)))
+        checkpointer.save(os.path.join(tmp, "params"), unflatten_dict(separate_params(model.module)))
         checkpointer.wait_until_finished()
         if model.plan is not None:
             _write(os.path.join(tmp, "plan.json"), model.plan.to_json())

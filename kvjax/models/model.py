@@ -46,7 +46,9 @@ class Model:
 
     def __init__(self, module: Transformer, tokenizer=None, plan=None, source: str | None = None):
         """``plan`` is the ``RankPlan`` a compressed module was built with (None: uncompressed); ``source`` the
-        checkpoint it was read from (``save`` never writes over, into or around it)."""
+        checkpoint it was read from (``save`` never writes over, into or around it). ``module``'s projections are
+        joined in place (``Transformer.join``)."""
+        module.join()
         self.module, self.tokenizer, self.plan, self.source = module, tokenizer, plan, source
         self.graphdef, self.state = nnx.split(module)
         self._engines: dict = {}

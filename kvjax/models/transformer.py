@@ -8,6 +8,7 @@ attention; the engine passes one that writes the paged cache and reads it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,33 @@ class Linear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
+class Joined(Linear):
+    """Several ``Linear`` side by side as one (``names`` [i]'s output columns end at ``ends[i]``): one GEMM where
+    there were several, fewer and wider launches in a decode step (bench/RESULTS.md "Engine: joined projections")."""
+
+    def __init__(self, parts: dict[str, Linear]):
+        kernels = [part.kernel[...] for part in parts.values()]
+        self.kernel = nnx.Param(jnp.concatenate(kernels, axis=-1))
+        biases = [None if p.bias is None else p.bias[...] for p in parts.values()]
+        self.bias = (
+            None
+            if all(b is None for b in biases)
+            else nnx.Param(
+                jnp.concatenate([jnp.zeros(k.shape[-1:], k.dtype) if b is None else b for b, k in zip(biases, kernels)])
+            )
+        )
+        self.names = tuple(parts)
+        self.ends = tuple(int(e) for e in np.cumsum([k.shape[-1] for k in kernels]))
+
+    def parts(self, x) -> tuple[jax.Array, ...]:
+        """Each part's output, in ``names`` order."""
+        return tuple(jnp.split(self(x), self.ends[:-1], axis=-1))
+
+    def split(self, value: jax.Array) -> dict[str, jax.Array]:
+        """One of this module's parameters (kernel or bias) cut back into its parts', by name."""
+        return dict(zip(self.names, jnp.split(value, self.ends[:-1], axis=-1), strict=True))
+
+
 class Norm(nnx.Module):
     """RMSNorm (Llama/Mistral), Gemma's RMSNorm or LayerNorm (Falcon), computed in float32 as transformers does.
 
@@ -78,7 +106,8 @@ class Attention(nnx.Module):
     (the baseline): ``k`` outputs a pre-RoPE latent of ``k_widths[g]`` columns per head that attention rebuilds
     (``latent.LatentK``: ``k_up``, then RoPE) at every call. Gemma normalises every q and k head (``q_norm``,
     ``k_norm``) before RoPE; a normalised k cannot have its basis folded into ``k``, so Palu there projects the
-    normed head onto it (``k_down`` [d, k_widths[g]] per head) before caching.
+    normed head onto it (``k_down`` [d, k_widths[g]] per head) before caching. ``join`` holds ``q``, ``k`` and ``v``
+    as one ``Joined`` projection (``qkv``), as a ``kvjax.Model`` does.
     """
 
     def __init__(self, cfg: ModelConfig, layout: HeadLayout, method: str | None, *, dtype, rngs):
@@ -86,10 +115,11 @@ class Attention(nnx.Module):
         bias = cfg.attention_bias
         self.method = method
         folded_k = method == "palu" and not cfg.gemma_norms  # Palu's basis folded into the K projection
-        self.q = Linear(e, h * d, bias=bias, dtype=dtype, rngs=rngs)
-        self.k = Linear(e, layout.k_cols if folded_k else kv * d, bias=bias, dtype=dtype, rngs=rngs)
-        self.v = Linear(e, layout.v_cols, bias=bias, dtype=dtype, rngs=rngs)
+        self.q: Linear | None = Linear(e, h * d, bias=bias, dtype=dtype, rngs=rngs)
+        self.k: Linear | None = Linear(e, layout.k_cols if folded_k else kv * d, bias=bias, dtype=dtype, rngs=rngs)
+        self.v: Linear | None = Linear(e, layout.v_cols, bias=bias, dtype=dtype, rngs=rngs)
         self.o = Linear(layout.out_cols, e, bias=bias, dtype=dtype, rngs=rngs)
+        self.qkv: Joined | None = nnx.data(None)  # q, k and v as one, once ``join`` has run
 
         self.qk_rotation = nnx.Param(identity_rotation(layout, dtype)) if method == "zack" else None
         self.k_up = (
@@ -104,6 +134,21 @@ class Attention(nnx.Module):
         self.q_norm = Norm(d, **qk_norm) if cfg.gemma_norms else None
         self.k_norm = Norm(d, **qk_norm) if cfg.gemma_norms else None
 
+    def join(self) -> None:
+        """Hold q, k and v as one projection (``qkv``); calls after the first do nothing."""
+        if self.qkv is None:
+            assert self.q is not None and self.k is not None and self.v is not None
+            self.qkv = Joined({"q": self.q, "k": self.k, "v": self.v})
+            self.q = self.k = self.v = None
+
+    def project(self, x) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The q, k and v projections of ``x`` (k: Palu's latent where ``k`` folds its basis)."""
+        if self.qkv is not None:
+            q, k, v = self.qkv.parts(x)
+            return q, k, v
+        assert self.q is not None and self.k is not None and self.v is not None
+        return self.q(x), self.k(x), self.v(x)
+
     def __call__(self, x, positions, inv_freq, layout: HeadLayout, attend: AttendFn, layer: int):
         b, t, _ = x.shape
 
@@ -111,21 +156,22 @@ class Attention(nnx.Module):
             y = y.reshape(b, t, n, layout.head_dim)
             return y if norm is None else norm(y)
 
-        q = apply_rope(heads(self.q(x), layout.num_heads, self.q_norm), positions, inv_freq)
+        q, k, v = self.project(x)
+        q = apply_rope(heads(q, layout.num_heads, self.q_norm), positions, inv_freq)
         if self.method == "palu":
             assert self.k_up is not None
             rebuild = LatentK(tuple(up[...] for up in self.k_up), inv_freq, layout)
-            latent = self.k(x)
+            latent = k
             if self.k_down is not None:  # the normed pre-RoPE heads onto their bases
                 normed = heads(latent, layout.num_kv_heads, self.k_norm)
                 latent = jnp.concatenate([normed[:, :, g] @ down[...] for g, down in enumerate(self.k_down)], -1)
-            return self.o(attend(layer, q.reshape(b, t, -1), latent, self.v(x), rebuild=rebuild))
-        k = apply_rope(heads(self.k(x), layout.num_kv_heads, self.k_norm), positions, inv_freq)
+            return self.o(attend(layer, q.reshape(b, t, -1), latent, v, rebuild=rebuild))
+        k = apply_rope(heads(k, layout.num_kv_heads, self.k_norm), positions, inv_freq)
         q, k = q.reshape(b, t, -1), k.reshape(b, t, -1)
         if self.method == "zack":
             assert self.qk_rotation is not None
-            return self.o(attend(layer, q, k, self.v(x), rotation=QKRotation(self.qk_rotation[...], layout)))
-        return self.o(attend(layer, q, k, self.v(x)))
+            return self.o(attend(layer, q, k, v, rotation=QKRotation(self.qk_rotation[...], layout)))
+        return self.o(attend(layer, q, k, v))
 
 
 class MLP(nnx.Module):
@@ -135,15 +181,26 @@ class MLP(nnx.Module):
         e, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
         self.activation = cfg.activation
         self.gate = Linear(e, f, bias=bias, dtype=dtype, rngs=rngs) if cfg.activation != "gelu" else None
-        self.up = Linear(e, f, bias=bias, dtype=dtype, rngs=rngs)
+        self.up: Linear | None = Linear(e, f, bias=bias, dtype=dtype, rngs=rngs)
         self.down = Linear(f, e, bias=bias, dtype=dtype, rngs=rngs)
+        self.gate_up: Joined | None = nnx.data(None)  # gate and up as one, once ``join`` has run
+
+    def join(self) -> None:
+        """Hold a gated MLP's gate and up projections as one (``gate_up``); calls after the first do nothing."""
+        if self.gate is not None and self.up is not None:
+            self.gate_up = Joined({"gate": self.gate, "up": self.up})
+            self.gate = self.up = None
 
     def __call__(self, x):
-        if self.gate is None:
-            return self.down(jax.nn.gelu(self.up(x), approximate=False))
-        gate = self.gate(x)
+        if self.gate_up is not None:
+            gate, up = self.gate_up.parts(x)
+        else:
+            assert self.up is not None
+            if self.gate is None:
+                return self.down(jax.nn.gelu(self.up(x), approximate=False))
+            gate, up = self.gate(x), self.up(x)
         act = jax.nn.gelu(gate, approximate=True) if self.activation == "gelu_tanh" else jax.nn.silu(gate)
-        return self.down(act * self.up(x))
+        return self.down(act * up)
 
 
 class Block(nnx.Module):
@@ -197,6 +254,15 @@ class Transformer(nnx.Module):
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
 
+    def join(self) -> None:
+        """Every layer's q/k/v and gate/up projections as one GEMM each (``Joined``), in place: the in-memory form
+        of a model (``kvjax.Model`` joins what it is given). Each layer's separate weights are released as its
+        joined ones are made, so memory grows by one layer's projections at most; checkpoints and the compression
+        pipeline keep the separate form (``separate_params``)."""
+        for block in self.layers:
+            block.attn.join()
+            block.mlp.join()
+
     def inv_freq(self, layer: int) -> np.ndarray:
         """float64 RoPE inverse frequencies [head_dim / 2] of layer ``layer`` (Gemma 3's local and global differ)."""
         return inverse_frequencies(self.config.head_dim, *self.config.layer_rope(layer))
@@ -218,3 +284,19 @@ class Transformer(nnx.Module):
         """float32 logits for hidden states [..., E]."""
         w = self.embed[...].T if self.lm_head is None else self.lm_head.kernel[...]
         return (hidden @ w).astype(jnp.float32)
+
+
+def separate_params(module: Transformer) -> dict[tuple, jax.Array]:
+    """``module``'s parameters by path as a freshly built ``Transformer`` names them, joined projections cut back
+    into their parts (``("layers", 0, "attn", "q", "kernel")``, ...): what loaders fill, folding reads and
+    checkpoints store."""
+    out: dict[tuple, jax.Array] = {}
+    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        owner: Any = module
+        for key in path[:-1]:
+            owner = owner[key] if isinstance(key, int) else getattr(owner, str(key))
+        if isinstance(owner, Joined):
+            out.update({(*path[:-2], name, path[-1]): x for name, x in owner.split(var.get_value()).items()})
+        else:
+            out[path] = var.get_value()
+    return out
