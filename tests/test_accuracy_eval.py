@@ -80,11 +80,16 @@ def test_a_model_against_itself_has_zero_kl_and_full_agreement():
     np.testing.assert_allclose(own["ppl"], accuracy.perplexity(model, ids, 32), rtol=1e-5, err_msg=f"seed {seed}")
 
 
-def test_a_perturbed_model_has_positive_kl_and_agreement_in_range():
+def base_and_perturbed():
+    """(seed, its generator, a random model, the model perturbed) for one test."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     base = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
-    other = perturbed(base, rng)
+    return seed, rng, base, perturbed(base, rng)
+
+
+def test_a_perturbed_model_has_positive_kl_and_agreement_in_range():
+    seed, rng, base, other = base_and_perturbed()
     ids = random_ids(rng, 80)
     _, s = accuracy.compare_windows(base, [lambda: other], ids, window=40)
     assert s["kl"] > 0 and 0.0 <= s["top1"] <= 1.0 and s["ppl"] > 1.0, f"seed {seed}: {s}"
@@ -101,10 +106,7 @@ def test_a_perturbed_model_has_positive_kl_and_agreement_in_range():
 
 
 def test_log_probs_a_few_rows_at_a_time_give_the_whole_windows_numbers():
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
-    base = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
-    other = perturbed(base, rng)
+    seed, rng, base, other = base_and_perturbed()
     ids = random_ids(rng, 80)
     whole = accuracy.compare_windows(base, [lambda: other], ids, window=40, rows=64)
     blocks = accuracy.compare_windows(base, [lambda: other], ids, window=40, rows=int(rng.integers(3, 12)))
