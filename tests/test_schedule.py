@@ -355,8 +355,9 @@ def test_a_plan_wider_than_the_shape_widens_it_for_good():
 
 def test_static_schedule_covers_the_whole_table():
     lay = random_layouts(np.random.default_rng(), 1)[0]
-    s = static_decode_schedule(3, 10, lay, 16, 8)  # one layer: no leading layer axis
-    items = [tuple(s.items[p, i]) for p in range(8) for i in range(s.counts[p])]
+    s = static_decode_schedule(3, 10, lay, 16, 8)  # one layer, as layer 0 of a one-layer schedule
+    assert s.items.shape[0] == 1 and s.index.tolist() == [0]
+    items = [tuple(s.items[0, p, i]) for p in range(8) for i in range(s.counts[0, p])]
     units = len(head_runs(lay, s.config))
     assert sum(it[END_PAGE] - it[FIRST_PAGE] for it in items) == 3 * 10 * units
     assert {(it[SEQ], it[UNIT]) for it in items} == {(b, u) for b in range(3) for u in range(units)}

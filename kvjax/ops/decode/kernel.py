@@ -230,19 +230,19 @@ def _unfold(accs, m, l, group, nf):
     return accs, m_head, l_head
 
 
-def _kernel(items_ref, counts_ref, lengths_ref, *refs, classes, **static):
-    pid = pl.program_id(0)
+def _kernel(index_ref, items_ref, counts_ref, lengths_ref, *refs, classes, **static):
+    pid, layer = pl.program_id(0), index_ref[0]
     units_ref = refs[0]
     branches = [functools.partial(_attend_item, cls, refs=refs, **static) for cls in classes]
 
     def run(i, carry):
-        seq, unit = items_ref[pid, i, SEQ], items_ref[pid, i, UNIT]
+        seq, unit = items_ref[layer, pid, i, SEQ], items_ref[layer, pid, i, UNIT]
         item = (
             seq,
             unit,
-            items_ref[pid, i, FIRST_PAGE],
-            items_ref[pid, i, END_PAGE],
-            items_ref[pid, i, SLOT],
+            items_ref[layer, pid, i, FIRST_PAGE],
+            items_ref[layer, pid, i, END_PAGE],
+            items_ref[layer, pid, i, SLOT],
             lengths_ref[seq],
         )
         if len(branches) == 1:
@@ -252,7 +252,7 @@ def _kernel(items_ref, counts_ref, lengths_ref, *refs, classes, **static):
             lax.switch(cls, [lambda it, b=b: b(it) for b in branches], item)
         return carry
 
-    lax.fori_loop(0, counts_ref[pid], run, 0)
+    lax.fori_loop(0, counts_ref[layer, pid], run, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "interpret", "shared"))
@@ -272,9 +272,9 @@ def paged_decode(
 
     q [B, q_cols] packed, or wide [B, >= H, k_cols] (``models.rotation.QKRotation.wide``: row h is query head h on
     every packed K column; the kernel reads each head's own); k_pages [num_pages, page_size, k_cols], v_pages
-    likewise; block_table [B, pages_per_seq] int32;
-    lengths [B] int32 (the new token included); schedule: one layer's ``DecodeSchedule`` built for these lengths
-    or any they do not exceed (its ``config`` says how units were cut and how the kernel runs). Returns
+    likewise; block_table [B, pages_per_seq] int32; lengths [B] int32 (the new token included); schedule: the
+    ``DecodeSchedule`` of every layer, built for these lengths or any they do not exceed, set to this layer
+    (``DecodeSchedule.layer``; its ``config`` says how units were cut and how the kernel runs). Returns
     [B, out_cols] in q's dtype. Rows with length 0 are unspecified. ``shared``: the layouts of every layer that
     runs these kernels (default: ``layout`` alone); their code depends on those, not on ``layout``, so XLA
     compiles one decode and one merge kernel for all of them (``tables``).
@@ -305,6 +305,7 @@ def paged_decode(
         interpret=interpret,
     )
     args = [
+        jnp.asarray(schedule.index, jnp.int32),
         schedule.items,
         schedule.counts,
         lengths.astype(jnp.int32),
@@ -338,6 +339,7 @@ def paged_decode(
         acc,
         m,
         l,
+        schedule.index,
         schedule.merge_dest,
         schedule.merge_range,
         units,

@@ -26,17 +26,19 @@ from kvjax.ops.decode.cost import ROWS
 from kvjax.ops.pallas_util import MASK, load_rows, store_rows, whole_block
 
 
-def _merge_kernel(dest_ref, range_ref, units_ref, rows_ref, cols_ref, acc_ref, m_ref, l_ref, _, out_ref, **static):
-    g = pl.program_id(0)
-    seq = dest_ref[g, 0]
+def _merge_kernel(
+    index_ref, dest_ref, range_ref, units_ref, rows_ref, cols_ref, acc_ref, m_ref, l_ref, _, out_ref, **static
+):
+    g, layer = pl.program_id(0), index_ref[0]
+    seq = dest_ref[layer, g, 0]
 
     @pl.when(seq >= 0)
     def _():
         _merge_group(
             seq,
-            dest_ref[g, 1],
-            range_ref[g, 0],
-            range_ref[g, 1],
+            dest_ref[layer, g, 1],
+            range_ref[layer, g, 0],
+            range_ref[layer, g, 1],
             units_ref,
             rows_ref,
             cols_ref,
@@ -81,21 +83,24 @@ def _merge_group(
 
 
 @functools.partial(jax.jit, static_argnames=("v_max", "v_tile", "interpret"))
-def merge(out, acc, m, l, merge_dest, merge_range, units, rows, cols, *, v_max: int, v_tile: int, interpret=False):
+def merge(
+    out, acc, m, l, index, merge_dest, merge_range, units, rows, cols, *, v_max: int, v_tile: int, interpret=False
+):
     """Flat packed output ``out`` [B * out_cols] with every split group's rows replaced by the merge of its partials.
 
-    acc [slots * ROWS * v_max] float32, m and l [slots * ROWS] float32 (log2 units); merge_dest, merge_range [M, 2]:
-    one layer's ``DecodeSchedule`` fields (seq -1: no group); units, rows, cols: the layer's ``tables.LayerTables``;
-    ``v_tile``: a tile as wide as the widest head's V columns."""
+    acc [slots * ROWS * v_max] float32, m and l [slots * ROWS] float32 (log2 units); merge_dest, merge_range
+    [L, M, 2]: the ``DecodeSchedule`` fields of every layer (seq -1: no group), of which layer ``index`` [1] int32
+    is read; units, rows, cols: the layer's ``tables.LayerTables``; ``v_tile``: a tile as wide as the widest head's V
+    columns."""
     kernel = functools.partial(_merge_kernel, v_max=v_max, v_tile=v_tile, interpret=interpret)
-    args = [merge_dest, merge_range, units, rows, cols, acc, m, l, out]
+    args = [jnp.asarray(index, jnp.int32), merge_dest, merge_range, units, rows, cols, acc, m, l, out]
     return pl.pallas_call(
         kernel,
-        grid=(merge_dest.shape[0],),
+        grid=(merge_dest.shape[-2],),
         in_specs=[whole_block(x) for x in args],
         out_specs=whole_block(out),
         out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
-        input_output_aliases={8: 0},
+        input_output_aliases={9: 0},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         name="kvjax_decode_merge",

@@ -64,6 +64,7 @@ class DecodeSchedule:
     num_slots: static; partial slots a layer may use (every slot is below it).
     config: static; how the units were cut and how the kernel runs, so plan and run agree (``for_run``: a
         change of order or of another planner-only field compiles nothing new).
+    index [1] int32: the layer the kernels read (``layer``).
     """
 
     items: np.ndarray
@@ -72,12 +73,13 @@ class DecodeSchedule:
     merge_range: np.ndarray
     num_slots: int = dataclasses.field(default=1, metadata=dict(static=True))
     config: DecodeConfig = dataclasses.field(default=DECODE, metadata=dict(static=True))
+    index: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((1,), np.int32))
 
     def layer(self, i: int) -> DecodeSchedule:
-        """The schedule of layer ``i`` (arrays without the leading layer axis)."""
-        return DecodeSchedule(
-            self.items[i], self.counts[i], self.merge_dest[i], self.merge_range[i], self.num_slots, self.config
-        )
+        """The schedule for layer ``i``'s kernels: every layer's arrays, and ``i`` as a run-time operand the kernels
+        index them by (a slice per layer would cost the decode step four copy kernels a layer: bench/RESULTS.md
+        "Engine: schedule read in place")."""
+        return dataclasses.replace(self, index=np.full((1,), i, np.int32))
 
     @property
     def num_programs(self) -> int:
@@ -101,7 +103,7 @@ class DecodeSchedule:
 
         items = np.pad(self.items, lead + [(0, 0), (0, rounds), (0, 0)])
         dest, ranges = grow(self.merge_dest, groups, -1), grow(self.merge_range, groups, 0)
-        return DecodeSchedule(items, self.counts, dest, ranges, shape.slots, self.config)
+        return DecodeSchedule(items, self.counts, dest, ranges, shape.slots, self.config, self.index)
 
 
 class ScheduleShape(NamedTuple):
