@@ -139,6 +139,17 @@ def test_bad_dtypes_are_named(dtype):
 def test_logits_refuses_bad_tokens(tokens, match):
     with pytest.raises(ValueError, match=match):
         MODEL.logits(tokens)
+    with pytest.raises(ValueError, match=match):
+        MODEL.hidden(tokens)
+
+
+@pytest.mark.parametrize(
+    "hidden",
+    [np.ones((2, MODEL.config.hidden_size + 1), np.float32), np.ones((MODEL.config.hidden_size,), np.int32), 1.0],
+)
+def test_project_refuses_what_is_not_a_hidden_state(hidden):
+    with pytest.raises(ValueError, match="hidden must be floating"):
+        MODEL.project(hidden)
 
 
 # ---- properties of the one validation module

@@ -364,6 +364,16 @@ def test_static_schedule_covers_the_whole_table():
     assert all(it[SLOT] >= -1 for it in items)
 
 
+def test_a_layer_index_outside_the_schedule_is_refused():
+    rng = np.random.default_rng()
+    layouts = random_layouts(rng, 3)
+    s = build_decode_schedule(rng.integers(1, 200, 4), layouts, 16, 8).schedule
+    assert s.layer(-1).index.tolist() == [2] and s.layer(1).index.tolist() == [1]
+    for i in (3, -4):
+        with pytest.raises(IndexError, match="of a schedule of 3 layers"):
+            s.layer(i)
+
+
 def test_the_order_does_not_change_what_the_kernel_compiles_for():
     """Plans of any order (and other planner-only fields) carry one run config, so a step taking them as an
     argument compiles once even when "auto" switches between LPT and stream."""

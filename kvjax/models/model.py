@@ -89,6 +89,15 @@ class Model:
 
     def project(self, hidden) -> jax.Array:
         """float32 logits [..., vocab] of final-norm hidden states [..., E] (``hidden``)."""
+        hidden = jnp.asarray(hidden)
+        if (
+            hidden.ndim == 0
+            or hidden.shape[-1] != self.config.hidden_size
+            or not jnp.issubdtype(hidden.dtype, jnp.floating)
+        ):
+            raise ValueError(
+                f"hidden must be floating [..., {self.config.hidden_size}], got {hidden.dtype} {hidden.shape}"
+            )
         return _project(self.graphdef, self.state, hidden)
 
     def _tokens(self, tokens) -> jax.Array:

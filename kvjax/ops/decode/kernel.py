@@ -304,8 +304,9 @@ def paged_decode(
         config=config,
         interpret=interpret,
     )
+    index = jnp.asarray(schedule.index, jnp.int32)
     args = [
-        jnp.asarray(schedule.index, jnp.int32),
+        index,
         schedule.items,
         schedule.counts,
         lengths.astype(jnp.int32),
@@ -339,7 +340,7 @@ def paged_decode(
         acc,
         m,
         l,
-        schedule.index,
+        index,
         schedule.merge_dest,
         schedule.merge_range,
         units,

@@ -79,7 +79,10 @@ class DecodeSchedule:
         """The schedule for layer ``i``'s kernels: every layer's arrays, and ``i`` as a run-time operand the kernels
         index them by (a slice per layer would cost the decode step four copy kernels a layer: bench/RESULTS.md
         "Engine: schedule read in place")."""
-        return dataclasses.replace(self, index=np.full((1,), i, np.int32))
+        layers = self.items.shape[0]
+        if not -layers <= i < layers:  # the kernels would read past the arrays
+            raise IndexError(f"layer {i} of a schedule of {layers} layers")
+        return dataclasses.replace(self, index=np.full((1,), i % layers, np.int32))
 
     @property
     def num_programs(self) -> int:
@@ -103,7 +106,7 @@ class DecodeSchedule:
 
         items = np.pad(self.items, lead + [(0, 0), (0, rounds), (0, 0)])
         dest, ranges = grow(self.merge_dest, groups, -1), grow(self.merge_range, groups, 0)
-        return DecodeSchedule(items, self.counts, dest, ranges, shape.slots, self.config, self.index)
+        return dataclasses.replace(self, items=items, merge_dest=dest, merge_range=ranges, num_slots=shape.slots)
 
 
 class ScheduleShape(NamedTuple):
