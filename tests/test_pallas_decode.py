@@ -176,6 +176,24 @@ def test_packed_runs_match_reference(name):
     assert rel_err(out, reference(q, k, v, table, lens, layout)) < (1e-4 if dtype == jnp.float32 else 1e-2)
 
 
+def test_runs_of_other_head_counts_share_a_class_where_they_do_not_fold():
+    """Runs read through the same tiles share one code path whatever their head counts, unless the code folds
+    token chunks into spare rows (which depends on the count), and the shared path gives each run its own output."""
+    layout = HeadLayout(9, 3, 64, (32, 32, 64), (32, 32, 64))  # runs: heads 0-1 (64 + 64 columns), head 2 (64 + 64)
+    base = dataclasses.replace(
+        DECODE, order="stream", min_chunk_tokens=16, pack_tile=64, block_tokens=16, max_step_tokens=64
+    )
+    folded, unfolded = (dataclasses.replace(base, fold_tokens=f) for f in (16, 64))
+    assert [c.num_heads for c in run_classes((layout,), folded)] == [2, 1]
+    assert [c.num_heads for c in run_classes((layout,), unfolded)] == [0]
+    rng = np.random.default_rng()
+    q, k, v, table, lens = paged_inputs(rng, layout, [150, 33], 16, jnp.bfloat16)
+    for config in (folded, unfolded):
+        plan = build_decode_schedule([150, 33], layout, 16, 3, config=config, headroom_pages=1)
+        out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, interpret=True)
+        assert rel_err(out, reference(q, k, v, table, lens, layout)) < 1e-2
+
+
 # Layers of one model whose runs cut to different tiles: they share one decode and one merge kernel.
 LAYERS = (
     HeadLayout(8, 2, 64, (48, 16), (16, 64)),

@@ -42,25 +42,11 @@ from kvjax.ops.decode import tables
 from kvjax.ops.decode.cost import ROWS
 from kvjax.ops.decode.merge import merge
 from kvjax.ops.decode.plan import END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, DecodeSchedule
-from kvjax.ops.decode.tables import RunClass
+from kvjax.ops.decode.tables import RunClass, folds, step_tokens
 from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, store_rows, whole_block
-from kvjax.ops.tiles import pow2_floor, tile
+from kvjax.ops.tiles import tile
 
 BLOCK_H = ROWS  # query rows per item: a GQA group (G <= 8) padded to the tensor cores' smallest M
-
-
-def step_tokens(k_tile: int, v_tile: int, block_tokens: int, max_tokens: int) -> int:
-    """Tokens per loop step for a head class: ``block_tokens`` at 128+128 wide, more for narrower heads, capped."""
-    return min(max_tokens, pow2_floor(block_tokens * 256 / (k_tile + v_tile)))
-
-
-def folds(group: int, k_tile: int, step: int, fold_tokens: int) -> int:
-    """How many token chunks of a step share the 16-row score tile (a power of two).
-
-    A group has G real query rows; with F folds, rows ``c*G .. c*G+G-1`` score chunk ``c`` of the step, so softmax
-    work per byte falls F-fold. Bounded by the rows (F*G <= 16), by chunks of at least ``fold_tokens`` tokens, and
-    by F*k_tile <= 256 (the F masked copies of q live in registers for the whole item)."""
-    return max(1, min(pow2_floor(BLOCK_H // group), step // fold_tokens, 256 // k_tile))
 
 
 def _class_pieces(tiles, exact: bool, last):
@@ -81,18 +67,21 @@ def _attend_item(cls: RunClass, item, refs, *, group, page_size, window, scale, 
     layer's tables) and the write of its result."""
     units_ref, rows_ref, cols_ref, table_ref, q_ref, k_ref, v_ref, out_ref, acc_ref, m_ref, l_ref = refs
     seq, unit, first, end, slot, length = item
-    run_rows = cls.num_heads * group  # real rows of the score tile: head i of the run has rows i*G .. i*G+G-1
 
     def unit_field(f):
         return units_ref[unit * tables.UNIT_FIELDS + f] * 16
+
+    # real rows of the score tile (head i of the run has rows i*G .. i*G+G-1): static where the class folds
+    heads = cls.num_heads or units_ref[unit * tables.UNIT_FIELDS + tables.HEADS]
+    run_rows = heads * group
 
     qo, ko, vo, oo = (unit_field(f) for f in (tables.Q_OFF, tables.K_OFF, tables.V_OFF, tables.O_OFF))
     q_cols, k_cols, v_cols, o_cols = (cols_ref[f] * 16 for f in range(4))
     k_pieces = _class_pieces(cls.k_tiles, cls.k_exact, unit_field(tables.K_LAST))
     v_pieces = _class_pieces(cls.v_tiles, cls.v_exact, unit_field(tables.V_LAST))
     kt, vt = cls.k_cols, cls.v_cols
-    bt = step_tokens(kt, vt, config.block_tokens, config.max_step_tokens)
-    nf = folds(run_rows, kt, bt, config.fold_tokens)
+    bt = step_tokens(kt, vt, config)
+    nf = folds(run_rows, kt, bt, config.fold_tokens) if cls.num_heads else 1
     bc = bt // nf  # tokens per chunk
     precision = dot_precision(k_ref.dtype)
 

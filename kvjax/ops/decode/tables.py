@@ -1,9 +1,11 @@
 """What the decode kernels compile for, and the tables they read at run time: run classes shared by a model's layers,
 and each layer's unit and row tables.
 
-A class is a run's head count and the tiles of its K and V pieces (``pieces``). Everything else about a run (its
-widths, where each head's rows and columns sit, the layer's row widths) travels in int32 tables that the kernel
-and the merge read at run time, in units of 16 so the compiler still sees 16-aligned vectors. So the code of the
+A class is the tiles of a run's K and V pieces (``pieces``), and its head count only where the run folds token
+chunks into spare rows of the score tile (``folds``), whose code depends on it. Everything else about a run (its
+head count otherwise, its widths, where each head's rows and columns sit, the layer's row widths) travels in int32
+tables that the kernel and the merge read at run time, offsets in units of 16 so the compiler still sees
+16-aligned vectors. So the code of the
 decode and merge kernels depends on the classes of the layers that share them (``kernel_groups``), never on the
 layer, and XLA compiles each once for its group instead of once per layer (bench/RESULTS.md "Engine: compile
 times").
@@ -20,12 +22,12 @@ from kvjax.ops.decode.config import DecodeConfig
 from kvjax.ops.decode.cost import ROWS
 from kvjax.ops.decode.units import Run, head_runs
 from kvjax.ops.pallas_util import column_offsets
-from kvjax.ops.tiles import segments
+from kvjax.ops.tiles import pow2_floor, segments
 
-# Columns of a unit's row in the unit table: its class, its first head's column in packed q, K, V and output rows,
-# and the width of its last K and last V piece.
-CLASS, Q_OFF, K_OFF, V_OFF, O_OFF, K_LAST, V_LAST = range(7)
-UNIT_FIELDS = 7
+# Columns of a unit's row in the unit table: its class, its head count, its first head's column in packed q, K, V
+# and output rows, and the width of its last K and last V piece (the last five in units of 16).
+CLASS, HEADS, Q_OFF, K_OFF, V_OFF, O_OFF, K_LAST, V_LAST = range(8)
+UNIT_FIELDS = 8
 # Fields of the row table, each a vector over the score tile's rows (row ``i * G + g``: query g of the run's head
 # i): the head's first column and width among the run's K and V columns, and where the row's query starts in a
 # q row and its output in a packed output row, relative to the unit's offsets, less the head's first column.
@@ -35,6 +37,22 @@ ROW_FIELDS = 6
 Q_COLS, K_COLS, V_COLS, O_COLS = range(4)
 
 
+def step_tokens(k_tile: int, v_tile: int, config: DecodeConfig) -> int:
+    """Tokens per loop step for a run's tiles: ``block_tokens`` at 128+128 wide, more for narrower runs (so bytes
+    in flight stay about constant), at most ``max_step_tokens``."""
+    return min(config.max_step_tokens, pow2_floor(config.block_tokens * 256 / (k_tile + v_tile)))
+
+
+def folds(rows: int, k_tile: int, step: int, fold_tokens: int) -> int:
+    """How many token chunks of a step share the 16-row score tile (a power of two), for a run with ``rows`` real
+    query rows (its heads x group size).
+
+    With F folds, rows ``c*rows .. c*rows+rows-1`` score chunk ``c`` of the step, so softmax work per byte falls
+    F-fold. Bounded by the rows (F*rows <= 16), by chunks of at least ``fold_tokens`` tokens, and by F*k_tile <=
+    256 (the F masked copies of q live in registers for the whole item)."""
+    return max(1, min(pow2_floor(ROWS // rows), step // fold_tokens, 256 // k_tile))
+
+
 def pieces(cols: int, config: DecodeConfig) -> tuple[tuple[int, int, int], ...]:
     """How the kernel reads a run's ``cols`` K (or V) columns: (start, tile, columns) power-of-two pieces."""
     return segments(cols, config.max_segments, config.piece_saving)
@@ -42,8 +60,10 @@ def pieces(cols: int, config: DecodeConfig) -> tuple[tuple[int, int, int], ...]:
 
 @dataclasses.dataclass(frozen=True)
 class RunClass:
-    """Runs that share code: ``num_heads`` heads whose K and V columns are read as pieces of these tiles.
-    ``*_exact``: every run of the class fills its last piece, so those loads need no column mask."""
+    """Runs that share code: their K and V columns are read as pieces of these tiles. ``num_heads``: the runs'
+    head count where the code folds token chunks (``folds`` > 1); 0 where it does not, and runs of any head count
+    share the code, reading theirs from the unit table. ``*_exact``: every run of the class fills its last piece,
+    so those loads need no column mask."""
 
     num_heads: int
     k_tiles: tuple[int, ...]
@@ -65,9 +85,11 @@ class RunClass:
         return sum(self.v_tiles)
 
 
-def _key(run: Run, config: DecodeConfig) -> tuple:
-    tiles = (tuple(t for _, t, _ in pieces(c, config)) for c in (run.k_cols, run.v_cols))
-    return (run.num_heads, *tiles)
+def _key(run: Run, group: int, config: DecodeConfig) -> tuple:
+    k_tiles, v_tiles = (tuple(t for _, t, _ in pieces(c, config)) for c in (run.k_cols, run.v_cols))
+    kt, vt = sum(k_tiles), sum(v_tiles)
+    folded = folds(run.num_heads * group, kt, step_tokens(kt, vt, config), config.fold_tokens) > 1
+    return (run.num_heads if folded else 0, k_tiles, v_tiles)
 
 
 def _fills(cols: int, config: DecodeConfig) -> bool:
@@ -80,7 +102,7 @@ def run_classes(layouts, config: DecodeConfig) -> tuple[RunClass, ...]:
     exact: dict[tuple, list[bool]] = {}
     for layout in layouts:
         for run in head_runs(layout, config):
-            fills = exact.setdefault(_key(run, config), [True, True])
+            fills = exact.setdefault(_key(run, layout.group_size, config), [True, True])
             fills[0] &= _fills(run.k_cols, config)
             fills[1] &= _fills(run.v_cols, config)
     return tuple(RunClass(*key, *fills) for key, fills in exact.items())
@@ -114,12 +136,12 @@ def layer_tables(
         at = [offs[n][run.first] for n in "qkvo"]
         if wide_rows:
             at[0] = run.first * g * layout.k_cols + at[1]
-        unit[u] = (keys.index(_key(run, config)), *at, k_last, v_last)
+        unit[u] = (keys.index(_key(run, g, config)), run.num_heads, *at, k_last, v_last)
         for i, (ks, kw, vs, vw) in enumerate(zip(run.k_starts, run.k_widths, run.v_starts, run.v_widths)):
             for j in range(g):
                 q_row = (i * g + j) * layout.k_cols if wide_rows else (g - 1) * ks + j * kw
                 row[u, :, i * g + j] = ks, kw, vs, vw, q_row, (g - 1) * vs + j * vw
-    unit[:, 1:] //= 16
+    unit[:, Q_OFF:] //= 16
     q_cols = wide_rows * layout.k_cols if wide_rows else layout.q_cols
     cols = np.array([q_cols, layout.k_cols, layout.v_cols, layout.out_cols], np.int32) // 16
     return LayerTables(unit.ravel(), (row // 16).ravel(), cols)
@@ -131,7 +153,7 @@ def kernel_groups(layouts, config: DecodeConfig) -> dict[HeadLayout, tuple[HeadL
     ``config.kernel_classes`` (compile time grows faster than a kernel's classes: bench/RESULTS.md "Engine: compile
     times")."""
     layouts = tuple(dict.fromkeys(layouts))
-    sets = {lay: frozenset(_key(run, config) for run in head_runs(lay, config)) for lay in layouts}
+    sets = {lay: frozenset(_key(run, lay.group_size, config) for run in head_runs(lay, config)) for lay in layouts}
     groups: list[set] = []  # each group's classes
     for classes in sorted(set(sets.values()), key=lambda c: (-len(c), sorted(c))):
         fits = [g for g in groups if len(g | classes) <= config.kernel_classes]
