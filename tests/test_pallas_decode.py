@@ -1,6 +1,7 @@
 """The Pallas paged decode kernel against the jnp reference (interpret mode on the CPU; compiled on a GPU)."""
 
 import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -263,6 +264,27 @@ def test_layers_of_other_widths_lower_to_one_kernel():
     modules = triton_modules(layers, (schedule, *[x for case in inputs for x in case]))
     assert len(modules) == 2 * len(LAYERS)  # a decode and a merge kernel per layer
     assert len(set(modules[0::2])) == 1 and len(set(modules[1::2])) == 1
+
+
+def test_lowering_finds_the_triton_dialect_without_searching_the_import_path(monkeypatch):
+    """The Pallas lowering builds every op without a failed module lookup (``pallas_util.register_triton_dialect``):
+    without it, MLIR's bindings searched the import path for the dialect's module at every op, as they never
+    remember a miss."""
+    op, schedule, inputs = layers_case([40, 300], jnp.bfloat16, seed=0, interpret=False)
+
+    def layers(schedule, *arrays):
+        return [op.run(*arrays[5 * i : 5 * i + 5], schedule.layer(i), lay) for i, lay in enumerate(LAYERS[:2])]
+
+    class Spy:  # sees every import the module cache does not answer
+        missed: list[str] = []
+
+        def find_spec(self, name, path=None, target=None):
+            self.missed.append(name)
+
+    spy = Spy()
+    monkeypatch.setattr(sys, "meta_path", [spy, *sys.meta_path])
+    assert triton_modules(layers, (schedule, *[x for case in inputs[:2] for x in case]))
+    assert not spy.missed
 
 
 def test_a_layout_outside_the_op_or_the_shared_ones_is_refused():

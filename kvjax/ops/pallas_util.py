@@ -1,9 +1,11 @@
 """Pieces the Pallas kernels share: masked row loads and stores in flat arrays, whole-array blocks, dot precision,
-and the packed column offsets of a layer's heads (multiples of 16, so loads are 16-byte vectors)."""
+the packed column offsets of a layer's heads (multiples of 16, so loads are 16-byte vectors), and a fast lookup of
+the Triton dialect for their lowering."""
 
 from __future__ import annotations
 
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,20 @@ MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked block mu
 # An index past every buffer, where masked lanes of a store point in interpret mode: it drops them instead of letting
 # a masked lane's write-back collide with a real lane's store.
 NOWHERE = int(np.iinfo(np.int32).max)
+
+
+def register_triton_dialect() -> None:
+    """Let MLIR's Python bindings find the Triton ("tt") dialect module by the first name they try. They look it up
+    for every op the Pallas lowering builds and never remember a miss, so each op walked the import path: 70% of
+    lowering a compressed model's decode kernels (bench/RESULTS.md "Engine: compile times")."""
+    try:
+        from jax._src.lib.triton import dialect
+    except ImportError:  # a jaxlib without the Triton dialect: nothing is lowered to it
+        return
+    sys.modules.setdefault("jaxlib.mlir.dialects.tt", dialect)
+
+
+register_triton_dialect()
 
 
 def column_offsets(layout: HeadLayout) -> dict[str, list[int]]:
