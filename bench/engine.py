@@ -49,25 +49,36 @@ def model_at(
     return kvjax.Model(Transformer(cfg, plan=plan, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), plan=plan)
 
 
-COMPILES: list[tuple[str, float]] = []  # (function, seconds) of every XLA compile since the bench started
+COMPILES: list[tuple[str, str, float]] = []  # (stage, function, seconds) of every trace, lowering and XLA compile
+STAGES = {
+    dispatch.JAXPR_TRACE_EVENT: "trace",
+    dispatch.JAXPR_TO_MLIR_MODULE_EVENT: "lower",
+    dispatch.BACKEND_COMPILE_EVENT: "compile",
+}
 
 
 def _on_duration(event: str, duration: float, **kwargs) -> None:
-    if event == dispatch.BACKEND_COMPILE_EVENT:
-        COMPILES.append((str(kwargs.get("fun_name", "")), duration))
+    if event in STAGES:
+        COMPILES.append((STAGES[event], str(kwargs.get("fun_name", "")), duration))
         if duration > 1:
-            log(f"compiled {COMPILES[-1][0]} in {duration:.1f} s")
+            log(f"{STAGES[event]} {COMPILES[-1][1]}: {duration:.1f} s")
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 
 def compile_times(since: int) -> dict:
-    """Seconds XLA spent compiling each engine step since ``COMPILES[since]``, and how many variants it compiled."""
+    """Seconds each engine step took to trace (its jaxpr, inner functions included), lower (to MLIR, the Pallas
+    kernels to Triton IR) and compile (XLA) since ``COMPILES[since]``, and how many variants XLA compiled."""
     out = {}
     for step in ("decode", "prefill"):
-        times = [s for name, s in COMPILES[since:] if f"_{step}_step" in name]
-        out[f"{step}_compile_s"], out[f"{step}_compiles"] = sum(times), len(times)
+        events = [
+            (what, s) for what, name, s in COMPILES[since:] if name.removeprefix("jit(").rstrip(")") == f"_{step}_step"
+        ]
+        for stage in ("trace", "lower", "compile"):
+            out[f"{step}_{stage}_s"] = sum(s for what, s in events if what == stage)
+        out[f"{step}_compiles"] = sum(what == "compile" for what, _ in events)
+        out[f"{step}_first_call_s"] = sum(s for _, s in events)
     return out
 
 
@@ -267,9 +278,10 @@ def print_rows(rows: list[dict]) -> None:
     print(
         "\n| rate | B x ctx | wall ms/step | device ms/step | floor ms | % of floor | wall/device | tok/s | "
         "GEMM ms | attention ms | rest ms | kernels/step | prefill tok/s (chunk) | "
-        "compile s: decode / prefill (variants) | compiles while timed | span/device | wall/span |"
+        "compile s: decode / prefill (variants) | decode trace + lower + compile s | compiles while timed | "
+        "span/device | wall/span |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         rate = f"{r['rate']}{' palu' if r.get('method') == 'palu' else ''}"
         print(
@@ -278,6 +290,7 @@ def print_rows(rows: list[dict]) -> None:
             f"{r['gemm_ms']:.2f} | {r['attention_ms']:.2f} | {r['rest_ms']:.2f} | {r['kernels_per_step']:.0f} | "
             f"{r['prefill_tok_s']:.0f} ({r['chunk_tokens']}) | "
             f"{r['decode_compile_s']:.1f} / {r['prefill_compile_s']:.1f} ({r['prefill_compiles']}) | "
+            f"{r['decode_trace_s']:.1f} + {r['decode_lower_s']:.1f} + {r['decode_compile_s']:.1f} | "
             f"{r['compiles_while_timed']} | {r['span_over_device']:.3f} | {r['wall_over_span']:.3f} |",
             flush=True,
         )
@@ -300,8 +313,10 @@ def main(argv=None) -> None:
     ap.add_argument("--warm-steps", type=int, default=4, help="decode steps run before timing (default 4)")
     ap.add_argument(
         "--prefill-chunks",
-        help="instead of decode: prompt tokens/s at these chunk budgets (comma-separated), at the first shape",
+        help="also: prompt tokens/s at these chunk budgets (comma-separated) at --prefill-shape, after the decode rows",
     )
+    ap.add_argument("--prefill-shape", default="32x2048", help="BxCTX of the prefill sweep (default 32x2048)")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode rows (with --prefill-chunks)")
     ap.add_argument(
         "--xla-option",
         action="append",
@@ -327,19 +342,15 @@ def main(argv=None) -> None:
     bandwidth = copy_bandwidth()
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
-    rows = []
-    if args.prefill_chunks:
-        chunks = [int(c) for c in args.prefill_chunks.split(",")]
-        print(
-            "\n| rate | B x ctx | chunk tokens | prefill tok/s | prefill compile s (variants) |\n|---|---|---|---|---|"
-        )
-        for rate in map(float, args.rates.split(",")):
-            rows += prefill_sweep(model_at(rate, config=args.config, form=args.plan), rate, *shapes[0], chunks)
+    result = dict(device=jax.devices()[0].device_kind, bandwidth=bandwidth, rows=[], prefill_rows=[])
+    rows = result["rows"]
+
+    def save():  # after every row: a run cut short keeps what it measured
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
-        return
-    for rate in map(float, args.rates.split(",")):
+                json.dump(result, f, indent=1)
+
+    for rate in [] if args.no_decode else map(float, args.rates.split(",")):
         model = model_at(rate, config=args.config, form=args.plan, method=args.method)
         for batch, ctx in shapes:
             log(f"rate {rate}, {batch} x {ctx}")
@@ -347,12 +358,22 @@ def main(argv=None) -> None:
                 dict(run_shape(model, rate, batch, ctx, args, bandwidth), method=args.method if rate else "none")
             )
             print_rows(rows[-1:])
-            if args.json:  # after every row: a run cut short keeps what it measured
-                with open(args.json, "w") as f:
-                    json.dump(dict(device=jax.devices()[0].device_kind, bandwidth=bandwidth, rows=rows), f, indent=1)
+            save()
         del model
-    print_rows(rows)
-    print_top_kernels(rows)
+    if rows:
+        print_rows(rows)
+        print_top_kernels(rows)
+    if args.prefill_chunks:
+        chunks = [int(c) for c in args.prefill_chunks.split(",")]
+        batch, ctx = map(int, args.prefill_shape.split("x"))
+        print(
+            "\n| rate | B x ctx | chunk tokens | prefill tok/s | prefill compile s (variants) |\n|---|---|---|---|---|"
+        )
+        for rate in map(float, args.rates.split(",")):
+            result["prefill_rows"] += prefill_sweep(
+                model_at(rate, config=args.config, form=args.plan), rate, batch, ctx, chunks
+            )
+            save()
 
 
 if __name__ == "__main__":
