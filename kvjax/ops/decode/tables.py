@@ -4,11 +4,10 @@ and each layer's unit and row tables.
 A class is the tiles of a run's K and V pieces (``pieces``), and its head count only where the run folds token
 chunks into spare rows of the score tile (``folds``), whose code depends on it. Everything else about a run (its
 head count otherwise, its widths, where each head's rows and columns sit, the layer's row widths) travels in int32
-tables that the kernel and the merge read at run time, offsets in units of 16 so the compiler still sees
-16-aligned vectors. So the code of the
-decode and merge kernels depends on the classes of the layers that share them (``kernel_groups``), never on the
-layer, and XLA compiles each once for its group instead of once per layer (bench/RESULTS.md "Engine: compile
-times").
+tables that the kernel and the merge read at run time, offsets in units of 16 so the compiler still sees 16-aligned
+vectors. So the code of the decode and merge kernels depends on the classes of the layers that share them
+(``kernel_groups``), never on the layer, and XLA compiles each once for its group instead of once per layer
+(bench/RESULTS.md "Engine: compile times", "Engine: first call of a step").
 """
 
 from __future__ import annotations
