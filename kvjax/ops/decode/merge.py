@@ -3,12 +3,13 @@
 
 A split group is (sequence, run of heads); its chunks wrote (acc, max, sum) per row to adjacent partial slots of
 ``ROWS`` rows each (row ``i*G + g``: query g of the run's head i, over the run's V columns). One program per merge
-row of the schedule folds its group's slots in chunk order with the online-softmax update, so it reads only the
-slots the plan used, and the result depends on the group alone (the batch-invariant plans rely on this). Each row
-reads and writes its own head's columns (the layer's row table, ``tables``), so the tile is one head wide, and lands
-at its place in the packed output, which is updated in place: rows of groups that were not split keep what the
-decode kernel wrote. Widths and offsets are read at run time, so the layers of a kernel group share one compiled
-merge.
+row of the schedule and row of the score tile reads ``SLOTS`` of the group's slots at once (a loop step per
+``SLOTS``: one step unless a group has more chunks), so its loads are in flight together rather than one slot after
+another, and folds them with the online-softmax update. It reads only the slots the plan used, and the result
+depends on the group alone (the batch-invariant plans rely on this). Each row reads and writes its own head's
+columns (the layer's row table, ``tables``), so the tile is one head wide, and lands at its place in the packed
+output, which is updated in place: rows of groups that were not split keep what the decode kernel wrote. Widths and
+offsets are read at run time, so the layers of a kernel group share one compiled merge.
 """
 
 from __future__ import annotations
@@ -25,61 +26,86 @@ from kvjax.ops.decode import tables
 from kvjax.ops.decode.cost import ROWS
 from kvjax.ops.pallas_util import MASK, load_rows, store_rows, whole_block
 
+SLOTS = 16  # partial slots a merge step reads at once
+
 
 def _merge_kernel(
     index_ref, dest_ref, range_ref, units_ref, rows_ref, cols_ref, acc_ref, m_ref, l_ref, _, out_ref, **static
 ):
-    g, layer = pl.program_id(0), index_ref[0]
-    seq = dest_ref[layer, g, 0]
+    g, row, layer = pl.program_id(0), pl.program_id(1), index_ref[0]
+    seq, unit = dest_ref[layer, g, 0], dest_ref[layer, g, 1]
 
     @pl.when(seq >= 0)
     def _():
-        _merge_group(
-            seq,
-            dest_ref[layer, g, 1],
-            range_ref[layer, g, 0],
-            range_ref[layer, g, 1],
-            units_ref,
-            rows_ref,
-            cols_ref,
-            acc_ref,
-            m_ref,
-            l_ref,
-            out_ref,
-            **static,
-        )
+        width = rows_ref[(unit * tables.ROW_FIELDS + tables.V_WIDTH) * ROWS + row] * 16
+
+        @pl.when(width > 0)  # rows past the run's heads have no columns
+        def _():
+            _merge_row(
+                seq,
+                unit,
+                row,
+                width,
+                range_ref[layer, g, 0],
+                range_ref[layer, g, 1],
+                units_ref,
+                rows_ref,
+                cols_ref,
+                acc_ref,
+                m_ref,
+                l_ref,
+                out_ref,
+                **static,
+            )
 
 
-def _merge_group(
-    seq, unit, first, count, units_ref, rows_ref, cols_ref, acc_ref, m_ref, l_ref, out_ref, *, v_max, v_tile, interpret
+def _merge_row(
+    seq,
+    unit,
+    row,
+    width,
+    first,
+    count,
+    units_ref,
+    rows_ref,
+    cols_ref,
+    acc_ref,
+    m_ref,
+    l_ref,
+    out_ref,
+    *,
+    v_max,
+    v_tile,
+    interpret,
 ):
-    """Fold the ``count`` partial slots from ``first`` of (``seq``, ``unit``) into its output rows."""
-    rows = jnp.arange(ROWS)
+    """Fold score-tile row ``row`` of the ``count`` partial slots from ``first`` of (``seq``, ``unit``) into its
+    output row."""
 
     def field(f):
-        return plgpu.load(rows_ref.at[(unit * tables.ROW_FIELDS + f) * ROWS + rows]) * 16
+        return rows_ref[(unit * tables.ROW_FIELDS + f) * ROWS + row] * 16
 
-    start, width, o_row = field(tables.V_START), field(tables.V_WIDTH), field(tables.O_ROW)
-    to = units_ref[unit * tables.UNIT_FIELDS + tables.O_OFF] * 16 + o_row + start
-    live = width > 0
+    start = field(tables.V_START)
+    to = units_ref[unit * tables.UNIT_FIELDS + tables.O_OFF] * 16 + field(tables.O_ROW) + start
     cols = jnp.arange(v_tile)[None, :]
-    cols_ok = live[:, None] & (cols < width[:, None])
+    cols_ok = cols < width
 
-    def fold(s, carry):
+    def step(b, carry):
         acc, m, l = carry
-        part = (first + s) * ROWS + rows
+        slot = b * SLOTS + jnp.arange(SLOTS)
+        live = slot < count
+        part = (first + slot) * ROWS + row
         m_s = plgpu.load(m_ref.at[part], mask=live, other=MASK)
         l_s = plgpu.load(l_ref.at[part], mask=live, other=0.0)
-        a_s = load_rows(acc_ref, part, v_max, start[:, None], cols, cols_ok)
-        m_new = jnp.maximum(m, m_s)
+        a_s = load_rows(acc_ref, part, v_max, start, cols, cols_ok, live)
+        m_new = jnp.maximum(m, jnp.max(m_s))
         alpha, beta = jnp.exp2(m - m_new), jnp.exp2(m_s - m_new)
-        return acc * alpha[:, None] + a_s * beta[:, None], m_new, l * alpha + l_s * beta
+        return acc * alpha + jnp.sum(a_s * beta[:, None], axis=0, keepdims=True), m_new, l * alpha + jnp.sum(l_s * beta)
 
-    init = (jnp.zeros((ROWS, v_tile), jnp.float32), jnp.full((ROWS,), MASK, jnp.float32), jnp.zeros((ROWS,)))
-    acc, _, l = lax.fori_loop(0, count, fold, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    init = (jnp.zeros((1, v_tile), jnp.float32), jnp.float32(MASK), jnp.float32(0.0))
+    acc, _, l = lax.fori_loop(0, pl.cdiv(count, SLOTS), step, init)
+    out = acc / jnp.where(l > 0, l, 1.0)
     o_cols = cols_ref[tables.O_COLS] * 16
-    store_rows(out_ref, jnp.full((ROWS,), seq), o_cols, to[:, None], cols, out, cols_ok, interpret=interpret)
+    store_rows(out_ref, jnp.full((1,), seq), o_cols, to, cols, out, cols_ok, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("v_max", "v_tile", "interpret"))
@@ -96,7 +122,7 @@ def merge(
     args = [jnp.asarray(index, jnp.int32), merge_dest, merge_range, units, rows, cols, acc, m, l, out]
     return pl.pallas_call(
         kernel,
-        grid=(merge_dest.shape[-2],),
+        grid=(merge_dest.shape[-2], ROWS),
         in_specs=[whole_block(x) for x in args],
         out_specs=whole_block(out),
         out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
