@@ -41,45 +41,15 @@ def _merge_kernel(
 
         @pl.when(width > 0)  # rows past the run's heads have no columns
         def _():
-            _merge_row(
-                seq,
-                unit,
-                row,
-                width,
-                range_ref[layer, g, 0],
-                range_ref[layer, g, 1],
-                units_ref,
-                rows_ref,
-                cols_ref,
-                acc_ref,
-                m_ref,
-                l_ref,
-                out_ref,
-                **static,
-            )
+            first, count = range_ref[layer, g, 0], range_ref[layer, g, 1]
+            refs = (units_ref, rows_ref, cols_ref, acc_ref, m_ref, l_ref, out_ref)
+            _merge_row(seq, unit, row, width, first, count, refs, **static)
 
 
-def _merge_row(
-    seq,
-    unit,
-    row,
-    width,
-    first,
-    count,
-    units_ref,
-    rows_ref,
-    cols_ref,
-    acc_ref,
-    m_ref,
-    l_ref,
-    out_ref,
-    *,
-    v_max,
-    v_tile,
-    interpret,
-):
+def _merge_row(seq, unit, row, width, first, count, refs, *, v_max, v_tile, interpret):
     """Fold score-tile row ``row`` of the ``count`` partial slots from ``first`` of (``seq``, ``unit``) into its
-    output row."""
+    output row (``refs``: the unit, row and column tables, the partial acc, m and l, and the output)."""
+    units_ref, rows_ref, cols_ref, acc_ref, m_ref, l_ref, out_ref = refs
 
     def field(f):
         return rows_ref[(unit * tables.ROW_FIELDS + f) * ROWS + row] * 16
