@@ -1,11 +1,12 @@
 """The engine end to end on a random Llama-3.1-8B-shaped model (bf16): per rate and shape (batch x prompt length),
-one request run first so every step is compiled (compile times reported), then prompts prefilled through the
-continuous-batching runner in chunks, then decode steps in steady state timed twice,
-by the host's clock (wall per step, the runner's own loop) and by CUPTI (the step's kernels, summed), beside the floor
-(weights + K/V bytes read per step over the measured copy bandwidth) and split into GEMMs, attention and the rest;
-then the same step enqueued back to back without the runner (its span: kernels and the gaps between them), which
-tells the host's share of wall over device from the gaps'. Which kernels the gaps precede: bench/gaps.py.
-Table: bench/RESULTS.md "Engine: decode step beside the floor"."""
+one request run first so every step is compiled (each step's first call reported as tracing, lowering and XLA's
+compile), then prompts prefilled through the continuous-batching runner in chunks, then decode steps in steady
+state timed twice, by the host's clock (wall per step, the runner's own loop) and by CUPTI (the step's kernels,
+summed), beside the floor (weights + K/V bytes read per step over the measured copy bandwidth) and split into GEMMs,
+attention and the rest; then the same step enqueued back to back without the runner (its span: kernels and the
+gaps between them), which tells the host's share of wall over device from the gaps'. With ``--prefill-chunks``, then
+prompt tokens per second at each chunk budget. Which kernels the gaps precede: bench/gaps.py. Tables:
+bench/RESULTS.md "Engine: decode step beside the floor", "Engine: prefill across chunk sizes"."""
 
 from __future__ import annotations
 
@@ -19,10 +20,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from harness import LLAMA_8B, PLAN_FORMS, copy_bandwidth, log, on_gpu, rank_plan, with_knobs
+from harness import (
+    LLAMA_8B,
+    PLAN_FORMS,
+    copy_bandwidth,
+    count_arg,
+    log,
+    on_gpu,
+    rank_plan,
+    rates_arg,
+    shape_arg,
+    shapes_arg,
+    with_knobs,
+)
 from jax._src import dispatch
 
 import kvjax
+from kvjax import validate
 from kvjax.compression import RankPlan
 from kvjax.models.config import ModelConfig
 from kvjax.models.transformer import Transformer
@@ -306,16 +320,41 @@ def print_top_kernels(rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rates", default="0,0.5,0.7", help="compression rates, comma-separated (default 0,0.5,0.7)")
-    ap.add_argument("--shapes", default="32x2048,32x8192,8x32768", help="BxCTX decode shapes, comma-separated")
-    ap.add_argument("--chunk-tokens", type=int, default=2048, help="prompt tokens prefilled per step (default 2048)")
-    ap.add_argument("--steps", type=int, default=32, help="decode steps timed, by each timer (default 32)")
-    ap.add_argument("--warm-steps", type=int, default=4, help="decode steps run before timing (default 4)")
+    ap.add_argument(
+        "--rates",
+        type=rates_arg(),
+        default=[0.0, 0.5, 0.7],
+        help="compression rates, comma-separated (default 0,0.5,0.7)",
+    )
+    ap.add_argument(
+        "--shapes",
+        type=shapes_arg("--shapes"),
+        default=[(32, 2048), (32, 8192), (8, 32768)],
+        help="BxCTX decode shapes, comma-separated (default 32x2048,32x8192,8x32768)",
+    )
+    ap.add_argument(
+        "--chunk-tokens", type=count_arg("--chunk-tokens"), default=2048, help="prompt tokens per step (default 2048)"
+    )
+    ap.add_argument(
+        "--steps", type=count_arg("--steps"), default=32, help="decode steps timed, by each timer (default 32)"
+    )
+    ap.add_argument(
+        "--warm-steps",
+        type=validate.arg(lambda v: validate.integer("--warm-steps", v, low=0), int),
+        default=4,
+        help="decode steps run before timing (default 4)",
+    )
     ap.add_argument(
         "--prefill-chunks",
+        type=validate.arg(lambda text: [validate.positive("--prefill-chunks", int(c)) for c in text.split(",")]),
         help="also: prompt tokens/s at these chunk budgets (comma-separated) at --prefill-shape, after the decode rows",
     )
-    ap.add_argument("--prefill-shape", default="32x2048", help="BxCTX of the prefill sweep (default 32x2048)")
+    ap.add_argument(
+        "--prefill-shape",
+        type=shape_arg("--prefill-shape"),
+        default=(32, 2048),
+        help="BxCTX of the prefill sweep (default 32x2048)",
+    )
     ap.add_argument("--no-decode", action="store_true", help="skip the decode rows (with --prefill-chunks)")
     ap.add_argument(
         "--xla-option",
@@ -341,7 +380,6 @@ def main(argv=None) -> None:
         engine_module.COMPILER_OPTIONS[name] = ast.literal_eval(value)
     bandwidth = copy_bandwidth()
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     result = dict(device=jax.devices()[0].device_kind, bandwidth=bandwidth, rows=[], prefill_rows=[])
     rows = result["rows"]
 
@@ -350,9 +388,9 @@ def main(argv=None) -> None:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
 
-    for rate in [] if args.no_decode else map(float, args.rates.split(",")):
+    for rate in [] if args.no_decode else args.rates:
         model = model_at(rate, config=args.config, form=args.plan, method=args.method)
-        for batch, ctx in shapes:
+        for batch, ctx in args.shapes:
             log(f"rate {rate}, {batch} x {ctx}")
             rows.append(
                 dict(run_shape(model, rate, batch, ctx, args, bandwidth), method=args.method if rate else "none")
@@ -364,14 +402,13 @@ def main(argv=None) -> None:
         print_rows(rows)
         print_top_kernels(rows)
     if args.prefill_chunks:
-        chunks = [int(c) for c in args.prefill_chunks.split(",")]
-        batch, ctx = map(int, args.prefill_shape.split("x"))
+        batch, ctx = args.prefill_shape
         print(
             "\n| rate | B x ctx | chunk tokens | prefill tok/s | prefill compile s (variants) |\n|---|---|---|---|---|"
         )
-        for rate in map(float, args.rates.split(",")):
+        for rate in args.rates:
             result["prefill_rows"] += prefill_sweep(
-                model_at(rate, config=args.config, form=args.plan), rate, batch, ctx, chunks
+                model_at(rate, config=args.config, form=args.plan), rate, batch, ctx, args.prefill_chunks
             )
             save()
 

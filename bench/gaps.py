@@ -17,10 +17,9 @@ import tempfile
 import jax
 from engine import back_to_back, model_at, prefilled, step_inputs
 from files import write_json
-from harness import log, on_gpu
+from harness import count_arg, log, on_gpu, rates_arg, shape_arg
 from jax.profiler import ProfileData
 
-from kvjax import validate
 from kvjax.runtime import engine as engine_module
 from kvjax.runtime.engine import Engine
 from kvjax.runtime.scheduler import Request
@@ -75,40 +74,24 @@ def profile(engine: Engine, requests: list[Request], steps: int) -> dict:
     )
 
 
-def _count(flag: str):
-    """An argparse ``type=`` for a positive integer flag."""
-    return validate.arg(lambda v: validate.positive(flag, v), int)
-
-
-def _rates(text: str) -> list[float]:
-    """``--rates``: comma-separated compression rates, each in [0, 1)."""
-    return [validate.rate("--rates", float(r)) for r in text.split(",")]
-
-
-def _shape(text: str) -> tuple[int, int]:
-    """``--shape``: BxCTX, two positive integers."""
-    batch, _, ctx = text.partition("x")
-    if not (batch.isdigit() and ctx.isdigit()):
-        raise ValueError(f"--shape must be BxCTX (32x2048, say), got {text!r}")
-    return validate.positive("--shape's batch", int(batch)), validate.positive("--shape's context", int(ctx))
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--rates",
-        type=validate.arg(_rates),
+        type=rates_arg(),
         default=[0.5, 0.0],
         help="compression rates, comma-separated (default 0.5,0)",
     )
     ap.add_argument(
-        "--shape", type=validate.arg(_shape), default=(32, 2048), help="BxCTX of the decode batch (default 32x2048)"
+        "--shape", type=shape_arg("--shape"), default=(32, 2048), help="BxCTX of the decode batch (default 32x2048)"
     )
     ap.add_argument(
-        "--steps", type=_count("--steps"), default=4, help="steps profiled (default 4: more drops CUPTI records)"
+        "--steps", type=count_arg("--steps"), default=4, help="steps profiled (default 4: more drops CUPTI records)"
     )
-    ap.add_argument("--chunk-tokens", type=_count("--chunk-tokens"), default=2048, help="prefill chunk (default 2048)")
-    ap.add_argument("--top", type=_count("--top"), default=12, help="kernel names printed per rate (default 12)")
+    ap.add_argument(
+        "--chunk-tokens", type=count_arg("--chunk-tokens"), default=2048, help="prefill chunk (default 2048)"
+    )
+    ap.add_argument("--top", type=count_arg("--top"), default=12, help="kernel names printed per rate (default 12)")
     ap.add_argument(
         "--no-graphs",
         action="store_true",

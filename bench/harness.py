@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import validate
 from kvjax.layout import HeadLayout
 from kvjax.models.config import ModelConfig
 from kvjax.ops.decode.config import DECODE, DecodeConfig
@@ -64,6 +65,33 @@ START = time.perf_counter()
 # the decode config's runs), with its opt-in ``fill_tiles`` ("filled": widths first moved between heads so runs fill
 # their tiles, ``search.fill_runs``), or as drawn ("drawn": the ablation).
 PLAN_FORMS = ("ordered", "filled", "drawn", "uniform")
+
+
+def count_arg(flag: str):
+    """An argparse ``type=`` for a positive integer flag."""
+    return validate.arg(lambda v: validate.positive(flag, v), int)
+
+
+def rates_arg(flag: str = "--rates"):
+    """An argparse ``type=`` for comma-separated compression rates, each in [0, 1)."""
+    return validate.arg(lambda text: [validate.rate(flag, float(r)) for r in text.split(",")])
+
+
+def _shape(flag: str, text: str) -> tuple[int, int]:
+    batch, _, ctx = text.partition("x")
+    if not (batch.isdigit() and ctx.isdigit()):
+        raise ValueError(f"{flag} must be BxCTX (32x2048, say), got {text!r}")
+    return validate.positive(f"{flag}'s batch", int(batch)), validate.positive(f"{flag}'s context", int(ctx))
+
+
+def shape_arg(flag: str):
+    """An argparse ``type=`` for one BxCTX shape: two positive integers."""
+    return validate.arg(functools.partial(_shape, flag))
+
+
+def shapes_arg(flag: str):
+    """An argparse ``type=`` for comma-separated BxCTX shapes."""
+    return validate.arg(lambda text: [_shape(flag, s) for s in text.split(",")])
 
 
 def log(msg: str) -> None:
