@@ -1,6 +1,7 @@
 import os
 
 import jax
+import numpy as np
 import pytest
 
 from kvjax.models.config import ModelConfig
@@ -8,6 +9,12 @@ from kvjax.models.config import ModelConfig
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # before any test imports transformers
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+def fresh_seed() -> int:
+    """A new random seed for a test's inputs (tests report it in their failure messages)."""
+    return int(np.random.SeedSequence().entropy % 2**32)
+
 
 TINY = dict(
     num_layers=2,

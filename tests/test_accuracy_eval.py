@@ -9,7 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import TINY_CONFIGS
+from conftest import TINY_CONFIGS, fresh_seed
 
 import kvjax
 from kvjax.compression import make_plan
@@ -23,10 +23,6 @@ ROW_KEYS = {"source", "window", "tokens", "calibration", "variant", "max_context
 ROW_KEYS |= {"probe"}
 GRID = [0.25, 0.375, 0.5]
 SCORE_KEYS = {"ppl", "kl", "top1"}
-
-
-def fresh_seed() -> int:
-    return int(np.random.SeedSequence().entropy % 2**32)
 
 
 def random_ids(rng, n: int) -> np.ndarray:

@@ -6,16 +6,12 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_CONFIGS
+from conftest import TINY_CONFIGS, fresh_seed
 from flax import nnx
 
 import kvjax
 from kvjax.models.model import _full_logits
 from kvjax.models.transformer import Joined, Transformer, separate_params
-
-
-def fresh_seed() -> int:
-    return int(np.random.SeedSequence().entropy % 2**32)
 
 
 def separate_and_joined(cfg, seed):

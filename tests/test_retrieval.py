@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import fresh_seed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,10 +24,6 @@ LONGEST_SENTENCE = 16  # tokens: no FILLER sentence of SmolLM2's tokenizer is lo
 @pytest.fixture(scope="module")
 def smollm2():
     return kvjax.load("smollm2", dtype="float32", progress=False)
-
-
-def fresh_seed() -> int:
-    return int(np.random.SeedSequence().entropy % 2**32)
 
 
 def encode(model, text: str) -> list[int]:

@@ -9,7 +9,7 @@ import warnings
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_CONFIGS
+from conftest import TINY_CONFIGS, fresh_seed
 
 import kvjax
 from kvjax.compression import RankPlan, calibrate, calibration_tokens, make_plan
@@ -22,10 +22,6 @@ SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 4.0},
 }
 WIDE = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)
-
-
-def fresh_seed() -> int:
-    return int(np.random.SeedSequence().entropy % 2**32)
 
 
 def rope64(x, pos, inv_freq):

@@ -65,10 +65,10 @@ class Joined(Linear):
 
     def parts(self, x) -> tuple[jax.Array, ...]:
         """Each part's output, in ``names`` order."""
-        return tuple(jnp.split(self(x), self.ends[:-1], axis=-1))
+        return tuple(self.split(self(x)).values())
 
     def split(self, value: jax.Array) -> dict[str, jax.Array]:
-        """One of this module's parameters (kernel or bias) cut back into its parts', by name."""
+        """A kernel, bias or output of this module cut back into its parts', by name."""
         return dict(zip(self.names, jnp.split(value, self.ends[:-1], axis=-1), strict=True))
 
 

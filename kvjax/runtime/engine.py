@@ -31,9 +31,9 @@ from kvjax.runtime.cache import PagedKVCache, block_table, bytes_per_token, pool
 # XLA merges dots that share an operand when each weighs under a threshold (32 MB) by concatenating their weights,
 # which are step inputs here, so a compressed layer's narrower K and V projections had Q, K and V copied into one
 # matrix at every step (0.6 ms of a 10 ms step: bench/RESULTS.md "Engine: decode step beside the floor"); the model
-# now holds them joined once (``Transformer.join``). XLA's
-# Triton GEMMs are off: cuBLAS ran the steps' GEMMs faster and compiled without autotuning tiles for every distinct
-# shape of a compressed model's projections (bench/RESULTS.md "Engine: GEMMs on cuBLAS").
+# now holds them joined once (``Transformer.join``). XLA's Triton GEMMs are off: cuBLAS ran the steps' GEMMs faster
+# and compiled without autotuning tiles for every distinct shape of a compressed model's projections
+# (bench/RESULTS.md "Engine: GEMMs on cuBLAS").
 COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0, "xla_gpu_enable_triton_gemm": False}
 
 
