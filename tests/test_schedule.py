@@ -372,6 +372,9 @@ def test_a_layer_index_outside_the_schedule_is_refused():
     for i in (3, -4):
         with pytest.raises(IndexError, match="of a schedule of 3 layers"):
             s.layer(i)
+    assert s.layer(np.int64(2)).index.tolist() == [2]
+    with pytest.raises(TypeError):
+        s.layer(1.5)
 
 
 def test_the_order_does_not_change_what_the_kernel_compiles_for():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -79,7 +80,7 @@ class DecodeSchedule:
         """The schedule for layer ``i``'s kernels: every layer's arrays, and ``i`` as a run-time operand the kernels
         index them by (a slice per layer would cost the decode step four copy kernels a layer: bench/RESULTS.md
         "Engine: schedule read in place")."""
-        layers = self.items.shape[0]
+        layers, i = self.items.shape[0], operator.index(i)  # a float index is a TypeError, not truncated
         if not -layers <= i < layers:  # the kernels would read past the arrays
             raise IndexError(f"layer {i} of a schedule of {layers} layers")
         return dataclasses.replace(self, index=np.full((1,), i % layers, np.int32))
