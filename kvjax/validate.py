@@ -128,6 +128,18 @@ def token_ids(name: str, ids, vocab_size: int, *, allow_empty: bool = False) -> 
     return out
 
 
+def unicode_text(name: str, value: str) -> str:
+    """A string that is valid Unicode text: one with a lone surrogate (``"\\ud800"``, which no UTF-8 encodes, e.g.
+    from a JSON escape) is a ``ValueError`` naming its character index."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{name} is not valid Unicode text: lone surrogate {value[e.start]!r} at character {e.start}"
+        ) from None
+    return value
+
+
 def stops(stop) -> tuple[set[int], list[str]]:
     """Stop conditions -> (token ids, strings): one string or id, or a sequence of them (NumPy ints included)."""
     if stop is None:

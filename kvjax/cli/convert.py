@@ -21,6 +21,7 @@ def parse_args(argv=None):
     from kvjax import validate
     from kvjax.cli import options
     from kvjax.compression.calibration import TEXT_SOURCES
+    from kvjax.compression.text import read_text_file
     from kvjax.io.load import resolve
     from kvjax.io.saved import check_target
 
@@ -83,7 +84,13 @@ def parse_args(argv=None):
         "and keep the share whose model stays closest to the original on held-in calibration rows (default: one "
         "removal rate for both)",
     )
-    p.add_argument("--seed", type=validate.arg(validate.seed, int), default=0)
+    p.add_argument(
+        "--seed",
+        type=validate.arg(validate.seed, int),
+        default=0,
+        help="seed of the random calibration token ids (--calibration random; default 0): the same seed gives the "
+        "same plan; text calibration does not use it",
+    )
     options.add_dtype(p, "parameter dtype of the output")
     p.add_argument(
         "--overwrite",
@@ -95,8 +102,11 @@ def parse_args(argv=None):
         p.error("--k-share splits a target rate's columns: give --target-rate")
     if args.calibration not in ("random", *TEXT_SOURCES) and not args.calibration.startswith("text:"):
         p.error("--calibration must be 'text', 'prose', 'code', 'random' or 'text:FILE'")
-    if args.calibration.startswith("text:") and not os.path.isfile(args.calibration[5:]):
-        p.error(f"calibration file {args.calibration[5:]!r} does not exist")
+    if args.calibration.startswith("text:"):
+        try:  # missing, a directory or not UTF-8: said before the model is loaded
+            read_text_file(args.calibration[len("text:") :])
+        except (OSError, ValueError) as e:
+            p.error(str(e))
     try:
         src = resolve(args.src)
         check_target(args.out, overwrite=args.overwrite, sources=(src,), hint="--overwrite")
@@ -145,11 +155,15 @@ def main(argv=None) -> int:
             max_context=args.max_context,
             k_share=args.k_share,
         )
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, IsADirectoryError, ValueError) as e:
         parser.error(str(e))
     if args.dtype != "float32":
         compressed = compressed.astype(args.dtype)
-    compressed.save(args.out, overwrite=args.overwrite, hint="--overwrite")
+    try:
+        compressed.save(args.out, overwrite=args.overwrite, hint="--overwrite")
+    except OSError as e:  # a full disk, say: the save left nothing half-written (kvjax.io.atomic)
+        print(f"kvjax-convert: error: {e}", file=sys.stderr)
+        return 1
     print(compressed.plan.summary())
     print(f"wrote {args.out} ({compressed}) in {time.perf_counter() - start:.0f} s")
     return 0

@@ -10,7 +10,6 @@ q and k Grams give ZACK's post-RoPE basis for positions calibration never reache
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -231,7 +230,9 @@ def calibration_tokens(model, source="text", num_tokens: int = 16384, seq_len: i
 
 def check_source(model, source) -> None:
     """Refuse a calibration source that cannot work, before any work: an unknown name, text (any source but
-    "random" and token ids) for a model without a tokenizer, or a missing "text:PATH" file."""
+    "random" and token ids) for a model without a tokenizer, or a "text:PATH" that is missing or not a file."""
+    from kvjax.compression.text import check_text_file
+
     if not isinstance(source, str) or source == "random":
         return
     if source not in TEXT_SOURCES and not source.startswith("text:"):
@@ -243,20 +244,18 @@ def check_source(model, source) -> None:
             f"calibration {source!r} is text, but this model has no tokenizer: pass calibration='random' "
             "(random token ids) or token ids"
         )
-    path = source[len("text:") :] if source.startswith("text:") else None
-    if path is not None and not os.path.isfile(path):
-        raise FileNotFoundError(f"calibration text file {path!r} does not exist")
+    if source.startswith("text:"):
+        check_text_file(source[len("text:") :])
 
 
 def _text_ids(model, source: str) -> dict[str, np.ndarray]:
     """The token ids of text ``source``, per domain ({"prose": ..., "code": ...} for "text"; one entry for the
     others), in the order rows take them."""
-    from kvjax.compression.text import domain_text
+    from kvjax.compression.text import domain_text, read_text_file
 
     check_source(model, source)
     if source.startswith("text:"):
-        with open(source[len("text:") :], encoding="utf-8") as f:
-            texts = {source: f.read()}
+        texts = {source: read_text_file(source[len("text:") :])}
     else:
         texts = {domain: domain_text(domain, "calibration") for domain in TEXT_SOURCES[source]}
     return {

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
 from kvjax import validate
 from kvjax.compression.calibration import CalibrationStats, calibrate, calibration_tokens, check_source
 from kvjax.compression.folding import fold
-from kvjax.compression.plan import METHODS, RankPlan
+from kvjax.compression.plan import ALIGN, METHODS, RankPlan
 from kvjax.compression.split import best_share, kl_to
 
 BASIS = {"zack": ("qk", "v"), "palu": ("k_pre", "v")}  # each method's K and V bases (CalibrationStats.basis)
@@ -27,6 +33,43 @@ def _check_request(target_rate, removal_rate, method, max_context=None) -> int |
     if method != "zack":
         raise ValueError(f"max_context applies to method='zack' (a post-RoPE basis), not {method!r}")
     return validate.positive("max_context", max_context)
+
+
+def check_finite_weights(model) -> None:
+    """Every parameter of ``model`` is finite; else a ValueError naming the first that is not (its calibration
+    statistics would be NaN, and a plan made from them keeps nothing of the model)."""
+    flat = list(nnx.to_flat_state(nnx.state(model.module, nnx.Param)))
+    finite = jax.device_get([jnp.isfinite(var.get_value()).all() for _, var in flat])
+    for (path, _), ok in zip(flat, finite):
+        if not ok:
+            name = ".".join(map(str, path))
+            raise ValueError(
+                f"model parameter {name} holds NaN or infinite values: kvjax.compress needs finite weights"
+            )
+
+
+def check_finite_stats(stats: CalibrationStats) -> None:
+    """Every calibration Gram is finite; else a ValueError naming the first layer and KV head whose is not."""
+    bad = {kind: ~np.isfinite(g).all(axis=(-2, -1)) for kind, g in stats.grams.items()}  # kind -> [L, Hkv]
+    for layer in range(len(next(iter(bad.values()), []))):
+        for kind, heads in bad.items():
+            if heads[layer].any():
+                head = int(np.argmax(heads[layer]))
+                raise ValueError(
+                    f"calibration statistics of layer {layer} (the {kind!r} Gram of KV head {head}) hold NaN or "
+                    "infinite values: the model's activations are not finite on the calibration tokens"
+                )
+
+
+def _warn_far_from_target(plan: RankPlan, target_rate) -> None:
+    """Warn when the plan's rate is further above ``target_rate`` than rounding every head's widths can explain."""
+    if target_rate is not None and plan.rate - target_rate > ALIGN / plan.head_dim + 1e-9:
+        warnings.warn(
+            f"kvjax.compress reached an overall rate of {plan.rate:.4f}, far above the target_rate {target_rate} "
+            "asked for: the calibration statistics span fewer directions than that rate keeps (too few calibration "
+            "tokens, or a degenerate model)",
+            stacklevel=3,
+        )
 
 
 def make_plan(
@@ -55,7 +98,16 @@ def make_plan(
     None: one removal rate for both (adaptive) or the singular-value mass split (uniform)."""
     max_context = _check_request(target_rate, removal_rate, method, max_context)
     k_kind, v_kind = BASIS[method]
-    k_basis, v_basis = stats.basis(k_kind, model, max_context=max_context), stats.basis(v_kind, model)
+    with np.errstate(invalid="ignore", divide="ignore"):  # a zero Gram: said below, naming its layer
+        k_basis, v_basis = stats.basis(k_kind, model, max_context=max_context), stats.basis(v_kind, model)
+    for kind, basis in ((k_kind, k_basis), (v_kind, v_basis)):
+        bad = ~np.isfinite(basis.s).all(axis=-1)  # [L, Hkv]
+        if bad.any():
+            layer, head = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"calibration statistics of layer {layer} (KV head {head}) give no {kind!r} basis: its activations "
+                "are all zero or not finite on the calibration tokens"
+            )
     if target_rate is not None:
         plan = RankPlan.for_target_rate(method, k_basis.s, v_basis.s, target_rate, adaptive, k_share=k_share)
     elif k_share is not None:
@@ -118,8 +170,10 @@ def compress(
     if model.plan is not None:
         raise ValueError("model is already compressed; compress the original model")
     check_source(model, calibration)  # an unknown source, or text for a model without a tokenizer
+    check_finite_weights(model)
     tokens = calibration_tokens(model, calibration, num_tokens, min(seq_len, num_tokens), seed)
     stats = calibrate(model, tokens, batch_size=batch_size, progress=progress)
+    check_finite_stats(stats)
     settings = dict(
         target_rate=target_rate, removal_rate=removal_rate, method=method, adaptive=adaptive, max_context=max_context
     )
@@ -127,4 +181,5 @@ def compress(
         score = kl_to(model, tokens, batch_size)
         k_share, _ = best_share(lambda f: score(fold(model, *make_plan(model, stats, k_share=f, **settings))))
     plan, bases = make_plan(model, stats, order_heads=order_heads, fill_tiles=fill_tiles, k_share=k_share, **settings)
+    _warn_far_from_target(plan, target_rate)
     return fold(model, plan, bases)

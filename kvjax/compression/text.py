@@ -71,3 +71,29 @@ def domain_text(domain: str, part: str) -> str:
     if domain not in DOMAINS:
         raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
     return pydoc_text(part) if domain == "prose" else stdlib_code(part)
+
+
+def check_text_file(path: str) -> None:
+    """``path`` is a file that can be read as calibration text: a missing path, a directory or anything else that
+    is not a regular file is an ``OSError`` naming it."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"calibration text file {path!r} is a directory, not a file")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"calibration text file {path!r} does not exist")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"calibration text file {path!r} is not a regular file")
+
+
+def read_text_file(path: str) -> str:
+    """The UTF-8 text of the calibration file ``path``; bytes that are not UTF-8 are a ``ValueError`` naming the
+    file and the offset of the first bad byte."""
+    check_text_file(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"calibration text file {path!r} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} "
+            f"({e.reason})"
+        ) from None

@@ -5,8 +5,13 @@ built in a sibling directory and swapped in by renames (``kvjax.io.atomic``).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
+import hashlib
+import inspect
 import json
+import logging
 import os
 import re
 import shutil
@@ -46,8 +51,9 @@ def save(model, directory: str, *, overwrite: bool = False, hint: str = "overwri
     try:
         parts = ["params"]
         checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(os.path.join(tmp, "params"), unflatten_dict(separate_params(model.module)))
-        checkpointer.wait_until_finished()
+        with _orbax_noise(("write_fragment",)):
+            checkpointer.save(os.path.join(tmp, "params"), unflatten_dict(separate_params(model.module)))
+            checkpointer.wait_until_finished()
         if model.plan is not None:
             _write(os.path.join(tmp, "plan.json"), model.plan.to_json())
             parts.append("plan.json")
@@ -55,12 +61,45 @@ def save(model, directory: str, *, overwrite: bool = False, hint: str = "overwri
             model.tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
             parts.append("tokenizer")
         meta = {"format": FORMAT, "config": model.config.to_dict(), "dtype": str(model.dtype), "parts": parts}
+        meta["digest"] = config_digest(meta)
         _write(os.path.join(tmp, "kvjax.json"), json.dumps(meta, indent=1))
         atomic.commit(tmp, directory)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        error = _write_error(e, directory)
+        if error is None:
+            raise
+        raise error from None
     return directory
+
+
+def _write_error(error: BaseException, directory: str) -> OSError | None:
+    """The operating system's error behind a failed save (orbax reports a failed write as a ValueError carrying
+    the ``os_error_code``), as one ``OSError`` line naming ``directory``, e.g. "no space left on device while
+    writing DIR"; None when the failure is no such error."""
+    chain: list[BaseException] = []
+    e: BaseException | None = error
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for err in chain:
+        found = re.search(r"os_error_code='(\d+)'", str(err))
+        code = err.errno if isinstance(err, OSError) and err.errno else int(found[1]) if found else None
+        if code:
+            reason = os.strerror(code)
+            out = OSError(f"{reason[:1].lower()}{reason[1:]} while writing {directory}; nothing there was changed")
+            out.errno = code
+            return out
+    return None
+
+
+def config_digest(meta: dict) -> str:
+    """A digest of what ``kvjax.json`` says about the weights (its config and dtype), written beside them at save
+    time: a hand edit of either no longer matches it."""
+    canonical = json.dumps(
+        {"config": meta.get("config"), "dtype": meta.get("dtype")}, sort_keys=True, separators=(",", ":")
+    )
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def _write(path: str, text: str) -> None:
@@ -147,8 +186,11 @@ def _read_meta(directory: str):
     meta = read_json(meta_file)
     if not isinstance(meta, dict):
         raise CheckpointError(f"{meta_file}: expected a JSON object, got {type(meta).__name__}")
-    if meta.get("format") not in (1, FORMAT):
-        raise CheckpointError(f"{meta_file}: unknown kvjax checkpoint format {meta.get('format')!r}")
+    fmt = meta.get("format")
+    if isinstance(fmt, int) and not isinstance(fmt, bool) and fmt > FORMAT:
+        raise CheckpointError(f"{meta_file} has format {fmt}; this kvjax reads format <= {FORMAT}: upgrade kvjax")
+    if fmt not in (1, FORMAT):
+        raise CheckpointError(f"{meta_file}: unknown kvjax checkpoint format {fmt!r}")
     parts = meta.get("parts")
     if parts is not None and not (isinstance(parts, list) and all(isinstance(p, str) for p in parts)):
         raise CheckpointError(f"{meta_file}: 'parts' must be a list of names, got {parts!r}")
@@ -157,6 +199,11 @@ def _read_meta(directory: str):
             raise CheckpointError(f"kvjax checkpoint {directory} is missing its {part}")
     if not isinstance(meta.get("config"), dict) or not isinstance(meta.get("dtype"), str):
         raise CheckpointError(f"{meta_file}: needs a config object and a dtype name")
+    if "digest" in meta and meta["digest"] != config_digest(meta):  # checkpoints saved before it have none
+        raise CheckpointError(
+            f"{meta_file}: its config or dtype was edited after saving (they no longer match the digest saved with "
+            'them), so they may not describe these weights: undo the edit, or delete "digest" to load it as edited'
+        )
     try:
         return ModelConfig.from_dict(meta["config"]), jnp.dtype(meta["dtype"]), parts, meta["format"]
     except (TypeError, ValueError) as e:
@@ -260,26 +307,61 @@ def _restore_error(error: BaseException) -> str:
 
 def _restore(checkpointer, params_dir: str, abstract):
     """orbax's restore; a failure is one CheckpointError line, and the noise of the reads it abandoned is dropped."""
-    previous, noise = sys.unraisablehook, []
+    try:
+        with _orbax_noise(("_read_array_index_and_device_put",)):
+            return checkpointer.restore(params_dir, abstract)
+    except Exception as e:
+        raise CheckpointError(f"{params_dir}: {_restore_error(e)}") from None
 
-    def hook(unraisable):  # the abandoned reads end in TensorStore's threads: their loop is closed, their coroutines
-        coro = getattr(getattr(unraisable.object, "cr_code", None), "co_name", "")  # are closed unfinished
+
+class _OrbaxThreadErrors(logging.Filter):
+    """Drops the errors orbax's background threads log: copies of the error its call then raises."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+@contextlib.contextmanager
+def _orbax_noise(coroutines: tuple[str, ...]):
+    """Around an orbax call: when it fails, the error it raises is all that shows. The work it abandoned ends in
+    TensorStore's threads (its coroutines named in ``coroutines`` closed unfinished, callbacks into its closed
+    event loop) and its threads log the error again: that noise is dropped, and waited for before re-raising
+    (``_end_abandoned``)."""
+    previous, noise, quiet, absl = sys.unraisablehook, [], _OrbaxThreadErrors(), logging.getLogger("absl")
+
+    def hook(unraisable):
+        coro = getattr(getattr(unraisable.object, "cr_code", None), "co_name", "")
         closed_loop = unraisable.object is None and str(unraisable.exc_value) == "Event loop is closed"
-        if coro == "_read_array_index_and_device_put" or closed_loop:
+        if coro in coroutines or closed_loop:
             noise.append(time.monotonic())
         else:
             previous(unraisable)
 
     sys.unraisablehook = hook
+    absl.addFilter(quiet)
     try:
-        try:
-            return checkpointer.restore(params_dir, abstract)
-        except Exception as e:
-            error = _restore_error(e)
+        yield
+    except BaseException:
         start = time.monotonic()
-        while time.monotonic() - max([start, *noise]) < 0.3 and time.monotonic() - start < 5:  # the reads end
+        while time.monotonic() - max([start, *noise]) < 0.3 and time.monotonic() - start < 5:  # the work ends
             gc.collect()
             time.sleep(0.05)
+        _end_abandoned(coroutines)
+        raise
     finally:
         sys.unraisablehook = previous
-    raise CheckpointError(f"{params_dir}: {error}")
+        absl.removeFilter(quiet)
+
+
+def _end_abandoned(coroutines: tuple[str, ...]) -> None:
+    """After a failed orbax call: close its coroutines of ``coroutines`` still suspended, and take the exceptions
+    of its tasks whose event loops are closed. Left to the garbage collector or the interpreter's exit, both print
+    tracebacks of the error the call raised."""
+    for obj in gc.get_objects():
+        if inspect.iscoroutine(obj) and obj.cr_code.co_name in coroutines:
+            if obj.cr_frame is not None and not obj.cr_running:
+                with contextlib.suppress(BaseException):
+                    obj.close()
+        elif isinstance(obj, asyncio.Task) and obj.done() and not obj.cancelled() and obj.get_loop().is_closed():
+            if f"{os.sep}orbax{os.sep}" in getattr(getattr(obj.get_coro(), "cr_code", None), "co_filename", ""):
+                obj.exception()

@@ -32,6 +32,7 @@ def encode_prompt(model, prompt, chat: bool, name: str = "prompt") -> list[int]:
         tok = model.tokenizer
         if tok is None:
             raise ValueError(f"{name} is a string, but this model has no tokenizer: pass lists of token ids")
+        validate.unicode_text(name, prompt)  # the tokenizer's own error for a lone surrogate names nothing
         if chat:
             ids = chat_ids(tok, [{"role": "user", "content": prompt}])
         else:
@@ -41,7 +42,12 @@ def encode_prompt(model, prompt, chat: bool, name: str = "prompt") -> list[int]:
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of chat ``messages`` through the tokenizer's chat template, ready for the assistant's turn."""
+    """Token ids of chat ``messages`` through the tokenizer's chat template, ready for the assistant's turn; a
+    message's text that is not valid Unicode (a lone surrogate) is a ``ValueError`` naming the message."""
+    for i, message in enumerate(messages):
+        for key, value in message.items() if isinstance(message, dict) else ():
+            if isinstance(value, str):
+                validate.unicode_text(f"message {i}'s {key}", value)
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
