@@ -1,4 +1,5 @@
 import os
+import string
 
 import jax
 import numpy as np
@@ -71,3 +72,25 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(params=sorted(TINY_CONFIGS))
 def tiny_config(request):
     return TINY_CONFIGS[request.param]
+
+
+CHAT = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}bot:{% endif %}"
+)
+
+
+def tiny_tokenizer(vocab_size: int):
+    """A character tokenizer of exactly ``vocab_size`` ids (the tiny model samples any of them), with a chat
+    template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", *string.ascii_letters, *string.digits, *" .,!?'-:;()\"/&%$#@+=*"]
+    pieces += [a + b for a in "thaeiou" for b in "nrst"][: vocab_size - len(pieces)]
+    tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT
+    return fast

@@ -87,7 +87,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 # The pipeline's stages in data-flow order (README, "Layout"); a module may import its own stage and earlier ones.
 STAGES = [
-    ("kvjax.errors", "kvjax.validate", "kvjax.layout"),  # the vocabulary every stage shares
+    ("kvjax.errors", "kvjax.validate", "kvjax.layout", "kvjax.machine"),  # what every stage shares
     ("kvjax.ops",),  # attention ops: plan + kernel + reference, and the dispatch
     ("kvjax.models",),  # config, transformer, rope, the Model class (its full forward runs ops' references)
     ("kvjax.compression",),  # calibration, rank plans, folding (head order through the decode op's cost model)

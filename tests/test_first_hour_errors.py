@@ -5,13 +5,12 @@ import errno
 import json
 import os
 import shutil
-import string
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, TINY_CONFIGS
+from conftest import FIXTURES, TINY_CONFIGS, tiny_tokenizer
 from flax import nnx
 
 import kvjax
@@ -22,21 +21,6 @@ from kvjax.runtime.generate import chat_ids
 WIDE = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)
 RANDOM = dict(calibration="random", num_tokens=64, seq_len=32, progress=False)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def tiny_tokenizer(vocab_size: int):
-    """A character tokenizer of ``vocab_size`` ids with a chat template (as in test_serving.py)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    pieces = ["<unk>", "<s>", "</s>", *string.ascii_letters, *string.digits, *" .,!?'-:;()\"/&%$#@+=*"]
-    pieces += [a + b for a in "thaeiou" for b in "nrst"][: vocab_size - len(pieces)]
-    tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}bot:"
-    return fast
 
 
 def with_tokenizer(config=TINY_CONFIGS["llama"]):

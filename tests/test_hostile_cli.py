@@ -217,11 +217,18 @@ def failing_after(n: int, error: BaseException):
     """``kvjax.generate_iter`` that yields its first ``n`` results, then raises ``error``."""
     real = kvjax.generate_iter
 
+    class Failing:
+        def __init__(self, run):
+            self.run, self.runner = run, run.runner  # kvjax-infer prints the engine's description from the runner
+
+        def __iter__(self):
+            for i, item in enumerate(self.run):
+                if i == n:
+                    raise error
+                yield item
+
     def generate_iter(*args, **kwargs):
-        for i, item in enumerate(real(*args, **kwargs)):
-            if i == n:
-                raise error
-            yield item
+        return Failing(real(*args, **kwargs))
 
     return generate_iter
 

@@ -3,6 +3,7 @@ greedy ones, streamed or not, 64 at once; a client that leaves frees its pages; 
 nothing; SIGTERM lets requests in flight finish and exits cleanly."""
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, TINY_CONFIGS
+from conftest import FIXTURES, TINY_CONFIGS, tiny_tokenizer
 
 # The server's extras (pip install kvjax[serve], and the client side of [test]): a machine without them, the GPU
 # one say, skips this file instead of failing to collect it.
@@ -31,26 +32,6 @@ from kvjax.serving.api import create_app, server_config  # noqa: E402
 from kvjax.serving.worker import Worker  # noqa: E402
 
 NAME = "tiny"
-CHAT = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}bot:{% endif %}"
-)
-
-
-def tiny_tokenizer(vocab_size: int):
-    """A character tokenizer of exactly ``vocab_size`` ids (the tiny model samples any of them), with a chat
-    template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    pieces = ["<unk>", "<s>", "</s>", *string.ascii_letters, *string.digits, *" .,!?'-:;()\"/&%$#@+=*"]
-    pieces += [a + b for a in "thaeiou" for b in "nrst"][: vocab_size - len(pieces)]
-    tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.chat_template = CHAT
-    return fast
 
 
 def free_port() -> int:
@@ -59,13 +40,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def served():
-    """A tiny random model behind the real HTTP stack on 127.0.0.1; a cache of 40 pages of 16 (fewer than 8
-    sequences of 128 need), so a full batch of long requests preempts."""
-    model = kvjax.Model.random(TINY_CONFIGS["llama"], seed=3, scale=4.0)
-    model.tokenizer = tiny_tokenizer(model.config.vocab_size)
-    worker = Worker(Engine(model, max_batch=8, max_seq_len=128, chunk_tokens=32, num_pages=40)).start()
+def start_serve(*args: str, env=None, stdout=subprocess.PIPE, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """``kvjax-serve`` on the fixture Llama checkpoint (token-id prompts: it has no tokenizer) with ``args``, on a
+    free port: (the process, its URL) once /health answers. The caller stops it."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvjax.cli.serve", "--model", os.path.join(FIXTURES, "llama"), "--port", str(port)]
+    proc = subprocess.Popen([*cmd, *args], stdout=stdout, stderr=subprocess.PIPE, text=True, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"kvjax-serve exited {proc.returncode}: {proc.stderr.read()}")
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("kvjax-serve did not start")
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def running(model, engine: Engine):
+    """``model`` on ``engine`` behind the real HTTP stack on 127.0.0.1, in a thread: yields (the app, its URL)."""
+    worker = Worker(engine).start()
     app = create_app(worker, model, NAME)
     port = free_port()
     server = uvicorn.Server(server_config(app, "127.0.0.1", port, log_level="warning"))
@@ -75,11 +75,23 @@ def served():
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=120)
-    yield model, client, f"http://127.0.0.1:{port}", worker
-    server.should_exit = True
-    thread.join(timeout=30)
-    worker.stop()
+    try:
+        yield app, f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        worker.stop()
+
+
+@pytest.fixture(scope="module")
+def served():
+    """A tiny random model behind the real HTTP stack on 127.0.0.1; a cache of 40 pages of 16 (fewer than 8
+    sequences of 128 need), so a full batch of long requests preempts."""
+    model = kvjax.Model.random(TINY_CONFIGS["llama"], seed=3, scale=4.0)
+    model.tokenizer = tiny_tokenizer(model.config.vocab_size)
+    with running(model, Engine(model, max_batch=8, max_seq_len=128, chunk_tokens=32, num_pages=40)) as (app, base):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="-", max_retries=0, timeout=120)
+        yield model, client, base, app.state.server.worker
 
 
 def reference(model, prompt, max_tokens, chat=False, stop=None):
@@ -262,22 +274,8 @@ def test_malformed_json_and_bad_messages_get_a_400(served):
 
 def test_sigterm_lets_a_request_in_flight_finish_and_exits_cleanly():
     """The command itself, on a fixture checkpoint (token-id prompts: it has no tokenizer)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvjax.cli.serve", "--model", os.path.join(FIXTURES, "llama"), "--port", str(port)]
-    cmd += ["--max-seq-len", "256", "--max-batch", "2", "--dtype", "float32", "--grace", "20"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = start_serve("--max-seq-len", "256", "--max-batch", "2", "--dtype", "float32", "--grace", "20")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "kvjax-serve did not start"
-            time.sleep(0.2)
         body = {"model": "llama", "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0, "stream": True}
         events = []
         with httpx.Client(timeout=120) as http, http.stream("POST", base + "/v1/completions", json=body) as response:
@@ -304,13 +302,16 @@ def test_the_capacity_line_counts_tokens_and_what_they_would_be_uncompressed():
     cfg = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)
     model = kvjax.Model.random(cfg, seed=1, scale=5.0)
     plain = capacity_line(Engine(model, max_batch=2, max_seq_len=64, num_pages=21), model)
-    assert plain == "KV cache: 320 tokens uncompressed (20 pages of 16)"
+    assert plain == "KV cache: 320 tokens uncompressed (20 pages of 16; num_pages=21)"
     windowed = kvjax.Model.random(dataclasses.replace(cfg, arch="mistral", sliding_window=5), seed=1)
     line = capacity_line(Engine(windowed, max_batch=2, max_seq_len=64, num_pages=21), windowed)
-    assert line.endswith("(20 pages of 16; layers with a 5-token window: 8 pages, given back as the window passes)")
+    assert line.endswith(
+        "(20 pages of 16; layers with a 5-token window: 8 pages, given back as the window passes; num_pages=21)"
+    )
     small = kvjax.compress(model, target_rate=0.5, calibration="random", num_tokens=128, seq_len=32, progress=False)
     line = capacity_line(Engine(small, max_batch=2, max_seq_len=64, num_pages=21), small)
     m = re.fullmatch(
-        r"KV cache: 320 tokens at rate (\S+), (\d+) uncompressed in the same memory \(20 pages of 16\)", line
+        r"KV cache: 320 tokens at rate (\S+), (\d+) uncompressed in the same memory \(20 pages of 16; num_pages=21\)",
+        line,
     )
     assert m and float(m[1]) == round(small.plan.rate, 2) and abs(int(m[2]) - 320 * (1 - small.plan.rate)) <= 1

@@ -4,6 +4,7 @@ soon as it and those before it finish."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -191,10 +192,13 @@ def _run(args, prompts: list, encoded: dict, errors: dict, run, stats: dict) -> 
             written += 1
         f.flush()
 
+    # Closed on the way out, so an interrupted run waits for the steps it left on the device before the process
+    # exits (``Runner.run``/``Runner.settle``): exiting with one still computing aborts the process (SIGABRT, 134).
+    results = contextlib.closing(_generate(run, prompts, good))
     try:
-        with f, tqdm(total=len(good), desc="generating", unit="prompt") as bar:
+        with f, tqdm(total=len(good), desc="generating", unit="prompt") as bar, results as each:
             flush()
-            for n, record in _generate(run, prompts, good):
+            for n, record in each:
                 records[n] = record
                 flush()
                 bar.update(1)
@@ -220,7 +224,7 @@ def _start(args, model, ids: list, stats: dict):
     a --cache-memory that holds no pages, raises ValueError here, before anything is written."""
     import kvjax
 
-    return kvjax.generate_iter(
+    run = kvjax.generate_iter(
         model,
         ids,
         args.max_new_tokens,
@@ -235,6 +239,8 @@ def _start(args, model, ids: list, stats: dict):
         batch_invariant=args.batch_invariant,
         stats=stats,
     )
+    print(f"kvjax-infer: {run.runner.engine.describe()}", file=sys.stderr, flush=True)  # what the machine got
+    return run
 
 
 def _generate(run, prompts: list, index: list):

@@ -35,10 +35,11 @@ def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
         type=validate.arg(lambda v: validate.memory_budget("cache_memory", v), validate.parse_memory),
         default=None,
         help="KV cache budget: a fraction of free device memory (e.g. 0.9) or a size (e.g. 12GiB); a compressed "
-        f"model's narrower pages fit more tokens in it (default: room for {batch_flag} full sequences, or 90%% of "
-        "free memory where that is less)",
+        f"model's narrower pages fit more tokens in it (default: room for {batch_flag} full sequences, or where that "
+        "is less 90%% of the free GPU memory, half of the memory this process may still use on a CPU; "
+        "KVJAX_MEMORY=SIZE caps what kvjax takes to be free)",
     )
-    add_dtype(p, "parameter dtype")
+    add_dtype(p, "parameter dtype", auto=True)
     p.add_argument(
         "--attention",
         choices=("pallas", "reference"),
@@ -47,10 +48,21 @@ def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
     )
 
 
-def add_dtype(p: argparse.ArgumentParser, what: str) -> None:
+def add_dtype(p: argparse.ArgumentParser, what: str, *, auto: bool = False) -> None:
+    """--dtype; ``auto``: "auto" is allowed and the default (``kvjax.machine.default_dtype``)."""
+    if not auto:
+        p.add_argument(
+            "--dtype",
+            type=validate.arg(validate.dtype),
+            default="bfloat16",
+            help=f"{what}: {', '.join(validate.DTYPES)} (default bfloat16)",
+        )
+        return
     p.add_argument(
         "--dtype",
-        type=validate.arg(validate.dtype),
-        default="bfloat16",
-        help=f"{what}: {', '.join(validate.DTYPES)} (default bfloat16)",
+        type=validate.arg(lambda v: v if v == "auto" else validate.dtype(v)),
+        default="auto",
+        help=f"{what}: auto, {', '.join(validate.DTYPES)} (default auto: bfloat16 on a GPU; float32 on a CPU, where "
+        "a small model's bfloat16 answers are not its own, unless its float32 weights would take over a quarter "
+        "of the memory available)",
     )

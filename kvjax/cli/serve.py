@@ -55,13 +55,17 @@ def _parser() -> argparse.ArgumentParser:
         help="TCP port (default 8000)",
     )
     p.add_argument(
-        "--max-batch", type=options.positive("max_batch"), default=32, help="most requests decoded at once (default 32)"
+        "--max-batch",
+        type=options.positive("max_batch"),
+        default=None,
+        help="most requests decoded at once (default 32 on a GPU, 4 on a CPU)",
     )
     p.add_argument(
         "--max-seq-len",
         type=options.positive("max_seq_len"),
         default=None,
-        help="cache positions per sequence: prompt + new tokens (default: the model's, at most 8192)",
+        help="cache positions per sequence: prompt + new tokens (default: the model's, at most 8192 on a GPU and "
+        "2048 on a CPU, and at most what the cache holds); one the cache cannot hold once is refused",
     )
     options.add_engine(p, "--max-batch")
     p.add_argument(
@@ -98,6 +102,38 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_engine(args, model):
+    """The engine the flags ask for, its defaults fitted to this machine (``kvjax.machine``): 32 sequences of up
+    to 8192 positions on a GPU, 4 of up to 2048 on a CPU (where a step's cost follows both), the cache at most a
+    share of the memory free. A --max-seq-len the cache cannot hold once is refused; the default one shrinks to
+    what it holds, and the start-up lines say so (``Engine.describe``)."""
+    from kvjax import machine
+    from kvjax.runtime.engine import Engine
+    from kvjax.runtime.memory import CacheTooSmall
+
+    cpu = machine.platform() == "cpu"
+    max_batch = args.max_batch or (machine.CPU_MAX_BATCH if cpu else 32)
+    seq_len = args.max_seq_len or min(model.config.max_position_embeddings, machine.CPU_MAX_SEQ_LEN if cpu else 8192)
+    settings = dict(
+        max_batch=max_batch,
+        chunk_tokens=args.chunk_tokens,
+        cache_memory=args.cache_memory,
+        backend=args.attention,
+        prefill_min_tokens=args.prefill_min_tokens,
+        prefill_max_rows=args.prefill_max_rows,
+    )
+    try:
+        return Engine(model, max_seq_len=seq_len, **settings)
+    except CacheTooSmall as e:
+        if args.max_seq_len is not None:
+            message = str(e).replace("max_seq_len", "--max-seq-len").replace("cache_memory", "--cache-memory")
+            raise ValueError(message) from None
+        if e.tokens < 16:
+            raise
+        print(f"kvjax-serve: {e}; serving {e.tokens} positions a sequence instead", file=sys.stderr)
+        return Engine(model, max_seq_len=e.tokens, **settings)
+
+
 def capacity_line(engine, model) -> str:
     """The KV capacity in tokens, and what the same pages' bytes would hold uncompressed."""
     from kvjax.layout import HeadLayout
@@ -114,37 +150,29 @@ def capacity_line(engine, model) -> str:
         f"; layers with a {w}-token window: {n - 1} pages, given back as the window passes"
         for w, n in engine.window_pages.items()
     )
-    return f"KV cache: {tokens:,} tokens {rate}{extra} ({engine.num_pages - 1} pages of {engine.page_size}{windows})"
+    return (
+        f"KV cache: {tokens:,} tokens {rate}{extra} ({engine.num_pages - 1} pages of {engine.page_size}{windows}; "
+        f"{engine.budget_note})"
+    )
 
 
 def main(argv=None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 (used by kvjax.serving.api)
     except ImportError:
         p.error("kvjax-serve needs FastAPI and uvicorn: pip install 'kvjax[serve]'")
     import kvjax
-    from kvjax.runtime.engine import Engine
-    from kvjax.serving.api import KEEP_ALIVE_S, create_app, server_config
+    from kvjax.serving.api import FLUSH_S, KEEP_ALIVE_S, create_app, graceful_server, server_config
     from kvjax.serving.worker import Worker
 
     try:
         model = kvjax.load(args.model, dtype=args.dtype)
     except (OSError, ValueError) as e:
         p.error(f"--model {args.model!r}: {e}")
-    seq_len = args.max_seq_len or min(model.config.max_position_embeddings, 8192)
     try:
-        engine = Engine(
-            model,
-            max_batch=args.max_batch,
-            max_seq_len=seq_len,
-            chunk_tokens=args.chunk_tokens,
-            cache_memory=args.cache_memory,
-            backend=args.attention,
-            prefill_min_tokens=args.prefill_min_tokens,
-            prefill_max_rows=args.prefill_max_rows,
-        )
+        engine = build_engine(args, model)
     except ValueError as e:
         p.error(str(e))
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
@@ -152,6 +180,7 @@ def main(argv=None) -> int:
         engine.compile_ahead(threads=os.cpu_count() or 1, progress=True)
     worker = Worker(engine).start()
     app = create_app(worker, model, name)
+    print(f"kvjax-serve: {engine.describe()}", file=sys.stderr, flush=True)
     print(capacity_line(engine, model), file=sys.stderr, flush=True)
     print(f"kvjax-serve: {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     config = server_config(
@@ -159,16 +188,19 @@ def main(argv=None) -> int:
         args.host,
         args.port,
         keep_alive=args.keep_alive or KEEP_ALIVE_S,
-        timeout_graceful_shutdown=int(args.grace) or None,
+        timeout_graceful_shutdown=FLUSH_S,  # once --grace is over and the rest aborted: their responses' flush
     )
-    server = uvicorn.Server(config)
-    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again for the handler it found: a
-    # no-op one here, so that a requested stop exits 0 once the worker is stopped
+    # On SIGTERM or Ctrl-C, uvicorn leaves its loop and calls the server's shutdown (graceful_server), still on the
+    # running event loop: stop accepting, give the requests in flight --grace seconds, abort the rest through the
+    # worker (each stream ends with its "abort" chunk and [DONE]), stop and join the engine thread, let the
+    # responses flush; only then does the loop close. A second Ctrl-C cuts the grace short.
+    server = graceful_server(config, app.state.server, args.grace)
+    # uvicorn then raises the signal again for the handler it found: a no-op one here, so a requested stop exits 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
         server.run()
-    finally:
+    finally:  # (stopped already, unless uvicorn failed before its shutdown)
         app.state.server.accepting = False
         worker.stop(grace_s=0.0)
     return 0

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm.auto import tqdm
 
-from kvjax import validate
+from kvjax import machine, validate
 from kvjax.errors import CheckpointError
 from kvjax.io import atomic
 from kvjax.io.hf import SafetensorsReader, fill_params, hf_sources, read_json
@@ -102,20 +102,25 @@ def _load_gguf(path: str, dtype, progress: bool) -> Model:
     return Model(_build(cfg, ckpt.sources(cfg), ckpt, dtype, progress), ckpt.tokenizer())
 
 
-def load(path: str, dtype: str = "bfloat16", *, progress: bool = True) -> Model:
+def load(path: str, dtype: str = "auto", *, progress: bool = True) -> Model:
     """Load ``path``: a Hugging Face directory (config.json + safetensors), a ``.gguf`` file, an embedded model
     (``"smollm2"``, ``"gemma3-270m"``: see ``EMBEDDED``), or a directory written by ``Model.save`` (compressed or
     not).
 
-    ``dtype`` is the parameter dtype ("bfloat16", "float32", ...). Weights are read and converted one tensor at a
-    time, so host memory stays near the model's size in ``dtype``.
+    ``dtype`` is the parameter dtype ("bfloat16", "float16", "float32"); "auto" (the default) is bfloat16 on a GPU
+    and float32 on a CPU while the model's float32 weights fit a share of the memory available
+    (``kvjax.machine.default_dtype``: a small model's bfloat16 answers on a CPU are not its own). Weights are read
+    and converted one tensor at a time, so host memory stays near the model's size in ``dtype``.
     """
-    param_dtype = jnp.dtype(validate.dtype(dtype))
+    auto = isinstance(dtype, str) and dtype == "auto"
+    param_dtype = jnp.dtype(jnp.float32 if auto else validate.dtype(dtype))
     path = os.fspath(path)
     if path not in EMBEDDED:  # a save cut short by a crash is finished or undone first
         for line in atomic.recover(os.path.abspath(path), is_kvjax_checkpoint):
             warnings.warn(line, stacklevel=2)
     path = resolve(path)
+    if auto:
+        param_dtype = jnp.dtype(_auto_dtype(path))
     if os.path.isdir(path):
         if is_kvjax_checkpoint(path):
             model = Model(*load_saved(path, param_dtype))
@@ -127,3 +132,22 @@ def load(path: str, dtype: str = "bfloat16", *, progress: bool = True) -> Model:
         raise ValueError(f"cannot load {path!r}: expected a Hugging Face checkpoint directory or a .gguf file")
     model.source = os.path.abspath(path)
     return model
+
+
+def _auto_dtype(path: str) -> str:
+    """``machine.default_dtype`` for the model at ``path``, its size read from its config alone (bfloat16 where the
+    config cannot be read here: the loader then says what is wrong with it)."""
+    try:
+        if os.path.isdir(path) and is_kvjax_checkpoint(path):
+            cfg = ModelConfig.from_dict(read_json(os.path.join(path, "kvjax.json"))["config"])
+        elif os.path.isdir(path):
+            from transformers import AutoConfig
+
+            cfg = config_from_hf(AutoConfig.from_pretrained(path))
+        else:
+            from kvjax.io.gguf_file import GGUFCheckpoint
+
+            cfg = GGUFCheckpoint(path).config()
+    except Exception:  # noqa: BLE001 - any unreadable config: the load itself reports it
+        return "bfloat16"
+    return machine.default_dtype(cfg.param_count())

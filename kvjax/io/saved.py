@@ -73,16 +73,21 @@ def save(model, directory: str, *, overwrite: bool = False, hint: str = "overwri
     return directory
 
 
-def _write_error(error: BaseException, directory: str) -> OSError | None:
-    """The operating system's error behind a failed save (orbax reports a failed write as a ValueError carrying
-    the ``os_error_code``), as one ``OSError`` line naming ``directory``, e.g. "no space left on device while
-    writing DIR"; None when the failure is no such error."""
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error`` and the errors it was raised from or during (at most 10): orbax wraps TensorStore's."""
     chain: list[BaseException] = []
     e: BaseException | None = error
     while e is not None and len(chain) < 10:
         chain.append(e)
         e = e.__cause__ or e.__context__
-    for err in chain:
+    return chain
+
+
+def _write_error(error: BaseException, directory: str) -> OSError | None:
+    """The operating system's error behind a failed save (orbax reports a failed write as a ValueError carrying
+    the ``os_error_code``), as one ``OSError`` line naming ``directory``, e.g. "no space left on device while
+    writing DIR"; None when the failure is no such error."""
+    for err in _chain(error):
         found = re.search(r"os_error_code='(\d+)'", str(err))
         code = err.errno if isinstance(err, OSError) and err.errno else int(found[1]) if found else None
         if code:
@@ -293,11 +298,7 @@ def _check_params(params_dir: str, saved: dict, want: dict, plan_may_be_missing:
 
 def _restore_error(error: BaseException) -> str:
     """One line saying which parameter orbax could not read and why, from its chain of TensorStore errors."""
-    chain: list[BaseException] = []
-    e: BaseException | None = error
-    while e is not None and len(chain) < 10:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
+    chain = _chain(error)
     for err in chain:
         m = re.search(r'Error reading "([^"/]+)/[^"]*".*?"[^"]*": (.*)', str(err))
         if m:

@@ -97,6 +97,14 @@ class ModelConfig:
             return self.rope_local_theta, {"rope_type": "default"}
         return self.rope_theta, self.rope
 
+    def param_count(self) -> int:
+        """About how many parameters the model has (its projections, MLPs and embeddings; norms and biases, a
+        fraction of a percent, left out): enough to size memory before loading it."""
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = (2 if self.activation == "gelu" else 3) * self.hidden_size * self.intermediate_size
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp) + embed
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

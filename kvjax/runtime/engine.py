@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax import validate
+from kvjax import machine, validate
 from kvjax.ops import attention
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.op import DecodeOp
@@ -278,9 +278,10 @@ class Engine:
         self.window_pages = {w: n for w, n in zip(self.windows, self.pool_pages) if w is not None}
         self.cache = PagedKVCache.create(model.layouts, self.pool_pages, page_size, cache_dtype, self.windows)
         self.slot_tokens = jnp.zeros((max_batch,), jnp.int32)
-        jit = functools.partial(
-            jax.jit, donate_argnums=(1,) if jax.default_backend() != "cpu" else (), compiler_options=COMPILER_OPTIONS
-        )
+        # The cache is donated to every step, which updates it in place: on the CPU too, where a step that copied it
+        # held two caches at once and spent most of its time copying (a 6.7 GB cache: 13 GB resident and about 16 s
+        # a step; bench/notes/2026-11-27-first-hour.md)
+        jit = functools.partial(jax.jit, donate_argnums=(1,), compiler_options=COMPILER_OPTIONS)
         # The weights go to the steps as a flat list: flattening the model's nnx state (its Variables, in Python)
         # at every call cost the host about 0.9 ms a decode step (bench/notes/2026-11-24-memory-startup.md).
         self.weights, structure = jax.tree.flatten(model.state)
@@ -303,6 +304,17 @@ class Engine:
                     pools=self.pools,
                 )
                 self._steps["prefill", greedy, prefix] = jit(step)
+
+    def describe(self) -> str:
+        """One line for people: where and how the engine runs, its batch, positions per sequence and cache, and how
+        the cache's size was chosen."""
+        dtype = jnp.dtype(self.model.dtype).name
+        tokens = (self.num_pages - 1) * self.page_size
+        return (
+            f"on {machine.platform()} in {dtype} ({self.backend} attention): up to {self.max_batch} sequences at once "
+            f"of up to {self.max_seq_len} positions; KV cache {tokens:,} tokens, {memory.size(self.cache.nbytes)} "
+            f"({self.budget_note})"
+        )
 
     def activation_bytes(self) -> int:
         """The room the largest step needs beside the cache (``memory.activation_bytes``'s estimate)."""
@@ -328,18 +340,34 @@ class Engine:
             if cache_memory is not None:
                 raise ValueError("give num_pages or cache_memory, not both")
             n = validate.integer("num_pages", num_pages, low=2)
+            self.budget_note = f"num_pages={n}"
             return tuple(min(n, need) if i else n for i, need in enumerate(needs))
         pooled = [tuple(lay for lay, p in zip(self.model.layouts, self.pools) if p == i) for i in range(len(needs))]
         page_bytes = [self.page_size * bytes_per_token(layouts, dtype) for layouts in pooled]
         reserve = self.activation_bytes()
+        free = memory.free_bytes()
         if cache_memory is not None:
             budget, what = memory.budget_bytes(cache_memory), "cache_memory"
+            self.budget_note = f"cache_memory={memory.size(budget)}"
+            if isinstance(cache_memory, float) and free is not None:
+                self.budget_note += f", {cache_memory:g} of the {memory.size(free)} free"
+        elif free is None:
+            self.budget_note = "room for max_batch full sequences (this machine does not say how much memory is free)"
+            return tuple(needs)
         else:
-            free = memory.free_bytes()
-            if free is None:
-                return tuple(needs)
-            budget, what = int(memory.DEFAULT_FRACTION * free), "free-memory"
-        return memory.pool_pages(budget, reserve, page_bytes, needs, what=what)
+            share = memory.default_fraction()
+            budget, what = int(share * free), "free-memory"
+            self.budget_note = f"at most {share:.0%} of the {memory.size(free)} free on this {machine.platform()}"
+        pages = memory.pool_pages(budget, reserve, page_bytes, needs, what=what)
+        if page_bytes[0] and (pages[0] - 1) * self.page_size < self.max_seq_len:
+            tokens = (pages[0] - 1) * self.page_size
+            raise memory.CacheTooSmall(
+                f"the KV cache holds {tokens} tokens ({self.budget_note}, less {memory.size(reserve)} for a step's "
+                f"activations), fewer than the max_seq_len={self.max_seq_len} one sequence may fill: give a "
+                f"max_seq_len of at most {tokens} or a larger cache_memory",
+                tokens,
+            )
+        return pages
 
     def prefill(self, chunks: list[list[int]], starts, rows: Rows, slots) -> jax.Array:
         """Enqueue prompt chunks (token ids from positions ``starts``); the token sampled after each chunk goes to

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -16,6 +17,8 @@ from kvjax import validate
 from kvjax.runtime.engine import Engine, bucket
 from kvjax.runtime.runner import Runner
 from kvjax.runtime.scheduler import Request
+
+log = logging.getLogger("kvjax")
 
 
 @dataclasses.dataclass
@@ -72,6 +75,7 @@ def _engine(model, **settings) -> Engine:
     if key not in model._engines:
         model._engines.clear()  # keep one cache's memory alive at a time
         model._engines[key] = Engine(model, **settings)
+        log.info("kvjax.generate: engine %s", model._engines[key].describe())
     return model._engines[key]
 
 
@@ -104,7 +108,7 @@ def generate_iter(
     backend: str | None = None,
     batch_invariant: bool = False,
     stats: dict | None = None,
-) -> Iterable[tuple[int, Generation]]:
+) -> _Run:
     """Check the arguments and queue the prompts; iterating the result runs them and yields (prompt index,
     ``Generation``) as each finishes.
 

@@ -1,7 +1,8 @@
 """How many cache pages a memory budget buys.
 
-A budget is a fraction of the device memory free now (XLA's pool less what is live: the weights and anything else
-already allocated) or a byte count. The cache gets the budget less room for the largest step's activations, in
+A budget is a fraction of the memory free now (``kvjax.machine.available_bytes``: on a GPU XLA's pool less what is
+live, the weights and anything else already allocated; on a CPU the host memory this process may still use) or a
+byte count. The cache gets the budget less room for the largest step's activations, in
 whole pages; a page costs the same bytes in every layer as its layout asks for, so a compressed model's narrower
 pages buy proportionally more of them, and with them more tokens and concurrent sequences.
 """
@@ -11,10 +12,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax import validate
+from kvjax import machine, validate
 from kvjax.models.config import ModelConfig
 
-DEFAULT_FRACTION = 0.9  # of free device memory, when the caller gives no budget: headroom for compiler scratch
+
+class CacheTooSmall(ValueError):
+    """A cache budget that cannot hold one sequence of ``max_seq_len`` tokens; ``tokens``: what it holds."""
+
+    def __init__(self, message: str, tokens: int):
+        super().__init__(message)
+        self.tokens = tokens
 
 
 def size(n: int) -> str:
@@ -26,11 +33,14 @@ def size(n: int) -> str:
 
 
 def free_bytes(device=None) -> int | None:
-    """Bytes the device's allocator can still hand out, or None where the device does not say (the CPU)."""
-    stats = (device or jax.devices()[0]).memory_stats()
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    """Bytes this process may still allocate on ``device`` (``kvjax.machine.available_bytes``), or None where
+    nothing says."""
+    return machine.available_bytes(device)
+
+
+def default_fraction(device=None) -> float:
+    """The share of free memory a cache takes when the caller gives no budget (``kvjax.machine.SHARE``)."""
+    return machine.SHARE[machine.platform(device)]
 
 
 def activation_bytes(
@@ -62,8 +72,8 @@ def budget_bytes(memory: float | int, name: str = "cache_memory") -> int:
     free = free_bytes()
     if free is None:
         raise ValueError(
-            f"{name}={memory} is a fraction of free device memory, and the {jax.devices()[0].platform} device does "
-            "not report its memory; give the budget in bytes instead"
+            f"{name}={memory} is a fraction of free memory, and neither the {jax.devices()[0].platform} device nor "
+            "the host reports its memory; give the budget in bytes instead"
         )
     return int(memory * free)
 
@@ -86,6 +96,6 @@ def pool_pages(budget: int, reserve: int, page_bytes, needs, *, what: str = "mem
         raise ValueError(
             f"the {what} budget of {size(budget)}, less {size(reserve)} for a step's activations, holds "
             f"{max(room // page, 0)} pages of {size(page)}; a cache needs at least 2 "
-            "(give a larger budget, or a shorter chunk_tokens)"
+            "(give a larger budget, or a smaller max_batch or chunk_tokens)"
         )
     return tuple(needs[0] if i == 0 and not page_bytes[0] else min(n, lo) for i, n in enumerate(needs))

@@ -8,6 +8,7 @@ just admitted is then written by the newcomer last.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections import deque
@@ -87,9 +88,28 @@ class Runner:
         return finished
 
     def run(self) -> Iterator[Request]:
-        """Step until every added request has finished, yielding each as it finishes."""
-        while self.busy:
-            yield from self.step()
+        """Step until every added request has finished, yielding each as it finishes. Left early (an exception such
+        as KeyboardInterrupt, or the iteration dropped), it first waits for the steps already on the device
+        (``settle``)."""
+        try:
+            while self.busy:
+                yield from self.step()
+        except BaseException:
+            with contextlib.suppress(Exception):  # a failed step's arrays raise again: the first error is the one
+                self.settle()
+            raise
+
+    def settle(self) -> None:
+        """Wait until the device has run every step enqueued so far; their tokens stay to be read.
+
+        Steps run asynchronously: ``step`` returns with the next one still computing (``lag``). A process that exits
+        with one in flight, say on Ctrl-C, tears the runtime down under the computing thread: "terminate called
+        without an active exception" and SIGABRT (exit 134). So whoever stops stepping calls this before exiting.
+        The engine's state is the output of the last step enqueued, so it covers that one even when it was
+        interrupted before joining ``_pending``."""
+        jax.block_until_ready(
+            ([p.tokens for pending in self._pending for p in pending], self.engine.slot_tokens, self.engine.cache)
+        )
 
     def _enqueue(self, step: Step) -> list[_Pending]:
         out = []

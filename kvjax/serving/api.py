@@ -13,6 +13,8 @@ import functools
 import json
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from fastapi import FastAPI
@@ -20,11 +22,25 @@ from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvjax import validate
 from kvjax.runtime.generate import chat_ids, cut_at_stop, encode_prompt, eos_ids, stopped
 from kvjax.runtime.scheduler import Request
 from kvjax.serving.worker import Worker
+
+# A text of n characters is refused untokenized when n > TEXT_MARGIN x longest token x positions: each token spans
+# at most ``longest_token`` characters of the text, and the margin covers normalizations that shrink it
+TEXT_MARGIN = 2
+
+
+def longest_token(tokenizer) -> int:
+    """The most characters any one token of ``tokenizer`` stands for (its vocabulary's longest piece; a byte-level
+    piece has a character per byte, more than the text it decodes to), or 1 without a tokenizer."""
+    if tokenizer is None:
+        return 1
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max((len(p) for p in pieces if p is not None), default=1)
 
 
 class BadRequest(Exception):
@@ -66,8 +82,11 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, gt=0)
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
+def _error(
+    status: int, message: str, param: str | None = None, kind: str = "invalid_request_error", headers=None
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -114,9 +133,30 @@ class Server:
 
     def __init__(self, worker: Worker, model, name: str):
         self.worker, self.model, self.name = worker, model, name
-        self.capacity = worker.engine.max_seq_len  # positions per sequence: prompt + new tokens
+        engine = worker.engine  # positions per sequence (prompt + new tokens): what the cache holds of max_seq_len
+        self.capacity = min(engine.max_seq_len, (engine.num_pages - 1) * engine.page_size)
         self.accepting = True
         self.stop_ids = eos_ids(model)
+        # Tokenizing runs beside the event loop, two prompts at a time, so a long prompt stalls no other client; a
+        # text too long to fit whatever its tokens is refused before any of it is tokenized (``longest_token``).
+        self.tokenizing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvjax-tokenize")
+        self.max_chars = TEXT_MARGIN * longest_token(model.tokenizer) * self.capacity
+
+    async def admit(self, prompt, messages: list[dict] | None = None) -> list[int]:
+        """``encode`` off the event loop, after refusing at once a text no tokenization could fit in the cache."""
+        if messages is None:
+            chars = len(prompt) if isinstance(prompt, str) else 0
+        else:
+            chars = sum(len(m["content"]) for m in messages)
+        if chars > self.max_chars:
+            raise BadRequest(
+                f"the {'prompt' if messages is None else 'messages'} hold {chars:,} characters; no token of this "
+                f"model spans more than {self.max_chars // (TEXT_MARGIN * self.capacity)}, so they need more than "
+                f"the {self.capacity} positions this server's cache holds per sequence (refused before tokenizing)",
+                "prompt" if messages is None else "messages",
+            )
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizing, functools.partial(self.encode, prompt, messages))
 
     def encode(self, prompt, messages: list[dict] | None = None) -> list[int]:
         """Token ids of a completion prompt (text or ids) or of chat ``messages`` through the chat template."""
@@ -195,10 +235,29 @@ class Server:
                     yield f"data: {json.dumps(event)}\n\n"
                 if finished:
                     last = chunk(rid, created, "", _reason(request), _usage(request))
-                    yield f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n"
+                    yield f"data: {json.dumps(last)}\n\n"
+                    if (
+                        request.finish_reason == "error"
+                    ):  # why it failed, as OpenAI streams an error: an event of its own
+                        error = {"message": request.error, "type": "server_error", "param": None, "code": None}
+                        yield f"data: {json.dumps({'error': error})}\n\n"
+                    yield "data: [DONE]\n\n"
                     return
         finally:
             self.worker.cancel(request)
+
+    async def drain(self, grace_s: float, forced: Callable[[], bool] = lambda: False) -> None:
+        """Shut down (SIGTERM, Ctrl-C; ``graceful_server``): refuse new requests, let those in flight finish for up
+        to ``grace_s`` seconds (less once ``forced()`` turns true: a second Ctrl-C), then abort the rest and end the
+        engine thread (``Worker.stop``). The event loop keeps running meanwhile, so each aborted request's finish
+        reaches its response: a stream ends with its "abort" chunk and [DONE]; and the engine thread is gone, the
+        device idle, before the loop closes."""
+        self.accepting = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.worker.in_flight and loop.time() < deadline and not forced():
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(self.worker.stop)  # off the loop: the sinks' last calls come back through it
 
 
 def _with_ids(chunk, rid, created, text, reason, usage=None, ids=None):
@@ -252,6 +311,13 @@ def create_app(worker: Worker, model, name: str) -> FastAPI:
     async def _bad(request: HttpRequest, exc: BadRequest):
         return _error(400, str(exc), exc.param)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: HttpRequest, exc: StarletteHTTPException):  # 404, 405, ...: OpenAI's error body
+        what = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = what.get(exc.status_code, str(exc.detail))
+        return _error(exc.status_code, message, kind=kind, headers=getattr(exc, "headers", None))
+
     @app.get("/health")
     async def health():
         ok = server.accepting and worker.error is None
@@ -263,13 +329,13 @@ def create_app(worker: Worker, model, name: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
-        request, stream = server.start(body, server.encode(body.prompt), body.max_tokens or 16)
+        request, stream = server.start(body, await server.admit(body.prompt), body.max_tokens or 16)
         chunk = functools.partial(_completion_chunk, name)
         return await server.respond(request, stream, body, chunk, chunk)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest):
-        ids = server.encode(None, [m.model_dump() for m in body.messages])
+        ids = await server.admit(None, [m.model_dump() for m in body.messages])
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, server.capacity - len(ids))
         request, stream = server.start(body, ids, max_tokens)
         chunk, final = functools.partial(_chat_chunk, name), functools.partial(_chat_final, name)
@@ -290,6 +356,35 @@ def server_config(app: FastAPI, host: str, port: int, *, keep_alive: int = KEEP_
     import uvicorn
 
     return uvicorn.Config(app, host=host, port=port, timeout_keep_alive=keep_alive, **kwargs)
+
+
+# After the grace and the aborts, how long responses may take to reach their clients before uvicorn cuts them
+FLUSH_S = 10
+
+
+def graceful_server(config, server: Server, grace_s: float):
+    """uvicorn's server for ``config``, whose app is ``server``'s, shutting down (SIGTERM, Ctrl-C) in this order:
+    stop accepting connections (idle ones close), let requests in flight finish for ``grace_s`` seconds, abort the
+    rest and stop the engine (``Server.drain``), then uvicorn's own shutdown: the responses flush, for
+    ``config.timeout_graceful_shutdown`` seconds at most (``FLUSH_S`` is a fit), and the loop closes.
+
+    uvicorn's shutdown alone waits ``timeout_graceful_shutdown`` for the responses, then cancels them mid-stream (no
+    abort chunk, no [DONE]), and the engine, stopped only once the loop had closed, went on calling into it."""
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            for listener in getattr(self, "servers", ()):
+                listener.close()
+            for connection in list(self.server_state.connections):
+                connection.shutdown()  # an idle one closes now, a busy one once its response is sent
+            await server.drain(grace_s, lambda: self.force_exit)
+            # a second Ctrl-C (force_exit) has cut the grace short; the rest is bounded, and skipping it would drop
+            # the streams' last chunks and the app's shutdown (a traceback): a third one still cuts the flush short
+            self.force_exit = False
+            await super().shutdown(sockets)
+
+    return GracefulServer(config)
 
 
 def _reason(request: Request) -> str:

@@ -41,6 +41,7 @@ class Worker:
         self._live: dict[int, _Live] = {}  # by id(request)
         self._thread = threading.Thread(target=self._loop, name="kvjax-engine", daemon=True)
         self._stop = threading.Event()
+        self._submitted, self._submitting, self._closed = 0, threading.Lock(), False
         self.error: BaseException | None = None
         # requests finished, those of them cancelled (a client gone, a stop), and the preemptions they went through
         self.finished = self.aborted = self.preemptions = 0
@@ -51,7 +52,14 @@ class Worker:
 
     def submit(self, request: Request, sink: Sink) -> Request:
         """Queue ``request``; ``sink`` gets its tokens as they arrive and a last call with ``finished`` True."""
-        self._commands.put(("add", request, sink))
+        with self._submitting:
+            if not self._closed:
+                self._submitted += 1
+                self._commands.put(("add", request, sink))
+                return request
+        # the engine thread has ended: nothing would ever answer the request, so it finishes now
+        request.state, request.finish_reason, request.error = State.FINISHED, "abort", "server stopping"
+        sink(request, [], True)
         return request
 
     def cancel(self, request: Request) -> None:
@@ -76,14 +84,24 @@ class Worker:
             preemptions=self.preemptions,
         )
 
-    def stop(self, grace_s: float = 0.0) -> None:
-        """Let running requests finish for up to ``grace_s`` seconds, abort the rest, and end the thread."""
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted whose sink has not had its last call yet (queued ones included)."""
+        return self._submitted - self.finished if self._thread.is_alive() else 0
+
+    def stop(self, grace_s: float = 0.0, timeout_s: float = 60.0) -> None:
+        """Let running requests finish for up to ``grace_s`` seconds, abort the rest (each sink gets its last call,
+        finish_reason "abort"), wait for the device to finish the steps it was given, and end the thread (waiting
+        ``timeout_s`` at most for the step it is in). A request submitted after this finishes at once, aborted."""
         deadline = time.monotonic() + grace_s
-        while self._live and time.monotonic() < deadline and self._thread.is_alive():
+        while self.in_flight and time.monotonic() < deadline:
             time.sleep(0.01)
         self._stop.set()
         self._commands.put(("wake", None, None))  # the loop then aborts every request left
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():  # (never started: nothing to join)
+            self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            log.error("the engine thread did not stop within %.0f s", timeout_s)
 
     # the engine thread
 
@@ -102,10 +120,16 @@ class Worker:
                 live.request.state = State.FINISHED
             self._deliver()
         finally:
-            self._apply(block=False)
+            with self._submitting:  # the last requests submitted; later ones finish at once (``submit``)
+                self._closed = True
+                self._apply(block=False)
             for live in list(self._live.values()):
                 self.runner.cancel(live.request)
             self._deliver()
+            try:  # the thread ends with nothing left computing (``Runner.settle``): joined, the device is idle
+                self.runner.settle()
+            except Exception:  # a failed step's arrays raise again here; already reported
+                log.debug("waiting for the device after the engine stopped", exc_info=True)
 
     def _apply(self, block: bool) -> None:
         """Apply the queued commands (waiting for one while the engine is idle)."""
