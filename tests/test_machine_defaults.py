@@ -125,4 +125,4 @@ def test_kvjax_serve_starts_with_defaults_that_fit_a_small_machine_and_says_what
         proc.terminate()
         _, err = proc.communicate(timeout=60)
     assert "on cpu in float32 (reference attention): up to 4 sequences at once of up to" in err
-    assert "serving" in err and "positions a sequence instead" in err and "at most 50% of the" in err
+    assert "does not fit the cache" in err and "positions a sequence instead" in err and "at most 50% of the" in err

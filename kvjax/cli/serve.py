@@ -130,8 +130,26 @@ def build_engine(args, model):
             raise ValueError(message) from None
         if e.tokens < 16:
             raise
-        print(f"kvjax-serve: {e}; serving {e.tokens} positions a sequence instead", file=sys.stderr)
-        return Engine(model, max_seq_len=e.tokens, **settings)
+        good = e.tokens
+    # The longest sequence the budget holds: a shorter one needs less room for a step's activations, which leaves
+    # the cache more tokens, so step up to what each try holds (a few tries; each ends in one that fits)
+    engine = Engine(model, max_seq_len=good, **settings)
+    for _ in range(4):
+        more = min(seq_len, (engine.num_pages - 1) * engine.page_size)
+        if more < good + engine.page_size:
+            break
+        del engine  # one cache alive at a time
+        try:
+            engine, good = Engine(model, max_seq_len=more, **settings), more
+        except CacheTooSmall:
+            engine = Engine(model, max_seq_len=good, **settings)
+            break
+    print(
+        f"kvjax-serve: a sequence of the default {seq_len} positions does not fit the cache ({engine.budget_note}); "
+        f"serving {engine.max_seq_len} positions a sequence instead (--max-seq-len, --cache-memory)",
+        file=sys.stderr,
+    )
+    return engine
 
 
 def capacity_line(engine, model) -> str:

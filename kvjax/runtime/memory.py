@@ -96,6 +96,6 @@ def pool_pages(budget: int, reserve: int, page_bytes, needs, *, what: str = "mem
         raise ValueError(
             f"the {what} budget of {size(budget)}, less {size(reserve)} for a step's activations, holds "
             f"{max(room // page, 0)} pages of {size(page)}; a cache needs at least 2 "
-            "(give a larger budget, or a smaller max_batch or chunk_tokens)"
+            "(give a larger budget, or a smaller max_batch, chunk_tokens or max_seq_len)"
         )
     return tuple(needs[0] if i == 0 and not page_bytes[0] else min(n, lo) for i, n in enumerate(needs))

@@ -150,7 +150,7 @@ class Server:
             chars = sum(len(m["content"]) for m in messages)
         if chars > self.max_chars:
             raise BadRequest(
-                f"the {'prompt' if messages is None else 'messages'} hold {chars:,} characters; no token of this "
+                f"the {'prompt holds' if messages is None else 'messages hold'} {chars:,} characters; no token of this "
                 f"model spans more than {self.max_chars // (TEXT_MARGIN * self.capacity)}, so they need more than "
                 f"the {self.capacity} positions this server's cache holds per sequence (refused before tokenizing)",
                 "prompt" if messages is None else "messages",
