@@ -51,7 +51,7 @@ def test_old_style_rope_keys_are_accepted(tmp_path):
 
 def test_bfloat16_is_close_to_float32():
     ref = np.load(os.path.join(FIXTURES, "llama", "reference.npz"))
-    model = kvjax.load(os.path.join(FIXTURES, "llama"), progress=False)
+    model = kvjax.load(os.path.join(FIXTURES, "llama"), dtype="bfloat16", progress=False)
     assert model.dtype == np.dtype("bfloat16")
     logprobs = jax.nn.log_softmax(model.logits(ref["tokens"]), axis=-1)
     assert np.abs(np.asarray(logprobs) - ref["logprobs"]).max() < 0.15
