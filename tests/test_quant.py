@@ -1,0 +1,99 @@
+"""Quantized pages (``kvjax.ops.quant``): packing is lossless, round trips stay within ``bound``, keys get a range
+per column over the page and values per token and head, and ``page_bytes`` counts exactly the arrays' bytes."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import fresh_seed
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvjax.ops import quant
+
+widths_st = st.lists(st.sampled_from([16, 32, 48, 64, 128]), min_size=1, max_size=4)
+
+
+@given(st.sampled_from(quant.BITS), widths_st, st.integers(1, 33), st.integers(0, 2**32 - 1))
+@settings(max_examples=25, deadline=None)
+def test_packing_in_planes_is_lossless_and_puts_each_plane_in_its_bits(bits, widths, rows, seed):
+    rng = np.random.default_rng(seed)
+    w = widths[0]
+    codes = rng.integers(0, 1 << bits, (rows, w)).astype(np.uint8)
+    packed = quant.pack(jnp.asarray(codes), bits)
+    assert packed.dtype == jnp.uint8 and packed.shape == (rows, w * bits // 8)
+    np.testing.assert_array_equal(np.asarray(quant.unpack(packed, bits)), codes)
+    n, mask = 8 // bits, (1 << bits) - 1
+    for i in range(n):  # plane i: columns [i w/n, (i+1) w/n) in bits [i b, (i+1) b)
+        got = (np.asarray(packed) >> (bits * i)) & mask
+        np.testing.assert_array_equal(got, codes[:, i * w // n : (i + 1) * w // n])
+
+
+@given(
+    st.sampled_from(quant.BITS),
+    widths_st,
+    st.sampled_from([1, 2, 16, 32]),
+    st.floats(1e-3, 1e3),
+    st.floats(-50, 50),
+    st.integers(0, 2**32 - 1),
+)
+@settings(max_examples=30, deadline=None)
+def test_page_round_trips_stay_within_the_bound(bits, widths, tokens, spread, offset, seed):
+    """Random pages of every scale and offset, heads of mixed widths, some columns and rows constant."""
+    rng = np.random.default_rng(seed)
+    cols = sum(widths)
+    x = offset + spread * rng.standard_normal((tokens, cols)) * rng.uniform(0.01, 3, cols)  # outlier channels
+    x[:, rng.integers(0, cols)] = offset  # a constant column
+    x[rng.integers(0, tokens)] = offset + spread  # a constant row
+    x = jnp.asarray(x, jnp.float32)
+    packed, scale, zero = quant.quantize_keys(x, widths, bits)
+    assert packed.shape == (tokens, cols * bits // 8) and scale.shape == zero.shape == (cols,)
+    back = quant.dequantize_keys(packed, scale, zero, widths, bits)
+    assert bool(jnp.all(jnp.abs(back - x) <= quant.bound(x, bits, axis=0))), seed
+    packed, scale, zero = quant.quantize_values(x, widths, bits)
+    assert scale.shape == zero.shape == (tokens, len(widths))
+    back = quant.dequantize_values(packed, scale, zero, widths, bits)
+    heads = np.concatenate([[0], np.cumsum(widths)])
+    for a, b in zip(heads[:-1], heads[1:]):
+        assert bool(jnp.all(jnp.abs(back[:, a:b] - x[:, a:b]) <= quant.bound(x[:, a:b], bits, axis=-1))), seed
+
+
+def test_keys_are_ranged_per_column_and_values_per_token_and_head():
+    """A key column 1000x larger than the others does not coarsen them; nor does one value head another."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((32, 32)).astype(np.float32)
+    x[:, 5] *= 1000.0
+    packed, scale, zero = quant.quantize_keys(jnp.asarray(x), [16, 16], 4)
+    err = np.abs(np.asarray(quant.dequantize_keys(packed, scale, zero, [16, 16], 4)) - x)
+    assert err[:, np.arange(32) != 5].max() < 0.5 and err[:, 5].max() > 10, seed
+    y = x.copy()
+    y[:, :16] = rng.standard_normal((32, 16)) * 1000
+    y[:, 16:] = rng.standard_normal((32, 16))
+    packed, scale, zero = quant.quantize_values(jnp.asarray(y), [16, 16], 4)
+    err = np.abs(np.asarray(quant.dequantize_values(packed, scale, zero, [16, 16], 4)) - y)
+    assert err[:, 16:].max() < 0.5, seed
+
+
+@pytest.mark.parametrize("bits", quant.BITS)
+def test_page_bytes_counts_every_array(bits):
+    k_widths, v_widths, page = [16, 48, 64], [32, 32, 16], 32
+    x = jnp.asarray(np.random.default_rng(fresh_seed()).standard_normal((page, 128)), jnp.float32)
+    kp, ks, kz = quant.quantize_keys(x, k_widths, bits)
+    vp, vs, vz = quant.quantize_values(x[:, :80], v_widths, bits)
+    counted = quant.page_bytes(k_widths, v_widths, page, bits)
+    assert counted == {
+        "k_codes": kp.nbytes,
+        "v_codes": vp.nbytes,
+        "k_scales": ks.nbytes + kz.nbytes,
+        "v_scales": vs.nbytes + vz.nbytes,
+    }
+    full = page * (128 + 80) * 2  # the same page in bf16
+    assert sum(counted.values()) < full * (bits / 16 + 0.1)
+
+
+@pytest.mark.parametrize("bad", [3, 8, 0, True, 4.0, "4", None])
+def test_other_bit_widths_are_one_line_errors(bad):
+    with pytest.raises(ValueError, match="quantization bits must be one of 4, 2"):
+        quant.check_bits(bad)
+    with pytest.raises(ValueError, match="does not split into 2 planes"):
+        quant.pack(jnp.zeros((1, 3), jnp.uint8), 4)
