@@ -12,11 +12,13 @@ from kvjax.io.load import load
 from kvjax.models.config import ModelConfig, UnsupportedModelError
 from kvjax.models.model import Model
 from kvjax.runtime.cache import CacheFullError
+from kvjax.runtime.config import EngineConfig
 from kvjax.runtime.generate import Generation, generate, generate_iter
 
 __all__ = [
     "CacheFullError",
     "CheckpointError",
+    "EngineConfig",
     "Generation",
     "Model",
     "ModelConfig",

@@ -103,19 +103,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def build_engine(args, model):
-    """The engine the flags ask for, its defaults fitted to this machine (``kvjax.machine``): 32 sequences of up
-    to 8192 positions on a GPU, 4 of up to 2048 on a CPU (where a step's cost follows both), the cache at most a
-    share of the memory free. A --max-seq-len the cache cannot hold once is refused; the default one shrinks to
-    what it holds, and the start-up lines say so (``Engine.describe``)."""
-    from kvjax import machine
+    """The engine the flags ask for, its defaults fitted to this machine (``EngineConfig.for_machine``): 32
+    sequences of up to 8192 positions on a GPU, 4 of up to 2048 on a CPU (where a step's cost follows both), the
+    cache at most a share of the memory free. A --max-seq-len the cache cannot hold once is refused; the default
+    one shrinks to what it holds, and the start-up lines say so (``Engine.describe``)."""
+    from kvjax.runtime.config import EngineConfig
     from kvjax.runtime.engine import Engine
     from kvjax.runtime.memory import CacheTooSmall
 
-    cpu = machine.platform() == "cpu"
-    max_batch = args.max_batch or (machine.CPU_MAX_BATCH if cpu else 32)
-    seq_len = args.max_seq_len or min(model.config.max_position_embeddings, machine.CPU_MAX_SEQ_LEN if cpu else 8192)
-    settings = dict(
-        max_batch=max_batch,
+    config = EngineConfig.for_machine(
+        model.config.max_position_embeddings,
+        max_batch=args.max_batch,
+        max_seq_len=args.max_seq_len,
         chunk_tokens=args.chunk_tokens,
         cache_memory=args.cache_memory,
         backend=args.attention,
@@ -123,7 +122,7 @@ def build_engine(args, model):
         prefill_max_rows=args.prefill_max_rows,
     )
     try:
-        return Engine(model, max_seq_len=seq_len, **settings)
+        return Engine(model, config)
     except CacheTooSmall as e:
         if args.max_seq_len is not None:
             message = str(e).replace("max_seq_len", "--max-seq-len").replace("cache_memory", "--cache-memory")
@@ -133,20 +132,21 @@ def build_engine(args, model):
         good = e.tokens
     # The longest sequence the budget holds: a shorter one needs less room for a step's activations, which leaves
     # the cache more tokens, so step up to what each try holds (a few tries; each ends in one that fits)
-    engine = Engine(model, max_seq_len=good, **settings)
+    engine = Engine(model, config.replace(max_seq_len=good))
     for _ in range(4):
-        more = min(seq_len, (engine.num_pages - 1) * engine.page_size)
+        more = min(config.max_seq_len, (engine.num_pages - 1) * engine.page_size)
         if more < good + engine.page_size:
             break
         del engine  # one cache alive at a time
         try:
-            engine, good = Engine(model, max_seq_len=more, **settings), more
+            engine, good = Engine(model, config.replace(max_seq_len=more)), more
         except CacheTooSmall:
-            engine = Engine(model, max_seq_len=good, **settings)
+            engine = Engine(model, config.replace(max_seq_len=good))
             break
     print(
-        f"kvjax-serve: a sequence of the default {seq_len} positions does not fit the cache ({engine.budget_note}); "
-        f"serving {engine.max_seq_len} positions a sequence instead (--max-seq-len, --cache-memory)",
+        f"kvjax-serve: a sequence of the default {config.max_seq_len} positions does not fit the cache "
+        f"({engine.budget_note}); serving {engine.max_seq_len} positions a sequence instead (--max-seq-len, "
+        "--cache-memory)",
         file=sys.stderr,
     )
     return engine

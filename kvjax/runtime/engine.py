@@ -17,9 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax import machine, validate
+from kvjax import machine
 from kvjax.ops import attention
-from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.plan import bucket as pow2_bucket
 from kvjax.ops.grouped import full_width
@@ -27,6 +26,7 @@ from kvjax.ops.palu import PaluDecodeOp
 from kvjax.ops.prefill.op import PrefillOp
 from kvjax.runtime import memory
 from kvjax.runtime.cache import PagedKVCache, block_table, bytes_per_token, pool_of, pool_windows, window_span
+from kvjax.runtime.config import EngineConfig
 
 # XLA merges dots that share an operand when each weighs under a threshold (32 MB) by concatenating their weights,
 # which are step inputs here, so a compressed layer's narrower K and V projections had Q, K and V copied into one
@@ -209,33 +209,20 @@ class Engine:
     pools of their own (``windows``; ``window_pages`` pages each, enough for every slot's window), whose pages are
     given back as the window passes them, so the cache's tokens are those of its whole-context layers."""
 
-    def __init__(
-        self,
-        model,
-        *,
-        max_batch: int = 8,
-        max_seq_len: int = 512,
-        page_size: int = 16,
-        chunk_tokens: int = 512,
-        num_pages: int | None = None,
-        cache_memory: float | int | None = None,
-        cache_dtype=None,
-        backend: str | None = None,
-        batch_invariant: bool = False,
-        decode_config: DecodeConfig = DECODE,
-        prefill_min_tokens: int | None = None,
-        prefill_max_rows: int | None = None,
-    ):
-        """``backend``: "reference" (jnp), "pallas" (GPU kernels) or "interpret" (the kernels on the CPU);
-        default: the kernels on a GPU, the reference elsewhere. ``batch_invariant``: decode plans split each
-        sequence by its own length alone and every decode step runs ``max_batch`` rows, and the runner prefills
-        one chunk per step call (``kvjax.generate``). ``decode_config``: the decode kernel's knobs (its defaults
-        are the measured best; bench/engine.py's ``--knob`` sets them). ``prefill_min_tokens`` (default the page
-        size) and ``prefill_max_rows`` (default ``max_batch``): the shortest padded length and the most rows of a
-        prefill call; fewer step shapes to compile (``compile_ahead``) for a little padding, since a short prefill
-        call is bound by reading the weights anyway (bench/RESULTS.md "Serving: latency against request rate")."""
-        if not isinstance(decode_config, DecodeConfig):
-            raise TypeError(f"decode_config must be a DecodeConfig, got {type(decode_config).__name__}")
+    def __init__(self, model, config: EngineConfig | None = None, **settings):
+        """``config`` (or its fields as keywords; ``kvjax.runtime.config``) holds every setting. ``backend``:
+        "reference" (jnp), "pallas" (GPU kernels) or "interpret" (the kernels on the CPU); default: the kernels on
+        a GPU, the reference elsewhere. ``batch_invariant``: decode plans split each sequence by its own length
+        alone and every decode step runs ``max_batch`` rows, and the runner prefills one chunk per step call
+        (``kvjax.generate``). ``decode_config``: the decode kernel's knobs (its defaults are the measured best;
+        bench/engine.py's ``--knob`` sets them). ``prefill_min_tokens`` (default the page size) and
+        ``prefill_max_rows`` (default ``max_batch``): the shortest padded length and the most rows of a prefill
+        call; fewer step shapes to compile (``compile_ahead``) for a little padding, since a short prefill call is
+        bound by reading the weights anyway (bench/RESULTS.md "Serving: latency against request rate")."""
+        c = self.config = _config(config, settings)
+        max_batch, max_seq_len, page_size, chunk_tokens = c.max_batch, c.max_seq_len, c.page_size, c.chunk_tokens
+        backend, batch_invariant, decode_config = c.backend, c.batch_invariant, c.decode_config
+        num_pages, cache_memory, cache_dtype = c.num_pages, c.cache_memory, c.cache_dtype
         self.model, self.max_batch, self.page_size = model, max_batch, page_size
         self.chunk_tokens, self.batch_invariant = chunk_tokens, batch_invariant
         self.backend = attention.check_backend(backend or attention.default_backend())
@@ -247,10 +234,10 @@ class Engine:
         self.pages_per_seq = -(-max_seq_len // page_size)
         self.max_seq_len = self.pages_per_seq * page_size
         self.prefill_min, self.prefill_rows = page_size, max_batch
-        if prefill_min_tokens is not None:
-            self.prefill_min = max(page_size, validate.integer("prefill_min_tokens", prefill_min_tokens, low=1))
-        if prefill_max_rows is not None:
-            self.prefill_rows = min(max_batch, validate.integer("prefill_max_rows", prefill_max_rows, low=1))
+        if c.prefill_min_tokens is not None:
+            self.prefill_min = max(page_size, c.prefill_min_tokens)
+        if c.prefill_max_rows is not None:
+            self.prefill_rows = min(max_batch, c.prefill_max_rows)
         self.prefill_limit = min(2 * bucket(max(chunk_tokens, self.prefill_min)), max_batch * bucket(self.max_seq_len))
         self.decode_op: DecodeOp | PaluDecodeOp | None = None
         self.prefill_op: PrefillOp | None = None
@@ -337,11 +324,8 @@ class Engine:
         spans = [window_span(w, self.page_size, self.chunk_tokens, self.pages_per_seq) for w in self.windows]
         needs = [self.max_batch * span + 1 for span in spans]
         if num_pages is not None:
-            if cache_memory is not None:
-                raise ValueError("give num_pages or cache_memory, not both")
-            n = validate.integer("num_pages", num_pages, low=2)
-            self.budget_note = f"num_pages={n}"
-            return tuple(min(n, need) if i else n for i, need in enumerate(needs))
+            self.budget_note = f"num_pages={num_pages}"
+            return tuple(min(num_pages, need) if i else num_pages for i, need in enumerate(needs))
         pooled = [tuple(lay for lay, p in zip(self.model.layouts, self.pools) if p == i) for i in range(len(needs))]
         page_bytes = [self.page_size * bytes_per_token(layouts, dtype) for layouts in pooled]
         reserve = self.activation_bytes()
@@ -489,6 +473,17 @@ class Engine:
     def schedule(self, lengths: np.ndarray):
         """The decode op's device schedule for these lengths (None on the reference path)."""
         return None if self.decode_op is None else self.decode_op.plan(lengths)
+
+
+def _config(config: EngineConfig | None, settings: dict) -> EngineConfig:
+    """``config``, or one built from ``settings``; never both."""
+    if config is None:
+        return EngineConfig(**settings)
+    if settings:
+        raise TypeError("give an EngineConfig or its fields as keywords, not both")
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+    return config
 
 
 def _pad_rows(rows: Rows, out: Rows) -> Rows:

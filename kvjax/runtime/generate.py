@@ -14,6 +14,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from kvjax import validate
+from kvjax.runtime.config import EngineConfig
 from kvjax.runtime.engine import Engine, bucket
 from kvjax.runtime.runner import Runner
 from kvjax.runtime.scheduler import Request
@@ -69,14 +70,13 @@ def cut_at_stop(text: str, stop_texts) -> str:
     return text[: min(cuts)] if cuts else text
 
 
-def _engine(model, **settings) -> Engine:
-    """Engines are cached on the model, by their settings, so their compiled steps are reused across calls."""
-    key = tuple(sorted(settings.items()))
-    if key not in model._engines:
+def _engine(model, config: EngineConfig) -> Engine:
+    """Engines are cached on the model, by their configuration, so their compiled steps are reused across calls."""
+    if config not in model._engines:
         model._engines.clear()  # keep one cache's memory alive at a time
-        model._engines[key] = Engine(model, **settings)
-        log.info("kvjax.generate: engine %s", model._engines[key].describe())
-    return model._engines[key]
+        model._engines[config] = Engine(model, config)
+        log.info("kvjax.generate: engine %s", model._engines[config].describe())
+    return model._engines[config]
 
 
 def generate(model, prompts: Sequence, *args, progress: bool = False, **kwargs) -> list[Generation]:
@@ -132,14 +132,17 @@ def generate_iter(
     """
     max_new_tokens = validate.positive("max_new_tokens", max_new_tokens)
     temperature, top_p, seed = validate.temperature(temperature), validate.top_p(top_p), validate.seed(seed)
-    max_batch, page_size = validate.positive("max_batch", max_batch), validate.positive("page_size", page_size)
-    chunk_tokens = validate.positive("chunk_tokens", chunk_tokens)
-    if cache_memory is not None:
-        cache_memory = validate.memory_budget("cache_memory", cache_memory)
-    chat, batch_invariant = validate.flag("chat", chat), validate.flag("batch_invariant", batch_invariant)
-    capacity = model.config.max_position_embeddings
-    if max_seq_len is not None:
-        capacity = validate.positive("max_seq_len", max_seq_len)
+    chat = validate.flag("chat", chat)
+    config = EngineConfig(  # checks every engine setting, before any prompt is encoded
+        max_batch=max_batch,
+        max_seq_len=model.config.max_position_embeddings if max_seq_len is None else max_seq_len,
+        page_size=page_size,
+        chunk_tokens=chunk_tokens,
+        cache_memory=cache_memory,
+        backend=backend,
+        batch_invariant=batch_invariant,
+    )
+    capacity = config.max_seq_len
     if (
         isinstance(prompts, (str, bytes))
         or not isinstance(prompts, Sequence)
@@ -160,22 +163,13 @@ def generate_iter(
         raise ValueError("stop strings need a tokenizer; pass stop token ids instead")
 
     seq_len = capacity  # batch-invariant: a cache shape no prompt of the call chooses
-    if not batch_invariant:
-        seq_len = min(bucket(max(map(len, encoded), default=0) + max_new_tokens, minimum=page_size), capacity)
-    engine = _engine(
-        model,
-        max_batch=max_batch,
-        max_seq_len=seq_len,
-        page_size=page_size,
-        chunk_tokens=chunk_tokens,
-        cache_memory=cache_memory,
-        backend=backend,
-        batch_invariant=batch_invariant,
-    )
+    if not config.batch_invariant:
+        seq_len = min(bucket(max(map(len, encoded), default=0) + max_new_tokens, minimum=config.page_size), capacity)
+    engine = _engine(model, config.replace(max_seq_len=seq_len))
     runner = Runner(engine)
     stopper = functools.partial(stopped, model, stop_ids=stop_ids, stop_texts=stop_texts)
     requests = [
-        runner.add(Request(ids, max_new_tokens, temperature, top_p, seed, 0 if batch_invariant else n, stopper))
+        runner.add(Request(ids, max_new_tokens, temperature, top_p, seed, 0 if config.batch_invariant else n, stopper))
         for n, ids in enumerate(encoded)
     ]
     return _Run(model, runner, requests, stop_texts, stats)

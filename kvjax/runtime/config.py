@@ -1,0 +1,70 @@
+"""One frozen engine configuration: every setting an ``Engine`` is built from, checked once, here.
+
+``kvjax.generate``, ``kvjax-infer`` (through it) and ``kvjax-serve`` build one the same way and hand it to
+``Engine``; the runner and the server read it back from ``engine.config``. A later option (quantized pages,
+eviction) is a field here, so it has one home and one check. ``for_machine`` fills what the caller left open with
+the defaults of the machine at hand (``kvjax.machine``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvjax import machine, validate
+from kvjax.ops.attention import check_backend
+from kvjax.ops.decode.config import DECODE, DecodeConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings (``Engine``'s docstring says what each does); invalid values are one-line errors at
+    construction, before any memory is taken."""
+
+    max_batch: int = 8  # sequences decoded at once (kvjax-infer --batch-size, kvjax-serve --max-batch)
+    max_seq_len: int = 512  # cache positions a sequence may fill: prompt + new tokens
+    page_size: int = 16
+    chunk_tokens: int = 512  # prompt tokens prefilled a step
+    num_pages: int | None = None  # the whole-context pool's pages; or sized by cache_memory
+    cache_memory: float | int | None = None  # a fraction of the memory free, or bytes
+    cache_dtype: str | None = None  # default: the model's
+    backend: str | None = None  # "pallas", "reference", "interpret"; default by device
+    batch_invariant: bool = False
+    decode_config: DecodeConfig = DECODE
+    prefill_min_tokens: int | None = None
+    prefill_max_rows: int | None = None
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_seq_len", "page_size", "chunk_tokens"):
+            validate.positive(name, getattr(self, name))
+        for name in ("prefill_min_tokens", "prefill_max_rows"):
+            if getattr(self, name) is not None:
+                validate.positive(name, getattr(self, name))
+        if self.num_pages is not None:
+            if self.cache_memory is not None:
+                raise ValueError("give num_pages or cache_memory, not both")
+            validate.integer("num_pages", self.num_pages, low=2)
+        if self.cache_memory is not None:
+            validate.memory_budget("cache_memory", self.cache_memory)
+        if self.cache_dtype is not None:
+            object.__setattr__(self, "cache_dtype", validate.dtype(self.cache_dtype))
+        if self.backend is not None:
+            check_backend(self.backend)
+        validate.flag("batch_invariant", self.batch_invariant)
+        if not isinstance(self.decode_config, DecodeConfig):
+            raise TypeError(f"decode_config must be a DecodeConfig, got {type(self.decode_config).__name__}")
+
+    def replace(self, **changes) -> EngineConfig:
+        """A copy with ``changes``, checked again."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def for_machine(cls, context: int, *, max_batch: int | None = None, max_seq_len: int | None = None, **settings):
+        """A configuration whose batch and positions a sequence, where not given, fit the machine at hand: 32
+        sequences of up to 8192 positions on a GPU, ``machine.CPU_MAX_BATCH`` of up to ``machine.CPU_MAX_SEQ_LEN``
+        on a CPU (where a step's cost follows both), never past the model's ``context``."""
+        cpu = machine.platform() == "cpu"
+        return cls(
+            max_batch=max_batch or (machine.CPU_MAX_BATCH if cpu else 32),
+            max_seq_len=max_seq_len or min(context, machine.CPU_MAX_SEQ_LEN if cpu else 8192),
+            **settings,
+        )
