@@ -97,3 +97,31 @@ def test_other_bit_widths_are_one_line_errors(bad):
         quant.check_bits(bad)
     with pytest.raises(ValueError, match="does not split into 2 planes"):
         quant.pack(jnp.zeros((1, 3), jnp.uint8), 4)
+
+
+@given(
+    st.sampled_from(quant.BITS), widths_st, st.sampled_from([1, 16, 32]), st.integers(1, 8), st.integers(0, 2**32 - 1)
+)
+@settings(max_examples=15, deadline=None)
+def test_scores_and_outputs_from_codes_equal_those_of_the_rebuilt_page(bits, widths, tokens, rows, seed):
+    """The kernel's arithmetic (scale folded into q or into p, zero as one dot) against dequantize-then-multiply,
+    head by head of a page of mixed widths."""
+    rng = np.random.default_rng(seed)
+    cols = sum(widths)
+    k = jnp.asarray(rng.standard_normal((tokens, cols)) * rng.uniform(0.1, 5, cols) + rng.normal(0, 3, cols))
+    v = jnp.asarray(rng.standard_normal((tokens, cols)) * 2 + 1)
+    kp, ks, kz = quant.quantize_keys(k, widths, bits)
+    vp, vs, vz = quant.quantize_values(v, widths, bits)
+    k_back = quant.dequantize_keys(kp, ks, kz, widths, bits)
+    v_back = quant.dequantize_values(vp, vs, vz, widths, bits)
+    heads = np.concatenate([[0], np.cumsum(widths)])
+    for h, (a, b) in enumerate(zip(heads[:-1], heads[1:])):
+        n = 8 // bits
+        q = jnp.asarray(rng.standard_normal((rows, b - a)), jnp.float32)
+        scores = quant.head_scores(q, kp[:, a // n : b // n], ks[a:b], kz[a:b], bits)
+        np.testing.assert_allclose(
+            scores, q @ k_back[:, a:b].T, rtol=1e-4, atol=1e-3 * (1 + float(jnp.abs(scores).max()))
+        )
+        p = jnp.asarray(rng.dirichlet(np.ones(tokens), rows), jnp.float32)
+        out = quant.head_values(p, vp[:, a // n : b // n], vs[:, h], vz[:, h], bits)
+        np.testing.assert_allclose(out, p @ v_back[:, a:b], rtol=1e-4, atol=1e-4)

@@ -135,3 +135,29 @@ def page_bytes(k_widths, v_widths, page_size: int, bits: int) -> dict[str, int]:
         "k_scales": 2 * k_cols * meta,
         "v_scales": 2 * page_size * len(v_widths) * meta,
     }
+
+
+def head_scores(q: jnp.ndarray, packed: jnp.ndarray, scale, zero, bits: int) -> jnp.ndarray:
+    """Scores [R, T] of queries q [R, w] against one head's quantized keys (``quantize_keys``' columns of the head:
+    packed [T, w * bits / 8], scale and zero [w]) without rebuilding them: ``q . k_t = q . zero + (q * scale) .
+    codes_t``, each plane of codes scored against its block of ``q * scale`` (the decode kernel's arithmetic)."""
+    n = 8 // check_bits(bits)
+    mask, w = (1 << bits) - 1, q.shape[-1]
+    qs = q.astype(jnp.float32) * scale.astype(jnp.float32)
+    out = (q.astype(jnp.float32) @ zero.astype(jnp.float32))[:, None]
+    for i in range(n):
+        plane = ((packed >> (bits * i)) & mask).astype(jnp.float32)  # [T, w / n]: columns i w/n ...
+        out = out + qs[:, i * w // n : (i + 1) * w // n] @ plane.T
+    return out
+
+
+def head_values(p: jnp.ndarray, packed: jnp.ndarray, scale, zero, bits: int) -> jnp.ndarray:
+    """Outputs [R, w] of attention weights p [R, T] over one head's quantized values (``quantize_values``' columns
+    of the head: packed [T, w * bits / 8], scale and zero [T]) without rebuilding them: ``sum_t p_t v_t =
+    (p * scale) . codes + p . zero``, plane by plane into its block of columns."""
+    n = 8 // check_bits(bits)
+    mask = (1 << bits) - 1
+    ps = p.astype(jnp.float32) * scale.astype(jnp.float32)[None, :]
+    base = p.astype(jnp.float32) @ zero.astype(jnp.float32)
+    blocks = [ps @ ((packed >> (bits * i)) & mask).astype(jnp.float32) for i in range(n)]
+    return jnp.concatenate(blocks, axis=-1) + base[:, None]
