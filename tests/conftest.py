@@ -1,3 +1,4 @@
+import gc
 import os
 import string
 
@@ -10,6 +11,17 @@ from kvjax.models.config import ModelConfig
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # before any test imports transformers
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """Each compiled XLA executable maps pages of code into the process, and JAX keeps them cached: the whole suite
+    in one process neared the kernel's vm.max_map_count (65,530), where XLA's next compile segfaults (reproduced by
+    filling the maps by hand: bench/notes/2026-11-27-first-hour.md). Each test module's executables go when it
+    ends."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def fresh_seed() -> int:
