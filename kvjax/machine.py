@@ -87,8 +87,8 @@ def env_cap() -> int | None:
         value = validate.parse_memory(text)
     except ValueError as e:
         raise ValueError(f"{ENV}={text!r}: {e}") from None
-    if not isinstance(value, int):
-        raise ValueError(f"{ENV}={text!r} must be a size such as 2GiB, not a fraction")
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{ENV}={text!r} must be a positive size such as 2GiB")
     return value
 
 
@@ -123,3 +123,12 @@ def default_dtype(param_count: int, device=None) -> str:
         return "bfloat16"
     room = available_bytes(device)
     return "float32" if room is None or 4 * param_count <= F32_SHARE * room else "bfloat16"
+
+
+def param_dtype(dtype, param_count: int) -> str:
+    """The parameter dtype a load asks for, by name: ``default_dtype`` for "auto", else ``dtype`` checked
+    (``kvjax.validate.DTYPES``). Loaders call it once they have read the model's config, so "auto" costs no
+    second read of the checkpoint."""
+    if isinstance(dtype, str) and dtype == "auto":
+        return default_dtype(param_count)
+    return validate.dtype(dtype)

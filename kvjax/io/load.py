@@ -62,6 +62,7 @@ def resolve(path: str) -> str:
 
 
 def _build(cfg: ModelConfig, sources, read, dtype, progress: bool) -> Transformer:
+    dtype = jnp.dtype(machine.param_dtype(dtype, cfg.param_count()))
     module = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     with tqdm(total=len(sources), desc="loading weights", unit="tensor", disable=not progress, leave=False) as bar:
         fill_params(module, sources, read, dtype, bar)
@@ -112,42 +113,21 @@ def load(path: str, dtype: str = "auto", *, progress: bool = True) -> Model:
     (``kvjax.machine.default_dtype``: a small model's bfloat16 answers on a CPU are not its own). Weights are read
     and converted one tensor at a time, so host memory stays near the model's size in ``dtype``.
     """
-    auto = isinstance(dtype, str) and dtype == "auto"
-    param_dtype = jnp.dtype(jnp.float32 if auto else validate.dtype(dtype))
+    if not (isinstance(dtype, str) and dtype == "auto"):  # checked before any file is read; "auto" waits for the
+        dtype = validate.dtype(dtype)  # model's config, which each loader reads anyway (``machine.param_dtype``)
     path = os.fspath(path)
     if path not in EMBEDDED:  # a save cut short by a crash is finished or undone first
         for line in atomic.recover(os.path.abspath(path), is_kvjax_checkpoint):
             warnings.warn(line, stacklevel=2)
     path = resolve(path)
-    if auto:
-        param_dtype = jnp.dtype(_auto_dtype(path))
     if os.path.isdir(path):
         if is_kvjax_checkpoint(path):
-            model = Model(*load_saved(path, param_dtype))
+            model = Model(*load_saved(path, dtype))
         else:
-            model = _load_hf_dir(path, param_dtype, progress)
+            model = _load_hf_dir(path, dtype, progress)
     elif path.endswith(".gguf"):
-        model = _load_gguf(path, param_dtype, progress)
+        model = _load_gguf(path, dtype, progress)
     else:
         raise ValueError(f"cannot load {path!r}: expected a Hugging Face checkpoint directory or a .gguf file")
     model.source = os.path.abspath(path)
     return model
-
-
-def _auto_dtype(path: str) -> str:
-    """``machine.default_dtype`` for the model at ``path``, its size read from its config alone (bfloat16 where the
-    config cannot be read here: the loader then says what is wrong with it)."""
-    try:
-        if os.path.isdir(path) and is_kvjax_checkpoint(path):
-            cfg = ModelConfig.from_dict(read_json(os.path.join(path, "kvjax.json"))["config"])
-        elif os.path.isdir(path):
-            from transformers import AutoConfig
-
-            cfg = config_from_hf(AutoConfig.from_pretrained(path))
-        else:
-            from kvjax.io.gguf_file import GGUFCheckpoint
-
-            cfg = GGUFCheckpoint(path).config()
-    except Exception:  # noqa: BLE001 - any unreadable config: the load itself reports it
-        return "bfloat16"
-    return machine.default_dtype(cfg.param_count())

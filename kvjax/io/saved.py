@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kvjax import machine
 from kvjax.errors import CheckpointError
 from kvjax.io import atomic
 from kvjax.io.hf import json_error, one_line, read_json, some
@@ -135,16 +136,18 @@ def is_kvjax_checkpoint(directory: str) -> bool:
 
 
 def load_saved(directory: str, dtype):
-    """(module, tokenizer, plan) of a checkpoint written by ``save``, cast to ``dtype``; a missing, corrupt or
+    """(module, tokenizer, plan) of a checkpoint written by ``save``, cast to ``dtype`` (a name, or "auto":
+    ``kvjax.machine.param_dtype``); a missing, corrupt or
     inconsistent part, or a NaN/inf parameter, is a ``CheckpointError`` naming it."""
     import orbax.checkpoint as ocp
 
     from kvjax.models.rotation import packed_rotation
     from kvjax.models.transformer import Transformer
 
-    directory, dtype = os.path.abspath(directory), jnp.dtype(dtype)
+    directory = os.path.abspath(directory)
     plan_file, params_dir = os.path.join(directory, "plan.json"), os.path.join(directory, "params")
     cfg, saved_dtype, parts, fmt = _read_meta(directory)
+    dtype = jnp.dtype(machine.param_dtype(dtype, cfg.param_count()))  # "auto" by the model's size
     plan = _read_plan(plan_file)
     try:
         module = nnx.eval_shape(lambda: Transformer(cfg, plan=plan, dtype=saved_dtype, rngs=nnx.Rngs(0)))
