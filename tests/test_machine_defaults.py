@@ -6,6 +6,7 @@ import dataclasses
 import os
 import re
 
+import jax
 import numpy as np
 import pytest
 from conftest import FIXTURES, TINY_CONFIGS, fresh_seed
@@ -49,7 +50,7 @@ def test_the_memory_cap_bounds_what_kvjax_takes_to_be_free(monkeypatch):
     assert found is not None and found > 0  # /proc/meminfo on any Linux host
     monkeypatch.setenv(machine.ENV, "3MiB")
     assert machine.available_bytes() == min(found, 3 * 2**20) and memory.free_bytes() == 3 * 2**20
-    for bad in ("lots", "0.5"):
+    for bad in ("lots", "0.5", "-5", "0"):
         monkeypatch.setenv(machine.ENV, bad)
         with pytest.raises(ValueError, match=machine.ENV):
             machine.available_bytes()
@@ -65,7 +66,7 @@ def test_a_cpu_answers_in_float32_while_the_weights_fit_a_quarter_of_the_memory(
     model = kvjax.load(os.path.join(FIXTURES, "llama"), progress=False)  # dtype "auto"
     assert np.dtype(model.dtype) == np.float32
     cfg = model.config
-    exact = sum(int(np.prod(x.shape)) for x in __import__("jax").tree.leaves(model.state))
+    exact = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model.state))
     assert 0.95 * exact <= cfg.param_count() <= exact  # norms and biases are all it leaves out
 
 

@@ -134,7 +134,7 @@ def build_engine(args, model):
     # the cache more tokens, so step up to what each try holds (a few tries; each ends in one that fits)
     engine = Engine(model, config.replace(max_seq_len=good))
     for _ in range(4):
-        more = min(config.max_seq_len, (engine.num_pages - 1) * engine.page_size)
+        more = min(config.max_seq_len, engine.cache_tokens)
         if more < good + engine.page_size:
             break
         del engine  # one cache alive at a time
@@ -157,7 +157,7 @@ def capacity_line(engine, model) -> str:
     from kvjax.layout import HeadLayout
     from kvjax.runtime.cache import bytes_per_token
 
-    tokens = (engine.num_pages - 1) * engine.page_size
+    tokens = engine.cache_tokens
     dtype = engine.cache.k[0].dtype
     cfg = model.config
     full = (HeadLayout.uniform(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),) * cfg.num_layers

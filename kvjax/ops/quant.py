@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.layout import HeadLayout
+
 BITS = (4, 2)  # code widths a page may hold
 META_DTYPE = jnp.float16  # scales and zero points: an 11-bit mantissa keeps their rounding well under a step
 
@@ -85,8 +87,8 @@ def bound(x: jnp.ndarray, bits: int, axis: int) -> jnp.ndarray:
 
 
 def _heads(widths) -> list[tuple[int, int]]:
-    offsets = np.concatenate([[0], np.cumsum(widths)]).astype(int)
-    return [(int(a), int(b)) for a, b in zip(offsets[:-1], offsets[1:])]
+    """Each head's (first, past-last) column in a page of heads side by side at ``widths``."""
+    return [(start, start + int(w)) for start, w in zip(HeadLayout.offsets(widths), widths)]
 
 
 def quantize_keys(k: jnp.ndarray, widths, bits: int) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:

@@ -292,15 +292,19 @@ class Engine:
                 )
                 self._steps["prefill", greedy, prefix] = jit(step)
 
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens the whole-context pool holds (its pages less the null page)."""
+        return (self.num_pages - 1) * self.page_size
+
     def describe(self) -> str:
         """One line for people: where and how the engine runs, its batch, positions per sequence and cache, and how
         the cache's size was chosen."""
         dtype = jnp.dtype(self.model.dtype).name
-        tokens = (self.num_pages - 1) * self.page_size
         return (
             f"on {machine.platform()} in {dtype} ({self.backend} attention): up to {self.max_batch} sequences at once "
-            f"of up to {self.max_seq_len} positions; KV cache {tokens:,} tokens, {memory.size(self.cache.nbytes)} "
-            f"({self.budget_note})"
+            f"of up to {self.max_seq_len} positions; KV cache {self.cache_tokens:,} tokens, "
+            f"{memory.size(self.cache.nbytes)} ({self.budget_note})"
         )
 
     def activation_bytes(self) -> int:
@@ -339,7 +343,7 @@ class Engine:
             self.budget_note = "room for max_batch full sequences (this machine does not say how much memory is free)"
             return tuple(needs)
         else:
-            share = memory.default_fraction()
+            share = machine.SHARE[machine.platform()]
             budget, what = int(share * free), "free-memory"
             self.budget_note = f"at most {share:.0%} of the {memory.size(free)} free on this {machine.platform()}"
         pages = memory.pool_pages(budget, reserve, page_bytes, needs, what=what)

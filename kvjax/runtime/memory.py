@@ -38,11 +38,6 @@ def free_bytes(device=None) -> int | None:
     return machine.available_bytes(device)
 
 
-def default_fraction(device=None) -> float:
-    """The share of free memory a cache takes when the caller gives no budget (``kvjax.machine.SHARE``)."""
-    return machine.SHARE[machine.platform(device)]
-
-
 def activation_bytes(
     config: ModelConfig, tokens: int, rows: int, context: int, dtype, *, scores: bool, gathers: bool
 ) -> int:

@@ -134,7 +134,7 @@ class Server:
     def __init__(self, worker: Worker, model, name: str):
         self.worker, self.model, self.name = worker, model, name
         engine = worker.engine  # positions per sequence (prompt + new tokens): what the cache holds of max_seq_len
-        self.capacity = min(engine.max_seq_len, (engine.num_pages - 1) * engine.page_size)
+        self.capacity = min(engine.max_seq_len, engine.cache_tokens)
         self.accepting = True
         self.stop_ids = eos_ids(model)
         # Tokenizing runs beside the event loop, two prompts at a time, so a long prompt stalls no other client; a
