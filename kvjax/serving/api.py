@@ -140,7 +140,8 @@ class Server:
         # Tokenizing runs beside the event loop, two prompts at a time, so a long prompt stalls no other client; a
         # text too long to fit whatever its tokens is refused before any of it is tokenized (``longest_token``).
         self.tokenizing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvjax-tokenize")
-        self.max_chars = TEXT_MARGIN * longest_token(model.tokenizer) * self.capacity
+        self.longest_token = longest_token(model.tokenizer)
+        self.max_chars = TEXT_MARGIN * self.longest_token * self.capacity
 
     async def admit(self, prompt, messages: list[dict] | None = None) -> list[int]:
         """``encode`` off the event loop, after refusing at once a text no tokenization could fit in the cache."""
@@ -151,7 +152,7 @@ class Server:
         if chars > self.max_chars:
             raise BadRequest(
                 f"the {'prompt holds' if messages is None else 'messages hold'} {chars:,} characters; no token of this "
-                f"model spans more than {self.max_chars // (TEXT_MARGIN * self.capacity)}, so they need more than "
+                f"model spans more than {self.longest_token}, so they need more than "
                 f"the {self.capacity} positions this server's cache holds per sequence (refused before tokenizing)",
                 "prompt" if messages is None else "messages",
             )
@@ -236,9 +237,8 @@ class Server:
                 if finished:
                     last = chunk(rid, created, "", _reason(request), _usage(request))
                     yield f"data: {json.dumps(last)}\n\n"
-                    if (
-                        request.finish_reason == "error"
-                    ):  # why it failed, as OpenAI streams an error: an event of its own
+                    # why it failed, as OpenAI streams an error: an event of its own
+                    if request.finish_reason == "error":
                         error = {"message": request.error, "type": "server_error", "param": None, "code": None}
                         yield f"data: {json.dumps({'error': error})}\n\n"
                     yield "data: [DONE]\n\n"
