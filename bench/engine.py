@@ -41,6 +41,7 @@ from kvjax.compression import RankPlan
 from kvjax.models.config import ModelConfig
 from kvjax.models.transformer import Transformer
 from kvjax.ops.decode.config import DECODE, DecodeConfig
+from kvjax.ops.quant import check_bits
 from kvjax.runtime import engine as engine_module
 from kvjax.runtime.cache import bytes_per_token
 from kvjax.runtime.engine import Engine
@@ -121,11 +122,22 @@ def cupti_steps(runner: Runner, steps: int) -> list[tuple[str, float]]:
     return list(timings)
 
 
-def floor_bytes(model: kvjax.Model, lengths: np.ndarray) -> int:
+def floor_bytes(model: kvjax.Model, lengths: np.ndarray, engine: Engine | None = None) -> int:
     """Bytes a decode step must read: every weight but the embedding table, and each sequence's K/V."""
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.state))
     embed = model.config.vocab_size * model.config.hidden_size * jnp.dtype(model.dtype).itemsize
-    return weights - embed + int(lengths.sum()) * bytes_per_token(model.layouts, model.dtype)
+    return weights - embed + kv_bytes(model, lengths, engine)
+
+
+def kv_bytes(model: kvjax.Model, lengths: np.ndarray, engine: Engine | None = None) -> int:
+    """Bytes of K/V a decode step reads: each sequence's tokens at the cache's bytes a token (a quantized cache:
+    its full pages' every byte, codes, scales, zeros and padding, and its tail's tokens in the cache's dtype)."""
+    plain = bytes_per_token(model.layouts, model.dtype)
+    if engine is None or engine.formats is None:
+        return int(lengths.sum()) * plain
+    p = engine.page_size
+    full = lengths // p * p
+    return int(full.sum() * sum(engine.token_bytes().values()) + (lengths - full).sum() * plain)
 
 
 @dataclasses.dataclass
@@ -142,12 +154,19 @@ class Prefilled:
 
 
 def prefilled(
-    model, batch: int, ctx: int, new: int, chunk_tokens: int, config=DECODE, warm_steps: int = 8
+    model, batch: int, ctx: int, new: int, chunk_tokens: int, config=DECODE, warm_steps: int = 8, kv_bits=None
 ) -> Prefilled:
     """An engine whose ``batch`` random ``ctx``-token requests (``new`` tokens each) are prefilled and
-    ``warm_steps`` decode steps in, every step shape compiled first by a one-request run of its own."""
+    ``warm_steps`` decode steps in, every step shape compiled first by a one-request run of its own. ``kv_bits``:
+    quantized pages (of the default 32 tokens; 16 tokens a page otherwise)."""
     engine = Engine(
-        model, max_batch=batch, max_seq_len=ctx + new, page_size=16, chunk_tokens=chunk_tokens, decode_config=config
+        model,
+        max_batch=batch,
+        max_seq_len=ctx + new,
+        page_size=None if kv_bits else 16,
+        chunk_tokens=chunk_tokens,
+        decode_config=config,
+        kv_bits=kv_bits,
     )
     runner = Runner(engine)
     rng = np.random.default_rng(0)
@@ -168,11 +187,11 @@ def prefilled(
     return Prefilled(engine, runner, requests, warm_up_s, compiled, since, prefill_s)
 
 
-def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
+def run_shape(model, rate, batch, ctx, args, bandwidth, kv_bits=None) -> dict:
     """Prefill ``batch`` random prompts of ``ctx`` tokens, then time decode steps in steady state, every request
     still running (each may sample a token per prefill step before, one per step after)."""
     new = batch * -(-ctx // args.chunk_tokens) + args.warm_steps + 2 * args.steps + 8
-    state = prefilled(model, batch, ctx, new, args.chunk_tokens, args.config, args.warm_steps)
+    state = prefilled(model, batch, ctx, new, args.chunk_tokens, args.config, args.warm_steps, kv_bits)
     engine, runner, requests, since = state.engine, state.runner, state.requests, state.since
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -191,10 +210,15 @@ def run_shape(model, rate, batch, ctx, args, bandwidth) -> dict:
         by_name[name] = by_name.get(name, 0.0) + ms / args.steps
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     device = sum(split.values())
-    floor = floor_bytes(model, lengths + args.steps // 2) / bandwidth  # mean lengths over the CUPTI steps
+    mean_lengths = lengths + args.steps // 2  # over the CUPTI steps
+    floor = floor_bytes(model, mean_lengths, engine) / bandwidth
+    attention_floor = kv_bytes(model, mean_lengths, engine) / bandwidth
     del engine, runner
     return dict(
         rate=rate,
+        kv_bits=kv_bits,
+        attention_floor_ms=attention_floor * 1e3,
+        attention_pct_of_floor=100 * attention_floor / split["attention"],
         batch=batch,
         ctx=ctx,
         wall_ms=wall * 1e3,
@@ -290,18 +314,20 @@ def prefill_sweep(model, rate, batch, ctx, chunks: list[int]) -> list[dict]:
 
 def print_rows(rows: list[dict]) -> None:
     print(
-        "\n| rate | B x ctx | wall ms/step | device ms/step | floor ms | % of floor | wall/device | tok/s | "
-        "GEMM ms | attention ms | rest ms | kernels/step | prefill tok/s (chunk) | "
+        "\n| rate | kv bits | B x ctx | wall ms/step | device ms/step | floor ms | % of floor | wall/device | tok/s | "
+        "GEMM ms | attention ms (floor, %) | rest ms | kernels/step | prefill tok/s (chunk) | "
         "compile s: decode / prefill (variants) | decode trace + lower + compile s | compiles while timed | "
         "span/device | wall/span |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         rate = f"{r['rate']}{' palu' if r.get('method') == 'palu' else ''}"
         print(
-            f"| {rate} | {r['batch']} x {r['ctx']} | {r['wall_ms']:.2f} | {r['device_ms']:.2f} | "
+            f"| {rate} | {r.get('kv_bits') or '-'} | {r['batch']} x {r['ctx']} | {r['wall_ms']:.2f} | "
+            f"{r['device_ms']:.2f} | "
             f"{r['floor_ms']:.2f} | {r['pct_of_floor']:.0f}% | {r['wall_over_device']:.3f} | {r['tokens_per_s']:.0f} | "
-            f"{r['gemm_ms']:.2f} | {r['attention_ms']:.2f} | {r['rest_ms']:.2f} | {r['kernels_per_step']:.0f} | "
+            f"{r['gemm_ms']:.2f} | {r['attention_ms']:.2f} ({r['attention_floor_ms']:.2f}, "
+            f"{r['attention_pct_of_floor']:.0f}%) | {r['rest_ms']:.2f} | {r['kernels_per_step']:.0f} | "
             f"{r['prefill_tok_s']:.0f} ({r['chunk_tokens']}) | "
             f"{r['decode_compile_s']:.1f} / {r['prefill_compile_s']:.1f} ({r['prefill_compiles']}) | "
             f"{r['decode_trace_s']:.1f} + {r['decode_lower_s']:.1f} + {r['decode_compile_s']:.1f} | "
@@ -316,6 +342,20 @@ def print_top_kernels(rows: list[dict]) -> None:
         print(f"\nrate {r['rate']}, {r['batch']} x {r['ctx']}: top kernels, ms per step")
         for name, ms in r["top_kernels_ms"]:
             print(f"  {ms:8.3f}  {name}")
+
+
+def decode_rows(args, bandwidth: float, rows: list[dict], save) -> None:
+    """A decode row per rate, shape and cache format (``--kv-bits``), appended to ``rows``, ``save``d after each."""
+    for rate in [] if args.no_decode else args.rates:
+        model = model_at(rate, config=args.config, form=args.plan, method=args.method)
+        for batch, ctx in args.shapes:
+            for bits in args.kv_bits:
+                log(f"rate {rate}, kv bits {bits}, {batch} x {ctx}")
+                row = run_shape(model, rate, batch, ctx, args, bandwidth, bits)
+                rows.append(dict(row, method=args.method if rate else "none"))
+                print_rows(rows[-1:])
+                save()
+        del model
 
 
 def main(argv=None) -> None:
@@ -369,6 +409,12 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--method", choices=("zack", "palu"), default="zack", help="how rates above 0 compress (default zack)"
     )
+    ap.add_argument(
+        "--kv-bits",
+        type=validate.arg(lambda text: [None if b == "none" else check_bits(int(b)) for b in text.split(",")]),
+        default=[None],
+        help="cache formats per rate, comma-separated: none (the model's dtype), 4, 2 (default none)",
+    )
     ap.add_argument("--plan", choices=PLAN_FORMS, default="ordered", help="the rank plan's form (harness.PLAN_FORMS)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
@@ -388,16 +434,7 @@ def main(argv=None) -> None:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
 
-    for rate in [] if args.no_decode else args.rates:
-        model = model_at(rate, config=args.config, form=args.plan, method=args.method)
-        for batch, ctx in args.shapes:
-            log(f"rate {rate}, {batch} x {ctx}")
-            rows.append(
-                dict(run_shape(model, rate, batch, ctx, args, bandwidth), method=args.method if rate else "none")
-            )
-            print_rows(rows[-1:])
-            save()
-        del model
+    decode_rows(args, bandwidth, rows, save)
     if rows:
         print_rows(rows)
         print_top_kernels(rows)

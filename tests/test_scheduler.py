@@ -70,7 +70,7 @@ class FakeEngine:
             assert ids(pool, seen) == context[seen.start :], "a window read other ids than the context's"
         return context
 
-    def prefill(self, chunks, starts, rows, slots):
+    def prefill(self, chunks, starts, rows, slots, tail_slots=None):
         assert len(chunks) <= self.prefill_rows
         assert bucket(len(chunks)) * bucket(max(map(len, chunks)), self.prefill_min) <= self.prefill_limit
         new = np.zeros(len(chunks), np.int64)

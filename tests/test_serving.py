@@ -311,7 +311,17 @@ def test_the_capacity_line_counts_tokens_and_what_they_would_be_uncompressed():
     small = kvjax.compress(model, target_rate=0.5, calibration="random", num_tokens=128, seq_len=32, progress=False)
     line = capacity_line(Engine(small, max_batch=2, max_seq_len=64, num_pages=21), small)
     m = re.fullmatch(
-        r"KV cache: 320 tokens at rate (\S+), (\d+) uncompressed in the same memory \(20 pages of 16; num_pages=21\)",
+        r"KV cache: 320 tokens at overall rate (\S+) \(zack rate (\S+)\), (\d+) uncompressed in the same memory "
+        r"\(20 pages of 16; num_pages=21\)",
         line,
     )
-    assert m and float(m[1]) == round(small.plan.rate, 2) and abs(int(m[2]) - 320 * (1 - small.plan.rate)) <= 1
+    assert m and float(m[1]) == float(m[2]) == round(small.plan.rate, 2), line
+    assert abs(int(m[3]) - 320 * (1 - small.plan.rate)) <= 1
+    # quantized pages: every byte a token takes counts (codes, scales, zeros, padding), on top of the plan's rate
+    for compressed in (model, small):
+        engine = Engine(compressed, max_batch=2, max_seq_len=64, num_pages=11, kv_bits=4)
+        line = capacity_line(engine, compressed)
+        m = re.search(r"at overall rate (\S+) \((.*)\), (\d+) uncompressed", line)
+        ratio = sum(engine.token_bytes().values()) / (2 * 2 * 64 * 2 * 4)  # 2 layers, K and V, 2 heads of 64, f32
+        assert m and float(m[1]) == round(1 - ratio, 2) and 0.6 < 1 - ratio < 0.95, line
+        assert m[2].endswith("int4 pages") and ("zack" in m[2]) == (compressed is small), line

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvjax import validate
+from kvjax.ops.quant import check_bits
 
 
 def positive(name: str):
@@ -22,8 +23,8 @@ def add_model(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
-    """--chunk-tokens, --cache-memory, --dtype and --attention (``batch_flag``: the command's flag for the most
-    sequences decoded at once, which the cache's default size follows)."""
+    """--chunk-tokens, --cache-memory, --dtype, --kv-bits and --attention (``batch_flag``: the command's flag for the
+    most sequences decoded at once, which the cache's default size follows)."""
     p.add_argument(
         "--chunk-tokens",
         type=positive("chunk_tokens"),
@@ -40,6 +41,15 @@ def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
         "KVJAX_MEMORY=SIZE caps what kvjax takes to be free)",
     )
     add_dtype(p, "parameter dtype", auto=True)
+    p.add_argument(
+        "--kv-bits",
+        type=validate.arg(check_bits, int),
+        default=None,
+        metavar="{4,2}",
+        help="keep the KV cache in 4- or 2-bit quantized pages (KIVI-style: keys per channel over a page of 32 "
+        "tokens, values per token, the newest partial page exact), about 3.5x or 6x more tokens in the same memory, "
+        "on top of any rank compression (default: pages in the model's dtype)",
+    )
     p.add_argument(
         "--attention",
         choices=("pallas", "reference"),

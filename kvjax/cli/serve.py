@@ -120,6 +120,7 @@ def build_engine(args, model):
         backend=args.attention,
         prefill_min_tokens=args.prefill_min_tokens,
         prefill_max_rows=args.prefill_max_rows,
+        kv_bits=args.kv_bits,
     )
     try:
         return Engine(model, config)
@@ -153,17 +154,21 @@ def build_engine(args, model):
 
 
 def capacity_line(engine, model) -> str:
-    """The KV capacity in tokens, and what the same pages' bytes would hold uncompressed."""
+    """The KV capacity in tokens, its overall rate counting every byte a token takes (codes, scales and zeros of
+    quantized pages too: ``Engine.token_bytes``) against the uncompressed model in the cache's dtype, and what the
+    same pages' bytes would hold uncompressed."""
     from kvjax.layout import HeadLayout
     from kvjax.runtime.cache import bytes_per_token
 
     tokens = engine.cache_tokens
-    dtype = engine.cache.k[0].dtype
     cfg = model.config
     full = (HeadLayout.uniform(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),) * cfg.num_layers
-    plain = int(tokens * bytes_per_token(model.layouts, dtype) / bytes_per_token(full, dtype))
-    rate = f"at rate {model.plan.rate:.2f}" if model.plan is not None else "uncompressed"
-    extra = f", {plain:,} uncompressed in the same memory" if model.plan is not None else ""
+    ratio = sum(engine.token_bytes().values()) / bytes_per_token(full, engine.cache_dtype)
+    compressed = model.plan is not None or engine.formats is not None
+    what = [] if model.plan is None else [f"{model.plan.method} rate {model.plan.rate:.2f}"]
+    what += [] if engine.formats is None else [f"int{engine.kv_bits} pages"]
+    rate = f"at overall rate {1 - ratio:.2f} ({' + '.join(what)})" if compressed else "uncompressed"
+    extra = f", {int(tokens * ratio):,} uncompressed in the same memory" if compressed else ""
     windows = "".join(
         f"; layers with a {w}-token window: {n - 1} pages, given back as the window passes"
         for w, n in engine.window_pages.items()

@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.layout import HeadLayout
+from kvjax.ops import quant_paging
 from kvjax.ops.decode.op import DecodeOp
-from kvjax.ops.decode.reference import paged_decode_attention
-from kvjax.ops.grouped import full_width
+from kvjax.ops.decode.reference import paged_decode_attention, quantized_decode_attention
+from kvjax.ops.grouped import attend_groups, full_width, visible
 from kvjax.ops.paging import write_pages
 from kvjax.ops.palu import PaluDecodeOp
 from kvjax.ops.prefill.op import PrefillOp
@@ -126,3 +127,95 @@ def decode(
         live = lengths if active is None else jnp.where(active, lengths, 0)
         return op.run(q, k_pages, v_pages, block_table, live, rebuild, layout), k_pages, v_pages
     return op.run(q, k_pages, v_pages, block_table, lengths, schedule, layout), k_pages, v_pages
+
+
+def prefill_quantized(
+    q,
+    k,
+    v,
+    layout: HeadLayout,
+    pages,
+    tail,
+    fmt,
+    block_table,
+    tail_rows,
+    lengths,
+    starts=None,
+    *,
+    op=None,
+    rotation=None,
+):
+    """``prefill`` over a quantized layer (``quant_paging``): the chunk attends to its prefix as the cache holds it
+    (full pages dequantized, the tail exact) and to its own K/V exact, then its K/V continue the tail and every page
+    they complete is quantized into the pool. With an op, the prefill kernel runs over scratch pages of the rows'
+    dequantized prefix (bounded by the call's rows; a kernel that reads quantized pages would need none). Returns
+    (out, pages, tail)."""
+    if rotation is not None:
+        q, k = rotation.packed(q, k)
+    b, t = q.shape[:2]
+    page_size = fmt.page_size
+    if starts is None:
+        if op is None:
+            out = causal_attention(q, k, v, layout)
+        else:
+            n = -(-t // page_size)
+            table = 1 + jnp.arange(b * n, dtype=jnp.int32).reshape(b, n)
+            k_scratch = jnp.zeros((b * n + 1, page_size, layout.k_cols), q.dtype)
+            v_scratch = jnp.zeros((b * n + 1, page_size, layout.v_cols), q.dtype)
+            out, _, _ = op.run(q, k, v, layout, lengths, k_scratch, v_scratch, table, None)
+    else:
+        k_seq, v_seq = quant_paging.gather(pages, tail, fmt, block_table, tail_rows, starts, q.dtype)
+        if op is None:
+            out = _over_prefix(q, k, v, k_seq, v_seq, starts, lengths, layout)
+        else:
+            n = block_table.shape[1]
+            k_scratch = _after_null_page(k_seq.reshape(b * n, page_size, layout.k_cols))
+            v_scratch = _after_null_page(v_seq.reshape(b * n, page_size, layout.v_cols))
+            table = 1 + jnp.arange(b * n, dtype=jnp.int32).reshape(b, n)
+            out, _, _ = op.run(q, k, v, layout, lengths, k_scratch, v_scratch, table, starts)
+    pages, tail = quant_paging.write_prefill(pages, tail, fmt, block_table, tail_rows, starts, k, v, lengths)
+    return out, pages, tail
+
+
+def _over_prefix(q, k, v, k_seq, v_seq, starts, lengths, layout: HeadLayout):
+    """Chunks q/k/v [B, T, cols] from positions ``starts`` attending causally over their prefix k_seq/v_seq
+    [B, S, cols] (positions < starts) and themselves."""
+    b, t = q.shape[:2]
+    span = k_seq.shape[1]
+    offsets = jnp.arange(t, dtype=jnp.int32)[None, :]
+    q_pos = starts[:, None] + offsets
+    at = jnp.where(offsets < lengths[:, None], q_pos, span)  # padding rows write nowhere
+    rows = jnp.arange(b)[:, None]
+    k_seq = k_seq.at[rows, at].set(k.astype(k_seq.dtype), mode="drop")
+    v_seq = v_seq.at[rows, at].set(v.astype(v_seq.dtype), mode="drop")
+    k_pos = jnp.arange(span, dtype=jnp.int32)[None, None, :]
+    mask = visible(q_pos[:, :, None], k_pos, layout.sliding_window)
+    return attend_groups(q, k_seq, v_seq, mask, layout)
+
+
+def decode_quantized(
+    q,
+    k,
+    v,
+    layout: HeadLayout,
+    pages,
+    tail,
+    fmt,
+    block_table,
+    lengths,
+    active,
+    *,
+    op=None,
+    schedule=None,
+    rotation=None,
+):
+    """``decode`` over a quantized layer: the new token goes to its slot's tail (row i is slot i; inactive rows write
+    nothing), its page quantized into the pool once full, then the query attends to the full pages and the tail in
+    one pass (``op``: the fused kernel, ``quant_kernel``; without one the jnp reference). Returns (out, pages,
+    tail)."""
+    if rotation is not None:
+        q, k = rotation.wide(q, k) if op is not None else rotation.packed(q, k)
+    pages, tail = quant_paging.write_decode(pages, tail, fmt, block_table, lengths, k, v, active)
+    if op is None:
+        return quantized_decode_attention(q, pages, tail, fmt, block_table, lengths, layout), pages, tail
+    return op.run(q, pages, tail, block_table, lengths, schedule, layout), pages, tail

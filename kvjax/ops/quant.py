@@ -15,12 +15,18 @@ splits into whole planes at 4 and 2 bits.
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax.layout import HeadLayout
 
 BITS = (4, 2)  # code widths a page may hold
+# Tokens a quantized page by default: the keys' group, so their scale and zero per column cost 4 bytes over 32
+# tokens, a quarter of an int4 code's half byte (KIVI's group; 16 would make them half)
+GROUP = 32
 META_DTYPE = jnp.float16  # scales and zero points: an 11-bit mantissa keeps their rounding well under a step
 
 
@@ -163,3 +169,136 @@ def head_values(p: jnp.ndarray, packed: jnp.ndarray, scale, zero, bits: int) -> 
     base = p.astype(jnp.float32) @ zero.astype(jnp.float32)
     blocks = [ps @ ((packed >> (bits * i)) & mask).astype(jnp.float32) for i in range(n)]
     return jnp.concatenate(blocks, axis=-1) + base[:, None]
+
+
+ALIGN = 16  # every part of a page starts at a multiple of 16 bytes: a kernel's loads stay whole vectors
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class PageFormat:
+    """One layer's quantized page: ``page_size`` tokens of every KV head as a flat run of ``page_bytes`` bytes, so a
+    layer's pool is one uint8 array [num_pages, page_bytes] written one whole page at a time (one scatter a layer).
+
+    Parts, in order, each starting at a multiple of ``ALIGN`` bytes (``offsets``):
+      ``k_codes`` [page_size, k_cols / n] uint8, every head's planes side by side (``quantize_keys``);
+      ``v_codes`` [page_size, v_cols / n] uint8 (``quantize_values``);
+      ``k_meta``  [2, k_cols] float16: the keys' scale row, then their zero row (one range per column of the page);
+      ``v_meta``  [2, page_size, heads] float16: the values' scales, then their zeros (one range per token and head).
+    ``n = 8 // bits`` codes a byte. The key group is the page (``../shared/DESIGN.md``, "Quantized pages"), so a
+    page carries one scale and zero vector per head and a kernel streams whole pages."""
+
+    k_widths: tuple[int, ...]
+    v_widths: tuple[int, ...]
+    page_size: int
+    bits: int
+
+    def __post_init__(self):
+        check_bits(self.bits)
+        n = 8 // self.bits
+        if any(w % n for w in self.k_widths + self.v_widths):
+            raise ValueError(f"head widths must split into {n} planes of {self.bits}-bit codes")
+
+    @classmethod
+    def for_layout(cls, layout: HeadLayout, page_size: int, bits: int) -> PageFormat:
+        return cls(tuple(layout.k_widths), tuple(layout.v_widths), int(page_size), check_bits(bits))
+
+    @property
+    def per_byte(self) -> int:
+        return 8 // self.bits
+
+    @property
+    def k_cols(self) -> int:
+        return int(sum(self.k_widths))
+
+    @property
+    def v_cols(self) -> int:
+        return int(sum(self.v_widths))
+
+    @property
+    def heads(self) -> int:
+        return len(self.v_widths)
+
+    def sizes(self) -> dict[str, int]:
+        """Bytes of each part of a page (``page_bytes``' accounting, before alignment)."""
+        return page_bytes(self.k_widths, self.v_widths, self.page_size, self.bits)
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        """Each part's first byte in a page: k_codes, v_codes, k_meta, v_meta."""
+        s, out, at = self.sizes(), {}, 0
+        for part, size in (
+            ("k_codes", "k_codes"),
+            ("v_codes", "v_codes"),
+            ("k_meta", "k_scales"),
+            ("v_meta", "v_scales"),
+        ):
+            out[part], at = at, _aligned(at + s[size])
+        return out
+
+    @property
+    def page_bytes(self) -> int:
+        """A page's bytes, every part with its alignment padding."""
+        return self.offsets["v_meta"] + _aligned(self.sizes()["v_scales"])
+
+    def encode(self, k: jnp.ndarray, v: jnp.ndarray) -> jnp.ndarray:
+        """Pages of keys [..., page_size, k_cols] and values [..., page_size, v_cols] -> uint8 [..., page_bytes]."""
+        lead = k.shape[:-2]
+        kp, ks, kz = jax.vmap(lambda x: quantize_keys(x, self.k_widths, self.bits))(k.reshape(-1, *k.shape[-2:]))
+        vp, vs, vz = jax.vmap(lambda x: quantize_values(x, self.v_widths, self.bits))(v.reshape(-1, *v.shape[-2:]))
+        m = kp.shape[0]
+        parts = {
+            "k_codes": kp.reshape(m, -1),
+            "v_codes": vp.reshape(m, -1),
+            "k_meta": _bytes(jnp.stack([ks, kz], 1)),
+            "v_meta": _bytes(jnp.stack([vs, vz], 1)),
+        }
+        out = jnp.zeros((m, self.page_bytes), jnp.uint8)
+        for part, at in self.offsets.items():
+            out = out.at[:, at : at + parts[part].shape[1]].set(parts[part])
+        return out.reshape(*lead, self.page_bytes)
+
+    def parts(self, pages: jnp.ndarray) -> dict[str, jnp.ndarray]:
+        """uint8 pages [..., page_bytes] -> their parts: k_codes [..., P, k_cols / n], v_codes [..., P, v_cols / n],
+        k_scale and k_zero [..., k_cols] float16, v_scale and v_zero [..., P, heads] float16."""
+        lead, p, n, at = pages.shape[:-1], self.page_size, self.per_byte, self.offsets
+
+        def take(part, count):
+            return pages[..., at[part] : at[part] + count]
+
+        k_meta = _halves(take("k_meta", 4 * self.k_cols)).reshape(*lead, 2, self.k_cols)
+        v_meta = _halves(take("v_meta", 4 * p * self.heads)).reshape(*lead, 2, p, self.heads)
+        return {
+            "k_codes": take("k_codes", p * self.k_cols // n).reshape(*lead, p, self.k_cols // n),
+            "v_codes": take("v_codes", p * self.v_cols // n).reshape(*lead, p, self.v_cols // n),
+            "k_scale": k_meta[..., 0, :],
+            "k_zero": k_meta[..., 1, :],
+            "v_scale": v_meta[..., 0, :, :],
+            "v_zero": v_meta[..., 1, :, :],
+        }
+
+    def decode(self, pages: jnp.ndarray, dtype=jnp.float32) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """``encode``'s inverse up to the rounding: uint8 [..., page_bytes] -> keys [..., P, k_cols], values
+        [..., P, v_cols] in ``dtype``."""
+        lead, parts = pages.shape[:-1], self.parts(pages)
+        flat = {name: x.reshape(-1, *x.shape[len(lead) :]) for name, x in parts.items()}
+        k = jax.vmap(lambda c, s, z: dequantize_keys(c, s, z, self.k_widths, self.bits, dtype))(
+            flat["k_codes"], flat["k_scale"], flat["k_zero"]
+        )
+        v = jax.vmap(lambda c, s, z: dequantize_values(c, s, z, self.v_widths, self.bits, dtype))(
+            flat["v_codes"], flat["v_scale"], flat["v_zero"]
+        )
+        return k.reshape(*lead, *k.shape[1:]), v.reshape(*lead, *v.shape[1:])
+
+
+def _bytes(x: jnp.ndarray) -> jnp.ndarray:
+    """float16 [m, ...] -> its bytes, uint8 [m, 2 * size]."""
+    return jax.lax.bitcast_convert_type(x.astype(META_DTYPE), jnp.uint8).reshape(x.shape[0], -1)
+
+
+def _halves(b: jnp.ndarray) -> jnp.ndarray:
+    """uint8 [..., 2m] -> float16 [..., m] (``_bytes``' inverse)."""
+    return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], -1, 2), META_DTYPE)

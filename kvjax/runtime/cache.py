@@ -21,6 +21,8 @@ import numpy as np
 
 from kvjax.layout import HeadLayout
 from kvjax.ops.paging import NULL_PAGE
+from kvjax.ops.quant import PageFormat
+from kvjax.ops.quant_paging import create_tail
 
 
 class CacheFullError(RuntimeError):
@@ -60,6 +62,38 @@ class PagedKVCache:
         return self.k[0].shape[0]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QuantizedKVCache:
+    """A cache of quantized pages (``kvjax.ops.quant_paging``): per layer one uint8 pool [num_pages, page_bytes]
+    (codes, scales and zero points of whole pages: ``quant.PageFormat``) and one tail [slots, page_size,
+    k_cols + v_cols] in the cache's dtype holding each slot's last, partial page."""
+
+    pages: tuple[jax.Array, ...]
+    tails: tuple[jax.Array, ...]
+
+    @classmethod
+    def create(
+        cls, formats: tuple[PageFormat, ...], layouts, num_pages, slots: int, dtype, windows: tuple = (None,)
+    ) -> QuantizedKVCache:
+        """Zeroed pools (``num_pages`` as in ``PagedKVCache.create``) and tails for ``slots`` sequences."""
+        counts = (num_pages,) * len(windows) if isinstance(num_pages, int) else tuple(num_pages)
+        pages = [counts[pool_of(lay, windows)] for lay in layouts]
+        return cls(
+            pages=tuple(jnp.zeros((n, f.page_bytes), jnp.uint8) for n, f in zip(pages, formats)),
+            tails=tuple(create_tail(f, slots, dtype) for f in formats),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of every pool and tail."""
+        return sum(a.nbytes for a in (*self.pages, *self.tails))
+
+    @property
+    def num_pages(self) -> int:
+        return self.pages[0].shape[0]
+
+
 def pool_windows(layouts: tuple[HeadLayout, ...], max_seq_len: int | None = None) -> tuple[int | None, ...]:
     """The page pools a cache of these layers keeps: None (whole context) first, then each sliding window shorter
     than ``max_seq_len`` (a longer one never lets a page go, so its layers share pool 0)."""
@@ -91,6 +125,22 @@ def first_kept_page(window: int | None, position: int, page_size: int) -> int:
 def bytes_per_token(layouts: tuple[HeadLayout, ...], dtype) -> int:
     """Cache bytes one token occupies across all layers."""
     return sum(lay.k_cols + lay.v_cols for lay in layouts) * jnp.dtype(dtype).itemsize
+
+
+def token_bytes(layouts: tuple[HeadLayout, ...], dtype, formats: tuple[PageFormat, ...] | None = None) -> dict:
+    """Cache bytes one token occupies across all layers, by part (issue 35's honest accounting): K and V in the
+    cache's dtype, or with quantized ``formats`` the key and value codes, the keys' per-page scales and zeros spread
+    over the page's tokens, the values' per-token scales and zeros, and the alignment padding of each page. The
+    tail (a page per slot and layer in the cache's dtype) is a fixed cost, not a per-token one."""
+    if formats is None:
+        size = jnp.dtype(dtype).itemsize
+        return {"k": sum(lay.k_cols for lay in layouts) * size, "v": sum(lay.v_cols for lay in layouts) * size}
+    out: dict[str, float] = {}
+    for f in formats:
+        parts = {**f.sizes(), "padding": f.page_bytes - sum(f.sizes().values())}
+        for part, n in parts.items():
+            out[part] = out.get(part, 0.0) + n / f.page_size
+    return out
 
 
 class PageAllocator:

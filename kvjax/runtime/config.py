@@ -13,6 +13,9 @@ import dataclasses
 from kvjax import machine, validate
 from kvjax.ops.attention import check_backend
 from kvjax.ops.decode.config import DECODE, DecodeConfig
+from kvjax.ops.quant import GROUP, check_bits
+
+PAGE = 16  # tokens a page of the cache's dtype (a quantized page: ``quant.GROUP``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +25,7 @@ class EngineConfig:
 
     max_batch: int = 8  # sequences decoded at once (kvjax-infer --batch-size, kvjax-serve --max-batch)
     max_seq_len: int = 512  # cache positions a sequence may fill: prompt + new tokens
-    page_size: int = 16
+    page_size: int | None = None  # tokens a page; default 16, or 32 with kv_bits (the keys' quantization group)
     chunk_tokens: int = 512  # prompt tokens prefilled a step
     num_pages: int | None = None  # the whole-context pool's pages; or sized by cache_memory
     cache_memory: float | int | None = None  # a fraction of the memory free, or bytes
@@ -32,8 +35,10 @@ class EngineConfig:
     decode_config: DecodeConfig = DECODE
     prefill_min_tokens: int | None = None
     prefill_max_rows: int | None = None
+    kv_bits: int | None = None  # quantized pages (4 or 2 bits, ``kvjax.ops.quant``); None keeps the cache's dtype
 
     def __post_init__(self):
+        self._defaults()
         for name in ("max_batch", "max_seq_len", "page_size", "chunk_tokens"):
             validate.positive(name, getattr(self, name))
         for name in ("prefill_min_tokens", "prefill_max_rows"):
@@ -52,6 +57,13 @@ class EngineConfig:
         validate.flag("batch_invariant", self.batch_invariant)
         if not isinstance(self.decode_config, DecodeConfig):
             raise TypeError(f"decode_config must be a DecodeConfig, got {type(self.decode_config).__name__}")
+
+    def _defaults(self) -> None:
+        """Fields whose default depends on others, filled in (the instance is frozen, hence ``object.__setattr__``)."""
+        if self.kv_bits is not None:
+            object.__setattr__(self, "kv_bits", check_bits(self.kv_bits))
+        if self.page_size is None:
+            object.__setattr__(self, "page_size", GROUP if self.kv_bits else PAGE)
 
     def replace(self, **changes) -> EngineConfig:
         """A copy with ``changes``, checked again."""

@@ -24,8 +24,18 @@ from kvjax.ops.decode.plan import bucket as pow2_bucket
 from kvjax.ops.grouped import full_width
 from kvjax.ops.palu import PaluDecodeOp
 from kvjax.ops.prefill.op import PrefillOp
+from kvjax.ops.quant import PageFormat
 from kvjax.runtime import memory
-from kvjax.runtime.cache import PagedKVCache, block_table, bytes_per_token, pool_of, pool_windows, window_span
+from kvjax.runtime.cache import (
+    PagedKVCache,
+    QuantizedKVCache,
+    block_table,
+    bytes_per_token,
+    pool_of,
+    pool_windows,
+    token_bytes,
+    window_span,
+)
 from kvjax.runtime.config import EngineConfig
 
 # XLA merges dots that share an operand when each weighs under a threshold (32 MB) by concatenating their weights,
@@ -127,24 +137,44 @@ def _prefill_step(
     lengths,
     table,
     slots,
+    tail_rows,
     sampling,
     *,
     greedy,
     op,
     prefix,
     pools,
+    formats,
 ):
     """Run prompt chunks [B, T] (chunk b from position ``starts[b]``, ``lengths[b]`` tokens) through the model,
     writing their K/V; the token sampled after each chunk's last row goes to its ``slots`` row (a row past the end:
     nowhere, the chunk does not end its prompt). ``prefix`` False: every chunk starts at 0, and attention reads no
     pages (a kernel without the prefix loop, which compiles faster). ``pools``: each layer's page pool, the index
-    of its block table in ``table``."""
+    of its block table in ``table``. ``formats`` (quantized caches): each layer's page format; the chunks continue
+    the tails of rows ``tail_rows`` (their requests' slots)."""
     module = nnx.merge(graphdef, jax.tree.unflatten(structure, weights))
     b, t = tokens.shape
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    ks, vs = list(cache.k), list(cache.v)
+    ks, vs = _layers(cache)
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
+        if formats is not None:
+            out, ks[i], vs[i] = attention.prefill_quantized(
+                q,
+                k,
+                v,
+                module.layouts[i],
+                ks[i],
+                vs[i],
+                formats[i],
+                table[pools[i]],
+                tail_rows,
+                lengths,
+                starts if prefix else None,
+                op=op,
+                rotation=rotation,
+            )
+            return out
         out, ks[i], vs[i] = attention.prefill(
             q,
             k,
@@ -163,18 +193,49 @@ def _prefill_step(
 
     hidden = module.hidden(tokens, positions, attend)
     new = sample(module.logits(hidden[jnp.arange(b), lengths - 1]), *sampling, greedy=greedy)
-    return slot_tokens.at[slots].set(new, mode="drop"), new, PagedKVCache(tuple(ks), tuple(vs))
+    return slot_tokens.at[slots].set(new, mode="drop"), new, _rebuilt(cache, ks, vs)
 
 
 def _decode_step(
-    graphdef, structure, weights, cache, slot_tokens, positions, active, table, schedule, sampling, *, greedy, op, pools
+    graphdef,
+    structure,
+    weights,
+    cache,
+    slot_tokens,
+    positions,
+    active,
+    table,
+    schedule,
+    sampling,
+    *,
+    greedy,
+    op,
+    pools,
+    formats,
 ):
     """Feed each active row's token (``slot_tokens``, one row per slot) at ``positions``, and put the next one in
-    its place; layer i reads its pages through ``table[pools[i]]``."""
+    its place; layer i reads its pages through ``table[pools[i]]`` (``formats``: as in ``_prefill_step``)."""
     module = nnx.merge(graphdef, jax.tree.unflatten(structure, weights))
-    ks, vs = list(cache.k), list(cache.v)
+    ks, vs = _layers(cache)
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
+        if formats is not None:
+            out, ks[i], vs[i] = attention.decode_quantized(
+                q[:, 0],
+                k[:, 0],
+                v[:, 0],
+                module.layouts[i],
+                ks[i],
+                vs[i],
+                formats[i],
+                table[pools[i]],
+                positions + 1,
+                active,
+                op=op,
+                rotation=rotation,
+                schedule=None if schedule is None else schedule.layer(i),
+            )
+            return out[:, None]
         out, ks[i], vs[i] = attention.decode(
             q[:, 0],
             k[:, 0],
@@ -194,7 +255,20 @@ def _decode_step(
 
     hidden = module.hidden(slot_tokens[:, None], positions[:, None], attend)
     new = sample(module.logits(hidden[:, 0]), *sampling, greedy=greedy)
-    return jnp.where(active, new, slot_tokens), PagedKVCache(tuple(ks), tuple(vs))
+    return jnp.where(active, new, slot_tokens), _rebuilt(cache, ks, vs)
+
+
+def _layers(cache) -> tuple[list, list]:
+    """Each layer's two cache arrays, to be replaced as the layers write: (K, V) pages, or quantized (pages, tail)."""
+    if isinstance(cache, QuantizedKVCache):
+        return list(cache.pages), list(cache.tails)
+    return list(cache.k), list(cache.v)
+
+
+def _rebuilt(cache, first, second):
+    """A cache of ``cache``'s kind from ``_layers``' two lists."""
+    kind = type(cache)
+    return kind(tuple(first), tuple(second))
 
 
 class Engine:
@@ -221,7 +295,7 @@ class Engine:
         bound by reading the weights anyway (bench/RESULTS.md "Serving: latency against request rate")."""
         c = self.config = _config(config, settings)
         max_batch, max_seq_len, page_size, chunk_tokens = c.max_batch, c.max_seq_len, c.page_size, c.chunk_tokens
-        backend, batch_invariant, decode_config = c.backend, c.batch_invariant, c.decode_config
+        backend, batch_invariant = c.backend, c.batch_invariant
         num_pages, cache_memory, cache_dtype = c.num_pages, c.cache_memory, c.cache_dtype
         self.model, self.max_batch, self.page_size = model, max_batch, page_size
         self.chunk_tokens, self.batch_invariant = chunk_tokens, batch_invariant
@@ -239,31 +313,22 @@ class Engine:
         if c.prefill_max_rows is not None:
             self.prefill_rows = min(max_batch, c.prefill_max_rows)
         self.prefill_limit = min(2 * bucket(max(chunk_tokens, self.prefill_min)), max_batch * bucket(self.max_seq_len))
-        self.decode_op: DecodeOp | PaluDecodeOp | None = None
-        self.prefill_op: PrefillOp | None = None
-        if self.backend != "reference":
-            interpret = self.backend == "interpret"
-            if model.module.method == "palu":  # K rebuilt from its latent: Palu's own kernel, prefill at full width
-                self.prefill_op = PrefillOp([full_width(lay) for lay in model.layouts], interpret=interpret)
-                self.decode_op = PaluDecodeOp(batch_invariant=batch_invariant, interpret=interpret)
-            else:
-                self.prefill_op = PrefillOp(model.layouts, interpret=interpret)
-                self.decode_op = DecodeOp(
-                    model.layouts,
-                    page_size,
-                    self.pages_per_seq,
-                    max_batch=max_batch,
-                    config=decode_config,
-                    batch_invariant=batch_invariant,
-                    interpret=interpret,
-                )
+        self.kv_bits = c.kv_bits
+        self.formats = _formats(model, c)
+        self._build_ops(model, c)
         cache_dtype = cache_dtype or model.dtype
         self.windows = pool_windows(model.layouts, self.max_seq_len)
         self.pools = tuple(pool_of(lay, self.windows) for lay in model.layouts)
         self.pool_pages = self._pages(num_pages, cache_memory, cache_dtype)
         self.num_pages = self.pool_pages[0]
         self.window_pages = {w: n for w, n in zip(self.windows, self.pool_pages) if w is not None}
-        self.cache = PagedKVCache.create(model.layouts, self.pool_pages, page_size, cache_dtype, self.windows)
+        self.cache_dtype = cache_dtype
+        if self.formats is None:
+            self.cache = PagedKVCache.create(model.layouts, self.pool_pages, page_size, cache_dtype, self.windows)
+        else:
+            self.cache = QuantizedKVCache.create(
+                self.formats, model.layouts, self.pool_pages, max_batch, cache_dtype, self.windows
+            )
         self.slot_tokens = jnp.zeros((max_batch,), jnp.int32)
         # The cache is donated to every step, which updates it in place: on the CPU too, where a step that copied it
         # held two caches at once and spent most of its time copying (a 6.7 GB cache: 13 GB resident and about 16 s
@@ -277,7 +342,13 @@ class Engine:
         for greedy in (True, False):
             self._steps["decode", greedy] = jit(
                 functools.partial(
-                    _decode_step, model.graphdef, structure, greedy=greedy, op=self.decode_op, pools=self.pools
+                    _decode_step,
+                    model.graphdef,
+                    structure,
+                    greedy=greedy,
+                    op=self.decode_op,
+                    pools=self.pools,
+                    formats=self.formats,
                 )
             )
             for prefix in (True, False):
@@ -289,13 +360,52 @@ class Engine:
                     op=self.prefill_op,
                     prefix=prefix,
                     pools=self.pools,
+                    formats=self.formats,
                 )
                 self._steps["prefill", greedy, prefix] = jit(step)
+
+    def _build_ops(self, model, c: EngineConfig) -> None:
+        """The decode and prefill ops of the backend: none for the reference; Palu's own decode kernel with prefill
+        at full width over rebuilt K; the fused quantized decode kernel (prefill over the prefix dequantized to
+        scratch pages); else the variable-width kernels."""
+        self.decode_op: DecodeOp | PaluDecodeOp | None = None
+        self.prefill_op: PrefillOp | None = None
+        if self.backend == "reference":
+            return
+        interpret = self.backend == "interpret"
+        if model.module.method == "palu":  # K rebuilt from its latent: Palu's own kernel, prefill at full width
+            self.prefill_op = PrefillOp([full_width(lay) for lay in model.layouts], interpret=interpret)
+            self.decode_op = PaluDecodeOp(batch_invariant=c.batch_invariant, interpret=interpret)
+            return
+        self.prefill_op = PrefillOp(model.layouts, interpret=interpret)
+        if self.formats is not None:
+            self.decode_op = _quant_decode_op(model.layouts, self.formats, self.pages_per_seq, c, interpret)
+            return
+        self.decode_op = DecodeOp(
+            model.layouts,
+            c.page_size,
+            self.pages_per_seq,
+            max_batch=c.max_batch,
+            config=c.decode_config,
+            batch_invariant=c.batch_invariant,
+            interpret=interpret,
+        )
 
     @property
     def cache_tokens(self) -> int:
         """Tokens the whole-context pool holds (its pages less the null page)."""
         return (self.num_pages - 1) * self.page_size
+
+    def tail_bytes(self, dtype=None) -> int:
+        """The quantized cache's tails: a page of every layer for each slot, in the cache's dtype (0 without)."""
+        if self.formats is None:
+            return 0
+        size = jnp.dtype(dtype or self.cache_dtype).itemsize
+        return self.max_batch * self.page_size * sum(f.k_cols + f.v_cols for f in self.formats) * size
+
+    def token_bytes(self) -> dict:
+        """Cache bytes a token takes across all layers, by part (``cache.token_bytes``)."""
+        return token_bytes(self.model.layouts, self.cache_dtype, self.formats)
 
     def describe(self) -> str:
         """One line for people: where and how the engine runs, its batch, positions per sequence and cache, and how
@@ -304,7 +414,18 @@ class Engine:
         return (
             f"on {machine.platform()} in {dtype} ({self.backend} attention): up to {self.max_batch} sequences at once "
             f"of up to {self.max_seq_len} positions; KV cache {self.cache_tokens:,} tokens, "
-            f"{memory.size(self.cache.nbytes)} ({self.budget_note})"
+            f"{memory.size(self.cache.nbytes)} ({self.budget_note}){self._format_note()}"
+        )
+
+    def _format_note(self) -> str:
+        """The cache's bytes a token by part, for quantized pages (none for plain ones: K and V in the dtype)."""
+        if self.formats is None:
+            return ""
+        parts = self.token_bytes()
+        shown = ", ".join(f"{name} {n:,.0f}" for name, n in parts.items() if n)
+        return (
+            f"; int{self.kv_bits} pages of {self.page_size} tokens, {sum(parts.values()):,.0f} bytes a token "
+            f"({shown}) + tails {memory.size(self.tail_bytes())}"
         )
 
     def activation_bytes(self) -> int:
@@ -331,8 +452,12 @@ class Engine:
             self.budget_note = f"num_pages={num_pages}"
             return tuple(min(num_pages, need) if i else num_pages for i, need in enumerate(needs))
         pooled = [tuple(lay for lay, p in zip(self.model.layouts, self.pools) if p == i) for i in range(len(needs))]
-        page_bytes = [self.page_size * bytes_per_token(layouts, dtype) for layouts in pooled]
-        reserve = self.activation_bytes()
+        if self.formats is None:
+            page_bytes = [self.page_size * bytes_per_token(layouts, dtype) for layouts in pooled]
+        else:
+            fmts = [tuple(f for f, p in zip(self.formats, self.pools) if p == i) for i in range(len(needs))]
+            page_bytes = [sum(f.page_bytes for f in group) for group in fmts]
+        reserve = self.activation_bytes() + self.tail_bytes(dtype)
         free = memory.free_bytes()
         if cache_memory is not None:
             budget, what = memory.budget_bytes(cache_memory), "cache_memory"
@@ -357,9 +482,10 @@ class Engine:
             )
         return pages
 
-    def prefill(self, chunks: list[list[int]], starts, rows: Rows, slots) -> jax.Array:
+    def prefill(self, chunks: list[list[int]], starts, rows: Rows, slots, tail_slots=None) -> jax.Array:
         """Enqueue prompt chunks (token ids from positions ``starts``); the token sampled after each chunk goes to
-        slot ``slots[i]`` (-1: none). Returns the sampled tokens [padded rows] on the device, without waiting."""
+        slot ``slots[i]`` (-1: none). ``tail_slots``: the slot of each chunk's request, whose tail a quantized cache
+        continues (default ``slots``). Returns the sampled tokens [padded rows] on the device, without waiting."""
         n = len(chunks)
         if n > self.prefill_rows:
             raise ValueError(f"a prefill call of {n} chunks, more than the {self.prefill_rows} rows a call holds")
@@ -374,6 +500,8 @@ class Engine:
         where = np.full(b, self.max_batch, np.int32)
         where[:n] = [s if s >= 0 else self.max_batch for s in slots]
         starts = np.pad(np.asarray(starts, np.int32), (0, b - n))
+        tails = np.full(b, self.max_batch, np.int32)
+        tails[:n] = [s if s >= 0 else self.max_batch for s in (slots if tail_slots is None else tail_slots)]
         key = ("prefill", padded.greedy, bool(starts.any()))
         step = self._compiled.get((*key, b, t)) or self._steps[key]
         self.slot_tokens, new, self.cache = step(
@@ -385,6 +513,7 @@ class Engine:
             lengths,
             padded.table,
             where,
+            tails,
             padded.sampling(),
         )
         return new
@@ -459,7 +588,7 @@ class Engine:
                 ids, zeros = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
                 for prefix in (True, False):
                     key = ("prefill", g, prefix)
-                    inputs = (ids, zeros, zeros + 1, rows.table, zeros, rows.sampling())
+                    inputs = (ids, zeros, zeros + 1, rows.table, zeros, zeros, rows.sampling())
                     jobs.append(((*key, b, t), self._steps[key], (*state, *inputs)))
         jobs = [job for job in jobs if job[0] not in self._compiled]
 
@@ -477,6 +606,33 @@ class Engine:
     def schedule(self, lengths: np.ndarray):
         """The decode op's device schedule for these lengths (None on the reference path)."""
         return None if self.decode_op is None else self.decode_op.plan(lengths)
+
+
+def _formats(model, c: EngineConfig) -> tuple[PageFormat, ...] | None:
+    """Each layer's quantized page format, or None for pages in the cache's dtype."""
+    if not c.kv_bits:
+        return None
+    if model.module.method == "palu":
+        raise ValueError(
+            "kv_bits: quantized pages are not supported on Palu models yet (their cache holds a latent K that every "
+            "read rebuilds); quantize an uncompressed or ZACK model"
+        )
+    return tuple(PageFormat.for_layout(lay, c.page_size, c.kv_bits) for lay in model.layouts)
+
+
+def _quant_decode_op(layouts, formats, pages_per_seq: int, config: EngineConfig, interpret: bool):
+    """The fused decode kernel over quantized pages (``ops.decode.quant_kernel``)."""
+    from kvjax.ops.decode.quant_kernel import QuantDecodeOp
+
+    return QuantDecodeOp(
+        layouts,
+        config.page_size,
+        pages_per_seq,
+        bits=config.kv_bits,
+        max_batch=config.max_batch,
+        batch_invariant=config.batch_invariant,
+        interpret=interpret,
+    )
 
 
 def _config(config: EngineConfig | None, settings: dict) -> EngineConfig:

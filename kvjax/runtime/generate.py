@@ -102,11 +102,12 @@ def generate_iter(
     chat: bool = False,
     max_batch: int = 8,
     max_seq_len: int | None = None,
-    page_size: int = 16,
+    page_size: int | None = None,
     chunk_tokens: int = 512,
     cache_memory: float | int | None = None,
     backend: str | None = None,
     batch_invariant: bool = False,
+    kv_bits: int | None = None,
     stats: dict | None = None,
 ) -> _Run:
     """Check the arguments and queue the prompts; iterating the result runs them and yields (prompt index,
@@ -120,7 +121,9 @@ def generate_iter(
     now, or bytes (default: room for ``max_batch`` full sequences, or 90% of free memory where that is less);
     prompts that do not fit at once wait, or are preempted and recomputed later. ``backend`` picks the attention
     path: "pallas" (the kernels, default on a GPU), "reference" (jnp, default elsewhere) or "interpret" (the
-    kernels on the CPU). ``stats``, if given, receives counts and per-prompt times once the iteration ends.
+    kernels on the CPU). ``kv_bits`` (4 or 2) keeps the cache in quantized pages (``EngineConfig.kv_bits``;
+    ``page_size`` then defaults to 32, the keys' group). ``stats``, if given, receives counts and per-prompt times
+    once the iteration ends.
 
     Sampling draws token i of prompt n from (``seed``, n, i) alone, so it does not depend on the other prompts'
     timing. ``batch_invariant=True``: a prompt's tokens depend only on it, ``seed`` and the fixed settings
@@ -141,6 +144,7 @@ def generate_iter(
         cache_memory=cache_memory,
         backend=backend,
         batch_invariant=batch_invariant,
+        kv_bits=kv_bits,
     )
     capacity = config.max_seq_len
     if (

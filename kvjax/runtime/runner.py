@@ -150,6 +150,7 @@ class Runner:
             [c.start for c in chunks],
             meta,
             [c.slot for c in chunks],
+            [c.tail_slot for c in chunks],
         )
         return _Pending(tokens, [(c.request, row, c.index) for row, c in enumerate(chunks) if c.index >= 0])
 

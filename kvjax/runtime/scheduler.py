@@ -80,7 +80,8 @@ class Request:
 class Chunk:
     """Prefill positions [start, end) of ``request``'s context into ``pages`` (per pool, by logical page);
     ``index`` >= 0: the chunk ends the prefill, and its last row's logits give new token ``index``, kept in row
-    ``slot`` for the next decode (-1: none follows)."""
+    ``slot`` for the next decode (-1: none follows). ``tail_slot``: the request's slot whatever the chunk samples,
+    whose tail page a quantized cache's chunks continue (``kvjax.ops.quant_paging``)."""
 
     request: Request
     start: int
@@ -88,6 +89,7 @@ class Chunk:
     pages: tuple[tuple[int, ...], ...]
     index: int
     slot: int
+    tail_slot: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +227,8 @@ class Scheduler:
         taken, r.computed = end - r.computed, end
         if sample:
             self._sampled_one(r)
-        step.chunks.append(Chunk(r, start, end, pages, index, r.slot if sample and r.slot is not None else -1))
+        slot = -1 if r.slot is None else r.slot
+        step.chunks.append(Chunk(r, start, end, pages, index, slot if sample else -1, slot))
         return taken
 
     def _schedule_decode(self, r: Request, step: Step) -> None:

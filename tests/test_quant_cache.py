@@ -1,0 +1,206 @@
+"""A cache of quantized pages (``kvjax.ops.quant_paging``, issue 35): prefill and decode write whole pages and tails
+exactly as the teacher-forced reference reads them, the engine decodes what that reference predicts, every byte the
+engine allocates is counted, and bad options are one-line errors before any work."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_CONFIGS, fresh_seed
+from flax import nnx
+
+import kvjax
+from kvjax.layout import HeadLayout
+from kvjax.models.model import Model
+from kvjax.ops import attention, quant_paging
+from kvjax.ops.grouped import attend_groups
+from kvjax.ops.prefill.reference import quantized_causal_attention
+from kvjax.ops.quant import PageFormat
+from kvjax.runtime.cache import QuantizedKVCache
+from kvjax.runtime.config import EngineConfig
+from kvjax.runtime.engine import Engine
+
+LAYOUT = HeadLayout(4, 2, 64, (32, 16), (16, 48))
+
+
+@pytest.mark.parametrize("bits,page_size", [(4, 8), (2, 16)])
+def test_chunks_and_decodes_read_what_the_teacher_forced_reference_reads(bits, page_size):
+    """Unaligned prompt chunks then decode steps, two sequences in slots 2 and 0 of a 3-slot tail (slot 1 idle and
+    an inactive row each step): every output equals ``quantized_causal_attention``'s (float32, so to rounding)."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    fmt = PageFormat.for_layout(LAYOUT, page_size, bits)
+    b, t, n = 2, 45, 8
+    q, k, v = (
+        jnp.asarray(rng.normal(size=(b, t, c)) * 2, jnp.float32) for c in (LAYOUT.q_cols, LAYOUT.k_cols, LAYOUT.v_cols)
+    )
+    table = jnp.asarray(1 + rng.permutation(b * n).reshape(b, n), jnp.int32)
+    pages = jnp.asarray(rng.integers(0, 256, (b * n + 1, fmt.page_bytes)), jnp.uint8)  # stale bytes everywhere
+    tail = jnp.asarray(rng.normal(size=(3, page_size, fmt.k_cols + fmt.v_cols)), jnp.float32)
+    slots = jnp.asarray([2, 0], jnp.int32)
+    idle = np.asarray(tail[1])
+    prompt, cuts = 19, [0, 7, 14, 19]  # chunks of 7: none starts or ends on a page boundary
+    outs = []
+    for start, end in zip(cuts, cuts[1:]):
+        o, pages, tail = attention.prefill_quantized(
+            *(_padded(x, start, end) for x in (q, k, v)),
+            LAYOUT,
+            pages,
+            tail,
+            fmt,
+            table,
+            slots,
+            jnp.full((b,), end - start),
+            None if start == 0 else jnp.full((b,), start, jnp.int32),
+        )
+        outs.append(o[:, : end - start])
+    rows_table = jnp.zeros((3, n), jnp.int32).at[slots].set(table)
+    for pos in range(prompt, t):
+        active = jnp.asarray([True, False, True])
+        lengths = jnp.full((3,), pos + 1).at[1].set(5)
+        o, pages, tail = attention.decode_quantized(
+            *(jnp.zeros((3, x.shape[-1])).at[slots].set(x[:, pos]) for x in (q, k, v)),
+            LAYOUT,
+            pages,
+            tail,
+            fmt,
+            rows_table,
+            lengths,
+            active,
+        )
+        outs.append(o[slots][:, None])
+    got = jnp.concatenate(outs, axis=1)
+    want = quantized_causal_attention(q, k, v, LAYOUT, fmt, prompt, 7)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(np.asarray(tail[1]), idle)  # an inactive row writes no tail
+
+
+def _padded(x, start, end, span=16):
+    """Positions [start, end) of x [B, T, C] as a padded call of ``span`` rows (the rows past the chunk: padding)."""
+    return jnp.pad(x[:, start:end], ((0, 0), (0, span - (end - start)), (0, 0)))
+
+
+def test_prefill_completes_pages_and_keeps_the_rest_in_the_tail():
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    fmt = PageFormat.for_layout(LAYOUT, 8, 4)
+    k = jnp.asarray(rng.normal(size=(1, 16, fmt.k_cols)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(1, 16, fmt.v_cols)), jnp.float32)
+    table = jnp.asarray([[3, 1, 2]], jnp.int32)
+    pages = jnp.zeros((4, fmt.page_bytes), jnp.uint8)
+    tail = quant_paging.create_tail(fmt, 1, jnp.float32)
+    pages, tail = quant_paging.write_prefill(pages, tail, fmt, table, jnp.asarray([0]), None, k, v, jnp.asarray([13]))
+    np.testing.assert_array_equal(np.asarray(pages[3]), np.asarray(fmt.encode(k[0, :8], v[0, :8])))
+    assert not np.asarray(pages[1]).any() and not np.asarray(pages[0]).any()  # the partial page waits; null untouched
+    np.testing.assert_array_equal(np.asarray(tail[0, :5]), np.concatenate([k[0, 8:13], v[0, 8:13]], -1))
+
+
+def _margins(model, prompt, tokens, bits, page_size, chunk):
+    """For each generated token, how far its logit falls below the best under the teacher-forced reference."""
+    module = nnx.merge(model.graphdef, model.state)
+    ids = list(prompt)
+    gaps = []
+    for token in tokens:
+
+        def attend(i, q, k, v, rebuild=None, rotation=None):
+            if rotation is not None:
+                q, k = rotation.packed(q, k)
+            fmt = PageFormat.for_layout(module.layouts[i], page_size, bits)
+            return quantized_causal_attention(q, k, v, module.layouts[i], fmt, len(prompt), chunk)
+
+        hidden = module.hidden(jnp.asarray([ids], jnp.int32), jnp.arange(len(ids))[None], attend)
+        logits = np.asarray(module.logits(hidden[:, -1])[0])
+        gaps.append(float(logits.max() - logits[token]))
+        ids.append(token)
+    return gaps
+
+
+@pytest.mark.parametrize("arch,bits", [("llama", 4), ("mistral", 2)])
+def test_engine_decodes_what_the_reference_predicts(arch, bits):
+    """Greedy tokens through the engine (several prompts batched, chunked prefill) are the reference's argmax up to
+    float rounding: a code can flip at a rounding boundary between two equal computations in another order, so each
+    chosen token must be within a hair of the best logit rather than equal to it. Batch-invariant mode cuts chunks
+    every ``chunk_tokens`` positions, as the reference assumes (otherwise the step's budget cuts them, and a chunk
+    reads the quantized pages of its own prompt's earlier chunks wherever it starts)."""
+    seed = fresh_seed()
+    cfg = TINY_CONFIGS[arch]
+    model = Model.random(cfg, seed=seed % 1000, scale=2.0)
+    rng = np.random.default_rng(seed)
+    prompts = [list(map(int, rng.integers(0, cfg.vocab_size, n))) for n in (5, 37, 70)]
+    gens = kvjax.generate(
+        model, prompts, max_new_tokens=12, kv_bits=bits, page_size=8, chunk_tokens=32, batch_invariant=True
+    )
+    for prompt, gen in zip(prompts, gens):
+        gaps = _margins(model, prompt, gen.tokens, bits, 8, 32)
+        assert max(gaps) < 1e-3, f"seed {seed}: prompt of {len(prompt)}, gaps {gaps}"
+
+
+def test_every_allocated_byte_is_counted():
+    model = Model.random(TINY_CONFIGS["mistral"], seed=1)  # a sliding window: two page pools
+    engine = Engine(model, EngineConfig(max_batch=3, max_seq_len=64, kv_bits=4, num_pages=9, chunk_tokens=16))
+    cache = engine.cache
+    assert isinstance(cache, QuantizedKVCache) and engine.page_size == 32
+    pooled = sum(p.shape[0] * f.page_bytes for p, f in zip(cache.pages, engine.formats))
+    assert cache.nbytes == pooled + engine.tail_bytes()
+    assert all(p.dtype == jnp.uint8 and p.shape[1] == f.page_bytes for p, f in zip(cache.pages, engine.formats))
+    per_token = engine.token_bytes()
+    assert sum(per_token.values()) * engine.page_size == sum(f.page_bytes for f in engine.formats)
+    assert per_token["k_codes"] == sum(lay.k_cols for lay in model.layouts) / 2  # int4: half a byte a column
+    line = engine.describe()
+    assert "int4 pages of 32 tokens" in line and "k_scales" in line and "tails" in line, line
+
+
+def test_bf16_pages_are_the_same_as_before():
+    model = Model.random(TINY_CONFIGS["llama"], seed=2)
+    engine = Engine(model, EngineConfig(max_batch=2, max_seq_len=64, num_pages=9))
+    assert engine.page_size == 16 and engine.formats is None and "bytes a token" not in engine.describe()
+    assert engine.token_bytes() == {"k": 2 * 32 * 4, "v": 2 * 32 * 4}  # two layers of two float32 heads of 16
+
+
+@pytest.mark.parametrize("bad", [3, 8, "4", True, 4.0])
+def test_bad_bit_widths_are_one_line_errors(bad):
+    with pytest.raises(ValueError, match="quantization bits must be one of 4, 2") as err:
+        EngineConfig(kv_bits=bad)
+    assert "\n" not in str(err.value)
+    model = Model.random(TINY_CONFIGS["llama"], seed=0)
+    with pytest.raises(ValueError, match="quantization bits"):
+        kvjax.generate(model, [[1, 2, 3]], max_new_tokens=2, kv_bits=bad)
+    with pytest.raises(ValueError, match="quantization bits"):
+        model.hidden(np.ones((1, 4), np.int32), kv_bits=bad)
+
+
+def test_palu_models_refuse_quantized_pages_before_any_work():
+    model = Model.random(TINY_CONFIGS["llama"], seed=0)
+    small = kvjax.compress(
+        model, removal_rate=0.0, method="palu", calibration="random", num_tokens=128, seq_len=32, progress=False
+    )
+    with pytest.raises(ValueError, match="not supported on Palu models"):
+        Engine(small, EngineConfig(max_batch=1, max_seq_len=32, kv_bits=4, num_pages=4))
+
+
+def test_teacher_forced_scoring_in_model_hidden_matches_its_reference():
+    seed = fresh_seed()
+    model = Model.random(TINY_CONFIGS["llama"], seed=seed % 1000, scale=2.0)
+    ids = np.random.default_rng(seed).integers(0, model.config.vocab_size, (1, 40))
+    exact, quantized = model.hidden(ids), model.hidden(ids, kv_bits=2, page_size=8)
+    # token 7 fills page 0, so it and later tokens read it quantized
+    np.testing.assert_allclose(np.asarray(exact[:, :7]), np.asarray(quantized[:, :7]), atol=1e-5)
+    assert not np.allclose(np.asarray(exact[:, 7:]), np.asarray(quantized[:, 7:]), atol=1e-3), f"seed {seed}"
+    module = nnx.merge(model.graphdef, model.state)
+
+    def attend(i, q, k, v, rebuild=None, rotation=None):
+        fmt = PageFormat.for_layout(module.layouts[i], 8, 2)
+        return quantized_causal_attention(q, k, v, module.layouts[i], fmt)
+
+    want = module.hidden(jnp.asarray(ids, jnp.int32), jnp.arange(40)[None], attend)
+    np.testing.assert_allclose(np.asarray(quantized), np.asarray(want), atol=1e-5)
+
+
+def test_attend_groups_over_split_keys_is_plain_attention():
+    """The reference scores the quantized and exact copies of the keys as one softmax over disjoint masks: with
+    identical copies it is plain causal attention."""
+    rng = np.random.default_rng(fresh_seed())
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 6, c)), jnp.float32) for c in (LAYOUT.q_cols, LAYOUT.k_cols, 64))
+    mask = jnp.tril(jnp.ones((6, 6), bool))[None]
+    split = jnp.concatenate([mask & (jnp.arange(6) < 3), mask & (jnp.arange(6) >= 3)], axis=-1)
+    both = attend_groups(q, jnp.concatenate([k, k], 1), jnp.concatenate([v, v], 1), split, LAYOUT)
+    np.testing.assert_allclose(np.asarray(both), np.asarray(attend_groups(q, k, v, mask, LAYOUT)), atol=1e-6)
