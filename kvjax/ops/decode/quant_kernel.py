@@ -1,0 +1,797 @@
+"""The decode op over quantized pages: one new query per sequence against its int4 or int2 pages, dequantized in
+registers as they stream, and its exact tail, in one online softmax (Pallas, Triton lowering). It equals
+``reference.quantized_decode_attention`` and is held by the engine as ``op.DecodeOp`` is (``QuantDecodeOp``).
+
+The work is the bf16 op's: the same planner and ``plan.DecodeSchedule`` (items of sequence, unit, chunk of pages,
+partial slot) and the same ``merge.merge`` for split groups, with one KV head a unit (``DecodeConfig.pack_tile`` 0,
+enforced): a head's codes are packed in planes of its own width, so each head has its own byte pattern. An item
+reads its full pages in chunks (``chunk_tokens`` of one page: one block-table lookup and one key scale and zero row
+a chunk), several a loop step, then its sequence's partial last page from the slot's tail row in one more step.
+Codes become floats by bit tricks, not conversions (``_MAGIC``). By default a head's codes are read as one tile,
+column ``c`` from byte ``c % (w/n)`` shifted by ``(c // (w/n)) * bits`` (n codes a byte), so the planes of
+``quant.pack`` come out in column order, any width a multiple of 16 gives one dot, and re-read bytes are L1 hits;
+keys are dequantized before their dot, value scales folded into the weights (``(p * scale_t) . codes + p . zero_t``).
+
+Scales and zeros are read as byte pairs of the one uint8 pool: a float16 view of it would be an XLA copy of the
+whole pool a layer. What differs between the layers of a kernel group (page bytes, part offsets, head offsets) is
+read from int32 tables at run time, each entry stored divided by the largest power of two (<= 16) dividing it in
+every layer, so addresses stay provably aligned for vector loads; the code depends on the group's (K width, V width)
+classes (one ``lax.switch`` branch each), bits and page size (``_Geometry``), so layers share one compiled kernel.
+
+Constraints: q packed [B, q_cols] or wide (``QKRotation.wide``); widths multiples of 16; a group of at most 16
+queries a KV head; pool and tail under 2^31 elements (int32 offsets). Any page size works; chunks of fewer than 16
+tokens (pages of 8, or of 24: chunks of 8) mask the rest of their 16-row tile.
+
+Speed (H200, Llama-3.1-8B attention, B32 x 8K, page 32): 509 us at int4 and 516 at int2, against floors (bytes over
+copy bandwidth) of 93 and 53 us, and 282 us for the bf16 kernel on 4x the bytes. Nsight's profile of an earlier
+version counted ~13 instructions a value (unpacking, byte-wise shared-memory layout shuffles, unfused multiply-adds)
+at 2 warps a scheduler (255 registers): the kernel is instruction- and latency-bound, not bandwidth-bound.
+``QuantKernelConfig`` holds the knobs a GPU sweep turns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kvjax import validate
+from kvjax.layout import HeadLayout
+from kvjax.ops.decode import tables
+from kvjax.ops.decode.config import DECODE, DecodeConfig
+from kvjax.ops.decode.cost import ROWS
+from kvjax.ops.decode.merge import merge
+from kvjax.ops.decode.plan import (
+    END_PAGE,
+    FIRST_PAGE,
+    SEQ,
+    SLOT,
+    UNIT,
+    DecodeSchedule,
+    as_layouts,
+    bucket,
+    compiled_shape,
+)
+from kvjax.ops.decode.planner import DecodePlanner
+from kvjax.ops.decode.units import head_runs
+from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, column_offsets, dot_precision, whole_block
+from kvjax.ops.quant import PageFormat, check_bits
+from kvjax.ops.tiles import pow2_floor, tile
+
+BLOCK_H = ROWS  # query rows per item: a GQA group (G <= 16) padded to the tensor cores' smallest M
+QUANT_DECODE = dataclasses.replace(DECODE, pack_tile=0)  # the plan's config: one KV head a unit
+
+# Fields of a head's row in the head table: its class, its codes' first byte in a page's K and V code rows, its
+# first K and V column (key meta, tail), its index (value meta), where its queries start in a q row and the step
+# between them, and likewise its outputs.
+CLASS, K_BYTE, V_BYTE, K_COL, V_COL, HEAD, Q_BASE, Q_STEP, O_BASE, O_STEP = range(10)
+HEAD_FIELDS = 10
+# Entries of the layer table: a page's bytes; the K codes' row bytes; the V codes' first byte and row bytes; the
+# key meta's first byte and the bytes from its scale row to its zero row; the value meta's first byte, its bytes a
+# token and from its scales to its zeros; a tail row's columns and its first V column; q and output row widths.
+PAGE_BYTES, K_ROW, V_CODES, V_ROW, K_META, K_ZEROS, V_META, V_TOKEN, V_ZEROS = range(9)
+TAIL_ROW, TAIL_V, Q_ROW, O_ROW = range(9, 13)
+LAYER_FIELDS = 13
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantKernelConfig:
+    """How the quantized decode kernel runs (hashable: a static argument of the jitted kernel); a GPU sweep varies
+    these with ``dataclasses.replace``. The plan's config (``DecodeConfig``) cuts the work; its kernel fields are not
+    read here."""
+
+    chunk_tokens: int = 32  # tokens a chunk reads from one page (fewer to divide the page): one lookup, one key range
+    step_tokens: int = 128  # tokens a loop step reads for a 128 + 128-column head (narrower heads read more)
+    max_step_tokens: int = 256
+    num_warps: int = 4
+    num_stages: int = 2
+    # Read a head's codes plane by plane (each byte once, a dot a plane of >= 16 columns, 16-bit planes unpacked by
+    # inline PTX) rather than as one tile whose columns re-read their bytes: fewer instructions a value, yet slower
+    # on an H200 (Llama-3.1-8B shape, B32 x 8K: 870 against 499 us at int4), so off.
+    planes: bool = False
+    fold_values: bool = True  # outputs as (p * scale_t) . codes + p . zero_t rather than p . (codes * scale_t + ...)
+
+    def __post_init__(self):
+        validate.int_fields(self, at_least_one=tuple(f.name for f in dataclasses.fields(self)))
+        for name in ("chunk_tokens", "step_tokens", "max_step_tokens"):
+            if getattr(self, name) < 16 or pow2_floor(getattr(self, name)) != getattr(self, name):
+                raise ValueError(f"{name} must be a power of two of at least 16, got {getattr(self, name)}")
+
+    def chunk(self, page_size: int) -> int:
+        """Tokens a chunk reads: ``chunk_tokens``, or fewer to divide the page (a chunk is one page's)."""
+        return min(self.chunk_tokens, page_size & -page_size)
+
+    def chunks_per_step(self, k_tile: int, v_tile: int, page_size: int) -> int:
+        """Chunks a step of a head with these tiles reads: ``step_tokens`` at 128 + 128 columns, more for narrower
+        heads (the same values in registers), at most ``max_step_tokens``, at least one chunk."""
+        tokens = min(self.max_step_tokens, pow2_floor(self.step_tokens * 256 / (k_tile + v_tile)))
+        return max(1, tokens // self.chunk(page_size))
+
+
+QUANT_KERNEL = QuantKernelConfig()
+
+
+def _pow2_divisor(values) -> int:
+    """The largest power of two, up to 16, dividing every one of ``values`` (16 for none or all zero)."""
+    g = 0
+    for v in values:
+        g = math.gcd(g, int(v))
+    return 16 if g == 0 else min(16, g & -g)
+
+
+def _head_rows(layout: HeadLayout, fmt: PageFormat, wide_rows: int) -> np.ndarray:
+    """[H, HEAD_FIELDS] the heads' fields, whole (the class column left 0)."""
+    offs, n, g = column_offsets(layout), fmt.per_byte, layout.group_size
+    rows = np.zeros((layout.num_kv_heads, HEAD_FIELDS), np.int64)
+    for h, (kw, vw) in enumerate(zip(layout.k_widths, layout.v_widths)):
+        ko, vo = offs["k"][h], offs["v"][h]
+        q_base, q_step = (h * g * layout.k_cols + ko, layout.k_cols) if wide_rows else (offs["q"][h], kw)
+        rows[h, 1:] = ko // n, vo // n, ko, vo, h, q_base, q_step, offs["o"][h], vw
+    return rows
+
+
+def _layer_row(layout: HeadLayout, fmt: PageFormat, wide_rows: int) -> np.ndarray:
+    """[LAYER_FIELDS] the layer's entries, whole."""
+    at, n, p, h = fmt.offsets, fmt.per_byte, fmt.page_size, fmt.heads
+    q_row = wide_rows * layout.k_cols if wide_rows else layout.q_cols
+    return np.array(
+        [
+            fmt.page_bytes,
+            fmt.k_cols // n,
+            at["v_codes"],
+            fmt.v_cols // n,
+            at["k_meta"],
+            2 * fmt.k_cols,
+            at["v_meta"],
+            2 * h,
+            2 * p * h,
+            fmt.k_cols + fmt.v_cols,
+            fmt.k_cols,
+            q_row,
+            layout.out_cols,
+        ],
+        np.int64,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    """What a kernel group's code depends on: its classes ((K width, V width) of its heads, in order), and the power
+    of two each table field is stored divided by (per class for head fields, ``head_align[class][field]``)."""
+
+    classes: tuple[tuple[int, int], ...]
+    head_align: tuple[tuple[int, ...], ...]
+    layer_align: tuple[int, ...]
+    units: int  # head-table rows: the most heads of any layer of the group
+
+
+@functools.cache
+def _geometry(shared: tuple[HeadLayout, ...], bits: int, page_size: int, wide_rows: int) -> _Geometry:
+    classes = tuple(sorted({(kw, vw) for lay in shared for kw, vw in zip(lay.k_widths, lay.v_widths)}))
+    fmts = [PageFormat.for_layout(lay, page_size, bits) for lay in shared]
+    per_class: list[list[np.ndarray]] = [[] for _ in classes]
+    for lay, fmt in zip(shared, fmts):
+        for (kw, vw), row in zip(zip(lay.k_widths, lay.v_widths), _head_rows(lay, fmt, wide_rows)):
+            per_class[classes.index((kw, vw))].append(row)
+    head_align = tuple(tuple(_pow2_divisor(col) for col in np.stack(rows, 1)) for rows in per_class)
+    layer_rows = np.stack([_layer_row(lay, fmt, wide_rows) for lay, fmt in zip(shared, fmts)], 1)
+    layer_align = tuple(_pow2_divisor(col) for col in layer_rows)
+    return _Geometry(classes, head_align, layer_align, max(lay.num_kv_heads for lay in shared))
+
+
+def _tables(layout: HeadLayout, fmt: PageFormat, geo: _Geometry, wide_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The layer's head table [units * HEAD_FIELDS] and layer table [LAYER_FIELDS], int32, each field divided by its
+    alignment (rows past the layer's heads are zero)."""
+    heads = np.zeros((geo.units, HEAD_FIELDS), np.int64)
+    for h, row in enumerate(_head_rows(layout, fmt, wide_rows)):
+        cls = geo.classes.index((layout.k_widths[h], layout.v_widths[h]))
+        heads[h] = row // np.asarray(geo.head_align[cls])
+        heads[h, CLASS] = cls  # read as is, not scaled
+    layer = _layer_row(layout, fmt, wide_rows) // np.asarray(geo.layer_align)
+    if max(heads.max(), layer.max()) >= 2**31:
+        raise ValueError("a layer too large for the kernel's int32 offsets")
+    return heads.astype(np.int32).ravel(), layer.astype(np.int32)
+
+
+# A code c < 2^bits as a float with no conversion instruction (the GPU converts at a fraction of its FMA rate: the
+# first version of this kernel spent most of its time there): c OR'd into the mantissa of 2^m is 2^m + c exactly.
+# dtype -> (unsigned type of its width, 2^m's bits, 2^m)
+_MAGIC = {
+    jnp.dtype(jnp.float32): (jnp.uint32, 0x4B000000, 2.0**23),
+    jnp.dtype(jnp.bfloat16): (jnp.uint16, 0x4300, 128.0),
+    jnp.dtype(jnp.float16): (jnp.uint16, 0x6400, 1024.0),
+}
+_PTX_TYPE = {jnp.dtype(jnp.bfloat16): "bf16x2", jnp.dtype(jnp.float16): "f16x2"}
+
+
+def _meta(pool_ref, addr, mask):
+    """float16 values stored little-endian at byte addresses ``addr`` of the uint8 pool, as float32 (0 where
+    ``mask`` is false)."""
+    lo = plgpu.load(pool_ref.at[addr], mask=mask, other=0).astype(jnp.uint16)
+    hi = plgpu.load(pool_ref.at[addr + 1], mask=mask, other=0).astype(jnp.uint16)
+    return lax.bitcast_convert_type(lo | (hi << 8), jnp.float16).astype(jnp.float32)
+
+
+def _biased(raw, shift, bits, dtype):
+    """Codes of bytes ``raw`` (uint8 [T, C]) shifted right by ``shift`` (an int, or uint32 [1, C]) as ``dtype``,
+    plus 2^m (``_MAGIC``): exact, with no conversion instruction."""
+    uint, magic, _ = _MAGIC[jnp.dtype(dtype)]
+    code = (raw.astype(jnp.uint32) >> shift) & jnp.uint32((1 << bits) - 1)
+    return lax.bitcast_convert_type(code.astype(uint) | uint(magic), dtype)
+
+
+def _codes(raw, shift, bits, dtype):
+    """``_biased`` less 2^m: the codes themselves."""
+    return _biased(raw, shift, bits, dtype) - jnp.asarray(_MAGIC[jnp.dtype(dtype)][2], dtype)
+
+
+def _ptx_plane(plane: int, bits: int, dtype, dequantize: bool) -> tuple[str, str]:
+    """Inline PTX (and its constraints) turning 4 code bytes (one register) into 4 values of ``dtype`` (two
+    registers) of plane ``plane``: with ``dequantize``, ``code * scale + zero`` from the scale and zero registers
+    (two each; ``fma`` rounds once), else the biased codes (``_biased``). PRMT spreads the bytes one to a 16-bit
+    half, one LOP3 masks a code into the mantissa of 2^m; the planes' PRMTs are the same, for ptxas to share."""
+    ty = _PTX_TYPE[jnp.dtype(dtype)]
+    magic = _MAGIC[jnp.dtype(dtype)][1] * 0x00010001
+    one = {"bf16x2": 0x3F803F80, "f16x2": 0x3C003C00}[ty]
+    lines = [
+        "{",
+        ".reg .b32 t0, t1, zero, mask, magic, one, bias;",
+        "mov.b32 zero, 0;",
+        f"mov.b32 mask, {((1 << bits) - 1) * 0x00010001:#x};",
+        f"mov.b32 magic, {magic:#x};",
+        f"mov.b32 one, {one:#x};",
+        f"mov.b32 bias, {magic | 0x80008000:#x};",  # -2^m in both halves
+        "prmt.b32 t0, $2, zero, 0x4140;",  # bytes 0 and 1, one a half
+        "prmt.b32 t1, $2, zero, 0x4342;",  # bytes 2 and 3
+    ]
+    for h in range(2):  # outputs are written last: an output may share a register with an input
+        if plane:
+            lines.append(f"shr.b32 t{h}, t{h}, {plane * bits};")
+        lines.append(f"lop3.b32 t{h}, t{h}, mask, magic, 0xea;")  # (t & mask) | magic
+        if dequantize:
+            lines.append(f"fma.rn.{ty} t{h}, t{h}, one, bias;")  # exact: the code
+            lines.append(f"fma.rn.{ty} t{h}, t{h}, ${3 + h}, ${5 + h};")
+    lines += ["mov.b32 $0, t0;", "mov.b32 $1, t1;", "}"]
+    return "\n".join(lines), ",".join(["=r"] * 2 + ["r"] * (5 if dequantize else 1))
+
+
+def _planes(raw, bits, dtype, scales=None, zeros=None, *, asm: bool):
+    """The ``8 // bits`` planes of codes of bytes ``raw`` (uint8 [T, C]) as ``dtype`` [T, C] each: biased codes
+    (``_biased``), or with ``scales`` and ``zeros`` (a row [1, C] a plane) ``code * scale + zero`` rounded once to
+    ``dtype`` from the scale and zero in ``dtype``. ``asm``: by inline PTX on packed registers (16-bit ``dtype``),
+    else by the same arithmetic in jnp (interpret mode, float32)."""
+    n = 8 // bits
+    if scales is not None:
+        scales = [jnp.broadcast_to(s.astype(dtype), raw.shape) for s in scales]
+        zeros = [jnp.broadcast_to(z.astype(dtype), raw.shape) for z in zeros]
+    if asm:
+        out = []
+        for i in range(n):
+            text, constraints = _ptx_plane(i, bits, dtype, scales is not None)
+            [plane] = plgpu.elementwise_inline_asm(
+                text,
+                args=[raw] + ([scales[i], zeros[i]] if scales is not None else []),
+                constraints=constraints,
+                pack=4,
+                result_shape_dtypes=[jax.ShapeDtypeStruct(raw.shape, dtype)],
+            )
+            out.append(plane)
+        return out
+    if scales is None:
+        return [_biased(raw, i * bits, bits, dtype) for i in range(n)]
+    f32 = jnp.float32
+    return [
+        (_codes(raw, i * bits, bits, f32) * s.astype(f32) + z.astype(f32)).astype(dtype)
+        for i, (s, z) in enumerate(zip(scales, zeros))
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """Columns ``start .. start + width`` of a head read as one tile of ``tile`` columns (a dot a piece)."""
+
+    start: int
+    tile: int
+    width: int
+
+    def cols(self):
+        return jnp.arange(self.tile)[None, :]
+
+    def ok(self):
+        """Which tile columns are the head's; None when all are."""
+        return None if self.width == self.tile else self.cols() < self.width
+
+
+def _both(a, b):
+    return a if b is None else (b if a is None else a & b)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reader:
+    """How the kernel reads the heads of one class: K and V ``width``s as pieces, and the arithmetic on their codes
+    (``QuantKernelConfig``: ``planes``, ``fold_values``). ``dtype``: the dots' inputs (q's dtype); ``ptx``: planes
+    of 16-bit values are unpacked by inline PTX (not in interpret mode, which runs the same arithmetic in jnp)."""
+
+    k_width: int
+    v_width: int
+    bits: int
+    planar: bool
+    fold_values: bool
+    dtype: jnp.dtype
+    ptx: bool
+
+    @property
+    def n(self) -> int:
+        return 8 // self.bits
+
+    @property
+    def sixteen(self) -> bool:
+        """2^m + code is exact in a 16-bit dot input, so biased codes need no subtraction."""
+        return self.dtype in _PTX_TYPE
+
+    def pieces(self, width: int) -> tuple[_Piece, ...]:
+        """A head ``width`` columns wide as its planes (``n`` pieces of ``width / n`` columns, their bytes read
+        once for all) or as one tile (each column's byte read at ``c % (width / n)``)."""
+        if self.planar:
+            return tuple(_Piece(i * (width // self.n), tile(width // self.n), width // self.n) for i in range(self.n))
+        return (_Piece(0, tile(width), width),)
+
+    def bytes(self, width: int):
+        """(byte of each tile column in a head's code row [1, B], its shift or None (planes), which bytes are the
+        head's or None)."""
+        n = self.n
+        if self.planar:
+            plane = _Piece(0, tile(width // n), width // n)
+            return plane.cols(), None, plane.ok()
+        c = jnp.arange(tile(width))[None, :]
+        # planes of w/n columns, the first in the lowest bits; padding columns repeat the last plane's bytes (in
+        # range; their q, scales and outputs unused). lax: no sign fix-ups to hide the contiguity from Triton
+        shift = (jnp.minimum(lax.div(c, width // n), n - 1) * self.bits).astype(jnp.uint32)
+        return lax.rem(c, width // n), shift, None
+
+    def keys(self, raw, meta):
+        """The K tiles [T, tile] in ``dtype``, one a piece, of code bytes ``raw``: ``code * scale + zero`` with
+        ``meta`` the pieces' (scale, zero) rows [1, tile]."""
+        if self.planar:
+            return _planes(raw, self.bits, self.dtype, *zip(*meta), asm=self.ptx)
+        (scale, zero), shift = meta[0], self.bytes(self.k_width)[1]
+        return [(_codes(raw, shift, self.bits, jnp.float32) * scale + zero).astype(self.dtype)]
+
+    def values(self, raw, p, scale, zero, precision):
+        """Weights p [R, T] against the values of code bytes ``raw`` with per-token ``scale`` and ``zero`` [T]:
+        the dots [R, tile] (one a piece) and a row term [R, T] to sum over tokens and add to every column (None if
+        none)."""
+        shift = self.bytes(self.v_width)[1]
+        if not self.fold_values:
+            codes = self._codes(raw, shift, jnp.float32)
+            pv = p.astype(self.dtype)
+            vs = [(c * scale[:, None] + zero[:, None]).astype(self.dtype) for c in codes]
+            return [plgpu.dot(pv, v, precision=precision) for v in vs], None
+        ps = (p * scale[None, :]).astype(self.dtype)
+        row = p * zero[None, :]
+        if self.planar and self.sixteen:  # biased codes: take off what 2^m adds to the dot
+            codes = _planes(raw, self.bits, self.dtype, asm=self.ptx)
+            row = row - _MAGIC[self.dtype][2] * ps.astype(jnp.float32)
+        else:
+            codes = self._codes(raw, shift, self.dtype)
+        return [plgpu.dot(ps, c, precision=precision) for c in codes], row
+
+    def _codes(self, raw, shift, dtype):
+        if self.planar:
+            return [_codes(raw, i * self.bits, self.bits, dtype) for i in range(self.n)]
+        return [_codes(raw, shift, self.bits, dtype)]
+
+
+def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, scale, v_max, kernel, interpret):
+    """Online-softmax attention of one item (one KV head) over its quantized chunks and, if it holds the sequence's
+    partial last page, its tail; then the write of its result (module docstring)."""
+    heads_ref, layer_ref, table_ref, q_ref, pool_ref, tail_ref, out_ref, acc_ref, m_ref, l_ref = refs
+    seq, unit, first, end, slot, length = item
+    kw, vw = geo.classes[cls_index]
+    align = geo.head_align[cls_index]
+    P, dt = page_size, jnp.dtype(q_ref.dtype)
+    tc = kernel.chunk(P)
+    tile_rows = max(16, tc)  # a dot's dimension is at least 16: a chunk of fewer tokens masks the rest
+    nc = kernel.chunks_per_step(tile(kw), tile(vw), P)
+    precision = dot_precision(dt)
+    planar = kernel.planes and min(kw, vw) * bits // 8 >= 16  # a plane is a dot's K (or N) dimension: >= 16
+    reader = _Reader(kw, vw, bits, planar, kernel.fold_values, dt, planar and dt in _PTX_TYPE and not interpret)
+    k_pieces, v_pieces = reader.pieces(kw), reader.pieces(vw)
+
+    def head(f):
+        return heads_ref[unit * HEAD_FIELDS + f] * align[f]
+
+    def layer(f):
+        return layer_ref[f] * geo.layer_align[f]
+
+    rows = jnp.arange(BLOCK_H)
+    real = rows < group
+
+    def load_q(piece):
+        at = seq * layer(Q_ROW) + head(Q_BASE) + rows[:, None] * head(Q_STEP) + piece.start + piece.cols()
+        q = plgpu.load(q_ref.at[at], mask=_both(real[:, None], piece.ok()), other=0).astype(jnp.float32)
+        return (q * (scale * LOG2E)).astype(dt)  # scores in log2 units
+
+    qs = [load_q(piece) for piece in k_pieces]
+    full = length // P  # pages in the pool; the rest of the sequence is in its tail
+    visible_from = jnp.maximum(length - window, 0) if window else 0
+    lo = jnp.maximum(first * P, visible_from // tc * tc)  # chunks wholly before a sliding window are skipped
+    hi = jnp.minimum(end, full) * P
+
+    def chunk(tok0):
+        """Scores [BLOCK_H, tc] of the chunk of tokens from ``tok0`` (one page's), and a function of its weights
+        p [BLOCK_H, tc] giving ``_Reader.values``."""
+        ok = tok0 < hi
+        page = jnp.where(ok, table_ref[seq, jnp.minimum(tok0 // P, table_ref.shape[1] - 1)], 0)
+        r = jnp.arange(tile_rows)
+        t = tok0 % P + r  # rows of the page
+        visible = ok & (tok0 + r >= visible_from) & (r < tc)
+        base = page * layer(PAGE_BYTES)
+
+        def codes(row_bytes, first_byte, width):
+            byte, _, byte_ok = reader.bytes(width)
+            at = base + t[:, None] * row_bytes + first_byte + byte
+            return plgpu.load(pool_ref.at[at], mask=_both(visible[:, None], byte_ok), other=0)
+
+        def key_meta(piece, rows_apart):
+            at = base + layer(K_META) + 2 * head(K_COL) + rows_apart + 2 * (piece.start + piece.cols())
+            return _meta(pool_ref, at, _both(jnp.full((1, piece.tile), ok), piece.ok()))
+
+        meta = [(key_meta(piece, 0), key_meta(piece, layer(K_ZEROS))) for piece in k_pieces]
+        ks = reader.keys(codes(layer(K_ROW), head(K_BYTE), kw), meta)
+        s = _scores(qs, ks, precision)
+        v_raw = codes(layer(V_ROW), layer(V_CODES) + head(V_BYTE), vw)
+        v_at = base + layer(V_META) + 2 * head(HEAD) + t * layer(V_TOKEN)
+        v_scale, v_zero = _meta(pool_ref, v_at, visible), _meta(pool_ref, v_at + layer(V_ZEROS), visible)
+        return jnp.where(visible[None, :], s, MASK), lambda p: reader.values(v_raw, p, v_scale, v_zero, precision)
+
+    def step(j, carry):
+        tok0 = lo + j * (nc * tc)
+        return _update(carry, [chunk(tok0 + c * tc) for c in range(nc)])
+
+    def tail_step(_, carry):
+        t = jnp.arange(tile(P))
+        tok = full * P + t
+        visible = (tok < length) & (tok >= visible_from)
+        row = (seq * P + t)[:, None] * layer(TAIL_ROW)
+
+        def load(at, piece):
+            mask = _both(visible[:, None], piece.ok())
+            return plgpu.load(tail_ref.at[at + piece.start + piece.cols()], mask=mask, other=0).astype(dt)
+
+        ks = [load(row + head(K_COL), piece) for piece in k_pieces]
+        s = _scores(qs, ks, precision)
+        vs = [load(row + layer(TAIL_V) + head(V_COL), piece) for piece in v_pieces]
+        values = lambda p: ([plgpu.dot(p.astype(dt), v, precision=precision) for v in vs], None)  # noqa: E731
+        return _update(carry, [(jnp.where(visible[None, :], s, MASK), values)])
+
+    carry = (
+        [jnp.zeros((BLOCK_H, piece.tile), jnp.float32) for piece in v_pieces],
+        jnp.full((BLOCK_H,), MASK, jnp.float32),
+        jnp.zeros((BLOCK_H,), jnp.float32),
+    )
+    carry = lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), nc * tc), step, carry)
+    has_tail = (length % P > 0) & (first <= full) & (full < end)
+    accs, m, l = lax.fori_loop(0, has_tail.astype(jnp.int32), tail_step, carry)
+    out_at = seq * layer(O_ROW) + head(O_BASE) + rows[:, None] * head(O_STEP)
+    _store(accs, m, l, slot, real, v_pieces, out_at, (out_ref, acc_ref, m_ref, l_ref), v_max, interpret)
+
+
+def _scores(qs, ks, precision):
+    """Scores of the query pieces against the key pieces of the same columns: a dot a piece, summed."""
+    return functools.reduce(operator.add, [plgpu.dot(q, k, trans_b=True, precision=precision) for q, k in zip(qs, ks)])
+
+
+def _update(carry, parts):
+    """The online-softmax update with the (scores, values) of a step's chunks. Row reductions cross the warps
+    (through shared memory, with a barrier), so the chunks' tiles are combined elementwise first: one max, one sum
+    and one sum of the values' row terms a step, however many chunks."""
+    accs, m, l = carry
+    top = functools.reduce(jnp.maximum, [s for s, _ in parts])
+    m_new = jnp.maximum(m, top.max(axis=1))
+    alpha = jnp.exp2(m - m_new)
+    ps = [jnp.exp2(s - m_new[:, None]) for s, _ in parts]
+    accs = [acc * alpha[:, None] for acc in accs]
+    rows = []
+    for p, (_, values) in zip(ps, parts):
+        pvs, row = values(p)
+        accs = [acc + pv for acc, pv in zip(accs, pvs)]
+        rows += [] if row is None else [row]
+    if rows:
+        total = jnp.sum(functools.reduce(operator.add, rows), axis=1)[:, None]
+        accs = [acc + total for acc in accs]
+    return accs, m_new, l * alpha + jnp.sum(functools.reduce(operator.add, ps), axis=1)
+
+
+def _store(accs, m, l, slot, real, v_pieces, out_at, refs, v_max, interpret):
+    """The group's only chunk (``slot`` < 0) writes its normalized output rows at ``out_at`` [BLOCK_H, 1] plus each
+    piece's columns; a chunk of a split group writes its partial (acc, m, l) to its slot, as ``merge.merge`` reads
+    them. Interpret mode scatters every lane, so there masked lanes point past the buffers."""
+    out_ref, acc_ref, m_ref, l_ref = refs
+    direct = slot < 0
+    rows = jnp.arange(BLOCK_H)
+    part = jnp.maximum(slot, 0) * BLOCK_H + rows
+    part_mask = real & ~direct
+    inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
+    for acc, piece in zip(accs, v_pieces):
+        cols = piece.start + piece.cols()
+        out_mask = _both(real[:, None] & direct, piece.ok())
+        acc_mask = jnp.broadcast_to(_both(part_mask[:, None], piece.ok()), acc.shape)
+        at, acc_at = out_at + cols, part[:, None] * v_max + cols
+        if interpret:
+            at, acc_at = jnp.where(out_mask, at, NOWHERE), jnp.where(acc_mask, acc_at, NOWHERE)
+        plgpu.store(out_ref.at[at], (acc * inv_l[:, None]).astype(out_ref.dtype), mask=out_mask)
+        plgpu.store(acc_ref.at[acc_at], acc, mask=acc_mask)
+    if interpret:
+        part = jnp.where(part_mask, part, NOWHERE)
+    plgpu.store(m_ref.at[part], m, mask=part_mask)
+    plgpu.store(l_ref.at[part], l, mask=part_mask)
+
+
+def _kernel(index_ref, items_ref, counts_ref, lengths_ref, heads_ref, *refs, geo, **static):
+    pid, layer = pl.program_id(0), index_ref[0]
+    refs = (heads_ref, *refs)
+    branches = [functools.partial(_attend_item, c, refs=refs, geo=geo, **static) for c in range(len(geo.classes))]
+
+    def run(i, carry):
+        seq, unit = items_ref[layer, pid, i, SEQ], items_ref[layer, pid, i, UNIT]
+        item = (
+            seq,
+            unit,
+            items_ref[layer, pid, i, FIRST_PAGE],
+            items_ref[layer, pid, i, END_PAGE],
+            items_ref[layer, pid, i, SLOT],
+            lengths_ref[seq],
+        )
+        if len(branches) == 1:
+            branches[0](item)
+        else:
+            lax.switch(heads_ref[unit * HEAD_FIELDS + CLASS], [lambda it, b=b: b(it) for b in branches], item)
+        return carry
+
+    lax.fori_loop(0, counts_ref[layer, pid], run, 0)
+
+
+def check_format(layout: HeadLayout, fmt) -> PageFormat:
+    """``fmt`` if it is the quantized page format of ``layout``'s heads, else a ValueError saying why not."""
+    if not isinstance(fmt, PageFormat):
+        raise ValueError(f"fmt must be a quant.PageFormat, got {type(fmt).__name__}")
+    if fmt.k_widths != tuple(layout.k_widths) or fmt.v_widths != tuple(layout.v_widths):
+        raise ValueError(
+            f"fmt's heads (k_widths={fmt.k_widths}, v_widths={fmt.v_widths}) do not match the layout's "
+            f"(k_widths={layout.k_widths}, v_widths={layout.v_widths})"
+        )
+    return fmt
+
+
+def _check_plan_config(config: DecodeConfig) -> None:
+    if config.pack_tile != 0:
+        raise ValueError(
+            f"quantized decode reads one KV head a unit: its DecodeConfig needs pack_tile=0, got {config.pack_tile}"
+        )
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "fmt", "kernel", "interpret", "shared"))
+def quantized_paged_decode(
+    q,
+    pages,
+    tail,
+    block_table,
+    lengths,
+    schedule: DecodeSchedule,
+    layout: HeadLayout,
+    fmt: PageFormat,
+    *,
+    kernel: QuantKernelConfig = QUANT_KERNEL,
+    interpret: bool = False,
+    shared: tuple[HeadLayout, ...] | None = None,
+):
+    """One new query per sequence against its quantized cache; equal to ``reference.quantized_decode_attention``.
+
+    q [B, q_cols] packed, or wide [B, >= H, k_cols] (``models.rotation.QKRotation.wide``: the kernel reads each
+    head's own columns of its row); pages [num_pages, fmt.page_bytes] uint8 (``quant.PageFormat``); tail [>= B,
+    page_size, k_cols + v_cols] (row i: sequence i's partial last page, ``quant_paging``); block_table [B,
+    pages_per_seq] int32; lengths [B] int32 (the new token included, already written); schedule: a ``DecodeSchedule``
+    planned with one KV head a unit (pack_tile 0) for these lengths or any they do not exceed, set to this layer.
+    Returns [B, out_cols] in q's dtype; rows with length 0 are unspecified. ``shared``: the layouts of every layer
+    that runs this kernel with the same bits and page size (default: ``layout`` alone); its code depends on them, not
+    on ``layout``, so XLA compiles one kernel for all of them.
+    """
+    check_format(layout, fmt)
+    config = schedule.config
+    _check_plan_config(config)
+    shared = shared or (layout,)
+    if layout not in shared:
+        raise ValueError("layout must be one of the shared layouts")
+    b = q.shape[0]
+    p = fmt.page_size
+    if pages.dtype != jnp.uint8 or pages.ndim != 2 or pages.shape[1] != fmt.page_bytes:
+        raise ValueError(f"pages must be uint8 [num_pages, {fmt.page_bytes}], got {pages.dtype} {pages.shape}")
+    if pages.size >= 2**31 or tail.size >= 2**31:
+        raise ValueError("the quantized decode kernel addresses a layer's pool and tail with int32 offsets")
+    if tail.ndim != 3 or tail.shape[0] < b or tail.shape[1:] != (p, fmt.k_cols + fmt.v_cols):
+        raise ValueError(f"tail must be [>= {b}, {p}, {fmt.k_cols + fmt.v_cols}], got {tail.shape}")
+    wide_rows = q.shape[1] if q.ndim == 3 else 0
+    if wide_rows and (wide_rows < layout.num_heads or q.shape[2] != layout.k_cols):
+        raise ValueError(f"a wide q must be [B, >= {layout.num_heads}, {layout.k_cols}], got {q.shape}")
+    if not wide_rows and (q.ndim != 2 or q.shape[1] != layout.q_cols):
+        raise ValueError(f"q must be [B, {layout.q_cols}] or wide [B, >= H, k_cols], got {q.shape}")
+    if any(r.num_heads != 1 for r in head_runs(layout, config)):
+        raise ValueError("quantized decode reads one KV head a unit")
+    if layout.group_size > BLOCK_H:
+        raise ValueError(f"quantized decode scores at most {BLOCK_H} queries a KV head, got {layout.group_size}")
+    geo = _geometry(tuple(shared), fmt.bits, p, wide_rows)
+    heads, layer_row = (jnp.asarray(t) for t in _tables(layout, fmt, geo, wide_rows))
+    v_max = max(tile(w) for lay in shared for w in lay.v_widths)  # partial rows hold a head's V tile
+    rows = BLOCK_H * schedule.num_slots
+    static = dict(
+        geo=geo,
+        bits=fmt.bits,
+        page_size=p,
+        group=layout.group_size,
+        window=layout.sliding_window,
+        scale=1.0 / math.sqrt(layout.head_dim),
+        v_max=v_max,
+        kernel=kernel,
+        interpret=interpret,
+    )
+    index = jnp.asarray(schedule.index, jnp.int32)
+    args = [
+        index,
+        schedule.items,
+        schedule.counts,
+        lengths.astype(jnp.int32),
+        heads,
+        layer_row,
+        block_table.astype(jnp.int32),
+        q.reshape(-1),
+        pages.reshape(-1),
+        tail.reshape(-1),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((b * layout.out_cols,), q.dtype),
+        jax.ShapeDtypeStruct((rows * v_max,), jnp.float32),
+        jax.ShapeDtypeStruct((rows,), jnp.float32),
+        jax.ShapeDtypeStruct((rows,), jnp.float32),
+    ]
+    out, acc, m, l = pl.pallas_call(
+        functools.partial(_kernel, **static),
+        grid=(schedule.num_programs,),
+        in_specs=[whole_block(x) for x in args],
+        out_specs=[whole_block(x) for x in out_shape],
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=kernel.num_warps, num_stages=kernel.num_stages),
+        name="kvjax_quantized_decode",
+    )(*args)
+    # the merge reads the bf16 op's tables of the layer (one head a unit): its output offsets and widths
+    merge_tables = tables.layer_tables(
+        layout, tables.run_classes(shared, config), config, tables.most_units(set(shared), config)
+    )
+    units, rows_table, cols = (jnp.asarray(t) for t in (merge_tables.units, merge_tables.rows, merge_tables.cols))
+    out = merge(
+        out,
+        acc,
+        m,
+        l,
+        index,
+        schedule.merge_dest,
+        schedule.merge_range,
+        units,
+        rows_table,
+        cols,
+        v_max=v_max,
+        v_tile=v_max,
+        interpret=interpret,
+    )
+    return out.reshape(b, layout.out_cols)
+
+
+def kernel_groups(formats: dict[HeadLayout, PageFormat], cap: int) -> dict[HeadLayout, tuple[HeadLayout, ...]]:
+    """Each layout's kernel group: layouts of the same bits, group size, window and head dim share one compiled
+    kernel while the (K width, V width) classes of their heads together stay within ``cap`` (each class is one more
+    branch of the kernel); layouts of the same classes always share."""
+    groups: list[tuple[tuple, set, list[HeadLayout]]] = []  # (static key, classes, layouts)
+    by_classes: dict[tuple, list[HeadLayout]] = {}
+    for lay, fmt in formats.items():
+        key = (fmt.bits, fmt.page_size, lay.group_size, lay.sliding_window, lay.head_dim)
+        by_classes.setdefault((key, frozenset(zip(lay.k_widths, lay.v_widths))), []).append(lay)
+    for (key, classes), lays in sorted(by_classes.items(), key=lambda kv: (-len(kv[0][1]), sorted(kv[0][1]))):
+        fits = [g for g in groups if g[0] == key and len(g[1] | classes) <= cap]
+        if fits:
+            g = min(fits, key=lambda g: len(g[1] | classes) - len(g[1]))
+            g[1].update(classes)
+            g[2].extend(lays)
+        else:
+            groups.append((key, set(classes), list(lays)))
+    return {lay: tuple(g[2]) for g in groups for lay in g[2]}
+
+
+class QuantDecodeOp:
+    """Decode attention over a model's quantized layers, held by the engine as it holds ``op.DecodeOp``:
+    ``plan(lengths)`` on the host (the bf16 op's planner, one KV head a unit), ``run`` one layer on the device.
+
+    ``bits``: the code width of every layer, or one per layout (4 or 2); ``formats``: the layers' page formats
+    instead (one per layout, each ``PageFormat.for_layout`` of it). ``config``: the plan's config, with
+    ``pack_tile`` 0; ``kernel``: how the kernel runs (``QuantKernelConfig``). ``batch_invariant``: each sequence is
+    split by its own length alone (``plan.fixed_chunk_schedule``)."""
+
+    def __init__(
+        self,
+        layouts,
+        page_size: int,
+        pages_per_seq: int,
+        *,
+        bits: int | Sequence[int] = 4,
+        formats: Sequence[PageFormat] | None = None,
+        max_batch: int = 1,
+        config: DecodeConfig = QUANT_DECODE,
+        kernel: QuantKernelConfig = QUANT_KERNEL,
+        num_programs: int | None = None,
+        batch_invariant: bool = False,
+        interpret: bool = False,
+    ):
+        _check_plan_config(config)
+        layouts = as_layouts(layouts)
+        if formats is None:
+            per_layer = [bits] * len(layouts) if isinstance(bits, (int, np.integer)) else list(bits)
+            if len(per_layer) != len(layouts):
+                raise ValueError(f"{len(per_layer)} bit widths for {len(layouts)} layouts")
+            formats = [PageFormat.for_layout(lay, page_size, check_bits(b)) for lay, b in zip(layouts, per_layer)]
+        formats = list(formats)
+        if len(formats) != len(layouts):
+            raise ValueError(f"{len(formats)} page formats for {len(layouts)} layouts")
+        self.formats: dict[HeadLayout, PageFormat] = {}
+        for lay, fmt in zip(layouts, formats):
+            check_format(lay, fmt)
+            if fmt.page_size != page_size:
+                raise ValueError(f"a page format of {fmt.page_size} tokens a page for pages of {page_size}")
+            if self.formats.setdefault(lay, fmt) != fmt:
+                raise ValueError(f"two page formats for one layout: {self.formats[lay]} and {fmt}")
+        self.config, self.kernel, self.interpret = config, kernel, interpret
+        self.groups = kernel_groups(self.formats, config.kernel_classes)
+        chunk = -(-config.fixed_chunk_tokens // page_size) if batch_invariant else 0
+        splits = bucket(-(-pages_per_seq // chunk)) if chunk else 0
+        shape = compiled_shape(layouts, max_batch, num_programs, config=config, splits=splits)
+        self.planner = DecodePlanner(
+            layouts, page_size, num_programs, config=config, chunk_pages=chunk, splits=splits, shape=shape
+        )
+        self._schedule: DecodeSchedule | None = None
+        self._plan_id = -1
+
+    def plan(self, lengths) -> DecodeSchedule:
+        """The schedule of all layers for sequences of ``lengths`` tokens (new token included), on the device."""
+        plan = self.planner(np.asarray(lengths))
+        if self.planner.rebuilds != self._plan_id:
+            self._schedule, self._plan_id = jax.device_put(plan), self.planner.rebuilds
+        assert self._schedule is not None
+        return self._schedule
+
+    def run(self, q, pages, tail, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout):
+        """One layer's attention (``schedule``: that layer's, ``DecodeSchedule.layer``; ``layout``: one of the op's
+        layouts); see ``quantized_paged_decode``."""
+        shared = self.groups.get(layout)
+        if shared is None:
+            raise ValueError(f"{layout} is not one of the layouts this decode op was built for")
+        return quantized_paged_decode(
+            q,
+            pages,
+            tail,
+            block_table,
+            lengths,
+            schedule,
+            layout,
+            self.formats[layout],
+            kernel=self.kernel,
+            interpret=self.interpret,
+            shared=shared,
+        )

@@ -1,0 +1,183 @@
+"""The quantized paged decode kernel against the jnp reference (interpret mode on the CPU; compiled on a GPU)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import fresh_seed
+
+from kvjax.layout import HeadLayout
+from kvjax.models.rotation import packed_query
+from kvjax.ops.decode.config import DECODE
+from kvjax.ops.decode.plan import build_decode_schedule
+from kvjax.ops.decode.quant_kernel import QUANT_DECODE, QuantDecodeOp, QuantKernelConfig, quantized_paged_decode
+from kvjax.ops.decode.reference import quantized_decode_attention
+from kvjax.ops.quant import PageFormat
+
+_encode = jax.jit(PageFormat.encode, static_argnums=0)  # op by op it takes seconds on the CPU
+
+
+def quant_inputs(rng, layout, lengths, fmt, dtype, spare_pages=1):
+    """Random (never zero) q, pages encoded from random K and V (each column its own offset and spread, so scales
+    and zeros differ), each sequence's pages scattered through the pool, and random tails."""
+    b, p = len(lengths), fmt.page_size
+    pps = -(-max(lengths) // p) + spare_pages
+    num_pages = b * pps + 1
+
+    def kv(cols):
+        x = rng.standard_normal((num_pages, p, cols)) * rng.uniform(0.5, 2.0, cols) + rng.uniform(-1.0, 1.0, cols)
+        return jnp.asarray(x, jnp.float32)
+
+    pages = _encode(fmt, kv(fmt.k_cols), kv(fmt.v_cols))
+    tail = jnp.asarray(rng.standard_normal((b, p, fmt.k_cols + fmt.v_cols)), dtype)
+    q = jnp.asarray(rng.standard_normal((b, layout.q_cols)), dtype)
+    table = jnp.asarray(rng.permutation(np.arange(1, num_pages)).reshape(b, pps).astype(np.int32))
+    return q, pages, tail, table, jnp.asarray(lengths, jnp.int32)
+
+
+def rel_err(out, ref):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+_reference = jax.jit(quantized_decode_attention, static_argnames=("fmt", "layout"))
+
+
+def reference(q, pages, tail, fmt, table, lengths, layout):
+    """The reference in float32 at full precision (jitted: op by op it takes seconds on the CPU)."""
+    with jax.default_matmul_precision("highest"):
+        return _reference(q.astype(jnp.float32), pages, tail.astype(jnp.float32), fmt, table, lengths, layout)
+
+
+def tolerance(dtype):
+    return 1e-4 if dtype == jnp.float32 else 2e-2
+
+
+MIXED = HeadLayout(4, 2, 64, (32, 16), (16, 48))  # group size 2, mixed widths within the layer
+SMALL = QuantKernelConfig(chunk_tokens=16, step_tokens=16, max_step_tokens=64)  # several chunks a step
+CASES = {
+    # name: (layout, bits, page size, cache dtype, lengths, programs, kernel). Lengths: 1 (tail only), whole pages
+    # (an empty tail), inside a page, long ones split across the few programs and merged.
+    "int4 p16 f32": (MIXED, 4, 16, jnp.float32, [1, 16, 37, 150], 6, SMALL),
+    "int2 p32 bf16 window": (
+        dataclasses.replace(MIXED, sliding_window=100),
+        2,
+        32,
+        jnp.bfloat16,
+        [300, 70, 5, 1],
+        6,
+        SMALL,
+    ),
+    # planes of 16 columns, and values dequantized before their dot rather than scaled into the weights
+    "int2 p16 f32 planes, values dequantized": (
+        HeadLayout(2, 1, 64, (64,), (64,)),
+        2,
+        16,
+        jnp.float32,
+        [300, 48, 7],
+        4,
+        dataclasses.replace(SMALL, planes=True, fold_values=False),
+    ),
+    # the arithmetic of the PTX that unpacks 16-bit planes on the GPU (here in jnp), one chunk a step
+    "int4 p32 bf16 planes": (
+        HeadLayout(4, 2, 64, (64, 32), (32, 64)),
+        4,
+        32,
+        jnp.bfloat16,
+        [96, 33],
+        4,
+        QuantKernelConfig(planes=True),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_quantized_decode_matches_reference(name):
+    layout, bits, p, dtype, lengths, programs, kernel = CASES[name]
+    seed = fresh_seed()
+    fmt = PageFormat.for_layout(layout, p, bits)
+    q, pages, tail, table, lens = quant_inputs(np.random.default_rng(seed), layout, lengths, fmt, dtype)
+    config = dataclasses.replace(QUANT_DECODE, order="lpt", min_chunk_tokens=p)
+    plan = build_decode_schedule(lengths, layout, p, programs, config=config, headroom_pages=1)
+    assert (plan.schedule.merge_dest[..., 0] >= 0).any()  # some groups were split, so the merge ran
+    out = quantized_paged_decode(
+        q, pages, tail, table, lens, plan.schedule.layer(0), layout, fmt, kernel=kernel, interpret=True
+    )
+    assert out.shape == (len(lengths), layout.out_cols) and out.dtype == dtype
+    err = rel_err(out, reference(q, pages, tail, fmt, table, lens, layout))
+    assert err < tolerance(dtype), f"seed {seed}: relative error {err}"
+
+
+# the same heads in another order: other offsets, one kernel of two width classes
+LAYERS = (HeadLayout(4, 2, 64, (32, 16), (16, 48)), HeadLayout(4, 2, 64, (16, 32), (48, 16)))
+
+
+def test_op_runs_every_layer_and_a_wide_query_gives_the_packed_querys_output():
+    """One QuantDecodeOp over two layers whose heads sit at other offsets (one shared kernel, its offsets read from
+    tables), pages of 8 tokens: each layer equals the reference, and a wide q (``QKRotation.wide``: every head on
+    every packed K column) gives its packed q's output exactly."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    lengths = [24, 3, 41]
+    config = dataclasses.replace(QUANT_DECODE, min_chunk_tokens=8, kernel_classes=8)
+    one_chunk = QuantKernelConfig(chunk_tokens=16, step_tokens=16, max_step_tokens=16)  # a smaller trace
+    # pages of 8 tokens: chunks of 8 in tiles of 16 rows
+    op = QuantDecodeOp(
+        LAYERS, 8, 11, bits=4, max_batch=3, config=config, kernel=one_chunk, num_programs=3, interpret=True
+    )
+    assert set(op.groups[LAYERS[0]]) == set(op.groups[LAYERS[1]]) == set(LAYERS)
+    schedule = op.plan(np.asarray(lengths))
+    for i, layout in enumerate(LAYERS):
+        fmt = op.formats[layout]
+        q, pages, tail, table, lens = quant_inputs(rng, layout, lengths, fmt, jnp.float32)
+        out = op.run(q, pages, tail, table, lens, schedule.layer(i), layout)
+        err = rel_err(out, reference(q, pages, tail, fmt, table, lens, layout))
+        assert err < 1e-4, f"seed {seed}, layer {i}: relative error {err}"
+        if i:
+            continue  # one layer's wide q is enough (each form compiles the kernel again)
+        wide = jnp.asarray(rng.standard_normal((len(lengths), layout.num_heads + 1, layout.k_cols)), jnp.float32)
+        out = op.run(wide, pages, tail, table, lens, schedule.layer(i), layout)
+        packed = op.run(packed_query(wide, layout), pages, tail, table, lens, schedule.layer(i), layout)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(packed))
+
+
+def test_wrong_formats_configs_and_layouts_are_refused():
+    layout = MIXED
+    fmt = PageFormat.for_layout(layout, 16, 4)
+    q, pages, tail, table, lens = quant_inputs(np.random.default_rng(fresh_seed()), layout, [20], fmt, jnp.float32)
+    schedule = build_decode_schedule([20], layout, 16, 2, config=QUANT_DECODE).schedule.layer(0)
+    other = PageFormat((16, 32), (16, 48), 16, 4)
+    with pytest.raises(ValueError, match="do not match the layout"):
+        quantized_paged_decode(q, pages, tail, table, lens, schedule, layout, other, interpret=True)
+    with pytest.raises(ValueError, match="pages must be uint8"):  # pages of another bit width
+        quantized_paged_decode(q, pages, tail, table, lens, schedule, layout, PageFormat.for_layout(layout, 16, 2))
+    with pytest.raises(ValueError, match="pack_tile=0"):
+        QuantDecodeOp([layout], 16, 4, config=DECODE)
+    packed = build_decode_schedule([20], layout, 16, 2, config=dataclasses.replace(DECODE, pack_tile=64))
+    with pytest.raises(ValueError, match="pack_tile=0"):
+        quantized_paged_decode(q, pages, tail, table, lens, packed.schedule.layer(0), layout, fmt, interpret=True)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        QuantDecodeOp([layout], 16, 4, bits=3)
+    op = QuantDecodeOp([layout], 16, 4, interpret=True)
+    with pytest.raises(ValueError, match="not one of the layouts"):
+        op.run(q, pages, tail, table, lens, schedule, LAYERS[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits, planes", [(4, False), (2, False), (4, True)])
+def test_quantized_decode_on_gpu(bits, planes):
+    """Compiled, on a bigger shape: four width classes (one of them read as planes by inline PTX when ``planes``)."""
+    layout = HeadLayout(16, 8, 128, (128, 48, 16, 128, 48, 16, 128, 64), (16, 96, 128, 16, 96, 128, 16, 64))
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 3000, 12)
+    lengths[:3] = (1, 32, 64)
+    fmt = PageFormat.for_layout(layout, 32, bits)
+    q, pages, tail, table, lens = quant_inputs(rng, layout, lengths, fmt, jnp.bfloat16)
+    kernel = QuantKernelConfig(planes=planes)
+    op = QuantDecodeOp([layout], 32, table.shape[1], bits=bits, max_batch=len(lengths), kernel=kernel)
+    out = op.run(q, pages, tail, table, lens, op.plan(lengths).layer(0), layout)
+    err = rel_err(out, reference(q, pages, tail, fmt, table, lens, layout))
+    assert err < 2e-2, f"seed {seed}: relative error {err}"
