@@ -10,7 +10,10 @@ sources, ``kvjax.compression.text.stdlib_code``), in windows of 1K and 4K tokens
 uncompressed model's next-token distributions on the same windows, the mean per-token KL(base || compressed) and
 top-1 agreement. With ``--bisect-steps N`` it then finds, per model group and source, the largest target rate whose
 perplexity (within +1%) or top-1 agreement (>= 99%) on the longest window stays at 99% of baseline: the bracket
-from the ``--rates`` grid, bisected N times.
+from the ``--rates`` grid, bisected N times. ``--kv-bits`` scores every model (the uncompressed one too: "4-bit
+alone") also as served from a cache of 4- or 2-bit pages (``Model.hidden(kv_bits=...)``), each setting its own model
+group, against the same unquantized baseline; ``overall_rate`` is 1 - its cache bytes per token (codes, scales, zeros
+and padding: ``kvjax.runtime.cache.token_bytes``) over the uncompressed model's in bfloat16.
 
 Mode ``retrieval`` asks for a number hidden in a long prompt (``retrieval``: passkey and multi-key needle prompts of
 1K-8K tokens, the key at depths 0..1 of the filler), answered greedily through ``kvjax.generate``: accuracy per
@@ -38,6 +41,10 @@ from kvjax import validate
 from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
 from kvjax.compression.calibration import principal_axes
 from kvjax.compression.text import pydoc_text, stdlib_code
+from kvjax.models.transformer import layer_layout
+from kvjax.ops.quant import BITS, PageFormat
+from kvjax.ops.quant import GROUP as PAGE_TOKENS
+from kvjax.runtime.cache import token_bytes
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "smollm2_reference.npz")
 SOURCES = {"prose": pydoc_text, "code": stdlib_code}  # eval's held-out text sources: part -> text
@@ -47,7 +54,7 @@ VARIANTS = {  # name -> (method, adaptive); palu-uniform (one rank for every hea
     "palu": ("palu", True),
     "palu-uniform": ("palu", False),
 }
-GROUP = ("calibration", "variant", "max_context", "k_share")  # what a model has besides its rate
+GROUP = ("calibration", "variant", "max_context", "k_share", "kv_bits")  # what a model has besides its rate
 AT_99 = {  # the 99%-of-baseline tests, (value, uncompressed value) -> passes: eval's bisection and Evaluator.meets
     "ppl": lambda value, base: value <= 1.01 * base,
     "top1": lambda value, base: value >= 0.99,
@@ -61,6 +68,7 @@ EPILOG = """modes:
   python bench/accuracy.py eval --rates 0.5 --k-share none 0.4 0.6     # one row per Q/K share of the kept columns
   python bench/accuracy.py eval --rates 0.25 0.5 0.625 --bisect-steps 4   # largest rate at 99% of baseline
   python bench/accuracy.py eval --calibrations random text prose code text:notes.txt --variants zack palu-uniform
+  python bench/accuracy.py eval --rates 0.3 0.5 --variants zack --kv-bits none 4 2   # ranks and quantized pages
   python bench/accuracy.py retrieval --task passkey multikey --contexts 1024 2048 4096 8192 --trials 50 \\
       --rates 0.5 --calibrations text --max-context 8200 --json retrieval.json --png-dir retrieval
   python bench/accuracy.py retrieval --rates 0.25 0.375 0.5 --retrieval-tolerance 0.02   # within 2 points of base
@@ -68,15 +76,18 @@ EPILOG = """modes:
 Agreement: the uncompressed model continues the prompts greedily; it is the fraction of those positions where the
 compressed model, fed the same tokens, picks the same argmax (so one early difference does not count M times).
 Calibration statistics are gathered once per source and reused for every rate. Eval runs each window once per model
-group (calibration, variant, max_context, k_share) through the uncompressed model and reuses its log-probs for every
-rate of the group; compressed models are folded again per window from their (cheap, kept) plans, so memory holds one
-compressed model and two windows of log-probs at a time.
+group (calibration, variant, max_context, k_share, kv_bits) through the uncompressed model and reuses its log-probs
+for every rate of the group; compressed models are folded again per window from their (cheap, kept) plans, so memory
+holds one compressed model and two windows of log-probs at a time.
 Calibration sources (kvjax.compression.calibration_tokens): "random" token ids, "text" (rows alternating prose and
 code), "prose" (the calibration half of pydoc topics), "code" (the calibration part of the code source, files
 disjoint from eval's) or "text:PATH". --k-share gives Q/K that share of the columns a rate keeps (V the rest;
 "none": one removal rate for both). Eval's --bisect-steps probes are full evaluations (every source and window),
 each target rate once per group, rows marked "probe"; its JSON is rewritten after each group, "complete" false until
-the last.
+the last. Eval's --kv-bits 4 2 (default none: unquantized only) score every model also over a cache of quantized
+pages of --kv-page tokens (keys per column over a page, values per token, the newest partial page exact), the
+uncompressed model too; ZACK and uncompressed models only (Palu's pre-RoPE K is rebuilt, not cached as pages).
+overall_rate: 1 - cache bytes per token / the uncompressed model's in bfloat16 (the plan's rate without --kv-bits).
 Retrieval builds each compressed model once and runs every task and context on it; a zack plan serving contexts
 past its calibration's --seq-len wants --max-context at least the longest context plus --answer-tokens. Its JSON
 holds every trial and is rewritten (whole) after each model, "complete" false until the last. Its summary takes
@@ -334,32 +345,74 @@ UNCOMPRESSED = {
     "variant": "uncompressed",
     "max_context": None,
     "k_share": None,
+    "kv_bits": None,
     "target_rate": 0.0,
     "rate": 0.0,
+    "overall_rate": 0.0,
 }
 
 
+class Quantized:
+    """``model`` as served from a cache of ``bits``-bit pages of ``page_size`` tokens: its ``hidden`` is
+    ``model.hidden(tokens, kv_bits=bits, page_size=page_size)``; everything else is ``model``'s."""
+
+    def __init__(self, model, bits: int, page_size: int):
+        self.model, self.bits, self.page_size = model, bits, page_size
+
+    def hidden(self, tokens) -> jax.Array:
+        return self.model.hidden(tokens, kv_bits=self.bits, page_size=self.page_size)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def served(model, kv_bits: int | None, page_size: int):
+    """``model``, or it over ``kv_bits``-bit pages (``Quantized``) when ``kv_bits`` is not None."""
+    return model if kv_bits is None else Quantized(model, kv_bits, page_size)
+
+
+def overall_rate(base, plan, kv_bits: int | None, page_size: int) -> float:
+    """1 - the cache bytes per token of ``base`` compressed by ``plan`` (None: uncompressed) with ``kv_bits``-bit
+    pages of ``page_size`` tokens (every byte of a page: codes, float16 scales and zeros, alignment padding;
+    ``token_bytes``) / ``base``'s (uncompressed) bytes per token in bfloat16. Without ``kv_bits``: the plan's rate."""
+    if kv_bits is None:
+        return 0.0 if plan is None else plan.rate
+    layouts = base.layouts if plan is None else [layer_layout(base.config, plan, i) for i in range(plan.num_layers)]
+    formats = tuple(PageFormat.for_layout(layout, page_size, kv_bits) for layout in layouts)
+    full = sum(token_bytes(base.layouts, jnp.bfloat16).values())
+    return 1.0 - sum(token_bytes(layouts, jnp.bfloat16, formats).values()) / full
+
+
+def _build(base, plan, bases, kv_bits: int | None, page_size: int):
+    """The model a row scores: ``base`` folded by ``plan`` (None: ``base`` itself), served over ``kv_bits``-bit
+    pages of ``page_size`` tokens if ``kv_bits``."""
+    return served(base if plan is None else fold(base, plan, bases), kv_bits, page_size)
+
+
 def _groups(base, args):
-    """(group fields, plan_for) per calibration, variant, zack ``--max-context`` and ``--k-share``; ``plan_for(p)``
-    gives (row fields, plan, bases) at target rate ``p`` (folding waits)."""
+    """(group fields, plan_for) per calibration, variant, zack ``--max-context``, ``--k-share`` and ``--kv-bits``;
+    ``plan_for(p)`` gives (row fields, plan, bases) at target rate ``p`` (folding waits)."""
     for source, variant, method, adaptive, stats in _variants(base, args):
         for max_context in args.max_context if method == "zack" else [None]:
             for k_share in args.k_share:
-                group = {"calibration": source, "variant": variant, "max_context": max_context, "k_share": k_share}
+                for bits in args.kv_bits:
+                    group = {"calibration": source, "variant": variant, "max_context": max_context}
+                    group |= {"k_share": k_share, "kv_bits": bits}
 
-                def plan_for(p, group=group, stats=stats, method=method, adaptive=adaptive):
-                    plan, bases = make_plan(
-                        base,
-                        stats,
-                        target_rate=p,
-                        method=method,
-                        adaptive=adaptive,
-                        max_context=group["max_context"],
-                        k_share=group["k_share"],
-                    )
-                    return group | {"target_rate": p, "rate": plan.rate}, plan, bases
+                    def plan_for(p, group=group, stats=stats, method=method, adaptive=adaptive):
+                        plan, bases = make_plan(
+                            base,
+                            stats,
+                            target_rate=p,
+                            method=method,
+                            adaptive=adaptive,
+                            max_context=group["max_context"],
+                            k_share=group["k_share"],
+                        )
+                        overall = overall_rate(base, plan, group["kv_bits"], args.kv_page)
+                        return group | {"target_rate": p, "rate": plan.rate, "overall_rate": overall}, plan, bases
 
-                yield group, plan_for
+                    yield group, plan_for
 
 
 def _eval_plans(base, args):
@@ -410,10 +463,13 @@ def cached(evaluate: Callable[[float], object], known: dict | None = None) -> Ca
     return probe
 
 
-def _score(base, heldout: dict, windows, models, base_rows: dict) -> list[dict]:
+def _score(base, heldout: dict, windows, models, base_rows: dict, page_size: int = PAGE_TOKENS) -> list[dict]:
     """Rows of every (row fields, plan, bases) of ``models`` per source and window, one ``compare_windows`` pass a
-    window; the uncompressed model's rows go to ``base_rows`` ((source, window) -> row) the first time."""
-    builders = [functools.partial(fold, base, plan, bases) for _, plan, bases in models]
+    window; the uncompressed model's rows go to ``base_rows`` ((source, window) -> row) the first time. A plan of
+    None scores ``base`` itself; row fields' "kv_bits" (if not None) serve the model over pages of ``page_size``."""
+    builders = [
+        functools.partial(_build, base, plan, bases, fields["kv_bits"], page_size) for fields, plan, bases in models
+    ]
     rows = []
     for source, ids in heldout.items():
         for window in windows:
@@ -465,7 +521,7 @@ def _at_99(
             for r in new:
                 print(_fmt(_shown(r)), flush=True)
         else:
-            new = evaluated[key] = _score(base, heldout, args.windows, [(fields, plan, bases)], base_rows)
+            new = evaluated[key] = _score(base, heldout, args.windows, [(fields, plan, bases)], base_rows, args.kv_page)
         rows.extend(new)
         return at_longest(new)
 
@@ -481,15 +537,17 @@ def _at_99(
             target, result = largest_passing(probe, list(known), passes, args.bisect_steps, args.max_rate)
             there = result[source] if result is not None else base_row
             entry = group | {"source": source, "window": longest, "metric": metric}
-            out.append(entry | {"target_rate": target, "rate": there["rate"], "value": there[metric]})
+            out.append(entry | {"target_rate": target, "rate": there["rate"], "overall_rate": there["overall_rate"]})
+            out[-1]["value"] = there[metric]
             out[-1]["base"] = base_row[metric]
             print(_fmt(out[-1]), flush=True)
     return out
 
 
 def run_eval(base, args, heldout: dict | None = None) -> tuple[list[dict], list[dict]]:
-    """Rows per source, window and model (the uncompressed model's first, then per model group its ``--rates`` and
-    ``--bisect-steps`` probes) and the at-99% entries (``_at_99``); ``--json`` is rewritten after every group.
+    """Rows per source, window and model (the uncompressed model's first, then over each ``--kv-bits`` pages, then
+    per model group its ``--rates`` and ``--bisect-steps`` probes) and the at-99% entries (``_at_99``); ``--json`` is
+    rewritten after every group.
 
     ``heldout``: token ids per source (default: ``--eval-tokens`` of each ``--sources`` held-out text)."""
     tokens = args.eval_tokens or 8192
@@ -498,10 +556,20 @@ def run_eval(base, args, heldout: dict | None = None) -> tuple[list[dict], list[
     base_rows: dict = {}
     rows: list[dict] = []
     at_99: list[dict] = []
+    quantized = [  # the uncompressed model over quantized pages ("4-bit alone"), beside its unquantized rows
+        (UNCOMPRESSED | {"kv_bits": bits, "overall_rate": overall_rate(base, None, bits, args.kv_page)}, None, None)
+        for bits in args.kv_bits
+        if bits is not None
+    ]
+    if quantized:
+        models = [(fields | {"probe": False}, plan, bases) for fields, plan, bases in quantized]
+        rows += _score(base, heldout, args.windows, models, base_rows, args.kv_page)
+        if args.json:
+            write_json(args.json, _eval_json(args, [*base_rows.values(), *rows], at_99, complete=False), indent=1)
     for group, plan_for in _groups(base, args):
         models = [plan_for(p) for p in args.rates]
         models = [(fields | {"probe": False}, plan, bases) for fields, plan, bases in models]
-        grid_rows = _score(base, heldout, args.windows, models, base_rows)
+        grid_rows = _score(base, heldout, args.windows, models, base_rows, args.kv_page)
         rows += grid_rows
         if args.bisect_steps:
             at_99 += _at_99(base, heldout, args, group, plan_for, models, grid_rows, base_rows, rows)
@@ -667,6 +735,15 @@ def _max_context(value: str) -> int | None:
         raise argparse.ArgumentTypeError(f"must be a positive integer or 'none', got {value!r}") from None
 
 
+def _kv_bits(value: str) -> int | None:
+    """``--kv-bits`` values: a width kvjax quantizes pages to (``kvjax.ops.quant.BITS``), or "none" (unquantized)."""
+    if value.lower() == "none":
+        return None
+    if value not in [str(b) for b in BITS]:
+        raise argparse.ArgumentTypeError(f"must be {', '.join(map(str, BITS))} or 'none', got {value!r}")
+    return int(value)
+
+
 def _non_negative(value: str) -> int:
     """A non-negative integer argument."""
     try:
@@ -743,6 +820,22 @@ def parser() -> argparse.ArgumentParser:
         "default: one removal rate for both)",
     )
     p.add_argument(
+        "--kv-bits",
+        type=_kv_bits,
+        nargs="+",
+        default=[None],
+        metavar="B",
+        help="eval: score every model also over a cache of B-bit quantized pages, one model group each (B: "
+        f"{', '.join(map(str, BITS))} or 'none', the default: unquantized)",
+    )
+    p.add_argument(
+        "--kv-page",
+        type=_positive,
+        default=PAGE_TOKENS,
+        metavar="T",
+        help=f"eval --kv-bits: tokens a quantized page (default {PAGE_TOKENS})",
+    )
+    p.add_argument(
         "--bisect-steps",
         type=_non_negative,
         default=0,
@@ -817,6 +910,22 @@ def _check_eval(p, args, base) -> None:
     _check_outputs(p, args)
 
 
+def _check_kv_bits(p, args) -> None:
+    """Refuse --kv-bits outside eval, repeated, or with Palu variants (before any model loads)."""
+    if len(set(args.kv_bits)) < len(args.kv_bits):
+        p.error(f"--kv-bits values must be distinct, got {' '.join(str(b).lower() for b in args.kv_bits)}")
+    if args.kv_bits == [None]:
+        return
+    if args.mode != "eval":
+        p.error("--kv-bits applies to eval only")
+    palu = [v for v in args.variants if VARIANTS[v][0] == "palu"]
+    if any(b is not None for b in args.kv_bits) and palu:
+        p.error(
+            f"--kv-bits {' '.join(str(b).lower() for b in args.kv_bits)}: quantized pages serve ZACK and "
+            f"uncompressed models only, not {' '.join(palu)} (Palu rebuilds K); pass --variants zack or zack-uniform"
+        )
+
+
 def _check_retrieval(p, args, base) -> None:
     """Refuse retrieval flags the model cannot serve or outputs that cannot be written, naming the flag."""
     if base.tokenizer is None:
@@ -857,6 +966,7 @@ def main(argv=None):
             "--bisect-steps applies to eval only (retrieval summarises its --rates grid: each probe would be "
             "thousands of generations)"
         )
+    _check_kv_bits(p, args)
 
     start = time.time()
     extra: dict = {}
@@ -896,7 +1006,8 @@ def main(argv=None):
                 },
             )
     shown = table([_shown(r) for r in rows])
-    print(f"\n{args.mode} on {args.model} ({args.dtype}), {time.time() - start:.0f} s\n\n{shown}{summary}")
+    pages = f", quantized pages of {args.kv_page} tokens" if any(b is not None for b in args.kv_bits) else ""
+    print(f"\n{args.mode} on {args.model} ({args.dtype}{pages}), {time.time() - start:.0f} s\n\n{shown}{summary}")
     if args.json:
         write_json(args.json, {"mode": args.mode, "args": vars(args), "rows": rows} | extra, indent=1)
 

@@ -1,5 +1,6 @@
 """bench/accuracy.py's eval mode: the code source's parts, the per-window perplexity, KL and top-1 metrics, the
-variants and --k-share rows, and the largest rate at 99% of baseline (bisection) and retrieval's tolerance summary."""
+variants and --k-share rows, the --kv-bits rows (quantized pages) and their overall rates, and the largest rate at 99%
+of baseline (bisection) and retrieval's tolerance summary."""
 
 import dataclasses
 import json
@@ -14,13 +15,14 @@ from conftest import TINY_CONFIGS, fresh_seed
 import kvjax
 from kvjax.compression import make_plan
 from kvjax.compression.text import CODE_PACKAGES, pydoc_text, stdlib_code, stdlib_code_files
+from kvjax.ops.quant import PageFormat
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import accuracy  # noqa: E402
 
 WIDE = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)  # compressible heads
 ROW_KEYS = {"source", "window", "tokens", "calibration", "variant", "max_context", "k_share", "target_rate", "rate"}
-ROW_KEYS |= {"probe"}
+ROW_KEYS |= {"probe", "kv_bits", "overall_rate"}
 GRID = [0.25, 0.375, 0.5]
 SCORE_KEYS = {"ppl", "kl", "top1"}
 
@@ -156,6 +158,7 @@ def test_eval_mode_writes_every_number_as_json(tmp_path, monkeypatch, capsys):
         assert set(row) == ROW_KEYS | SCORE_KEYS | {"per_window"}, f"seed {seed}: {sorted(row)}"
         assert row["tokens"] == 128 and len(row["per_window"]) == 128 // row["window"], f"seed {seed}: {row}"
         assert row["k_share"] is None and row["probe"] is False, f"seed {seed}: {row}"
+        assert row["kv_bits"] is None and row["overall_rate"] == row["rate"], f"seed {seed}: {row}"
         assert all(set(w) == SCORE_KEYS for w in row["per_window"]), f"seed {seed}"
         assert row["kl"] >= 0 and 0 <= row["top1"] <= 1 and row["ppl"] > 1, f"seed {seed}: {row}"
     assert {(r["variant"], r["max_context"]) for r in rows} == {
@@ -171,6 +174,7 @@ def test_eval_mode_writes_every_number_as_json(tmp_path, monkeypatch, capsys):
             assert row["rate"] >= 0.5 and row["kl"] > 0, f"seed {seed}: {row}"
     printed = capsys.readouterr().out
     assert "| source | window | tokens |" in printed and "per_window" not in printed, f"seed {seed}"
+    assert "| k_share | kv_bits | target_rate | rate | overall_rate |" in printed, f"seed {seed}"
 
 
 @pytest.mark.parametrize(
@@ -317,7 +321,143 @@ def test_eval_bisects_for_the_largest_rate_at_99_percent(tmp_path, monkeypatch, 
             there = at[e["target_rate"]]
             assert there["rate"] == e["rate"] >= e["target_rate"] and there[e["metric"]] == e["value"], f"seed {seed}"
     printed = capsys.readouterr().out
-    assert "largest rate at 99% of baseline" in printed and "| metric | target_rate | rate | value | base |" in printed
+    assert "largest rate at 99% of baseline" in printed
+    assert "| metric | target_rate | rate | overall_rate | value | base |" in printed
+
+
+def page_bytes_by_hand(k_widths, v_widths, page: int, bits: int) -> int:
+    """One layer's quantized page from first principles: ``bits`` a code, a float16 scale and zero per key column
+    and per value token and head, each of the four parts padded to 16 bytes."""
+
+    def pad(n):
+        return -(-n // 16) * 16
+
+    k, v = sum(k_widths), sum(v_widths)
+    return pad(page * k * bits // 8) + pad(page * v * bits // 8) + pad(2 * k * 2) + pad(2 * page * len(v_widths) * 2)
+
+
+def expected_overall(base, layouts, bits, page: int) -> float:
+    """1 - cache bytes per token of ``layouts`` (``bits``-bit pages, or bfloat16) / ``base``'s in bfloat16."""
+    full = 2 * sum(lay.k_cols + lay.v_cols for lay in base.layouts)
+    if bits is None:
+        return 1 - 2 * sum(lay.k_cols + lay.v_cols for lay in layouts) / full
+    pages = sum(PageFormat.for_layout(lay, page, bits).page_bytes for lay in layouts)
+    assert pages == sum(page_bytes_by_hand(lay.k_widths, lay.v_widths, page, bits) for lay in layouts)
+    return 1 - pages / page / full
+
+
+def zack_plan(model, rate: float = 0.5):
+    """The zack plan and bases eval builds for ``model`` at ``rate`` from 128 random calibration tokens, rows of 64."""
+    stats = accuracy._calibrate(model, "random", 128, 64)
+    return make_plan(model, stats, target_rate=rate, method="zack", adaptive=True)
+
+
+def test_overall_rate_counts_every_byte_of_a_page():
+    model = kvjax.Model.random(WIDE, seed=0, scale=3.0)
+    # uncompressed WIDE: 2 layers of 2 KV heads of 64 columns, 1024 bfloat16 bytes a token; a 4-bit page of 32
+    # tokens is 2048 + 2048 code bytes + 512 key and 256 value scale/zero bytes a layer: 304 bytes a token
+    hand = {(4, 32): 1 - 304 / 1024, (2, 32): 1 - 176 / 1024, (4, 16): 1 - 336 / 1024, (2, 16): 1 - 208 / 1024}
+    for (bits, page), rate in hand.items():
+        assert accuracy.overall_rate(model, None, bits, page) == pytest.approx(rate, abs=1e-12), (bits, page)
+    assert accuracy.overall_rate(model, None, None, 32) == 0.0
+    plan, bases = zack_plan(model)
+    layouts = accuracy.fold(model, plan, bases).layouts
+    assert accuracy.overall_rate(model, plan, None, 32) == plan.rate
+    assert plan.rate == pytest.approx(expected_overall(model, layouts, None, 32), abs=1e-12)
+    for bits in (4, 2):
+        for page in (16, 32, 48):
+            got = accuracy.overall_rate(model, plan, bits, page)
+            assert got == pytest.approx(expected_overall(model, layouts, bits, page), abs=1e-12), (bits, page)
+            assert got > accuracy.overall_rate(model, None, bits, page) and got > plan.rate, (bits, page)
+
+
+def test_eval_kv_bits_rows_quantize_every_model_against_the_unquantized_base(tmp_path, monkeypatch, capsys):
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
+    ids = random_ids(rng, 128)
+    monkeypatch.setattr(accuracy.kvjax, "load", lambda *a, **k: model)
+    monkeypatch.setattr(accuracy, "heldout_ids", lambda m, source, n: ids[:n])
+    flags = ["--rates", "0.5", "--calibrations", "random", "--num-tokens", "128", "--seq-len", "64"]
+    flags += ["--variants", "zack", "--sources", "prose", "--windows", "64", "--eval-tokens", "128"]
+    plain, quant = tmp_path / "plain.json", tmp_path / "quant.json"
+    accuracy.main(["eval", *flags, "--json", str(plain)])
+    capsys.readouterr()
+    kv = ["--kv-bits", "4", "none", "2", "--kv-page", "16"]
+    accuracy.main(["eval", *flags, *kv, "--bisect-steps", "1", "--json", str(quant)])
+    printed = capsys.readouterr().out
+    data = json.loads(quant.read_text())
+    rows, at_99 = data["rows"], data["at_99"]
+    assert data["complete"] and data["args"]["kv_bits"] == [4, None, 2] and data["args"]["kv_page"] == 16
+    for row in rows:
+        assert set(row) == ROW_KEYS | SCORE_KEYS | {"per_window"}, f"seed {seed}: {sorted(row)}"
+    grid = [r for r in rows if not r["probe"]]
+    # the unquantized base first, then it over 4- and 2-bit pages, then zack's groups in --kv-bits order
+    assert [(r["variant"], r["kv_bits"]) for r in grid] == [
+        ("uncompressed", None),
+        ("uncompressed", 4),
+        ("uncompressed", 2),
+        ("zack", 4),
+        ("zack", None),
+        ("zack", 2),
+    ], f"seed {seed}"
+    # kv_bits none: the very rows of a run without --kv-bits
+    before = json.loads(plain.read_text())["rows"]
+    assert [r for r in grid if r["kv_bits"] is None] == before, f"seed {seed}"
+    plan, bases = zack_plan(model)
+    layouts = accuracy.fold(model, plan, bases).layouts
+    for row in grid:
+        own = model.layouts if row["variant"] == "uncompressed" else layouts
+        assert row["overall_rate"] == pytest.approx(expected_overall(model, own, row["kv_bits"], 16), abs=1e-12)
+        assert row["rate"] == (0.0 if row["variant"] == "uncompressed" else plan.rate), f"seed {seed}: {row}"
+        if row["kv_bits"] is not None:  # scored against the unquantized base
+            assert row["kl"] > 0, f"seed {seed}: {row}"
+    # the uncompressed model over 4-bit pages of 16 tokens, straight from Model.hidden, window by window
+    row = grid[1]
+    for w, scores in enumerate(row["per_window"]):
+        window = ids[64 * w : 64 * (w + 1)][None]
+        p = np.asarray(jax.nn.log_softmax(np.asarray(model.logits(window), np.float64)[0, :-1], axis=-1))
+        hidden = model.hidden(window, kv_bits=4, page_size=16)
+        q = np.asarray(jax.nn.log_softmax(np.asarray(model.project(hidden), np.float64)[0, :-1], axis=-1))
+        kl = float(np.mean(np.sum(np.exp(p) * (p - q), axis=-1)))
+        np.testing.assert_allclose(scores["kl"], kl, rtol=1e-3, atol=1e-6, err_msg=f"seed {seed}: window {w}")
+    # bisection per group, kv_bits included; each entry's overall rate is its target's row's
+    assert {(e["kv_bits"], e["metric"]) for e in at_99} == {(b, m) for b in (4, None, 2) for m in ("ppl", "top1")}
+    for e in at_99:
+        there = [
+            r
+            for r in rows
+            if r["variant"] == "zack" and (r["kv_bits"], r["target_rate"]) == (e["kv_bits"], e["target_rate"])
+        ]
+        assert e["overall_rate"] == (there[0]["overall_rate"] if there else 0.0), f"seed {seed}: {e}"
+    assert "quantized pages of 16 tokens" in printed and "| kv_bits | target_rate | rate | overall_rate |" in printed
+
+
+def test_kv_bits_values_parse():
+    assert accuracy.parser().parse_args(["eval", "--kv-bits", "NONE", "2", "4"]).kv_bits == [None, 2, 4]
+    args = accuracy.parser().parse_args(["eval"])
+    assert args.kv_bits == [None] and args.kv_page == 32
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["eval", "--kv-bits", "3"], "--kv-bits: must be 4, 2 or 'none', got '3'"),
+        (["eval", "--kv-bits", "none", "8"], "--kv-bits: must be 4, 2 or 'none', got '8'"),
+        (["eval", "--kv-page", "0"], "--kv-page: must be a positive integer, got '0'"),
+        (["eval", "--kv-page", "-32"], "--kv-page: must be a positive integer"),
+        (["eval", "--kv-bits", "4", "4", "--variants", "zack"], "--kv-bits values must be distinct, got 4 4"),
+        (["eval", "--kv-bits", "4"], "not palu palu-uniform (Palu rebuilds K)"),
+        (["eval", "--kv-bits", "none", "2", "--variants", "zack", "palu"], "not palu (Palu rebuilds K)"),
+        (["retrieval", "--kv-bits", "4", "--variants", "zack"], "--kv-bits applies to eval only"),
+    ],
+)
+def test_kv_flags_are_one_line_usage_errors_before_any_model_loads(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(accuracy.kvjax, "load", lambda *a, **k: pytest.fail("loaded a model for bad flags"))
+    with pytest.raises(SystemExit) as exit_:
+        accuracy.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err.strip().splitlines()[-1] and "Traceback" not in err, err
 
 
 def fake_run(variant: str, target: float, accuracies: dict, task: str = "passkey", k_share=None) -> dict:
@@ -333,7 +473,7 @@ def fake_run(variant: str, target: float, accuracies: dict, task: str = "passkey
         fields = accuracy.UNCOMPRESSED
     else:
         fields = {"calibration": "random", "variant": variant, "max_context": None, "k_share": k_share}
-        fields |= {"target_rate": target, "rate": target + 0.01}
+        fields |= {"kv_bits": None, "target_rate": target, "rate": target + 0.01, "overall_rate": target + 0.01}
     return fields | {"task": task, "results": results}
 
 
