@@ -42,7 +42,8 @@ from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
 from kvjax.compression.calibration import principal_axes
 from kvjax.compression.text import pydoc_text, stdlib_code
 from kvjax.models.transformer import layer_layout
-from kvjax.ops.quant import BITS, PageFormat
+from kvjax.ops import kv_schemes
+from kvjax.ops.quant import BITS
 from kvjax.ops.quant import GROUP as PAGE_TOKENS
 from kvjax.runtime.cache import token_bytes
 
@@ -352,15 +353,20 @@ UNCOMPRESSED = {
 }
 
 
-class Quantized:
-    """``model`` as served from a cache of ``bits``-bit pages of ``page_size`` tokens: its ``hidden`` is
-    ``model.hidden(tokens, kv_bits=bits, page_size=page_size)``; everything else is ``model``'s."""
+def scheme_of(kv: int | str, page_size: int):
+    """The ``kv_schemes`` scheme a ``--kv-bits`` value names: a bit width (KIVI-style pages) or a scheme's name."""
+    return kv_schemes.Kivi(kv, page_size) if isinstance(kv, int) else kv_schemes.parse(kv, page_size)
 
-    def __init__(self, model, bits: int, page_size: int):
-        self.model, self.bits, self.page_size = model, bits, page_size
+
+class Quantized:
+    """``model`` as served from a cache of quantized pages (``kv``: a ``--kv-bits`` value, ``scheme_of``) of
+    ``page_size`` tokens: its ``hidden`` is ``model.hidden(tokens, kv=scheme)``; everything else is ``model``'s."""
+
+    def __init__(self, model, kv: int | str, page_size: int):
+        self.model, self.scheme = model, scheme_of(kv, page_size)
 
     def hidden(self, tokens) -> jax.Array:
-        return self.model.hidden(tokens, kv_bits=self.bits, page_size=self.page_size)
+        return self.model.hidden(tokens, kv=self.scheme)
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -378,9 +384,8 @@ def overall_rate(base, plan, kv_bits: int | None, page_size: int) -> float:
     if kv_bits is None:
         return 0.0 if plan is None else plan.rate
     layouts = base.layouts if plan is None else [layer_layout(base.config, plan, i) for i in range(plan.num_layers)]
-    formats = tuple(PageFormat.for_layout(layout, page_size, kv_bits) for layout in layouts)
     full = sum(token_bytes(base.layouts, jnp.bfloat16).values())
-    return 1.0 - sum(token_bytes(layouts, jnp.bfloat16, formats).values()) / full
+    return 1.0 - sum(kv_schemes.token_bytes(scheme_of(kv_bits, page_size), layouts).values()) / full
 
 
 def _build(base, plan, bases, kv_bits: int | None, page_size: int):
@@ -735,13 +740,16 @@ def _max_context(value: str) -> int | None:
         raise argparse.ArgumentTypeError(f"must be a positive integer or 'none', got {value!r}") from None
 
 
-def _kv_bits(value: str) -> int | None:
-    """``--kv-bits`` values: a width kvjax quantizes pages to (``kvjax.ops.quant.BITS``), or "none" (unquantized)."""
+def _kv_bits(value: str) -> int | str | None:
+    """``--kv-bits`` values: a width kvjax quantizes pages to (``kvjax.ops.quant.BITS``: KIVI-style), a scheme of
+    ``kvjax.ops.kv_schemes`` by name (gear4, gear2), or "none" (unquantized)."""
     if value.lower() == "none":
         return None
-    if value not in [str(b) for b in BITS]:
-        raise argparse.ArgumentTypeError(f"must be {', '.join(map(str, BITS))} or 'none', got {value!r}")
-    return int(value)
+    if value in [str(b) for b in BITS]:
+        return int(value)
+    if value.lower() in ("gear4", "gear2"):
+        return value.lower()
+    raise argparse.ArgumentTypeError(f"must be {', '.join(map(str, BITS))}, gear4, gear2 or 'none', got {value!r}")
 
 
 def _non_negative(value: str) -> int:
@@ -826,7 +834,8 @@ def parser() -> argparse.ArgumentParser:
         default=[None],
         metavar="B",
         help="eval: score every model also over a cache of B-bit quantized pages, one model group each (B: "
-        f"{', '.join(map(str, BITS))} or 'none', the default: unquantized)",
+        f"{', '.join(map(str, BITS))} for KIVI-style pages, gear4 or gear2 for GEAR's low-rank and outlier terms on "
+        "them (kvjax.ops.gear, the reference's streaming settings), or 'none', the default: unquantized)",
     )
     p.add_argument(
         "--kv-page",

@@ -11,23 +11,23 @@ from flax import nnx
 
 from kvjax import validate
 from kvjax.models.transformer import Transformer
+from kvjax.ops.kv_schemes import Kivi
 from kvjax.ops.prefill.reference import causal_attention, quantized_causal_attention
-from kvjax.ops.quant import GROUP, PageFormat, check_bits
+from kvjax.ops.quant import GROUP, check_bits
 
 
-def _full_hidden(module, tokens, quant=None):
-    """Final-norm hidden states of a full causal forward; ``quant`` (bits, page_size): every query reads K/V as a
-    cache of quantized pages would serve it when its token was decoded (``quantized_causal_attention``)."""
+def _full_hidden(module, tokens, kv=None):
+    """Final-norm hidden states of a full causal forward; ``kv`` (a ``kv_schemes`` scheme): every query reads K/V as
+    a cache of quantized pages would serve it when its token was decoded (``quantized_causal_attention``)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
         if rotation is not None:
             q, k = rotation.packed(q, k)
-        if quant is not None:
+        if kv is not None:
             if rebuild is not None:
                 raise ValueError("kv_bits: quantized pages are not supported on Palu models yet")
-            fmt = PageFormat.for_layout(module.layouts[i], quant[1], quant[0])
-            return quantized_causal_attention(q, k, v, module.layouts[i], fmt)
+            return quantized_causal_attention(q, k, v, module.layouts[i], kv)
         return causal_attention(q, k, v, module.layouts[i], rebuild)
 
     return module.hidden(tokens, positions, attend)
@@ -40,8 +40,8 @@ def _full_logits(graphdef, state, tokens):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
-def _hidden(graphdef, state, tokens, quant=None):
-    return _full_hidden(nnx.merge(graphdef, state), tokens, quant)
+def _hidden(graphdef, state, tokens, kv=None):
+    return _full_hidden(nnx.merge(graphdef, state), tokens, kv)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -90,13 +90,17 @@ class Model:
         """One full causal forward, no cache: int32 [B, T] -> float32 [B, T, vocab]."""
         return _full_logits(self.graphdef, self.state, self._tokens(tokens))
 
-    def hidden(self, tokens, kv_bits: int | None = None, page_size: int = GROUP) -> jax.Array:
+    def hidden(self, tokens, kv_bits: int | None = None, page_size: int = GROUP, kv=None) -> jax.Array:
         """``logits`` before the vocabulary projection: final-norm hidden states [B, T, E], for callers that project
         a few rows at a time (``project``) because [T, vocab] would not fit. ``kv_bits`` (4 or 2): each position
-        attends as if decoded over a cache of quantized pages of ``page_size`` tokens (teacher-forced scoring of
-        quantization: ``ops.prefill.reference.quantized_causal_attention``)."""
-        quant = None if kv_bits is None else (check_bits(kv_bits), validate.positive("page_size", page_size))
-        return _hidden(self.graphdef, self.state, self._tokens(tokens), quant)
+        attends as if decoded over a cache of KIVI-style pages of ``page_size`` tokens (teacher-forced scoring of
+        quantization: ``ops.prefill.reference.quantized_causal_attention``); ``kv``: any ``ops.kv_schemes`` scheme
+        instead (GEAR, ...)."""
+        if kv_bits is not None:
+            if kv is not None:
+                raise ValueError("give kv_bits or kv, not both")
+            kv = Kivi(check_bits(kv_bits), validate.positive("page_size", page_size))
+        return _hidden(self.graphdef, self.state, self._tokens(tokens), kv)
 
     def project(self, hidden) -> jax.Array:
         """float32 logits [..., vocab] of final-norm hidden states [..., E] (``hidden``)."""

@@ -244,6 +244,13 @@ class PageFormat:
         """A page's bytes, every part with its alignment padding."""
         return self.offsets["v_meta"] + _aligned(self.sizes()["v_scales"])
 
+    def round_trip(self, q, k, v, layout=None):
+        """Whole sequences K, V [B, T, cols] as this format serves them, page by page (``quant_paging.simulate``);
+        the scheme protocol of ``kv_schemes`` (q and layout unused)."""
+        from kvjax.ops.quant_paging import simulate
+
+        return simulate(k, v, self)
+
     def encode(self, k: jnp.ndarray, v: jnp.ndarray) -> jnp.ndarray:
         """Pages of keys [..., page_size, k_cols] and values [..., page_size, v_cols] -> uint8 [..., page_bytes]."""
         lead = k.shape[:-2]

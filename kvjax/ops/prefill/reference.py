@@ -7,7 +7,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kvjax.layout import HeadLayout
-from kvjax.ops import quant_paging
 from kvjax.ops.grouped import attend_groups, full_width, visible
 
 
@@ -44,13 +43,13 @@ def chunk_attention(q, layout: HeadLayout, k_pages, v_pages, block_table, starts
 
 def quantized_causal_attention(q, k, v, layout: HeadLayout, fmt, prompt: int = 0, chunk_tokens: int | None = None):
     """Causal attention of T tokens as a quantized cache serves each of them (``quant_paging``): a query reads a key
-    round-tripped through ``fmt`` iff the key's page was full in the cache the query attended over, else exactly.
-    A decoded token at m attends after its own write, so it reads pages before ``(m + 1) // page_size`` quantized
-    (``quant_paging.decode_mask``); a token of the first ``prompt`` ones, prefilled in chunks of ``chunk_tokens``
-    (default: one chunk), reads its chunk exactly and the pages its chunk's start had filled quantized.
-    Teacher-forced scoring of a quantized cache, and the engine's reference in tests."""
+    round-tripped through ``fmt`` (a ``quant.PageFormat`` or any ``kv_schemes`` scheme) iff the key's page was full
+    in the cache the query attended over, else exactly. A decoded token at m attends after its own write, so it
+    reads pages before ``(m + 1) // page_size`` quantized; a token of the first ``prompt`` ones, prefilled in chunks
+    of ``chunk_tokens`` (default: one chunk), reads its chunk exactly and the pages its chunk's start had filled
+    quantized. Teacher-forced scoring of a quantized cache, and the engine's reference in tests."""
     t = q.shape[1]
-    kq, vq = quant_paging.simulate(k, v, fmt)
+    kq, vq = fmt.round_trip(q, k, v, layout)
     pos = jnp.arange(t)
     causal = visible(pos[:, None], pos[None, :], layout.sliding_window)
     cached = pos + 1  # tokens in the cache each query attends over

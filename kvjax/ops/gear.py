@@ -1,0 +1,294 @@
+"""GEAR (Kang et al. 2024, "GEAR: An Efficient KV Cache Compression Recipe for Near-Lossless Generative Inference of
+LLM") as a page-wise round trip: each full page of each KV head, a matrix X [P, w] (P tokens, w columns), is stored as
+``D + L + S``:
+
+  S, the sparse outliers: a fraction ``outliers`` of X's entries, kept exact (float16) with their positions;
+  D, the rest quantized as kvjax's KIVI pages are (``quant``: keys per column over the page's tokens, values per token
+     and head, 4 or 2 bits), with the outliers' places filled by their group's inlier mean first, so they stretch no
+     range;
+  L = A B^T, a rank-``rank`` approximation of the quantization residual ``X - D`` (zero at the outliers), A [P, r]
+     and B [w, r] stored as float16, found by ``iterations`` steps of power (subspace) iteration.
+
+The reconstruction is ``D + L`` with the outliers' stored values put back in their places. At decode a query scores
+the low-rank part without rebuilding it, ``q (A B^T)^T = (q B) A^T`` (``scores_low_rank``: (w + P) r multiply-adds a
+query instead of P w), and the outliers as a sparse correction.
+
+Taken from the authors' reference implementation (github.com/opengear-project/GEAR; read at efe0bfe):
+
+- The three parts and their order (``GenerationBench/GenerationTest/GEARLM/Simulated/compress_function.py``:
+  ``gears_channelQ``, ``gears_tokenQ``, ``gearslkivi_channelQ_new``, ``gearslkivi_tokenQ_new``): outliers are taken out
+  first and their places filled with their group's mean before quantizing, put back exactly after, and the low-rank
+  part approximates ``X - (D + S)``, which is zero at the outliers. Keys and values both get all three parts, keys
+  quantized per channel and values per token, each with a rank of its own (``rank``/``rankv``; kvjax uses one).
+- Outliers are the extremes of each quantization group (that code: the ``s/2`` smallest and ``s/2`` largest entries of
+  each key channel over the tokens and of each value token over the heads' channels; ``TrueCompression/models/
+  TrueCompressFunction.py::true_gear_compress``: the same over the whole flattened cache tensor, zero-filled), at
+  ``s = 2%`` (``--left 0.02`` in ``run_template_llama-3-8b.sh`` and ``run_template_llama2-13b.sh``).
+- The low-rank part is per head (``fake_poweriteration_group``, ``cuda_supported_gear/quant/new_pack.py::
+  headwise_lrap``): A, the token side, orthonormal, and ``B = R^T A``; ``loop = 3`` steps (``--loop 3``); factors
+  kept in float16 (``true_poweriteration`` returns them as half) and used at decode as ``(q B) A^T``
+  (``cuda_supported_gear/modeling_llamagear.py::matmul_withlrap``).
+- Ranks: 4 for the prefilled matrix and 2 for each streaming buffer of new tokens (``--prefillrank 4 --rank 2``, with
+  buffers of ``--streaming_gap 64`` tokens): ``PREFILL_RANK``, ``STREAM_RANK``.
+
+Where kvjax differs:
+
+- The streaming buffer is the page (default 32 tokens): every full page of every head is compressed on its own,
+  prompt pages included, so a page's rank is one number (``STREAM_RANK`` suits it; the reference compresses the whole
+  prompt as one matrix at ``PREFILL_RANK``). D is kvjax's own quantizer, so with no outliers and no L the round trip
+  is ``quant_paging.simulate`` exactly.
+- Outlier budget: ``floor(outliers * P * w)`` entries per page and head, the entries farthest from their quantization
+  group's mean (a key's column over the page, a value's row of the head). Per group, as the reference counts them, 2%
+  of a 32-token column or a 64-wide row rounds to no outlier at all; over the head's page block the budget is whole
+  (40 of 32 x 64) and still goes to each group's extremes first (whichever end lies farther from the mean), wherever
+  the ranges are widest. The fill
+  is the mean of the group's inliers (the reference's mean counts the outliers, and can lie outside the inliers'
+  range).
+- Power iteration starts from a fixed Gaussian block (column j from a seeded generator of its own, so a rank-r start
+  is the first r columns of a rank-(r + 1) one) rather than ``torch.rand``, and orthonormalises every step rather than
+  only the last: deterministic, and the rank-r subspace is nested in the rank-(r + 1) one, so the error does not grow
+  with the rank.
+- Factors are float16 per head and page (the reconstruction uses the rounded factors); outliers are a float16 value
+  and a position within the page's head block, ``ceil(log2(P w))`` bits stored in the smallest unsigned integer that
+  holds them (11 bits for 32 x 64: 2 bytes; the reference keeps int64 indices), so ``page_bytes`` is honest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kvjax.layout import HeadLayout
+from kvjax.ops import quant
+
+STREAM_RANK = 2  # the reference's rank for each streaming buffer (--rank 2 --rankv 2): a page's, here
+PREFILL_RANK = 4  # the reference's rank for the prefilled matrix (--prefillrank 4 --prefillrankv 4)
+OUTLIERS = 0.02  # fraction of entries kept exact (--left 0.02)
+ITERATIONS = 3  # power iteration steps (--loop 3)
+FACTOR_DTYPE = jnp.float16  # low-rank factors and outlier values, as stored
+_INIT_SEED = 0x6EA2  # the power iteration's fixed start
+_HI = lax.Precision.HIGHEST  # small matmuls: f32 throughout, no TF32 on GPUs
+
+
+def _whole(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class GearSpec:
+    """GEAR on kvjax pages: ``bits``-bit KIVI codes, a rank-``rank`` residual per head and page, a fraction
+    ``outliers`` of each head's page entries kept exact; ``iterations`` steps of power iteration."""
+
+    bits: int
+    rank: int
+    outliers: float
+    page_size: int = quant.GROUP
+    iterations: int = ITERATIONS
+
+    def __post_init__(self):
+        quant.check_bits(self.bits)
+        if not _whole(self.rank) or self.rank < 1:
+            raise ValueError(f"GEAR rank must be an integer >= 1, got {self.rank!r}")
+        real = isinstance(self.outliers, (int, float, np.floating, np.integer)) and not isinstance(self.outliers, bool)
+        if not real or not 0 <= self.outliers < 0.5:
+            raise ValueError(f"GEAR outliers must be a fraction in [0, 0.5), got {self.outliers!r}")
+        if not _whole(self.page_size) or self.page_size < 1:
+            raise ValueError(f"GEAR page_size must be an integer >= 1, got {self.page_size!r}")
+        if not _whole(self.iterations) or self.iterations < 1:
+            raise ValueError(f"GEAR iterations must be an integer >= 1, got {self.iterations!r}")
+        if self.rank > self.page_size:
+            raise ValueError(f"GEAR rank {self.rank} exceeds the page's {self.page_size} tokens")
+
+    @classmethod
+    def paper(cls, bits: int, page_size: int = quant.GROUP) -> GearSpec:
+        """The reference's streaming-buffer settings: rank 2, 2% outliers, 3 iterations."""
+        return cls(bits, STREAM_RANK, OUTLIERS, page_size, ITERATIONS)
+
+    def outlier_count(self, width: int) -> int:
+        """Outliers kept in one page of one head ``width`` wide: ``floor(outliers * page_size * width)``."""
+        return math.floor(round(float(self.outliers) * self.page_size * int(width), 9))
+
+
+def index_bits(page_size: int, width: int) -> int:
+    """Bits an outlier's position within a page's head block of ``page_size * width`` entries needs."""
+    return max(1, (int(page_size) * int(width) - 1).bit_length())
+
+
+def _index_dtype(page_size: int, width: int):
+    """The smallest unsigned integer holding ``index_bits``: how positions are stored (and counted)."""
+    bits = index_bits(page_size, width)
+    return jnp.uint8 if bits <= 8 else jnp.uint16 if bits <= 16 else jnp.uint32
+
+
+def _check(layout: HeadLayout, spec: GearSpec) -> None:
+    quant.PageFormat.for_layout(layout, spec.page_size, spec.bits)  # widths must split into planes of codes
+    narrowest = min(layout.k_widths + layout.v_widths)
+    if spec.rank > narrowest:
+        raise ValueError(f"GEAR rank {spec.rank} exceeds the narrowest head's {narrowest} columns")
+
+
+def _start(width: int, rank: int) -> np.ndarray:
+    """The power iteration's start [width, rank]: column j drawn from a generator seeded by (width, j) alone."""
+    cols = [np.random.default_rng((_INIT_SEED, width, j)).standard_normal(width) for j in range(rank)]
+    return np.stack(cols, axis=-1).astype(np.float32)
+
+
+def _low_rank(r: jnp.ndarray, rank: int, iterations: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Factors A [..., P, rank], B [..., w, rank] (float16) of residuals r [..., P, w] with ``A B^T ~ r``: subspace
+    iteration from a fixed start, A orthonormal, ``B = r^T A``."""
+    b = jnp.broadcast_to(jnp.asarray(_start(r.shape[-1], rank)), (*r.shape[:-2], r.shape[-1], rank))
+    rt = jnp.swapaxes(r, -1, -2)
+    for _ in range(iterations):
+        a, _ = jnp.linalg.qr(jnp.matmul(r, b, precision=_HI))
+        b = jnp.matmul(rt, a, precision=_HI)
+    return a.astype(FACTOR_DTYPE), b.astype(FACTOR_DTYPE)
+
+
+def _outliers(x: jnp.ndarray, axis: int, count: int):
+    """The ``count`` entries of each block x [..., P, w] farthest from their group's mean (the group: ``axis``):
+    (mask [..., P, w], positions [..., count] within the block, flattened row-major)."""
+    dev = jnp.abs(x - jnp.mean(x, axis=axis, keepdims=True))
+    lead, n = x.shape[:-2], x.shape[-2] * x.shape[-1]
+    _, idx = lax.top_k(dev.reshape(*lead, n), count)
+    m = math.prod(lead)
+    flat = idx.reshape(m, count)
+    mask = jnp.zeros((m, n), bool).at[jnp.arange(m)[:, None], flat].set(True, unique_indices=True)
+    return mask.reshape(x.shape), idx
+
+
+def _encode_block(x: jnp.ndarray, spec: GearSpec, keys: bool, low_rank: bool):
+    """Heads of one width, x [..., P, w] float32 -> (reconstruction [..., P, w] float32, stored parts)."""
+    axis = -2 if keys else -1  # the quantization group: a key's column over the page, a value's row of the head
+    p, w = x.shape[-2:]
+    count = spec.outlier_count(w)
+    parts: dict[str, jnp.ndarray] = {}
+    exact = x.astype(FACTOR_DTYPE)
+    if count:
+        mask, idx = _outliers(x, axis, count)
+        inliers = jnp.sum(~mask, axis=axis, keepdims=True)
+        fill = jnp.sum(jnp.where(mask, 0.0, x), axis=axis, keepdims=True) / jnp.maximum(inliers, 1)
+        parts["outliers"] = jnp.take_along_axis(exact.reshape(*x.shape[:-2], p * w), idx, axis=-1)
+        parts["outlier_index"] = idx.astype(_index_dtype(p, w))
+        body = jnp.where(mask, fill, x)
+    else:
+        mask, body = None, x
+    codes, scale, zero = quant.quantize(body, spec.bits, axis)
+    parts["codes"] = quant.pack(codes, spec.bits)
+    parts["scale"], parts["zero"] = scale, zero
+    out = quant.dequantize(codes, scale, zero)
+    if low_rank:
+        a, b = _low_rank(x - out if mask is None else jnp.where(mask, 0.0, x - out), spec.rank, spec.iterations)
+        parts["a"], parts["b"] = a, b
+        out = out + jnp.matmul(a.astype(jnp.float32), jnp.swapaxes(b.astype(jnp.float32), -1, -2), precision=_HI)
+    if mask is not None:
+        out = jnp.where(mask, exact.astype(jnp.float32), out)
+    return out, parts
+
+
+_PARTS = {  # page_bytes' part -> the stored arrays it counts
+    "codes": ("codes",),
+    "scales": ("scale", "zero"),
+    "factors": ("a", "b"),
+    "outliers": ("outliers",),
+    "outlier_index": ("outlier_index",),
+}
+
+
+def _encode_side(x: jnp.ndarray, widths: Sequence[int], spec: GearSpec, keys: bool, low_rank: bool):
+    """Pages x [..., P, sum(widths)] of heads side by side -> (reconstruction, {part: [arrays, one per width]}); heads
+    of one width run together, stacked on a heads axis before [P, ...]."""
+    starts = HeadLayout.offsets(widths)
+    out: list = [None] * len(widths)
+    parts: dict[str, list] = {name: [] for names in _PARTS.values() for name in names}
+    for w in sorted(set(widths)):
+        heads = [h for h, hw in enumerate(widths) if hw == w]
+        block = jnp.stack([x[..., starts[h] : starts[h] + w] for h in heads], axis=-3)
+        recon, got = _encode_block(block, spec, keys, low_rank)
+        for i, h in enumerate(heads):
+            out[h] = recon[..., i, :, :]
+        for name, arr in got.items():
+            parts[name].append(arr)
+    return jnp.concatenate(out, axis=-1), parts
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "spec", "low_rank"))
+def _round_trip(k, v, layout: HeadLayout, spec: GearSpec, low_rank: bool):
+    b, t = k.shape[:2]
+    p = spec.page_size
+    pad = -t % p
+
+    def pages(x):
+        return jnp.pad(x.astype(jnp.float32), ((0, 0), (0, pad), (0, 0))).reshape(b, -1, p, x.shape[-1])
+
+    k_hat, _ = _encode_side(pages(k), layout.k_widths, spec, True, low_rank)
+    v_hat, _ = _encode_side(pages(v), layout.v_widths, spec, False, low_rank)
+    return (
+        k_hat.reshape(b, -1, k.shape[-1])[:, :t].astype(k.dtype),
+        v_hat.reshape(b, -1, v.shape[-1])[:, :t].astype(v.dtype),
+    )
+
+
+def round_trip(k, v, layout: HeadLayout, spec: GearSpec, *, low_rank: bool = True):
+    """K [B, T, k_cols] and V [B, T, v_cols] -> their GEAR reconstructions (same shape and dtype), each page of
+    ``spec.page_size`` positions from 0 and each head compressed on its own (the last partial page padded with zeros,
+    like ``quant_paging.simulate``; only full pages' reconstructions are meant to be read). ``low_rank=False`` drops L
+    (outliers and quantization alone; with ``outliers=0`` it is ``quant_paging.simulate``). Jitted."""
+    _check(layout, spec)
+    if k.ndim != 3 or v.ndim != 3 or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"K and V must be [B, T, cols] of one B and T, got {k.shape} and {v.shape}")
+    if k.shape[-1] != layout.k_cols or v.shape[-1] != layout.v_cols:
+        raise ValueError(
+            f"K, V have {k.shape[-1]}, {v.shape[-1]} columns for a layout of {layout.k_cols}, {layout.v_cols}"
+        )
+    return _round_trip(k, v, layout, spec, bool(low_rank))
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "spec"))
+def _page_parts(k_page, v_page, layout: HeadLayout, spec: GearSpec):
+    out = {}
+    for side, x, widths in (("k", k_page, layout.k_widths), ("v", v_page, layout.v_widths)):
+        _, got = _encode_side(x.astype(jnp.float32), widths, spec, side == "k", True)
+        for part, names in _PARTS.items():
+            out[f"{side}_{part}"] = tuple(arr for name in names for arr in got[name])
+    return out
+
+
+def page_parts(k_page, v_page, layout: HeadLayout, spec: GearSpec) -> dict[str, tuple[jax.Array, ...]]:
+    """The arrays one page stores, by ``page_bytes``' part: K [P, k_cols] and V [P, v_cols] -> for each of K and V
+    (``k_...``, ``v_...``): ``codes`` (packed, [heads, P, w * bits / 8] uint8), ``scales`` (scale then zero,
+    float16), ``factors`` (A [heads, P, r] then B [heads, w, r], float16), ``outliers`` ([heads, n] float16) and
+    ``outlier_index`` ([heads, n]: each outlier's position in its head's [P, w] block, row-major). Heads of one width
+    share each array, one array per distinct width, widths ascending, heads in layout order. Jitted."""
+    _check(layout, spec)
+    return _page_parts(jnp.asarray(k_page), jnp.asarray(v_page), layout, spec)
+
+
+def page_bytes(layout: HeadLayout, spec: GearSpec) -> dict[str, int]:
+    """Every byte one page of one layer stores, by part: ``quant.page_bytes``' codes and scales, then for K and V the
+    low-rank factors (A [P, r] and B [w, r] float16 a head), the outliers' float16 values and their positions (a
+    position within the head's page block: ``index_bits`` bits, stored in 1, 2 or 4 bytes; 2 for 32 x 64). Their sum
+    is the page's size."""
+    _check(layout, spec)
+    p, r, item = spec.page_size, spec.rank, jnp.dtype(FACTOR_DTYPE).itemsize
+    out = dict(quant.page_bytes(layout.k_widths, layout.v_widths, p, spec.bits))
+    for side, widths in (("k", layout.k_widths), ("v", layout.v_widths)):
+        out[f"{side}_factors"] = sum((p + w) * r * item for w in widths)
+        out[f"{side}_outliers"] = sum(spec.outlier_count(w) * item for w in widths)
+        out[f"{side}_outlier_index"] = sum(
+            spec.outlier_count(w) * jnp.dtype(_index_dtype(p, w)).itemsize for w in widths
+        )
+    return out
+
+
+def scores_low_rank(q: jnp.ndarray, a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
+    """Scores [..., R, P] of queries q [..., R, w] against a head's low-rank part ``A B^T`` (A [..., P, r],
+    B [..., w, r]) without rebuilding it: ``q (A B^T)^T = (q B) A^T``, (w + P) r multiply-adds a query, float32."""
+    qb = jnp.matmul(q.astype(jnp.float32), b.astype(jnp.float32), precision=_HI)  # [..., R, r]: q in B's basis
+    return jnp.matmul(qb, jnp.swapaxes(a.astype(jnp.float32), -1, -2), precision=_HI)

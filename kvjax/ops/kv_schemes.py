@@ -1,0 +1,81 @@
+"""How a quantized cache serves K and V, for teacher-forced scoring: each scheme is a frozen (hashable) description
+with the page it works in (``page_size``), the reconstruction of whole sequences page by page (``round_trip``) and
+every byte a page of a layer stores, by part (``page_bytes``), so its overall rate is honest.
+
+``Kivi`` is the format the engine serves (``quant.PageFormat``); ``Gear`` adds GEAR's low-rank and sparse terms
+(``kvjax.ops.gear``), scored here before the engine stores them. ``parse`` reads the names the command lines use."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvjax.layout import HeadLayout
+from kvjax.ops import gear
+from kvjax.ops.quant import GROUP, PageFormat, check_bits
+from kvjax.ops.quant_paging import simulate
+
+
+@dataclasses.dataclass(frozen=True)
+class Kivi:
+    """KIVI-style pages: keys per column over the page, values per token and head (``quant.PageFormat``)."""
+
+    bits: int
+    page_size: int = GROUP
+
+    def __post_init__(self):
+        check_bits(self.bits)
+
+    @property
+    def name(self) -> str:
+        return f"kivi{self.bits}"
+
+    def round_trip(self, q, k, v, layout: HeadLayout):
+        return simulate(k, v, PageFormat.for_layout(layout, self.page_size, self.bits))
+
+    def page_bytes(self, layout: HeadLayout) -> dict[str, int]:
+        fmt = PageFormat.for_layout(layout, self.page_size, self.bits)
+        return {**fmt.sizes(), "padding": fmt.page_bytes - sum(fmt.sizes().values())}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gear:
+    """KIVI-style pages plus GEAR's rank-``spec.rank`` residual and exact outliers per head and page."""
+
+    spec: gear.GearSpec
+
+    @property
+    def page_size(self) -> int:
+        return self.spec.page_size
+
+    @property
+    def name(self) -> str:
+        return f"gear{self.spec.bits}"
+
+    def round_trip(self, q, k, v, layout: HeadLayout):
+        return gear.round_trip(k, v, layout, self.spec)
+
+    def page_bytes(self, layout: HeadLayout) -> dict[str, int]:
+        return gear.page_bytes(layout, self.spec)
+
+
+NAMES = ("4", "2", "kivi4", "kivi2", "gear4", "gear2")
+
+
+def parse(text: str, page_size: int = GROUP):
+    """A scheme from its name: "4"/"kivi4", "2"/"kivi2" (KIVI-style), "gear4"/"gear2" (GEAR at the reference's
+    streaming settings, ``GearSpec.paper``), pages of ``page_size`` tokens; a ValueError naming the choices."""
+    name = str(text).strip().lower()
+    if name in ("4", "2", "kivi4", "kivi2"):
+        return Kivi(int(name[-1]), page_size)
+    if name in ("gear4", "gear2"):
+        return Gear(gear.GearSpec.paper(int(name[-1]), page_size))
+    raise ValueError(f"KV scheme must be one of {', '.join(NAMES)}, got {text!r}")
+
+
+def token_bytes(scheme, layouts) -> dict[str, float]:
+    """Bytes a token takes across ``layouts`` under ``scheme``, by part (a page's bytes over its tokens)."""
+    out: dict[str, float] = {}
+    for layout in layouts:
+        for part, n in scheme.page_bytes(layout).items():
+            out[part] = out.get(part, 0.0) + n / scheme.page_size
+    return out

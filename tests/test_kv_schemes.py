@@ -1,0 +1,58 @@
+"""Schemes of serving K/V for teacher-forced scoring (``kvjax.ops.kv_schemes``): KIVI-style pages count the bytes
+the engine allocates, GEAR's extra terms cost bytes and buy accuracy, names parse or fail in one line."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_CONFIGS, fresh_seed
+
+from kvjax.layout import HeadLayout
+from kvjax.models.model import Model
+from kvjax.ops import gear, kv_schemes
+from kvjax.ops.quant import PageFormat
+from kvjax.runtime.cache import token_bytes
+
+LAYOUT = HeadLayout(4, 2, 64, (32, 16), (16, 48))
+
+
+@pytest.mark.parametrize("bits,page", [(4, 32), (2, 16)])
+def test_kivi_counts_what_the_engine_allocates(bits, page):
+    scheme = kv_schemes.parse(str(bits), page)
+    fmt = PageFormat.for_layout(LAYOUT, page, bits)
+    assert sum(scheme.page_bytes(LAYOUT).values()) == fmt.page_bytes
+    assert kv_schemes.token_bytes(scheme, [LAYOUT]) == token_bytes((LAYOUT,), jnp.float32, (fmt,))
+    assert kv_schemes.parse(f"kivi{bits}", page) == scheme and scheme.name == f"kivi{bits}"
+
+
+def test_gear_spends_more_bytes_for_less_error():
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    k = jnp.asarray(rng.normal(size=(1, 64, LAYOUT.k_cols)) * 3, jnp.float32)
+    v = jnp.asarray(rng.normal(size=(1, 64, LAYOUT.v_cols)), jnp.float32)
+    kivi, geared = kv_schemes.parse("2"), kv_schemes.parse("gear2")
+    assert geared == kv_schemes.Gear(gear.GearSpec.paper(2)) and geared.page_size == kivi.page_size == 32
+    err = {}
+    for name, scheme in (("kivi", kivi), ("gear", geared)):
+        kq, vq = scheme.round_trip(None, k, v, LAYOUT)
+        err[name] = float(jnp.linalg.norm(kq - k) + jnp.linalg.norm(vq - v))
+    assert err["gear"] < err["kivi"], f"seed {seed}: {err}"
+    assert sum(geared.page_bytes(LAYOUT).values()) > sum(kivi.page_bytes(LAYOUT).values())
+
+
+def test_model_hidden_takes_a_scheme():
+    model = Model.random(TINY_CONFIGS["llama"], seed=0, scale=2.0)
+    ids = np.random.default_rng(fresh_seed()).integers(0, model.config.vocab_size, (1, 40))
+    by_bits = model.hidden(ids, kv_bits=2, page_size=16)
+    by_scheme = model.hidden(ids, kv=kv_schemes.Kivi(2, 16))
+    np.testing.assert_array_equal(np.asarray(by_bits), np.asarray(by_scheme))
+    geared = model.hidden(ids, kv=kv_schemes.Gear(gear.GearSpec(2, 2, 0.02, page_size=16)))
+    assert geared.shape == by_bits.shape and bool(jnp.isfinite(geared).all())
+    with pytest.raises(ValueError, match="kv_bits or kv, not both"):
+        model.hidden(ids, kv_bits=2, kv=kv_schemes.Kivi(2, 16))
+
+
+@pytest.mark.parametrize("bad", ["3", "gear8", "", "zip"])
+def test_unknown_names_are_one_line_errors(bad):
+    with pytest.raises(ValueError, match="KV scheme must be one of") as err:
+        kv_schemes.parse(bad)
+    assert "\n" not in str(err.value)
