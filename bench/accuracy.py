@@ -742,14 +742,16 @@ def _max_context(value: str) -> int | None:
 
 def _kv_bits(value: str) -> int | str | None:
     """``--kv-bits`` values: a width kvjax quantizes pages to (``kvjax.ops.quant.BITS``: KIVI-style), a scheme of
-    ``kvjax.ops.kv_schemes`` by name (gear4, gear2), or "none" (unquantized)."""
+    ``kvjax.ops.kv_schemes`` by name (gear4, gear2, zipcache), or "none" (unquantized)."""
     if value.lower() == "none":
         return None
     if value in [str(b) for b in BITS]:
         return int(value)
-    if value.lower() in ("gear4", "gear2"):
+    if value.lower() in ("gear4", "gear2", "zipcache"):
         return value.lower()
-    raise argparse.ArgumentTypeError(f"must be {', '.join(map(str, BITS))}, gear4, gear2 or 'none', got {value!r}")
+    raise argparse.ArgumentTypeError(
+        f"must be {', '.join(map(str, BITS))}, gear4, gear2, zipcache or 'none', got {value!r}"
+    )
 
 
 def _non_negative(value: str) -> int:
@@ -835,7 +837,8 @@ def parser() -> argparse.ArgumentParser:
         metavar="B",
         help="eval: score every model also over a cache of B-bit quantized pages, one model group each (B: "
         f"{', '.join(map(str, BITS))} for KIVI-style pages, gear4 or gear2 for GEAR's low-rank and outlier terms on "
-        "them (kvjax.ops.gear, the reference's streaming settings), or 'none', the default: unquantized)",
+        "them (kvjax.ops.gear, the reference's streaming settings), zipcache for 4/2 bits by saliency "
+        "(kvjax.ops.zipcache), or 'none', the default: unquantized)",
     )
     p.add_argument(
         "--kv-page",

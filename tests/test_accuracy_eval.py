@@ -442,8 +442,8 @@ def test_kv_bits_values_parse():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["eval", "--kv-bits", "3"], "--kv-bits: must be 4, 2, gear4, gear2 or 'none', got '3'"),
-        (["eval", "--kv-bits", "none", "8"], "--kv-bits: must be 4, 2, gear4, gear2 or 'none', got '8'"),
+        (["eval", "--kv-bits", "3"], "--kv-bits: must be 4, 2, gear4, gear2, zipcache or 'none', got '3'"),
+        (["eval", "--kv-bits", "none", "8"], "--kv-bits: must be 4, 2, gear4, gear2, zipcache or 'none', got '8'"),
         (["eval", "--kv-page", "0"], "--kv-page: must be a positive integer, got '0'"),
         (["eval", "--kv-page", "-32"], "--kv-page: must be a positive integer"),
         (["eval", "--kv-bits", "4", "4", "--variants", "zack"], "--kv-bits values must be distinct, got 4 4"),

@@ -51,6 +51,20 @@ def test_model_hidden_takes_a_scheme():
         model.hidden(ids, kv_bits=2, kv=kv_schemes.Kivi(2, 16))
 
 
+def test_zipcache_spends_its_bits_on_salient_tokens():
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(1, 48, LAYOUT.q_cols)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(1, 48, LAYOUT.k_cols)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(1, 48, LAYOUT.v_cols)), jnp.float32)
+    scheme = kv_schemes.parse("zipcache")
+    kq, vq = scheme.round_trip(q, k, v, LAYOUT)
+    assert kq.shape == k.shape and vq.shape == v.shape and bool(jnp.isfinite(kq).all())
+    per_token = sum(kv_schemes.token_bytes(scheme, [LAYOUT]).values())
+    two, four = (sum(kv_schemes.token_bytes(kv_schemes.Kivi(b), [LAYOUT]).values()) for b in (2, 4))
+    assert two < per_token < 1.2 * four, (two, per_token, four)
+
+
 @pytest.mark.parametrize("bad", ["3", "gear8", "", "zip"])
 def test_unknown_names_are_one_line_errors(bad):
     with pytest.raises(ValueError, match="KV scheme must be one of") as err:

@@ -3,14 +3,15 @@ with the page it works in (``page_size``), the reconstruction of whole sequences
 every byte a page of a layer stores, by part (``page_bytes``), so its overall rate is honest.
 
 ``Kivi`` is the format the engine serves (``quant.PageFormat``); ``Gear`` adds GEAR's low-rank and sparse terms
-(``kvjax.ops.gear``), scored here before the engine stores them. ``parse`` reads the names the command lines use."""
+(``kvjax.ops.gear``) and ``Zip`` is ZipCache's mixed precision by saliency (``kvjax.ops.zipcache``), scored here
+before the engine stores them. ``parse`` reads the names the command lines use."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from kvjax.layout import HeadLayout
-from kvjax.ops import gear
+from kvjax.ops import gear, zipcache
 from kvjax.ops.quant import GROUP, PageFormat, check_bits
 from kvjax.ops.quant_paging import simulate
 
@@ -58,17 +59,41 @@ class Gear:
         return gear.page_bytes(layout, self.spec)
 
 
-NAMES = ("4", "2", "kivi4", "kivi2", "gear4", "gear2")
+@dataclasses.dataclass(frozen=True)
+class Zip:
+    """ZipCache (``kvjax.ops.zipcache``): tokens ranked by normalized attention from probe queries, the salient ones
+    at the higher bit width; quantized once over the whole sequence (as after its prefill), read through pages of
+    ``page_size`` tokens (the newest exact); its per-channel ranges and normalizers amortized over ``tokens``."""
+
+    spec: zipcache.ZipSpec
+    page_size: int = GROUP
+    tokens: int = 1024
+
+    @property
+    def name(self) -> str:
+        return "zipcache"
+
+    def round_trip(self, q, k, v, layout: HeadLayout):
+        return zipcache.round_trip(q, k, v, layout, self.spec)
+
+    def page_bytes(self, layout: HeadLayout) -> dict[str, float]:
+        return {part: n * self.page_size for part, n in zipcache.token_bytes(layout, self.spec, self.tokens).items()}
+
+
+NAMES = ("4", "2", "kivi4", "kivi2", "gear4", "gear2", "zipcache")
 
 
 def parse(text: str, page_size: int = GROUP):
     """A scheme from its name: "4"/"kivi4", "2"/"kivi2" (KIVI-style), "gear4"/"gear2" (GEAR at the reference's
-    streaming settings, ``GearSpec.paper``), pages of ``page_size`` tokens; a ValueError naming the choices."""
+    streaming settings, ``GearSpec.paper``), "zipcache" (its reference's 4/2 bits, 60% salient); pages of
+    ``page_size`` tokens; a ValueError naming the choices."""
     name = str(text).strip().lower()
     if name in ("4", "2", "kivi4", "kivi2"):
         return Kivi(int(name[-1]), page_size)
     if name in ("gear4", "gear2"):
         return Gear(gear.GearSpec.paper(int(name[-1]), page_size))
+    if name == "zipcache":
+        return Zip(zipcache.ZipSpec(), page_size)
     raise ValueError(f"KV scheme must be one of {', '.join(NAMES)}, got {text!r}")
 
 
