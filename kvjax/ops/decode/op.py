@@ -33,10 +33,14 @@ class DecodeOp:
         batch_invariant: bool = False,
         interpret: bool = False,
     ):
-        chunk = -(-config.fixed_chunk_tokens // page_size) if batch_invariant else 0
-        splits = bucket(-(-pages_per_seq // chunk)) if chunk else 0
         self.config, self.interpret = config, interpret
         self.groups = kernel_groups(as_layouts(layouts), config)  # the layers that share each compiled kernel
+        self._planner(layouts, page_size, pages_per_seq, max_batch, config, num_programs, batch_invariant)
+
+    def _planner(self, layouts, page_size, pages_per_seq, max_batch, config, num_programs, batch_invariant) -> None:
+        """The host planner and its kept schedule (``plan``); the quantized op (``quant_kernel``) plans the same."""
+        chunk = -(-config.fixed_chunk_tokens // page_size) if batch_invariant else 0
+        splits = bucket(-(-pages_per_seq // chunk)) if chunk else 0
         shape = compiled_shape(layouts, max_batch, num_programs, config=config, splits=splits)
         self.planner = DecodePlanner(
             layouts, page_size, num_programs, config=config, chunk_pages=chunk, splits=splits, shape=shape

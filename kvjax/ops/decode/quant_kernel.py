@@ -50,6 +50,7 @@ from kvjax.ops.decode import tables
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.cost import ROWS
 from kvjax.ops.decode.merge import merge
+from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.plan import (
     END_PAGE,
     FIRST_PAGE,
@@ -58,10 +59,7 @@ from kvjax.ops.decode.plan import (
     UNIT,
     DecodeSchedule,
     as_layouts,
-    bucket,
-    compiled_shape,
 )
-from kvjax.ops.decode.planner import DecodePlanner
 from kvjax.ops.decode.units import head_runs
 from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, column_offsets, dot_precision, whole_block
 from kvjax.ops.quant import PageFormat, check_bits
@@ -716,7 +714,7 @@ def kernel_groups(formats: dict[HeadLayout, PageFormat], cap: int) -> dict[HeadL
     return {lay: tuple(g[2]) for g in groups for lay in g[2]}
 
 
-class QuantDecodeOp:
+class QuantDecodeOp(DecodeOp):
     """Decode attention over a model's quantized layers, held by the engine as it holds ``op.DecodeOp``:
     ``plan(lengths)`` on the host (the bf16 op's planner, one KV head a unit), ``run`` one layer on the device.
 
@@ -759,22 +757,7 @@ class QuantDecodeOp:
                 raise ValueError(f"two page formats for one layout: {self.formats[lay]} and {fmt}")
         self.config, self.kernel, self.interpret = config, kernel, interpret
         self.groups = kernel_groups(self.formats, config.kernel_classes)
-        chunk = -(-config.fixed_chunk_tokens // page_size) if batch_invariant else 0
-        splits = bucket(-(-pages_per_seq // chunk)) if chunk else 0
-        shape = compiled_shape(layouts, max_batch, num_programs, config=config, splits=splits)
-        self.planner = DecodePlanner(
-            layouts, page_size, num_programs, config=config, chunk_pages=chunk, splits=splits, shape=shape
-        )
-        self._schedule: DecodeSchedule | None = None
-        self._plan_id = -1
-
-    def plan(self, lengths) -> DecodeSchedule:
-        """The schedule of all layers for sequences of ``lengths`` tokens (new token included), on the device."""
-        plan = self.planner(np.asarray(lengths))
-        if self.planner.rebuilds != self._plan_id:
-            self._schedule, self._plan_id = jax.device_put(plan), self.planner.rebuilds
-        assert self._schedule is not None
-        return self._schedule
+        self._planner(layouts, page_size, pages_per_seq, max_batch, config, num_programs, batch_invariant)
 
     def run(self, q, pages, tail, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout):
         """One layer's attention (``schedule``: that layer's, ``DecodeSchedule.layer``; ``layout``: one of the op's
