@@ -237,8 +237,8 @@ def encode(q, k, v, layout: HeadLayout, spec: ZipSpec, scores=None) -> dict[str,
     scores = saliency(q, k, layout, spec) if scores is None else scores
     mask = salient_mask(scores, spec)
     n_high, channel = salient_count(t, spec), spec.keys == "channel"
-    kv = {"k": [], "v": []}
-    norms = {"k": [], "v": []}
+    kv: dict[str, list] = {"k": [], "v": []}
+    norms: dict[str, list] = {"k": [], "v": []}
     for h, (kw, vw) in enumerate(zip(layout.k_widths, layout.v_widths)):
         order, _ = _classes(mask[:, h])
         ko, vo = HeadLayout.offsets(layout.k_widths)[h], HeadLayout.offsets(layout.v_widths)[h]
@@ -277,7 +277,7 @@ def decode(parts: dict[str, jnp.ndarray], layout: HeadLayout, spec: ZipSpec, dty
     if salient_count(t, spec) != parts["k_codes_high"].shape[1] or channel != ("k_norm" not in parts):
         raise ValueError("these parts were not encoded with this spec")
     mask = jnp.unpackbits(parts["map"], axis=-1, count=t).astype(bool)
-    out = {"k": [], "v": []}
+    out: dict[str, list] = {"k": [], "v": []}
     for h in range(layout.num_kv_heads):
         _, slot = _classes(mask[:, h])
         for name, widths in (("k", layout.k_widths), ("v", layout.v_widths)):

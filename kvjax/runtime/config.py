@@ -25,7 +25,8 @@ class EngineConfig:
 
     max_batch: int = 8  # sequences decoded at once (kvjax-infer --batch-size, kvjax-serve --max-batch)
     max_seq_len: int = 512  # cache positions a sequence may fill: prompt + new tokens
-    page_size: int | None = None  # tokens a page; default 16, or 32 with kv_bits (the keys' quantization group)
+    # tokens a page; None: 16, or quant.GROUP (32, the keys' quantization group) with kv_bits, resolved at construction
+    page_size: int = None  # type: ignore[assignment]
     chunk_tokens: int = 512  # prompt tokens prefilled a step
     num_pages: int | None = None  # the whole-context pool's pages; or sized by cache_memory
     cache_memory: float | int | None = None  # a fraction of the memory free, or bytes

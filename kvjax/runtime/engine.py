@@ -323,6 +323,7 @@ class Engine:
         self.num_pages = self.pool_pages[0]
         self.window_pages = {w: n for w, n in zip(self.windows, self.pool_pages) if w is not None}
         self.cache_dtype = cache_dtype
+        self.cache: PagedKVCache | QuantizedKVCache
         if self.formats is None:
             self.cache = PagedKVCache.create(model.layouts, self.pool_pages, page_size, cache_dtype, self.windows)
         else:
@@ -628,7 +629,7 @@ def _quant_decode_op(layouts, formats, pages_per_seq: int, config: EngineConfig,
         layouts,
         config.page_size,
         pages_per_seq,
-        bits=config.kv_bits,
+        bits=int(config.kv_bits or 0),
         max_batch=config.max_batch,
         batch_invariant=config.batch_invariant,
         interpret=interpret,

@@ -139,7 +139,7 @@ def generate_iter(
     config = EngineConfig(  # checks every engine setting, before any prompt is encoded
         max_batch=max_batch,
         max_seq_len=model.config.max_position_embeddings if max_seq_len is None else max_seq_len,
-        page_size=page_size,
+        page_size=page_size,  # type: ignore[arg-type]  # None: the format's default (EngineConfig)
         chunk_tokens=chunk_tokens,
         cache_memory=cache_memory,
         backend=backend,
