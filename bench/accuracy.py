@@ -11,7 +11,7 @@ uncompressed model's next-token distributions on the same windows, the mean per-
 top-1 agreement. With ``--bisect-steps N`` it then finds, per model group and source, the largest target rate whose
 perplexity (within +1%) or top-1 agreement (>= 99%) on the longest window stays at 99% of baseline: the bracket
 from the ``--rates`` grid, bisected N times. ``--kv-bits`` scores every model (the uncompressed one too: "4-bit
-alone") also as served from a cache of 4- or 2-bit pages (``Model.hidden(kv_bits=...)``), each setting its own model
+alone") also as served from a cache of 4- or 2-bit pages (``Model.hidden(kv=...)``), each setting its own model
 group, against the same unquantized baseline; ``overall_rate`` is 1 - its cache bytes per token (codes, scales, zeros
 and padding: ``kvjax.runtime.cache.token_bytes``) over the uncompressed model's in bfloat16.
 

@@ -13,7 +13,9 @@ import time
 from engine import model_at
 from harness import LLAMA_8B
 
+from kvjax import validate
 from kvjax.cli.serve import capacity_line
+from kvjax.ops.quant import GROUP, PageFormat, check_bits
 from kvjax.runtime.cache import bytes_per_token
 from kvjax.runtime.engine import Engine
 from kvjax.serving.api import create_app, server_config
@@ -57,6 +59,12 @@ def main(argv=None) -> int:
         "--no-compile-ahead", action="store_true", help="compile steps as requests need them (default: all first)"
     )
     ap.add_argument("--cache-memory", default="40GiB", help="KV cache bytes, the same for every method (default 40GiB)")
+    ap.add_argument(
+        "--kv-bits",
+        type=validate.arg(check_bits, int),
+        default=None,
+        help="quantized pages of 4 or 2 bits (of quant.GROUP tokens), on top of --method (default: bf16 pages)",
+    )
     args = ap.parse_args(argv)
     budget = parse_memory(args.cache_memory)
     if not isinstance(budget, int):
@@ -72,12 +80,17 @@ def main(argv=None) -> int:
     model = model_at(rate, shape, form=args.plan, method=args.method if rate else "zack")
     # the cache itself gets the budget (not the budget less each method's activation reserve), so every method's
     # K/V bytes are the same
-    page_bytes = PAGE_SIZE * bytes_per_token(model.layouts, model.dtype)
+    page = GROUP if args.kv_bits else PAGE_SIZE
+    if args.kv_bits:  # every byte of a quantized page (codes, scales, zeros, padding), the tails aside
+        page_bytes = sum(PageFormat.for_layout(lay, page, args.kv_bits).page_bytes for lay in model.layouts)
+    else:
+        page_bytes = page * bytes_per_token(model.layouts, model.dtype)
     engine = Engine(
         model,
         max_batch=args.max_batch,
         max_seq_len=args.max_seq_len,
-        page_size=PAGE_SIZE,
+        page_size=page,
+        kv_bits=args.kv_bits,
         chunk_tokens=args.chunk_tokens,
         num_pages=budget // page_bytes,
         prefill_min_tokens=args.prefill_min_tokens,
@@ -88,7 +101,9 @@ def main(argv=None) -> int:
         n = engine.compile_ahead(greedy=(True,), threads=os.cpu_count() or 1, progress=True)
         print(f"compiled {n} steps ahead in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     worker = Worker(engine).start()
-    name = f"{args.shape}-{args.method}" + (f"-{rate:g}" if rate else "")
+    name = (
+        f"{args.shape}-{args.method}" + (f"-{rate:g}" if rate else "") + (f"-int{args.kv_bits}" if args.kv_bits else "")
+    )
     name += "-uniform" if rate and args.plan == "uniform" else ""
     print(capacity_line(engine, model), file=sys.stderr, flush=True)
     print(f"serving {name!r} on http://127.0.0.1:{args.port}/v1", file=sys.stderr, flush=True)

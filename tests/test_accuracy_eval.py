@@ -15,6 +15,7 @@ from conftest import TINY_CONFIGS, fresh_seed
 import kvjax
 from kvjax.compression import make_plan
 from kvjax.compression.text import CODE_PACKAGES, pydoc_text, stdlib_code, stdlib_code_files
+from kvjax.ops.kv_schemes import Kivi
 from kvjax.ops.quant import PageFormat
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
@@ -417,7 +418,7 @@ def test_eval_kv_bits_rows_quantize_every_model_against_the_unquantized_base(tmp
     for w, scores in enumerate(row["per_window"]):
         window = ids[64 * w : 64 * (w + 1)][None]
         p = np.asarray(jax.nn.log_softmax(np.asarray(model.logits(window), np.float64)[0, :-1], axis=-1))
-        hidden = model.hidden(window, kv_bits=4, page_size=16)
+        hidden = model.hidden(window, kv=Kivi(4, 16))
         q = np.asarray(jax.nn.log_softmax(np.asarray(model.project(hidden), np.float64)[0, :-1], axis=-1))
         kl = float(np.mean(np.sum(np.exp(p) * (p - q), axis=-1)))
         np.testing.assert_allclose(scores["kl"], kl, rtol=1e-3, atol=1e-6, err_msg=f"seed {seed}: window {w}")

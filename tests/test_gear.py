@@ -1,5 +1,5 @@
 """GEAR pages (``kvjax.ops.gear``): without outliers or low-rank part the round trip is KIVI's
-(``quant_paging.simulate``) exactly; outliers are the entries farthest from their quantization group's mean, restored
+(``quant.simulate``) exactly; outliers are the entries farthest from their quantization group's mean, restored
 exactly (float16); the error is no larger than KIVI's and does not grow with the rank; ``page_bytes`` counts the
 arrays a page stores; bad specs are one-line ValueErrors; the low-rank decode identity holds.
 
@@ -15,12 +15,12 @@ import pytest
 from conftest import fresh_seed
 
 from kvjax.layout import HeadLayout
-from kvjax.ops import gear, quant, quant_paging
+from kvjax.ops import gear, quant
 
 MIXED = HeadLayout(4, 2, 64, (32, 16), (16, 48))  # mixed head widths, K and V unlike
 SMOLLM2 = HeadLayout(9, 3, 64, (64,) * 3, (64,) * 3)
 B, T = 2, 75  # T: not a multiple of 16 or 32
-simulate = jax.jit(quant_paging.simulate, static_argnums=2)
+simulate = jax.jit(quant.simulate, static_argnums=2)
 
 
 def _never_zero(rng, shape):

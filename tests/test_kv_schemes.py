@@ -42,13 +42,12 @@ def test_gear_spends_more_bytes_for_less_error():
 def test_model_hidden_takes_a_scheme():
     model = Model.random(TINY_CONFIGS["llama"], seed=0, scale=2.0)
     ids = np.random.default_rng(fresh_seed()).integers(0, model.config.vocab_size, (1, 40))
-    by_bits = model.hidden(ids, kv_bits=2, page_size=16)
     by_scheme = model.hidden(ids, kv=kv_schemes.Kivi(2, 16))
-    np.testing.assert_array_equal(np.asarray(by_bits), np.asarray(by_scheme))
     geared = model.hidden(ids, kv=kv_schemes.Gear(gear.GearSpec(2, 2, 0.02, page_size=16)))
-    assert geared.shape == by_bits.shape and bool(jnp.isfinite(geared).all())
-    with pytest.raises(ValueError, match="kv_bits or kv, not both"):
-        model.hidden(ids, kv_bits=2, kv=kv_schemes.Kivi(2, 16))
+    assert geared.shape == by_scheme.shape and bool(jnp.isfinite(geared).all())
+    assert not np.allclose(np.asarray(geared), np.asarray(by_scheme))
+    with pytest.raises(TypeError, match="kv must be a kvjax.ops.kv_schemes scheme"):
+        model.hidden(ids, kv=2)
 
 
 def test_zipcache_spends_its_bits_on_salient_tokens():

@@ -13,6 +13,7 @@ from kvjax.layout import HeadLayout
 from kvjax.models.model import Model
 from kvjax.ops import attention, quant_paging
 from kvjax.ops.grouped import attend_groups
+from kvjax.ops.kv_schemes import Kivi
 from kvjax.ops.prefill.reference import quantized_causal_attention
 from kvjax.ops.quant import PageFormat
 from kvjax.runtime.cache import QuantizedKVCache
@@ -165,7 +166,7 @@ def test_bad_bit_widths_are_one_line_errors(bad):
     with pytest.raises(ValueError, match="quantization bits"):
         kvjax.generate(model, [[1, 2, 3]], max_new_tokens=2, kv_bits=bad)
     with pytest.raises(ValueError, match="quantization bits"):
-        model.hidden(np.ones((1, 4), np.int32), kv_bits=bad)
+        Kivi(bad)
 
 
 def test_palu_models_refuse_quantized_pages_before_any_work():
@@ -181,7 +182,7 @@ def test_teacher_forced_scoring_in_model_hidden_matches_its_reference():
     seed = fresh_seed()
     model = Model.random(TINY_CONFIGS["llama"], seed=seed % 1000, scale=2.0)
     ids = np.random.default_rng(seed).integers(0, model.config.vocab_size, (1, 40))
-    exact, quantized = model.hidden(ids), model.hidden(ids, kv_bits=2, page_size=8)
+    exact, quantized = model.hidden(ids), model.hidden(ids, kv=Kivi(2, 8))
     # token 7 fills page 0, so it and later tokens read it quantized
     np.testing.assert_allclose(np.asarray(exact[:, :7]), np.asarray(quantized[:, :7]), atol=1e-5)
     assert not np.allclose(np.asarray(exact[:, 7:]), np.asarray(quantized[:, 7:]), atol=1e-3), f"seed {seed}"

@@ -11,9 +11,7 @@ from flax import nnx
 
 from kvjax import validate
 from kvjax.models.transformer import Transformer
-from kvjax.ops.kv_schemes import Kivi
 from kvjax.ops.prefill.reference import causal_attention, quantized_causal_attention
-from kvjax.ops.quant import GROUP, check_bits
 
 
 def _full_hidden(module, tokens, kv=None):
@@ -90,16 +88,13 @@ class Model:
         """One full causal forward, no cache: int32 [B, T] -> float32 [B, T, vocab]."""
         return _full_logits(self.graphdef, self.state, self._tokens(tokens))
 
-    def hidden(self, tokens, kv_bits: int | None = None, page_size: int = GROUP, kv=None) -> jax.Array:
+    def hidden(self, tokens, kv=None) -> jax.Array:
         """``logits`` before the vocabulary projection: final-norm hidden states [B, T, E], for callers that project
-        a few rows at a time (``project``) because [T, vocab] would not fit. ``kv_bits`` (4 or 2): each position
-        attends as if decoded over a cache of KIVI-style pages of ``page_size`` tokens (teacher-forced scoring of
-        quantization: ``ops.prefill.reference.quantized_causal_attention``); ``kv``: any ``ops.kv_schemes`` scheme
-        instead (GEAR, ...)."""
-        if kv_bits is not None:
-            if kv is not None:
-                raise ValueError("give kv_bits or kv, not both")
-            kv = Kivi(check_bits(kv_bits), validate.positive("page_size", page_size))
+        a few rows at a time (``project``) because [T, vocab] would not fit. ``kv`` (an ``ops.kv_schemes`` scheme,
+        e.g. ``Kivi(4)``): each position attends as if decoded over a cache that serves K and V so (teacher-forced
+        scoring of quantization: ``ops.prefill.reference.quantized_causal_attention``)."""
+        if kv is not None and not (hasattr(kv, "round_trip") and hasattr(kv, "page_size")):
+            raise TypeError(f"kv must be a kvjax.ops.kv_schemes scheme (Kivi, Gear, Zip), got {type(kv).__name__}")
         return _hidden(self.graphdef, self.state, self._tokens(tokens), kv)
 
     def project(self, hidden) -> jax.Array:

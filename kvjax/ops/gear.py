@@ -36,7 +36,7 @@ Where kvjax differs:
 - The streaming buffer is the page (default 32 tokens): every full page of every head is compressed on its own,
   prompt pages included, so a page's rank is one number (``STREAM_RANK`` suits it; the reference compresses the whole
   prompt as one matrix at ``PREFILL_RANK``). D is kvjax's own quantizer, so with no outliers and no L the round trip
-  is ``quant_paging.simulate`` exactly.
+  is ``quant.simulate`` exactly.
 - Outlier budget: ``floor(outliers * P * w)`` entries per page and head, the entries farthest from their quantization
   group's mean (a key's column over the page, a value's row of the head). Per group, as the reference counts them, 2%
   of a 32-token column or a 64-wide row rounds to no outlier at all; over the head's page block the budget is whole
@@ -238,8 +238,8 @@ def _round_trip(k, v, layout: HeadLayout, spec: GearSpec, low_rank: bool):
 def round_trip(k, v, layout: HeadLayout, spec: GearSpec, *, low_rank: bool = True):
     """K [B, T, k_cols] and V [B, T, v_cols] -> their GEAR reconstructions (same shape and dtype), each page of
     ``spec.page_size`` positions from 0 and each head compressed on its own (the last partial page padded with zeros,
-    like ``quant_paging.simulate``; only full pages' reconstructions are meant to be read). ``low_rank=False`` drops L
-    (outliers and quantization alone; with ``outliers=0`` it is ``quant_paging.simulate``). Jitted."""
+    like ``quant.simulate``; only full pages' reconstructions are meant to be read). ``low_rank=False`` drops L
+    (outliers and quantization alone; with ``outliers=0`` it is ``quant.simulate``). Jitted."""
     _check(layout, spec)
     if k.ndim != 3 or v.ndim != 3 or k.shape[:2] != v.shape[:2]:
         raise ValueError(f"K and V must be [B, T, cols] of one B and T, got {k.shape} and {v.shape}")

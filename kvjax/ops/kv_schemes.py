@@ -12,8 +12,7 @@ import dataclasses
 
 from kvjax.layout import HeadLayout
 from kvjax.ops import gear, zipcache
-from kvjax.ops.quant import GROUP, PageFormat, check_bits
-from kvjax.ops.quant_paging import simulate
+from kvjax.ops.quant import GROUP, PageFormat, check_bits, simulate
 
 
 @dataclasses.dataclass(frozen=True)

@@ -245,10 +245,7 @@ class PageFormat:
         return self.offsets["v_meta"] + _aligned(self.sizes()["v_scales"])
 
     def round_trip(self, q, k, v, layout=None):
-        """Whole sequences K, V [B, T, cols] as this format serves them, page by page (``quant_paging.simulate``);
-        the scheme protocol of ``kv_schemes`` (q and layout unused)."""
-        from kvjax.ops.quant_paging import simulate
-
+        """``simulate`` as the scheme protocol of ``kv_schemes`` has it (q and layout unused)."""
         return simulate(k, v, self)
 
     def encode(self, k: jnp.ndarray, v: jnp.ndarray) -> jnp.ndarray:
@@ -299,6 +296,20 @@ class PageFormat:
             flat["v_codes"], flat["v_scale"], flat["v_zero"]
         )
         return k.reshape(*lead, *k.shape[1:]), v.reshape(*lead, *v.shape[1:])
+
+
+def simulate(k, v, fmt: PageFormat):
+    """Whole sequences as a cache of ``fmt`` pages serves them, for scoring a sequence at once: K, V [B, T, cols]
+    -> (k_quantized, v_quantized) [B, T, cols], each page of ``page_size`` positions round-tripped through the
+    format (the last, partial one padded; which positions a query reads quantized is the caller's:
+    ``ops.prefill.reference.quantized_causal_attention``)."""
+    b, t = k.shape[:2]
+    p = fmt.page_size
+    pad = -t % p
+    kp = jnp.pad(k, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, p, k.shape[-1])
+    vp = jnp.pad(v, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, p, v.shape[-1])
+    kq, vq = fmt.decode(fmt.encode(kp, vp), k.dtype)
+    return kq.reshape(b, -1, k.shape[-1])[:, :t], vq.reshape(b, -1, v.shape[-1])[:, :t]
 
 
 def _bytes(x: jnp.ndarray) -> jnp.ndarray:

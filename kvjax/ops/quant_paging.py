@@ -95,17 +95,3 @@ def gather(pages, tail, fmt: PageFormat, block_table, tail_rows, lengths, dtype)
 
 def _split(kv, fmt: PageFormat):
     return kv[..., : fmt.k_cols], kv[..., fmt.k_cols :]
-
-
-def simulate(k, v, fmt: PageFormat):
-    """Teacher-forced keys and values as decode reads them, for scoring a whole sequence at once: K, V [B, T, cols]
-    -> (k_quantized, v_quantized) [B, T, cols], each page of ``page_size`` positions round-tripped through the
-    format. (Decoding token m, a query reads the key at n quantized iff
-    ``n // P < (m + 1) // P``: ``ops.prefill.reference.quantized_causal_attention``.)"""
-    b, t = k.shape[:2]
-    p = fmt.page_size
-    pad = -t % p
-    kp = jnp.pad(k, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, p, k.shape[-1])
-    vp = jnp.pad(v, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, p, v.shape[-1])
-    kq, vq = fmt.decode(fmt.encode(kp, vp), k.dtype)
-    return kq.reshape(b, -1, k.shape[-1])[:, :t], vq.reshape(b, -1, v.shape[-1])[:, :t]
