@@ -281,7 +281,6 @@ def paged_decode(
     layer = tables.layer_tables(layout, classes, config, tables.most_units(set(shared), config), wide_rows)
     units, rows_table, cols = (jnp.asarray(t) for t in (layer.units, layer.rows, layer.cols))
     v_max = max(c.v_cols for c in classes)  # partial rows hold a run's V tile columns
-    rows = BLOCK_H * schedule.num_slots  # a partial slot has a row per row of the score tile
     kernel = functools.partial(
         _kernel,
         classes=classes,
@@ -307,29 +306,52 @@ def paged_decode(
         k_pages.reshape(-1),
         v_pages.reshape(-1),
     ]
-    out_shape = [
+    v_tile = max(tile(w) for lay in shared for w in lay.v_widths)
+    out = launch_and_merge(
+        kernel,
+        args,
+        schedule,
         jax.ShapeDtypeStruct((b * layout.out_cols,), q.dtype),
+        (units, rows_table, cols),
+        v_max=v_max,
+        v_tile=v_tile,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="kvjax_paged_decode",
+    )
+    return out.reshape(b, layout.out_cols)
+
+
+def launch_and_merge(kernel, args, schedule, out, merge_tables, *, v_max, v_tile, compiler_params, interpret, name):
+    """Run a decode ``kernel`` on ``schedule``'s persistent programs (``args[0]`` its index; every input one whole
+    flat block) writing the direct rows ``out`` (a ShapeDtypeStruct) and each partial slot's (acc, max, sum), a row
+    per row of the score tile, then fold the split groups' partials into ``out`` (``merge.merge``, through the
+    layer's ``merge_tables``: units, rows and cols of ``tables.layer_tables``). The bf16 and the quantized kernels
+    both end so."""
+    rows = BLOCK_H * schedule.num_slots
+    out_shape = [
+        out,
         jax.ShapeDtypeStruct((rows * v_max,), jnp.float32),
         jax.ShapeDtypeStruct((rows,), jnp.float32),
         jax.ShapeDtypeStruct((rows,), jnp.float32),
     ]
-    out, acc, m, l = pl.pallas_call(
+    direct, acc, m, l = pl.pallas_call(
         kernel,
         grid=(schedule.num_programs,),
         in_specs=[whole_block(x) for x in args],
         out_specs=[whole_block(x) for x in out_shape],
         out_shape=out_shape,
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        name="kvjax_paged_decode",
+        compiler_params=compiler_params,
+        name=name,
     )(*args)
-    v_tile = max(tile(w) for lay in shared for w in lay.v_widths)
-    out = merge(
-        out,
+    units, rows_table, cols = merge_tables
+    return merge(
+        direct,
         acc,
         m,
         l,
-        index,
+        args[0],
         schedule.merge_dest,
         schedule.merge_range,
         units,
@@ -339,4 +361,3 @@ def paged_decode(
         v_tile=v_tile,
         interpret=interpret,
     )
-    return out.reshape(b, layout.out_cols)

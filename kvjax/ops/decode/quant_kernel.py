@@ -49,7 +49,7 @@ from kvjax.layout import HeadLayout
 from kvjax.ops.decode import tables
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.cost import ROWS
-from kvjax.ops.decode.merge import merge
+from kvjax.ops.decode.kernel import launch_and_merge
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.plan import (
     END_PAGE,
@@ -61,7 +61,7 @@ from kvjax.ops.decode.plan import (
     as_layouts,
 )
 from kvjax.ops.decode.units import head_runs
-from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, column_offsets, dot_precision, whole_block
+from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, column_offsets, dot_precision
 from kvjax.ops.quant import PageFormat, check_bits
 from kvjax.ops.tiles import pow2_floor, tile
 
@@ -630,7 +630,6 @@ def quantized_paged_decode(
     geo = _geometry(tuple(shared), fmt.bits, p, wide_rows)
     heads, layer_row = (jnp.asarray(t) for t in _tables(layout, fmt, geo, wide_rows))
     v_max = max(tile(w) for lay in shared for w in lay.v_widths)  # partial rows hold a head's V tile
-    rows = BLOCK_H * schedule.num_slots
     static = dict(
         geo=geo,
         bits=fmt.bits,
@@ -655,41 +654,21 @@ def quantized_paged_decode(
         pages.reshape(-1),
         tail.reshape(-1),
     ]
-    out_shape = [
-        jax.ShapeDtypeStruct((b * layout.out_cols,), q.dtype),
-        jax.ShapeDtypeStruct((rows * v_max,), jnp.float32),
-        jax.ShapeDtypeStruct((rows,), jnp.float32),
-        jax.ShapeDtypeStruct((rows,), jnp.float32),
-    ]
-    out, acc, m, l = pl.pallas_call(
-        functools.partial(_kernel, **static),
-        grid=(schedule.num_programs,),
-        in_specs=[whole_block(x) for x in args],
-        out_specs=[whole_block(x) for x in out_shape],
-        out_shape=out_shape,
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=kernel.num_warps, num_stages=kernel.num_stages),
-        name="kvjax_quantized_decode",
-    )(*args)
     # the merge reads the bf16 op's tables of the layer (one head a unit): its output offsets and widths
     merge_tables = tables.layer_tables(
         layout, tables.run_classes(shared, config), config, tables.most_units(set(shared), config)
     )
-    units, rows_table, cols = (jnp.asarray(t) for t in (merge_tables.units, merge_tables.rows, merge_tables.cols))
-    out = merge(
-        out,
-        acc,
-        m,
-        l,
-        index,
-        schedule.merge_dest,
-        schedule.merge_range,
-        units,
-        rows_table,
-        cols,
+    out = launch_and_merge(
+        functools.partial(_kernel, **static),
+        args,
+        schedule,
+        jax.ShapeDtypeStruct((b * layout.out_cols,), q.dtype),
+        tuple(jnp.asarray(t) for t in (merge_tables.units, merge_tables.rows, merge_tables.cols)),
         v_max=v_max,
         v_tile=v_max,
+        compiler_params=plgpu.CompilerParams(num_warps=kernel.num_warps, num_stages=kernel.num_stages),
         interpret=interpret,
+        name="kvjax_quantized_decode",
     )
     return out.reshape(b, layout.out_cols)
 
