@@ -222,3 +222,38 @@ def test_the_engine_on_the_fused_kernel_decodes_what_the_reference_predicts():
     for prompt, gen in zip(prompts, gens):
         gaps = _margins(model, prompt, gen.tokens, 4, 16, 32)
         assert max(gaps) < 1e-3, f"seed {seed}: prompt of {len(prompt)}, gaps {gaps}"
+
+
+@pytest.mark.parametrize("filling", [0, 1, 3, 6])
+def test_a_decode_step_quantizes_exactly_the_pages_it_fills(filling):
+    """Whatever number of rows fill their page in one step (none, within ``fill_budget``, past it, all): the pool
+    equals every filling row's page encoded at its target and nothing else changed; inactive rows write nothing."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    b, p, n = 6, 8, 4
+    fmt = PageFormat.for_layout(LAYOUT, p, 4)
+    assert quant_paging.fill_budget(b, p) < 3 < b
+    lengths = rng.integers(1, n * p, b)
+    rows = rng.permutation(b)
+    lengths[rows[:filling]] = p * rng.integers(1, n + 1, filling)
+    lengths[rows[filling:]] += lengths[rows[filling:]] % p == 0  # the rest fill nothing
+    active = np.ones(b, bool)
+    active[rows[-1]] = filling == b  # one inactive row (whose length may end a page) unless every row fills
+    table = jnp.asarray(1 + rng.permutation(b * n).reshape(b, n), jnp.int32)
+    pages = jnp.asarray(rng.integers(0, 256, (b * n + 1, fmt.page_bytes)), jnp.uint8)
+    tail = jnp.asarray(rng.normal(size=(b, p, fmt.k_cols + fmt.v_cols)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, fmt.k_cols)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(b, fmt.v_cols)), jnp.float32)
+    lengths_j = jnp.asarray(lengths, jnp.int32)
+    got_pages, got_tail = quant_paging.write_decode(pages, tail, fmt, table, lengths_j, k, v, jnp.asarray(active))
+    want = np.asarray(pages).copy()
+    want_tail = np.asarray(tail).copy()
+    for i in range(b):
+        if not active[i]:
+            continue
+        want_tail[i, (lengths[i] - 1) % p] = np.concatenate([k[i], v[i]])
+        if lengths[i] % p == 0:
+            page = fmt.encode(jnp.asarray(want_tail[i, :, : fmt.k_cols]), jnp.asarray(want_tail[i, :, fmt.k_cols :]))
+            want[int(table[i, lengths[i] // p - 1])] = np.asarray(page)
+    np.testing.assert_array_equal(np.asarray(got_tail), want_tail, err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(np.asarray(got_pages), want, err_msg=f"seed {seed}")

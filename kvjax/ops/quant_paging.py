@@ -32,10 +32,20 @@ def _scatter_pages(pages, fmt: PageFormat, targets, k, v):
     return pages.at[targets].set(fmt.encode(k, v), mode="drop", unique_indices=True)
 
 
+def fill_budget(rows: int, page_size: int) -> int:
+    """Rows a decode step quantizes on its cheap path: twice the rows that fill a page a step on average when the
+    rows' lengths are spread (``rows / page_size``), at least one."""
+    return max(1, 2 * -(-rows // page_size))
+
+
 def write_decode(pages, tail, fmt: PageFormat, block_table, lengths, k, v, active):
     """One new token per slot row: K [B, k_cols] and V [B, v_cols] at position ``lengths - 1`` of active rows go to
     their tail; a row whose page that token fills has the page quantized into the pool. Row i is slot i (the decode
-    step's rows). Returns (pages, tail)."""
+    step's rows). Returns (pages, tail).
+
+    A page fills in one step of ``page_size``, so a step quantizes only its filling rows, compacted to
+    ``fill_budget`` rows (a fraction of the batch); a step where more fill at once (equal lengths) quantizes every
+    row. Either way one scatter of whole pages writes the pool."""
     b, p = k.shape[0], fmt.page_size
     if b != tail.shape[0]:
         raise ValueError(f"a decode step has a row per slot: {b} rows for a tail of {tail.shape[0]} slots")
@@ -43,9 +53,25 @@ def write_decode(pages, tail, fmt: PageFormat, block_table, lengths, k, v, activ
     rows = jnp.where(active, jnp.arange(b), b)
     tail = tail.at[rows, pos % p].set(jnp.concatenate([k, v], -1).astype(tail.dtype), mode="drop")
     target = jnp.take_along_axis(block_table, (pos // p)[:, None], axis=1, mode="clip")[:, 0]
-    target = jnp.where(active & (lengths % p == 0), target, -1)
-    pages = _scatter_pages(pages, fmt, target, *_split(tail, fmt))
-    return pages, tail
+    filling = active & (lengths % p == 0)
+    target = jnp.where(filling, target, -1)
+    budget = fill_budget(b, p)
+    if budget >= b:
+        return _scatter_pages(pages, fmt, target, *_split(tail, fmt)), tail
+
+    def few(tail):
+        picked = jnp.nonzero(filling, size=budget, fill_value=b)[0]
+        encoded = fmt.encode(*_split(tail[jnp.minimum(picked, b - 1)], fmt))
+        return jnp.zeros((b, fmt.page_bytes), jnp.uint8).at[picked].set(encoded, mode="drop")
+
+    def every(tail):
+        return fmt.encode(*_split(tail, fmt))
+
+    # the branches see the tail alone (a page a slot), never the pool: the pool is written once, below, in place
+    encoded = jax.lax.cond(jnp.sum(filling) <= budget, few, every, tail)
+    num_pages = pages.shape[0]
+    target = jnp.where((target > NULL_PAGE) & (target < num_pages), target, num_pages)
+    return pages.at[target].set(encoded, mode="drop", unique_indices=True), tail
 
 
 def write_prefill(pages, tail, fmt: PageFormat, block_table, tail_rows, starts, k, v, lengths):
