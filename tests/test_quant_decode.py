@@ -70,26 +70,8 @@ CASES = {
         6,
         SMALL,
     ),
-    # planes of 16 columns, and values dequantized before their dot rather than scaled into the weights
-    "int2 p16 f32 planes, values dequantized": (
-        HeadLayout(2, 1, 64, (64,), (64,)),
-        2,
-        16,
-        jnp.float32,
-        [300, 48, 7],
-        4,
-        dataclasses.replace(SMALL, planes=True, fold_values=False),
-    ),
-    # the arithmetic of the PTX that unpacks 16-bit planes on the GPU (here in jnp), one chunk a step
-    "int4 p32 bf16 planes": (
-        HeadLayout(4, 2, 64, (64, 32), (32, 64)),
-        4,
-        32,
-        jnp.bfloat16,
-        [96, 33],
-        4,
-        QuantKernelConfig(planes=True),
-    ),
+    # one chunk a step, heads of 64 and 32 columns (a 16-byte K row at int4)
+    "int4 p32 bf16": (HeadLayout(4, 2, 64, (64, 32), (32, 64)), 4, 32, jnp.bfloat16, [96, 33], 4, QuantKernelConfig()),
 }
 
 
@@ -166,9 +148,9 @@ def test_wrong_formats_configs_and_layouts_are_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits, planes", [(4, False), (2, False), (4, True)])
-def test_quantized_decode_on_gpu(bits, planes):
-    """Compiled, on a bigger shape: four width classes (one of them read as planes by inline PTX when ``planes``)."""
+@pytest.mark.parametrize("bits", [4, 2])
+def test_quantized_decode_on_gpu(bits):
+    """Compiled, on a bigger shape: four width classes."""
     layout = HeadLayout(16, 8, 128, (128, 48, 16, 128, 48, 16, 128, 64), (16, 96, 128, 16, 96, 128, 16, 64))
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
@@ -176,8 +158,7 @@ def test_quantized_decode_on_gpu(bits, planes):
     lengths[:3] = (1, 32, 64)
     fmt = PageFormat.for_layout(layout, 32, bits)
     q, pages, tail, table, lens = quant_inputs(rng, layout, lengths, fmt, jnp.bfloat16)
-    kernel = QuantKernelConfig(planes=planes)
-    op = QuantDecodeOp([layout], 32, table.shape[1], bits=bits, max_batch=len(lengths), kernel=kernel)
+    op = QuantDecodeOp([layout], 32, table.shape[1], bits=bits, max_batch=len(lengths))
     out = op.run(q, pages, tail, table, lens, op.plan(lengths).layer(0), layout)
     err = rel_err(out, reference(q, pages, tail, fmt, table, lens, layout))
     assert err < 2e-2, f"seed {seed}: relative error {err}"

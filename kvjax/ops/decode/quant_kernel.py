@@ -7,7 +7,7 @@ partial slot) and the same ``merge.merge`` for split groups, with one KV head a 
 enforced): a head's codes are packed in planes of its own width, so each head has its own byte pattern. An item
 reads its full pages in chunks (``chunk_tokens`` of one page: one block-table lookup and one key scale and zero row
 a chunk), several a loop step, then its sequence's partial last page from the slot's tail row in one more step.
-Codes become floats by bit tricks, not conversions (``_MAGIC``). By default a head's codes are read as one tile,
+Codes become floats by bit tricks, not conversions (``_MAGIC``). A head's codes are read as one tile,
 column ``c`` from byte ``c % (w/n)`` shifted by ``(c // (w/n)) * bits`` (n codes a byte), so the planes of
 ``quant.pack`` come out in column order, any width a multiple of 16 gives one dot, and re-read bytes are L1 hits;
 keys are dequantized before their dot, value scales folded into the weights (``(p * scale_t) . codes + p . zero_t``).
@@ -22,10 +22,13 @@ Constraints: q packed [B, q_cols] or wide (``QKRotation.wide``); widths multiple
 queries a KV head; pool and tail under 2^31 elements (int32 offsets). Any page size works; chunks of fewer than 16
 tokens (pages of 8, or of 24: chunks of 8) mask the rest of their 16-row tile.
 
-Speed (H200, Llama-3.1-8B attention, B32 x 8K, page 32): 509 us at int4 and 516 at int2, against floors (bytes over
-copy bandwidth) of 93 and 53 us, and 282 us for the bf16 kernel on 4x the bytes. Nsight's profile of an earlier
-version counted ~13 instructions a value (unpacking, byte-wise shared-memory layout shuffles, unfused multiply-adds)
-at 2 warps a scheduler (255 registers): the kernel is instruction- and latency-bound, not bandwidth-bound.
+Speed (H100, Llama-3.1-8B attention, B32 x 8K, page 32; bench/RESULTS.md "Quantized pages: decode kernel"): 488 us
+at int4 against a floor (bytes over copy bandwidth) of 106 us, where the bf16 kernel takes 376 us for 3.4x the
+bytes. The kernel is bound by latency: 255 registers a thread leave two warps a scheduler, and loads that feed
+arithmetic before a dot are not pipelined through shared memory as the bf16 kernel's are. A lab kernel issuing the
+same loads with no arithmetic reaches 24% of copy bandwidth, and the dequantization's reformulations (scales folded
+into q, biased codes straight into the dots, swapped operands, loads prefetched a step ahead) move it by 10-20%
+(bench/quant_lab.py; bench/notes/2026-11-27-quantized-kernel-lab.md).
 ``QuantKernelConfig`` holds the knobs a GPU sweep turns.
 """
 
@@ -92,11 +95,6 @@ class QuantKernelConfig:
     max_step_tokens: int = 256
     num_warps: int = 4
     num_stages: int = 2
-    # Read a head's codes plane by plane (each byte once, a dot a plane of >= 16 columns, 16-bit planes unpacked by
-    # inline PTX) rather than as one tile whose columns re-read their bytes: fewer instructions a value, yet slower
-    # on an H200 (Llama-3.1-8B shape, B32 x 8K: 870 against 499 us at int4), so off.
-    planes: bool = False
-    fold_values: bool = True  # outputs as (p * scale_t) . codes + p . zero_t rather than p . (codes * scale_t + ...)
 
     def __post_init__(self):
         validate.int_fields(self, at_least_one=tuple(f.name for f in dataclasses.fields(self)))
@@ -208,7 +206,6 @@ _MAGIC = {
     jnp.dtype(jnp.bfloat16): (jnp.uint16, 0x4300, 128.0),
     jnp.dtype(jnp.float16): (jnp.uint16, 0x6400, 1024.0),
 }
-_PTX_TYPE = {jnp.dtype(jnp.bfloat16): "bf16x2", jnp.dtype(jnp.float16): "f16x2"}
 
 
 def _meta(pool_ref, addr, mask):
@@ -230,67 +227,6 @@ def _biased(raw, shift, bits, dtype):
 def _codes(raw, shift, bits, dtype):
     """``_biased`` less 2^m: the codes themselves."""
     return _biased(raw, shift, bits, dtype) - jnp.asarray(_MAGIC[jnp.dtype(dtype)][2], dtype)
-
-
-def _ptx_plane(plane: int, bits: int, dtype, dequantize: bool) -> tuple[str, str]:
-    """Inline PTX (and its constraints) turning 4 code bytes (one register) into 4 values of ``dtype`` (two
-    registers) of plane ``plane``: with ``dequantize``, ``code * scale + zero`` from the scale and zero registers
-    (two each; ``fma`` rounds once), else the biased codes (``_biased``). PRMT spreads the bytes one to a 16-bit
-    half, one LOP3 masks a code into the mantissa of 2^m; the planes' PRMTs are the same, for ptxas to share."""
-    ty = _PTX_TYPE[jnp.dtype(dtype)]
-    magic = _MAGIC[jnp.dtype(dtype)][1] * 0x00010001
-    one = {"bf16x2": 0x3F803F80, "f16x2": 0x3C003C00}[ty]
-    lines = [
-        "{",
-        ".reg .b32 t0, t1, zero, mask, magic, one, bias;",
-        "mov.b32 zero, 0;",
-        f"mov.b32 mask, {((1 << bits) - 1) * 0x00010001:#x};",
-        f"mov.b32 magic, {magic:#x};",
-        f"mov.b32 one, {one:#x};",
-        f"mov.b32 bias, {magic | 0x80008000:#x};",  # -2^m in both halves
-        "prmt.b32 t0, $2, zero, 0x4140;",  # bytes 0 and 1, one a half
-        "prmt.b32 t1, $2, zero, 0x4342;",  # bytes 2 and 3
-    ]
-    for h in range(2):  # outputs are written last: an output may share a register with an input
-        if plane:
-            lines.append(f"shr.b32 t{h}, t{h}, {plane * bits};")
-        lines.append(f"lop3.b32 t{h}, t{h}, mask, magic, 0xea;")  # (t & mask) | magic
-        if dequantize:
-            lines.append(f"fma.rn.{ty} t{h}, t{h}, one, bias;")  # exact: the code
-            lines.append(f"fma.rn.{ty} t{h}, t{h}, ${3 + h}, ${5 + h};")
-    lines += ["mov.b32 $0, t0;", "mov.b32 $1, t1;", "}"]
-    return "\n".join(lines), ",".join(["=r"] * 2 + ["r"] * (5 if dequantize else 1))
-
-
-def _planes(raw, bits, dtype, scales=None, zeros=None, *, asm: bool):
-    """The ``8 // bits`` planes of codes of bytes ``raw`` (uint8 [T, C]) as ``dtype`` [T, C] each: biased codes
-    (``_biased``), or with ``scales`` and ``zeros`` (a row [1, C] a plane) ``code * scale + zero`` rounded once to
-    ``dtype`` from the scale and zero in ``dtype``. ``asm``: by inline PTX on packed registers (16-bit ``dtype``),
-    else by the same arithmetic in jnp (interpret mode, float32)."""
-    n = 8 // bits
-    if scales is not None:
-        scales = [jnp.broadcast_to(s.astype(dtype), raw.shape) for s in scales]
-        zeros = [jnp.broadcast_to(z.astype(dtype), raw.shape) for z in zeros]
-    if asm:
-        out = []
-        for i in range(n):
-            text, constraints = _ptx_plane(i, bits, dtype, scales is not None)
-            [plane] = plgpu.elementwise_inline_asm(
-                text,
-                args=[raw] + ([scales[i], zeros[i]] if scales is not None else []),
-                constraints=constraints,
-                pack=4,
-                result_shape_dtypes=[jax.ShapeDtypeStruct(raw.shape, dtype)],
-            )
-            out.append(plane)
-        return out
-    if scales is None:
-        return [_biased(raw, i * bits, bits, dtype) for i in range(n)]
-    f32 = jnp.float32
-    return [
-        (_codes(raw, i * bits, bits, f32) * s.astype(f32) + z.astype(f32)).astype(dtype)
-        for i, (s, z) in enumerate(zip(scales, zeros))
-    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,41 +251,27 @@ def _both(a, b):
 
 @dataclasses.dataclass(frozen=True)
 class _Reader:
-    """How the kernel reads the heads of one class: K and V ``width``s as pieces, and the arithmetic on their codes
-    (``QuantKernelConfig``: ``planes``, ``fold_values``). ``dtype``: the dots' inputs (q's dtype); ``ptx``: planes
-    of 16-bit values are unpacked by inline PTX (not in interpret mode, which runs the same arithmetic in jnp)."""
+    """How the kernel reads the heads of one class: K and V ``width``s as one tile each, column ``c`` of a head
+    from byte ``c % (w/n)`` shifted by ``(c // (w/n)) * bits`` (module docstring). ``dtype``: the dots' inputs (q's
+    dtype). Reading planes instead (each byte once, a dot a plane, inline PTX unpacking) and dequantizing values
+    before their dot were measured slower (bench/RESULTS.md, "Quantized pages: decode kernel") and removed."""
 
     k_width: int
     v_width: int
     bits: int
-    planar: bool
-    fold_values: bool
     dtype: jnp.dtype
-    ptx: bool
 
     @property
     def n(self) -> int:
         return 8 // self.bits
 
-    @property
-    def sixteen(self) -> bool:
-        """2^m + code is exact in a 16-bit dot input, so biased codes need no subtraction."""
-        return self.dtype in _PTX_TYPE
-
     def pieces(self, width: int) -> tuple[_Piece, ...]:
-        """A head ``width`` columns wide as its planes (``n`` pieces of ``width / n`` columns, their bytes read
-        once for all) or as one tile (each column's byte read at ``c % (width / n)``)."""
-        if self.planar:
-            return tuple(_Piece(i * (width // self.n), tile(width // self.n), width // self.n) for i in range(self.n))
+        """A head ``width`` columns wide as one tile (a dot)."""
         return (_Piece(0, tile(width), width),)
 
     def bytes(self, width: int):
-        """(byte of each tile column in a head's code row [1, B], its shift or None (planes), which bytes are the
-        head's or None)."""
+        """(byte of each tile column in a head's code row [1, B], its shift, which bytes are the head's: None)."""
         n = self.n
-        if self.planar:
-            plane = _Piece(0, tile(width // n), width // n)
-            return plane.cols(), None, plane.ok()
         c = jnp.arange(tile(width))[None, :]
         # planes of w/n columns, the first in the lowest bits; padding columns repeat the last plane's bytes (in
         # range; their q, scales and outputs unused). lax: no sign fix-ups to hide the contiguity from Triton
@@ -357,36 +279,18 @@ class _Reader:
         return lax.rem(c, width // n), shift, None
 
     def keys(self, raw, meta):
-        """The K tiles [T, tile] in ``dtype``, one a piece, of code bytes ``raw``: ``code * scale + zero`` with
-        ``meta`` the pieces' (scale, zero) rows [1, tile]."""
-        if self.planar:
-            return _planes(raw, self.bits, self.dtype, *zip(*meta), asm=self.ptx)
+        """The K tile [T, tile] in ``dtype`` of code bytes ``raw``: ``code * scale + zero`` with ``meta`` the
+        (scale, zero) rows [1, tile]."""
         (scale, zero), shift = meta[0], self.bytes(self.k_width)[1]
         return [(_codes(raw, shift, self.bits, jnp.float32) * scale + zero).astype(self.dtype)]
 
     def values(self, raw, p, scale, zero, precision):
         """Weights p [R, T] against the values of code bytes ``raw`` with per-token ``scale`` and ``zero`` [T]:
-        the dots [R, tile] (one a piece) and a row term [R, T] to sum over tokens and add to every column (None if
-        none)."""
+        ``(p * scale) . codes`` [R, tile] and the row term ``p * zero`` [R, T] to sum over tokens and add to every
+        column (the scales folded into the weights: no per-value multiply)."""
         shift = self.bytes(self.v_width)[1]
-        if not self.fold_values:
-            codes = self._codes(raw, shift, jnp.float32)
-            pv = p.astype(self.dtype)
-            vs = [(c * scale[:, None] + zero[:, None]).astype(self.dtype) for c in codes]
-            return [plgpu.dot(pv, v, precision=precision) for v in vs], None
         ps = (p * scale[None, :]).astype(self.dtype)
-        row = p * zero[None, :]
-        if self.planar and self.sixteen:  # biased codes: take off what 2^m adds to the dot
-            codes = _planes(raw, self.bits, self.dtype, asm=self.ptx)
-            row = row - _MAGIC[self.dtype][2] * ps.astype(jnp.float32)
-        else:
-            codes = self._codes(raw, shift, self.dtype)
-        return [plgpu.dot(ps, c, precision=precision) for c in codes], row
-
-    def _codes(self, raw, shift, dtype):
-        if self.planar:
-            return [_codes(raw, i * self.bits, self.bits, dtype) for i in range(self.n)]
-        return [_codes(raw, shift, self.bits, dtype)]
+        return [plgpu.dot(ps, _codes(raw, shift, self.bits, self.dtype), precision=precision)], p * zero[None, :]
 
 
 def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, scale, v_max, kernel, interpret):
@@ -401,8 +305,7 @@ def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, 
     tile_rows = max(16, tc)  # a dot's dimension is at least 16: a chunk of fewer tokens masks the rest
     nc = kernel.chunks_per_step(tile(kw), tile(vw), P)
     precision = dot_precision(dt)
-    planar = kernel.planes and min(kw, vw) * bits // 8 >= 16  # a plane is a dot's K (or N) dimension: >= 16
-    reader = _Reader(kw, vw, bits, planar, kernel.fold_values, dt, planar and dt in _PTX_TYPE and not interpret)
+    reader = _Reader(kw, vw, bits, dt)
     k_pieces, v_pieces = reader.pieces(kw), reader.pieces(vw)
 
     def head(f):
