@@ -592,7 +592,10 @@ def run_retrieval(base, args) -> tuple[list[dict], list[dict]]:
     """Retrieval per task and model (uncompressed, then per model group and rate, ``_eval_plans``): table
     rows (one per context: accuracy per depth, their mean and its change from the uncompressed model's) and every
     run's ``retrieval.run`` results. Each compressed model is folded once and serves every task and context."""
-    models = [(UNCOMPRESSED, lambda: base)]
+    models = [
+        (UNCOMPRESSED | {"kv_bits": bits, "overall_rate": overall_rate(base, None, bits, args.kv_page)}, lambda: base)
+        for bits in args.kv_bits
+    ]
     models += [(row, functools.partial(fold, base, plan, bases)) for row, plan, bases in _eval_plans(base, args)]
     runs: list[dict] = []
     for fields, build in models:
@@ -608,6 +611,8 @@ def run_retrieval(base, args) -> tuple[list[dict], list[dict]]:
             max_new_tokens=args.answer_tokens,
             chunk_tokens=args.chunk_tokens,
             backend=args.backend,
+            kv_bits=fields["kv_bits"],
+            page_size=args.kv_page if fields["kv_bits"] is not None else None,
         )
         for task in args.task:
             runs.append(fields | {"task": task, "results": results[task]})
@@ -628,7 +633,7 @@ def _retrieval_rows(runs: list[dict], everything: list[dict]) -> list[dict]:
     base_mean = {
         (r["task"], context): float(np.mean([c["accuracy"] for c in r["results"]["cells"] if c["context"] == context]))
         for r in everything
-        if r["variant"] == "uncompressed"
+        if r["variant"] == "uncompressed" and r["kv_bits"] is None
         for context in r["results"]["contexts"]
     }
     rows = []
@@ -647,7 +652,9 @@ def within_tolerance(runs: list[dict], tolerance: float) -> list[dict]:
     """Per model group, task and context of ``runs``: the largest grid target rate whose mean accuracy over depths
     is at least the uncompressed model's minus ``tolerance`` with every smaller grid rate's too (0.0 when none is)."""
     rows = _retrieval_rows(runs, runs)
-    base_mean = {(r["task"], r["context"]): r["mean"] for r in rows if r["variant"] == "uncompressed"}
+    base_mean = {
+        (r["task"], r["context"]): r["mean"] for r in rows if r["variant"] == "uncompressed" and r["kv_bits"] is None
+    }
     grids: dict[tuple, dict[float, dict]] = {}
     for row in rows:
         if row["variant"] != "uncompressed":
@@ -672,6 +679,9 @@ def _retrieval_heatmap(run: dict, args) -> None:
         return
     name = f"{run['task']}-{run['variant']}"
     title = f"{args.model}: {run['task']}, {run['variant']}"
+    if run["kv_bits"] is not None:
+        name += f"-int{run['kv_bits']}"
+        title += f", int{run['kv_bits']} pages"
     if run["variant"] != "uncompressed":
         name += f"-{run['calibration']}-p{run['target_rate']:g}"
         title += f" p={run['rate']:.3f} ({run['calibration']} calibration"
@@ -835,9 +845,9 @@ def parser() -> argparse.ArgumentParser:
         nargs="+",
         default=[None],
         metavar="B",
-        help="eval: score every model also over a cache of B-bit quantized pages, one model group each (B: "
-        f"{', '.join(map(str, BITS))} for KIVI-style pages, gear4 or gear2 for GEAR's low-rank and outlier terms on "
-        "them (kvjax.ops.gear, the reference's streaming settings), zipcache for 4/2 bits by saliency "
+        help="eval and retrieval: score every model also over a cache of B-bit quantized pages, one model group "
+        f"each (B: {', '.join(map(str, BITS))} for KIVI-style pages, gear4 or gear2 for GEAR's low-rank and outlier "
+        "terms on them (kvjax.ops.gear, the reference's streaming settings), zipcache for 4/2 bits by saliency "
         "(kvjax.ops.zipcache), or 'none', the default: unquantized)",
     )
     p.add_argument(
@@ -845,7 +855,7 @@ def parser() -> argparse.ArgumentParser:
         type=_positive,
         default=PAGE_TOKENS,
         metavar="T",
-        help=f"eval --kv-bits: tokens a quantized page (default {PAGE_TOKENS})",
+        help=f"--kv-bits: tokens a quantized page (default {PAGE_TOKENS})",
     )
     p.add_argument(
         "--bisect-steps",
@@ -928,8 +938,13 @@ def _check_kv_bits(p, args) -> None:
         p.error(f"--kv-bits values must be distinct, got {' '.join(str(b).lower() for b in args.kv_bits)}")
     if args.kv_bits == [None]:
         return
-    if args.mode != "eval":
-        p.error("--kv-bits applies to eval only")
+    if args.mode not in ("eval", "retrieval"):
+        p.error("--kv-bits applies to eval and retrieval only")
+    if args.mode == "retrieval" and any(isinstance(b, str) for b in args.kv_bits):
+        p.error(
+            f"retrieval --kv-bits {' '.join(str(b).lower() for b in args.kv_bits)}: the engine serves KIVI-style "
+            f"pages only ({', '.join(map(str, BITS))}); GEAR and ZipCache are scored by eval (teacher-forced)"
+        )
     palu = [v for v in args.variants if VARIANTS[v][0] == "palu"]
     if any(b is not None for b in args.kv_bits) and palu:
         p.error(

@@ -270,21 +270,24 @@ def run(
     max_new_tokens: int = 8,
     chunk_tokens: int = 512,
     backend: str | None = None,
+    kv_bits: int | None = None,
+    page_size: int | None = None,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, dict]:
     """Per task: accuracy of ``model``'s greedy answers per (context, depth) cell, and every trial's record.
 
     ``tasks``: a task name or several. All prompts of a context (tasks x depths x trials) go through one
-    ``kvjax.generate`` call, so the tasks share its compiled engine. Contexts longer than the model's
-    ``max_position_embeddings`` are skipped, with a message to ``log`` (default: stderr). Each task's dict holds
-    "cells" (context, depth, trials, correct, accuracy), "records" (one per trial: expected, answer, correct, ...),
-    "contexts" (those run), "skipped", "depths", "seconds" (per context: the wall time of the call the tasks
-    shared) and the settings."""
+    ``kvjax.generate`` call, so the tasks share its compiled engine; ``kv_bits`` (4 or 2) serves them from a cache
+    of quantized pages (``EngineConfig.kv_bits``) of ``page_size`` tokens (None: the engine's default). Contexts
+    longer than the model's ``max_position_embeddings`` are skipped, with a message to ``log`` (default: stderr).
+    Each task's dict holds "cells" (context, depth, trials, correct, accuracy), "records" (one per trial:
+    expected, answer, correct, ...), "contexts" (those run), "skipped", "depths", "seconds" (per context: the wall
+    time of the call the tasks shared) and the settings."""
     tasks, contexts, depths, trials, seed = _check_grid(tasks, contexts, depths, trials, seed)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     limit = model.config.max_position_embeddings
-    settings = dict(seed=seed, trials=trials, max_new_tokens=max_new_tokens, depths=depths)
+    settings = dict(seed=seed, trials=trials, max_new_tokens=max_new_tokens, depths=depths, kv_bits=kv_bits)
     out: dict[str, dict] = {
         t: dict(task=t, **settings, contexts=[], skipped=[], seconds={}, cells=[], records=[]) for t in tasks
     }
@@ -307,6 +310,8 @@ def run(
             max_seq_len=context + max_new_tokens,
             chunk_tokens=chunk_tokens,
             backend=backend,
+            kv_bits=kv_bits,
+            page_size=page_size,
             progress=progress,
         )
         seconds = time.perf_counter() - start

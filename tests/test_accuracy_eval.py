@@ -450,7 +450,8 @@ def test_kv_bits_values_parse():
         (["eval", "--kv-bits", "4", "4", "--variants", "zack"], "--kv-bits values must be distinct, got 4 4"),
         (["eval", "--kv-bits", "4"], "not palu palu-uniform (Palu rebuilds K)"),
         (["eval", "--kv-bits", "none", "2", "--variants", "zack", "palu"], "not palu (Palu rebuilds K)"),
-        (["retrieval", "--kv-bits", "4", "--variants", "zack"], "--kv-bits applies to eval only"),
+        (["retrieval", "--kv-bits", "gear4", "--variants", "zack"], "the engine serves KIVI-style pages only"),
+        (["search", "--kv-bits", "4"], "--kv-bits applies to eval and retrieval only"),
     ],
 )
 def test_kv_flags_are_one_line_usage_errors_before_any_model_loads(argv, message, monkeypatch, capsys):

@@ -298,6 +298,31 @@ def test_retrieval_mode_writes_table_json_and_heat_maps(smollm2, monkeypatch, tm
     assert f"skipping context {2 * limit}" in printed.err
 
 
+def test_retrieval_kv_bits_serves_each_model_from_quantized_pages_against_the_unquantized_base(
+    smollm2, monkeypatch, tmp_path
+):
+    """``retrieval --kv-bits none 4``: the uncompressed model and each compressed one run once per cache format, the
+    engine asked for int4 pages of ``--kv-page`` tokens, and every row compared with the unquantized uncompressed
+    model's accuracy."""
+    monkeypatch.setattr(accuracy.kvjax, "load", lambda *a, **k: smollm2)
+    calls: list = []
+    monkeypatch.setattr(retrieval.kvjax, "generate", reader(smollm2, calls=calls))
+    out = tmp_path / "ret.json"
+    flags = ["--task", "passkey", "--contexts", "256", "--depths", "0", "--trials", "2", "--rates", "0.5"]
+    flags += ["--variants", "zack", "--calibrations", "random", "--num-tokens", "128", "--seq-len", "64"]
+    accuracy.main(["retrieval", *flags, "--kv-bits", "none", "4", "--kv-page", "16", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert [(r["variant"], r["kv_bits"]) for r in data["runs"]] == [
+        ("uncompressed", None),
+        ("uncompressed", 4),
+        ("zack", None),
+        ("zack", 4),
+    ]
+    assert [(c[2]["kv_bits"], c[2]["page_size"]) for c in calls] == [(None, None), (4, 16), (None, None), (4, 16)]
+    int4 = [r for r in data["rows"] if r["kv_bits"] == 4]
+    assert len(int4) == 2 and all(r["overall_rate"] > 0.6 and r["vs_base"] == 0 for r in int4)
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
