@@ -72,22 +72,31 @@ def _rebuilt_prefill(q, k, v, positions, layout, k_pages, v_pages, block_table, 
     """Palu's prefill as its authors run it: the chunk's (latent ``k`` at ``positions``) and its prefix's K rebuilt
     to full heads, then the prefill kernel at full K width, over scratch pages (the cache keeps the latent, already
     written)."""
-    b, t = q.shape[:2]
-    page_size = k_pages.shape[1]
-    full = full_width(layout)
-    if starts is None:  # no prefix: the kernel only writes the chunk, into pages of its own
-        n = -(-t // page_size)
-        k_scratch = jnp.zeros((b * n + 1, page_size, full.k_cols), k_pages.dtype)
-        v_scratch = jnp.zeros((b * n + 1, page_size, layout.v_cols), v_pages.dtype)
-    else:
-        n = block_table.shape[1]
-        span = n * page_size
+    full, prefix = full_width(layout), None
+    if starts is not None:
+        b, span = block_table.shape[0], block_table.shape[1] * k_pages.shape[1]
         latent = k_pages[block_table].reshape(b, span, layout.k_cols)
-        k_scratch = rebuild(latent, jnp.broadcast_to(jnp.arange(span, dtype=jnp.int32), (b, span)))
-        k_scratch = _after_null_page(k_scratch.reshape(b * n, page_size, full.k_cols))
-        v_scratch = _after_null_page(v_pages[block_table].reshape(b * n, page_size, layout.v_cols))
-    table = 1 + jnp.arange(b * n, dtype=jnp.int32).reshape(b, n)  # page 0 stays the null page
-    out, _, _ = op.run(q, rebuild(k, positions), v, full, lengths, k_scratch, v_scratch, table, starts)
+        k_seq = rebuild(latent, jnp.broadcast_to(jnp.arange(span, dtype=jnp.int32), (b, span)))
+        prefix = (k_seq, v_pages[block_table].reshape(b, span, layout.v_cols))
+    k_full = rebuild(k, positions)
+    return _over_scratch(op, q, k_full, v, full, lengths, starts, k_pages.shape[1], k_pages.dtype, prefix)
+
+
+def _over_scratch(op, q, k, v, layout, lengths, starts, page_size: int, dtype, prefix=None):
+    """The prefill kernel over scratch pages, for caches it cannot read in place (Palu's latent K, quantized pages):
+    ``prefix`` (k_seq, v_seq) [B, n * page_size, cols], the rows' prefixes in full, become pages 1.. in row order
+    (page 0 stays the null page); with no prefix (``starts`` None) the kernel gets empty pages for the chunk alone."""
+    b, t = q.shape[:2]
+    if prefix is None:
+        n = -(-t // page_size)
+        k_scratch = jnp.zeros((b * n + 1, page_size, layout.k_cols), dtype)
+        v_scratch = jnp.zeros((b * n + 1, page_size, layout.v_cols), dtype)
+    else:
+        n = prefix[0].shape[1] // page_size
+        k_scratch = _after_null_page(prefix[0].reshape(b * n, page_size, layout.k_cols))
+        v_scratch = _after_null_page(prefix[1].reshape(b * n, page_size, layout.v_cols))
+    table = 1 + jnp.arange(b * n, dtype=jnp.int32).reshape(b, n)
+    out, _, _ = op.run(q, k, v, layout, lengths, k_scratch, v_scratch, table, starts)
     return out
 
 
@@ -152,27 +161,16 @@ def prefill_quantized(
     (out, pages, tail)."""
     if rotation is not None:
         q, k = rotation.packed(q, k)
-    b, t = q.shape[:2]
-    page_size = fmt.page_size
-    if starts is None:
-        if op is None:
-            out = causal_attention(q, k, v, layout)
-        else:
-            n = -(-t // page_size)
-            table = 1 + jnp.arange(b * n, dtype=jnp.int32).reshape(b, n)
-            k_scratch = jnp.zeros((b * n + 1, page_size, layout.k_cols), q.dtype)
-            v_scratch = jnp.zeros((b * n + 1, page_size, layout.v_cols), q.dtype)
-            out, _, _ = op.run(q, k, v, layout, lengths, k_scratch, v_scratch, table, None)
+    prefix = None
+    if starts is not None:
+        prefix = quant_paging.gather(pages, tail, fmt, block_table, tail_rows, starts, q.dtype)
+    if op is not None:
+        out = _over_scratch(op, q, k, v, layout, lengths, starts, fmt.page_size, q.dtype, prefix)
+    elif prefix is None:
+        out = causal_attention(q, k, v, layout)
     else:
-        k_seq, v_seq = quant_paging.gather(pages, tail, fmt, block_table, tail_rows, starts, q.dtype)
-        if op is None:
-            out = _over_prefix(q, k, v, k_seq, v_seq, starts, lengths, layout)
-        else:
-            n = block_table.shape[1]
-            k_scratch = _after_null_page(k_seq.reshape(b * n, page_size, layout.k_cols))
-            v_scratch = _after_null_page(v_seq.reshape(b * n, page_size, layout.v_cols))
-            table = 1 + jnp.arange(b * n, dtype=jnp.int32).reshape(b, n)
-            out, _, _ = op.run(q, k, v, layout, lengths, k_scratch, v_scratch, table, starts)
+        k_seq, v_seq = prefix
+        out = _over_prefix(q, k, v, k_seq, v_seq, starts, lengths, layout)
     pages, tail = quant_paging.write_prefill(pages, tail, fmt, block_table, tail_rows, starts, k, v, lengths)
     return out, pages, tail
 

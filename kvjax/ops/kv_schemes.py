@@ -33,8 +33,7 @@ class Kivi:
         return simulate(k, v, PageFormat.for_layout(layout, self.page_size, self.bits))
 
     def page_bytes(self, layout: HeadLayout) -> dict[str, int]:
-        fmt = PageFormat.for_layout(layout, self.page_size, self.bits)
-        return {**fmt.sizes(), "padding": fmt.page_bytes - sum(fmt.sizes().values())}
+        return PageFormat.for_layout(layout, self.page_size, self.bits).bytes_by_part()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -244,6 +244,11 @@ class PageFormat:
         """A page's bytes, every part with its alignment padding."""
         return self.offsets["v_meta"] + _aligned(self.sizes()["v_scales"])
 
+    def bytes_by_part(self) -> dict[str, int]:
+        """``sizes`` and the page's alignment padding: every byte of a page, by part (they sum to ``page_bytes``)."""
+        sizes = self.sizes()
+        return {**sizes, "padding": self.page_bytes - sum(sizes.values())}
+
     def round_trip(self, q, k, v, layout=None):
         """``simulate`` as the scheme protocol of ``kv_schemes`` has it (q and layout unused)."""
         return simulate(k, v, self)

@@ -137,8 +137,7 @@ def token_bytes(layouts: tuple[HeadLayout, ...], dtype, formats: tuple[PageForma
         return {"k": sum(lay.k_cols for lay in layouts) * size, "v": sum(lay.v_cols for lay in layouts) * size}
     out: dict[str, float] = {}
     for f in formats:
-        parts = {**f.sizes(), "padding": f.page_bytes - sum(f.sizes().values())}
-        for part, n in parts.items():
+        for part, n in f.bytes_by_part().items():
             out[part] = out.get(part, 0.0) + n / f.page_size
     return out
 

@@ -158,37 +158,15 @@ def _prefill_step(
     ks, vs = _layers(cache)
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
-        if formats is not None:
-            out, ks[i], vs[i] = attention.prefill_quantized(
-                q,
-                k,
-                v,
-                module.layouts[i],
-                ks[i],
-                vs[i],
-                formats[i],
-                table[pools[i]],
-                tail_rows,
-                lengths,
-                starts if prefix else None,
-                op=op,
-                rotation=rotation,
+        lay, pages, prefix_from = module.layouts[i], table[pools[i]], starts if prefix else None
+        if formats is None:
+            out, ks[i], vs[i] = attention.prefill(
+                q, k, v, lay, ks[i], vs[i], pages, lengths, prefix_from, op=op, rebuild=rebuild, rotation=rotation
             )
-            return out
-        out, ks[i], vs[i] = attention.prefill(
-            q,
-            k,
-            v,
-            module.layouts[i],
-            ks[i],
-            vs[i],
-            table[pools[i]],
-            lengths,
-            starts if prefix else None,
-            op=op,
-            rebuild=rebuild,
-            rotation=rotation,
-        )
+        else:
+            out, ks[i], vs[i] = attention.prefill_quantized(
+                q, k, v, lay, ks[i], vs[i], formats[i], pages, tail_rows, lengths, prefix_from, op=op, rotation=rotation
+            )
         return out
 
     hidden = module.hidden(tokens, positions, attend)
@@ -219,38 +197,17 @@ def _decode_step(
     ks, vs = _layers(cache)
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
-        if formats is not None:
-            out, ks[i], vs[i] = attention.decode_quantized(
-                q[:, 0],
-                k[:, 0],
-                v[:, 0],
-                module.layouts[i],
-                ks[i],
-                vs[i],
-                formats[i],
-                table[pools[i]],
-                positions + 1,
-                active,
-                op=op,
-                rotation=rotation,
-                schedule=None if schedule is None else schedule.layer(i),
+        lay, pages, lengths = module.layouts[i], table[pools[i]], positions + 1
+        q, k, v = q[:, 0], k[:, 0], v[:, 0]
+        kw = dict(op=op, rotation=rotation, schedule=None if schedule is None else schedule.layer(i))
+        if formats is None:
+            out, ks[i], vs[i] = attention.decode(
+                q, k, v, lay, ks[i], vs[i], pages, lengths, rebuild=rebuild, active=active, **kw
             )
-            return out[:, None]
-        out, ks[i], vs[i] = attention.decode(
-            q[:, 0],
-            k[:, 0],
-            v[:, 0],
-            module.layouts[i],
-            ks[i],
-            vs[i],
-            table[pools[i]],
-            positions + 1,
-            op=op,
-            rebuild=rebuild,
-            rotation=rotation,
-            schedule=None if schedule is None else schedule.layer(i),
-            active=active,
-        )
+        else:
+            out, ks[i], vs[i] = attention.decode_quantized(
+                q, k, v, lay, ks[i], vs[i], formats[i], pages, lengths, active, **kw
+            )
         return out[:, None]
 
     hidden = module.hidden(slot_tokens[:, None], positions[:, None], attend)
@@ -622,14 +579,14 @@ def _formats(model, c: EngineConfig) -> tuple[PageFormat, ...] | None:
 
 
 def _quant_decode_op(layouts, formats, pages_per_seq: int, config: EngineConfig, interpret: bool):
-    """The fused decode kernel over quantized pages (``ops.decode.quant_kernel``)."""
+    """The fused decode kernel over quantized pages (``ops.decode.quant_kernel``) of each layer's format."""
     from kvjax.ops.decode.quant_kernel import QuantDecodeOp
 
     return QuantDecodeOp(
         layouts,
         config.page_size,
         pages_per_seq,
-        bits=int(config.kv_bits or 0),
+        formats=formats,
         max_batch=config.max_batch,
         batch_invariant=config.batch_invariant,
         interpret=interpret,
