@@ -228,6 +228,39 @@ def test_a_newer_format_asks_for_a_newer_kvjax(checkpoint):
     )
 
 
+@pytest.mark.parametrize(
+    "serving, shown",
+    [
+        ({"kv_bits": 5}, '"serving": "kv_bits" must be 4, 2 or null (unquantized pages), got 5'),
+        ({"kv_bits": "4"}, '"serving": "kv_bits" must be 4, 2 or null (unquantized pages), got "4"'),
+        ({"kv_bits": True}, '"serving": "kv_bits" must be 4, 2 or null (unquantized pages), got true'),
+        ({"kv_bits": 4.0}, '"serving": "kv_bits" must be 4, 2 or null (unquantized pages), got 4.0'),
+        (4, '"serving" must be an object, got 4'),
+    ],
+)
+def test_a_hand_edited_kv_bits_is_one_line_naming_the_file(checkpoint, serving, shown):
+    edit_meta(checkpoint, serving=serving)  # not under the digest: a serving choice, not the weights
+    with pytest.raises(kvjax.CheckpointError) as e:
+        kvjax.load(str(checkpoint))
+    assert str(e.value) == f"{checkpoint}/kvjax.json: {shown}"
+    edit_meta(checkpoint, serving={"kv_bits": 2, "later": "ignored"})
+    assert kvjax.load(str(checkpoint)).kv_bits == 2
+    edit_meta(checkpoint, serving={"kv_bits": None})
+    assert kvjax.load(str(checkpoint)).kv_bits is None
+
+
+def test_a_hand_edited_kv_bits_on_a_palu_checkpoint_is_refused(tmp_path):
+    path = tmp_path / "palu"
+    kvjax.compress(kvjax.Model.random(TINY_CONFIGS["llama"]), removal_rate=0.2, method="palu", **RANDOM).save(str(path))
+    edit_meta(path, serving={"kv_bits": 4})
+    with pytest.raises(kvjax.CheckpointError) as e:
+        kvjax.load(str(path))
+    assert str(e.value) == (
+        f'{path}/kvjax.json: "serving" asks for kv_bits 4, but quantized pages are not supported on Palu models yet: '
+        "set it to null"
+    )
+
+
 # 7. and 8. the commands' own output
 
 

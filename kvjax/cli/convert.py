@@ -2,10 +2,12 @@
 
     kvjax-convert SRC OUT (--target-rate P | --removal-rate R) [--method zack|palu] [--uniform]
                               [--calibration text|prose|code|random|text:FILE] [--num-tokens N] [--k-share S|measured]
+                              [--kv-bits 4|2|none]
 
 SRC is anything ``kvjax.load`` reads (a Hugging Face directory, a .gguf file, 'smollm2', 'gemma3-270m'). OUT is
 written beside and swapped in by renames at the end, so a failure leaves nothing half-written; --overwrite replaces
-only a kvjax checkpoint, and OUT may not be, contain or lie inside SRC.
+only a kvjax checkpoint, and OUT may not be, contain or lie inside SRC. --kv-bits saves the choice of quantized KV
+pages with OUT, so that kvjax-infer, kvjax-serve and kvjax.generate serve it from them by default.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ def parse_args(argv=None):
     from kvjax import validate
     from kvjax.cli import options
     from kvjax.compression.calibration import TEXT_SOURCES
+    from kvjax.compression.plan import check_kv_bits
     from kvjax.compression.text import read_text_file
     from kvjax.io.load import resolve
     from kvjax.io.saved import check_target
@@ -91,6 +94,15 @@ def parse_args(argv=None):
         help="seed of the random calibration token ids (--calibration random; default 0): the same seed gives the "
         "same plan; text calibration does not use it",
     )
+    p.add_argument(
+        "--kv-bits",
+        type=options.kv_bits_arg(model=False),
+        default=None,
+        metavar="{4,2,none}",
+        help="save with OUT that its KV cache is to be kept in 4- or 2-bit quantized pages (see kvjax-serve --help): "
+        "kvjax-infer, kvjax-serve and kvjax.generate then use them unless told otherwise (their --kv-bits none, "
+        "kv_bits=None); not with --method palu (default none: pages in the model's dtype)",
+    )
     options.add_dtype(p, "parameter dtype of the output")
     p.add_argument(
         "--overwrite",
@@ -100,6 +112,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.k_share is not None and args.target_rate is None:
         p.error("--k-share splits a target rate's columns: give --target-rate")
+    try:
+        check_kv_bits(args.kv_bits, args.method)
+    except ValueError as e:
+        p.error(f"--kv-bits {args.kv_bits} with --method {args.method}: {str(e).removeprefix('kv_bits: ')}")
     if args.calibration not in ("random", *TEXT_SOURCES) and not args.calibration.startswith("text:"):
         p.error("--calibration must be 'text', 'prose', 'code', 'random' or 'text:FILE'")
     if args.calibration.startswith("text:"):
@@ -154,6 +170,7 @@ def main(argv=None) -> int:
             fill_tiles=args.fill_tiles,
             max_context=args.max_context,
             k_share=args.k_share,
+            kv_bits=args.kv_bits,  # saved with OUT (kvjax.json's "serving")
         )
     except (FileNotFoundError, IsADirectoryError, ValueError) as e:
         parser.error(str(e))

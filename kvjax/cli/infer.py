@@ -237,7 +237,7 @@ def _start(args, model, ids: list, stats: dict):
         cache_memory=args.cache_memory,
         backend=args.attention,
         batch_invariant=args.batch_invariant,
-        kv_bits=args.kv_bits,
+        kv_bits=args.kv_bits,  # "model" unless given: the checkpoint's choice (kvjax.generate)
         stats=stats,
     )
     print(f"kvjax-infer: {run.runner.engine.describe()}", file=sys.stderr, flush=True)  # what the machine got

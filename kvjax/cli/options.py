@@ -5,7 +5,27 @@ from __future__ import annotations
 import argparse
 
 from kvjax import validate
-from kvjax.ops.quant import check_bits
+from kvjax.ops.quant import BITS, check_bits
+
+
+def kv_bits_arg(*, model: bool):
+    """An argparse ``type`` for --kv-bits: 4 or 2, or 'none' (None: pages of the cache's dtype); with ``model``
+    also 'model' (kept as the string: the model's own choice, ``kvjax.generate``'s default), the value argparse
+    converts for the default of kvjax-infer and kvjax-serve."""
+    words = ", ".join(map(str, BITS)) + " or 'none'"
+
+    def kv_bits(text: str):
+        word = text.strip().lower()
+        if word == "none":
+            return None
+        if model and word == "model":
+            return "model"
+        try:
+            return check_bits(int(text))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}") from None
+
+    return kv_bits
 
 
 def positive(name: str):
@@ -43,12 +63,13 @@ def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
     add_dtype(p, "parameter dtype", auto=True)
     p.add_argument(
         "--kv-bits",
-        type=validate.arg(check_bits, int),
-        default=None,
-        metavar="{4,2}",
+        type=kv_bits_arg(model=True),
+        default="model",
+        metavar="{4,2,none}",
         help="keep the KV cache in 4- or 2-bit quantized pages (KIVI-style: keys per channel over a page of 32 "
         "tokens, values per token, the newest partial page exact), about 3.5x or 6x more tokens in the same memory, "
-        "on top of any rank compression (default: pages in the model's dtype)",
+        "on top of any rank compression; 'none': pages in the model's dtype (default: the checkpoint's choice, "
+        "saved by kvjax-convert --kv-bits; pages in the model's dtype where it made none)",
     )
     p.add_argument(
         "--attention",

@@ -107,7 +107,7 @@ def build_engine(args, model):
     sequences of up to 8192 positions on a GPU, 4 of up to 2048 on a CPU (where a step's cost follows both), the
     cache at most a share of the memory free. A --max-seq-len the cache cannot hold once is refused; the default
     one shrinks to what it holds, and the start-up lines say so (``Engine.describe``)."""
-    from kvjax.runtime.config import EngineConfig
+    from kvjax.runtime.config import EngineConfig, kv_bits_for
     from kvjax.runtime.engine import Engine
     from kvjax.runtime.memory import CacheTooSmall
 
@@ -120,7 +120,7 @@ def build_engine(args, model):
         backend=args.attention,
         prefill_min_tokens=args.prefill_min_tokens,
         prefill_max_rows=args.prefill_max_rows,
-        kv_bits=args.kv_bits,
+        kv_bits=kv_bits_for(model, args.kv_bits),  # by default the checkpoint's choice (--kv-bits none: none)
     )
     try:
         return Engine(model, config)

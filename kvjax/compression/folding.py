@@ -132,4 +132,4 @@ def fold(model: Model, plan, bases: dict) -> Model:
         var.set_value(jnp.asarray(value, dtype))
     old.clear()  # Model joins the projections layer by layer: each layer's separate copies go as it does
     values.clear()
-    return Model(module, model.tokenizer, plan, model.source)
+    return Model(module, model.tokenizer, plan, model.source, kv_bits=model.kv_bits)

@@ -13,7 +13,7 @@ from flax import nnx
 from kvjax import validate
 from kvjax.compression.calibration import CalibrationStats, calibrate, calibration_tokens, check_source
 from kvjax.compression.folding import fold
-from kvjax.compression.plan import ALIGN, METHODS, RankPlan
+from kvjax.compression.plan import ALIGN, METHODS, RankPlan, check_kv_bits
 from kvjax.compression.split import best_share, kl_to
 
 BASIS = {"zack": ("qk", "v"), "palu": ("k_pre", "v")}  # each method's K and V bases (CalibrationStats.basis)
@@ -138,6 +138,7 @@ def compress(
     fill_tiles=False,
     max_context=None,
     k_share=None,
+    kv_bits="model",
     progress=True,
 ):
     """Compress ``model``'s KV cache along the head dimension; returns a new ``kvjax.Model`` with ``.plan``.
@@ -159,8 +160,12 @@ def compress(
     its heads by its own removal rate (adaptive) or evenly (uniform); "measured" tries shares 0.3-0.7 and keeps the
     one whose model stays closest (KL) to this one on held-in calibration rows (``compression.split``; a fold and
     a forward pass a share); None (default): one removal rate for both, or the uniform split by singular values.
+    ``kv_bits``: the quantized pages the returned model asks to be served from (``Model.kv_bits``, saved with it):
+    4 or 2, None (pages of the cache's dtype), or "model" (default): ``model``'s own. Palu models refuse 4 and 2,
+    before any calibration, in the engine's words.
     """
     _check_request(target_rate, removal_rate, method, max_context)  # before the (slow) calibration
+    kv_bits = _check_kv_bits(model, kv_bits, method)
     if k_share is not None:
         share = isinstance(k_share, (int, float)) and not isinstance(k_share, bool) and 0 < k_share < 1
         if target_rate is None or not (share or k_share == "measured"):
@@ -182,4 +187,17 @@ def compress(
         k_share, _ = best_share(lambda f: score(fold(model, *make_plan(model, stats, k_share=f, **settings))))
     plan, bases = make_plan(model, stats, order_heads=order_heads, fill_tiles=fill_tiles, k_share=k_share, **settings)
     _warn_far_from_target(plan, target_rate)
-    return fold(model, plan, bases)
+    compressed = fold(model, plan, bases)
+    compressed.kv_bits = kv_bits
+    return compressed
+
+
+def _check_kv_bits(model, kv_bits, method: str) -> int | None:
+    """``compress``'s ``kv_bits`` checked for ``method``: "model" stands for ``model.kv_bits``, which a Palu plan
+    refuses with a hint of where it came from."""
+    if isinstance(kv_bits, str) and kv_bits == "model":
+        try:
+            return check_kv_bits(model.kv_bits, method)
+        except ValueError as e:
+            raise ValueError(f"{e} (kv_bits={model.kv_bits} is the model's own: pass kv_bits=None)") from None
+    return check_kv_bits(kv_bits, method)

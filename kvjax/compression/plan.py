@@ -25,9 +25,29 @@ from kvjax import validate
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.search import fill_runs, order_heads
+from kvjax.ops.quant import check_bits
 
 ALIGN = 16
 METHODS = ("zack", "palu")
+# The engine's own words for a Palu model asked for quantized pages (``runtime.engine._formats``; a test holds the
+# two equal), said here as well so that ``kvjax.compress``, ``kvjax-convert`` and ``Model.save`` refuse the pair
+# before any work
+PALU_KV_BITS = (
+    "kv_bits: quantized pages are not supported on Palu models yet (their cache holds a latent K that every read "
+    "rebuilds); quantize an uncompressed or ZACK model"
+)
+
+
+def check_kv_bits(kv_bits, method: str | None) -> int | None:
+    """The quantized-page width a model compressed by ``method`` (None: uncompressed) may be served with: None
+    (pages of the cache's dtype), or 4 or 2 (``ops.quant.check_bits``) on any model but a Palu one; anything else
+    is a one-line ValueError."""
+    if kv_bits is None:
+        return None
+    bits = check_bits(kv_bits)
+    if method == "palu":
+        raise ValueError(PALU_KV_BITS)
+    return bits
 
 
 def rank_for_removal(s: np.ndarray, r: float, head_dim: int) -> int:

@@ -106,7 +106,7 @@ def _load_gguf(path: str, dtype, progress: bool) -> Model:
 def load(path: str, dtype: str = "auto", *, progress: bool = True) -> Model:
     """Load ``path``: a Hugging Face directory (config.json + safetensors), a ``.gguf`` file, an embedded model
     (``"smollm2"``, ``"gemma3-270m"``: see ``EMBEDDED``), or a directory written by ``Model.save`` (compressed or
-    not).
+    not; the quantized pages it was saved to be served from come back as ``Model.kv_bits``).
 
     ``dtype`` is the parameter dtype ("bfloat16", "float16", "float32"); "auto" (the default) is bfloat16 on a GPU
     and float32 on a CPU while the model's float32 weights fit a share of the memory available
@@ -122,7 +122,8 @@ def load(path: str, dtype: str = "auto", *, progress: bool = True) -> Model:
     path = resolve(path)
     if os.path.isdir(path):
         if is_kvjax_checkpoint(path):
-            model = Model(*load_saved(path, dtype))
+            module, tokenizer, plan, kv_bits = load_saved(path, dtype)
+            model = Model(module, tokenizer, plan, kv_bits=kv_bits)
         else:
             model = _load_hf_dir(path, dtype, progress)
     elif path.endswith(".gguf"):

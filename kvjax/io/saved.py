@@ -31,6 +31,11 @@ from kvjax.io.hf import json_error, one_line, read_json, some
 # 2: a ZACK layer's qk_rotation is [d, k_cols] (``models.rotation``); format 1 stored it per group, zero-padded to
 # the widest group, [Hkv, d, W], and loads as such, converted.
 FORMAT = 2
+# kvjax.json may also hold "serving": {"kv_bits": 4 or 2}, how the model is served by default (``Model.kv_bits``;
+# absent or null: pages of the cache's dtype). It was added within format 2: a kvjax that predates it ignores the key
+# and serves the checkpoint from unquantized pages, which is still correct, only larger. It is not under the digest:
+# it says nothing about the weights, and editing it by hand is allowed (a bad value is a CheckpointError).
+SERVING = "serving"
 PARTS = ("kvjax.json", "plan.json", "params", "tokenizer")  # everything a checkpoint directory may hold
 
 
@@ -42,8 +47,10 @@ def save(model, directory: str, *, overwrite: bool = False, hint: str = "overwri
     import orbax.checkpoint as ocp
     from flax.traverse_util import unflatten_dict
 
+    from kvjax.compression.plan import check_kv_bits
     from kvjax.models.transformer import separate_params
 
+    kv_bits = check_kv_bits(model.kv_bits, None if model.plan is None else model.plan.method)  # before any write
     for line in atomic.recover(os.path.abspath(directory), is_kvjax_checkpoint):
         warnings.warn(line, stacklevel=2)
     sources = () if model.source is None else (model.source,)
@@ -62,6 +69,8 @@ def save(model, directory: str, *, overwrite: bool = False, hint: str = "overwri
             model.tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
             parts.append("tokenizer")
         meta = {"format": FORMAT, "config": model.config.to_dict(), "dtype": str(model.dtype), "parts": parts}
+        if kv_bits is not None:
+            meta[SERVING] = {"kv_bits": kv_bits}
         meta["digest"] = config_digest(meta)
         _write(os.path.join(tmp, "kvjax.json"), json.dumps(meta, indent=1))
         atomic.commit(tmp, directory)
@@ -136,9 +145,9 @@ def is_kvjax_checkpoint(directory: str) -> bool:
 
 
 def load_saved(directory: str, dtype):
-    """(module, tokenizer, plan) of a checkpoint written by ``save``, cast to ``dtype`` (a name, or "auto":
-    ``kvjax.machine.param_dtype``); a missing, corrupt or
-    inconsistent part, or a NaN/inf parameter, is a ``CheckpointError`` naming it."""
+    """(module, tokenizer, plan, kv_bits) of a checkpoint written by ``save``, cast to ``dtype`` (a name, or "auto":
+    ``kvjax.machine.param_dtype``); ``kv_bits`` is the quantized pages it asks to be served from (None: the cache's
+    dtype). A missing, corrupt or inconsistent part, or a NaN/inf parameter, is a ``CheckpointError`` naming it."""
     import orbax.checkpoint as ocp
 
     from kvjax.models.rotation import packed_rotation
@@ -146,9 +155,14 @@ def load_saved(directory: str, dtype):
 
     directory = os.path.abspath(directory)
     plan_file, params_dir = os.path.join(directory, "plan.json"), os.path.join(directory, "params")
-    cfg, saved_dtype, parts, fmt = _read_meta(directory)
+    cfg, saved_dtype, parts, fmt, kv_bits = _read_meta(directory)
     dtype = jnp.dtype(machine.param_dtype(dtype, cfg.param_count()))  # "auto" by the model's size
     plan = _read_plan(plan_file)
+    if kv_bits is not None and plan is not None and plan.method == "palu":
+        raise CheckpointError(
+            f'{os.path.join(directory, "kvjax.json")}: "{SERVING}" asks for kv_bits {kv_bits}, but quantized pages '
+            "are not supported on Palu models yet: set it to null"
+        )
     try:
         module = nnx.eval_shape(lambda: Transformer(cfg, plan=plan, dtype=saved_dtype, rngs=nnx.Rngs(0)))
     except (TypeError, ValueError, IndexError) as e:
@@ -170,7 +184,7 @@ def load_saved(directory: str, dtype):
     state = nnx.state(module, nnx.Param)
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.asarray(x, dtype), restored))
     nnx.update(module, state)
-    return module, _read_tokenizer(os.path.join(directory, "tokenizer")), plan
+    return module, _read_tokenizer(os.path.join(directory, "tokenizer")), plan, kv_bits
 
 
 def _map_rotations(params: dict, layouts, fn) -> None:
@@ -187,7 +201,8 @@ def _format1_abstract(layout, leaf) -> jax.ShapeDtypeStruct:
 
 
 def _read_meta(directory: str):
-    """(config, saved dtype, parts or None, format) from ``kvjax.json``, every part it lists present."""
+    """(config, saved dtype, parts or None, format, kv_bits or None) from ``kvjax.json``, every part it lists
+    present."""
     from kvjax.models.config import ModelConfig
 
     meta_file = os.path.join(directory, "kvjax.json")
@@ -212,10 +227,33 @@ def _read_meta(directory: str):
             f"{meta_file}: its config or dtype was edited after saving (they no longer match the digest saved with "
             'them), so they may not describe these weights: undo the edit, or delete "digest" to load it as edited'
         )
+    kv_bits = _read_kv_bits(meta_file, meta.get(SERVING))
     try:
-        return ModelConfig.from_dict(meta["config"]), jnp.dtype(meta["dtype"]), parts, meta["format"]
+        return ModelConfig.from_dict(meta["config"]), jnp.dtype(meta["dtype"]), parts, meta["format"], kv_bits
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{meta_file}: bad config or dtype: {one_line(e)}") from None
+
+
+def _read_kv_bits(meta_file: str, serving) -> int | None:
+    """The "kv_bits" of kvjax.json's "serving" object (absent: None); a bad value is a ``CheckpointError``. Other
+    keys of "serving" are left to the kvjax that wrote them."""
+    from kvjax.ops.quant import BITS, check_bits
+
+    if serving is None:
+        return None
+    if not isinstance(serving, dict):
+        raise CheckpointError(f'{meta_file}: "{SERVING}" must be an object, got {json.dumps(serving)[:80]}')
+    kv_bits = serving.get("kv_bits")
+    if kv_bits is None:
+        return None
+    try:
+        return check_bits(kv_bits)
+    except ValueError:
+        allowed = ", ".join(map(str, BITS))
+        raise CheckpointError(
+            f'{meta_file}: "{SERVING}": "kv_bits" must be {allowed} or null (unquantized pages), '
+            f"got {json.dumps(kv_bits)[:80]}"
+        ) from None
 
 
 def _read_plan(plan_file: str):

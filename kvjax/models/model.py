@@ -50,12 +50,20 @@ def _project(graphdef, state, hidden):
 class Model:
     """What ``kvjax.load`` returns and every other entry point takes."""
 
-    def __init__(self, module: Transformer, tokenizer=None, plan=None, source: str | None = None):
+    def __init__(
+        self, module: Transformer, tokenizer=None, plan=None, source: str | None = None, *, kv_bits: int | None = None
+    ):
         """``plan`` is the ``RankPlan`` a compressed module was built with (None: uncompressed); ``source`` the
         checkpoint it was read from (``save`` never writes over, into or around it). ``module``'s projections are
-        joined in place (``Transformer.join``)."""
+        joined in place (``Transformer.join``).
+
+        ``kv_bits`` is how the model asks to be served: its KV cache in 4- or 2-bit quantized pages, or None (pages
+        of the cache's dtype). Plain metadata, saved with the checkpoint (``kvjax-convert --kv-bits``) and read
+        back by ``kvjax.load``; ``kvjax.generate``, ``kvjax-infer`` and ``kvjax-serve`` use it when their caller
+        gives no ``kv_bits``. It is checked where it is used: by ``save`` and by the engine's configuration."""
         module.join()
         self.module, self.tokenizer, self.plan, self.source = module, tokenizer, plan, source
+        self.kv_bits = kv_bits
         self.graphdef, self.state = nnx.split(module)
         self._engines: dict = {}
 
@@ -122,10 +130,11 @@ class Model:
         """The same model with its parameters cast to ``dtype`` (one of ``kvjax.validate.DTYPES``)."""
         dtype = jnp.dtype(validate.dtype(dtype))
         module = nnx.merge(self.graphdef, jax.tree.map(lambda x: x.astype(dtype), self.state))
-        return Model(module, self.tokenizer, self.plan, self.source)
+        return Model(module, self.tokenizer, self.plan, self.source, kv_bits=self.kv_bits)
 
     def save(self, directory: str, *, overwrite: bool = False, hint: str = "overwrite=True") -> str:
-        """Write orbax params + ``kvjax.json`` (+ ``plan.json``, tokenizer) atomically; ``kvjax.load`` reads it.
+        """Write orbax params + ``kvjax.json`` (+ ``plan.json``, tokenizer) atomically; ``kvjax.load`` reads it,
+        ``kv_bits`` included (a value the engine would refuse, or any on a Palu model, is a ValueError first).
 
         ``overwrite`` replaces only an empty directory or a kvjax checkpoint, never the one this model was read
         from; the old one is deleted only once the new one is in place (``kvjax.io.atomic``)."""
@@ -136,7 +145,8 @@ class Model:
     def __repr__(self):
         c = self.config
         plan = "" if self.plan is None else f", {self.plan.method} rate {self.plan.rate:.3f}"
+        pages = "" if self.kv_bits is None else f", int{self.kv_bits} KV pages"
         return (
             f"kvjax.Model({c.arch}, {c.num_layers} layers, {c.num_heads} heads / {c.num_kv_heads} KV heads "
-            f"of {c.head_dim}, vocab {c.vocab_size}, {self.dtype}{plan})"
+            f"of {c.head_dim}, vocab {c.vocab_size}, {self.dtype}{plan}{pages})"
         )

@@ -9,6 +9,7 @@ the defaults of the machine at hand (``kvjax.machine``).
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from kvjax import machine, validate
 from kvjax.ops.attention import check_backend
@@ -16,6 +17,19 @@ from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.quant import GROUP, check_bits
 
 PAGE = 16  # tokens a page of the cache's dtype (a quantized page: ``quant.GROUP``)
+# The entry points' ``kv_bits`` (``kvjax.generate``, ``kvjax-infer``, ``kvjax-serve``): 4 or 2, None (pages of the
+# cache's dtype, whatever the model asks for) or "model", their default: the model's own choice, ``Model.kv_bits``,
+# saved with its checkpoint. ``EngineConfig`` and ``Engine`` take only 4, 2 or None: the caller resolves "model"
+# (``kv_bits_for``).
+KvBits = int | None | Literal["model"]
+
+
+def kv_bits_for(model, kv_bits: KvBits) -> int | None:
+    """The engine's ``kv_bits`` for ``model``: "model" stands for ``model.kv_bits``; anything else is as given (and
+    checked by ``EngineConfig``)."""
+    if isinstance(kv_bits, str) and kv_bits == "model":
+        return getattr(model, "kv_bits", None)
+    return kv_bits
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from kvjax import validate
-from kvjax.runtime.config import EngineConfig
+from kvjax.runtime.config import EngineConfig, KvBits, kv_bits_for
 from kvjax.runtime.engine import Engine, bucket
 from kvjax.runtime.runner import Runner
 from kvjax.runtime.scheduler import Request
@@ -107,7 +107,7 @@ def generate_iter(
     cache_memory: float | int | None = None,
     backend: str | None = None,
     batch_invariant: bool = False,
-    kv_bits: int | None = None,
+    kv_bits: KvBits = "model",
     stats: dict | None = None,
 ) -> _Run:
     """Check the arguments and queue the prompts; iterating the result runs them and yields (prompt index,
@@ -122,8 +122,9 @@ def generate_iter(
     prompts that do not fit at once wait, or are preempted and recomputed later. ``backend`` picks the attention
     path: "pallas" (the kernels, default on a GPU), "reference" (jnp, default elsewhere) or "interpret" (the
     kernels on the CPU). ``kv_bits`` (4 or 2) keeps the cache in quantized pages (``EngineConfig.kv_bits``;
-    ``page_size`` then defaults to 32, the keys' group). ``stats``, if given, receives counts and per-prompt times
-    once the iteration ends.
+    ``page_size`` then defaults to 32, the keys' group); None keeps it in the cache's dtype; "model" (the default)
+    takes the model's own choice, ``model.kv_bits`` (saved with a checkpoint by ``kvjax-convert --kv-bits``; None
+    for a model that made none). ``stats``, if given, receives counts and per-prompt times once the iteration ends.
 
     Sampling draws token i of prompt n from (``seed``, n, i) alone, so it does not depend on the other prompts'
     timing. ``batch_invariant=True``: a prompt's tokens depend only on it, ``seed`` and the fixed settings
@@ -144,7 +145,7 @@ def generate_iter(
         cache_memory=cache_memory,
         backend=backend,
         batch_invariant=batch_invariant,
-        kv_bits=kv_bits,
+        kv_bits=kv_bits_for(model, kv_bits),
     )
     capacity = config.max_seq_len
     if (
