@@ -388,6 +388,11 @@ def overall_rate(base, plan, kv_bits: int | None, page_size: int) -> float:
     return 1.0 - sum(kv_schemes.token_bytes(scheme_of(kv_bits, page_size), layouts).values()) / full
 
 
+def uncompressed_row(base, kv_bits, page_size: int) -> dict:
+    """The fields of ``base`` itself served over ``kv_bits``-bit pages (None: unquantized), its honest rate beside."""
+    return UNCOMPRESSED | {"kv_bits": kv_bits, "overall_rate": overall_rate(base, None, kv_bits, page_size)}
+
+
 def _build(base, plan, bases, kv_bits: int | None, page_size: int):
     """The model a row scores: ``base`` folded by ``plan`` (None: ``base`` itself), served over ``kv_bits``-bit
     pages of ``page_size`` tokens if ``kv_bits``."""
@@ -562,9 +567,7 @@ def run_eval(base, args, heldout: dict | None = None) -> tuple[list[dict], list[
     rows: list[dict] = []
     at_99: list[dict] = []
     quantized = [  # the uncompressed model over quantized pages ("4-bit alone"), beside its unquantized rows
-        (UNCOMPRESSED | {"kv_bits": bits, "overall_rate": overall_rate(base, None, bits, args.kv_page)}, None, None)
-        for bits in args.kv_bits
-        if bits is not None
+        (uncompressed_row(base, bits, args.kv_page), None, None) for bits in args.kv_bits if bits is not None
     ]
     if quantized:
         models = [(fields | {"probe": False}, plan, bases) for fields, plan, bases in quantized]
@@ -592,10 +595,7 @@ def run_retrieval(base, args) -> tuple[list[dict], list[dict]]:
     """Retrieval per task and model (uncompressed, then per model group and rate, ``_eval_plans``): table
     rows (one per context: accuracy per depth, their mean and its change from the uncompressed model's) and every
     run's ``retrieval.run`` results. Each compressed model is folded once and serves every task and context."""
-    models = [
-        (UNCOMPRESSED | {"kv_bits": bits, "overall_rate": overall_rate(base, None, bits, args.kv_page)}, lambda: base)
-        for bits in args.kv_bits
-    ]
+    models = [(uncompressed_row(base, bits, args.kv_page), lambda: base) for bits in args.kv_bits]
     models += [(row, functools.partial(fold, base, plan, bases)) for row, plan, bases in _eval_plans(base, args)]
     runs: list[dict] = []
     for fields, build in models:

@@ -29,9 +29,8 @@ from kvjax.ops.quant import check_bits
 
 ALIGN = 16
 METHODS = ("zack", "palu")
-# The engine's own words for a Palu model asked for quantized pages (``runtime.engine._formats``; a test holds the
-# two equal), said here as well so that ``kvjax.compress``, ``kvjax-convert`` and ``Model.save`` refuse the pair
-# before any work
+# A Palu model asked for quantized pages, in the same words wherever it is refused (``check_kv_bits``: the engine,
+# ``kvjax.compress``, ``kvjax-convert``, ``Model.save``), so each refuses the pair before any work
 PALU_KV_BITS = (
     "kv_bits: quantized pages are not supported on Palu models yet (their cache holds a latent K that every read "
     "rebuilds); quantize an uncompressed or ZACK model"

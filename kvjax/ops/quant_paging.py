@@ -12,6 +12,8 @@ whatever the pool's size.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -24,12 +26,17 @@ def create_tail(fmt: PageFormat, slots: int, dtype) -> jax.Array:
     return jnp.zeros((slots, fmt.page_size, fmt.k_cols + fmt.v_cols), dtype)
 
 
-def _scatter_pages(pages, fmt: PageFormat, targets, k, v):
-    """Quantize pages of keys [M, P, k_cols] and values [M, P, v_cols] and write them to pool pages ``targets`` [M]
-    (the null page or a negative target: dropped); ``targets`` are distinct, each page owned by one sequence."""
+def _encode(fmt: PageFormat, kv):
+    """Pages of K then V columns [M, P, k_cols + v_cols] as ``fmt``'s bytes [M, page_bytes]."""
+    return fmt.encode(*_split(kv, fmt))
+
+
+def _scatter_pages(pages, targets, encoded):
+    """Write encoded pages [M, page_bytes] to pool pages ``targets`` [M] (the null page or a negative target:
+    dropped); ``targets`` are distinct, each page owned by one sequence."""
     num_pages = pages.shape[0]
     targets = jnp.where((targets > NULL_PAGE) & (targets < num_pages), targets, num_pages)
-    return pages.at[targets].set(fmt.encode(k, v), mode="drop", unique_indices=True)
+    return pages.at[targets].set(encoded, mode="drop", unique_indices=True)
 
 
 def fill_budget(rows: int, page_size: int) -> int:
@@ -56,22 +63,18 @@ def write_decode(pages, tail, fmt: PageFormat, block_table, lengths, k, v, activ
     filling = active & (lengths % p == 0)
     target = jnp.where(filling, target, -1)
     budget = fill_budget(b, p)
+    every = functools.partial(_encode, fmt)
     if budget >= b:
-        return _scatter_pages(pages, fmt, target, *_split(tail, fmt)), tail
+        return _scatter_pages(pages, target, every(tail)), tail
 
     def few(tail):
         picked = jnp.nonzero(filling, size=budget, fill_value=b)[0]
-        encoded = fmt.encode(*_split(tail[jnp.minimum(picked, b - 1)], fmt))
+        encoded = _encode(fmt, tail[jnp.minimum(picked, b - 1)])
         return jnp.zeros((b, fmt.page_bytes), jnp.uint8).at[picked].set(encoded, mode="drop")
-
-    def every(tail):
-        return fmt.encode(*_split(tail, fmt))
 
     # the branches see the tail alone (a page a slot), never the pool: the pool is written once, below, in place
     encoded = jax.lax.cond(jnp.sum(filling) <= budget, few, every, tail)
-    num_pages = pages.shape[0]
-    target = jnp.where((target > NULL_PAGE) & (target < num_pages), target, num_pages)
-    return pages.at[target].set(encoded, mode="drop", unique_indices=True), tail
+    return _scatter_pages(pages, target, encoded), tail
 
 
 def write_prefill(pages, tail, fmt: PageFormat, block_table, tail_rows, starts, k, v, lengths):
@@ -97,7 +100,7 @@ def write_prefill(pages, tail, fmt: PageFormat, block_table, tail_rows, starts, 
     logical = (starts // p)[:, None] + j
     target = jnp.take_along_axis(block_table, logical, axis=1, mode="clip")
     target = jnp.where(full & (tail_rows < tail.shape[0])[:, None], target, -1)
-    pages = _scatter_pages(pages, fmt, target.reshape(-1), *_split(buf.reshape(b * nb, p, -1), fmt))
+    pages = _scatter_pages(pages, target.reshape(-1), _encode(fmt, buf.reshape(b * nb, p, -1)))
     last = jnp.take_along_axis(buf, ((r + lengths) // p)[:, None, None, None], axis=1)[:, 0]
     tail = tail.at[tail_rows].set(last, mode="drop")
     return pages, tail

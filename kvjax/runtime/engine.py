@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax import machine
+from kvjax.compression.plan import check_kv_bits
 from kvjax.ops import attention
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.plan import bucket as pow2_bucket
@@ -568,14 +569,10 @@ class Engine:
 
 def _formats(model, c: EngineConfig) -> tuple[PageFormat, ...] | None:
     """Each layer's quantized page format, or None for pages in the cache's dtype."""
-    if not c.kv_bits:
+    bits = check_kv_bits(c.kv_bits, model.module.method)  # Palu refused, in the words kvjax.compress uses
+    if not bits:
         return None
-    if model.module.method == "palu":
-        raise ValueError(
-            "kv_bits: quantized pages are not supported on Palu models yet (their cache holds a latent K that every "
-            "read rebuilds); quantize an uncompressed or ZACK model"
-        )
-    return tuple(PageFormat.for_layout(lay, c.page_size, c.kv_bits) for lay in model.layouts)
+    return tuple(PageFormat.for_layout(lay, c.page_size, bits) for lay in model.layouts)
 
 
 def _quant_decode_op(layouts, formats, pages_per_seq: int, config: EngineConfig, interpret: bool):
