@@ -28,7 +28,7 @@ import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
-from harness import HKV, HQ, D, PagedCase, copy_bandwidth, log, shape_arg
+from harness import HKV, HQ, D, PagedCase, copy_bandwidth, count_arg, log, shape_arg
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -256,13 +256,24 @@ def lab_decode(q, pool, table, *, variant, nc, splits, fmt, num_warps, interpret
     return o[:, :, :G].reshape(b, HQ * D).astype(q.dtype)
 
 
+def counts(text: str) -> list[int]:
+    """A comma-separated list of positive integers (an argparse ``type``)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be positive integers, comma-separated, got {text!r}")
+    return values
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", type=shape_arg("--shape"), default=(32, 8192), help="BxCTX (default 32x8192)")
     ap.add_argument("--variants", default="gather,fold,fold_pre,swap", help="comma-separated (module docstring)")
-    ap.add_argument("--nc", default="1,2,4", help="pages a loop step, comma-separated (default 1,2,4)")
-    ap.add_argument("--warps", default="4", help="warps a program, comma-separated (default 4)")
-    ap.add_argument("--splits", type=int, default=2, help="programs a (sequence, head) (default 2)")
+    ap.add_argument("--nc", type=counts, default=[1, 2, 4], help="pages a loop step, comma-separated (default 1,2,4)")
+    ap.add_argument("--warps", type=counts, default=[4], help="warps a program, comma-separated (default 4)")
+    ap.add_argument("--splits", type=count_arg("--splits"), default=2, help="programs a (sequence, head) (default 2)")
     ap.add_argument("--interpret", action="store_true", help="run the kernels in interpret mode (CPU)")
     ap.add_argument("--timer", choices=("cupti", "host"), default="cupti")
     ap.add_argument("--json", help="write the rows here")
@@ -272,8 +283,9 @@ def main(argv=None):
             ap.error(f"unknown variant {v!r}: one of {', '.join(VARIANTS)}, with _pre for all but gather")
     harness.TIMER["name"] = args.timer
     batch, ctx = args.shape
-    if ctx % (P * args.splits * 4):
-        ap.error(f"the context must be a multiple of {P * args.splits * 4} tokens")
+    step = P * args.splits * math.lcm(*args.nc)  # every split reads whole loop steps of whole pages
+    if ctx % step:
+        ap.error(f"the context must be a multiple of {step} tokens (pages of {P}, --splits, --nc)")
     lay = harness.uniform(D)
     key = jax.random.key(0)
     case = PagedCase(lay, batch, np.full(batch, ctx), P, harness.copies_for(batch * ctx * 4 * HKV * D), key)
@@ -295,8 +307,8 @@ def main(argv=None):
     print("| variant | pages a step | warps | time us | floor us | % of copy bw | rel err |")
     print("|---|---|---|---|---|---|---|")
     for variant in args.variants.split(","):
-        for nc in map(int, args.nc.split(",")):
-            for warps in map(int, args.warps.split(",")):
+        for nc in args.nc:
+            for warps in args.warps:
                 opts = dict(variant=variant, nc=nc, splits=args.splits, fmt=fmt, num_warps=warps)
 
                 def call(pool, q, table, opts=opts):
