@@ -12,6 +12,9 @@ Variants (``--variants``; a ``_pre`` suffix issues a step's loads one step ahead
   swap    fold with the dots' operands swapped: codes the left operand, q and the weights the small right one
   fma     fold's arithmetic on CUDA cores, the G real query rows only (no dots)
   load    the loads alone, each read summed (an ablation: what the memory system gives these loads)
+  wide    fold reading the scales and zeros as float16 runs (a float16 view of the pool): every load of the loop
+          at least 32 bits a lane, which Triton's pipeliner requires before it turns a load into an asynchronous
+          copy (AssignLatencies.cpp, ``isSmallLoad``); the others read them as byte pairs, too narrow
 
 ``--interpret --timer host --shape 2x256`` checks every variant on a CPU (its times mean nothing).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 from typing import NamedTuple
@@ -42,7 +46,7 @@ R = 16  # query rows a tile: the GQA group padded to the tensor cores' smallest 
 P = 32  # tokens a page
 G = HQ // HKV
 HALF = D // 2  # columns a nibble plane
-VARIANTS = ("gather", "fold", "swap", "fma", "load")
+VARIANTS = ("gather", "fold", "swap", "fma", "load", "wide")
 
 
 def _f16(lo, hi):
@@ -79,9 +83,37 @@ def fetch(pool_ref, table_ref, fmt: PageFormat, seq, h, i, pps):
     )
     k_raw = plgpu.load(pool_ref.at[base + t * (fmt.k_cols // 2) + h * HALF + c])
     v_raw = plgpu.load(pool_ref.at[base + at["v_codes"] + t * (fmt.v_cols // 2) + h * HALF + c])
-    vm = base + at["v_meta"] + 2 * (jnp.arange(P) * HKV + h)
+    vm = base + at["v_meta"] + 2 * (h * P + jnp.arange(P))
     v_meta = tuple(plgpu.load(pool_ref.at[a + byte]) for a in (vm, vm + 2 * P * HKV) for byte in (0, 1))
     return Page(k_meta, k_raw, v_raw, v_meta)
+
+
+def meta_view(pool):
+    """The pool as float16 (its metadata's view; a bitcast in XLA, no copy): what ``fetch_wide`` reads."""
+    return lax.bitcast_convert_type(pool.reshape(-1, 2), jnp.float16)
+
+
+def fetch_wide(pool_ref, meta_ref, table_ref, fmt: PageFormat, seq, h, i, pps):
+    """``fetch`` with the metadata as float16 runs of ``meta_ref`` (``meta_view``), the codes as bytes."""
+    at, t, c = fmt.offsets, jnp.arange(P)[:, None], jnp.arange(HALF)[None, :]
+    page = table_ref[seq, jnp.minimum(i, pps - 1)]
+    base, half = page * fmt.page_bytes, page * (fmt.page_bytes // 2)
+    km = half + at["k_meta"] // 2 + h * D + c
+    k_meta = tuple(plgpu.load(meta_ref.at[a]) for a in (km, km + HALF, km + fmt.k_cols, km + fmt.k_cols + HALF))
+    k_raw = plgpu.load(pool_ref.at[base + t * (fmt.k_cols // 2) + h * HALF + c])
+    v_raw = plgpu.load(pool_ref.at[base + at["v_codes"] + t * (fmt.v_cols // 2) + h * HALF + c])
+    vm = half + at["v_meta"] // 2 + h * P + jnp.arange(P)
+    v_meta = (plgpu.load(meta_ref.at[vm]), plgpu.load(meta_ref.at[vm + HKV * P]))
+    return Page(k_meta, k_raw, v_raw, v_meta)
+
+
+def _metas(page: Page):
+    """(key scale and zero of the low and high planes [1, 64], value scale and zero [P]) as float32, from either
+    form ``Page`` holds them in: byte pairs (``fetch``) or float16 (``fetch_wide``)."""
+    if len(page.k_meta) == 4:
+        return (*(x.astype(jnp.float32) for x in page.k_meta), *(x.astype(jnp.float32) for x in page.v_meta))
+    k = tuple(_f16(page.k_meta[2 * j], page.k_meta[2 * j + 1]) for j in range(4))
+    return (*k, _f16(*page.v_meta[:2]), _f16(*page.v_meta[2:]))
 
 
 def _row(x, r):
@@ -92,8 +124,7 @@ def _row(x, r):
 def use(page: Page, q_lo, q_hi, variant: str):
     """Scores of the page (log2 units; [R, P], or [P, R] for swap) and a function of its weights giving (outputs
     of the two planes, a row term to add to every column)."""
-    ks_lo, ks_hi, kz_lo, kz_hi = (_f16(page.k_meta[2 * j], page.k_meta[2 * j + 1]) for j in range(4))
-    vs, vz = _f16(*page.v_meta[:2]), _f16(*page.v_meta[2:])
+    ks_lo, ks_hi, kz_lo, kz_hi, vs, vz = _metas(page)
     qs_lo, qs_hi = (q_lo * ks_lo).astype(jnp.bfloat16), (q_hi * ks_hi).astype(jnp.bfloat16)
     corr = jnp.sum(q_lo * kz_lo + q_hi * kz_hi, axis=1)  # q . zero: the same for every token of the page
     if variant == "load":
@@ -164,7 +195,7 @@ def gather_page(pool_ref, table_ref, fmt: PageFormat, seq, h, i, q):
     zero = _f16(plgpu.load(pool_ref.at[km + 2 * fmt.k_cols]), plgpu.load(pool_ref.at[km + 2 * fmt.k_cols + 1]))
     k = (codes(0, fmt.k_cols // 2) * scale + zero).astype(jnp.bfloat16)
     v = codes(at["v_codes"], fmt.v_cols // 2).astype(jnp.bfloat16)
-    vm = base + at["v_meta"] + 2 * (jnp.arange(P) * HKV + h)
+    vm = base + at["v_meta"] + 2 * (h * P + jnp.arange(P))
     vs = _f16(plgpu.load(pool_ref.at[vm]), plgpu.load(pool_ref.at[vm + 1]))
     vz = _f16(plgpu.load(pool_ref.at[vm + 2 * P * HKV]), plgpu.load(pool_ref.at[vm + 2 * P * HKV + 1]))
 
@@ -174,7 +205,7 @@ def gather_page(pool_ref, table_ref, fmt: PageFormat, seq, h, i, q):
     return plgpu.dot(q, k, trans_b=True), values
 
 
-def lab_kernel(table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref, *, variant, nc, pps, splits, fmt):
+def lab_kernel(table_ref, q_ref, pool_ref, meta_ref, acc_ref, m_ref, l_ref, *, variant, nc, pps, splits, fmt):
     """One program: its (sequence, head, split)'s pages, ``nc`` a loop step, into a partial (acc, max, sum)."""
     pid = pl.program_id(0)
     seq, h, split = pid // (HKV * splits), (pid // splits) % HKV, pid % splits
@@ -193,7 +224,11 @@ def lab_kernel(table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref, *, variant, nc
         accs = [jnp.zeros((R, D), jnp.float32)]
     else:
         q_lo, q_hi = load_q(0, HALF), load_q(HALF, HALF)
-        fetch_page = functools.partial(fetch, pool_ref, table_ref, fmt, seq, h, pps=pps)
+        if kind == "wide":
+            fetch_page = functools.partial(fetch_wide, pool_ref, meta_ref, table_ref, fmt, seq, h, pps=pps)
+            kind = "fold"
+        else:
+            fetch_page = functools.partial(fetch, pool_ref, table_ref, fmt, seq, h, pps=pps)
         page = lambda i: use(fetch_page(i), q_lo, q_hi, kind)  # noqa: E731
         accs = [jnp.zeros((HALF, R) if kind == "swap" else (R, HALF), jnp.float32)] * 2
     tok = 0 if kind == "swap" else 1  # the token axis of a score tile
@@ -233,13 +268,14 @@ def lab_kernel(table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref, *, variant, nc
     plgpu.store(l_ref.at[out], l)
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "nc", "splits", "fmt", "num_warps", "interpret"))
-def lab_decode(q, pool, table, *, variant, nc, splits, fmt, num_warps, interpret=False):
-    """Attention output [B, HQ * D] of q against every whole page of the table, by the variant's kernel."""
+@functools.partial(jax.jit, static_argnames=("variant", "nc", "splits", "fmt", "num_warps", "num_stages", "interpret"))
+def lab_decode(q, pool, meta, table, *, variant, nc, splits, fmt, num_warps, num_stages=2, interpret=False):
+    """Attention output [B, HQ * D] of q against every whole page of the table, by the variant's kernel (``meta``:
+    the pool's float16 view, ``meta_view``, read by ``wide`` only)."""
     b, pps = table.shape
     n = b * HKV * splits
     kernel = functools.partial(lab_kernel, variant=variant, nc=nc, pps=pps, splits=splits, fmt=fmt)
-    args = [table, q.reshape(-1), pool.reshape(-1)]
+    args = [table, q.reshape(-1), pool.reshape(-1), meta.reshape(-1)]
     out_shape = [jax.ShapeDtypeStruct((n * R * s,), jnp.float32) for s in (D, 1, 1)]
     acc, m, l = pl.pallas_call(
         kernel,
@@ -248,7 +284,7 @@ def lab_decode(q, pool, table, *, variant, nc, splits, fmt, num_warps, interpret
         out_specs=[whole_block(x) for x in out_shape],
         out_shape=out_shape,
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
     )(*args)
     acc, m, l = acc.reshape(b, HKV, splits, R, D), m.reshape(b, HKV, splits, R), l.reshape(b, HKV, splits, R)
     w = jnp.exp2(m - m.max(axis=2, keepdims=True))
@@ -273,6 +309,7 @@ def main(argv=None):
     ap.add_argument("--variants", default="gather,fold,fold_pre,swap", help="comma-separated (module docstring)")
     ap.add_argument("--nc", type=counts, default=[1, 2, 4], help="pages a loop step, comma-separated (default 1,2,4)")
     ap.add_argument("--warps", type=counts, default=[4], help="warps a program, comma-separated (default 4)")
+    ap.add_argument("--stages", type=counts, default=[2], help="Triton pipeline stages, comma-separated (default 2)")
     ap.add_argument("--splits", type=count_arg("--splits"), default=2, help="programs a (sequence, head) (default 2)")
     ap.add_argument("--interpret", action="store_true", help="run the kernels in interpret mode (CPU)")
     ap.add_argument("--timer", choices=("cupti", "host"), default="cupti")
@@ -292,6 +329,7 @@ def main(argv=None):
     fmt = PageFormat.for_layout(lay, P, 4)
     pool = jax.jit(fmt.encode)(case.k, case.v)
     del case.k, case.v
+    meta = jax.jit(meta_view)(pool)
     lengths = jnp.asarray(case.lengths)
     per_call = [
         (q, case.tables[u % case.tables.shape[0]]) for u, (q,) in enumerate(harness.queries(key, (batch, lay.q_cols)))
@@ -304,29 +342,25 @@ def main(argv=None):
     tail = create_tail(fmt, batch, jnp.bfloat16)
     want = quantized_decode_attention(q0.astype(jnp.float32), pool, tail, fmt, table0, lengths, lay)
     rows = []
-    print("| variant | pages a step | warps | time us | floor us | % of copy bw | rel err |")
-    print("|---|---|---|---|---|---|---|")
-    for variant in args.variants.split(","):
-        for nc in args.nc:
-            for warps in args.warps:
-                opts = dict(variant=variant, nc=nc, splits=args.splits, fmt=fmt, num_warps=warps)
+    print("| variant | pages a step | warps | stages | time us | floor us | % of copy bw | rel err |")
+    print("|---|---|---|---|---|---|---|---|")
+    for variant, nc, warps, stages in itertools.product(args.variants.split(","), args.nc, args.warps, args.stages):
+        opts = dict(variant=variant, nc=nc, splits=args.splits, fmt=fmt, num_warps=warps, num_stages=stages)
+        shared = (pool, meta)
 
-                def call(pool, q, table, opts=opts):
-                    return lab_decode(q, pool, table, interpret=args.interpret, **opts)
+        def call(pool, meta, q, table, opts=opts):
+            return lab_decode(q, pool, meta, table, interpret=args.interpret, **opts)
 
-                try:
-                    got = call(pool, q0, table0).astype(jnp.float32)
-                    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-                    t = harness.time_calls(call, (pool,), per_call)
-                except Exception as e:  # a variant the compiler refuses: reported, the rest go on
-                    print(f"| {variant} | {nc} | {warps} | failed: {str(e).splitlines()[0][:100]} |", flush=True)
-                    continue
-                rows.append(dict(variant=variant, nc=nc, warps=warps, us=t * 1e6, floor_us=floor * 1e6, err=err))
-                print(
-                    f"| {variant} | {nc} | {warps} | {t * 1e6:.0f} | {floor * 1e6:.0f} | {100 * floor / t:.0f}% "
-                    f"| {err:.2g} |",
-                    flush=True,
-                )
+        label = f"| {variant} | {nc} | {warps} | {stages} |"
+        try:
+            got = call(*shared, q0, table0).astype(jnp.float32)
+            err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+            t = harness.time_calls(call, shared, per_call)
+        except Exception as e:  # a variant the compiler refuses: reported, the rest go on
+            print(f"{label} failed: {str(e).splitlines()[0][:100]} |", flush=True)
+            continue
+        rows.append(dict(variant=variant, nc=nc, warps=warps, stages=stages, us=t * 1e6, floor_us=floor * 1e6, err=err))
+        print(f"{label} {t * 1e6:.0f} | {floor * 1e6:.0f} | {100 * floor / t:.0f}% | {err:.2g} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, bandwidth=bandwidth, rows=rows), f, indent=1)

@@ -20,7 +20,7 @@ from kvjax.ops.quant import PageFormat  # noqa: E402
 from kvjax.ops.quant_paging import create_tail  # noqa: E402
 
 
-@pytest.mark.parametrize("variant", ["gather", "fold_pre", "swap", "fma", "load"])
+@pytest.mark.parametrize("variant", ["gather", "fold_pre", "swap", "fma", "load", "wide"])
 def test_lab_variants_compute_the_reference_attention(variant):
     seed = fresh_seed()
     key = jax.random.key(seed)
@@ -30,7 +30,18 @@ def test_lab_variants_compute_the_reference_attention(variant):
     pool = fmt.encode(case.k, case.v)
     q = harness.randn(jax.random.fold_in(key, 1), (1, lay.q_cols))
     table = case.tables[0]
-    got = quant_lab.lab_decode(q, pool, table, variant=variant, nc=2, splits=1, fmt=fmt, num_warps=4, interpret=True)
+    got = quant_lab.lab_decode(
+        q,
+        pool,
+        quant_lab.meta_view(pool),
+        table,
+        variant=variant,
+        nc=2,
+        splits=1,
+        fmt=fmt,
+        num_warps=4,
+        interpret=True,
+    )
     want = quantized_decode_attention(
         q.astype(jnp.float32), pool, create_tail(fmt, 1, jnp.bfloat16), fmt, table, jnp.asarray(case.lengths), lay
     )

@@ -72,6 +72,16 @@ CASES = {
     ),
     # one chunk a step, heads of 64 and 32 columns (a 16-byte K row at int4)
     "int4 p32 bf16": (HeadLayout(4, 2, 64, (64, 32), (32, 64)), 4, 32, jnp.bfloat16, [96, 33], 4, QuantKernelConfig()),
+    # 2-bit planes of 16 and 32 columns beside a head too narrow for them (its columns gathered)
+    "int2 p32 bf16 planes": (
+        HeadLayout(6, 3, 128, (64, 128, 16), (128, 48, 64)),
+        2,
+        32,
+        jnp.bfloat16,
+        [300, 33],
+        6,
+        QuantKernelConfig(),
+    ),
 }
 
 

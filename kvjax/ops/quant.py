@@ -187,7 +187,10 @@ class PageFormat:
       ``k_codes`` [page_size, k_cols / n] uint8, every head's planes side by side (``quantize_keys``);
       ``v_codes`` [page_size, v_cols / n] uint8 (``quantize_values``);
       ``k_meta``  [2, k_cols] float16: the keys' scale row, then their zero row (one range per column of the page);
-      ``v_meta``  [2, page_size, heads] float16: the values' scales, then their zeros (one range per token and head).
+      ``v_meta``  [2, heads, page_size] float16: the values' scales, then their zeros (one range per token and head;
+                  a head's run contiguous, so a kernel reads it as one vector: a load narrower than 32 bits a lane is
+                  never pipelined by Triton, and strided metadata made the decode kernel 2.2x slower, bench/RESULTS.md
+                  "Quantized pages: decode kernel lab").
     ``n = 8 // bits`` codes a byte. The key group is the page (``../shared/DESIGN.md``, "Quantized pages"), so a
     page carries one scale and zero vector per head and a kernel streams whole pages."""
 
@@ -263,7 +266,7 @@ class PageFormat:
             "k_codes": kp.reshape(m, -1),
             "v_codes": vp.reshape(m, -1),
             "k_meta": _bytes(jnp.stack([ks, kz], 1)),
-            "v_meta": _bytes(jnp.stack([vs, vz], 1)),
+            "v_meta": _bytes(jnp.swapaxes(jnp.stack([vs, vz], 1), -1, -2)),  # [m, 2, heads, P]
         }
         out = jnp.zeros((m, self.page_bytes), jnp.uint8)
         for part, at in self.offsets.items():
@@ -279,7 +282,7 @@ class PageFormat:
             return pages[..., at[part] : at[part] + count]
 
         k_meta = _halves(take("k_meta", 4 * self.k_cols)).reshape(*lead, 2, self.k_cols)
-        v_meta = _halves(take("v_meta", 4 * p * self.heads)).reshape(*lead, 2, p, self.heads)
+        v_meta = jnp.swapaxes(_halves(take("v_meta", 4 * p * self.heads)).reshape(*lead, 2, self.heads, p), -1, -2)
         return {
             "k_codes": take("k_codes", p * self.k_cols // n).reshape(*lead, p, self.k_cols // n),
             "v_codes": take("v_codes", p * self.v_cols // n).reshape(*lead, p, self.v_cols // n),

@@ -7,28 +7,28 @@ partial slot) and the same ``merge.merge`` for split groups, with one KV head a 
 enforced): a head's codes are packed in planes of its own width, so each head has its own byte pattern. An item
 reads its full pages in chunks (``chunk_tokens`` of one page: one block-table lookup and one key scale and zero row
 a chunk), several a loop step, then its sequence's partial last page from the slot's tail row in one more step.
-Codes become floats by bit tricks, not conversions (``_MAGIC``). A head's codes are read as one tile,
-column ``c`` from byte ``c % (w/n)`` shifted by ``(c // (w/n)) * bits`` (n codes a byte), so the planes of
-``quant.pack`` come out in column order, any width a multiple of 16 gives one dot, and re-read bytes are L1 hits;
-keys are dequantized before their dot, value scales folded into the weights (``(p * scale_t) . codes + p . zero_t``).
+Codes become floats by bit tricks, not conversions (``_MAGIC``). A head whose planes (``quant.pack``) are at least
+16 columns is read plane by plane, a dot a plane, with its key scales folded into q; a narrower one as one tile
+gathered from its bytes (``_Reader``). Value scales are folded into the weights (``(p * scale_t) . codes + p .
+zero_t``).
 
-Scales and zeros are read as byte pairs of the one uint8 pool: a float16 view of it would be an XLA copy of the
-whole pool a layer. What differs between the layers of a kernel group (page bytes, part offsets, head offsets) is
-read from int32 tables at run time, each entry stored divided by the largest power of two (<= 16) dividing it in
-every layer, so addresses stay provably aligned for vector loads; the code depends on the group's (K width, V width)
-classes (one ``lax.switch`` branch each), bits and page size (``_Geometry``), so layers share one compiled kernel.
+Scales and zeros are read through a float16 view of the one uint8 pool (a bitcast in XLA, no copy), each head's
+run as one vector: Triton pipelines no load narrower than 32 bits a lane, and reading them as byte pairs made the
+kernel 2.2x slower (bench/RESULTS.md "Quantized pages: decode kernel lab"). What differs between the layers of a
+kernel group (page bytes, part offsets, head offsets) is read from int32 tables at run time, each entry stored
+divided by the largest power of two (<= 16) dividing it in every layer, so addresses stay provably aligned for
+vector loads; the code depends on the group's (K width, V width) classes (one ``lax.switch`` branch each), bits and
+page size (``_Geometry``), so layers share one compiled kernel.
 
 Constraints: q packed [B, q_cols] or wide (``QKRotation.wide``); widths multiples of 16; a group of at most 16
 queries a KV head; pool and tail under 2^31 elements (int32 offsets). Any page size works; chunks of fewer than 16
 tokens (pages of 8, or of 24: chunks of 8) mask the rest of their 16-row tile.
 
-Speed (H100, Llama-3.1-8B attention, B32 x 8K, page 32; bench/RESULTS.md "Quantized pages: decode kernel"): 488 us
-at int4 against a floor (bytes over copy bandwidth) of 106 us, where the bf16 kernel takes 376 us for 3.4x the
-bytes. The kernel is bound by latency: 255 registers a thread leave two warps a scheduler, and loads that feed
-arithmetic before a dot are not pipelined through shared memory as the bf16 kernel's are. A lab kernel issuing the
-same loads with no arithmetic reaches 24% of copy bandwidth, and the dequantization's reformulations (scales folded
-into q, biased codes straight into the dots, swapped operands, loads prefetched a step ahead) move it by 10-20%
-(bench/quant_lab.py; bench/notes/2026-11-27-quantized-kernel-lab.md).
+Speed (H100, Llama-3.1-8B attention, B32 x 8K, page 32; bench/RESULTS.md "Quantized pages: decode kernel"): 301 us
+at int4 against a floor (bytes over copy bandwidth) of 106 us, where the bf16 kernel takes 377 us for 3.4x the
+bytes. Every load is at least 32 bits a lane, so Triton pipelines it; deeper pipelines and more programs no longer
+move the time, so the work of a step binds (not yet profiled; bench/quant_lab.py,
+bench/notes/2026-11-27-quantized-kernel-lab.md).
 ``QuantKernelConfig`` holds the knobs a GPU sweep turns.
 """
 
@@ -76,10 +76,11 @@ QUANT_DECODE = dataclasses.replace(DECODE, pack_tile=0)  # the plan's config: on
 # between them, and likewise its outputs.
 CLASS, K_BYTE, V_BYTE, K_COL, V_COL, HEAD, Q_BASE, Q_STEP, O_BASE, O_STEP = range(10)
 HEAD_FIELDS = 10
-# Entries of the layer table: a page's bytes; the K codes' row bytes; the V codes' first byte and row bytes; the
-# key meta's first byte and the bytes from its scale row to its zero row; the value meta's first byte, its bytes a
-# token and from its scales to its zeros; a tail row's columns and its first V column; q and output row widths.
-PAGE_BYTES, K_ROW, V_CODES, V_ROW, K_META, K_ZEROS, V_META, V_TOKEN, V_ZEROS = range(9)
+# Entries of the layer table: a page's bytes; the K codes' row bytes; the V codes' first byte and row bytes; then in
+# float16 units (the metadata's view of the pool): a page's size, the key meta's start and the distance from its
+# scale row to its zero row, the value meta's start and from its scales to its zeros; a tail row's columns and its
+# first V column; q and output row widths.
+PAGE_BYTES, K_ROW, V_CODES, V_ROW, PAGE_HALVES, K_META, K_ZEROS, V_META, V_ZEROS = range(9)
 TAIL_ROW, TAIL_V, Q_ROW, O_ROW = range(9, 13)
 LAYER_FIELDS = 13
 
@@ -145,11 +146,11 @@ def _layer_row(layout: HeadLayout, fmt: PageFormat, wide_rows: int) -> np.ndarra
             fmt.k_cols // n,
             at["v_codes"],
             fmt.v_cols // n,
-            at["k_meta"],
-            2 * fmt.k_cols,
-            at["v_meta"],
-            2 * h,
-            2 * p * h,
+            fmt.page_bytes // 2,
+            at["k_meta"] // 2,
+            fmt.k_cols,
+            at["v_meta"] // 2,
+            p * h,
             fmt.k_cols + fmt.v_cols,
             fmt.k_cols,
             q_row,
@@ -208,12 +209,10 @@ _MAGIC = {
 }
 
 
-def _meta(pool_ref, addr, mask):
-    """float16 values stored little-endian at byte addresses ``addr`` of the uint8 pool, as float32 (0 where
-    ``mask`` is false)."""
-    lo = plgpu.load(pool_ref.at[addr], mask=mask, other=0).astype(jnp.uint16)
-    hi = plgpu.load(pool_ref.at[addr + 1], mask=mask, other=0).astype(jnp.uint16)
-    return lax.bitcast_convert_type(lo | (hi << 8), jnp.float16).astype(jnp.float32)
+def _meta(meta_ref, at, mask):
+    """The pool's float16 values at ``at`` (in float16 units of its float16 view), as float32 (0 where ``mask`` is
+    false)."""
+    return plgpu.load(meta_ref.at[at], mask=mask, other=0).astype(jnp.float32)
 
 
 def _biased(raw, shift, bits, dtype):
@@ -251,10 +250,15 @@ def _both(a, b):
 
 @dataclasses.dataclass(frozen=True)
 class _Reader:
-    """How the kernel reads the heads of one class: K and V ``width``s as one tile each, column ``c`` of a head
-    from byte ``c % (w/n)`` shifted by ``(c // (w/n)) * bits`` (module docstring). ``dtype``: the dots' inputs (q's
-    dtype). Reading planes instead (each byte once, a dot a plane, inline PTX unpacking) and dequantizing values
-    before their dot were measured slower (bench/RESULTS.md, "Quantized pages: decode kernel") and removed."""
+    """How the kernel reads the heads of one class, K and V each in one of two forms (``dtype``: the dots' inputs,
+    q's dtype):
+
+    - **planes** (a plane of ``w/n`` >= 16 columns): a head's code row of ``w/n`` bytes is loaded once, each of its
+      ``n`` planes (the bytes shifted by ``i * bits``) a dot against its block of ``w/n`` columns. Key scales are
+      folded into q once a chunk (``(q * scale) . codes + q . zero``), value scales into the weights. The fastest
+      form measured (bench/RESULTS.md "Quantized pages: decode kernel lab", ``wide``).
+    - **gather** (narrower planes, too narrow for a dot): the head as one tile, column ``c`` from byte ``c % (w/n)``
+      shifted by ``(c // (w/n)) * bits`` (re-read bytes are L1 hits), keys dequantized before their dot."""
 
     k_width: int
     v_width: int
@@ -265,38 +269,61 @@ class _Reader:
     def n(self) -> int:
         return 8 // self.bits
 
+    def planes(self, width: int) -> bool:
+        return width // self.n >= 16
+
     def pieces(self, width: int) -> tuple[_Piece, ...]:
-        """A head ``width`` columns wide as one tile (a dot)."""
+        """A head ``width`` columns wide as its planes, or as one tile (a dot each)."""
+        if self.planes(width):
+            pw = width // self.n
+            return tuple(_Piece(i * pw, tile(pw), pw) for i in range(self.n))
         return (_Piece(0, tile(width), width),)
 
     def bytes(self, width: int):
-        """(byte of each tile column in a head's code row [1, B], its shift, which bytes are the head's: None)."""
+        """(byte of each loaded column in a head's code row [1, B], its shift (gather only), which bytes are the
+        head's: None when all)."""
         n = self.n
+        if self.planes(width):
+            piece = self.pieces(width)[0]
+            return piece.cols(), None, piece.ok()
         c = jnp.arange(tile(width))[None, :]
         # planes of w/n columns, the first in the lowest bits; padding columns repeat the last plane's bytes (in
         # range; their q, scales and outputs unused). lax: no sign fix-ups to hide the contiguity from Triton
         shift = (jnp.minimum(lax.div(c, width // n), n - 1) * self.bits).astype(jnp.uint32)
         return lax.rem(c, width // n), shift, None
 
-    def keys(self, raw, meta):
-        """The K tile [T, tile] in ``dtype`` of code bytes ``raw``: ``code * scale + zero`` with ``meta`` the
-        (scale, zero) rows [1, tile]."""
-        (scale, zero), shift = meta[0], self.bytes(self.k_width)[1]
-        return [(_codes(raw, shift, self.bits, jnp.float32) * scale + zero).astype(self.dtype)]
+    def scores(self, qs, raw, meta, precision):
+        """Scores [R, T] of the query pieces ``qs`` against the keys of code bytes ``raw`` [T, B], ``meta`` a
+        (scale, zero) pair of rows [1, tile] a piece."""
+        if not self.planes(self.k_width):
+            (scale, zero), shift = meta[0], self.bytes(self.k_width)[1]
+            k = (_codes(raw, shift, self.bits, jnp.float32) * scale + zero).astype(self.dtype)
+            return plgpu.dot(qs[0], k, trans_b=True, precision=precision)
+        dots, rows = [], []
+        for i, (q, (scale, zero)) in enumerate(zip(qs, meta)):
+            q32 = q.astype(jnp.float32)
+            codes = _codes(raw, i * self.bits, self.bits, self.dtype)
+            dots.append(plgpu.dot((q32 * scale).astype(self.dtype), codes, trans_b=True, precision=precision))
+            rows.append(q32 * zero)
+        return functools.reduce(operator.add, dots) + jnp.sum(functools.reduce(operator.add, rows), axis=1)[:, None]
 
     def values(self, raw, p, scale, zero, precision):
         """Weights p [R, T] against the values of code bytes ``raw`` with per-token ``scale`` and ``zero`` [T]:
-        ``(p * scale) . codes`` [R, tile] and the row term ``p * zero`` [R, T] to sum over tokens and add to every
-        column (the scales folded into the weights: no per-value multiply)."""
-        shift = self.bytes(self.v_width)[1]
+        ``(p * scale) . codes`` [R, tile] a piece and the row term ``p * zero`` [R, T] to sum over tokens and add to
+        every column (the scales folded into the weights: no per-value multiply)."""
         ps = (p * scale[None, :]).astype(self.dtype)
-        return [plgpu.dot(ps, _codes(raw, shift, self.bits, self.dtype), precision=precision)], p * zero[None, :]
+        if self.planes(self.v_width):
+            shifts = [i * self.bits for i in range(self.n)]
+        else:
+            shifts = [self.bytes(self.v_width)[1]]
+        dots = [plgpu.dot(ps, _codes(raw, sh, self.bits, self.dtype), precision=precision) for sh in shifts]
+        return dots, p * zero[None, :]
 
 
 def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, scale, v_max, kernel, interpret):
     """Online-softmax attention of one item (one KV head) over its quantized chunks and, if it holds the sequence's
     partial last page, its tail; then the write of its result (module docstring)."""
-    heads_ref, layer_ref, table_ref, q_ref, pool_ref, tail_ref, out_ref, acc_ref, m_ref, l_ref = refs
+    heads_ref, layer_ref, table_ref, q_ref, pool_ref, meta_ref, tail_ref, out_ref, acc_ref, m_ref, l_ref = refs
     seq, unit, first, end, slot, length = item
     kw, vw = geo.classes[cls_index]
     align = geo.head_align[cls_index]
@@ -336,7 +363,7 @@ def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, 
         r = jnp.arange(tile_rows)
         t = tok0 % P + r  # rows of the page
         visible = ok & (tok0 + r >= visible_from) & (r < tc)
-        base = page * layer(PAGE_BYTES)
+        base, half = page * layer(PAGE_BYTES), page * layer(PAGE_HALVES)
 
         def codes(row_bytes, first_byte, width):
             byte, _, byte_ok = reader.bytes(width)
@@ -344,15 +371,14 @@ def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, 
             return plgpu.load(pool_ref.at[at], mask=_both(visible[:, None], byte_ok), other=0)
 
         def key_meta(piece, rows_apart):
-            at = base + layer(K_META) + 2 * head(K_COL) + rows_apart + 2 * (piece.start + piece.cols())
-            return _meta(pool_ref, at, _both(jnp.full((1, piece.tile), ok), piece.ok()))
+            at = half + layer(K_META) + head(K_COL) + rows_apart + piece.start + piece.cols()
+            return _meta(meta_ref, at, _both(jnp.full((1, piece.tile), ok), piece.ok()))
 
         meta = [(key_meta(piece, 0), key_meta(piece, layer(K_ZEROS))) for piece in k_pieces]
-        ks = reader.keys(codes(layer(K_ROW), head(K_BYTE), kw), meta)
-        s = _scores(qs, ks, precision)
+        s = reader.scores(qs, codes(layer(K_ROW), head(K_BYTE), kw), meta, precision)
         v_raw = codes(layer(V_ROW), layer(V_CODES) + head(V_BYTE), vw)
-        v_at = base + layer(V_META) + 2 * head(HEAD) + t * layer(V_TOKEN)
-        v_scale, v_zero = _meta(pool_ref, v_at, visible), _meta(pool_ref, v_at + layer(V_ZEROS), visible)
+        v_at = half + layer(V_META) + head(HEAD) * P + t
+        v_scale, v_zero = _meta(meta_ref, v_at, visible), _meta(meta_ref, v_at + layer(V_ZEROS), visible)
         return jnp.where(visible[None, :], s, MASK), lambda p: reader.values(v_raw, p, v_scale, v_zero, precision)
 
     def step(j, carry):
@@ -555,6 +581,7 @@ def quantized_paged_decode(
         block_table.astype(jnp.int32),
         q.reshape(-1),
         pages.reshape(-1),
+        lax.bitcast_convert_type(pages.reshape(-1, 2), jnp.float16),  # the metadata's view: a bitcast, no copy
         tail.reshape(-1),
     ]
     # the merge reads the bf16 op's tables of the layer (one head a unit): its output offsets and widths
