@@ -57,6 +57,36 @@ def test_page_round_trips_stay_within_the_bound(bits, widths, tokens, spread, of
         assert bool(jnp.all(jnp.abs(back[:, a:b] - x[:, a:b]) <= quant.bound(x[:, a:b], bits, axis=-1))), seed
 
 
+@given(
+    st.sampled_from(quant.BITS),
+    st.lists(st.tuples(st.sampled_from([16, 32, 48, 128]), st.sampled_from([16, 32, 48, 128])), min_size=1, max_size=4),
+    st.sampled_from([8, 16, 32]),
+    st.integers(0, 2**32 - 1),
+)
+@settings(max_examples=15, deadline=None)
+def test_page_encoding_is_each_pages_quantization(bits, heads, page, seed):
+    """``PageFormat.encode`` (every head at once) stores what ``quantize_keys`` and ``quantize_values`` give page by
+    page: the same keys' codes, scales and zeros, the same values' scales and zeros, values' codes within one step
+    (XLA may turn the per-head path's division by a broadcast scale into a multiply by its reciprocal)."""
+    rng = np.random.default_rng(seed)
+    kw, vw = (tuple(w) for w in zip(*heads))
+    fmt = quant.PageFormat(kw, vw, page, bits)
+    k = jnp.asarray(rng.standard_normal((2, page, fmt.k_cols)) * rng.uniform(0.1, 4, fmt.k_cols), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((2, page, fmt.v_cols)), jnp.bfloat16)
+    k = k.at[0, :, 0].set(1.5)  # a constant column: a zero scale
+    parts = fmt.parts(fmt.encode(k, v))
+    for i in range(2):
+        packed, scale, zero = quant.quantize_keys(k[i], kw, bits)
+        np.testing.assert_array_equal(np.asarray(parts["k_codes"][i]), np.asarray(packed))
+        np.testing.assert_array_equal(np.asarray(parts["k_scale"][i]), np.asarray(scale))
+        np.testing.assert_array_equal(np.asarray(parts["k_zero"][i]), np.asarray(zero))
+        packed, scale, zero = quant.quantize_values(v[i], vw, bits)
+        np.testing.assert_array_equal(np.asarray(parts["v_scale"][i]), np.asarray(scale))
+        np.testing.assert_array_equal(np.asarray(parts["v_zero"][i]), np.asarray(zero))
+        got = np.asarray(quant.unpack(parts["v_codes"][i], bits)).astype(int)
+        assert np.abs(got - np.asarray(quant.unpack(packed, bits)).astype(int)).max() <= 1, seed
+
+
 def test_keys_are_ranged_per_column_and_values_per_token_and_head():
     """A key column 1000x larger than the others does not coarsen them; nor does one value head another."""
     seed = fresh_seed()

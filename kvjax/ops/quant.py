@@ -67,12 +67,21 @@ def quantize(x: jnp.ndarray, bits: int, axis: int) -> tuple[jnp.ndarray, jnp.nda
     levels = (1 << bits) - 1
     x32 = x.astype(jnp.float32)
     lo, hi = jnp.min(x32, axis=axis, keepdims=True), jnp.max(x32, axis=axis, keepdims=True)
+    scale, zero = _ranged(lo, hi, levels)
+    return _rounded(x32, scale, zero, levels), scale, zero
+
+
+def _ranged(lo, hi, levels: int):
+    """(scale, zero) as stored for the float32 range [lo, hi]."""
     zero = lo.astype(META_DTYPE)
-    scale = ((hi - zero.astype(jnp.float32)) / levels).astype(META_DTYPE)
+    return ((hi - zero.astype(jnp.float32)) / levels).astype(META_DTYPE), zero
+
+
+def _rounded(x32, scale, zero, levels: int):
+    """The codes of float32 ``x32`` against the stored ``scale`` and ``zero`` (broadcast against it)."""
     s32 = scale.astype(jnp.float32)
     steps = jnp.where(s32 > 0, (x32 - zero.astype(jnp.float32)) / jnp.where(s32 > 0, s32, 1.0), 0.0)
-    codes = jnp.clip(jnp.round(steps), 0, levels).astype(jnp.uint8)
-    return codes, scale, zero
+    return jnp.clip(jnp.round(steps), 0, levels).astype(jnp.uint8)
 
 
 def dequantize(codes: jnp.ndarray, scale: jnp.ndarray, zero: jnp.ndarray, dtype=jnp.float32) -> jnp.ndarray:
@@ -257,21 +266,38 @@ class PageFormat:
         return simulate(k, v, self)
 
     def encode(self, k: jnp.ndarray, v: jnp.ndarray) -> jnp.ndarray:
-        """Pages of keys [..., page_size, k_cols] and values [..., page_size, v_cols] -> uint8 [..., page_bytes]."""
-        lead = k.shape[:-2]
-        kp, ks, kz = jax.vmap(lambda x: quantize_keys(x, self.k_widths, self.bits))(k.reshape(-1, *k.shape[-2:]))
-        vp, vs, vz = jax.vmap(lambda x: quantize_values(x, self.v_widths, self.bits))(v.reshape(-1, *v.shape[-2:]))
-        m = kp.shape[0]
-        parts = {
-            "k_codes": kp.reshape(m, -1),
-            "v_codes": vp.reshape(m, -1),
-            "k_meta": _bytes(jnp.stack([ks, kz], 1)),
-            "v_meta": _bytes(jnp.swapaxes(jnp.stack([vs, vz], 1), -1, -2)),  # [m, 2, heads, P]
-        }
-        out = jnp.zeros((m, self.page_bytes), jnp.uint8)
-        for part, at in self.offsets.items():
-            out = out.at[:, at : at + parts[part].shape[1]].set(parts[part])
-        return out.reshape(*lead, self.page_bytes)
+        """Pages of keys [..., page_size, k_cols] and values [..., page_size, v_cols] -> uint8 [..., page_bytes]:
+        ``quantize_keys`` and ``quantize_values`` of each page (values' codes within one step of theirs: see
+        ``test_page_encoding_is_each_pages_quantization``), in a few whole-array operations whatever the number of
+        heads. A decode step encodes its filling pages with it: per-head slices made the int4 step's writes about
+        36 kernels a layer, whole arrays about 12 (bench/RESULTS.md "Engine: quantized pages")."""
+        lead, p = k.shape[:-2], self.page_size
+        levels = (1 << self.bits) - 1
+        k32 = k.reshape(-1, p, self.k_cols).astype(jnp.float32)
+        v32 = v.reshape(-1, p, self.v_cols).astype(jnp.float32)
+        m = k32.shape[0]
+        # keys: one range per column over the page's tokens
+        ks, kz = _ranged(k32.min(axis=1, keepdims=True), k32.max(axis=1, keepdims=True), levels)
+        k_codes = _rounded(k32, ks, kz, levels)
+        # values: one range per token and head, over the head's columns (heads padded to the widest, masked)
+        cols, real = _head_columns(self.v_widths)
+        vh = v32[..., cols]  # [m, P, heads, widest]
+        lo = jnp.where(real, vh, jnp.inf).min(axis=-1)
+        vs, vz = _ranged(lo, jnp.where(real, vh, -jnp.inf).max(axis=-1), levels)  # [m, P, heads]
+        head = np.repeat(np.arange(self.heads), self.v_widths)
+        v_codes = _rounded(v32, vs[..., head], vz[..., head], levels)
+        parts = [
+            _packed(k_codes, self.k_widths, self.bits).reshape(m, -1),
+            _packed(v_codes, self.v_widths, self.bits).reshape(m, -1),
+            _bytes(jnp.concatenate([ks, kz], 1)),  # [m, 2, k_cols]
+            _bytes(jnp.swapaxes(jnp.stack([vs, vz], 1), -1, -2)),  # [m, 2, heads, P]
+        ]
+        pieces, at = [], 0
+        for part, start in zip(parts, self.offsets.values()):
+            pieces += [jnp.zeros((m, start - at), jnp.uint8), part]
+            at = start + part.shape[1]
+        pieces.append(jnp.zeros((m, self.page_bytes - at), jnp.uint8))
+        return jnp.concatenate(pieces, axis=1).reshape(*lead, self.page_bytes)
 
     def parts(self, pages: jnp.ndarray) -> dict[str, jnp.ndarray]:
         """uint8 pages [..., page_bytes] -> their parts: k_codes [..., P, k_cols / n], v_codes [..., P, v_cols / n],
@@ -318,6 +344,34 @@ def simulate(k, v, fmt: PageFormat):
     vp = jnp.pad(v, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, p, v.shape[-1])
     kq, vq = fmt.decode(fmt.encode(kp, vp), k.dtype)
     return kq.reshape(b, -1, k.shape[-1])[:, :t], vq.reshape(b, -1, v.shape[-1])[:, :t]
+
+
+def _head_columns(widths) -> tuple[np.ndarray, np.ndarray]:
+    """(columns [heads, widest] of each head, padded with its first column; which are real) for heads side by side
+    at ``widths``."""
+    widest = max(widths)
+    cols = np.zeros((len(widths), widest), np.int32)
+    for h, (a, b) in enumerate(_heads(widths)):
+        cols[h] = a
+        cols[h, : b - a] = np.arange(a, b)
+    return cols, np.arange(widest)[None, :] < np.asarray(widths)[:, None]
+
+
+def _packed(codes: jnp.ndarray, widths, bits: int) -> jnp.ndarray:
+    """Codes [..., sum(widths)] of heads side by side packed in each head's planes (``pack`` a head, at once):
+    byte ``j`` of a head of width ``w`` holds its columns ``j + i w/n``, plane ``i`` in bits ``i * bits``."""
+    n = 8 // bits
+    src = np.concatenate(
+        [
+            a + np.arange(w // n)[None, :] + (w // n) * np.arange(n)[:, None]
+            for a, w in zip(HeadLayout.offsets(widths), widths)
+        ],
+        axis=1,
+    )  # [n, sum(widths) / n]
+    out = codes[..., src[0]]
+    for i in range(1, n):
+        out = out | (codes[..., src[i]] << (bits * i))
+    return out
 
 
 def _bytes(x: jnp.ndarray) -> jnp.ndarray:
