@@ -15,6 +15,8 @@ Variants (``--variants``; a ``_pre`` suffix issues a step's loads one step ahead
   wide    fold reading the scales and zeros as float16 runs (a float16 view of the pool): every load of the loop
           at least 32 bits a lane, which Triton's pipeliner requires before it turns a load into an asynchronous
           copy (AssignLatencies.cpp, ``isSmallLoad``); the others read them as byte pairs, too narrow
+  zdot    wide with no cross-warp reduction a page: exact codes, and the zero points' terms as dots against the
+          zero rows broadcast over the page's tokens (float32: TF32)
 
 ``--interpret --timer host --shape 2x256`` checks every variant on a CPU (its times mean nothing).
 """
@@ -46,7 +48,7 @@ R = 16  # query rows a tile: the GQA group padded to the tensor cores' smallest 
 P = 32  # tokens a page
 G = HQ // HKV
 HALF = D // 2  # columns a nibble plane
-VARIANTS = ("gather", "fold", "swap", "fma", "load", "wide")
+VARIANTS = ("gather", "fold", "swap", "fma", "load", "wide", "zdot")
 
 
 def _f16(lo, hi):
@@ -136,6 +138,8 @@ def use(page: Page, q_lo, q_hi, variant: str):
         )
     if variant == "fma":
         return _use_fma(page, qs_lo, qs_hi, vs, vz, corr)
+    if variant == "zdot":
+        return _use_zdot(page, q_lo, q_hi, qs_lo, qs_hi, kz_lo, kz_hi, vs, vz)
     corr = corr - 128.0 * jnp.sum(qs_lo.astype(jnp.float32) + qs_hi.astype(jnp.float32), axis=1)  # the bias's share
     lo, hi = _biased(page.k_raw, 0), _biased(page.k_raw, 4)
     vlo, vhi = _biased(page.v_raw, 0), _biased(page.v_raw, 4)
@@ -154,6 +158,24 @@ def use(page: Page, q_lo, q_hi, variant: str):
         ps = (p * vs[None, :]).astype(jnp.bfloat16)
         row = jnp.sum(p * vz[None, :] - 128.0 * ps.astype(jnp.float32), axis=1)
         return [plgpu.dot(ps, vlo), plgpu.dot(ps, vhi)], row
+
+    return scores, values
+
+
+def _use_zdot(page: Page, q_lo, q_hi, qs_lo, qs_hi, kz_lo, kz_hi, vs, vz):
+    """``use`` with no cross-warp reduction a page: exact codes (no bias to correct), and the zero points' terms
+    as dots against the zero rows broadcast over the page's tokens (float32 inputs: TF32 tensor cores)."""
+    lo, hi = (_biased(page.k_raw, s) - jnp.bfloat16(128) for s in (0, 4))
+    vlo, vhi = (_biased(page.v_raw, s) - jnp.bfloat16(128) for s in (0, 4))
+    zeros = plgpu.dot(q_lo, jnp.broadcast_to(kz_lo, (P, HALF)), trans_b=True) + plgpu.dot(
+        q_hi, jnp.broadcast_to(kz_hi, (P, HALF)), trans_b=True
+    )
+    scores = plgpu.dot(qs_lo, lo, trans_b=True) + plgpu.dot(qs_hi, hi, trans_b=True) + zeros
+
+    def values(p):
+        ps = (p * vs[None, :]).astype(jnp.bfloat16)
+        base = plgpu.dot(p, jnp.broadcast_to(vz[:, None], (P, HALF)))  # each column: sum_t p_t zero_t
+        return [plgpu.dot(ps, vlo) + base, plgpu.dot(ps, vhi) + base], jnp.zeros((R,), jnp.float32)
 
     return scores, values
 
@@ -224,9 +246,9 @@ def lab_kernel(table_ref, q_ref, pool_ref, meta_ref, acc_ref, m_ref, l_ref, *, v
         accs = [jnp.zeros((R, D), jnp.float32)]
     else:
         q_lo, q_hi = load_q(0, HALF), load_q(HALF, HALF)
-        if kind == "wide":
+        if kind in ("wide", "zdot"):
             fetch_page = functools.partial(fetch_wide, pool_ref, meta_ref, table_ref, fmt, seq, h, pps=pps)
-            kind = "fold"
+            kind = "fold" if kind == "wide" else kind
         else:
             fetch_page = functools.partial(fetch, pool_ref, table_ref, fmt, seq, h, pps=pps)
         page = lambda i: use(fetch_page(i), q_lo, q_hi, kind)  # noqa: E731

@@ -20,7 +20,7 @@ from kvjax.ops.quant import PageFormat  # noqa: E402
 from kvjax.ops.quant_paging import create_tail  # noqa: E402
 
 
-@pytest.mark.parametrize("variant", ["gather", "fold_pre", "swap", "fma", "load", "wide"])
+@pytest.mark.parametrize("variant", ["gather", "fold_pre", "swap", "fma", "load", "wide", "zdot"])
 def test_lab_variants_compute_the_reference_attention(variant):
     seed = fresh_seed()
     key = jax.random.key(seed)
