@@ -752,13 +752,17 @@ def _max_context(value: str) -> int | None:
 
 def _kv_bits(value: str) -> int | str | None:
     """``--kv-bits`` values: a width kvjax quantizes pages to (``kvjax.ops.quant.BITS``: KIVI-style), a scheme of
-    ``kvjax.ops.kv_schemes`` by name (gear4, gear2, zipcache), or "none" (unquantized)."""
+    ``kvjax.ops.kv_schemes`` by name (gear4, gear2 with optional -r<rank> -o<outliers>, zipcache), or "none"
+    (unquantized)."""
     if value.lower() == "none":
         return None
     if value in [str(b) for b in BITS]:
         return int(value)
-    if value.lower() in ("gear4", "gear2", "zipcache"):
-        return value.lower()
+    if value.lower().startswith(("gear", "zipcache")):
+        try:
+            return kv_schemes.parse(value).name  # its canonical name: "gear2-r2" is "gear2"
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     raise argparse.ArgumentTypeError(
         f"must be {', '.join(map(str, BITS))}, gear4, gear2, zipcache or 'none', got {value!r}"
     )
@@ -847,7 +851,8 @@ def parser() -> argparse.ArgumentParser:
         metavar="B",
         help="eval and retrieval: score every model also over a cache of B-bit quantized pages, one model group "
         f"each (B: {', '.join(map(str, BITS))} for KIVI-style pages, gear4 or gear2 for GEAR's low-rank and outlier "
-        "terms on them (kvjax.ops.gear, the reference's streaming settings), zipcache for 4/2 bits by saliency "
+        "terms on them (kvjax.ops.gear, the reference's streaming settings; -r<rank> and -o<outlier share> change "
+        "them, e.g. gear2-r1-o0.005), zipcache for 4/2 bits by saliency "
         "(kvjax.ops.zipcache), or 'none', the default: unquantized)",
     )
     p.add_argument(

@@ -69,3 +69,15 @@ def test_unknown_names_are_one_line_errors(bad):
     with pytest.raises(ValueError, match="KV scheme must be one of") as err:
         kv_schemes.parse(bad)
     assert "\n" not in str(err.value)
+
+
+def test_gear_settings_in_a_name_round_trip_and_bad_ones_are_one_line_errors():
+    scheme = kv_schemes.parse("gear2-r1-o0.005", 128)
+    assert (scheme.spec.bits, scheme.spec.rank, scheme.spec.outliers, scheme.page_size) == (2, 1, 0.005, 128)
+    assert scheme.name == "gear2-r1-o0.005" and kv_schemes.parse(scheme.name, 128) == scheme
+    assert kv_schemes.parse("gear4-r2-o0.02").name == "gear4"  # the reference's settings keep the short name
+    cases = (("gear2-r0", "rank"), ("gear2-o0.7", "outliers"), ("gear2-r40", "exceeds"), ("gear2-x1", "must be one"))
+    for bad, words in cases:
+        with pytest.raises(ValueError, match=words) as err:
+            kv_schemes.parse(bad)
+        assert "\n" not in str(err.value)

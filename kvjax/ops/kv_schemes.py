@@ -9,6 +9,7 @@ before the engine stores them. ``parse`` reads the names the command lines use."
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from kvjax.layout import HeadLayout
 from kvjax.ops import gear, zipcache
@@ -48,7 +49,11 @@ class Gear:
 
     @property
     def name(self) -> str:
-        return f"gear{self.spec.bits}"
+        """``gear<bits>``, then ``-r<rank>`` and ``-o<outliers>`` where they differ from the reference's (``parse``
+        reads it back)."""
+        spec = self.spec
+        rank = f"-r{spec.rank}" if spec.rank != gear.STREAM_RANK else ""
+        return f"gear{spec.bits}{rank}" + (f"-o{spec.outliers:g}" if spec.outliers != gear.OUTLIERS else "")
 
     def round_trip(self, q, k, v, layout: HeadLayout):
         return gear.round_trip(k, v, layout, self.spec)
@@ -79,20 +84,31 @@ class Zip:
 
 
 NAMES = ("4", "2", "kivi4", "kivi2", "gear4", "gear2", "zipcache")
+_GEAR = re.compile(r"gear([42])(?:-r(\d+))?(?:-o(\d*\.?\d+(?:e-?\d+)?))?")
 
 
 def parse(text: str, page_size: int = GROUP):
     """A scheme from its name: "4"/"kivi4", "2"/"kivi2" (KIVI-style), "gear4"/"gear2" (GEAR at the reference's
-    streaming settings, ``GearSpec.paper``), "zipcache" (its reference's 4/2 bits, 60% salient); pages of
-    ``page_size`` tokens; a ValueError naming the choices."""
+    streaming settings, ``GearSpec.paper``; "-r<rank>" and "-o<fraction>" change its rank and outlier share, e.g.
+    "gear2-r1-o0.005"), "zipcache" (its reference's 4/2 bits, 60% salient); pages of ``page_size`` tokens; a
+    ValueError naming the choices (or saying which GEAR setting is out of range)."""
     name = str(text).strip().lower()
     if name in ("4", "2", "kivi4", "kivi2"):
         return Kivi(int(name[-1]), page_size)
-    if name in ("gear4", "gear2"):
-        return Gear(gear.GearSpec.paper(int(name[-1]), page_size))
+    match = _GEAR.fullmatch(name)
+    if match:
+        bits, rank, outliers = match.groups()
+        paper = gear.GearSpec.paper(int(bits), page_size)
+        return Gear(
+            dataclasses.replace(
+                paper,
+                rank=paper.rank if rank is None else int(rank),
+                outliers=paper.outliers if outliers is None else float(outliers),
+            )
+        )
     if name == "zipcache":
         return Zip(zipcache.ZipSpec(), page_size)
-    raise ValueError(f"KV scheme must be one of {', '.join(NAMES)}, got {text!r}")
+    raise ValueError(f"KV scheme must be one of {', '.join(NAMES)} (GEAR with -r<rank> -o<outliers>), got {text!r}")
 
 
 def token_bytes(scheme, layouts) -> dict[str, float]:
