@@ -107,12 +107,11 @@ def _heads(widths) -> list[tuple[int, int]]:
 
 
 def quantize_keys(k: jnp.ndarray, widths, bits: int) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
-    """One page of keys [T, sum(widths)] (heads side by side at their ``widths``) -> (packed uint8
-    [T, sum(widths) * bits / 8], scale [sum(widths)], zero [sum(widths)]): each column its own range over the
-    page's T tokens, each head's columns packed in planes of their own."""
-    codes, scale, zero = quantize(k, bits, axis=0)
-    packed = jnp.concatenate([pack(codes[:, a:b], bits) for a, b in _heads(widths)], axis=-1)
-    return packed, scale[0], zero[0]
+    """Pages of keys [..., T, sum(widths)] (heads side by side at their ``widths``) -> (packed uint8
+    [..., T, sum(widths) * bits / 8], scale [..., sum(widths)], zero [..., sum(widths)]): each column its own range
+    over the page's T tokens, each head's columns packed in planes of their own."""
+    codes, scale, zero = quantize(k, bits, axis=-2)
+    return _packed(codes, widths, bits), scale[..., 0, :], zero[..., 0, :]
 
 
 def dequantize_keys(packed: jnp.ndarray, scale, zero, widths, bits: int, dtype=jnp.float32) -> jnp.ndarray:
@@ -123,11 +122,16 @@ def dequantize_keys(packed: jnp.ndarray, scale, zero, widths, bits: int, dtype=j
 
 
 def quantize_values(v: jnp.ndarray, widths, bits: int) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
-    """One page of values [T, sum(widths)] -> (packed uint8 [T, sum(widths) * bits / 8], scale [T, heads],
-    zero [T, heads]): each token's row of each head its own range."""
-    parts = [quantize(v[:, a:b], bits, axis=-1) for a, b in _heads(widths)]
-    packed = jnp.concatenate([pack(codes, bits) for codes, _, _ in parts], axis=-1)
-    return packed, jnp.concatenate([s for _, s, _ in parts], -1), jnp.concatenate([z for _, _, z in parts], -1)
+    """Pages of values [..., T, sum(widths)] -> (packed uint8 [..., T, sum(widths) * bits / 8], scale [..., T, heads],
+    zero [..., T, heads]): each token's row of each head its own range, every head at once (heads padded to the
+    widest and masked)."""
+    levels = (1 << check_bits(bits)) - 1
+    v32 = v.astype(jnp.float32)
+    cols, real = _head_columns(widths)
+    vh = v32[..., cols]  # [..., T, heads, widest]
+    scale, zero = _ranged(jnp.where(real, vh, jnp.inf).min(axis=-1), jnp.where(real, vh, -jnp.inf).max(axis=-1), levels)
+    head = np.repeat(np.arange(len(widths)), widths)
+    return _packed(_rounded(v32, scale[..., head], zero[..., head], levels), widths, bits), scale, zero
 
 
 def dequantize_values(packed: jnp.ndarray, scale, zero, widths, bits: int, dtype=jnp.float32) -> jnp.ndarray:
@@ -267,29 +271,17 @@ class PageFormat:
 
     def encode(self, k: jnp.ndarray, v: jnp.ndarray) -> jnp.ndarray:
         """Pages of keys [..., page_size, k_cols] and values [..., page_size, v_cols] -> uint8 [..., page_bytes]:
-        ``quantize_keys`` and ``quantize_values`` of each page (values' codes within one step of theirs: see
-        ``test_page_encoding_is_each_pages_quantization``), in a few whole-array operations whatever the number of
-        heads. A decode step encodes its filling pages with it: per-head slices made the int4 step's writes about
-        36 kernels a layer, whole arrays about 12 (bench/RESULTS.md "Engine: quantized pages")."""
+        ``quantize_keys`` and ``quantize_values`` of every page at once, in a few whole-array operations whatever
+        the number of heads. A decode step encodes its filling pages with it: per-head slices made the int4 step's
+        writes about 36 kernels a layer, whole arrays about 12 (bench/RESULTS.md "Engine: quantized pages")."""
         lead, p = k.shape[:-2], self.page_size
-        levels = (1 << self.bits) - 1
-        k32 = k.reshape(-1, p, self.k_cols).astype(jnp.float32)
-        v32 = v.reshape(-1, p, self.v_cols).astype(jnp.float32)
-        m = k32.shape[0]
-        # keys: one range per column over the page's tokens
-        ks, kz = _ranged(k32.min(axis=1, keepdims=True), k32.max(axis=1, keepdims=True), levels)
-        k_codes = _rounded(k32, ks, kz, levels)
-        # values: one range per token and head, over the head's columns (heads padded to the widest, masked)
-        cols, real = _head_columns(self.v_widths)
-        vh = v32[..., cols]  # [m, P, heads, widest]
-        lo = jnp.where(real, vh, jnp.inf).min(axis=-1)
-        vs, vz = _ranged(lo, jnp.where(real, vh, -jnp.inf).max(axis=-1), levels)  # [m, P, heads]
-        head = np.repeat(np.arange(self.heads), self.v_widths)
-        v_codes = _rounded(v32, vs[..., head], vz[..., head], levels)
+        kp, ks, kz = quantize_keys(k.reshape(-1, p, self.k_cols), self.k_widths, self.bits)
+        vp, vs, vz = quantize_values(v.reshape(-1, p, self.v_cols), self.v_widths, self.bits)
+        m = kp.shape[0]
         parts = [
-            _packed(k_codes, self.k_widths, self.bits).reshape(m, -1),
-            _packed(v_codes, self.v_widths, self.bits).reshape(m, -1),
-            _bytes(jnp.concatenate([ks, kz], 1)),  # [m, 2, k_cols]
+            kp.reshape(m, -1),
+            vp.reshape(m, -1),
+            _bytes(jnp.stack([ks, kz], 1)),  # [m, 2, k_cols]
             _bytes(jnp.swapaxes(jnp.stack([vs, vz], 1), -1, -2)),  # [m, 2, heads, P]
         ]
         pieces, at = [], 0
