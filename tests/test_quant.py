@@ -84,6 +84,20 @@ def test_page_encoding_is_each_pages_quantization(bits, heads, page, seed):
     np.testing.assert_array_equal(np.asarray(parts["v_codes"]), np.asarray(vp), err_msg=f"seed {seed}")
 
 
+@pytest.mark.parametrize("bits", quant.BITS)
+def test_values_code_as_each_heads_own_quantization(bits):
+    """``quantize_values`` (every head at once, scales gathered) rounds each code as ``quantize`` on that head alone
+    (scales broadcast): GEAR and ZipCache quantize heads one at a time, so their references depend on it."""
+    seed = fresh_seed()
+    widths = (16, 24, 8)
+    v = jnp.asarray(np.random.default_rng(seed).standard_normal((64, 32, sum(widths))) * 3, jnp.bfloat16)
+    packed, _, _ = jax.jit(lambda v: quant.quantize_values(v, widths, bits))(v)
+    edges = np.cumsum((0, *widths))
+    codes = [jax.jit(lambda x: quant.quantize(x, bits, axis=-1)[0])(v[..., a:b]) for a, b in zip(edges, edges[1:])]
+    want = quant._packed(jnp.concatenate(codes, -1), widths, bits)
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(want), err_msg=f"{seed=}")
+
+
 def test_keys_are_ranged_per_column_and_values_per_token_and_head():
     """A key column 1000x larger than the others does not coarsen them; nor does one value head another."""
     seed = fresh_seed()

@@ -78,9 +78,14 @@ def _ranged(lo, hi, levels: int):
 
 
 def _rounded(x32, scale, zero, levels: int):
-    """The codes of float32 ``x32`` against the stored ``scale`` and ``zero`` (broadcast against it)."""
+    """The codes of float32 ``x32`` against the stored ``scale`` and ``zero`` (broadcast against it).
+
+    Steps are a multiply by the scale's reciprocal, never a division: XLA rewrites ``a / broadcast(b)`` into
+    ``a * broadcast(1 / b)`` where the divisor happens to be a broadcast and not where it is a gather, so a division
+    here would round a code one step apart depending on how the caller shaped its scales."""
     s32 = scale.astype(jnp.float32)
-    steps = jnp.where(s32 > 0, (x32 - zero.astype(jnp.float32)) / jnp.where(s32 > 0, s32, 1.0), 0.0)
+    inverse = jnp.where(s32 > 0, 1.0 / jnp.where(s32 > 0, s32, 1.0), 0.0)
+    steps = (x32 - zero.astype(jnp.float32)) * inverse
     return jnp.clip(jnp.round(steps), 0, levels).astype(jnp.uint8)
 
 
