@@ -12,7 +12,13 @@ from kvjax.layout import HeadLayout
 from kvjax.models.rotation import packed_query
 from kvjax.ops.decode.config import DECODE
 from kvjax.ops.decode.plan import build_decode_schedule
-from kvjax.ops.decode.quant_kernel import QUANT_DECODE, QuantDecodeOp, QuantKernelConfig, quantized_paged_decode
+from kvjax.ops.decode.quant_kernel import (
+    QUANT_DECODE,
+    QuantDecodeOp,
+    QuantKernelConfig,
+    head_classes,
+    quantized_paged_decode,
+)
 from kvjax.ops.decode.reference import quantized_decode_attention
 from kvjax.ops.quant import PageFormat
 
@@ -102,8 +108,9 @@ def test_quantized_decode_matches_reference(name):
     assert err < tolerance(dtype), f"seed {seed}: relative error {err}"
 
 
-# the same heads in another order: other offsets, one kernel of two width classes
-LAYERS = (HeadLayout(4, 2, 64, (32, 16), (16, 48)), HeadLayout(4, 2, 64, (16, 32), (48, 16)))
+# two layers, one kernel: heads at other offsets, and V heads of 48 and 64 columns in one class (planes of 24 and 32
+# in tiles of 32, the plane width read at run time)
+LAYERS = (HeadLayout(4, 2, 64, (32, 16), (16, 48)), HeadLayout(4, 2, 64, (16, 64), (64, 16)))
 
 
 def test_op_runs_every_layer_and_a_wide_query_gives_the_packed_querys_output():
@@ -120,6 +127,7 @@ def test_op_runs_every_layer_and_a_wide_query_gives_the_packed_querys_output():
         LAYERS, 8, 11, bits=4, max_batch=3, config=config, kernel=one_chunk, num_programs=3, interpret=True
     )
     assert set(op.groups[LAYERS[0]]) == set(op.groups[LAYERS[1]]) == set(LAYERS)
+    assert head_classes(LAYERS[0], 4)[1] == head_classes(LAYERS[1], 4)[0] == (("gather", 16), ("planes", 32))
     schedule = op.plan(np.asarray(lengths))
     for i, layout in enumerate(LAYERS):
         fmt = op.formats[layout]

@@ -15,10 +15,12 @@ zero_t``).
 Scales and zeros are read through a float16 view of the one uint8 pool (a bitcast in XLA, no copy), each head's
 run as one vector: Triton pipelines no load narrower than 32 bits a lane, and reading them as byte pairs made the
 kernel 2.2x slower (bench/RESULTS.md "Quantized pages: decode kernel lab"). What differs between the layers of a
-kernel group (page bytes, part offsets, head offsets) is read from int32 tables at run time, each entry stored
-divided by the largest power of two (<= 16) dividing it in every layer, so addresses stay provably aligned for
-vector loads; the code depends on the group's (K width, V width) classes (one ``lax.switch`` branch each), bits and
-page size (``_Geometry``), so layers share one compiled kernel.
+kernel group (page bytes, part offsets, head offsets, plane widths) is read from int32 tables at run time, each
+entry stored divided by the largest power of two (<= 16) dividing it in every layer, so addresses and column masks
+stay provably aligned for vector loads. The code depends on the group's head classes (``head_classes``: a head read
+in planes by its plane tile, a gathered one by its width; one ``lax.switch`` branch each), bits and page size
+(``_Geometry``), so layers share one compiled kernel, and heads of 80 to 128 columns (planes of 40 to 64 at int4)
+one branch of it: a rate-0.5 plan of Llama-3.1-8B's shape has 52 (K, V) width pairs but 14 classes at int4.
 
 Constraints: q packed [B, q_cols] or wide (``QKRotation.wide``); widths multiples of 16; a group of at most 16
 queries a KV head; pool and tail under 2^31 elements (int32 offsets). Any page size works; chunks of fewer than 16
@@ -73,9 +75,9 @@ QUANT_DECODE = dataclasses.replace(DECODE, pack_tile=0)  # the plan's config: on
 
 # Fields of a head's row in the head table: its class, its codes' first byte in a page's K and V code rows, its
 # first K and V column (key meta, tail), its index (value meta), where its queries start in a q row and the step
-# between them, and likewise its outputs.
-CLASS, K_BYTE, V_BYTE, K_COL, V_COL, HEAD, Q_BASE, Q_STEP, O_BASE, O_STEP = range(10)
-HEAD_FIELDS = 10
+# between them, likewise its outputs, and the columns of its K and V planes (``quant.pack``: width / codes a byte).
+CLASS, K_BYTE, V_BYTE, K_COL, V_COL, HEAD, Q_BASE, Q_STEP, O_BASE, O_STEP, K_PLANE, V_PLANE = range(12)
+HEAD_FIELDS = 12
 # Entries of the layer table: a page's bytes; the K codes' row bytes; the V codes' first byte and row bytes; then in
 # float16 units (the metadata's view of the pool): a page's size, the key meta's start and the distance from its
 # scale row to its zero row, the value meta's start and from its scales to its zeros; a tail row's columns and its
@@ -132,7 +134,7 @@ def _head_rows(layout: HeadLayout, fmt: PageFormat, wide_rows: int) -> np.ndarra
     for h, (kw, vw) in enumerate(zip(layout.k_widths, layout.v_widths)):
         ko, vo = offs["k"][h], offs["v"][h]
         q_base, q_step = (h * g * layout.k_cols + ko, layout.k_cols) if wide_rows else (offs["q"][h], kw)
-        rows[h, 1:] = ko // n, vo // n, ko, vo, h, q_base, q_step, offs["o"][h], vw
+        rows[h, 1:] = ko // n, vo // n, ko, vo, h, q_base, q_step, offs["o"][h], vw, kw // n, vw // n
     return rows
 
 
@@ -160,37 +162,66 @@ def _layer_row(layout: HeadLayout, fmt: PageFormat, wide_rows: int) -> np.ndarra
     )
 
 
+Side = tuple[str, int]  # how one side (K or V) of a head is read: ("planes", plane tile) or ("gather", width)
+
+
+def side_class(width: int, bits: int) -> Side:
+    """How the kernel reads a head's ``width`` K (or V) columns at ``bits``: ``("planes", tile)`` when its planes
+    (``width / codes a byte`` columns) are at least 16 wide, each read into a ``tile``-column piece (the plane width
+    itself read at run time, so heads of other widths with the same tile share the code), else ``("gather",
+    width)``: the head as one gathered tile, whose byte pattern depends on its exact width (``_Reader``)."""
+    plane = width // (8 // check_bits(bits))
+    return ("planes", tile(plane)) if plane >= 16 else ("gather", width)
+
+
+def head_classes(layout: HeadLayout, bits: int) -> tuple[tuple[Side, Side], ...]:
+    """Each KV head's class: the (K, V) ``side_class`` pair. A compiled kernel has one branch a class."""
+    return tuple((side_class(k, bits), side_class(v, bits)) for k, v in zip(layout.k_widths, layout.v_widths))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
-    """What a kernel group's code depends on: its classes ((K width, V width) of its heads, in order), and the power
-    of two each table field is stored divided by (per class for head fields, ``head_align[class][field]``)."""
+    """What a kernel group's code depends on: its classes (``head_classes``, in order), whether every head of a
+    class fills its plane tiles (K, V: then no column mask), and the power of two each table field is stored divided
+    by (per class for head fields, ``head_align[class][field]``)."""
 
-    classes: tuple[tuple[int, int], ...]
+    classes: tuple[tuple[Side, Side], ...]
+    full: tuple[tuple[bool, bool], ...]
     head_align: tuple[tuple[int, ...], ...]
     layer_align: tuple[int, ...]
     units: int  # head-table rows: the most heads of any layer of the group
 
 
+def _fills(side: Side, width: int, bits: int) -> bool:
+    """Whether a head of ``width`` columns read as ``side`` fills its tiles (no column of them masked)."""
+    return width // (8 // bits) == side[1] if side[0] == "planes" else tile(width) == width
+
+
 @functools.cache
 def _geometry(shared: tuple[HeadLayout, ...], bits: int, page_size: int, wide_rows: int) -> _Geometry:
-    classes = tuple(sorted({(kw, vw) for lay in shared for kw, vw in zip(lay.k_widths, lay.v_widths)}))
+    classes = tuple(sorted({c for lay in shared for c in head_classes(lay, bits)}))
     fmts = [PageFormat.for_layout(lay, page_size, bits) for lay in shared]
     per_class: list[list[np.ndarray]] = [[] for _ in classes]
+    full = [[True, True] for _ in classes]
     for lay, fmt in zip(shared, fmts):
-        for (kw, vw), row in zip(zip(lay.k_widths, lay.v_widths), _head_rows(lay, fmt, wide_rows)):
-            per_class[classes.index((kw, vw))].append(row)
+        heads = zip(head_classes(lay, bits), lay.k_widths, lay.v_widths, _head_rows(lay, fmt, wide_rows))
+        for cls, kw, vw, row in heads:
+            i = classes.index(cls)
+            per_class[i].append(row)
+            full[i] = [full[i][0] and _fills(cls[0], kw, bits), full[i][1] and _fills(cls[1], vw, bits)]
     head_align = tuple(tuple(_pow2_divisor(col) for col in np.stack(rows, 1)) for rows in per_class)
     layer_rows = np.stack([_layer_row(lay, fmt, wide_rows) for lay, fmt in zip(shared, fmts)], 1)
     layer_align = tuple(_pow2_divisor(col) for col in layer_rows)
-    return _Geometry(classes, head_align, layer_align, max(lay.num_kv_heads for lay in shared))
+    units = max(lay.num_kv_heads for lay in shared)
+    return _Geometry(classes, tuple(map(tuple, full)), head_align, layer_align, units)  # type: ignore[arg-type]
 
 
 def _tables(layout: HeadLayout, fmt: PageFormat, geo: _Geometry, wide_rows: int) -> tuple[np.ndarray, np.ndarray]:
     """The layer's head table [units * HEAD_FIELDS] and layer table [LAYER_FIELDS], int32, each field divided by its
     alignment (rows past the layer's heads are zero)."""
     heads = np.zeros((geo.units, HEAD_FIELDS), np.int64)
-    for h, row in enumerate(_head_rows(layout, fmt, wide_rows)):
-        cls = geo.classes.index((layout.k_widths[h], layout.v_widths[h]))
+    for h, (row, c) in enumerate(zip(_head_rows(layout, fmt, wide_rows), head_classes(layout, fmt.bits))):
+        cls = geo.classes.index(c)
         heads[h] = row // np.asarray(geo.head_align[cls])
         heads[h, CLASS] = cls  # read as is, not scaled
     layer = _layer_row(layout, fmt, wide_rows) // np.asarray(geo.layer_align)
@@ -230,18 +261,20 @@ def _codes(raw, shift, bits, dtype):
 
 @dataclasses.dataclass(frozen=True)
 class _Piece:
-    """Columns ``start .. start + width`` of a head read as one tile of ``tile`` columns (a dot a piece)."""
+    """Columns ``start .. start + width`` of a head read as one tile of ``tile`` columns (a dot a piece); ``start``
+    and ``width`` may be traced (read from the head table), ``full``: whether ``width`` is the whole tile."""
 
-    start: int
+    start: jax.Array | int
     tile: int
-    width: int
+    width: jax.Array | int
+    full: bool
 
     def cols(self):
         return jnp.arange(self.tile)[None, :]
 
     def ok(self):
         """Which tile columns are the head's; None when all are."""
-        return None if self.width == self.tile else self.cols() < self.width
+        return None if self.full else self.cols() < self.width
 
 
 def _both(a, b):
@@ -260,31 +293,44 @@ class _Reader:
     - **gather** (narrower planes, too narrow for a dot): the head as one tile, column ``c`` from byte ``c % (w/n)``
       shifted by ``(c // (w/n)) * bits`` (re-read bytes are L1 hits), keys dequantized before their dot."""
 
-    k_width: int
-    v_width: int
+    k_side: Side
+    v_side: Side
     bits: int
     dtype: jnp.dtype
+    k_full: bool  # every head of the class fills its K (V) tiles
+    v_full: bool
+    k_plane: jax.Array | int  # the head's plane widths (traced: read from the head table)
+    v_plane: jax.Array | int
 
     @property
     def n(self) -> int:
         return 8 // self.bits
 
-    def planes(self, width: int) -> bool:
-        return width // self.n >= 16
+    @staticmethod
+    def planes(side: Side) -> bool:
+        return side[0] == "planes"
 
-    def pieces(self, width: int) -> tuple[_Piece, ...]:
-        """A head ``width`` columns wide as its planes, or as one tile (a dot each)."""
-        if self.planes(width):
-            pw = width // self.n
-            return tuple(_Piece(i * pw, tile(pw), pw) for i in range(self.n))
-        return (_Piece(0, tile(width), width),)
+    def side(self, keys: bool) -> tuple[Side, bool, jax.Array | int]:
+        return (self.k_side, self.k_full, self.k_plane) if keys else (self.v_side, self.v_full, self.v_plane)
 
-    def bytes(self, width: int):
+    def pieces(self, keys: bool) -> tuple[_Piece, ...]:
+        """The K (``keys``) or V side of a head as its planes, or as one tile (a dot each)."""
+        (form, size), full, plane = self.side(keys)
+        if form == "planes":
+            return tuple(_Piece(i * plane, size, plane, full) for i in range(self.n))
+        return (_Piece(0, tile(size), size, full),)
+
+    def tile(self, keys: bool) -> int:
+        """Columns of the side's tiles together."""
+        return sum(piece.tile for piece in self.pieces(keys))
+
+    def bytes(self, keys: bool):
         """(byte of each loaded column in a head's code row [1, B], its shift (gather only), which bytes are the
         head's: None when all)."""
         n = self.n
-        if self.planes(width):
-            piece = self.pieces(width)[0]
+        (form, width), _, _ = self.side(keys)
+        if form == "planes":
+            piece = self.pieces(keys)[0]
             return piece.cols(), None, piece.ok()
         c = jnp.arange(tile(width))[None, :]
         # planes of w/n columns, the first in the lowest bits; padding columns repeat the last plane's bytes (in
@@ -295,8 +341,8 @@ class _Reader:
     def scores(self, qs, raw, meta, precision):
         """Scores [R, T] of the query pieces ``qs`` against the keys of code bytes ``raw`` [T, B], ``meta`` a
         (scale, zero) pair of rows [1, tile] a piece."""
-        if not self.planes(self.k_width):
-            (scale, zero), shift = meta[0], self.bytes(self.k_width)[1]
+        if not self.planes(self.k_side):
+            (scale, zero), shift = meta[0], self.bytes(True)[1]
             k = (_codes(raw, shift, self.bits, jnp.float32) * scale + zero).astype(self.dtype)
             return plgpu.dot(qs[0], k, trans_b=True, precision=precision)
         dots, rows = [], []
@@ -312,10 +358,10 @@ class _Reader:
         ``(p * scale) . codes`` [R, tile] a piece and the row term ``p * zero`` [R, T] to sum over tokens and add to
         every column (the scales folded into the weights: no per-value multiply)."""
         ps = (p * scale[None, :]).astype(self.dtype)
-        if self.planes(self.v_width):
+        if self.planes(self.v_side):
             shifts = [i * self.bits for i in range(self.n)]
         else:
-            shifts = [self.bytes(self.v_width)[1]]
+            shifts = [self.bytes(False)[1]]
         dots = [plgpu.dot(ps, _codes(raw, sh, self.bits, self.dtype), precision=precision) for sh in shifts]
         return dots, p * zero[None, :]
 
@@ -325,18 +371,19 @@ def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, 
     partial last page, its tail; then the write of its result (module docstring)."""
     heads_ref, layer_ref, table_ref, q_ref, pool_ref, meta_ref, tail_ref, out_ref, acc_ref, m_ref, l_ref = refs
     seq, unit, first, end, slot, length = item
-    kw, vw = geo.classes[cls_index]
+    k_side, v_side = geo.classes[cls_index]
     align = geo.head_align[cls_index]
     P, dt = page_size, jnp.dtype(q_ref.dtype)
     tc = kernel.chunk(P)
     tile_rows = max(16, tc)  # a dot's dimension is at least 16: a chunk of fewer tokens masks the rest
-    nc = kernel.chunks_per_step(tile(kw), tile(vw), P)
     precision = dot_precision(dt)
-    reader = _Reader(kw, vw, bits, dt)
-    k_pieces, v_pieces = reader.pieces(kw), reader.pieces(vw)
 
     def head(f):
         return heads_ref[unit * HEAD_FIELDS + f] * align[f]
+
+    reader = _Reader(k_side, v_side, bits, dt, *geo.full[cls_index], head(K_PLANE), head(V_PLANE))
+    k_pieces, v_pieces = reader.pieces(True), reader.pieces(False)
+    nc = kernel.chunks_per_step(reader.tile(True), reader.tile(False), P)
 
     def layer(f):
         return layer_ref[f] * geo.layer_align[f]
@@ -365,8 +412,8 @@ def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, 
         visible = ok & (tok0 + r >= visible_from) & (r < tc)
         base, half = page * layer(PAGE_BYTES), page * layer(PAGE_HALVES)
 
-        def codes(row_bytes, first_byte, width):
-            byte, _, byte_ok = reader.bytes(width)
+        def codes(row_bytes, first_byte, keys):
+            byte, _, byte_ok = reader.bytes(keys)
             at = base + t[:, None] * row_bytes + first_byte + byte
             return plgpu.load(pool_ref.at[at], mask=_both(visible[:, None], byte_ok), other=0)
 
@@ -375,8 +422,8 @@ def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, 
             return _meta(meta_ref, at, _both(jnp.full((1, piece.tile), ok), piece.ok()))
 
         meta = [(key_meta(piece, 0), key_meta(piece, layer(K_ZEROS))) for piece in k_pieces]
-        s = reader.scores(qs, codes(layer(K_ROW), head(K_BYTE), kw), meta, precision)
-        v_raw = codes(layer(V_ROW), layer(V_CODES) + head(V_BYTE), vw)
+        s = reader.scores(qs, codes(layer(K_ROW), head(K_BYTE), True), meta, precision)
+        v_raw = codes(layer(V_ROW), layer(V_CODES) + head(V_BYTE), False)
         v_at = half + layer(V_META) + head(HEAD) * P + t
         v_scale, v_zero = _meta(meta_ref, v_at, visible), _meta(meta_ref, v_at + layer(V_ZEROS), visible)
         return jnp.where(visible[None, :], s, MASK), lambda p: reader.values(v_raw, p, v_scale, v_zero, precision)
@@ -605,13 +652,13 @@ def quantized_paged_decode(
 
 def kernel_groups(formats: dict[HeadLayout, PageFormat], cap: int) -> dict[HeadLayout, tuple[HeadLayout, ...]]:
     """Each layout's kernel group: layouts of the same bits, group size, window and head dim share one compiled
-    kernel while the (K width, V width) classes of their heads together stay within ``cap`` (each class is one more
+    kernel while the classes of their heads (``head_classes``) together stay within ``cap`` (each class is one more
     branch of the kernel); layouts of the same classes always share."""
     groups: list[tuple[tuple, set, list[HeadLayout]]] = []  # (static key, classes, layouts)
     by_classes: dict[tuple, list[HeadLayout]] = {}
     for lay, fmt in formats.items():
         key = (fmt.bits, fmt.page_size, lay.group_size, lay.sliding_window, lay.head_dim)
-        by_classes.setdefault((key, frozenset(zip(lay.k_widths, lay.v_widths))), []).append(lay)
+        by_classes.setdefault((key, frozenset(head_classes(lay, fmt.bits))), []).append(lay)
     for (key, classes), lays in sorted(by_classes.items(), key=lambda kv: (-len(kv[0][1]), sorted(kv[0][1]))):
         fits = [g for g in groups if g[0] == key and len(g[1] | classes) <= cap]
         if fits:
