@@ -450,7 +450,7 @@ def test_kv_bits_values_parse():
         (["eval", "--kv-bits", "4", "4", "--variants", "zack"], "--kv-bits values must be distinct, got 4 4"),
         (["eval", "--kv-bits", "4"], "not palu palu-uniform (Palu rebuilds K)"),
         (["eval", "--kv-bits", "none", "2", "--variants", "zack", "palu"], "not palu (Palu rebuilds K)"),
-        (["retrieval", "--kv-bits", "gear4", "--variants", "zack"], "the engine serves KIVI-style pages only"),
+        (["retrieval", "--kv-bits", "zipcache", "--variants", "zack"], "ZipCache is scored by eval only"),
         (["search", "--kv-bits", "4"], "--kv-bits applies to eval and retrieval only"),
     ],
 )

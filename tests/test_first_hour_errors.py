@@ -16,6 +16,7 @@ from flax import nnx
 import kvjax
 from kvjax.cli import convert
 from kvjax.io import saved
+from kvjax.ops.kv_schemes import SERVED
 from kvjax.runtime.generate import chat_ids
 
 WIDE = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)
@@ -157,6 +158,7 @@ SAVE_ON_A_SMALL_DISK = f"""
 import sys
 sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
 import kvjax
+from kvjax.ops.kv_schemes import SERVED
 from conftest import TINY_CONFIGS
 kvjax.Model.random(TINY_CONFIGS["llama"]).save(sys.argv[1] + "/ckpt")
 """
@@ -231,10 +233,14 @@ def test_a_newer_format_asks_for_a_newer_kvjax(checkpoint):
 @pytest.mark.parametrize(
     "serving, shown",
     [
-        ({"kv_bits": 5}, '"serving": "kv_bits" must be 4, 2 or null (unquantized pages), got 5'),
-        ({"kv_bits": "4"}, '"serving": "kv_bits" must be 4, 2 or null (unquantized pages), got "4"'),
-        ({"kv_bits": True}, '"serving": "kv_bits" must be 4, 2 or null (unquantized pages), got true'),
-        ({"kv_bits": 4.0}, '"serving": "kv_bits" must be 4, 2 or null (unquantized pages), got 4.0'),
+        ({"kv_bits": 5}, f'"serving": "kv_bits" must be {SERVED}, or null (unquantized pages), got 5'),
+        ({"kv_bits": "gear3"}, f'"serving": "kv_bits" must be {SERVED}, or null (unquantized pages), got "gear3"'),
+        (
+            {"kv_bits": "zipcache"},
+            f'"serving": "kv_bits" must be {SERVED}, or null (unquantized pages), got "zipcache"',
+        ),
+        ({"kv_bits": True}, f'"serving": "kv_bits" must be {SERVED}, or null (unquantized pages), got true'),
+        ({"kv_bits": 4.0}, f'"serving": "kv_bits" must be {SERVED}, or null (unquantized pages), got 4.0'),
         (4, '"serving" must be an object, got 4'),
     ],
 )

@@ -210,3 +210,27 @@ def test_low_rank_scores_without_rebuilding_the_keys():
     want = np.asarray(q, np.float64) @ np.swapaxes(dense, -1, -2)
     assert got.shape == (3, 5, 32) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4, err_msg=f"{seed=}")
+
+
+@pytest.mark.parametrize("spec", [gear.GearSpec(2, 1, 0.01, 32), gear.GearSpec(4, 2, 0.0, 16)])
+def test_engine_pages_decode_to_the_round_trip_exactly(spec):
+    """``GearPageFormat``: a page is every array ``page_parts`` lists as bytes, each part aligned, and ``decode``
+    gives exactly ``round_trip``'s reconstruction of the same pages (the engine then serves what accuracy.py scores)."""
+    seed = fresh_seed()
+    k, v = _planted(seed)
+    fmt = gear.GearPageFormat.for_layout(MIXED, spec)
+    sizes = gear.page_bytes(MIXED, spec)
+    assert fmt.sizes() == sizes and sum(fmt.bytes_by_part().values()) == fmt.page_bytes
+    assert 0 <= fmt.page_bytes - sum(sizes.values()) < len(sizes) * quant.ALIGN and fmt.page_bytes % quant.ALIGN == 0
+    t = T // spec.page_size * spec.page_size  # whole pages
+    k, v = k[:, :t], v[:, :t]
+    pages = jax.jit(fmt.encode)(
+        k.reshape(B, -1, spec.page_size, MIXED.k_cols), v.reshape(B, -1, spec.page_size, MIXED.v_cols)
+    )
+    assert pages.dtype == jnp.uint8 and pages.shape == (B, t // spec.page_size, fmt.page_bytes)
+    k_hat, v_hat = jax.jit(fmt.decode)(pages)
+    k_ref, v_ref = gear.round_trip(k, v, MIXED, spec)
+    np.testing.assert_array_equal(np.asarray(k_hat).reshape(k.shape), np.asarray(k_ref), err_msg=f"{seed=}")
+    np.testing.assert_array_equal(np.asarray(v_hat).reshape(v.shape), np.asarray(v_ref), err_msg=f"{seed=}")
+    with pytest.raises(ValueError, match="exceeds the narrowest head"):
+        gear.GearPageFormat(MIXED.k_widths, MIXED.v_widths, gear.GearSpec(2, 20, 0.01, 32))

@@ -9,6 +9,7 @@ from conftest import FIXTURES
 
 import kvjax
 from kvjax.cli import infer
+from kvjax.ops.kv_schemes import SERVED
 
 MODEL = os.path.join(FIXTURES, "llama")
 with open(os.path.join(MODEL, "config.json")) as _f:
@@ -87,8 +88,9 @@ def records(path) -> list[dict]:
         ("--cache-memory", "1.5", "'1.5'"),
         ("--cache-memory", "12XB", "'12XB'"),
         ("--cache-memory", "lots", "'lots'"),
-        ("--kv-bits", "3", "must be 4, 2 or 'none', got '3'"),
-        ("--kv-bits", "int4", "must be 4, 2 or 'none', got 'int4'"),
+        ("--kv-bits", "3", f"must be {SERVED} or 'none', got '3'"),
+        ("--kv-bits", "int4", f"must be {SERVED} or 'none', got 'int4'"),
+        ("--kv-bits", "zipcache", "zipcache is scored teacher-forced only (bench/accuracy.py), not served"),
     ],
 )
 def test_bad_flag_is_a_usage_error(files, tmp_path, capsys, no_model, flag, value, shown):
@@ -286,8 +288,11 @@ def test_interrupted_run_keeps_finished_records_in_partial_file(files, tmp_path,
             "--calibration must be 'text', 'prose', 'code', 'random' or 'text:FILE'",
         ),
         (["--target-rate", "0.5", "--max-context", "0"], "argument --max-context: the count must be positive, got 0"),
-        (["--target-rate", "0.5", "--kv-bits", "3"], "argument --kv-bits: must be 4, 2 or 'none', got '3'"),
-        (["--target-rate", "0.5", "--kv-bits", "model"], "argument --kv-bits: must be 4, 2 or 'none', got 'model'"),
+        (["--target-rate", "0.5", "--kv-bits", "3"], f"argument --kv-bits: must be {SERVED} or 'none', got '3'"),
+        (
+            ["--target-rate", "0.5", "--kv-bits", "model"],
+            f"argument --kv-bits: must be {SERVED} or 'none', got 'model'",
+        ),
         (
             ["--target-rate", "0.5", "--method", "palu", "--kv-bits", "4"],
             "--kv-bits 4 with --method palu: quantized pages are not supported on Palu models yet (their cache holds a "

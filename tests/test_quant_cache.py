@@ -13,7 +13,7 @@ from kvjax.layout import HeadLayout
 from kvjax.models.model import Model
 from kvjax.ops import attention, quant_paging
 from kvjax.ops.grouped import attend_groups
-from kvjax.ops.kv_schemes import Kivi
+from kvjax.ops.kv_schemes import Kivi, page_format
 from kvjax.ops.prefill.reference import quantized_causal_attention
 from kvjax.ops.quant import PageFormat
 from kvjax.runtime.cache import QuantizedKVCache
@@ -95,7 +95,7 @@ def test_prefill_completes_pages_and_keeps_the_rest_in_the_tail():
     np.testing.assert_array_equal(np.asarray(tail[0, :5]), np.concatenate([k[0, 8:13], v[0, 8:13]], -1))
 
 
-def _margins(model, prompt, tokens, bits, page_size, chunk):
+def _margins(model, prompt, tokens, kv_bits, page_size, chunk):
     """For each generated token, how far its logit falls below the best under the teacher-forced reference: one
     forward over the prompt and the tokens, each query reading the cache as it was when its token was decoded
     (``quantized_causal_attention`` depends on a query's own position only, so this equals a forward a step)."""
@@ -105,7 +105,7 @@ def _margins(model, prompt, tokens, bits, page_size, chunk):
     def attend(i, q, k, v, rebuild=None, rotation=None):
         if rotation is not None:
             q, k = rotation.packed(q, k)
-        fmt = PageFormat.for_layout(module.layouts[i], page_size, bits)
+        fmt = page_format(kv_bits, module.layouts[i], page_size)
         return quantized_causal_attention(q, k, v, module.layouts[i], fmt, len(prompt), chunk)
 
     hidden = module.hidden(jnp.asarray([ids], jnp.int32), jnp.arange(len(ids))[None], attend)
@@ -113,7 +113,7 @@ def _margins(model, prompt, tokens, bits, page_size, chunk):
     return [float(row.max() - row[token]) for row, token in zip(logits, tokens, strict=True)]
 
 
-@pytest.mark.parametrize("arch,bits", [("llama", 4), ("mistral", 2)])
+@pytest.mark.parametrize("arch,bits", [("llama", 4), ("mistral", 2), ("llama", "gear2-r1-o0.05")])
 def test_engine_decodes_what_the_reference_predicts(arch, bits):
     """Greedy tokens through the engine (several prompts batched, chunked prefill) are the reference's argmax up to
     float rounding: a code can flip at a rounding boundary between two equal computations in another order, so each
@@ -155,16 +155,19 @@ def test_bf16_pages_are_the_same_as_before():
     assert engine.token_bytes() == {"k": 2 * 32 * 4, "v": 2 * 32 * 4}  # two layers of two float32 heads of 16
 
 
-@pytest.mark.parametrize("bad", [3, 8, "4", True, 4.0])
-def test_bad_bit_widths_are_one_line_errors(bad):
-    with pytest.raises(ValueError, match="quantization bits must be one of 4, 2") as err:
+@pytest.mark.parametrize("bad", [3, 8, True, 4.0, "3", "gear3", "gear2-r0", "zipcache"])
+def test_bad_bit_widths_and_schemes_are_one_line_errors(bad):
+    """Neither a bit width nor a scheme the engine serves; ZipCache is named as scored only."""
+    want = "teacher-forced only" if bad == "zipcache" else "quantization bits must be one of 4, 2|kv_bits must be"
+    with pytest.raises(ValueError, match=want) as err:
         EngineConfig(kv_bits=bad)
     assert "\n" not in str(err.value)
     model = Model.random(TINY_CONFIGS["llama"], seed=0)
-    with pytest.raises(ValueError, match="quantization bits"):
+    with pytest.raises(ValueError, match=want):
         kvjax.generate(model, [[1, 2, 3]], max_new_tokens=2, kv_bits=bad)
-    with pytest.raises(ValueError, match="quantization bits"):
-        Kivi(bad)
+    if not isinstance(bad, str):
+        with pytest.raises(ValueError, match="quantization bits"):
+            Kivi(bad)
 
 
 def test_palu_models_refuse_quantized_pages_before_any_work():
@@ -172,8 +175,9 @@ def test_palu_models_refuse_quantized_pages_before_any_work():
     small = kvjax.compress(
         model, removal_rate=0.0, method="palu", calibration="random", num_tokens=128, seq_len=32, progress=False
     )
-    with pytest.raises(ValueError, match="not supported on Palu models"):
-        Engine(small, EngineConfig(max_batch=1, max_seq_len=32, kv_bits=4, num_pages=4))
+    for kv_bits in (4, "gear2"):
+        with pytest.raises(ValueError, match="not supported on Palu models"):
+            Engine(small, EngineConfig(max_batch=1, max_seq_len=32, kv_bits=kv_bits, num_pages=4))
 
 
 def test_teacher_forced_scoring_in_model_hidden_matches_its_reference():
@@ -219,6 +223,34 @@ def test_the_engine_on_the_fused_kernel_decodes_what_the_reference_predicts():
     )  # fmt: skip
     for prompt, gen in zip(prompts, gens):
         gaps = _margins(model, prompt, gen.tokens, 4, 16, 32)
+        assert max(gaps) < 1e-3, f"seed {seed}: prompt of {len(prompt)}, gaps {gaps}"
+
+
+def test_gear_pages_prefill_on_the_kernels_and_decode_on_the_reference():
+    """GEAR pages (``gear.GearPageFormat``) on the kernel backend (interpret mode): prefill by the Pallas kernel over
+    scratch pages, decode on the jnp reference (no kernel reads GEAR pages); the tokens are the teacher-forced
+    reference's, every allocated byte is counted, and the engine's line says where decode runs."""
+    seed = fresh_seed()
+    cfg = TINY_CONFIGS["llama"]
+    model = Model.random(cfg, seed=seed % 1000, scale=2.0)
+    scheme = "gear2-r1-o0.05"
+    config = EngineConfig(max_batch=2, max_seq_len=64, kv_bits=scheme, page_size=16, num_pages=9, backend="interpret")
+    engine = Engine(model, config)
+    assert engine.decode_op is None and engine.prefill_op is not None
+    assert sum(p.shape[0] * f.page_bytes for p, f in zip(engine.cache.pages, engine.formats)) + engine.tail_bytes() == (
+        engine.cache.nbytes
+    )
+    assert sum(engine.token_bytes().values()) * 16 == sum(f.page_bytes for f in engine.formats)
+    line = engine.describe()
+    assert f"{scheme} pages of 16 tokens" in line and "k_factors" in line and "jnp reference" in line, line
+    rng = np.random.default_rng(seed)
+    prompts = [list(map(int, rng.integers(0, cfg.vocab_size, n))) for n in (9, 40)]
+    gens = kvjax.generate(
+        model, prompts, max_new_tokens=6, kv_bits=scheme, page_size=16, chunk_tokens=32, batch_invariant=True,
+        backend="interpret", max_batch=2,
+    )  # fmt: skip
+    for prompt, gen in zip(prompts, gens):
+        gaps = _margins(model, prompt, gen.tokens, scheme, 16, 32)
         assert max(gaps) < 1e-3, f"seed {seed}: prompt of {len(prompt)}, gaps {gaps}"
 
 

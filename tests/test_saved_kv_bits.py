@@ -57,6 +57,12 @@ def test_kv_bits_survives_save_load_astype_and_compress(tmp_path):
     assert kvjax.load(str(tmp_path / "b"), progress=False).kv_bits == 2
 
     assert kvjax.compress(model, removal_rate=0.2, **RANDOM).kv_bits == 2  # "model": the model's own, kept
+    model.kv_bits = "GEAR2-r1-o0.010"  # GEAR pages: saved under their canonical name
+    model.save(str(tmp_path / "g"))
+    assert json.loads((tmp_path / "g" / "kvjax.json").read_text())["serving"] == {"kv_bits": "gear2-r1-o0.01"}
+    gear = kvjax.load(str(tmp_path / "g"), progress=False)
+    assert gear.kv_bits == "gear2-r1-o0.01" and "gear2-r1-o0.01 KV pages" in repr(gear)
+    model.kv_bits = 2
     assert kvjax.compress(model, removal_rate=0.2, kv_bits=None, **RANDOM).kv_bits is None
     assert kvjax.compress(model, removal_rate=0.2, kv_bits=4, **RANDOM).kv_bits == 4
 
@@ -117,5 +123,5 @@ def test_help_says_the_default_is_the_checkpoints_choice(command, capsys):
     with pytest.raises(SystemExit):
         command._parser().parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--kv-bits {4,2,none}" in text
+    assert "--kv-bits {4,2,gear2,...,none}" in text and "gear2-r1-o0.01" in text
     assert "default: the checkpoint's choice, saved by kvjax-convert --kv-bits" in text

@@ -2,7 +2,7 @@
 
     kvjax-convert SRC OUT (--target-rate P | --removal-rate R) [--method zack|palu] [--uniform]
                               [--calibration text|prose|code|random|text:FILE] [--num-tokens N] [--k-share S|measured]
-                              [--kv-bits 4|2|none]
+                              [--kv-bits 4|2|gear2...|none]
 
 SRC is anything ``kvjax.load`` reads (a Hugging Face directory, a .gguf file, 'smollm2', 'gemma3-270m'). OUT is
 written beside and swapped in by renames at the end, so a failure leaves nothing half-written; --overwrite replaces
@@ -98,8 +98,9 @@ def parse_args(argv=None):
         "--kv-bits",
         type=options.kv_bits_arg(model=False),
         default=None,
-        metavar="{4,2,none}",
-        help="save with OUT that its KV cache is to be kept in 4- or 2-bit quantized pages (see kvjax-serve --help): "
+        metavar="{4,2,gear2,...,none}",
+        help="save with OUT that its KV cache is to be kept in 4- or 2-bit quantized or GEAR pages (see kvjax-serve "
+        "--help): "
         "kvjax-infer, kvjax-serve and kvjax.generate then use them unless told otherwise (their --kv-bits none, "
         "kv_bits=None); not with --method palu (default none: pages in the model's dtype)",
     )

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 
 from kvjax import validate
-from kvjax.ops.quant import BITS, check_bits
+from kvjax.ops.kv_schemes import SERVED, served
 
 
 def kv_bits_arg(*, model: bool):
-    """An argparse ``type`` for --kv-bits: 4 or 2, or 'none' (None: pages of the cache's dtype); with ``model``
-    also 'model' (kept as the string: the model's own choice, ``kvjax.generate``'s default), the value argparse
-    converts for the default of kvjax-infer and kvjax-serve."""
-    words = ", ".join(map(str, BITS)) + " or 'none'"
+    """An argparse ``type`` for --kv-bits: 4 or 2, a GEAR name (``kv_schemes.served``: gear2, gear2-r1-o0.01, ...)
+    or 'none' (None: pages of the cache's dtype); with ``model`` also 'model' (kept as the string: the model's own
+    choice, ``kvjax.generate``'s default), the value argparse converts for the default of kvjax-infer and
+    kvjax-serve."""
 
     def kv_bits(text: str):
         word = text.strip().lower()
@@ -21,9 +21,11 @@ def kv_bits_arg(*, model: bool):
         if model and word == "model":
             return "model"
         try:
-            return check_bits(int(text))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}") from None
+            return served(int(word) if word.isdigit() else word)
+        except ValueError as e:
+            if "teacher-forced" in str(e):
+                raise argparse.ArgumentTypeError(str(e).removeprefix("kv_bits: ")) from None
+            raise argparse.ArgumentTypeError(f"must be {SERVED} or 'none', got {text!r}") from None
 
     return kv_bits
 
@@ -65,11 +67,13 @@ def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
         "--kv-bits",
         type=kv_bits_arg(model=True),
         default="model",
-        metavar="{4,2,none}",
+        metavar="{4,2,gear2,...,none}",
         help="keep the KV cache in 4- or 2-bit quantized pages (KIVI-style: keys per channel over a page of 32 "
         "tokens, values per token, the newest partial page exact), about 3.5x or 6x more tokens in the same memory, "
-        "on top of any rank compression; 'none': pages in the model's dtype (default: the checkpoint's choice, "
-        "saved by kvjax-convert --kv-bits; pages in the model's dtype where it made none)",
+        "on top of any rank compression; or in GEAR pages: gear4, gear2, with -r<rank> -o<outlier share> "
+        "(gear2-r1-o0.01: 2-bit codes, a rank-1 residual and 1%% exact outliers a head and page, about 5x; decoded "
+        "by the jnp reference, slower, for now); 'none': pages in the model's dtype (default: the checkpoint's "
+        "choice, saved by kvjax-convert --kv-bits; pages in the model's dtype where it made none)",
     )
     p.add_argument(
         "--attention",

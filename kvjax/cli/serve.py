@@ -158,6 +158,7 @@ def capacity_line(engine, model) -> str:
     quantized pages too: ``Engine.token_bytes``) against the uncompressed model in the cache's dtype, and what the
     same pages' bytes would hold uncompressed."""
     from kvjax.layout import HeadLayout
+    from kvjax.ops.kv_schemes import label
     from kvjax.runtime.cache import bytes_per_token
 
     tokens = engine.cache_tokens
@@ -166,7 +167,7 @@ def capacity_line(engine, model) -> str:
     ratio = sum(engine.token_bytes().values()) / bytes_per_token(full, engine.cache_dtype)
     compressed = model.plan is not None or engine.formats is not None
     what = [] if model.plan is None else [f"{model.plan.method} rate {model.plan.rate:.2f}"]
-    what += [] if engine.formats is None else [f"int{engine.kv_bits} pages"]
+    what += [] if engine.formats is None else [f"{label(engine.kv_bits)} pages"]
     rate = f"at overall rate {1 - ratio:.2f} ({' + '.join(what)})" if compressed else "uncompressed"
     extra = f", {int(tokens * ratio):,} uncompressed in the same memory" if compressed else ""
     windows = "".join(

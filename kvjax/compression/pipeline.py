@@ -192,7 +192,7 @@ def compress(
     return compressed
 
 
-def _check_kv_bits(model, kv_bits, method: str) -> int | None:
+def _check_kv_bits(model, kv_bits, method: str) -> int | str | None:
     """``compress``'s ``kv_bits`` checked for ``method``: "model" stands for ``model.kv_bits``, which a Palu plan
     refuses with a hint of where it came from."""
     if isinstance(kv_bits, str) and kv_bits == "model":

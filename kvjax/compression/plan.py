@@ -25,7 +25,7 @@ from kvjax import validate
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.search import fill_runs, order_heads
-from kvjax.ops.quant import check_bits
+from kvjax.ops.kv_schemes import served
 
 ALIGN = 16
 METHODS = ("zack", "palu")
@@ -37,13 +37,13 @@ PALU_KV_BITS = (
 )
 
 
-def check_kv_bits(kv_bits, method: str | None) -> int | None:
-    """The quantized-page width a model compressed by ``method`` (None: uncompressed) may be served with: None
-    (pages of the cache's dtype), or 4 or 2 (``ops.quant.check_bits``) on any model but a Palu one; anything else
-    is a one-line ValueError."""
+def check_kv_bits(kv_bits, method: str | None) -> int | str | None:
+    """The quantized pages a model compressed by ``method`` (None: uncompressed) may be served with: None (pages of
+    the cache's dtype), or 4, 2 or a GEAR name (``kv_schemes.served``) on any model but a Palu one; anything else is
+    a one-line ValueError."""
     if kv_bits is None:
         return None
-    bits = check_bits(kv_bits)
+    bits = served(kv_bits)
     if method == "palu":
         raise ValueError(PALU_KV_BITS)
     return bits

@@ -31,9 +31,10 @@ from kvjax.io.hf import json_error, one_line, read_json, some
 # 2: a ZACK layer's qk_rotation is [d, k_cols] (``models.rotation``); format 1 stored it per group, zero-padded to
 # the widest group, [Hkv, d, W], and loads as such, converted.
 FORMAT = 2
-# kvjax.json may also hold "serving": {"kv_bits": 4 or 2}, how the model is served by default (``Model.kv_bits``;
-# absent or null: pages of the cache's dtype). It was added within format 2: a kvjax that predates it ignores the key
-# and serves the checkpoint from unquantized pages, which is still correct, only larger. It is not under the digest:
+# kvjax.json may also hold "serving": {"kv_bits": 4, 2 or a GEAR name such as "gear2-r1-o0.01"}, how the model is
+# served by default (``Model.kv_bits``; absent or null: pages of the cache's dtype). It was added within format 2: a
+# kvjax that predates it ignores the key and serves the checkpoint from unquantized pages, which is still correct,
+# only larger (one that predates GEAR pages refuses a GEAR name with a CheckpointError). It is not under the digest:
 # it says nothing about the weights, and editing it by hand is allowed (a bad value is a CheckpointError).
 SERVING = "serving"
 PARTS = ("kvjax.json", "plan.json", "params", "tokenizer")  # everything a checkpoint directory may hold
@@ -234,10 +235,10 @@ def _read_meta(directory: str):
         raise CheckpointError(f"{meta_file}: bad config or dtype: {one_line(e)}") from None
 
 
-def _read_kv_bits(meta_file: str, serving) -> int | None:
+def _read_kv_bits(meta_file: str, serving) -> int | str | None:
     """The "kv_bits" of kvjax.json's "serving" object (absent: None); a bad value is a ``CheckpointError``. Other
     keys of "serving" are left to the kvjax that wrote them."""
-    from kvjax.ops.quant import BITS, check_bits
+    from kvjax.ops.kv_schemes import SERVED, served
 
     if serving is None:
         return None
@@ -247,11 +248,10 @@ def _read_kv_bits(meta_file: str, serving) -> int | None:
     if kv_bits is None:
         return None
     try:
-        return check_bits(kv_bits)
+        return served(kv_bits)
     except ValueError:
-        allowed = ", ".join(map(str, BITS))
         raise CheckpointError(
-            f'{meta_file}: "{SERVING}": "kv_bits" must be {allowed} or null (unquantized pages), '
+            f'{meta_file}: "{SERVING}": "kv_bits" must be {SERVED}, or null (unquantized pages), '
             f"got {json.dumps(kv_bits)[:80]}"
         ) from None
 

@@ -11,6 +11,7 @@ from flax import nnx
 
 from kvjax import validate
 from kvjax.models.transformer import Transformer
+from kvjax.ops.kv_schemes import label
 from kvjax.ops.prefill.reference import causal_attention, quantized_causal_attention
 
 
@@ -51,16 +52,23 @@ class Model:
     """What ``kvjax.load`` returns and every other entry point takes."""
 
     def __init__(
-        self, module: Transformer, tokenizer=None, plan=None, source: str | None = None, *, kv_bits: int | None = None
+        self,
+        module: Transformer,
+        tokenizer=None,
+        plan=None,
+        source: str | None = None,
+        *,
+        kv_bits: int | str | None = None,
     ):
         """``plan`` is the ``RankPlan`` a compressed module was built with (None: uncompressed); ``source`` the
         checkpoint it was read from (``save`` never writes over, into or around it). ``module``'s projections are
         joined in place (``Transformer.join``).
 
-        ``kv_bits`` is how the model asks to be served: its KV cache in 4- or 2-bit quantized pages, or None (pages
-        of the cache's dtype). Plain metadata, saved with the checkpoint (``kvjax-convert --kv-bits``) and read
-        back by ``kvjax.load``; ``kvjax.generate``, ``kvjax-infer`` and ``kvjax-serve`` use it when their caller
-        gives no ``kv_bits``. It is checked where it is used: by ``save`` and by the engine's configuration."""
+        ``kv_bits`` is how the model asks to be served: its KV cache in 4- or 2-bit quantized or GEAR pages
+        (``kv_schemes.served``), or None (pages of the cache's dtype). Plain metadata, saved with the checkpoint
+        (``kvjax-convert --kv-bits``) and read back by ``kvjax.load``; ``kvjax.generate``, ``kvjax-infer`` and
+        ``kvjax-serve`` use it when their caller gives no ``kv_bits``. It is checked where it is used: by ``save``
+        and by the engine's configuration."""
         module.join()
         self.module, self.tokenizer, self.plan, self.source = module, tokenizer, plan, source
         self.kv_bits = kv_bits
@@ -145,7 +153,7 @@ class Model:
     def __repr__(self):
         c = self.config
         plan = "" if self.plan is None else f", {self.plan.method} rate {self.plan.rate:.3f}"
-        pages = "" if self.kv_bits is None else f", int{self.kv_bits} KV pages"
+        pages = "" if self.kv_bits is None else f", {label(self.kv_bits)} KV pages"
         return (
             f"kvjax.Model({c.arch}, {c.num_layers} layers, {c.num_heads} heads / {c.num_kv_heads} KV heads "
             f"of {c.head_dim}, vocab {c.vocab_size}, {self.dtype}{plan}{pages})"

@@ -276,9 +276,13 @@ def page_bytes(layout: HeadLayout, spec: GearSpec) -> dict[str, int]:
     position within the head's page block: ``index_bits`` bits, stored in 1, 2 or 4 bytes; 2 for 32 x 64). Their sum
     is the page's size."""
     _check(layout, spec)
+    return _sizes(tuple(layout.k_widths), tuple(layout.v_widths), spec)
+
+
+def _sizes(k_widths: tuple[int, ...], v_widths: tuple[int, ...], spec: GearSpec) -> dict[str, int]:
     p, r, item = spec.page_size, spec.rank, jnp.dtype(FACTOR_DTYPE).itemsize
-    out = dict(quant.page_bytes(layout.k_widths, layout.v_widths, p, spec.bits))
-    for side, widths in (("k", layout.k_widths), ("v", layout.v_widths)):
+    out = dict(quant.page_bytes(k_widths, v_widths, p, spec.bits))
+    for side, widths in (("k", k_widths), ("v", v_widths)):
         out[f"{side}_factors"] = sum((p + w) * r * item for w in widths)
         out[f"{side}_outliers"] = sum(spec.outlier_count(w) * item for w in widths)
         out[f"{side}_outlier_index"] = sum(
@@ -292,3 +296,165 @@ def scores_low_rank(q: jnp.ndarray, a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarr
     B [..., w, r]) without rebuilding it: ``q (A B^T)^T = (q B) A^T``, (w + P) r multiply-adds a query, float32."""
     qb = jnp.matmul(q.astype(jnp.float32), b.astype(jnp.float32), precision=_HI)  # [..., R, r]: q in B's basis
     return jnp.matmul(qb, jnp.swapaxes(a.astype(jnp.float32), -1, -2), precision=_HI)
+
+
+# A page's parts in storage order (``bytes_by_part``' names: ``page_bytes``' keys) -> the arrays of
+# ``_encode_side`` each holds, per side.
+_STORED = {
+    "codes": ("codes",),
+    "scales": ("scale", "zero"),
+    "factors": ("a", "b"),
+    "outliers": ("outliers",),
+    "outlier_index": ("outlier_index",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GearPageFormat:
+    """One layer's GEAR page for the engine: ``quant.PageFormat``'s interface (``encode``, ``decode``, ``page_bytes``,
+    ``bytes_by_part``, ``round_trip``), so ``quant_paging`` writes and reads a pool of these pages as it does KIVI
+    ones. A page is ``_encode_side``'s arrays for K then V as bytes, part by part (``_STORED``, each part from a
+    multiple of ``quant.ALIGN``); heads of one width are one array, widths ascending. ``decode`` rebuilds exactly what
+    ``round_trip`` reconstructs (codes dequantized plus ``A B^T``, the outliers put back). No kernel reads these pages
+    yet: the engine decodes them with the jnp reference (``decode`` then attention)."""
+
+    k_widths: tuple[int, ...]
+    v_widths: tuple[int, ...]
+    spec: GearSpec
+
+    def __post_init__(self):
+        quant.PageFormat(self.k_widths, self.v_widths, self.spec.page_size, self.spec.bits)  # widths split in planes
+        if self.spec.rank > min(self.k_widths + self.v_widths):
+            raise ValueError(
+                f"GEAR rank {self.spec.rank} exceeds the narrowest head's {min(self.k_widths + self.v_widths)} columns"
+            )
+
+    @classmethod
+    def for_layout(cls, layout: HeadLayout, spec: GearSpec) -> GearPageFormat:
+        _check(layout, spec)
+        return cls(tuple(layout.k_widths), tuple(layout.v_widths), spec)
+
+    @property
+    def page_size(self) -> int:
+        return self.spec.page_size
+
+    @property
+    def bits(self) -> int:
+        return self.spec.bits
+
+    @property
+    def k_cols(self) -> int:
+        return int(sum(self.k_widths))
+
+    @property
+    def v_cols(self) -> int:
+        return int(sum(self.v_widths))
+
+    @property
+    def heads(self) -> int:
+        return len(self.v_widths)
+
+    def sizes(self) -> dict[str, int]:
+        """Bytes of each part of a page before alignment (``page_bytes``, the module function)."""
+        return _sizes(self.k_widths, self.v_widths, self.spec)
+
+    @property
+    def page_bytes(self) -> int:
+        """A page's bytes, every part with its alignment padding."""
+        return _layout(self)[1]
+
+    def bytes_by_part(self) -> dict[str, int]:
+        """``sizes`` and the page's alignment padding: they sum to ``page_bytes``."""
+        sizes = self.sizes()
+        return {**sizes, "padding": self.page_bytes - sum(sizes.values())}
+
+    def round_trip(self, q, k, v, layout=None):
+        """Whole sequences through this format's pages (``quant.simulate``; q and layout unused)."""
+        return quant.simulate(k, v, self)
+
+    def encode(self, k: jnp.ndarray, v: jnp.ndarray) -> jnp.ndarray:
+        """Pages of keys [..., page_size, k_cols] and values [..., page_size, v_cols] -> uint8 [..., page_bytes]."""
+        lead, p = k.shape[:-2], self.page_size
+        stored = {}
+        for side, x, widths in (("k", k, self.k_widths), ("v", v, self.v_widths)):
+            x32 = x.reshape(-1, p, x.shape[-1]).astype(jnp.float32)
+            stored[side] = _encode_side(x32, widths, self.spec, side == "k", True)[1]
+        m = math.prod(lead)
+        pieces, at = [], 0
+        for (side, name, i, start), _ in _layout(self)[0]:
+            pieces += [jnp.zeros((m, start - at), jnp.uint8)] if start > at else []
+            arr = stored[side][name][i]
+            raw = arr if arr.dtype == jnp.uint8 else lax.bitcast_convert_type(arr, jnp.uint8)
+            pieces.append(raw.reshape(m, -1))
+            at = start + pieces[-1].shape[1]
+        pieces.append(jnp.zeros((m, self.page_bytes - at), jnp.uint8))
+        return jnp.concatenate(pieces, axis=1).reshape(*lead, self.page_bytes)
+
+    def decode(self, pages: jnp.ndarray, dtype=jnp.float32) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """``encode``'s inverse up to GEAR's loss: uint8 [..., page_bytes] -> keys [..., P, k_cols], values
+        [..., P, v_cols] in ``dtype``, equal to ``round_trip``'s reconstruction of the same pages."""
+        lead = pages.shape[:-1]
+        flat = pages.reshape(-1, self.page_bytes)
+        m = flat.shape[0]
+        arrays: dict[tuple[str, str], list] = {}
+        for (side, name, _, start), shape in _layout(self)[0]:
+            size = math.prod(shape.shape) * shape.dtype.itemsize
+            raw = flat[:, start : start + size]
+            if shape.dtype == jnp.uint8:
+                arr = raw.reshape(m, *shape.shape)
+            else:
+                arr = lax.bitcast_convert_type(raw.reshape(m, *shape.shape, shape.dtype.itemsize), shape.dtype)
+            arrays.setdefault((side, name), []).append(arr)
+        out = []
+        for side, widths in (("k", self.k_widths), ("v", self.v_widths)):
+            heads: list = [None] * len(widths)
+            for i, w in enumerate(sorted(set(widths))):
+                got = {
+                    name: arrays[side, name][i]
+                    for names in _STORED.values()
+                    for name in names
+                    if (side, name) in arrays
+                }
+                block = _decode_block(got, self.spec, w)
+                for j, h in enumerate(hh for hh, hw in enumerate(widths) if hw == w):
+                    heads[h] = block[:, j]
+            x = jnp.concatenate(heads, axis=-1).astype(dtype)
+            out.append(x.reshape(*lead, *x.shape[1:]))
+        return out[0], out[1]
+
+
+def _decode_block(got: dict, spec: GearSpec, width: int) -> jnp.ndarray:
+    """Heads of one width from their stored arrays ([m, heads, ...] each) -> [m, heads, P, w] float32, as
+    ``_encode_block`` reconstructs them: codes dequantized, plus ``A B^T``, the outliers put back."""
+    codes = quant.unpack(got["codes"], spec.bits)
+    out = quant.dequantize(codes, got["scale"], got["zero"])
+    a, b = got["a"].astype(jnp.float32), got["b"].astype(jnp.float32)
+    out = out + jnp.matmul(a, jnp.swapaxes(b, -1, -2), precision=_HI)
+    if "outliers" in got:
+        lead = out.shape[:-2]
+        flat = out.reshape(*lead, -1)
+        idx = got["outlier_index"].astype(jnp.int32)
+        flat = jnp.put_along_axis(flat, idx, got["outliers"].astype(jnp.float32), axis=-1, inplace=False)
+        out = flat.reshape(out.shape)
+    return out
+
+
+@functools.cache
+def _layout(fmt: GearPageFormat):
+    """((side, array name, width index, first byte), ShapeDtypeStruct of one page's array) in storage order, and the
+    page's bytes: ``_encode_side``'s arrays for one page, part by part, each part from a multiple of ``quant.ALIGN``."""
+    p = fmt.page_size
+    shapes = {}
+    for side, cols, widths in (("k", fmt.k_cols, fmt.k_widths), ("v", fmt.v_cols, fmt.v_widths)):
+        x = jax.ShapeDtypeStruct((1, p, cols), jnp.float32)
+        encode = functools.partial(_encode_side, widths=widths, spec=fmt.spec, keys=side == "k", low_rank=True)
+        shapes[side] = jax.eval_shape(lambda x, encode=encode: encode(x)[1], x)
+    entries, at = [], 0
+    for names in _STORED.values():
+        for side in ("k", "v"):
+            for name in names:
+                for i, arr in enumerate(shapes[side].get(name, [])):
+                    entries.append(((side, name, i, at), jax.ShapeDtypeStruct(arr.shape[1:], arr.dtype)))
+                    at += math.prod(arr.shape[1:]) * arr.dtype.itemsize
+        at = -(-at // quant.ALIGN) * quant.ALIGN
+    return tuple(entries), at

@@ -2,14 +2,17 @@
 with the page it works in (``page_size``), the reconstruction of whole sequences page by page (``round_trip``) and
 every byte a page of a layer stores, by part (``page_bytes``), so its overall rate is honest.
 
-``Kivi`` is the format the engine serves (``quant.PageFormat``); ``Gear`` adds GEAR's low-rank and sparse terms
-(``kvjax.ops.gear``) and ``Zip`` is ZipCache's mixed precision by saliency (``kvjax.ops.zipcache``), scored here
-before the engine stores them. ``parse`` reads the names the command lines use."""
+``Kivi`` (``quant.PageFormat``) and ``Gear`` (GEAR's low-rank and sparse terms, ``kvjax.ops.gear``, stored as
+``gear.GearPageFormat``) are what the engine serves; ``Zip`` is ZipCache's mixed precision by saliency
+(``kvjax.ops.zipcache``), scored here only. ``parse`` reads the names the command lines use; ``served`` checks an
+entry point's ``kv_bits`` (4, 2 or a GEAR name) and ``page_format`` builds a layer's page format from it."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
+
+import numpy as np
 
 from kvjax.layout import HeadLayout
 from kvjax.ops import gear, zipcache
@@ -118,3 +121,50 @@ def token_bytes(scheme, layouts) -> dict[str, float]:
         for part, n in scheme.page_bytes(layout).items():
             out[part] = out.get(part, 0.0) + n / scheme.page_size
     return out
+
+
+# A page format the engine stores (``page_format``): the same interface, KIVI-style or GEAR
+AnyPageFormat = PageFormat | gear.GearPageFormat
+# What an entry point's kv_bits may be, in the words of its errors
+SERVED = "4 or 2 (KIVI-style), or a GEAR name such as gear2 or gear2-r1-o0.01"
+
+
+def served(kv_bits) -> int | str | None:
+    """How the engine stores pages for an entry point's ``kv_bits``: None (the cache's dtype); 4 or 2, KIVI-style
+    (``quant.PageFormat``; also as "4" or "kivi4"); or a GEAR scheme (``gear.GearPageFormat``), returned as its
+    canonical name (``Gear.name``, what ``parse`` reads back). Anything else, ZipCache included (its saliency needs
+    the attention of probe queries, which the engine does not compute), is a one-line ValueError."""
+    if kv_bits is None:
+        return None
+    if isinstance(kv_bits, (int, np.integer)) and not isinstance(kv_bits, bool):
+        return check_bits(int(kv_bits))
+    if isinstance(kv_bits, str):
+        try:
+            scheme = parse(kv_bits)
+        except ValueError:
+            raise ValueError(f"kv_bits must be {SERVED}, got {kv_bits!r}") from None
+        if isinstance(scheme, Kivi):
+            return scheme.bits
+        if isinstance(scheme, Gear):
+            return scheme.name
+        raise ValueError(
+            f"kv_bits: {scheme.name} is scored teacher-forced only (bench/accuracy.py), not served by the engine; "
+            f"use {SERVED}"
+        )
+    raise ValueError(f"kv_bits must be {SERVED}, got {kv_bits!r}")
+
+
+def label(kv_bits) -> str:
+    """A served ``kv_bits`` for people: "int4", "int2" or the GEAR name."""
+    kv_bits = served(kv_bits)
+    return f"int{kv_bits}" if isinstance(kv_bits, int) else str(kv_bits)
+
+
+def page_format(kv_bits, layout: HeadLayout, page_size: int):
+    """The page format of ``layout``'s layer for a served ``kv_bits`` (not None) in pages of ``page_size`` tokens."""
+    kv_bits = served(kv_bits)
+    if kv_bits is None:
+        raise ValueError("page_format needs kv_bits: pages of the cache's dtype have no page format")
+    if isinstance(kv_bits, int):
+        return PageFormat.for_layout(layout, page_size, kv_bits)
+    return gear.GearPageFormat.for_layout(layout, parse(kv_bits, page_size).spec)

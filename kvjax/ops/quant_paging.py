@@ -1,6 +1,7 @@
-"""Quantized paged K/V as the ops see them: full pages in a layer's uint8 pool (``quant.PageFormat``), the newest
-tokens of each sequence in a tail page of the cache's dtype until their page is full (KIVI's residual window, its
-length the page), and the jnp reference of both.
+"""Quantized paged K/V as the ops see them: full pages in a layer's uint8 pool (``quant.PageFormat``, or
+``gear.GearPageFormat``: any format with its ``encode`` and ``decode``), the newest tokens of each sequence in a tail
+page of the cache's dtype until their page is full (KIVI's residual window, its length the page), and the jnp
+reference of both.
 
 A layer's state is ``pages`` [num_pages, page_bytes] uint8 and ``tail`` [slots, page_size, k_cols + v_cols]: row s
 of the tail holds the K then V columns of the last, partial page of the sequence in slot s. A sequence of ``n``
@@ -17,16 +18,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kvjax.ops.kv_schemes import AnyPageFormat
 from kvjax.ops.paging import NULL_PAGE
-from kvjax.ops.quant import PageFormat
 
 
-def create_tail(fmt: PageFormat, slots: int, dtype) -> jax.Array:
+def create_tail(fmt: AnyPageFormat, slots: int, dtype) -> jax.Array:
     """An empty tail for ``slots`` sequences (zeros: never read before written)."""
     return jnp.zeros((slots, fmt.page_size, fmt.k_cols + fmt.v_cols), dtype)
 
 
-def _encode(fmt: PageFormat, kv):
+def _encode(fmt: AnyPageFormat, kv):
     """Pages of K then V columns [M, P, k_cols + v_cols] as ``fmt``'s bytes [M, page_bytes]."""
     return fmt.encode(*_split(kv, fmt))
 
@@ -45,7 +46,7 @@ def fill_budget(rows: int, page_size: int) -> int:
     return max(1, 2 * -(-rows // page_size))
 
 
-def write_decode(pages, tail, fmt: PageFormat, block_table, lengths, k, v, active):
+def write_decode(pages, tail, fmt: AnyPageFormat, block_table, lengths, k, v, active):
     """One new token per slot row: K [B, k_cols] and V [B, v_cols] at position ``lengths - 1`` of active rows go to
     their tail; a row whose page that token fills has the page quantized into the pool. Row i is slot i (the decode
     step's rows). Returns (pages, tail).
@@ -77,7 +78,7 @@ def write_decode(pages, tail, fmt: PageFormat, block_table, lengths, k, v, activ
     return _scatter_pages(pages, target, encoded), tail
 
 
-def write_prefill(pages, tail, fmt: PageFormat, block_table, tail_rows, starts, k, v, lengths):
+def write_prefill(pages, tail, fmt: AnyPageFormat, block_table, tail_rows, starts, k, v, lengths):
     """Prompt chunks K [B, T, k_cols], V [B, T, v_cols] (chunk b: ``lengths[b]`` tokens from position
     ``starts[b]``, default 0) continue their sequences' tails (row ``tail_rows[b]``; past the tail: a padding row,
     nothing written): each page the chunk completes is quantized into the pool, the rest becomes the new tail.
@@ -106,7 +107,7 @@ def write_prefill(pages, tail, fmt: PageFormat, block_table, tail_rows, starts, 
     return pages, tail
 
 
-def gather(pages, tail, fmt: PageFormat, block_table, tail_rows, lengths, dtype):
+def gather(pages, tail, fmt: AnyPageFormat, block_table, tail_rows, lengths, dtype):
     """Each row's cached K [B, S, k_cols] and V [B, S, v_cols] (S: the block table's positions) as attention reads
     them: the first ``lengths // page_size`` pages dequantized, then the tail's ``lengths % page_size`` tokens
     exact; positions past ``lengths`` are unspecified."""
@@ -122,5 +123,5 @@ def gather(pages, tail, fmt: PageFormat, block_table, tail_rows, lengths, dtype)
     return jnp.where(in_tail, tk, k), jnp.where(in_tail, tv, v)
 
 
-def _split(kv, fmt: PageFormat):
+def _split(kv, fmt: AnyPageFormat):
     return kv[..., : fmt.k_cols], kv[..., fmt.k_cols :]

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.layout import HeadLayout
+from kvjax.ops.kv_schemes import AnyPageFormat
 from kvjax.ops.paging import NULL_PAGE
-from kvjax.ops.quant import PageFormat
 from kvjax.ops.quant_paging import create_tail
 
 
@@ -74,7 +74,7 @@ class QuantizedKVCache:
 
     @classmethod
     def create(
-        cls, formats: tuple[PageFormat, ...], layouts, num_pages, slots: int, dtype, windows: tuple = (None,)
+        cls, formats: tuple[AnyPageFormat, ...], layouts, num_pages, slots: int, dtype, windows: tuple = (None,)
     ) -> QuantizedKVCache:
         """Zeroed pools (``num_pages`` as in ``PagedKVCache.create``) and tails for ``slots`` sequences."""
         counts = (num_pages,) * len(windows) if isinstance(num_pages, int) else tuple(num_pages)
@@ -127,7 +127,7 @@ def bytes_per_token(layouts: tuple[HeadLayout, ...], dtype) -> int:
     return sum(lay.k_cols + lay.v_cols for lay in layouts) * jnp.dtype(dtype).itemsize
 
 
-def token_bytes(layouts: tuple[HeadLayout, ...], dtype, formats: tuple[PageFormat, ...] | None = None) -> dict:
+def token_bytes(layouts: tuple[HeadLayout, ...], dtype, formats: tuple[AnyPageFormat, ...] | None = None) -> dict:
     """Cache bytes one token occupies across all layers, by part (issue 35's honest accounting): K and V in the
     cache's dtype, or with quantized ``formats`` the key and value codes, the keys' per-page scales and zeros spread
     over the page's tokens, the values' per-token scales and zeros, and the alignment padding of each page. The

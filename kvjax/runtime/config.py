@@ -14,17 +14,18 @@ from typing import Literal
 from kvjax import machine, validate
 from kvjax.ops.attention import check_backend
 from kvjax.ops.decode.config import DECODE, DecodeConfig
-from kvjax.ops.quant import GROUP, check_bits
+from kvjax.ops.kv_schemes import served
+from kvjax.ops.quant import GROUP
 
 PAGE = 16  # tokens a page of the cache's dtype (a quantized page: ``quant.GROUP``)
-# The entry points' ``kv_bits`` (``kvjax.generate``, ``kvjax-infer``, ``kvjax-serve``): 4 or 2, None (pages of the
-# cache's dtype, whatever the model asks for) or "model", their default: the model's own choice, ``Model.kv_bits``,
-# saved with its checkpoint. ``EngineConfig`` and ``Engine`` take only 4, 2 or None: the caller resolves "model"
-# (``kv_bits_for``).
-KvBits = int | None | Literal["model"]
+# The entry points' ``kv_bits`` (``kvjax.generate``, ``kvjax-infer``, ``kvjax-serve``): 4 or 2, a GEAR name
+# ("gear2-r1-o0.01", ``kv_schemes.served``), None (pages of the cache's dtype, whatever the model asks for) or
+# "model", their default: the model's own choice, ``Model.kv_bits``, saved with its checkpoint. ``EngineConfig`` and
+# ``Engine`` take no "model": the caller resolves it (``kv_bits_for``).
+KvBits = int | str | None | Literal["model"]
 
 
-def kv_bits_for(model, kv_bits: KvBits) -> int | None:
+def kv_bits_for(model, kv_bits: KvBits) -> int | str | None:
     """The engine's ``kv_bits`` for ``model``: "model" stands for ``model.kv_bits``; anything else is as given (and
     checked by ``EngineConfig``)."""
     if isinstance(kv_bits, str) and kv_bits == "model":
@@ -50,7 +51,9 @@ class EngineConfig:
     decode_config: DecodeConfig = DECODE
     prefill_min_tokens: int | None = None
     prefill_max_rows: int | None = None
-    kv_bits: int | None = None  # quantized pages (4 or 2 bits, ``kvjax.ops.quant``); None keeps the cache's dtype
+    # quantized pages: 4 or 2 bits (``kvjax.ops.quant``) or a GEAR name (``kvjax.ops.gear``, its canonical form after
+    # construction: ``kv_schemes.served``); None keeps the cache's dtype
+    kv_bits: int | str | None = None
 
     def __post_init__(self):
         self._defaults()
@@ -76,7 +79,7 @@ class EngineConfig:
     def _defaults(self) -> None:
         """Fields whose default depends on others, filled in (the instance is frozen, hence ``object.__setattr__``)."""
         if self.kv_bits is not None:
-            object.__setattr__(self, "kv_bits", check_bits(self.kv_bits))
+            object.__setattr__(self, "kv_bits", served(self.kv_bits))
         if self.page_size is None:
             object.__setattr__(self, "page_size", GROUP if self.kv_bits else PAGE)
 

@@ -23,6 +23,7 @@ from kvjax.ops import attention
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.plan import bucket as pow2_bucket
 from kvjax.ops.grouped import full_width
+from kvjax.ops.kv_schemes import AnyPageFormat, label, page_format
 from kvjax.ops.palu import PaluDecodeOp
 from kvjax.ops.prefill.op import PrefillOp
 from kvjax.ops.quant import PageFormat
@@ -338,7 +339,8 @@ class Engine:
             return
         self.prefill_op = PrefillOp(model.layouts, interpret=interpret)
         if self.formats is not None:
-            self.decode_op = _quant_decode_op(model.layouts, self.formats, self.pages_per_seq, c, interpret)
+            if all(isinstance(f, PageFormat) for f in self.formats):  # GEAR pages: decode on the jnp reference
+                self.decode_op = _quant_decode_op(model.layouts, self.formats, self.pages_per_seq, c, interpret)
             return
         self.decode_op = DecodeOp(
             model.layouts,
@@ -382,9 +384,11 @@ class Engine:
             return ""
         parts = self.token_bytes()
         shown = ", ".join(f"{name} {n:,.0f}" for name, n in parts.items() if n)
+        reference = self.backend != "reference" and self.decode_op is None
         return (
-            f"; int{self.kv_bits} pages of {self.page_size} tokens, {sum(parts.values()):,.0f} bytes a token "
+            f"; {label(self.kv_bits)} pages of {self.page_size} tokens, {sum(parts.values()):,.0f} bytes a token "
             f"({shown}) + tails {memory.size(self.tail_bytes())}"
+            + ("; decode reads them through the jnp reference (no kernel reads GEAR pages yet)" if reference else "")
         )
 
     def activation_bytes(self) -> int:
@@ -567,12 +571,12 @@ class Engine:
         return None if self.decode_op is None else self.decode_op.plan(lengths)
 
 
-def _formats(model, c: EngineConfig) -> tuple[PageFormat, ...] | None:
-    """Each layer's quantized page format, or None for pages in the cache's dtype."""
-    bits = check_kv_bits(c.kv_bits, model.module.method)  # Palu refused, in the words kvjax.compress uses
-    if not bits:
+def _formats(model, c: EngineConfig) -> tuple[AnyPageFormat, ...] | None:
+    """Each layer's quantized page format (``kv_schemes.page_format``), or None for pages in the cache's dtype."""
+    kv_bits = check_kv_bits(c.kv_bits, model.module.method)  # Palu refused, in the words kvjax.compress uses
+    if kv_bits is None:
         return None
-    return tuple(PageFormat.for_layout(lay, c.page_size, bits) for lay in model.layouts)
+    return tuple(page_format(kv_bits, lay, c.page_size) for lay in model.layouts)
 
 
 def _quant_decode_op(layouts, formats, pages_per_seq: int, config: EngineConfig, interpret: bool):
