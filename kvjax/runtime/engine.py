@@ -580,7 +580,9 @@ def _formats(model, c: EngineConfig) -> tuple[AnyPageFormat, ...] | None:
 
 
 def _quant_decode_op(layouts, formats, pages_per_seq: int, config: EngineConfig, interpret: bool):
-    """The fused decode kernel over quantized pages (``ops.decode.quant_kernel``) of each layer's format."""
+    """The fused decode kernel over quantized pages (``ops.decode.quant_kernel``) of each layer's format, planned by
+    the engine's ``decode_config`` with one KV head a unit (its ``kernel_classes`` caps the head classes a compiled
+    kernel covers)."""
     from kvjax.ops.decode.quant_kernel import QuantDecodeOp
 
     return QuantDecodeOp(
@@ -588,6 +590,7 @@ def _quant_decode_op(layouts, formats, pages_per_seq: int, config: EngineConfig,
         config.page_size,
         pages_per_seq,
         formats=formats,
+        config=dataclasses.replace(config.decode_config, pack_tile=0),
         max_batch=config.max_batch,
         batch_invariant=config.batch_invariant,
         interpret=interpret,
