@@ -612,7 +612,10 @@ def run_retrieval(base, args) -> tuple[list[dict], list[dict]]:
             chunk_tokens=args.chunk_tokens,
             backend=args.backend,
             kv_bits=fields["kv_bits"],
-            page_size=args.kv_page if fields["kv_bits"] is not None else None,
+            # a GEAR name's -p<tokens> fixes its page; otherwise --kv-page
+            page_size=(kv_schemes.page_of(fields["kv_bits"]) or args.kv_page)
+            if fields["kv_bits"] is not None
+            else None,
         )
         for task in args.task:
             runs.append(fields | {"task": task, "results": results[task]})

@@ -74,7 +74,9 @@ def test_unknown_names_are_one_line_errors(bad):
 def test_gear_settings_in_a_name_round_trip_and_bad_ones_are_one_line_errors():
     scheme = kv_schemes.parse("gear2-r1-o0.005", 128)
     assert (scheme.spec.bits, scheme.spec.rank, scheme.spec.outliers, scheme.page_size) == (2, 1, 0.005, 128)
-    assert scheme.name == "gear2-r1-o0.005" and kv_schemes.parse(scheme.name, 128) == scheme
+    assert scheme.name == "gear2-r1-o0.005-p128" and kv_schemes.parse(scheme.name) == scheme  # the page in the name
+    assert kv_schemes.parse("gear2-r1-o0.005-p64", 128).page_size == 64  # the name's page wins
+    assert kv_schemes.parse("gear2-r1-o0.005").name == "gear2-r1-o0.005"  # quant.GROUP: no -p
     assert kv_schemes.parse("gear4-r2-o0.02").name == "gear4"  # the reference's settings keep the short name
     cases = (("gear2-r0", "rank"), ("gear2-o0.7", "outliers"), ("gear2-r40", "exceeds"), ("gear2-x1", "must be one"))
     for bad, words in cases:

@@ -158,6 +158,16 @@ def test_bf16_pages_are_the_same_as_before():
     assert engine.token_bytes() == {"k": 2 * 32 * 4, "v": 2 * 32 * 4}  # two layers of two float32 heads of 16
 
 
+def test_a_gear_name_may_fix_its_page():
+    """``-p<tokens>`` in a GEAR name is its streaming buffer, so the engine's page: the default page size, and a
+    different one given is a one-line error."""
+    assert EngineConfig(kv_bits="GEAR2-r1-o0.010-p128").page_size == 128
+    assert EngineConfig(kv_bits="gear2-r1-o0.01-p128").kv_bits == "gear2-r1-o0.01-p128"
+    assert EngineConfig(kv_bits="gear2-p32").kv_bits == "gear2" and EngineConfig(kv_bits="gear2").page_size == 32
+    with pytest.raises(ValueError, match="stores pages of 128 tokens; page_size=32 given"):
+        EngineConfig(kv_bits="gear2-p128", page_size=32)
+
+
 @pytest.mark.parametrize("bad", [3, 8, True, 4.0, "3", "gear3", "gear2-r0", "zipcache"])
 def test_bad_bit_widths_and_schemes_are_one_line_errors(bad):
     """Neither a bit width nor a scheme the engine serves; ZipCache is named as scored only."""

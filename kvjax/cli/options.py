@@ -71,9 +71,10 @@ def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
         help="keep the KV cache in 4- or 2-bit quantized pages (KIVI-style: keys per channel over a page of 32 "
         "tokens, values per token, the newest partial page exact), about 3.5x or 6x more tokens in the same memory, "
         "on top of any rank compression; or in GEAR pages: gear4, gear2, with -r<rank> -o<outlier share> "
-        "(gear2-r1-o0.01: 2-bit codes, a rank-1 residual and 1%% exact outliers a head and page, about 5x; decoded "
-        "by the jnp reference, slower, for now); 'none': pages in the model's dtype (default: the checkpoint's "
-        "choice, saved by kvjax-convert --kv-bits; pages in the model's dtype where it made none)",
+        "-p<page tokens> (gear2-r1-o0.01-p128: 2-bit codes, a rank-1 residual and 1%% exact outliers a head and "
+        "page of 128 tokens, about 5x; decoded by the jnp reference, slower, for now); 'none': pages in the "
+        "model's dtype (default: the checkpoint's choice, saved by kvjax-convert --kv-bits; pages in the model's "
+        "dtype where it made none)",
     )
     p.add_argument(
         "--attention",

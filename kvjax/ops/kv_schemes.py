@@ -52,11 +52,12 @@ class Gear:
 
     @property
     def name(self) -> str:
-        """``gear<bits>``, then ``-r<rank>`` and ``-o<outliers>`` where they differ from the reference's (``parse``
-        reads it back)."""
+        """``gear<bits>``, then ``-r<rank>`` and ``-o<outliers>`` where they differ from the reference's, and
+        ``-p<tokens>`` where its page (the streaming buffer) is not ``quant.GROUP`` (``parse`` reads it back)."""
         spec = self.spec
         rank = f"-r{spec.rank}" if spec.rank != gear.STREAM_RANK else ""
-        return f"gear{spec.bits}{rank}" + (f"-o{spec.outliers:g}" if spec.outliers != gear.OUTLIERS else "")
+        outliers = f"-o{spec.outliers:g}" if spec.outliers != gear.OUTLIERS else ""
+        return f"gear{spec.bits}{rank}{outliers}" + (f"-p{spec.page_size}" if spec.page_size != GROUP else "")
 
     def round_trip(self, q, k, v, layout: HeadLayout):
         return gear.round_trip(k, v, layout, self.spec)
@@ -87,21 +88,22 @@ class Zip:
 
 
 NAMES = ("4", "2", "kivi4", "kivi2", "gear4", "gear2", "zipcache")
-_GEAR = re.compile(r"gear([42])(?:-r(\d+))?(?:-o(\d*\.?\d+(?:e-?\d+)?))?")
+_GEAR = re.compile(r"gear([42])(?:-r(\d+))?(?:-o(\d*\.?\d+(?:e-?\d+)?))?(?:-p(\d+))?")
 
 
 def parse(text: str, page_size: int = GROUP):
     """A scheme from its name: "4"/"kivi4", "2"/"kivi2" (KIVI-style), "gear4"/"gear2" (GEAR at the reference's
     streaming settings, ``GearSpec.paper``; "-r<rank>" and "-o<fraction>" change its rank and outlier share, e.g.
-    "gear2-r1-o0.005"), "zipcache" (its reference's 4/2 bits, 60% salient); pages of ``page_size`` tokens; a
-    ValueError naming the choices (or saying which GEAR setting is out of range)."""
+    "gear2-r1-o0.005", and "-p<tokens>" its page, the streaming buffer, over ``page_size``), "zipcache" (its
+    reference's 4/2 bits, 60% salient); pages of ``page_size`` tokens; a ValueError naming the choices (or saying
+    which GEAR setting is out of range)."""
     name = str(text).strip().lower()
     if name in ("4", "2", "kivi4", "kivi2"):
         return Kivi(int(name[-1]), page_size)
     match = _GEAR.fullmatch(name)
     if match:
-        bits, rank, outliers = match.groups()
-        paper = gear.GearSpec.paper(int(bits), page_size)
+        bits, rank, outliers, page = match.groups()
+        paper = gear.GearSpec.paper(int(bits), page_size if page is None else int(page))
         return Gear(
             dataclasses.replace(
                 paper,
@@ -111,7 +113,9 @@ def parse(text: str, page_size: int = GROUP):
         )
     if name == "zipcache":
         return Zip(zipcache.ZipSpec(), page_size)
-    raise ValueError(f"KV scheme must be one of {', '.join(NAMES)} (GEAR with -r<rank> -o<outliers>), got {text!r}")
+    raise ValueError(
+        f"KV scheme must be one of {', '.join(NAMES)} (GEAR with -r<rank> -o<outliers> -p<page>), got {text!r}"
+    )
 
 
 def token_bytes(scheme, layouts) -> dict[str, float]:
@@ -126,7 +130,7 @@ def token_bytes(scheme, layouts) -> dict[str, float]:
 # A page format the engine stores (``page_format``): the same interface, KIVI-style or GEAR
 AnyPageFormat = PageFormat | gear.GearPageFormat
 # What an entry point's kv_bits may be, in the words of its errors
-SERVED = "4 or 2 (KIVI-style), or a GEAR name such as gear2 or gear2-r1-o0.01"
+SERVED = "4 or 2 (KIVI-style), or a GEAR name such as gear2 or gear2-r1-o0.01-p128"
 
 
 def served(kv_bits) -> int | str | None:
@@ -160,11 +164,20 @@ def label(kv_bits) -> str:
     return f"int{kv_bits}" if isinstance(kv_bits, int) else str(kv_bits)
 
 
+def page_of(kv_bits) -> int | None:
+    """The page size a served ``kv_bits`` fixes (a GEAR name's ``-p<tokens>``), else None (the engine's)."""
+    kv_bits = served(kv_bits)
+    return parse(kv_bits).page_size if isinstance(kv_bits, str) and "-p" in kv_bits else None
+
+
 def page_format(kv_bits, layout: HeadLayout, page_size: int):
-    """The page format of ``layout``'s layer for a served ``kv_bits`` (not None) in pages of ``page_size`` tokens."""
+    """The page format of ``layout``'s layer for a served ``kv_bits`` (not None) in pages of ``page_size`` tokens
+    (which a GEAR name's ``-p<tokens>`` must equal)."""
     kv_bits = served(kv_bits)
     if kv_bits is None:
         raise ValueError("page_format needs kv_bits: pages of the cache's dtype have no page format")
+    if page_of(kv_bits) not in (None, page_size):
+        raise ValueError(f"kv_bits {kv_bits} stores pages of {page_of(kv_bits)} tokens, not {page_size}")
     if isinstance(kv_bits, int):
         return PageFormat.for_layout(layout, page_size, kv_bits)
     return gear.GearPageFormat.for_layout(layout, parse(kv_bits, page_size).spec)

@@ -14,7 +14,7 @@ from typing import Literal
 from kvjax import machine, validate
 from kvjax.ops.attention import check_backend
 from kvjax.ops.decode.config import DECODE, DecodeConfig
-from kvjax.ops.kv_schemes import served
+from kvjax.ops.kv_schemes import page_of, served
 from kvjax.ops.quant import GROUP
 
 PAGE = 16  # tokens a page of the cache's dtype (a quantized page: ``quant.GROUP``)
@@ -80,8 +80,11 @@ class EngineConfig:
         """Fields whose default depends on others, filled in (the instance is frozen, hence ``object.__setattr__``)."""
         if self.kv_bits is not None:
             object.__setattr__(self, "kv_bits", served(self.kv_bits))
+        fixed = page_of(self.kv_bits)  # a GEAR name's -p<tokens>: its streaming buffer is the page
+        if fixed is not None and self.page_size not in (None, fixed):
+            raise ValueError(f"kv_bits {self.kv_bits} stores pages of {fixed} tokens; page_size={self.page_size} given")
         if self.page_size is None:
-            object.__setattr__(self, "page_size", GROUP if self.kv_bits else PAGE)
+            object.__setattr__(self, "page_size", fixed or (GROUP if self.kv_bits else PAGE))
 
     def replace(self, **changes) -> EngineConfig:
         """A copy with ``changes``, checked again."""
