@@ -11,7 +11,6 @@ from flax import nnx
 
 from kvjax import validate
 from kvjax.models.transformer import Transformer
-from kvjax.ops.kv_schemes import label
 from kvjax.ops.prefill.reference import causal_attention, quantized_causal_attention
 
 
@@ -153,7 +152,8 @@ class Model:
     def __repr__(self):
         c = self.config
         plan = "" if self.plan is None else f", {self.plan.method} rate {self.plan.rate:.3f}"
-        pages = "" if self.kv_bits is None else f", {label(self.kv_bits)} KV pages"
+        kv = f"int{self.kv_bits}" if isinstance(self.kv_bits, int) else self.kv_bits  # a GEAR name as it is
+        pages = "" if self.kv_bits is None else f", {kv} KV pages"
         return (
             f"kvjax.Model({c.arch}, {c.num_layers} layers, {c.num_heads} heads / {c.num_kv_heads} KV heads "
             f"of {c.head_dim}, vocab {c.vocab_size}, {self.dtype}{plan}{pages})"
