@@ -1,5 +1,6 @@
 """What a kernel costs the H100 before it runs, found on a CPU: the registers, spills, shared memory, code size and
-the SASS instructions of each loop body of ``paged_decode`` (or, with ``--kernel prefill``, ``prefill_attention``
+the SASS instructions of each loop body of ``paged_decode`` (with ``--kernel quant --bits 4``, of
+``quantized_paged_decode``, with its compile time; with ``--kernel prefill``, ``prefill_attention``
 and each of its width classes compiled alone, with its steady-state loop's instructions per score and opcode mix),
 for layouts given on the command line, lowered by Pallas for CUDA sm_90 here and compiled by the ``triton``
 package's own compiler and ptxas (``pip install triton``; not a kvjax dependency). Device time is scarce and a
@@ -18,6 +19,7 @@ import os
 import re
 import subprocess
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -28,15 +30,24 @@ from kvjax.layout import HeadLayout
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.kernel import paged_decode
 from kvjax.ops.decode.plan import build_decode_schedule
+from kvjax.ops.decode.quant_kernel import (
+    QUANT_DECODE,
+    QUANT_KERNEL,
+    QuantKernelConfig,
+    head_classes,
+    quantized_paged_decode,
+)
 from kvjax.ops.decode.tables import run_classes
 from kvjax.ops.lowering import triton_modules
 from kvjax.ops.prefill.config import PREFILL, PrefillConfig
 from kvjax.ops.prefill.kernel import prefill_attention
 from kvjax.ops.prefill.plan import block_rows, class_of, keys_per_step, tile_classes
+from kvjax.ops.quant import PageFormat
 
 EPILOG = """examples:
   python bench/resources.py rate:0.5 uniform:64 widths:80,48/96,32 [--warps 4 --stages 3]
   python bench/resources.py --kernel prefill rate:0.5 uniform:64 uniform:128 [--knob block_k=64]
+  python bench/resources.py --kernel quant --bits 4 rate:0.5 uniform:128 [--knob max_step_tokens=128]
 
 Layouts: rate:R (the bench's representative layer of a rate-R plan), uniform:W, or widths:K,K,../V,V,.. (cycled
 over the 8 KV heads). Each decode row gives the SASS instructions in the body of every loop of the kernel (a loop
@@ -77,6 +88,43 @@ def triton_ir(layout: HeadLayout, config: DecodeConfig = DECODE, batch=32, ctx=4
     return lowered_ir(lambda *a: paged_decode(*a, layout), args)
 
 
+def quant_ir(layout: HeadLayout, bits: int, kernel: QuantKernelConfig, batch=32, ctx=4096, page_size=32) -> str:
+    """The Triton IR of ``quantized_paged_decode`` on this layout's ``bits``-bit pages (the layout alone)."""
+    fmt = PageFormat.for_layout(layout, page_size, bits)
+    pps = ctx // page_size
+    plan = build_decode_schedule(np.full(batch, ctx), layout, page_size, config=QUANT_DECODE).schedule.layer(0)
+    args = (
+        jax.ShapeDtypeStruct((batch, layout.q_cols), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch * pps + 1, fmt.page_bytes), jnp.uint8),
+        jax.ShapeDtypeStruct((batch, page_size, fmt.k_cols + fmt.v_cols), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, pps), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        plan,
+    )
+    return lowered_ir(
+        lambda q, p, t, b, n, s: quantized_paged_decode(q, p, t, b, n, s, layout, fmt, kernel=kernel), args
+    )
+
+
+def quant_report(specs, bits: int, kernel: QuantKernelConfig) -> None:
+    """One row a layout: its head classes (a branch each), IR lines, resources and the offline compile time, which
+    grows with the square of the kernel's size (Triton's Coalesce pass; bench/RESULTS.md "Quantized pages: compile
+    times (offline)")."""
+    print(
+        "| layout | head classes | IR lines | registers | spilled bytes | SASS instructions | compile s |\n"
+        "|---|---|---|---|---|---|---|"
+    )
+    for spec in specs:
+        layout = layout_of(spec)
+        ir = quant_ir(layout, bits, kernel)
+        r = resources(ir, kernel.num_warps, kernel.num_stages)
+        print(
+            f"| {spec} | {len(set(head_classes(layout, bits)))} | {ir.count(chr(10))} | {r['registers']} | "
+            f"{r['local_bytes']} | {r['sass_instructions']} | {r['compile_s']:.1f} |",
+            flush=True,
+        )
+
+
 def prefill_ir(layout: HeadLayout, config: PrefillConfig = PREFILL, batch=1, t=4096, page_size=32) -> str:
     """The Triton IR of ``prefill_attention`` as the bench times it (bf16, writing the prompt's K/V pages)."""
     pps = t // page_size
@@ -107,7 +155,9 @@ def resources(ir: str, warps: int, stages: int) -> dict:
         src = os.path.join(tmp, "kernel.ttir")
         with open(src, "w") as f:
             f.write(ttir_pipeline(ir, target, options))
+        start = time.perf_counter()
         kernel = triton.compile(src, target=target, options=options)
+        compile_s = time.perf_counter() - start
         cubin = os.path.join(tmp, "kernel.cubin")
         with open(cubin, "wb") as f:
             f.write(kernel.asm["cubin"])
@@ -127,6 +177,7 @@ def resources(ir: str, warps: int, stages: int) -> dict:
         local_bytes=field("LOCAL"),
         shared_bytes=kernel.metadata.shared,
         sass_instructions=len(instructions),
+        compile_s=compile_s,  # Triton's passes, LLVM and ptxas on this CPU
         loops=[b - a for a, b in loops],
         loop_ops=[collections.Counter(opcode(i) for i in instructions[a:b]) for a, b in loops],
     )
@@ -237,7 +288,8 @@ def main(argv=None):
         description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("layouts", nargs="+", help="rate:R, uniform:W or widths:K,K,../V,V,.. (cycled over 8 KV heads)")
-    ap.add_argument("--kernel", choices=("decode", "prefill"), default="decode")
+    ap.add_argument("--kernel", choices=("decode", "quant", "prefill"), default="decode")
+    ap.add_argument("--bits", type=int, choices=(4, 2), default=4, help="code width of --kernel quant (default 4)")
     ap.add_argument(
         "--warps",
         type=int,
@@ -249,7 +301,8 @@ def main(argv=None):
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="a DecodeConfig (PrefillConfig) field, e.g. --knob block_tokens=32 or --knob pack_tile=128 (repeatable)",
+        help="a DecodeConfig (PrefillConfig, QuantKernelConfig) field, e.g. --knob block_tokens=32 or --knob "
+        "pack_tile=128 (repeatable)",
     )
     args = ap.parse_args(argv)
     knobs = [*args.knob, *([f"num_warps={args.warps}"] if args.warps else [])]
@@ -259,6 +312,13 @@ def main(argv=None):
             "resources.py compiles the lowered kernels with the triton package's compiler and ptxas: "
             "pip install triton (it is not a kvjax dependency)"
         )
+    if args.kernel == "quant":
+        kernel = with_knobs(QUANT_KERNEL, knobs)
+        print(
+            f"quantized_paged_decode, int{args.bits}, sm_90, B32 x 4K, pages of 32, {kernel.num_warps} warps, "
+            f"{kernel.num_stages} stages, QUANT_KERNEL with {changes(kernel, QUANT_KERNEL) or 'nothing changed'}\n"
+        )
+        return quant_report(args.layouts, args.bits, kernel)
     if args.kernel == "prefill":
         config = with_knobs(PREFILL, knobs)
         print(
