@@ -310,7 +310,7 @@ _STORED = {
 
 
 @dataclasses.dataclass(frozen=True)
-class GearPageFormat:
+class GearPageFormat(quant.HeadWidths):
     """One layer's GEAR page for the engine: ``quant.PageFormat``'s interface (``encode``, ``decode``, ``page_bytes``,
     ``bytes_by_part``, ``round_trip``), so ``quant_paging`` writes and reads a pool of these pages as it does KIVI
     ones. A page is ``_encode_side``'s arrays for K then V as bytes, part by part (``_STORED``, each part from a
@@ -341,18 +341,6 @@ class GearPageFormat:
     @property
     def bits(self) -> int:
         return self.spec.bits
-
-    @property
-    def k_cols(self) -> int:
-        return int(sum(self.k_widths))
-
-    @property
-    def v_cols(self) -> int:
-        return int(sum(self.v_widths))
-
-    @property
-    def heads(self) -> int:
-        return len(self.v_widths)
 
     def sizes(self) -> dict[str, int]:
         """Bytes of each part of a page before alignment (``page_bytes``, the module function)."""

@@ -196,8 +196,27 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+class HeadWidths:
+    """What a page format's ``k_widths`` and ``v_widths`` (one entry a KV head) give: its column and head counts."""
+
+    k_widths: tuple[int, ...]
+    v_widths: tuple[int, ...]
+
+    @property
+    def k_cols(self) -> int:
+        return int(sum(self.k_widths))
+
+    @property
+    def v_cols(self) -> int:
+        return int(sum(self.v_widths))
+
+    @property
+    def heads(self) -> int:
+        return len(self.v_widths)
+
+
 @dataclasses.dataclass(frozen=True)
-class PageFormat:
+class PageFormat(HeadWidths):
     """One layer's quantized page: ``page_size`` tokens of every KV head as a flat run of ``page_bytes`` bytes, so a
     layer's pool is one uint8 array [num_pages, page_bytes] written one whole page at a time (one scatter a layer).
 
@@ -230,18 +249,6 @@ class PageFormat:
     @property
     def per_byte(self) -> int:
         return 8 // self.bits
-
-    @property
-    def k_cols(self) -> int:
-        return int(sum(self.k_widths))
-
-    @property
-    def v_cols(self) -> int:
-        return int(sum(self.v_widths))
-
-    @property
-    def heads(self) -> int:
-        return len(self.v_widths)
 
     def sizes(self) -> dict[str, int]:
         """Bytes of each part of a page (``page_bytes``' accounting, before alignment)."""
