@@ -88,8 +88,9 @@ def triton_ir(layout: HeadLayout, config: DecodeConfig = DECODE, batch=32, ctx=4
     return lowered_ir(lambda *a: paged_decode(*a, layout), args)
 
 
-def quant_ir(layout: HeadLayout, bits: int, kernel: QuantKernelConfig, batch=32, ctx=4096, page_size=32) -> str:
-    """The Triton IR of ``quantized_paged_decode`` on this layout's ``bits``-bit pages (the layout alone)."""
+def quant_ir(layout: HeadLayout, bits: int, kernel: QuantKernelConfig, batch=32, ctx=4096, page_size=32) -> list[str]:
+    """The Triton IR of every decode kernel ``quantized_paged_decode`` runs on this layout's ``bits``-bit pages (the
+    layout alone): one a group of ``kernel.classes_per_kernel`` head classes, the merge left out."""
     fmt = PageFormat.for_layout(layout, page_size, bits)
     pps = ctx // page_size
     plan = build_decode_schedule(np.full(batch, ctx), layout, page_size, config=QUANT_DECODE).schedule.layer(0)
@@ -101,26 +102,29 @@ def quant_ir(layout: HeadLayout, bits: int, kernel: QuantKernelConfig, batch=32,
         jax.ShapeDtypeStruct((batch,), jnp.int32),
         plan,
     )
-    return lowered_ir(
+    modules = triton_modules(
         lambda q, p, t, b, n, s: quantized_paged_decode(q, p, t, b, n, s, layout, fmt, kernel=kernel), args
     )
+    return [m for m in modules if "kvjax_quantized_decode" in m]
 
 
 def quant_report(specs, bits: int, kernel: QuantKernelConfig) -> None:
-    """One row a layout: its head classes (a branch each), IR lines, resources and the offline compile time, which
-    grows with the square of the kernel's size (Triton's Coalesce pass; bench/RESULTS.md "Quantized pages: compile
-    times (offline)")."""
+    """One row a layout: its head classes, its kernels (one a class, or a switch over several: ``classes_per_kernel``),
+    their IR lines, the most registers and spills of any, their SASS instructions, and their offline compile time
+    summed, which grows with the square of a kernel's size (Triton's Coalesce pass; bench/RESULTS.md "Quantized
+    pages: compile times (offline)")."""
     print(
-        "| layout | head classes | IR lines | registers | spilled bytes | SASS instructions | compile s |\n"
-        "|---|---|---|---|---|---|---|"
+        "| layout | head classes | kernels | IR lines | registers | spilled bytes | SASS instructions | compile s |\n"
+        "|---|---|---|---|---|---|---|---|"
     )
     for spec in specs:
         layout = layout_of(spec)
-        ir = quant_ir(layout, bits, kernel)
-        r = resources(ir, kernel.num_warps, kernel.num_stages)
+        irs = quant_ir(layout, bits, kernel)
+        rs = [resources(ir, kernel.num_warps, kernel.num_stages) for ir in irs]
         print(
-            f"| {spec} | {len(set(head_classes(layout, bits)))} | {ir.count(chr(10))} | {r['registers']} | "
-            f"{r['local_bytes']} | {r['sass_instructions']} | {r['compile_s']:.1f} |",
+            f"| {spec} | {len(set(head_classes(layout, bits)))} | {len(irs)} | {sum(ir.count(chr(10)) for ir in irs)} "
+            f"| {max(r['registers'] for r in rs)} | {max(r['local_bytes'] for r in rs)} | "
+            f"{sum(r['sass_instructions'] for r in rs)} | {sum(r['compile_s'] for r in rs):.1f} |",
             flush=True,
         )
 

@@ -20,6 +20,7 @@ from kvjax.ops.decode.quant_kernel import (
     quantized_paged_decode,
 )
 from kvjax.ops.decode.reference import quantized_decode_attention
+from kvjax.ops.lowering import triton_modules
 from kvjax.ops.quant import PageFormat
 
 _encode = jax.jit(PageFormat.encode, static_argnums=0)  # op by op it takes seconds on the CPU
@@ -67,6 +68,16 @@ CASES = {
     # name: (layout, bits, page size, cache dtype, lengths, programs, kernel). Lengths: 1 (tail only), whole pages
     # (an empty tail), inside a page, long ones split across the few programs and merged.
     "int4 p16 f32": (MIXED, 4, 16, jnp.float32, [1, 16, 37, 150], 6, SMALL),
+    # one kernel switching between the layer's classes instead of one kernel a class
+    "int4 p16 f32 switch": (
+        MIXED,
+        4,
+        16,
+        jnp.float32,
+        [1, 16, 37, 150],
+        6,
+        dataclasses.replace(SMALL, classes_per_kernel=8),
+    ),
     "int2 p32 bf16 window": (
         dataclasses.replace(MIXED, sliding_window=100),
         2,
@@ -141,6 +152,25 @@ def test_op_runs_every_layer_and_a_wide_query_gives_the_packed_querys_output():
         out = op.run(wide, pages, tail, table, lens, schedule.layer(i), layout)
         packed = op.run(packed_query(wide, layout), pages, tail, table, lens, schedule.layer(i), layout)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(packed))
+
+
+def test_layers_lower_to_one_kernel_a_class():
+    """With a kernel a head class (``classes_per_kernel`` 1), every layer's kernel of a class lowers to the same
+    Triton IR, so XLA compiles one per class for the model: two layers of two classes each, three distinct."""
+    lengths = [40, 300]
+    op = QuantDecodeOp(LAYERS, 16, 20, bits=4, max_batch=2, num_programs=4)
+    schedule = op.plan(np.asarray(lengths))
+    rng = np.random.default_rng(0)
+    inputs = [quant_inputs(rng, lay, lengths, op.formats[lay], jnp.bfloat16) for lay in LAYERS]
+
+    def layers(schedule, *arrays):
+        return [op.run(*arrays[5 * i : 5 * i + 5], schedule.layer(i), lay) for i, lay in enumerate(LAYERS)]
+
+    modules = triton_modules(layers, (schedule, *[x for case in inputs for x in case]))
+    classes = [sorted(set(head_classes(lay, 4))) for lay in LAYERS]
+    assert [len(c) for c in classes] == [2, 2] and len({c for cs in classes for c in cs}) == 3
+    decode = [m for m in modules if "kvjax_quantized_decode" in m]
+    assert len(decode) == 4 and len(set(decode)) == 3, [len(m) for m in decode]
 
 
 def test_wrong_formats_configs_and_layouts_are_refused():

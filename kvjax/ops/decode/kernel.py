@@ -327,7 +327,9 @@ def launch_and_merge(kernel, args, schedule, out, merge_tables, *, v_max, v_tile
     flat block) writing the direct rows ``out`` (a ShapeDtypeStruct) and each partial slot's (acc, max, sum), a row
     per row of the score tile, then fold the split groups' partials into ``out`` (``merge.merge``, through the
     layer's ``merge_tables``: units, rows and cols of ``tables.layer_tables``). The bf16 and the quantized kernels
-    both end so."""
+    both end so. ``kernel`` may be a list, run one after another on the same buffers (each later one takes them as
+    inputs aliased to its outputs, after ``args``), each writing the rows of its own items: the quantized op runs a
+    kernel a head class so."""
     rows = BLOCK_H * schedule.num_slots
     out_shape = [
         out,
@@ -335,16 +337,21 @@ def launch_and_merge(kernel, args, schedule, out, merge_tables, *, v_max, v_tile
         jax.ShapeDtypeStruct((rows,), jnp.float32),
         jax.ShapeDtypeStruct((rows,), jnp.float32),
     ]
-    direct, acc, m, l = pl.pallas_call(
-        kernel,
-        grid=(schedule.num_programs,),
-        in_specs=[whole_block(x) for x in args],
-        out_specs=[whole_block(x) for x in out_shape],
-        out_shape=out_shape,
-        interpret=interpret,
-        compiler_params=compiler_params,
-        name=name,
-    )(*args)
+    buffers: list = []
+    for i, k in enumerate(kernel if isinstance(kernel, (list, tuple)) else [kernel]):
+        inputs = [*args, *buffers]
+        buffers = pl.pallas_call(
+            k,
+            grid=(schedule.num_programs,),
+            in_specs=[whole_block(x) for x in inputs],
+            out_specs=[whole_block(x) for x in out_shape],
+            out_shape=out_shape,
+            input_output_aliases={len(args) + j: j for j in range(len(buffers))},
+            interpret=interpret,
+            compiler_params=compiler_params,
+            name=f"{name}_{i}" if i else name,
+        )(*inputs)
+    direct, acc, m, l = buffers
     units, rows_table, cols = merge_tables
     return merge(
         direct,

@@ -19,8 +19,13 @@ kernel group (page bytes, part offsets, head offsets, plane widths) is read from
 entry stored divided by the largest power of two (<= 16) dividing it in every layer, so addresses and column masks
 stay provably aligned for vector loads. The code depends on the group's head classes (``head_classes``: a head read
 in planes by its plane tile, a gathered one by its width; one ``lax.switch`` branch each), bits and page size
-(``_Geometry``), so layers share one compiled kernel, and heads of 80 to 128 columns (planes of 40 to 64 at int4)
-one branch of it: a rate-0.5 plan of Llama-3.1-8B's shape has 52 (K, V) width pairs but 14 classes at int4.
+(``_Geometry``), so layers share compiled kernels, and heads of 80 to 128 columns (planes of 40 to 64 at int4) one
+branch: a rate-0.5 plan of Llama-3.1-8B's shape has 52 (K, V) width pairs but 14 classes at int4. A layer runs one
+kernel a class present in it (``QuantKernelConfig.classes_per_kernel`` 1), one after another on the same output and
+partial buffers, each skipping the items of other classes: compile time grows with the square of a kernel's size
+(Triton's Coalesce pass), so a switch over a layer's 5 classes compiled 3.5x slower than its 5 kernels of one class
+(bench/RESULTS.md "Quantized pages: compile times (offline)"), and every layer reuses the same kernel of a class.
+The kernels share the layer's one schedule, so each is balanced only as the whole is (its speed not yet measured).
 
 Constraints: q packed [B, q_cols] or wide (``QKRotation.wide``); widths multiples of 16; a group of at most 16
 queries a KV head; pool and tail under 2^31 elements (int32 offsets). Any page size works; chunks of fewer than 16
@@ -98,6 +103,10 @@ class QuantKernelConfig:
     max_step_tokens: int = 256
     num_warps: int = 4
     num_stages: int = 2
+    # head classes one compiled kernel switches between: a layer of more runs one kernel after another. Compile time
+    # grows with the square of a kernel's size (bench/RESULTS.md "Quantized pages: compile times (offline)"), so 1
+    # (a kernel a class, the same for every layer) keeps it linear in the classes
+    classes_per_kernel: int = 1
 
     def __post_init__(self):
         validate.int_fields(self, at_least_one=tuple(f.name for f in dataclasses.fields(self)))
@@ -511,10 +520,12 @@ def _store(accs, m, l, slot, real, v_pieces, out_at, refs, v_max, interpret):
     plgpu.store(l_ref.at[part], l, mask=part_mask)
 
 
-def _kernel(index_ref, items_ref, counts_ref, lengths_ref, heads_ref, *refs, geo, **static):
+def _kernel(index_ref, items_ref, counts_ref, lengths_ref, heads_ref, *refs, geo, only, chained, **static):
+    """The items of this program whose head's class is one of ``only`` (indices into ``geo.classes``), each by its
+    class's branch; ``chained``: the output buffers also came in as inputs (``launch_and_merge``), unused here."""
     pid, layer = pl.program_id(0), index_ref[0]
-    refs = (heads_ref, *refs)
-    branches = [functools.partial(_attend_item, c, refs=refs, geo=geo, **static) for c in range(len(geo.classes))]
+    refs = (heads_ref, *(refs[:-8] + refs[-4:] if chained else refs))
+    branches = [functools.partial(_attend_item, c, refs=refs, geo=geo, **static) for c in only]
 
     def run(i, carry):
         seq, unit = items_ref[layer, pid, i, SEQ], items_ref[layer, pid, i, UNIT]
@@ -526,10 +537,16 @@ def _kernel(index_ref, items_ref, counts_ref, lengths_ref, heads_ref, *refs, geo
             items_ref[layer, pid, i, SLOT],
             lengths_ref[seq],
         )
-        if len(branches) == 1:
+        cls = heads_ref[unit * HEAD_FIELDS + CLASS]
+        if len(only) == len(geo.classes) == 1:
             branches[0](item)
-        else:
-            lax.switch(heads_ref[unit * HEAD_FIELDS + CLASS], [lambda it, b=b: b(it) for b in branches], item)
+        elif len(only) == len(geo.classes):
+            lax.switch(cls, [lambda it, b=b: b(it) for b in branches], item)
+        elif len(only) == 1:  # an item of another kernel's class is skipped
+            lax.cond(cls == only[0], branches[0], lambda it: None, item)
+        else:  # branch 0 skips an item of another kernel's class
+            which = functools.reduce(operator.add, [jnp.where(cls == c, j + 1, 0) for j, c in enumerate(only)])
+            lax.switch(which, [lambda it: None] + [lambda it, b=b: b(it) for b in branches], item)
         return carry
 
     lax.fori_loop(0, counts_ref[layer, pid], run, 0)
@@ -635,8 +652,14 @@ def quantized_paged_decode(
     merge_tables = tables.layer_tables(
         layout, tables.run_classes(shared, config), config, tables.most_units(set(shared), config)
     )
+    present = sorted({geo.classes.index(c) for c in head_classes(layout, fmt.bits)})
+    n = kernel.classes_per_kernel
+    groups = [tuple(present[i : i + n]) for i in range(0, len(present), n)]
+    if len(groups) == 1 and len(present) == len(geo.classes):
+        groups = [tuple(range(len(geo.classes)))]
+    kernels = [functools.partial(_kernel, only=g, chained=i > 0, **static) for i, g in enumerate(groups)]
     out = launch_and_merge(
-        functools.partial(_kernel, **static),
+        kernels,
         args,
         schedule,
         jax.ShapeDtypeStruct((b * layout.out_cols,), q.dtype),
@@ -650,7 +673,7 @@ def quantized_paged_decode(
     return out.reshape(b, layout.out_cols)
 
 
-def kernel_groups(formats: dict[HeadLayout, PageFormat], cap: int) -> dict[HeadLayout, tuple[HeadLayout, ...]]:
+def kernel_groups(formats: dict[HeadLayout, PageFormat], cap: float) -> dict[HeadLayout, tuple[HeadLayout, ...]]:
     """Each layout's kernel group: layouts of the same bits, group size, window and head dim share one compiled
     kernel while the classes of their heads (``head_classes``) together stay within ``cap`` (each class is one more
     branch of the kernel); layouts of the same classes always share."""
@@ -712,7 +735,10 @@ class QuantDecodeOp(DecodeOp):
             if self.formats.setdefault(lay, fmt) != fmt:
                 raise ValueError(f"two page formats for one layout: {self.formats[lay]} and {fmt}")
         self.config, self.kernel, self.interpret = config, kernel, interpret
-        self.groups = kernel_groups(self.formats, config.kernel_classes)
+        # a kernel a class (``classes_per_kernel`` 1) is the same code for every layer that shares the geometry: one
+        # group of all layers; kernels that switch between classes group layers under ``config.kernel_classes``
+        cap = config.kernel_classes if kernel.classes_per_kernel > 1 else math.inf
+        self.groups = kernel_groups(self.formats, cap)
         self._planner(layouts, page_size, pages_per_seq, max_batch, config, num_programs, batch_invariant)
 
     def run(self, q, pages, tail, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout):
