@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvjax import validate
-from kvjax.ops.kv_schemes import SERVED, served
+from kvjax.ops.kv_schemes import SERVED, ScoredOnly, served
 
 
 def kv_bits_arg(*, model: bool):
@@ -21,10 +21,10 @@ def kv_bits_arg(*, model: bool):
         if model and word == "model":
             return "model"
         try:
-            return served(int(word) if word.isdigit() else word)
-        except ValueError as e:
-            if "teacher-forced" in str(e):
-                raise argparse.ArgumentTypeError(str(e).removeprefix("kv_bits: ")) from None
+            return served(word)
+        except ScoredOnly as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix("kv_bits: ")) from None
+        except ValueError:
             raise argparse.ArgumentTypeError(f"must be {SERVED} or 'none', got {text!r}") from None
 
     return kv_bits

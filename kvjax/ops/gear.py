@@ -128,10 +128,22 @@ def _index_dtype(page_size: int, width: int):
 
 
 def _check(layout: HeadLayout, spec: GearSpec) -> None:
-    quant.PageFormat.for_layout(layout, spec.page_size, spec.bits)  # widths must split into planes of codes
-    narrowest = min(layout.k_widths + layout.v_widths)
+    _check_widths(tuple(layout.k_widths), tuple(layout.v_widths), spec)
+
+
+def _check_widths(k_widths: tuple[int, ...], v_widths: tuple[int, ...], spec: GearSpec) -> None:
+    """Heads of these widths can be GEAR pages of ``spec``: widths that split into planes of codes, none narrower
+    than the rank."""
+    quant.PageFormat(k_widths, v_widths, spec.page_size, spec.bits)
+    narrowest = min(k_widths + v_widths)
     if spec.rank > narrowest:
         raise ValueError(f"GEAR rank {spec.rank} exceeds the narrowest head's {narrowest} columns")
+
+
+def _by_width(widths: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """(width, the heads of that width in order) for each distinct width, ascending: how heads of one width are
+    stored as one array."""
+    return [(w, [h for h, hw in enumerate(widths) if hw == w]) for w in sorted(set(widths))]
 
 
 def _start(width: int, rank: int) -> np.ndarray:
@@ -207,8 +219,7 @@ def _encode_side(x: jnp.ndarray, widths: Sequence[int], spec: GearSpec, keys: bo
     starts = HeadLayout.offsets(widths)
     out: list = [None] * len(widths)
     parts: dict[str, list] = {name: [] for names in _PARTS.values() for name in names}
-    for w in sorted(set(widths)):
-        heads = [h for h, hw in enumerate(widths) if hw == w]
+    for w, heads in _by_width(widths):
         block = jnp.stack([x[..., starts[h] : starts[h] + w] for h in heads], axis=-3)
         recon, got = _encode_block(block, spec, keys, low_rank)
         for i, h in enumerate(heads):
@@ -298,22 +309,11 @@ def scores_low_rank(q: jnp.ndarray, a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarr
     return jnp.matmul(qb, jnp.swapaxes(a.astype(jnp.float32), -1, -2), precision=_HI)
 
 
-# A page's parts in storage order (``bytes_by_part``' names: ``page_bytes``' keys) -> the arrays of
-# ``_encode_side`` each holds, per side.
-_STORED = {
-    "codes": ("codes",),
-    "scales": ("scale", "zero"),
-    "factors": ("a", "b"),
-    "outliers": ("outliers",),
-    "outlier_index": ("outlier_index",),
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class GearPageFormat(quant.HeadWidths):
     """One layer's GEAR page for the engine: ``quant.PageFormat``'s interface (``encode``, ``decode``, ``page_bytes``,
     ``bytes_by_part``, ``round_trip``), so ``quant_paging`` writes and reads a pool of these pages as it does KIVI
-    ones. A page is ``_encode_side``'s arrays for K then V as bytes, part by part (``_STORED``, each part from a
+    ones. A page is ``_encode_side``'s arrays for K then V as bytes, part by part (``_PARTS``, each part from a
     multiple of ``quant.ALIGN``); heads of one width are one array, widths ascending. ``decode`` rebuilds exactly what
     ``round_trip`` reconstructs (codes dequantized plus ``A B^T``, the outliers put back). No kernel reads these pages
     yet: the engine decodes them with the jnp reference (``decode`` then attention)."""
@@ -323,15 +323,10 @@ class GearPageFormat(quant.HeadWidths):
     spec: GearSpec
 
     def __post_init__(self):
-        quant.PageFormat(self.k_widths, self.v_widths, self.spec.page_size, self.spec.bits)  # widths split in planes
-        if self.spec.rank > min(self.k_widths + self.v_widths):
-            raise ValueError(
-                f"GEAR rank {self.spec.rank} exceeds the narrowest head's {min(self.k_widths + self.v_widths)} columns"
-            )
+        _check_widths(self.k_widths, self.v_widths, self.spec)
 
     @classmethod
     def for_layout(cls, layout: HeadLayout, spec: GearSpec) -> GearPageFormat:
-        _check(layout, spec)
         return cls(tuple(layout.k_widths), tuple(layout.v_widths), spec)
 
     @property
@@ -396,15 +391,10 @@ class GearPageFormat(quant.HeadWidths):
         out = []
         for side, widths in (("k", self.k_widths), ("v", self.v_widths)):
             heads: list = [None] * len(widths)
-            for i, w in enumerate(sorted(set(widths))):
-                got = {
-                    name: arrays[side, name][i]
-                    for names in _STORED.values()
-                    for name in names
-                    if (side, name) in arrays
-                }
+            for i, (w, of_width) in enumerate(_by_width(widths)):
+                got = {name: stored[i] for (s, name), stored in arrays.items() if s == side}
                 block = _decode_block(got, self.spec, w)
-                for j, h in enumerate(hh for hh, hw in enumerate(widths) if hw == w):
+                for j, h in enumerate(of_width):
                     heads[h] = block[:, j]
             x = jnp.concatenate(heads, axis=-1).astype(dtype)
             out.append(x.reshape(*lead, *x.shape[1:]))
@@ -438,7 +428,7 @@ def _layout(fmt: GearPageFormat):
         encode = functools.partial(_encode_side, widths=widths, spec=fmt.spec, keys=side == "k", low_rank=True)
         shapes[side] = jax.eval_shape(lambda x, encode=encode: encode(x)[1], x)
     entries, at = [], 0
-    for names in _STORED.values():
+    for names in _PARTS.values():
         for side in ("k", "v"):
             for name in names:
                 for i, arr in enumerate(shapes[side].get(name, [])):

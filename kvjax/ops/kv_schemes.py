@@ -133,6 +133,10 @@ AnyPageFormat = PageFormat | gear.GearPageFormat
 SERVED = "4 or 2 (KIVI-style), or a GEAR name such as gear2 or gear2-r1-o0.01-p128"
 
 
+class ScoredOnly(ValueError):
+    """A scheme ``parse`` knows that the engine does not serve (ZipCache): callers show its own words."""
+
+
 def served(kv_bits) -> int | str | None:
     """How the engine stores pages for an entry point's ``kv_bits``: None (the cache's dtype); 4 or 2, KIVI-style
     (``quant.PageFormat``; also as "4" or "kivi4"); or a GEAR scheme (``gear.GearPageFormat``), returned as its
@@ -151,7 +155,7 @@ def served(kv_bits) -> int | str | None:
             return scheme.bits
         if isinstance(scheme, Gear):
             return scheme.name
-        raise ValueError(
+        raise ScoredOnly(
             f"kv_bits: {scheme.name} is scored teacher-forced only (bench/accuracy.py), not served by the engine; "
             f"use {SERVED}"
         )
@@ -176,8 +180,9 @@ def page_format(kv_bits, layout: HeadLayout, page_size: int):
     kv_bits = served(kv_bits)
     if kv_bits is None:
         raise ValueError("page_format needs kv_bits: pages of the cache's dtype have no page format")
-    if page_of(kv_bits) not in (None, page_size):
-        raise ValueError(f"kv_bits {kv_bits} stores pages of {page_of(kv_bits)} tokens, not {page_size}")
+    fixed = page_of(kv_bits)
+    if fixed not in (None, page_size):
+        raise ValueError(f"kv_bits {kv_bits} stores pages of {fixed} tokens, not {page_size}")
     if isinstance(kv_bits, int):
         return PageFormat.for_layout(layout, page_size, kv_bits)
     return gear.GearPageFormat.for_layout(layout, parse(kv_bits, page_size).spec)

@@ -581,8 +581,7 @@ def _formats(model, c: EngineConfig) -> tuple[AnyPageFormat, ...] | None:
 
 def _quant_decode_op(layouts, formats, pages_per_seq: int, config: EngineConfig, interpret: bool):
     """The fused decode kernel over quantized pages (``ops.decode.quant_kernel``) of each layer's format, planned by
-    the engine's ``decode_config`` with one KV head a unit (its ``kernel_classes`` caps the head classes a compiled
-    kernel covers)."""
+    the engine's ``decode_config`` with one KV head a unit."""
     from kvjax.ops.decode.quant_kernel import QuantDecodeOp
 
     return QuantDecodeOp(

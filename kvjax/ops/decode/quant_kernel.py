@@ -23,7 +23,7 @@ in planes by its plane tile, a gathered one by its width; one ``lax.switch`` bra
 branch: a rate-0.5 plan of Llama-3.1-8B's shape has 52 (K, V) width pairs but 14 classes at int4. A layer runs one
 kernel a class present in it (``QuantKernelConfig.classes_per_kernel`` 1), one after another on the same output and
 partial buffers, each skipping the items of other classes: compile time grows with the square of a kernel's size
-(Triton's Coalesce pass), so a switch over a layer's 5 classes compiled 3.5x slower than its 5 kernels of one class
+(Triton's Coalesce pass), so a switch over a layer's 5 classes compiled 4.8x slower than its 5 kernels of one class
 (bench/RESULTS.md "Quantized pages: compile times (offline)"), and every layer reuses the same kernel of a class.
 The kernels share the layer's one schedule, so each is balanced only as the whole is (its speed not yet measured).
 
