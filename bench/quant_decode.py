@@ -1,13 +1,14 @@
-"""Decode attention over quantized pages, measured beside the kernels it must beat: one layer of the random
-Llama-3.1-8B attention shape (32 query heads, 8 KV heads of 128) at ``--shape`` (default B32 x 8K), per rank rate
+"""Decode attention over quantized pages, measured beside the kernels it must beat: one layer of the random Llama-3.1-8B
+attention shape (32 query heads, 8 KV heads of 128) at ``--shape`` (default B32 x 8K), per rank rate
 (``harness.rank_plan``'s representative layer) the bf16 kernel (``ops.decode.kernel``) and the fused quantized one
-(``ops.decode.quant_kernel``) at each ``--bits``, and at rate 0 JAX's Pallas ``paged_attention`` on bf16 pages and
-on int8 pages with a scale per token (its own quantized form). Every row: CUPTI time, the floor (the bytes the call
-must read over the measured copy bandwidth: every byte of a quantized page, codes, scales, zeros and padding), their
-ratio, and the speed-up over bf16 at the same rate; every output is first checked against its jnp reference. Issue
-35's targets: int4 at rate 0 >= 3.0x bf16 at rate 0, int4 at rate 0.5 >= 2.8x bf16 at rate 0.5, every quantized row
-at >= 80% of copy bandwidth. ``--interpret --timer host --shape 2x256`` runs the same rows on a CPU (plumbing only:
-its times mean nothing). Tables: bench/RESULTS.md "Quantized pages: decode kernel"."""
+(``ops.decode.quant_kernel``) at each ``--bits``, and at rate 0 JAX's Pallas ``paged_attention`` on bf16 pages and on
+int8 pages with a scale per token (its own quantized form). Every row: CUPTI time, the floor (the bytes the call must
+read over the measured copy bandwidth: every byte of a quantized page, codes, scales, zeros and padding), their ratio,
+and the speed-up over bf16 at the same rate; every output is first checked against its jnp reference. Issue 35's
+targets: int4 at rate 0 >= 3.0x bf16 at rate 0, int4 at rate 0.5 >= 2.8x bf16 at rate 0.5, every quantized row at >= 80%
+of copy bandwidth. ``--widths`` adds layers of one head width each (one head class: a class's own speed). ``--interpret
+--timer host --shape 2x256`` runs the same rows on a CPU (plumbing only: its times mean nothing). Tables:
+bench/RESULTS.md "Quantized pages: decode kernel"."""
 
 from __future__ import annotations
 
@@ -140,8 +141,9 @@ def run(args) -> dict:
         "\n| rate | kernel | K+V cols | time us | floor us | % of copy bw | vs bf16 at the rate | max rel err |"
         "\n|---|---|---|---|---|---|---|---|"
     )
-    for rate in args.rates:
-        lay = pick_layer(rank_plan(rate), rate) if rate else pick_layer(rank_plan(0.0), 0.0)
+    layers = [(rate, pick_layer(rank_plan(rate), rate)) for rate in args.rates]
+    layers += [(f"u{w}", harness.uniform(w)) for w in args.widths]  # one head class each: a class's own speed
+    for rate, lay in layers:
         case = PagedCase(lay, batch, np.full(batch, ctx), PAGE, harness.copies_for(batch * ctx * 4 * HKV * D), key)
         row_calls = calls(case, args.bits, key, args.kernel, args.interpret)
         if rate == 0:
@@ -186,7 +188,12 @@ def run(args) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", type=shape_arg("--shape"), default=(32, 8192), help="BxCTX (default 32x8192)")
-    ap.add_argument("--rates", type=rates_arg(), default=[0.0, 0.5], help="rank rates, comma-separated (default 0,0.5)")
+    ap.add_argument(
+        "--rates",
+        type=lambda text: rates_arg()(text) if text else [],
+        default=[0.0, 0.5],
+        help="rank rates, comma-separated (default 0,0.5; empty for --widths alone)",
+    )
     ap.add_argument(
         "--bits",
         type=validate.arg(lambda text: [check_bits(int(b)) for b in text.split(",")]),
@@ -199,6 +206,12 @@ def main(argv=None) -> None:
         default=[],
         metavar="NAME=VALUE",
         help="a QuantKernelConfig field (repeatable), e.g. num_warps=2",
+    )
+    ap.add_argument(
+        "--widths",
+        type=validate.arg(lambda text: [int(w) for w in text.split(",") if w]),
+        default=[],
+        help="also: a layer of every K and V head this wide (rows u<width>), per width, comma-separated",
     )
     ap.add_argument("--timer", choices=("cupti", "host"), default="cupti")
     ap.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode (CPU)")

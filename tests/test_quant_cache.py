@@ -2,6 +2,7 @@
 exactly as the teacher-forced reference reads them, the engine decodes what that reference predicts, every byte the
 engine allocates is counted, and bad options are one-line errors before any work."""
 
+import dataclasses
 import functools
 
 import jax
@@ -191,6 +192,16 @@ def test_palu_models_refuse_quantized_pages_before_any_work():
     for kv_bits in (4, "gear2"):
         with pytest.raises(ValueError, match="not supported on Palu models"):
             Engine(small, EngineConfig(max_batch=1, max_seq_len=32, kv_bits=kv_bits, num_pages=4))
+
+
+def test_the_engine_says_when_compressed_heads_slow_the_quantized_kernel():
+    model = Model.random(dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128), seed=0)
+    small = kvjax.compress(
+        model, removal_rate=0.5, calibration="random", num_tokens=128, seq_len=32, progress=False
+    )  # fmt: skip
+    config = EngineConfig(max_batch=1, max_seq_len=32, kv_bits=4, num_pages=4, backend="interpret")
+    assert "slower than bf16" in Engine(small, config).describe()
+    assert "slower than bf16" not in Engine(model, config).describe()
 
 
 def test_teacher_forced_scoring_in_model_hidden_matches_its_reference():

@@ -385,10 +385,19 @@ class Engine:
         parts = self.token_bytes()
         shown = ", ".join(f"{name} {n:,.0f}" for name, n in parts.items() if n)
         reference = self.backend != "reference" and self.decode_op is None
+        narrow = self.decode_op is not None and any(
+            min(lay.k_widths + lay.v_widths) < lay.head_dim for lay in self.model.layouts
+        )
         return (
             f"; {label(self.kv_bits)} pages of {self.page_size} tokens, {sum(parts.values()):,.0f} bytes a token "
             f"({shown}) + tails {memory.size(self.tail_bytes())}"
             + ("; decode reads them through the jnp reference (no kernel reads GEAR pages yet)" if reference else "")
+            + (
+                "; compressed heads make the quantized decode kernel slower than bf16's (bench/RESULTS.md "
+                '"Rate 0.5, and one head class at a time")'
+                if narrow
+                else ""
+            )
         )
 
     def activation_bytes(self) -> int:

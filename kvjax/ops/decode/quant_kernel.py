@@ -25,7 +25,9 @@ kernel a class present in it (``QuantKernelConfig.classes_per_kernel`` 1), one a
 partial buffers, each skipping the items of other classes: compile time grows with the square of a kernel's size
 (Triton's Coalesce pass), so a switch over a layer's 5 classes compiled 4.8x slower than its 5 kernels of one class
 (bench/RESULTS.md "Quantized pages: compile times (offline)"), and every layer reuses the same kernel of a class.
-The kernels share the layer's one schedule, so each is balanced only as the whole is (its speed not yet measured).
+The kernels share the layer's one schedule, so each is balanced only as the whole is. Time follows the (token, head)
+pairs visited, not bytes, and narrow classes cost the most (a rate-0.5 layer: 10.8x the bf16 kernel's time;
+bench/RESULTS.md "Rate 0.5, and one head class at a time"): several heads a unit is the planned fix.
 
 Constraints: q packed [B, q_cols] or wide (``QKRotation.wide``); widths multiples of 16; a group of at most 16
 queries a KV head; pool and tail under 2^31 elements (int32 offsets). Any page size works; chunks of fewer than 16
