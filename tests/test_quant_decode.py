@@ -1,6 +1,7 @@
 """The quantized paged decode kernel against the jnp reference (interpret mode on the CPU; compiled on a GPU)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from kvjax.ops.decode.quant_kernel import (
     QuantDecodeOp,
     QuantKernelConfig,
     head_classes,
+    plan_config,
     quantized_paged_decode,
 )
 from kvjax.ops.decode.reference import quantized_decode_attention
@@ -119,6 +121,45 @@ def test_quantized_decode_matches_reference(name):
     assert err < tolerance(dtype), f"seed {seed}: relative error {err}"
 
 
+# runs of adjacent heads of one width read as one unit (``plan_config(packed=True)``): G = 4 with a run of three and
+# a head alone, G = 2 with runs of two, int2 runs of four 16-column heads (planes of 4 columns a head, 16 a run)
+PACKED = {
+    "int4 G4 f32": (HeadLayout(16, 4, 64, (32, 32, 32, 64), (16, 16, 16, 64)), 4, 16, jnp.float32, [1, 16, 37, 150]),
+    "int4 G2 bf16 window": (
+        HeadLayout(8, 4, 64, (48, 48, 16, 16), (32, 32, 64, 64), 90),
+        4,
+        32,
+        jnp.bfloat16,
+        [200, 5, 64],
+    ),
+    "int2 G4 f32": (HeadLayout(16, 4, 64, (16, 16, 16, 16), (32, 32, 32, 32)), 2, 16, jnp.float32, [150, 33]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PACKED))
+def test_packed_runs_of_one_width_match_reference(name):
+    """A run of heads is one unit: its rows the heads' queries, each masked to its own head's columns of the run's
+    planes, each row's value scales its own head's; alone, split and merged, with tails, and with a wide q."""
+    layout, bits, p, dtype, lengths = PACKED[name]
+    config = dataclasses.replace(plan_config(QUANT_DECODE, bits, True), order="lpt", min_chunk_tokens=p)
+    assert any(len(c) == 3 for c in head_classes(layout, bits, config)), "no run to test"
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    fmt = PageFormat.for_layout(layout, p, bits)
+    q, pages, tail, table, lens = quant_inputs(rng, layout, lengths, fmt, dtype)
+    plan = build_decode_schedule(lengths, layout, p, 5, config=config, headroom_pages=1)
+    assert (plan.schedule.merge_dest[..., 0] >= 0).any()  # some groups were split, so the merge ran
+    run = functools.partial(quantized_paged_decode, kernel=SMALL, interpret=True)
+    out = run(q, pages, tail, table, lens, plan.schedule.layer(0), layout, fmt)
+    err = rel_err(out, reference(q, pages, tail, fmt, table, lens, layout))
+    assert err < tolerance(dtype), f"seed {seed}: relative error {err}"
+    if dtype == jnp.float32:
+        wide = jnp.asarray(rng.standard_normal((len(lengths), layout.num_heads, layout.k_cols)), jnp.float32)
+        got = run(wide, pages, tail, table, lens, plan.schedule.layer(0), layout, fmt)
+        want = run(packed_query(wide, layout), pages, tail, table, lens, plan.schedule.layer(0), layout, fmt)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
 # two layers, one kernel: heads at other offsets, and V heads of 48 and 64 columns in one class (planes of 24 and 32
 # in tiles of 32, the plane width read at run time)
 LAYERS = (HeadLayout(4, 2, 64, (32, 16), (16, 48)), HeadLayout(4, 2, 64, (16, 64), (64, 16)))
@@ -185,6 +226,8 @@ def test_wrong_formats_configs_and_layouts_are_refused():
         quantized_paged_decode(q, pages, tail, table, lens, schedule, layout, PageFormat.for_layout(layout, 16, 2))
     with pytest.raises(ValueError, match="pack_tile=0"):
         QuantDecodeOp([layout], 16, 4, config=DECODE)
+    with pytest.raises(ValueError, match="pack_min_cols >= 64"):  # int2 runs need 4 codes a byte x 16 columns
+        QuantDecodeOp([layout], 16, 4, bits=2, config=plan_config(QUANT_DECODE, 4, True))
     packed = build_decode_schedule([20], layout, 16, 2, config=dataclasses.replace(DECODE, pack_tile=64))
     with pytest.raises(ValueError, match="pack_tile=0"):
         quantized_paged_decode(q, pages, tail, table, lens, packed.schedule.layer(0), layout, fmt, interpret=True)

@@ -3,8 +3,12 @@ registers as they stream, and its exact tail, in one online softmax (Pallas, Tri
 ``reference.quantized_decode_attention`` and is held by the engine as ``op.DecodeOp`` is (``QuantDecodeOp``).
 
 The work is the bf16 op's: the same planner and ``plan.DecodeSchedule`` (items of sequence, unit, chunk of pages,
-partial slot) and the same ``merge.merge`` for split groups, with one KV head a unit (``DecodeConfig.pack_tile`` 0,
-enforced): a head's codes are packed in planes of its own width, so each head has its own byte pattern. An item
+partial slot) and the same ``merge.merge`` for split groups, with one KV head a unit (``DecodeConfig.pack_tile`` 0):
+a head's codes are packed in planes of its own width, so each head has its own byte pattern. Or (``plan_config``
+packed, not yet the default: unmeasured on a GPU) a unit is a run of up to 16 / G adjacent heads of one width: their
+code bytes are adjacent, so plane ``i`` of the run is every head's plane ``i`` side by side, read as one head's;
+row ``r`` of the score tile is query ``r % G`` of head ``r // G``, its q zero outside its head's lanes, and each row
+folds its own head's value scales. An item
 reads its full pages in chunks (``chunk_tokens`` of one page: one block-table lookup and one key scale and zero row
 a chunk), several a loop step, then its sequence's partial last page from the slot's tail row in one more step.
 Codes become floats by bit tricks, not conversions (``_MAGIC``). A head whose planes (``quant.pack``) are at least
@@ -79,12 +83,16 @@ from kvjax.ops.tiles import pow2_floor, tile
 
 BLOCK_H = ROWS  # query rows per item: a GQA group (G <= 16) padded to the tensor cores' smallest M
 QUANT_DECODE = dataclasses.replace(DECODE, pack_tile=0)  # the plan's config: one KV head a unit
+PACK_TILE = 128  # with packed runs (``plan_config``): the widest K or V a run of several heads reads
 
-# Fields of a head's row in the head table: its class, its codes' first byte in a page's K and V code rows, its
-# first K and V column (key meta, tail), its index (value meta), where its queries start in a q row and the step
-# between them, likewise its outputs, and the columns of its K and V planes (``quant.pack``: width / codes a byte).
+# Fields of a unit's row in the head table (a unit: one KV head, or a run of adjacent heads of one width,
+# ``plan_config``), each of its first head: its class, its codes' first byte in a page's K and V code rows, its first
+# K and V column (key meta, tail), its index (value meta), where its queries start in a q row and the step between
+# them, likewise its outputs, the columns of its K and V planes (``quant.pack``: width / codes a byte); then the
+# unit's heads, each head's K and V width, and the step of q between its heads beside the rows' (a wide q's).
 CLASS, K_BYTE, V_BYTE, K_COL, V_COL, HEAD, Q_BASE, Q_STEP, O_BASE, O_STEP, K_PLANE, V_PLANE = range(12)
-HEAD_FIELDS = 12
+NUM_HEADS, K_WIDTH, V_WIDTH, Q_HEAD = range(12, 16)
+HEAD_FIELDS = 16
 # Entries of the layer table: a page's bytes; the K codes' row bytes; the V codes' first byte and row bytes; then in
 # float16 units (the metadata's view of the pool): a page's size, the key meta's start and the distance from its
 # scale row to its zero row, the value meta's start and from its scales to its zeros; a tail row's columns and its
@@ -138,14 +146,26 @@ def _pow2_divisor(values) -> int:
     return 16 if g == 0 else min(16, g & -g)
 
 
-def _head_rows(layout: HeadLayout, fmt: PageFormat, wide_rows: int) -> np.ndarray:
-    """[H, HEAD_FIELDS] the heads' fields, whole (the class column left 0)."""
+def plan_config(config: DecodeConfig, bits: int, packed: bool) -> DecodeConfig:
+    """The plan's config for quantized decode: one KV head a unit, or (``packed``) runs of up to ``16 / G`` adjacent
+    heads of one width, read as one head of their summed planes, each side at least one 16-column plane and at most
+    ``PACK_TILE`` columns (the cost model chooses the runs, ``units.head_runs``)."""
+    if not packed:
+        return dataclasses.replace(config, pack_tile=0, pack_equal=False, pack_min_cols=0)
+    return dataclasses.replace(config, pack_tile=PACK_TILE, pack_equal=True, pack_min_cols=16 * (8 // check_bits(bits)))
+
+
+def _head_rows(layout: HeadLayout, fmt: PageFormat, wide_rows: int, config: DecodeConfig) -> np.ndarray:
+    """[units, HEAD_FIELDS] the units' fields, whole (the class column left 0)."""
     offs, n, g = column_offsets(layout), fmt.per_byte, layout.group_size
-    rows = np.zeros((layout.num_kv_heads, HEAD_FIELDS), np.int64)
-    for h, (kw, vw) in enumerate(zip(layout.k_widths, layout.v_widths)):
+    runs = head_runs(layout, config)
+    rows = np.zeros((len(runs), HEAD_FIELDS), np.int64)
+    for u, run in enumerate(runs):
+        h, kw, vw = run.first, run.k_widths[0], run.v_widths[0]
         ko, vo = offs["k"][h], offs["v"][h]
         q_base, q_step = (h * g * layout.k_cols + ko, layout.k_cols) if wide_rows else (offs["q"][h], kw)
-        rows[h, 1:] = ko // n, vo // n, ko, vo, h, q_base, q_step, offs["o"][h], vw, kw // n, vw // n
+        fields = (ko // n, vo // n, ko, vo, h, q_base, q_step, offs["o"][h], vw, kw // n, vw // n)
+        rows[u, 1:] = *fields, run.num_heads, kw, vw, kw if wide_rows else 0
     return rows
 
 
@@ -185,9 +205,14 @@ def side_class(width: int, bits: int) -> Side:
     return ("planes", tile(plane)) if plane >= 16 else ("gather", width)
 
 
-def head_classes(layout: HeadLayout, bits: int) -> tuple[tuple[Side, Side], ...]:
-    """Each KV head's class: the (K, V) ``side_class`` pair. A compiled kernel has one branch a class."""
-    return tuple((side_class(k, bits), side_class(v, bits)) for k, v in zip(layout.k_widths, layout.v_widths))
+def head_classes(layout: HeadLayout, bits: int, config: DecodeConfig = QUANT_DECODE) -> tuple[tuple, ...]:
+    """Each unit's class (``units.head_runs`` under the plan's ``config``): the (K, V) ``side_class`` pair of its
+    columns, and for a run of several heads a third entry, ``"run"`` (its rows gather each head's value scales). A
+    compiled kernel has one branch a class."""
+    return tuple(
+        (side_class(r.k_cols, bits), side_class(r.v_cols, bits)) + (("run",) if r.num_heads > 1 else ())
+        for r in head_runs(layout, config)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,11 +221,11 @@ class _Geometry:
     class fills its plane tiles (K, V: then no column mask), and the power of two each table field is stored divided
     by (per class for head fields, ``head_align[class][field]``)."""
 
-    classes: tuple[tuple[Side, Side], ...]
+    classes: tuple[tuple, ...]
     full: tuple[tuple[bool, bool], ...]
     head_align: tuple[tuple[int, ...], ...]
     layer_align: tuple[int, ...]
-    units: int  # head-table rows: the most heads of any layer of the group
+    units: int  # head-table rows: the most units of any layer of the group
 
 
 def _fills(side: Side, width: int, bits: int) -> bool:
@@ -209,29 +234,36 @@ def _fills(side: Side, width: int, bits: int) -> bool:
 
 
 @functools.cache
-def _geometry(shared: tuple[HeadLayout, ...], bits: int, page_size: int, wide_rows: int) -> _Geometry:
-    classes = tuple(sorted({c for lay in shared for c in head_classes(lay, bits)}))
+def _geometry(
+    shared: tuple[HeadLayout, ...], bits: int, page_size: int, wide_rows: int, config: DecodeConfig
+) -> _Geometry:
+    classes = tuple(sorted({c for lay in shared for c in head_classes(lay, bits, config)}))
     fmts = [PageFormat.for_layout(lay, page_size, bits) for lay in shared]
     per_class: list[list[np.ndarray]] = [[] for _ in classes]
     full = [[True, True] for _ in classes]
     for lay, fmt in zip(shared, fmts):
-        heads = zip(head_classes(lay, bits), lay.k_widths, lay.v_widths, _head_rows(lay, fmt, wide_rows))
-        for cls, kw, vw, row in heads:
+        runs = head_runs(lay, config)
+        widths = [(r.k_cols, r.v_cols) for r in runs]
+        heads = zip(head_classes(lay, bits, config), widths, _head_rows(lay, fmt, wide_rows, config))
+        for cls, (kw, vw), row in heads:
             i = classes.index(cls)
             per_class[i].append(row)
             full[i] = [full[i][0] and _fills(cls[0], kw, bits), full[i][1] and _fills(cls[1], vw, bits)]
     head_align = tuple(tuple(_pow2_divisor(col) for col in np.stack(rows, 1)) for rows in per_class)
     layer_rows = np.stack([_layer_row(lay, fmt, wide_rows) for lay, fmt in zip(shared, fmts)], 1)
     layer_align = tuple(_pow2_divisor(col) for col in layer_rows)
-    units = max(lay.num_kv_heads for lay in shared)
+    units = max(len(head_runs(lay, config)) for lay in shared)
     return _Geometry(classes, tuple(map(tuple, full)), head_align, layer_align, units)  # type: ignore[arg-type]
 
 
-def _tables(layout: HeadLayout, fmt: PageFormat, geo: _Geometry, wide_rows: int) -> tuple[np.ndarray, np.ndarray]:
+def _tables(
+    layout: HeadLayout, fmt: PageFormat, geo: _Geometry, wide_rows: int, config: DecodeConfig
+) -> tuple[np.ndarray, np.ndarray]:
     """The layer's head table [units * HEAD_FIELDS] and layer table [LAYER_FIELDS], int32, each field divided by its
-    alignment (rows past the layer's heads are zero)."""
+    alignment (rows past the layer's units are zero)."""
     heads = np.zeros((geo.units, HEAD_FIELDS), np.int64)
-    for h, (row, c) in enumerate(zip(_head_rows(layout, fmt, wide_rows), head_classes(layout, fmt.bits))):
+    units = zip(_head_rows(layout, fmt, wide_rows, config), head_classes(layout, fmt.bits, config))
+    for h, (row, c) in enumerate(units):
         cls = geo.classes.index(c)
         heads[h] = row // np.asarray(geo.head_align[cls])
         heads[h, CLASS] = cls  # read as is, not scaled
@@ -272,20 +304,37 @@ def _codes(raw, shift, bits, dtype):
 
 @dataclasses.dataclass(frozen=True)
 class _Piece:
-    """Columns ``start .. start + width`` of a head read as one tile of ``tile`` columns (a dot a piece); ``start``
-    and ``width`` may be traced (read from the head table), ``full``: whether ``width`` is the whole tile."""
+    """One tile of ``tile`` columns of a unit (a dot a piece): lane ``c`` < ``width`` is column ``start + c % plane``
+    of the unit's head ``c // plane`` (a unit of one head: column ``start + c``). ``start``, ``width``, ``plane`` and
+    ``head_width`` may be traced (read from the head table); ``full``: whether ``width`` is the whole tile. A plane
+    piece of a run holds that plane of every head side by side (their code bytes are adjacent); a gathered piece is
+    one head's columns in order (``plane`` = its width)."""
 
     start: jax.Array | int
     tile: int
     width: jax.Array | int
     full: bool
+    plane: jax.Array | int | None = None  # a lane's head is lane // plane (None: a unit of one head)
+    head_width: jax.Array | int = 0  # columns between the heads of a unit
 
     def cols(self):
         return jnp.arange(self.tile)[None, :]
 
     def ok(self):
-        """Which tile columns are the head's; None when all are."""
+        """Which tile columns are the unit's; None when all are."""
         return None if self.full else self.cols() < self.width
+
+    def head(self):
+        """Each lane's head in the unit [1, tile] (0 in a unit of one head)."""
+        return jnp.zeros_like(self.cols()) if self.plane is None else lax.div(self.cols(), self.plane)
+
+    def own(self):
+        """Each lane's column in its own head [1, tile]."""
+        return self.start + (self.cols() if self.plane is None else lax.rem(self.cols(), self.plane))
+
+    def at(self):
+        """Each lane's column among the unit's [1, tile] (its heads' columns one after another)."""
+        return self.own() if self.plane is None else self.head() * self.head_width + self.own()
 
 
 def _both(a, b):
@@ -308,14 +357,21 @@ class _Reader:
     v_side: Side
     bits: int
     dtype: jnp.dtype
-    k_full: bool  # every head of the class fills its K (V) tiles
+    k_full: bool  # every unit of the class fills its K (V) tiles
     v_full: bool
-    k_plane: jax.Array | int  # the head's plane widths (traced: read from the head table)
+    k_plane: jax.Array | int  # a head's plane widths (traced: read from the head table)
     v_plane: jax.Array | int
+    heads: jax.Array | None = None  # a run's heads (traced; None: one head), each ``k_width`` + ``v_width`` columns
+    k_width: jax.Array | int = 0
+    v_width: jax.Array | int = 0
 
     @property
     def n(self) -> int:
         return 8 // self.bits
+
+    def rows(self, group: int):
+        """The unit's real query rows: ``group`` a head."""
+        return group if self.heads is None else group * self.heads
 
     @staticmethod
     def planes(side: Side) -> bool:
@@ -325,11 +381,15 @@ class _Reader:
         return (self.k_side, self.k_full, self.k_plane) if keys else (self.v_side, self.v_full, self.v_plane)
 
     def pieces(self, keys: bool) -> tuple[_Piece, ...]:
-        """The K (``keys``) or V side of a head as its planes, or as one tile (a dot each)."""
+        """The K (``keys``) or V side of a unit as its planes, or as one tile (a dot each)."""
         (form, size), full, plane = self.side(keys)
-        if form == "planes":
+        heads = self.heads
+        if form != "planes":
+            return (_Piece(0, tile(size), size, full),)  # one head (``plan_config``: runs fill a plane)
+        if heads is None:  # one head
             return tuple(_Piece(i * plane, size, plane, full) for i in range(self.n))
-        return (_Piece(0, tile(size), size, full),)
+        width = self.k_width if keys else self.v_width
+        return tuple(_Piece(i * plane, size, heads * plane, full, plane, width) for i in range(self.n))
 
     def tile(self, keys: bool) -> int:
         """Columns of the side's tiles together."""
@@ -365,24 +425,27 @@ class _Reader:
         return functools.reduce(operator.add, dots) + jnp.sum(functools.reduce(operator.add, rows), axis=1)[:, None]
 
     def values(self, raw, p, scale, zero, precision):
-        """Weights p [R, T] against the values of code bytes ``raw`` with per-token ``scale`` and ``zero`` [T]:
-        ``(p * scale) . codes`` [R, tile] a piece and the row term ``p * zero`` [R, T] to sum over tokens and add to
-        every column (the scales folded into the weights: no per-value multiply)."""
-        ps = (p * scale[None, :]).astype(self.dtype)
+        """Weights p [R, T] against the values of code bytes ``raw`` with per-token ``scale`` and ``zero`` ([T], or
+        [R, T] in a run: each row its head's): ``(p * scale) . codes`` [R, tile] a piece and the row term ``p * zero``
+        [R, T] to sum over tokens and add to every column (the scales folded into the weights: no per-value
+        multiply)."""
+        scale, zero = (x if x.ndim == 2 else x[None, :] for x in (scale, zero))
+        ps = (p * scale).astype(self.dtype)
         if self.planes(self.v_side):
             shifts = [i * self.bits for i in range(self.n)]
         else:
             shifts = [self.bytes(False)[1]]
         dots = [plgpu.dot(ps, _codes(raw, sh, self.bits, self.dtype), precision=precision) for sh in shifts]
-        return dots, p * zero[None, :]
+        return dots, p * zero
 
 
 def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, scale, v_max, kernel, interpret):
-    """Online-softmax attention of one item (one KV head) over its quantized chunks and, if it holds the sequence's
+    """Online-softmax attention of one item (one KV head, or a run of them: row ``r`` is query ``r % G`` of the run's
+    head ``r // G``, its q zero outside that head's columns) over its quantized chunks and, if it holds the sequence's
     partial last page, its tail; then the write of its result (module docstring)."""
     heads_ref, layer_ref, table_ref, q_ref, pool_ref, meta_ref, tail_ref, out_ref, acc_ref, m_ref, l_ref = refs
     seq, unit, first, end, slot, length = item
-    k_side, v_side = geo.classes[cls_index]
+    k_side, v_side, *run = geo.classes[cls_index]
     align = geo.head_align[cls_index]
     P, dt = page_size, jnp.dtype(q_ref.dtype)
     tc = kernel.chunk(P)
@@ -392,7 +455,7 @@ def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, 
     def head(f):
         return heads_ref[unit * HEAD_FIELDS + f] * align[f]
 
-    reader = _Reader(k_side, v_side, bits, dt, *geo.full[cls_index], head(K_PLANE), head(V_PLANE))
+    reader = _Reader(k_side, v_side, bits, dt, *geo.full[cls_index], head(K_PLANE), head(V_PLANE), *_run(run, head))
     k_pieces, v_pieces = reader.pieces(True), reader.pieces(False)
     nc = kernel.chunks_per_step(reader.tile(True), reader.tile(False), P)
 
@@ -400,11 +463,12 @@ def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, 
         return layer_ref[f] * geo.layer_align[f]
 
     rows = jnp.arange(BLOCK_H)
-    real = rows < group
+    real = rows < reader.rows(group)
+    row_head = lax.div(rows, group)[:, None]  # each row's head in the unit
 
     def load_q(piece):
-        at = seq * layer(Q_ROW) + head(Q_BASE) + rows[:, None] * head(Q_STEP) + piece.start + piece.cols()
-        q = plgpu.load(q_ref.at[at], mask=_both(real[:, None], piece.ok()), other=0).astype(jnp.float32)
+        at = seq * layer(Q_ROW) + head(Q_BASE) + rows[:, None] * head(Q_STEP) + row_head * head(Q_HEAD) + piece.own()
+        q = plgpu.load(q_ref.at[at], mask=_own_lanes(piece, real, row_head), other=0).astype(jnp.float32)
         return (q * (scale * LOG2E)).astype(dt)  # scores in log2 units
 
     qs = [load_q(piece) for piece in k_pieces]
@@ -429,14 +493,14 @@ def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, 
             return plgpu.load(pool_ref.at[at], mask=_both(visible[:, None], byte_ok), other=0)
 
         def key_meta(piece, rows_apart):
-            at = half + layer(K_META) + head(K_COL) + rows_apart + piece.start + piece.cols()
+            at = half + layer(K_META) + head(K_COL) + rows_apart + piece.at()
             return _meta(meta_ref, at, _both(jnp.full((1, piece.tile), ok), piece.ok()))
 
         meta = [(key_meta(piece, 0), key_meta(piece, layer(K_ZEROS))) for piece in k_pieces]
         s = reader.scores(qs, codes(layer(K_ROW), head(K_BYTE), True), meta, precision)
         v_raw = codes(layer(V_ROW), layer(V_CODES) + head(V_BYTE), False)
-        v_at = half + layer(V_META) + head(HEAD) * P + t
-        v_scale, v_zero = _meta(meta_ref, v_at, visible), _meta(meta_ref, v_at + layer(V_ZEROS), visible)
+        v_at, v_ok = _value_meta(half + layer(V_META), head(HEAD), P, t, visible, real, row_head, run)
+        v_scale, v_zero = _meta(meta_ref, v_at, v_ok), _meta(meta_ref, v_at + layer(V_ZEROS), v_ok)
         return jnp.where(visible[None, :], s, MASK), lambda p: reader.values(v_raw, p, v_scale, v_zero, precision)
 
     def step(j, carry):
@@ -451,7 +515,7 @@ def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, 
 
         def load(at, piece):
             mask = _both(visible[:, None], piece.ok())
-            return plgpu.load(tail_ref.at[at + piece.start + piece.cols()], mask=mask, other=0).astype(dt)
+            return plgpu.load(tail_ref.at[at + piece.at()], mask=mask, other=0).astype(dt)
 
         ks = [load(row + head(K_COL), piece) for piece in k_pieces]
         s = _scores(qs, ks, precision)
@@ -468,7 +532,27 @@ def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, 
     has_tail = (length % P > 0) & (first <= full) & (full < end)
     accs, m, l = lax.fori_loop(0, has_tail.astype(jnp.int32), tail_step, carry)
     out_at = seq * layer(O_ROW) + head(O_BASE) + rows[:, None] * head(O_STEP)
-    _store(accs, m, l, slot, real, v_pieces, out_at, (out_ref, acc_ref, m_ref, l_ref), v_max, interpret)
+    lanes = [(piece.own(), piece.at(), _own_lanes(piece, real, row_head)) for piece in v_pieces]
+    _store(accs, m, l, slot, real, lanes, out_at, (out_ref, acc_ref, m_ref, l_ref), v_max, interpret)
+
+
+def _run(run, head) -> tuple:
+    """The ``_Reader`` fields of a run's heads (none for a unit of one head)."""
+    return (head(NUM_HEADS), head(K_WIDTH), head(V_WIDTH)) if run else ()
+
+
+def _value_meta(start, head_index, page_size, t, visible, real, row_head, run):
+    """Where a chunk's value scales are among the page's float16s, and which to read: [T] for one head; in a run
+    [BLOCK_H, T], each row its own head's."""
+    if run:
+        return start + (head_index + row_head) * page_size + t[None, :], real[:, None] & visible[None, :]
+    return start + head_index * page_size + t, visible
+
+
+def _own_lanes(piece, real, row_head):
+    """[BLOCK_H, tile] the lanes of each real row's own head (every real lane in a unit of one head)."""
+    ok = real[:, None] if piece.plane is None else real[:, None] & (piece.head() == row_head)
+    return _both(ok, piece.ok())
 
 
 def _scores(qs, ks, precision):
@@ -497,21 +581,22 @@ def _update(carry, parts):
     return accs, m_new, l * alpha + jnp.sum(functools.reduce(operator.add, ps), axis=1)
 
 
-def _store(accs, m, l, slot, real, v_pieces, out_at, refs, v_max, interpret):
+def _store(accs, m, l, slot, real, lanes, out_at, refs, v_max, interpret):
     """The group's only chunk (``slot`` < 0) writes its normalized output rows at ``out_at`` [BLOCK_H, 1] plus each
-    piece's columns; a chunk of a split group writes its partial (acc, m, l) to its slot, as ``merge.merge`` reads
-    them. Interpret mode scatters every lane, so there masked lanes point past the buffers."""
+    lane's column in its own head; a chunk of a split group writes its partial (acc, m, l) to its slot, each lane at
+    its column among the unit's, as ``merge.merge`` reads them. ``lanes``: per V piece (own column, unit column, which
+    lanes of which rows are written). Interpret mode scatters every lane, so there masked lanes point past the
+    buffers."""
     out_ref, acc_ref, m_ref, l_ref = refs
     direct = slot < 0
     rows = jnp.arange(BLOCK_H)
     part = jnp.maximum(slot, 0) * BLOCK_H + rows
     part_mask = real & ~direct
     inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
-    for acc, piece in zip(accs, v_pieces):
-        cols = piece.start + piece.cols()
-        out_mask = _both(real[:, None] & direct, piece.ok())
-        acc_mask = jnp.broadcast_to(_both(part_mask[:, None], piece.ok()), acc.shape)
-        at, acc_at = out_at + cols, part[:, None] * v_max + cols
+    for acc, (own, unit_cols, mine) in zip(accs, lanes):
+        out_mask = jnp.broadcast_to(mine & direct, acc.shape)
+        acc_mask = jnp.broadcast_to(mine & part_mask[:, None], acc.shape)
+        at, acc_at = out_at + own, part[:, None] * v_max + unit_cols
         if interpret:
             at, acc_at = jnp.where(out_mask, at, NOWHERE), jnp.where(acc_mask, acc_at, NOWHERE)
         plgpu.store(out_ref.at[at], (acc * inv_l[:, None]).astype(out_ref.dtype), mask=out_mask)
@@ -566,10 +651,14 @@ def check_format(layout: HeadLayout, fmt) -> PageFormat:
     return fmt
 
 
-def _check_plan_config(config: DecodeConfig) -> None:
-    if config.pack_tile != 0:
+def _check_plan_config(config: DecodeConfig, bits: Sequence[int]) -> None:
+    """A plan of one head a unit, or of runs of one width whose planes fill 16 columns (``plan_config``)."""
+    least = 16 * (8 // min(bits))
+    if config.pack_tile and not (config.pack_equal and config.pack_min_cols >= least):
         raise ValueError(
-            f"quantized decode reads one KV head a unit: its DecodeConfig needs pack_tile=0, got {config.pack_tile}"
+            "quantized decode reads one KV head a unit (pack_tile=0), or runs of heads of one width with "
+            f"pack_equal=True and pack_min_cols >= {least} (quant_kernel.plan_config); got pack_tile="
+            f"{config.pack_tile}, pack_equal={config.pack_equal}, pack_min_cols={config.pack_min_cols}"
         )
 
 
@@ -601,7 +690,7 @@ def quantized_paged_decode(
     """
     check_format(layout, fmt)
     config = schedule.config
-    _check_plan_config(config)
+    _check_plan_config(config, [fmt.bits])
     shared = shared or (layout,)
     if layout not in shared:
         raise ValueError("layout must be one of the shared layouts")
@@ -618,13 +707,13 @@ def quantized_paged_decode(
         raise ValueError(f"a wide q must be [B, >= {layout.num_heads}, {layout.k_cols}], got {q.shape}")
     if not wide_rows and (q.ndim != 2 or q.shape[1] != layout.q_cols):
         raise ValueError(f"q must be [B, {layout.q_cols}] or wide [B, >= H, k_cols], got {q.shape}")
-    if any(r.num_heads != 1 for r in head_runs(layout, config)):
-        raise ValueError("quantized decode reads one KV head a unit")
     if layout.group_size > BLOCK_H:
         raise ValueError(f"quantized decode scores at most {BLOCK_H} queries a KV head, got {layout.group_size}")
-    geo = _geometry(tuple(shared), fmt.bits, p, wide_rows)
-    heads, layer_row = (jnp.asarray(t) for t in _tables(layout, fmt, geo, wide_rows))
-    v_max = max(tile(w) for lay in shared for w in lay.v_widths)  # partial rows hold a head's V tile
+    geo = _geometry(tuple(shared), fmt.bits, p, wide_rows, config)
+    heads, layer_row = (jnp.asarray(t) for t in _tables(layout, fmt, geo, wide_rows, config))
+    runs = [r for lay in shared for r in head_runs(lay, config)]
+    v_max = max(tile(r.v_cols) for r in runs)  # partial rows hold a unit's V columns
+    v_tile = max(tile(w) for r in runs for w in r.v_widths)  # the merge reads a row's own head
     static = dict(
         geo=geo,
         bits=fmt.bits,
@@ -654,7 +743,7 @@ def quantized_paged_decode(
     merge_tables = tables.layer_tables(
         layout, tables.run_classes(shared, config), config, tables.most_units(set(shared), config)
     )
-    present = sorted({geo.classes.index(c) for c in head_classes(layout, fmt.bits)})
+    present = sorted({geo.classes.index(c) for c in head_classes(layout, fmt.bits, config)})
     n = kernel.classes_per_kernel
     groups = [tuple(present[i : i + n]) for i in range(0, len(present), n)]
     if len(groups) == 1 and len(present) == len(geo.classes):
@@ -667,7 +756,7 @@ def quantized_paged_decode(
         jax.ShapeDtypeStruct((b * layout.out_cols,), q.dtype),
         tuple(jnp.asarray(t) for t in (merge_tables.units, merge_tables.rows, merge_tables.cols)),
         v_max=v_max,
-        v_tile=v_max,
+        v_tile=v_tile,
         compiler_params=plgpu.CompilerParams(num_warps=kernel.num_warps, num_stages=kernel.num_stages),
         interpret=interpret,
         name="kvjax_quantized_decode",
@@ -675,7 +764,9 @@ def quantized_paged_decode(
     return out.reshape(b, layout.out_cols)
 
 
-def kernel_groups(formats: dict[HeadLayout, PageFormat], cap: float) -> dict[HeadLayout, tuple[HeadLayout, ...]]:
+def kernel_groups(
+    formats: dict[HeadLayout, PageFormat], cap: float, config: DecodeConfig = QUANT_DECODE
+) -> dict[HeadLayout, tuple[HeadLayout, ...]]:
     """Each layout's kernel group: layouts of the same bits, group size, window and head dim share one compiled
     kernel while the classes of their heads (``head_classes``) together stay within ``cap`` (each class is one more
     branch of the kernel); layouts of the same classes always share."""
@@ -683,7 +774,7 @@ def kernel_groups(formats: dict[HeadLayout, PageFormat], cap: float) -> dict[Hea
     by_classes: dict[tuple, list[HeadLayout]] = {}
     for lay, fmt in formats.items():
         key = (fmt.bits, fmt.page_size, lay.group_size, lay.sliding_window, lay.head_dim)
-        by_classes.setdefault((key, frozenset(head_classes(lay, fmt.bits))), []).append(lay)
+        by_classes.setdefault((key, frozenset(head_classes(lay, fmt.bits, config))), []).append(lay)
     for (key, classes), lays in sorted(by_classes.items(), key=lambda kv: (-len(kv[0][1]), sorted(kv[0][1]))):
         fits = [g for g in groups if g[0] == key and len(g[1] | classes) <= cap]
         if fits:
@@ -719,7 +810,6 @@ class QuantDecodeOp(DecodeOp):
         batch_invariant: bool = False,
         interpret: bool = False,
     ):
-        _check_plan_config(config)
         layouts = as_layouts(layouts)
         if formats is None:
             per_layer = [bits] * len(layouts) if isinstance(bits, (int, np.integer)) else list(bits)
@@ -736,11 +826,12 @@ class QuantDecodeOp(DecodeOp):
                 raise ValueError(f"a page format of {fmt.page_size} tokens a page for pages of {page_size}")
             if self.formats.setdefault(lay, fmt) != fmt:
                 raise ValueError(f"two page formats for one layout: {self.formats[lay]} and {fmt}")
+        _check_plan_config(config, [f.bits for f in formats])
         self.config, self.kernel, self.interpret = config, kernel, interpret
         # a kernel a class (``classes_per_kernel`` 1) is the same code for every layer that shares the geometry: one
         # group of all layers; kernels that switch between classes group layers under ``config.kernel_classes``
         cap = config.kernel_classes if kernel.classes_per_kernel > 1 else math.inf
-        self.groups = kernel_groups(self.formats, cap)
+        self.groups = kernel_groups(self.formats, cap, config)
         self._planner(layouts, page_size, pages_per_seq, max_batch, config, num_programs, batch_invariant)
 
     def run(self, q, pages, tail, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout):
