@@ -186,6 +186,13 @@ def run(args) -> dict:
     )
 
 
+def _width(width: int) -> int:
+    """A ``--widths`` entry: the kernels read heads in multiples of 16 columns, at most the head's 128."""
+    if width % 16 or not 16 <= width <= D:
+        raise ValueError(f"a width must be a multiple of 16 in [16, {D}], got {width}")
+    return width
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", type=shape_arg("--shape"), default=(32, 8192), help="BxCTX (default 32x8192)")
@@ -210,7 +217,7 @@ def main(argv=None) -> None:
     )
     ap.add_argument(
         "--widths",
-        type=validate.arg(lambda text: [int(w) for w in text.split(",") if w]),
+        type=validate.arg(lambda text: [_width(int(w)) for w in text.split(",") if w]),
         default=[],
         help="also: a layer of every K and V head this wide (rows u<width>), per width, comma-separated",
     )
@@ -224,6 +231,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
+    if not args.rates and not args.widths:
+        ap.error("nothing to measure: give --rates or --widths")
     args.kernel = harness.with_knobs(QUANT_KERNEL, args.knob)
     harness.TIMER["name"] = args.timer
     result = run(args)
