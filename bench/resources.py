@@ -35,14 +35,18 @@ from kvjax.ops.decode.quant_kernel import (
     QUANT_KERNEL,
     QuantKernelConfig,
     head_classes,
+    plan_config,
     quantized_paged_decode,
+    side_class,
 )
 from kvjax.ops.decode.tables import run_classes
+from kvjax.ops.decode.units import head_runs
 from kvjax.ops.lowering import triton_modules
 from kvjax.ops.prefill.config import PREFILL, PrefillConfig
 from kvjax.ops.prefill.kernel import prefill_attention
 from kvjax.ops.prefill.plan import block_rows, class_of, keys_per_step, tile_classes
 from kvjax.ops.quant import PageFormat
+from kvjax.ops.tiles import tile
 
 EPILOG = """examples:
   python bench/resources.py rate:0.5 uniform:64 widths:80,48/96,32 [--warps 4 --stages 3]
@@ -88,12 +92,16 @@ def triton_ir(layout: HeadLayout, config: DecodeConfig = DECODE, batch=32, ctx=4
     return lowered_ir(lambda *a: paged_decode(*a, layout), args)
 
 
-def quant_ir(layout: HeadLayout, bits: int, kernel: QuantKernelConfig, batch=32, ctx=4096, page_size=32) -> list[str]:
+def quant_ir(
+    layout: HeadLayout, bits: int, kernel: QuantKernelConfig, batch=32, ctx=4096, page_size=32, packed=False
+) -> list[str]:
     """The Triton IR of every decode kernel ``quantized_paged_decode`` runs on this layout's ``bits``-bit pages (the
-    layout alone): one a group of ``kernel.classes_per_kernel`` head classes, the merge left out."""
+    layout alone): one a group of ``kernel.classes_per_kernel`` head classes, the merge left out; ``packed``: runs of
+    heads of one width a unit (``quant_kernel.plan_config``)."""
     fmt = PageFormat.for_layout(layout, page_size, bits)
     pps = ctx // page_size
-    plan = build_decode_schedule(np.full(batch, ctx), layout, page_size, config=QUANT_DECODE).schedule.layer(0)
+    config = plan_config(QUANT_DECODE, bits, packed)
+    plan = build_decode_schedule(np.full(batch, ctx), layout, page_size, config=config).schedule.layer(0)
     args = (
         jax.ShapeDtypeStruct((batch, layout.q_cols), jnp.bfloat16),
         jax.ShapeDtypeStruct((batch * pps + 1, fmt.page_bytes), jnp.uint8),
@@ -108,23 +116,34 @@ def quant_ir(layout: HeadLayout, bits: int, kernel: QuantKernelConfig, batch=32,
     return [m for m in modules if "kvjax_quantized_decode" in m]
 
 
-def quant_report(specs, bits: int, kernel: QuantKernelConfig) -> None:
+def quant_report(specs, bits: int, kernel: QuantKernelConfig, packed: bool = False) -> None:
     """One row a layout: its head classes, its kernels (one a class, or a switch over several: ``classes_per_kernel``),
     their IR lines, the most registers and spills of any, their SASS instructions, and their offline compile time
     summed, which grows with the square of a kernel's size (Triton's Coalesce pass; bench/RESULTS.md "Quantized
-    pages: compile times (offline)")."""
+    pages: compile times (offline)"); for a layout of one kernel, its largest loop body (the chunk loop: a step of
+    ``chunks_per_step`` chunks), its instructions per (token, head) visited, and its most frequent opcodes."""
     print(
-        "| layout | head classes | kernels | IR lines | registers | spilled bytes | SASS instructions | compile s |\n"
-        "|---|---|---|---|---|---|---|---|"
+        "| layout | head classes | kernels | IR lines | registers | spilled bytes | SASS instructions | compile s "
+        "| chunk loop: instructions | per (token, head) | top opcodes |\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
+    config = plan_config(QUANT_DECODE, bits, packed)
     for spec in specs:
         layout = layout_of(spec)
-        irs = quant_ir(layout, bits, kernel)
+        irs = quant_ir(layout, bits, kernel, packed=packed)
         rs = [resources(ir, kernel.num_warps, kernel.num_stages) for ir in irs]
+        loop = ""
+        if len(rs) == 1 and rs[0]["loops"]:
+            body = max(range(len(rs[0]["loops"])), key=lambda i: rs[0]["loops"][i])
+            run = head_runs(layout, config)[0]
+            tiles = [_side_tile(side_class(cols, bits), bits) for cols in (run.k_cols, run.v_cols)]
+            pairs = kernel.chunks_per_step(*tiles, 32) * kernel.chunk(32) * run.num_heads
+            top = ", ".join(f"{op} {n}" for op, n in rs[0]["loop_ops"][body].most_common(6))
+            loop = f" {rs[0]['loops'][body]} | {rs[0]['loops'][body] / pairs:.1f} | {top} |"
         print(
-            f"| {spec} | {len(set(head_classes(layout, bits)))} | {len(irs)} | {sum(ir.count(chr(10)) for ir in irs)} "
-            f"| {max(r['registers'] for r in rs)} | {max(r['local_bytes'] for r in rs)} | "
-            f"{sum(r['sass_instructions'] for r in rs)} | {sum(r['compile_s'] for r in rs):.1f} |",
+            f"| {spec} | {len(set(head_classes(layout, bits, config)))} | {len(irs)} | "
+            f"{sum(ir.count(chr(10)) for ir in irs)} | {max(r['registers'] for r in rs)} | "
+            f"{max(r['local_bytes'] for r in rs)} | {sum(r['sass_instructions'] for r in rs)} | "
+            f"{sum(r['compile_s'] for r in rs):.1f} |" + (loop or " | | |"),
             flush=True,
         )
 
@@ -145,6 +164,12 @@ def prefill_ir(layout: HeadLayout, config: PrefillConfig = PREFILL, batch=1, t=4
 def lowered_ir(fn, args) -> str:
     """The Triton IR of the first Pallas kernel in ``fn(*args)``, lowered for CUDA sm_90 without a GPU."""
     return triton_modules(fn, args)[0]
+
+
+def _side_tile(side, bits: int) -> int:
+    """The tile columns a quantized side is read into (all its planes' tiles, or its gathered tile)."""
+    form, size = side
+    return size * (8 // bits) if form == "planes" else tile(size)
 
 
 def resources(ir: str, warps: int, stages: int) -> dict:
@@ -308,6 +333,9 @@ def main(argv=None):
         help="a DecodeConfig (PrefillConfig, QuantKernelConfig) field, e.g. --knob block_tokens=32 or --knob "
         "pack_tile=128 (repeatable)",
     )
+    ap.add_argument(
+        "--packed", action="store_true", help="--kernel quant: runs of heads of one width a unit (plan_config)"
+    )
     args = ap.parse_args(argv)
     knobs = [*args.knob, *([f"num_warps={args.warps}"] if args.warps else [])]
     knobs += [f"num_stages={args.stages}"] if args.stages else []
@@ -322,7 +350,7 @@ def main(argv=None):
             f"quantized_paged_decode, int{args.bits}, sm_90, B32 x 4K, pages of 32, {kernel.num_warps} warps, "
             f"{kernel.num_stages} stages, QUANT_KERNEL with {changes(kernel, QUANT_KERNEL) or 'nothing changed'}\n"
         )
-        return quant_report(args.layouts, args.bits, kernel)
+        return quant_report(args.layouts, args.bits, kernel, args.packed)
     if args.kernel == "prefill":
         config = with_knobs(PREFILL, knobs)
         print(
