@@ -119,6 +119,28 @@ def jax_rows(case: PagedCase, key, interpret: bool) -> dict:
     }
 
 
+def kernel_times(fn, shared, per_call) -> dict | None:
+    """Microseconds a call by kernel name (CUPTI, one batched run after a warm one; the quantized op names a kernel
+    by the head classes it runs, ``quant_kernel.kernel_name``); None off the CUPTI timer."""
+    if harness.TIMER["name"] != "cupti":
+        return None
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    f = harness.batched(fn)
+    jax.block_until_ready(f(shared, per_call))
+    ext._cupti_init()
+    try:
+        jax.block_until_ready(f(shared, per_call))
+    finally:
+        timings = ext._cupti_get_timings(True)
+    by_name: dict[str, float] = {}
+    for name, ms in timings:
+        key = name.removeprefix("kvjax_quantized_decode_")
+        by_name[key] = by_name.get(key, 0.0) + ms * 1e3 / len(per_call)
+    return dict(sorted(by_name.items(), key=lambda kv: -kv[1]))
+
+
 def check(name, fn, shared, per_call, reference, layout) -> float:
     """Largest error of the first call against its float32 reference, relative to the output's largest entry (bf16
     inputs and outputs: a few 1e-3 is rounding)."""
@@ -166,6 +188,7 @@ def run(args) -> dict:
                     speedup=base / t if name.startswith("kvjax") else None,
                     max_rel_err=err,
                     bytes=nbytes,
+                    kernels=kernel_times(fn, shared, per_call) if name.startswith("kvjax int") else None,
                 )
             )
             r = rows[-1]
@@ -175,6 +198,8 @@ def run(args) -> dict:
                 f"{r['pct_of_copy']:.0f}% | {speed} | {err:.2g} |",
                 flush=True,
             )
+            if r["kernels"]:
+                log("its kernels, us a call: " + ", ".join(f"{k} {us:.0f}" for k, us in r["kernels"].items()))
         del row_calls, case
     return dict(
         device=jax.devices()[0].device_kind,

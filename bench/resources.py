@@ -37,7 +37,6 @@ from kvjax.ops.decode.quant_kernel import (
     head_classes,
     plan_config,
     quantized_paged_decode,
-    side_class,
 )
 from kvjax.ops.decode.tables import run_classes
 from kvjax.ops.decode.units import head_runs
@@ -120,30 +119,41 @@ def quant_report(specs, bits: int, kernel: QuantKernelConfig, packed: bool = Fal
     """One row a layout: its head classes, its kernels (one a class, or a switch over several: ``classes_per_kernel``),
     their IR lines, the most registers and spills of any, their SASS instructions, and their offline compile time
     summed, which grows with the square of a kernel's size (Triton's Coalesce pass; bench/RESULTS.md "Quantized
-    pages: compile times (offline)"); for a layout of one kernel, its largest loop body (the chunk loop: a step of
-    ``chunks_per_step`` chunks), its instructions per (token, head) visited, and its most frequent opcodes."""
+    pages: compile times (offline)"); then, with a kernel a class, each kernel's largest loop body (the chunk loop: a
+    step of ``chunks_per_step`` chunks) over the (token, head) pairs a step visits, summed over the layer's units as
+    the instructions a token of the layer costs every warp, and the time 4 schedulers on each of an H100's SMs need
+    to issue them at B32 x 8K (``ISSUE``): the kernel is bound by issue (bench/RESULTS.md "Quantized pages:
+    instructions per (token, head) (offline)")."""
     print(
         "| layout | head classes | kernels | IR lines | registers | spilled bytes | SASS instructions | compile s "
-        "| chunk loop: instructions | per (token, head) | top opcodes |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        "| loop instructions a (token, head) | a layer token | issue us at B32 x 8K | top opcodes |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     config = plan_config(QUANT_DECODE, bits, packed)
     for spec in specs:
         layout = layout_of(spec)
         irs = quant_ir(layout, bits, kernel, packed=packed)
         rs = [resources(ir, kernel.num_warps, kernel.num_stages) for ir in irs]
-        loop = ""
-        if len(rs) == 1 and rs[0]["loops"]:
-            body = max(range(len(rs[0]["loops"])), key=lambda i: rs[0]["loops"][i])
-            run = head_runs(layout, config)[0]
-            tiles = [_side_tile(side_class(cols, bits), bits) for cols in (run.k_cols, run.v_cols)]
-            pairs = kernel.chunks_per_step(*tiles, 32) * kernel.chunk(32) * run.num_heads
-            top = ", ".join(f"{op} {n}" for op, n in rs[0]["loop_ops"][body].most_common(6))
-            loop = f" {rs[0]['loops'][body]} | {rs[0]['loops'][body] / pairs:.1f} | {top} |"
+        classes = head_classes(layout, bits, config)
+        loop = " | | | |"
+        if kernel.classes_per_kernel == 1 and all(r["loops"] for r in rs):
+            per_pair, per_token, top = [], 0.0, collections.Counter()
+            for cls, r in zip(sorted(set(classes)), rs):
+                body = max(range(len(r["loops"])), key=lambda i: r["loops"][i])
+                runs = [run for run, c in zip(head_runs(layout, config), classes) if c == cls]
+                tiles = [_side_tile(side, bits) for side in cls[:2]]
+                tokens = kernel.chunks_per_step(*tiles, 32) * kernel.chunk(32)
+                per_token += r["loops"][body] / tokens * len(runs)
+                per_pair.append(f"{r['loops'][body] / (tokens * runs[0].num_heads):.1f}")
+                top.update(r["loop_ops"][body])
+            issue = per_token * ISSUE["batch"] * ISSUE["ctx"] * kernel.num_warps / ISSUE["issue_per_s"]
+            ops = ", ".join(f"{op} {n}" for op, n in top.most_common(5))
+            loop = f" {' / '.join(per_pair)} | {per_token:.0f} | {issue * 1e6:.0f} | {ops} |"
         print(
-            f"| {spec} | {len(set(head_classes(layout, bits, config)))} | {len(irs)} | "
+            f"| {spec} | {len(set(classes))} | {len(irs)} | "
             f"{sum(ir.count(chr(10)) for ir in irs)} | {max(r['registers'] for r in rs)} | "
             f"{max(r['local_bytes'] for r in rs)} | {sum(r['sass_instructions'] for r in rs)} | "
-            f"{sum(r['compile_s'] for r in rs):.1f} |" + (loop or " | | |"),
+            f"{sum(r['compile_s'] for r in rs):.1f} |" + loop,
             flush=True,
         )
 
@@ -164,6 +174,10 @@ def prefill_ir(layout: HeadLayout, config: PrefillConfig = PREFILL, batch=1, t=4
 def lowered_ir(fn, args) -> str:
     """The Triton IR of the first Pallas kernel in ``fn(*args)``, lowered for CUDA sm_90 without a GPU."""
     return triton_modules(fn, args)[0]
+
+
+# what ``quant_report`` prices issue at: B32 x 8K, 132 SMs of 4 schedulers at 1.755 GHz (an H100 SXM)
+ISSUE = dict(batch=32, ctx=8192, issue_per_s=132 * 4 * 1.755e9)
 
 
 def _side_tile(side, bits: int) -> int:

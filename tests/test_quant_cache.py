@@ -204,8 +204,8 @@ def test_the_engine_says_when_compressed_heads_slow_the_quantized_kernel():
     assert "slower than bf16" not in Engine(model, config).describe()
 
 
-def test_pack_equal_in_the_engines_decode_config_plans_runs_of_heads():
-    """``decode_config.pack_equal`` reaches the quantized op as ``quant_kernel.plan_config``'s runs (TINY llama: two
+def test_quant_runs_in_the_engines_decode_config_plans_runs_of_heads():
+    """``decode_config.quant_runs`` reaches the quantized op as ``quant_kernel.plan_config``'s runs (TINY llama: two
     KV heads of 16 columns, one 32-column run at int4); without it, one head a unit."""
     from kvjax.ops.decode.config import DECODE
     from kvjax.ops.decode.units import head_runs
@@ -214,7 +214,7 @@ def test_pack_equal_in_the_engines_decode_config_plans_runs_of_heads():
     for packed, runs in ((True, [2]), (False, [1, 1])):
         config = EngineConfig(
             max_batch=1, max_seq_len=32, kv_bits=4, num_pages=4, backend="interpret",
-            decode_config=dataclasses.replace(DECODE, pack_equal=packed),
+            decode_config=dataclasses.replace(DECODE, quant_runs=packed),
         )  # fmt: skip
         op = Engine(model, config).decode_op
         assert [r.num_heads for r in head_runs(model.layouts[0], op.config)] == runs

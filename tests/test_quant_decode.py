@@ -121,9 +121,22 @@ def test_quantized_decode_matches_reference(name):
     assert err < tolerance(dtype), f"seed {seed}: relative error {err}"
 
 
-# runs of adjacent heads of one width read as one unit (``plan_config(packed=True)``): G = 4 with a run of three and
-# a head alone, G = 2 with runs of two, int2 runs of four 16-column heads (planes of 4 columns a head, 16 a run)
+# runs of adjacent heads read as one unit (``plan_config(packed=True)``): G = 4 with a run of three and a head alone,
+# G = 2 with runs of two, int2 runs of four 16-column heads (planes of 4 columns a head, 16 a run); then runs of
+# mixed widths: G = 4 (a head alone, then three of 16-64 columns), G = 2 in a window, int2 at G = 2 and int4 at G = 1
+# (runs of four: ``RUN_HEADS``)
+MIXED_K, MIXED_V = (16, 32, 16, 64, 16, 16, 32, 16), (64, 16, 32, 16, 16, 48, 16, 16)
 PACKED = {
+    "mixed int4 G4 f32": (HeadLayout(16, 4, 64, (32, 16, 48, 64), (16, 32, 16, 64)), 4, 16, jnp.float32, [150, 37]),
+    "mixed int4 G2 bf16 window": (
+        HeadLayout(8, 4, 64, (16, 48, 32, 32), (32, 32, 16, 48), 90),
+        4,
+        32,
+        jnp.bfloat16,
+        [200, 5, 64],
+    ),
+    "mixed int2 G2 f32": (HeadLayout(16, 8, 64, MIXED_K, MIXED_V), 2, 16, jnp.float32, [140, 1, 33]),
+    "mixed int4 G1 f32": (HeadLayout(8, 8, 64, MIXED_K, MIXED_V), 4, 16, jnp.float32, [100, 17]),
     "int4 G4 f32": (HeadLayout(16, 4, 64, (32, 32, 32, 64), (16, 16, 16, 64)), 4, 16, jnp.float32, [1, 16, 37, 150]),
     "int4 G2 bf16 window": (
         HeadLayout(8, 4, 64, (48, 48, 16, 16), (32, 32, 64, 64), 90),
@@ -137,7 +150,7 @@ PACKED = {
 
 
 @pytest.mark.parametrize("name", sorted(PACKED))
-def test_packed_runs_of_one_width_match_reference(name):
+def test_packed_runs_match_reference(name):
     """A run of heads is one unit: its rows the heads' queries, each masked to its own head's columns of the run's
     planes, each row's value scales its own head's; alone, split and merged, with tails, and with a wide q."""
     layout, bits, p, dtype, lengths = PACKED[name]

@@ -590,8 +590,8 @@ def _formats(model, c: EngineConfig) -> tuple[AnyPageFormat, ...] | None:
 
 def _quant_decode_op(layouts, formats, pages_per_seq: int, config: EngineConfig, interpret: bool):
     """The fused decode kernel over quantized pages (``ops.decode.quant_kernel``) of each layer's format, planned by
-    the engine's ``decode_config`` with one KV head a unit, or with runs of heads of one width when it sets
-    ``pack_equal`` (``quant_kernel.plan_config``)."""
+    the engine's ``decode_config`` with one KV head a unit, or with runs of heads when it sets ``quant_runs``
+    (``quant_kernel.plan_config``)."""
     from kvjax.ops.decode.quant_kernel import QuantDecodeOp, plan_config
 
     return QuantDecodeOp(
@@ -599,7 +599,7 @@ def _quant_decode_op(layouts, formats, pages_per_seq: int, config: EngineConfig,
         config.page_size,
         pages_per_seq,
         formats=formats,
-        config=plan_config(config.decode_config, min(f.bits for f in formats), config.decode_config.pack_equal),
+        config=plan_config(config.decode_config, min(f.bits for f in formats), config.decode_config.quant_runs),
         max_batch=config.max_batch,
         batch_invariant=config.batch_invariant,
         interpret=interpret,

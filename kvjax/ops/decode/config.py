@@ -26,6 +26,7 @@ AT_LEAST_ONE = (
     "num_warps",
     "num_stages",
     "kernel_classes",
+    "pack_max_heads",
 )
 
 
@@ -35,8 +36,9 @@ class DecodeConfig:
 
     # Work units: runs of adjacent KV heads (``units.head_runs``).
     pack_tile: int = 256  # widest tile a run of several heads may read for its K or its V (0: one head per unit)
-    pack_equal: bool = False  # a run of several heads holds heads of one (K, V) width only (quantized pages)
     pack_min_cols: int = 0  # a run of several heads has at least this many K and V columns each (quantized pages)
+    pack_max_heads: int = 16  # the most heads a run holds (quantized pages: ``quant_kernel.RUN_HEADS``)
+    quant_runs: bool = False  # quantized decode reads runs of heads as units (``quant_kernel.plan_config``)
     # The cost of one token of a unit (``cost.token_cost``), in columns of width.
     token_cost: int = 32  # per-token work that does not shrink with width (page lookup, softmax)
     floor_tile: int = 128  # a unit's token costs at least one of a floor_tile + floor_tile unit (0: no floor)

@@ -329,7 +329,7 @@ def launch_and_merge(kernel, args, schedule, out, merge_tables, *, v_max, v_tile
     layer's ``merge_tables``: units, rows and cols of ``tables.layer_tables``). The bf16 and the quantized kernels
     both end so. ``kernel`` may be a list, run one after another on the same buffers (each later one takes them as
     inputs aliased to its outputs, after ``args``), each writing the rows of its own items: the quantized op runs a
-    kernel a head class so."""
+    kernel a head class so, ``name`` then one name a kernel."""
     rows = BLOCK_H * schedule.num_slots
     out_shape = [
         out,
@@ -338,7 +338,11 @@ def launch_and_merge(kernel, args, schedule, out, merge_tables, *, v_max, v_tile
         jax.ShapeDtypeStruct((rows,), jnp.float32),
     ]
     buffers: list = []
-    for i, k in enumerate(kernel if isinstance(kernel, (list, tuple)) else [kernel]):
+    kernels = kernel if isinstance(kernel, (list, tuple)) else [kernel]
+    names = [name] if isinstance(name, str) else list(name)
+    if len(names) != len(kernels):
+        raise ValueError(f"{len(names)} names for {len(kernels)} kernels")
+    for k, kernel_name in zip(kernels, names):
         inputs = [*args, *buffers]
         buffers = pl.pallas_call(
             k,
@@ -349,7 +353,7 @@ def launch_and_merge(kernel, args, schedule, out, merge_tables, *, v_max, v_tile
             input_output_aliases={len(args) + j: j for j in range(len(buffers))},
             interpret=interpret,
             compiler_params=compiler_params,
-            name=f"{name}_{i}" if i else name,
+            name=kernel_name,
         )(*inputs)
     direct, acc, m, l = buffers
     units, rows_table, cols = merge_tables

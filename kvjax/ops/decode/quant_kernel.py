@@ -85,14 +85,16 @@ BLOCK_H = ROWS  # query rows per item: a GQA group (G <= 16) padded to the tenso
 QUANT_DECODE = dataclasses.replace(DECODE, pack_tile=0)  # the plan's config: one KV head a unit
 PACK_TILE = 128  # with packed runs (``plan_config``): the widest K or V a run of several heads reads
 
-# Fields of a unit's row in the head table (a unit: one KV head, or a run of adjacent heads of one width,
-# ``plan_config``), each of its first head: its class, its codes' first byte in a page's K and V code rows, its first
-# K and V column (key meta, tail), its index (value meta), where its queries start in a q row and the step between
-# them, likewise its outputs, the columns of its K and V planes (``quant.pack``: width / codes a byte); then the
-# unit's heads, each head's K and V width, and the step of q between its heads beside the rows' (a wide q's).
+# Fields of a unit's row in the head table (a unit: one KV head, or a run of adjacent heads, ``plan_config``), each of
+# its first head: its class, its codes' first byte in a page's K and V code rows, its first K and V column (key meta,
+# tail), its index (value meta), where its queries start in a q row and the step between them, likewise its outputs,
+# the columns of its K and V planes (``quant.pack``: width / codes a byte); then the unit's heads, and where each
+# head's plane ends among the run's plane bytes, K and V (``RUN_HEADS`` ends a side; past the last head, the total).
 CLASS, K_BYTE, V_BYTE, K_COL, V_COL, HEAD, Q_BASE, Q_STEP, O_BASE, O_STEP, K_PLANE, V_PLANE = range(12)
-NUM_HEADS, K_WIDTH, V_WIDTH, Q_HEAD = range(12, 16)
-HEAD_FIELDS = 16
+RUN_HEADS = 4  # the most heads a run holds: 16 rows of the score tile over G >= 4 queries (``plan_config``)
+NUM_HEADS = 12
+K_ENDS, V_ENDS = 13, 13 + RUN_HEADS  # first field of each side's plane ends
+HEAD_FIELDS = 13 + 2 * RUN_HEADS
 # Entries of the layer table: a page's bytes; the K codes' row bytes; the V codes' first byte and row bytes; then in
 # float16 units (the metadata's view of the pool): a page's size, the key meta's start and the distance from its
 # scale row to its zero row, the value meta's start and from its scales to its zeros; a tail row's columns and its
@@ -147,12 +149,13 @@ def _pow2_divisor(values) -> int:
 
 
 def plan_config(config: DecodeConfig, bits: int, packed: bool) -> DecodeConfig:
-    """The plan's config for quantized decode: one KV head a unit, or (``packed``) runs of up to ``16 / G`` adjacent
-    heads of one width, read as one head of their summed planes, each side at least one 16-column plane and at most
-    ``PACK_TILE`` columns (the cost model chooses the runs, ``units.head_runs``)."""
+    """The plan's config for quantized decode: one KV head a unit, or (``packed``) runs of up to ``16 / G`` (at most
+    ``RUN_HEADS``) adjacent heads, read as one head of their planes side by side, each side at least one 16-column
+    plane and at most ``PACK_TILE`` columns (the cost model chooses the runs, ``units.head_runs``)."""
     if not packed:
-        return dataclasses.replace(config, pack_tile=0, pack_equal=False, pack_min_cols=0)
-    return dataclasses.replace(config, pack_tile=PACK_TILE, pack_equal=True, pack_min_cols=16 * (8 // check_bits(bits)))
+        return dataclasses.replace(config, pack_tile=0, pack_min_cols=0)
+    least = 16 * (8 // check_bits(bits))
+    return dataclasses.replace(config, pack_tile=PACK_TILE, pack_min_cols=least, pack_max_heads=RUN_HEADS)
 
 
 def _head_rows(layout: HeadLayout, fmt: PageFormat, wide_rows: int, config: DecodeConfig) -> np.ndarray:
@@ -164,8 +167,11 @@ def _head_rows(layout: HeadLayout, fmt: PageFormat, wide_rows: int, config: Deco
         h, kw, vw = run.first, run.k_widths[0], run.v_widths[0]
         ko, vo = offs["k"][h], offs["v"][h]
         q_base, q_step = (h * g * layout.k_cols + ko, layout.k_cols) if wide_rows else (offs["q"][h], kw)
-        fields = (ko // n, vo // n, ko, vo, h, q_base, q_step, offs["o"][h], vw, kw // n, vw // n)
-        rows[u, 1:] = *fields, run.num_heads, kw, vw, kw if wide_rows else 0
+        fields = (ko // n, vo // n, ko, vo, h, q_base, q_step, offs["o"][h], vw, kw // n, vw // n, run.num_heads)
+        rows[u, 1 : NUM_HEADS + 1] = fields
+        for at, widths in ((K_ENDS, run.k_widths), (V_ENDS, run.v_widths)):
+            ends = np.cumsum(widths) // n
+            rows[u, at : at + RUN_HEADS] = np.pad(ends, (0, RUN_HEADS - len(ends)), mode="edge")
     return rows
 
 
@@ -302,20 +308,29 @@ def _codes(raw, shift, bits, dtype):
     return _biased(raw, shift, bits, dtype) - jnp.asarray(_MAGIC[jnp.dtype(dtype)][2], dtype)
 
 
+def _pick(values, which):
+    """``values[which]`` elementwise for a small traced ``which`` (a chain of selects)."""
+    out = values[-1]
+    for i in range(len(values) - 2, -1, -1):
+        out = jnp.where(which == i, values[i], out)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class _Piece:
-    """One tile of ``tile`` columns of a unit (a dot a piece): lane ``c`` < ``width`` is column ``start + c % plane``
-    of the unit's head ``c // plane`` (a unit of one head: column ``start + c``). ``start``, ``width``, ``plane`` and
-    ``head_width`` may be traced (read from the head table); ``full``: whether ``width`` is the whole tile. A plane
-    piece of a run holds that plane of every head side by side (their code bytes are adjacent); a gathered piece is
-    one head's columns in order (``plane`` = its width)."""
+    """One tile of ``tile`` columns of a unit (a dot a piece). A unit of one head: lane ``c`` < ``width`` is its
+    column ``start + c``. A run (``ends``: where each head's plane ends among the run's plane bytes, traced): plane
+    ``index`` of every head side by side, as their code bytes are; lane ``c`` is head ``h``'s (``ends[h-1] <= c <
+    ends[h]``) column ``index * plane_h + c - ends[h-1]``, where ``plane_h`` is its plane's width. ``full``: whether
+    ``width`` is the whole tile."""
 
     start: jax.Array | int
     tile: int
     width: jax.Array | int
     full: bool
-    plane: jax.Array | int | None = None  # a lane's head is lane // plane (None: a unit of one head)
-    head_width: jax.Array | int = 0  # columns between the heads of a unit
+    ends: tuple | None = None  # a run's plane ends, RUN_HEADS of them (None: a unit of one head)
+    index: int = 0  # the plane
+    per_byte: int = 1  # codes a byte: a head's plane is 1 / per_byte of its columns
 
     def cols(self):
         return jnp.arange(self.tile)[None, :]
@@ -326,15 +341,31 @@ class _Piece:
 
     def head(self):
         """Each lane's head in the unit [1, tile] (0 in a unit of one head)."""
-        return jnp.zeros_like(self.cols()) if self.plane is None else lax.div(self.cols(), self.plane)
+        c = self.cols()
+        if self.ends is None:
+            return jnp.zeros_like(c)
+        return functools.reduce(operator.add, [(c >= e).astype(jnp.int32) for e in self.ends[:-1]])
+
+    def _plane(self):
+        """Each lane's head's first plane byte and plane width among the run's [1, tile] each."""
+        assert self.ends is not None
+        h = self.head()
+        first = _pick((0, *self.ends[:-1]), h)
+        return first, _pick(self.ends, h) - first
 
     def own(self):
         """Each lane's column in its own head [1, tile]."""
-        return self.start + (self.cols() if self.plane is None else lax.rem(self.cols(), self.plane))
+        if self.ends is None:
+            return self.start + self.cols()
+        first, plane = self._plane()
+        return self.index * plane + self.cols() - first
 
     def at(self):
         """Each lane's column among the unit's [1, tile] (its heads' columns one after another)."""
-        return self.own() if self.plane is None else self.head() * self.head_width + self.own()
+        if self.ends is None:
+            return self.own()
+        first, plane = self._plane()
+        return self.per_byte * first + self.index * plane + self.cols() - first
 
 
 def _both(a, b):
@@ -361,9 +392,9 @@ class _Reader:
     v_full: bool
     k_plane: jax.Array | int  # a head's plane widths (traced: read from the head table)
     v_plane: jax.Array | int
-    heads: jax.Array | None = None  # a run's heads (traced; None: one head), each ``k_width`` + ``v_width`` columns
-    k_width: jax.Array | int = 0
-    v_width: jax.Array | int = 0
+    heads: jax.Array | None = None  # a run's heads (traced; None: one head)
+    k_ends: tuple | None = None  # a run's plane ends, K and V (``_Piece``)
+    v_ends: tuple | None = None
 
     @property
     def n(self) -> int:
@@ -388,8 +419,9 @@ class _Reader:
             return (_Piece(0, tile(size), size, full),)  # one head (``plan_config``: runs fill a plane)
         if heads is None:  # one head
             return tuple(_Piece(i * plane, size, plane, full) for i in range(self.n))
-        width = self.k_width if keys else self.v_width
-        return tuple(_Piece(i * plane, size, heads * plane, full, plane, width) for i in range(self.n))
+        ends = self.k_ends if keys else self.v_ends
+        assert ends is not None
+        return tuple(_Piece(0, size, ends[-1], full, ends, i, self.n) for i in range(self.n))
 
     def tile(self, keys: bool) -> int:
         """Columns of the side's tiles together."""
@@ -439,7 +471,7 @@ class _Reader:
         return dots, p * zero
 
 
-def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, scale, v_max, kernel, interpret):
+def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, scale, v_max, kernel, wide, interpret):
     """Online-softmax attention of one item (one KV head, or a run of them: row ``r`` is query ``r % G`` of the run's
     head ``r // G``, its q zero outside that head's columns) over its quantized chunks and, if it holds the sequence's
     partial last page, its tail; then the write of its result (module docstring)."""
@@ -465,9 +497,10 @@ def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, 
     rows = jnp.arange(BLOCK_H)
     real = rows < reader.rows(group)
     row_head = lax.div(rows, group)[:, None]  # each row's head in the unit
+    q_rows, o_rows = _row_offsets(head, rows, row_head, group, reader, wide)
 
     def load_q(piece):
-        at = seq * layer(Q_ROW) + head(Q_BASE) + rows[:, None] * head(Q_STEP) + row_head * head(Q_HEAD) + piece.own()
+        at = seq * layer(Q_ROW) + q_rows + piece.own()
         q = plgpu.load(q_ref.at[at], mask=_own_lanes(piece, real, row_head), other=0).astype(jnp.float32)
         return (q * (scale * LOG2E)).astype(dt)  # scores in log2 units
 
@@ -531,14 +564,32 @@ def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, 
     carry = lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), nc * tc), step, carry)
     has_tail = (length % P > 0) & (first <= full) & (full < end)
     accs, m, l = lax.fori_loop(0, has_tail.astype(jnp.int32), tail_step, carry)
-    out_at = seq * layer(O_ROW) + head(O_BASE) + rows[:, None] * head(O_STEP)
+    out_at = seq * layer(O_ROW) + o_rows
     lanes = [(piece.own(), piece.at(), _own_lanes(piece, real, row_head)) for piece in v_pieces]
     _store(accs, m, l, slot, real, lanes, out_at, (out_ref, acc_ref, m_ref, l_ref), v_max, interpret)
 
 
 def _run(run, head) -> tuple:
     """The ``_Reader`` fields of a run's heads (none for a unit of one head)."""
-    return (head(NUM_HEADS), head(K_WIDTH), head(V_WIDTH)) if run else ()
+    if not run:
+        return ()
+    k, v = (tuple(head(at + i) for i in range(RUN_HEADS)) for at in (K_ENDS, V_ENDS))
+    return head(NUM_HEADS), k, v
+
+
+def _row_offsets(head, rows, row_head, group, reader, wide):
+    """[BLOCK_H, 1] where each row's query starts in its sequence's q row (packed, or ``wide``), and its output in
+    the output row. A run's row ``r`` is query ``r % G`` of its head ``r // G``, whose columns start after the run's
+    earlier heads' (``per_byte`` x its first plane byte)."""
+    r = rows[:, None]
+    if reader.heads is None:
+        return head(Q_BASE) + r * head(Q_STEP), head(O_BASE) + r * head(O_STEP)
+    g, n = lax.rem(r, group), reader.n
+    assert reader.k_ends is not None and reader.v_ends is not None
+    k0, k1 = _pick((0, *reader.k_ends[:-1]), row_head), _pick(reader.k_ends, row_head)
+    v0, v1 = _pick((0, *reader.v_ends[:-1]), row_head), _pick(reader.v_ends, row_head)
+    q = r * head(Q_STEP) + n * k0 if wide else group * n * k0 + g * n * (k1 - k0)
+    return head(Q_BASE) + q, head(O_BASE) + group * n * v0 + g * n * (v1 - v0)
 
 
 def _value_meta(start, head_index, page_size, t, visible, real, row_head, run):
@@ -551,7 +602,7 @@ def _value_meta(start, head_index, page_size, t, visible, real, row_head, run):
 
 def _own_lanes(piece, real, row_head):
     """[BLOCK_H, tile] the lanes of each real row's own head (every real lane in a unit of one head)."""
-    ok = real[:, None] if piece.plane is None else real[:, None] & (piece.head() == row_head)
+    ok = real[:, None] if piece.ends is None else real[:, None] & (piece.head() == row_head)
     return _both(ok, piece.ok())
 
 
@@ -639,6 +690,13 @@ def _kernel(index_ref, items_ref, counts_ref, lengths_ref, heads_ref, *refs, geo
     lax.fori_loop(0, counts_ref[layer, pid], run, 0)
 
 
+def kernel_name(classes) -> str:
+    """A kernel's name from the head classes it runs (the same in every layer, so CUPTI rows name the class):
+    ``kvjax_quantized_decode_p32_g16_run`` is a run whose K is read in planes of 32 columns, its V gathered at 16."""
+    tags = ["_".join(f"{side[0][0]}{side[1]}" for side in c[:2]) + ("_run" if len(c) > 2 else "") for c in classes]
+    return "kvjax_quantized_decode_" + "__".join(tags)
+
+
 def check_format(layout: HeadLayout, fmt) -> PageFormat:
     """``fmt`` if it is the quantized page format of ``layout``'s heads, else a ValueError saying why not."""
     if not isinstance(fmt, PageFormat):
@@ -652,13 +710,16 @@ def check_format(layout: HeadLayout, fmt) -> PageFormat:
 
 
 def _check_plan_config(config: DecodeConfig, bits: Sequence[int]) -> None:
-    """A plan of one head a unit, or of runs of one width whose planes fill 16 columns (``plan_config``)."""
+    """A plan of one head a unit, or of runs whose planes fill 16 columns (``plan_config``)."""
     least = 16 * (8 // min(bits))
-    if config.pack_tile and not (config.pack_equal and config.pack_min_cols >= least):
+    if config.pack_tile and not (
+        config.pack_min_cols >= least and config.pack_tile <= PACK_TILE and config.pack_max_heads <= RUN_HEADS
+    ):
         raise ValueError(
-            "quantized decode reads one KV head a unit (pack_tile=0), or runs of heads of one width with "
-            f"pack_equal=True and pack_min_cols >= {least} (quant_kernel.plan_config); got pack_tile="
-            f"{config.pack_tile}, pack_equal={config.pack_equal}, pack_min_cols={config.pack_min_cols}"
+            "quantized decode reads one KV head a unit (pack_tile=0), or runs of heads with pack_tile <= "
+            f"{PACK_TILE}, pack_min_cols >= {least} and pack_max_heads <= {RUN_HEADS} (quant_kernel.plan_config); "
+            f"got pack_tile={config.pack_tile}, pack_min_cols={config.pack_min_cols}, "
+            f"pack_max_heads={config.pack_max_heads}"
         )
 
 
@@ -716,6 +777,7 @@ def quantized_paged_decode(
     v_tile = max(tile(w) for r in runs for w in r.v_widths)  # the merge reads a row's own head
     static = dict(
         geo=geo,
+        wide=bool(wide_rows),
         bits=fmt.bits,
         page_size=p,
         group=layout.group_size,
@@ -759,7 +821,7 @@ def quantized_paged_decode(
         v_tile=v_tile,
         compiler_params=plgpu.CompilerParams(num_warps=kernel.num_warps, num_stages=kernel.num_stages),
         interpret=interpret,
-        name="kvjax_quantized_decode",
+        name=[kernel_name(geo.classes[i] for i in g) for g in groups],
     )
     return out.reshape(b, layout.out_cols)
 

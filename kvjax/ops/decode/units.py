@@ -61,12 +61,11 @@ class Run(RunShape):
 
 
 def run_cost(k_widths, v_widths, group_size: int, config: DecodeConfig = DECODE) -> float:
-    """A token's cost in a run of these heads by their tiles (``cost.token_cost``; inf where not allowed, or where
-    several heads break ``config.pack_equal`` or ``config.pack_min_cols``)."""
-    if len(k_widths) > 1 and (
-        (config.pack_equal and len(set(zip(k_widths, v_widths))) > 1)
-        or min(sum(k_widths), sum(v_widths)) < config.pack_min_cols
-    ):
+    """A token's cost in a run of these heads by their tiles (``cost.token_cost``; inf where not allowed, where
+    several heads have fewer than ``config.pack_min_cols`` K or V columns together, or more than
+    ``config.pack_max_heads`` heads)."""
+    n = len(k_widths)
+    if n > config.pack_max_heads or (n > 1 and min(sum(k_widths), sum(v_widths)) < config.pack_min_cols):
         return math.inf
     return token_cost(len(k_widths), tile(sum(k_widths)), tile(sum(v_widths)), group_size, config)
 
