@@ -5,10 +5,10 @@ registers as they stream, and its exact tail, in one online softmax (Pallas, Tri
 The work is the bf16 op's: the same planner and ``plan.DecodeSchedule`` (items of sequence, unit, chunk of pages,
 partial slot) and the same ``merge.merge`` for split groups, with one KV head a unit (``DecodeConfig.pack_tile`` 0):
 a head's codes are packed in planes of its own width, so each head has its own byte pattern. Or (``plan_config``
-packed, not yet the default: unmeasured on a GPU) a unit is a run of up to 16 / G adjacent heads of one width: their
-code bytes are adjacent, so plane ``i`` of the run is every head's plane ``i`` side by side, read as one head's;
-row ``r`` of the score tile is query ``r % G`` of head ``r // G``, its q zero outside its head's lanes, and each row
-folds its own head's value scales. An item
+packed, not yet the default: unmeasured on a GPU) a unit is a run of up to ``RUN_HEADS`` (and 16 / G) adjacent heads
+of any widths: their code bytes are adjacent, so plane ``i`` of the run is every head's plane ``i`` side by side, read
+as one head's (a lane's head found from the run's plane ends); row ``r`` of the score tile is query ``r % G`` of head
+``r // G``, its q zero outside its head's lanes, and each row folds its own head's value scales. An item
 reads its full pages in chunks (``chunk_tokens`` of one page: one block-table lookup and one key scale and zero row
 a chunk), several a loop step, then its sequence's partial last page from the slot's tail row in one more step.
 Codes become floats by bit tricks, not conversions (``_MAGIC``). A head whose planes (``quant.pack``) are at least
@@ -31,7 +31,9 @@ partial buffers, each skipping the items of other classes: compile time grows wi
 (bench/RESULTS.md "Quantized pages: compile times (offline)"), and every layer reuses the same kernel of a class.
 The kernels share the layer's one schedule, so each is balanced only as the whole is. Time follows the (token, head)
 pairs visited, not bytes, and narrow classes cost the most (a rate-0.5 layer: 10.8x the bf16 kernel's time;
-bench/RESULTS.md "Rate 0.5, and one head class at a time"): several heads a unit is the planned fix.
+bench/RESULTS.md "Rate 0.5, and one head class at a time"): runs of heads cut a narrow head's instructions (built,
+off by default), and a schedule a class would end the chained kernels' idling (not built; bench/notes/
+2026-11-27-quantized-kernel-lab.md).
 
 Constraints: q packed [B, q_cols] or wide (``QKRotation.wide``); widths multiples of 16; a group of at most 16
 queries a KV head; pool and tail under 2^31 elements (int32 offsets). Any page size works; chunks of fewer than 16
