@@ -25,6 +25,7 @@ from harness import (
     PLAN_FORMS,
     copy_bandwidth,
     count_arg,
+    cupti_kernels,
     log,
     on_gpu,
     rank_plan,
@@ -109,17 +110,13 @@ def kind(name: str) -> str:
 
 def cupti_steps(runner: Runner, steps: int) -> list[tuple[str, float]]:
     """The kernels (name, ms) of ``steps`` runner steps, as CUPTI saw them run."""
-    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
 
-    ext = mosaic_gpu_lib._mosaic_gpu_ext
-    ext._cupti_init()
-    try:
+    def run():
         for _ in range(steps):
             runner.step()
         runner.drain()
-    finally:
-        timings = ext._cupti_get_timings(True)
-    return list(timings)
+
+    return cupti_kernels(run)
 
 
 def floor_bytes(model: kvjax.Model, lengths: np.ndarray, engine: Engine | None = None) -> int:

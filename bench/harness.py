@@ -224,6 +224,19 @@ def batched(fn, chain=None):
     return jax.jit(many)
 
 
+def cupti_kernels(run) -> list[tuple[str, float]]:
+    """The kernels (name, ms) CUPTI saw run while ``run()`` ran (it must finish its device work before returning)."""
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    ext._cupti_init()
+    try:
+        run()
+    finally:
+        timings = ext._cupti_get_timings(True)
+    return list(timings)
+
+
 def compile_ahead(lowerings, threads=16):
     """Compile what each of ``lowerings`` lowers, side by side, into the persistent cache; each one's error or None."""
 

@@ -7,7 +7,7 @@ read over the measured copy bandwidth: every byte of a quantized page, codes, sc
 and the speed-up over bf16 at the same rate; every output is first checked against its jnp reference. Issue 35's
 targets: int4 at rate 0 >= 3.0x bf16 at rate 0, int4 at rate 0.5 >= 2.8x bf16 at rate 0.5, every quantized row at >= 80%
 of copy bandwidth. ``--widths`` adds layers of one head width each (one head class: a class's own speed); ``--packed``
-reads runs of heads of one width as one unit. ``--interpret --timer host --shape 2x256`` runs the same rows on a CPU
+reads runs of adjacent heads as one unit. ``--interpret --timer host --shape 2x256`` runs the same rows on a CPU
 (plumbing only: its times mean nothing). Tables: bench/RESULTS.md "Quantized pages: decode kernel"."""
 
 from __future__ import annotations
@@ -124,18 +124,10 @@ def kernel_times(fn, shared, per_call) -> dict | None:
     by the head classes it runs, ``quant_kernel.kernel_name``); None off the CUPTI timer."""
     if harness.TIMER["name"] != "cupti":
         return None
-    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
-
-    ext = mosaic_gpu_lib._mosaic_gpu_ext
     f = harness.batched(fn)
     jax.block_until_ready(f(shared, per_call))
-    ext._cupti_init()
-    try:
-        jax.block_until_ready(f(shared, per_call))
-    finally:
-        timings = ext._cupti_get_timings(True)
     by_name: dict[str, float] = {}
-    for name, ms in timings:
+    for name, ms in harness.cupti_kernels(lambda: jax.block_until_ready(f(shared, per_call))):
         key = name.removeprefix("kvjax_quantized_decode_")
         by_name[key] = by_name.get(key, 0.0) + ms * 1e3 / len(per_call)
     return dict(sorted(by_name.items(), key=lambda kv: -kv[1]))
@@ -249,7 +241,7 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--packed",
         action="store_true",
-        help="plan runs of adjacent heads of one width as one unit (quant_kernel.plan_config)",
+        help="plan runs of adjacent heads as one unit (quant_kernel.plan_config)",
     )
     ap.add_argument("--timer", choices=("cupti", "host"), default="cupti")
     ap.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode (CPU)")

@@ -96,7 +96,7 @@ def quant_ir(
 ) -> list[str]:
     """The Triton IR of every decode kernel ``quantized_paged_decode`` runs on this layout's ``bits``-bit pages (the
     layout alone): one a group of ``kernel.classes_per_kernel`` head classes, the merge left out; ``packed``: runs of
-    heads of one width a unit (``quant_kernel.plan_config``)."""
+    adjacent heads a unit (``quant_kernel.plan_config``)."""
     fmt = PageFormat.for_layout(layout, page_size, bits)
     pps = ctx // page_size
     config = plan_config(QUANT_DECODE, bits, packed)
@@ -347,9 +347,7 @@ def main(argv=None):
         help="a DecodeConfig (PrefillConfig, QuantKernelConfig) field, e.g. --knob block_tokens=32 or --knob "
         "pack_tile=128 (repeatable)",
     )
-    ap.add_argument(
-        "--packed", action="store_true", help="--kernel quant: runs of heads of one width a unit (plan_config)"
-    )
+    ap.add_argument("--packed", action="store_true", help="--kernel quant: runs of adjacent heads a unit (plan_config)")
     args = ap.parse_args(argv)
     knobs = [*args.knob, *([f"num_warps={args.warps}"] if args.warps else [])]
     knobs += [f"num_stages={args.stages}"] if args.stages else []

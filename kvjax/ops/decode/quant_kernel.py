@@ -318,6 +318,11 @@ def _pick(values, which):
     return out
 
 
+def _span(ends, which):
+    """Where run head ``which`` (traced) starts and ends among the run's plane bytes, from the run's plane ``ends``."""
+    return _pick((0, *ends[:-1]), which), _pick(ends, which)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Piece:
     """One tile of ``tile`` columns of a unit (a dot a piece). A unit of one head: lane ``c`` < ``width`` is its
@@ -351,9 +356,8 @@ class _Piece:
     def _plane(self):
         """Each lane's head's first plane byte and plane width among the run's [1, tile] each."""
         assert self.ends is not None
-        h = self.head()
-        first = _pick((0, *self.ends[:-1]), h)
-        return first, _pick(self.ends, h) - first
+        first, end = _span(self.ends, self.head())
+        return first, end - first
 
     def own(self):
         """Each lane's column in its own head [1, tile]."""
@@ -588,8 +592,7 @@ def _row_offsets(head, rows, row_head, group, reader, wide):
         return head(Q_BASE) + r * head(Q_STEP), head(O_BASE) + r * head(O_STEP)
     g, n = lax.rem(r, group), reader.n
     assert reader.k_ends is not None and reader.v_ends is not None
-    k0, k1 = _pick((0, *reader.k_ends[:-1]), row_head), _pick(reader.k_ends, row_head)
-    v0, v1 = _pick((0, *reader.v_ends[:-1]), row_head), _pick(reader.v_ends, row_head)
+    (k0, k1), (v0, v1) = _span(reader.k_ends, row_head), _span(reader.v_ends, row_head)
     q = r * head(Q_STEP) + n * k0 if wide else group * n * k0 + g * n * (k1 - k0)
     return head(Q_BASE) + q, head(O_BASE) + group * n * v0 + g * n * (v1 - v0)
 
