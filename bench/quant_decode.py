@@ -7,8 +7,9 @@ read over the measured copy bandwidth: every byte of a quantized page, codes, sc
 and the speed-up over bf16 at the same rate; every output is first checked against its jnp reference. Issue 35's
 targets: int4 at rate 0 >= 3.0x bf16 at rate 0, int4 at rate 0.5 >= 2.8x bf16 at rate 0.5, every quantized row at >= 80%
 of copy bandwidth. ``--widths`` adds layers of one head width each (one head class: a class's own speed); ``--packed``
-reads runs of adjacent heads as one unit. ``--interpret --timer host --shape 2x256`` runs the same rows on a CPU
-(plumbing only: its times mean nothing). Tables: bench/RESULTS.md "Quantized pages: decode kernel"."""
+reads runs of adjacent heads as one unit; ``--one-schedule`` plans a layer's class kernels as one (the ablation).
+``--interpret --timer host --shape 2x256`` runs the same rows on a CPU (plumbing only: its times mean nothing).
+Tables: bench/RESULTS.md "Quantized pages: decode kernel"."""
 
 from __future__ import annotations
 
@@ -25,7 +26,13 @@ from harness import HKV, HQ, D, PagedCase, copy_bandwidth, log, pick_layer, quer
 from kvjax import validate
 from kvjax.ops.decode.kernel import paged_decode
 from kvjax.ops.decode.plan import build_decode_schedule
-from kvjax.ops.decode.quant_kernel import QUANT_DECODE, QUANT_KERNEL, plan_config, quantized_paged_decode
+from kvjax.ops.decode.quant_kernel import (
+    QUANT_DECODE,
+    QUANT_KERNEL,
+    plan_config,
+    quantized_paged_decode,
+    unit_kernels,
+)
 from kvjax.ops.decode.reference import paged_decode_attention, quantized_decode_attention
 from kvjax.ops.quant import PageFormat, check_bits
 from kvjax.ops.quant_paging import create_tail
@@ -48,8 +55,11 @@ def quant_bytes(case: PagedCase, fmt: PageFormat) -> int:
     return int(full.sum() * fmt.page_bytes + tail + case.batch * (lay.q_cols + lay.out_cols) * 2)
 
 
-def calls(case: PagedCase, bits_list, key, kernel, interpret: bool, packed: bool = False) -> dict:
-    """name -> (fn, shared, per_call, bytes, reference) for every row of the case."""
+def calls(
+    case: PagedCase, bits_list, key, kernel, interpret: bool, packed: bool = False, by_class: bool = True
+) -> dict:
+    """name -> (fn, shared, per_call, bytes, reference) for every row of the case; ``by_class``: the quantized
+    schedule planned a class kernel at a time (as ``QuantDecodeOp`` plans it)."""
     lay, lengths = case.layout, jnp.asarray(case.lengths)
     qs = queries(key, (case.batch, lay.q_cols))
     tables = [case.tables[u % case.tables.shape[0]] for u in range(len(qs))]
@@ -67,7 +77,9 @@ def calls(case: PagedCase, bits_list, key, kernel, interpret: bool, packed: bool
     out["kvjax bf16"] = (bf16, (case.k, case.v, lengths, plain), per_call, case.bytes, bf16_ref)
     for bits in bits_list:
         config = plan_config(QUANT_DECODE, bits, packed)
-        sched = build_decode_schedule(case.lengths, lay, case.page_size, config=config).schedule.layer(0)
+        classes = [unit_kernels(lay, bits, config, kernel.classes_per_kernel)] if by_class else None
+        sched = build_decode_schedule(case.lengths, lay, case.page_size, config=config, classes=classes)
+        sched = sched.schedule.layer(0)
         fmt, pages, tail = quantized_case(case, bits)
 
         def fused(pages, tail, lengths, s, q, table, fmt=fmt):
@@ -160,7 +172,7 @@ def run(args) -> dict:
     layers += [(f"u{w}", harness.uniform(w)) for w in args.widths]  # one head class each: a class's own speed
     for rate, lay in layers:
         case = PagedCase(lay, batch, np.full(batch, ctx), PAGE, harness.copies_for(batch * ctx * 4 * HKV * D), key)
-        row_calls = calls(case, args.bits, key, args.kernel, args.interpret, args.packed)
+        row_calls = calls(case, args.bits, key, args.kernel, args.interpret, args.packed, not args.one_schedule)
         if rate == 0:
             row_calls |= jax_rows(case, key, args.interpret)
         base = None
@@ -242,6 +254,12 @@ def main(argv=None) -> None:
         "--packed",
         action="store_true",
         help="plan runs of adjacent heads as one unit (quant_kernel.plan_config)",
+    )
+    ap.add_argument(
+        "--one-schedule",
+        action="store_true",
+        help="plan the quantized layer as one, not a class kernel at a time (the ablation: each class kernel then "
+        "idles the programs holding none of its items)",
     )
     ap.add_argument("--timer", choices=("cupti", "host"), default="cupti")
     ap.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode (CPU)")

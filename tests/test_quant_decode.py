@@ -20,6 +20,7 @@ from kvjax.ops.decode.quant_kernel import (
     head_classes,
     plan_config,
     quantized_paged_decode,
+    unit_kernels,
 )
 from kvjax.ops.decode.reference import quantized_decode_attention
 from kvjax.ops.lowering import triton_modules
@@ -111,7 +112,8 @@ def test_quantized_decode_matches_reference(name):
     fmt = PageFormat.for_layout(layout, p, bits)
     q, pages, tail, table, lens = quant_inputs(np.random.default_rng(seed), layout, lengths, fmt, dtype)
     config = dataclasses.replace(QUANT_DECODE, order="lpt", min_chunk_tokens=p)
-    plan = build_decode_schedule(lengths, layout, p, programs, config=config, headroom_pages=1)
+    classes = [unit_kernels(layout, bits, config, kernel.classes_per_kernel)]  # as QuantDecodeOp plans
+    plan = build_decode_schedule(lengths, layout, p, programs, config=config, headroom_pages=1, classes=classes)
     assert (plan.schedule.merge_dest[..., 0] >= 0).any()  # some groups were split, so the merge ran
     out = quantized_paged_decode(
         q, pages, tail, table, lens, plan.schedule.layer(0), layout, fmt, kernel=kernel, interpret=True

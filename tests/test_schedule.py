@@ -51,11 +51,18 @@ def planned_items(schedule, layer):
     return [tuple(int(x) for x in items[p, i]) for p in range(items.shape[0]) for i in range(counts[p])]
 
 
+def random_classes(rng, layouts, cfg):
+    """Per layer, each unit's class: one to three classes a layer, not every one present."""
+    return [tuple(int(c) for c in rng.integers(0, rng.integers(1, 4), len(head_runs(lay, cfg)))) for lay in layouts]
+
+
 @pytest.mark.parametrize("order", ["lpt", "naive", "stream", "auto"])
 @pytest.mark.parametrize("window, pack_tile", [(None, 0), (200, 0), (None, 128), (200, 256)])
-def test_every_visible_page_once(order, window, pack_tile):
+@pytest.mark.parametrize("by_class", [False, True])
+def test_every_visible_page_once(order, window, pack_tile, by_class):
     """Every page of every (sequence, unit) group planned once, each item inside its sequence's visible pages and
-    headroom; units are runs of heads when packed."""
+    headroom; units are runs of heads when packed. Planned a class at a time, too, and the merge rows hold every
+    split group's slots."""
     rng = np.random.default_rng()
     layouts = random_layouts(rng, 3, window=window)
     lengths = rng.integers(0, 3000, 11)
@@ -63,11 +70,16 @@ def test_every_visible_page_once(order, window, pack_tile):
     ps = 16
     headroom = rng.integers(0, 3, len(lengths)) if rng.random() < 0.5 else int(rng.integers(0, 3))  # per sequence
     cfg = config(order=order, min_chunk_tokens=32, pack_tile=pack_tile)
-    plan = build_decode_schedule(lengths, layouts, ps, int(rng.integers(4, 40)), config=cfg, headroom_pages=headroom)
+    classes = random_classes(rng, layouts, cfg) if by_class else None
+    programs = int(rng.integers(4, 40))
+    plan = build_decode_schedule(lengths, layouts, ps, programs, config=cfg, headroom_pages=headroom, classes=classes)
     s = plan.schedule
     assert s.config.pack_tile == pack_tile
+    assert plan.loads.shape == (sum(len(set(c)) for c in classes) if by_class else len(layouts), programs)
     for layer, lay in enumerate(layouts):
         units = len(head_runs(lay, s.config))
+        assert_merge_rows(s, layer, planned_items(s, layer))
+        assert plan.num_items[layer] == s.counts[layer].sum()
         covered = {}
         for seq, unit, first, end, slot in planned_items(s, layer):
             assert 0 <= seq < len(lengths) and 0 <= unit < units and first < end
@@ -152,6 +164,44 @@ def test_split_groups_have_merge_slots(order):
     s = build_decode_schedule(lengths, lay, 32, 132, config=config(min_chunk_tokens=64, order=order)).schedule
     assert_merge_rows(s, 0, planned_items(s, 0))
     assert s.merge_dest[0, 0, 0] >= 0  # something was split
+
+
+@pytest.mark.parametrize("order", ["auto", "stream"])
+def test_a_class_at_a_time_keeps_every_program_busy_in_each_class(order):
+    """A rate-0.5-like layer at B32 x 8K with four classes of one or three heads: planned as one, a class's items
+    sit on the few programs that drew them (its kernel takes as long as the whole layer); planned a class at a
+    time, every class spreads over every program within 10% of its mean load (heads of one width: pages weigh
+    alike; "auto" takes the stream plan here, LPT's whole chunks leave a 1-head class 1.6x its mean)."""
+    lay = HeadLayout(32, 8, 128, (64,) * 8, (64,) * 8)  # pages cost alike: balanced cost is balanced pages
+    cls = (0, 1, 1, 1, 2, 2, 3, 3)
+    lengths, P, ps = np.full(32, 8192), 132, 32
+
+    def worst(plan):  # per class: (largest program load, mean program load) in pages
+        items = planned_items(plan.schedule, 0)
+        out = []
+        for c in set(cls):
+            load = np.zeros(P)
+            for prog in range(P):
+                for i in range(plan.schedule.counts[0, prog]):
+                    seq, unit, first, end, _ = plan.schedule.items[0, prog, i]
+                    load[prog] += (end - first) * (cls[unit] == c)
+            out.append((load.max(), load.mean()))
+        assert sum(e - f for _, _, f, e, _ in items) == 8 * 32 * 8192 // ps
+        return out
+
+    cfg = config(order=order, pack_tile=0)
+    one = worst(build_decode_schedule(lengths, lay, ps, P, config=cfg))
+    each = worst(build_decode_schedule(lengths, lay, ps, P, config=cfg, classes=[cls]))
+    assert all(top <= 1.1 * mean + 1 for top, mean in each)
+    assert sum(top for top, _ in one) > 2 * sum(top for top, _ in each)
+
+
+def test_classes_must_name_every_unit_of_every_layer():
+    lay = HeadLayout(8, 2, 128, (64, 32), (64, 32))
+    with pytest.raises(ValueError, match="classes for 2 layers"):
+        build_decode_schedule([100], lay, 16, 4, config=config(pack_tile=0), classes=[(0, 1), (0, 1)])
+    with pytest.raises(ValueError, match="layer 0 has 2 units"):
+        build_decode_schedule([100], lay, 16, 4, config=config(pack_tile=0), classes=[(0,)])
 
 
 def test_lpt_balances_and_beats_naive():
@@ -328,9 +378,19 @@ def test_one_compiled_shape_holds_every_plan_of_the_batch(seed, max_batch, progr
     cfg = config(order=order, items_per_program=per_program, min_chunk_tokens=int(rng.choice([16, 256])))
     ps, pages_per_seq = 16, int(rng.integers(4, 600))
     splits = 1 << (pages_per_seq - 1).bit_length() if invariant else 0
-    shape = compiled_shape(layouts, max_batch, programs, config=cfg, splits=splits)
+    classes = None if invariant or rng.random() < 0.5 else random_classes(rng, layouts, cfg)  # a class at a time
+    most = max(len(set(c)) for c in classes) if classes else 1
+    shape = compiled_shape(layouts, max_batch, programs, config=cfg, splits=splits, classes=most)
     planner = DecodePlanner(
-        layouts, ps, programs, config=cfg, ahead=False, chunk_pages=int(invariant), splits=splits, shape=shape
+        layouts,
+        ps,
+        programs,
+        config=cfg,
+        ahead=False,
+        chunk_pages=int(invariant),
+        splits=splits,
+        shape=shape,
+        classes=classes,
     )
     lengths = np.ones(max_batch, np.int64)
     for _ in range(40):

@@ -37,13 +37,24 @@ class DecodeOp:
         self.groups = kernel_groups(as_layouts(layouts), config)  # the layers that share each compiled kernel
         self._planner(layouts, page_size, pages_per_seq, max_batch, config, num_programs, batch_invariant)
 
-    def _planner(self, layouts, page_size, pages_per_seq, max_batch, config, num_programs, batch_invariant) -> None:
-        """The host planner and its kept schedule (``plan``); the quantized op (``quant_kernel``) plans the same."""
+    def _planner(
+        self, layouts, page_size, pages_per_seq, max_batch, config, num_programs, batch_invariant, classes=None
+    ) -> None:
+        """The host planner and its kept schedule (``plan``); the quantized op (``quant_kernel``) plans the same,
+        a head class at a time (``classes``: per layer, each unit's kernel)."""
         chunk = -(-config.fixed_chunk_tokens // page_size) if batch_invariant else 0
         splits = bucket(-(-pages_per_seq // chunk)) if chunk else 0
-        shape = compiled_shape(layouts, max_batch, num_programs, config=config, splits=splits)
+        most = max((len(set(c)) for c in classes), default=1) if classes else 1
+        shape = compiled_shape(layouts, max_batch, num_programs, config=config, splits=splits, classes=most)
         self.planner = DecodePlanner(
-            layouts, page_size, num_programs, config=config, chunk_pages=chunk, splits=splits, shape=shape
+            layouts,
+            page_size,
+            num_programs,
+            config=config,
+            chunk_pages=chunk,
+            splits=splits,
+            shape=shape,
+            classes=classes,
         )
         self._schedule: DecodeSchedule | None = None
         self._plan_id = -1

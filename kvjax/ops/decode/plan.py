@@ -177,17 +177,31 @@ def build_decode_schedule(
     config: DecodeConfig = DECODE,
     headroom_pages=0,
     fit: ScheduleShape | None = None,
+    classes: Sequence[Sequence[int]] | None = None,
 ) -> DecodePlan:
     """Plan decode for sequences of ``lengths`` tokens (new token included) over one layer or all layers, by
     ``config.order`` (module doc); ``headroom_pages``: pages planned past each sequence's last one (one number, or
     one per sequence). Every visible page of every (sequence, unit) is planned exactly once. ``fit``: "auto" takes
-    the stream plan only if its shape is within this one (a stream program may span many short groups)."""
+    the stream plan only if its shape is within this one (a stream program may span many short groups).
+
+    ``classes``: per layer, each unit's class, for kernels that run one class at a time over the layer's schedule
+    (``quant_kernel``: one kernel a head class). Each (layer, class) is then planned over all programs on its own
+    and each program's row holds its classes' items one class after another, slots numbered on through the layer:
+    planned as one, a class's items sat on the few programs that drew them and the rest idled through its kernel
+    (bench/RESULTS.md "Rate 0.5, and one head class at a time"). ``DecodePlan.loads`` then has a row a (layer,
+    class), so ``balance`` is each kernel's."""
     if config.order == "auto":
 
         def by(order):
             options = dataclasses.replace(config, order=order)
             return build_decode_schedule(
-                lengths, layouts, page_size, num_programs, config=options, headroom_pages=headroom_pages
+                lengths,
+                layouts,
+                page_size,
+                num_programs,
+                config=options,
+                headroom_pages=headroom_pages,
+                classes=classes,
             )
 
         plan = by("lpt")
@@ -199,11 +213,15 @@ def build_decode_schedule(
     P = num_programs or config.num_programs()
     lengths = np.asarray(lengths, np.int64)
     unit_cost = _unit_costs(layouts, config)  # [L, H]: H units (runs) a layer
+    window = np.array([lay.sliding_window or 0 for lay in layouts], np.int64)[:, None]  # [L, 1]
+    owner = None
+    if classes is not None:  # from here on a "layer" is a (layer, class) row of ``owner``'s layer
+        owner, unit_cost = _by_class(unit_cost, classes)
+        window = window[owner]
     page_cost = page_size * unit_cost[:, None, :]  # [L, 1, H]
 
     live = lengths > 0
     end_page = np.where(live, -(-lengths // page_size) + headroom_pages, 0)  # [B]
-    window = np.array([lay.sliding_window or 0 for lay in layouts], np.int64)[:, None]  # [L, 1]
     first_page = np.where(window > 0, np.maximum(lengths[None] - window, 0) // page_size, 0)
     first_page = np.minimum(first_page, end_page[None])[:, :, None]  # [L, B, 1]
     pages = (end_page[None, :, None] - first_page) * (page_cost > 0)  # [L, B, H]: none for missing units
@@ -214,10 +232,62 @@ def build_decode_schedule(
         schedule, loads, per_layer = _stream(
             np.broadcast_to(first_page, pages.shape), pages, page_cost, P, config.item_overhead, snap, config
         )
-        return DecodePlan(schedule, capacity, loads, per_layer, floor)
+    else:
+        schedule, loads, per_layer = _lpt(first_page, end_page, pages, page_cost, P, page_size, config)
+    if owner is not None:
+        schedule, per_layer = _join(schedule, owner, len(layouts)), np.bincount(owner, per_layer, len(layouts))
+    return DecodePlan(schedule, capacity, loads, per_layer.astype(np.int64), floor)
 
-    schedule, loads, per_layer = _lpt(first_page, end_page, pages, page_cost, P, page_size, config)
-    return DecodePlan(schedule, capacity, loads, per_layer, floor)
+
+def _by_class(unit_cost: np.ndarray, classes: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(owner [K], unit costs [K, H]): a row a (layer, class) present in it, layer-major, its layer's costs with
+    every other class's units at 0 (units of cost 0 get no items)."""
+    L, H = unit_cost.shape
+    if len(classes) != L:
+        raise ValueError(f"classes for {len(classes)} layers, the plan has {L}")
+    owner, rows = [], []
+    for layer, given in enumerate(classes):
+        cls = np.asarray(given)
+        units = int((unit_cost[layer] > 0).sum())
+        if cls.shape != (units,):
+            raise ValueError(f"layer {layer} has {units} units, got classes {tuple(cls.tolist())}")
+        for c in np.unique(cls):
+            owner.append(layer)
+            rows.append(np.where(np.pad(cls == c, (0, H - units)), unit_cost[layer], 0))
+    return np.asarray(owner, np.int64), np.stack(rows)
+
+
+def _join(s: DecodeSchedule, owner: np.ndarray, L: int) -> DecodeSchedule:
+    """A schedule of (layer, class) rows (``owner``: each row's layer, nondecreasing) as one a layer: each
+    program's items of a layer one row after another, and each row's partial slots and merge rows numbered on after
+    the layer's earlier rows'."""
+    K, P, R, _ = s.items.shape
+    first = np.searchsorted(owner, owner)  # each row's layer's first row
+
+    def on(per_row):  # [K, ...] -> what the earlier rows of the same layer hold in total
+        before = np.cumsum(per_row, axis=0) - per_row
+        return before - before[first]
+
+    used = (s.merge_range[..., 0] + s.merge_range[..., 1]).max(axis=1)  # [K] slots each row uses
+    slot_at = on(used)
+    counts = np.zeros((L, P), np.int32)
+    np.add.at(counts, owner, s.counts)
+    items = np.zeros((L, P, bucket(int(counts.max(initial=1))), 5), np.int32)
+    k, p, r = np.nonzero(np.arange(R) < s.counts[..., None])
+    moved = s.items[k, p, r]
+    moved[:, SLOT] = np.where(moved[:, SLOT] >= 0, moved[:, SLOT] + slot_at[k], -1)
+    items[owner[k], p, on(s.counts)[k, p] + r] = moved
+
+    valid = s.merge_dest[..., 0] >= 0  # [K, M]: a row's split groups fill its first merge rows
+    groups = valid.sum(axis=1)
+    k, m = np.nonzero(valid)
+    at = on(groups)[k] + m
+    dest = np.full((L, bucket(int(np.bincount(owner, groups, L).max(initial=1))), 2), -1, np.int32)
+    ranges = np.zeros(dest.shape, np.int32)
+    dest[owner[k], at] = s.merge_dest[k, m]
+    ranges[owner[k], at] = s.merge_range[k, m] + np.stack([slot_at[k], np.zeros_like(k)], axis=1)
+    slots = bucket(int(np.bincount(owner, used, L).max(initial=1)))
+    return DecodeSchedule(items, counts, dest, ranges, slots, s.config)
 
 
 def _lpt(first_page, end_page, pages, page_cost, P, page_size, config):
@@ -506,6 +576,7 @@ def compiled_shape(
     *,
     config: DecodeConfig = DECODE,
     splits: int = 0,
+    classes: int = 1,
 ) -> ScheduleShape:
     """A shape that holds the LPT plan of any lengths of up to ``max_batch`` sequences (with ``splits``, the
     batch-invariant plan of sequences of up to ``splits`` chunks), so a step compiled for it serves them all.
@@ -513,14 +584,17 @@ def compiled_shape(
     LPT splits only groups costlier than a program's average load, into chunks no costlier than it: at most
     ``P * items_per_program`` split groups with ``2 * P * items_per_program`` partial slots among them, and
     ``groups + slots`` items dealt ``P`` a round. The stream plan's split groups and slots are within the same
-    bounds (its ``P - 1`` cuts), its rounds are not ("auto" keeps it only where it fits)."""
+    bounds (its ``P - 1`` cuts), its rounds are not ("auto" keeps it only where it fits). Planned a class at a
+    time (``build_decode_schedule``'s ``classes``, at most ``classes`` a layer), each class has those bounds, and
+    its rounds round up once more."""
     P = num_programs or config.num_programs()
     groups = max_batch * max(len(head_runs(lay, config)) for lay in as_layouts(layouts))
     if splits:
         return ScheduleShape(bucket(-(-groups * splits // P)), bucket(groups), bucket(groups * splits))
-    split = P * config.items_per_program + 1
+    split = classes * (P * config.items_per_program + 1)
     slots = 2 * split
-    return ScheduleShape(bucket(-(-(groups + slots) // P)), bucket(min(groups, split)), bucket(slots))
+    rounds = -(-(groups + slots) // P) + classes - 1
+    return ScheduleShape(bucket(rounds), bucket(min(groups, split)), bucket(slots))
 
 
 def realized_loads(schedule: DecodeSchedule, lengths, layouts: Sequence[HeadLayout], page_size: int) -> np.ndarray:

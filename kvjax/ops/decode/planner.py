@@ -57,6 +57,9 @@ class DecodePlanner:
     ``built_ahead`` those of them built ahead. ``chunk_pages`` > 0 plans batch-invariantly
     (``plan.fixed_chunk_schedule`` with ``splits`` slots a group).
 
+    classes: per layer, each unit's class, planned a class at a time (``plan.build_decode_schedule``; not with
+    ``chunk_pages``, whose split depends on a sequence's length alone).
+
     shape: every schedule comes padded to this shape (``plan.compiled_shape``), so a jitted step taking them
     compiles once; a plan that does not fit widens it for good (``reshaped`` counts how often: each compiles the
     step again).
@@ -73,8 +76,10 @@ class DecodePlanner:
         chunk_pages: int = 0,
         splits: int = 0,
         shape: ScheduleShape | None = None,
+        classes=None,
     ):
         self.layouts, self.page_size, self.config = as_layouts(layouts), page_size, config
+        self.classes = classes
         self.chunk_pages, self.splits = chunk_pages, splits
         self.num_programs = num_programs or config.num_programs()
         self.headroom_tokens, self.ahead = config.headroom_tokens, ahead
@@ -110,6 +115,7 @@ class DecodePlanner:
                 config=self.config,
                 headroom_pages=headroom,
                 fit=self.shape,
+                classes=self.classes,
             )
         return self._fitted(plan)
 

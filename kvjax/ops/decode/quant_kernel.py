@@ -29,11 +29,11 @@ kernel a class present in it (``QuantKernelConfig.classes_per_kernel`` 1), one a
 partial buffers, each skipping the items of other classes: compile time grows with the square of a kernel's size
 (Triton's Coalesce pass), so a switch over a layer's 5 classes compiled 4.8x slower than its 5 kernels of one class
 (bench/RESULTS.md "Quantized pages: compile times (offline)"), and every layer reuses the same kernel of a class.
-The kernels share the layer's one schedule, so each is balanced only as the whole is. Time follows the (token, head)
-pairs visited, not bytes, and narrow classes cost the most (a rate-0.5 layer: 10.8x the bf16 kernel's time;
-bench/RESULTS.md "Rate 0.5, and one head class at a time"): runs of heads cut a narrow head's instructions (built,
-off by default), and a schedule a class would end the chained kernels' idling (not built; bench/notes/
-2026-11-27-quantized-kernel-lab.md).
+The layer's schedule is planned a kernel at a time (``unit_kernels``, ``plan.build_decode_schedule``'s ``classes``):
+planned as one, each class's items sat on the few programs that drew them, so every class kernel took about as long
+as the whole layer (a rate-0.5 layer: 10.8x the bf16 kernel's time; bench/RESULTS.md "Rate 0.5, and one head class
+at a time"). Time follows the (token, head) pairs visited, not bytes, and narrow classes cost the most: runs of
+heads cut a narrow head's instructions (built, off by default; bench/notes/2026-11-27-quantized-kernel-lab.md).
 
 Constraints: q packed [B, q_cols] or wide (``QKRotation.wide``); widths multiples of 16; a group of at most 16
 queries a KV head; pool and tail under 2^31 elements (int32 offsets). Any page size works; chunks of fewer than 16
@@ -221,6 +221,15 @@ def head_classes(layout: HeadLayout, bits: int, config: DecodeConfig = QUANT_DEC
         (side_class(r.k_cols, bits), side_class(r.v_cols, bits)) + (("run",) if r.num_heads > 1 else ())
         for r in head_runs(layout, config)
     )
+
+
+def unit_kernels(layout: HeadLayout, bits: int, config: DecodeConfig, per_kernel: int) -> tuple[int, ...]:
+    """Which of the layer's kernels runs each unit: its classes in sorted order (``_Geometry``'s), ``per_kernel``
+    (``QuantKernelConfig.classes_per_kernel``) a kernel. The plan balances each kernel's units on their own
+    (``plan.build_decode_schedule``'s ``classes``)."""
+    cls = head_classes(layout, bits, config)
+    present = sorted(set(cls))
+    return tuple(present.index(c) // per_kernel for c in cls)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -749,7 +758,8 @@ def quantized_paged_decode(
     head's own columns of its row); pages [num_pages, fmt.page_bytes] uint8 (``quant.PageFormat``); tail [>= B,
     page_size, k_cols + v_cols] (row i: sequence i's partial last page, ``quant_paging``); block_table [B,
     pages_per_seq] int32; lengths [B] int32 (the new token included, already written); schedule: a ``DecodeSchedule``
-    planned with one KV head a unit (pack_tile 0) for these lengths or any they do not exceed, set to this layer.
+    planned under ``plan_config`` for these lengths or any they do not exceed, set to this layer (any plan is
+    correct; one planned with ``classes=unit_kernels(...)`` keeps every class kernel busy).
     Returns [B, out_cols] in q's dtype; rows with length 0 are unspecified. ``shared``: the layouts of every layer
     that runs this kernel with the same bits and page size (default: ``layout`` alone); its code depends on them, not
     on ``layout``, so XLA compiles one kernel for all of them.
@@ -811,7 +821,7 @@ def quantized_paged_decode(
         layout, tables.run_classes(shared, config), config, tables.most_units(set(shared), config)
     )
     present = sorted({geo.classes.index(c) for c in head_classes(layout, fmt.bits, config)})
-    n = kernel.classes_per_kernel
+    n = kernel.classes_per_kernel  # as ``unit_kernels`` cuts them (both sort the classes)
     groups = [tuple(present[i : i + n]) for i in range(0, len(present), n)]
     if len(groups) == 1 and len(present) == len(geo.classes):
         groups = [tuple(range(len(geo.classes)))]
@@ -899,7 +909,12 @@ class QuantDecodeOp(DecodeOp):
         # group of all layers; kernels that switch between classes group layers under ``config.kernel_classes``
         cap = config.kernel_classes if kernel.classes_per_kernel > 1 else math.inf
         self.groups = kernel_groups(self.formats, cap, config)
-        self._planner(layouts, page_size, pages_per_seq, max_batch, config, num_programs, batch_invariant)
+        # each kernel's units planned over all programs on their own (batch-invariant plans split by length alone)
+        classes = None
+        if not batch_invariant:
+            per = kernel.classes_per_kernel
+            classes = [unit_kernels(lay, fmt.bits, config, per) for lay, fmt in zip(layouts, formats)]
+        self._planner(layouts, page_size, pages_per_seq, max_batch, config, num_programs, batch_invariant, classes)
 
     def run(self, q, pages, tail, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout):
         """One layer's attention (``schedule``: that layer's, ``DecodeSchedule.layer``; ``layout``: one of the op's
