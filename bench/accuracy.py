@@ -755,7 +755,8 @@ def _max_context(value: str) -> int | None:
 
 def _kv_bits(value: str) -> int | str | None:
     """``--kv-bits`` values: a width kvjax quantizes pages to (``kvjax.ops.quant.BITS``: KIVI-style), a scheme of
-    ``kvjax.ops.kv_schemes`` by name (gear4, gear2 with optional -r<rank> -o<outliers>, zipcache), or "none"
+    ``kvjax.ops.kv_schemes`` by name (gear4, gear2 with optional -r<rank> -o<outliers>, zipcache[-paged|-separable]),
+    or "none"
     (unquantized)."""
     if value.lower() == "none":
         return None
@@ -855,8 +856,9 @@ def parser() -> argparse.ArgumentParser:
         help="eval and retrieval: score every model also over a cache of B-bit quantized pages, one model group "
         f"each (B: {', '.join(map(str, BITS))} for KIVI-style pages, gear4 or gear2 for GEAR's low-rank and outlier "
         "terms on them (kvjax.ops.gear, the reference's streaming settings; -r<rank> and -o<outlier share> change "
-        "them, e.g. gear2-r1-o0.005), zipcache for 4/2 bits by saliency "
-        "(kvjax.ops.zipcache), or 'none', the default: unquantized)",
+        "them, e.g. gear2-r1-o0.005), zipcache for 4/2 bits by saliency (kvjax.ops.zipcache; zipcache-paged "
+        "ranges keys a page of a precision class at a time, zipcache-separable per token), or 'none', the default: "
+        "unquantized)",
     )
     p.add_argument(
         "--kv-page",
@@ -948,7 +950,7 @@ def _check_kv_bits(p, args) -> None:
         return
     if args.mode not in ("eval", "retrieval"):
         p.error("--kv-bits applies to eval and retrieval only")
-    if args.mode == "retrieval" and "zipcache" in args.kv_bits:
+    if args.mode == "retrieval" and any(str(b).startswith("zipcache") for b in args.kv_bits):
         p.error(
             f"retrieval --kv-bits {' '.join(str(b).lower() for b in args.kv_bits)}: the engine serves KIVI-style "
             f"({', '.join(map(str, BITS))}) and GEAR pages; ZipCache is scored by eval only (teacher-forced)"

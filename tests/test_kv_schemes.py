@@ -83,3 +83,13 @@ def test_gear_settings_in_a_name_round_trip_and_bad_ones_are_one_line_errors():
         with pytest.raises(ValueError, match=words) as err:
             kv_schemes.parse(bad)
         assert "\n" not in str(err.value)
+
+
+def test_zipcache_key_schemes_by_name():
+    """ "zipcache" keeps the reference's channel keys; "-paged" ranges keys a page of a class at a time (the page
+    from the caller), "-separable" per token; each name is its own canonical name."""
+    for name, keys in (("zipcache", "channel"), ("zipcache-paged", "paged"), ("zipcache-separable", "separable")):
+        scheme = kv_schemes.parse(name.upper(), 64)
+        assert (scheme.spec.keys, scheme.spec.key_group, scheme.page_size, scheme.name) == (keys, 64, 64, name)
+    with pytest.raises(ValueError, match="KV scheme must be one of"):
+        kv_schemes.parse("zipcache-tokenwise")

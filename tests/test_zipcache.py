@@ -150,7 +150,7 @@ def test_the_salient_tokens_are_the_top_ones_by_saliency():
 def mixed_case(request):
     """Two sequences over MIXED, bits (4, 2), their spec, parts and round trip."""
     seed = fresh_seed()
-    spec = zipcache.ZipSpec(keys=request.param)
+    spec = zipcache.ZipSpec(keys=request.param, key_group=8)  # paged keys: groups of 8, the last one partial
     q, k, v = _inputs(np.random.default_rng(seed), MIXED, 2, T, scales=[1.0, 7.0])
     parts = zipcache.encode(q, k, v, MIXED, spec)
     return seed, spec, (q, k, v), parts, zipcache.decode(parts, MIXED, spec)
@@ -158,12 +158,13 @@ def mixed_case(request):
 
 def test_mixed_widths_round_trip_within_each_tokens_bound(mixed_case):
     """Each entry within ``quant.bound`` of its own range: a salient token's at high bits, another's at low bits
-    (channel keys: the range of the token's class per channel; the rest: the token's, before the normalizer)."""
+    (channel keys: the range of the token's class per channel; paged keys: of its group of ``key_group`` tokens of
+    its class, in order; the rest: the token's, before the normalizer)."""
     seed, spec, (q, k, v), parts, (k_hat, v_hat) = mixed_case
     assert k_hat.shape == k.shape and v_hat.shape == v.shape and k_hat.dtype == jnp.float32, seed
     mask = np.asarray(zipcache.salient_mask(zipcache.saliency(q, k, MIXED, spec), spec))
     for x, x_hat, widths, channel in (
-        (k, k_hat, MIXED.k_widths, spec.keys == "channel"),
+        (k, k_hat, MIXED.k_widths, spec.ranged),
         (v, v_hat, MIXED.v_widths, False),
     ):
         x, x_hat = np.asarray(x), np.asarray(x_hat)
@@ -172,11 +173,14 @@ def test_mixed_widths_round_trip_within_each_tokens_bound(mixed_case):
             norm = norm.astype(np.float32)
             for h, (a, b) in enumerate(_heads(widths)):
                 for salient, bits in ((True, spec.high_bits), (False, spec.low_bits)):
-                    rows = mask[s, h] == salient
-                    part = jnp.asarray(x[s, rows, a:b] / norm[a:b])
-                    limit = np.asarray(_bound(part, bits, axis=0 if channel else -1)) * norm[a:b] * (1 + 1e-5)
-                    err = np.abs(x_hat[s, rows, a:b] - x[s, rows, a:b])
-                    assert (err <= limit).all(), (seed, spec.keys, s, h, salient, float((err - limit).max()))
+                    rows = np.flatnonzero(mask[s, h] == salient)
+                    group = spec.key_group if channel and spec.keys == "paged" else len(rows)
+                    for at in range(0, len(rows), max(group, 1)):
+                        some = rows[at : at + group]
+                        part = jnp.asarray(x[s, some, a:b] / norm[a:b])
+                        limit = np.asarray(_bound(part, bits, axis=0 if channel else -1)) * norm[a:b] * (1 + 1e-5)
+                        err = np.abs(x_hat[s, some, a:b] - x[s, some, a:b])
+                        assert (err <= limit).all(), (seed, spec.keys, s, h, salient, float((err - limit).max()))
 
 
 def test_token_bytes_counts_the_arrays_of_one_sequence(mixed_case):
@@ -185,6 +189,26 @@ def test_token_bytes_counts_the_arrays_of_one_sequence(mixed_case):
     assert set(counted) == set(parts), seed
     for name, x in parts.items():
         assert x[0].nbytes / T == pytest.approx(counted[name], rel=1e-12), (seed, name)
+
+
+def test_paged_keys_follow_a_drifting_cache_that_one_range_a_class_cannot():
+    """Keys whose channels drift over 512 positions (as rotated keys do): ranging every 32 tokens of a class cuts
+    the low class's key error against one range a class, for two more float16 rows a group; and parts encoded
+    under one key scheme are refused by another."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    layout, t = HeadLayout(2, 1, 64, (64,), (64,)), 512
+    q, k, v = _inputs(rng, layout, 1, t)
+    k = k + jnp.asarray(np.sin(np.arange(t)[:, None] / 40.0 + rng.uniform(0, 6, 64)) * 4.0, jnp.float32)[None]
+    errs = {}
+    for keys in ("channel", "paged"):
+        spec = zipcache.ZipSpec(keys=keys)
+        parts = zipcache.encode(q, k, v, layout, spec)
+        errs[keys] = float(jnp.mean(jnp.abs(zipcache.decode(parts, layout, spec)[0] - k)))
+        other = zipcache.ZipSpec(keys="channel" if keys == "paged" else "paged")
+        with pytest.raises(ValueError, match="not encoded with this spec"):
+            zipcache.decode(parts, layout, other)
+    assert errs["paged"] < 0.7 * errs["channel"], (seed, errs)
 
 
 def test_token_bytes_for_smollm2_heads():
@@ -255,6 +279,9 @@ def test_salient_tokens_cut_the_attention_error_on_planted_heavy_hitters():
         dict(seed=-1),
         dict(seed=1.5),
         dict(keys="tokenwise"),
+        dict(key_group=0),
+        dict(key_group=2.5),
+        dict(key_group=True),
     ],
 )
 def test_bad_specs_raise_one_line_value_errors(kwargs):

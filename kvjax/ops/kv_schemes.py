@@ -78,7 +78,7 @@ class Zip:
 
     @property
     def name(self) -> str:
-        return "zipcache"
+        return "zipcache" if self.spec.keys == "channel" else f"zipcache-{self.spec.keys}"
 
     def round_trip(self, q, k, v, layout: HeadLayout):
         return zipcache.round_trip(q, k, v, layout, self.spec)
@@ -87,16 +87,17 @@ class Zip:
         return {part: n * self.page_size for part, n in zipcache.token_bytes(layout, self.spec, self.tokens).items()}
 
 
-NAMES = ("4", "2", "kivi4", "kivi2", "gear4", "gear2", "zipcache")
+NAMES = ("4", "2", "kivi4", "kivi2", "gear4", "gear2", "zipcache", "zipcache-paged", "zipcache-separable")
 _GEAR = re.compile(r"gear([42])(?:-r(\d+))?(?:-o(\d*\.?\d+(?:e-?\d+)?))?(?:-p(\d+))?")
 
 
 def parse(text: str, page_size: int = GROUP):
-    """A scheme from its name: "4"/"kivi4", "2"/"kivi2" (KIVI-style), "gear4"/"gear2" (GEAR at the reference's
-    streaming settings, ``GearSpec.paper``; "-r<rank>" and "-o<fraction>" change its rank and outlier share, e.g.
-    "gear2-r1-o0.005", and "-p<tokens>" its page, the streaming buffer, over ``page_size``), "zipcache" (its
-    reference's 4/2 bits, 60% salient); pages of ``page_size`` tokens; a ValueError naming the choices (or saying
-    which GEAR setting is out of range)."""
+    """A scheme from its name: "4"/"kivi4", "2"/"kivi2" (KIVI-style), "gear4"/"gear2" (GEAR at the reference's streaming
+    settings, ``GearSpec.paper``; "-r<rank>" and "-o<fraction>" change its rank and outlier share, e.g.
+    "gear2-r1-o0.005", and "-p<tokens>" its page, the streaming buffer, over ``page_size``), "zipcache" (its reference's
+    4/2 bits, 60% salient; "-paged": keys ranged a page of a class at a time, "-separable": keys channel-separably per
+    token, ``zipcache.ZipSpec.keys``); pages of ``page_size`` tokens; a ValueError naming the choices (or saying which
+    GEAR setting is out of range)."""
     name = str(text).strip().lower()
     if name in ("4", "2", "kivi4", "kivi2"):
         return Kivi(int(name[-1]), page_size)
@@ -111,8 +112,9 @@ def parse(text: str, page_size: int = GROUP):
                 outliers=paper.outliers if outliers is None else float(outliers),
             )
         )
-    if name == "zipcache":
-        return Zip(zipcache.ZipSpec(), page_size)
+    if name in ("zipcache", "zipcache-paged", "zipcache-separable"):
+        keys = name.partition("-")[2] or "channel"
+        return Zip(zipcache.ZipSpec(keys=keys, key_group=page_size), page_size)
     raise ValueError(
         f"KV scheme must be one of {', '.join(NAMES)} (GEAR with -r<rank> -o<outliers> -p<page>), got {text!r}"
     )

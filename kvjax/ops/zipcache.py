@@ -12,6 +12,10 @@ Quantization (``encode``/``decode``), every scale, zero point and normalizer flo
 the stored values (``quant.quantize``):
   keys, ``keys="channel"`` (default): channel-wise, one range per channel over the tokens of each precision: the
       salient tokens' range and the others' range, per (sequence, KV head, channel);
+  keys, ``keys="paged"``: channel-wise per precision class as above, but one range per channel for every
+      ``key_group`` tokens of a class in order (a page of one precision: a post-RoPE cache does not care about token
+      order), as KIVI-style pages range keys; at 4K windows one range over a class's 1,600 low tokens widened the
+      2-bit ranges until ZipCache lost to KIVI-style at equal bytes (bench/RESULTS.md "Every scheme at 4K windows");
   keys, ``keys="separable"``, and values always: channel-separable token-wise: each channel divided by a normalizer
       ``sqrt(max_t |x_t|)`` (one per sequence and channel, over all tokens), each token of each KV head then
       quantized with its own range, and the normalizer multiplied back after dequantizing.
@@ -69,7 +73,7 @@ from kvjax.layout import HeadLayout
 from kvjax.ops.grouped import visible
 from kvjax.ops.quant import META_DTYPE, check_bits, dequantize, pack, quantize, unpack
 
-KEY_SCHEMES = ("channel", "separable")
+KEY_SCHEMES = ("channel", "separable", "paged")
 DECODE_GAP = 100  # the reference's decode refresh cadence (``streaming_gap``); not modelled by ``round_trip``
 _EPS = 1e-9  # slack for fractions times lengths landing a hair under an integer
 
@@ -96,6 +100,7 @@ class ZipSpec:
     probe_random: float = 0.05
     seed: int = 0
     keys: str = "channel"
+    key_group: int = 32  # tokens of one class a key range covers with ``keys="paged"`` (a page: ``quant.GROUP``)
 
     def __post_init__(self):
         high, low = check_bits(self.high_bits), check_bits(self.low_bits)
@@ -112,6 +117,14 @@ class ZipSpec:
             raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
         if self.keys not in KEY_SCHEMES:
             raise ValueError(f"keys must be one of {', '.join(KEY_SCHEMES)}, got {self.keys!r}")
+        group = self.key_group
+        if isinstance(group, bool) or not isinstance(group, numbers.Integral) or group < 1:
+            raise ValueError(f"key_group must be a positive int, got {group!r}")
+
+    @property
+    def ranged(self) -> bool:
+        """Whether keys are ranged per channel (no normalizer): ``keys`` "channel" or "paged"."""
+        return self.keys != "separable"
 
 
 def salient_count(t: int, spec: ZipSpec) -> int:
@@ -201,24 +214,38 @@ def _normalizer(x32: jnp.ndarray) -> jnp.ndarray:
     return jnp.where(n > 0, n, jnp.ones_like(n))
 
 
-def _encode_head(x, order, n_high: int, spec: ZipSpec, channel: bool):
-    """One KV head's columns x [B, T, w] -> ({"high"/"low": (packed codes, meta)}, normalizer or None): meta
-    float16 [B, 2, w] (channel ranges: scale row, zero row) or [B, 2, n, 1] (token ranges: scales, zeros); an empty
-    class has no codes and no meta."""
+def _paged(part, bits: int, group: int):
+    """(codes [B, n, w], meta [B, 2, ceil(n / group), w]): one range per channel for every ``group`` rows in order
+    (the last group padded by repeating its last row, which widens no range)."""
+    b, n, w = part.shape
+    groups = -(-n // group)
+    padded = jnp.pad(part, ((0, 0), (0, groups * group - n), (0, 0)), mode="edge")
+    codes, scale, zero = quantize(padded.reshape(b, groups, group, w), bits, axis=2)
+    return codes.reshape(b, groups * group, w)[:, :n], jnp.stack([scale[:, :, 0], zero[:, :, 0]], axis=1)
+
+
+def _encode_head(x, order, n_high: int, spec: ZipSpec, keys: str):
+    """One KV head's columns x [B, T, w] read as ``keys`` ("channel", "paged" or "separable": values are read as
+    "separable") -> ({"high"/"low": (packed codes, meta)}, normalizer or None): meta float16 [B, 2, w] (channel
+    ranges: scale row, zero row), [B, 2, groups, w] (paged: a scale and zero row a group) or [B, 2, n, 1] (token
+    ranges: scales, zeros); an empty class has no codes and no meta."""
     b, t, w = x.shape
     x32 = x.astype(jnp.float32)
-    norm = None if channel else _normalizer(x32)
+    norm = _normalizer(x32) if keys == "separable" else None
     if norm is not None:
         x32 = x32 / norm.astype(jnp.float32)
     xs = jnp.take_along_axis(x32, order[..., None], axis=1)
     out = {}
     for name, part, bits in (("high", xs[:, :n_high], spec.high_bits), ("low", xs[:, n_high:], spec.low_bits)):
         if part.shape[1] == 0:
-            empty = (b, 0, 0) if channel else (b, 2, 0, 1)
+            empty = {"channel": (b, 0, 0), "paged": (b, 2, 0, w), "separable": (b, 2, 0, 1)}[keys]
             out[name] = (jnp.zeros((b, 0, w * bits // 8), jnp.uint8), jnp.zeros(empty, META_DTYPE))
             continue
-        codes, scale, zero = quantize(part, bits, axis=1 if channel else -1)
-        meta = jnp.concatenate([scale, zero], axis=1) if channel else jnp.stack([scale, zero], axis=1)
+        if keys == "paged":
+            codes, meta = _paged(part, bits, spec.key_group)
+        else:
+            codes, scale, zero = quantize(part, bits, axis=1 if keys == "channel" else -1)
+            meta = jnp.concatenate([scale, zero], axis=1) if keys == "channel" else jnp.stack([scale, zero], axis=1)
         out[name] = (pack(codes, bits), meta)
     return out, norm
 
@@ -230,25 +257,26 @@ def encode(q, k, v, layout: HeadLayout, spec: ZipSpec, scores=None) -> dict[str,
       ``{k,v}_codes_high`` uint8 [B, n_high, cols / n]: row i of head h is head h's i-th salient token, each head's
           codes packed in planes (``quant.pack``); ``{k,v}_codes_low`` likewise for the other tokens;
       ``k_meta_{high,low}`` float16: channel keys [B, 2, k_cols] (scale row, zero row; [B, 0, 0] for an empty class),
+          paged keys [B, 2, ceil(n_class / key_group), k_cols] (a scale and zero row a group of the class's tokens),
           separable keys [B, 2, n_class, heads] (scales, zeros per token and head); ``v_meta_{high,low}`` likewise;
       ``v_norm`` (and ``k_norm`` for separable keys) float16 [B, cols]: the channel normalizers;
       ``map`` uint8 [B, heads, ceil(T / 8)]: the salient bits, ``numpy.packbits`` order."""
     t = k.shape[1]
     scores = saliency(q, k, layout, spec) if scores is None else scores
     mask = salient_mask(scores, spec)
-    n_high, channel = salient_count(t, spec), spec.keys == "channel"
+    n_high = salient_count(t, spec)
     kv: dict[str, list] = {"k": [], "v": []}
     norms: dict[str, list] = {"k": [], "v": []}
     for h, (kw, vw) in enumerate(zip(layout.k_widths, layout.v_widths)):
         order, _ = _classes(mask[:, h])
         ko, vo = HeadLayout.offsets(layout.k_widths)[h], HeadLayout.offsets(layout.v_widths)[h]
-        for name, x, chan in (("k", k[..., ko : ko + kw], channel), ("v", v[..., vo : vo + vw], False)):
-            parts, norm = _encode_head(x, order, n_high, spec, chan)
+        for name, x, keys in (("k", k[..., ko : ko + kw], spec.keys), ("v", v[..., vo : vo + vw], "separable")):
+            parts, norm = _encode_head(x, order, n_high, spec, keys)
             kv[name].append(parts)
             norms[name].append(norm)
     out = {}
     for name in ("k", "v"):
-        chan = channel and name == "k"
+        chan = spec.ranged and name == "k"
         for cls in ("high", "low"):
             out[f"{name}_codes_{cls}"] = jnp.concatenate([p[cls][0] for p in kv[name]], axis=-1)
             metas = [p[cls][1] for p in kv[name]]
@@ -259,13 +287,17 @@ def encode(q, k, v, layout: HeadLayout, spec: ZipSpec, scores=None) -> dict[str,
     return out
 
 
-def _decode_head(codes, meta, bits: int, channel: bool, h: int, cols: tuple[int, int]):
-    """One class of one head back to float32 [B, n, w] (before the normalizer)."""
+def _decode_head(codes, meta, bits: int, keys: str, h: int, cols: tuple[int, int], group: int):
+    """One class of one head, read as ``keys`` (``_encode_head``), back to float32 [B, n, w] (before the
+    normalizer)."""
     a, b = cols
     n = 8 // bits
     c = unpack(codes[..., a // n : b // n], bits)
-    if channel:
+    if keys == "channel":
         return dequantize(c, meta[:, 0:1, a:b], meta[:, 1:2, a:b])
+    if keys == "paged":
+        scale, zero = (jnp.repeat(meta[:, i, :, a:b], group, axis=1)[:, : c.shape[1]] for i in (0, 1))
+        return dequantize(c, scale, zero)
     return dequantize(c, meta[:, 0, :, h : h + 1], meta[:, 1, :, h : h + 1])
 
 
@@ -273,24 +305,28 @@ def _decode_head(codes, meta, bits: int, channel: bool, h: int, cols: tuple[int,
 def decode(parts: dict[str, jnp.ndarray], layout: HeadLayout, spec: ZipSpec, dtype=jnp.float32):
     """``encode``'s inverse up to the rounding: -> (K [B, T, k_cols], V [B, T, v_cols]) in ``dtype``."""
     t = parts["k_codes_high"].shape[1] + parts["k_codes_low"].shape[1]
-    channel = spec.keys == "channel"
-    if salient_count(t, spec) != parts["k_codes_high"].shape[1] or channel != ("k_norm" not in parts):
+    paged = parts["k_meta_high"].ndim == 4 and parts["k_meta_high"].shape[-1] == layout.k_cols
+    if (
+        salient_count(t, spec) != parts["k_codes_high"].shape[1]
+        or spec.ranged != ("k_norm" not in parts)
+        or (spec.keys == "paged") != paged
+    ):
         raise ValueError("these parts were not encoded with this spec")
     mask = jnp.unpackbits(parts["map"], axis=-1, count=t).astype(bool)
     out: dict[str, list] = {"k": [], "v": []}
     for h in range(layout.num_kv_heads):
         _, slot = _classes(mask[:, h])
         for name, widths in (("k", layout.k_widths), ("v", layout.v_widths)):
-            chan = channel and name == "k"
+            keys = spec.keys if name == "k" else "separable"
             a = HeadLayout.offsets(widths)[h]
             cols = (a, a + widths[h])
             rows = []
             for cls, bits in (("high", spec.high_bits), ("low", spec.low_bits)):
                 codes, meta = parts[f"{name}_codes_{cls}"], parts[f"{name}_meta_{cls}"]
                 if codes.shape[1]:
-                    rows.append(_decode_head(codes, meta, bits, chan, h, cols))
+                    rows.append(_decode_head(codes, meta, bits, keys, h, cols, spec.key_group))
             x = jnp.take_along_axis(jnp.concatenate(rows, axis=1), slot[..., None], axis=1)
-            if not chan:
+            if keys == "separable":
                 x = x * parts[f"{name}_norm"][:, None, cols[0] : cols[1]].astype(jnp.float32)
             out[name].append(x)
     return jnp.concatenate(out["k"], axis=-1).astype(dtype), jnp.concatenate(out["v"], axis=-1).astype(dtype)
@@ -305,11 +341,11 @@ def round_trip(q, k, v, layout: HeadLayout, spec: ZipSpec, scores=None):
 
 
 def token_bytes(layout: HeadLayout, spec: ZipSpec, tokens: int) -> dict[str, float]:
-    """Mean bytes per token of one layer by part, for sequences of ``tokens`` tokens (``encode``'s parts, every
-    byte counted): the codes of the ``salient_count`` high and the other low tokens, the per-token scales and zeros
-    (values; separable keys), the channel keys' two ranges per channel and the channel normalizers (amortised over
-    ``tokens``), and the precision map (a bit per token and KV head, rounded up to whole bytes per sequence). The sum
-    is the format's honest rate."""
+    """Mean bytes per token of one layer by part, for sequences of ``tokens`` tokens (``encode``'s parts, every byte
+    counted): the codes of the ``salient_count`` high and the other low tokens, the per-token scales and zeros (values;
+    separable keys), the channel keys' two ranges per channel and the channel normalizers (amortised over ``tokens``;
+    paged keys: two rows a group of ``key_group`` tokens of a class), and the precision map (a bit per token and KV
+    head, rounded up to whole bytes per sequence). The sum is the format's honest rate."""
     if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 1:
         raise ValueError(f"tokens must be a positive int, got {tokens!r}")
     t, heads, meta = int(tokens), layout.num_kv_heads, jnp.dtype(META_DTYPE).itemsize
@@ -317,10 +353,11 @@ def token_bytes(layout: HeadLayout, spec: ZipSpec, tokens: int) -> dict[str, flo
     counts = {"high": (n_high, spec.high_bits), "low": (t - n_high, spec.low_bits)}
     out = {}
     for name, cols in (("k", layout.k_cols), ("v", layout.v_cols)):
-        chan = spec.keys == "channel" and name == "k"
+        chan = spec.ranged and name == "k"
         for cls, (n, bits) in counts.items():
             out[f"{name}_codes_{cls}"] = n * cols * bits / 8 / t
-            out[f"{name}_meta_{cls}"] = (2 * cols * meta * (n > 0) if chan else 2 * n * heads * meta) / t
+            ranges = -(-n // spec.key_group) if spec.keys == "paged" else int(n > 0)
+            out[f"{name}_meta_{cls}"] = (2 * cols * meta * ranges if chan else 2 * n * heads * meta) / t
         if not chan:
             out[f"{name}_norm"] = cols * meta / t
     out["map"] = heads * math.ceil(t / 8) / t
