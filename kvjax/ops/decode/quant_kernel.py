@@ -24,7 +24,7 @@ entry stored divided by the largest power of two (<= 16) dividing it in every la
 stay provably aligned for vector loads. The code depends on the group's head classes (``head_classes``: a head read
 in planes by its plane tile, a gathered one by its width; one ``lax.switch`` branch each), bits and page size
 (``_Geometry``), so layers share compiled kernels, and heads of 80 to 128 columns (planes of 40 to 64 at int4) one
-branch: a rate-0.5 plan of Llama-3.1-8B's shape has 52 (K, V) width pairs but 14 classes at int4. A layer runs one
+branch: a rate-0.5 plan of Llama-3.1-8B's shape has 52 (K, V) width pairs but 11 classes at int4. A layer runs one
 kernel a class present in it (``QuantKernelConfig.classes_per_kernel`` 1), one after another on the same output and
 partial buffers, each skipping the items of other classes: compile time grows with the square of a kernel's size
 (Triton's Coalesce pass), so a switch over a layer's 5 classes compiled 4.8x slower than its 5 kernels of one class
@@ -42,8 +42,9 @@ tokens (pages of 8, or of 24: chunks of 8) mask the rest of their 16-row tile.
 Speed (H100, Llama-3.1-8B attention, B32 x 8K, page 32; bench/RESULTS.md "Quantized pages: decode kernel"): 301 us
 at int4 against a floor (bytes over copy bandwidth) of 106 us, where the bf16 kernel takes 377 us for 3.4x the
 bytes. Every load is at least 32 bits a lane, so Triton pipelines it; deeper pipelines and more programs no longer
-move the time, so the work of a step binds (not yet profiled; bench/quant_lab.py,
-bench/notes/2026-11-27-quantized-kernel-lab.md).
+move the time, so the work of a step binds: instruction issue (bench/RESULTS.md "Quantized pages: instructions per
+(token, head) (offline)"). A rate-0.5 layer (H200, "Rate 0.5: a schedule a class kernel"): 530 us with a schedule a
+class, 385 with value planes of 16 in 32-column tiles and ``max_step_tokens`` 64, where bf16 takes 168.
 ``QuantKernelConfig`` holds the knobs a GPU sweep turns.
 """
 
@@ -204,13 +205,23 @@ def _layer_row(layout: HeadLayout, fmt: PageFormat, wide_rows: int) -> np.ndarra
 Side = tuple[str, int]  # how one side (K or V) of a head is read: ("planes", plane tile) or ("gather", width)
 
 
-def side_class(width: int, bits: int) -> Side:
-    """How the kernel reads a head's ``width`` K (or V) columns at ``bits``: ``("planes", tile)`` when its planes
-    (``width / codes a byte`` columns) are at least 16 wide, each read into a ``tile``-column piece (the plane width
-    itself read at run time, so heads of other widths with the same tile share the code), else ``("gather",
-    width)``: the head as one gathered tile, whose byte pattern depends on its exact width (``_Reader``)."""
+V_LEAST_TILE = 32  # a value plane narrower than this is read into a tile this wide, its extra columns masked
+
+
+def side_class(width: int, bits: int, keys: bool = True) -> Side:
+    """How the kernel reads a head's ``width`` K (``keys``) or V columns at ``bits``: ``("planes", tile)`` when its
+    planes (``width / codes a byte`` columns) are at least 16 wide, each read into a ``tile``-column piece (the plane
+    width itself read at run time, so heads of other widths with the same tile share the code), else ``("gather",
+    width)``: the head as one gathered tile, whose byte pattern depends on its exact width (``_Reader``).
+
+    Value planes of 16 columns are read into 32-column tiles (``V_LEAST_TILE``): as 16-column tiles their codes
+    took 3.4x the byte permutes of a 64-column plane's, 46.9 loop instructions a (token, head) against 23.9 masked to
+    32 (bench/RESULTS.md "Quantized pages: instructions per (token, head) (offline)"); key planes of 16 stay 16
+    (17.6 against 20.5)."""
     plane = width // (8 // check_bits(bits))
-    return ("planes", tile(plane)) if plane >= 16 else ("gather", width)
+    if plane < 16:
+        return ("gather", width)
+    return ("planes", tile(plane) if keys else max(V_LEAST_TILE, tile(plane)))
 
 
 def head_classes(layout: HeadLayout, bits: int, config: DecodeConfig = QUANT_DECODE) -> tuple[tuple, ...]:
@@ -218,7 +229,7 @@ def head_classes(layout: HeadLayout, bits: int, config: DecodeConfig = QUANT_DEC
     columns, and for a run of several heads a third entry, ``"run"`` (its rows gather each head's value scales). A
     compiled kernel has one branch a class."""
     return tuple(
-        (side_class(r.k_cols, bits), side_class(r.v_cols, bits)) + (("run",) if r.num_heads > 1 else ())
+        (side_class(r.k_cols, bits), side_class(r.v_cols, bits, keys=False)) + (("run",) if r.num_heads > 1 else ())
         for r in head_runs(layout, config)
     )
 
