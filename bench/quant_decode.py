@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 
 import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
+from files import write_json
 from harness import HKV, HQ, D, PagedCase, copy_bandwidth, log, pick_layer, queries, rank_plan, rates_arg, shape_arg
 
 from kvjax import validate
@@ -168,6 +168,15 @@ def run(args) -> dict:
         "\n| rate | kernel | K+V cols | time us | floor us | % of copy bw | vs bf16 at the rate | max rel err |"
         "\n|---|---|---|---|---|---|---|---|"
     )
+    result = dict(
+        device=jax.devices()[0].device_kind,
+        bandwidth=bandwidth,
+        shape=[batch, ctx],
+        timer=harness.TIMER["name"],
+        kernel=dataclasses.asdict(args.kernel),
+        rows=rows,
+        complete=False,
+    )
     layers = [(rate, pick_layer(rank_plan(rate), rate)) for rate in args.rates]
     layers += [(f"u{w}", harness.uniform(w)) for w in args.widths]  # one head class each: a class's own speed
     for rate, lay in layers:
@@ -204,15 +213,11 @@ def run(args) -> dict:
             )
             if r["kernels"]:
                 log("its kernels, us a call: " + ", ".join(f"{k} {us:.0f}" for k, us in r["kernels"].items()))
+            if args.json:  # after every row: a run killed by a device call's limit keeps what it measured
+                write_json(args.json, result, indent=1)
         del row_calls, case
-    return dict(
-        device=jax.devices()[0].device_kind,
-        bandwidth=bandwidth,
-        shape=[batch, ctx],
-        timer=harness.TIMER["name"],
-        kernel=dataclasses.asdict(args.kernel),
-        rows=rows,
-    )
+    result["complete"] = True
+    return result
 
 
 def _width(width: int) -> int:
@@ -264,7 +269,7 @@ def main(argv=None) -> None:
     ap.add_argument("--timer", choices=("cupti", "host"), default="cupti")
     ap.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode (CPU)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--json", help="write the rows here (after every row; 'complete' false until the last)")
     args = ap.parse_args(argv)
     if not args.rates and not args.widths:
         ap.error("nothing to measure: give --rates or --widths")
@@ -272,8 +277,7 @@ def main(argv=None) -> None:
     harness.TIMER["name"] = args.timer
     result = run(args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result, indent=1)
 
 
 if __name__ == "__main__":
