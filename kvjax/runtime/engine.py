@@ -393,8 +393,8 @@ class Engine:
             f"({shown}) + tails {memory.size(self.tail_bytes())}"
             + ("; decode reads them through the jnp reference (no kernel reads GEAR pages yet)" if reference else "")
             + (
-                "; compressed heads make the quantized decode kernel slower than bf16's (bench/RESULTS.md "
-                '"Rate 0.5, and one head class at a time")'
+                "; compressed heads make the quantized decode kernel slower than bf16's (2.3-3x at rate 0.5: "
+                'bench/RESULTS.md "Rate 0.5: a schedule a class kernel")'
                 if narrow
                 else ""
             )
