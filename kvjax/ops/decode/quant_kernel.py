@@ -831,11 +831,12 @@ def quantized_paged_decode(
     merge_tables = tables.layer_tables(
         layout, tables.run_classes(shared, config), config, tables.most_units(set(shared), config)
     )
-    present = sorted({geo.classes.index(c) for c in head_classes(layout, fmt.bits, config)})
-    n = kernel.classes_per_kernel  # as ``unit_kernels`` cuts them (both sort the classes)
-    groups = [tuple(present[i : i + n]) for i in range(0, len(present), n)]
-    if len(groups) == 1 and len(present) == len(geo.classes):
-        groups = [tuple(range(len(geo.classes)))]
+    # one kernel a group of classes, cut as the plan cut them (``unit_kernels``), each by its classes' branch indices
+    per_unit = unit_kernels(layout, fmt.bits, config, kernel.classes_per_kernel)
+    by_kernel: dict[int, set[int]] = {}
+    for c, j in zip(head_classes(layout, fmt.bits, config), per_unit):
+        by_kernel.setdefault(j, set()).add(geo.classes.index(c))
+    groups = [tuple(sorted(by_kernel[j])) for j in sorted(by_kernel)]
     kernels = [functools.partial(_kernel, only=g, chained=i > 0, **static) for i, g in enumerate(groups)]
     out = launch_and_merge(
         kernels,
