@@ -209,10 +209,10 @@ def decode_quantized(
 ):
     """``decode`` over a quantized layer: the new token goes to its slot's tail (row i is slot i; inactive rows write
     nothing), its page quantized into the pool once full, then the query attends to the full pages and the tail in
-    one pass (``op``: the fused kernel, ``quant_kernel``; without one the jnp reference). Returns (out, pages,
-    tail)."""
+    one pass (``op``: a fused kernel, ``quant_kernel``'s or for GEAR pages ``gear_kernel``'s; without one the jnp
+    reference). Returns (out, pages, tail)."""
     if rotation is not None:
-        q, k = rotation.wide(q, k) if op is not None else rotation.packed(q, k)
+        q, k = rotation.wide(q, k) if op is not None and op.wide_queries else rotation.packed(q, k)
     pages, tail = quant_paging.write_decode(pages, tail, fmt, block_table, lengths, k, v, active)
     if op is None:
         return quantized_decode_attention(q, pages, tail, fmt, block_table, lengths, layout), pages, tail

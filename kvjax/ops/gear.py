@@ -315,8 +315,9 @@ class GearPageFormat(quant.HeadWidths):
     ``bytes_by_part``, ``round_trip``), so ``quant_paging`` writes and reads a pool of these pages as it does KIVI
     ones. A page is ``_encode_side``'s arrays for K then V as bytes, part by part (``_PARTS``, each part from a
     multiple of ``quant.ALIGN``); heads of one width are one array, widths ascending. ``decode`` rebuilds exactly what
-    ``round_trip`` reconstructs (codes dequantized plus ``A B^T``, the outliers put back). No kernel reads these pages
-    yet: the engine decodes them with the jnp reference (``decode`` then attention)."""
+    ``round_trip`` reconstructs (codes dequantized plus ``A B^T``, the outliers put back). The engine's kernels read
+    them with ``ops.decode.gear_kernel`` (each head's parts found by ``head_parts``); its reference backend decodes
+    them (``decode`` then attention)."""
 
     k_widths: tuple[int, ...]
     v_widths: tuple[int, ...]
@@ -373,6 +374,24 @@ class GearPageFormat(quant.HeadWidths):
         pieces.append(jnp.zeros((m, self.page_bytes - at), jnp.uint8))
         return jnp.concatenate(pieces, axis=1).reshape(*lead, self.page_bytes)
 
+    def head_parts(self, side: str, head: int) -> dict[str, tuple[int, jnp.dtype, tuple[int, ...]]]:
+        """Where head ``head``'s arrays of ``side`` ("k" or "v") lie in a page: name (``codes``, ``scale``,
+        ``zero``, ``a``, ``b``, and with outliers ``outliers`` and ``outlier_index``) -> (first byte, dtype, shape of
+        the head's own array, as ``page_parts`` gives it less the heads axis). A kernel reads one head's parts
+        from these (``ops.decode.gear_kernel``)."""
+        widths = self.k_widths if side == "k" else self.v_widths
+        if side not in ("k", "v") or not 0 <= head < len(widths):
+            raise ValueError(f"no head {head!r} on side {side!r} of {len(widths)} heads")
+        groups = _by_width(widths)
+        which = next(i for i, (_, of_width) in enumerate(groups) if head in of_width)
+        j = groups[which][1].index(head)
+        out = {}
+        for (s, name, i, start), shape in _layout(self)[0]:
+            if s == side and i == which:
+                size = math.prod(shape.shape[1:]) * shape.dtype.itemsize
+                out[name] = (start + j * size, shape.dtype, tuple(shape.shape[1:]))
+        return out
+
     def decode(self, pages: jnp.ndarray, dtype=jnp.float32) -> tuple[jnp.ndarray, jnp.ndarray]:
         """``encode``'s inverse up to GEAR's loss: uint8 [..., page_bytes] -> keys [..., P, k_cols], values
         [..., P, v_cols] in ``dtype``, equal to ``round_trip``'s reconstruction of the same pages."""
@@ -420,7 +439,8 @@ def _decode_block(got: dict, spec: GearSpec, width: int) -> jnp.ndarray:
 @functools.cache
 def _layout(fmt: GearPageFormat):
     """((side, array name, width index, first byte), ShapeDtypeStruct of one page's array) in storage order, and the
-    page's bytes: ``_encode_side``'s arrays for one page, part by part, each part from a multiple of ``quant.ALIGN``."""
+    page's bytes: ``_encode_side``'s arrays for one page, part by part, each part from a multiple of ``quant.ALIGN`` and
+    each array from a multiple of its item's size (positions of one byte and of two share a part)."""
     p = fmt.page_size
     shapes = {}
     for side, cols, widths in (("k", fmt.k_cols, fmt.k_widths), ("v", fmt.v_cols, fmt.v_widths)):
@@ -432,6 +452,7 @@ def _layout(fmt: GearPageFormat):
         for side in ("k", "v"):
             for name in names:
                 for i, arr in enumerate(shapes[side].get(name, [])):
+                    at = -(-at // arr.dtype.itemsize) * arr.dtype.itemsize  # whole items: a kernel reads them so
                     entries.append(((side, name, i, at), jax.ShapeDtypeStruct(arr.shape[1:], arr.dtype)))
                     at += math.prod(arr.shape[1:]) * arr.dtype.itemsize
         at = -(-at // quant.ALIGN) * quant.ALIGN

@@ -20,6 +20,7 @@ from flax import nnx
 from kvjax import machine
 from kvjax.compression.plan import check_kv_bits
 from kvjax.ops import attention
+from kvjax.ops.decode.gear_kernel import GearDecodeOp
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.plan import bucket as pow2_bucket
 from kvjax.ops.grouped import full_width
@@ -326,9 +327,9 @@ class Engine:
 
     def _build_ops(self, model, c: EngineConfig) -> None:
         """The decode and prefill ops of the backend: none for the reference; Palu's own decode kernel with prefill
-        at full width over rebuilt K; the fused quantized decode kernel (prefill over the prefix dequantized to
-        scratch pages); else the variable-width kernels."""
-        self.decode_op: DecodeOp | PaluDecodeOp | None = None
+        at full width over rebuilt K; the fused quantized decode kernel, KIVI-style's or GEAR's (prefill over the
+        prefix dequantized to scratch pages); else the variable-width kernels."""
+        self.decode_op: DecodeOp | PaluDecodeOp | GearDecodeOp | None = None
         self.prefill_op: PrefillOp | None = None
         if self.backend == "reference":
             return
@@ -339,8 +340,10 @@ class Engine:
             return
         self.prefill_op = PrefillOp(model.layouts, interpret=interpret)
         if self.formats is not None:
-            if all(isinstance(f, PageFormat) for f in self.formats):  # GEAR pages: decode on the jnp reference
+            if all(isinstance(f, PageFormat) for f in self.formats):
                 self.decode_op = _quant_decode_op(model.layouts, self.formats, self.pages_per_seq, c, interpret)
+            else:  # GEAR pages
+                self.decode_op = GearDecodeOp(model.layouts, self.formats, interpret=interpret)
             return
         self.decode_op = DecodeOp(
             model.layouts,
@@ -384,14 +387,12 @@ class Engine:
             return ""
         parts = self.token_bytes()
         shown = ", ".join(f"{name} {n:,.0f}" for name, n in parts.items() if n)
-        reference = self.backend != "reference" and self.decode_op is None
         narrow = self.decode_op is not None and any(
             min(lay.k_widths + lay.v_widths) < lay.head_dim for lay in self.model.layouts
         )
         return (
             f"; {label(self.kv_bits)} pages of {self.page_size} tokens, {sum(parts.values()):,.0f} bytes a token "
             f"({shown}) + tails {memory.size(self.tail_bytes())}"
-            + ("; decode reads them through the jnp reference (no kernel reads GEAR pages yet)" if reference else "")
             + (
                 "; compressed heads make the quantized decode kernel slower than bf16's (2.3-3x at rate 0.5: "
                 'bench/RESULTS.md "Rate 0.5: a schedule a class kernel")'

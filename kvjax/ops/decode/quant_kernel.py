@@ -882,7 +882,10 @@ class QuantDecodeOp(DecodeOp):
     ``bits``: the code width of every layer, or one per layout (4 or 2); ``formats``: the layers' page formats
     instead (one per layout, each ``PageFormat.for_layout`` of it). ``config``: the plan's config, with
     ``pack_tile`` 0; ``kernel``: how the kernel runs (``QuantKernelConfig``). ``batch_invariant``: each sequence is
-    split by its own length alone (``plan.fixed_chunk_schedule``)."""
+    split by its own length alone (``plan.fixed_chunk_schedule``). Queries come wide (``wide_queries``: the engine
+    rotates them with ``QKRotation.wide``), or packed."""
+
+    wide_queries = True
 
     def __init__(
         self,
