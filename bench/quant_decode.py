@@ -8,6 +8,7 @@ and the speed-up over bf16 at the same rate; every output is first checked again
 targets: int4 at rate 0 >= 3.0x bf16 at rate 0, int4 at rate 0.5 >= 2.8x bf16 at rate 0.5, every quantized row at >= 80%
 of copy bandwidth. ``--widths`` adds layers of one head width each (one head class: a class's own speed); ``--packed``
 reads runs of adjacent heads as one unit; ``--one-schedule`` plans a layer's class kernels as one (the ablation).
+``--gear NAME`` adds GEAR's decode kernel (``ops.decode.gear_kernel``) over pages of that scheme.
 ``--interpret --timer host --shape 2x256`` runs the same rows on a CPU (plumbing only: its times mean nothing).
 Tables: bench/RESULTS.md "Quantized pages: decode kernel"."""
 
@@ -24,6 +25,8 @@ from files import write_json
 from harness import HKV, HQ, D, PagedCase, copy_bandwidth, log, pick_layer, queries, rank_plan, rates_arg, shape_arg
 
 from kvjax import validate
+from kvjax.ops import kv_schemes
+from kvjax.ops.decode.gear_kernel import gear_paged_decode
 from kvjax.ops.decode.kernel import paged_decode
 from kvjax.ops.decode.plan import build_decode_schedule
 from kvjax.ops.decode.quant_kernel import (
@@ -91,6 +94,32 @@ def calls(
             return quantized_decode_attention(q.astype(jnp.float32), pages, tail, fmt, table, lengths, lay)
 
         out[f"kvjax int{bits}"] = (fused, (pages, tail, lengths, sched), per_call, quant_bytes(case, fmt), fused_ref)
+    return out
+
+
+def gear_rows(case: PagedCase, names, key, interpret: bool) -> dict:
+    """A row per GEAR scheme name (``kv_schemes.parse``: ``gear2-r1-o0.01-p128`` ...): GEAR's decode kernel
+    (``ops.decode.gear_kernel``) over the layer's K and V encoded as GEAR pages of the name's page size (a case of
+    its own pages, fresh random K and V of the same shape)."""
+    lay, out = case.layout, {}
+    lengths = jnp.asarray(case.lengths)
+    qs = queries(key, (case.batch, lay.q_cols))
+    for name in names:
+        fmt = kv_schemes.page_format(name, lay, kv_schemes.page_of(name) or PAGE)
+        own = PagedCase(lay, case.batch, case.lengths, fmt.page_size, case.tables.shape[0], key)
+        pages = jax.jit(fmt.encode)(own.k, own.v)
+        tail = create_tail(fmt, own.batch, own.k.dtype)
+        del own.k, own.v
+        tables = [own.tables[u % own.tables.shape[0]] for u in range(len(qs))]
+
+        def fused(pages, tail, lengths, q, table, fmt=fmt):
+            return gear_paged_decode(q, pages, tail, table, lengths, lay, fmt, interpret=interpret)
+
+        def fused_ref(q, table, fmt=fmt, pages=pages, tail=tail):
+            return quantized_decode_attention(q.astype(jnp.float32), pages, tail, fmt, table, lengths, lay)
+
+        per_call = [(q, t) for (q,), t in zip(qs, tables)]
+        out[f"kvjax {name}"] = (fused, (pages, tail, lengths), per_call, quant_bytes(own, fmt), fused_ref)
     return out
 
 
@@ -182,6 +211,7 @@ def run(args) -> dict:
     for rate, lay in layers:
         case = PagedCase(lay, batch, np.full(batch, ctx), PAGE, harness.copies_for(batch * ctx * 4 * HKV * D), key)
         row_calls = calls(case, args.bits, key, args.kernel, args.interpret, args.packed, not args.one_schedule)
+        row_calls |= gear_rows(case, args.gear, key, args.interpret)
         if rate == 0:
             row_calls |= jax_rows(case, key, args.interpret)
         base = None
@@ -201,7 +231,9 @@ def run(args) -> dict:
                     speedup=base / t if name.startswith("kvjax") else None,
                     max_rel_err=err,
                     bytes=nbytes,
-                    kernels=kernel_times(fn, shared, per_call) if name.startswith("kvjax int") else None,
+                    kernels=kernel_times(fn, shared, per_call)
+                    if name.startswith(("kvjax int", "kvjax gear"))
+                    else None,
                 )
             )
             r = rows[-1]
@@ -218,6 +250,14 @@ def run(args) -> dict:
         del row_calls, case
     result["complete"] = True
     return result
+
+
+def _gear(name: str) -> str:
+    """A ``--gear`` entry: a GEAR scheme's canonical name (``kv_schemes.served``), else a one-line error."""
+    served = kv_schemes.served(name)
+    if not str(served).startswith("gear"):
+        raise ValueError(f"--gear takes a GEAR scheme such as gear2-r1-o0.01-p128, got {name!r}")
+    return served
 
 
 def _width(width: int) -> int:
@@ -241,6 +281,14 @@ def main(argv=None) -> None:
         type=validate.arg(lambda text: [check_bits(int(b)) for b in text.split(",")]),
         default=[4, 2],
         help="code widths, comma-separated (default 4,2)",
+    )
+    ap.add_argument(
+        "--gear",
+        action="append",
+        default=[],
+        type=validate.arg(_gear),
+        metavar="NAME",
+        help="also: GEAR's decode kernel over pages of this scheme (repeatable), e.g. gear2-r1-o0.01-p128",
     )
     ap.add_argument(
         "--knob",
