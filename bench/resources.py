@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import importlib.util
 import os
 import re
@@ -51,6 +52,7 @@ EPILOG = """examples:
   python bench/resources.py rate:0.5 uniform:64 widths:80,48/96,32 [--warps 4 --stages 3]
   python bench/resources.py --kernel prefill rate:0.5 uniform:64 uniform:128 [--knob block_k=64]
   python bench/resources.py --kernel quant --bits 4 rate:0.5 uniform:128 [--knob max_step_tokens=128]
+  python bench/resources.py --kernel gear --gear gear2-r1-o0.01-p128 uniform:128 rate:0.5 [--warps 8]
 
 Layouts: rate:R (the bench's representative layer of a rate-R plan), uniform:W, or widths:K,K,../V,V,.. (cycled
 over the 8 KV heads). Each decode row gives the SASS instructions in the body of every loop of the kernel (a loop
@@ -325,13 +327,59 @@ def changes(config, default) -> dict:
     return {k: v for k, v in dataclasses.asdict(config).items() if v != getattr(default, k)}
 
 
+def gear_report(specs, name: str, warps: int) -> None:
+    """One row a layout for GEAR's decode kernel (``ops.decode.gear_kernel``, a kernel a (K, V) width pair) over
+    pages of the scheme ``name``: its kernels, the most registers and spills, SASS instructions, compile time, and
+    the page loop's instructions over the page's tokens (a (token, head) of each pair, then summed over the layer's
+    heads), priced in issue time at B32 x 8K as ``quant_report`` prices the KIVI-style kernel
+    (bench/RESULTS.md "GEAR pages: decode kernel (offline)")."""
+    from kvjax.ops import kv_schemes
+    from kvjax.ops.decode.gear_kernel import gear_paged_decode
+
+    print(
+        "| layout | kernels | registers | spilled bytes | SASS instructions | compile s | loop instructions a "
+        "(token, head) | a layer token | issue us at B32 x 8K | top opcodes |\n" + "|---" * 10 + "|"
+    )
+    for spec in specs:
+        layout = layout_of(spec)
+        fmt = kv_schemes.page_format(name, layout, kv_schemes.page_of(name) or 32)
+        p, batch, ctx = fmt.page_size, 32, 4096
+        pps = ctx // p
+        args = (
+            jax.ShapeDtypeStruct((batch, layout.q_cols), jnp.bfloat16),
+            jax.ShapeDtypeStruct((batch * pps + 1, fmt.page_bytes), jnp.uint8),
+            jax.ShapeDtypeStruct((batch, p, fmt.k_cols + fmt.v_cols), jnp.bfloat16),
+            jax.ShapeDtypeStruct((batch, pps), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32),
+        )
+        irs = triton_modules(functools.partial(gear_paged_decode, layout=layout, fmt=fmt, num_warps=warps), args)
+        rs = [resources(ir, warps, 1) for ir in irs]
+        pairs = {}
+        for kw, vw in zip(layout.k_widths, layout.v_widths):
+            pairs[kw, vw] = pairs.get((kw, vw), 0) + 1  # kernels in the order of their pair's first head
+        per_pair = [max(r["loops"]) / p for r in rs]
+        per_token = sum(x * n for x, n in zip(per_pair, pairs.values()))
+        issue = per_token * ISSUE["batch"] * ISSUE["ctx"] * warps / ISSUE["issue_per_s"]
+        top = collections.Counter()
+        for r in rs:
+            top.update(r["loop_ops"][max(range(len(r["loops"])), key=lambda i: r["loops"][i])])
+        print(
+            f"| {spec} | {len(irs)} | {max(r['registers'] for r in rs)} | {max(r['local_bytes'] for r in rs)} | "
+            f"{sum(r['sass_instructions'] for r in rs)} | {sum(r['compile_s'] for r in rs):.1f} | "
+            f"{' / '.join(f'{x:.0f}' for x in per_pair)} | {per_token:.0f} | {issue * 1e6:.0f} | "
+            f"{', '.join(f'{op} {n}' for op, n in top.most_common(5))} |",
+            flush=True,
+        )
+
+
 def main(argv=None):
     """The command line: one table row per layout (decode), or the prefill report."""
     ap = argparse.ArgumentParser(
         description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("layouts", nargs="+", help="rate:R, uniform:W or widths:K,K,../V,V,.. (cycled over 8 KV heads)")
-    ap.add_argument("--kernel", choices=("decode", "quant", "prefill"), default="decode")
+    ap.add_argument("--kernel", choices=("decode", "quant", "prefill", "gear"), default="decode")
+    ap.add_argument("--gear", default="gear2-r1-o0.01-p128", help="--kernel gear: the GEAR scheme of the pages")
     ap.add_argument("--bits", type=int, choices=(4, 2), default=4, help="code width of --kernel quant (default 4)")
     ap.add_argument(
         "--warps",
@@ -363,6 +411,10 @@ def main(argv=None):
             f"{kernel.num_stages} stages, QUANT_KERNEL with {changes(kernel, QUANT_KERNEL) or 'nothing changed'}\n"
         )
         return quant_report(args.layouts, args.bits, kernel, args.packed)
+    if args.kernel == "gear":
+        warps = args.warps or 4
+        print(f"gear_paged_decode, {args.gear} pages, sm_90, {warps} warps, 1 stage\n")
+        return gear_report(args.layouts, args.gear, warps)
     if args.kernel == "prefill":
         config = with_knobs(PREFILL, knobs)
         print(
