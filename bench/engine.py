@@ -41,8 +41,8 @@ from kvjax import validate
 from kvjax.compression import RankPlan
 from kvjax.models.config import ModelConfig
 from kvjax.models.transformer import Transformer
+from kvjax.ops import kv_schemes
 from kvjax.ops.decode.config import DECODE, DecodeConfig
-from kvjax.ops.quant import check_bits
 from kvjax.runtime import engine as engine_module
 from kvjax.runtime.cache import bytes_per_token
 from kvjax.runtime.engine import Engine
@@ -408,9 +408,10 @@ def main(argv=None) -> None:
     )
     ap.add_argument(
         "--kv-bits",
-        type=validate.arg(lambda text: [None if b == "none" else check_bits(int(b)) for b in text.split(",")]),
+        type=validate.arg(lambda text: [None if b == "none" else kv_schemes.served(b) for b in text.split(",")]),
         default=[None],
-        help="cache formats per rate, comma-separated: none (the model's dtype), 4, 2 (default none)",
+        help="cache formats per rate, comma-separated: none (the model's dtype), 4, 2 or a GEAR name such as "
+        "gear2-r1-o0.01-p128 (default none)",
     )
     ap.add_argument("--plan", choices=PLAN_FORMS, default="ordered", help="the rank plan's form (harness.PLAN_FORMS)")
     ap.add_argument("--json", help="write the rows here")
