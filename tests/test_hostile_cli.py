@@ -288,6 +288,7 @@ def test_interrupted_run_keeps_finished_records_in_partial_file(files, tmp_path,
             "--calibration must be 'text', 'prose', 'code', 'random' or 'text:FILE'",
         ),
         (["--target-rate", "0.5", "--max-context", "0"], "argument --max-context: the count must be positive, got 0"),
+        (["--target-rate", "0.5", "--max-context", "all"], "takes 'model', 'calibration' or a number of positions"),
         (["--target-rate", "0.5", "--kv-bits", "3"], f"argument --kv-bits: must be {SERVED} or 'none', got '3'"),
         (
             ["--target-rate", "0.5", "--kv-bits", "model"],

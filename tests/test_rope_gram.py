@@ -147,3 +147,37 @@ def test_max_context_through_compress_save_load_and_generate(tmp_path):
     with pytest.warns(UserWarning, match=r"prompt 1 needs 130 positions .*max_context=128"):
         out = kvjax.generate(small, [[3, 1, 4], long_prompt], max_new_tokens=10)
     assert len(out[1].tokens) >= 1
+
+
+def test_compress_covers_the_models_context_by_default():
+    """By default ZACK's Q/K basis is the one for every position the model serves (its context length), recorded in
+    the plan; None asks for the positions calibration saw; Palu (a pre-RoPE basis) records none. kvjax-convert takes
+    the same three, and kvjax-serve warns once when it serves past a plan's positions."""
+    from types import SimpleNamespace
+
+    from kvjax.cli import options
+    from kvjax.cli.serve import positions_warning
+
+    seed = fresh_seed()
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=5.0)
+    kw = dict(target_rate=0.5, calibration="random", num_tokens=256, seq_len=64, seed=seed % 1000, progress=False)
+    default = kvjax.compress(model, **kw)
+    context = WIDE.max_position_embeddings
+    assert default.plan.max_context == context > 64
+    assert f"positions 0..{context - 1} (max_context)" in default.plan.summary()
+    explicit = kvjax.compress(model, **kw, max_context=context)
+    assert explicit.plan.to_json() == default.plan.to_json()
+    assert kvjax.compress(model, **kw, max_context=None).plan.max_context is None
+    assert kvjax.compress(model, **kw, method="palu").plan.max_context is None
+    with pytest.raises(ValueError, match="max_context applies to method='zack'"):
+        kvjax.compress(model, **kw, method="palu", max_context=128)
+
+    assert [options.max_context(t) for t in ("model", "calibration", "64")] == ["model", None, 64]
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(ValueError):
+            options.max_context(bad)
+
+    engine = SimpleNamespace(max_seq_len=context)
+    assert positions_warning(engine, default) is None and positions_warning(engine, model) is None
+    small = SimpleNamespace(plan=SimpleNamespace(max_context=64))
+    assert "made for positions 0..63 (max_context=64)" in positions_warning(engine, small)

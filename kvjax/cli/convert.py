@@ -23,12 +23,14 @@ def parse_args(argv=None):
     from kvjax import validate
     from kvjax.cli import options
     from kvjax.compression.calibration import TEXT_SOURCES
+    from kvjax.compression.pipeline import MODEL_CONTEXT
     from kvjax.compression.plan import check_kv_bits
     from kvjax.compression.text import read_text_file
     from kvjax.io.load import resolve
     from kvjax.io.saved import check_target
 
     rate = functools.partial(validate.rate, "the rate")
+
     p = argparse.ArgumentParser(
         prog="kvjax-convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -74,10 +76,11 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--max-context",
-        type=validate.arg(count, int),
-        default=None,
-        help="zack: the longest prompt + new tokens the model will serve; the Q/K basis is derived for those "
-        "positions from pre-RoPE statistics, so it holds past --seq-len (default: the positions calibration saw)",
+        type=validate.arg(options.max_context),
+        default=MODEL_CONTEXT,
+        help="zack: the positions the Q/K basis serves, derived from pre-RoPE statistics so it holds past --seq-len: "
+        "'model' (default) the model's context length, N the longest prompt + new tokens the model will serve, or "
+        "'calibration' the positions calibration saw (the basis then degrades past --seq-len)",
     )
     p.add_argument(
         "--k-share",

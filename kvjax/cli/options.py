@@ -102,3 +102,17 @@ def add_dtype(p: argparse.ArgumentParser, what: str, *, auto: bool = False) -> N
         "a small model's bfloat16 answers are not its own, unless its float32 weights would take over a quarter "
         "of the memory available)",
     )
+
+
+def max_context(text: str):
+    """``kvjax-convert --max-context``: "model" (the model's context length: ``compression.pipeline.MODEL_CONTEXT``),
+    "calibration" (None: the positions calibration saw) or a positive number of positions."""
+    from kvjax.compression.pipeline import MODEL_CONTEXT
+
+    if text in (MODEL_CONTEXT, "calibration"):
+        return MODEL_CONTEXT if text == MODEL_CONTEXT else None
+    try:
+        count = int(text)
+    except ValueError:
+        raise ValueError(f"takes 'model', 'calibration' or a number of positions, got {text!r}") from None
+    return validate.positive("the count", count)

@@ -153,6 +153,20 @@ def build_engine(args, model):
     return engine
 
 
+def positions_warning(engine, model) -> str | None:
+    """What the server says, once at start, when it serves sequences past the positions the model's ZACK basis was
+    made for (``RankPlan.max_context``; ``kvjax.compress``'s default covers the model's context): None when it does
+    not."""
+    limit = None if model.plan is None else model.plan.max_context
+    if limit is None or engine.max_seq_len <= limit:
+        return None
+    return (
+        f"sequences of up to {engine.max_seq_len} positions are served, but the model's compression plan was made "
+        f"for positions 0..{limit - 1} (max_context={limit}); quality past them may degrade (re-convert with "
+        "kvjax-convert --max-context model, the default, or --max-seq-len to stay within)"
+    )
+
+
 def capacity_line(engine, model) -> str:
     """The KV capacity in tokens, its overall rate counting every byte a token takes (codes, scales and zeros of
     quantized pages too: ``Engine.token_bytes``) against the uncompressed model in the cache's dtype, and what the
@@ -206,6 +220,8 @@ def main(argv=None) -> int:
     app = create_app(worker, model, name)
     print(f"kvjax-serve: {engine.describe()}", file=sys.stderr, flush=True)
     print(capacity_line(engine, model), file=sys.stderr, flush=True)
+    if (past := positions_warning(engine, model)) is not None:
+        print(f"kvjax-serve: warning: {past}", file=sys.stderr, flush=True)
     print(f"kvjax-serve: {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     config = server_config(
         app,

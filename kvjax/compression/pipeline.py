@@ -19,6 +19,19 @@ from kvjax.compression.split import best_share, kl_to
 BASIS = {"zack": ("qk", "v"), "palu": ("k_pre", "v")}  # each method's K and V bases (CalibrationStats.basis)
 
 
+MODEL_CONTEXT = "model"  # ``compress``'s default max_context: the positions the model serves, its context length
+
+
+def served_positions(model, method: str, max_context):
+    """``compress``'s ``max_context`` resolved for ``model``: ``"model"`` (the default) is the model's context length
+    (``config.max_position_embeddings``) for ZACK and None for Palu (a pre-RoPE basis serves every position); an int
+    or None (the positions calibration saw) as given. Past the positions it was made for, a post-RoPE basis degrades
+    (bench/RESULTS.md "Compression: the basis for the served positions"): the default covers all of them."""
+    if isinstance(max_context, str) and max_context == MODEL_CONTEXT:
+        return int(model.config.max_position_embeddings) if method == "zack" else None
+    return max_context
+
+
 def _check_request(target_rate, removal_rate, method, max_context=None) -> int | None:
     """Refuse a bad request before any work; returns ``max_context`` checked (None stays None)."""
     if method not in METHODS:
@@ -136,7 +149,7 @@ def compress(
     batch_size=4,
     order_heads=True,
     fill_tiles=False,
-    max_context=None,
+    max_context=MODEL_CONTEXT,
     k_share=None,
     kv_bits="model",
     progress=True,
@@ -153,9 +166,10 @@ def compress(
     ``fill_tiles``: move a few columns between a layer's heads, at the same rate, so the kernel's runs fill their
     tiles: faster decode, some accuracy lost, ranks within 32 columns a head of the calibrated ones
     (bench/RESULTS.md "Decode: filled tiles").
-    ``max_context`` (zack): the longest prompt + new tokens the model will serve; its Q/K basis is derived for
-    positions 0..max_context-1 from pre-RoPE statistics, so it holds past the calibration rows' ``seq_len``
-    (default None: the basis of the positions calibration saw). ``kvjax.generate`` warns beyond it.
+    ``max_context`` (zack): the positions the Q/K basis serves, derived for 0..max_context-1 from pre-RoPE
+    statistics, so it holds past the calibration rows' ``seq_len``: ``"model"`` (default) the model's context
+    length, an int the longest prompt + new tokens the model will serve, or None the positions calibration saw
+    (which degrades past them). Recorded in the plan; ``kvjax.generate`` and ``kvjax-serve`` warn beyond it.
     ``k_share`` (with ``target_rate``): the share of the kept columns that Q/K gets, V the rest, each spread over
     its heads by its own removal rate (adaptive) or evenly (uniform); "measured" tries shares 0.3-0.7 and keeps the
     one whose model stays closest (KL) to this one on held-in calibration rows (``compression.split``; a fold and
@@ -164,6 +178,7 @@ def compress(
     4 or 2, None (pages of the cache's dtype), or "model" (default): ``model``'s own. Palu models refuse 4 and 2,
     before any calibration, in the engine's words.
     """
+    max_context = served_positions(model, method, max_context)
     _check_request(target_rate, removal_rate, method, max_context)  # before the (slow) calibration
     kv_bits = _check_kv_bits(model, kv_bits, method)
     if k_share is not None:
