@@ -9,14 +9,16 @@ same pages, which rebuilds every key and value first; this kernel rebuilds none:
 - L = A B^T: scored as ``(q B) A^T`` and added to the output as ``(p A) B^T`` (GEAR's decode, section 3 of the
   paper; ``gear.scores_low_rank``): ``rank`` row sums and outer products a page, no [P, w] product;
 - S, the outliers: each stored exact, so the kernel adds ``exact - (D + L)`` at its place, computed from the
-  page's own codes and factors there (gathered loads of n entries), as two one-hot dots a side: the query's column
-  at each outlier times the correction, summed onto its token's score, and each token's weight times its
-  corrections summed onto their columns.
+  page's own codes and factors there (gathered loads of n entries), by one-hot dots in the dots' dtype: the query's
+  column at each outlier times the correction, summed onto its token's score (one dot); each token's weight at its
+  outliers times their corrections, summed onto their columns (two).
 
 The work is one program per (sequence, KV head) over all of the sequence's pages, heads of one (K, V) width pair a
 kernel: no split of long sequences and no schedule (``plan`` returns None), the simplest form that reads each byte
-once. Unmeasured on a GPU (written in a session without device time: bench/notes/2026-11-28-gear-kernel.md); the
-int4/int2 KIVI kernel (``quant_kernel``) is the one tuned for speed.
+once. Unmeasured on a GPU (written in a session without device time: bench/notes/2026-11-28-gear-kernel.md). Priced
+offline (bench/RESULTS.md "GEAR pages: decode kernel (offline)"), the codes and low-rank term cost no more
+instructions a (token, head) than the KIVI-style kernel (``quant_kernel``, the one tuned for speed), and 1% outliers
+cost about 2.7x that: their one-hot tiles.
 
 Constraints: q packed [B, q_cols]; a group of at most 16 queries a KV head; the pool and tail under 2^31 elements.
 """
@@ -76,7 +78,7 @@ def _table(fmt: GearPageFormat, layout: HeadLayout, heads: list[int]) -> np.ndar
 
 
 def _side_static(fmt: GearPageFormat, side: str, head: int, width: int) -> dict:
-    """What a side's code depends on: its width, outliers a page (padded to a tile) and how positions are read."""
+    """What a side's code depends on: its width, its outliers a page and the bytes of their positions."""
     parts = fmt.head_parts(side, head)
     n = parts["outliers"][2][0] if "outliers" in parts else 0
     return dict(width=width, outliers=n, index_bytes=parts["outlier_index"][1].itemsize if n else 0)
