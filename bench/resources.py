@@ -93,6 +93,19 @@ def triton_ir(layout: HeadLayout, config: DecodeConfig = DECODE, batch=32, ctx=4
     return lowered_ir(lambda *a: paged_decode(*a, layout), args)
 
 
+def _paged_args(layout: HeadLayout, fmt, batch: int, ctx: int) -> tuple:
+    """The shapes a quantized decode call takes for ``batch`` sequences of ``ctx`` tokens in ``fmt``'s pages: q (bf16,
+    packed), the pool, the tails, the block table and the lengths."""
+    pps = ctx // fmt.page_size
+    return (
+        jax.ShapeDtypeStruct((batch, layout.q_cols), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch * pps + 1, fmt.page_bytes), jnp.uint8),
+        jax.ShapeDtypeStruct((batch, fmt.page_size, fmt.k_cols + fmt.v_cols), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, pps), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+    )
+
+
 def quant_ir(
     layout: HeadLayout, bits: int, kernel: QuantKernelConfig, batch=32, ctx=4096, page_size=32, packed=False
 ) -> list[str]:
@@ -100,17 +113,9 @@ def quant_ir(
     layout alone): one a group of ``kernel.classes_per_kernel`` head classes, the merge left out; ``packed``: runs of
     adjacent heads a unit (``quant_kernel.plan_config``)."""
     fmt = PageFormat.for_layout(layout, page_size, bits)
-    pps = ctx // page_size
     config = plan_config(QUANT_DECODE, bits, packed)
     plan = build_decode_schedule(np.full(batch, ctx), layout, page_size, config=config).schedule.layer(0)
-    args = (
-        jax.ShapeDtypeStruct((batch, layout.q_cols), jnp.bfloat16),
-        jax.ShapeDtypeStruct((batch * pps + 1, fmt.page_bytes), jnp.uint8),
-        jax.ShapeDtypeStruct((batch, page_size, fmt.k_cols + fmt.v_cols), jnp.bfloat16),
-        jax.ShapeDtypeStruct((batch, pps), jnp.int32),
-        jax.ShapeDtypeStruct((batch,), jnp.int32),
-        plan,
-    )
+    args = (*_paged_args(layout, fmt, batch, ctx), plan)
     modules = triton_modules(
         lambda q, p, t, b, n, s: quantized_paged_decode(q, p, t, b, n, s, layout, fmt, kernel=kernel), args
     )
@@ -343,15 +348,8 @@ def gear_report(specs, name: str, warps: int) -> None:
     for spec in specs:
         layout = layout_of(spec)
         fmt = kv_schemes.page_format(name, layout, kv_schemes.page_of(name) or 32)
-        p, batch, ctx = fmt.page_size, 32, 4096
-        pps = ctx // p
-        args = (
-            jax.ShapeDtypeStruct((batch, layout.q_cols), jnp.bfloat16),
-            jax.ShapeDtypeStruct((batch * pps + 1, fmt.page_bytes), jnp.uint8),
-            jax.ShapeDtypeStruct((batch, p, fmt.k_cols + fmt.v_cols), jnp.bfloat16),
-            jax.ShapeDtypeStruct((batch, pps), jnp.int32),
-            jax.ShapeDtypeStruct((batch,), jnp.int32),
-        )
+        p = fmt.page_size
+        args = _paged_args(layout, fmt, 32, 4096)
         irs = triton_modules(functools.partial(gear_paged_decode, layout=layout, fmt=fmt, num_warps=warps), args)
         rs = [resources(ir, warps, 1) for ir in irs]
         pairs = {}

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import fresh_seed
+from test_quant_decode import quant_inputs
 
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.gear_kernel import gear_paged_decode
@@ -18,22 +19,9 @@ _reference = jax.jit(quantized_decode_attention, static_argnames=("fmt", "layout
 
 
 def gear_inputs(rng, layout, lengths, fmt, dtype):
-    """Random (never zero) q, GEAR pages encoded from random K and V (each column its own offset and spread, a few
-    entries far out so the outliers matter), each sequence's pages scattered through the pool, and random tails."""
-    b, p = len(lengths), fmt.page_size
-    pps = -(-max(lengths) // p) + 1
-    num_pages = b * pps + 1
-
-    def kv(cols):
-        x = rng.standard_normal((num_pages, p, cols)) * rng.uniform(0.5, 2.0, cols) + rng.uniform(-1.0, 1.0, cols)
-        x = np.where(rng.random(x.shape) < 0.01, x * 8, x)
-        return jnp.asarray(x, jnp.float32)
-
-    pages = _encode(fmt, kv(fmt.k_cols), kv(fmt.v_cols))
-    tail = jnp.asarray(rng.standard_normal((b, p, fmt.k_cols + fmt.v_cols)), dtype)
-    q = jnp.asarray(rng.standard_normal((b, layout.q_cols)), dtype)
-    table = jnp.asarray(rng.permutation(np.arange(1, num_pages)).reshape(b, pps).astype(np.int32))
-    return q, pages, tail, table, jnp.asarray(lengths, jnp.int32)
+    """``quant_inputs``' random q, pages (here GEAR's, a few entries far out so the outliers matter), tables and
+    tails."""
+    return quant_inputs(rng, layout, lengths, fmt, dtype, encode=_encode, far_out=0.01)
 
 
 def reference(q, pages, tail, fmt, table, lengths, layout):

@@ -29,18 +29,20 @@ from kvjax.ops.quant import PageFormat
 _encode = jax.jit(PageFormat.encode, static_argnums=0)  # op by op it takes seconds on the CPU
 
 
-def quant_inputs(rng, layout, lengths, fmt, dtype, spare_pages=1):
-    """Random (never zero) q, pages encoded from random K and V (each column its own offset and spread, so scales
-    and zeros differ), each sequence's pages scattered through the pool, and random tails."""
+def quant_inputs(rng, layout, lengths, fmt, dtype, spare_pages=1, encode=_encode, far_out=0.0):
+    """Random (never zero) q, pages encoded (``encode(fmt, K, V)``) from random K and V (each column its own offset
+    and spread, so scales and zeros differ; a share ``far_out`` of entries 8x further out), each sequence's pages
+    scattered through the pool, and random tails."""
     b, p = len(lengths), fmt.page_size
     pps = -(-max(lengths) // p) + spare_pages
     num_pages = b * pps + 1
 
     def kv(cols):
         x = rng.standard_normal((num_pages, p, cols)) * rng.uniform(0.5, 2.0, cols) + rng.uniform(-1.0, 1.0, cols)
+        x = np.where(rng.random(x.shape) < far_out, x * 8, x)
         return jnp.asarray(x, jnp.float32)
 
-    pages = _encode(fmt, kv(fmt.k_cols), kv(fmt.v_cols))
+    pages = encode(fmt, kv(fmt.k_cols), kv(fmt.v_cols))
     tail = jnp.asarray(rng.standard_normal((b, p, fmt.k_cols + fmt.v_cols)), dtype)
     q = jnp.asarray(rng.standard_normal((b, layout.q_cols)), dtype)
     table = jnp.asarray(rng.permutation(np.arange(1, num_pages)).reshape(b, pps).astype(np.int32))

@@ -214,6 +214,19 @@ class HeadWidths:
     def heads(self) -> int:
         return len(self.v_widths)
 
+    @classmethod
+    def check_serves(cls, layout: HeadLayout, fmt, name: str):
+        """``fmt`` if it is one of this class (``name``: what a kernel calls it) with ``layout``'s heads, else a
+        ValueError saying why not."""
+        if not isinstance(fmt, cls):
+            raise ValueError(f"fmt must be a {name}, got {type(fmt).__name__}")
+        if fmt.k_widths != tuple(layout.k_widths) or fmt.v_widths != tuple(layout.v_widths):
+            raise ValueError(
+                f"fmt's heads (k_widths={fmt.k_widths}, v_widths={fmt.v_widths}) do not match the layout's "
+                f"(k_widths={layout.k_widths}, v_widths={layout.v_widths})"
+            )
+        return fmt
+
 
 @dataclasses.dataclass(frozen=True)
 class PageFormat(HeadWidths):

@@ -297,14 +297,7 @@ def _kernel(
 
 def check_format(layout: HeadLayout, fmt) -> GearPageFormat:
     """``fmt`` if it is a GEAR page format of ``layout``'s heads, else a ValueError saying why not."""
-    if not isinstance(fmt, GearPageFormat):
-        raise ValueError(f"fmt must be a gear.GearPageFormat, got {type(fmt).__name__}")
-    if fmt.k_widths != tuple(layout.k_widths) or fmt.v_widths != tuple(layout.v_widths):
-        raise ValueError(
-            f"fmt's heads (k_widths={fmt.k_widths}, v_widths={fmt.v_widths}) do not match the layout's "
-            f"(k_widths={layout.k_widths}, v_widths={layout.v_widths})"
-        )
-    return fmt
+    return GearPageFormat.check_serves(layout, fmt, "gear.GearPageFormat")
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "fmt", "num_warps", "interpret"))

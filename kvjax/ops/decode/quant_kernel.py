@@ -724,14 +724,7 @@ def kernel_name(classes) -> str:
 
 def check_format(layout: HeadLayout, fmt) -> PageFormat:
     """``fmt`` if it is the quantized page format of ``layout``'s heads, else a ValueError saying why not."""
-    if not isinstance(fmt, PageFormat):
-        raise ValueError(f"fmt must be a quant.PageFormat, got {type(fmt).__name__}")
-    if fmt.k_widths != tuple(layout.k_widths) or fmt.v_widths != tuple(layout.v_widths):
-        raise ValueError(
-            f"fmt's heads (k_widths={fmt.k_widths}, v_widths={fmt.v_widths}) do not match the layout's "
-            f"(k_widths={layout.k_widths}, v_widths={layout.v_widths})"
-        )
-    return fmt
+    return PageFormat.check_serves(layout, fmt, "quant.PageFormat")
 
 
 def _check_plan_config(config: DecodeConfig, bits: Sequence[int]) -> None:
