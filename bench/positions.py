@@ -1,10 +1,11 @@
 """ZACK's Q/K basis for the positions a model serves (``kvjax.compress(..., max_context=...)``), measured on
 ``--model`` (default SmolLM2): held-out perplexity by position (1-511, 512-1023, then doubling up to the window) of
 ``--window``-token windows, for the uncompressed model, ZACK calibrated on 512-token rows without and with
-``max_context`` (its post-RoPE Gram derived from pre-RoPE statistics for positions 0..max_context-1), and ZACK
-calibrated on rows as long as the window. Calibration text: ``--calibration`` (default "prose", the first half of
-Python's pydoc topics); evaluation: the second half (``kvjax.compression.text``). Tables: bench/RESULTS.md
-"Compression: the basis for the served positions"."""
+``max_context`` (its post-RoPE Gram derived from pre-RoPE statistics for positions 0..max_context-1: the window, and
+the model's context length, ``kvjax.compress``'s default), and ZACK calibrated on rows as long as the window. Each
+cell: the perplexity, and its ratio to the uncompressed model's over the same positions. Calibration text:
+``--calibration`` (default "prose", the first half of Python's pydoc topics); evaluation: the second half
+(``kvjax.compression.text``). Tables: bench/RESULTS.md "Compression: the basis for the served positions"."""
 
 from __future__ import annotations
 
@@ -75,8 +76,9 @@ def main(argv=None) -> None:
     def report(name, rows_len, max_context, model):
         nll = nll_by_position(model, windows, batch=max(1, 2048 // args.window))
         ppl = {n: float(np.exp(nll[:, a - 1 : b - 1].mean())) for n, (a, b) in zip(names, spans, strict=True)}
-        rows.append(dict(model=name, rows=rows_len, max_context=max_context, ppl=ppl))
-        cells = " | ".join(f"{ppl[n]:.2f}" for n in names)
+        ratio = {n: ppl[n] / rows[0]["ppl"][n] for n in names} if rows else dict.fromkeys(names, 1.0)
+        rows.append(dict(model=name, rows=rows_len, max_context=max_context, ppl=ppl, ratio_to_base=ratio))
+        cells = " | ".join(f"{ppl[n]:.2f} ({ratio[n]:.3f})" for n in names)
         print(f"| {name} | {rows_len or '-'} | {max_context or '-'} | {cells} |", flush=True)
         if args.json:  # after every row, so a run cut short keeps the rows it finished
             write_json(
@@ -87,7 +89,8 @@ def main(argv=None) -> None:
             )
 
     report("uncompressed", None, None, base)
-    for seq_len, contexts in ((512, (None, args.window)), (args.window, (None,))):
+    served = base.config.max_position_embeddings  # compress's default max_context
+    for seq_len, contexts in ((512, (None, args.window, served)), (args.window, (None,))):
         tokens = calibration_tokens(base, args.calibration, args.num_tokens, seq_len, seed=0)
         stats = calibrate(base, tokens, batch_size=max(1, 2048 // seq_len), progress=False)  # bounded memory
         for max_context in contexts:
