@@ -90,7 +90,7 @@ def main(argv=None) -> None:
 
     report("uncompressed", None, None, base)
     served = base.config.max_position_embeddings  # compress's default max_context
-    for seq_len, contexts in ((512, (None, args.window, served)), (args.window, (None,))):
+    for seq_len, contexts in ((512, dict.fromkeys((None, args.window, served))), (args.window, (None,))):
         tokens = calibration_tokens(base, args.calibration, args.num_tokens, seq_len, seed=0)
         stats = calibrate(base, tokens, batch_size=max(1, 2048 // seq_len), progress=False)  # bounded memory
         for max_context in contexts:
