@@ -387,18 +387,26 @@ class Engine:
             return ""
         parts = self.token_bytes()
         shown = ", ".join(f"{name} {n:,.0f}" for name, n in parts.items() if n)
-        narrow = self.decode_op is not None and any(
-            min(lay.k_widths + lay.v_widths) < lay.head_dim for lay in self.model.layouts
+        gear = isinstance(self.decode_op, GearDecodeOp)
+        narrow = (
+            self.decode_op is not None
+            and not gear
+            and any(min(lay.k_widths + lay.v_widths) < lay.head_dim for lay in self.model.layouts)
         )
-        return (
-            f"; {label(self.kv_bits)} pages of {self.page_size} tokens, {sum(parts.values()):,.0f} bytes a token "
-            f"({shown}) + tails {memory.size(self.tail_bytes())}"
-            + (
+        note = ""
+        if narrow:
+            note = (
                 "; compressed heads make the quantized decode kernel slower than bf16's (2.3-3x at rate 0.5: "
                 'bench/RESULTS.md "Rate 0.5: a schedule a class kernel")'
-                if narrow
-                else ""
             )
+        elif gear:
+            note = (
+                "; GEAR's decode kernel is not yet timed on a GPU "
+                '(bench/RESULTS.md "GEAR pages: decode kernel (offline)")'
+            )
+        return (
+            f"; {label(self.kv_bits)} pages of {self.page_size} tokens, {sum(parts.values()):,.0f} bytes a token "
+            f"({shown}) + tails {memory.size(self.tail_bytes())}{note}"
         )
 
     def activation_bytes(self) -> int:
