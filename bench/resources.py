@@ -339,7 +339,7 @@ def gear_report(specs, name: str, warps: int) -> None:
     heads), priced in issue time at B32 x 8K as ``quant_report`` prices the KIVI-style kernel
     (bench/RESULTS.md "GEAR pages: decode kernel (offline)")."""
     from kvjax.ops import kv_schemes
-    from kvjax.ops.decode.gear_kernel import gear_paged_decode
+    from kvjax.ops.decode.gear_kernel import gear_paged_decode, width_pairs
 
     print(
         "| layout | kernels | registers | spilled bytes | SASS instructions | compile s | loop instructions a "
@@ -352,11 +352,8 @@ def gear_report(specs, name: str, warps: int) -> None:
         args = _paged_args(layout, fmt, 32, 4096)
         irs = triton_modules(functools.partial(gear_paged_decode, layout=layout, fmt=fmt, num_warps=warps), args)
         rs = [resources(ir, warps, 1) for ir in irs]
-        pairs = {}
-        for kw, vw in zip(layout.k_widths, layout.v_widths):
-            pairs[kw, vw] = pairs.get((kw, vw), 0) + 1  # kernels in the order of their pair's first head
-        per_pair = [max(r["loops"]) / p for r in rs]
-        per_token = sum(x * n for x, n in zip(per_pair, pairs.values()))
+        per_pair = [max(r["loops"]) / p for r in rs]  # kernels in width_pairs' order
+        per_token = sum(x * len(heads) for x, (_, heads) in zip(per_pair, width_pairs(layout)))
         issue = per_token * ISSUE["batch"] * ISSUE["ctx"] * warps / ISSUE["issue_per_s"]
         top = collections.Counter()
         for r in rs:

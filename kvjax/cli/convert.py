@@ -30,7 +30,6 @@ def parse_args(argv=None):
     from kvjax.io.saved import check_target
 
     rate = functools.partial(validate.rate, "the rate")
-
     p = argparse.ArgumentParser(
         prog="kvjax-convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

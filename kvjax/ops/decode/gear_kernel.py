@@ -56,7 +56,7 @@ def _field(side: str, part: str) -> int:
     return (0 if side == "k" else len(_PARTS)) + _PARTS.index(part)
 
 
-def _pairs(layout: HeadLayout) -> list[tuple[tuple[int, int], list[int]]]:
+def width_pairs(layout: HeadLayout) -> list[tuple[tuple[int, int], list[int]]]:
     """Each distinct (K width, V width) pair with its heads, in the order of their first head: a kernel each."""
     out: dict[tuple[int, int], list[int]] = {}
     for h, pair in enumerate(zip(layout.k_widths, layout.v_widths)):
@@ -329,8 +329,8 @@ def gear_paged_decode(
     halves = lax.bitcast_convert_type(pages.reshape(-1, 2), jnp.uint16)
     lengths = lengths.astype(jnp.int32)
     blocks = block_table.astype(jnp.int32).reshape(-1)
-    out = jnp.zeros((b, layout.out_cols), q.dtype)
-    for (kw, vw), heads in _pairs(layout):
+    outs: list = [None] * layout.num_kv_heads  # each head's output columns, in head order as out_cols holds them
+    for (kw, vw), heads in width_pairs(layout):
         qh = jnp.stack([q[:, offs["q"][h] : offs["q"][h] + g * kw] for h in heads], axis=1)  # [B, heads, G*kw]
         static = dict(
             k_side=_side_static(fmt, "k", heads[0], kw),
@@ -361,8 +361,8 @@ def gear_paged_decode(
         )(*args)
         got = got.reshape(b, len(heads), g * vw)
         for j, h in enumerate(heads):
-            out = out.at[:, offs["o"][h] : offs["o"][h] + g * vw].set(got[:, j])
-    return out
+            outs[h] = got[:, j]
+    return jnp.concatenate(outs, axis=1)
 
 
 class GearDecodeOp:
