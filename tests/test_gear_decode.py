@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import fresh_seed
-from test_quant_decode import quant_inputs
+from test_quant_decode import quant_inputs, rel_err, tolerance
 
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.gear_kernel import gear_paged_decode
@@ -50,8 +50,11 @@ def test_the_kernel_equals_the_reference_that_rebuilds_every_key(name):
     out = gear_paged_decode(q, pages, tail, table, lens, layout, fmt, interpret=True)
     want = reference(q, pages, tail, fmt, table, lens, layout)
     assert out.shape == want.shape and out.dtype == q.dtype
-    err = np.abs(np.asarray(out, np.float32) - np.asarray(want))
-    assert err.max() <= (2e-4 if dtype == jnp.float32 else 3e-2), (name, err.max())
+    if dtype == jnp.float32:
+        err = np.abs(np.asarray(out) - np.asarray(want))
+        assert err.max() <= 2e-4, (name, err.max())
+    else:  # bf16 rounds outputs near 8 to steps of 1/16: no absolute bound under that holds; the norm's, as for KIVI's
+        assert rel_err(out, want) <= tolerance(dtype), (name, rel_err(out, want))
 
 
 def test_four_byte_positions():
