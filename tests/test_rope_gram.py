@@ -171,6 +171,8 @@ def test_compress_covers_the_models_context_by_default():
     assert kvjax.compress(model, **kw, method="palu").plan.max_context is None
     with pytest.raises(ValueError, match="max_context applies to method='zack'"):
         kvjax.compress(model, **kw, method="palu", max_context=128)
+    with pytest.raises(ValueError, match="max_context must be 'model', a positive integer or None, got 'all'"):
+        kvjax.compress(model, **kw, max_context="all")
 
     assert [options.max_context(t) for t in ("model", "calibration", "64")] == ["model", None, 64]
     for bad in ("0", "-3", "many"):

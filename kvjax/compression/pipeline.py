@@ -27,7 +27,9 @@ def served_positions(model, method: str, max_context):
     (``config.max_position_embeddings``) for ZACK and None for Palu (a pre-RoPE basis serves every position); an int
     or None (the positions calibration saw) as given. Past the positions it was made for, a post-RoPE basis degrades
     (bench/RESULTS.md "Compression: the basis for the served positions"): the default covers all of them."""
-    if isinstance(max_context, str) and max_context == MODEL_CONTEXT:
+    if isinstance(max_context, str):
+        if max_context != MODEL_CONTEXT:
+            raise ValueError(f"max_context must be {MODEL_CONTEXT!r}, a positive integer or None, got {max_context!r}")
         return int(model.config.max_position_embeddings) if method == "zack" else None
     return max_context
 
