@@ -4,7 +4,7 @@ a cached prefix, and the decode op over every layer (a decode and a merge kernel
 them, ``tables.kernel_groups``; ``--knob`` sets DecodeConfig fields such as ``kernel_classes``). Each is lowered and
 compiled by XLA on its own, timed by the host. ``--kv-bits 4`` compiles the quantized decode op instead
 (``QuantDecodeOp``: its groups from ``quant_kernel.kernel_groups`` under the same ``kernel_classes`` cap, a branch
-per head class; ``--quant-knob`` sets QuantKernelConfig fields such as ``max_step_tokens``), so ``--layers 1``
+per head class; ``--quant-knob`` sets QuantKernelConfig fields such as ``narrow_step_tokens``), so ``--layers 1``
 times one layer's kernel. Tables: bench/RESULTS.md "Engine: compile times", "Quantized pages: compile times"."""
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ from kvjax.ops.tiles import tile
 EPILOG = """examples:
   python bench/resources.py rate:0.5 uniform:64 widths:80,48/96,32 [--warps 4 --stages 3]
   python bench/resources.py --kernel prefill rate:0.5 uniform:64 uniform:128 [--knob block_k=64]
-  python bench/resources.py --kernel quant --bits 4 rate:0.5 uniform:128 [--knob max_step_tokens=128]
+  python bench/resources.py --kernel quant --bits 4 rate:0.5 uniform:128 [--knob narrow_step_tokens=128]
   python bench/resources.py --kernel gear --gear gear2-r1-o0.01-p128 uniform:128 rate:0.5 [--warps 8]
 
 Layouts: rate:R (the bench's representative layer of a rate-R plan), uniform:W, or widths:K,K,../V,V,.. (cycled

@@ -68,7 +68,7 @@ def tolerance(dtype):
 
 
 MIXED = HeadLayout(4, 2, 64, (32, 16), (16, 48))  # group size 2, mixed widths within the layer
-SMALL = QuantKernelConfig(chunk_tokens=16, step_tokens=16, max_step_tokens=64)  # several chunks a step
+SMALL = QuantKernelConfig(chunk_tokens=16, step_tokens=64, narrow_step_tokens=32)  # several chunks a step
 CASES = {
     # name: (layout, bits, page size, cache dtype, lengths, programs, kernel). Lengths: 1 (tail only), whole pages
     # (an empty tail), inside a page, long ones split across the few programs and merged.
@@ -190,7 +190,7 @@ def test_op_runs_every_layer_and_a_wide_query_gives_the_packed_querys_output():
     rng = np.random.default_rng(seed)
     lengths = [24, 3, 41]
     config = dataclasses.replace(QUANT_DECODE, min_chunk_tokens=8, kernel_classes=8)
-    one_chunk = QuantKernelConfig(chunk_tokens=16, step_tokens=16, max_step_tokens=16)  # a smaller trace
+    one_chunk = QuantKernelConfig(chunk_tokens=16, step_tokens=16, narrow_step_tokens=16)  # a smaller trace
     # pages of 8 tokens: chunks of 8 in tiles of 16 rows
     op = QuantDecodeOp(
         LAYERS, 8, 11, bits=4, max_batch=3, config=config, kernel=one_chunk, num_programs=3, interpret=True

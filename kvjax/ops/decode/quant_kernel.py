@@ -44,7 +44,7 @@ at int4 against a floor (bytes over copy bandwidth) of 106 us, where the bf16 ke
 bytes. Every load is at least 32 bits a lane, so Triton pipelines it; deeper pipelines and more programs no longer
 move the time, so the work of a step binds: instruction issue (bench/RESULTS.md "Quantized pages: instructions per
 (token, head) (offline)"). A rate-0.5 layer (H200, "Rate 0.5: a schedule a class kernel"): 530 us with a schedule a
-class, 385 with value planes of 16 in 32-column tiles and ``max_step_tokens`` 64, where bf16 takes 168.
+class, 385 with value planes of 16 in 32-column tiles and 64 tokens a step, where bf16 takes 168.
 ``QuantKernelConfig`` holds the knobs a GPU sweep turns.
 """
 
@@ -114,8 +114,11 @@ class QuantKernelConfig:
     read here."""
 
     chunk_tokens: int = 32  # tokens a chunk reads from one page (fewer to divide the page): one lookup, one key range
-    step_tokens: int = 128  # tokens a loop step reads for a 128 + 128-column head (narrower heads read more)
-    max_step_tokens: int = 256
+    # tokens a loop step reads: 128 for a head whose K and V tiles hold 256 columns or more (a rate-0 layer: 304 us,
+    # 359 at 64), 64 for every narrower head, whose registers spill at more (a rate-0.5 layer: 464 us at 64, 530 at
+    # 256; its compile 40 s against 163). H100/H200, bench/RESULTS.md "Quantized pages: decode kernel"
+    step_tokens: int = 128
+    narrow_step_tokens: int = 64
     num_warps: int = 4
     num_stages: int = 2
     # head classes one compiled kernel switches between: a layer of more runs one kernel after another. Compile time
@@ -125,7 +128,7 @@ class QuantKernelConfig:
 
     def __post_init__(self):
         validate.int_fields(self, at_least_one=tuple(f.name for f in dataclasses.fields(self)))
-        for name in ("chunk_tokens", "step_tokens", "max_step_tokens"):
+        for name in ("chunk_tokens", "step_tokens", "narrow_step_tokens"):
             if getattr(self, name) < 16 or pow2_floor(getattr(self, name)) != getattr(self, name):
                 raise ValueError(f"{name} must be a power of two of at least 16, got {getattr(self, name)}")
 
@@ -134,9 +137,9 @@ class QuantKernelConfig:
         return min(self.chunk_tokens, page_size & -page_size)
 
     def chunks_per_step(self, k_tile: int, v_tile: int, page_size: int) -> int:
-        """Chunks a step of a head with these tiles reads: ``step_tokens`` at 128 + 128 columns, more for narrower
-        heads (the same values in registers), at most ``max_step_tokens``, at least one chunk."""
-        tokens = min(self.max_step_tokens, pow2_floor(self.step_tokens * 256 / (k_tile + v_tile)))
+        """Chunks a step of a head with these tiles reads: ``step_tokens`` when they hold 256 columns or more,
+        ``narrow_step_tokens`` when fewer; at least one chunk."""
+        tokens = self.step_tokens if k_tile + v_tile >= 256 else self.narrow_step_tokens
         return max(1, tokens // self.chunk(page_size))
 
 
