@@ -1004,6 +1004,10 @@ def main(argv=None):
             "thousands of generations)"
         )
     _check_kv_bits(p, args)
+    # float32 means float32 on every device: JAX's GPU default computes float32 dots in TF32 (10-bit mantissas), so
+    # the same command gave other retrieval answers on an H100 than on the CPU (bench/RESULTS.md "Retrieval at 4K and
+    # 8K with quantized pages (SmolLM2, H100)")
+    jax.config.update("jax_default_matmul_precision", "highest")
 
     start = time.time()
     extra: dict = {}
