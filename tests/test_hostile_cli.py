@@ -294,6 +294,14 @@ def test_interrupted_run_keeps_finished_records_in_partial_file(files, tmp_path,
             ["--target-rate", "0.5", "--kv-bits", "model"],
             f"argument --kv-bits: must be {SERVED} or 'none', got 'model'",
         ),
+        (["--target-rate", "0.5", "--band", "24"], "argument --band: band must be a power of two from 1 to 4096"),
+        (["--target-rate", "0.5", "--band", "wide"], "argument --band: invalid literal for int()"),
+        (["--target-rate", "0.5", "--band", "16", "--method", "palu"], "--band applies to --method zack"),
+        (["--target-rate", "0.5", "--band", "16", "--max-context", "4096"], "--band serves every position"),
+        (
+            ["--target-rate", "0.5", "--band", "16", "--kv-bits", "4"],
+            "--kv-bits 4 with --method zack --band 16: quantized pages are not supported on banded ZACK models yet",
+        ),
         (
             ["--target-rate", "0.5", "--method", "palu", "--kv-bits", "4"],
             "--kv-bits 4 with --method palu: quantized pages are not supported on Palu models yet (their cache holds a "

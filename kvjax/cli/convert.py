@@ -24,7 +24,7 @@ def parse_args(argv=None):
     from kvjax.cli import options
     from kvjax.compression.calibration import TEXT_SOURCES
     from kvjax.compression.pipeline import MODEL_CONTEXT
-    from kvjax.compression.plan import check_kv_bits
+    from kvjax.compression.plan import check_band
     from kvjax.compression.text import read_text_file
     from kvjax.io.load import resolve
     from kvjax.io.saved import check_target
@@ -82,6 +82,16 @@ def parse_args(argv=None):
         "'calibration' the positions calibration saw (the basis then degrades past --seq-len)",
     )
     p.add_argument(
+        "--band",
+        type=validate.arg(functools.partial(check_band, method="zack"), int),
+        default=None,
+        metavar="W",
+        help="zack: banded ZACK, a variant beside the paper's method: each key is stored in the frame of its band of W "
+        "positions (16, 32 or 64; a power of two), so one basis fits every position (--max-context does not apply) "
+        'and is closer to Palu\'s accuracy at the same bytes (bench/RESULTS.md "Banded bases"); served over '
+        "Palu's kernels for now, without quantized pages",
+    )
+    p.add_argument(
         "--k-share",
         type=validate.share_arg({"measured": "measured"}),
         default=None,
@@ -115,10 +125,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.k_share is not None and args.target_rate is None:
         p.error("--k-share splits a target rate's columns: give --target-rate")
-    try:
-        check_kv_bits(args.kv_bits, args.method)
-    except ValueError as e:
-        p.error(f"--kv-bits {args.kv_bits} with --method {args.method}: {str(e).removeprefix('kv_bits: ')}")
+    _check_cache_flags(p, args)
     if args.calibration not in ("random", *TEXT_SOURCES) and not args.calibration.startswith("text:"):
         p.error("--calibration must be 'text', 'prose', 'code', 'random' or 'text:FILE'")
     if args.calibration.startswith("text:"):
@@ -152,6 +159,25 @@ def _has_tokenizer(path: str) -> bool:
     return any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
 
 
+def _check_cache_flags(p, args) -> None:
+    """--band and --kv-bits against --method and --max-context (a banded plan serves every position: its
+    max_context is None)."""
+    from kvjax.compression.pipeline import MODEL_CONTEXT
+    from kvjax.compression.plan import check_kv_bits
+
+    if args.band is not None:
+        if args.method != "zack":
+            p.error(f"--band applies to --method zack (a post-RoPE basis), not {args.method}")
+        if args.max_context != MODEL_CONTEXT:
+            p.error("--band serves every position: leave out --max-context")
+        args.max_context = None
+    try:
+        check_kv_bits(args.kv_bits, args.method, args.band)
+    except ValueError as e:
+        with_band = f" --band {args.band}" if args.band is not None else ""
+        p.error(f"--kv-bits {args.kv_bits} with --method {args.method}{with_band}: {str(e).removeprefix('kv_bits: ')}")
+
+
 def main(argv=None) -> int:
     parser, args = parse_args(argv)
     import kvjax
@@ -173,6 +199,7 @@ def main(argv=None) -> int:
             fill_tiles=args.fill_tiles,
             max_context=args.max_context,
             k_share=args.k_share,
+            band=args.band,
             kv_bits=args.kv_bits,  # saved with OUT (kvjax.json's "serving")
         )
     except (FileNotFoundError, IsADirectoryError, ValueError) as e:

@@ -13,7 +13,7 @@ from flax import nnx
 from kvjax import validate
 from kvjax.compression.calibration import CalibrationStats, calibrate, calibration_tokens, check_source
 from kvjax.compression.folding import fold
-from kvjax.compression.plan import ALIGN, METHODS, RankPlan, check_kv_bits
+from kvjax.compression.plan import ALIGN, METHODS, RankPlan, check_band, check_kv_bits
 from kvjax.compression.split import best_share, kl_to
 
 BASIS = {"zack": ("qk", "v"), "palu": ("k_pre", "v")}  # each method's K and V bases (CalibrationStats.basis)
@@ -99,6 +99,7 @@ def make_plan(
     fill_tiles=False,
     max_context=None,
     k_share=None,
+    band=None,
 ) -> tuple[RankPlan, dict]:
     """The rank plan and the bases it truncates ({"k": Basis, "v": Basis}), from calibration statistics (cheap).
 
@@ -109,12 +110,16 @@ def make_plan(
     (``RankPlan.ordered_for_runs``; the model's output does not change).
     ``max_context``: take ZACK's Q/K basis for positions 0..max_context-1, derived from the pre-RoPE statistics,
     not for the positions calibration saw (recorded in the plan).
+    ``band`` (zack): store keys in banded frames of ``band`` positions, the Q/K basis that of positions
+    0..band-1 (``RankPlan.band``; then ``max_context`` must be None).
     ``k_share`` (with ``target_rate``): the share of the kept columns Q/K gets (``RankPlan.for_target_rate``);
     None: one removal rate for both (adaptive) or the singular-value mass split (uniform)."""
     max_context = _check_request(target_rate, removal_rate, method, max_context)
+    band = _check_band(band, method, max_context)
     k_kind, v_kind = BASIS[method]
     with np.errstate(invalid="ignore", divide="ignore"):  # a zero Gram: said below, naming its layer
-        k_basis, v_basis = stats.basis(k_kind, model, max_context=max_context), stats.basis(v_kind, model)
+        positions = band if band is not None else max_context  # a band's frame: the basis of its W offsets
+        k_basis, v_basis = stats.basis(k_kind, model, max_context=positions), stats.basis(v_kind, model)
     for kind, basis in ((k_kind, k_basis), (v_kind, v_basis)):
         bad = ~np.isfinite(basis.s).all(axis=-1)  # [L, Hkv]
         if bad.any():
@@ -129,7 +134,7 @@ def make_plan(
         raise ValueError("k_share splits a target rate's columns: give target_rate, not removal_rate")
     else:
         plan = RankPlan.from_removal_rate(method, k_basis.s, v_basis.s, removal_rate, adaptive)
-    plan = dataclasses.replace(plan, max_context=max_context)
+    plan = dataclasses.replace(plan, max_context=max_context, band=band)
     if fill_tiles and adaptive and method == "zack":
         plan = plan.filled_for_runs(model.layouts[0].group_size)
     if order_heads:
@@ -153,6 +158,7 @@ def compress(
     fill_tiles=False,
     max_context=MODEL_CONTEXT,
     k_share=None,
+    band=None,
     kv_bits="model",
     progress=True,
 ):
@@ -176,13 +182,20 @@ def compress(
     its heads by its own removal rate (adaptive) or evenly (uniform); "measured" tries shares 0.3-0.7 and keeps the
     one whose model stays closest (KL) to this one on held-in calibration rows (``compression.split``; a fold and
     a forward pass a share); None (default): one removal rate for both, or the uniform split by singular values.
+    ``band`` (zack): banded ZACK, a variant beside the paper's method: each key is stored in the frame of its band of
+    ``band`` positions (16, 32 or 64: a power of two), whose basis is that of positions 0..band-1 turned by the band's
+    start angle, so one basis fits every position and no ``max_context`` applies (DESIGN.md section 7, "Banded
+    bases"). Attention reads the keys back at full width (Palu's kernels) until a kernel of its own lands; quantized
+    pages are refused.
     ``kv_bits``: the quantized pages the returned model asks to be served from (``Model.kv_bits``, saved with it):
     4 or 2, None (pages of the cache's dtype), or "model" (default): ``model``'s own. Palu models refuse 4 and 2,
     before any calibration, in the engine's words.
     """
+    max_context = None if band is not None and max_context == MODEL_CONTEXT else max_context
     max_context = served_positions(model, method, max_context)
     _check_request(target_rate, removal_rate, method, max_context)  # before the (slow) calibration
-    kv_bits = _check_kv_bits(model, kv_bits, method)
+    band = _check_band(band, method, max_context)
+    kv_bits = _check_kv_bits(model, kv_bits, method, band)
     if k_share is not None:
         share = isinstance(k_share, (int, float)) and not isinstance(k_share, bool) and 0 < k_share < 1
         if target_rate is None or not (share or k_share == "measured"):
@@ -197,7 +210,12 @@ def compress(
     stats = calibrate(model, tokens, batch_size=batch_size, progress=progress)
     check_finite_stats(stats)
     settings = dict(
-        target_rate=target_rate, removal_rate=removal_rate, method=method, adaptive=adaptive, max_context=max_context
+        target_rate=target_rate,
+        removal_rate=removal_rate,
+        method=method,
+        adaptive=adaptive,
+        max_context=max_context,
+        band=band,
     )
     if k_share == "measured":
         score = kl_to(model, tokens, batch_size)
@@ -209,12 +227,21 @@ def compress(
     return compressed
 
 
-def _check_kv_bits(model, kv_bits, method: str) -> int | str | None:
-    """``compress``'s ``kv_bits`` checked for ``method``: "model" stands for ``model.kv_bits``, which a Palu plan
-    refuses with a hint of where it came from."""
+def _check_band(band, method: str, max_context) -> int | None:
+    """``band`` checked for ``method`` (``plan.check_band``); a banded plan serves every position, so it takes no
+    ``max_context``."""
+    band = check_band(band, method)
+    if band is not None and max_context is not None:
+        raise ValueError(f"band serves every position: give max_context=None with it, not {max_context!r}")
+    return band
+
+
+def _check_kv_bits(model, kv_bits, method: str, band=None) -> int | str | None:
+    """``compress``'s ``kv_bits`` checked for ``method`` (and ``band``): "model" stands for ``model.kv_bits``, which
+    a Palu or banded plan refuses with a hint of where it came from."""
     if isinstance(kv_bits, str) and kv_bits == "model":
         try:
-            return check_kv_bits(model.kv_bits, method)
+            return check_kv_bits(model.kv_bits, method, band)
         except ValueError as e:
             raise ValueError(f"{e} (kv_bits={model.kv_bits} is the model's own: pass kv_bits=None)") from None
-    return check_kv_bits(kv_bits, method)
+    return check_kv_bits(kv_bits, method, band)

@@ -12,6 +12,10 @@ Before ordering, a plan may move a few columns between a layer's heads (``filled
 ``kvjax.ops.decode.search.fill_runs``; opt-in, it trades accuracy for decode speed): at most 32 a head, each
 layer's K and V totals kept (so the rate is unchanged), where that lets the kernel's runs fill their tiles. Those
 heads then keep a little more or less than the removal rate says; ``moved_columns`` counts what moved.
+
+A ZACK plan may store keys in banded frames (``band``, DESIGN.md section 7, "Banded bases"): key ``n`` is kept as
+``U^T RoPE(n mod W) k_pre(n)``, the band's own frame, with ``U`` the basis of positions ``0..W-1``; attention turns
+it back by the band's start angle. The basis then depends on no absolute position, so it serves any context.
 """
 
 from __future__ import annotations
@@ -35,18 +39,37 @@ PALU_KV_BITS = (
     "kv_bits: quantized pages are not supported on Palu models yet (their cache holds a latent K that every read "
     "rebuilds); quantize an uncompressed or ZACK model"
 )
+BANDED_KV_BITS = (
+    "kv_bits: quantized pages are not supported on banded ZACK models yet (their keys are turned back by their "
+    "band's angle as they are read); quantize an uncompressed or plain ZACK model"
+)
 
 
-def check_kv_bits(kv_bits, method: str | None) -> int | str | None:
-    """The quantized pages a model compressed by ``method`` (None: uncompressed) may be served with: None (pages of
-    the cache's dtype), or 4, 2 or a GEAR name (``kv_schemes.served``) on any model but a Palu one; anything else is
-    a one-line ValueError."""
+def check_kv_bits(kv_bits, method: str | None, band: int | None = None) -> int | str | None:
+    """The quantized pages a model compressed by ``method`` (None: uncompressed; ``band``: a banded ZACK plan's) may
+    be served with: None (pages of the cache's dtype), or 4, 2 or a GEAR name (``kv_schemes.served``) on any model
+    but a Palu or banded one; anything else is a one-line ValueError."""
     if kv_bits is None:
         return None
     bits = served(kv_bits)
     if method == "palu":
         raise ValueError(PALU_KV_BITS)
+    if band is not None:
+        raise ValueError(BANDED_KV_BITS)
     return bits
+
+
+def check_band(band, method: str) -> int | None:
+    """A plan's ``band`` (ZACK's banded key frames, in positions): None, or a power of two from 1 to 4096 on a ZACK
+    plan (a decode step's tokens are a power of two, so a band never straddles two of them unevenly)."""
+    if band is None:
+        return None
+    band = validate.integer("band", band, low=1)
+    if band > 4096 or band & (band - 1):
+        raise ValueError(f"band must be a power of two from 1 to 4096, got {band}")
+    if method != "zack":
+        raise ValueError(f"band applies to method='zack' (a post-RoPE basis), not {method!r}")
+    return band
 
 
 def rank_for_removal(s: np.ndarray, r: float, head_dim: int) -> int:
@@ -73,6 +96,7 @@ class RankPlan:
     moved_columns: int = 0  # K + V columns that ``filled_for_runs`` moved between heads
     max_context: int | None = None  # zack: Q/K basis derived for positions 0..max_context-1 (None: those calibrated)
     k_share: float | None = None  # the share of the kept columns given to Q/K (None: one removal rate for both)
+    band: int | None = None  # zack: keys stored in the frame of their band of ``band`` positions (None: plain)
 
     def __post_init__(self):
         self.k_qk, self.k_v = np.asarray(self.k_qk, np.int64), np.asarray(self.k_v, np.int64)
@@ -88,6 +112,9 @@ class RankPlan:
                 )
         if self.max_context is not None:
             self.max_context = validate.positive("max_context", self.max_context)
+        self.band = check_band(self.band, self.method)
+        if self.band is not None and self.max_context is not None:
+            raise ValueError("a banded plan serves every position: give band or max_context, not both")
         if self.head_order is not None:
             self.head_order = np.asarray(self.head_order, np.int64)
             heads = self.s_qk.shape[1]
@@ -247,6 +274,8 @@ class RankPlan:
         ]
         if self.max_context is not None:
             lines.insert(1, f"Q/K basis derived for positions 0..{self.max_context - 1} (max_context)")
+        if self.band is not None:
+            lines.insert(1, f"keys stored in bands of {self.band} positions, each in its band's frame (any context)")
         if self.moved_columns:
             lines.insert(
                 1,
@@ -280,6 +309,7 @@ class RankPlan:
                 "moved_columns": self.moved_columns,
                 "max_context": self.max_context,
                 "k_share": self.k_share,
+                "band": self.band,
             }
         )
 

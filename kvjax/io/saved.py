@@ -51,7 +51,8 @@ def save(model, directory: str, *, overwrite: bool = False, hint: str = "overwri
     from kvjax.compression.plan import check_kv_bits
     from kvjax.models.transformer import separate_params
 
-    kv_bits = check_kv_bits(model.kv_bits, None if model.plan is None else model.plan.method)  # before any write
+    plan = model.plan
+    kv_bits = check_kv_bits(model.kv_bits, *((None, None) if plan is None else (plan.method, plan.band)))  # first
     for line in atomic.recover(os.path.abspath(directory), is_kvjax_checkpoint):
         warnings.warn(line, stacklevel=2)
     sources = () if model.source is None else (model.source,)

@@ -19,12 +19,15 @@ from kvjax.models.rope import apply_rope
 
 @dataclasses.dataclass(frozen=True)
 class LatentK:
-    """A Palu layer's K rebuild: head g's latent (``layout.k_widths[g]`` packed columns) times ``up[g]`` [w, d], then
-    RoPE by ``inv_freq`` [d/2] at the token's position."""
+    """A layer's K rebuild: head g's latent (``layout.k_widths[g]`` packed columns) times ``up[g]`` [w, d], then
+    RoPE by ``inv_freq`` [d/2] at the token's position (Palu), or at the start of its band of ``band`` positions
+    (banded ZACK: the latent is ``U^T RoPE(n mod band) k_pre``, ``up`` is ``U^T``, so the rebuilt key is the
+    post-RoPE key projected on the band's frame ``RoPE(start) U``; DESIGN.md section 7, "Banded bases")."""
 
     up: tuple[jax.Array, ...]
     inv_freq: np.ndarray
     layout: HeadLayout
+    band: int | None = None
 
     def __call__(self, latent, positions):
         """Packed latent [B, S, k_cols] at ``positions`` [B, S] -> full post-RoPE K [B, S, Hkv*d]."""
@@ -32,4 +35,5 @@ class LatentK:
         full = jnp.stack(
             [latent[..., s : s + w] @ up for s, w, up in zip(starts, self.layout.k_widths, self.up)], axis=2
         )
-        return apply_rope(full, positions, self.inv_freq).reshape(*latent.shape[:2], -1)
+        angles_at = positions if self.band is None else positions - positions % self.band
+        return apply_rope(full, angles_at, self.inv_freq).reshape(*latent.shape[:2], -1)

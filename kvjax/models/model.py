@@ -24,7 +24,7 @@ def _full_hidden(module, tokens, kv=None):
             q, k = rotation.packed(q, k)
         if kv is not None:
             if rebuild is not None:
-                raise ValueError("kv_bits: quantized pages are not supported on Palu models yet")
+                raise ValueError("kv_bits: quantized pages are not supported on Palu or banded ZACK models yet")
             return quantized_causal_attention(q, k, v, module.layouts[i], kv)
         return causal_attention(q, k, v, module.layouts[i], rebuild)
 

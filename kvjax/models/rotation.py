@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.layout import HeadLayout
+from kvjax.models.latent import LatentK
 
 
 def packed_rotation(bases: jax.Array, k_widths) -> jax.Array:
@@ -56,6 +57,21 @@ class QKRotation:
             qs.append((qh[..., g, :, :] @ r).reshape(*lead, lay.group_size * width))
             ks.append(kh[..., g, :] @ r)
         return jnp.concatenate(qs, axis=-1), jnp.concatenate(ks, axis=-1)
+
+    def keys(self, k):
+        """k [..., Hkv*d] packed as the cache holds it: each group's key times its own directions."""
+        lay = self.layout
+        kh = k.reshape(*k.shape[:-1], lay.num_kv_heads, lay.head_dim)
+        return jnp.concatenate(
+            [kh[..., g, :] @ self.matrix[:, start : start + width] for g, (start, width) in enumerate(self._columns())],
+            axis=-1,
+        )
+
+    def banded(self, inv_freq, band: int):
+        """The K rebuild of a banded plan (``latent.LatentK`` with ``band``): each group's directions transposed,
+        turned by the band's start angle as keys are read."""
+        ups = tuple(self.matrix[:, start : start + width].T for start, width in self._columns())
+        return LatentK(ups, inv_freq, self.layout, band)
 
     def wide(self, q, k):
         """For one token a row (q [B, H*d], k [B, Hkv*d]): (q [B, H + Hkv, k_cols], k [B, k_cols]). Row ``h`` of

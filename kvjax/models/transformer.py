@@ -24,8 +24,8 @@ from kvjax.models.rotation import QKRotation, identity_rotation
 # attend(layer, q, k, v, rebuild=None, rotation=None) -> attention output, packed (see kvjax.layout). q and k come
 # packed, except from ZACK layers, which pass them per head (H*d and Hkv*d columns) with the ``rotation``
 # (``rotation.QKRotation``) that packs them, so attention picks the form its op reads. ``rebuild`` is passed only
-# by Palu-compressed layers, whose cached K is a pre-RoPE latent (``latent.LatentK``: rebuild(latent, positions) ->
-# full K).
+# by layers whose cached K attention turns back into full K (``latent.LatentK``: rebuild(latent, positions) -> full
+# K): Palu's pre-RoPE latent, and banded ZACK's keys in their band's frame (q then comes per head, unprojected).
 AttendFn = Callable[..., jax.Array]
 
 
@@ -106,14 +106,16 @@ class Attention(nnx.Module):
     (the baseline): ``k`` outputs a pre-RoPE latent of ``k_widths[g]`` columns per head that attention rebuilds
     (``latent.LatentK``: ``k_up``, then RoPE) at every call. Gemma normalises every q and k head (``q_norm``,
     ``k_norm``) before RoPE; a normalised k cannot have its basis folded into ``k``, so Palu there projects the
-    normed head onto it (``k_down`` [d, k_widths[g]] per head) before caching. ``join`` holds ``q``, ``k`` and ``v``
+    normed head onto it (``k_down`` [d, k_widths[g]] per head) before caching. ``band`` (ZACK only): each key is
+    rotated by RoPE at its offset in its band of ``band`` positions and cached on the basis directions; attention
+    reads it back turned by the band's start angle (``QKRotation.banded``). ``join`` holds ``q``, ``k`` and ``v``
     as one ``Joined`` projection (``qkv``), as a ``kvjax.Model`` does.
     """
 
-    def __init__(self, cfg: ModelConfig, layout: HeadLayout, method: str | None, *, dtype, rngs):
+    def __init__(self, cfg: ModelConfig, layout: HeadLayout, method: str | None, *, dtype, rngs, band=None):
         h, kv, d, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         bias = cfg.attention_bias
-        self.method = method
+        self.method, self.band = method, band
         folded_k = method == "palu" and not cfg.gemma_norms  # Palu's basis folded into the K projection
         self.q: Linear | None = Linear(e, h * d, bias=bias, dtype=dtype, rngs=rngs)
         self.k: Linear | None = Linear(e, layout.k_cols if folded_k else kv * d, bias=bias, dtype=dtype, rngs=rngs)
@@ -166,11 +168,15 @@ class Attention(nnx.Module):
                 normed = heads(latent, layout.num_kv_heads, self.k_norm)
                 latent = jnp.concatenate([normed[:, :, g] @ down[...] for g, down in enumerate(self.k_down)], -1)
             return self.o(attend(layer, q.reshape(b, t, -1), latent, v, rebuild=rebuild))
-        k = apply_rope(heads(k, layout.num_kv_heads, self.k_norm), positions, inv_freq)
+        k_at = positions if self.band is None else positions % self.band  # banded: each key in its band's frame
+        k = apply_rope(heads(k, layout.num_kv_heads, self.k_norm), k_at, inv_freq)
         q, k = q.reshape(b, t, -1), k.reshape(b, t, -1)
         if self.method == "zack":
             assert self.qk_rotation is not None
-            return self.o(attend(layer, q, k, v, rotation=QKRotation(self.qk_rotation[...], layout)))
+            rotation = QKRotation(self.qk_rotation[...], layout)
+            if self.band is not None:  # cached: the band-frame key's columns; read back by the band's start angle
+                return self.o(attend(layer, q, rotation.keys(k), v, rebuild=rotation.banded(inv_freq, self.band)))
+            return self.o(attend(layer, q, k, v, rotation=rotation))
         return self.o(attend(layer, q, k, v))
 
 
@@ -206,7 +212,7 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """One decoder layer: pre-norm (Llama), parallel (Falcon), or Gemma's with norms after attention and MLP too."""
 
-    def __init__(self, cfg: ModelConfig, layout: HeadLayout, method: str | None, *, dtype, rngs):
+    def __init__(self, cfg: ModelConfig, layout: HeadLayout, method: str | None, *, dtype, rngs, band=None):
         self.parallel = cfg.parallel_block
         norm = dict(kind=cfg.norm, eps=cfg.norm_eps, dtype=dtype)
         self.attn_norm = Norm(cfg.hidden_size, **norm)
@@ -214,7 +220,7 @@ class Block(nnx.Module):
         self.mlp_norm = Norm(cfg.hidden_size, **norm) if two_norms else None
         self.post_attn_norm = Norm(cfg.hidden_size, **norm) if cfg.gemma_norms else None
         self.post_mlp_norm = Norm(cfg.hidden_size, **norm) if cfg.gemma_norms else None
-        self.attn = Attention(cfg, layout, method, dtype=dtype, rngs=rngs)
+        self.attn = Attention(cfg, layout, method, dtype=dtype, rngs=rngs, band=band)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, inv_freq, layout, attend, layer):
@@ -242,10 +248,14 @@ class Transformer(nnx.Module):
         ``plan`` (a ``kvjax.compression.RankPlan``) gives every layer's head widths and the compression method.
         """
         self.config, self.method = cfg, None if plan is None else plan.method
+        self.band = None if plan is None else plan.band
         self.layouts = tuple(layer_layout(cfg, plan, i) for i in range(cfg.num_layers))
         self.embed = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = nnx.List(
-            [Block(cfg, self.layouts[i], self.method, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
+            [
+                Block(cfg, self.layouts[i], self.method, dtype=dtype, rngs=rngs, band=self.band)
+                for i in range(cfg.num_layers)
+            ]
         )
         self.final_norm = Norm(cfg.hidden_size, kind=cfg.norm, eps=cfg.norm_eps, dtype=dtype)
         self.lm_head = (
@@ -253,6 +263,12 @@ class Transformer(nnx.Module):
             if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
+
+    @property
+    def rebuilt_k(self) -> bool:
+        """Whether attention rebuilds full K from what the cache holds (``attend``'s ``rebuild``): Palu's latent,
+        or a banded ZACK key turned back by its band's angle. The engine serves such layers with Palu's kernels."""
+        return self.method == "palu" or self.band is not None
 
     def join(self) -> None:
         """Every layer's q/k/v and gate/up projections as one GEMM each (``Joined``), in place: the in-memory form

@@ -11,7 +11,8 @@ first angle and a per-program table of in-step offsets (angle addition: two trig
 token), scores the group's queries against it, and runs the online softmax over the head's V rows. A split writes a
 partial (acc, max, sum) that ``_merge`` combines in jnp. Heads run in one launch per K tile (``head_classes``), so the
 rebuild multiplies by the head's own tile; heads narrower than the tile mask their columns, so loads never read a column
-the head does not own.
+the head does not own. With ``band`` (banded ZACK, whose cached key is in the frame of its band of ``band``
+positions: ``models.latent.LatentK``), each token's angle is its band's start, not its own position.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def _kernel(
     splits,
     window,
     scale,
+    band,
     interpret,
 ):
     seq, slot, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -130,7 +132,12 @@ def _kernel(
     up1 = load_rows(up_ref, up_rows, head_dim, 0, halves)  # [k_tile, d/2], zero past the head's width
     up2 = load_rows(up_ref, up_rows, head_dim, half, halves)
     freq = plgpu.load(freq_ref.at[jnp.arange(half)])[None, :]  # [1, d/2] float32
-    offset_angle = jnp.arange(step, dtype=jnp.float32)[:, None] * freq
+    # each token's angle: its position, or its band's start (a step starts at a multiple of itself, so a band of
+    # at least a step holds the whole step, and a narrower one divides it)
+    offsets = jnp.arange(step)
+    if band is not None:
+        offsets = offsets // band * band if band < step else jnp.zeros_like(offsets)
+    offset_angle = offsets.astype(jnp.float32)[:, None] * freq
     cos_in, sin_in = jnp.cos(offset_angle), jnp.sin(offset_angle)  # [step, d/2]: in-step offsets, once a program
 
     per_step = step // page_size
@@ -156,7 +163,8 @@ def _kernel(
         latent = load_rows(k_ref, row, k_cols, k_off, jnp.arange(k_tile)[None, :], k_cols_ok, valid)
         k1 = plgpu.dot(latent, up1, precision=precision)  # float32, where the reference rounds to the cache's dtype
         k2 = plgpu.dot(latent, up2, precision=precision)
-        start = first.astype(jnp.float32) * freq
+        at = first if band is None or band < step else first // band * band
+        start = at.astype(jnp.float32) * freq
         c0, s0 = jnp.cos(start), jnp.sin(start)
         cos = c0 * cos_in - s0 * sin_in
         sin = s0 * cos_in + c0 * sin_in
@@ -215,7 +223,9 @@ def _merge(acc, m, l, heads: int, group: int, splits: int, v_tile: int):
     return out.reshape(out.shape[0], -1)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "splits", "step", "num_warps", "num_stages", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("layout", "splits", "step", "num_warps", "num_stages", "band", "interpret")
+)
 def palu_decode(
     q,
     k_pages,
@@ -231,10 +241,12 @@ def palu_decode(
     step: int = STEP,
     num_warps: int = WARPS,
     num_stages: int = 2,
+    band: int | None = None,
     interpret: bool = False,
 ):
     """One new query per sequence against its Palu-compressed paged cache; equal to
-    ``reference.paged_decode_attention`` with the layer's K rebuild (``models.latent.LatentK``).
+    ``reference.paged_decode_attention`` with the layer's K rebuild (``models.latent.LatentK``; ``band`` is its
+    ``band``: banded ZACK keys turned by their band's start angle).
 
     q [B, H*d] (post-RoPE, full heads); k_pages [num_pages, page_size, k_cols] the K latent, v_pages
     [num_pages, page_size, v_cols]; block_table [B, pages_per_seq]; lengths [B] (the new token included); up: each
@@ -270,6 +282,7 @@ def palu_decode(
             splits=splits,
             window=layout.sliding_window,
             scale=1.0 / math.sqrt(d),
+            band=band,
             interpret=interpret,
         )
         args = [lengths, used, jnp.asarray(_head_table(layout, heads)), block_table, *flat]
@@ -332,5 +345,6 @@ class PaluDecodeOp:
             target_programs=self.target_programs,
             step=self.step,
             num_warps=self.num_warps,
+            band=rebuild.band,
             interpret=self.interpret,
         )

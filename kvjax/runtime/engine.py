@@ -334,7 +334,7 @@ class Engine:
         if self.backend == "reference":
             return
         interpret = self.backend == "interpret"
-        if model.module.method == "palu":  # K rebuilt from its latent: Palu's own kernel, prefill at full width
+        if model.module.rebuilt_k:  # K rebuilt (Palu's latent, banded keys): Palu's own kernel, prefill at full width
             self.prefill_op = PrefillOp([full_width(lay) for lay in model.layouts], interpret=interpret)
             self.decode_op = PaluDecodeOp(batch_invariant=c.batch_invariant, interpret=interpret)
             return
@@ -378,7 +378,17 @@ class Engine:
         return (
             f"on {machine.platform()} in {dtype} ({self.backend} attention): up to {self.max_batch} sequences at once "
             f"of up to {self.max_seq_len} positions; KV cache {self.cache_tokens:,} tokens, "
-            f"{memory.size(self.cache.nbytes)} ({self.budget_note}){self._format_note()}"
+            f"{memory.size(self.cache.nbytes)} ({self.budget_note}){self._format_note()}{self._band_note()}"
+        )
+
+    def _band_note(self) -> str:
+        """For a banded ZACK model on the kernels: which kernel reads its keys (Palu's, rebuilding each one)."""
+        band = self.model.module.band
+        if band is None or self.decode_op is None:
+            return ""
+        return (
+            f"; keys in bands of {band} positions, read by Palu's decode kernel, which rebuilds each key to full width "
+            "(a kernel that projects the query once a band instead is not built yet)"
         )
 
     def _format_note(self) -> str:
@@ -413,7 +423,7 @@ class Engine:
         """The room the largest step needs beside the cache (``memory.activation_bytes``'s estimate)."""
         cfg, dtype = self.model.config, self.model.dtype
         scores = self.backend == "reference"
-        gathers = scores or self.model.module.method == "palu"  # Palu's prefill rebuilds each row's K
+        gathers = scores or self.model.module.rebuilt_k  # Palu's prefill rebuilds each row's K
         rows = min(self.max_batch, self.prefill_limit)
         prefill = memory.activation_bytes(
             cfg, self.prefill_limit, rows, self.max_seq_len, dtype, scores=scores, gathers=gathers
@@ -591,7 +601,8 @@ class Engine:
 
 def _formats(model, c: EngineConfig) -> tuple[AnyPageFormat, ...] | None:
     """Each layer's quantized page format (``kv_schemes.page_format``), or None for pages in the cache's dtype."""
-    kv_bits = check_kv_bits(c.kv_bits, model.module.method)  # Palu refused, in the words kvjax.compress uses
+    # Palu and banded models refused, in the words kvjax.compress uses
+    kv_bits = check_kv_bits(c.kv_bits, model.module.method, model.module.band)
     if kv_bits is None:
         return None
     return tuple(page_format(kv_bits, lay, c.page_size) for lay in model.layouts)

@@ -1,0 +1,159 @@
+"""Banded ZACK (``compress(band=W)``): keys stored in the frame of their band of W positions, read back turned by the
+band's start angle (DESIGN.md section 7, "Banded bases"). At full width the model is the uncompressed one at every
+position, across band edges; the rebuild, Palu's kernel with a band and the engine agree with the references; the
+plan records its band, and bad requests are refused before any work."""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_CONFIGS, fresh_seed
+
+import kvjax
+from kvjax.compression import RankPlan, calibrate, calibration_tokens, fold, make_plan
+from kvjax.compression.plan import BANDED_KV_BITS
+from kvjax.layout import HeadLayout
+from kvjax.models.latent import LatentK
+from kvjax.models.rope import apply_rope, inverse_frequencies
+from kvjax.ops.decode.reference import paged_decode_attention
+from kvjax.ops.palu import palu_decode
+from kvjax.runtime.engine import Engine
+
+WIDE = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)
+CALIBRATION = dict(calibration="random", num_tokens=256, seq_len=64, progress=False)
+
+
+@pytest.mark.parametrize("band", [1, 4, 16])
+def test_full_width_banded_model_is_the_uncompressed_model_at_every_position(band):
+    """Removal rate 0 keeps every direction: the band frames are orthogonal changes of basis, so the logits are the
+    uncompressed model's (float32) at positions inside bands and across their edges, on a prompt longer than
+    several bands."""
+    seed = fresh_seed()
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=5.0)
+    full = kvjax.compress(model, removal_rate=0.0, band=band, seed=seed % 1000, **CALIBRATION)
+    assert full.plan.band == band and full.plan.max_context is None and full.plan.rate == 0.0
+    tokens = np.random.default_rng(seed).integers(0, WIDE.vocab_size, size=(2, 3 * band + 21))
+    want = np.asarray(model.logits(tokens))
+    np.testing.assert_allclose(full.logits(tokens), want, atol=1e-4 * np.abs(want).max(), err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("band", [None, 1, 8, 32])
+def test_the_rebuild_turns_each_key_by_its_bands_start(band):
+    """``LatentK`` with a band: head g's latent times ``up[g]``, rotated by RoPE at ``n - n mod band`` (at ``n``
+    without a band), token by token in float64."""
+    rng = np.random.default_rng(fresh_seed())
+    layout = HeadLayout(4, 2, 16, (16, 8 * 2), (16, 16))
+    inv_freq = inverse_frequencies(16, 10000.0, {})
+    up = tuple(rng.standard_normal((w, 16)) for w in layout.k_widths)
+    latent = rng.standard_normal((1, 70, layout.k_cols))
+    positions = np.arange(70)[None] + 5
+    got = np.asarray(LatentK(tuple(map(jnp.asarray, up)), inv_freq, layout, band)(latent, positions))
+    at = positions if band is None else positions - positions % band
+    full = np.stack([latent[..., :16] @ up[0], latent[..., 16:] @ up[1]], axis=2)
+    want = np.asarray(apply_rope(jnp.asarray(full, jnp.float32), jnp.asarray(at), inv_freq)).reshape(1, 70, -1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _case(rng, layout, lengths, page_size, band):
+    b, d = len(lengths), layout.head_dim
+    pps = -(-max(lengths) // page_size) + 1
+    pages = b * pps + 1
+    k = jnp.asarray(rng.standard_normal((pages, page_size, layout.k_cols)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((pages, page_size, layout.v_cols)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((b, layout.num_heads * d)), jnp.float32)
+    table = jnp.asarray(rng.permutation(np.arange(1, pages)).reshape(b, pps).astype(np.int32))
+    up = tuple(jnp.asarray(rng.standard_normal((w, d)) / np.sqrt(w), jnp.float32) for w in layout.k_widths)
+    return q, k, v, table, jnp.asarray(lengths, jnp.int32), LatentK(up, inverse_frequencies(d, 1e4, {}), layout, band)
+
+
+@pytest.mark.parametrize("band, step", [(4, 16), (16, 16), (64, 16), (16, 32)])
+def test_palus_kernel_with_a_band_matches_the_reference(band, step):
+    """Palu's decode kernel serves banded keys (interpret mode): bands narrower than, equal to and wider than its
+    step, against ``paged_decode_attention`` with the same rebuild."""
+    seed = fresh_seed()
+    layout = HeadLayout(8, 2, 64, (48, 16), (16, 64))
+    q, k, v, table, lengths, rebuild = _case(np.random.default_rng(seed), layout, [1, 37, 130], 16, band)
+    out = palu_decode(
+        q, k, v, table, lengths, rebuild.up, rebuild.inv_freq, layout, splits=2, step=step, band=band, interpret=True
+    )
+    ref = paged_decode_attention(q, k, v, table, lengths, layout, rebuild)
+    np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4, err_msg=f"seed {seed}")
+    plain = paged_decode_attention(q, k, v, table, lengths, layout, dataclasses.replace(rebuild, band=None))
+    assert np.abs(np.asarray(plain) - np.asarray(ref)).max() > 1e-3  # the band changes what is read
+
+
+def _banded_varied_model(model, band):
+    """A banded model whose heads all have different K and V widths."""
+    stats = calibrate(model, calibration_tokens(model, "random", 128, 64), progress=False)
+    bases = {"k": stats.basis("qk", model, max_context=band), "v": stats.basis("v", model)}
+    layers, heads = bases["k"].s.shape[:2]
+    widths = np.array([[64, 32, 16, 48], [16, 48, 64, 32]])
+    plan = RankPlan(
+        "zack",
+        64,
+        np.resize(widths, (layers, heads)),
+        np.resize(widths[::-1], (layers, heads)),
+        bases["k"].s,
+        bases["v"].s,
+        band=band,
+    )
+    return fold(model, plan, bases)
+
+
+def test_banded_on_palus_kernels_gives_the_reference_tokens_with_chunked_prompts_and_a_window():
+    """The engine serves a banded model on Palu's kernels (interpret mode): prompts longer than a chunk, so later
+    chunks read a prefix across band edges; Mistral's sliding window; the reference path's greedy tokens."""
+    cfg = dataclasses.replace(TINY_CONFIGS["mistral"], head_dim=64, hidden_size=128, sliding_window=40)
+    model = _banded_varied_model(kvjax.Model.random(cfg, seed=fresh_seed() % 1000, scale=5.0), band=16)
+    assert model.module.rebuilt_k
+    prompts = [np.random.default_rng().integers(0, 97, n).tolist() for n in (70, 33, 5)]
+    settings = dict(max_new_tokens=8, max_batch=4, page_size=16, chunk_tokens=32)
+    ref = kvjax.generate(model, prompts, backend="reference", **settings)
+    ker = kvjax.generate(model, prompts, backend="interpret", **settings)
+    assert [r.tokens for r in ker] == [r.tokens for r in ref]
+    line = Engine(model, max_batch=2, max_seq_len=64, backend="interpret").describe()
+    assert "keys in bands of 16 positions, read by Palu's decode kernel" in line, line
+
+
+def test_a_banded_plan_is_recorded_saved_and_loaded(tmp_path):
+    seed = fresh_seed()
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=5.0)
+    banded = kvjax.compress(model, target_rate=0.5, band=32, seed=seed % 1000, **CALIBRATION)
+    assert banded.plan.band == 32 and banded.plan.max_context is None and banded.plan.rate >= 0.5
+    assert "bands of 32 positions" in banded.plan.summary()
+    banded.save(str(tmp_path / "ckpt"))
+    back = kvjax.load(str(tmp_path / "ckpt"), dtype="float32")
+    assert back.plan.band == 32 and back.plan.to_json() == banded.plan.to_json() and back.module.band == 32
+    tokens = np.random.default_rng(seed).integers(0, WIDE.vocab_size, size=(1, 40))
+    np.testing.assert_allclose(back.logits(tokens), banded.logits(tokens), rtol=1e-5, atol=1e-5)
+    old = json.loads(banded.plan.to_json())
+    del old["band"]  # a plan written before the field existed
+    assert RankPlan.from_json(json.dumps(old)).band is None
+
+
+def test_bad_bands_are_refused_before_any_work():
+    model = kvjax.Model.random(WIDE, seed=1)
+    stats = calibrate(model, calibration_tokens(model, "random", 64, 32), progress=False)
+    for band, error, match in [
+        (3, ValueError, "band must be a power of two from 1 to 4096, got 3"),
+        (0, ValueError, "band must be >= 1, got 0"),
+        (8192, ValueError, "band must be a power of two from 1 to 4096, got 8192"),
+        (16.0, TypeError, "band must be an integer"),
+    ]:
+        with pytest.raises(error, match=match):
+            kvjax.compress(model, target_rate=0.5, band=band, **CALIBRATION)
+    with pytest.raises(ValueError, match="band applies to method='zack'"):
+        kvjax.compress(model, target_rate=0.5, method="palu", band=16, **CALIBRATION)
+    with pytest.raises(ValueError, match="band serves every position: give max_context=None"):
+        kvjax.compress(model, target_rate=0.5, band=16, max_context=128, **CALIBRATION)
+    with pytest.raises(ValueError, match="band serves every position: give max_context=None"):
+        make_plan(model, stats, target_rate=0.5, band=16, max_context=64)
+    with pytest.raises(ValueError) as e:
+        kvjax.compress(model, target_rate=0.5, band=16, kv_bits=4, **CALIBRATION)
+    assert str(e.value) == BANDED_KV_BITS
+    banded = kvjax.compress(model, target_rate=0.5, band=16, **CALIBRATION)
+    with pytest.raises(ValueError) as e:
+        kvjax.generate(banded, [[1, 2, 3]], max_new_tokens=2, kv_bits=4)
+    assert str(e.value) == BANDED_KV_BITS
