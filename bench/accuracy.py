@@ -54,7 +54,12 @@ VARIANTS = {  # name -> (method, adaptive); palu-uniform (one rank for every hea
     "zack-uniform": ("zack", False),
     "palu": ("palu", True),
     "palu-uniform": ("palu", False),
+    "zack-band16": ("zack", True),  # banded ZACK (``compress(band=W)``): keys in the frame of their band of W positions
+    "zack-band32": ("zack", True),
+    "zack-band64": ("zack", True),
 }
+BANDS = {name: int(name.removeprefix("zack-band")) for name in VARIANTS if name.startswith("zack-band")}
+DEFAULT_VARIANTS = ["zack", "zack-uniform", "palu", "palu-uniform"]
 GROUP = ("calibration", "variant", "max_context", "k_share", "kv_bits")  # what a model has besides its rate
 AT_99 = {  # the 99%-of-baseline tests, (value, uncompressed value) -> passes: eval's bisection and Evaluator.meets
     "ppl": lambda value, base: value <= 1.01 * base,
@@ -168,9 +173,10 @@ def _variants(base, args):
             yield (source, variant, *VARIANTS[variant], stats)
 
 
-def _compressed(base, stats, p, method, adaptive):
-    """``base`` compressed to target rate ``p`` by ``method`` (adaptive or uniform ranks) from ``stats``."""
-    plan, bases = make_plan(base, stats, target_rate=p, method=method, adaptive=adaptive)
+def _compressed(base, stats, p, method, adaptive, variant=None):
+    """``base`` compressed to target rate ``p`` by ``method`` (adaptive or uniform ranks; banded by ``variant``)
+    from ``stats``."""
+    plan, bases = make_plan(base, stats, target_rate=p, method=method, adaptive=adaptive, band=BANDS.get(variant))
     return fold(base, plan, bases)
 
 
@@ -179,7 +185,7 @@ def run_rates(base, ev, args):
     rows = []
     for source, variant, method, adaptive, stats in _variants(base, args):
         for p in args.rates:
-            model = _compressed(base, stats, p, method, adaptive)
+            model = _compressed(base, stats, p, method, adaptive, variant)
             rows.append(_row(source, variant, p, model, ev.score(model), ev.base))
             print(_fmt(rows[-1]), flush=True)
     return rows
@@ -192,7 +198,7 @@ def run_search(base, ev, args):
         lo, hi, best = 0.0, args.max_rate, None
         for _ in range(args.steps):
             mid = (lo + hi) / 2
-            model = _compressed(base, stats, mid, method, adaptive)
+            model = _compressed(base, stats, mid, method, adaptive, variant)
             row = _row(source, variant, mid, model, ev.score(model), ev.base)
             if ev.meets(row):
                 lo, best = max(mid, model.plan.rate), row
@@ -403,7 +409,7 @@ def _groups(base, args):
     """(group fields, plan_for) per calibration, variant, zack ``--max-context``, ``--k-share`` and ``--kv-bits``;
     ``plan_for(p)`` gives (row fields, plan, bases) at target rate ``p`` (folding waits)."""
     for source, variant, method, adaptive, stats in _variants(base, args):
-        for max_context in args.max_context if method == "zack" else [None]:
+        for max_context in args.max_context if method == "zack" and variant not in BANDS else [None]:
             for k_share in args.k_share:
                 for bits in args.kv_bits:
                     group = {"calibration": source, "variant": variant, "max_context": max_context}
@@ -418,6 +424,7 @@ def _groups(base, args):
                             adaptive=adaptive,
                             max_context=group["max_context"],
                             k_share=group["k_share"],
+                            band=BANDS.get(group["variant"]),
                         )
                         overall = overall_rate(base, plan, group["kv_bits"], args.kv_page)
                         return group | {"target_rate": p, "rate": plan.rate, "overall_rate": overall}, plan, bases
@@ -803,7 +810,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2", help="model path or 'smollm2' (default)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.375, 0.5])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=DEFAULT_VARIANTS,
+        choices=list(VARIANTS),
+        help="ZACK adaptive and uniform, Palu adaptive and uniform (default), banded ZACK (zack-band16/32/64: keys in "
+        "the frame of their band of W positions; every position served, so --max-context does not apply)",
+    )
     p.add_argument(
         "--calibrations",
         nargs="+",
@@ -943,7 +957,7 @@ def _check_eval(p, args, base) -> None:
 
 
 def _check_kv_bits(p, args) -> None:
-    """Refuse --kv-bits outside eval, repeated, or with Palu variants (before any model loads)."""
+    """Refuse --kv-bits outside eval, repeated, or with Palu or banded variants (before any model loads)."""
     if len(set(args.kv_bits)) < len(args.kv_bits):
         p.error(f"--kv-bits values must be distinct, got {' '.join(str(b).lower() for b in args.kv_bits)}")
     if args.kv_bits == [None]:
@@ -955,11 +969,12 @@ def _check_kv_bits(p, args) -> None:
             f"retrieval --kv-bits {' '.join(str(b).lower() for b in args.kv_bits)}: the engine serves KIVI-style "
             f"({', '.join(map(str, BITS))}) and GEAR pages; ZipCache is scored by eval only (teacher-forced)"
         )
-    palu = [v for v in args.variants if VARIANTS[v][0] == "palu"]
-    if any(b is not None for b in args.kv_bits) and palu:
+    rebuilt = [v for v in args.variants if VARIANTS[v][0] == "palu" or v in BANDS]
+    if any(b is not None for b in args.kv_bits) and rebuilt:
         p.error(
-            f"--kv-bits {' '.join(str(b).lower() for b in args.kv_bits)}: quantized pages serve ZACK and "
-            f"uncompressed models only, not {' '.join(palu)} (Palu rebuilds K); pass --variants zack or zack-uniform"
+            f"--kv-bits {' '.join(str(b).lower() for b in args.kv_bits)}: quantized pages serve plain ZACK and "
+            f"uncompressed models only, not {' '.join(rebuilt)} (their K is rebuilt as it is read); pass --variants "
+            "zack or zack-uniform"
         )
 
 
