@@ -2,7 +2,9 @@
 ``--model`` (default SmolLM2): held-out perplexity by position (1-511, 512-1023, then doubling up to the window) of
 ``--window``-token windows, for the uncompressed model, ZACK calibrated on 512-token rows without and with
 ``max_context`` (its post-RoPE Gram derived from pre-RoPE statistics for positions 0..max_context-1: the window, and
-the model's context length, ``kvjax.compress``'s default), and ZACK calibrated on rows as long as the window. Each
+the model's context length, ``kvjax.compress``'s default), and ZACK calibrated on rows as long as the window; with
+``--bands``, banded ZACK (``compress(band=W)``: one basis for every position) beside them, or alone with
+``--bands-only``. Each
 cell: the perplexity, and its ratio to the uncompressed model's over the same positions. Calibration text:
 ``--calibration`` (default "prose", the first half of Python's pydoc topics); evaluation: the second half
 (``kvjax.compression.text``). Tables: bench/RESULTS.md "Compression: the basis for the served positions"."""
@@ -19,6 +21,7 @@ from files import write_json
 import kvjax
 from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
 from kvjax.compression.calibration import check_source
+from kvjax.compression.plan import check_band
 from kvjax.compression.text import pydoc_text
 
 
@@ -41,7 +44,8 @@ def buckets(window: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
-def main(argv=None) -> None:
+def parse(argv=None):
+    """The command line, its flags checked (before any model loads)."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2", help="what kvjax.load reads (default smollm2)")
     ap.add_argument("--window", type=int, default=1024, help="evaluation window in tokens (default 1024)")
@@ -49,10 +53,24 @@ def main(argv=None) -> None:
     ap.add_argument("--rate", type=float, default=0.5, help="ZACK's target rate (default 0.5)")
     ap.add_argument("--calibration", default="prose", help="calibration source (default prose; see kvjax.compress)")
     ap.add_argument("--num-tokens", type=int, default=16384, help="calibration tokens (default 16384)")
+    ap.add_argument("--bands", type=int, nargs="*", default=[], help="also: banded ZACK with these bands W")
+    ap.add_argument("--bands-only", action="store_true", help="with --bands: no plain ZACK rows")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
+    if args.bands_only and not args.bands:
+        ap.error("--bands-only needs --bands")
+    for band in args.bands:
+        try:
+            check_band(band, "zack")
+        except ValueError as e:
+            ap.error(f"--bands: {e}")
     if args.window <= 512 or args.windows < 1 or args.num_tokens < 1 or not 0 < args.rate < 1:
         ap.error("--window must exceed 512, --windows and --num-tokens be positive, --rate lie in (0, 1)")
+    return ap, args
+
+
+def main(argv=None) -> None:
+    ap, args = parse(argv)
     try:
         base = kvjax.load(args.model, dtype="float32", progress=False)
     except (OSError, ValueError) as e:
@@ -90,12 +108,16 @@ def main(argv=None) -> None:
 
     report("uncompressed", None, None, base)
     served = base.config.max_position_embeddings  # compress's default max_context
-    for seq_len, contexts in ((512, dict.fromkeys((None, args.window, served))), (args.window, (None,))):
+    plain = ((512, dict.fromkeys((None, args.window, served))), (args.window, (None,)))
+    for seq_len, contexts in ((512, ()),) if args.bands_only else plain:
         tokens = calibration_tokens(base, args.calibration, args.num_tokens, seq_len, seed=0)
         stats = calibrate(base, tokens, batch_size=max(1, 2048 // seq_len), progress=False)  # bounded memory
         for max_context in contexts:
             plan, bases = make_plan(base, stats, target_rate=args.rate, max_context=max_context)
             report(f"zack p={plan.rate:.2f}", seq_len, max_context, fold(base, plan, bases))
+        for band in args.bands if seq_len == 512 else ():
+            plan, bases = make_plan(base, stats, target_rate=args.rate, band=band)
+            report(f"zack band {band} p={plan.rate:.2f}", seq_len, None, fold(base, plan, bases))
 
 
 if __name__ == "__main__":
