@@ -157,3 +157,20 @@ def test_bad_bands_are_refused_before_any_work():
     with pytest.raises(ValueError) as e:
         kvjax.generate(banded, [[1, 2, 3]], max_new_tokens=2, kv_bits=4)
     assert str(e.value) == BANDED_KV_BITS
+
+
+@pytest.mark.parametrize("band", [4, 64])
+def test_palus_kernel_with_a_band_lowers_for_sm90(band):
+    """The banded form of Palu's kernel lowers to Triton IR for an H100 (no GPU here: what XLA would compile)."""
+    from kvjax.ops.lowering import triton_modules
+
+    layout = HeadLayout(8, 2, 64, (48, 16), (16, 64))
+    q, k, v, table, lengths, rebuild = _case(np.random.default_rng(0), layout, [1, 37], 16, band)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    up = tuple(u.astype(jnp.bfloat16) for u in rebuild.up)
+
+    def run(q, k, v, table, lengths):
+        return palu_decode(q, k, v, table, lengths, up, rebuild.inv_freq, layout, band=band)
+
+    modules = triton_modules(run, (q, k, v, table, lengths))
+    assert len(modules) == 2 and all("tt.dot" in m for m in modules)
