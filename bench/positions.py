@@ -71,6 +71,7 @@ def parse(argv=None):
 
 def main(argv=None) -> None:
     ap, args = parse(argv)
+    jax.config.update("jax_default_matmul_precision", "highest")  # float32 as on the CPU (the GPU's default is TF32)
     try:
         base = kvjax.load(args.model, dtype="float32", progress=False)
     except (OSError, ValueError) as e:
