@@ -50,13 +50,11 @@ class QKRotation:
         lay = self.layout
         lead = q.shape[:-1]
         qh = q.reshape(*lead, lay.num_kv_heads, lay.group_size, lay.head_dim)
-        kh = k.reshape(*lead, lay.num_kv_heads, lay.head_dim)
-        qs, ks = [], []
-        for g, (start, width) in enumerate(self._columns()):
-            r = self.matrix[:, start : start + width]
-            qs.append((qh[..., g, :, :] @ r).reshape(*lead, lay.group_size * width))
-            ks.append(kh[..., g, :] @ r)
-        return jnp.concatenate(qs, axis=-1), jnp.concatenate(ks, axis=-1)
+        qs = [
+            (qh[..., g, :, :] @ self.matrix[:, start : start + width]).reshape(*lead, lay.group_size * width)
+            for g, (start, width) in enumerate(self._columns())
+        ]
+        return jnp.concatenate(qs, axis=-1), self.keys(k)
 
     def keys(self, k):
         """k [..., Hkv*d] packed as the cache holds it: each group's key times its own directions."""
