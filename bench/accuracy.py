@@ -57,6 +57,8 @@ VARIANTS = {  # name -> (method, adaptive); palu-uniform (one rank for every hea
     "zack-band16": ("zack", True),  # banded ZACK (``compress(band=W)``): keys in the frame of their band of W positions
     "zack-band32": ("zack", True),
     "zack-band64": ("zack", True),
+    "zack-band1": ("zack", True),  # narrower than any kernel tile: diagnostics (band 1 is Palu's frame, ZACK's basis)
+    "zack-band4": ("zack", True),
 }
 BANDS = {name: int(name.removeprefix("zack-band")) for name in VARIANTS if name.startswith("zack-band")}
 DEFAULT_VARIANTS = ["zack", "zack-uniform", "palu", "palu-uniform"]
@@ -815,8 +817,9 @@ def parser() -> argparse.ArgumentParser:
         nargs="+",
         default=DEFAULT_VARIANTS,
         choices=list(VARIANTS),
-        help="ZACK adaptive and uniform, Palu adaptive and uniform (default), banded ZACK (zack-band16/32/64: keys in "
-        "the frame of their band of W positions; every position served, so --max-context does not apply)",
+        help="ZACK adaptive and uniform, Palu adaptive and uniform (default), banded ZACK (zack-band16/32/64, and "
+        "1/4 as diagnostics: keys in the frame of their band of W positions; every position served, so --max-context "
+        "does not apply)",
     )
     p.add_argument(
         "--calibrations",
