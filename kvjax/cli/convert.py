@@ -168,9 +168,8 @@ def _check_cache_flags(p, args) -> None:
     if args.band is not None:
         if args.method != "zack":
             p.error(f"--band applies to --method zack (a post-RoPE basis), not {args.method}")
-        if args.max_context != MODEL_CONTEXT:
+        if args.max_context != MODEL_CONTEXT:  # left as "model", which compress resolves to None with a band
             p.error("--band serves every position: leave out --max-context")
-        args.max_context = None
     try:
         check_kv_bits(args.kv_bits, args.method, args.band)
     except ValueError as e:

@@ -22,15 +22,16 @@ BASIS = {"zack": ("qk", "v"), "palu": ("k_pre", "v")}  # each method's K and V b
 MODEL_CONTEXT = "model"  # ``compress``'s default max_context: the positions the model serves, its context length
 
 
-def served_positions(model, method: str, max_context):
+def served_positions(model, method: str, max_context, band=None):
     """``compress``'s ``max_context`` resolved for ``model``: ``"model"`` (the default) is the model's context length
-    (``config.max_position_embeddings``) for ZACK and None for Palu (a pre-RoPE basis serves every position); an int
-    or None (the positions calibration saw) as given. Past the positions it was made for, a post-RoPE basis degrades
-    (bench/RESULTS.md "Compression: the basis for the served positions"): the default covers all of them."""
+    (``config.max_position_embeddings``) for plain ZACK and None for Palu and banded ZACK (a pre-RoPE basis, or a
+    band's frame, serves every position); an int or None (the positions calibration saw) as given. Past the
+    positions it was made for, a post-RoPE basis degrades (bench/RESULTS.md "Compression: the basis for the served
+    positions"): the default covers all of them."""
     if isinstance(max_context, str):
         if max_context != MODEL_CONTEXT:
             raise ValueError(f"max_context must be {MODEL_CONTEXT!r}, a positive integer or None, got {max_context!r}")
-        return int(model.config.max_position_embeddings) if method == "zack" else None
+        return int(model.config.max_position_embeddings) if method == "zack" and band is None else None
     return max_context
 
 
@@ -115,7 +116,7 @@ def make_plan(
     ``k_share`` (with ``target_rate``): the share of the kept columns Q/K gets (``RankPlan.for_target_rate``);
     None: one removal rate for both (adaptive) or the singular-value mass split (uniform)."""
     max_context = _check_request(target_rate, removal_rate, method, max_context)
-    band = _check_band(band, method, max_context)
+    band = check_band(band, method, max_context)
     k_kind, v_kind = BASIS[method]
     with np.errstate(invalid="ignore", divide="ignore"):  # a zero Gram: said below, naming its layer
         positions = band if band is not None else max_context  # a band's frame: the basis of its W offsets
@@ -191,10 +192,9 @@ def compress(
     4 or 2, None (pages of the cache's dtype), or "model" (default): ``model``'s own. Palu models refuse 4 and 2,
     before any calibration, in the engine's words.
     """
-    max_context = None if band is not None and max_context == MODEL_CONTEXT else max_context
-    max_context = served_positions(model, method, max_context)
+    max_context = served_positions(model, method, max_context, band)
     _check_request(target_rate, removal_rate, method, max_context)  # before the (slow) calibration
-    band = _check_band(band, method, max_context)
+    band = check_band(band, method, max_context)
     kv_bits = _check_kv_bits(model, kv_bits, method, band)
     if k_share is not None:
         share = isinstance(k_share, (int, float)) and not isinstance(k_share, bool) and 0 < k_share < 1
@@ -225,15 +225,6 @@ def compress(
     compressed = fold(model, plan, bases)
     compressed.kv_bits = kv_bits
     return compressed
-
-
-def _check_band(band, method: str, max_context) -> int | None:
-    """``band`` checked for ``method`` (``plan.check_band``); a banded plan serves every position, so it takes no
-    ``max_context``."""
-    band = check_band(band, method)
-    if band is not None and max_context is not None:
-        raise ValueError(f"band serves every position: give max_context=None with it, not {max_context!r}")
-    return band
 
 
 def _check_kv_bits(model, kv_bits, method: str, band=None) -> int | str | None:

@@ -59,9 +59,10 @@ def check_kv_bits(kv_bits, method: str | None, band: int | None = None) -> int |
     return bits
 
 
-def check_band(band, method: str) -> int | None:
+def check_band(band, method: str, max_context=None) -> int | None:
     """A plan's ``band`` (ZACK's banded key frames, in positions): None, or a power of two from 1 to 4096 on a ZACK
-    plan (a decode step's tokens are a power of two, so a band never straddles two of them unevenly)."""
+    plan (a decode step's tokens are a power of two, so a band never straddles two of them unevenly) with no
+    ``max_context`` (a banded plan serves every position)."""
     if band is None:
         return None
     band = validate.integer("band", band, low=1)
@@ -69,6 +70,8 @@ def check_band(band, method: str) -> int | None:
         raise ValueError(f"band must be a power of two from 1 to 4096, got {band}")
     if method != "zack":
         raise ValueError(f"band applies to method='zack' (a post-RoPE basis), not {method!r}")
+    if max_context is not None:
+        raise ValueError(f"band serves every position: give max_context=None with it, not {max_context!r}")
     return band
 
 
@@ -112,9 +115,7 @@ class RankPlan:
                 )
         if self.max_context is not None:
             self.max_context = validate.positive("max_context", self.max_context)
-        self.band = check_band(self.band, self.method)
-        if self.band is not None and self.max_context is not None:
-            raise ValueError("a banded plan serves every position: give band or max_context, not both")
+        self.band = check_band(self.band, self.method, self.max_context)
         if self.head_order is not None:
             self.head_order = np.asarray(self.head_order, np.int64)
             heads = self.s_qk.shape[1]

@@ -51,8 +51,7 @@ def save(model, directory: str, *, overwrite: bool = False, hint: str = "overwri
     from kvjax.compression.plan import check_kv_bits
     from kvjax.models.transformer import separate_params
 
-    plan = model.plan
-    kv_bits = check_kv_bits(model.kv_bits, *((None, None) if plan is None else (plan.method, plan.band)))  # first
+    kv_bits = check_kv_bits(model.kv_bits, model.module.method, model.module.band)  # before any write
     for line in atomic.recover(os.path.abspath(directory), is_kvjax_checkpoint):
         warnings.warn(line, stacklevel=2)
     sources = () if model.source is None else (model.source,)

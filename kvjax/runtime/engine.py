@@ -423,7 +423,7 @@ class Engine:
         """The room the largest step needs beside the cache (``memory.activation_bytes``'s estimate)."""
         cfg, dtype = self.model.config, self.model.dtype
         scores = self.backend == "reference"
-        gathers = scores or self.model.module.rebuilt_k  # Palu's prefill rebuilds each row's K
+        gathers = scores or self.model.module.rebuilt_k  # a prefill over rebuilt K (Palu, banded) gathers each row
         rows = min(self.max_batch, self.prefill_limit)
         prefill = memory.activation_bytes(
             cfg, self.prefill_limit, rows, self.max_seq_len, dtype, scores=scores, gathers=gathers
