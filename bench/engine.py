@@ -51,17 +51,22 @@ from kvjax.runtime.scheduler import Request
 
 
 def model_at(
-    rate: float, cfg: ModelConfig = LLAMA_8B, config: DecodeConfig = DECODE, form="ordered", method: str = "zack"
+    rate: float,
+    cfg: ModelConfig = LLAMA_8B,
+    config: DecodeConfig = DECODE,
+    form="ordered",
+    method: str = "zack",
+    band: int | None = None,
 ) -> kvjax.Model:
     """Random bf16 weights of the 8B shape; rate > 0: compressed by ``method`` to the widths of
-    ``harness.rank_plan`` (in ``form``, its heads ordered for the decode ``config``)."""
+    ``harness.rank_plan`` (in ``form``, its heads ordered for the decode ``config``; ``band``: banded ZACK)."""
     plan = None
     if rate > 0:
         layouts = rank_plan(rate, cfg.num_layers, form=form, config=config)
         k = np.array([lay.k_widths for lay in layouts])
         v = np.array([lay.v_widths for lay in layouts])
         ones = np.ones((*k.shape, cfg.head_dim))
-        plan = RankPlan(method, cfg.head_dim, k, v, ones, ones)
+        plan = RankPlan(method, cfg.head_dim, k, v, ones, ones, band=band)
     return kvjax.Model(Transformer(cfg, plan=plan, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), plan=plan)
 
 
@@ -341,15 +346,20 @@ def print_top_kernels(rows: list[dict]) -> None:
             print(f"  {ms:8.3f}  {name}")
 
 
+def method_name(args) -> str:
+    """The rows' name for how rates above 0 compress: zack, palu or zack-band<W>."""
+    return args.method if args.band is None else f"{args.method}-band{args.band}"
+
+
 def decode_rows(args, bandwidth: float, rows: list[dict], save) -> None:
     """A decode row per rate, shape and cache format (``--kv-bits``), appended to ``rows``, ``save``d after each."""
     for rate in [] if args.no_decode else args.rates:
-        model = model_at(rate, config=args.config, form=args.plan, method=args.method)
+        model = model_at(rate, config=args.config, form=args.plan, method=args.method, band=args.band)
         for batch, ctx in args.shapes:
             for bits in args.kv_bits:
                 log(f"rate {rate}, kv bits {bits}, {batch} x {ctx}")
                 row = run_shape(model, rate, batch, ctx, args, bandwidth, bits)
-                rows.append(dict(row, method=args.method if rate else "none"))
+                rows.append(dict(row, method=method_name(args) if rate else "none"))
                 print_rows(rows[-1:])
                 save()
         del model
@@ -413,9 +423,16 @@ def main(argv=None) -> None:
         help="cache formats per rate, comma-separated: none (the model's dtype), 4, 2 or a GEAR name such as "
         "gear2-r1-o0.01-p128 (default none)",
     )
+    ap.add_argument(
+        "--band",
+        type=validate.arg(lambda v: validate.integer("--band", v, low=1), int),
+        help="banded ZACK: keys in bands of this many positions (rates above 0, --method zack)",
+    )
     ap.add_argument("--plan", choices=PLAN_FORMS, default="ordered", help="the rank plan's form (harness.PLAN_FORMS)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
+    if args.band is not None and args.method != "zack":
+        ap.error("--band applies to --method zack")
     args.config = with_knobs(DECODE, args.knob)
     if not on_gpu():
         raise SystemExit("bench/engine.py times the engine on a GPU (CUPTI)")
@@ -442,9 +459,9 @@ def main(argv=None) -> None:
             "\n| rate | B x ctx | chunk tokens | prefill tok/s | prefill compile s (variants) |\n|---|---|---|---|---|"
         )
         for rate in args.rates:
-            result["prefill_rows"] += prefill_sweep(
-                model_at(rate, config=args.config, form=args.plan), rate, batch, ctx, args.prefill_chunks
-            )
+            model = model_at(rate, config=args.config, form=args.plan, method=args.method, band=args.band)
+            swept = prefill_sweep(model, rate, batch, ctx, args.prefill_chunks)
+            result["prefill_rows"] += [dict(r, method=method_name(args) if rate else "none") for r in swept]
             save()
 
 

@@ -1,12 +1,14 @@
 """Palu's fused decode kernel (``kvjax.ops.palu.palu_decode``) measured on one representative layer of the rate-0.5
 plan of the Llama-3.1-8B shape: checked against the jnp reference, then timed (CUPTI) at its knobs (tokens a step,
 warps, pipeline stages, splits), beside the floor (the latent K and V bytes over the copy bandwidth), ZACK's decode
-kernel on the same widths, and Palu's decode as XLA fuses the jnp form. Table: bench/RESULTS.md "Palu's decode
-kernel"."""
+kernel on the same widths (with ``--bands``, also banded ZACK's: the same kernel projecting each query once a band,
+beside plain ZACK with the banded config's folds, which separates the two costs), and Palu's decode as XLA fuses
+the jnp form. Tables: bench/RESULTS.md "Palu's decode kernel", "Banded decode kernel"."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 
@@ -27,12 +29,15 @@ from harness import (
     rank_plan,
     rel_err,
     time_calls,
+    with_knobs,
 )
 
 from kvjax.layout import HeadLayout
 from kvjax.models.latent import LatentK
 from kvjax.models.rope import inverse_frequencies
 from kvjax.ops.decode.config import DECODE
+from kvjax.ops.decode.kernel import paged_decode
+from kvjax.ops.decode.op import banded_config
 from kvjax.ops.decode.reference import paged_decode_attention
 from kvjax.ops.palu import default_splits, palu_decode
 
@@ -48,6 +53,34 @@ def palu_kernel_call(case, rebuild, key, **knobs):
     qs = [jax.random.normal(k, (case.batch, lay.num_heads * D), jnp.bfloat16) for k in jax.random.split(key, 8)]
     per_call = [(q, case.tables[u % case.tables.shape[0]]) for u, q in enumerate(qs)]
     return fn, (case.k, case.v, lengths, up), per_call
+
+
+def banded_call(case, rebuild, sched, key):
+    """(fn, shared, per_call) for ``time_calls``: ``paged_decode`` of banded keys (``rebuild.band``) with ``sched``,
+    fresh whole-head queries, rotating pages."""
+    lay, lengths = case.layout, jnp.asarray(case.lengths)
+    basis = jnp.concatenate([u.T for u in rebuild.up], axis=1)
+
+    def fn(k, v, lengths, s, basis, q, table):
+        return paged_decode(q, k, v, table, lengths, s, lay, basis=basis, inv_freq=rebuild.inv_freq, band=rebuild.band)
+
+    qs = [jax.random.normal(k, (case.batch, lay.num_heads * D), jnp.bfloat16) for k in jax.random.split(key, 8)]
+    per_call = [(q, case.tables[u % case.tables.shape[0]]) for u, q in enumerate(qs)]
+    return fn, (case.k, case.v, lengths, sched, basis), per_call
+
+
+def check_banded(case, rebuild, sched) -> float:
+    """Relative error of the banded kernel against the float32 reference with the same rebuild."""
+    fn, shared, per_call = banded_call(case, rebuild, sched, jax.random.key(1))
+    q, table = per_call[0]
+    out = fn(*shared, q, table)
+    exact = dataclasses.replace(rebuild, up=tuple(u.astype(jnp.float32) for u in rebuild.up))
+    f32 = jnp.float32
+    with jax.default_matmul_precision("highest"):
+        ref = paged_decode_attention(
+            q.astype(f32), case.k.astype(f32), case.v.astype(f32), table, shared[2], case.layout, exact
+        )
+    return rel_err(out, ref)
 
 
 def latent_of(layout, key) -> LatentK:
@@ -83,8 +116,20 @@ def main(argv=None) -> None:
     ap.add_argument("--warps", default="2,4", help="warps, comma-separated (default 2,4)")
     ap.add_argument("--stages", default="2", help="pipeline stages, comma-separated (default 2)")
     ap.add_argument("--uniform", action="store_true", help="also every head at the plan's mean widths (Palu's own)")
+    ap.add_argument(
+        "--bands", default="", help="also banded ZACK's decode at these bands, comma-separated (e.g. 16,32,64)"
+    )
+    ap.add_argument("--no-palu", action="store_true", help="skip Palu's kernel (with --bands: banded against plain)")
+    ap.add_argument(
+        "--knob",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a DecodeConfig field for --bands (repeatable)",
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
+    args.config = with_knobs(DECODE, args.knob)
     if not on_gpu():
         raise SystemExit("bench/palu.py times the kernel on a GPU (CUPTI)")
     bw = copy_bandwidth()
@@ -121,7 +166,7 @@ def main(argv=None) -> None:
         grid = itertools.product(
             map(int, args.steps.split(",")), map(int, args.warps.split(",")), map(int, args.stages.split(","))
         )
-        for step, warps, stages in grid:
+        for step, warps, stages in [] if args.no_palu else grid:
             knobs = dict(step=step, num_warps=warps, num_stages=stages, splits=splits)
             try:
                 err = check(case, rebuild, **knobs)
@@ -132,6 +177,14 @@ def main(argv=None) -> None:
             row("palu (Pallas)", " ".join(f"{k}={v}" for k, v in knobs.items()), t, err)
         t = time_calls(*kvjax_decode_call(case, schedule_of(case, DECODE).schedule.layer(0), key))
         row("zack (Pallas)", "defaults", t)
+        for band in [int(b) for b in args.bands.split(",") if b]:
+            config = banded_config(args.config, band)
+            sched = schedule_of(case, config).schedule.layer(0)
+            knobs = f"fold_tokens={config.fold_tokens}"
+            row("zack (Pallas)", f"fold_tokens={config.fold_tokens}", time_calls(*kvjax_decode_call(case, sched, key)))
+            banded = dataclasses.replace(rebuild, band=band)
+            err = check_banded(case, banded, sched)
+            row(f"zack banded {band} (Pallas)", knobs, time_calls(*banded_call(case, banded, sched, key)), err)
         if name == "uniform":
             fn, shared, per_call, _, r, rv = palu_decode_call(case, lay, key)
             row("palu (XLA, jnp)", "", time_calls(fn, shared, per_call))

@@ -24,6 +24,38 @@ def _release_compiled_code():
     gc.collect()
 
 
+def varied_plan_model(model, method="zack", band=None):
+    """``model`` compressed with a plan whose heads all have different K and V widths (``band``: banded ZACK)."""
+    from kvjax.compression import BASIS, RankPlan, calibrate, calibration_tokens, fold
+
+    stats = calibrate(model, calibration_tokens(model, "random", 128, 64), progress=False)
+    bases = {"k": stats.basis(BASIS[method][0], model, max_context=band), "v": stats.basis("v", model)}
+    layers, heads = bases["k"].s.shape[:2]
+    widths = np.array([[64, 32, 16, 48], [16, 48, 64, 32]])
+    k_qk, k_v = np.resize(widths, (layers, heads)), np.resize(widths[::-1], (layers, heads))
+    return fold(model, RankPlan(method, 64, k_qk, k_v, bases["k"].s, bases["v"].s, band=band), bases)
+
+
+def latent_case(rng, layout, lengths, page_size, dtype=np.float32, theta=10000.0, band=None):
+    """A decode case over a K latent (Palu's, or banded ZACK's with ``band``): random (never zero) q, latent and V
+    pages scattered through the pool, the block table, lengths and the layer's ``LatentK`` (``up`` per head)."""
+    import jax.numpy as jnp
+
+    from kvjax.models.latent import LatentK
+    from kvjax.models.rope import inverse_frequencies
+
+    b, d = len(lengths), layout.head_dim
+    pps = -(-max(lengths) // page_size) + 1
+    num_pages = b * pps + 1
+    k = jnp.asarray(rng.standard_normal((num_pages, page_size, layout.k_cols)), dtype)
+    v = jnp.asarray(rng.standard_normal((num_pages, page_size, layout.v_cols)), dtype)
+    q = jnp.asarray(rng.standard_normal((b, layout.num_heads * d)), dtype)
+    table = jnp.asarray(rng.permutation(np.arange(1, num_pages)).reshape(b, pps).astype(np.int32))
+    up = tuple(jnp.asarray(rng.standard_normal((w, d)) / np.sqrt(w), dtype) for w in layout.k_widths)
+    rebuild = LatentK(up, inverse_frequencies(d, theta, {}), layout, band)
+    return q, k, v, table, jnp.asarray(lengths, jnp.int32), rebuild
+
+
 def fresh_seed() -> int:
     """A new random seed for a test's inputs (tests report it in their failure messages)."""
     return int(np.random.SeedSequence().entropy % 2**32)

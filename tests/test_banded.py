@@ -1,6 +1,7 @@
 """Banded ZACK (``compress(band=W)``): keys stored in the frame of their band of W positions, read back turned by the
 band's start angle (DESIGN.md section 7, "Banded bases"). At full width the model is the uncompressed one at every
-position, across band edges; the rebuild, Palu's kernel with a band and the engine agree with the references; the
+position, across band edges; the rebuild, the decode kernel projecting queries a band, Palu's kernel with a band and
+the engine agree with the references; the
 plan records its band, and bad requests are refused before any work."""
 
 import dataclasses
@@ -9,14 +10,18 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_CONFIGS, fresh_seed
+from conftest import TINY_CONFIGS, fresh_seed, latent_case, varied_plan_model
 
 import kvjax
-from kvjax.compression import RankPlan, calibrate, calibration_tokens, fold, make_plan
+from kvjax.compression import RankPlan, calibrate, calibration_tokens, make_plan
 from kvjax.compression.plan import BANDED_KV_BITS
 from kvjax.layout import HeadLayout
 from kvjax.models.latent import LatentK
 from kvjax.models.rope import apply_rope, inverse_frequencies
+from kvjax.ops.decode.config import DECODE
+from kvjax.ops.decode.kernel import paged_decode
+from kvjax.ops.decode.op import DecodeOp
+from kvjax.ops.decode.plan import FIRST_PAGE
 from kvjax.ops.decode.reference import paged_decode_attention
 from kvjax.ops.palu import palu_decode
 from kvjax.runtime.engine import Engine
@@ -56,25 +61,13 @@ def test_the_rebuild_turns_each_key_by_its_bands_start(band):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _case(rng, layout, lengths, page_size, band):
-    b, d = len(lengths), layout.head_dim
-    pps = -(-max(lengths) // page_size) + 1
-    pages = b * pps + 1
-    k = jnp.asarray(rng.standard_normal((pages, page_size, layout.k_cols)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((pages, page_size, layout.v_cols)), jnp.float32)
-    q = jnp.asarray(rng.standard_normal((b, layout.num_heads * d)), jnp.float32)
-    table = jnp.asarray(rng.permutation(np.arange(1, pages)).reshape(b, pps).astype(np.int32))
-    up = tuple(jnp.asarray(rng.standard_normal((w, d)) / np.sqrt(w), jnp.float32) for w in layout.k_widths)
-    return q, k, v, table, jnp.asarray(lengths, jnp.int32), LatentK(up, inverse_frequencies(d, 1e4, {}), layout, band)
-
-
 @pytest.mark.parametrize("band, step", [(4, 16), (16, 16), (64, 16), (16, 32)])
 def test_palus_kernel_with_a_band_matches_the_reference(band, step):
     """Palu's decode kernel serves banded keys (interpret mode): bands narrower than, equal to and wider than its
     step, against ``paged_decode_attention`` with the same rebuild."""
     seed = fresh_seed()
     layout = HeadLayout(8, 2, 64, (48, 16), (16, 64))
-    q, k, v, table, lengths, rebuild = _case(np.random.default_rng(seed), layout, [1, 37, 130], 16, band)
+    q, k, v, table, lengths, rebuild = latent_case(np.random.default_rng(seed), layout, [1, 37, 130], 16, band=band)
     out = palu_decode(
         q, k, v, table, lengths, rebuild.up, rebuild.inv_freq, layout, splits=2, step=step, band=band, interpret=True
     )
@@ -84,29 +77,13 @@ def test_palus_kernel_with_a_band_matches_the_reference(band, step):
     assert np.abs(np.asarray(plain) - np.asarray(ref)).max() > 1e-3  # the band changes what is read
 
 
-def _banded_varied_model(model, band):
-    """A banded model whose heads all have different K and V widths."""
-    stats = calibrate(model, calibration_tokens(model, "random", 128, 64), progress=False)
-    bases = {"k": stats.basis("qk", model, max_context=band), "v": stats.basis("v", model)}
-    layers, heads = bases["k"].s.shape[:2]
-    widths = np.array([[64, 32, 16, 48], [16, 48, 64, 32]])
-    plan = RankPlan(
-        "zack",
-        64,
-        np.resize(widths, (layers, heads)),
-        np.resize(widths[::-1], (layers, heads)),
-        bases["k"].s,
-        bases["v"].s,
-        band=band,
-    )
-    return fold(model, plan, bases)
-
-
-def test_banded_on_palus_kernels_gives_the_reference_tokens_with_chunked_prompts_and_a_window():
-    """The engine serves a banded model on Palu's kernels (interpret mode): prompts longer than a chunk, so later
+@pytest.mark.parametrize("band, kernel", [(4, "Palu's decode kernel"), (16, "decode projects each query once a band")])
+def test_banded_on_the_kernels_gives_the_reference_tokens_with_chunked_prompts_and_a_window(band, kernel):
+    """The engine serves a banded model on the kernels (interpret mode): bands under ``MIN_BAND`` on Palu's decode
+    kernel, wider ones on the variable-width kernel projecting queries a band; prompts longer than a chunk, so later
     chunks read a prefix across band edges; Mistral's sliding window; the reference path's greedy tokens."""
     cfg = dataclasses.replace(TINY_CONFIGS["mistral"], head_dim=64, hidden_size=128, sliding_window=40)
-    model = _banded_varied_model(kvjax.Model.random(cfg, seed=fresh_seed() % 1000, scale=5.0), band=16)
+    model = varied_plan_model(kvjax.Model.random(cfg, seed=fresh_seed() % 1000, scale=5.0), band=band)
     assert model.module.rebuilt_k
     prompts = [np.random.default_rng().integers(0, 97, n).tolist() for n in (70, 33, 5)]
     settings = dict(max_new_tokens=8, max_batch=4, page_size=16, chunk_tokens=32)
@@ -114,7 +91,42 @@ def test_banded_on_palus_kernels_gives_the_reference_tokens_with_chunked_prompts
     ker = kvjax.generate(model, prompts, backend="interpret", **settings)
     assert [r.tokens for r in ker] == [r.tokens for r in ref]
     line = Engine(model, max_batch=2, max_seq_len=64, backend="interpret").describe()
-    assert "keys in bands of 16 positions, read by Palu's decode kernel" in line, line
+    assert f"keys in bands of {band} positions" in line and kernel in line, line
+
+
+BAND_LAYOUTS = [HeadLayout(8, 2, 64, (48, 16), (16, 64)), HeadLayout(8, 4, 64, (16, 32, 64, 16), (64, 16, 32, 48))]
+
+
+@pytest.mark.parametrize("band", [16, 32, 64])
+@pytest.mark.parametrize("layout", BAND_LAYOUTS, ids=["two-heads", "four-heads"])
+def test_the_decode_kernel_projecting_queries_a_band_matches_the_reference(band, layout):
+    """``DecodeOp(band=)`` (interpret mode) against ``paged_decode_attention`` with the banded rebuild: sequences
+    shorter than a band and across several, cut by the schedule at pages that are not multiples of a step (its first
+    step then masks the tokens before it), runs of several heads, folded rows (one projection for the bands of every
+    fold) and chunks wider than a band (a projection a band)."""
+    seed = fresh_seed()
+    lengths = [1, 37, 300, 130]
+    q, k, v, table, lengths, rebuild = latent_case(np.random.default_rng(seed), layout, lengths, 8, band=band)
+    config = dataclasses.replace(DECODE, min_chunk_tokens=16)  # long sequences cut in several items
+    op = DecodeOp([layout], 8, table.shape[1], max_batch=4, config=config, band=band, num_programs=5, interpret=True)
+    schedule = op.plan(np.asarray(lengths))
+    first = np.asarray(schedule.items)[..., FIRST_PAGE].ravel() * 8
+    assert (first % 64).any()
+    out = op.run(q, k, v, table, lengths, schedule.layer(0), layout, rebuild)
+    ref = paged_decode_attention(q, k, v, table, lengths, layout, rebuild)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
+
+
+def test_a_banded_decode_op_refuses_keys_of_another_band():
+    layout = BAND_LAYOUTS[0]
+    q, k, v, table, lengths, rebuild = latent_case(np.random.default_rng(0), layout, [20], 16, band=32)
+    op = DecodeOp([layout], 16, table.shape[1], band=16, interpret=True)
+    schedule = op.plan(np.asarray(lengths)).layer(0)
+    for wrong in (rebuild, None):
+        with pytest.raises(ValueError, match="reads keys in bands of 16; pass the layer's banded rebuild"):
+            op.run(q, k, v, table, lengths, schedule, layout, wrong)
+    with pytest.raises(ValueError, match="band must be a power of two >= 16"):
+        paged_decode(q, k, v, table, lengths, schedule, layout, basis=jnp.ones((64, 64)), inv_freq=np.ones(32), band=8)
 
 
 def test_a_banded_plan_is_recorded_saved_and_loaded(tmp_path):
@@ -159,13 +171,33 @@ def test_bad_bands_are_refused_before_any_work():
     assert str(e.value) == BANDED_KV_BITS
 
 
+@pytest.mark.parametrize("band", [16, 64])
+def test_the_banded_decode_kernel_lowers_for_sm90(band):
+    """The variable-width kernel projecting queries a band lowers to Triton IR for an H100."""
+    from kvjax.ops.lowering import triton_modules
+
+    layout = BAND_LAYOUTS[1]
+    q, k, v, table, lengths, rebuild = latent_case(
+        np.random.default_rng(0), layout, [1, 37], 16, dtype=jnp.bfloat16, band=band
+    )
+    op = DecodeOp([layout], 16, table.shape[1], band=band)
+    schedule = op.plan(np.asarray(lengths)).layer(0)
+
+    def run(q, k, v, table, lengths):
+        return op.run(q, k, v, table, lengths, schedule, layout, rebuild)
+
+    decode, merge = triton_modules(run, (q, k, v, table, lengths))
+    assert "@kvjax_paged_decode" in decode and "tt.dot" in decode
+    assert "tt.dot" not in merge
+
+
 @pytest.mark.parametrize("band", [4, 64])
 def test_palus_kernel_with_a_band_lowers_for_sm90(band):
     """The banded form of Palu's kernel lowers to Triton IR for an H100 (no GPU here: what XLA would compile)."""
     from kvjax.ops.lowering import triton_modules
 
     layout = HeadLayout(8, 2, 64, (48, 16), (16, 64))
-    q, k, v, table, lengths, rebuild = _case(np.random.default_rng(0), layout, [1, 37], 16, band)
+    q, k, v, table, lengths, rebuild = latent_case(np.random.default_rng(0), layout, [1, 37], 16, band=band)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
     up = tuple(u.astype(jnp.bfloat16) for u in rebuild.up)
 

@@ -4,26 +4,13 @@ import dataclasses
 
 import numpy as np
 import pytest
-from conftest import TINY_CONFIGS
+from conftest import TINY_CONFIGS, varied_plan_model
 
 import kvjax
-from kvjax.compression import BASIS, RankPlan, calibrate, calibration_tokens, fold
 from kvjax.ops.decode.config import DECODE
 from kvjax.runtime.engine import Engine, prefill_groups
 from kvjax.runtime.runner import Runner
 from kvjax.runtime.scheduler import Request
-
-
-def _varied_plan_model(model, method="zack"):
-    """A compressed model whose heads all have different K and V widths."""
-    stats = calibrate(model, calibration_tokens(model, "random", 128, 64), progress=False)
-    bases = {"k": stats.basis(BASIS[method][0], model), "v": stats.basis("v", model)}
-    layers, heads = bases["k"].s.shape[:2]
-    widths = np.array([[64, 32, 16, 48], [16, 48, 64, 32]])
-    k_qk = np.resize(widths, (layers, heads))
-    k_v = np.resize(widths[::-1], (layers, heads))
-    plan = RankPlan(method, 64, k_qk, k_v, bases["k"].s, bases["v"].s)
-    return fold(model, plan, bases)
 
 
 @pytest.mark.parametrize(
@@ -33,7 +20,7 @@ def test_kernel_backend_matches_reference_greedy(name, method):
     cfg = dataclasses.replace(TINY_CONFIGS[name], head_dim=64, hidden_size=128)
     model = kvjax.Model.random(cfg, seed=7, scale=5.0)
     if method:
-        model = _varied_plan_model(model, method)
+        model = varied_plan_model(model, method)
     prompts = [np.random.default_rng(1).integers(0, 97, n).tolist() for n in (5, 19, 2)]
     ref = kvjax.generate(model, prompts, max_new_tokens=6, max_batch=4, page_size=16, backend="reference")
     ker = kvjax.generate(model, prompts, max_new_tokens=6, max_batch=4, page_size=16, backend="interpret")
@@ -44,7 +31,7 @@ def test_an_engine_with_other_decode_knobs_gives_the_reference_tokens():
     """``Engine(decode_config=...)`` (bench/engine.py's ``--knob``) runs the kernels with those knobs: one piece a
     run and runs of at most 64 columns cut the varied-width layers otherwise, and the greedy tokens stay the same."""
     cfg = dataclasses.replace(TINY_CONFIGS["mistral"], head_dim=64, hidden_size=128)
-    model = _varied_plan_model(kvjax.Model.random(cfg, seed=3, scale=5.0))
+    model = varied_plan_model(kvjax.Model.random(cfg, seed=3, scale=5.0))
     prompts = [np.random.default_rng().integers(0, 97, n).tolist() for n in (9, 30)]
     config = dataclasses.replace(DECODE, max_segments=1, pack_tile=64)
     tokens = {}
@@ -71,7 +58,7 @@ def test_the_decode_step_compiles_once_as_requests_come_and_go():
     """Requests of random lengths join and leave the batch, so the decode plans differ from step to step: every
     schedule comes in the shape the op was built for, and the jitted decode step compiles once."""
     cfg = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)
-    model = _varied_plan_model(kvjax.Model.random(cfg, seed=2))
+    model = varied_plan_model(kvjax.Model.random(cfg, seed=2))
     rng = np.random.default_rng()
     engine = Engine(model, max_batch=4, max_seq_len=256, backend="interpret")
     runner = Runner(engine, chunk_tokens=64)
@@ -87,7 +74,7 @@ def test_palu_on_its_kernels_with_chunked_prompts_and_a_window_gives_the_referen
     """Palu's fused decode and its full-width prefill over rebuilt K (prompts longer than a chunk, so later chunks
     read a prefix; Mistral's sliding window) give the reference path's greedy tokens."""
     cfg = dataclasses.replace(TINY_CONFIGS["mistral"], head_dim=64, hidden_size=128, sliding_window=40)
-    model = _varied_plan_model(kvjax.Model.random(cfg, seed=11, scale=5.0), "palu")
+    model = varied_plan_model(kvjax.Model.random(cfg, seed=11, scale=5.0), "palu")
     prompts = [np.random.default_rng().integers(0, 97, n).tolist() for n in (70, 33, 5)]
     settings = dict(max_new_tokens=8, max_batch=4, page_size=16, chunk_tokens=32)
     ref = kvjax.generate(model, prompts, backend="reference", **settings)

@@ -7,7 +7,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from test_engine_kernels import _varied_plan_model
+from conftest import varied_plan_model
 
 import kvjax
 from kvjax.models.config import ModelConfig
@@ -42,7 +42,7 @@ def test_pallas_engine_matches_reference(compressed, window):
     cfg = dataclasses.replace(SHAPE, arch="mistral" if window else "llama", sliding_window=window)
     model = kvjax.Model.random(cfg, dtype="float32", seed=3, scale=4.0)
     if compressed:
-        model = _varied_plan_model(model)
+        model = varied_plan_model(model)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 512, n).tolist() for n in (7, 130, 300, 33)]
     with jax.default_matmul_precision("highest"):  # XLA's float32 dots default to TF32 on the GPU; the kernels' don't

@@ -5,10 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import latent_case
 
 from kvjax.layout import HeadLayout
 from kvjax.models.latent import LatentK
-from kvjax.models.rope import inverse_frequencies
 from kvjax.ops import attention
 from kvjax.ops.decode.reference import paged_decode_attention
 from kvjax.ops.grouped import full_width
@@ -16,20 +16,6 @@ from kvjax.ops.palu import PaluDecodeOp, default_splits, live_splits, palu_decod
 from kvjax.ops.prefill.op import PrefillOp
 
 GPU = jax.default_backend() == "gpu"
-
-
-def case(rng, layout, lengths, page_size, dtype, theta=10000.0):
-    """Random (never zero) q, latent and V pages scattered through the pool, ``up`` per head, and RoPE frequencies."""
-    b, d = len(lengths), layout.head_dim
-    pps = -(-max(lengths) // page_size) + 1
-    num_pages = b * pps + 1
-    k = jnp.asarray(rng.standard_normal((num_pages, page_size, layout.k_cols)), dtype)
-    v = jnp.asarray(rng.standard_normal((num_pages, page_size, layout.v_cols)), dtype)
-    q = jnp.asarray(rng.standard_normal((b, layout.num_heads * d)), dtype)
-    table = jnp.asarray(rng.permutation(np.arange(1, num_pages)).reshape(b, pps).astype(np.int32))
-    up = tuple(jnp.asarray(rng.standard_normal((w, d)) / np.sqrt(w), dtype) for w in layout.k_widths)
-    rebuild = LatentK(up, inverse_frequencies(d, theta, {}), layout)
-    return q, k, v, table, jnp.asarray(lengths, jnp.int32), rebuild
 
 
 def reference(q, k, v, table, lengths, layout, rebuild):
@@ -73,7 +59,7 @@ CASES = {
 def test_palu_decode_matches_reference(name):
     layout, lengths, page_size, dtype, splits, step = CASES[name]
     seed = np.random.SeedSequence().entropy
-    q, k, v, table, lens, rebuild = case(np.random.default_rng(seed), layout, lengths, page_size, dtype)
+    q, k, v, table, lens, rebuild = latent_case(np.random.default_rng(seed), layout, lengths, page_size, dtype)
     up = rebuild.up
     out = palu_decode(q, k, v, table, lens, up, rebuild.inv_freq, layout, splits=splits, step=step, interpret=True)
     ref = reference(q, k, v, table, lens, layout, rebuild)
@@ -84,7 +70,7 @@ def test_palu_decode_matches_reference(name):
 def test_a_sequence_of_length_zero_gives_zeros_and_leaves_the_others():
     layout = HeadLayout(4, 2, 32, (16, 32), (32, 16))
     rng = np.random.default_rng()
-    q, k, v, table, lens, rebuild = case(rng, layout, [20, 50], 16, jnp.float32)
+    q, k, v, table, lens, rebuild = latent_case(rng, layout, [20, 50], 16, jnp.float32)
     up = rebuild.up
     both = palu_decode(q, k, v, table, lens, up, rebuild.inv_freq, layout, splits=2, interpret=True)
     empty = palu_decode(q, k, v, table, lens.at[0].set(0), up, rebuild.inv_freq, layout, splits=2, interpret=True)
@@ -102,7 +88,7 @@ def test_attention_seams_run_palu_on_its_kernels():
     and write the same latent pages."""
     layout = HeadLayout(8, 2, 64, (32, 48), (64, 16))
     rng = np.random.default_rng()
-    q, k_pages, v_pages, table, _, rebuild = case(rng, layout, [70, 40], 16, jnp.float32)
+    q, k_pages, v_pages, table, _, rebuild = latent_case(rng, layout, [70, 40], 16, jnp.float32)
     ops = {"kernel": (PrefillOp([full_width(layout)], interpret=True), PaluDecodeOp(interpret=True))}
     ops["reference"] = (None, None)
     chunk = 24
@@ -134,7 +120,7 @@ def test_attention_seams_run_palu_on_its_kernels():
 def test_palu_decode_on_gpu(dtype):
     layout = HeadLayout(32, 8, 128, (64, 32, 48, 128, 16, 80, 64, 96), (64, 96, 16, 128, 48, 64, 32, 80))
     lengths = [1, 700, 4000, 129, 2048, 33, 999, 3000]
-    q, k, v, table, lens, rebuild = case(np.random.default_rng(), layout, lengths, 16, dtype, theta=500000.0)
+    q, k, v, table, lens, rebuild = latent_case(np.random.default_rng(), layout, lengths, 16, dtype, theta=500000.0)
     up = rebuild.up
     out = palu_decode(q, k, v, table, lens, up, rebuild.inv_freq, layout, splits=4)
     assert rel_err(out, reference(q, k, v, table, lens, layout, rebuild)) < (2e-2 if dtype == jnp.bfloat16 else 1e-4)
@@ -160,7 +146,7 @@ def test_results_do_not_depend_on_the_split_count(live):
     """Live-row splitting changes only how a sequence's keys are cut, not the answer (float error only)."""
     layout = HeadLayout(4, 2, 32, (16, 32), (32, 16))
     rng = np.random.default_rng()
-    q, k, v, table, lens, rebuild = case(rng, layout, [90, 130, 40][:live], 16, jnp.float32)
+    q, k, v, table, lens, rebuild = latent_case(rng, layout, [90, 130, 40][:live], 16, jnp.float32)
     outs = [
         palu_decode(
             q, k, v, table, lens, rebuild.up, rebuild.inv_freq, layout, splits=s, target_programs=t, interpret=True

@@ -123,8 +123,10 @@ def decode(
     """One new token per sequence: its K/V [B, cols] written at position ``lengths - 1``, then its query [B, q_cols]
     against the whole paged cache; returns (out, k_pages, v_pages). ``schedule``: this layer's (``op.plan``).
     ``rotation`` (ZACK layers, with q and k per head): the kernel takes the wide q (one GEMM), the reference the
-    packed one. ``active`` [B] (optional): rows that are not are padding; Palu's kernel then reads them as empty, so
-    they take no share of its splits (their output is unspecified)."""
+    packed one. ``rebuild`` (Palu, banded ZACK: ``models.latent.LatentK``): Palu's kernel rebuilds each key from it,
+    a banded ``DecodeOp`` projects the queries once a band with it. ``active`` [B] (optional): rows that are not
+    are padding; Palu's kernel then reads them as empty, so they take no share of its splits (their output is
+    unspecified)."""
     if rotation is not None:
         q, k = rotation.wide(q, k) if op is not None else rotation.packed(q, k)
     positions, valid = (lengths - 1)[:, None], jnp.ones((q.shape[0], 1), bool)
@@ -132,10 +134,10 @@ def decode(
     v_pages = write_pages(v_pages, block_table, positions, v[:, None], valid)
     if op is None:
         return paged_decode_attention(q, k_pages, v_pages, block_table, lengths, layout, rebuild), k_pages, v_pages
-    if rebuild is not None:
+    if isinstance(op, PaluDecodeOp):
         live = lengths if active is None else jnp.where(active, lengths, 0)
         return op.run(q, k_pages, v_pages, block_table, live, rebuild, layout), k_pages, v_pages
-    return op.run(q, k_pages, v_pages, block_table, lengths, schedule, layout), k_pages, v_pages
+    return op.run(q, k_pages, v_pages, block_table, lengths, schedule, layout, rebuild), k_pages, v_pages
 
 
 def prefill_quantized(

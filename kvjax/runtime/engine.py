@@ -21,6 +21,7 @@ from kvjax import machine
 from kvjax.compression.plan import check_kv_bits
 from kvjax.ops import attention
 from kvjax.ops.decode.gear_kernel import GearDecodeOp
+from kvjax.ops.decode.kernel import MIN_BAND
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.plan import bucket as pow2_bucket
 from kvjax.ops.grouped import full_width
@@ -326,19 +327,24 @@ class Engine:
                 self._steps["prefill", greedy, prefix] = jit(step)
 
     def _build_ops(self, model, c: EngineConfig) -> None:
-        """The decode and prefill ops of the backend: none for the reference; Palu's own decode kernel with prefill
-        at full width over rebuilt K; the fused quantized decode kernel, KIVI-style's or GEAR's (prefill over the
-        prefix dequantized to scratch pages); else the variable-width kernels."""
+        """The decode and prefill ops of the backend: none for the reference; for K rebuilt (Palu, banded ZACK),
+        prefill at full width over rebuilt K, and decode by Palu's own kernel, or for bands of ``MIN_BAND`` or more
+        by the variable-width kernel projecting each query once a band; the fused quantized decode kernel,
+        KIVI-style's or GEAR's (prefill over the prefix dequantized to scratch pages); else the variable-width
+        kernels."""
         self.decode_op: DecodeOp | PaluDecodeOp | GearDecodeOp | None = None
         self.prefill_op: PrefillOp | None = None
         if self.backend == "reference":
             return
         interpret = self.backend == "interpret"
-        if model.module.rebuilt_k:  # K rebuilt (Palu's latent, banded keys): Palu's own kernel, prefill at full width
+        band = model.module.band
+        if model.module.rebuilt_k:  # K rebuilt (Palu's latent, banded keys): prefill at full width over rebuilt K
             self.prefill_op = PrefillOp([full_width(lay) for lay in model.layouts], interpret=interpret)
-            self.decode_op = PaluDecodeOp(batch_invariant=c.batch_invariant, interpret=interpret)
-            return
-        self.prefill_op = PrefillOp(model.layouts, interpret=interpret)
+            if band is None or band < MIN_BAND:  # Palu's own decode kernel, rebuilding every key
+                self.decode_op = PaluDecodeOp(batch_invariant=c.batch_invariant, interpret=interpret)
+                return
+        else:
+            self.prefill_op = PrefillOp(model.layouts, interpret=interpret)
         if self.formats is not None:
             if all(isinstance(f, PageFormat) for f in self.formats):
                 self.decode_op = _quant_decode_op(model.layouts, self.formats, self.pages_per_seq, c, interpret)
@@ -352,6 +358,7 @@ class Engine:
             max_batch=c.max_batch,
             config=c.decode_config,
             batch_invariant=c.batch_invariant,
+            band=band,
             interpret=interpret,
         )
 
@@ -382,14 +389,16 @@ class Engine:
         )
 
     def _band_note(self) -> str:
-        """For a banded ZACK model on the kernels: which kernel reads its keys (Palu's, rebuilding each one)."""
+        """For a banded ZACK model on the kernels: how decode reads its keys (prefill rebuilds them to full width)."""
         band = self.model.module.band
         if band is None or self.decode_op is None:
             return ""
-        return (
-            f"; keys in bands of {band} positions, read by Palu's decode kernel, which rebuilds each key to full width "
-            "(a kernel that projects the query once a band instead is not built yet)"
-        )
+        if isinstance(self.decode_op, PaluDecodeOp):
+            return (
+                f"; keys in bands of {band} positions, read by Palu's decode kernel, which rebuilds each key to full "
+                f"width (the kernel that projects the query once a band needs bands of {MIN_BAND} or more)"
+            )
+        return f"; keys in bands of {band} positions: decode projects each query once a band"
 
     def _format_note(self) -> str:
         """The cache's bytes a token by part, for quantized pages (none for plain ones: K and V in the dtype)."""

@@ -47,6 +47,7 @@ from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, store_r
 from kvjax.ops.tiles import tile
 
 BLOCK_H = ROWS  # query rows per item: a GQA group (G <= 8) padded to the tensor cores' smallest M
+MIN_BAND = 16  # banded keys: a step holds at least the tensor cores' smallest N of tokens, all in one band
 
 
 def _class_pieces(tiles, exact: bool, last):
@@ -62,10 +63,14 @@ def _cols_ok(t: int, width):
     return None if isinstance(width, int) and width == t else jnp.arange(t)[None, :] < width
 
 
-def _attend_item(cls: RunClass, item, refs, *, group, page_size, window, scale, v_max, config, interpret):
+def _attend_item(
+    cls: RunClass, item, refs, *, group, page_size, window, scale, v_max, config, band, head_dim, interpret
+):
     """Online-softmax attention of one item (its class's tiles are static; its widths and offsets come from the
-    layer's tables) and the write of its result."""
-    units_ref, rows_ref, cols_ref, table_ref, q_ref, k_ref, v_ref, out_ref, acc_ref, m_ref, l_ref = refs
+    layer's tables) and the write of its result. With ``band``, q holds whole post-RoPE heads and each step
+    projects them on its band's frame (``_item_queries``)."""
+    units_ref, rows_ref, cols_ref, table_ref, q_ref, k_ref, v_ref = refs[:7]
+    out_ref, acc_ref, m_ref, l_ref = refs[-4:]
     seq, unit, first, end, slot, length = item
 
     def unit_field(f):
@@ -98,18 +103,21 @@ def _attend_item(cls: RunClass, item, refs, *, group, page_size, window, scale, 
     def fold(x, c):  # rows of chunk c kept, the others zeroed
         return x if nf == 1 else jnp.where(chunk_of_row == c, x, 0).astype(x.dtype)
 
-    def load_q(start, t, _):
-        cols = start + jnp.arange(t)[None, :]  # the run's K columns
-        mask = (rows[:, None] < nf * run_rows) & (cols >= k_start) & (cols < k_start + k_width)
-        q = load_rows(q_ref, seqs, q_cols, qo + q_row, cols, mask)
-        q = (q.astype(jnp.float32) * (scale * LOG2E)).astype(q.dtype)  # scores come out in log2 units
-        return [fold(q, c) for c in range(nf)]
+    def q_cols_ok(start, t):  # [BLOCK_H, t]: the columns of the row's own head, in the rows that hold queries
+        cols = start + jnp.arange(t)[None, :]
+        return (rows[:, None] < nf * run_rows) & (cols >= k_start) & (cols < k_start + k_width)
 
-    q_folds = [load_q(*piece) for piece in k_pieces]  # [piece][fold]
-
-    lo = first * page_size
-    hi = jnp.minimum(end * page_size, length)
-    visible_from = jnp.maximum(length - window, 0) if window else 0
+    lo, hi, visible_from = _token_span(first * page_size, end * page_size, length, window, bt if band else 0)
+    queries = _item_queries(
+        (q_ref, *refs[7:-4]),
+        (seqs, q_cols, qo + q_row, k_cols, ko),
+        pieces=k_pieces,
+        cols_ok=q_cols_ok,
+        folds=[functools.partial(fold, c=c) for c in range(nf)],
+        factor=scale * LOG2E,
+        band=band and (band, chunk_of_row * bc, bc),
+        head_dim=head_dim,
+    )
     pages_per_seq = table_ref.shape[1]
 
     def load_chunk(tok, masked):
@@ -131,12 +139,24 @@ def _attend_item(cls: RunClass, item, refs, *, group, page_size, window, scale, 
     def step(j, carry, masked):
         accs, m, l = carry
         chunks = [load_chunk(lo + j * bt + c * bc + jnp.arange(bc), masked) for c in range(nf)]
+        subs = queries(lo + j * bt)  # [sub-band][piece][fold]
         s = functools.reduce(
             operator.add,
             [
-                plgpu.dot(q_folds[i][c], k, trans_b=True, precision=precision)
-                for c, (ks, _, _) in enumerate(chunks)
-                for i, k in enumerate(ks)
+                _in_sub_band(
+                    functools.reduce(
+                        operator.add,
+                        [
+                            plgpu.dot(qs[i][c], k, trans_b=True, precision=precision)
+                            for c, (ks, _, _) in enumerate(chunks)
+                            for i, k in enumerate(ks)
+                        ],
+                    ),
+                    sub,
+                    len(subs),
+                    bc,
+                )
+                for sub, qs in enumerate(subs)
             ],
         )
         if masked:
@@ -163,12 +183,96 @@ def _attend_item(cls: RunClass, item, refs, *, group, page_size, window, scale, 
         jnp.full((BLOCK_H,), MASK, jnp.float32),
         jnp.zeros((BLOCK_H,), jnp.float32),
     )
-    accs, m, l = _token_steps(step, carry, jnp.maximum(hi - lo, 0), bt, config.unmasked_steps and not window)
+    unmasked = config.unmasked_steps and not window and not band
+    accs, m, l = _token_steps(step, carry, jnp.maximum(hi - lo, 0), bt, unmasked)
     if nf > 1:
         accs, m, l = _unfold(accs, m, l, run_rows, nf)
 
     out_at = (seqs, o_cols, oo + o_row, v_start, v_width)
     _store_result(accs, m, l, slot, run_rows, v_pieces, out_at, (out_ref, acc_ref, m_ref, l_ref), v_max, interpret)
+
+
+def _token_span(lo, end, length, window: int, align: int):
+    """(first token of the first step, end of the item's tokens, first visible token) of an item over tokens
+    [lo, end) of a sequence of ``length``. ``align``: steps start at multiples of it, the step's tokens (banded
+    keys: so a chunk narrower than a band lies in one, and a wider one starts at a band's edge), the tokens before
+    ``lo`` in the first step masked."""
+    hi = jnp.minimum(end, length)
+    visible_from = jnp.maximum(length - window, 0) if window else 0
+    if align:
+        return lo // align * align, hi, jnp.maximum(visible_from, lo)
+    return lo, hi, visible_from
+
+
+def _in_sub_band(s, sub: int, subs: int, chunk: int):
+    """A chunk's scores ``s`` [BLOCK_H, chunk] kept in the columns of its ``sub``-th of ``subs`` equal bands."""
+    return s if subs == 1 else jnp.where((jnp.arange(chunk) // (chunk // subs) == sub)[None, :], s, 0.0)
+
+
+def _item_queries(refs, at, *, pieces, cols_ok, folds, factor, band, head_dim):
+    """The function that gives a step of an item its queries [sub-band][piece][fold] from its first token (q at
+    ``at``: rows, row width, offsets, and K's row width and the run's offset), each masked to its row's own head
+    (``cols_ok``) and scaled for log2 scores. Without a band, the row's packed or wide query, loaded once.
+
+    With ``band`` (its width, each row's chunk offset in a step [BLOCK_H, 1] and the chunk's tokens; ``refs``: q,
+    the basis [d, k_cols] and RoPE's inv_freq), each row's whole post-RoPE query head is loaded once, and each step
+    turns it back by its band's start angle and projects it on the run's packed K columns of the basis: a
+    [BLOCK_H, d] x [d, tile] product a piece, where Palu's kernel rebuilds every key (DESIGN.md section 7, "Banded
+    bases"). Rows score their own chunk of the step (folds), so one product serves the bands of all chunks; a chunk
+    wider than the band takes one product per band in it (its sub-bands)."""
+    seqs, q_cols, q_at, k_cols, ko = at
+    q_ref = refs[0]
+    if not band:
+        loaded = []
+        for start, t, _ in pieces:
+            q = load_rows(q_ref, seqs, q_cols, q_at, start + jnp.arange(t)[None, :], cols_ok(start, t))
+            q = (q.astype(jnp.float32) * factor).astype(q.dtype)
+            loaded.append([fold(q) for fold in folds])
+        return lambda _: [loaded]
+    width, row_offset, chunk = band
+    subs = max(1, chunk // width)
+    up_ref, freq_ref = refs[1:]
+    half = jnp.arange(head_dim // 2)
+    q1, q2 = (load_rows(q_ref, seqs, q_cols, q_at + h * half.size, half[None, :]).astype(jnp.float32) for h in (0, 1))
+    freq = plgpu.load(freq_ref.at[half])[None, :]
+    dtype = up_ref.dtype
+    precision = dot_precision(dtype)
+
+    def basis(start, t, cols_width):  # the piece's two halves [d/2, t]
+        cols, ok = jnp.arange(t)[None, :], _cols_ok(t, cols_width)
+        return tuple(load_rows(up_ref, half + h * half.size, k_cols, ko + start, cols, ok) for h in (0, 1))
+
+    # A row's band starts at the step's band plus its (sub-)chunk's offset rounded down to a band (steps start at
+    # multiples of their tokens, which divide the band or are multiples of it): the heads turned back by that
+    # offset once an item, so a step turns them all by one angle (two trig calls a column, not a row)
+    turned = []
+    for sub in range(subs):
+        offset = (row_offset + sub * width) // width * width  # [BLOCK_H, 1]
+        turned.append(_rope_back(q1, q2, offset.astype(jnp.float32) * freq))
+
+    def queries(first):
+        start = (first // width * width).astype(jnp.float32) * freq  # [1, d/2]
+        out = []
+        for h1, h2 in turned:
+            r1, r2 = (x.astype(dtype) for x in _rope_back(h1, h2, start))
+            projected = []
+            for piece in pieces:
+                u1, u2 = basis(
+                    *piece
+                )  # loaded every step: as fast as kept in registers (RESULTS "Banded decode kernel")
+                q = plgpu.dot(r1, u1, precision=precision) + plgpu.dot(r2, u2, precision=precision)
+                q = jnp.where(cols_ok(piece[0], piece[1]), q * factor, 0.0).astype(dtype)
+                projected.append([fold(q) for fold in folds])
+            out.append(projected)
+        return out
+
+    return queries
+
+
+def _rope_back(q1, q2, angle):
+    """The rotate-half halves of RoPE(-angle) q: q turned back by ``angle`` (broadcast over q's rows)."""
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    return q1 * cos + q2 * sin, q2 * cos - q1 * sin
 
 
 def _token_steps(step, carry, span, bt, unmasked):
@@ -244,7 +348,7 @@ def _kernel(index_ref, items_ref, counts_ref, lengths_ref, *refs, classes, **sta
     lax.fori_loop(0, counts_ref[layer, pid], run, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "interpret", "shared"))
+@functools.partial(jax.jit, static_argnames=("layout", "interpret", "shared", "band"))
 def paged_decode(
     q,
     k_pages,
@@ -256,6 +360,9 @@ def paged_decode(
     *,
     interpret: bool = False,
     shared: tuple[HeadLayout, ...] | None = None,
+    basis=None,
+    inv_freq=None,
+    band: int | None = None,
 ):
     """One new query per sequence against its paged cache; equal to ``reference.paged_decode_attention``.
 
@@ -267,6 +374,12 @@ def paged_decode(
     [B, out_cols] in q's dtype. Rows with length 0 are unspecified. ``shared``: the layouts of every layer that
     runs these kernels (default: ``layout`` alone); their code depends on those, not on ``layout``, so XLA
     compiles one decode and one merge kernel for all of them (``tables``).
+
+    Banded ZACK (``band``: its keys are cached in the frame of their band of ``band`` positions,
+    ``models.latent.LatentK``): q is [B, H * head_dim], whole post-RoPE heads; ``basis`` [head_dim, k_cols] the
+    layer's packed directions (``models.rotation.QKRotation.matrix``) and ``inv_freq`` [head_dim / 2] its RoPE
+    frequencies; each step projects the queries once for the bands of its chunks (``_item_queries``). Equal to the
+    reference with the layer's banded rebuild.
     """
     config = schedule.config
     shared = shared or (layout,)
@@ -278,7 +391,11 @@ def paged_decode(
     wide_rows = q.shape[1] if q.ndim == 3 else 0
     if wide_rows and (wide_rows < layout.num_heads or q.shape[2] != layout.k_cols):
         raise ValueError(f"a wide q must be [B, >= {layout.num_heads}, {layout.k_cols}], got {q.shape}")
-    layer = tables.layer_tables(layout, classes, config, tables.most_units(set(shared), config), wide_rows)
+    if band is not None:
+        _check_banded(q, basis, inv_freq, band, layout)
+    layer = tables.layer_tables(
+        layout, classes, config, tables.most_units(set(shared), config), wide_rows, full_heads=band is not None
+    )
     units, rows_table, cols = (jnp.asarray(t) for t in (layer.units, layer.rows, layer.cols))
     v_max = max(c.v_cols for c in classes)  # partial rows hold a run's V tile columns
     kernel = functools.partial(
@@ -290,6 +407,8 @@ def paged_decode(
         scale=1.0 / math.sqrt(layout.head_dim),
         v_max=v_max,
         config=config,
+        band=band,
+        head_dim=layout.head_dim,
         interpret=interpret,
     )
     index = jnp.asarray(schedule.index, jnp.int32)
@@ -306,6 +425,8 @@ def paged_decode(
         k_pages.reshape(-1),
         v_pages.reshape(-1),
     ]
+    if band is not None:
+        args += [basis.astype(k_pages.dtype).reshape(-1), jnp.asarray(inv_freq, jnp.float32)]
     v_tile = max(tile(w) for lay in shared for w in lay.v_widths)
     out = launch_and_merge(
         kernel,
@@ -320,6 +441,17 @@ def paged_decode(
         name="kvjax_paged_decode",
     )
     return out.reshape(b, layout.out_cols)
+
+
+def _check_banded(q, basis, inv_freq, band: int, layout: HeadLayout) -> None:
+    """A ValueError unless the banded inputs fit ``layout`` and the band the kernel."""
+    d = layout.head_dim
+    if q.ndim != 2 or q.shape[1] != layout.num_heads * d:
+        raise ValueError(f"banded decode takes q as whole heads [B, {layout.num_heads * d}], got {q.shape}")
+    if basis is None or basis.shape != (d, layout.k_cols) or inv_freq is None or len(inv_freq) != d // 2:
+        raise ValueError(f"banded decode needs basis [{d}, {layout.k_cols}] and inv_freq [{d // 2}]")
+    if band < MIN_BAND or band & (band - 1):
+        raise ValueError(f"band must be a power of two >= {MIN_BAND}, got {band}")
 
 
 def launch_and_merge(kernel, args, schedule, out, merge_tables, *, v_max, v_tile, compiler_params, interpret, name):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from kvjax.layout import HeadLayout
@@ -13,13 +16,22 @@ from kvjax.ops.decode.planner import DecodePlanner
 from kvjax.ops.decode.tables import kernel_groups
 
 
+def banded_config(config: DecodeConfig, band: int) -> DecodeConfig:
+    """``config`` for keys in bands of ``band`` positions: folds of a band's tokens, so that one projection of the
+    queries serves every chunk of a step (``kernel._item_queries``)."""
+    return dataclasses.replace(config, fold_tokens=min(config.fold_tokens, band))
+
+
 class DecodeOp:
     """Paged decode attention over a model's layers: ``plan(lengths)`` returns the device schedule for a step (the
     kept plan while it covers the lengths, so most steps plan nothing), ``run`` attends one layer with it.
 
     ``batch_invariant``: each sequence is split by its own length alone (``plan.fixed_chunk_schedule``), so a
     row's result does not depend on the batch it runs in. Schedules of up to ``max_batch`` sequences come in one
-    shape (``plan.compiled_shape``), so the step that takes them compiles once."""
+    shape (``plan.compiled_shape``), so the step that takes them compiles once.
+
+    ``band`` (banded ZACK, at least ``kernel.MIN_BAND``): ``run`` takes whole post-RoPE query heads and the layer's
+    banded K rebuild; its config folds chunks of a band's tokens (``banded_config``)."""
 
     def __init__(
         self,
@@ -31,9 +43,12 @@ class DecodeOp:
         config: DecodeConfig = DECODE,
         num_programs: int | None = None,
         batch_invariant: bool = False,
+        band: int | None = None,
         interpret: bool = False,
     ):
-        self.config, self.interpret = config, interpret
+        if band is not None:
+            config = banded_config(config, band)
+        self.config, self.band, self.interpret = config, band, interpret
         self.groups = kernel_groups(as_layouts(layouts), config)  # the layers that share each compiled kernel
         self._planner(layouts, page_size, pages_per_seq, max_batch, config, num_programs, batch_invariant)
 
@@ -67,12 +82,30 @@ class DecodeOp:
         assert self._schedule is not None
         return self._schedule
 
-    def run(self, q, k_pages, v_pages, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout):
+    def run(
+        self, q, k_pages, v_pages, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout, rebuild=None
+    ):
         """One layer's attention (``schedule``: that layer's, ``DecodeSchedule.layer``; ``layout``: one of the op's
-        layouts); see ``paged_decode``."""
+        layouts; ``rebuild``: a banded op's ``models.latent.LatentK``, whose band is the op's); see
+        ``paged_decode``."""
         shared = self.groups.get(layout)
         if shared is None:
             raise ValueError(f"{layout} is not one of the layouts this decode op was built for")
+        banded = {}
+        if self.band is not None or rebuild is not None:
+            if rebuild is None or rebuild.band != self.band:
+                raise ValueError(f"this decode op reads keys in bands of {self.band}; pass the layer's banded rebuild")
+            basis = jnp.concatenate([up.T for up in rebuild.up], axis=1)  # [d, k_cols]: LatentK.up transposed back
+            banded = dict(basis=basis, inv_freq=rebuild.inv_freq, band=self.band)
         return paged_decode(
-            q, k_pages, v_pages, block_table, lengths, schedule, layout, interpret=self.interpret, shared=shared
+            q,
+            k_pages,
+            v_pages,
+            block_table,
+            lengths,
+            schedule,
+            layout,
+            interpret=self.interpret,
+            shared=shared,
+            **banded,
         )

@@ -117,14 +117,21 @@ class LayerTables:
 
 
 def layer_tables(
-    layout: HeadLayout, classes: tuple[RunClass, ...], config: DecodeConfig, units: int, wide_rows: int = 0
+    layout: HeadLayout,
+    classes: tuple[RunClass, ...],
+    config: DecodeConfig,
+    units: int,
+    wide_rows: int = 0,
+    full_heads: bool = False,
 ) -> LayerTables:
     """The tables of ``layout``'s runs (``units.head_runs``) for kernels compiled for ``classes``, padded to
     ``units`` runs (the most any shared layer has); rows past a run's heads are zero (width 0: no head).
 
     ``wide_rows`` > 0: q comes wide (``models.rotation.QKRotation.wide``: ``wide_rows`` rows of ``k_cols`` columns
     a sequence, query head h in row h), so a row's query is its head's row at the K columns the row reads: the
-    kernel's one addressing (unit offset + row offset + K column) covers both forms."""
+    kernel's one addressing (unit offset + row offset + K column) covers both forms. ``full_heads``: q comes as
+    whole post-RoPE heads [B, H * head_dim] (banded ZACK, whose kernel projects each query itself), so a row's
+    offset is the start of its query head."""
     offs = column_offsets(layout)
     keys = [c.key for c in classes]
     g = layout.group_size
@@ -135,13 +142,20 @@ def layer_tables(
         at = [offs[n][run.first] for n in "qkvo"]
         if wide_rows:
             at[0] = run.first * g * layout.k_cols + at[1]
+        elif full_heads:
+            at[0] = run.first * g * layout.head_dim
         unit[u] = (keys.index(_key(run, g, config)), run.num_heads, *at, k_last, v_last)
         for i, (ks, kw, vs, vw) in enumerate(zip(run.k_starts, run.k_widths, run.v_starts, run.v_widths)):
             for j in range(g):
-                q_row = (i * g + j) * layout.k_cols if wide_rows else (g - 1) * ks + j * kw
+                if wide_rows or full_heads:
+                    q_row = (i * g + j) * (layout.k_cols if wide_rows else layout.head_dim)
+                else:
+                    q_row = (g - 1) * ks + j * kw
                 row[u, :, i * g + j] = ks, kw, vs, vw, q_row, (g - 1) * vs + j * vw
     unit[:, Q_OFF:] //= 16
     q_cols = wide_rows * layout.k_cols if wide_rows else layout.q_cols
+    if full_heads:
+        q_cols = layout.num_heads * layout.head_dim
     cols = np.array([q_cols, layout.k_cols, layout.v_cols, layout.out_cols], np.int32) // 16
     return LayerTables(unit.ravel(), (row // 16).ravel(), cols)
 
