@@ -927,9 +927,12 @@ class QuantDecodeOp(DecodeOp):
             classes = [unit_kernels(lay, fmt.bits, config, per) for lay, fmt in zip(layouts, formats)]
         self._planner(layouts, page_size, pages_per_seq, max_batch, config, num_programs, batch_invariant, classes)
 
-    def run(self, q, pages, tail, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout):
+    def run(self, q, pages, tail, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout, rebuild=None):
         """One layer's attention (``schedule``: that layer's, ``DecodeSchedule.layer``; ``layout``: one of the op's
-        layouts); see ``quantized_paged_decode``."""
+        layouts); see ``quantized_paged_decode``. No ``rebuild``: quantized pages of rebuilt keys (Palu's, banded
+        ZACK's) are refused before an engine is built (``compression.plan.check_kv_bits``)."""
+        if rebuild is not None:
+            raise ValueError("quantized decode reads no rebuilt keys (Palu, banded ZACK)")
         shared = self.groups.get(layout)
         if shared is None:
             raise ValueError(f"{layout} is not one of the layouts this decode op was built for")
