@@ -17,7 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from harness import log, on_gpu, rank_plan, with_knobs
+from harness import knob_option, log, on_gpu, rank_plan, with_knobs
 
 from kvjax.ops.decode.config import DECODE
 from kvjax.ops.decode.op import DecodeOp
@@ -148,9 +148,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rates", default="0,0.5,0.7", help="compression rates, comma-separated (default 0,0.5,0.7)")
     ap.add_argument("--layers", type=int, default=32, help="layers of the model (default 32)")
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk tokens (default 2048)")
-    ap.add_argument(
-        "--knob", action="append", default=[], metavar="NAME=VALUE", help="a DecodeConfig field (repeatable)"
-    )
+    knob_option(ap)
     ap.add_argument("--decode-only", action="store_true", help="compile the decode op only")
     ap.add_argument("--kv-bits", type=int, choices=(4, 2), help="the quantized decode op over pages of these bits")
     ap.add_argument("--quant-knob", action="append", default=[], metavar="NAME=VALUE", help="a QuantKernelConfig field")

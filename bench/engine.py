@@ -26,6 +26,7 @@ from harness import (
     copy_bandwidth,
     count_arg,
     cupti_kernels,
+    knob_option,
     log,
     on_gpu,
     rank_plan,
@@ -410,9 +411,7 @@ def main(argv=None) -> None:
         metavar="NAME=VALUE",
         help="an XLA option for the engine's steps over its own (repeatable), e.g. xla_gpu_autotune_level=0",
     )
-    ap.add_argument(
-        "--knob", action="append", default=[], metavar="NAME=VALUE", help="a DecodeConfig field (repeatable)"
-    )
+    knob_option(ap)
     ap.add_argument(
         "--method", choices=("zack", "palu"), default="zack", help="how rates above 0 compress (default zack)"
     )

@@ -351,6 +351,11 @@ def knobs(config, names, default) -> str:
     return " / ".join(str(getattr(config, n)) for n in names) + (" (default)" if config == default else "")
 
 
+def knob_option(ap, what: str = "a DecodeConfig field") -> None:
+    """``--knob NAME=VALUE`` on ``ap`` (repeatable): fields of a config set for the run (``with_knobs``)."""
+    ap.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE", help=f"{what} (repeatable)")
+
+
 def with_knobs(config, pairs):
     """``config`` with each ``NAME=VALUE`` of ``pairs`` set (a Python literal, else the string; ``--knob`` on the
     command lines); exits naming the fields when one is not a field of the config."""

@@ -23,6 +23,7 @@ from harness import (
     PagedCase,
     copies_for,
     copy_bandwidth,
+    knob_option,
     log,
     on_gpu,
     pick_layer,
@@ -120,13 +121,7 @@ def main(argv=None) -> None:
         "--bands", default="", help="also banded ZACK's decode at these bands, comma-separated (e.g. 16,32,64)"
     )
     ap.add_argument("--no-palu", action="store_true", help="skip Palu's kernel (with --bands: banded against plain)")
-    ap.add_argument(
-        "--knob",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="a DecodeConfig field for --bands (repeatable)",
-    )
+    knob_option(ap, "a DecodeConfig field for --bands")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     args.config = with_knobs(DECODE, args.knob)

@@ -22,7 +22,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from files import write_json
-from harness import HKV, HQ, D, PagedCase, copy_bandwidth, log, pick_layer, queries, rank_plan, rates_arg, shape_arg
+from harness import (
+    HKV,
+    HQ,
+    D,
+    PagedCase,
+    copy_bandwidth,
+    knob_option,
+    log,
+    pick_layer,
+    queries,
+    rank_plan,
+    rates_arg,
+    shape_arg,
+)
 
 from kvjax import validate
 from kvjax.ops import kv_schemes
@@ -290,13 +303,7 @@ def main(argv=None) -> None:
         metavar="NAME",
         help="also: GEAR's decode kernel over pages of this scheme (repeatable), e.g. gear2-r1-o0.01-p128",
     )
-    ap.add_argument(
-        "--knob",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="a QuantKernelConfig field (repeatable), e.g. num_warps=2",
-    )
+    knob_option(ap, "a QuantKernelConfig field, e.g. num_warps=2")
     ap.add_argument(
         "--widths",
         type=validate.arg(lambda text: [_width(int(w)) for w in text.split(",") if w]),

@@ -25,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from harness import HKV, HQ, D, pick_layer, rank_plan, uniform, with_knobs
+from harness import HKV, HQ, D, knob_option, pick_layer, rank_plan, uniform, with_knobs
 
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.config import DECODE, DecodeConfig
@@ -382,13 +382,9 @@ def main(argv=None):
         help=f"default: DECODE's {DECODE.num_warps} (decode), PREFILL's {PREFILL.num_warps} (prefill)",
     )
     ap.add_argument("--stages", type=int, help=f"default: DECODE's {DECODE.num_stages}, PREFILL's {PREFILL.num_stages}")
-    ap.add_argument(
-        "--knob",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="a DecodeConfig (PrefillConfig, QuantKernelConfig) field, e.g. --knob block_tokens=32 or --knob "
-        "pack_tile=128 (repeatable)",
+    knob_option(
+        ap,
+        "a DecodeConfig (PrefillConfig, QuantKernelConfig) field, e.g. --knob block_tokens=32 or --knob pack_tile=128",
     )
     ap.add_argument("--packed", action="store_true", help="--kernel quant: runs of adjacent heads a unit (plan_config)")
     args = ap.parse_args(argv)
