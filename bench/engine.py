@@ -424,7 +424,7 @@ def main(argv=None) -> None:
     )
     ap.add_argument(
         "--band",
-        type=validate.arg(lambda v: validate.integer("--band", v, low=1), int),
+        type=count_arg("--band"),
         help="banded ZACK: keys in bands of this many positions (rates above 0, --method zack)",
     )
     ap.add_argument("--plan", choices=PLAN_FORMS, default="ordered", help="the rank plan's form (harness.PLAN_FORMS)")
