@@ -51,35 +51,42 @@ def palu_kernel_call(case, rebuild, key, **knobs):
     def fn(k, v, lengths, up, q, table):
         return palu_decode(q, k, v, table, lengths, up, rebuild.inv_freq, lay, **knobs)
 
-    qs = [jax.random.normal(k, (case.batch, lay.num_heads * D), jnp.bfloat16) for k in jax.random.split(key, 8)]
-    per_call = [(q, case.tables[u % case.tables.shape[0]]) for u, q in enumerate(qs)]
-    return fn, (case.k, case.v, lengths, up), per_call
+    return fn, (case.k, case.v, lengths, up), head_queries(case, key)
+
+
+def head_queries(case, key) -> list[tuple]:
+    """``time_calls``'s per-call inputs: fresh whole-head queries [B, H * d] (bf16), each with a rotating page set."""
+    shape = (case.batch, case.layout.num_heads * D)
+    qs = [jax.random.normal(k, shape, jnp.bfloat16) for k in jax.random.split(key, 8)]
+    return [(q, case.tables[u % case.tables.shape[0]]) for u, q in enumerate(qs)]
 
 
 def banded_call(case, rebuild, sched, key):
     """(fn, shared, per_call) for ``time_calls``: ``paged_decode`` of banded keys (``rebuild.band``) with ``sched``,
     fresh whole-head queries, rotating pages."""
     lay, lengths = case.layout, jnp.asarray(case.lengths)
-    basis = jnp.concatenate([u.T for u in rebuild.up], axis=1)
 
     def fn(k, v, lengths, s, basis, q, table):
         return paged_decode(q, k, v, table, lengths, s, lay, basis=basis, inv_freq=rebuild.inv_freq, band=rebuild.band)
 
-    qs = [jax.random.normal(k, (case.batch, lay.num_heads * D), jnp.bfloat16) for k in jax.random.split(key, 8)]
-    per_call = [(q, case.tables[u % case.tables.shape[0]]) for u, q in enumerate(qs)]
-    return fn, (case.k, case.v, lengths, sched, basis), per_call
+    return fn, (case.k, case.v, lengths, sched, rebuild.basis()), head_queries(case, key)
 
 
 def check_banded(case, rebuild, sched) -> float:
     """Relative error of the banded kernel against the float32 reference with the same rebuild."""
     fn, shared, per_call = banded_call(case, rebuild, sched, jax.random.key(1))
     q, table = per_call[0]
-    out = fn(*shared, q, table)
+    return reference_error(case, rebuild, q, table, fn(*shared, q, table))
+
+
+def reference_error(case, rebuild, q, table, out) -> float:
+    """Relative error of a kernel's ``out`` for ``q`` on the pages of ``table`` against the float32 reference with
+    ``rebuild`` (its ``up`` in float32)."""
     exact = dataclasses.replace(rebuild, up=tuple(u.astype(jnp.float32) for u in rebuild.up))
     f32 = jnp.float32
     with jax.default_matmul_precision("highest"):
         ref = paged_decode_attention(
-            q.astype(f32), case.k.astype(f32), case.v.astype(f32), table, shared[2], case.layout, exact
+            q.astype(f32), case.k.astype(f32), case.v.astype(f32), table, jnp.asarray(case.lengths), case.layout, exact
         )
     return rel_err(out, ref)
 
@@ -100,13 +107,7 @@ def check(case, rebuild, **knobs) -> float:
     table, lengths = case.tables[0], jnp.asarray(case.lengths)
     up = rebuild.up
     out = palu_decode(q, case.k, case.v, table, lengths, up, rebuild.inv_freq, case.layout, **knobs)
-    exact = LatentK(tuple(u.astype(jnp.float32) for u in rebuild.up), rebuild.inv_freq, case.layout)
-    f32 = jnp.float32
-    with jax.default_matmul_precision("highest"):
-        ref = paged_decode_attention(
-            q.astype(f32), case.k.astype(f32), case.v.astype(f32), table, lengths, case.layout, exact
-        )
-    return rel_err(out, ref)
+    return reference_error(case, rebuild, q, table, out)
 
 
 def main(argv=None) -> None:
@@ -176,7 +177,7 @@ def main(argv=None) -> None:
             config = banded_config(args.config, band)
             sched = schedule_of(case, config).schedule.layer(0)
             knobs = f"fold_tokens={config.fold_tokens}"
-            row("zack (Pallas)", f"fold_tokens={config.fold_tokens}", time_calls(*kvjax_decode_call(case, sched, key)))
+            row("zack (Pallas)", knobs, time_calls(*kvjax_decode_call(case, sched, key)))
             banded = dataclasses.replace(rebuild, band=band)
             err = check_banded(case, banded, sched)
             row(f"zack banded {band} (Pallas)", knobs, time_calls(*banded_call(case, banded, sched, key)), err)

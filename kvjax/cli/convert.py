@@ -88,8 +88,8 @@ def parse_args(argv=None):
         metavar="W",
         help="zack: banded ZACK, a variant beside the paper's method: each key is stored in the frame of its band of W "
         "positions (16, 32 or 64; a power of two), so one basis fits every position (--max-context does not apply) "
-        'and is closer to Palu\'s accuracy at the same bytes (bench/RESULTS.md "Banded bases"); served over '
-        "Palu's kernels for now, without quantized pages",
+        'and is closer to Palu\'s accuracy at the same bytes (bench/RESULTS.md "Banded bases"), for slower decode '
+        '(bench/RESULTS.md "Banded decode kernel"); served without quantized pages',
     )
     p.add_argument(
         "--k-share",

@@ -186,8 +186,8 @@ def compress(
     ``band`` (zack): banded ZACK, a variant beside the paper's method: each key is stored in the frame of its band of
     ``band`` positions (16, 32 or 64: a power of two), whose basis is that of positions 0..band-1 turned by the band's
     start angle, so one basis fits every position and no ``max_context`` applies (DESIGN.md section 7, "Banded
-    bases"). Attention reads the keys back at full width (Palu's kernels) until a kernel of its own lands; quantized
-    pages are refused.
+    bases"). Decode projects each query once a band (bands of 16 or more; narrower ones on Palu's kernel), prefill
+    rebuilds keys at full width; quantized pages are refused.
     ``kv_bits``: the quantized pages the returned model asks to be served from (``Model.kv_bits``, saved with it):
     4 or 2, None (pages of the cache's dtype), or "model" (default): ``model``'s own. Palu models refuse 4 and 2,
     before any calibration, in the engine's words.

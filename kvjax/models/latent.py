@@ -29,6 +29,11 @@ class LatentK:
     layout: HeadLayout
     band: int | None = None
 
+    def basis(self) -> jax.Array:
+        """[d, k_cols]: every head's ``up`` transposed, side by side in the packed K columns (banded ZACK: its Q/K
+        rotation matrix, ``rotation.QKRotation.matrix``, which the banded decode kernel projects queries on)."""
+        return jnp.concatenate([up.T for up in self.up], axis=1)
+
     def __call__(self, latent, positions):
         """Packed latent [B, S, k_cols] at ``positions`` [B, S] -> full post-RoPE K [B, S, Hkv*d]."""
         starts = HeadLayout.offsets(self.layout.k_widths)

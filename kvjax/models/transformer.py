@@ -267,7 +267,8 @@ class Transformer(nnx.Module):
     @property
     def rebuilt_k(self) -> bool:
         """Whether attention rebuilds full K from what the cache holds (``attend``'s ``rebuild``): Palu's latent,
-        or a banded ZACK key turned back by its band's angle. The engine serves such layers with Palu's kernels."""
+        or a banded ZACK key turned back by its band's angle. The engine prefills such layers over rebuilt K; it
+        decodes Palu's, and bands under 16, with Palu's kernel (``runtime.engine.Engine._build_ops``)."""
         return self.method == "palu" or self.band is not None
 
     def join(self) -> None:

@@ -47,7 +47,7 @@ from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, store_r
 from kvjax.ops.tiles import tile
 
 BLOCK_H = ROWS  # query rows per item: a GQA group (G <= 8) padded to the tensor cores' smallest M
-MIN_BAND = 16  # banded keys: a step holds at least the tensor cores' smallest N of tokens, all in one band
+MIN_BAND = 16  # banded keys: narrower bands would take a query projection every few tokens (Palu's kernel reads them)
 
 
 def _class_pieces(tiles, exact: bool, last):
@@ -142,22 +142,7 @@ def _attend_item(
         subs = queries(lo + j * bt)  # [sub-band][piece][fold]
         s = functools.reduce(
             operator.add,
-            [
-                _in_sub_band(
-                    functools.reduce(
-                        operator.add,
-                        [
-                            plgpu.dot(qs[i][c], k, trans_b=True, precision=precision)
-                            for c, (ks, _, _) in enumerate(chunks)
-                            for i, k in enumerate(ks)
-                        ],
-                    ),
-                    sub,
-                    len(subs),
-                    bc,
-                )
-                for sub, qs in enumerate(subs)
-            ],
+            [_in_sub_band(_scores(qs, chunks, precision), i, len(subs), bc) for i, qs in enumerate(subs)],
         )
         if masked:
             visible = functools.reduce(
@@ -202,6 +187,19 @@ def _token_span(lo, end, length, window: int, align: int):
     if align:
         return lo // align * align, hi, jnp.maximum(visible_from, lo)
     return lo, hi, visible_from
+
+
+def _scores(qs, chunks, precision):
+    """[BLOCK_H, chunk]: each row's chunk of K (``chunks``: per fold, its K pieces first) scored by queries
+    [piece][fold]."""
+    return functools.reduce(
+        operator.add,
+        [
+            plgpu.dot(qs[i][c], k, trans_b=True, precision=precision)
+            for c, (ks, *_) in enumerate(chunks)
+            for i, k in enumerate(ks)
+        ],
+    )
 
 
 def _in_sub_band(s, sub: int, subs: int, chunk: int):
@@ -257,9 +255,8 @@ def _item_queries(refs, at, *, pieces, cols_ok, folds, factor, band, head_dim):
             r1, r2 = (x.astype(dtype) for x in _rope_back(h1, h2, start))
             projected = []
             for piece in pieces:
-                u1, u2 = basis(
-                    *piece
-                )  # loaded every step: as fast as kept in registers (RESULTS "Banded decode kernel")
+                # loaded every step: as fast as kept in registers (bench/RESULTS.md "Banded decode kernel")
+                u1, u2 = basis(*piece)
                 q = plgpu.dot(r1, u1, precision=precision) + plgpu.dot(r2, u2, precision=precision)
                 q = jnp.where(cols_ok(piece[0], piece[1]), q * factor, 0.0).astype(dtype)
                 projected.append([fold(q) for fold in folds])

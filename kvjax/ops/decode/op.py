@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax.layout import HeadLayout
@@ -95,8 +94,7 @@ class DecodeOp:
         if self.band is not None or rebuild is not None:
             if rebuild is None or rebuild.band != self.band:
                 raise ValueError(f"this decode op reads keys in bands of {self.band}; pass the layer's banded rebuild")
-            basis = jnp.concatenate([up.T for up in rebuild.up], axis=1)  # [d, k_cols]: LatentK.up transposed back
-            banded = dict(basis=basis, inv_freq=rebuild.inv_freq, band=self.band)
+            banded = dict(basis=rebuild.basis(), inv_freq=rebuild.inv_freq, band=self.band)
         return paged_decode(
             q,
             k_pages,
