@@ -127,6 +127,15 @@ def test_a_banded_decode_op_refuses_keys_of_another_band():
             op.run(q, k, v, table, lengths, schedule, layout, wrong)
     with pytest.raises(ValueError, match="band must be a power of two >= 16"):
         paged_decode(q, k, v, table, lengths, schedule, layout, basis=jnp.ones((64, 64)), inv_freq=np.ones(32), band=8)
+    for bad, error, match in [
+        (8, ValueError, "band must be a power of two >= 16, got 8"),
+        (24, ValueError, "band must be a power of two >= 16, got 24"),
+        (-16, ValueError, "band must be a power of two >= 16, got -16"),
+        (float("nan"), TypeError, "band must be an integer"),
+        ("16", TypeError, "band must be an integer"),
+    ]:
+        with pytest.raises(error, match=match):
+            DecodeOp([layout], 16, table.shape[1], band=bad)
 
 
 def test_a_banded_plan_is_recorded_saved_and_loaded(tmp_path):

@@ -37,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kvjax import validate
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode import tables
 from kvjax.ops.decode.cost import ROWS
@@ -447,8 +448,16 @@ def _check_banded(q, basis, inv_freq, band: int, layout: HeadLayout) -> None:
         raise ValueError(f"banded decode takes q as whole heads [B, {layout.num_heads * d}], got {q.shape}")
     if basis is None or basis.shape != (d, layout.k_cols) or inv_freq is None or len(inv_freq) != d // 2:
         raise ValueError(f"banded decode needs basis [{d}, {layout.k_cols}] and inv_freq [{d // 2}]")
+    check_band(band)
+
+
+def check_band(band) -> int:
+    """``band`` if this kernel reads keys in bands of that many positions (a power of two, at least ``MIN_BAND``):
+    else a ValueError, or a TypeError for a band that is no integer."""
+    band = validate.integer("band", band)
     if band < MIN_BAND or band & (band - 1):
         raise ValueError(f"band must be a power of two >= {MIN_BAND}, got {band}")
+    return band
 
 
 def launch_and_merge(kernel, args, schedule, out, merge_tables, *, v_max, v_tile, compiler_params, interpret, name):

@@ -9,7 +9,7 @@ import numpy as np
 
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.config import DECODE, DecodeConfig
-from kvjax.ops.decode.kernel import paged_decode
+from kvjax.ops.decode.kernel import check_band, paged_decode
 from kvjax.ops.decode.plan import DecodeSchedule, as_layouts, bucket, compiled_shape
 from kvjax.ops.decode.planner import DecodePlanner
 from kvjax.ops.decode.tables import kernel_groups
@@ -46,6 +46,7 @@ class DecodeOp:
         interpret: bool = False,
     ):
         if band is not None:
+            band = check_band(band)  # before any planning: a bad band names itself, not the config it would make
             config = banded_config(config, band)
         self.config, self.band, self.interpret = config, band, interpret
         self.groups = kernel_groups(as_layouts(layouts), config)  # the layers that share each compiled kernel
