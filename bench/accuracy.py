@@ -40,6 +40,7 @@ import kvjax
 from kvjax import validate
 from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
 from kvjax.compression.calibration import principal_axes
+from kvjax.compression.pipeline import measure_sensitivity, probe_tokens
 from kvjax.compression.text import pydoc_text, stdlib_code
 from kvjax.models.transformer import layer_layout
 from kvjax.ops import kv_schemes
@@ -59,8 +60,17 @@ VARIANTS = {  # name -> (method, adaptive); palu-uniform (one rank for every hea
     "zack-band64": ("zack", True),
     "zack-band1": ("zack", True),  # narrower than any kernel tile: diagnostics (band 1 is Palu's frame, ZACK's basis)
     "zack-band4": ("zack", True),
+    # ranks by measured effect (``compress(ranks="measured")``): each head probed, KL per unit of energy, greedy
+    "zack-measured": ("zack", True),
+    "palu-measured": ("palu", True),
+    "zack-band16-measured": ("zack", True),
 }
-BANDS = {name: int(name.removeprefix("zack-band")) for name in VARIANTS if name.startswith("zack-band")}
+MEASURED = {name for name in VARIANTS if name.endswith("-measured")}
+BANDS = {
+    name: int(name.removeprefix("zack-band").removesuffix("-measured"))
+    for name in VARIANTS
+    if name.startswith("zack-band")
+}
 DEFAULT_VARIANTS = ["zack", "zack-uniform", "palu", "palu-uniform"]
 GROUP = ("calibration", "variant", "max_context", "k_share", "kv_bits")  # what a model has besides its rate
 AT_99 = {  # the 99%-of-baseline tests, (value, uncompressed value) -> passes: eval's bisection and Evaluator.meets
@@ -77,6 +87,7 @@ EPILOG = """modes:
   python bench/accuracy.py eval --rates 0.25 0.5 0.625 --bisect-steps 4   # largest rate at 99% of baseline
   python bench/accuracy.py eval --calibrations random text prose code text:notes.txt --variants zack palu-uniform
   python bench/accuracy.py eval --rates 0.3 0.5 --variants zack --kv-bits none 4 2   # ranks and quantized pages
+  python bench/accuracy.py eval --rates 0.3 0.5 --variants zack-band16 zack-band16-measured   # ranks by measured KL
   python bench/accuracy.py retrieval --task passkey multikey --contexts 1024 2048 4096 8192 --trials 50 \\
       --rates 0.5 --calibrations text --max-context 8200 --json retrieval.json --png-dir retrieval
   python bench/accuracy.py retrieval --rates 0.25 0.375 0.5 --retrieval-tolerance 0.02   # within 2 points of base
@@ -90,8 +101,11 @@ holds one compressed model and two windows of log-probs at a time.
 Calibration sources (kvjax.compression.calibration_tokens): "random" token ids, "text" (rows alternating prose and
 code), "prose" (the calibration half of pydoc topics), "code" (the calibration part of the code source, files
 disjoint from eval's) or "text:PATH". --k-share gives Q/K that share of the columns a rate keeps (V the rest;
-"none": one removal rate for both). Eval's --bisect-steps probes are full evaluations (every source and window),
-each target rate once per group, rows marked "probe"; its JSON is rewritten after each group, "complete" false until
+"none": one removal rate for both; uniform variants split evenly). The -measured variants
+(compress(ranks="measured")) probe every head once per group (2 x layers x KV heads forward passes over two held-in
+rows of 1,024 calibration tokens) and reuse the probes for every rate; --k-share does not apply to them. Eval's
+--bisect-steps probes are full evaluations (every source and window), each target rate once per group, rows marked
+"probe"; its JSON is rewritten after each group, "complete" false until
 the last. Eval's --kv-bits 4 2 (default none: unquantized only) score every model also over a cache of quantized
 pages of --kv-page tokens (keys per column over a page, values per token, the newest partial page exact), the
 uncompressed model too; ZACK and uncompressed models only (Palu's pre-RoPE K is rebuilt, not cached as pages).
@@ -167,10 +181,14 @@ def _row(calibration, variant, target, model, scores, base):
     }
 
 
-def _variants(base, args):
-    """(calibration source, variant name, method, adaptive, stats): statistics gathered once per source."""
+def _variants(base, args, tokens: dict | None = None):
+    """(calibration source, variant name, method, adaptive, stats): statistics gathered once per source; its
+    calibration tokens go to ``tokens`` (source -> [B, T] ids) if given."""
     for source in args.calibrations:
-        stats = _calibrate(base, source, args.num_tokens, args.seq_len)
+        ids = calibration_tokens(base, source, args.num_tokens, args.seq_len, seed=0)
+        if tokens is not None:
+            tokens[source] = ids
+        stats = calibrate(base, ids)
         for variant in args.variants:
             yield (source, variant, *VARIANTS[variant], stats)
 
@@ -410,14 +428,20 @@ def _build(base, plan, bases, kv_bits: int | None, page_size: int):
 def _groups(base, args):
     """(group fields, plan_for) per calibration, variant, zack ``--max-context``, ``--k-share`` and ``--kv-bits``;
     ``plan_for(p)`` gives (row fields, plan, bases) at target rate ``p`` (folding waits)."""
-    for source, variant, method, adaptive, stats in _variants(base, args):
+    tokens: dict = {}
+    for source, variant, method, adaptive, stats in _variants(base, args, tokens):
         for max_context in args.max_context if method == "zack" and variant not in BANDS else [None]:
-            for k_share in args.k_share:
+            sensitivity = None
+            if variant in MEASURED:  # probed once per group, reused by every rate
+                where = dict(method=method, max_context=max_context, band=BANDS.get(variant))
+                probes = probe_tokens(base, source, 0, tokens[source])
+                sensitivity = measure_sensitivity(base, stats, probes, **where)
+            for k_share in args.k_share if variant not in MEASURED else [None]:
                 for bits in args.kv_bits:
                     group = {"calibration": source, "variant": variant, "max_context": max_context}
                     group |= {"k_share": k_share, "kv_bits": bits}
 
-                    def plan_for(p, group=group, stats=stats, method=method, adaptive=adaptive):
+                    def plan_for(p, group=group, stats=stats, method=method, adaptive=adaptive, sens=sensitivity):
                         plan, bases = make_plan(
                             base,
                             stats,
@@ -427,6 +451,7 @@ def _groups(base, args):
                             max_context=group["max_context"],
                             k_share=group["k_share"],
                             band=BANDS.get(group["variant"]),
+                            sensitivity=sens,
                         )
                         overall = overall_rate(base, plan, group["kv_bits"], args.kv_page)
                         return group | {"target_rate": p, "rate": plan.rate, "overall_rate": overall}, plan, bases
@@ -1022,6 +1047,8 @@ def main(argv=None):
             "thousands of generations)"
         )
     _check_kv_bits(p, args)
+    if args.mode not in ("eval", "retrieval") and MEASURED & set(args.variants):
+        p.error(f"--variants {' '.join(sorted(MEASURED & set(args.variants)))}: eval and retrieval only")
     # float32 means float32 on every device: JAX's GPU default computes float32 dots in TF32 (10-bit mantissas), so
     # the same command gave other retrieval answers on an H100 than on the CPU (bench/RESULTS.md "Retrieval at 4K and
     # 8K with quantized pages (SmolLM2, H100)")

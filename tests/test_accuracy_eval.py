@@ -178,6 +178,30 @@ def test_eval_mode_writes_every_number_as_json(tmp_path, monkeypatch, capsys):
     assert "| k_share | kv_bits | target_rate | rate | overall_rate |" in printed, f"seed {seed}"
 
 
+def test_measured_variants_probe_once_a_group_and_plan_by_it(tmp_path, monkeypatch):
+    """A -measured variant probes its heads once (every rate of the group reuses the probes), is banded where its
+    name says so, and takes no --k-share rows; other modes refuse it by name."""
+    random_eval_model(monkeypatch)
+    seen = []
+    real = accuracy.measure_sensitivity
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(accuracy, "measure_sensitivity", spy)
+    out = tmp_path / "eval.json"
+    flags = ["--rates", "0.3", "0.5", "--calibrations", "random", "--num-tokens", "128", "--seq-len", "64"]
+    flags += ["--variants", "zack-band16-measured", "--windows", "64", "--eval-tokens", "128", "--k-share", "none"]
+    accuracy.main(["eval", *flags, "0.4", "--json", str(out)])
+    assert [kw["band"] for kw in seen] == [16]
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["variant"] != "uncompressed"]
+    assert sorted({r["target_rate"] for r in rows}) == [0.3, 0.5] and {r["k_share"] for r in rows} == {None}
+    assert all(r["rate"] >= r["target_rate"] for r in rows)
+    with pytest.raises(SystemExit):
+        accuracy.main(["rates", "--variants", "palu-measured"])
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

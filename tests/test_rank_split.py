@@ -66,10 +66,13 @@ def test_a_budget_below_the_narrowest_heads_is_refused():
         RankPlan.for_column_budgets("zack", spectra(rng), spectra(rng), 1000, ALIGN * 6 - 1)
 
 
-@pytest.mark.parametrize("share,expected", [(0.5, (32, 32)), (0.25, (16, 48)), (0.75, (48, 16)), (0.1, (16, 48))])
+@pytest.mark.parametrize(
+    "share,expected", [(None, (32, 32)), (0.5, (32, 32)), (0.25, (16, 48)), (0.75, (48, 16)), (0.1, (16, 48))]
+)
 def test_a_uniform_plan_splits_its_budget_by_the_share(share, expected):
+    """By default evenly (one rate for K and V, the ZACK paper's ZACK/AC), whatever the two spectra's scales."""
     rng = np.random.default_rng(0)
-    plan = RankPlan.for_target_rate("zack", spectra(rng), spectra(rng), 0.5, adaptive=False, k_share=share)
+    plan = RankPlan.for_target_rate("zack", spectra(rng), spectra(rng, scale=100.0), 0.5, adaptive=False, k_share=share)
     assert (int(plan.k_qk[0, 0]), int(plan.k_v[0, 0])) == expected and (plan.k_qk == plan.k_qk[0, 0]).all()
 
 

@@ -2,7 +2,7 @@
 
     kvjax-convert SRC OUT (--target-rate P | --removal-rate R) [--method zack|palu] [--uniform]
                               [--calibration text|prose|code|random|text:FILE] [--num-tokens N] [--k-share S|measured]
-                              [--kv-bits 4|2|gear2...|none]
+                              [--ranks spectrum|measured] [--band W] [--kv-bits 4|2|gear2...|none]
 
 SRC is anything ``kvjax.load`` reads (a Hugging Face directory, a .gguf file, 'smollm2', 'gemma3-270m'). OUT is
 written beside and swapped in by renames at the end, so a failure leaves nothing half-written; --overwrite replaces
@@ -23,7 +23,7 @@ def parse_args(argv=None):
     from kvjax import validate
     from kvjax.cli import options
     from kvjax.compression.calibration import TEXT_SOURCES
-    from kvjax.compression.pipeline import MODEL_CONTEXT
+    from kvjax.compression.pipeline import MODEL_CONTEXT, RANKS
     from kvjax.compression.plan import check_band
     from kvjax.compression.text import read_text_file
     from kvjax.io.load import resolve
@@ -100,6 +100,15 @@ def parse_args(argv=None):
         "removal rate for both)",
     )
     p.add_argument(
+        "--ranks",
+        choices=RANKS,
+        default="spectrum",
+        help="with --target-rate: how each head's widths are chosen. 'spectrum' (default): one removal rate on every "
+        "head's singular values (F_p). 'measured': probe each head's Q/K and V at half width, score the probe by KL "
+        "to the original on held-in calibration rows, and spend the rate where it costs least, K and V together "
+        '(2 x layers x KV heads extra forward passes; bench/RESULTS.md "Ranks by measured effect")',
+    )
+    p.add_argument(
         "--seed",
         type=validate.arg(validate.seed, int),
         default=0,
@@ -125,6 +134,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.k_share is not None and args.target_rate is None:
         p.error("--k-share splits a target rate's columns: give --target-rate")
+    if args.ranks == "measured" and (args.target_rate is None or args.uniform or args.k_share is not None):
+        p.error("--ranks measured takes --target-rate, and neither --uniform nor --k-share (it splits K and V itself)")
     _check_cache_flags(p, args)
     if args.calibration not in ("random", *TEXT_SOURCES) and not args.calibration.startswith("text:"):
         p.error("--calibration must be 'text', 'prose', 'code', 'random' or 'text:FILE'")
@@ -199,6 +210,7 @@ def main(argv=None) -> int:
             max_context=args.max_context,
             k_share=args.k_share,
             band=args.band,
+            ranks=args.ranks,
             kv_bits=args.kv_bits,  # saved with OUT (kvjax.json's "serving")
         )
     except (FileNotFoundError, IsADirectoryError, ValueError) as e:

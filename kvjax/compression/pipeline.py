@@ -14,11 +14,13 @@ from kvjax import validate
 from kvjax.compression.calibration import CalibrationStats, calibrate, calibration_tokens, check_source
 from kvjax.compression.folding import fold
 from kvjax.compression.plan import ALIGN, METHODS, RankPlan, check_band, check_kv_bits
+from kvjax.compression.sensitivity import Sensitivity, allocate, measure
 from kvjax.compression.split import best_share, kl_to
 
 BASIS = {"zack": ("qk", "v"), "palu": ("k_pre", "v")}  # each method's K and V bases (CalibrationStats.basis)
 
 
+RANKS = ("spectrum", "measured")  # ``compress``'s rank rules: F_p's shared removal rate, or measured effect
 MODEL_CONTEXT = "model"  # ``compress``'s default max_context: the positions the model serves, its context length
 
 
@@ -101,6 +103,7 @@ def make_plan(
     max_context=None,
     k_share=None,
     band=None,
+    sensitivity: Sensitivity | None = None,
 ) -> tuple[RankPlan, dict]:
     """The rank plan and the bases it truncates ({"k": Basis, "v": Basis}), from calibration statistics (cheap).
 
@@ -114,8 +117,14 @@ def make_plan(
     ``band`` (zack): store keys in banded frames of ``band`` positions, the Q/K basis that of positions
     0..band-1 (``RankPlan.band``; then ``max_context`` must be None).
     ``k_share`` (with ``target_rate``): the share of the kept columns Q/K gets (``RankPlan.for_target_rate``);
-    None: one removal rate for both (adaptive) or the singular-value mass split (uniform)."""
+    None: one removal rate for both (adaptive) or an even split (uniform).
+    ``sensitivity`` (with ``target_rate``, adaptive, no ``k_share``): ranks by measured effect
+    (``sensitivity.allocate``), from probes of this method, band and ``max_context`` (``measure_sensitivity``)."""
     max_context = _check_request(target_rate, removal_rate, method, max_context)
+    if sensitivity is not None and (target_rate is None or k_share is not None or not adaptive):
+        raise ValueError(
+            "ranks by measured effect take a target_rate, adaptive=True and no k_share (they split K and V themselves)"
+        )
     band = check_band(band, method, max_context)
     k_kind, v_kind = BASIS[method]
     with np.errstate(invalid="ignore", divide="ignore"):  # a zero Gram: said below, naming its layer
@@ -129,7 +138,10 @@ def make_plan(
                 f"calibration statistics of layer {layer} (KV head {head}) give no {kind!r} basis: its activations "
                 "are all zero or not finite on the calibration tokens"
             )
-    if target_rate is not None:
+    if sensitivity is not None:
+        k_qk, k_v = allocate(k_basis.s, v_basis.s, sensitivity, target_rate)
+        plan = RankPlan(method, k_basis.s.shape[-1], k_qk, k_v, k_basis.s, v_basis.s, ranks="measured")
+    elif target_rate is not None:
         plan = RankPlan.for_target_rate(method, k_basis.s, v_basis.s, target_rate, adaptive, k_share=k_share)
     elif k_share is not None:
         raise ValueError("k_share splits a target rate's columns: give target_rate, not removal_rate")
@@ -141,6 +153,32 @@ def make_plan(
     if order_heads:
         plan = plan.ordered_for_runs(model.layouts[0].group_size)
     return plan, {"k": k_basis, "v": v_basis}
+
+
+PROBE_ROWS, PROBE_TOKENS = 2, 1024  # what a sensitivity probe is scored on: rows longer than calibration's
+
+
+def probe_tokens(model, calibration, seed: int, tokens) -> np.ndarray:
+    """The held-in rows sensitivity probes are scored on: ``PROBE_ROWS`` rows of ``PROBE_TOKENS`` tokens (at most
+    the model's context) from the calibration source, since a head's effect at a 512-token row understates what it
+    does at 4K (keys far back); the calibration rows ``tokens`` themselves where the source is too short for that."""
+    length = min(PROBE_TOKENS, int(model.config.max_position_embeddings))
+    try:
+        return calibration_tokens(model, calibration, PROBE_ROWS * length, length, seed)
+    except ValueError:
+        return tokens
+
+
+def measure_sensitivity(
+    model, stats: CalibrationStats, tokens, *, method="zack", max_context=None, band=None, progress=True
+) -> Sensitivity:
+    """Each head's measured effect on ``model``'s outputs for ``make_plan(sensitivity=)``: the bases of ``method``
+    (with ``max_context`` and ``band``) probed head by head (``sensitivity.measure``) and scored by KL on the whole
+    rows of ``tokens`` [B, T] (held-in calibration text: ``probe_tokens``)."""
+    full, bases = make_plan(
+        model, stats, removal_rate=0.0, method=method, max_context=max_context, band=band, order_heads=False
+    )
+    return measure(model, full, bases, kl_to(model, tokens, len(tokens)), progress=progress)
 
 
 def compress(
@@ -160,6 +198,7 @@ def compress(
     max_context=MODEL_CONTEXT,
     k_share=None,
     band=None,
+    ranks="spectrum",
     kv_bits="model",
     progress=True,
 ):
@@ -182,12 +221,17 @@ def compress(
     ``k_share`` (with ``target_rate``): the share of the kept columns that Q/K gets, V the rest, each spread over
     its heads by its own removal rate (adaptive) or evenly (uniform); "measured" tries shares 0.3-0.7 and keeps the
     one whose model stays closest (KL) to this one on held-in calibration rows (``compression.split``; a fold and
-    a forward pass a share); None (default): one removal rate for both, or the uniform split by singular values.
+    a forward pass a share); None (default): one removal rate for both (adaptive), or half each (uniform: one rate
+    for K and V, the ZACK paper's ZACK/AC).
     ``band`` (zack): banded ZACK, a variant beside the paper's method: each key is stored in the frame of its band of
     ``band`` positions (16, 32 or 64: a power of two), whose basis is that of positions 0..band-1 turned by the band's
     start angle, so one basis fits every position and no ``max_context`` applies (DESIGN.md section 7, "Banded
     bases"). Decode projects each query once a band (bands of 16 or more; narrower ones on Palu's kernel), prefill
     rebuilds keys at full width; quantized pages are refused.
+    ``ranks`` (with ``target_rate``, adaptive): "spectrum" (default) gives every head the widths of one shared
+    removal rate on its singular values (F_p); "measured" probes each head's Q/K and V at half width, scores each
+    probe by KL to this model on two held-in calibration rows of 1,024 tokens, and spends the rate where that costs
+    least, K and V together (``compression.sensitivity``: 2·L·Hkv extra forward passes, no k_share).
     ``kv_bits``: the quantized pages the returned model asks to be served from (``Model.kv_bits``, saved with it):
     4 or 2, None (pages of the cache's dtype), or "model" (default): ``model``'s own. Palu models refuse 4 and 2,
     before any calibration, in the engine's words.
@@ -200,6 +244,13 @@ def compress(
         share = isinstance(k_share, (int, float)) and not isinstance(k_share, bool) and 0 < k_share < 1
         if target_rate is None or not (share or k_share == "measured"):
             raise ValueError(f"k_share takes a target_rate and a share in (0, 1) or 'measured', got {k_share!r}")
+    if ranks not in RANKS:
+        raise ValueError(f"ranks must be one of {RANKS}, got {ranks!r}")
+    if ranks == "measured" and (target_rate is None or not adaptive or k_share is not None):
+        raise ValueError(
+            "ranks='measured' takes a target_rate, adaptive=True and no k_share (it splits K and V "
+            "by measured effect itself)"
+        )
     num_tokens, seq_len = validate.positive("num_tokens", num_tokens), validate.positive("seq_len", seq_len)
     batch_size, seed = validate.positive("batch_size", batch_size), validate.seed(seed)
     if model.plan is not None:
@@ -220,6 +271,10 @@ def compress(
     if k_share == "measured":
         score = kl_to(model, tokens, batch_size)
         k_share, _ = best_share(lambda f: score(fold(model, *make_plan(model, stats, k_share=f, **settings))))
+    if ranks == "measured":
+        where = dict(method=method, max_context=max_context, band=band)
+        probes = probe_tokens(model, calibration, seed, tokens)
+        settings["sensitivity"] = measure_sensitivity(model, stats, probes, progress=progress, **where)
     plan, bases = make_plan(model, stats, order_heads=order_heads, fill_tiles=fill_tiles, k_share=k_share, **settings)
     _warn_far_from_target(plan, target_rate)
     compressed = fold(model, plan, bases)

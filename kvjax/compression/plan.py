@@ -100,6 +100,7 @@ class RankPlan:
     max_context: int | None = None  # zack: Q/K basis derived for positions 0..max_context-1 (None: those calibrated)
     k_share: float | None = None  # the share of the kept columns given to Q/K (None: one removal rate for both)
     band: int | None = None  # zack: keys stored in the frame of their band of ``band`` positions (None: plain)
+    ranks: str | None = None  # "measured": widths from each head's measured KL (``sensitivity``); None: F_p's rule
 
     def __post_init__(self):
         self.k_qk, self.k_v = np.asarray(self.k_qk, np.int64), np.asarray(self.k_v, np.int64)
@@ -116,6 +117,8 @@ class RankPlan:
         if self.max_context is not None:
             self.max_context = validate.positive("max_context", self.max_context)
         self.band = check_band(self.band, self.method, self.max_context)
+        if self.ranks not in (None, "measured"):
+            raise ValueError(f"ranks must be None or 'measured', got {self.ranks!r}")
         if self.head_order is not None:
             self.head_order = np.asarray(self.head_order, np.int64)
             heads = self.s_qk.shape[1]
@@ -219,7 +222,7 @@ class RankPlan:
             k_cols = int(round(kept * k_share))
             return cls.for_column_budgets(method, s_qk, s_v, k_cols, kept - k_cols, steps)
         if not adaptive:
-            k_qk, k_v = uniform_widths(p, d, s_qk, s_v, k_share)
+            k_qk, k_v = uniform_widths(p, d, k_share)
             shape = s_qk.shape[:2]
             return cls(method, d, np.full(shape, k_qk), np.full(shape, k_v), s_qk, s_v, adaptive=False, k_share=k_share)
         lo, hi = 0.0, 1.0  # rate(r) is monotone non-decreasing in r
@@ -275,6 +278,8 @@ class RankPlan:
         ]
         if self.max_context is not None:
             lines.insert(1, f"Q/K basis derived for positions 0..{self.max_context - 1} (max_context)")
+        if self.ranks == "measured":
+            lines.insert(1, "widths allocated by each head's measured effect on the outputs (KL), K and V together")
         if self.band is not None:
             lines.insert(1, f"keys stored in bands of {self.band} positions, each in its band's frame (any context)")
         if self.moved_columns:
@@ -311,6 +316,7 @@ class RankPlan:
                 "max_context": self.max_context,
                 "k_share": self.k_share,
                 "band": self.band,
+                "ranks": self.ranks,
             }
         )
 
@@ -321,12 +327,13 @@ class RankPlan:
         return cls(**d)
 
 
-def uniform_widths(p: float, head_dim: int, s_qk, s_v, k_share: float | None = None) -> tuple[int, int]:
+def uniform_widths(p: float, head_dim: int, k_share: float | None = None) -> tuple[int, int]:
     """One (k_qk, k_v) for every head: a per-head budget of ``2 * head_dim * (1 - p)`` columns rounded to 16,
-    split between K and V by ``k_share``, by default in proportion to their total singular-value mass (at least 16
-    each; that default compares two scales and cuts K first: bench/RESULTS.md "Compression: K and V budgets")."""
+    split between K and V by ``k_share``, by default evenly (one rate for K and V, the ablation of the ZACK paper's
+    ZACK/AC; a split by singular-value mass compared two scales and cut K first: bench/RESULTS.md "Compression: K
+    and V budgets"), at least 16 each."""
     budget = min(2 * head_dim, max(2 * ALIGN, round(2 * head_dim * (1 - p) / ALIGN) * ALIGN))
-    share = k_share if k_share is not None else float(np.sum(s_qk)) / max(float(np.sum(s_qk) + np.sum(s_v)), 1e-30)
+    share = 0.5 if k_share is None else k_share
     k_qk = min(head_dim, max(ALIGN, round(budget * share / ALIGN) * ALIGN))
     k_qk = min(max(k_qk, budget - head_dim), budget - ALIGN)
     return int(k_qk), int(budget - k_qk)
