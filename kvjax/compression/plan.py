@@ -3,6 +3,8 @@
 A head keeps the smallest ``k`` whose removed tail of singular values stays within the shared removal rate ``r``
 (``sum_{i>=k} s_i / sum_i s_i <= r``), rounded up to a multiple of 16 (kernel alignment), at least 16. The overall
 rate is ``p = 1 - sum(k_qk + k_v) / (2 * Hkv * d_h * L)``; ``F_p`` finds ``r`` for a target ``p`` by bisection.
+A plan with ``ranks="measured"`` takes its widths from each head's measured effect instead
+(``compression.sensitivity``).
 
 A plan may also reorder each layer's KV heads (``head_order``, see ``kvjax.ops.decode.search.order_heads``): the
 ranks stay those of the calibrated heads, the folded model and its cache hold the heads in the new order, where
