@@ -40,7 +40,7 @@ import kvjax
 from kvjax import validate
 from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
 from kvjax.compression.calibration import principal_axes
-from kvjax.compression.pipeline import measure_sensitivity, probe_tokens
+from kvjax.compression.pipeline import measure_sensitivity
 from kvjax.compression.text import pydoc_text, stdlib_code
 from kvjax.models.transformer import layer_layout
 from kvjax.ops import kv_schemes
@@ -434,8 +434,7 @@ def _groups(base, args):
             sensitivity = None
             if variant in MEASURED:  # probed once per group, reused by every rate
                 where = dict(method=method, max_context=max_context, band=BANDS.get(variant))
-                probes = probe_tokens(base, source, 0, tokens[source])
-                sensitivity = measure_sensitivity(base, stats, probes, **where)
+                sensitivity = measure_sensitivity(base, stats, source, tokens[source], **where)
             for k_share in args.k_share if variant not in MEASURED else [None]:
                 for bits in args.kv_bits:
                     group = {"calibration": source, "variant": variant, "max_context": max_context}

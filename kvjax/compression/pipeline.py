@@ -121,10 +121,8 @@ def make_plan(
     ``sensitivity`` (with ``target_rate``, adaptive, no ``k_share``): ranks by measured effect
     (``sensitivity.allocate``), from probes of this method, band and ``max_context`` (``measure_sensitivity``)."""
     max_context = _check_request(target_rate, removal_rate, method, max_context)
-    if sensitivity is not None and (target_rate is None or k_share is not None or not adaptive):
-        raise ValueError(
-            "ranks by measured effect take a target_rate, adaptive=True and no k_share (they split K and V themselves)"
-        )
+    if sensitivity is not None:
+        _check_measured(target_rate, adaptive, k_share)
     band = check_band(band, method, max_context)
     k_kind, v_kind = BASIS[method]
     with np.errstate(invalid="ignore", divide="ignore"):  # a zero Gram: said below, naming its layer
@@ -155,10 +153,19 @@ def make_plan(
     return plan, {"k": k_basis, "v": v_basis}
 
 
+def _check_measured(target_rate, adaptive, k_share) -> None:
+    """Ranks by measured effect split a target rate's columns between K and V themselves: a ValueError otherwise."""
+    if target_rate is None or not adaptive or k_share is not None:
+        raise ValueError(
+            "ranks='measured' takes a target_rate, adaptive=True and no k_share (it splits K and V by measured "
+            "effect itself)"
+        )
+
+
 PROBE_ROWS, PROBE_TOKENS = 2, 1024  # what a sensitivity probe is scored on: rows longer than calibration's
 
 
-def probe_tokens(model, calibration, seed: int, tokens) -> np.ndarray:
+def _probe_tokens(model, calibration, seed: int, tokens) -> np.ndarray:
     """The held-in rows sensitivity probes are scored on: ``PROBE_ROWS`` rows of ``PROBE_TOKENS`` tokens (at most
     the model's context) from the calibration source, since a head's effect at a 512-token row understates what it
     does at 4K (keys far back); the calibration rows ``tokens`` themselves where the source is too short for that."""
@@ -170,15 +177,25 @@ def probe_tokens(model, calibration, seed: int, tokens) -> np.ndarray:
 
 
 def measure_sensitivity(
-    model, stats: CalibrationStats, tokens, *, method="zack", max_context=None, band=None, progress=True
+    model,
+    stats: CalibrationStats,
+    calibration,
+    tokens,
+    *,
+    seed=0,
+    method="zack",
+    max_context=None,
+    band=None,
+    progress=True,
 ) -> Sensitivity:
     """Each head's measured effect on ``model``'s outputs for ``make_plan(sensitivity=)``: the bases of ``method``
-    (with ``max_context`` and ``band``) probed head by head (``sensitivity.measure``) and scored by KL on the whole
-    rows of ``tokens`` [B, T] (held-in calibration text: ``probe_tokens``)."""
+    (with ``max_context`` and ``band``) probed head by head (``sensitivity.measure``) and scored by KL on held-in
+    rows of the ``calibration`` source (``_probe_tokens``; ``tokens``, the calibration rows, where it is too short)."""
     full, bases = make_plan(
         model, stats, removal_rate=0.0, method=method, max_context=max_context, band=band, order_heads=False
     )
-    return measure(model, full, bases, kl_to(model, tokens, len(tokens)), progress=progress)
+    probes = _probe_tokens(model, calibration, seed, tokens)
+    return measure(model, full, bases, kl_to(model, probes, len(probes)), progress=progress)
 
 
 def compress(
@@ -246,11 +263,8 @@ def compress(
             raise ValueError(f"k_share takes a target_rate and a share in (0, 1) or 'measured', got {k_share!r}")
     if ranks not in RANKS:
         raise ValueError(f"ranks must be one of {RANKS}, got {ranks!r}")
-    if ranks == "measured" and (target_rate is None or not adaptive or k_share is not None):
-        raise ValueError(
-            "ranks='measured' takes a target_rate, adaptive=True and no k_share (it splits K and V "
-            "by measured effect itself)"
-        )
+    if ranks == "measured":
+        _check_measured(target_rate, adaptive, k_share)
     num_tokens, seq_len = validate.positive("num_tokens", num_tokens), validate.positive("seq_len", seq_len)
     batch_size, seed = validate.positive("batch_size", batch_size), validate.seed(seed)
     if model.plan is not None:
@@ -272,9 +286,8 @@ def compress(
         score = kl_to(model, tokens, batch_size)
         k_share, _ = best_share(lambda f: score(fold(model, *make_plan(model, stats, k_share=f, **settings))))
     if ranks == "measured":
-        where = dict(method=method, max_context=max_context, band=band)
-        probes = probe_tokens(model, calibration, seed, tokens)
-        settings["sensitivity"] = measure_sensitivity(model, stats, probes, progress=progress, **where)
+        where = dict(method=method, max_context=max_context, band=band, seed=seed, progress=progress)
+        settings["sensitivity"] = measure_sensitivity(model, stats, calibration, tokens, **where)
     plan, bases = make_plan(model, stats, order_heads=order_heads, fill_tiles=fill_tiles, k_share=k_share, **settings)
     _warn_far_from_target(plan, target_rate)
     compressed = fold(model, plan, bases)

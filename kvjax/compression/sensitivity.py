@@ -23,8 +23,6 @@ from tqdm.auto import tqdm
 from kvjax.compression.folding import fold
 from kvjax.compression.plan import ALIGN
 
-KINDS = ("qk", "v")  # what a probe cuts: a head's Q/K directions, or its V directions
-
 
 @dataclasses.dataclass(frozen=True)
 class Sensitivity:
@@ -76,13 +74,12 @@ def measure(
     if not ALIGN <= width < d or width % ALIGN:
         raise ValueError(f"probe width must be a multiple of {ALIGN} in [{ALIGN}, head_dim={d}), got {width}")
     kl = np.zeros((2, layers, heads))
-    keys = {"qk": "k", "v": "v"}
     units = [(i, layer, head) for i in range(2) for layer in range(layers) for head in range(heads)]
     for i, layer, head in tqdm(units, desc="sensitivity probes", disable=not progress):
-        basis = bases[keys[KINDS[i]]]
-        cut = dataclasses.replace(basis, down=basis.down.copy())
+        key = ("k", "v")[i]  # Q/K's basis, then V's
+        cut = dataclasses.replace(bases[key], down=bases[key].down.copy())
         cut.down[layer, head, :, width:] = 0.0
-        kl[i, layer, head] = score(fold(model, plan, bases | {keys[KINDS[i]]: cut}))
+        kl[i, layer, head] = score(fold(model, plan, bases | {key: cut}))
     dropped = np.stack([dropped_share(s, width) for s in (plan.s_qk, plan.s_v)])
     return Sensitivity(kl, dropped, width)
 

@@ -133,6 +133,8 @@ def layer_tables(
     whole post-RoPE heads [B, H * head_dim] (banded ZACK, whose kernel projects each query itself), so a row's
     offset is the start of its query head."""
     offs = column_offsets(layout)
+    # a query head's columns when q comes whole or wide, one row a head (0: packed, the run's own K columns)
+    head_width = layout.k_cols if wide_rows else layout.head_dim if full_heads else 0
     keys = [c.key for c in classes]
     g = layout.group_size
     unit = np.zeros((units, UNIT_FIELDS), np.int32)
@@ -140,22 +142,15 @@ def layer_tables(
     for u, run in enumerate(head_runs(layout, config)):
         k_last, v_last = (pieces(c, config)[-1][2] for c in (run.k_cols, run.v_cols))
         at = [offs[n][run.first] for n in "qkvo"]
-        if wide_rows:
-            at[0] = run.first * g * layout.k_cols + at[1]
-        elif full_heads:
-            at[0] = run.first * g * layout.head_dim
+        if head_width:  # the run's first query head (wide: at the run's K columns of it)
+            at[0] = run.first * g * head_width + (at[1] if wide_rows else 0)
         unit[u] = (keys.index(_key(run, g, config)), run.num_heads, *at, k_last, v_last)
         for i, (ks, kw, vs, vw) in enumerate(zip(run.k_starts, run.k_widths, run.v_starts, run.v_widths)):
             for j in range(g):
-                if wide_rows or full_heads:
-                    q_row = (i * g + j) * (layout.k_cols if wide_rows else layout.head_dim)
-                else:
-                    q_row = (g - 1) * ks + j * kw
+                q_row = (i * g + j) * head_width if head_width else (g - 1) * ks + j * kw
                 row[u, :, i * g + j] = ks, kw, vs, vw, q_row, (g - 1) * vs + j * vw
     unit[:, Q_OFF:] //= 16
-    q_cols = wide_rows * layout.k_cols if wide_rows else layout.q_cols
-    if full_heads:
-        q_cols = layout.num_heads * layout.head_dim
+    q_cols = (wide_rows or layout.num_heads) * head_width if head_width else layout.q_cols
     cols = np.array([q_cols, layout.k_cols, layout.v_cols, layout.out_cols], np.int32) // 16
     return LayerTables(unit.ravel(), (row // 16).ravel(), cols)
 
