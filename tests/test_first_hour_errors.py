@@ -158,8 +158,10 @@ SAVE_ON_A_SMALL_DISK = f"""
 import sys
 sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
 import kvjax
-from kvjax.ops.kv_schemes import SERVED
+from kvjax.io import saved
 from conftest import TINY_CONFIGS
+if sys.argv[2] == "no-precheck":
+    saved._check_room = lambda params, directory: None  # a disk that fills while orbax writes
 kvjax.Model.random(TINY_CONFIGS["llama"]).save(sys.argv[1] + "/ckpt")
 """
 
@@ -171,17 +173,32 @@ def _can_mount_tmpfs() -> bool:
     return subprocess.run(["unshare", "-rm", "sh", "-c", probe], capture_output=True).returncode == 0
 
 
-@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare and a tmpfs mount in a user namespace")
-def test_a_real_full_disk_shows_one_line_not_orbax_tracebacks(tmp_path):
-    """A 100 KiB tmpfs that the tiny model's 300 KiB of parameters do not fit: TensorStore fails the write."""
+def _save_on_a_small_disk(tmp_path, mode: str) -> tuple[str, list[str]]:
+    """Save the tiny model (300 KiB of parameters) onto a 100 KiB tmpfs: (the directory, stderr's lines)."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    script = f'mount -t tmpfs -o size=100k tmpfs {disk} && {sys.executable} -c "$0" {disk}; echo rc=$?; ls -A {disk}'
+    save = f'{sys.executable} -c "$0" {disk} {mode}'
+    script = f"mount -t tmpfs -o size=100k tmpfs {disk} && {save}; echo rc=$?; ls -A {disk}"
     run = subprocess.run(["unshare", "-rm", "sh", "-c", script, SAVE_ON_A_SMALL_DISK], capture_output=True, text=True)
-    assert run.stdout.split() == ["rc=1"], run.stdout  # failed, and nothing left on the disk
-    lines = run.stderr.strip().splitlines()
-    assert lines[-1] == f"OSError: no space left on device while writing {disk}/ckpt; nothing there was changed"
-    assert lines[0] == "Traceback (most recent call last):" and len(lines) < 12, run.stderr  # our own traceback only
+    assert run.stdout.split() == ["rc=1"], (run.stdout, run.stderr)  # failed, and nothing left on the disk
+    return str(disk), run.stderr.strip().splitlines()
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare and a tmpfs mount in a user namespace")
+def test_a_real_full_disk_is_refused_in_one_line_before_writing(tmp_path):
+    disk, lines = _save_on_a_small_disk(tmp_path, "precheck")
+    want = f"OSError: no space left on device while writing {disk}/ckpt: it needs at least 145 KiB, 100 KiB are free"
+    assert lines[-1] == want + "; nothing there was changed", lines
+    assert lines[0] == "Traceback (most recent call last):" and len(lines) < 12, lines  # our own traceback only
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare and a tmpfs mount in a user namespace")
+def test_a_disk_that_fills_while_orbax_writes_gives_our_line_and_leaves_nothing(tmp_path):
+    """TensorStore fails the write: its ValueError becomes our OSError, the copies its other writes report are
+    dropped (``saved._drop_echoes``), and the half-written directory is gone."""
+    disk, lines = _save_on_a_small_disk(tmp_path, "no-precheck")
+    assert f"OSError: no space left on device while writing {disk}/ckpt; nothing there was changed" in lines, lines
+    assert lines[0] == "Traceback (most recent call last):" and len(lines) < 12, lines
 
 
 # 6. hand edits of kvjax.json

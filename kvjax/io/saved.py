@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import hashlib
 import inspect
@@ -16,6 +17,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
 import warnings
 
@@ -56,12 +58,14 @@ def save(model, directory: str, *, overwrite: bool = False, hint: str = "overwri
         warnings.warn(line, stacklevel=2)
     sources = () if model.source is None else (model.source,)
     directory = check_target(directory, overwrite=overwrite, sources=sources, hint=hint)
+    params = unflatten_dict(separate_params(model.module))
+    _check_room(params, directory)
     tmp = atomic.temp_dir(directory)
     try:
         parts = ["params"]
         checkpointer = ocp.StandardCheckpointer()
         with _orbax_noise(("write_fragment",)):
-            checkpointer.save(os.path.join(tmp, "params"), unflatten_dict(separate_params(model.module)))
+            checkpointer.save(os.path.join(tmp, "params"), params)
             checkpointer.wait_until_finished()
         if model.plan is not None:
             _write(os.path.join(tmp, "plan.json"), model.plan.to_json())
@@ -80,8 +84,50 @@ def save(model, directory: str, *, overwrite: bool = False, hint: str = "overwri
         error = _write_error(e, directory)
         if error is None:
             raise
+        _drop_echoes(tmp)
         raise error from None
     return directory
+
+
+def _check_room(params, directory: str) -> None:
+    """Refuse, before writing anything, a save that cannot fit: fewer bytes free beside ``directory`` than half its
+    parameters' (orbax compresses with zstd; a float32 copy of bf16 weights, whose low halves are zero, is the
+    most compressible case, at about half). A save that passes may still fill the disk: ``_write_error``."""
+    need = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params)) // 2
+    free = shutil.disk_usage(os.path.dirname(directory)).free
+    if free < need:
+        error = OSError(
+            f"no space left on device while writing {directory}: it needs at least {_size(need)}, "
+            f"{_size(free)} are free; nothing there was changed"
+        )
+        error.errno = errno.ENOSPC
+        raise error
+
+
+def _size(n: int) -> str:
+    """``n`` bytes in the largest binary unit that leaves at least 1: "300 KiB", "1.5 GiB"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
+def _drop_echoes(tmp: str) -> None:
+    """After a failed save: orbax's threads and tasks still failing on ``tmp`` (each write that hit the full disk)
+    report the error again when they end (a thread's or a task's last-chance handler, a log line), possibly after
+    our own error has printed. Every such report naming ``tmp``, now deleted, is a copy of the error raised: drop
+    it."""
+
+    def echo(value) -> bool:
+        return tmp in str(value)
+
+    previous_thread, previous_unraisable = threading.excepthook, sys.unraisablehook
+    threading.excepthook = lambda a: None if echo(a.exc_value) else previous_thread(a)
+    sys.unraisablehook = lambda u: None if echo(u.exc_value) or echo(u.object) else previous_unraisable(u)
+    for name in ("asyncio", "absl"):
+        logging.getLogger(name).addFilter(
+            lambda record: not (echo(record.getMessage()) or (record.exc_info and echo(record.exc_info[1])))
+        )
 
 
 def _chain(error: BaseException) -> list[BaseException]:
