@@ -205,7 +205,7 @@ def run_shape(model, rate, batch, ctx, args, bandwidth, kv_bits=None) -> dict:
     kernels = cupti_steps(runner, args.steps)
     if any(r.finish_time is not None for r in requests):
         raise RuntimeError("a request finished while the steps were timed: the batch was not full")
-    span = back_to_back(engine, requests, args.steps)
+    span = back_to_back(runner, requests, args.steps)
     split = {"gemm": 0.0, "attention": 0.0, "rest": 0.0}
     by_name: dict[str, float] = {}
     for name, ms in kernels:
@@ -251,21 +251,22 @@ def run_shape(model, rate, batch, ctx, args, bandwidth, kv_bits=None) -> dict:
     )
 
 
-def step_inputs(engine: Engine, requests: list[Request]) -> tuple:
-    """The decode step's host inputs (positions, active, rows) for the requests as they stand."""
+def step_inputs(runner: Runner, requests: list[Request]) -> tuple:
+    """The decode step's host inputs (positions, active, rows) for the runner's requests as they stand."""
+    engine, pages = runner.engine, runner.scheduler.pages
     meta = engine.rows(engine.max_batch)
     positions, active = np.zeros(engine.max_batch, np.int32), np.zeros(engine.max_batch, bool)
     for r in requests:
-        meta.set(r.slot, r.pages, r.seed, r.stream, len(r.tokens), r.temperature, r.top_p)
+        meta.set(r.slot, pages.table(r.id), r.seed, r.stream, len(r.tokens), r.temperature, r.top_p)
         positions[r.slot], active[r.slot] = len(r.prompt) + len(r.tokens) - 1, True
     return positions, active, meta
 
 
-def back_to_back(engine: Engine, requests: list[Request], steps: int) -> float:
+def back_to_back(runner: Runner, requests: list[Request], steps: int) -> float:
     """Seconds per decode step when the same step (the requests' rows as they stand) is enqueued ``steps`` times
     with nothing else on the host: the device's span of a step, its kernels and the gaps between them. Wall over
     span is then what the runner's host work adds, span over CUPTI's sum what the gaps add."""
-    inputs = step_inputs(engine, requests)
+    engine, inputs = runner.engine, step_inputs(runner, requests)
     engine.decode(*inputs).block_until_ready()
     t0 = time.perf_counter()
     for _ in range(steps):

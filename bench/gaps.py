@@ -21,7 +21,7 @@ from harness import count_arg, log, on_gpu, rates_arg, shape_arg
 from jax.profiler import ProfileData
 
 from kvjax.runtime import engine as engine_module
-from kvjax.runtime.engine import Engine
+from kvjax.runtime.runner import Runner
 from kvjax.runtime.scheduler import Request
 
 COPIES = ("Memcpy", "Memset")  # CUPTI's names of copies and memsets: no kernel of the step ("memcpy32_post" is one)
@@ -39,10 +39,10 @@ def stream_gaps(events: list[tuple[int, int, str]]) -> dict[str, tuple[float, in
     return out
 
 
-def profile(engine: Engine, requests: list[Request], steps: int) -> dict:
+def profile(runner: Runner, requests: list[Request], steps: int) -> dict:
     """The gaps of ``steps`` decode steps enqueued back to back, per step: busy and idle ms over the compute streams
     and, per kernel name (costliest gap first), the idle ms before it and its launches."""
-    inputs = step_inputs(engine, requests)
+    engine, inputs = runner.engine, step_inputs(runner, requests)
     engine.decode(*inputs).block_until_ready()
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
@@ -111,9 +111,9 @@ def main(argv=None) -> None:
         log(f"rate {rate}, {batch} x {ctx}")
         new = batch * -(-ctx // args.chunk_tokens) + 64
         state = prefilled(model_at(rate), batch, ctx, new, args.chunk_tokens)
-        span = back_to_back(state.engine, state.requests, 16)
+        span = back_to_back(state.runner, state.requests, 16)
         row = dict(rate=rate, batch=batch, ctx=ctx, graphs=not args.no_graphs, steps=args.steps, span_ms=span * 1e3)
-        row |= profile(state.engine, state.requests, args.steps)
+        row |= profile(state.runner, state.requests, args.steps)
         rows.append(row)
         print(
             f"\nrate {rate}, {batch} x {ctx}: span {row['span_ms']:.3f} ms a step, {row['busy_ms']:.3f} ms busy, "

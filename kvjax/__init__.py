@@ -11,9 +11,9 @@ from kvjax.errors import CheckpointError
 from kvjax.io.load import load
 from kvjax.models.config import ModelConfig, UnsupportedModelError
 from kvjax.models.model import Model
-from kvjax.runtime.cache import CacheFullError
 from kvjax.runtime.config import EngineConfig
 from kvjax.runtime.generate import Generation, generate, generate_iter
+from kvjax.runtime.pages import CacheFullError
 
 __all__ = [
     "CacheFullError",

@@ -6,7 +6,8 @@ from kvjax.layout import HeadLayout
 from kvjax.ops.decode.reference import paged_decode_attention
 from kvjax.ops.paging import NULL_PAGE, write_pages
 from kvjax.ops.prefill.reference import causal_attention
-from kvjax.runtime.cache import CacheFullError, PageAllocator, PagedKVCache, block_table, bytes_per_token
+from kvjax.runtime.cache import PagedKVCache, block_table, bytes_per_token
+from kvjax.runtime.pages import CacheFullError, PageAllocator
 
 
 def test_allocator_hands_out_distinct_pages_and_errors_when_full():

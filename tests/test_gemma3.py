@@ -125,7 +125,9 @@ def test_local_layers_give_their_pages_back_as_the_window_passes(tiny, backend):
     while runner.busy:
         runner.step()
         runner.scheduler.check()
-        most = max([most, *(sum(p != 0 for p in r.pages[1]) for r in runner.scheduler.running)])
+        most = max(
+            [most, *(sum(p != 0 for p in runner.scheduler.pages.table(r.id)[1]) for r in runner.scheduler.running)]
+        )
     assert most <= 4
     for prompt, r in zip(prompts, requests):
         assert r.finish_reason == "length"

@@ -93,7 +93,7 @@ class FakeEngine:
 def check(scheduler: Scheduler):
     scheduler.check()
     for r in scheduler.running:
-        assert all(len(pages) == scheduler.pages_for(r.computed) for pages in r.pages)
+        assert all(len(pages) == scheduler.pages.pages_for(r.computed) for pages in scheduler.pages.table(r.id))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -130,7 +130,7 @@ def test_random_arrivals_finish_with_their_single_run_tokens(seed):
         assert r.tokens == single_run(r.prompt, r.max_new_tokens, stops), r.id
         assert r.finish_reason == ("stop" if r.tokens[-1] in stops else "length")
         assert r.arrival <= r.first_token_time <= r.finish_time and r.token_times == sorted(r.token_times)
-    assert runner.scheduler.allocator.free_pages == num_pages - 1
+    assert runner.scheduler.pages.allocators[0].free_pages == num_pages - 1
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -157,17 +157,21 @@ def test_window_pools_give_pages_back_and_every_request_keeps_its_tokens(seed):
     while runner.busy:
         done += runner.step()
         check(runner.scheduler)
-        for i, w in enumerate(runner.scheduler.windows[1:], 1):
+        pages = runner.scheduler.pages
+        for i, w in enumerate(pages.windows[1:], 1):
             for r in runner.scheduler.running:
-                live = [p for p in r.pages[i] if p]
+                live = [p for p in pages.table(r.id)[i] if p]
                 assert len(live) <= window_span(w, page_size, chunk_tokens, num_pages - 1)
-                held = max(held, len(r.pages[0]) - len(live))
+                held = max(held, len(pages.table(r.id)[0]) - len(live))
         step += 1
         assert step < 20_000
     assert held > 0  # some window gave pages back
     for r in requests:
         assert r.finish_reason == "length" and r.tokens == single_run(r.prompt, r.max_new_tokens, set()), r.id
-    assert [a.free_pages for a in runner.scheduler.allocators] == [num_pages - 1, *(n - 1 for n in windows.values())]
+    assert [a.free_pages for a in runner.scheduler.pages.allocators] == [
+        num_pages - 1,
+        *(n - 1 for n in windows.values()),
+    ]
 
 
 def test_a_request_whose_window_cannot_fit_its_pool_gets_its_own_error():
@@ -197,7 +201,7 @@ def test_cancelled_requests_free_their_pages_and_the_others_keep_their_tokens(se
         check(runner.scheduler)
         step += 1
         assert step < 5_000
-    assert runner.scheduler.allocator.free_pages == 19
+    assert runner.scheduler.pages.allocators[0].free_pages == 19
     for i, r in enumerate(requests):
         want = single_run(r.prompt, 30, set())
         if r.finish_reason == "abort":

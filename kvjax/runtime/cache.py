@@ -1,5 +1,5 @@
-"""Paged KV cache: one page pool per layer, one block table per sequence and page pool, and a host-side page
-allocator.
+"""Paged KV cache: one page pool per layer and one block table per sequence and page pool (which pages a sequence
+owns is ``kvjax.runtime.pages``).
 
 A layer's K page holds ``page_size`` tokens of every KV head side by side (``layout.k_cols`` columns, each head at
 its own width), V likewise, so the cache spends exactly the bytes the layout asks for. Page 0 is reserved as the
@@ -23,10 +23,6 @@ from kvjax.layout import HeadLayout
 from kvjax.ops.kv_schemes import AnyPageFormat
 from kvjax.ops.paging import NULL_PAGE
 from kvjax.ops.quant_paging import create_tail
-
-
-class CacheFullError(RuntimeError):
-    """The page pool has no free pages left for a request."""
 
 
 @jax.tree_util.register_dataclass
@@ -140,44 +136,6 @@ def token_bytes(layouts: tuple[HeadLayout, ...], dtype, formats: tuple[AnyPageFo
         for part, n in f.bytes_by_part().items():
             out[part] = out.get(part, 0.0) + n / f.page_size
     return out
-
-
-class PageAllocator:
-    """Hands out and takes back page numbers; never hands out the null page."""
-
-    def __init__(self, num_pages: int):
-        if num_pages < 2:
-            raise ValueError("a cache needs at least 2 pages (page 0 is reserved)")
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, NULL_PAGE, -1))
-
-    @property
-    def free_pages(self) -> int:
-        return len(self._free)
-
-    def free_set(self) -> set[int]:
-        """The free page numbers (for invariant checks)."""
-        return set(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise CacheFullError(
-                f"KV cache is full: {n} pages requested, {len(self._free)} of "
-                f"{self.num_pages - 1} free; use fewer or shorter sequences, or a larger cache"
-            )
-        if n <= 0:
-            return []
-        pages, self._free = self._free[-n:][::-1], self._free[:-n]
-        return pages
-
-    def free(self, pages) -> None:
-        pages = [int(p) for p in pages]
-        if any(p == NULL_PAGE or not 0 < p < self.num_pages for p in pages) or len(set(pages)) != len(pages):
-            raise ValueError(f"cannot free pages {pages}: not pages of this pool")
-        taken = set(self._free) & set(pages)
-        if taken:
-            raise ValueError(f"pages {sorted(taken)} are already free")
-        self._free.extend(reversed(pages))
 
 
 def block_table(page_lists: list[list[int]], width: int) -> np.ndarray:

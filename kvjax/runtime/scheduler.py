@@ -9,9 +9,11 @@ each page as soon as its window has passed it. When a running request needs a pa
 recently admitted request is preempted: its pages are freed and it waits at the head of the queue, to prefill its
 prompt and the tokens it has so far again (recompute), so no token is dropped, repeated or reordered.
 
-The scheduler knows nothing of devices: it only counts. A step's sampled tokens may reach it a step or more late
-(``Runner`` enqueues step n + 1 before reading step n), so a request stops scheduling once its last token is
-enqueued, and one preempted with tokens still in flight is readmitted only once they have arrived.
+The scheduler knows nothing of devices, and which pages a request holds is the page manager's
+(``kvjax.runtime.pages``): the scheduler asks it for the pages a step needs, and preempts when it refuses. A step's
+sampled tokens may reach it a step or more late (``Runner`` enqueues step n + 1 before reading step n), so a request
+stops scheduling once its last token is enqueued, and one preempted with tokens still in flight is readmitted only
+once they have arrived.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from kvjax.ops.paging import NULL_PAGE
-from kvjax.runtime.cache import PageAllocator, first_kept_page, window_span
+from kvjax.runtime.pages import PageManager
 
 
 class State(enum.Enum):
@@ -57,8 +58,6 @@ class Request:
 
     state: State = State.WAITING
     slot: int | None = None  # its row in the decode step
-    pages: list[list[int]] = dataclasses.field(default_factory=list)  # per pool, by logical page; NULL_PAGE: given back
-    released: list[int] = dataclasses.field(default_factory=list)  # per pool: its first pages given back so far
     computed: int = 0  # context positions whose K/V are written or enqueued
     target: int = 0  # context positions to prefill before decoding: the prompt, plus the tokens kept at a preemption
     sampled: int = 0  # new tokens whose sampling is enqueued
@@ -131,12 +130,10 @@ class Scheduler:
         fixed_chunks: bool = False,
         windows: dict[int, int] | None = None,
     ):
-        short = sorted((windows or {}).items())
-        self.windows: tuple[int | None, ...] = (None, *(w for w, _ in short))
-        self.allocators = [PageAllocator(num_pages), *(PageAllocator(n) for _, n in short)]
-        self.allocator = self.allocators[0]  # the whole-context pool
-        self.page_size, self.max_running, self.chunk_tokens = page_size, max_running, chunk_tokens
-        self.max_pages_per_seq = min(num_pages - 1, max_pages_per_seq or num_pages)
+        self.pages = PageManager(
+            num_pages, page_size, chunk_tokens, windows=windows, max_pages_per_seq=max_pages_per_seq
+        )
+        self.max_running, self.chunk_tokens = max_running, chunk_tokens
         self.fixed_chunks = fixed_chunks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
@@ -150,33 +147,15 @@ class Scheduler:
         """Queue ``request``; one that could never fit the cache finishes at once with an error of its own."""
         request.id, self._next_id = self._next_id, self._next_id + 1
         positions = len(request.prompt) + request.max_new_tokens - 1
-        need = self.pages_for(positions)
-        if need > self.max_pages_per_seq:
-            capacity = self.max_pages_per_seq * self.page_size
-            self._finish(
-                request,
-                "error",
-                f"request {request.id} needs {positions} cache positions "
-                f"({len(request.prompt)} prompt tokens + {request.max_new_tokens} new - 1), more than the "
-                f"{capacity} one sequence can hold",
-            )
+        refusal = self.pages.refusal(
+            positions, f"{len(request.prompt)} prompt tokens + {request.max_new_tokens} new - 1"
+        )
+        if refusal is not None:
+            self._finish(request, "error", f"request {request.id} {refusal}")
             return request
-        for w, alloc in zip(self.windows[1:], self.allocators[1:]):
-            span = min(need, window_span(w, self.page_size, self.chunk_tokens, self.max_pages_per_seq))
-            if span > alloc.num_pages - 1:
-                self._finish(
-                    request,
-                    "error",
-                    f"request {request.id} needs {span} pages at once in the {w}-token window's pool, which holds "
-                    f"{alloc.num_pages - 1}",
-                )
-                return request
         request.target = len(request.prompt)
         self.waiting.append(request)
         return request
-
-    def pages_for(self, positions: int) -> int:
-        return -(-positions // self.page_size)
 
     @property
     def idle(self) -> bool:
@@ -203,7 +182,7 @@ class Scheduler:
             if r.sampled > len(r.tokens):  # preempted with tokens in flight: wait for them
                 break
             first = self._chunk_end(r, budget) - r.computed
-            if first <= 0 or any(self.pages_for(r.computed + first) > a.free_pages for a in self.allocators):
+            if first <= 0 or not self.pages.can_grow(r.id, r.computed + first):
                 break
             self.waiting.popleft()
             r.state, r.slot = State.RUNNING, self._free_slots.pop()
@@ -223,7 +202,7 @@ class Scheduler:
         if end <= r.computed or not self._grow(r, end, step):
             return 0
         sample = end == r.target
-        start, pages, index = r.computed, tuple(map(tuple, r.pages)), r.sampled if sample else -1
+        start, pages, index = r.computed, self.pages.table(r.id), r.sampled if sample else -1
         taken, r.computed = end - r.computed, end
         if sample:
             self._sampled_one(r)
@@ -235,7 +214,7 @@ class Scheduler:
         if not self._grow(r, r.computed + 1, step):
             return
         assert r.slot is not None
-        step.decodes.append(Decode(r, r.slot, r.computed, tuple(map(tuple, r.pages)), r.sampled))
+        step.decodes.append(Decode(r, r.slot, r.computed, self.pages.table(r.id), r.sampled))
         r.computed += 1
         self._sampled_one(r)
 
@@ -250,22 +229,12 @@ class Scheduler:
         """Give r pages for ``positions`` tokens (first giving back the window pages its queries from ``r.computed``
         on can no longer see), preempting the newest other requests if needed; False if r itself had to be
         preempted."""
-        if not r.pages:
-            r.pages, r.released = [[] for _ in self.windows], [0] * len(self.windows)
-        for i, w in enumerate(self.windows[1:], 1):
-            done = first_kept_page(w, r.computed, self.page_size)
-            if done > r.released[i]:  # this step's rows read none of them: another row may write them now
-                self.allocators[i].free(r.pages[i][r.released[i] : done])
-                r.pages[i][r.released[i] : done] = [NULL_PAGE] * (done - r.released[i])
-                r.released[i] = done
-        needs = [self.pages_for(positions) - len(pages) for pages in r.pages]
-        while any(n > a.free_pages for n, a in zip(needs, self.allocators)):
+        self.pages.release_passed(r.id, r.computed)
+        while not self.pages.grow(r.id, positions):
             victim = self.running[-1]
             self._preempt(victim, step)
             if victim is r:
                 return False
-        for pages, alloc, n in zip(r.pages, self.allocators, needs):
-            pages += alloc.allocate(n)
         return True
 
     def _preempt(self, r: Request, step: Step) -> None:
@@ -277,9 +246,7 @@ class Scheduler:
         step.preempted.append(r)
 
     def _release(self, r: Request) -> None:
-        for pages, alloc, done in zip(r.pages, self.allocators, r.released):
-            alloc.free(pages[done:])
-        r.pages, r.released = [], []
+        self.pages.free(r.id)
         if r.slot is not None:
             self._free_slots.append(r.slot)
             self._free_slots.sort(reverse=True)  # the lowest slot goes first: decode rows stay packed
@@ -322,20 +289,12 @@ class Scheduler:
         r.state, r.finish_reason, r.error, r.finish_time = State.FINISHED, reason, error, time.perf_counter()
 
     def check(self) -> None:
-        """Raise AssertionError unless pages and slots add up: owned + free == the pool, none owned twice, one slot
-        per request that holds one (the scheduler tests call it after every step)."""
-        holders = [*self.running, *self.draining]
-        for i, (w, alloc) in enumerate(zip(self.windows, self.allocators)):
-            owned = [p for r in holders if r.pages for p in r.pages[i] if p != NULL_PAGE]
-            assert len(owned) == len(set(owned)), "a page is owned twice"
-            assert len(owned) + alloc.free_pages == alloc.num_pages - 1, "pages leaked"
-            assert not set(owned) & alloc.free_set(), "an owned page is free"
-            for r in holders:
-                if r.pages:
-                    assert len(r.pages[i]) == self.pages_for(r.computed), "pages not those of the positions reached"
-                    kept = first_kept_page(w, max(r.computed - 1, 0), self.page_size)
-                    assert NULL_PAGE not in r.pages[i][kept:], "a page the window still sees was given back"
+        """Raise AssertionError unless pages and slots add up: the page manager's invariants for the requests that
+        hold pages (``PageManager.check``), one slot per request that holds one, none held by a waiting request (the
+        scheduler tests call it after every step)."""
+        holders = [*self.running, *(r for r in self.draining if r.slot is not None)]  # not yet released
+        self.pages.check({r.id: r.computed for r in holders})
         slots = [r.slot for r in self.running] + [r.slot for r in self.draining if r.slot is not None]
         assert None not in slots and len(set(slots)) == len(slots), "slots are not one per running request"
         assert len(slots) + len(self._free_slots) == self.max_running, "slots leaked"
-        assert all(not r.pages and r.slot is None for r in self.waiting), "a waiting request holds pages"
+        assert all(not self.pages.holds(r.id) and r.slot is None for r in self.waiting), "a waiting request holds pages"

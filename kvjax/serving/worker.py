@@ -72,12 +72,9 @@ class Worker:
         return dict(
             running=len(sched.running) + len(sched.draining),
             waiting=len(sched.waiting),
-            free_pages=sched.allocator.free_pages,
-            total_pages=self.engine.num_pages - 1,
-            # sliding-window layers' pools, by window (kvjax.runtime.cache): {"512": [free, total]}
-            window_pages={
-                str(w): [a.free_pages, a.num_pages - 1] for w, a in zip(sched.windows[1:], sched.allocators[1:])
-            },
+            # pool 0's free and total pages, and the sliding-window layers' pools by window (kvjax.runtime.pages):
+            # "window_pages": {"512": [free, total]}
+            **sched.pages.stats(),
             steps=self.runner.steps,
             finished=self.finished,
             aborted=self.aborted,

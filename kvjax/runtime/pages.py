@@ -1,0 +1,184 @@
+"""Which cache pages each request owns: the page manager (vLLM's ``KVCacheManager``), and the allocator of one pool.
+
+The scheduler decides who runs; this module decides nothing but counts pages. Asked to grow a request's pages to
+cover some positions, ``PageManager.grow`` either hands them out in every pool or changes nothing and says no; the
+scheduler then preempts someone and asks again. Admission (``can_grow``), release when a request finishes or is
+preempted (``free``), the pages a sliding window has passed (``release_passed``), block tables (``table``), the
+server's counts (``stats``) and the invariants the fuzz tests check (``check``) all live here, so later page
+policies (per-head pages, eviction) change this module and not the scheduler.
+
+Pools are those of ``kvjax.runtime.cache``: pool 0 holds every position of a sequence; a pool per sliding window
+holds only the pages its window still covers. A request has one block table per pool, indexed by logical page; a
+page given back reads as the null page.
+"""
+
+from __future__ import annotations
+
+from kvjax.ops.paging import NULL_PAGE
+from kvjax.runtime.cache import first_kept_page, window_span
+
+
+class CacheFullError(RuntimeError):
+    """The page pool has no free pages left for a request."""
+
+
+class PageAllocator:
+    """Hands out and takes back the page numbers of one pool; never hands out the null page."""
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError("a cache needs at least 2 pages (page 0 is reserved)")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, NULL_PAGE, -1))
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def free_set(self) -> set[int]:
+        """The free page numbers (for invariant checks)."""
+        return set(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise CacheFullError(
+                f"KV cache is full: {n} pages requested, {len(self._free)} of "
+                f"{self.num_pages - 1} free; use fewer or shorter sequences, or a larger cache"
+            )
+        if n <= 0:
+            return []
+        pages, self._free = self._free[-n:][::-1], self._free[:-n]
+        return pages
+
+    def free(self, pages) -> None:
+        pages = [int(p) for p in pages]
+        if any(p == NULL_PAGE or not 0 < p < self.num_pages for p in pages) or len(set(pages)) != len(pages):
+            raise ValueError(f"cannot free pages {pages}: not pages of this pool")
+        taken = set(self._free) & set(pages)
+        if taken:
+            raise ValueError(f"pages {sorted(taken)} are already free")
+        self._free.extend(reversed(pages))
+
+
+class PageManager:
+    """The pages of a whole-context pool of ``num_pages`` pages of ``page_size`` tokens and of each sliding-window
+    pool of ``windows`` ({window: pages}), and which owner (a request id) holds which. One sequence holds at most
+    ``max_pages_per_seq`` pages of pool 0; prompts are prefilled ``chunk_tokens`` positions at a time at most
+    (what a window pool must hold at once: ``window_span``)."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        chunk_tokens: int,
+        *,
+        windows: dict[int, int] | None = None,
+        max_pages_per_seq: int | None = None,
+    ):
+        short = sorted((windows or {}).items())
+        self.windows: tuple[int | None, ...] = (None, *(w for w, _ in short))
+        self.allocators = [PageAllocator(num_pages), *(PageAllocator(n) for _, n in short)]
+        self.page_size, self.chunk_tokens = page_size, chunk_tokens
+        self.max_pages_per_seq = min(num_pages - 1, max_pages_per_seq or num_pages)
+        self._tables: dict[int, list[list[int]]] = {}  # owner -> per pool, by logical page
+        self._released: dict[int, list[int]] = {}  # owner -> per pool: its first pages given back so far
+
+    def pages_for(self, positions: int) -> int:
+        return -(-positions // self.page_size)
+
+    @property
+    def capacity(self) -> int:
+        """The most positions one sequence can hold."""
+        return self.max_pages_per_seq * self.page_size
+
+    def refusal(self, positions: int, count: str = "") -> str | None:
+        """Why a sequence reaching ``positions`` positions could never fit, however empty the cache (a clause to
+        follow "request N"; ``count`` says where the positions come from); None if it could."""
+        need = self.pages_for(positions)
+        if need > self.max_pages_per_seq:
+            count = f" ({count})" if count else ""
+            return f"needs {positions} cache positions{count}, more than the {self.capacity} one sequence can hold"
+        for w, alloc in zip(self.windows[1:], self.allocators[1:]):
+            span = min(need, window_span(w, self.page_size, self.chunk_tokens, self.max_pages_per_seq))
+            if span > alloc.num_pages - 1:
+                return f"needs {span} pages at once in the {w}-token window's pool, which holds {alloc.num_pages - 1}"
+        return None
+
+    def _missing(self, owner: int, positions: int) -> list[int]:
+        """Pages per pool that ``owner`` lacks to cover ``positions`` positions."""
+        held = self._tables.get(owner)
+        need = self.pages_for(positions)
+        return [need - (len(pages) if held else 0) for pages in (held or [[]] * len(self.windows))]
+
+    def can_grow(self, owner: int, positions: int) -> bool:
+        """Whether ``grow(owner, positions)`` would succeed now."""
+        return all(n <= a.free_pages for n, a in zip(self._missing(owner, positions), self.allocators))
+
+    def grow(self, owner: int, positions: int) -> bool:
+        """Give ``owner`` the pages ``positions`` positions need in every pool; False, and nothing changed, when a
+        pool has too few free."""
+        missing = self._missing(owner, positions)
+        if any(n > a.free_pages for n, a in zip(missing, self.allocators)):
+            return False
+        if owner not in self._tables:
+            self._tables[owner], self._released[owner] = [[] for _ in self.windows], [0] * len(self.windows)
+        for pages, alloc, n in zip(self._tables[owner], self.allocators, missing):
+            pages += alloc.allocate(n)
+        return True
+
+    def release_passed(self, owner: int, position: int) -> None:
+        """Give back the window pages that queries at ``position`` and after can no longer see. Called before the
+        step whose first row is at ``position`` is scheduled: that step reads none of them, so another row of it
+        may write them."""
+        if owner not in self._tables:
+            return
+        tables, released = self._tables[owner], self._released[owner]
+        for i, w in enumerate(self.windows[1:], 1):
+            done = first_kept_page(w, position, self.page_size)
+            if done > released[i]:
+                self.allocators[i].free(tables[i][released[i] : done])
+                tables[i][released[i] : done] = [NULL_PAGE] * (done - released[i])
+                released[i] = done
+
+    def free(self, owner: int) -> None:
+        """Give back every page ``owner`` holds (none held: nothing to do)."""
+        if owner not in self._tables:
+            return
+        tables, released = self._tables.pop(owner), self._released.pop(owner)
+        for pages, alloc, done in zip(tables, self.allocators, released):
+            alloc.free(pages[done:])
+
+    def table(self, owner: int) -> tuple[tuple[int, ...], ...]:
+        """``owner``'s block tables, per pool (empty ones for an owner holding nothing)."""
+        return tuple(map(tuple, self._tables.get(owner, [[] for _ in self.windows])))
+
+    def holds(self, owner: int) -> bool:
+        return owner in self._tables
+
+    def stats(self) -> dict:
+        """Free and total pages of pool 0, and [free, total] of each window pool by window (the server's
+        /health)."""
+        return dict(
+            free_pages=self.allocators[0].free_pages,
+            total_pages=self.allocators[0].num_pages - 1,
+            window_pages={
+                str(w): [a.free_pages, a.num_pages - 1] for w, a in zip(self.windows[1:], self.allocators[1:])
+            },
+        )
+
+    def check(self, reached: dict[int, int]) -> None:
+        """Raise AssertionError unless the pages add up for owners at ``reached`` positions ({owner: positions}):
+        exactly those owners hold pages, owned + free == the pool, none owned twice, each owner holds the pages of
+        the positions it reached, and none its window still sees was given back (the fuzz tests call it after
+        every step)."""
+        assert set(self._tables) == set(reached), "pages held by an owner that should hold none, or the reverse"
+        for i, (w, alloc) in enumerate(zip(self.windows, self.allocators)):
+            owned = [p for t in self._tables.values() for p in t[i] if p != NULL_PAGE]
+            assert len(owned) == len(set(owned)), "a page is owned twice"
+            assert len(owned) + alloc.free_pages == alloc.num_pages - 1, "pages leaked"
+            assert not set(owned) & alloc.free_set(), "an owned page is free"
+            for owner, positions in reached.items():
+                pages = self._tables[owner][i]
+                assert len(pages) == self.pages_for(positions), "pages not those of the positions reached"
+                kept = first_kept_page(w, max(positions - 1, 0), self.page_size)
+                assert NULL_PAGE not in pages[kept:], "a page the window still sees was given back"
