@@ -14,23 +14,28 @@ import jax.numpy as jnp
 from kvjax.layout import HeadLayout
 
 
-def attend_groups(q, k, v, mask, layout: HeadLayout):
-    """q [B, T, q_cols], k [B, S, k_cols], v [B, S, v_cols], mask [B, T, S] -> [B, T, out_cols]."""
+def head_logits(q, k, layout: HeadLayout, g: int):
+    """Scaled float32 logits [B, group, T, S] of KV head ``g``'s query group: packed q [B, T, q_cols] against packed
+    k [B, S, k_cols] (what attention takes its softmax of, and eviction scores: ``kvjax.eviction.metrics``)."""
     b, t, _ = q.shape
-    g_size, scale = layout.group_size, 1.0 / math.sqrt(layout.head_dim)
-    starts = zip(
-        HeadLayout.offsets(layout.k_widths, g_size),
-        HeadLayout.offsets(layout.k_widths),
-        HeadLayout.offsets(layout.v_widths),
-    )
+    kw, size = layout.k_widths[g], layout.group_size
+    qo, ko = HeadLayout.offsets(layout.k_widths, size)[g], HeadLayout.offsets(layout.k_widths)[g]
+    qg = q[..., qo : qo + size * kw].reshape(b, t, size, kw)
+    logits = jnp.einsum("btgd,bsd->bgts", qg, k[..., ko : ko + kw]).astype(jnp.float32)
+    return logits * (1.0 / math.sqrt(layout.head_dim))
+
+
+def attend_groups(q, k, v, mask, layout: HeadLayout):
+    """q [B, T, q_cols], k [B, S, k_cols], v [B, S, v_cols], mask [B, T, S] (or [B, Hkv, T, S]: one per KV head, as
+    eviction leaves them) -> [B, T, out_cols]."""
+    b, t, _ = q.shape
     outs = []
-    for (kw, vw), (qo, ko, vo) in zip(zip(layout.k_widths, layout.v_widths), starts):
-        qg = q[..., qo : qo + g_size * kw].reshape(b, t, g_size, kw)
-        scores = jnp.einsum("btgd,bsd->bgts", qg, k[..., ko : ko + kw]).astype(jnp.float32) * scale
-        scores = jnp.where(mask[:, None], scores, -jnp.inf)
+    for g, (vw, vo) in enumerate(zip(layout.v_widths, HeadLayout.offsets(layout.v_widths))):
+        scores = head_logits(q, k, layout, g)
+        scores = jnp.where((mask[:, g] if mask.ndim == 4 else mask)[:, None], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bgts,bsd->btgd", probs, v[..., vo : vo + vw])
-        outs.append(out.astype(q.dtype).reshape(b, t, g_size * vw))
+        outs.append(out.astype(q.dtype).reshape(b, t, layout.group_size * vw))
     return jnp.concatenate(outs, axis=-1)
 
 

@@ -1,0 +1,318 @@
+"""Eviction's accuracy, alone and stacked on rank reduction (issue 37): each method at token budgets per KV head and
+at compression ratios, on the uncompressed model and on compressed plans, teacher-forced (``kvjax.eviction.reference``).
+
+Mode ``eval``: held-out prose and code (``accuracy.SOURCES``) in windows of ``--windows`` tokens. Each window's first
+tokens are the prompt, prefilled exactly and then cut per head by the policy; its last ``--continuation`` tokens are
+decoded over what was kept and are the ones scored: perplexity, KL(base || model) and top-1 agreement against the
+uncompressed model on the same positions. ``overall_rate`` is 1 - the kept prompt's cache bytes (each head at its
+own width) over the uncompressed prompt's (``reference.kept_bytes``), averaged over windows; a plan without
+eviction has its own rate. The summary gives, per source and method, the largest overall rate whose perplexity
+stays within 1% of the uncompressed model's, over eviction alone, each plan alone and each stacked pair.
+
+Mode ``retrieval``: the passkey and multi-key prompts of ``retrieval``, their answers teacher-forced: a trial is
+right when the greedy choice at every answer position is the answer's token (then greedy decoding writes the
+answer; the engine's ``accuracy.py retrieval`` scores the same trials by their generated text). The prompt is cut
+once after prefill, as the methods publish it; the question at its end is in every observation window.
+
+Scores are computed once per (model, method, window) and reused by every budget. Results: bench/RESULTS.md
+"Eviction: accuracy"."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+
+import accuracy
+import jax
+import numpy as np
+import retrieval
+from files import write_json
+
+import kvjax
+from kvjax.compression import calibrate, calibration_tokens
+from kvjax.eviction import Eviction, metrics
+from kvjax.eviction import parse as parse_eviction
+from kvjax.eviction.reference import hidden_after, keep, kept_bytes, prompt_scores
+
+EPILOG = """examples:
+  python bench/eviction.py eval --model smollm2 --windows 4096 --continuation 1024 \\
+      --methods kvcompress snapkv h2o keyformer --budgets 128 256 512 1024 --ratios 2 4 8 --plans none zack:0.5
+  python bench/eviction.py retrieval --task passkey multikey --contexts 4096 8192 --trials 4 \\
+      --methods kvcompress --ratios 8 --plans none zack:0.5
+
+--plans: "none" (the uncompressed model) or VARIANT:RATE with a variant of accuracy.py (zack, zack-band16, palu,
+...), calibrated once on --calibration text. Policies: every --methods with every --budgets (tokens per KV head)
+and every --ratios (prompt tokens over the ratio), plus "none"; --evict adds policies in their short form
+("kvcompress:4x:uniform"). KV-Compress allocates one budget across all heads and layers, the others the same budget
+to every head (kvjax.eviction.select)."""
+
+
+def _plan_arg(value: str) -> tuple[str, float] | None:
+    """A ``--plans`` entry: "none" or VARIANT:RATE."""
+    if value.lower() == "none":
+        return None
+    variant, _, rate = value.partition(":")
+    try:
+        p = float(rate)
+    except ValueError:
+        p = -1.0
+    if variant not in accuracy.VARIANTS or variant in accuracy.MEASURED or not 0.0 <= p < 1.0:
+        plain = sorted(set(accuracy.VARIANTS) - accuracy.MEASURED)
+        raise argparse.ArgumentTypeError(f"must be 'none' or VARIANT:RATE (VARIANT one of {plain}), got {value!r}")
+    return variant, p
+
+
+def _evict_arg(value: str) -> Eviction:
+    try:
+        return parse_eviction(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _ratio_arg(value: str) -> float:
+    try:
+        r = float(value)
+    except ValueError:
+        r = 0.0
+    if not r >= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 1, got {value!r}")
+    return r
+
+
+def policies(args) -> list[Eviction | None]:
+    """None (no eviction) and each method at each budget and ratio, then ``--evict``'s, with ``--page-size``."""
+    out: list[Eviction | None] = [None]
+    for method in args.methods:
+        out += [Eviction(method, budget=b, page_size=args.page_size) for b in args.budgets]
+        out += [Eviction(method, ratio=r, page_size=args.page_size) for r in args.ratios]
+    return out + list(args.evict)
+
+
+def plan_models(base, args) -> list[tuple[dict, object]]:
+    """(fields, model) per ``--plans`` entry: the uncompressed model, and each plan folded from one calibration."""
+    stats = None
+    out = []
+    for entry in args.plans:
+        if entry is None:
+            out.append(({"plan": "none", "rate": 0.0}, base))
+            continue
+        variant, p = entry
+        if stats is None:
+            stats = calibrate(base, calibration_tokens(base, args.calibration, args.num_tokens, args.seq_len, seed=0))
+        method, adaptive = accuracy.VARIANTS[variant]
+        model = accuracy._compressed(base, stats, p, method, adaptive, variant)
+        out.append(({"plan": f"{variant}:{p:g}", "rate": model.plan.rate}, model))
+    return out
+
+
+def _by_method(specs: list[Eviction | None]) -> dict:
+    """The policies grouped by what their scores depend on (method, window, pooling, noise): one scoring each."""
+    groups: dict = {}
+    for spec in specs:
+        if spec is not None:
+            key = (spec.method, spec.window, spec.pool, spec.tau, spec.seed)
+            groups.setdefault(key, []).append(spec)
+    return groups
+
+
+def _label(spec: Eviction | None) -> str:
+    return "none" if spec is None else spec.name
+
+
+def _window_runs(base, models, specs, chunk, prompt: int, kept: dict, source: str) -> list[tuple[tuple, jax.Array]]:
+    """(key, hidden states of the scored positions) of the uncompressed model, each plan alone and each plan under
+    each policy, for one window ``chunk`` [1, T]; each policy's kept byte share goes to ``kept``."""
+    window = chunk.shape[1]
+
+    def scored(hidden):
+        return hidden[0, prompt - 1 : window - 1]
+
+    runs: list[tuple[tuple, jax.Array]] = [((source, "none", "none"), scored(base.hidden(chunk)))]
+    for fields, model in models:
+        if fields["plan"] != "none":
+            runs.append(((source, fields["plan"], "none"), scored(model.hidden(chunk))))
+        for group in _by_method(specs).values():
+            scores = prompt_scores(model, chunk[:, :prompt], group[0])
+            for spec in group:
+                cut = keep(model, scores, spec)
+                key = (source, fields["plan"], spec.name)
+                kept.setdefault(key, []).append(kept_bytes(cut, model.module.layouts))
+                runs.append((key, scored(hidden_after(model, chunk, cut))))
+    return runs
+
+
+def run_eval(base, args) -> list[dict]:
+    """One row per source, plan and policy: the continuation's ppl, KL and top-1, the kept share and overall rate."""
+    specs, models = policies(args), plan_models(base, args)
+    window = args.windows[0]
+    prompt = window - args.continuation
+    sums: dict = {}
+    kept: dict = {}
+    for source in args.sources:
+        ids = accuracy.heldout_ids(base, source, args.eval_tokens)
+        for start in range(0, len(ids) - window + 1, window):
+            chunk = np.asarray(ids[start : start + window], np.int32)[None]
+            targets = chunk[0, 1:][prompt - 1 :]
+            runs = _window_runs(base, models, specs, chunk, prompt, kept, source)
+            base_hidden = runs[0][1]
+            for r in range(0, len(targets), accuracy.LOGIT_ROWS):
+                rows = slice(r, r + accuracy.LOGIT_ROWS)
+                base_logp = accuracy.log_probs(base, base_hidden[rows])
+                for key, hidden in runs:
+                    block = accuracy.window_sums(base_logp, accuracy.log_probs(base, hidden[rows]), targets[rows])
+                    sums[key] = block if key not in sums else accuracy._add(sums[key], block)
+            print(f"{source} window at {start}: {len(runs)} models scored", file=sys.stderr, flush=True)
+    rates = {fields["plan"]: fields["rate"] for fields, _ in models}
+    rows = []
+    for (source, plan, policy), total in sums.items():
+        share = float(np.mean(kept[(source, plan, policy)])) if policy != "none" else None
+        overall = rates.get(plan, 0.0) if share is None else 1.0 - share
+        row = {"source": source, "window": window, "prompt": prompt, "plan": plan, "evict": policy}
+        rows.append(row | {"plan_rate": rates.get(plan, 0.0), "overall_rate": overall} | accuracy._scores([total]))
+        print(accuracy._fmt(rows[-1]), flush=True)
+    return rows
+
+
+def within_one_percent(rows: list[dict]) -> list[dict]:
+    """Per source and method ("none": rank reduction alone): the largest overall rate among rows whose perplexity is
+    within 1% of the uncompressed model's, alone (plan none), on each plan alone, and stacked (a plan and the
+    method)."""
+    out = []
+    for source in sorted({r["source"] for r in rows}):
+        mine = [r for r in rows if r["source"] == source]
+        base = next(r["ppl"] for r in mine if r["plan"] == "none" and r["evict"] == "none")
+        methods = sorted({r["evict"].split(":")[0] for r in mine if r["evict"] != "none"})
+        for method, stacked in itertools.product(["none", *methods], [False, True]):
+            pool = [
+                r
+                for r in mine
+                if (r["evict"] == "none" if method == "none" else r["evict"].split(":")[0] == method)
+                and ((r["plan"] != "none") == stacked)
+            ]
+            passing = [r for r in pool if accuracy.AT_99["ppl"](r["ppl"], base)]
+            best = max(passing, key=lambda r: r["overall_rate"], default=None)
+            what = "rank reduction" if method == "none" else method + (" + plan" if stacked else "")
+            if method == "none" and not stacked:
+                continue  # the uncompressed model itself
+            out.append(
+                {
+                    "source": source,
+                    "what": what,
+                    "largest_overall_rate": None if best is None else best["overall_rate"],
+                    "at": None if best is None else f"{best['plan']} {best['evict']}",
+                    "ppl": None if best is None else best["ppl"],
+                    "base_ppl": base,
+                }
+            )
+    return out
+
+
+def answer_ids(tokenizer, expected: str) -> list[int]:
+    """The answer's tokens as they follow "... is": the number with its leading space."""
+    return list(tokenizer(" " + expected, add_special_tokens=False)["input_ids"])
+
+
+def answered(model, hidden, prompt: int, answer: list[int]) -> bool:
+    """Whether the greedy choice after the ``prompt`` tokens and after each answer token is the next answer token
+    (``hidden``: [1, T, E] of the prompt followed by the answer)."""
+    logits = np.asarray(model.project(hidden[0, prompt - 1 : prompt - 1 + len(answer)]))
+    return bool((logits.argmax(-1) == np.asarray(answer)).all())
+
+
+def run_retrieval(base, args) -> list[dict]:
+    """Per task, context, plan and policy: the share of trials whose answer is teacher-forced right."""
+    specs, models = policies(args), plan_models(base, args)
+    hits: dict = {}
+    kept: dict = {}
+    for task, context, depth, trial in itertools.product(args.task, args.contexts, args.depths, range(args.trials)):
+        rng = retrieval.trial_rng(args.seed, task, context, depth, trial)
+        prompt = retrieval.build_prompt(task, base.tokenizer, context, depth, rng)
+        answer = answer_ids(base.tokenizer, prompt.expected)
+        tokens = np.asarray([prompt.ids + answer], np.int32)
+        p = len(prompt.ids)
+
+        for fields, model in models:
+            for group in [[None], *_by_method(specs).values()]:
+                scores = None if group == [None] else prompt_scores(model, tokens[:, :p], group[0])
+                for spec in group:
+                    key = (task, context, fields["plan"], _label(spec))
+                    if spec is None:
+                        hidden = model.hidden(tokens)
+                    else:
+                        cut = keep(model, scores, spec)
+                        kept.setdefault(key, []).append(kept_bytes(cut, model.module.layouts))
+                        hidden = hidden_after(model, tokens, cut)
+                    hits.setdefault(key, []).append(answered(model, hidden, p, answer))
+        print(f"{task} {context} depth {depth} trial {trial} done", file=sys.stderr, flush=True)
+    rates = {fields["plan"]: fields["rate"] for fields, _ in models}
+    rows = []
+    for (task, context, plan, policy), got in hits.items():
+        share = kept.get((task, context, plan, policy))
+        overall = rates[plan] if share is None else 1.0 - float(np.mean(share))
+        rows.append(
+            {"task": task, "context": context, "plan": plan, "evict": policy, "overall_rate": overall}
+            | {"accuracy": float(np.mean(got)), "trials": len(got)}
+        )
+        print(accuracy._fmt(rows[-1]), flush=True)
+    return rows
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("mode", choices=("eval", "retrieval"))
+    p.add_argument("--model", default="smollm2", help="model path or 'smollm2' (default)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--methods", nargs="*", default=["kvcompress"], choices=metrics.METHODS, help="default: kvcompress")
+    p.add_argument("--budgets", type=accuracy._positive, nargs="*", default=[], help="tokens kept per KV head")
+    p.add_argument("--ratios", type=_ratio_arg, nargs="*", default=[], help="prompt tokens over the ratio kept")
+    p.add_argument("--evict", type=_evict_arg, nargs="*", default=[], help="more policies, e.g. snapkv:4x:global")
+    p.add_argument("--page-size", type=accuracy._positive, default=16, help="evictions in whole pages (default 16)")
+    p.add_argument("--plans", type=_plan_arg, nargs="+", default=[None], help="'none' and/or VARIANT:RATE")
+    p.add_argument("--calibration", default="text", help="plans' calibration source (default text)")
+    p.add_argument("--num-tokens", type=accuracy._positive, default=16384)
+    p.add_argument("--seq-len", type=accuracy._positive, default=512)
+    p.add_argument("--sources", nargs="+", default=list(accuracy.SOURCES), choices=list(accuracy.SOURCES))
+    p.add_argument("--eval-tokens", type=accuracy._positive, default=8192, help="eval: held-out tokens a source")
+    p.add_argument("--windows", type=accuracy._positive, nargs=1, default=[4096], help="eval: window (default 4096)")
+    p.add_argument(
+        "--continuation", type=accuracy._positive, default=1024, help="eval: scored tokens after the prompt (1024)"
+    )
+    p.add_argument("--task", nargs="+", default=list(retrieval.TASKS), choices=retrieval.TASKS)
+    p.add_argument("--contexts", type=accuracy._positive, nargs="+", default=[4096, 8192])
+    p.add_argument("--depths", type=accuracy._fraction, nargs="+", default=list(retrieval.DEPTHS))
+    p.add_argument("--trials", type=accuracy._positive, default=4, help="retrieval: trials per depth (default 4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    return p
+
+
+def main(argv=None):
+    p = parser()
+    args = p.parse_args(argv)
+    if args.mode == "eval" and args.continuation >= args.windows[0]:
+        p.error(f"--continuation {args.continuation} leaves no prompt in a window of {args.windows[0]}")
+    if args.mode == "eval" and args.eval_tokens < args.windows[0]:
+        p.error(f"--eval-tokens {args.eval_tokens} is fewer than the window {args.windows[0]}")
+    jax.config.update("jax_default_matmul_precision", "highest")
+    start = time.time()
+    base = kvjax.load(args.model, dtype=args.dtype)
+    if args.mode == "eval":
+        rows = run_eval(base, args)
+        summary = within_one_percent(rows)
+        extra = {"within_one_percent": summary}
+        text = f"\n\nlargest overall rate within 1% of the uncompressed perplexity\n\n{accuracy.table(summary)}"
+    else:
+        rows, extra, text = run_retrieval(base, args), {}, ""
+    print(f"\n{args.mode} on {args.model} ({args.dtype}), {time.time() - start:.0f} s\n\n{accuracy.table(rows)}{text}")
+    if args.json:
+        plans = ["none" if e is None else f"{e[0]}:{e[1]:g}" for e in args.plans]
+        saved = vars(args) | {"plans": plans, "evict": [e.name for e in args.evict]}
+        write_json(args.json, {"mode": args.mode, "args": saved, "rows": rows} | extra, indent=1)
+
+
+if __name__ == "__main__":
+    main()

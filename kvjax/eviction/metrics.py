@@ -1,0 +1,82 @@
+"""How much each cached token matters to each KV head: the eviction metrics, computed from the attention the model
+actually runs (ZACK's rotated, truncated q·k; a Palu latent rebuilt; the packed layout of ``kvjax.layout``).
+
+Every metric is a score per (KV head, key) over a prompt's keys, higher = keep. The methods:
+
+- ``kvcompress``: KV-Compress (Rehg, 2024, section 3.2), limited observation window: the squared attention of the
+  last ``window`` queries, summed over them and over the KV head's query group, max-pooled over ``pool`` keys.
+- ``kvcompress-full``: the same squared attention summed over every query after the key (its full-history form).
+- ``snapkv``: SnapKV (Li et al., 2024, section 4): the attention of the last ``window`` queries summed over them and
+  the group, pooled (max) over ``pool`` keys.
+- ``h2o``: H2O (Zhang et al., 2023, section 3): attention accumulated over every query (heavy hitters); its recent
+  window is kept by the selection (``kvjax.eviction.select``).
+- ``keyformer``: Keyformer (Adnan et al., 2024, section 3.3): a Gumbel-softmax of each query's logits (noise from
+  ``seed``, temperature ``tau``) accumulated over every query.
+
+Sums over all queries run in blocks of ``QUERY_BLOCK`` rows, so memory holds [group, block, keys] at a time.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.layout import HeadLayout
+from kvjax.ops.grouped import full_width, head_logits, visible
+
+METHODS = ("kvcompress", "kvcompress-full", "snapkv", "h2o", "keyformer")
+WINDOWED = ("kvcompress", "snapkv")  # scored by the last ``window`` queries only
+QUERY_BLOCK = 256
+
+
+def _pool(scores, width: int):
+    """Max over ``width`` keys centred on each key (SnapKV's and KV-Compress's pooling; width 1: none)."""
+    if width <= 1:
+        return scores
+    pad = [(0, 0)] * (scores.ndim - 1) + [(width // 2, (width - 1) // 2)]
+    padded = jnp.pad(scores, pad, constant_values=-jnp.inf)
+    return jax.lax.reduce_window(
+        padded, -jnp.inf, jax.lax.max, (1,) * (scores.ndim - 1) + (width,), (1,) * scores.ndim, "VALID"
+    )
+
+
+def scores(
+    method: str,
+    q,
+    k,
+    layout: HeadLayout,
+    *,
+    window: int = 8,
+    pool: int = 7,
+    tau: float = 1.0,
+    seed: int = 0,
+    layer: int = 0,
+    rebuild=None,
+):
+    """float32 [B, Hkv, S] scores of the S keys of a prompt of S tokens for ``method`` (``METHODS``), from its packed
+    q [B, S, q_cols] and the K attention reads, k [B, S, k_cols] (a Palu or banded latent with ``rebuild``).
+    Each query sees the keys causal attention (and a sliding window) lets it see; a key's score sums what the
+    queries that see it give it, so a key no scoring query sees scores 0. ``layer`` varies Keyformer's noise."""
+    if method not in METHODS:
+        raise ValueError(f"eviction method must be one of {METHODS}, got {method!r}")
+    b, s = q.shape[:2]
+    if rebuild is not None:
+        k, layout = rebuild(k, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))), full_width(layout)
+    first = max(s - window, 0) if method in WINDOWED else 0
+    key_pos = jnp.arange(s)
+    out = []
+    for g in range(layout.num_kv_heads):
+        total = jnp.zeros((b, s), jnp.float32)
+        for start in range(first, s, QUERY_BLOCK):
+            rows = jnp.arange(start, min(start + QUERY_BLOCK, s))
+            logits = head_logits(q[:, start : start + len(rows)], k, layout, g)
+            seen = visible(rows[:, None], key_pos[None, :], layout.sliding_window)
+            if method == "keyformer":
+                noise_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), layer * 1024 + g), start)
+                logits = (logits + jax.random.gumbel(noise_key, logits.shape)) / tau
+            probs = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1)
+            if method.startswith("kvcompress"):
+                probs = probs * probs
+            total = total + probs.sum(axis=(1, 2))
+        out.append(_pool(total, pool) if method in WINDOWED else total)
+    return jnp.stack(out, axis=1)

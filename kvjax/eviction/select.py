@@ -1,0 +1,154 @@
+"""Which prompt tokens each KV head keeps: a budget, per head or shared by every head of every layer, spent on the
+highest scores (``kvjax.eviction.metrics``) after the most recent tokens, which are always kept.
+
+``Eviction`` is the one description of a policy that the reference forward (``kvjax.eviction.reference``), the
+harness and, later, the engine read. Two allocations:
+
+- ``global`` (KV-Compress, section 3.3): one budget of ``budget`` tokens times the number of (layer, KV head)
+  pairs; the protected tokens of every head count against it, and the rest goes to the highest-scoring tokens across
+  all heads and layers, so heads and layers that attend widely keep more.
+- ``uniform`` (SnapKV, H2O, Keyformer as published): every head keeps ``budget`` tokens.
+
+Either way a head evicts a whole number of pages' worth of tokens (its evictions are rounded down to a multiple of
+``page_size``): after compaction every page it holds is full, and freed pages go back whole. A head may so keep up
+to ``page_size - 1`` tokens over its share. Protected: the last ``max(window, page_size)`` tokens (the
+observation window, and at least the page being filled); H2O and Keyformer also keep a recent window of
+``recent_share`` of the budget, their published split between recent and heavy-hitter tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from kvjax.eviction.metrics import METHODS
+
+ALLOCATIONS = ("global", "uniform")
+RECENT_SHARE = {"h2o": 0.5, "keyformer": 0.2}  # of the budget, kept as a recent window (H2O: half heavy hitters)
+
+
+@dataclasses.dataclass(frozen=True)
+class Eviction:
+    """An eviction policy: ``method`` (``metrics.METHODS``) keeps ``budget`` prompt tokens per KV head, or the
+    prompt's tokens over ``ratio`` (2.0: half of them), under ``allocation`` (None: "global" for KV-Compress,
+    "uniform" for the others)."""
+
+    method: str
+    budget: int | None = None
+    ratio: float | None = None
+    allocation: str | None = None
+    window: int = 8
+    pool: int = 7
+    page_size: int = 16
+    tau: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"eviction method must be one of {METHODS}, got {self.method!r}")
+        if (self.budget is None) == (self.ratio is None):
+            raise ValueError("give an eviction budget (tokens per KV head) or a ratio, not both or neither")
+        if self.budget is not None and (
+            isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1
+        ):
+            raise ValueError(f"eviction budget must be a positive number of tokens, got {self.budget!r}")
+        if self.ratio is not None and not (
+            isinstance(self.ratio, int | float) and math.isfinite(self.ratio) and self.ratio >= 1
+        ):
+            raise ValueError(f"eviction ratio must be a number >= 1, got {self.ratio!r}")
+        if self.allocation is not None and self.allocation not in ALLOCATIONS:
+            raise ValueError(f"eviction allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
+        for name in ("window", "pool", "page_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"eviction {name} must be a positive integer, got {value!r}")
+        if not (math.isfinite(self.tau) and self.tau > 0):
+            raise ValueError(f"eviction tau must be positive, got {self.tau!r}")
+
+    @property
+    def allocated(self) -> str:
+        """The allocation in force ("global" or "uniform")."""
+        if self.allocation is not None:
+            return self.allocation
+        return "global" if self.method.startswith("kvcompress") else "uniform"
+
+    @property
+    def name(self) -> str:
+        """A short label: "kvcompress:256", "snapkv:4x"."""
+        amount = f"{self.budget}" if self.budget is not None else f"{self.ratio:g}x"
+        return f"{self.method}:{amount}" + ("" if self.allocation is None else f":{self.allocation}")
+
+    def per_head(self, prompt: int) -> int:
+        """Tokens one head keeps of a ``prompt``-token prompt, on average under "global"."""
+        if self.budget is not None:
+            return min(prompt, self.budget)
+        assert self.ratio is not None
+        return min(prompt, math.ceil(prompt / self.ratio))
+
+    def protected(self, prompt: int) -> int:
+        """The most recent tokens every head keeps whatever they score."""
+        recent = max(self.window, self.page_size)
+        share = RECENT_SHARE.get(self.method)
+        if share is not None:
+            recent = max(recent, int(share * self.per_head(prompt)))
+        return min(prompt, recent, max(self.per_head(prompt), 1))
+
+
+def keep_masks(spec: Eviction, scores: list[np.ndarray], windows: list[int | None]) -> list[np.ndarray]:
+    """Per layer, bool [Hkv, S]: the prompt tokens each KV head keeps, from each layer's scores [Hkv, S] (higher =
+    keep) and sliding window (None: whole context). Tokens a layer's window has already passed for the prompt's
+    last query are neither candidates nor kept (the window drops them whatever the policy)."""
+    s = scores[0].shape[-1]
+    protect, per_head = spec.protected(s), spec.per_head(s)
+    candidates, ranked = [], []
+    for layer, (sc, w) in enumerate(zip(scores, windows)):
+        seen = np.arange(s) >= (0 if w is None else max(s - w, 0))
+        recent = np.arange(s) >= s - protect
+        candidates.append((seen, recent))
+        for g in range(sc.shape[0]):
+            free = np.flatnonzero(seen & ~recent)
+            ranked.append((layer, g, free, np.asarray(sc[g], np.float64)[free]))
+    keep = [np.zeros(sc.shape, bool) for sc in scores]
+    for layer, (seen, recent) in enumerate(candidates):
+        keep[layer][:, seen & recent] = True
+    if spec.allocated == "uniform":
+        chosen = {
+            (layer, g): max(per_head - int((candidates[layer][0] & candidates[layer][1]).sum()), 0)
+            for layer, g, _, _ in ranked
+        }
+    else:
+        heads = len(ranked)
+        spare = per_head * heads - sum(int((c[0] & c[1]).sum()) * scores[i].shape[0] for i, c in enumerate(candidates))
+        values = np.concatenate([v for _, _, _, v in ranked]) if ranked else np.zeros(0)
+        owner = (
+            np.concatenate([np.full(len(v), i) for i, (_, _, _, v) in enumerate(ranked)])
+            if ranked
+            else np.zeros(0, int)
+        )
+        order = np.argsort(-values, kind="stable")[: max(spare, 0)]
+        counts = np.bincount(owner[order], minlength=heads)
+        chosen = {(layer, g): int(counts[i]) for i, (layer, g, _, _) in enumerate(ranked)}
+    for layer, g, free, values in ranked:
+        n = min(chosen[(layer, g)], len(free))
+        evicted = len(free) - n
+        n += evicted % spec.page_size  # whole pages' worth evicted
+        top = free[np.argsort(-values, kind="stable")[:n]]
+        keep[layer][g, top] = True
+    return keep
+
+
+def parse(text: str, **settings) -> Eviction:
+    """An ``Eviction`` from its short form: "METHOD:BUDGET" (tokens per KV head) or "METHOD:RATIOx" (the prompt over
+    RATIO), optionally ":global" or ":uniform"; ``settings`` fill the other fields (``page_size``, ``window``...).
+    "kvcompress:256", "snapkv:4x", "h2o:512:global"."""
+    parts = text.strip().split(":")
+    if len(parts) not in (2, 3) or not parts[1]:
+        raise ValueError(f"eviction must look like METHOD:BUDGET or METHOD:RATIOx[:global|uniform], got {text!r}")
+    amount, allocation = parts[1].lower(), parts[2].lower() if len(parts) == 3 else None
+    try:
+        size = dict(ratio=float(amount[:-1])) if amount.endswith("x") else dict(budget=int(amount))
+    except ValueError:
+        raise ValueError(f"eviction {text!r}: {parts[1]!r} is neither a token budget nor a ratio such as 4x") from None
+    return Eviction(parts[0].lower(), allocation=allocation, **size, **settings)

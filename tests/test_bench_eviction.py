@@ -1,0 +1,88 @@
+"""bench/eviction.py: eval rows for every plan and policy with their overall rates, the within-1% summary, the
+teacher-forced retrieval check, and refusals of bad flags before any model loads."""
+
+import dataclasses
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+from conftest import TINY_CONFIGS, fresh_seed
+
+import kvjax
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+import accuracy  # noqa: E402
+import eviction  # noqa: E402
+
+WIDE = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)
+
+
+def test_eval_scores_the_continuation_of_every_plan_and_policy(tmp_path, monkeypatch, capsys):
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
+    monkeypatch.setattr(eviction.kvjax, "load", lambda *a, **k: model)
+    monkeypatch.setattr(accuracy, "heldout_ids", lambda m, source, n: rng.integers(1, WIDE.vocab_size, n))
+    out = tmp_path / "ev.json"
+    flags = ["--windows", "48", "--continuation", "16", "--eval-tokens", "96", "--sources", "prose"]
+    flags += ["--methods", "kvcompress", "h2o", "--budgets", "8", "32", "--ratios", "2", "--page-size", "4"]
+    flags += ["--plans", "none", "zack:0.5", "--calibration", "random", "--num-tokens", "128", "--seq-len", "32"]
+    eviction.main(["eval", *flags, "--evict", "snapkv:4x:global", "--json", str(out)])
+    data = json.loads(out.read_text())
+    rows = {(r["plan"], r["evict"]): r for r in data["rows"]}
+    policies = ["none", "kvcompress:8", "kvcompress:32", "kvcompress:2x", "h2o:8", "h2o:32", "h2o:2x"]
+    policies.append("snapkv:4x:global")
+    assert set(rows) == {(plan, p) for plan in ("none", "zack:0.5") for p in policies}, f"seed {seed}"
+    base = rows[("none", "none")]
+    assert base["kl"] == 0 and base["top1"] == 1 and base["overall_rate"] == 0, f"seed {seed}"
+    assert rows[("none", "kvcompress:32")]["overall_rate"] == 0  # the whole 32-token prompt fits the budget
+    assert rows[("none", "kvcompress:32")]["kl"] < 1e-9, f"seed {seed}"
+    assert rows[("none", "h2o:8")]["overall_rate"] == pytest.approx(1 - 8 / 32)  # uniform: 8 of 32 a head
+    zack = rows[("zack:0.5", "none")]
+    assert zack["overall_rate"] == zack["plan_rate"] >= 0.5
+    stacked = rows[("zack:0.5", "h2o:8")]
+    assert stacked["overall_rate"] > rows[("none", "h2o:8")]["overall_rate"]  # narrower heads, same tokens
+    assert all(r["prompt"] == 32 and r["window"] == 48 for r in data["rows"])
+    summary = {s["what"]: s for s in data["within_one_percent"]}
+    assert set(summary) == {"rank reduction", "kvcompress", "kvcompress + plan", "h2o", "h2o + plan", "snapkv"} | {
+        "snapkv + plan"
+    }
+    assert summary["kvcompress"]["largest_overall_rate"] >= 0  # at least the budget that keeps everything passes
+    assert "largest overall rate within 1%" in capsys.readouterr().out
+
+
+def test_retrieval_is_right_when_every_answer_token_is_the_greedy_choice():
+    model = kvjax.Model.random(WIDE, seed=1)
+    tokens = np.random.default_rng(0).integers(1, WIDE.vocab_size, (1, 30))
+    hidden = model.hidden(tokens)
+    greedy = np.asarray(model.project(hidden[0])).argmax(-1)
+    prompt = 20
+    answer = greedy[prompt - 1 : prompt + 2].tolist()
+    forced = np.concatenate([tokens[:, :prompt], np.asarray([answer])], axis=1)
+    assert eviction.answered(model, model.hidden(forced), prompt, answer) == (
+        bool((np.asarray(model.project(model.hidden(forced)[0])).argmax(-1)[prompt - 1 : prompt + 2] == answer).all())
+    )
+    wrong = [(answer[0] + 1) % WIDE.vocab_size, *answer[1:]]
+    assert not eviction.answered(model, model.hidden(forced), prompt, wrong)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["eval", "--plans", "zack:1.5"], "--plans: must be 'none' or VARIANT:RATE"),
+        (["eval", "--plans", "lru:0.5"], "--plans: must be 'none' or VARIANT:RATE"),
+        (["eval", "--evict", "snapkv"], "--evict: eviction must look like METHOD:BUDGET"),
+        (["eval", "--evict", "snapkv:lots"], "is neither a token budget nor a ratio"),
+        (["eval", "--evict", "snapkv:0"], "eviction budget must be a positive number"),
+        (["eval", "--ratios", "0.5"], "--ratios: must be a number >= 1"),
+        (["eval", "--methods", "lru"], "--methods: invalid choice"),
+        (["eval", "--windows", "64", "--continuation", "64"], "--continuation 64 leaves no prompt"),
+    ],
+)
+def test_bad_flags_are_one_line_usage_errors_before_any_model_loads(flags, message, monkeypatch, capsys):
+    monkeypatch.setattr(eviction.kvjax, "load", lambda *a, **k: pytest.fail("loaded a model"))
+    with pytest.raises(SystemExit) as e:
+        eviction.main(flags)
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -1,0 +1,222 @@
+"""Eviction (issue 37, item 3): every metric against brute-force attention on small random inputs, the selection's
+budgets and protection, and the teacher-forced reference: a budget as large as the prompt changes nothing, a cut
+prompt reads only what each head kept, and ZACK's reduced space scores as the full heads do at full width."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_CONFIGS, fresh_seed
+
+import kvjax
+from kvjax.eviction import Eviction, metrics
+from kvjax.eviction.reference import evicted_hidden, kept_bytes, prompt_keep
+from kvjax.eviction.select import keep_masks
+from kvjax.layout import HeadLayout
+from kvjax.ops.grouped import attend_groups
+
+WIDE = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)
+CALIBRATION = dict(calibration="random", num_tokens=256, seq_len=64, progress=False)
+
+
+def brute_scores(method, q, k, layout, window, pool, tau=1.0, noise=None):
+    """The metric by loops over heads, queries and keys in float64 (noise: Keyformer's Gumbel draws, [Hq, S, S])."""
+    s, d = q.shape[0], layout.head_dim
+    out = np.zeros((layout.num_kv_heads, s))
+    for h in range(layout.num_heads):
+        g = h // layout.group_size
+        kw = layout.k_widths[g]
+        qo = HeadLayout.offsets(layout.k_widths, layout.group_size)[g] + (h % layout.group_size) * kw
+        ko = HeadLayout.offsets(layout.k_widths)[g]
+        first = max(s - window, 0) if method in ("kvcompress", "snapkv") else 0
+        for i in range(first, s):
+            seen = [j for j in range(s) if j <= i and (layout.sliding_window is None or i - j < layout.sliding_window)]
+            logits = np.array([q[i, qo : qo + kw] @ k[j, ko : ko + kw] / np.sqrt(d) for j in seen], np.float64)
+            if method == "keyformer":
+                logits = (logits + noise[h, i, seen]) / tau
+            p = np.exp(logits - logits.max())
+            p /= p.sum()
+            if method.startswith("kvcompress"):
+                p = p * p
+            out[g, seen] += p
+    if method in ("kvcompress", "snapkv") and pool > 1:
+        padded = np.pad(out, ((0, 0), (pool // 2, (pool - 1) // 2)), constant_values=-np.inf)
+        out = np.stack([padded[:, j : j + pool].max(1) for j in range(s)], 1)
+    return out
+
+
+@pytest.mark.parametrize("method", ["kvcompress", "kvcompress-full", "snapkv", "h2o"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_each_metric_equals_brute_force_attention(method, window):
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    layout = HeadLayout(4, 2, 8, (8, 5), (8, 3), window)
+    s = 23
+    q = rng.normal(size=(1, s, layout.q_cols)).astype(np.float32) * 2
+    k = rng.normal(size=(1, s, layout.k_cols)).astype(np.float32) * 2
+    got = np.asarray(metrics.scores(method, jnp.asarray(q), jnp.asarray(k), layout, window=6, pool=3))[0]
+    want = brute_scores(method, q[0], k[0], layout, window=6, pool=3)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=f"seed {seed}")
+
+
+def test_keyformer_is_the_gumbel_softmax_accumulated_and_its_noise_is_seeded(monkeypatch):
+    """With the noise drawn by the metric captured, Keyformer's score is the brute-force Gumbel-softmax sum; the
+    same seed gives the same scores, another seed others."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    layout = HeadLayout(2, 1, 8, (8,), (8,))
+    s = 19
+    q = jnp.asarray(rng.normal(size=(1, s, layout.q_cols)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(1, s, layout.k_cols)), jnp.float32)
+    drawn = []
+    real = metrics.jax.random.gumbel
+
+    def capture(key, shape):
+        x = real(key, shape)
+        drawn.append(np.asarray(x))
+        return x
+
+    monkeypatch.setattr(metrics.jax.random, "gumbel", capture)
+    got = np.asarray(metrics.scores("keyformer", q, k, layout, tau=1.5, seed=3))[0]
+    noise = drawn[0][0]  # [group, S, S] of the one block
+    want = brute_scores("keyformer", np.asarray(q)[0], np.asarray(k)[0], layout, 0, 1, tau=1.5, noise=noise)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=f"seed {seed}")
+    monkeypatch.undo()
+    again = np.asarray(metrics.scores("keyformer", q, k, layout, tau=1.5, seed=3))[0]
+    other = np.asarray(metrics.scores("keyformer", q, k, layout, tau=1.5, seed=4))[0]
+    np.testing.assert_array_equal(got, again)
+    assert not np.allclose(got, other)
+
+
+def test_uniform_selection_keeps_the_budget_the_recent_tokens_and_the_top_scores():
+    rng = np.random.default_rng(fresh_seed())
+    scores = [rng.random((3, 40)) for _ in range(2)]
+    spec = Eviction("snapkv", budget=20, window=8, page_size=4)
+    keep = keep_masks(spec, scores, [None, None])
+    for sc, kp in zip(scores, keep):
+        for g in range(3):
+            assert kp[g].sum() == 20 and kp[g, -8:].all()  # 20 of 40: 20 evicted, 5 whole pages
+            older = np.flatnonzero(~kp[g, :-8])
+            kept = np.flatnonzero(kp[g, :-8])
+            assert sc[g, kept].min() >= sc[g, older].max()
+
+
+def test_global_selection_ranks_across_heads_and_layers_within_the_budget():
+    """Page size 1: exactly the budget, the protected tokens plus the highest scores of all heads and layers."""
+    rng = np.random.default_rng(fresh_seed())
+    scores = [rng.random((2, 30)) * (layer + 1) for layer in range(3)]  # later layers score higher
+    spec = Eviction("kvcompress", budget=12, window=8, page_size=1)
+    keep = keep_masks(spec, scores, [None] * 3)
+    assert sum(int(k.sum()) for k in keep) == 12 * 6
+    assert all(k[:, -8:].all() for k in keep)
+    free = np.concatenate([sc[:, :-8].ravel() for sc in scores])
+    kept = np.concatenate([kp[:, :-8].ravel() for kp in keep])
+    assert free[kept].min() >= free[~kept].max()
+    assert keep[2].sum() > keep[0].sum()  # the heads that attend more keep more
+
+
+def test_global_selection_evicts_whole_pages_per_head():
+    rng = np.random.default_rng(fresh_seed())
+    scores = [rng.random((4, 50))]
+    keep = keep_masks(Eviction("kvcompress", budget=17, page_size=8), scores, [None])
+    assert all((50 - k.sum()) % 8 == 0 for k in keep[0])
+    assert 17 * 4 <= keep[0].sum() < 17 * 4 + 4 * 8
+
+
+def test_a_sliding_window_layer_keeps_only_what_its_window_still_sees():
+    scores = [np.ones((1, 40)), np.ones((1, 40))]
+    keep = keep_masks(Eviction("h2o", budget=64), scores, [None, 10])
+    assert keep[0].all() and keep[1][0, :30].sum() == 0 and keep[1][0, 30:].all()
+    layouts = [HeadLayout(1, 1, 8, (8,), (8,), w) for w in (None, 10)]
+    assert kept_bytes([k[None] for k in keep], layouts) == 1.0
+
+
+@pytest.mark.parametrize("bad", [dict(budget=0), dict(budget=1.5), dict(ratio=0.5), dict(budget=4, ratio=2.0), {}])
+def test_bad_policies_are_refused(bad):
+    with pytest.raises(ValueError, match="eviction"):
+        Eviction("kvcompress", **bad)
+    with pytest.raises(ValueError, match="eviction method"):
+        Eviction("lru", budget=4)
+
+
+def test_attention_with_a_mask_per_kv_head_reads_only_each_heads_keys():
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    layout = HeadLayout(4, 2, 8, (8, 6), (8, 4))
+    t = 9
+    q, k, v = (rng.normal(size=(1, t, c)).astype(np.float32) for c in (layout.q_cols, layout.k_cols, layout.v_cols))
+    mask = rng.random((1, 2, t, t)) < 0.6
+    mask[..., np.arange(t), np.arange(t)] = True
+    got = np.asarray(attend_groups(*map(jnp.asarray, (q, k, v, mask)), layout))
+    for g in range(2):  # each head alone, with the mask shared by its group only
+        one = HeadLayout(2, 1, 8, (layout.k_widths[g],), (layout.v_widths[g],))
+        qo, ko, vo = (
+            HeadLayout.offsets(w, s)[g] for w, s in ((layout.k_widths, 2), (layout.k_widths, 1), (layout.v_widths, 1))
+        )
+        part = attend_groups(
+            jnp.asarray(q[..., qo : qo + 2 * one.k_cols]),
+            jnp.asarray(k[..., ko : ko + one.k_cols]),
+            jnp.asarray(v[..., vo : vo + one.v_cols]),
+            jnp.asarray(mask[:, g]),
+            one,
+        )
+        out_o = HeadLayout.offsets(layout.v_widths, 2)[g]
+        np.testing.assert_allclose(got[..., out_o : out_o + 2 * one.v_cols], part, rtol=1e-5, err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("method", ["kvcompress", "snapkv", "h2o", "keyformer"])
+def test_a_budget_as_large_as_the_prompt_evicts_nothing_and_changes_no_logit(tiny_config, method):
+    seed = fresh_seed()
+    model = kvjax.Model.random(tiny_config, seed=seed % 1000)
+    tokens = np.random.default_rng(seed).integers(0, tiny_config.vocab_size, (2, 40))
+    hidden, keep = evicted_hidden(model, tokens, 30, Eviction(method, budget=30, page_size=4))
+    assert kept_bytes(keep, model.module.layouts) == 1.0  # all that a window still sees
+    np.testing.assert_array_equal(np.asarray(hidden), np.asarray(model.hidden(tokens)), err_msg=f"seed {seed}")
+
+
+def test_evicting_what_no_later_window_sees_changes_nothing_and_evicting_more_changes_only_the_decoded_rows():
+    """Mistral's 6-token window: a decoded row cannot see prompt tokens before position 24 anyway, so a selection
+    that drops them all leaves every hidden state as it was; a smaller budget drops tokens the decoded rows see and
+    changes them, while the prompt's rows, prefilled exactly, stay as they were."""
+    seed = fresh_seed()
+    cfg = dataclasses.replace(TINY_CONFIGS["mistral"], sliding_window=6)
+    model = kvjax.Model.random(cfg, seed=seed % 1000)
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (1, 36))
+    hidden, keep = evicted_hidden(model, tokens, 30, Eviction("h2o", budget=6, page_size=2, window=2))
+    np.testing.assert_allclose(np.asarray(hidden), np.asarray(model.hidden(tokens)), rtol=1e-5, atol=1e-5)
+    assert all(not k[..., :24].any() for k in keep)  # outside every later window: neither kept nor needed
+    cut, _ = evicted_hidden(model, tokens, 30, Eviction("h2o", budget=2, page_size=2, window=2))
+    assert np.array_equal(np.asarray(cut)[:, :30], np.asarray(hidden)[:, :30])
+    assert not np.allclose(np.asarray(cut)[:, 30:], np.asarray(hidden)[:, 30:])
+
+
+def test_zack_at_full_width_scores_in_its_rotated_space_as_the_full_heads_do():
+    """The metrics read the rotated, truncated q·k the model runs; at full width the rotation is orthogonal, so
+    every score and so every selection is the uncompressed model's."""
+    seed = fresh_seed()
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
+    zack = kvjax.compress(model, removal_rate=0.0, seed=seed % 1000, **CALIBRATION)
+    tokens = np.random.default_rng(seed).integers(0, WIDE.vocab_size, (1, 48))
+    spec = Eviction("kvcompress-full", budget=16, page_size=1)
+    from kvjax.eviction.reference import _prompt_scores
+
+    base = _prompt_scores(model.graphdef, model.state, jnp.asarray(tokens), spec)
+    rotated = _prompt_scores(zack.graphdef, zack.state, jnp.asarray(tokens), spec)
+    for a, b in zip(base, rotated):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-3, atol=1e-5, err_msg=f"seed {seed}")
+    assert [k.tolist() for k in prompt_keep(model, tokens, spec)] == [
+        k.tolist() for k in prompt_keep(zack, tokens, spec)
+    ]
+
+
+def test_the_short_form_parses_and_names_itself():
+    from kvjax.eviction import parse
+
+    assert parse("kvcompress:256") == Eviction("kvcompress", budget=256)
+    assert parse("SnapKV:4x:global", page_size=8) == Eviction("snapkv", ratio=4.0, allocation="global", page_size=8)
+    assert parse("h2o:1.5x").name == "h2o:1.5x" and parse("kvcompress:4x").allocated == "global"
+    assert parse("keyformer:64").allocated == "uniform"
+    for bad in ("kvcompress", "kvcompress:", "kvcompress:4y", "kvcompress:4x:sideways", "kvcompress:1:2:3"):
+        with pytest.raises(ValueError, match="eviction"):
+            parse(bad)
