@@ -1,0 +1,138 @@
+"""Per-head paging's host side (issue 37, item 2): which pages each (layer, KV head) of each sequence owns in one
+pool of fixed-size pages, how many tokens each head stores, and the moves that compact a head after eviction.
+
+The pool format (bench/notes/2026-11-28-eviction-start.md, "Per-head pages"): every page has the same size, and a
+head stores as many of its tokens in a page as fit (``per_page[layer, head]``: a page of ``page_size x head_dim``
+elements holds 16 full-width tokens or 64 of a 32-column head). Any page serves any layer and head, so the pages
+one head's eviction frees are usable by every other: nothing is stranded in a pool of the wrong shape.
+
+A sequence reaches a number of *positions*; each head stores ``positions - evicted[layer, head]`` tokens, in slot
+order (slot ``i`` is token ``i % per_page`` of the head's page ``i // per_page``). Every operation works on all
+(layer, head) pairs at once as NumPy arrays: a loop over 32 layers x 8 heads a sequence a step would cost more than
+the step (DESIGN.md section 7, "Per-head pages").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvjax.ops.paging import NULL_PAGE
+
+
+class HeadPages:
+    """A pool of ``num_pages`` pages (page 0 the null page) shared by every (layer, KV head); head (l, h) stores
+    ``per_page[l, h]`` tokens a page and holds at most ``max_pages`` pages."""
+
+    def __init__(self, num_pages: int, per_page, max_pages: int):
+        self.per_page = np.asarray(per_page, np.int64)
+        if self.per_page.ndim != 2 or (self.per_page < 1).any():
+            raise ValueError(f"per_page must be positive tokens per page, [layers, heads], got {self.per_page!r}")
+        if num_pages < 2 or max_pages < 1:
+            raise ValueError(f"a pool needs at least 2 pages and a head at least 1, got {num_pages} and {max_pages}")
+        self.num_pages, self.max_pages = num_pages, max_pages
+        self._free = np.arange(num_pages - 1, NULL_PAGE, -1, dtype=np.int32)  # a stack: the top is the end
+        self._top = num_pages - 1
+        self._tables: dict[int, np.ndarray] = {}  # owner -> int32 [layers, heads, max_pages]
+        self._stored: dict[int, np.ndarray] = {}  # owner -> int64 [layers, heads]: tokens each head stores
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(layers, KV heads)."""
+        layers, heads = self.per_page.shape
+        return layers, heads
+
+    @property
+    def free_pages(self) -> int:
+        return self._top
+
+    def _pages(self, stored: np.ndarray) -> np.ndarray:
+        return -(-stored // self.per_page)
+
+    def stored(self, owner: int) -> np.ndarray:
+        """Tokens each head of ``owner`` stores, [layers, heads] (zeros for an owner holding nothing)."""
+        return self._stored.get(owner, np.zeros(self.shape, np.int64)).copy()
+
+    def table(self, owner: int) -> np.ndarray:
+        """``owner``'s block tables, int32 [layers, heads, max_pages], unused entries the null page."""
+        return self._tables.get(owner, np.full((*self.shape, self.max_pages), NULL_PAGE, np.int32)).copy()
+
+    def need(self, owner: int, new_tokens) -> int:
+        """Pages ``owner`` lacks to store ``new_tokens`` more tokens in every head (an int, or [layers, heads])."""
+        stored = self._stored.get(owner, np.zeros(self.shape, np.int64))
+        return int((self._pages(stored + new_tokens) - self._pages(stored)).sum())
+
+    def grow(self, owner: int, new_tokens) -> bool:
+        """Append ``new_tokens`` tokens to every head of ``owner`` (an int, or [layers, heads]), taking pages from
+        the pool; False, and nothing changed, when the pool has too few or a head would pass ``max_pages``."""
+        stored = self._stored.get(owner, np.zeros(self.shape, np.int64))
+        after = stored + np.broadcast_to(np.asarray(new_tokens, np.int64), self.shape)
+        have, want = self._pages(stored), self._pages(after)
+        total = int((want - have).sum())
+        if total > self._top or (want > self.max_pages).any():
+            return False
+        table = self._tables.setdefault(owner, np.full((*self.shape, self.max_pages), NULL_PAGE, np.int32))
+        fresh = self._free[self._top - total : self._top][::-1]  # the stack's top first
+        self._top -= total
+        slots = np.arange(self.max_pages)
+        new = (slots >= have[..., None]) & (slots < want[..., None])  # [layers, heads, max_pages], in slot order
+        table[new] = fresh
+        self._stored[owner] = after
+        return True
+
+    def free(self, owner: int) -> None:
+        """Give back every page ``owner`` holds (none held: nothing to do)."""
+        if owner not in self._tables:
+            return
+        table = self._tables.pop(owner)
+        del self._stored[owner]
+        self._push(table[table != NULL_PAGE])
+
+    def _push(self, pages: np.ndarray) -> None:
+        n = len(pages)
+        self._free[self._top : self._top + n] = pages[::-1]
+        self._top += n
+
+    def evict(self, owner: int, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Keep, of each head's stored tokens, those ``keep`` marks (bool [layers, heads, >= max stored]; entries
+        past a head's stored count are ignored), moved to the head's first slots in their order, and give back the
+        pages no longer needed. Returns the moves, (source, destination) int64 [n, 4] rows of (layer, head, page,
+        token in page): a device gather reading every source before any write (``jnp`` scatter of gathered rows)
+        applies them in place, and must run before anything is written to the pages given back (sources may lie
+        in them)."""
+        stored = self._stored[owner]
+        table = self._tables[owner]
+        keep = np.asarray(keep, bool)
+        slots = np.arange(keep.shape[-1])
+        keep = keep & (slots < stored[..., None])
+        kept = keep.sum(-1)
+        rank = np.cumsum(keep, -1) - 1  # each survivor's new slot
+        layer, head, src = np.nonzero(keep)
+        dst = rank[layer, head, src]
+        per = self.per_page[layer, head]
+        moved = src != dst
+        layer, head, src, dst, per = layer[moved], head[moved], src[moved], dst[moved], per[moved]
+        source = np.stack([layer, head, table[layer, head, src // per], src % per], 1)
+        destination = np.stack([layer, head, table[layer, head, dst // per], dst % per], 1)
+        have, want = self._pages(stored), self._pages(kept)
+        pages = np.arange(self.max_pages)
+        gone = (pages >= want[..., None]) & (pages < have[..., None])
+        self._push(table[gone])
+        table[gone] = NULL_PAGE
+        self._stored[owner] = kept.astype(np.int64)
+        return source.astype(np.int64), destination.astype(np.int64)
+
+    def check(self) -> None:
+        """Raise AssertionError unless pages add up: owned + free = the pool, none owned twice or both owned and free,
+        and each head holds exactly the pages its stored tokens need, in its first table entries."""
+        owned = np.concatenate([t[t != NULL_PAGE] for t in self._tables.values()] or [np.zeros(0, np.int32)])
+        free = self._free[: self._top]
+        assert len(np.unique(owned)) == len(owned), "a page is owned twice"
+        assert len(np.unique(free)) == len(free), "a page is free twice"
+        assert len(owned) + len(free) == self.num_pages - 1, "pages leaked"
+        assert not np.intersect1d(owned, free).size and NULL_PAGE not in free, "an owned page is free"
+        for owner, table in self._tables.items():
+            want = self._pages(self._stored[owner])
+            held = (table != NULL_PAGE).sum(-1)
+            assert (held == want).all(), f"owner {owner}: pages not those of its stored tokens"
+            first = np.arange(self.max_pages) < want[..., None]
+            assert (table[first] != NULL_PAGE).all(), f"owner {owner}: a gap in a head's pages"

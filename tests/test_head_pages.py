@@ -1,0 +1,116 @@
+"""Per-head paging's host side (``kvjax.runtime.head_pages``): a fuzz of growth, eviction with compaction and
+release over random owners, heads of different tokens per page, and a pool simulated token by token: after every
+operation the pages add up, and each head's slots hold exactly its surviving tokens, in order."""
+
+import numpy as np
+import pytest
+from conftest import fresh_seed
+
+from kvjax.ops.paging import NULL_PAGE
+from kvjax.runtime.head_pages import HeadPages
+
+
+class Pool:
+    """What the device pool would hold: token ids per (page, token in page); -1 empty."""
+
+    def __init__(self, pages: HeadPages, per_page_max: int):
+        self.data = np.full((pages.num_pages, per_page_max), -1, np.int64)
+
+    def write(self, pages: HeadPages, owner: int, before: np.ndarray, ids) -> None:
+        table = pages.table(owner)
+        for (layer, head), start in np.ndenumerate(before):
+            per = pages.per_page[layer, head]
+            for i, token in enumerate(ids[layer][head]):
+                slot = start + i
+                self.data[table[layer, head, slot // per], slot % per] = token
+
+    def read(self, pages: HeadPages, owner: int, layer: int, head: int) -> list[int]:
+        table, per = pages.table(owner), pages.per_page[layer, head]
+        return [int(self.data[table[layer, head, s // per], s % per]) for s in range(pages.stored(owner)[layer, head])]
+
+    def move(self, source: np.ndarray, destination: np.ndarray) -> None:
+        self.data[destination[:, 2], destination[:, 3]] = self.data[source[:, 2], source[:, 3]]  # gather, then write
+
+
+def _grow(pages, pool, want, owner, n, next_id) -> int | None:
+    """Grow ``owner`` by ``n`` tokens a head, writing fresh ids; the next free id, or None if refused."""
+    layers, heads = pages.shape
+    before, free_before = pages.stored(owner), pages.free_pages
+    if not pages.grow(owner, n):
+        assert pages.free_pages == free_before and (pages.stored(owner) == before).all()
+        return None
+    ids = [
+        [list(range(next_id + (i * heads + h) * n, next_id + (i * heads + h + 1) * n)) for h in range(heads)]
+        for i in range(layers)
+    ]
+    pool.write(pages, owner, before, ids)
+    held = want.setdefault(owner, [[[] for _ in range(heads)] for _ in range(layers)])
+    for i in range(layers):
+        for h in range(heads):
+            held[i][h] += ids[i][h]
+    return next_id + layers * heads * n
+
+
+def _evict(pages, pool, want, owner, rng) -> int:
+    """Evict a random share of ``owner``'s tokens per head; the tokens moved."""
+    layers, heads = pages.shape
+    keep = rng.random((layers, heads, int(pages.stored(owner).max()) + 2)) < rng.random()
+    free_before = pages.free_pages
+    source, destination = pages.evict(owner, keep)
+    pool.move(source, destination)
+    gained = 0
+    for i in range(layers):
+        for h in range(heads):
+            survivors = [t for j, t in enumerate(want[owner][i][h]) if keep[i, h, j]]
+            per = pages.per_page[i, h]
+            gained += -(-len(want[owner][i][h]) // per) - -(-len(survivors) // per)
+            want[owner][i][h] = survivors
+    assert pages.free_pages == free_before + gained
+    return len(source)
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_grow_evict_and_free_keep_every_heads_tokens_and_the_pool_whole(trial):
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    layers, heads = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+    per_page = rng.choice([1, 2, 3, 4, 8], (layers, heads))
+    pages = HeadPages(1 + layers * heads * int(rng.integers(2, 5)), per_page, max_pages=int(rng.integers(4, 12)))
+    pool = Pool(pages, int(per_page.max()))
+    want: dict[int, list[list[list[int]]]] = {}  # owner -> per layer, head: its tokens in order
+    next_id, refused, moves = 0, 0, 0
+    for _ in range(300):
+        op, owner = rng.random(), int(rng.integers(0, 5))
+        if op < 0.55:
+            grown = _grow(pages, pool, want, owner, int(rng.integers(1, 7)), next_id)
+            refused += grown is None
+            next_id = next_id if grown is None else grown
+        elif op < 0.85 and owner in want:
+            moves += _evict(pages, pool, want, owner, rng)
+        elif owner in want:
+            pages.free(owner)
+            del want[owner]
+            assert (pages.table(owner) == NULL_PAGE).all() and not pages.stored(owner).any()
+        pages.check()
+        for o, held in want.items():
+            for i in range(layers):
+                for h in range(heads):
+                    assert pool.read(pages, o, i, h) == held[i][h], f"seed {seed}: owner {o}, head ({i}, {h})"
+    assert refused and moves, f"seed {seed}: the fuzz never filled the pool or never moved a token"
+
+
+def test_a_head_of_a_narrow_width_fills_pages_of_more_tokens():
+    pages = HeadPages(10, [[16, 64]], max_pages=4)
+    assert pages.need(0, 64) == 4 + 1 and pages.grow(0, 64)
+    assert (pages.table(0) != NULL_PAGE).sum(-1).tolist() == [[4, 1]] and pages.free_pages == 4
+    assert not pages.grow(0, 1)  # the wide head would need a fifth page: more than max_pages
+    source, destination = pages.evict(0, np.ones((1, 2, 64), bool) & (np.arange(64) >= 32))
+    assert pages.stored(0).tolist() == [[32, 32]] and pages.free_pages == 6
+    assert len(source) == len(destination) == 64  # both heads' survivors moved to their front
+
+
+def test_bad_pools_are_refused():
+    with pytest.raises(ValueError, match="per_page"):
+        HeadPages(8, [[0, 4]], 2)
+    with pytest.raises(ValueError, match="at least 2 pages"):
+        HeadPages(1, [[4]], 2)
