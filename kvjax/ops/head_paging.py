@@ -1,0 +1,117 @@
+"""Per-head pages as the ops see them (issue 37, item 2): one pool of fixed-size pages, [num_pages, page_elems], any
+page serving any (layer, KV head); head h of a layer stores ``tokens_per_page`` of its tokens a page, its K rows
+first ([tokens, k_width]) and then its V rows ([tokens, v_width]), so a kernel loads each as one 2-D block.
+
+A head's block table maps its slots (its stored tokens in order, ``runtime.head_pages``) to pages: slot ``i`` is row
+``i % per`` of page ``table[i // per]``. The host side that hands out pages, and the compaction moves after
+eviction, are ``kvjax.runtime.head_pages``; this module writes, reads, attends and moves on the device, in jnp:
+the reference a per-head kernel is checked against. Page 0 is the null page: nothing valid is written there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.layout import HeadLayout
+from kvjax.ops.paging import NULL_PAGE
+
+
+def tokens_per_page(page_elems: int, k_width: int, v_width: int) -> int:
+    """How many of a head's tokens (K and V rows of these widths) one page holds."""
+    per = page_elems // (k_width + v_width)
+    if per < 1:
+        raise ValueError(f"a page of {page_elems} elements holds no token of widths {k_width} + {v_width}")
+    return per
+
+
+def layer_tokens_per_page(layout: HeadLayout, page_elems: int) -> np.ndarray:
+    """int64 [Hkv]: ``tokens_per_page`` of each KV head of a layer."""
+    return np.array([tokens_per_page(page_elems, k, v) for k, v in zip(layout.k_widths, layout.v_widths)])
+
+
+def _rows(table, slots, per: int, width: int, first: int, page_elems: int):
+    """Flat element indices [..., width] of row ``slots`` (a head's slots, any shape) in ``table`` [..., pages]
+    (same leading shape), the head's rows starting ``first`` elements into a page."""
+    page = jnp.take_along_axis(table, (slots // per).reshape(table.shape[0], -1), axis=1, mode="clip")
+    page = page.reshape(slots.shape)
+    start = page * page_elems + first + (slots % per) * width
+    return page, start[..., None] + jnp.arange(width)
+
+
+def write(pool, table, slots, k, v, valid, layout: HeadLayout, page_elems: int):
+    """Store new tokens of one layer: ``k`` [B, T, k_cols] and ``v`` [B, T, v_cols] (packed heads) at each head's
+    ``slots`` [B, Hkv, T] through ``table`` [B, Hkv, pages]; rows not ``valid`` [B, T], or bound for the null page,
+    are dropped. Returns the pool."""
+    flat = pool.reshape(-1)
+    size = flat.shape[0]
+    k_offsets, v_offsets = HeadLayout.offsets(layout.k_widths), HeadLayout.offsets(layout.v_widths)
+    for h, (kw, vw) in enumerate(zip(layout.k_widths, layout.v_widths)):
+        per = tokens_per_page(page_elems, kw, vw)
+        for part, width, first, offset in ((k, kw, 0, k_offsets[h]), (v, vw, per * kw, v_offsets[h])):
+            page, index = _rows(table[:, h], slots[:, h], per, width, first, page_elems)
+            keep = valid & (page != NULL_PAGE)
+            index = jnp.where(keep[..., None], index, size)
+            values = part[..., offset : offset + width].astype(pool.dtype)
+            flat = flat.at[index].set(values, mode="drop", unique_indices=True)
+    return flat.reshape(pool.shape)
+
+
+def read(pool, table, h: int, layout: HeadLayout, page_elems: int, tokens: int):
+    """Head ``h``'s first ``tokens`` slots through ``table`` [B, Hkv, pages]: (K [B, tokens, k_width], V [B, tokens,
+    v_width]); slots past what a head stores read whatever their pages hold (mask them)."""
+    kw, vw = layout.k_widths[h], layout.v_widths[h]
+    per = tokens_per_page(page_elems, kw, vw)
+    slots = jnp.broadcast_to(jnp.arange(tokens), (table.shape[0], tokens))
+    flat = pool.reshape(-1)
+    _, k_index = _rows(table[:, h], slots, per, kw, 0, page_elems)
+    _, v_index = _rows(table[:, h], slots, per, vw, per * kw, page_elems)
+    return flat[k_index], flat[v_index]
+
+
+def decode_attention(q, pool, table, stored, layout: HeadLayout, page_elems: int, tokens: int):
+    """One query token per sequence, q [B, q_cols] (packed), over each KV head's ``stored`` [B, Hkv] slots (its own
+    token included, already written) read through ``table`` [B, Hkv, pages]; ``tokens``: the most slots any head
+    stores (static). Returns [B, out_cols]."""
+    scale = 1.0 / math.sqrt(layout.head_dim)
+    size = layout.group_size
+    outs = []
+    for h, (kw, vw) in enumerate(zip(layout.k_widths, layout.v_widths)):
+        k, v = read(pool, table, h, layout, page_elems, tokens)
+        qo = HeadLayout.offsets(layout.k_widths, size)[h]
+        qh = q[:, qo : qo + size * kw].reshape(q.shape[0], size, kw)
+        logits = jnp.einsum("bgd,bsd->bgs", qh, k).astype(jnp.float32) * scale
+        seen = jnp.arange(tokens)[None, None, :] < stored[:, h, None, None]
+        probs = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1).astype(v.dtype)
+        outs.append(jnp.einsum("bgs,bsd->bgd", probs, v).astype(q.dtype).reshape(q.shape[0], size * vw))
+    return jnp.concatenate(outs, axis=-1)
+
+
+def _spans(starts: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """The indices ``starts[i] .. starts[i] + widths[i] - 1`` of every i, concatenated (no Python loop)."""
+    firsts = np.repeat(starts - np.concatenate([[0], np.cumsum(widths)[:-1]]), widths)
+    return firsts + np.arange(int(widths.sum()))
+
+
+def move(pool, source, destination, layouts, page_elems: int):
+    """Apply compaction moves (``HeadPages.evict``'s (layer, head, page, row) int rows) to every layer's K and V
+    rows in one gather and one scatter, every source read before any write. Under ``jax.jit`` with the pool
+    donated, XLA writes in place: the pool is never copied."""
+    if len(source) == 0:
+        return pool
+    k_w = np.array([lay.k_widths for lay in layouts])
+    v_w = np.array([lay.v_widths for lay in layouts])
+    per = page_elems // (k_w + v_w)
+
+    def elements(rows):
+        layer, h, page, row = np.asarray(rows).T
+        kw, vw, p = k_w[layer, h], v_w[layer, h], per[layer, h]
+        base = page * page_elems
+        return np.concatenate([_spans(base + row * kw, kw), _spans(base + p * kw + row * vw, vw)])
+
+    flat = pool.reshape(-1)
+    src, dst = jnp.asarray(elements(source)), jnp.asarray(elements(destination))
+    return flat.at[dst].set(flat[src], unique_indices=True).reshape(pool.shape)

@@ -1,0 +1,95 @@
+"""Per-head pages on the device side (``kvjax.ops.head_paging``), in jnp: tokens written per head read back exactly,
+decode attention over heads of different stored counts equals attention over each head's own tokens, and the
+compaction moves of an eviction leave each head its survivors, in order."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import fresh_seed
+
+from kvjax.layout import HeadLayout
+from kvjax.ops import head_paging
+from kvjax.ops.grouped import attend_groups
+from kvjax.runtime.head_pages import HeadPages
+
+LAYOUT = HeadLayout(6, 3, 16, (16, 8, 12), (16, 4, 8))
+PAGE_ELEMS = 4 * 32  # 4 full-width tokens, 10 of the (8, 4) head, 6 of the (12, 8) one
+
+
+def _stored_case(rng, batch: int, lengths):
+    """HeadPages for one layer, each sequence grown to ``lengths`` [B, Hkv] tokens a head, and the tokens' K/V."""
+    per = head_paging.layer_tokens_per_page(LAYOUT, PAGE_ELEMS)[None]
+    pages = HeadPages(200, per, max_pages=16)
+    pool = jnp.asarray(rng.normal(size=(200, PAGE_ELEMS)), jnp.float32)  # never zero: stale pages hold noise
+    k = rng.normal(size=(batch, lengths.max(), LAYOUT.k_cols)).astype(np.float32)
+    v = rng.normal(size=(batch, lengths.max(), LAYOUT.v_cols)).astype(np.float32)
+    for b in range(batch):
+        assert pages.grow(b, lengths[b][None])
+        table = jnp.asarray(pages.table(b)[0][None])
+        slots = jnp.broadcast_to(jnp.arange(lengths.max()), (1, 3, lengths.max()))
+        # each head writes its own first lengths[b, h] tokens; the rest of the rows are invalid for it
+        for h in range(3):
+            valid = jnp.arange(lengths.max())[None] < lengths[b, h]
+            one = np.zeros_like(k[b : b + 1]), np.zeros_like(v[b : b + 1])
+            ko, vo = HeadLayout.offsets(LAYOUT.k_widths)[h], HeadLayout.offsets(LAYOUT.v_widths)[h]
+            one[0][..., ko : ko + LAYOUT.k_widths[h]] = k[b : b + 1, :, ko : ko + LAYOUT.k_widths[h]]
+            one[1][..., vo : vo + LAYOUT.v_widths[h]] = v[b : b + 1, :, vo : vo + LAYOUT.v_widths[h]]
+            only = jnp.asarray(np.eye(3, dtype=bool)[h])[None, :, None]
+            table_h = jnp.where(only, table, 0)  # the other heads' rows go to the null page: dropped
+            pool = head_paging.write(pool, table_h, slots, *map(jnp.asarray, one), valid, LAYOUT, PAGE_ELEMS)
+    return pages, pool, k, v
+
+
+def test_written_tokens_read_back_per_head():
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 40, (2, 3))
+    pages, pool, k, v = _stored_case(rng, 2, lengths)
+    tables = jnp.asarray(np.stack([pages.table(b)[0] for b in range(2)]))
+    for h in range(3):
+        got_k, got_v = head_paging.read(pool, tables, h, LAYOUT, PAGE_ELEMS, int(lengths.max()))
+        ko, vo = HeadLayout.offsets(LAYOUT.k_widths)[h], HeadLayout.offsets(LAYOUT.v_widths)[h]
+        for b in range(2):
+            n = lengths[b, h]
+            np.testing.assert_array_equal(got_k[b, :n], k[b, :n, ko : ko + LAYOUT.k_widths[h]], f"seed {seed}")
+            np.testing.assert_array_equal(got_v[b, :n], v[b, :n, vo : vo + LAYOUT.v_widths[h]], f"seed {seed}")
+
+
+def test_decode_attention_reads_each_heads_own_tokens():
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 40, (2, 3))
+    pages, pool, k, v = _stored_case(rng, 2, lengths)
+    tables = jnp.asarray(np.stack([pages.table(b)[0] for b in range(2)]))
+    q = rng.normal(size=(2, LAYOUT.q_cols)).astype(np.float32)
+    got = head_paging.decode_attention(jnp.asarray(q), pool, tables, jnp.asarray(lengths), LAYOUT, PAGE_ELEMS, 40)
+    mask = np.arange(k.shape[1])[None, None, None, :] < lengths[:, :, None, None]  # [B, Hkv, 1, S]
+    want = attend_groups(jnp.asarray(q[:, None]), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), LAYOUT)[:, 0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_compaction_moves_leave_each_head_its_survivors_in_order(trial):
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 40, (1, 3))
+    pages, pool, k, v = _stored_case(rng, 1, lengths)
+    keep = rng.random((1, 3, 40)) < 0.4
+    source, destination = pages.evict(0, keep)
+    pool = head_paging.move(pool, source, destination, [LAYOUT], PAGE_ELEMS)
+    pages.check()
+    table = jnp.asarray(pages.table(0)[0][None])
+    for h in range(3):
+        survivors = np.flatnonzero(keep[0, h, : lengths[0, h]])
+        assert pages.stored(0)[0, h] == len(survivors)
+        got_k, got_v = head_paging.read(pool, table, h, LAYOUT, PAGE_ELEMS, max(len(survivors), 1))
+        ko, vo = HeadLayout.offsets(LAYOUT.k_widths)[h], HeadLayout.offsets(LAYOUT.v_widths)[h]
+        want_k = k[0, survivors, ko : ko + LAYOUT.k_widths[h]]
+        want_v = v[0, survivors, vo : vo + LAYOUT.v_widths[h]]
+        np.testing.assert_array_equal(got_k[0, : len(survivors)], want_k, f"seed {seed}")
+        np.testing.assert_array_equal(got_v[0, : len(survivors)], want_v, f"seed {seed}")
+
+
+def test_a_page_too_small_for_a_head_is_refused():
+    with pytest.raises(ValueError, match="holds no token"):
+        head_paging.tokens_per_page(16, 12, 8)
