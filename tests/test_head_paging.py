@@ -40,12 +40,17 @@ def _stored_case(rng, batch: int, lengths):
     return pages, pool, k, v
 
 
-def test_written_tokens_read_back_per_head():
-    seed = fresh_seed()
+def _written(seed: int):
+    """A two-sequence case of random lengths a head: (lengths, its pool, tables, K, V)."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, 40, (2, 3))
     pages, pool, k, v = _stored_case(rng, 2, lengths)
-    tables = jnp.asarray(np.stack([pages.table(b)[0] for b in range(2)]))
+    return rng, lengths, pool, jnp.asarray(np.stack([pages.table(b)[0] for b in range(2)])), k, v
+
+
+def test_written_tokens_read_back_per_head():
+    seed = fresh_seed()
+    _, lengths, pool, tables, k, v = _written(seed)
     for h in range(3):
         got_k, got_v = head_paging.read(pool, tables, h, LAYOUT, PAGE_ELEMS, int(lengths.max()))
         ko, vo = HeadLayout.offsets(LAYOUT.k_widths)[h], HeadLayout.offsets(LAYOUT.v_widths)[h]
@@ -57,10 +62,7 @@ def test_written_tokens_read_back_per_head():
 
 def test_decode_attention_reads_each_heads_own_tokens():
     seed = fresh_seed()
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, 40, (2, 3))
-    pages, pool, k, v = _stored_case(rng, 2, lengths)
-    tables = jnp.asarray(np.stack([pages.table(b)[0] for b in range(2)]))
+    rng, lengths, pool, tables, k, v = _written(seed)
     q = rng.normal(size=(2, LAYOUT.q_cols)).astype(np.float32)
     got = head_paging.decode_attention(jnp.asarray(q), pool, tables, jnp.asarray(lengths), LAYOUT, PAGE_ELEMS, 40)
     mask = np.arange(k.shape[1])[None, None, None, :] < lengths[:, :, None, None]  # [B, Hkv, 1, S]
