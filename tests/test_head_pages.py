@@ -36,7 +36,7 @@ def _grow(pages, pool, want, owner, n, next_id) -> int | None:
     """Grow ``owner`` by ``n`` tokens a head, writing fresh ids; the next free id, or None if refused."""
     layers, heads = pages.shape
     before, free_before = pages.stored(owner), pages.free_pages
-    if not pages.grow(owner, n):
+    if pages.grow(owner, n) is None:
         assert pages.free_pages == free_before and (pages.stored(owner) == before).all()
         return None
     ids = [
@@ -101,9 +101,13 @@ def test_grow_evict_and_free_keep_every_heads_tokens_and_the_pool_whole(trial):
 
 def test_a_head_of_a_narrow_width_fills_pages_of_more_tokens():
     pages = HeadPages(10, [[16, 64]], max_pages=4)
-    assert pages.need(0, 64) == 4 + 1 and pages.grow(0, 64)
+    assert pages.need(0, 64) == 4 + 1
+    filled = pages.grow(0, 64)
+    assert filled.tolist() == [[0, 0, i, page] for i, page in enumerate(pages.table(0)[0, 0, :4])] + [
+        [0, 1, 0, pages.table(0)[0, 1, 0]]
+    ]
     assert (pages.table(0) != NULL_PAGE).sum(-1).tolist() == [[4, 1]] and pages.free_pages == 4
-    assert not pages.grow(0, 1)  # the wide head would need a fifth page: more than max_pages
+    assert pages.grow(0, 1) is None  # the wide head would need a fifth page: more than max_pages
     source, destination = pages.evict(0, np.ones((1, 2, 64), bool) & (np.arange(64) >= 32))
     assert pages.stored(0).tolist() == [[32, 32]] and pages.free_pages == 6
     assert len(source) == len(destination) == 64  # both heads' survivors moved to their front
@@ -114,3 +118,27 @@ def test_bad_pools_are_refused():
         HeadPages(8, [[0, 4]], 2)
     with pytest.raises(ValueError, match="at least 2 pages"):
         HeadPages(1, [[4]], 2)
+
+
+def test_growing_many_at_once_is_growing_each_in_turn():
+    """A decode step's one batched grow hands out the same pages to the same heads as growing each sequence in turn,
+    and refuses, changing nothing, when the pool cannot hold all of it."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    per_page = rng.choice([1, 2, 4, 8], (3, 2))
+    one, many = HeadPages(400, per_page, 64), HeadPages(400, per_page, 64)
+    for owner in range(5):
+        n = rng.integers(1, 30, (3, 2))
+        assert one.grow(owner, n) is not None and many.grow(owner, n) is not None
+    for _ in range(20):
+        owners = sorted(rng.choice(5, int(rng.integers(1, 6)), replace=False).tolist())
+        n = int(rng.integers(1, 5))
+        filled = many.grow_many(owners, n)
+        singles = [one.grow(owner, n) for owner in owners]
+        assert filled is not None and all(s is not None for s in singles), f"seed {seed}"
+        assert filled[:, 1:].tolist() == np.concatenate(singles).tolist(), f"seed {seed}"
+        assert filled[:, 0].tolist() == [i for i, s in enumerate(singles) for _ in range(len(s))]
+        for owner in range(5):
+            assert (one.table(owner) == many.table(owner)).all() and (one.stored(owner) == many.stored(owner)).all()
+    free = many.free_pages
+    assert many.grow_many([0, 1], free * 8 + 1) is None and many.free_pages == free

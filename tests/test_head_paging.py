@@ -24,7 +24,7 @@ def _stored_case(rng, batch: int, lengths):
     k = rng.normal(size=(batch, lengths.max(), LAYOUT.k_cols)).astype(np.float32)
     v = rng.normal(size=(batch, lengths.max(), LAYOUT.v_cols)).astype(np.float32)
     for b in range(batch):
-        assert pages.grow(b, lengths[b][None])
+        assert pages.grow(b, lengths[b][None]) is not None
         table = jnp.asarray(pages.table(b)[0][None])
         slots = jnp.broadcast_to(jnp.arange(lengths.max()), (1, 3, lengths.max()))
         # each head writes its own first lengths[b, h] tokens; the rest of the rows are invalid for it

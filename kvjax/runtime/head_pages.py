@@ -61,23 +61,42 @@ class HeadPages:
         stored = self._stored.get(owner, np.zeros(self.shape, np.int64))
         return int((self._pages(stored + new_tokens) - self._pages(stored)).sum())
 
-    def grow(self, owner: int, new_tokens) -> bool:
+    def grow(self, owner: int, new_tokens) -> np.ndarray | None:
         """Append ``new_tokens`` tokens to every head of ``owner`` (an int, or [layers, heads]), taking pages from
-        the pool; False, and nothing changed, when the pool has too few or a head would pass ``max_pages``."""
-        stored = self._stored.get(owner, np.zeros(self.shape, np.int64))
-        after = stored + np.broadcast_to(np.asarray(new_tokens, np.int64), self.shape)
+        the pool. Returns the table entries it filled, int32 [n, 4] rows of (layer, head, index, page): what a
+        block table kept on the device needs this step (one page a head at most, per decode step), where sending
+        whole tables would copy [layers x heads x pages] a sequence every step. None, and nothing changed, when
+        the pool has too few pages or a head would pass ``max_pages``."""
+        filled = self.grow_many([owner], new_tokens)
+        return None if filled is None else filled[:, 1:]
+
+    def grow_many(self, owners: list[int], new_tokens) -> np.ndarray | None:
+        """``grow`` for several distinct owners at once, as one set of array operations (a decode step grows every
+        running sequence by one token): all or nothing. Rows are (i, layer, head, index, page), i indexing
+        ``owners``."""
+        empty = np.zeros(self.shape, np.int64)
+        stored = np.stack([self._stored.get(o, empty) for o in owners])  # [B, layers, heads]
+        after = stored + np.asarray(new_tokens, np.int64)
         have, want = self._pages(stored), self._pages(after)
-        total = int((want - have).sum())
+        delta = want - have
+        total = int(delta.sum())
         if total > self._top or (want > self.max_pages).any():
-            return False
-        table = self._tables.setdefault(owner, np.full((*self.shape, self.max_pages), NULL_PAGE, np.int32))
+            return None
         fresh = self._free[self._top - total : self._top][::-1]  # the stack's top first
         self._top -= total
-        slots = np.arange(self.max_pages)
-        new = (slots >= have[..., None]) & (slots < want[..., None])  # [layers, heads, max_pages], in slot order
-        table[new] = fresh
-        self._stored[owner] = after
-        return True
+        row, layer, head = np.nonzero(delta)
+        counts = delta[row, layer, head]
+        row, layer, head = (np.repeat(x, counts) for x in (row, layer, head))
+        index = have[row, layer, head] + np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+        bounds = np.searchsorted(row, np.arange(len(owners) + 1))
+        for i, owner in enumerate(owners):
+            mine = slice(bounds[i], bounds[i + 1])
+            table = self._tables.get(owner)
+            if table is None:
+                table = self._tables[owner] = np.full((*self.shape, self.max_pages), NULL_PAGE, np.int32)
+            table[layer[mine], head[mine], index[mine]] = fresh[mine]
+            self._stored[owner] = after[i]
+        return np.stack([row, layer, head, index, fresh], 1).astype(np.int32)
 
     def free(self, owner: int) -> None:
         """Give back every page ``owner`` holds (none held: nothing to do)."""
