@@ -1,11 +1,12 @@
 """Host cost of per-head paging (issue 37: "host bookkeeping under 10% of a step"): for B sequences of the Llama-3.1-8B
 shape (32 layers x 8 KV heads) at a context of N tokens, on a rate-0.5 plan's widths (``harness.rank_plan``) or
-uncompressed, the time ``kvjax.runtime.head_pages.HeadPages.grow_many`` takes per decode step (every sequence grows one
-token in every head, in one call; the entries filled are what the device's tables need), the bytes those entries and, beside them, a
-whole-table copy would send, and the time one sequence's eviction (a random half kept per head) takes with the
-moves it returns.
+uncompressed, the time ``kvjax.runtime.head_pages.HeadPages.grow_many`` takes per decode step (every sequence grows
+one token in every head, in one call; the entries it fills are what the device's tables need), the bytes those
+entries and, beside them, whole per-head tables would send, and the time one sequence's eviction (a random half
+kept per head) takes with the moves it returns.
 
-Host work only: the same numbers on any machine with this CPU. Table: bench/RESULTS.md "Per-head pages: host cost"."""
+Host work only: the same numbers on any machine with this CPU. Table: bench/RESULTS.md "Per-head pages: host
+cost"."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 
 import numpy as np
 from files import write_json
-from harness import D, HKV, count_arg, rank_plan
+from harness import HKV, D, count_arg, rank_plan
 
 from kvjax.ops.head_paging import layer_tokens_per_page
 from kvjax.runtime.head_pages import HeadPages
