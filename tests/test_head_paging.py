@@ -95,3 +95,50 @@ def test_compaction_moves_leave_each_head_its_survivors_in_order(trial):
 def test_a_page_too_small_for_a_head_is_refused():
     with pytest.raises(ValueError, match="holds no token"):
         head_paging.tokens_per_page(16, 12, 8)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
+def test_the_per_head_decode_kernel_matches_the_reference_in_interpret_mode(dtype):
+    from kvjax.ops.decode.head_kernel import head_paged_decode
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    layout = HeadLayout(8, 4, 64, (16, 48, 16, 64), (32, 16, 32, 64))  # pairs (16, 32) twice: one kernel
+    page_elems = 8 * 2 * 64  # 8 full-width tokens; 21 of a (16, 32) head, 16 of (48, 16)
+    per = head_paging.layer_tokens_per_page(layout, page_elems)[None]
+    pages = HeadPages(300, per, max_pages=12)
+    lengths = rng.integers(0, 60, (3, 4))
+    lengths[0, 1] = 0  # a head that evicted everything
+    for b in range(3):
+        assert pages.grow(b, lengths[b][None]) is not None
+    pool = jnp.asarray(rng.normal(size=(300, page_elems)), dtype)
+    tables = jnp.asarray(np.stack([pages.table(b)[0] for b in range(3)]))
+    q = jnp.asarray(rng.normal(size=(3, layout.q_cols)), dtype)
+    stored = jnp.asarray(lengths, jnp.int32)
+    got = head_paged_decode(q, pool, tables, stored, layout, page_elems, interpret=True)
+    want = head_paging.decode_attention(
+        q.astype(jnp.float32), pool.astype(jnp.float32), tables, stored, layout, page_elems, 60
+    )
+    want = jnp.where(jnp.isnan(want), 0.0, want)  # a head storing nothing: the kernel gives zeros
+    tol = 1e-5 if dtype == np.float32 else 3e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol, err_msg=f"seed {seed}")
+
+
+def test_the_per_head_decode_kernel_lowers_for_sm90():
+    """Lowered to Triton IR for an H100 (no GPU here: what XLA would compile), a kernel a width pair."""
+    from kvjax.ops.decode.head_kernel import head_paged_decode
+    from kvjax.ops.lowering import triton_modules
+
+    layout = HeadLayout(8, 4, 64, (16, 48, 16, 64), (32, 16, 32, 64))
+    page_elems = 8 * 2 * 64
+    q = jnp.ones((2, layout.q_cols), jnp.bfloat16)
+    pool = jnp.ones((16, page_elems), jnp.bfloat16)
+    tables = jnp.ones((2, 4, 4), jnp.int32)
+    stored = jnp.full((2, 4), 5, jnp.int32)
+
+    def run(q, pool, tables, stored):
+        return head_paged_decode(q, pool, tables, stored, layout, page_elems)
+
+    modules = triton_modules(run, (q, pool, tables, stored))
+    assert len(modules) == 3 and all("tt.dot" in m for m in modules)
+    assert any("@kvjax_head_decode_k16_v32" in m for m in modules)

@@ -88,3 +88,17 @@ def whole_block(x) -> pl.BlockSpec:
 def dot_precision(dtype):
     """float32 inputs get exact (IEEE) dots; bf16/f16 use the tensor cores' native precision."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def online_update(carry, s, v, extra=None, precision=None):
+    """The online-softmax update of (acc [R, VT], running max m [R], running sum l [R]) with a block's scores ``s``
+    [R, T] in log2 units, its values ``v`` [T, VT] and ``extra(p)``, what else the weights ``p`` add to the output
+    (None: nothing)."""
+    acc, m, l = carry
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+    if extra is not None:
+        acc = acc + extra(p)
+    return acc, m_new, l * alpha + jnp.sum(p, axis=1)

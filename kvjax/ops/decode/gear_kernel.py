@@ -40,7 +40,15 @@ from jax.experimental.pallas import triton as plgpu
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.cost import ROWS
 from kvjax.ops.gear import GearPageFormat
-from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, column_offsets, dot_precision, whole_block
+from kvjax.ops.pallas_util import (
+    LOG2E,
+    MASK,
+    NOWHERE,
+    column_offsets,
+    dot_precision,
+    online_update,
+    whole_block,
+)
 from kvjax.ops.tiles import tile
 
 BLOCK_H = ROWS  # query rows a program: a GQA group (G <= 16) padded to the tensor cores' smallest M
@@ -173,19 +181,6 @@ class _Head:
         return tok, col, delta, ok
 
 
-def _update(carry, s, v, extra, precision):
-    """The online-softmax update with a block's scores ``s`` [16, PT] (log2 units), values ``v`` [PT, VT] and
-    ``extra(p)``, what else the weights add to the output (None: nothing)."""
-    acc, m, l = carry
-    m_new = jnp.maximum(m, s.max(axis=1))
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(s - m_new[:, None])
-    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-    if extra is not None:
-        acc = acc + extra(p)
-    return acc, m_new, l * alpha + jnp.sum(p, axis=1)
-
-
 def _value_terms(p, a, b, out, vc, dt, precision):
     """What the weights p [16, PT] add to the output [16, VT] beyond D: ``(p A) B^T`` and each token's weight times
     its outliers' corrections, onto their columns (one-hot dots in the dots' dtype ``dt``, on the tensor cores)."""
@@ -268,7 +263,7 @@ def _kernel(
         v, va, vb = head.dense("v", vw, base, vc, vc_ok)
         v_out = head.outliers("v", v_side, base)
         extra = functools.partial(_value_terms, a=va, b=vb, out=v_out, vc=vc, dt=dt, precision=precision)
-        return _update(carry, jnp.where(visible[None, :], s, MASK), v.astype(dt), extra, precision)
+        return online_update(carry, jnp.where(visible[None, :], s, MASK), v.astype(dt), extra, precision)
 
     def tail_step(_, carry):
         pos = full * P + t
@@ -282,7 +277,7 @@ def _kernel(
 
         k, v = load(heads_ref[unit * FIELDS + K_TAIL], kc, kc_ok), load(heads_ref[unit * FIELDS + V_TAIL], vc, vc_ok)
         s = plgpu.dot(q, k, trans_b=True, precision=precision)
-        return _update(carry, jnp.where(visible[None, :], s, MASK), v, None, precision)
+        return online_update(carry, jnp.where(visible[None, :], s, MASK), v, None, precision)
 
     carry = (jnp.zeros((BLOCK_H, vc.shape[0]), jnp.float32), jnp.full((BLOCK_H,), MASK), jnp.zeros((BLOCK_H,)))
     carry = lax.fori_loop(visible_from // P, full, page_step, carry)  # pages wholly before a window are skipped

@@ -1,0 +1,120 @@
+"""Decode attention over per-head pages (``kvjax.ops.head_paging``; issue 37, item 2), Pallas with Triton lowering:
+one new query per sequence against each KV head's own stored tokens, which eviction may have made a different count
+for every head. It equals ``head_paging.decode_attention``.
+
+One program per (sequence, KV head), heads of one (K, V) width pair a kernel: it walks the head's pages through
+the head's block table, each page one block of ``per`` K rows ([per, kw], contiguous) and one of V rows, scores
+them against the group's queries and runs the online softmax. The first form, the simplest that reads each byte
+once: no split of long sequences, no schedule. Unmeasured on a GPU (written in a session without device time:
+bench/notes/2026-11-28-eviction-start.md).
+
+Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; no sliding window (a slot
+is not a position once a head has evicted); the pool under 2^31 elements.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kvjax.layout import HeadLayout
+from kvjax.ops.decode.cost import ROWS
+from kvjax.ops.decode.gear_kernel import width_pairs
+from kvjax.ops.head_paging import tokens_per_page
+from kvjax.ops.pallas_util import (
+    LOG2E,
+    MASK,
+    NOWHERE,
+    column_offsets,
+    dot_precision,
+    load_rows,
+    online_update,
+    whole_block,
+)
+from kvjax.ops.tiles import tile
+
+BLOCK_H = ROWS  # query rows a program: a GQA group (G <= 16) padded to the tensor cores' smallest M
+
+
+def _kernel(
+    stored_ref, table_ref, q_ref, pool_ref, out_ref, *, kw, vw, per, page_elems, pages, group, scale, interpret
+):
+    seq, unit = pl.program_id(0), pl.program_id(1)
+    head = seq * pl.num_programs(1) + unit  # this (sequence, head)'s row of the stored counts and tables
+    t = jnp.arange(max(16, tile(per)))
+    kc, vc = jnp.arange(tile(kw)), jnp.arange(tile(vw))
+    kc_ok, vc_ok = (kc < kw)[None, :], (vc < vw)[None, :]
+    rows = jnp.arange(BLOCK_H)
+    real = rows < group
+    dt = jnp.dtype(q_ref.dtype)
+    precision = dot_precision(dt)
+    q = load_rows(q_ref, head * group + rows, kw, 0, kc[None, :], kc_ok, real).astype(jnp.float32)
+    q = (q * (scale * LOG2E)).astype(dt)
+    stored = stored_ref[head]
+
+    def page_step(i, carry):
+        base = table_ref[head * pages + i] * page_elems
+        ok = (t < per) & (i * per + t < stored)
+        k = load_rows(pool_ref, t, kw, base, kc[None, :], kc_ok, ok).astype(dt)
+        v = load_rows(pool_ref, t, vw, base + per * kw, vc[None, :], vc_ok, ok).astype(dt)
+        s = plgpu.dot(q, k, trans_b=True, precision=precision)
+        return online_update(carry, jnp.where(ok[None, :], s, MASK), v, None, precision)
+
+    carry = (jnp.zeros((BLOCK_H, vc.shape[0]), jnp.float32), jnp.full((BLOCK_H,), MASK), jnp.zeros((BLOCK_H,)))
+    acc, _, l = lax.fori_loop(0, (stored + per - 1) // per, page_step, carry)
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    mask = real[:, None] & vc_ok
+    at = (head * group + rows[:, None]) * vw + vc[None, :]
+    if interpret:
+        at = jnp.where(mask, at, NOWHERE)
+    plgpu.store(out_ref.at[at], out.astype(out_ref.dtype), mask=mask)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "page_elems", "num_warps", "interpret"))
+def head_paged_decode(q, pool, tables, stored, layout: HeadLayout, page_elems: int, *, num_warps=4, interpret=False):
+    """One new query per sequence against each KV head's stored tokens; equal to ``head_paging.decode_attention``.
+
+    q [B, q_cols] packed; pool [num_pages, page_elems]; tables [B, Hkv, pages] int32 (each head's block table);
+    stored [B, Hkv] int32 (tokens each head stores, the new one included, already written). Returns [B, out_cols]
+    in q's dtype; a head storing nothing gives zeros."""
+    b, g = q.shape[0], layout.group_size
+    if q.ndim != 2 or q.shape[1] != layout.q_cols:
+        raise ValueError(f"q must be [B, {layout.q_cols}], got {q.shape}")
+    if pool.ndim != 2 or pool.shape[1] != page_elems or pool.size >= 2**31:
+        raise ValueError(f"pool must be [num_pages, {page_elems}] under 2^31 elements, got {pool.shape}")
+    if tables.ndim != 3 or tables.shape[:2] != (b, layout.num_kv_heads) or stored.shape != (b, layout.num_kv_heads):
+        raise ValueError(f"tables must be [{b}, {layout.num_kv_heads}, pages] and stored [{b}, {layout.num_kv_heads}]")
+    if g > BLOCK_H:
+        raise ValueError(f"per-head decode scores at most {BLOCK_H} queries a KV head, got {g}")
+    if layout.sliding_window is not None:
+        raise ValueError("per-head pages hold no positions: a sliding-window layer cannot be read from them")
+    offs = column_offsets(layout)
+    flat = pool.reshape(-1)
+    outs: list = [None] * layout.num_kv_heads
+    for (kw, vw), heads in width_pairs(layout):
+        qh = jnp.stack([q[:, offs["q"][h] : offs["q"][h] + g * kw] for h in heads], axis=1)  # [B, heads, G*kw]
+        args = [stored[:, heads].astype(jnp.int32).reshape(-1), tables[:, heads].astype(jnp.int32).reshape(-1)]
+        args += [qh.reshape(-1), flat]
+        static: dict = dict(kw=kw, vw=vw, per=tokens_per_page(page_elems, kw, vw), page_elems=page_elems)
+        static |= dict(pages=tables.shape[2], group=g, scale=1.0 / math.sqrt(layout.head_dim), interpret=interpret)
+        shape = jax.ShapeDtypeStruct((b * len(heads) * g * vw,), q.dtype)
+        got = pl.pallas_call(
+            functools.partial(_kernel, **static),
+            out_shape=shape,
+            grid=(b, len(heads)),
+            in_specs=[whole_block(x) for x in args],
+            out_specs=whole_block(shape),
+            interpret=interpret,
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+            name=f"kvjax_head_decode_k{kw}_v{vw}",
+        )(*args)
+        got = got.reshape(b, len(heads), g * vw)
+        for j, h in enumerate(heads):
+            outs[h] = got[:, j]
+    return jnp.concatenate(outs, axis=1)
