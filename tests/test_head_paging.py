@@ -97,8 +97,9 @@ def test_a_page_too_small_for_a_head_is_refused():
         head_paging.tokens_per_page(16, 12, 8)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
-def test_the_per_head_decode_kernel_matches_the_reference_in_interpret_mode(dtype):
+@pytest.mark.parametrize("dtype, splits", [(np.float32, None), ("bfloat16", None), (np.float32, 3), (np.float32, 16)])
+def test_the_per_head_decode_kernel_matches_the_reference_in_interpret_mode(dtype, splits):
+    """Any split of a head's pages (some splits with none) merges to the same output."""
     from kvjax.ops.decode.head_kernel import head_paged_decode
 
     seed = fresh_seed()
@@ -115,7 +116,7 @@ def test_the_per_head_decode_kernel_matches_the_reference_in_interpret_mode(dtyp
     tables = jnp.asarray(np.stack([pages.table(b)[0] for b in range(3)]))
     q = jnp.asarray(rng.normal(size=(3, layout.q_cols)), dtype)
     stored = jnp.asarray(lengths, jnp.int32)
-    got = head_paged_decode(q, pool, tables, stored, layout, page_elems, interpret=True)
+    got = head_paged_decode(q, pool, tables, stored, layout, page_elems, splits=splits, interpret=True)
     want = head_paging.decode_attention(
         q.astype(jnp.float32), pool.astype(jnp.float32), tables, stored, layout, page_elems, 60
     )

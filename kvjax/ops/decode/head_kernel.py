@@ -2,11 +2,12 @@
 one new query per sequence against each KV head's own stored tokens, which eviction may have made a different count
 for every head. It equals ``head_paging.decode_attention``.
 
-One program per (sequence, KV head), heads of one (K, V) width pair a kernel: it walks the head's pages through
-the head's block table, each page one block of ``per`` K rows ([per, kw], contiguous) and one of V rows, scores
-them against the group's queries and runs the online softmax. The first form, the simplest that reads each byte
-once: no split of long sequences, no schedule. Unmeasured on a GPU (written in a session without device time:
-bench/notes/2026-11-28-eviction-start.md).
+One program per (sequence, KV head, split), heads of one (K, V) width pair a kernel: it walks its share of the
+head's pages through the head's block table, each page one block of ``per`` K rows ([per, kw], contiguous) and one
+of V rows, scores them against the group's queries and runs the online softmax; the splits' partial softmaxes are
+merged in jnp (``merge_splits``). Splits exist because a width pair's launch otherwise has only B x (its heads)
+programs. No schedule: the simplest form that reads each byte once. Measured: bench/RESULTS.md "Per-head pages:
+decode kernel".
 
 Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; no sliding window (a slot
 is not a position once a head has evicted); the pool under 2^31 elements.
@@ -35,6 +36,7 @@ from kvjax.ops.pallas_util import (
     dot_precision,
     load_rows,
     online_update,
+    store_rows,
     whole_block,
 )
 from kvjax.ops.tiles import tile
@@ -43,10 +45,26 @@ BLOCK_H = ROWS  # query rows a program: a GQA group (G <= 16) padded to the tens
 
 
 def _kernel(
-    stored_ref, table_ref, q_ref, pool_ref, out_ref, *, kw, vw, per, page_elems, pages, group, scale, interpret
+    stored_ref,
+    table_ref,
+    q_ref,
+    pool_ref,
+    acc_ref,
+    m_ref,
+    l_ref,
+    *,
+    kw,
+    vw,
+    per,
+    page_elems,
+    pages,
+    group,
+    scale,
+    interpret,
 ):
-    seq, unit = pl.program_id(0), pl.program_id(1)
-    head = seq * pl.num_programs(1) + unit  # this (sequence, head)'s row of the stored counts and tables
+    seq, unit, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    units, splits = pl.num_programs(1), pl.num_programs(2)
+    head = seq * units + unit  # this (sequence, head)'s row of the stored counts and tables
     t = jnp.arange(max(16, tile(per)))
     kc, vc = jnp.arange(tile(kw)), jnp.arange(tile(vw))
     kc_ok, vc_ok = (kc < kw)[None, :], (vc < vw)[None, :]
@@ -57,6 +75,8 @@ def _kernel(
     q = load_rows(q_ref, head * group + rows, kw, 0, kc[None, :], kc_ok, real).astype(jnp.float32)
     q = (q * (scale * LOG2E)).astype(dt)
     stored = stored_ref[head]
+    n_pages = (stored + per - 1) // per
+    chunk = (n_pages + splits - 1) // splits  # this split's share of the head's pages
 
     def page_step(i, carry):
         base = table_ref[head * pages + i] * page_elems
@@ -67,22 +87,31 @@ def _kernel(
         return online_update(carry, jnp.where(ok[None, :], s, MASK), v, None, precision)
 
     carry = (jnp.zeros((BLOCK_H, vc.shape[0]), jnp.float32), jnp.full((BLOCK_H,), MASK), jnp.zeros((BLOCK_H,)))
-    acc, _, l = lax.fori_loop(0, (stored + per - 1) // per, page_step, carry)
-    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-    mask = real[:, None] & vc_ok
-    at = (head * group + rows[:, None]) * vw + vc[None, :]
-    if interpret:
-        at = jnp.where(mask, at, NOWHERE)
-    plgpu.store(out_ref.at[at], out.astype(out_ref.dtype), mask=mask)
+    first = split * chunk
+    acc, m, l = lax.fori_loop(first, jnp.minimum(first + chunk, n_pages), page_step, carry)
+    part = (head * splits + split) * group + rows  # this split's rows of the partial results
+    store_rows(acc_ref, part, vw, 0, vc[None, :], acc, vc_ok, real, interpret=interpret)
+    at = jnp.where(real, part, NOWHERE) if interpret else part
+    plgpu.store(m_ref.at[at], m, mask=real)
+    plgpu.store(l_ref.at[at], l, mask=real)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "page_elems", "num_warps", "interpret"))
-def head_paged_decode(q, pool, tables, stored, layout: HeadLayout, page_elems: int, *, num_warps=4, interpret=False):
+def default_splits(programs: int, target: int = 264) -> int:
+    """Splits of each head's pages so that a launch has about ``target`` programs (twice an H100's or H200's 132
+    SMs), at most 16: a width pair's launch has only B x (its heads) programs otherwise."""
+    return int(min(16, max(1, -(-target // programs))))
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "page_elems", "splits", "num_warps", "interpret"))
+def head_paged_decode(
+    q, pool, tables, stored, layout: HeadLayout, page_elems: int, *, splits=None, num_warps=4, interpret=False
+):
     """One new query per sequence against each KV head's stored tokens; equal to ``head_paging.decode_attention``.
 
     q [B, q_cols] packed; pool [num_pages, page_elems]; tables [B, Hkv, pages] int32 (each head's block table);
-    stored [B, Hkv] int32 (tokens each head stores, the new one included, already written). Returns [B, out_cols]
-    in q's dtype; a head storing nothing gives zeros."""
+    stored [B, Hkv] int32 (tokens each head stores, the new one included, already written). ``splits``: programs
+    sharing one head's pages, their partial softmaxes merged after (None: ``default_splits``). Returns [B,
+    out_cols] in q's dtype; a head storing nothing gives zeros."""
     b, g = q.shape[0], layout.group_size
     if q.ndim != 2 or q.shape[1] != layout.q_cols:
         raise ValueError(f"q must be [B, {layout.q_cols}], got {q.shape}")
@@ -98,23 +127,37 @@ def head_paged_decode(q, pool, tables, stored, layout: HeadLayout, page_elems: i
     flat = pool.reshape(-1)
     outs: list = [None] * layout.num_kv_heads
     for (kw, vw), heads in width_pairs(layout):
+        n = len(heads)
+        s = default_splits(b * n) if splits is None else splits
         qh = jnp.stack([q[:, offs["q"][h] : offs["q"][h] + g * kw] for h in heads], axis=1)  # [B, heads, G*kw]
         args = [stored[:, heads].astype(jnp.int32).reshape(-1), tables[:, heads].astype(jnp.int32).reshape(-1)]
         args += [qh.reshape(-1), flat]
         static: dict = dict(kw=kw, vw=vw, per=tokens_per_page(page_elems, kw, vw), page_elems=page_elems)
         static |= dict(pages=tables.shape[2], group=g, scale=1.0 / math.sqrt(layout.head_dim), interpret=interpret)
-        shape = jax.ShapeDtypeStruct((b * len(heads) * g * vw,), q.dtype)
-        got = pl.pallas_call(
+        rows = b * n * s * g
+        shapes = [jax.ShapeDtypeStruct((rows * vw,), jnp.float32), *[jax.ShapeDtypeStruct((rows,), jnp.float32)] * 2]
+        acc, m, l = pl.pallas_call(
             functools.partial(_kernel, **static),
-            out_shape=shape,
-            grid=(b, len(heads)),
+            out_shape=shapes,
+            grid=(b, n, s),
             in_specs=[whole_block(x) for x in args],
-            out_specs=whole_block(shape),
+            out_specs=[whole_block(x) for x in shapes],
             interpret=interpret,
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
             name=f"kvjax_head_decode_k{kw}_v{vw}",
         )(*args)
-        got = got.reshape(b, len(heads), g * vw)
+        got = merge_splits(acc.reshape(b, n, s, g, vw), m.reshape(b, n, s, g), l.reshape(b, n, s, g))
         for j, h in enumerate(heads):
-            outs[h] = got[:, j]
+            outs[h] = got[:, j].reshape(b, g * vw).astype(q.dtype)
     return jnp.concatenate(outs, axis=1)
+
+
+def merge_splits(acc, m, l):
+    """The attention output [..., G, vw] from S splits' unnormalized sums ``acc`` [..., S, G, vw], running maxima
+    ``m`` and sums ``l`` [..., S, G] (log2 units): each split weighted by ``2^(m - max m)``. A head storing nothing
+    gives zeros."""
+    top = m.max(axis=-2, keepdims=True)
+    w = jnp.exp2(m - top)
+    total = (l * w).sum(axis=-2)
+    out = (acc * w[..., None]).sum(axis=-3)
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
