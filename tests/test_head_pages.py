@@ -126,7 +126,7 @@ def test_growing_many_at_once_is_growing_each_in_turn():
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     per_page = rng.choice([1, 2, 4, 8], (3, 2))
-    one, many = HeadPages(400, per_page, 64), HeadPages(400, per_page, 64)
+    one, many = HeadPages(4000, per_page, 256), HeadPages(4000, per_page, 256)
     for owner in range(5):
         n = rng.integers(1, 30, (3, 2))
         assert one.grow(owner, n) is not None and many.grow(owner, n) is not None
@@ -142,3 +142,14 @@ def test_growing_many_at_once_is_growing_each_in_turn():
             assert (one.table(owner) == many.table(owner)).all() and (one.stored(owner) == many.stored(owner)).all()
     free = many.free_pages
     assert many.grow_many([0, 1], free * 8 + 1) is None and many.free_pages == free
+
+
+def test_shrinking_to_what_the_device_kept_gives_back_the_pages_past_it():
+    pages = HeadPages(20, [[4, 8]], max_pages=8)
+    assert pages.grow(0, 20) is not None  # 5 pages and 3 pages
+    freed = pages.shrink(0, np.array([[9, 8]]))
+    assert len(freed) == 2 + 2 and pages.stored(0).tolist() == [[9, 8]] and pages.free_pages == 19 - 4
+    pages.check()
+    for bad in ([[10, 8]], [[-1, 0]], [[1, 2, 3]]):
+        with pytest.raises(ValueError, match="kept must be"):
+            pages.shrink(0, np.array(bad))

@@ -132,13 +132,26 @@ class HeadPages:
         layer, head, src, dst, per = layer[moved], head[moved], src[moved], dst[moved], per[moved]
         source = np.stack([layer, head, table[layer, head, src // per], src % per], 1)
         destination = np.stack([layer, head, table[layer, head, dst // per], dst % per], 1)
+        self.shrink(owner, kept)
+        return source.astype(np.int64), destination.astype(np.int64)
+
+    def shrink(self, owner: int, kept) -> np.ndarray:
+        """What eviction leaves on the host once the device has compacted ``owner``'s heads
+        (``ops.head_paging.compact``): each head now stores ``kept`` [layers, heads] tokens (at most what it stored)
+        in its first slots, so the pages past them go back to the pool. Host work over [layers, heads] only; the
+        survivors and their moves never leave the device. Returns the pages given back."""
+        stored, table = self._stored[owner], self._tables[owner]
+        kept = np.asarray(kept, np.int64)
+        if kept.shape != self.shape or (kept < 0).any() or (kept > stored).any():
+            raise ValueError(f"kept must be [layers, heads] counts within what each head stores, got {kept!r}")
         have, want = self._pages(stored), self._pages(kept)
         pages = np.arange(self.max_pages)
         gone = (pages >= want[..., None]) & (pages < have[..., None])
-        self._push(table[gone])
+        freed = table[gone]
+        self._push(freed)
         table[gone] = NULL_PAGE
-        self._stored[owner] = kept.astype(np.int64)
-        return source.astype(np.int64), destination.astype(np.int64)
+        self._stored[owner] = kept
+        return freed
 
     def check(self) -> None:
         """Raise AssertionError unless pages add up: owned + free = the pool, none owned twice or both owned and free,
