@@ -60,33 +60,39 @@ def test_each_metric_equals_brute_force_attention(method, window):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=f"seed {seed}")
 
 
-def test_keyformer_is_the_gumbel_softmax_accumulated_and_its_noise_is_seeded(monkeypatch):
-    """With the noise drawn by the metric captured, Keyformer's score is the brute-force Gumbel-softmax sum; the
-    same seed gives the same scores, another seed others."""
+def test_keyformer_is_the_gumbel_softmax_accumulated_and_its_noise_is_seeded():
+    """Keyformer's score is the brute-force Gumbel-softmax sum with the metric's own draws (one block of queries:
+    key (seed, layer * 1024 + head, block)); the same seed gives the same scores, another seed others."""
+    import jax
+
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     layout = HeadLayout(2, 1, 8, (8,), (8,))
     s = 19
     q = jnp.asarray(rng.normal(size=(1, s, layout.q_cols)), jnp.float32)
     k = jnp.asarray(rng.normal(size=(1, s, layout.k_cols)), jnp.float32)
-    drawn = []
-    real = metrics.jax.random.gumbel
-
-    def capture(key, shape):
-        x = real(key, shape)
-        drawn.append(np.asarray(x))
-        return x
-
-    monkeypatch.setattr(metrics.jax.random, "gumbel", capture)
-    got = np.asarray(metrics.scores("keyformer", q, k, layout, tau=1.5, seed=3))[0]
-    noise = drawn[0][0]  # [group, S, S] of the one block
+    got = np.asarray(metrics.scores("keyformer", q, k, layout, tau=1.5, seed=3, layer=2))[0]
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(3), 2 * 1024 + 0), 0)
+    noise = np.asarray(jax.random.gumbel(key, (1, 2, s, s)))[0]  # [group, S, S] of the one block
     want = brute_scores("keyformer", np.asarray(q)[0], np.asarray(k)[0], layout, 0, 1, tau=1.5, noise=noise)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=f"seed {seed}")
-    monkeypatch.undo()
-    again = np.asarray(metrics.scores("keyformer", q, k, layout, tau=1.5, seed=3))[0]
-    other = np.asarray(metrics.scores("keyformer", q, k, layout, tau=1.5, seed=4))[0]
+    again = np.asarray(metrics.scores("keyformer", q, k, layout, tau=1.5, seed=3, layer=2))[0]
+    other = np.asarray(metrics.scores("keyformer", q, k, layout, tau=1.5, seed=4, layer=2))[0]
     np.testing.assert_array_equal(got, again)
     assert not np.allclose(got, other)
+
+
+@pytest.mark.parametrize("method", ["h2o", "kvcompress-full"])
+def test_queries_past_one_block_sum_as_one_pass(method, monkeypatch):
+    """Prompts longer than a block of queries (and not a multiple of it) score as brute force does."""
+    monkeypatch.setattr(metrics, "QUERY_BLOCK", 8)
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    layout = HeadLayout(4, 2, 8, (8, 5), (8, 3), 7)
+    q = rng.normal(size=(1, 29, layout.q_cols)).astype(np.float32)
+    k = rng.normal(size=(1, 29, layout.k_cols)).astype(np.float32)
+    got = np.asarray(metrics.scores(method, jnp.asarray(q), jnp.asarray(k), layout))[0]
+    np.testing.assert_allclose(got, brute_scores(method, q[0], k[0], layout, 8, 7), rtol=1e-4, atol=1e-6)
 
 
 def test_uniform_selection_keeps_the_budget_the_recent_tokens_and_the_top_scores():

@@ -13,7 +13,8 @@ Every metric is a score per (KV head, key) over a prompt's keys, higher = keep. 
 - ``keyformer``: Keyformer (Adnan et al., 2024, section 3.3): a Gumbel-softmax of each query's logits (noise from
   ``seed``, temperature ``tau``) accumulated over every query.
 
-Sums over all queries run in blocks of ``QUERY_BLOCK`` rows, so memory holds [group, block, keys] at a time.
+Sums over all queries run in blocks of ``QUERY_BLOCK`` rows (a scan: one block's code compiled once), so memory
+holds [group, block, keys] at a time.
 """
 
 from __future__ import annotations
@@ -63,20 +64,28 @@ def scores(
     if rebuild is not None:
         k, layout = rebuild(k, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))), full_width(layout)
     first = max(s - window, 0) if method in WINDOWED else 0
+    block = min(QUERY_BLOCK, s - first)
+    blocks = -(-(s - first) // block)
+    pad = first + blocks * block - s  # the last block's rows past the prompt are masked out
+    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0)))
     key_pos = jnp.arange(s)
     out = []
     for g in range(layout.num_kv_heads):
-        total = jnp.zeros((b, s), jnp.float32)
-        for start in range(first, s, QUERY_BLOCK):
-            rows = jnp.arange(start, min(start + QUERY_BLOCK, s))
-            logits = head_logits(q[:, start : start + len(rows)], k, layout, g)
-            seen = visible(rows[:, None], key_pos[None, :], layout.sliding_window)
+
+        def step(total, i, g=g):
+            start = first + i * block
+            rows = start + jnp.arange(block)
+            logits = head_logits(jax.lax.dynamic_slice_in_dim(q, start, block, axis=1), k, layout, g)
+            seen = visible(rows[:, None], key_pos[None, :], layout.sliding_window) & (rows < s)[:, None]
             if method == "keyformer":
-                noise_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), layer * 1024 + g), start)
+                noise_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), layer * 1024 + g), i)
                 logits = (logits + jax.random.gumbel(noise_key, logits.shape)) / tau
             probs = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1)
+            probs = jnp.where(seen, probs, 0.0)  # a padded row sees nothing: no NaN
             if method.startswith("kvcompress"):
                 probs = probs * probs
-            total = total + probs.sum(axis=(1, 2))
+            return total + probs.sum(axis=(1, 2)), None
+
+        total, _ = jax.lax.scan(step, jnp.zeros((b, s), jnp.float32), jnp.arange(blocks))
         out.append(_pool(total, pool) if method in WINDOWED else total)
     return jnp.stack(out, axis=1)
