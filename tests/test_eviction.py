@@ -226,3 +226,19 @@ def test_the_short_form_parses_and_names_itself():
     for bad in ("kvcompress", "kvcompress:", "kvcompress:4y", "kvcompress:4x:sideways", "kvcompress:1:2:3"):
         with pytest.raises(ValueError, match="eviction"):
             parse(bad)
+
+
+@pytest.mark.parametrize("method, band", [("palu", None), ("zack", 16)])
+def test_rebuilt_keys_are_scored_and_read_as_the_model_reads_them(method, band):
+    """Palu's latent and banded ZACK's keys are rebuilt before scoring and attention: a budget that keeps the whole
+    prompt gives the compressed model's own hidden states, a smaller one changes only the decoded rows."""
+    seed = fresh_seed()
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
+    small = kvjax.compress(model, target_rate=0.5, method=method, band=band, seed=seed % 1000, **CALIBRATION)
+    tokens = np.random.default_rng(seed).integers(0, WIDE.vocab_size, (1, 40))
+    whole, kept = evicted_hidden(small, tokens, 32, Eviction("h2o", budget=32, page_size=4))
+    assert all(k.all() for k in kept)
+    np.testing.assert_allclose(np.asarray(whole), np.asarray(small.hidden(tokens)), rtol=1e-4, atol=1e-4)
+    cut, _ = evicted_hidden(small, tokens, 32, Eviction("kvcompress", budget=8, page_size=4, window=4))
+    np.testing.assert_allclose(np.asarray(cut)[:, :32], np.asarray(whole)[:, :32], rtol=1e-4, atol=1e-4)
+    assert not np.allclose(np.asarray(cut)[:, 32:], np.asarray(whole)[:, 32:], atol=1e-4)
