@@ -31,11 +31,12 @@ import retrieval
 from files import write_json
 
 import kvjax
-from kvjax.compression import calibrate, calibration_tokens
+from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
 from kvjax.eviction import Eviction, metrics
 from kvjax.eviction import parse as parse_eviction
 from kvjax.eviction.reference import hidden_after, keep, kept_bytes, prompt_scores
 
+ANSWER_ROOM = 16  # retrieval: positions past the prompt a plan's basis covers (the answer's tokens)
 EPILOG = """examples:
   python bench/eviction.py eval --model smollm2 --windows 4096 --continuation 1024 \\
       --methods kvcompress snapkv h2o keyformer --budgets 128 256 512 1024 --ratios 2 4 8 --plans none zack:0.5
@@ -90,8 +91,9 @@ def policies(args) -> list[Eviction | None]:
     return out + list(args.evict)
 
 
-def plan_models(base, args) -> list[tuple[dict, object]]:
-    """(fields, model) per ``--plans`` entry: the uncompressed model, and each plan folded from one calibration."""
+def plan_models(base, args, max_context: int) -> list[tuple[dict, object]]:
+    """(fields, model) per ``--plans`` entry: the uncompressed model, and each plan folded from one calibration; a
+    plain ZACK plan's Q/K basis covers ``max_context`` positions."""
     stats = None
     out = []
     for entry in args.plans:
@@ -102,7 +104,13 @@ def plan_models(base, args) -> list[tuple[dict, object]]:
         if stats is None:
             stats = calibrate(base, calibration_tokens(base, args.calibration, args.num_tokens, args.seq_len, seed=0))
         method, adaptive = accuracy.VARIANTS[variant]
-        model = accuracy._compressed(base, stats, p, method, adaptive, variant)
+        band = accuracy.BANDS.get(variant)
+        # a plain ZACK basis fits the positions it will serve (make_plan's default fits the calibration rows' 512)
+        max_context = max_context if method == "zack" and band is None else None
+        plan, bases = make_plan(
+            base, stats, target_rate=p, method=method, adaptive=adaptive, band=band, max_context=max_context
+        )
+        model = fold(base, plan, bases)
         out.append(({"plan": f"{variant}:{p:g}", "rate": model.plan.rate}, model))
     return out
 
@@ -145,8 +153,8 @@ def _window_runs(base, models, specs, chunk, prompt: int, kept: dict, source: st
 
 def run_eval(base, args) -> list[dict]:
     """One row per source, plan and policy: the continuation's ppl, KL and top-1, the kept share and overall rate."""
-    specs, models = policies(args), plan_models(base, args)
     window = args.windows[0]
+    specs, models = policies(args), plan_models(base, args, window)
     prompt = window - args.continuation
     sums: dict = {}
     kept: dict = {}
@@ -223,7 +231,7 @@ def answered(model, hidden, prompt: int, answer: list[int]) -> bool:
 
 def run_retrieval(base, args) -> list[dict]:
     """Per task, context, plan and policy: the share of trials whose answer is teacher-forced right."""
-    specs, models = policies(args), plan_models(base, args)
+    specs, models = policies(args), plan_models(base, args, max(args.contexts) + ANSWER_ROOM)
     hits: dict = {}
     kept: dict = {}
     for task, context, depth, trial in itertools.product(args.task, args.contexts, args.depths, range(args.trials)):
