@@ -339,7 +339,8 @@ def gear_report(specs, name: str, warps: int) -> None:
     heads), priced in issue time at B32 x 8K as ``quant_report`` prices the KIVI-style kernel
     (bench/RESULTS.md "GEAR pages: decode kernel (offline)")."""
     from kvjax.ops import kv_schemes
-    from kvjax.ops.decode.gear_kernel import gear_paged_decode, width_pairs
+    from kvjax.ops.decode.gear_kernel import gear_paged_decode
+    from kvjax.ops.pallas_util import width_pairs
 
     print(
         "| layout | kernels | registers | spilled bytes | SASS instructions | compile s | loop instructions a "

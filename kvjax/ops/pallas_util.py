@@ -102,3 +102,35 @@ def online_update(carry, s, v, extra=None, precision=None):
     if extra is not None:
         acc = acc + extra(p)
     return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+
+
+def merge_splits(acc, m, l):
+    """The attention output [..., G, W] from S splits' partial softmax states: unnormalized sums ``acc`` [..., S, G,
+    W], running maxima ``m`` and sums ``l`` [..., S, G] (log2 units), each split weighted by ``2^(m - max m)`` (a
+    split that saw nothing, none); rows that saw nothing at all give zeros (float32)."""
+    top = m.max(axis=-2, keepdims=True)
+    w = jnp.where(l > 0, jnp.exp2(m - top), 0.0)
+    total = (w * l).sum(axis=-2)
+    return (w[..., None] * acc).sum(axis=-3) / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def width_pairs(layout: HeadLayout) -> list[tuple[tuple[int, int], list[int]]]:
+    """Each distinct (K width, V width) pair with its heads, in the order of their first head: a kernel each."""
+    out: dict[tuple[int, int], list[int]] = {}
+    for h, pair in enumerate(zip(layout.k_widths, layout.v_widths)):
+        out.setdefault(pair, []).append(h)
+    return list(out.items())
+
+
+def by_width_pair(q, layout: HeadLayout, attend):
+    """Packed outputs [B, out_cols] of a kernel run once per width pair (``width_pairs``): ``attend(kw, vw, heads,
+    qh)`` gets the pair's heads' query columns ``qh`` [B, heads, G * kw] and returns their outputs [B, heads, G * vw];
+    each head's lands at its place in the packed output."""
+    offs, g = column_offsets(layout), layout.group_size
+    outs: list = [None] * layout.num_kv_heads  # each head's output columns, in head order as out_cols holds them
+    for (kw, vw), heads in width_pairs(layout):
+        qh = jnp.stack([q[:, offs["q"][h] : offs["q"][h] + g * kw] for h in heads], axis=1)
+        got = attend(kw, vw, heads, qh)
+        for j, h in enumerate(heads):
+            outs[h] = got[:, j]
+    return jnp.concatenate(outs, axis=1)

@@ -36,6 +36,8 @@ from kvjax.ops.pallas_util import (
     column_offsets,
     dot_precision,
     load_rows,
+    merge_splits,
+    online_update,
     store_rows,
     whole_block,
 )
@@ -154,7 +156,6 @@ def _kernel(
     v_cols_ok = jnp.arange(v_tile)[None, :] < v_width
 
     def body(j, carry):
-        acc, m, l = carry
         first = lo + j * step
         tok = first + jnp.arange(step)
         valid = (tok < hi) & (tok >= visible_from)
@@ -172,12 +173,8 @@ def _kernel(
         r2 = (k2 * cos + k1 * sin).astype(dtype)
         s = plgpu.dot(q1, r1, trans_b=True, precision=precision) + plgpu.dot(q2, r2, trans_b=True, precision=precision)
         s = jnp.where(valid[None, :], s, MASK)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        v = load_rows(v_ref, row, v_cols, v_off, jnp.arange(v_tile)[None, :], v_cols_ok, valid)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(dtype), v, precision=precision)
-        return acc, m_new, l * alpha + p.sum(axis=1)
+        v = load_rows(v_ref, row, v_cols, v_off, jnp.arange(v_tile)[None, :], v_cols_ok, valid).astype(dtype)
+        return online_update(carry, s, v, None, precision)
 
     carry = (
         jnp.zeros((ROWS, v_tile), jnp.float32),
@@ -215,11 +212,7 @@ def _packed_index(layout: HeadLayout) -> np.ndarray:
 def _merge(acc, m, l, heads: int, group: int, splits: int, v_tile: int):
     """A class's partial softmax states [B * heads * splits * G, ...] -> [B, heads * G * v_tile] float32."""
     acc = acc.reshape(-1, heads, splits, group, v_tile)
-    m, l = m.reshape(-1, heads, splits, group), l.reshape(-1, heads, splits, group)
-    top = m.max(axis=2, keepdims=True)
-    w = jnp.where(l > 0, jnp.exp2(m - top), 0.0)
-    total = (w * l).sum(axis=2)
-    out = (w[..., None] * acc).sum(axis=2) / jnp.where(total > 0, total, 1.0)[..., None]
+    out = merge_splits(acc, m.reshape(-1, heads, splits, group), l.reshape(-1, heads, splits, group))
     return out.reshape(out.shape[0], -1)
 
 

@@ -44,6 +44,7 @@ from kvjax.ops.pallas_util import (
     LOG2E,
     MASK,
     NOWHERE,
+    by_width_pair,
     column_offsets,
     dot_precision,
     online_update,
@@ -62,14 +63,6 @@ K_TAIL, V_TAIL = 2 * len(_PARTS), 2 * len(_PARTS) + 1
 
 def _field(side: str, part: str) -> int:
     return (0 if side == "k" else len(_PARTS)) + _PARTS.index(part)
-
-
-def width_pairs(layout: HeadLayout) -> list[tuple[tuple[int, int], list[int]]]:
-    """Each distinct (K width, V width) pair with its heads, in the order of their first head: a kernel each."""
-    out: dict[tuple[int, int], list[int]] = {}
-    for h, pair in enumerate(zip(layout.k_widths, layout.v_widths)):
-        out.setdefault(pair, []).append(h)
-    return list(out.items())
 
 
 def _table(fmt: GearPageFormat, layout: HeadLayout, heads: list[int]) -> np.ndarray:
@@ -318,15 +311,13 @@ def gear_paged_decode(
     g = layout.group_size
     if g > BLOCK_H:
         raise ValueError(f"GEAR decode scores at most {BLOCK_H} queries a KV head, got {g}")
-    offs = column_offsets(layout)
     flat_pool = pages.reshape(-1)
     meta = lax.bitcast_convert_type(pages.reshape(-1, 2), jnp.float16)  # scales, factors, outliers: a bitcast
     halves = lax.bitcast_convert_type(pages.reshape(-1, 2), jnp.uint16)
     lengths = lengths.astype(jnp.int32)
     blocks = block_table.astype(jnp.int32).reshape(-1)
-    outs: list = [None] * layout.num_kv_heads  # each head's output columns, in head order as out_cols holds them
-    for (kw, vw), heads in width_pairs(layout):
-        qh = jnp.stack([q[:, offs["q"][h] : offs["q"][h] + g * kw] for h in heads], axis=1)  # [B, heads, G*kw]
+
+    def attend(kw, vw, heads, qh):
         static = dict(
             k_side=_side_static(fmt, "k", heads[0], kw),
             v_side=_side_static(fmt, "v", heads[0], vw),
@@ -354,10 +345,9 @@ def gear_paged_decode(
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
             name=f"kvjax_gear_decode_k{kw}_v{vw}",
         )(*args)
-        got = got.reshape(b, len(heads), g * vw)
-        for j, h in enumerate(heads):
-            outs[h] = got[:, j]
-    return jnp.concatenate(outs, axis=1)
+        return got.reshape(b, len(heads), g * vw)
+
+    return by_width_pair(q, layout, attend)
 
 
 class GearDecodeOp:

@@ -4,10 +4,10 @@ for every head. It equals ``head_paging.decode_attention``.
 
 One program per (sequence, KV head, split), heads of one (K, V) width pair a kernel: it walks its share of the
 head's pages through the head's block table, each page one block of ``per`` K rows ([per, kw], contiguous) and one
-of V rows, scores them against the group's queries and runs the online softmax; the splits' partial softmaxes are
-merged in jnp (``merge_splits``). Splits exist because a width pair's launch otherwise has only B x (its heads)
-programs. No schedule: the simplest form that reads each byte once. Measured: bench/RESULTS.md "Per-head pages:
-decode kernel".
+of V rows, scores them against the group's queries and runs the online softmax; the splits' partial softmaxes
+are merged in jnp (``pallas_util.merge_splits``). Splits exist because a width pair's launch otherwise has only
+B x (its heads) programs. No schedule: the simplest form that reads each byte once. Measured: bench/RESULTS.md
+"Per-head pages: decode kernel".
 
 Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; no sliding window (a slot
 is not a position once a head has evicted); the pool under 2^31 elements.
@@ -26,15 +26,15 @@ from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.cost import ROWS
-from kvjax.ops.decode.gear_kernel import width_pairs
 from kvjax.ops.head_paging import tokens_per_page
 from kvjax.ops.pallas_util import (
     LOG2E,
     MASK,
     NOWHERE,
-    column_offsets,
+    by_width_pair,
     dot_precision,
     load_rows,
+    merge_splits,
     online_update,
     store_rows,
     whole_block,
@@ -123,13 +123,11 @@ def head_paged_decode(
         raise ValueError(f"per-head decode scores at most {BLOCK_H} queries a KV head, got {g}")
     if layout.sliding_window is not None:
         raise ValueError("per-head pages hold no positions: a sliding-window layer cannot be read from them")
-    offs = column_offsets(layout)
     flat = pool.reshape(-1)
-    outs: list = [None] * layout.num_kv_heads
-    for (kw, vw), heads in width_pairs(layout):
+
+    def attend(kw, vw, heads, qh):
         n = len(heads)
         s = default_splits(b * n) if splits is None else splits
-        qh = jnp.stack([q[:, offs["q"][h] : offs["q"][h] + g * kw] for h in heads], axis=1)  # [B, heads, G*kw]
         args = [stored[:, heads].astype(jnp.int32).reshape(-1), tables[:, heads].astype(jnp.int32).reshape(-1)]
         args += [qh.reshape(-1), flat]
         static: dict = dict(kw=kw, vw=vw, per=tokens_per_page(page_elems, kw, vw), page_elems=page_elems)
@@ -147,17 +145,6 @@ def head_paged_decode(
             name=f"kvjax_head_decode_k{kw}_v{vw}",
         )(*args)
         got = merge_splits(acc.reshape(b, n, s, g, vw), m.reshape(b, n, s, g), l.reshape(b, n, s, g))
-        for j, h in enumerate(heads):
-            outs[h] = got[:, j].reshape(b, g * vw).astype(q.dtype)
-    return jnp.concatenate(outs, axis=1)
+        return got.reshape(b, n, g * vw).astype(q.dtype)
 
-
-def merge_splits(acc, m, l):
-    """The attention output [..., G, vw] from S splits' unnormalized sums ``acc`` [..., S, G, vw], running maxima
-    ``m`` and sums ``l`` [..., S, G] (log2 units): each split weighted by ``2^(m - max m)``. A head storing nothing
-    gives zeros."""
-    top = m.max(axis=-2, keepdims=True)
-    w = jnp.exp2(m - top)
-    total = (l * w).sum(axis=-2)
-    out = (acc * w[..., None]).sum(axis=-3)
-    return out / jnp.where(total > 0, total, 1.0)[..., None]
+    return by_width_pair(q, layout, attend)
