@@ -102,40 +102,27 @@ def keep_masks(spec: Eviction, scores: list[np.ndarray], windows: list[int | Non
     last query are neither candidates nor kept (the window drops them whatever the policy)."""
     s = scores[0].shape[-1]
     protect, per_head = spec.protected(s), spec.per_head(s)
-    candidates, ranked = [], []
+    keep = [np.zeros(sc.shape, bool) for sc in scores]
+    ranked, spare = [], []  # per (layer, head): its candidate tokens and their scores; the slots left to it
     for layer, (sc, w) in enumerate(zip(scores, windows)):
         seen = np.arange(s) >= (0 if w is None else max(s - w, 0))
         recent = np.arange(s) >= s - protect
-        candidates.append((seen, recent))
-        for g in range(sc.shape[0]):
-            free = np.flatnonzero(seen & ~recent)
-            ranked.append((layer, g, free, np.asarray(sc[g], np.float64)[free]))
-    keep = [np.zeros(sc.shape, bool) for sc in scores]
-    for layer, (seen, recent) in enumerate(candidates):
         keep[layer][:, seen & recent] = True
+        free = np.flatnonzero(seen & ~recent)
+        for g in range(sc.shape[0]):
+            ranked.append((layer, g, free, np.asarray(sc[g], np.float64)[free]))
+            spare.append(per_head - int((seen & recent).sum()))
     if spec.allocated == "uniform":
-        chosen = {
-            (layer, g): max(per_head - int((candidates[layer][0] & candidates[layer][1]).sum()), 0)
-            for layer, g, _, _ in ranked
-        }
-    else:
-        heads = len(ranked)
-        spare = per_head * heads - sum(int((c[0] & c[1]).sum()) * scores[i].shape[0] for i, c in enumerate(candidates))
-        values = np.concatenate([v for _, _, _, v in ranked]) if ranked else np.zeros(0)
-        owner = (
-            np.concatenate([np.full(len(v), i) for i, (_, _, _, v) in enumerate(ranked)])
-            if ranked
-            else np.zeros(0, int)
-        )
-        order = np.argsort(-values, kind="stable")[: max(spare, 0)]
-        counts = np.bincount(owner[order], minlength=heads)
-        chosen = {(layer, g): int(counts[i]) for i, (layer, g, _, _) in enumerate(ranked)}
-    for layer, g, free, values in ranked:
-        n = min(chosen[(layer, g)], len(free))
-        evicted = len(free) - n
-        n += evicted % spec.page_size  # whole pages' worth evicted
-        top = free[np.argsort(-values, kind="stable")[:n]]
-        keep[layer][g, top] = True
+        chosen = [max(n, 0) for n in spare]
+    else:  # the slots every head left, to the highest scores of all heads
+        values = np.concatenate([v for _, _, _, v in ranked])
+        owner = np.concatenate([np.full(len(v), i) for i, (_, _, _, v) in enumerate(ranked)])
+        order = np.argsort(-values, kind="stable")[: max(sum(spare), 0)]
+        chosen = np.bincount(owner[order], minlength=len(ranked)).tolist()
+    for (layer, g, free, values), n in zip(ranked, chosen):
+        n = min(n, len(free))
+        n += (len(free) - n) % spec.page_size  # whole pages' worth evicted
+        keep[layer][g, free[np.argsort(-values, kind="stable")[:n]]] = True
     return keep
 
 

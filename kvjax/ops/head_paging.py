@@ -104,7 +104,7 @@ def move(pool, source, destination, layouts, page_elems: int):
         return pool
     k_w = np.array([lay.k_widths for lay in layouts])
     v_w = np.array([lay.v_widths for lay in layouts])
-    per = page_elems // (k_w + v_w)
+    per = np.stack([layer_tokens_per_page(lay, page_elems) for lay in layouts])
 
     def elements(rows):
         layer, h, page, row = np.asarray(rows).T

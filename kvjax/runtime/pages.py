@@ -106,9 +106,8 @@ class PageManager:
 
     def _missing(self, owner: int, positions: int) -> list[int]:
         """Pages per pool that ``owner`` lacks to cover ``positions`` positions."""
-        held = self._tables.get(owner)
         need = self.pages_for(positions)
-        return [need - (len(pages) if held else 0) for pages in (held or [[]] * len(self.windows))]
+        return [need - len(pages) for pages in self._tables.get(owner, [[]] * len(self.windows))]
 
     def can_grow(self, owner: int, positions: int) -> bool:
         """Whether ``grow(owner, positions)`` would succeed now."""
