@@ -138,7 +138,25 @@ def test_a_sliding_window_layer_keeps_only_what_its_window_still_sees():
     assert kept_bytes([k[None] for k in keep], layouts) == 1.0
 
 
-@pytest.mark.parametrize("bad", [dict(budget=0), dict(budget=1.5), dict(ratio=0.5), dict(budget=4, ratio=2.0), {}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(budget=0),
+        dict(budget=1.5),
+        dict(budget=float("nan")),
+        dict(ratio=0.5),
+        dict(ratio=float("nan")),
+        dict(budget=4, ratio=2.0),
+        {},
+        dict(budget=4, tau=float("nan")),
+        dict(budget=4, tau="hot"),
+        dict(budget=4, tau=-1.0),
+        dict(budget=4, seed=-1),
+        dict(budget=4, seed="x"),
+        dict(budget=4, page_size=-16),
+        dict(budget=4, allocation="both"),
+    ],
+)
 def test_bad_policies_are_refused(bad):
     with pytest.raises(ValueError, match="eviction"):
         Eviction("kvcompress", **bad)

@@ -29,6 +29,14 @@ ALLOCATIONS = ("global", "uniform")
 RECENT_SHARE = {"h2o": 0.5, "keyformer": 0.2}  # of the budget, kept as a recent window (H2O: half heavy hitters)
 
 
+def _is_int(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class Eviction:
     """An eviction policy: ``method`` (``metrics.METHODS``) keeps ``budget`` prompt tokens per KV head, or the
@@ -50,22 +58,19 @@ class Eviction:
             raise ValueError(f"eviction method must be one of {METHODS}, got {self.method!r}")
         if (self.budget is None) == (self.ratio is None):
             raise ValueError("give an eviction budget (tokens per KV head) or a ratio, not both or neither")
-        if self.budget is not None and (
-            isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1
-        ):
+        if self.budget is not None and not _is_int(self.budget, 1):
             raise ValueError(f"eviction budget must be a positive number of tokens, got {self.budget!r}")
-        if self.ratio is not None and not (
-            isinstance(self.ratio, int | float) and math.isfinite(self.ratio) and self.ratio >= 1
-        ):
+        if self.ratio is not None and not (_is_number(self.ratio) and self.ratio >= 1):
             raise ValueError(f"eviction ratio must be a number >= 1, got {self.ratio!r}")
         if self.allocation is not None and self.allocation not in ALLOCATIONS:
             raise ValueError(f"eviction allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
         for name in ("window", "pool", "page_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"eviction {name} must be a positive integer, got {value!r}")
-        if not (math.isfinite(self.tau) and self.tau > 0):
-            raise ValueError(f"eviction tau must be positive, got {self.tau!r}")
+            if not _is_int(getattr(self, name), 1):
+                raise ValueError(f"eviction {name} must be a positive integer, got {getattr(self, name)!r}")
+        if not (_is_number(self.tau) and self.tau > 0):
+            raise ValueError(f"eviction tau must be a finite positive number, got {self.tau!r}")
+        if not _is_int(self.seed, 0):
+            raise ValueError(f"eviction seed must be a non-negative integer, got {self.seed!r}")
 
     @property
     def allocated(self) -> str:
