@@ -1,25 +1,42 @@
 """Decode over per-head pages (issue 37: "decode over ragged per-head lengths at % of copy bandwidth on bytes read"):
 one layer of the random Llama-3.1-8B attention shape (32 query heads, 8 KV heads of 128) at ``--shape`` (default
 B32 x 8K), per rank rate (``harness.rank_plan``'s representative layer), each KV head storing its own share of the
-context (``--keep``: the mean share; each head draws its own from [keep/2, min(1, 3 keep/2)], as eviction leaves
-them), read by ``ops.decode.head_kernel`` from one pool of fixed-size pages (``--page-tokens`` full-width tokens a
-page). Every row: CUPTI time, the floor (the K and V bytes the heads store over the measured copy bandwidth), their
-ratio, and the relative error against ``head_paging.decode_attention`` (float32). ``--interpret --timer host --shape
-2x256`` runs the rows on a CPU (plumbing only). Table: bench/RESULTS.md "Per-head pages: decode kernel"."""
+context (``--keep``: below 1 the mean share, each head drawing its own from [keep/2, min(1, 3 keep/2)], as eviction
+leaves them; 1: every head the whole context), read by ``ops.decode.head_kernel`` from one pool of fixed-size pages
+(``--page-tokens`` full-width tokens a page), under each combination of ``--tokens-per-step``, ``--warps`` and
+``--stages``. Beside them (``--per-sequence``) the engine's per-sequence kernel (``ops.decode.kernel``, its balanced
+schedule) over the whole context: the same bytes as keep 1. Every row: CUPTI time, the floor (the K and V bytes
+the heads store over the measured copy bandwidth), their ratio, and the relative error against
+``head_paging.decode_attention`` (float32). ``--interpret --timer host --shape 2x256`` runs the rows on a CPU
+(plumbing only). Table: bench/RESULTS.md "Per-head pages: decode kernel"."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 from files import write_json
-from harness import D, copy_bandwidth, log, pick_layer, rank_plan, rates_arg, rel_err, shape_arg
+from harness import (
+    D,
+    PagedCase,
+    copies_for,
+    copy_bandwidth,
+    count_arg,
+    log,
+    pick_layer,
+    rank_plan,
+    rates_arg,
+    rel_err,
+    shape_arg,
+)
 
 from kvjax.ops import head_paging
-from kvjax.ops.decode.head_kernel import head_paged_decode
+from kvjax.ops.decode.config import DECODE
+from kvjax.ops.decode.head_kernel import TOKENS_PER_STEP, head_paged_decode
 from kvjax.runtime.head_pages import HeadPages
 
 
@@ -27,7 +44,8 @@ def case(layout, batch: int, context: int, keep: float, page_tokens: int, seed: 
     """(q, pool, tables, stored, bytes stored) for ``batch`` sequences whose heads store their own shares."""
     rng = np.random.default_rng(seed)
     page_elems = page_tokens * 2 * D
-    share = rng.uniform(keep / 2, min(1.0, 1.5 * keep), (batch, layout.num_kv_heads))
+    share = rng.uniform(keep / 2, min(1.0, 1.5 * keep), (batch, layout.num_kv_heads)) if keep < 1 else 1.0
+    share = np.broadcast_to(share, (batch, layout.num_kv_heads))
     stored = np.maximum(1, (share * context).astype(np.int64))
     per = head_paging.layer_tokens_per_page(layout, page_elems)[None]
     need = int((-(-stored // per)).sum())
@@ -42,12 +60,39 @@ def case(layout, batch: int, context: int, keep: float, page_tokens: int, seed: 
     return q, pool, tables, jnp.asarray(stored, jnp.int32), int((stored * widths).sum()) * 2, page_elems
 
 
+def row(rate, keep, batch, context, seconds, floor, err, **knobs) -> dict:
+    out = dict(rate=rate, keep=keep, batch=batch, context=context, **knobs)
+    out |= dict(us=1e6 * seconds, floor_us=1e6 * floor, pct_of_floor=100 * floor / seconds, rel_err=err)
+    log(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()))
+    return out
+
+
+def per_sequence(layout, rate, batch, context, bandwidth) -> dict:
+    """The engine's per-sequence kernel (its own pages: a page holds every head of ``page_size`` tokens) over
+    ``batch`` sequences of ``context`` tokens: the bytes of keep 1."""
+    from decode import kvjax_decode_call, schedule_of
+
+    lengths = np.full(batch, context)
+    nbytes = int(lengths.sum()) * (layout.k_cols + layout.v_cols) * 2
+    paged = PagedCase(layout, batch, lengths, 16, copies_for(nbytes), jax.random.key(2))
+    fn, shared, per_call = kvjax_decode_call(paged, schedule_of(paged, DECODE), jax.random.key(3))
+    seconds = harness.time_calls(fn, shared, per_call)
+    knobs = dict(
+        kernel="per-sequence", tokens_per_step=DECODE.block_tokens, warps=DECODE.num_warps, stages=DECODE.num_stages
+    )
+    return row(rate, 1.0, batch, context, seconds, nbytes / bandwidth, float("nan"), **knobs)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", type=shape_arg("--shape"), default=(32, 8192))
     p.add_argument("--rates", type=rates_arg(), default=[0.0, 0.5], help="comma-separated (default 0,0.5)")
     p.add_argument("--keep", type=float, nargs="+", default=[1.0, 0.25])
-    p.add_argument("--page-tokens", type=int, default=16)
+    p.add_argument("--page-tokens", type=count_arg("--page-tokens"), default=16)
+    p.add_argument("--tokens-per-step", type=count_arg("--tokens-per-step"), nargs="+", default=[TOKENS_PER_STEP])
+    p.add_argument("--warps", type=count_arg("--warps"), nargs="+", default=[4])
+    p.add_argument("--stages", type=count_arg("--stages"), nargs="+", default=[1])
+    p.add_argument("--per-sequence", action="store_true", help="time the per-sequence kernel beside (GPU only)")
     p.add_argument("--timer", choices=("cupti", "host"), default="cupti")
     p.add_argument("--interpret", action="store_true")
     p.add_argument("--json", default=None)
@@ -61,29 +106,32 @@ def main(argv=None):
         layout = pick_layer(rank_plan(rate), rate)
         for keep in args.keep:
             q, pool, tables, stored, nbytes, page_elems = case(layout, batch, context, keep, args.page_tokens)
-
-            def run(pool, tables, stored, q, layout=layout, page_elems=page_elems):
-                return head_paged_decode(q, pool, tables, stored, layout, page_elems, interpret=args.interpret)
-
-            got = run(pool, tables, stored, q)
             want = head_paging.decode_attention(
                 q.astype(jnp.float32), pool.astype(jnp.float32), tables, stored, layout, page_elems, context
             )
-            seconds = harness.time_calls(run, (pool, tables, stored), [(q,)])
-            floor = nbytes / bandwidth
-            rows.append(
-                {
-                    "rate": rate,
-                    "keep": keep,
-                    "batch": batch,
-                    "context": context,
-                    "us": 1e6 * seconds,
-                    "floor_us": 1e6 * floor,
-                    "pct_of_floor": 100 * floor / seconds,
-                    "rel_err": rel_err(got, want),
-                }
-            )
-            log(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()))
+            for step, warps, stages in itertools.product(args.tokens_per_step, args.warps, args.stages):
+
+                def run(pool, tables, stored, q, layout=layout, page_elems=page_elems, knobs=(step, warps, stages)):
+                    step, warps, stages = knobs
+                    return head_paged_decode(
+                        q,
+                        pool,
+                        tables,
+                        stored,
+                        layout,
+                        page_elems,
+                        tokens_per_step=step,
+                        num_warps=warps,
+                        num_stages=stages,
+                        interpret=args.interpret,
+                    )
+
+                got = run(pool, tables, stored, q)
+                seconds = harness.time_calls(run, (pool, tables, stored), [(q,)])
+                knobs = dict(kernel="per-head", tokens_per_step=step, warps=warps, stages=stages)
+                rows.append(row(rate, keep, batch, context, seconds, nbytes / bandwidth, rel_err(got, want), **knobs))
+        if args.per_sequence:
+            rows.append(per_sequence(layout, rate, batch, context, bandwidth))
     keys = list(rows[0])
     print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
     for r in rows:

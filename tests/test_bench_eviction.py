@@ -86,3 +86,21 @@ def test_bad_flags_are_one_line_usage_errors_before_any_model_loads(flags, messa
     with pytest.raises(SystemExit) as e:
         eviction.main(flags)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_device_cost_bench_writes_its_tables_on_a_cpu(tmp_path, capsys):
+    """bench/eviction_cost.py's compaction and metric rows on a CPU (plumbing: host timer, a tiny context); the
+    compaction row's evicted bytes follow the ratio, and a ratio under 1 is refused before any work."""
+    import eviction_cost
+
+    out = tmp_path / "cost.json"
+    flags = ["--timer", "host", "--context", "64", "--batch", "1", "--rates", "0.5", "--ratios", "2", "8"]
+    eviction_cost.main([*flags, "--methods", "kvcompress", "--no-ttft", "--json", str(out)])
+    data = json.loads(out.read_text())
+    two, eight = data["compaction"]
+    assert 0 < two["evicted_gib"] < eight["evicted_gib"] < two["pages_gib"]
+    assert [r["method"] for r in data["metrics"]] == ["kvcompress"] and not data["ttft"]
+    assert "compaction" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        eviction_cost.main(["--ratios", "0.5"])
+    assert "--ratios must be at least 1" in capsys.readouterr().err

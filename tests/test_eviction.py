@@ -260,3 +260,32 @@ def test_rebuilt_keys_are_scored_and_read_as_the_model_reads_them(method, band):
     cut, _ = evicted_hidden(small, tokens, 32, Eviction("kvcompress", budget=8, page_size=4, window=4))
     np.testing.assert_allclose(np.asarray(cut)[:, :32], np.asarray(whole)[:, :32], rtol=1e-4, atol=1e-4)
     assert not np.allclose(np.asarray(cut)[:, 32:], np.asarray(whole)[:, 32:], atol=1e-4)
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_the_device_selection_equals_the_host_one_ties_included(trial):
+    """``device_keep`` over a batch of prompts of different lengths, padded to one width with junk past each
+    prompt, keeps what ``keep_masks`` keeps for each prompt alone: every method's protection, both allocations,
+    budgets and ratios, a sliding-window layer, and scores drawn from a few values so that ties decide."""
+    import jax
+
+    from kvjax.eviction.select import device_keep
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    layers, heads, width = 3, 2, 64
+    windows = (None, int(rng.integers(4, 40)), None)
+    for method in ("kvcompress", "snapkv", "h2o", "keyformer"):
+        for size in (dict(budget=int(rng.integers(1, 50))), dict(ratio=float(rng.choice([1.0, 1.5, 2.0, 3.3, 8.0])))):
+            for allocation in ("global", "uniform"):
+                spec = Eviction(method, allocation=allocation, window=int(rng.integers(1, 12)), page_size=4, **size)
+                prompts = rng.integers(1, width + 1, 3)
+                scores = rng.integers(0, 4, (3, layers, heads, width)).astype(np.float32)
+                per_head, protect = spec.sizes(prompts)
+                run = jax.jit(device_keep, static_argnums=(0, 5))
+                got = np.asarray(run(spec, jnp.asarray(scores), prompts, per_head, protect, windows))
+                for b, n in enumerate(prompts):
+                    want = keep_masks(spec, [scores[b, layer, :, :n] for layer in range(layers)], list(windows))
+                    context = f"seed {seed}, {spec.name}, prompt {n}, row {b}"
+                    np.testing.assert_array_equal(got[b, :, :, :n], np.stack(want), context)
+                    assert not got[b, :, :, n:].any(), context

@@ -92,14 +92,131 @@ def test_compaction_moves_leave_each_head_its_survivors_in_order(trial):
         np.testing.assert_array_equal(got_v[0, : len(survivors)], want_v, f"seed {seed}")
 
 
+TWO_LAYERS = (LAYOUT, HeadLayout(6, 3, 16, (8, 16, 16), (4, 16, 8)))  # (8, 4) and (16, 16) in both layers
+
+
+def _heads(pool, pages: HeadPages, owner: int, tokens: int):
+    """Each (layer, head) of ``owner``: (K rows, V rows) of its stored slots, as NumPy."""
+    table, stored = pages.table(owner), pages.stored(owner)
+    out = {}
+    for layer, lay in enumerate(TWO_LAYERS):
+        for h in range(lay.num_kv_heads):
+            k, v = head_paging.read(pool, jnp.asarray(table[layer][None]), h, lay, PAGE_ELEMS, tokens)
+            n = stored[layer, h]
+            out[layer, h] = np.asarray(k[0, :n]), np.asarray(v[0, :n])
+    return out
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_device_compaction_equals_the_host_moves(trial):
+    """``compact`` (one jitted call, the pool donated) leaves every head of every owner the rows the host's moves
+    leave, and the kept counts ``shrink`` takes; two layers, several width pairs, a batch of two owners."""
+    import jax
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    per = np.stack([head_paging.layer_tokens_per_page(lay, PAGE_ELEMS) for lay in TWO_LAYERS])
+    host, device = HeadPages(400, per, max_pages=16), HeadPages(400, per, max_pages=16)
+    for pages in (host, device):
+        for owner in (0, 1):
+            assert pages.grow(owner, int(rng.integers(1, 60))) is not None
+        rng = np.random.default_rng(seed)  # both managers grow the same
+    pool = jnp.asarray(np.random.default_rng(seed + 1).normal(size=(400, PAGE_ELEMS)), jnp.float32)
+    keep = rng.random((2, 2, 3, 70)) < rng.random((2, 2, 3, 1))  # some heads keep most, some almost nothing
+    want = pool
+    for owner in (0, 1):
+        source, destination = host.evict(owner, keep[owner])
+        want = head_paging.move(want, source, destination, TWO_LAYERS, PAGE_ELEMS)
+    tables = jnp.asarray(np.stack([device.table(o) for o in (0, 1)]))
+    stored = jnp.asarray(np.stack([device.stored(o) for o in (0, 1)]))
+    run = jax.jit(head_paging.compact, static_argnums=(4, 5), donate_argnums=0)
+    got, kept = run(jnp.array(pool), tables, jnp.asarray(keep), stored, TWO_LAYERS, PAGE_ELEMS)
+    for owner in (0, 1):
+        device.shrink(owner, np.asarray(kept[owner]))
+        np.testing.assert_array_equal(device.table(owner), host.table(owner), f"seed {seed}")
+        np.testing.assert_array_equal(device.stored(owner), host.stored(owner), f"seed {seed}")
+        got_heads, want_heads = _heads(got, device, owner, 64), _heads(want, host, owner, 64)
+        for key, (k, v) in want_heads.items():
+            np.testing.assert_array_equal(got_heads[key][0], k, f"seed {seed}, head {key}")
+            np.testing.assert_array_equal(got_heads[key][1], v, f"seed {seed}, head {key}")
+    device.check()
+
+
+def test_pages_changing_hands_keep_every_heads_tokens_fuzz():
+    """A fuzz over owners that grow (writing fresh rows), evict (``compact`` then ``shrink``) and finish at random:
+    after every step pages add up, and every head of every owner reads back exactly the rows a plain list model of
+    it holds, whoever held its pages before."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    per = np.stack([head_paging.layer_tokens_per_page(lay, PAGE_ELEMS) for lay in TWO_LAYERS])
+    pages = HeadPages(120, per, max_pages=12)
+    pool = jnp.asarray(rng.normal(size=(120, PAGE_ELEMS)), jnp.float32)
+    model: dict[int, dict] = {}  # owner -> (layer, head) -> (list of K rows, list of V rows)
+    next_owner = 0
+    for step in range(40):
+        action = rng.choice(["grow", "grow", "evict", "free"]) if model else "grow"
+        if action == "grow":
+            owner = int(rng.choice(list(model))) if model and rng.random() < 0.6 else next_owner
+            next_owner += owner == next_owner
+            n = int(rng.integers(1, 20))
+            before = pages.stored(owner)
+            if pages.grow(owner, n) is None:
+                continue
+            table = pages.table(owner)
+            heads = model.setdefault(owner, {})
+            for layer, lay in enumerate(TWO_LAYERS):
+                k = rng.normal(size=(1, n, lay.k_cols)).astype(np.float32)
+                v = rng.normal(size=(1, n, lay.v_cols)).astype(np.float32)
+                slots = jnp.asarray(before[layer][None, :, None] + np.arange(n))
+                valid = jnp.ones((1, n), bool)
+                pool = head_paging.write(
+                    pool, jnp.asarray(table[layer][None]), slots, jnp.asarray(k), jnp.asarray(v), valid, lay, PAGE_ELEMS
+                )
+                for h in range(lay.num_kv_heads):
+                    ko, vo = HeadLayout.offsets(lay.k_widths)[h], HeadLayout.offsets(lay.v_widths)[h]
+                    rows = heads.setdefault((layer, h), ([], []))
+                    rows[0].extend(k[0, :, ko : ko + lay.k_widths[h]])
+                    rows[1].extend(v[0, :, vo : vo + lay.v_widths[h]])
+        elif action == "evict":
+            owner = int(rng.choice(list(model)))
+            stored = pages.stored(owner)
+            keep = rng.random((1, 2, 3, 200)) < rng.random()
+            pool, kept = head_paging.compact(
+                pool,
+                jnp.asarray(pages.table(owner)[None]),
+                jnp.asarray(keep),
+                jnp.asarray(stored[None]),
+                TWO_LAYERS,
+                PAGE_ELEMS,
+            )
+            pages.shrink(owner, np.asarray(kept[0]))
+            for (layer, h), (k_rows, v_rows) in model[owner].items():
+                survivors = np.flatnonzero(keep[0, layer, h, : stored[layer, h]])
+                k_rows[:], v_rows[:] = [k_rows[i] for i in survivors], [v_rows[i] for i in survivors]
+        else:
+            owner = int(rng.choice(list(model)))
+            pages.free(owner)
+            del model[owner]
+        pages.check()
+        for owner, heads in model.items():
+            got = _heads(pool, pages, owner, 12 * 10)
+            for key, (k_rows, v_rows) in heads.items():
+                context = f"seed {seed}, step {step}, owner {owner}, head {key}"
+                np.testing.assert_array_equal(got[key][0], np.reshape(k_rows, got[key][0].shape), context)
+                np.testing.assert_array_equal(got[key][1], np.reshape(v_rows, got[key][1].shape), context)
+
+
 def test_a_page_too_small_for_a_head_is_refused():
     with pytest.raises(ValueError, match="holds no token"):
         head_paging.tokens_per_page(16, 12, 8)
 
 
-@pytest.mark.parametrize("dtype, splits", [(np.float32, None), ("bfloat16", None), (np.float32, 3), (np.float32, 16)])
-def test_the_per_head_decode_kernel_matches_the_reference_in_interpret_mode(dtype, splits):
-    """Any split of a head's pages (some splits with none) merges to the same output."""
+@pytest.mark.parametrize(
+    "dtype, splits, step", [(np.float32, None, 64), ("bfloat16", None, 16), (np.float32, 3, 8), (np.float32, 16, 128)]
+)
+def test_the_per_head_decode_kernel_matches_the_reference_in_interpret_mode(dtype, splits, step):
+    """Any split of a head's pages (some splits with none), and any number of pages a step (one, or several with
+    the last step's short), merges to the same output."""
     from kvjax.ops.decode.head_kernel import head_paged_decode
 
     seed = fresh_seed()
@@ -116,7 +233,9 @@ def test_the_per_head_decode_kernel_matches_the_reference_in_interpret_mode(dtyp
     tables = jnp.asarray(np.stack([pages.table(b)[0] for b in range(3)]))
     q = jnp.asarray(rng.normal(size=(3, layout.q_cols)), dtype)
     stored = jnp.asarray(lengths, jnp.int32)
-    got = head_paged_decode(q, pool, tables, stored, layout, page_elems, splits=splits, interpret=True)
+    got = head_paged_decode(
+        q, pool, tables, stored, layout, page_elems, splits=splits, tokens_per_step=step, interpret=True
+    )
     want = head_paging.decode_attention(
         q.astype(jnp.float32), pool.astype(jnp.float32), tables, stored, layout, page_elems, 60
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 from kvjax.eviction.metrics import METHODS
@@ -71,6 +72,11 @@ class Eviction:
             raise ValueError(f"eviction tau must be a finite positive number, got {self.tau!r}")
         if not _is_int(self.seed, 0):
             raise ValueError(f"eviction seed must be a non-negative integer, got {self.seed!r}")
+
+    def sizes(self, prompts) -> tuple[np.ndarray, np.ndarray]:
+        """``per_head`` and ``protected`` of each of ``prompts`` (lengths), int32 arrays: ``device_keep``'s inputs."""
+        per_head = np.array([self.per_head(int(p)) for p in prompts], np.int32)
+        return per_head, np.array([self.protected(int(p)) for p in prompts], np.int32)
 
     @property
     def allocated(self) -> str:
@@ -129,6 +135,41 @@ def keep_masks(spec: Eviction, scores: list[np.ndarray], windows: list[int | Non
         n += (len(free) - n) % spec.page_size  # whole pages' worth evicted
         keep[layer][g, free[np.argsort(-values, kind="stable")[:n]]] = True
     return keep
+
+
+def device_keep(spec: Eviction, scores, prompt, per_head, protect, windows: tuple[int | None, ...]):
+    """``keep_masks`` on the device, for a batch: bool [B, L, Hkv, S] from scores [B, L, Hkv, S] (float32, higher =
+    keep) of prompts of ``prompt`` [B] tokens each (slots past a prompt are neither scored nor kept), each prompt's
+    ``spec.per_head`` and ``spec.protected`` (``spec.sizes``: the host knows its prompts' lengths) and the layers'
+    sliding ``windows`` (static). The same selection as ``keep_masks``, ties included (tested); what the engine runs
+    after prefill, where the host version cost 24-429 ms an 8K sequence (bench/RESULTS.md "Per-head pages: host
+    cost"). Traceable: ``spec`` and ``windows`` static, the rest arrays."""
+    b, n_layers, heads, s = scores.shape
+    n, per_head = jnp.asarray(prompt, jnp.int32)[:, None, None], jnp.asarray(per_head, jnp.int32)
+    protect = jnp.asarray(protect, jnp.int32)[:, None, None]
+    slot = jnp.arange(s)[None, None, :]  # [1, 1, S] against [B, 1, 1] counts
+    first = jnp.array([0 if w is None else w for w in windows])[None, :, None]
+    seen = (slot < n) & ((first == 0) | (slot >= jnp.maximum(n - first, 0)))  # [B, L, S]
+    guarded = (seen & (slot >= n - protect))[:, :, None, :]  # [B, L, 1, S]
+    free = jnp.broadcast_to((seen & (slot < n - protect))[:, :, None, :], scores.shape)
+    spare = per_head[:, None, None] - guarded.sum(-1, dtype=jnp.int32)  # [B, L, 1]
+    spare = jnp.broadcast_to(spare, (b, n_layers, heads))
+    cost = jnp.where(free, -scores.astype(jnp.float32), jnp.inf)  # candidates first, best first, then slot order
+    if spec.allocated == "uniform":
+        chosen = jnp.maximum(spare, 0)
+    else:  # the slots every head left, to the highest scores of all heads
+        total = jnp.maximum(spare.sum((1, 2)), 0)[:, None]
+        flat = cost.reshape(b, -1)
+        order = jnp.argsort(flat, axis=-1, stable=True)
+        rank = jnp.zeros_like(order).at[jnp.arange(b)[:, None], order].set(jnp.arange(flat.shape[1])[None, :])
+        chosen = ((rank < total) & free.reshape(b, -1)).reshape(scores.shape).sum(-1, dtype=jnp.int32)
+    candidates = free.sum(-1, dtype=jnp.int32)
+    chosen = jnp.minimum(chosen, candidates)
+    chosen = chosen + (candidates - chosen) % spec.page_size  # whole pages' worth evicted
+    order = jnp.argsort(cost, axis=-1, stable=True)
+    rank = jnp.zeros_like(order)
+    rank = jnp.put_along_axis(rank, order, jnp.broadcast_to(jnp.arange(s), order.shape), axis=-1, inplace=False)
+    return guarded | (free & (rank < chosen[..., None]))
 
 
 def parse(text: str, **settings) -> Eviction:

@@ -115,3 +115,47 @@ def move(pool, source, destination, layouts, page_elems: int):
     flat = pool.reshape(-1)
     src, dst = jnp.asarray(elements(source)), jnp.asarray(elements(destination))
     return flat.at[dst].set(flat[src], unique_indices=True).reshape(pool.shape)
+
+
+def _reordered(blocks, order, first: int, width: int, per: int):
+    """Rows ``width`` wide starting ``first`` elements into each page of ``blocks`` [B, G, pages, page_elems], as one
+    run of ``pages x per`` slots a head, taken in ``order`` [B, G, slots, 1] and laid back out as pages."""
+    b, g, pages = blocks.shape[:3]
+    part = blocks[..., first : first + per * width].reshape(b, g, pages * per, width)
+    return jnp.take_along_axis(part, order, axis=2).reshape(b, g, pages, per * width)
+
+
+def compact(pool, tables, keep, stored, layouts, page_elems: int):
+    """Eviction's compaction on the device: each head keeps, of its first ``stored`` [B, L, Hkv] slots, those
+    ``keep`` [B, L, Hkv, S] marks (slots past ``stored`` or ``S`` are dropped), moved in their order to its first
+    slots, through ``tables`` [B, L, Hkv, pages]. Returns (pool, kept [B, L, Hkv] int32): what the host hands
+    ``HeadPages.shrink``, which gives back the pages past them. Equal to ``HeadPages.evict``'s moves applied by
+    ``move``, without their host work (bench/RESULTS.md "Per-head pages: host cost": 24-429 ms an 8K sequence).
+
+    Shapes are static (one compile per batch and table width): heads of one (K, V) width pair, of every layer, are
+    read whole ([heads, pages, page_elems]), ordered by a stable sort on the keep mask and written back to the same
+    pages. Under ``jax.jit`` with the pool donated XLA scatters in place, so the pool is never copied; the traffic
+    is the heads' pages read and written once, evicted or not."""
+    b, n_layers, heads, pages = tables.shape
+    slots = jnp.arange(keep.shape[-1])
+    keep = keep & (slots < stored[..., None])
+    kept = keep.sum(-1, dtype=jnp.int32)
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for layer, lay in enumerate(layouts):
+        for h, pair in enumerate(zip(lay.k_widths, lay.v_widths)):
+            groups.setdefault(pair, []).append((layer, h))
+    flat_pages = pool.shape[0]
+    for (kw, vw), members in groups.items():
+        ls, hs = (np.array(x) for x in zip(*members))
+        per = tokens_per_page(page_elems, kw, vw)
+        table = tables[:, ls, hs]  # [B, G, pages]
+        blocks = pool[table]  # [B, G, pages, page_elems]
+        mark = keep[:, ls, hs]
+        room = pages * per
+        mark = jnp.pad(mark, ((0, 0), (0, 0), (0, max(room - mark.shape[-1], 0))))[..., :room]
+        order = jnp.argsort(~mark, axis=-1, stable=True)[..., None]  # survivors first, in slot order
+        k_rows, v_rows = _reordered(blocks, order, 0, kw, per), _reordered(blocks, order, per * kw, vw, per)
+        blocks = jnp.concatenate([k_rows, v_rows, blocks[..., per * (kw + vw) :]], axis=-1)
+        target = jnp.where(table == NULL_PAGE, flat_pages, table)  # the null page is never written
+        pool = pool.at[target].set(blocks, mode="drop")
+    return pool, kept

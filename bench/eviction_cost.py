@@ -1,0 +1,229 @@
+"""What eviction after prefill costs on the device (issue 37: "compaction time per evicted GiB", "metrics under 5% of
+TTFT"), on the random Llama-3.1-8B shape (32 layers, 8 KV heads of 128; rate > 0: ``harness.rank_plan``'s widths).
+
+Three parts, each a table:
+
+- **compaction**: ``--batch`` sequences of ``--context`` tokens in per-head pages (``runtime.head_pages``, pages of
+  16 full-width tokens), random scores, KV-Compress's global selection at each ``--ratios`` on the device
+  (``eviction.select.device_keep``, CUPTI), then ``ops.head_paging.compact`` with the pool donated (host timer over
+  repeated calls: each moves a GiB or more). Beside it: the bytes evicted, seconds per evicted GiB, the floor (the
+  sequences' pages read and written once over the copy bandwidth), and the device memory the call took beyond the
+  pool (what shows the pool is not copied).
+- **metrics**: each method's scores (``eviction.metrics.scores``) for one prompt of ``--context`` tokens, one
+  representative layer (``harness.pick_layer``) timed with CUPTI and multiplied by 32 layers: a separate pass over
+  the prompt's q and k, as ``eviction.reference`` runs it.
+- **ttft**: the time to first token of one ``--context``-token prompt through the runner (``--chunk`` tokens a
+  prefill step, host timer, second pass), and each method's metric, selection and compaction as a share of it.
+
+Table: bench/RESULTS.md "Eviction: device cost". ``--timer host --context 256 --batch 1 --no-ttft`` runs on a CPU
+(plumbing only)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import harness
+import jax
+import jax.numpy as jnp
+import numpy as np
+from files import write_json
+from harness import HKV, D, copy_bandwidth, count_arg, log, pick_layer, rank_plan, rates_arg
+
+from kvjax.eviction import Eviction, metrics
+from kvjax.eviction.select import device_keep
+from kvjax.ops import head_paging
+from kvjax.runtime.head_pages import HeadPages
+
+PAGE_ELEMS = 16 * 2 * D  # 16 full-width tokens
+LAYERS = 32
+
+
+def _table(rows: list[dict]) -> None:
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
+    for r in rows:
+        print("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+
+
+def _host_seconds(fn, reps: int = 5) -> float:
+    """Median seconds of ``fn()`` (which blocks), after a warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def compaction_rows(rate: float, batch: int, context: int, ratios: list[float], bandwidth: float) -> list[dict]:
+    layouts = tuple(rank_plan(rate, LAYERS))
+    per = np.stack([head_paging.layer_tokens_per_page(lay, PAGE_ELEMS) for lay in layouts])
+    max_pages = int(-(-context // per.min()))
+    need = batch * int((-(-context // per)).sum())
+    pages = HeadPages(need + 1, per, max_pages)
+    for b in range(batch):
+        assert pages.grow(b, context) is not None
+    tables = jnp.asarray(np.stack([pages.table(b) for b in range(batch)]))
+    stored = jnp.asarray(np.stack([pages.stored(b) for b in range(batch)]), jnp.int32)
+    widths = np.array([np.add(lay.k_widths, lay.v_widths) for lay in layouts])  # [L, Hkv]
+    seq_bytes = int((-(-context // per) * PAGE_ELEMS).sum()) * 2  # a sequence's pages, bf16
+    pool = harness.randn(jax.random.key(0), (need + 1, PAGE_ELEMS))
+    case = dict(rate=rate, batch=batch, context=context, tables=tables, stored=stored, layouts=layouts)
+    rows = []
+    for ratio in ratios:
+        row, pool = _compaction_row(pool, ratio, widths, seq_bytes, bandwidth, **case)
+        rows.append(row)
+    return rows
+
+
+def _compaction_row(pool, ratio, widths, seq_bytes, bandwidth, *, rate, batch, context, tables, stored, layouts):
+    """One ratio's row, and the pool (donated to each call) after it."""
+    spec = Eviction("kvcompress", ratio=ratio)
+    scores = jax.random.uniform(jax.random.key(int(ratio * 100)), (batch, LAYERS, HKV, context))
+    prompts = np.full(batch, context)
+    per_head, protect = spec.sizes(prompts)
+
+    def select(scores):
+        return device_keep(spec, scores, prompts, per_head, protect, (None,) * LAYERS)
+
+    select_s = harness.time_calls(select, (), [(scores,)])
+    keep = jax.jit(select)(scores)
+    run = jax.jit(head_paging.compact, static_argnums=(4, 5), donate_argnums=0)
+    state = {"pool": pool}
+
+    def compact():
+        state["pool"], kept = run(state["pool"], tables, keep, stored, layouts, PAGE_ELEMS)
+        return jax.block_until_ready(kept)
+
+    kept = np.asarray(compact())
+    device = jax.devices()[0]
+    base = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    seconds = _host_seconds(compact)
+    peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    evicted = int(((context - kept) * widths[None]).sum()) * 2
+    floor = 2 * batch * seq_bytes / bandwidth
+    row = dict(
+        rate=rate,
+        batch=batch,
+        context=context,
+        ratio=ratio,
+        select_ms=1e3 * select_s,
+        compact_ms=1e3 * seconds,
+        floor_ms=1e3 * floor,
+        pct_of_floor=100 * floor / seconds,
+        evicted_gib=evicted / 2**30,
+        ms_per_evicted_gib=1e3 * seconds / (evicted / 2**30),
+        pages_gib=batch * seq_bytes / 2**30,
+        extra_peak_gib=float("nan") if base is None or peak is None else (peak - base) / 2**30,
+    )
+    log(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    return row, state["pool"]
+
+
+def metric_rows(rate: float, context: int, methods: list[str]) -> list[dict]:
+    layout = pick_layer(rank_plan(rate, LAYERS), rate)
+    key = jax.random.key(1)
+    q = harness.randn(key, (1, context, layout.q_cols))
+    k = harness.randn(jax.random.fold_in(key, 1), (1, context, layout.k_cols))
+    rows = []
+    for method in methods:
+
+        def score(k, q, method=method):
+            return metrics.scores(method, q, k, layout)
+
+        seconds = harness.time_calls(score, (k,), [(q,)])
+        rows.append(
+            dict(rate=rate, context=context, method=method, layer_ms=1e3 * seconds, model_ms=LAYERS * 1e3 * seconds)
+        )
+        log(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()))
+    return rows
+
+
+def ttft_seconds(rate: float, context: int, chunk: int) -> float:
+    """Seconds from a prompt's arrival to its first token, one prompt alone, second pass (the first compiles)."""
+    from engine import model_at
+
+    from kvjax.runtime.engine import Engine
+    from kvjax.runtime.runner import Runner
+    from kvjax.runtime.scheduler import Request
+
+    model = model_at(rate)
+    engine = Engine(model, max_batch=1, max_seq_len=context + 16, chunk_tokens=chunk)
+    runner = Runner(engine)
+    prompt = np.random.default_rng(1).integers(0, 32000, context).tolist()
+    times = []
+    for _ in range(3):
+        runner.add(Request(prompt, 1))
+        t0 = time.perf_counter()
+        list(runner.run())
+        times.append(time.perf_counter() - t0)
+    del engine, runner, model
+    return float(np.median(times[1:]))
+
+
+def ttft_rows(rate: float, context: int, chunk: int, out: dict) -> list[dict]:
+    """Each method's metric, selection and compaction (one sequence) as a share of the measured TTFT."""
+    ttft = ttft_seconds(rate, context, chunk)
+    one = {r["ratio"]: r for r in out["compaction"] if r["rate"] == rate and r["batch"] == 1}
+    rows = []
+    for m in (r for r in out["metrics"] if r["rate"] == rate):
+        for ratio, c in one.items():
+            cost = m["model_ms"] + c["select_ms"] + c["compact_ms"]
+            rows.append(
+                dict(
+                    rate=rate,
+                    context=context,
+                    method=m["method"],
+                    ratio=ratio,
+                    ttft_ms=1e3 * ttft,
+                    eviction_ms=cost,
+                    pct_of_ttft=100 * cost / (1e3 * ttft),
+                )
+            )
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", type=rates_arg(), default=[0.0, 0.5], help="comma-separated (default 0,0.5)")
+    p.add_argument("--context", type=count_arg("--context"), default=8192)
+    p.add_argument("--batch", type=count_arg("--batch"), nargs="+", default=[1, 4])
+    p.add_argument("--ratios", type=float, nargs="+", default=[2.0, 4.0, 8.0])
+    p.add_argument("--methods", nargs="+", choices=metrics.METHODS, default=list(metrics.METHODS))
+    p.add_argument("--chunk", type=count_arg("--chunk"), default=2048, help="prefill tokens a step for the TTFT")
+    p.add_argument("--no-ttft", action="store_true", help="skip the TTFT rows (they build the 8B model)")
+    p.add_argument("--timer", choices=("cupti", "host"), default="cupti")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if any(r < 1 for r in args.ratios):
+        p.error("--ratios must be at least 1")
+    harness.TIMER["name"] = args.timer
+    bandwidth = copy_bandwidth()
+    log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    out: dict = {"args": vars(args), "bandwidth": bandwidth, "compaction": [], "metrics": [], "ttft": []}
+
+    def save():
+        if args.json:
+            write_json(args.json, out, indent=1)
+
+    for rate in args.rates:
+        for batch in args.batch:
+            out["compaction"] += compaction_rows(rate, batch, args.context, args.ratios, bandwidth)
+            save()
+        out["metrics"] += metric_rows(rate, args.context, args.methods)
+        save()
+    if not args.no_ttft:
+        for rate in args.rates:
+            out["ttft"] += ttft_rows(rate, args.context, args.chunk, out)
+            save()
+    for name in ("compaction", "metrics", "ttft"):
+        if out[name]:
+            print(f"\n{name}")
+            _table(out[name])
+    save()
+
+
+if __name__ == "__main__":
+    main()
