@@ -7,8 +7,9 @@ Three parts, each a table:
   16 full-width tokens), random scores, KV-Compress's global selection at each ``--ratios`` on the device
   (``eviction.select.device_keep``, CUPTI), then ``ops.head_paging.compact`` with the pool donated (host timer over
   repeated calls: each moves a GiB or more). Beside it: the bytes evicted, seconds per evicted GiB, the floor (the
-  sequences' pages read and written once over the copy bandwidth), and the device memory the call took beyond the
-  pool (what shows the pool is not copied).
+  sequences' pages read and written once over the copy bandwidth), and XLA's memory analysis of the compiled call:
+  the bytes its output aliases (the whole pool: written in place, never copied) and its scratch (the sequences'
+  pages, gathered once).
 - **metrics**: each method's scores (``eviction.metrics.scores``) for one prompt of ``--context`` tokens, one
   representative layer (``harness.pick_layer``) timed with CUPTI and multiplied by 32 layers: a separate pass over
   the prompt's q and k, as ``eviction.reference`` runs it.
@@ -98,10 +99,8 @@ def _compaction_row(pool, ratio, widths, seq_bytes, bandwidth, *, rate, batch, c
         return jax.block_until_ready(kept)
 
     kept = np.asarray(compact())
-    device = jax.devices()[0]
-    base = (device.memory_stats() or {}).get("peak_bytes_in_use")
     seconds = _host_seconds(compact)
-    peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    memory = run.lower(state["pool"], tables, keep, stored, layouts, PAGE_ELEMS).compile().memory_analysis()
     evicted = int(((context - kept) * widths[None]).sum()) * 2
     floor = 2 * batch * seq_bytes / bandwidth
     row = dict(
@@ -116,7 +115,9 @@ def _compaction_row(pool, ratio, widths, seq_bytes, bandwidth, *, rate, batch, c
         evicted_gib=evicted / 2**30,
         ms_per_evicted_gib=1e3 * seconds / (evicted / 2**30),
         pages_gib=batch * seq_bytes / 2**30,
-        extra_peak_gib=float("nan") if base is None or peak is None else (peak - base) / 2**30,
+        pool_gib=state["pool"].nbytes / 2**30,
+        aliased_gib=float("nan") if memory is None else memory.alias_size_in_bytes / 2**30,
+        temp_gib=float("nan") if memory is None else memory.temp_size_in_bytes / 2**30,
     )
     log(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
     return row, state["pool"]

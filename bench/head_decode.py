@@ -3,7 +3,7 @@ one layer of the random Llama-3.1-8B attention shape (32 query heads, 8 KV heads
 B32 x 8K), per rank rate (``harness.rank_plan``'s representative layer), each KV head storing its own share of the
 context (``--keep``: below 1 the mean share, each head drawing its own from [keep/2, min(1, 3 keep/2)], as eviction
 leaves them; 1: every head the whole context), read by ``ops.decode.head_kernel`` from one pool of fixed-size pages
-(``--page-tokens`` full-width tokens a page), under each combination of ``--tokens-per-step``, ``--warps`` and
+(``--page-tokens`` full-width tokens a page), under each combination of ``--pages-per-step``, ``--warps`` and
 ``--stages``. Beside them (``--per-sequence``) the engine's per-sequence kernel (``ops.decode.kernel``, its balanced
 schedule) over the whole context: the same bytes as keep 1. Every row: CUPTI time, the floor (the K and V bytes
 the heads store over the measured copy bandwidth), their ratio, and the relative error against
@@ -36,7 +36,7 @@ from harness import (
 
 from kvjax.ops import head_paging
 from kvjax.ops.decode.config import DECODE
-from kvjax.ops.decode.head_kernel import TOKENS_PER_STEP, head_paged_decode
+from kvjax.ops.decode.head_kernel import NUM_STAGES, PAGES_PER_STEP, head_paged_decode
 from kvjax.runtime.head_pages import HeadPages
 
 
@@ -75,10 +75,13 @@ def per_sequence(layout, rate, batch, context, bandwidth) -> dict:
     lengths = np.full(batch, context)
     nbytes = int(lengths.sum()) * (layout.k_cols + layout.v_cols) * 2
     paged = PagedCase(layout, batch, lengths, 16, copies_for(nbytes), jax.random.key(2))
-    fn, shared, per_call = kvjax_decode_call(paged, schedule_of(paged, DECODE), jax.random.key(3))
+    fn, shared, per_call = kvjax_decode_call(paged, schedule_of(paged, DECODE).schedule.layer(0), jax.random.key(3))
     seconds = harness.time_calls(fn, shared, per_call)
     knobs = dict(
-        kernel="per-sequence", tokens_per_step=DECODE.block_tokens, warps=DECODE.num_warps, stages=DECODE.num_stages
+        kernel="per-sequence",
+        pages_per_step=DECODE.block_tokens // 16,
+        warps=DECODE.num_warps,
+        stages=DECODE.num_stages,
     )
     return row(rate, 1.0, batch, context, seconds, nbytes / bandwidth, float("nan"), **knobs)
 
@@ -89,9 +92,9 @@ def main(argv=None):
     p.add_argument("--rates", type=rates_arg(), default=[0.0, 0.5], help="comma-separated (default 0,0.5)")
     p.add_argument("--keep", type=float, nargs="+", default=[1.0, 0.25])
     p.add_argument("--page-tokens", type=count_arg("--page-tokens"), default=16)
-    p.add_argument("--tokens-per-step", type=count_arg("--tokens-per-step"), nargs="+", default=[TOKENS_PER_STEP])
+    p.add_argument("--pages-per-step", type=count_arg("--pages-per-step"), nargs="+", default=[PAGES_PER_STEP])
     p.add_argument("--warps", type=count_arg("--warps"), nargs="+", default=[4])
-    p.add_argument("--stages", type=count_arg("--stages"), nargs="+", default=[1])
+    p.add_argument("--stages", type=count_arg("--stages"), nargs="+", default=[NUM_STAGES])
     p.add_argument("--per-sequence", action="store_true", help="time the per-sequence kernel beside (GPU only)")
     p.add_argument("--timer", choices=("cupti", "host"), default="cupti")
     p.add_argument("--interpret", action="store_true")
@@ -109,7 +112,7 @@ def main(argv=None):
             want = head_paging.decode_attention(
                 q.astype(jnp.float32), pool.astype(jnp.float32), tables, stored, layout, page_elems, context
             )
-            for step, warps, stages in itertools.product(args.tokens_per_step, args.warps, args.stages):
+            for step, warps, stages in itertools.product(args.pages_per_step, args.warps, args.stages):
 
                 def run(pool, tables, stored, q, layout=layout, page_elems=page_elems, knobs=(step, warps, stages)):
                     step, warps, stages = knobs
@@ -120,7 +123,7 @@ def main(argv=None):
                         stored,
                         layout,
                         page_elems,
-                        tokens_per_step=step,
+                        pages_per_step=step,
                         num_warps=warps,
                         num_stages=stages,
                         interpret=args.interpret,
@@ -128,7 +131,7 @@ def main(argv=None):
 
                 got = run(pool, tables, stored, q)
                 seconds = harness.time_calls(run, (pool, tables, stored), [(q,)])
-                knobs = dict(kernel="per-head", tokens_per_step=step, warps=warps, stages=stages)
+                knobs = dict(kernel="per-head", pages_per_step=step, warps=warps, stages=stages)
                 rows.append(row(rate, keep, batch, context, seconds, nbytes / bandwidth, rel_err(got, want), **knobs))
         if args.per_sequence:
             rows.append(per_sequence(layout, rate, batch, context, bandwidth))

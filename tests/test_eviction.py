@@ -289,3 +289,28 @@ def test_the_device_selection_equals_the_host_one_ties_included(trial):
                     context = f"seed {seed}, {spec.name}, prompt {n}, row {b}"
                     np.testing.assert_array_equal(got[b, :, :, :n], np.stack(want), context)
                     assert not got[b, :, :, n:].any(), context
+
+
+@pytest.mark.parametrize("method", ["kvcompress", "snapkv"])
+def test_window_scores_from_the_last_queries_equal_the_full_pass(method):
+    """The engine's form (each prompt's last W queries against its keys, prompts of different lengths padded to one
+    width with junk, one shorter than W) scores as ``metrics.scores`` does over each prompt alone; a full-history
+    method is refused in one line."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    layout = HeadLayout(6, 3, 16, (16, 8, 12), (16, 4, 8), sliding_window=int(rng.choice([0, 20])) or None)
+    w, s = 8, 48
+    lengths = np.array([48, 30, 5])
+    q = rng.normal(size=(3, s, layout.q_cols)).astype(np.float32)
+    k = rng.normal(size=(3, s, layout.k_cols)).astype(np.float32)
+    rows = np.clip(lengths[:, None] - w + np.arange(w), 0, None)
+    window = np.take_along_axis(q, rows[..., None], axis=1)
+    got = metrics.window_scores(method, jnp.asarray(window), jnp.asarray(k), lengths, layout, pool=5)
+    for b, n in enumerate(lengths):
+        want = metrics.scores(
+            method, jnp.asarray(q[b : b + 1, :n]), jnp.asarray(k[b : b + 1, :n]), layout, window=w, pool=5
+        )
+        np.testing.assert_allclose(got[b, :, :n], want[0], rtol=1e-5, atol=1e-7, err_msg=f"seed {seed}, row {b}")
+        assert not np.asarray(got[b, :, n:]).any()
+    with pytest.raises(ValueError, match="needs every query"):
+        metrics.window_scores("h2o", jnp.asarray(window), jnp.asarray(k), lengths, layout)

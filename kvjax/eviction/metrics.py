@@ -89,3 +89,31 @@ def scores(
         total, _ = jax.lax.scan(step, jnp.zeros((b, s), jnp.float32), jnp.arange(blocks))
         out.append(_pool(total, pool) if method in WINDOWED else total)
     return jnp.stack(out, axis=1)
+
+
+def window_scores(method: str, q, k, lengths, layout: HeadLayout, *, pool: int = 7):
+    """An observation-window method's (``WINDOWED``) float32 scores [B, Hkv, S] where the engine has them at a
+    prompt's end: ``q`` [B, W, q_cols], the queries of each prompt's last W positions (``lengths[b] - W`` on; rows
+    before position 0 are ignored), against the prompt's keys ``k`` [B, S, k_cols] (slots past ``lengths`` are
+    ignored and score 0). Equal to ``scores(method, ...)`` with ``window`` W over each prompt alone (tested): the
+    prefill step computes it from the last chunk's queries and the keys in its pages, with no second pass."""
+    if method not in WINDOWED:
+        raise ValueError(f"only {WINDOWED} score from a window of queries; {method!r} needs every query's attention")
+    b, w = q.shape[:2]
+    s = k.shape[1]
+    lengths = jnp.asarray(lengths, jnp.int32)
+    rows = lengths[:, None] - w + jnp.arange(w)[None, :]  # [B, W] each query's position
+    key_pos = jnp.arange(s)
+    seen = visible(rows[:, :, None], key_pos[None, None, :], layout.sliding_window) & (rows >= 0)[:, :, None]
+    seen &= key_pos < lengths[:, None, None]  # [B, W, S]
+    out = []
+    for g in range(layout.num_kv_heads):
+        logits = head_logits(q, k, layout, g)  # [B, group, W, S]
+        probs = jax.nn.softmax(jnp.where(seen[:, None], logits, -jnp.inf), axis=-1)
+        probs = jnp.where(seen[:, None], probs, 0.0)
+        if method.startswith("kvcompress"):
+            probs = probs * probs
+        total = probs.sum(axis=(1, 2))
+        pooled = _pool(jnp.where(key_pos < lengths[:, None], total, -jnp.inf), pool)
+        out.append(jnp.where(key_pos < lengths[:, None], pooled, 0.0))
+    return jnp.stack(out, axis=1)

@@ -44,8 +44,8 @@ def _rows(table, slots, per: int, width: int, first: int, page_elems: int):
 
 def write(pool, table, slots, k, v, valid, layout: HeadLayout, page_elems: int):
     """Store new tokens of one layer: ``k`` [B, T, k_cols] and ``v`` [B, T, v_cols] (packed heads) at each head's
-    ``slots`` [B, Hkv, T] through ``table`` [B, Hkv, pages]; rows not ``valid`` [B, T], or bound for the null page,
-    are dropped. Returns the pool."""
+    ``slots`` [B, Hkv, T] through ``table`` [B, Hkv, pages]; rows not ``valid`` ([B, T], or [B, Hkv, T] per head),
+    or bound for the null page, are dropped. Returns the pool."""
     flat = pool.reshape(-1)
     size = flat.shape[0]
     k_offsets, v_offsets = HeadLayout.offsets(layout.k_widths), HeadLayout.offsets(layout.v_widths)
@@ -53,7 +53,7 @@ def write(pool, table, slots, k, v, valid, layout: HeadLayout, page_elems: int):
         per = tokens_per_page(page_elems, kw, vw)
         for part, width, first, offset in ((k, kw, 0, k_offsets[h]), (v, vw, per * kw, v_offsets[h])):
             page, index = _rows(table[:, h], slots[:, h], per, width, first, page_elems)
-            keep = valid & (page != NULL_PAGE)
+            keep = (valid[:, h] if valid.ndim == 3 else valid) & (page != NULL_PAGE)
             index = jnp.where(keep[..., None], index, size)
             values = part[..., offset : offset + width].astype(pool.dtype)
             flat = flat.at[index].set(values, mode="drop", unique_indices=True)
@@ -158,4 +158,32 @@ def compact(pool, tables, keep, stored, layouts, page_elems: int):
         blocks = jnp.concatenate([k_rows, v_rows, blocks[..., per * (kw + vw) :]], axis=-1)
         target = jnp.where(table == NULL_PAGE, flat_pages, table)  # the null page is never written
         pool = pool.at[target].set(blocks, mode="drop")
+    return pool, kept
+
+
+def admit(pool, tables, k_pages, v_pages, seq_table, keep, layouts, page_elems: int):
+    """Copy prompts from the engine's per-sequence pages into per-head pages, each head keeping what ``keep`` marks:
+    eviction after prefill and its compaction in one pass, so nothing is moved again (bench/notes/
+    2026-12-02-eviction-device.md, "The engine on per-head pages").
+
+    ``k_pages``/``v_pages``: per layer [P, page_size, k_cols / v_cols] (``runtime.cache.PagedKVCache``; every layer
+    in the whole-context pool); ``seq_table`` [B, pages]: the prompts' pages there; ``keep`` [B, L, Hkv, S] (S at
+    most the pages' tokens): the tokens each head keeps, in position order; ``tables`` [B, L, Hkv, head pages]: each
+    head's per-head pages, enough for what it keeps (slots whose page is the null page are dropped). Returns the pool
+    and the kept counts [B, L, Hkv] (each head stores its survivors in slots 0 .. kept - 1)."""
+    b, s = keep.shape[0], keep.shape[-1]
+    kept = keep.sum(-1, dtype=jnp.int32)
+    slots = jnp.broadcast_to(jnp.arange(s), (b, keep.shape[2], s))
+    for layer, lay in enumerate(layouts):
+        order = jnp.argsort(~keep[:, layer], axis=-1, stable=True)  # [B, Hkv, S]: survivors first, in order
+        ks, vs = (pages[layer][seq_table].reshape(b, -1, pages[layer].shape[-1])[:, :s] for pages in (k_pages, v_pages))
+        k_cols, v_cols = [], []
+        for h, (kw, vw) in enumerate(zip(lay.k_widths, lay.v_widths)):
+            ko, vo = HeadLayout.offsets(lay.k_widths)[h], HeadLayout.offsets(lay.v_widths)[h]
+            rows = order[:, h, :, None]
+            k_cols.append(jnp.take_along_axis(ks[..., ko : ko + kw], rows, axis=1))
+            v_cols.append(jnp.take_along_axis(vs[..., vo : vo + vw], rows, axis=1))
+        k_rows, v_rows = jnp.concatenate(k_cols, -1), jnp.concatenate(v_cols, -1)
+        valid = slots < kept[:, layer, :, None]  # a head's slots past its survivors are not written
+        pool = write(pool, tables[:, layer], slots, k_rows, v_rows, valid, lay, page_elems)
     return pool, kept

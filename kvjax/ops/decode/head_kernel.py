@@ -3,12 +3,12 @@ one new query per sequence against each KV head's own stored tokens, which evict
 for every head. It equals ``head_paging.decode_attention``.
 
 One program per (sequence, KV head, split), heads of one (K, V) width pair a kernel: it walks its share of the
-head's pages through the head's block table, ``step_pages`` whole pages a step (those holding about
-``tokens_per_step`` of its tokens, their K rows gathered into one block and their V rows into another: one 16-token
-page a step left the loads too small to hide their latency), scores them against the group's queries and runs the online
-softmax; the splits' partial softmaxes are merged in jnp (``pallas_util.merge_splits``). Splits exist because a
-width pair's launch otherwise has only B x (its heads) programs. No schedule: the simplest form that reads each
-byte once. Measured: bench/RESULTS.md "Per-head pages: decode kernel".
+head's pages through the head's block table, ``pages_per_step`` pages a step (their K rows gathered into one block
+and their V rows into another: the same bytes a step whatever the head's width, since pages are of one size; one
+16-token page a step left the loads too small to hide their latency), scores them against the group's queries and
+runs the online softmax; the splits' partial softmaxes are merged in jnp (``pallas_util.merge_splits``). Splits
+exist because a width pair's launch otherwise has only B x (its heads) programs. No schedule: the simplest form
+that reads each byte once. Measured: bench/RESULTS.md "Per-head pages: decode kernel".
 
 Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; no sliding window (a slot
 is not a position once a head has evicted); the pool under 2^31 elements.
@@ -57,7 +57,7 @@ def _kernel(
     kw,
     vw,
     per,
-    step_pages,
+    pages_per_step,
     page_elems,
     pages,
     group,
@@ -67,7 +67,7 @@ def _kernel(
     seq, unit, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     units, splits = pl.num_programs(1), pl.num_programs(2)
     head = seq * units + unit  # this (sequence, head)'s row of the stored counts and tables
-    t = jnp.arange(max(16, tile(per * step_pages)))
+    t = jnp.arange(max(16, tile(per * pages_per_step)))
     in_page, nth = t % per, t // per  # each row's token in its page, and which of the step's pages
     kc, vc = jnp.arange(tile(kw)), jnp.arange(tile(vw))
     kc_ok, vc_ok = (kc < kw)[None, :], (vc < vw)[None, :]
@@ -79,12 +79,12 @@ def _kernel(
     q = (q * (scale * LOG2E)).astype(dt)
     stored = stored_ref[head]
     n_pages = (stored + per - 1) // per
-    steps = (n_pages + step_pages - 1) // step_pages
+    steps = (n_pages + pages_per_step - 1) // pages_per_step
     chunk = (steps + splits - 1) // splits  # this split's share of the head's steps
 
     def page_step(i, carry):
-        page = i * step_pages + nth
-        ok = (nth < step_pages) & (page * per + in_page < stored)
+        page = i * pages_per_step + nth
+        ok = (nth < pages_per_step) & (page * per + in_page < stored)
         at = jnp.where(ok, head * pages + page, head * pages)  # a row past the head's pages reads its first entry
         base = (plgpu.load(table_ref.at[at]) * page_elems)[:, None]
         k = load_rows(pool_ref, in_page, kw, base, kc[None, :], kc_ok, ok).astype(dt)
@@ -108,12 +108,15 @@ def default_splits(programs: int, target: int = 264) -> int:
     return int(min(16, max(1, -(-target // programs))))
 
 
-TOKENS_PER_STEP = 64  # rows a program scores a step (whole pages: at least one)
+# Pages a program reads a step, and pipeline stages: the best of bench/RESULTS.md "Per-head pages: decode kernel"'s
+# sweep on the H200 (4 pages = 64 full-width tokens or 128 of a half-width head).
+PAGES_PER_STEP = 4
+NUM_STAGES = 2
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("layout", "page_elems", "splits", "tokens_per_step", "num_warps", "num_stages", "interpret"),
+    static_argnames=("layout", "page_elems", "splits", "pages_per_step", "num_warps", "num_stages", "interpret"),
 )
 def head_paged_decode(
     q,
@@ -124,17 +127,17 @@ def head_paged_decode(
     page_elems: int,
     *,
     splits=None,
-    tokens_per_step=TOKENS_PER_STEP,
+    pages_per_step=PAGES_PER_STEP,
     num_warps=4,
-    num_stages=1,
+    num_stages=NUM_STAGES,
     interpret=False,
 ):
     """One new query per sequence against each KV head's stored tokens; equal to ``head_paging.decode_attention``.
 
     q [B, q_cols] packed; pool [num_pages, page_elems]; tables [B, Hkv, pages] int32 (each head's block table);
     stored [B, Hkv] int32 (tokens each head stores, the new one included, already written). ``splits``: programs
-    sharing one head's pages, their partial softmaxes merged after (None: ``default_splits``); ``tokens_per_step``:
-    a program reads the whole pages that hold about this many of a head's tokens a step. Returns [B,
+    sharing one head's pages, their partial softmaxes merged after (None: ``default_splits``); ``pages_per_step``:
+    pages a program reads a step. Returns [B,
     out_cols] in q's dtype; a head storing nothing gives zeros."""
     b, g = q.shape[0], layout.group_size
     if q.ndim != 2 or q.shape[1] != layout.q_cols:
@@ -143,8 +146,8 @@ def head_paged_decode(
         raise ValueError(f"pool must be [num_pages, {page_elems}] under 2^31 elements, got {pool.shape}")
     if tables.ndim != 3 or tables.shape[:2] != (b, layout.num_kv_heads) or stored.shape != (b, layout.num_kv_heads):
         raise ValueError(f"tables must be [{b}, {layout.num_kv_heads}, pages] and stored [{b}, {layout.num_kv_heads}]")
-    if not (isinstance(tokens_per_step, int) and tokens_per_step >= 1):
-        raise ValueError(f"tokens_per_step must be a positive integer, got {tokens_per_step!r}")
+    if not (isinstance(pages_per_step, int) and pages_per_step >= 1):
+        raise ValueError(f"pages_per_step must be a positive integer, got {pages_per_step!r}")
     if g > BLOCK_H:
         raise ValueError(f"per-head decode scores at most {BLOCK_H} queries a KV head, got {g}")
     if layout.sliding_window is not None:
@@ -157,7 +160,7 @@ def head_paged_decode(
         args = [stored[:, heads].astype(jnp.int32).reshape(-1), tables[:, heads].astype(jnp.int32).reshape(-1)]
         args += [qh.reshape(-1), flat]
         per = tokens_per_page(page_elems, kw, vw)
-        static: dict = dict(kw=kw, vw=vw, per=per, step_pages=max(1, tokens_per_step // per), page_elems=page_elems)
+        static: dict = dict(kw=kw, vw=vw, per=per, pages_per_step=pages_per_step, page_elems=page_elems)
         static |= dict(pages=tables.shape[2], group=g, scale=1.0 / math.sqrt(layout.head_dim), interpret=interpret)
         rows = b * n * s * g
         shapes = [jax.ShapeDtypeStruct((rows * vw,), jnp.float32), *[jax.ShapeDtypeStruct((rows,), jnp.float32)] * 2]
