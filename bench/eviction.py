@@ -229,8 +229,10 @@ def answered(model, hidden, prompt: int, answer: list[int]) -> bool:
     return bool((logits.argmax(-1) == np.asarray(answer)).all())
 
 
-def run_retrieval(base, args) -> list[dict]:
-    """Per task, context, plan and policy: the share of trials whose answer is teacher-forced right."""
+def run_retrieval(base, args, save=None) -> list[dict]:
+    """Per task, context, plan and policy: the share of trials whose answer is teacher-forced right. ``save(rows)``
+    is called with the rows so far after every trial: a run cut short (a device call's time limit) keeps what it
+    measured."""
     specs, models = policies(args), plan_models(base, args, max(args.contexts) + ANSWER_ROOM)
     hits: dict = {}
     kept: dict = {}
@@ -254,6 +256,15 @@ def run_retrieval(base, args) -> list[dict]:
                         hidden = hidden_after(model, tokens, cut)
                     hits.setdefault(key, []).append(answered(model, hidden, p, answer))
         print(f"{task} {context} depth {depth} trial {trial} done", file=sys.stderr, flush=True)
+        if save is not None:
+            save(_retrieval_rows(hits, kept, models))
+    rows = _retrieval_rows(hits, kept, models)
+    for row in rows:
+        print(accuracy._fmt(row), flush=True)
+    return rows
+
+
+def _retrieval_rows(hits: dict, kept: dict, models) -> list[dict]:
     rates = {fields["plan"]: fields["rate"] for fields, _ in models}
     rows = []
     for (task, context, plan, policy), got in hits.items():
@@ -263,7 +274,6 @@ def run_retrieval(base, args) -> list[dict]:
             {"task": task, "context": context, "plan": plan, "evict": policy, "overall_rate": overall}
             | {"accuracy": float(np.mean(got)), "trials": len(got)}
         )
-        print(accuracy._fmt(rows[-1]), flush=True)
     return rows
 
 
@@ -308,18 +318,23 @@ def main(argv=None):
     jax.config.update("jax_default_matmul_precision", "highest")
     start = time.time()
     base = kvjax.load(args.model, dtype=args.dtype)
+    plans = ["none" if e is None else f"{e[0]}:{e[1]:g}" for e in args.plans]
+    saved = vars(args) | {"plans": plans, "evict": [e.name for e in args.evict]}
+
+    def save(rows, extra=None, partial=True):
+        if args.json:
+            out = {"mode": args.mode, "args": saved, "rows": rows} | (extra or {})
+            write_json(args.json, out | ({"partial": True} if partial else {}), indent=1)
+
     if args.mode == "eval":
         rows = run_eval(base, args)
         summary = within_one_percent(rows)
         extra = {"within_one_percent": summary}
         text = f"\n\nlargest overall rate within 1% of the uncompressed perplexity\n\n{accuracy.table(summary)}"
     else:
-        rows, extra, text = run_retrieval(base, args), {}, ""
+        rows, extra, text = run_retrieval(base, args, save), {}, ""
     print(f"\n{args.mode} on {args.model} ({args.dtype}), {time.time() - start:.0f} s\n\n{accuracy.table(rows)}{text}")
-    if args.json:
-        plans = ["none" if e is None else f"{e[0]}:{e[1]:g}" for e in args.plans]
-        saved = vars(args) | {"plans": plans, "evict": [e.name for e in args.evict]}
-        write_json(args.json, {"mode": args.mode, "args": saved, "rows": rows} | extra, indent=1)
+    save(rows, extra, partial=False)
 
 
 if __name__ == "__main__":

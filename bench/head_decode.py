@@ -95,6 +95,13 @@ def main(argv=None):
     p.add_argument("--pages-per-step", type=count_arg("--pages-per-step"), nargs="+", default=[PAGES_PER_STEP])
     p.add_argument("--warps", type=count_arg("--warps"), nargs="+", default=[4])
     p.add_argument("--stages", type=count_arg("--stages"), nargs="+", default=[NUM_STAGES])
+    p.add_argument(
+        "--launches",
+        nargs="+",
+        choices=("pair", "one"),
+        default=["pair", "one"],
+        help="a launch per (K, V) width pair, one for all, or both (default)",
+    )
     p.add_argument("--per-sequence", action="store_true", help="time the per-sequence kernel beside (GPU only)")
     p.add_argument("--timer", choices=("cupti", "host"), default="cupti")
     p.add_argument("--interpret", action="store_true")
@@ -112,10 +119,13 @@ def main(argv=None):
             want = head_paging.decode_attention(
                 q.astype(jnp.float32), pool.astype(jnp.float32), tables, stored, layout, page_elems, context
             )
-            for step, warps, stages in itertools.product(args.pages_per_step, args.warps, args.stages):
+            combos = itertools.product(args.launches, args.pages_per_step, args.warps, args.stages)
+            for launches, step, warps, stages in combos:
 
-                def run(pool, tables, stored, q, layout=layout, page_elems=page_elems, knobs=(step, warps, stages)):
-                    step, warps, stages = knobs
+                def run(
+                    pool, tables, stored, q, layout=layout, page_elems=page_elems, knobs=(step, warps, stages, launches)
+                ):
+                    step, warps, stages, launches = knobs
                     return head_paged_decode(
                         q,
                         pool,
@@ -126,12 +136,13 @@ def main(argv=None):
                         pages_per_step=step,
                         num_warps=warps,
                         num_stages=stages,
+                        one_launch=launches == "one",
                         interpret=args.interpret,
                     )
 
                 got = run(pool, tables, stored, q)
                 seconds = harness.time_calls(run, (pool, tables, stored), [(q,)])
-                knobs = dict(kernel="per-head", pages_per_step=step, warps=warps, stages=stages)
+                knobs = dict(kernel=f"per-head ({launches})", pages_per_step=step, warps=warps, stages=stages)
                 rows.append(row(rate, keep, batch, context, seconds, nbytes / bandwidth, rel_err(got, want), **knobs))
         if args.per_sequence:
             rows.append(per_sequence(layout, rate, batch, context, bandwidth))

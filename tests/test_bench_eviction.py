@@ -4,6 +4,7 @@ teacher-forced retrieval check, and refusals of bad flags before any model loads
 import dataclasses
 import json
 import os
+import types
 import sys
 
 import numpy as np
@@ -104,3 +105,37 @@ def test_the_device_cost_bench_writes_its_tables_on_a_cpu(tmp_path, capsys):
     with pytest.raises(SystemExit):
         eviction_cost.main(["--ratios", "0.5"])
     assert "--ratios must be at least 1" in capsys.readouterr().err
+
+
+def test_a_retrieval_run_cut_short_keeps_the_trials_it_finished(tmp_path, monkeypatch):
+    """The JSON is written after every trial, marked partial until the run ends: a run killed by a device call's
+    time limit keeps what it measured (a 2026-12-02 GPU run lost nine minutes of trials)."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    model = kvjax.Model.random(WIDE, seed=seed % 1000)
+    monkeypatch.setattr(eviction.kvjax, "load", lambda *a, **k: model)
+    monkeypatch.setattr(eviction.retrieval, "build_prompt", lambda *a: _prompt(rng, a[2]))
+    monkeypatch.setattr(eviction, "answer_ids", lambda tokenizer, expected: [5, 6])
+    calls = {"n": 0}
+    real = eviction.answered
+
+    def answered(*a):
+        calls["n"] += 1
+        if calls["n"] > 4:  # two policies a trial: the third trial is cut
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(eviction, "answered", answered)
+    out = tmp_path / "r.json"
+    flags = ["retrieval", "--contexts", "40", "--depths", "0.5", "--trials", "5", "--task", "passkey"]
+    flags += ["--methods", "kvcompress", "--ratios", "2", "--page-size", "4", "--json", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        eviction.main(flags)
+    data = json.loads(out.read_text())
+    assert data["partial"] is True
+    assert {r["evict"]: r["trials"] for r in data["rows"]} == {"none": 2, "kvcompress:2x": 2}, f"seed {seed}"
+
+
+def _prompt(rng, context):
+    """A retrieval prompt of random tokens (the harness's text needs a tokenizer the random model lacks)."""
+    return types.SimpleNamespace(ids=rng.integers(1, WIDE.vocab_size, context).tolist(), expected="7")

@@ -265,9 +265,10 @@ def test_a_page_too_small_for_a_head_is_refused():
 @pytest.mark.parametrize(
     "dtype, splits, step", [(np.float32, None, 4), ("bfloat16", None, 1), (np.float32, 3, 2), (np.float32, 16, 7)]
 )
-def test_the_per_head_decode_kernel_matches_the_reference_in_interpret_mode(dtype, splits, step):
-    """Any split of a head's pages (some splits with none), and any number of pages a step (one, or several with
-    the last step's short), merges to the same output."""
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_the_per_head_decode_kernel_matches_the_reference_in_interpret_mode(dtype, splits, step, one_launch):
+    """Any split of a head's pages (some splits with none), any number of pages a step (one, or several with the
+    last step's short), a launch per width pair or one for all, merges to the same output."""
     from kvjax.ops.decode.head_kernel import head_paged_decode
 
     seed = fresh_seed()
@@ -285,7 +286,16 @@ def test_the_per_head_decode_kernel_matches_the_reference_in_interpret_mode(dtyp
     q = jnp.asarray(rng.normal(size=(3, layout.q_cols)), dtype)
     stored = jnp.asarray(lengths, jnp.int32)
     got = head_paged_decode(
-        q, pool, tables, stored, layout, page_elems, splits=splits, pages_per_step=step, interpret=True
+        q,
+        pool,
+        tables,
+        stored,
+        layout,
+        page_elems,
+        splits=splits,
+        pages_per_step=step,
+        one_launch=one_launch,
+        interpret=True,
     )
     want = head_paging.decode_attention(
         q.astype(jnp.float32), pool.astype(jnp.float32), tables, stored, layout, page_elems, 60
@@ -296,7 +306,8 @@ def test_the_per_head_decode_kernel_matches_the_reference_in_interpret_mode(dtyp
 
 
 def test_the_per_head_decode_kernel_lowers_for_sm90():
-    """Lowered to Triton IR for an H100 (no GPU here: what XLA would compile), a kernel a width pair."""
+    """Lowered to Triton IR for an H100 (no GPU here: what XLA would compile): a kernel a width pair, or one kernel
+    with a branch per pair (the default)."""
     from kvjax.ops.decode.head_kernel import head_paged_decode
     from kvjax.ops.lowering import triton_modules
 
@@ -308,8 +319,14 @@ def test_the_per_head_decode_kernel_lowers_for_sm90():
     stored = jnp.full((2, 4), 5, jnp.int32)
 
     def run(q, pool, tables, stored):
-        return head_paged_decode(q, pool, tables, stored, layout, page_elems)
+        return head_paged_decode(q, pool, tables, stored, layout, page_elems, one_launch=False)
 
     modules = triton_modules(run, (q, pool, tables, stored))
     assert len(modules) == 3 and all("tt.dot" in m for m in modules)
     assert any("@kvjax_head_decode_k16_v32" in m for m in modules)
+
+    def one(q, pool, tables, stored):
+        return head_paged_decode(q, pool, tables, stored, layout, page_elems)
+
+    (module,) = triton_modules(one, (q, pool, tables, stored))  # every pair in one kernel, a branch each
+    assert "@kvjax_head_decode_all" in module and module.count("tt.dot") >= 6

@@ -2,12 +2,13 @@
 one new query per sequence against each KV head's own stored tokens, which eviction may have made a different count
 for every head. It equals ``head_paging.decode_attention``.
 
-One program per (sequence, KV head, split), heads of one (K, V) width pair a kernel: it walks its share of the
+One program per (sequence, KV head, split), in one launch for every (K, V) width pair of the layer (each program
+switches to its head's pair, a branch per pair; or a launch per pair, measured beside it): it walks its share of the
 head's pages through the head's block table, ``pages_per_step`` pages a step (their K rows gathered into one block
 and their V rows into another: the same bytes a step whatever the head's width, since pages are of one size; one
 16-token page a step left the loads too small to hide their latency), scores them against the group's queries and
 runs the online softmax; the splits' partial softmaxes are merged in jnp (``pallas_util.merge_splits``). Splits
-exist because a width pair's launch otherwise has only B x (its heads) programs. No schedule: the simplest form
+exist because a launch otherwise has only B x (its heads) programs. No schedule: the simplest form
 that reads each byte once. Measured: bench/RESULTS.md "Per-head pages: decode kernel".
 
 Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; no sliding window (a slot
@@ -21,6 +22,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -39,20 +41,19 @@ from kvjax.ops.pallas_util import (
     online_update,
     store_rows,
     whole_block,
+    width_pairs,
 )
 from kvjax.ops.tiles import tile
 
 BLOCK_H = ROWS  # query rows a program: a GQA group (G <= 16) padded to the tensor cores' smallest M
 
 
-def _kernel(
-    stored_ref,
-    table_ref,
-    q_ref,
-    pool_ref,
-    acc_ref,
-    m_ref,
-    l_ref,
+def _attend_head(
+    refs,
+    head_split,
+    head,
+    q_base,
+    out_stride,
     *,
     kw,
     vw,
@@ -64,9 +65,12 @@ def _kernel(
     scale,
     interpret,
 ):
-    seq, unit, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    units, splits = pl.num_programs(1), pl.num_programs(2)
-    head = seq * units + unit  # this (sequence, head)'s row of the stored counts and tables
+    """One program's work on KV head row ``head`` (of the stored counts and tables) for its split (``head_split``:
+    the program's split and the number of splits, read outside any branch, where interpret mode can): the group's
+    queries from ``q_base`` (rows ``kw`` apart), the head's share of pages, its partial softmax stored at rows
+    ``out_stride`` wide."""
+    stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref = refs
+    split, splits = head_split
     t = jnp.arange(max(16, tile(per * pages_per_step)))
     in_page, nth = t % per, t // per  # each row's token in its page, and which of the step's pages
     kc, vc = jnp.arange(tile(kw)), jnp.arange(tile(vw))
@@ -75,7 +79,7 @@ def _kernel(
     real = rows < group
     dt = jnp.dtype(q_ref.dtype)
     precision = dot_precision(dt)
-    q = load_rows(q_ref, head * group + rows, kw, 0, kc[None, :], kc_ok, real).astype(jnp.float32)
+    q = load_rows(q_ref, rows, kw, q_base, kc[None, :], kc_ok, real).astype(jnp.float32)
     q = (q * (scale * LOG2E)).astype(dt)
     stored = stored_ref[head]
     n_pages = (stored + per - 1) // per
@@ -96,10 +100,52 @@ def _kernel(
     first = split * chunk
     acc, m, l = lax.fori_loop(first, jnp.minimum(first + chunk, steps), page_step, carry)
     part = (head * splits + split) * group + rows  # this split's rows of the partial results
-    store_rows(acc_ref, part, vw, 0, vc[None, :], acc, vc_ok, real, interpret=interpret)
+    store_rows(acc_ref, part, out_stride, 0, vc[None, :], acc, vc_ok, real, interpret=interpret)
     at = jnp.where(real, part, NOWHERE) if interpret else part
     plgpu.store(m_ref.at[at], m, mask=real)
     plgpu.store(l_ref.at[at], l, mask=real)
+
+
+def _pair_kernel(stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref, *, kw, vw, group, **static):
+    """One width pair's launch: q holds the pair's heads' query columns, [B, heads, G * kw]."""
+    seq, unit, units = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
+    head = seq * units + unit
+    refs = (stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref)
+    split = pl.program_id(2), pl.num_programs(2)
+    _attend_head(refs, split, head, head * group * kw, vw, kw=kw, vw=vw, group=group, **static)
+
+
+def _one_kernel(
+    stored_ref,
+    table_ref,
+    q_ref,
+    pool_ref,
+    pair_ref,
+    qo_ref,
+    acc_ref,
+    m_ref,
+    l_ref,
+    *,
+    pairs,
+    q_cols,
+    out_stride,
+    **static,
+):
+    """Every width pair in one launch: each program switches to its head's pair (``pair_ref``), reading the packed
+    q [B, q_cols] from the head's column offset (``qo_ref``)."""
+    seq, unit, units = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
+    head = seq * units + unit
+    refs = (stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref)
+    q_base = seq * q_cols + qo_ref[unit]
+    split = pl.program_id(2), pl.num_programs(2)
+    branches = [
+        functools.partial(_attend_head, refs, split, head, q_base, out_stride, kw=kw, vw=vw, per=per, **static)
+        for kw, vw, per in pairs
+    ]
+    if len(branches) == 1:
+        branches[0]()
+    else:
+        lax.switch(pair_ref[unit], branches)
 
 
 def default_splits(programs: int, target: int = 264) -> int:
@@ -114,31 +160,8 @@ PAGES_PER_STEP = 4
 NUM_STAGES = 2
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("layout", "page_elems", "splits", "pages_per_step", "num_warps", "num_stages", "interpret"),
-)
-def head_paged_decode(
-    q,
-    pool,
-    tables,
-    stored,
-    layout: HeadLayout,
-    page_elems: int,
-    *,
-    splits=None,
-    pages_per_step=PAGES_PER_STEP,
-    num_warps=4,
-    num_stages=NUM_STAGES,
-    interpret=False,
-):
-    """One new query per sequence against each KV head's stored tokens; equal to ``head_paging.decode_attention``.
-
-    q [B, q_cols] packed; pool [num_pages, page_elems]; tables [B, Hkv, pages] int32 (each head's block table);
-    stored [B, Hkv] int32 (tokens each head stores, the new one included, already written). ``splits``: programs
-    sharing one head's pages, their partial softmaxes merged after (None: ``default_splits``); ``pages_per_step``:
-    pages a program reads a step. Returns [B,
-    out_cols] in q's dtype; a head storing nothing gives zeros."""
+def _check(q, pool, tables, stored, layout: HeadLayout, page_elems: int, pages_per_step) -> None:
+    """``head_paged_decode``'s inputs, each refused in one line."""
     b, g = q.shape[0], layout.group_size
     if q.ndim != 2 or q.shape[1] != layout.q_cols:
         raise ValueError(f"q must be [B, {layout.q_cols}], got {q.shape}")
@@ -152,29 +175,92 @@ def head_paged_decode(
         raise ValueError(f"per-head decode scores at most {BLOCK_H} queries a KV head, got {g}")
     if layout.sliding_window is not None:
         raise ValueError("per-head pages hold no positions: a sliding-window layer cannot be read from them")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "layout",
+        "page_elems",
+        "splits",
+        "pages_per_step",
+        "num_warps",
+        "num_stages",
+        "one_launch",
+        "interpret",
+    ),
+)
+def head_paged_decode(
+    q,
+    pool,
+    tables,
+    stored,
+    layout: HeadLayout,
+    page_elems: int,
+    *,
+    splits=None,
+    pages_per_step=PAGES_PER_STEP,
+    num_warps=4,
+    num_stages=NUM_STAGES,
+    one_launch=True,
+    interpret=False,
+):
+    """One new query per sequence against each KV head's stored tokens; equal to ``head_paging.decode_attention``.
+
+    q [B, q_cols] packed; pool [num_pages, page_elems]; tables [B, Hkv, pages] int32 (each head's block table);
+    stored [B, Hkv] int32 (tokens each head stores, the new one included, already written). ``splits``: programs
+    sharing one head's pages, their partial softmaxes merged after (None: ``default_splits``); ``pages_per_step``:
+    pages a program reads a step; ``one_launch``: every width pair in one kernel, each program switching to its
+    head's pair (the default: 1.25-1.9x faster than a launch per pair at rate 0.5, bench/RESULTS.md "Per-head pages:
+    decode kernel"). Returns [B, out_cols] in q's dtype; a head storing nothing gives zeros."""
+    _check(q, pool, tables, stored, layout, page_elems, pages_per_step)
+    b, g = q.shape[0], layout.group_size
     flat = pool.reshape(-1)
+    common: dict = dict(pages_per_step=pages_per_step, page_elems=page_elems, pages=tables.shape[2], group=g)
+    common |= dict(scale=1.0 / math.sqrt(layout.head_dim), interpret=interpret)
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+    def launch(kernel, n, s, inputs, width, name):
+        """(acc [B, n, S, G, width], m, l [B, n, S, G]) of ``kernel`` over a grid of (B, n heads, S splits)."""
+        rows = b * n * s * g
+        shapes = [jax.ShapeDtypeStruct((rows * width,), jnp.float32), *[jax.ShapeDtypeStruct((rows,), jnp.float32)] * 2]
+        acc, m, l = pl.pallas_call(
+            kernel,
+            out_shape=shapes,
+            grid=(b, n, s),
+            in_specs=[whole_block(x) for x in inputs],
+            out_specs=[whole_block(x) for x in shapes],
+            interpret=interpret,
+            compiler_params=params,
+            name=name,
+        )(*inputs)
+        return acc.reshape(b, n, s, g, width), m.reshape(b, n, s, g), l.reshape(b, n, s, g)
+
+    if one_launch:
+        heads = layout.num_kv_heads
+        s = default_splits(b * heads) if splits is None else splits
+        pairs = [pair for pair, _ in width_pairs(layout)]
+        pair_of = np.zeros(heads, np.int32)
+        for i, (_, members) in enumerate(width_pairs(layout)):
+            pair_of[members] = i
+        static = [(kw, vw, tokens_per_page(page_elems, kw, vw)) for kw, vw in pairs]
+        width = max(layout.v_widths)
+        qo = np.asarray(HeadLayout.offsets(layout.k_widths, g), np.int32)
+        inputs = [stored.astype(jnp.int32).reshape(-1), tables.astype(jnp.int32).reshape(-1), q.reshape(-1), flat]
+        inputs += [jnp.asarray(pair_of), jnp.asarray(qo)]
+        kernel = functools.partial(_one_kernel, pairs=tuple(static), q_cols=layout.q_cols, out_stride=width, **common)
+        acc, m, l = launch(kernel, heads, s, inputs, width, "kvjax_head_decode_all")
+        got = merge_splits(acc, m, l)  # [B, H, G, width]
+        outs = [got[:, h, :, :vw].reshape(b, g * vw) for h, vw in enumerate(layout.v_widths)]
+        return jnp.concatenate(outs, axis=-1).astype(q.dtype)
 
     def attend(kw, vw, heads, qh):
         n = len(heads)
         s = default_splits(b * n) if splits is None else splits
-        args = [stored[:, heads].astype(jnp.int32).reshape(-1), tables[:, heads].astype(jnp.int32).reshape(-1)]
-        args += [qh.reshape(-1), flat]
-        per = tokens_per_page(page_elems, kw, vw)
-        static: dict = dict(kw=kw, vw=vw, per=per, pages_per_step=pages_per_step, page_elems=page_elems)
-        static |= dict(pages=tables.shape[2], group=g, scale=1.0 / math.sqrt(layout.head_dim), interpret=interpret)
-        rows = b * n * s * g
-        shapes = [jax.ShapeDtypeStruct((rows * vw,), jnp.float32), *[jax.ShapeDtypeStruct((rows,), jnp.float32)] * 2]
-        acc, m, l = pl.pallas_call(
-            functools.partial(_kernel, **static),
-            out_shape=shapes,
-            grid=(b, n, s),
-            in_specs=[whole_block(x) for x in args],
-            out_specs=[whole_block(x) for x in shapes],
-            interpret=interpret,
-            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-            name=f"kvjax_head_decode_k{kw}_v{vw}",
-        )(*args)
-        got = merge_splits(acc.reshape(b, n, s, g, vw), m.reshape(b, n, s, g), l.reshape(b, n, s, g))
+        inputs = [stored[:, heads].astype(jnp.int32).reshape(-1), tables[:, heads].astype(jnp.int32).reshape(-1)]
+        inputs += [qh.reshape(-1), flat]
+        kernel = functools.partial(_pair_kernel, kw=kw, vw=vw, per=tokens_per_page(page_elems, kw, vw), **common)
+        got = merge_splits(*launch(kernel, n, s, inputs, vw, f"kvjax_head_decode_k{kw}_v{vw}"))
         return got.reshape(b, n, g * vw).astype(q.dtype)
 
     return by_width_pair(q, layout, attend)
