@@ -4,8 +4,8 @@ teacher-forced retrieval check, and refusals of bad flags before any model loads
 import dataclasses
 import json
 import os
-import types
 import sys
+import types
 
 import numpy as np
 import pytest
