@@ -111,8 +111,8 @@ def _pair_kernel(stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref, 
     seq, unit, units = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
     head = seq * units + unit
     refs = (stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref)
-    split = pl.program_id(2), pl.num_programs(2)
-    _attend_head(refs, split, head, head * group * kw, vw, kw=kw, vw=vw, group=group, **static)
+    head_split = pl.program_id(2), pl.num_programs(2)
+    _attend_head(refs, head_split, head, head * group * kw, vw, kw=kw, vw=vw, group=group, **static)
 
 
 def _one_kernel(
@@ -137,9 +137,9 @@ def _one_kernel(
     head = seq * units + unit
     refs = (stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref)
     q_base = seq * q_cols + qo_ref[unit]
-    split = pl.program_id(2), pl.num_programs(2)
+    head_split = pl.program_id(2), pl.num_programs(2)
     branches = [
-        functools.partial(_attend_head, refs, split, head, q_base, out_stride, kw=kw, vw=vw, per=per, **static)
+        functools.partial(_attend_head, refs, head_split, head, q_base, out_stride, kw=kw, vw=vw, per=per, **static)
         for kw, vw, per in pairs
     ]
     if len(branches) == 1:
@@ -150,7 +150,7 @@ def _one_kernel(
 
 def default_splits(programs: int, target: int = 264) -> int:
     """Splits of each head's pages so that a launch has about ``target`` programs (twice an H100's or H200's 132
-    SMs), at most 16: a width pair's launch has only B x (its heads) programs otherwise."""
+    SMs), at most 16: a launch has only B x (its heads) programs otherwise."""
     return int(min(16, max(1, -(-target // programs))))
 
 
