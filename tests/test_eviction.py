@@ -314,3 +314,99 @@ def test_window_scores_from_the_last_queries_equal_the_full_pass(method):
         assert not np.asarray(got[b, :, n:]).any()
     with pytest.raises(ValueError, match="needs every query"):
         metrics.window_scores("h2o", jnp.asarray(window), jnp.asarray(k), lengths, layout)
+
+
+def _prefilled(model, tokens, page_size: int, rng):
+    """The model's exact prefill of ``tokens`` [B, T] written into per-sequence pages (noise elsewhere, pages
+    shuffled), and each layer's packed queries [B, T, q_cols]: what the engine's prefill step holds."""
+    from kvjax.ops.paging import write_pages
+    from kvjax.ops.prefill.reference import causal_attention
+
+    module = model.module
+    b, t = tokens.shape
+    per_seq = -(-t // page_size)
+    seq_table = jnp.asarray(rng.permutation(np.arange(1, b * per_seq + 1)).reshape(b, per_seq), jnp.int32)
+    k_pages = [
+        jnp.asarray(rng.normal(size=(b * per_seq + 1, page_size, lay.k_cols)), jnp.float32) for lay in module.layouts
+    ]
+    v_pages = [
+        jnp.asarray(rng.normal(size=(b * per_seq + 1, page_size, lay.v_cols)), jnp.float32) for lay in module.layouts
+    ]
+    queries = []
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+    def attend(i, q, k, v, rebuild=None, rotation=None):
+        if rotation is not None:
+            q, k = rotation.packed(q, k)
+        valid = jnp.ones((b, t), bool)
+        k_pages[i] = write_pages(k_pages[i], seq_table, positions, k, valid)
+        v_pages[i] = write_pages(v_pages[i], seq_table, positions, v, valid)
+        queries.append(q)
+        return causal_attention(q, k, v, module.layouts[i], rebuild)
+
+    module.hidden(jnp.asarray(tokens, jnp.int32), positions, attend)
+    return tuple(k_pages), tuple(v_pages), seq_table, queries
+
+
+@pytest.mark.parametrize("plan", ["none", "zack"])
+def test_the_device_eviction_of_prefilled_prompts_keeps_the_reference_selection(plan):
+    """``evict_prompts`` over a model's own prefill in per-sequence pages (two prompts of different lengths in one
+    batch): each head keeps what ``eviction.reference`` selects for that prompt alone, and its per-head pages hold
+    exactly those tokens' K and V rows, in order; ``HeadPages`` then gives back the rest. Uncompressed and ZACK at
+    rate 0.5 (scored in the rotated, truncated space)."""
+    from kvjax.eviction.prompt import evict_prompts
+    from kvjax.ops import head_paging
+    from kvjax.runtime.head_pages import HeadPages
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
+    if plan == "zack":
+        model = kvjax.compress(model, removal_rate=0.5, seed=seed % 1000, max_context=64, **CALIBRATION)
+    layouts = model.module.layouts
+    lengths = np.array([44, 29])
+    tokens = rng.integers(0, WIDE.vocab_size, (2, 44))
+    k_pages, v_pages, seq_table, queries = _prefilled(model, tokens, 8, rng)
+    for spec in (
+        Eviction("kvcompress", budget=12, page_size=4, window=4, pool=3),
+        Eviction("snapkv", ratio=2.0, page_size=4),
+    ):
+        w = spec.window
+        rows = jnp.asarray(np.clip(lengths[:, None] - w + np.arange(w), 0, None))
+        window = [jnp.take_along_axis(q, rows[..., None], axis=1) for q in queries]
+        page_elems = 4 * 2 * model.config.head_dim
+        per = np.stack([head_paging.layer_tokens_per_page(lay, page_elems) for lay in layouts])
+        pages = HeadPages(400, per, max_pages=int(-(-48 // per.min())))
+        for b, n in enumerate(lengths):
+            assert pages.grow(b, int(n)) is not None  # the whole prompt: always enough
+        tables = jnp.asarray(np.stack([pages.table(b) for b in range(2)]))
+        pool = jnp.asarray(rng.normal(size=(400, page_elems)), jnp.float32)
+        pool, kept, keep = evict_prompts(
+            spec,
+            window,
+            k_pages,
+            v_pages,
+            seq_table,
+            jnp.asarray(lengths),
+            spec.sizes(lengths),
+            layouts,
+            pool,
+            tables,
+            page_elems,
+        )
+        for b, n in enumerate(lengths):
+            want = prompt_keep(model, tokens[b : b + 1, :n], spec)
+            context = f"seed {seed}, {plan}, {spec.name}, prompt {n}"
+            np.testing.assert_array_equal(np.asarray(keep[b, :, :, :n]), np.stack([k[0] for k in want]), context)
+            pages.shrink(b, np.asarray(kept[b]))
+            for layer, lay in enumerate(layouts):
+                k_seq = np.asarray(k_pages[layer])[np.asarray(seq_table[b])].reshape(-1, lay.k_cols)
+                table = jnp.asarray(pages.table(b)[layer][None])
+                for h in range(lay.num_kv_heads):
+                    survivors = np.flatnonzero(want[layer][0, h])
+                    got_k, _ = head_paging.read(pool, table, h, lay, page_elems, max(len(survivors), 1))
+                    ko = HeadLayout.offsets(lay.k_widths)[h]
+                    np.testing.assert_array_equal(
+                        np.asarray(got_k[0, : len(survivors)]), k_seq[survivors, ko : ko + lay.k_widths[h]], context
+                    )
+        pages.check()

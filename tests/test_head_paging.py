@@ -330,3 +330,62 @@ def test_the_per_head_decode_kernel_lowers_for_sm90():
 
     (module,) = triton_modules(one, (q, pool, tables, stored))  # every pair in one kernel, a branch each
     assert "@kvjax_head_decode_all" in module and module.count("tt.dot") >= 6
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_decode_over_head_pages_writes_each_heads_next_slot_and_attends_its_own_tokens(backend):
+    """``attention.decode_heads``: the new token lands at each KV head's own next slot (heads store different counts,
+    one none), the output is softmax attention over each head's stored tokens and the new one (float64 brute force),
+    and an inactive row writes nothing and keeps its counts; the kernel in interpret mode gives the same."""
+    from kvjax.ops.attention import decode_heads
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    layout = HeadLayout(8, 4, 64, (16, 48, 16, 64), (32, 16, 32, 64))
+    page_elems = 8 * 2 * 64
+    per = head_paging.layer_tokens_per_page(layout, page_elems)[None]
+    pages = HeadPages(300, per, max_pages=8)
+    lengths = rng.integers(0, 40, (3, 4))
+    lengths[0, 2] = 0
+    for b in range(3):
+        assert pages.grow(b, lengths[b][None]) is not None and pages.grow(b, 1) is not None
+    tables = jnp.asarray(np.stack([pages.table(b)[0] for b in range(3)]))
+    pool = jnp.asarray(rng.normal(size=(300, page_elems)), jnp.float32)
+    q = rng.normal(size=(3, layout.q_cols)).astype(np.float32)
+    k = rng.normal(size=(3, layout.k_cols)).astype(np.float32)
+    v = rng.normal(size=(3, layout.v_cols)).astype(np.float32)
+    active = jnp.asarray([True, False, True])
+    stored = jnp.asarray(lengths, jnp.int32)
+    out, got_pool, after = decode_heads(
+        jnp.asarray(q),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        layout,
+        pool,
+        tables,
+        stored,
+        page_elems,
+        backend=backend,
+        active=active,
+    )
+    np.testing.assert_array_equal(after, lengths + np.array([[1], [0], [1]]))
+    scale = 1 / np.sqrt(layout.head_dim)
+    for b in (0, 2):
+        for h, (kw, vw) in enumerate(zip(layout.k_widths, layout.v_widths)):
+            n = lengths[b, h] + 1
+            keys, values = (
+                np.asarray(x[b], np.float64) for x in head_paging.read(got_pool, tables, h, layout, page_elems, 64)
+            )
+            ko, vo = HeadLayout.offsets(layout.k_widths)[h], HeadLayout.offsets(layout.v_widths)[h]
+            np.testing.assert_array_equal(keys[n - 1], k[b, ko : ko + kw], f"seed {seed}")
+            np.testing.assert_array_equal(values[n - 1], v[b, vo : vo + vw], f"seed {seed}")
+            qo = HeadLayout.offsets(layout.k_widths, 2)[h]
+            for j in range(2):
+                logits = keys[:n] @ q[b, qo + j * kw : qo + (j + 1) * kw] * scale
+                p = np.exp(logits - logits.max())
+                want = (p / p.sum()) @ values[:n]
+                oo = HeadLayout.offsets(layout.v_widths, 2)[h] + j * vw
+                np.testing.assert_allclose(out[b, oo : oo + vw], want, rtol=2e-4, atol=2e-5, err_msg=f"seed {seed}")
+    untouched = np.asarray(tables[1]).ravel()
+    untouched = untouched[untouched != 0]
+    np.testing.assert_array_equal(np.asarray(got_pool)[untouched], np.asarray(pool)[untouched])

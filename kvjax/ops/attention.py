@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.layout import HeadLayout
-from kvjax.ops import quant_paging
+from kvjax.ops import head_paging, quant_paging
+from kvjax.ops.decode.head_kernel import head_paged_decode
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.reference import paged_decode_attention, quantized_decode_attention
 from kvjax.ops.grouped import attend_groups, full_width, visible
@@ -219,3 +220,39 @@ def decode_quantized(
     if op is None:
         return quantized_decode_attention(q, pages, tail, fmt, block_table, lengths, layout), pages, tail
     return op.run(q, pages, tail, block_table, lengths, schedule, layout), pages, tail
+
+
+def decode_heads(
+    q,
+    k,
+    v,
+    layout: HeadLayout,
+    pool,
+    tables,
+    stored,
+    page_elems: int,
+    *,
+    backend="reference",
+    rotation=None,
+    active=None,
+):
+    """One new token per sequence over per-head pages (``ops.head_paging``, eviction's cache): its K/V [B, cols]
+    written at each KV head's next slot, ``stored`` [B, Hkv] (a head's count before it), through this layer's
+    ``tables`` [B, Hkv, pages] (the pages for that slot already given), then its query against each head's own
+    tokens, the new one included. Returns (out [B, out_cols], pool, stored after). ``backend``: "reference" (jnp),
+    "pallas" or "interpret" (``ops.decode.head_kernel``). ``rotation`` (ZACK layers): q and k packed first.
+    ``active`` [B] (optional): rows that are not write nothing and keep their counts (their output is unspecified).
+    The engine's decode step calls it once a layer, the pool (every layer's pages) threaded through."""
+    check_backend(backend)
+    if rotation is not None:
+        q, k = rotation.packed(q, k)
+    b = q.shape[0]
+    live = jnp.ones((b,), bool) if active is None else active
+    pool = head_paging.write(pool, tables, stored[..., None], k[:, None], v[:, None], live[:, None], layout, page_elems)
+    after = stored + live[:, None].astype(stored.dtype)
+    if backend == "reference":
+        most = int(head_paging.layer_tokens_per_page(layout, page_elems).max()) * tables.shape[-1]
+        out = head_paging.decode_attention(q, pool, tables, after, layout, page_elems, most)
+        return out, pool, after
+    out = head_paged_decode(q, pool, tables, after, layout, page_elems, interpret=backend == "interpret")
+    return out, pool, after
