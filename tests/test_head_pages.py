@@ -153,3 +153,46 @@ def test_shrinking_to_what_the_device_kept_gives_back_the_pages_past_it():
     for bad in ([[10, 8]], [[-1, 0]], [[1, 2, 3]]):
         with pytest.raises(ValueError, match="kept must be"):
             pages.shrink(0, np.array(bad))
+
+
+def test_device_tables_follow_the_filled_entries_across_growth_eviction_and_reuse():
+    """``HeadKVCache.with_entries`` applied to ``grow_many``'s rows each step keeps every slot's device tables equal
+    to ``HeadPages.table`` on the pages each head's stored count needs, across shrinks, frees (``freed``) and slots
+    taken again by new owners."""
+    from kvjax.runtime.cache import HeadKVCache
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    per = rng.choice([4, 6, 16], (2, 3))
+    pages = HeadPages(300, per, max_pages=20)
+    cache = HeadKVCache.create(300, 8, slots=4, layers=2, heads=3, max_pages=20, dtype=np.float32)
+    owner_of: dict[int, int] = {}  # slot -> owner
+    next_owner = 0
+    for step in range(30):
+        free = [s for s in range(4) if s not in owner_of]
+        if free and rng.random() < 0.3:
+            owner_of[free[0]] = next_owner
+            next_owner += 1
+        slots = sorted(owner_of)
+        if not slots:
+            continue
+        new = rng.integers(1, 6, (len(slots), 2, 3))
+        entries = pages.grow_many([owner_of[s] for s in slots], new)
+        if entries is not None:
+            cache = cache.with_entries(slots, entries)
+        if rng.random() < 0.3:  # an eviction: shrink one owner's heads
+            s = int(rng.choice(slots))
+            stored = pages.stored(owner_of[s])
+            pages.shrink(owner_of[s], rng.integers(0, stored + 1))
+        if rng.random() < 0.2:
+            s = int(rng.choice(slots))
+            pages.free(owner_of.pop(s))
+            cache = cache.freed(s)
+        pages.check()
+        tables = np.asarray(cache.tables)
+        for s, owner in owner_of.items():
+            need = -(-pages.stored(owner) // per)  # [layers, heads]
+            mine = np.arange(20) < need[..., None]
+            np.testing.assert_array_equal(tables[s][mine], pages.table(owner)[mine], f"seed {seed}, step {step}")
+        for s in set(range(4)) - set(owner_of):
+            assert (tables[s] == NULL_PAGE).all(), f"seed {seed}: a free slot keeps tables"

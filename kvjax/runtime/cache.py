@@ -90,6 +90,46 @@ class QuantizedKVCache:
         return self.pages[0].shape[0]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class HeadKVCache:
+    """Eviction's cache on the device (issue 37; not served yet): one pool of fixed-size pages that every layer and KV
+    head shares (``ops.head_paging``), each slot's per-head block tables and stored counts. The host's
+    ``runtime.head_pages.HeadPages`` decides which pages a head owns; the tables here follow it by the entries its
+    ``grow_many`` fills (``with_entries``: kilobytes a step where whole tables would be megabytes, bench/RESULTS.md
+    "Per-head pages: host cost")."""
+
+    pool: jax.Array  # [num_pages, page_elems]
+    tables: jax.Array  # int32 [slots, layers, Hkv, pages a head]
+    stored: jax.Array  # int32 [slots, layers, Hkv]: tokens each head stores
+
+    @classmethod
+    def create(cls, num_pages: int, page_elems: int, slots: int, layers: int, heads: int, max_pages: int, dtype):
+        """Zeroed pool, tables of null pages, nothing stored."""
+        return cls(
+            pool=jnp.zeros((num_pages, page_elems), dtype),
+            tables=jnp.full((slots, layers, heads, max_pages), NULL_PAGE, jnp.int32),
+            stored=jnp.zeros((slots, layers, heads), jnp.int32),
+        )
+
+    def with_entries(self, slots, entries) -> HeadKVCache:
+        """The tables with ``HeadPages.grow_many``'s filled entries (rows of owner index, layer, head, table index,
+        page) written, owner index i standing for slot ``slots[i]``. Entries past the pages a head's stored count
+        needs may be stale after an eviction (the kernels read only those pages); growth overwrites them."""
+        entries = jnp.asarray(entries, jnp.int32).reshape(-1, 5)
+        slot = jnp.asarray(slots, jnp.int32)[entries[:, 0]]
+        tables = self.tables.at[slot, entries[:, 1], entries[:, 2], entries[:, 3]].set(entries[:, 4])
+        return dataclasses.replace(self, tables=tables)
+
+    def freed(self, slot: int) -> HeadKVCache:
+        """Slot ``slot`` emptied: its tables back to null pages, nothing stored (its pages went back on the host)."""
+        return dataclasses.replace(self, tables=self.tables.at[slot].set(NULL_PAGE), stored=self.stored.at[slot].set(0))
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.nbytes + self.tables.nbytes + self.stored.nbytes
+
+
 def pool_windows(layouts: tuple[HeadLayout, ...], max_seq_len: int | None = None) -> tuple[int | None, ...]:
     """The page pools a cache of these layers keeps: None (whole context) first, then each sliding window shorter
     than ``max_seq_len`` (a longer one never lets a page go, so its layers share pool 0)."""
