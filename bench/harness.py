@@ -68,8 +68,15 @@ PLAN_FORMS = ("ordered", "filled", "drawn", "uniform")
 
 
 def count_arg(flag: str):
-    """An argparse ``type=`` for a positive integer flag."""
-    return validate.arg(lambda v: validate.positive(flag, v), int)
+    """An argparse ``type=`` for a positive integer flag ("--stages x" says so, not Python's int() message)."""
+
+    def parse(text: str) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{flag} must be a positive integer, got {text!r}") from None
+
+    return validate.arg(lambda v: validate.positive(flag, v), parse)
 
 
 def rates_arg(flag: str = "--rates"):

@@ -192,7 +192,14 @@ def arg(check: Callable, parse: Callable = str) -> Callable:
 
     def convert(text: str):
         try:
-            return check(parse(text))
+            value = parse(text)
+        except (TypeError, ValueError) as e:
+            if parse in (int, float):  # Python's "invalid literal for int() with base 10" says little to a user
+                kind = "an integer" if parse is int else "a number"
+                raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(str(e)) from None
+        try:
+            return check(value)
         except (TypeError, ValueError) as e:
             raise argparse.ArgumentTypeError(str(e)) from None
 
