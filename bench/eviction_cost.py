@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from files import write_json
-from harness import HKV, D, copy_bandwidth, count_arg, log, pick_layer, rank_plan, rates_arg
+from harness import HKV, D, copy_bandwidth, count_arg, log, log_row, pick_layer, print_table, rank_plan, rates_arg
 
 from kvjax.eviction import Eviction, metrics
 from kvjax.eviction.select import device_keep
@@ -38,13 +38,6 @@ from kvjax.runtime.head_pages import HeadPages
 
 PAGE_ELEMS = 16 * 2 * D  # 16 full-width tokens
 LAYERS = 32
-
-
-def _table(rows: list[dict]) -> None:
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
-    for r in rows:
-        print("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
 
 
 def _host_seconds(fn, reps: int = 5) -> float:
@@ -119,7 +112,7 @@ def _compaction_row(pool, ratio, widths, seq_bytes, bandwidth, *, rate, batch, c
         aliased_gib=float("nan") if memory is None else memory.alias_size_in_bytes / 2**30,
         temp_gib=float("nan") if memory is None else memory.temp_size_in_bytes / 2**30,
     )
-    log(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    log_row(row)
     return row, state["pool"]
 
 
@@ -138,7 +131,7 @@ def metric_rows(rate: float, context: int, methods: list[str]) -> list[dict]:
         rows.append(
             dict(rate=rate, context=context, method=method, layer_ms=1e3 * seconds, model_ms=LAYERS * 1e3 * seconds)
         )
-        log(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()))
+        log_row(rows[-1])
     return rows
 
 
@@ -222,7 +215,7 @@ def main(argv=None):
     for name in ("compaction", "metrics", "ttft"):
         if out[name]:
             print(f"\n{name}")
-            _table(out[name])
+            print_table(out[name])
     save()
 
 

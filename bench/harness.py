@@ -68,15 +68,8 @@ PLAN_FORMS = ("ordered", "filled", "drawn", "uniform")
 
 
 def count_arg(flag: str):
-    """An argparse ``type=`` for a positive integer flag ("--stages x" says so, not Python's int() message)."""
-
-    def parse(text: str) -> int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"{flag} must be a positive integer, got {text!r}") from None
-
-    return validate.arg(lambda v: validate.positive(flag, v), parse)
+    """An argparse ``type=`` for a positive integer flag."""
+    return validate.arg(lambda v: validate.positive(flag, v), int)
 
 
 def rates_arg(flag: str = "--rates"):
@@ -99,6 +92,23 @@ def shape_arg(flag: str):
 def shapes_arg(flag: str):
     """An argparse ``type=`` for comma-separated BxCTX shapes."""
     return validate.arg(lambda text: [_shape(flag, s) for s in text.split(",")])
+
+
+def _cell(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def log_row(row: dict) -> None:
+    """One result row on stderr as it is measured ("rate 0.5 | us 185.2 | ...")."""
+    log(" | ".join(f"{k} {_cell(v)}" for k, v in row.items()))
+
+
+def print_table(rows: list[dict]) -> None:
+    """Rows of one shape as a Markdown table, their keys the header."""
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
+    for r in rows:
+        print("| " + " | ".join(_cell(v) for v in r.values()) + " |")
 
 
 def log(msg: str) -> None:

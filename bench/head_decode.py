@@ -27,7 +27,9 @@ from harness import (
     copy_bandwidth,
     count_arg,
     log,
+    log_row,
     pick_layer,
+    print_table,
     rank_plan,
     rates_arg,
     rel_err,
@@ -63,7 +65,7 @@ def case(layout, batch: int, context: int, keep: float, page_tokens: int, seed: 
 def row(rate, keep, batch, context, seconds, floor, err, **knobs) -> dict:
     out = dict(rate=rate, keep=keep, batch=batch, context=context, **knobs)
     out |= dict(us=1e6 * seconds, floor_us=1e6 * floor, pct_of_floor=100 * floor / seconds, rel_err=err)
-    log(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()))
+    log_row(out)
     return out
 
 
@@ -121,35 +123,20 @@ def main(argv=None):
             )
             combos = itertools.product(args.launches, args.pages_per_step, args.warps, args.stages)
             for launches, step, warps, stages in combos:
+                knobs = dict(pages_per_step=step, num_warps=warps, num_stages=stages, one_launch=launches == "one")
 
-                def run(
-                    pool, tables, stored, q, layout=layout, page_elems=page_elems, knobs=(step, warps, stages, launches)
-                ):
-                    step, warps, stages, launches = knobs
+                def run(pool, tables, stored, q, layout=layout, page_elems=page_elems, knobs=knobs):
                     return head_paged_decode(
-                        q,
-                        pool,
-                        tables,
-                        stored,
-                        layout,
-                        page_elems,
-                        pages_per_step=step,
-                        num_warps=warps,
-                        num_stages=stages,
-                        one_launch=launches == "one",
-                        interpret=args.interpret,
+                        q, pool, tables, stored, layout, page_elems, **knobs, interpret=args.interpret
                     )
 
                 got = run(pool, tables, stored, q)
                 seconds = harness.time_calls(run, (pool, tables, stored), [(q,)])
-                knobs = dict(kernel=f"per-head ({launches})", pages_per_step=step, warps=warps, stages=stages)
-                rows.append(row(rate, keep, batch, context, seconds, nbytes / bandwidth, rel_err(got, want), **knobs))
+                label = dict(kernel=f"per-head ({launches})", pages_per_step=step, warps=warps, stages=stages)
+                rows.append(row(rate, keep, batch, context, seconds, nbytes / bandwidth, rel_err(got, want), **label))
         if args.per_sequence:
             rows.append(per_sequence(layout, rate, batch, context, bandwidth))
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
-    for r in rows:
-        print("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+    print_table(rows)
     if args.json:
         write_json(args.json, {"args": vars(args), "bandwidth": bandwidth, "rows": rows}, indent=1)
 

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 from files import write_json
-from harness import HKV, D, count_arg, rank_plan
+from harness import HKV, D, count_arg, print_table, rank_plan
 
 from kvjax.ops.head_paging import layer_tokens_per_page
 from kvjax.runtime.head_pages import HeadPages
@@ -73,10 +73,7 @@ def main(argv=None):
         for rate in args.rates
         for context in args.contexts
     ]
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
-    for r in rows:
-        print("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+    print_table(rows)
     print(f"({HKV} KV heads, 32 layers)")
     if args.json:
         write_json(args.json, {"args": vars(args), "rows": rows}, indent=1)

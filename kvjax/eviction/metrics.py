@@ -41,6 +41,17 @@ def _pool(scores, width: int):
     )
 
 
+def _mass(method: str, logits, seen):
+    """What the queries give each key, [B, S]: each query's softmax over the keys it ``seen`` (0 elsewhere, so a row
+    that sees nothing gives nothing and no NaN), squared for KV-Compress, summed over the query group and the rows of
+    ``logits`` [B, group, rows, S]."""
+    probs = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1)
+    probs = jnp.where(seen, probs, 0.0)
+    if method.startswith("kvcompress"):
+        probs = probs * probs
+    return probs.sum(axis=(1, 2))
+
+
 def scores(
     method: str,
     q,
@@ -80,11 +91,7 @@ def scores(
             if method == "keyformer":
                 noise_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), layer * 1024 + g), i)
                 logits = (logits + jax.random.gumbel(noise_key, logits.shape)) / tau
-            probs = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1)
-            probs = jnp.where(seen, probs, 0.0)  # a padded row sees nothing: no NaN
-            if method.startswith("kvcompress"):
-                probs = probs * probs
-            return total + probs.sum(axis=(1, 2)), None
+            return total + _mass(method, logits, seen), None
 
         total, _ = jax.lax.scan(step, jnp.zeros((b, s), jnp.float32), jnp.arange(blocks))
         out.append(_pool(total, pool) if method in WINDOWED else total)
@@ -108,12 +115,7 @@ def window_scores(method: str, q, k, lengths, layout: HeadLayout, *, pool: int =
     seen &= key_pos < lengths[:, None, None]  # [B, W, S]
     out = []
     for g in range(layout.num_kv_heads):
-        logits = head_logits(q, k, layout, g)  # [B, group, W, S]
-        probs = jax.nn.softmax(jnp.where(seen[:, None], logits, -jnp.inf), axis=-1)
-        probs = jnp.where(seen[:, None], probs, 0.0)
-        if method.startswith("kvcompress"):
-            probs = probs * probs
-        total = probs.sum(axis=(1, 2))
+        total = _mass(method, head_logits(q, k, layout, g), seen[:, None])
         pooled = _pool(jnp.where(key_pos < lengths[:, None], total, -jnp.inf), pool)
         out.append(jnp.where(key_pos < lengths[:, None], pooled, 0.0))
     return jnp.stack(out, axis=1)

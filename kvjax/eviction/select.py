@@ -137,6 +137,14 @@ def keep_masks(spec: Eviction, scores: list[np.ndarray], windows: list[int | Non
     return keep
 
 
+def _ranks(cost):
+    """Each entry's place in the stable ascending order of ``cost`` along its last axis (the inverse permutation of
+    ``argsort``): ties keep their index order, as NumPy's stable sort in ``keep_masks`` does."""
+    order = jnp.argsort(cost, axis=-1, stable=True)
+    places = jnp.broadcast_to(jnp.arange(cost.shape[-1]), order.shape)
+    return jnp.put_along_axis(jnp.zeros_like(order), order, places, axis=-1, inplace=False)
+
+
 def device_keep(spec: Eviction, scores, prompt, per_head, protect, windows: tuple[int | None, ...]):
     """``keep_masks`` on the device, for a batch: bool [B, L, Hkv, S] from scores [B, L, Hkv, S] (float32, higher =
     keep) of prompts of ``prompt`` [B] tokens each (slots past a prompt are neither scored nor kept), each prompt's
@@ -159,17 +167,12 @@ def device_keep(spec: Eviction, scores, prompt, per_head, protect, windows: tupl
         chosen = jnp.maximum(spare, 0)
     else:  # the slots every head left, to the highest scores of all heads
         total = jnp.maximum(spare.sum((1, 2)), 0)[:, None]
-        flat = cost.reshape(b, -1)
-        order = jnp.argsort(flat, axis=-1, stable=True)
-        rank = jnp.zeros_like(order).at[jnp.arange(b)[:, None], order].set(jnp.arange(flat.shape[1])[None, :])
-        chosen = ((rank < total) & free.reshape(b, -1)).reshape(scores.shape).sum(-1, dtype=jnp.int32)
+        taken = (_ranks(cost.reshape(b, -1)) < total) & free.reshape(b, -1)
+        chosen = taken.reshape(scores.shape).sum(-1, dtype=jnp.int32)
     candidates = free.sum(-1, dtype=jnp.int32)
     chosen = jnp.minimum(chosen, candidates)
     chosen = chosen + (candidates - chosen) % spec.page_size  # whole pages' worth evicted
-    order = jnp.argsort(cost, axis=-1, stable=True)
-    rank = jnp.zeros_like(order)
-    rank = jnp.put_along_axis(rank, order, jnp.broadcast_to(jnp.arange(s), order.shape), axis=-1, inplace=False)
-    return guarded | (free & (rank < chosen[..., None]))
+    return guarded | (free & (_ranks(cost) < chosen[..., None]))
 
 
 def parse(text: str, **settings) -> Eviction:

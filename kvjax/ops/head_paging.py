@@ -136,7 +136,7 @@ def compact(pool, tables, keep, stored, layouts, page_elems: int):
     read whole ([heads, pages, page_elems]), ordered by a stable sort on the keep mask and written back to the same
     pages. Under ``jax.jit`` with the pool donated XLA scatters in place, so the pool is never copied; the traffic
     is the heads' pages read and written once, evicted or not."""
-    b, n_layers, heads, pages = tables.shape
+    pages = tables.shape[-1]
     slots = jnp.arange(keep.shape[-1])
     keep = keep & (slots < stored[..., None])
     kept = keep.sum(-1, dtype=jnp.int32)
@@ -178,8 +178,8 @@ def admit(pool, tables, k_pages, v_pages, seq_table, keep, layouts, page_elems: 
         order = jnp.argsort(~keep[:, layer], axis=-1, stable=True)  # [B, Hkv, S]: survivors first, in order
         ks, vs = (pages[layer][seq_table].reshape(b, -1, pages[layer].shape[-1])[:, :s] for pages in (k_pages, v_pages))
         k_cols, v_cols = [], []
-        for h, (kw, vw) in enumerate(zip(lay.k_widths, lay.v_widths)):
-            ko, vo = HeadLayout.offsets(lay.k_widths)[h], HeadLayout.offsets(lay.v_widths)[h]
+        heads = zip(lay.k_widths, lay.v_widths, HeadLayout.offsets(lay.k_widths), HeadLayout.offsets(lay.v_widths))
+        for h, (kw, vw, ko, vo) in enumerate(heads):
             rows = order[:, h, :, None]
             k_cols.append(jnp.take_along_axis(ks[..., ko : ko + kw], rows, axis=1))
             v_cols.append(jnp.take_along_axis(vs[..., vo : vo + vw], rows, axis=1))

@@ -142,10 +142,7 @@ def _one_kernel(
         functools.partial(_attend_head, refs, head_split, head, q_base, out_stride, kw=kw, vw=vw, per=per, **static)
         for kw, vw, per in pairs
     ]
-    if len(branches) == 1:
-        branches[0]()
-    else:
-        lax.switch(pair_ref[unit], branches)
+    lax.switch(pair_ref[unit], branches)  # one pair: its branch alone, no switch
 
 
 def default_splits(programs: int, target: int = 264) -> int:
@@ -239,11 +236,11 @@ def head_paged_decode(
     if one_launch:
         heads = layout.num_kv_heads
         s = default_splits(b * heads) if splits is None else splits
-        pairs = [pair for pair, _ in width_pairs(layout)]
+        groups = width_pairs(layout)
         pair_of = np.zeros(heads, np.int32)
-        for i, (_, members) in enumerate(width_pairs(layout)):
+        for i, (_, members) in enumerate(groups):
             pair_of[members] = i
-        static = [(kw, vw, tokens_per_page(page_elems, kw, vw)) for kw, vw in pairs]
+        static = [(kw, vw, tokens_per_page(page_elems, kw, vw)) for (kw, vw), _ in groups]
         width = max(layout.v_widths)
         qo = np.asarray(HeadLayout.offsets(layout.k_widths, g), np.int32)
         inputs = [stored.astype(jnp.int32).reshape(-1), tables.astype(jnp.int32).reshape(-1), q.reshape(-1), flat]
