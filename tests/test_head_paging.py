@@ -389,3 +389,41 @@ def test_decode_over_head_pages_writes_each_heads_next_slot_and_attends_its_own_
     untouched = np.asarray(tables[1]).ravel()
     untouched = untouched[untouched != 0]
     np.testing.assert_array_equal(np.asarray(got_pool)[untouched], np.asarray(pool)[untouched])
+
+
+@pytest.mark.gpu
+def test_a_pool_past_two_billion_elements_is_written_and_read_at_its_far_pages():
+    """A per-head pool of more than 2**31 elements (a B32 x 8K engine's is 17 GB): tokens written to its last pages
+    by ``decode_heads`` are attended by the kernel as by the reference (a flat int32 element index overflowed there)."""
+    from kvjax.ops.attention import decode_heads
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    layout = HeadLayout(8, 4, 64, (16, 48, 16, 64), (32, 16, 32, 64))
+    page_elems = 16 * 2 * 64
+    num_pages = 2**31 // page_elems + 64
+    pool = jnp.zeros((num_pages, page_elems), jnp.bfloat16)
+    far = num_pages - 1 - np.arange(2 * 4 * 4).reshape(2, 4, 4)  # every head's pages among the last
+    tables, stored = jnp.asarray(far, jnp.int32), jnp.zeros((2, 4), jnp.int32)
+    outs = {}
+    for _ in range(20):
+        q, k, v = (
+            jnp.asarray(rng.normal(size=(2, n)), jnp.bfloat16) for n in (layout.q_cols, layout.k_cols, layout.v_cols)
+        )
+        for backend in ("reference", "pallas"):
+            out, new_pool, after = decode_heads(q, k, v, layout, pool, tables, stored, page_elems, backend=backend)
+            outs[backend] = np.asarray(out, np.float32)
+        pool, stored = new_pool, after
+        np.testing.assert_allclose(outs["pallas"], outs["reference"], rtol=3e-2, atol=3e-2, err_msg=f"seed {seed}")
+    assert float(jnp.abs(pool[int(far[0, 0, 0])]).sum()) > 0  # the farthest page was written
+
+
+def test_a_step_reads_fewer_pages_of_a_wide_head_than_shared_memory_would_overflow():
+    """Four pages of 16 full-width bf16 tokens stay the step (the measured best); a head of widths (96, 128), 18
+    tokens a page, reads 3 (4 would round to 128 rows and ask for 256 KiB); narrow heads keep 4; never below 1."""
+    from kvjax.ops.decode.head_kernel import pages_a_step
+
+    assert pages_a_step(16, 128, 128, 4, 2, 2) == 4
+    assert pages_a_step(18, 96, 128, 4, 2, 2) == 3
+    assert pages_a_step(64, 16, 16, 4, 2, 2) == 4
+    assert pages_a_step(512, 128, 128, 4, 4, 3) == 1

@@ -65,6 +65,13 @@ class QKRotation:
             axis=-1,
         )
 
+    def packed_rows(self, q, k):
+        """``packed`` for one token a row (q [B, H*d], k [B, Hkv*d]) as one GEMM (``wide``) and a gather of each
+        query head's own columns (``packed_query``), where ``packed`` runs a small GEMM a group: 1 ms of a rate-0.5
+        8B-shaped decode step at B32 (bench/RESULTS.md "Eviction: the engine's decode step")."""
+        wide, k = self.wide(q, k)
+        return packed_query(wide, self.layout), k
+
     def banded(self, inv_freq, band: int):
         """The K rebuild of a banded plan (``latent.LatentK`` with ``band``): each group's directions transposed,
         turned by the band's start angle as keys are read."""

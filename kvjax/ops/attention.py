@@ -245,7 +245,7 @@ def decode_heads(
     The engine's decode step calls it once a layer, the pool (every layer's pages) threaded through."""
     check_backend(backend)
     if rotation is not None:
-        q, k = rotation.packed(q, k)
+        q, k = rotation.packed_rows(q, k)
     b = q.shape[0]
     live = jnp.ones((b,), bool) if active is None else active
     pool = head_paging.write(pool, tables, stored[..., None], k[:, None], v[:, None], live[:, None], layout, page_elems)

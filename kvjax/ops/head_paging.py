@@ -33,12 +33,14 @@ def layer_tokens_per_page(layout: HeadLayout, page_elems: int) -> np.ndarray:
     return np.array([tokens_per_page(page_elems, k, v) for k, v in zip(layout.k_widths, layout.v_widths)])
 
 
-def _rows(table, slots, per: int, width: int, first: int, page_elems: int):
-    """Flat element indices [..., width] of row ``slots`` (a head's slots, any shape) in ``table`` [..., pages]
-    (same leading shape), the head's rows starting ``first`` elements into a page."""
+def _rows(table, slots, per: int, width: int, first: int):
+    """Where row ``slots`` (a head's slots, any shape) of ``table`` [..., pages] (same leading shape) lie, the head's
+    rows starting ``first`` elements into a page: (page [...], element in the page [..., width]). Indexing the pool
+    by (page, element) keeps every index small: a pool past 2**31 elements (a 17 GB bf16 pool) overflows a flat
+    int32 index."""
     page = jnp.take_along_axis(table, (slots // per).reshape(table.shape[0], -1), axis=1, mode="clip")
     page = page.reshape(slots.shape)
-    start = page * page_elems + first + (slots % per) * width
+    start = first + (slots % per) * width
     return page, start[..., None] + jnp.arange(width)
 
 
@@ -46,18 +48,20 @@ def write(pool, table, slots, k, v, valid, layout: HeadLayout, page_elems: int):
     """Store new tokens of one layer: ``k`` [B, T, k_cols] and ``v`` [B, T, v_cols] (packed heads) at each head's
     ``slots`` [B, Hkv, T] through ``table`` [B, Hkv, pages]; rows not ``valid`` ([B, T], or [B, Hkv, T] per head),
     or bound for the null page, are dropped. Returns the pool."""
-    flat = pool.reshape(-1)
-    size = flat.shape[0]
     k_offsets, v_offsets = HeadLayout.offsets(layout.k_widths), HeadLayout.offsets(layout.v_widths)
+    pages, indices, values = [], [], []  # every head's K and V rows, flattened: one scatter a layer
     for h, (kw, vw) in enumerate(zip(layout.k_widths, layout.v_widths)):
         per = tokens_per_page(page_elems, kw, vw)
         for part, width, first, offset in ((k, kw, 0, k_offsets[h]), (v, vw, per * kw, v_offsets[h])):
-            page, index = _rows(table[:, h], slots[:, h], per, width, first, page_elems)
+            page, index = _rows(table[:, h], slots[:, h], per, width, first)
             keep = (valid[:, h] if valid.ndim == 3 else valid) & (page != NULL_PAGE)
-            index = jnp.where(keep[..., None], index, size)
-            values = part[..., offset : offset + width].astype(pool.dtype)
-            flat = flat.at[index].set(values, mode="drop", unique_indices=True)
-    return flat.reshape(pool.shape)
+            page = jnp.where(keep, page, pool.shape[0])[..., None]  # past the pool: dropped
+            pages.append(jnp.broadcast_to(page, index.shape).reshape(-1))
+            indices.append(index.reshape(-1))
+            values.append(part[..., offset : offset + width].astype(pool.dtype).reshape(-1))
+    page, index, value = (jnp.concatenate(x) for x in (pages, indices, values))
+    pool = pool.at[page, index].set(value, mode="drop", unique_indices=True)
+    return pool
 
 
 def read(pool, table, h: int, layout: HeadLayout, page_elems: int, tokens: int):
@@ -66,10 +70,9 @@ def read(pool, table, h: int, layout: HeadLayout, page_elems: int, tokens: int):
     kw, vw = layout.k_widths[h], layout.v_widths[h]
     per = tokens_per_page(page_elems, kw, vw)
     slots = jnp.broadcast_to(jnp.arange(tokens), (table.shape[0], tokens))
-    flat = pool.reshape(-1)
-    _, k_index = _rows(table[:, h], slots, per, kw, 0, page_elems)
-    _, v_index = _rows(table[:, h], slots, per, vw, per * kw, page_elems)
-    return flat[k_index], flat[v_index]
+    k_page, k_index = _rows(table[:, h], slots, per, kw, 0)
+    v_page, v_index = _rows(table[:, h], slots, per, vw, per * kw)
+    return pool[k_page[..., None], k_index], pool[v_page[..., None], v_index]
 
 
 def decode_attention(q, pool, table, stored, layout: HeadLayout, page_elems: int, tokens: int):
@@ -106,15 +109,14 @@ def move(pool, source, destination, layouts, page_elems: int):
     v_w = np.array([lay.v_widths for lay in layouts])
     per = np.stack([layer_tokens_per_page(lay, page_elems) for lay in layouts])
 
-    def elements(rows):
+    def elements(rows):  # (page, element in the page) of every element the rows hold
         layer, h, page, row = np.asarray(rows).T
         kw, vw, p = k_w[layer, h], v_w[layer, h], per[layer, h]
-        base = page * page_elems
-        return np.concatenate([_spans(base + row * kw, kw), _spans(base + p * kw + row * vw, vw)])
+        pages = np.concatenate([np.repeat(page, kw), np.repeat(page, vw)])
+        return jnp.asarray(pages), jnp.asarray(np.concatenate([_spans(row * kw, kw), _spans(p * kw + row * vw, vw)]))
 
-    flat = pool.reshape(-1)
-    src, dst = jnp.asarray(elements(source)), jnp.asarray(elements(destination))
-    return flat.at[dst].set(flat[src], unique_indices=True).reshape(pool.shape)
+    (src_page, src), (dst_page, dst) = elements(source), elements(destination)
+    return pool.at[dst_page, dst].set(pool[src_page, src], unique_indices=True)
 
 
 def _reordered(blocks, order, first: int, width: int, per: int):

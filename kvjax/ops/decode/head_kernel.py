@@ -12,7 +12,7 @@ exist because a launch otherwise has only B x (its heads) programs. No schedule:
 that reads each byte once. Measured: bench/RESULTS.md "Per-head pages: decode kernel".
 
 Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; no sliding window (a slot
-is not a position once a head has evicted); the pool under 2^31 elements.
+is not a position once a head has evicted); the pool is indexed by (page, element), any size.
 """
 
 from __future__ import annotations
@@ -90,9 +90,9 @@ def _attend_head(
         page = i * pages_per_step + nth
         ok = (nth < pages_per_step) & (page * per + in_page < stored)
         at = jnp.where(ok, head * pages + page, head * pages)  # a row past the head's pages reads its first entry
-        base = (plgpu.load(table_ref.at[at]) * page_elems)[:, None]
-        k = load_rows(pool_ref, in_page, kw, base, kc[None, :], kc_ok, ok).astype(dt)
-        v = load_rows(pool_ref, in_page, vw, base + per * kw, vc[None, :], vc_ok, ok).astype(dt)
+        page_of = plgpu.load(table_ref.at[at])[:, None]
+        k = _load_page_rows(pool_ref, page_of, in_page, kw, 0, kc[None, :], kc_ok, ok).astype(dt)
+        v = _load_page_rows(pool_ref, page_of, in_page, vw, per * kw, vc[None, :], vc_ok, ok).astype(dt)
         s = plgpu.dot(q, k, trans_b=True, precision=precision)
         return online_update(carry, jnp.where(ok[None, :], s, MASK), v, None, precision)
 
@@ -104,6 +104,15 @@ def _attend_head(
     at = jnp.where(real, part, NOWHERE) if interpret else part
     plgpu.store(m_ref.at[at], m, mask=real)
     plgpu.store(l_ref.at[at], l, mask=real)
+
+
+def _load_page_rows(pool_ref, page, rows, stride, offset, cols, cols_ok, rows_ok):
+    """``pool[page, rows * stride + offset + cols]`` [R, C] of the 2-D pool, 0 where a mask is false. Indexed by
+    (page, element), Pallas computes the address in 64 bits when the pool passes 4 GiB (a flat int32 index of
+    ``page * page_elems`` overflowed at 2**31 elements: a per-head pool for B32 x 8K is 17 GB)."""
+    index = rows[:, None] * stride + offset + cols
+    mask = cols_ok & rows_ok[:, None]
+    return plgpu.load(pool_ref.at[jnp.broadcast_to(page, index.shape), index], mask=mask, other=0.0)
 
 
 def _pair_kernel(stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref, *, kw, vw, group, **static):
@@ -139,8 +148,10 @@ def _one_kernel(
     q_base = seq * q_cols + qo_ref[unit]
     head_split = pl.program_id(2), pl.num_programs(2)
     branches = [
-        functools.partial(_attend_head, refs, head_split, head, q_base, out_stride, kw=kw, vw=vw, per=per, **static)
-        for kw, vw, per in pairs
+        functools.partial(
+            _attend_head, refs, head_split, head, q_base, out_stride, kw=kw, vw=vw, per=per, pages_per_step=n, **static
+        )
+        for kw, vw, per, n in pairs
     ]
     lax.switch(pair_ref[unit], branches)  # one pair: its branch alone, no switch
 
@@ -155,6 +166,18 @@ def default_splits(programs: int, target: int = 264) -> int:
 # sweep on the H200 (4 pages = 64 full-width tokens or 128 of a half-width head).
 PAGES_PER_STEP = 4
 NUM_STAGES = 2
+STEP_BYTES = 64 * 1024  # a step's K and V tiles times its stages: the measured best's (64 full-width bf16 tokens)
+
+
+def pages_a_step(per: int, kw: int, vw: int, most: int, itemsize: int, stages: int) -> int:
+    """Pages a program of a (kw, vw) head reads a step: at most ``most``, fewer where the step's K and V tiles
+    (tokens rounded up to a power of two) times the pipeline's stages would pass ``STEP_BYTES``. A wide head's 4
+    pages of 18 tokens round to 128 rows of 224 columns, and two stages of that asked the H200 for 256 KiB of
+    shared memory (it has 227)."""
+    n = most
+    while n > 1 and tile(per * n) * (tile(kw) + tile(vw)) * itemsize * stages > STEP_BYTES:
+        n -= 1
+    return n
 
 
 def _check(q, pool, tables, stored, layout: HeadLayout, page_elems: int, pages_per_step) -> None:
@@ -162,8 +185,8 @@ def _check(q, pool, tables, stored, layout: HeadLayout, page_elems: int, pages_p
     b, g = q.shape[0], layout.group_size
     if q.ndim != 2 or q.shape[1] != layout.q_cols:
         raise ValueError(f"q must be [B, {layout.q_cols}], got {q.shape}")
-    if pool.ndim != 2 or pool.shape[1] != page_elems or pool.size >= 2**31:
-        raise ValueError(f"pool must be [num_pages, {page_elems}] under 2^31 elements, got {pool.shape}")
+    if pool.ndim != 2 or pool.shape[1] != page_elems:
+        raise ValueError(f"pool must be [num_pages, {page_elems}], got {pool.shape}")
     if tables.ndim != 3 or tables.shape[:2] != (b, layout.num_kv_heads) or stored.shape != (b, layout.num_kv_heads):
         raise ValueError(f"tables must be [{b}, {layout.num_kv_heads}, pages] and stored [{b}, {layout.num_kv_heads}]")
     if not (isinstance(pages_per_step, int) and pages_per_step >= 1):
@@ -207,13 +230,18 @@ def head_paged_decode(
     q [B, q_cols] packed; pool [num_pages, page_elems]; tables [B, Hkv, pages] int32 (each head's block table);
     stored [B, Hkv] int32 (tokens each head stores, the new one included, already written). ``splits``: programs
     sharing one head's pages, their partial softmaxes merged after (None: ``default_splits``); ``pages_per_step``:
-    pages a program reads a step; ``one_launch``: every width pair in one kernel, each program switching to its
-    head's pair (the default: 1.25-1.9x faster than a launch per pair at rate 0.5, bench/RESULTS.md "Per-head pages:
-    decode kernel"). Returns [B, out_cols] in q's dtype; a head storing nothing gives zeros."""
+    pages a program reads a step, at most (fewer for wide heads: ``pages_a_step``); ``one_launch``: every width pair
+    in one kernel, each program switching to its head's pair (the default: 1.25-1.9x faster than a launch per pair
+    at rate 0.5, bench/RESULTS.md "Per-head pages: decode kernel"). Returns [B, out_cols] in q's dtype; a head
+    storing nothing gives zeros."""
     _check(q, pool, tables, stored, layout, page_elems, pages_per_step)
     b, g = q.shape[0], layout.group_size
-    flat = pool.reshape(-1)
-    common: dict = dict(pages_per_step=pages_per_step, page_elems=page_elems, pages=tables.shape[2], group=g)
+    common: dict = dict(page_elems=page_elems, pages=tables.shape[2], group=g)
+    itemsize = jnp.dtype(pool.dtype).itemsize
+
+    def step_pages(kw: int, vw: int) -> int:
+        return pages_a_step(tokens_per_page(page_elems, kw, vw), kw, vw, pages_per_step, itemsize, num_stages)
+
     common |= dict(scale=1.0 / math.sqrt(layout.head_dim), interpret=interpret)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
@@ -240,10 +268,10 @@ def head_paged_decode(
         pair_of = np.zeros(heads, np.int32)
         for i, (_, members) in enumerate(groups):
             pair_of[members] = i
-        static = [(kw, vw, tokens_per_page(page_elems, kw, vw)) for (kw, vw), _ in groups]
+        static = [(kw, vw, tokens_per_page(page_elems, kw, vw), step_pages(kw, vw)) for (kw, vw), _ in groups]
         width = max(layout.v_widths)
         qo = np.asarray(HeadLayout.offsets(layout.k_widths, g), np.int32)
-        inputs = [stored.astype(jnp.int32).reshape(-1), tables.astype(jnp.int32).reshape(-1), q.reshape(-1), flat]
+        inputs = [stored.astype(jnp.int32).reshape(-1), tables.astype(jnp.int32).reshape(-1), q.reshape(-1), pool]
         inputs += [jnp.asarray(pair_of), jnp.asarray(qo)]
         kernel = functools.partial(_one_kernel, pairs=tuple(static), q_cols=layout.q_cols, out_stride=width, **common)
         acc, m, l = launch(kernel, heads, s, inputs, width, "kvjax_head_decode_all")
@@ -255,8 +283,9 @@ def head_paged_decode(
         n = len(heads)
         s = default_splits(b * n) if splits is None else splits
         inputs = [stored[:, heads].astype(jnp.int32).reshape(-1), tables[:, heads].astype(jnp.int32).reshape(-1)]
-        inputs += [qh.reshape(-1), flat]
-        kernel = functools.partial(_pair_kernel, kw=kw, vw=vw, per=tokens_per_page(page_elems, kw, vw), **common)
+        inputs += [qh.reshape(-1), pool]
+        per, step = tokens_per_page(page_elems, kw, vw), step_pages(kw, vw)
+        kernel = functools.partial(_pair_kernel, kw=kw, vw=vw, per=per, pages_per_step=step, **common)
         got = merge_splits(*launch(kernel, n, s, inputs, vw, f"kvjax_head_decode_k{kw}_v{vw}"))
         return got.reshape(b, n, g * vw).astype(q.dtype)
 
