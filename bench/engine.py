@@ -46,6 +46,7 @@ from kvjax.ops import kv_schemes
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.runtime import engine as engine_module
 from kvjax.runtime.cache import bytes_per_token
+from kvjax.runtime.config import engine_eviction
 from kvjax.runtime.engine import Engine
 from kvjax.runtime.runner import Runner
 from kvjax.runtime.scheduler import Request
@@ -134,7 +135,12 @@ def floor_bytes(model: kvjax.Model, lengths: np.ndarray, engine: Engine | None =
 
 def kv_bytes(model: kvjax.Model, lengths: np.ndarray, engine: Engine | None = None) -> int:
     """Bytes of K/V a decode step reads: each sequence's tokens at the cache's bytes a token (a quantized cache:
-    its full pages' every byte, codes, scales, zeros and padding, and its tail's tokens in the cache's dtype)."""
+    its full pages' every byte, codes, scales, zeros and padding, and its tail's tokens in the cache's dtype); an
+    evicting engine's: the tokens each head stores now, at its width (``lengths`` unused)."""
+    if engine is not None and engine.eviction is not None:
+        stored = np.asarray(engine.cache.heads.stored)  # [slots, L, Hkv]
+        widths = np.array([[k + v for k, v in zip(lay.k_widths, lay.v_widths)] for lay in model.layouts])
+        return int((stored * widths).sum()) * jnp.dtype(model.dtype).itemsize
     plain = bytes_per_token(model.layouts, model.dtype)
     if engine is None or engine.formats is None:
         return int(lengths.sum()) * plain
@@ -157,11 +163,20 @@ class Prefilled:
 
 
 def prefilled(
-    model, batch: int, ctx: int, new: int, chunk_tokens: int, config=DECODE, warm_steps: int = 8, kv_bits=None
+    model,
+    batch: int,
+    ctx: int,
+    new: int,
+    chunk_tokens: int,
+    config=DECODE,
+    warm_steps: int = 8,
+    kv_bits=None,
+    eviction=None,
 ) -> Prefilled:
     """An engine whose ``batch`` random ``ctx``-token requests (``new`` tokens each) are prefilled and
     ``warm_steps`` decode steps in, every step shape compiled first by a one-request run of its own. ``kv_bits``:
-    quantized pages (of the default 32 tokens; 16 tokens a page otherwise)."""
+    quantized pages (of the default 32 tokens; 16 tokens a page otherwise); ``eviction``: each prompt evicted once
+    prefilled (``EngineConfig.eviction``)."""
     engine = Engine(
         model,
         max_batch=batch,
@@ -170,6 +185,7 @@ def prefilled(
         chunk_tokens=chunk_tokens,
         decode_config=config,
         kv_bits=kv_bits,
+        eviction=eviction,
     )
     runner = Runner(engine)
     rng = np.random.default_rng(0)
@@ -190,11 +206,11 @@ def prefilled(
     return Prefilled(engine, runner, requests, warm_up_s, compiled, since, prefill_s)
 
 
-def run_shape(model, rate, batch, ctx, args, bandwidth, kv_bits=None) -> dict:
+def run_shape(model, rate, batch, ctx, args, bandwidth, kv_bits=None, eviction=None) -> dict:
     """Prefill ``batch`` random prompts of ``ctx`` tokens, then time decode steps in steady state, every request
     still running (each may sample a token per prefill step before, one per step after)."""
     new = batch * -(-ctx // args.chunk_tokens) + args.warm_steps + 2 * args.steps + 8
-    state = prefilled(model, batch, ctx, new, args.chunk_tokens, args.config, args.warm_steps, kv_bits)
+    state = prefilled(model, batch, ctx, new, args.chunk_tokens, args.config, args.warm_steps, kv_bits, eviction)
     engine, runner, requests, since = state.engine, state.runner, state.requests, state.since
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -205,7 +221,7 @@ def run_shape(model, rate, batch, ctx, args, bandwidth, kv_bits=None) -> dict:
     kernels = cupti_steps(runner, args.steps)
     if any(r.finish_time is not None for r in requests):
         raise RuntimeError("a request finished while the steps were timed: the batch was not full")
-    span = back_to_back(runner, requests, args.steps)
+    span = back_to_back(runner, requests, args.steps) if eviction is None else float("nan")
     split = {"gemm": 0.0, "attention": 0.0, "rest": 0.0}
     by_name: dict[str, float] = {}
     for name, ms in kernels:
@@ -220,6 +236,7 @@ def run_shape(model, rate, batch, ctx, args, bandwidth, kv_bits=None) -> dict:
     return dict(
         rate=rate,
         kv_bits=kv_bits,
+        eviction=eviction,
         attention_floor_ms=attention_floor * 1e3,
         attention_pct_of_floor=100 * attention_floor / split["attention"],
         batch=batch,
@@ -327,7 +344,8 @@ def print_rows(rows: list[dict]) -> None:
     for r in rows:
         rate = f"{r['rate']}{' palu' if r.get('method') == 'palu' else ''}"
         print(
-            f"| {rate} | {r.get('kv_bits') or '-'} | {r['batch']} x {r['ctx']} | {r['wall_ms']:.2f} | "
+            f"| {rate} | {r.get('kv_bits') or '-'}{(' evict ' + r['eviction']) if r.get('eviction') else ''} | "
+            f"{r['batch']} x {r['ctx']} | {r['wall_ms']:.2f} | "
             f"{r['device_ms']:.2f} | "
             f"{r['floor_ms']:.2f} | {r['pct_of_floor']:.0f}% | {r['wall_over_device']:.3f} | {r['tokens_per_s']:.0f} | "
             f"{r['gemm_ms']:.2f} | {r['attention_ms']:.2f} ({r['attention_floor_ms']:.2f}, "
@@ -359,11 +377,12 @@ def decode_rows(args, bandwidth: float, rows: list[dict], save) -> None:
         model = model_at(rate, config=args.config, form=args.plan, method=args.method, band=args.band)
         for batch, ctx in args.shapes:
             for bits in args.kv_bits:
-                log(f"rate {rate}, kv bits {bits}, {batch} x {ctx}")
-                row = run_shape(model, rate, batch, ctx, args, bandwidth, bits)
-                rows.append(dict(row, method=method_name(args) if rate else "none"))
-                print_rows(rows[-1:])
-                save()
+                for evict in args.evict:
+                    log(f"rate {rate}, kv bits {bits}, eviction {evict}, {batch} x {ctx}")
+                    row = run_shape(model, rate, batch, ctx, args, bandwidth, bits, evict)
+                    rows.append(dict(row, method=method_name(args) if rate else "none"))
+                    print_rows(rows[-1:])
+                    save()
         del model
 
 
@@ -422,6 +441,14 @@ def main(argv=None) -> None:
         default=[None],
         help="cache formats per rate, comma-separated: none (the model's dtype), 4, 2 or a GEAR name such as "
         "gear2-r1-o0.01-p128 (default none)",
+    )
+    ap.add_argument(
+        "--evict",
+        type=validate.arg(lambda text: [None if e == "none" else engine_eviction(e).name for e in text.split(",")]),
+        default=[None],
+        help="eviction per rate and format, comma-separated: none, or a policy such as kvcompress:4x (the engine's "
+        "--evict; default none). An evicting row's span is not measured: replaying one step would append past the "
+        "pages its heads were given",
     )
     ap.add_argument(
         "--band",

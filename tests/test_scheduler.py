@@ -50,6 +50,7 @@ class FakeEngine:
         counts = [num_pages, *(self.window_pages[w] for w in self.windows[1:])]
         self.pages = [np.full((n, page_size), -1, np.int64) for n in counts]
         self.slot_tokens = np.zeros(max_batch, np.int64)
+        self.eviction = None  # keeps every token (test_engine_eviction's fake evicts)
 
     def rows(self, n):
         return Rows.empty(n, self.pages_per_seq, len(self.windows))
@@ -70,7 +71,7 @@ class FakeEngine:
             assert ids(pool, seen) == context[seen.start :], "a window read other ids than the context's"
         return context
 
-    def prefill(self, chunks, starts, rows, slots, tail_slots=None):
+    def prefill(self, chunks, starts, rows, slots, tail_slots=None, heads=None):
         assert len(chunks) <= self.prefill_rows
         assert bucket(len(chunks)) * bucket(max(map(len, chunks)), self.prefill_min) <= self.prefill_limit
         new = np.zeros(len(chunks), np.int64)
@@ -82,7 +83,7 @@ class FakeEngine:
                 self.slot_tokens[slots[i]] = new[i]
         return jnp.asarray(new)
 
-    def decode(self, positions, active, rows):
+    def decode(self, positions, active, rows, entries=None):
         for slot in np.flatnonzero(active):
             self._write(rows.table[:, slot], positions[slot], self.slot_tokens[slot])
         for slot in np.flatnonzero(active):

@@ -4,6 +4,7 @@ nothing; SIGTERM lets requests in flight finish and exits cleanly."""
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -325,3 +326,32 @@ def test_the_capacity_line_counts_tokens_and_what_they_would_be_uncompressed():
         ratio = sum(engine.token_bytes().values()) / (2 * 2 * 64 * 2 * 4)  # 2 layers, K and V, 2 heads of 64, f32
         assert m and float(m[1]) == round(1 - ratio, 2) and 0.6 < 1 - ratio < 0.95, line
         assert m[2].endswith("int4 pages") and ("zack" in m[2]) == (compressed is small), line
+    evicting = Engine(model, max_batch=2, max_seq_len=64, num_pages=21, eviction="kvcompress:4x")
+    assert capacity_line(evicting, model).endswith(
+        "(20 per-head pages and 8 staging pages of 16; each prompt evicted to kvcompress:4x once prefilled; "
+        "num_pages=21)"
+    )
+
+
+def test_an_evicting_server_answers_as_generate_does_and_gives_every_page_back():
+    """An engine that evicts each prompt to a quarter (KV-Compress) behind the HTTP stack: long prompts, one at a
+    time and then eight at once, get ``kvjax.generate``'s answers with the same eviction, and once idle every
+    staging and per-head page is free again (/health)."""
+    cfg = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)
+    model = kvjax.Model.random(cfg, seed=5, scale=4.0)
+    model.tokenizer = tiny_tokenizer(model.config.vocab_size)
+    engine = Engine(model, max_batch=4, max_seq_len=128, chunk_tokens=32, eviction="kvcompress:4x")
+    prompts = [" ".join(string.ascii_lowercase[i : i + 9]) * 3 for i in range(8)]
+    want = [kvjax.generate(model, [p], max_new_tokens=8, max_batch=1, eviction="kvcompress:4x")[0] for p in prompts]
+    with running(model, engine) as (_, base):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="-", max_retries=0, timeout=120)
+        out = client.completions.create(model=NAME, prompt=prompts[0], max_tokens=8, temperature=0)
+        assert out.choices[0].text == want[0].text
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            texts = pool.map(
+                lambda p: client.completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0), prompts
+            )
+            for got, ref, prompt in zip(texts, want, prompts):
+                assert got.choices[0].text == ref.text, prompt
+        health = wait_idle(base)
+        assert health["free_pages"] == health["total_pages"] and health["head_pages"][0] == health["head_pages"][1]

@@ -30,6 +30,19 @@ def kv_bits_arg(*, model: bool):
     return kv_bits
 
 
+def eviction_arg(text: str):
+    """An argparse ``type`` for --evict: 'none', or a policy the engine can run ("kvcompress:4x", "snapkv:256":
+    ``runtime.config.engine_eviction``); a bad one is a usage error in its own words."""
+    from kvjax.runtime.config import engine_eviction
+
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return engine_eviction(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def positive(name: str):
     """An argparse ``type`` for an integer >= 1 (a bad value is a usage error naming ``name``)."""
     return validate.arg(lambda v: validate.positive(name, v), int)
@@ -75,6 +88,17 @@ def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
         "page of 128 tokens, about 5x; decoded by the jnp reference, slower, for now); 'none': pages in the "
         "model's dtype (default: the checkpoint's choice, saved by kvjax-convert --kv-bits; pages in the model's "
         "dtype where it made none)",
+    )
+    p.add_argument(
+        "--evict",
+        type=eviction_arg,
+        default=None,
+        metavar="METHOD:AMOUNT",
+        help="once a prompt is prefilled, keep only its most attended tokens in each KV head (scored from its last 8 "
+        "queries in the space the model attends in): kvcompress (one budget shared by every head, KV-Compress) or "
+        "snapkv (the same budget each head), AMOUNT a ratio such as 4x (a quarter of the prompt) or tokens per head "
+        "such as 256; the most recent 16 tokens are always kept and decoded tokens are never evicted. Stacks with "
+        "rank compression; not with --kv-bits or Palu, banded or sliding-window models (default none)",
     )
     p.add_argument(
         "--attention",

@@ -121,6 +121,7 @@ def build_engine(args, model):
         prefill_min_tokens=args.prefill_min_tokens,
         prefill_max_rows=args.prefill_max_rows,
         kv_bits=kv_bits_for(model, args.kv_bits),  # by default the checkpoint's choice (--kv-bits none: none)
+        eviction=args.evict,
     )
     try:
         return Engine(model, config)
@@ -188,10 +189,13 @@ def capacity_line(engine, model) -> str:
         f"; layers with a {w}-token window: {n - 1} pages, given back as the window passes"
         for w, n in engine.window_pages.items()
     )
-    return (
-        f"KV cache: {tokens:,} tokens {rate}{extra} ({engine.num_pages - 1} pages of {engine.page_size}{windows}; "
-        f"{engine.budget_note})"
-    )
+    pages = f"{engine.num_pages - 1} pages of {engine.page_size}{windows}"
+    if engine.eviction is not None:  # the tokens are those of the per-head pool; each prompt then keeps fewer
+        pages = (
+            f"{engine.head_pages - 1} per-head pages and {engine.num_pages - 1} staging pages of {engine.page_size}; "
+            f"each prompt evicted to {engine.eviction.name} once prefilled"
+        )
+    return f"KV cache: {tokens:,} tokens {rate}{extra} ({pages}; {engine.budget_note})"
 
 
 def main(argv=None) -> int:

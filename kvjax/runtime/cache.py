@@ -93,7 +93,7 @@ class QuantizedKVCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class HeadKVCache:
-    """Eviction's cache on the device (issue 37; not served yet): one pool of fixed-size pages that every layer and KV
+    """Eviction's cache on the device (issue 37): one pool of fixed-size pages that every layer and KV
     head shares (``ops.head_paging``), each slot's per-head block tables and stored counts. The host's
     ``runtime.head_pages.HeadPages`` decides which pages a head owns; the tables here follow it by the entries its
     ``grow_many`` fills (``with_entries``: kilobytes a step where whole tables would be megabytes, bench/RESULTS.md
@@ -117,8 +117,9 @@ class HeadKVCache:
         page) written, owner index i standing for slot ``slots[i]``. Entries past the pages a head's stored count
         needs may be stale after an eviction (the kernels read only those pages); growth overwrites them."""
         entries = jnp.asarray(entries, jnp.int32).reshape(-1, 5)
-        slot = jnp.asarray(slots, jnp.int32)[entries[:, 0]]
-        tables = self.tables.at[slot, entries[:, 1], entries[:, 2], entries[:, 3]].set(entries[:, 4])
+        slots = jnp.asarray(slots, jnp.int32)
+        slot = jnp.take(slots, entries[:, 0], mode="fill", fill_value=self.tables.shape[0])  # past ``slots``: padding
+        tables = self.tables.at[slot, entries[:, 1], entries[:, 2], entries[:, 3]].set(entries[:, 4], mode="drop")
         return dataclasses.replace(self, tables=tables)
 
     def freed(self, slot: int) -> HeadKVCache:
@@ -128,6 +129,21 @@ class HeadKVCache:
     @property
     def nbytes(self) -> int:
         return self.pool.nbytes + self.tables.nbytes + self.stored.nbytes
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class EvictingCache:
+    """An evicting engine's cache (``EngineConfig.eviction``): prompts are prefilled into per-sequence ``staging``
+    pages as in a plain cache; at a prompt's end each KV head's survivors move to its per-head pages in ``heads``,
+    which decode reads and appends to (bench/notes/2026-12-02-eviction-device.md)."""
+
+    staging: PagedKVCache
+    heads: HeadKVCache
+
+    @property
+    def nbytes(self) -> int:
+        return self.staging.nbytes + self.heads.nbytes
 
 
 def pool_windows(layouts: tuple[HeadLayout, ...], max_seq_len: int | None = None) -> tuple[int | None, ...]:

@@ -12,6 +12,8 @@ import dataclasses
 from typing import Literal
 
 from kvjax import machine, validate
+from kvjax.eviction.metrics import WINDOWED
+from kvjax.eviction.select import Eviction, parse
 from kvjax.ops.attention import check_backend
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.kv_schemes import page_of, served
@@ -54,6 +56,10 @@ class EngineConfig:
     # quantized pages: 4 or 2 bits (``kvjax.ops.quant``) or a GEAR name (``kvjax.ops.gear``, its canonical form after
     # construction: ``kv_schemes.served``); None keeps the cache's dtype
     kv_bits: int | str | None = None
+    # eviction after each prompt (issue 37): an ``eviction.Eviction`` or its short form ("kvcompress:4x",
+    # "snapkv:256"), observation-window methods only (``metrics.WINDOWED``); None keeps every token. Its page size
+    # becomes the engine's after construction.
+    eviction: Eviction | str | None = None
 
     def __post_init__(self):
         self._defaults()
@@ -62,12 +68,7 @@ class EngineConfig:
         for name in ("prefill_min_tokens", "prefill_max_rows"):
             if getattr(self, name) is not None:
                 validate.positive(name, getattr(self, name))
-        if self.num_pages is not None:
-            if self.cache_memory is not None:
-                raise ValueError("give num_pages or cache_memory, not both")
-            validate.integer("num_pages", self.num_pages, low=2)
-        if self.cache_memory is not None:
-            validate.memory_budget("cache_memory", self.cache_memory)
+        self._check_budget()
         if self.cache_dtype is not None:
             object.__setattr__(self, "cache_dtype", validate.dtype(self.cache_dtype))
         if self.backend is not None:
@@ -75,6 +76,31 @@ class EngineConfig:
         validate.flag("batch_invariant", self.batch_invariant)
         if not isinstance(self.decode_config, DecodeConfig):
             raise TypeError(f"decode_config must be a DecodeConfig, got {type(self.decode_config).__name__}")
+        if self.eviction is not None:
+            self._check_eviction(engine_eviction(self.eviction, self.page_size))
+
+    def _check_budget(self) -> None:
+        """num_pages or cache_memory, each valid, never both."""
+        if self.num_pages is not None:
+            if self.cache_memory is not None:
+                raise ValueError("give num_pages or cache_memory, not both")
+            validate.integer("num_pages", self.num_pages, low=2)
+        if self.cache_memory is not None:
+            validate.memory_budget("cache_memory", self.cache_memory)
+
+    def _check_eviction(self, eviction: Eviction) -> None:
+        """Keep ``eviction`` (parsed, its pages the engine's), or refuse it in one line beside these settings."""
+        object.__setattr__(self, "eviction", eviction)
+        if eviction.window > self.chunk_tokens:
+            raise ValueError(
+                f"eviction {eviction.name} scores each prompt from its last window of {eviction.window} queries, "
+                f"which a step's chunk_tokens={self.chunk_tokens} cannot hold"
+            )
+        if self.kv_bits is not None:
+            raise ValueError(
+                f"eviction {eviction.name} with kv_bits {self.kv_bits}: evicting from quantized pages is not "
+                "supported yet (a compaction must keep the keys' quantization groups whole)"
+            )
 
     def _defaults(self) -> None:
         """Fields whose default depends on others, filled in (the instance is frozen, hence ``object.__setattr__``)."""
@@ -101,3 +127,19 @@ class EngineConfig:
             max_seq_len=max_seq_len or min(context, machine.CPU_MAX_SEQ_LEN if cpu else 8192),
             **settings,
         )
+
+
+def engine_eviction(eviction: Eviction | str, page_size: int = PAGE) -> Eviction:
+    """The engine's eviction policy from ``EngineConfig.eviction``, its pages the engine's, refused in one line for
+    a method the engine cannot score at a prompt's end."""
+    if isinstance(eviction, str):
+        eviction = parse(eviction)
+    elif not isinstance(eviction, Eviction):
+        raise TypeError(f"eviction must be an Eviction or a string such as 'kvcompress:4x', got {eviction!r}")
+    if eviction.method not in WINDOWED:
+        raise ValueError(
+            f"eviction {eviction.name}: the engine evicts with {', '.join(WINDOWED)} (scored from a prompt's last "
+            f"queries); {eviction.method} needs every query's attention, which only the reference "
+            "(kvjax.eviction.reference) computes"
+        )
+    return dataclasses.replace(eviction, page_size=page_size)

@@ -19,18 +19,23 @@ from flax import nnx
 
 from kvjax import machine
 from kvjax.compression.plan import check_kv_bits
-from kvjax.ops import attention
+from kvjax.eviction.prompt import evict_prompts
+from kvjax.eviction.select import Eviction
+from kvjax.ops import attention, head_paging
 from kvjax.ops.decode.gear_kernel import GearDecodeOp
 from kvjax.ops.decode.kernel import MIN_BAND
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.plan import bucket as pow2_bucket
 from kvjax.ops.grouped import full_width
 from kvjax.ops.kv_schemes import AnyPageFormat, label, page_format
+from kvjax.ops.paging import NULL_PAGE
 from kvjax.ops.palu import PaluDecodeOp
 from kvjax.ops.prefill.op import PrefillOp
 from kvjax.ops.quant import PageFormat
 from kvjax.runtime import memory
 from kvjax.runtime.cache import (
+    EvictingCache,
+    HeadKVCache,
     PagedKVCache,
     QuantizedKVCache,
     block_table,
@@ -143,25 +148,33 @@ def _prefill_step(
     slots,
     tail_rows,
     sampling,
+    evicting,
     *,
     greedy,
     op,
     prefix,
     pools,
     formats,
+    evict,
 ):
     """Run prompt chunks [B, T] (chunk b from position ``starts[b]``, ``lengths[b]`` tokens) through the model,
     writing their K/V; the token sampled after each chunk's last row goes to its ``slots`` row (a row past the end:
     nowhere, the chunk does not end its prompt). ``prefix`` False: every chunk starts at 0, and attention reads no
     pages (a kernel without the prefix loop, which compiles faster). ``pools``: each layer's page pool, the index
     of its block table in ``table``. ``formats`` (quantized caches): each layer's page format; the chunks continue
-    the tails of rows ``tail_rows`` (their requests' slots)."""
+    the tails of rows ``tail_rows`` (their requests' slots). ``evict`` (an evicting engine's call in which chunks end
+    their prompts; ``_Evict``): those prompts are evicted into per-head pages after the model has run
+    (``_evicted``; ``evicting``: its inputs)."""
     module = nnx.merge(graphdef, jax.tree.unflatten(structure, weights))
     b, t = tokens.shape
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    ks, vs = _layers(cache)
+    staging = cache.staging if isinstance(cache, EvictingCache) else cache
+    ks, vs = _layers(staging)
+    queries = []
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
+        if evict is not None:
+            queries.append(_last_queries(q, k, rotation, lengths, evict.spec.window))
         lay, pages, prefix_from = module.layouts[i], table[pools[i]], starts if prefix else None
         if formats is None:
             out, ks[i], vs[i] = attention.prefill(
@@ -175,7 +188,69 @@ def _prefill_step(
 
     hidden = module.hidden(tokens, positions, attend)
     new = sample(module.logits(hidden[jnp.arange(b), lengths - 1]), *sampling, greedy=greedy)
-    return slot_tokens.at[slots].set(new, mode="drop"), new, _rebuilt(cache, ks, vs)
+    staged = _rebuilt(staging, ks, vs)
+    if not isinstance(cache, EvictingCache):
+        return slot_tokens.at[slots].set(new, mode="drop"), new, staged, None
+    heads, kept = cache.heads, None
+    if evict is not None:
+        heads, kept = _evicted(evict, heads, queries, staged, table[0], slots, *evicting, module.layouts)
+    return slot_tokens.at[slots].set(new, mode="drop"), new, EvictingCache(staged, heads), kept
+
+
+@dataclasses.dataclass(frozen=True)
+class _Evict:
+    """An evicting engine's static settings for its steps: the policy, the per-head pool's page (elements) and the
+    attention backend of its decode."""
+
+    spec: Eviction
+    page_elems: int
+    backend: str
+
+
+def _last_queries(q, k, rotation, lengths, window: int):
+    """Each chunk's last ``window`` queries [B, W, q_cols], packed as the cache is (ZACK's rotated, truncated ones):
+    what ``metrics.window_scores`` scores a prompt's keys with. Rows before a chunk's first are clipped to it; the
+    scheduler ends every prompt with a chunk of at least ``window`` tokens (or the whole prompt), so clipped rows lie
+    before position 0 and are ignored."""
+    if rotation is not None:
+        q, _ = rotation.packed(q, k)
+    rows = jnp.clip(lengths[:, None] - window + jnp.arange(window)[None, :], 0, None)
+    return jnp.take_along_axis(q, rows[..., None], axis=1)
+
+
+def _evicted(
+    evict: _Evict,
+    heads: HeadKVCache,
+    queries,
+    staged,
+    seq_table,
+    slots,
+    head_tables,
+    prompts,
+    per_head,
+    protect,
+    layouts,
+):
+    """The call's ending prompts evicted from their staging pages into per-head pages (``evict_prompts``): rows with
+    a ``slots`` entry take their ``head_tables`` (the host's ``HeadPages`` tables, grown by the whole prompt) and
+    their kept counts into that slot; other rows have null head tables and write nothing. Returns (heads, kept
+    [B, L, Hkv])."""
+    pool, kept, _ = evict_prompts(
+        evict.spec,
+        queries,
+        staged.k,
+        staged.v,
+        seq_table,
+        prompts,
+        (per_head, protect),
+        layouts,
+        heads.pool,
+        head_tables,
+        evict.page_elems,
+    )
+    tables = heads.tables.at[slots].set(head_tables, mode="drop")
+    stored = heads.stored.at[slots].set(kept, mode="drop")
+    return HeadKVCache(pool, tables, stored), kept
 
 
 def _decode_step(
@@ -189,15 +264,21 @@ def _decode_step(
     table,
     schedule,
     sampling,
+    entries,
     *,
     greedy,
     op,
     pools,
     formats,
+    evict,
 ):
     """Feed each active row's token (``slot_tokens``, one row per slot) at ``positions``, and put the next one in
-    its place; layer i reads its pages through ``table[pools[i]]`` (``formats``: as in ``_prefill_step``)."""
+    its place; layer i reads its pages through ``table[pools[i]]`` (``formats``: as in ``_prefill_step``). An
+    evicting engine's (``evict``) reads and appends to each slot's per-head pages instead, its tables first given
+    this step's new ``entries`` (``HeadKVCache.with_entries``)."""
     module = nnx.merge(graphdef, jax.tree.unflatten(structure, weights))
+    if evict is not None:
+        return _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, entries, greedy, evict)
     ks, vs = _layers(cache)
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
@@ -217,6 +298,36 @@ def _decode_step(
     hidden = module.hidden(slot_tokens[:, None], positions[:, None], attend)
     new = sample(module.logits(hidden[:, 0]), *sampling, greedy=greedy)
     return jnp.where(active, new, slot_tokens), _rebuilt(cache, ks, vs)
+
+
+def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, entries, greedy, evict):
+    """``_decode_step`` over per-head pages (``attention.decode_heads``): positions stay the tokens' own (RoPE),
+    each head attends to the tokens it stores."""
+    heads = cache.heads.with_entries(jnp.arange(slot_tokens.shape[0]), entries)
+    pool, stored = heads.pool, []
+
+    def attend(i, q, k, v, rebuild=None, rotation=None):
+        nonlocal pool
+        out, pool, after = attention.decode_heads(
+            q[:, 0],
+            k[:, 0],
+            v[:, 0],
+            module.layouts[i],
+            pool,
+            heads.tables[:, i],
+            heads.stored[:, i],
+            evict.page_elems,
+            backend=evict.backend,
+            rotation=rotation,
+            active=active,
+        )
+        stored.append(after)
+        return out[:, None]
+
+    hidden = module.hidden(slot_tokens[:, None], positions[:, None], attend)
+    new = sample(module.logits(hidden[:, 0]), *sampling, greedy=greedy)
+    heads = HeadKVCache(pool, heads.tables, jnp.stack(stored, axis=1))
+    return jnp.where(active, new, slot_tokens), EvictingCache(cache.staging, heads)
 
 
 def _layers(cache) -> tuple[list, list]:
@@ -280,17 +391,17 @@ class Engine:
         cache_dtype = cache_dtype or model.dtype
         self.windows = pool_windows(model.layouts, self.max_seq_len)
         self.pools = tuple(pool_of(lay, self.windows) for lay in model.layouts)
-        self.pool_pages = self._pages(num_pages, cache_memory, cache_dtype)
+        self.eviction: Eviction | None = c.eviction  # type: ignore[assignment]  # EngineConfig parses a string
+        self._evict = self._eviction_setup(model) if self.eviction is not None else None
+        if self._evict is not None:
+            self.pool_pages = self._evicting_pages(num_pages, cache_memory, cache_dtype)
+        else:
+            self.pool_pages = self._pages(num_pages, cache_memory, cache_dtype)
         self.num_pages = self.pool_pages[0]
         self.window_pages = {w: n for w, n in zip(self.windows, self.pool_pages) if w is not None}
         self.cache_dtype = cache_dtype
-        self.cache: PagedKVCache | QuantizedKVCache
-        if self.formats is None:
-            self.cache = PagedKVCache.create(model.layouts, self.pool_pages, page_size, cache_dtype, self.windows)
-        else:
-            self.cache = QuantizedKVCache.create(
-                self.formats, model.layouts, self.pool_pages, max_batch, cache_dtype, self.windows
-            )
+        self.kept: jax.Array | None = None  # the kept counts [rows, L, Hkv] of the last prefill call that evicted
+        self.cache = self._create_cache(model, cache_dtype)
         self.slot_tokens = jnp.zeros((max_batch,), jnp.int32)
         # The cache is donated to every step, which updates it in place: on the CPU too, where a step that copied it
         # held two caches at once and spent most of its time copying (a 6.7 GB cache: 13 GB resident and about 16 s
@@ -311,20 +422,104 @@ class Engine:
                     op=self.decode_op,
                     pools=self.pools,
                     formats=self.formats,
+                    evict=self._evict,
                 )
             )
             for prefix in (True, False):
-                step = functools.partial(
-                    _prefill_step,
-                    model.graphdef,
-                    structure,
-                    greedy=greedy,
-                    op=self.prefill_op,
-                    prefix=prefix,
-                    pools=self.pools,
-                    formats=self.formats,
+                for evicts in (False, True) if self._evict is not None else (False,):
+                    step = functools.partial(
+                        _prefill_step,
+                        model.graphdef,
+                        structure,
+                        greedy=greedy,
+                        op=self.prefill_op,
+                        prefix=prefix,
+                        pools=self.pools,
+                        formats=self.formats,
+                        evict=self._evict if evicts else None,
+                    )
+                    self._steps["prefill", greedy, prefix, evicts] = jit(step)
+
+    def _create_cache(self, model, dtype) -> PagedKVCache | QuantizedKVCache | EvictingCache:
+        """The zeroed cache of the engine's pools: quantized pages (``formats``), staging and per-head pages
+        (eviction), or pages of ``dtype``."""
+        if self._evict is not None:
+            layers, heads = self.head_per_page.shape
+            return EvictingCache(
+                PagedKVCache.create(model.layouts, self.num_pages, self.page_size, dtype),
+                HeadKVCache.create(
+                    self.head_pages, self._evict.page_elems, self.max_batch, layers, heads, self.head_max_pages, dtype
+                ),
+            )
+        if self.formats is None:
+            return PagedKVCache.create(model.layouts, self.pool_pages, self.page_size, dtype, self.windows)
+        return QuantizedKVCache.create(
+            self.formats, model.layouts, self.pool_pages, self.max_batch, dtype, self.windows
+        )
+
+    def _eviction_setup(self, model) -> _Evict:
+        """An evicting engine's per-head pool format, or a one-line refusal of what it cannot evict yet: a page of
+        ``page_size`` full-width tokens (K and V) serves any head, a narrower head storing more tokens in it
+        (``ops.head_paging``); each head may hold a whole ``max_seq_len`` sequence."""
+        spec = self.eviction
+        assert spec is not None
+        if model.module.rebuilt_k:
+            raise ValueError(
+                f"eviction {spec.name} on a model whose keys are rebuilt (Palu, banded ZACK) is not supported yet: "
+                "its decode reads every key through the rebuild"
+            )
+        if len(self.windows) > 1:
+            raise ValueError(
+                f"eviction {spec.name} on a model with sliding-window layers is not supported yet (their pages go back "
+                "as the window passes; a head's evicted slots no longer say which position they hold)"
+            )
+        widths = [k + v for lay in model.layouts for k, v in zip(lay.k_widths, lay.v_widths)]
+        page_elems = self.page_size * max(widths)
+        self.head_per_page = np.stack([head_paging.layer_tokens_per_page(lay, page_elems) for lay in model.layouts])
+        self.head_max_pages = -(-self.max_seq_len // int(self.head_per_page.min()))
+        return _Evict(spec, page_elems, self.backend)
+
+    def _evicting_pages(self, num_pages, cache_memory, dtype) -> tuple[int, ...]:
+        """An evicting engine's two pools: the staging pool (``num_pages``) holds two whole ``max_seq_len`` prompts
+        (each is prefilled there whole, then evicted into per-head pages); the per-head pool (``head_pages``) gets
+        ``num_pages`` given, or the rest of the budget (``_pages``' rules), at most what ``max_batch`` unevicted
+        sequences need, and at least one such sequence. Returns (staging pages,)."""
+        assert self._evict is not None
+        staging = 2 * self.pages_per_seq + 1
+        one = int((-(-self.max_seq_len // self.head_per_page)).sum())  # a full sequence in every head
+        need = self.max_batch * one + 1
+        page_bytes = self._evict.page_elems * jnp.dtype(dtype).itemsize
+        staging_bytes = staging * self.page_size * bytes_per_token(self.model.layouts, dtype)
+        if num_pages is not None:
+            self.budget_note = f"num_pages={num_pages}"
+            self.head_pages = num_pages
+        else:
+            reserve = self.activation_bytes() + staging_bytes
+            free = memory.free_bytes()
+            if cache_memory is not None:
+                budget = memory.budget_bytes(cache_memory)
+                self.budget_note = f"cache_memory={memory.size(budget)}"
+                (self.head_pages,) = memory.pool_pages(budget, reserve, [page_bytes], [need], what="cache_memory")
+            elif free is None:
+                self.budget_note = (
+                    "room for max_batch full sequences (this machine does not say how much memory is free)"
                 )
-                self._steps["prefill", greedy, prefix] = jit(step)
+                self.head_pages = need
+            else:
+                share = machine.SHARE[machine.platform()]
+                self.budget_note = f"at most {share:.0%} of the {memory.size(free)} free on this {machine.platform()}"
+                (self.head_pages,) = memory.pool_pages(
+                    int(share * free), reserve, [page_bytes], [need], what="free-memory"
+                )
+        if self.head_pages - 1 < one:
+            tokens = self.max_seq_len * (self.head_pages - 1) // one
+            raise memory.CacheTooSmall(
+                f"the per-head pool holds {self.head_pages - 1} pages ({self.budget_note}), fewer than the {one} a "
+                f"sequence of max_seq_len={self.max_seq_len} positions needs before eviction: give a max_seq_len of "
+                f"at most {tokens} or a larger cache_memory",
+                tokens,
+            )
+        return (staging,)
 
     def _build_ops(self, model, c: EngineConfig) -> None:
         """The decode and prefill ops of the backend: none for the reference; for K rebuilt (Palu, banded ZACK),
@@ -345,6 +540,8 @@ class Engine:
                 return
         else:
             self.prefill_op = PrefillOp(model.layouts, interpret=interpret)
+        if c.eviction is not None:  # decode reads per-head pages (attention.decode_heads), with no host schedule
+            return
         if self.formats is not None:
             if all(isinstance(f, PageFormat) for f in self.formats):
                 self.decode_op = _quant_decode_op(model.layouts, self.formats, self.pages_per_seq, c, interpret)
@@ -364,7 +561,11 @@ class Engine:
 
     @property
     def cache_tokens(self) -> int:
-        """Tokens the whole-context pool holds (its pages less the null page)."""
+        """Tokens the whole-context pool holds (its pages less the null page); an evicting engine's: the tokens its
+        per-head pool holds at the model's widths (each head's share of a page at its own width)."""
+        if self._evict is not None:
+            cols = sum(lay.k_cols + lay.v_cols for lay in self.model.layouts)
+            return (self.head_pages - 1) * self._evict.page_elems // cols
         return (self.num_pages - 1) * self.page_size
 
     def tail_bytes(self, dtype=None) -> int:
@@ -386,6 +587,17 @@ class Engine:
             f"on {machine.platform()} in {dtype} ({self.backend} attention): up to {self.max_batch} sequences at once "
             f"of up to {self.max_seq_len} positions; KV cache {self.cache_tokens:,} tokens, "
             f"{memory.size(self.cache.nbytes)} ({self.budget_note}){self._format_note()}{self._band_note()}"
+            f"{self._eviction_note()}"
+        )
+
+    def _eviction_note(self) -> str:
+        """For an evicting engine: the policy, and the pools it keeps."""
+        if self._evict is None or self.eviction is None:
+            return ""
+        return (
+            f"; evicting with {self.eviction.name} at each prompt's end ({self.eviction.allocated} budget): per-head "
+            f"pages of {self._evict.page_elems} elements, {self.head_pages - 1:,} of them, beside staging pages for "
+            f"two whole prompts"
         )
 
     def _band_note(self) -> str:
@@ -482,10 +694,13 @@ class Engine:
             )
         return pages
 
-    def prefill(self, chunks: list[list[int]], starts, rows: Rows, slots, tail_slots=None) -> jax.Array:
+    def prefill(self, chunks: list[list[int]], starts, rows: Rows, slots, tail_slots=None, heads=None) -> jax.Array:
         """Enqueue prompt chunks (token ids from positions ``starts``); the token sampled after each chunk goes to
         slot ``slots[i]`` (-1: none). ``tail_slots``: the slot of each chunk's request, whose tail a quantized cache
-        continues (default ``slots``). Returns the sampled tokens [padded rows] on the device, without waiting."""
+        continues (default ``slots``). ``heads`` (an evicting engine): for each chunk that ends its prompt, its
+        request's per-head tables (``HeadPages.table``, grown by the whole prompt), else None; those prompts are
+        evicted into their slots' per-head pages, and ``kept`` holds each row's kept counts [rows, L, Hkv] on the
+        device. Returns the sampled tokens [padded rows] on the device, without waiting."""
         n = len(chunks)
         if n > self.prefill_rows:
             raise ValueError(f"a prefill call of {n} chunks, more than the {self.prefill_rows} rows a call holds")
@@ -502,9 +717,12 @@ class Engine:
         starts = np.pad(np.asarray(starts, np.int32), (0, b - n))
         tails = np.full(b, self.max_batch, np.int32)
         tails[:n] = [s if s >= 0 else self.max_batch for s in (slots if tail_slots is None else tail_slots)]
-        key = ("prefill", padded.greedy, bool(starts.any()))
+        evicting = (
+            self._evicting_inputs(heads, starts, lengths, n) if heads and any(h is not None for h in heads) else None
+        )
+        key = ("prefill", padded.greedy, bool(starts.any()), evicting is not None)
         step = self._compiled.get((*key, b, t)) or self._steps[key]
-        self.slot_tokens, new, self.cache = step(
+        self.slot_tokens, new, self.cache, kept = step(
             self.weights,
             self.cache,
             self.slot_tokens,
@@ -515,14 +733,31 @@ class Engine:
             where,
             tails,
             padded.sampling(),
+            evicting,
         )
+        self.kept = kept
         return new
 
-    def decode(self, positions: np.ndarray, active: np.ndarray, rows: Rows) -> jax.Array:
+    def _evicting_inputs(self, heads, starts, lengths, n: int) -> tuple:
+        """A prefill call's eviction inputs for ``_evicted``: each row's head tables (null pages for rows that do
+        not end a prompt, so they write nothing), its prompt's length and ``Eviction.sizes``' budgets."""
+        if self._evict is None or self.eviction is None:
+            raise ValueError("per-head tables given to an engine that does not evict")
+        layers, kv_heads = self.head_per_page.shape
+        tables = np.full((len(starts), layers, kv_heads, self.head_max_pages), NULL_PAGE, np.int32)
+        for row, table in enumerate(heads[:n]):
+            if table is not None:
+                tables[row] = table
+        prompts = (starts + lengths).astype(np.int32)
+        return (tables, prompts, *self.eviction.sizes(prompts))
+
+    def decode(self, positions: np.ndarray, active: np.ndarray, rows: Rows, entries=None) -> jax.Array:
         """Enqueue one decode step over all ``max_batch`` slots (row i is slot i, so the step compiles once; an
         inactive row costs next to nothing: the step reads every weight whatever its rows, and the row's attention
         one token): each active row feeds its slot's token at its position and samples the next into the slot.
-        Returns the slot tokens [max_batch] after the step on the device, without waiting."""
+        ``entries`` (an evicting engine): the per-head table entries this step's growth filled, rows of (slot, layer,
+        head, index, page) (``HeadPages.grow``'s, with the slot first). Returns the slot tokens [max_batch] after the
+        step on the device, without waiting."""
         step = self._compiled.get(("decode", rows.greedy)) or self._steps["decode", rows.greedy]
         self.slot_tokens, self.cache = step(
             self.weights,
@@ -533,8 +768,23 @@ class Engine:
             rows.table,
             self.schedule(positions + 1),
             rows.sampling(),
+            self.head_entries(entries),
         )
         return self.slot_tokens
+
+    def head_entries(self, entries) -> np.ndarray | None:
+        """An evicting decode step's table entries padded to its fixed shape (one page a head of every slot, the most
+        a step can fill), padding rows naming no slot; None for an engine that does not evict."""
+        if self._evict is None:
+            if entries is not None and len(entries):
+                raise ValueError("per-head table entries given to an engine that does not evict")
+            return None
+        layers, heads = self.head_per_page.shape
+        out = np.zeros((self.max_batch * layers * heads, 5), np.int32)
+        out[:, 0] = self.max_batch
+        if entries is not None and len(entries):
+            out[: len(entries)] = entries
+        return out
 
     def rows(self, n: int) -> Rows:
         """``n`` empty rows of step inputs (null pages in every pool, greedy)."""
@@ -581,15 +831,18 @@ class Engine:
                 rows.table,
                 self.schedule(positions + 1),
                 rows.sampling(),
+                self.head_entries(None),
             )
             jobs.append((("decode", g), self._steps["decode", g], (*state, *inputs)))
             for b, t in self.prefill_shapes():
                 rows = rows_of(b, g)
                 ids, zeros = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
                 for prefix in (True, False):
-                    key = ("prefill", g, prefix)
-                    inputs = (ids, zeros, zeros + 1, rows.table, zeros, zeros, rows.sampling())
-                    jobs.append(((*key, b, t), self._steps[key], (*state, *inputs)))
+                    for evicts in (False, True) if self._evict is not None else (False,):
+                        key = ("prefill", g, prefix, evicts)
+                        evicting = self._evicting_inputs([None] * b, zeros, zeros + 1, 0) if evicts else None
+                        inputs = (ids, zeros, zeros + 1, rows.table, zeros, zeros, rows.sampling(), evicting)
+                        jobs.append(((*key, b, t), self._steps[key], (*state, *inputs)))
         jobs = [job for job in jobs if job[0] not in self._compiled]
 
         def compile_one(job):

@@ -14,6 +14,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from kvjax import validate
+from kvjax.eviction.select import Eviction
 from kvjax.runtime.config import EngineConfig, KvBits, kv_bits_for
 from kvjax.runtime.engine import Engine, bucket
 from kvjax.runtime.runner import Runner
@@ -108,6 +109,7 @@ def generate_iter(
     backend: str | None = None,
     batch_invariant: bool = False,
     kv_bits: KvBits = "model",
+    eviction: Eviction | str | None = None,
     stats: dict | None = None,
 ) -> _Run:
     """Check the arguments and queue the prompts; iterating the result runs them and yields (prompt index,
@@ -124,7 +126,9 @@ def generate_iter(
     kernels on the CPU). ``kv_bits`` (4 or 2) keeps the cache in quantized pages (``EngineConfig.kv_bits``;
     ``page_size`` then defaults to 32, the keys' group); None keeps it in the cache's dtype; "model" (the default)
     takes the model's own choice, ``model.kv_bits`` (saved with a checkpoint by ``kvjax-convert --kv-bits``; None
-    for a model that made none). ``stats``, if given, receives counts and per-prompt times once the iteration ends.
+    for a model that made none). ``eviction`` ("kvcompress:4x", "snapkv:256", an ``Eviction``; None keeps every
+    token) evicts each prompt's least-attended tokens per KV head once it is prefilled (``EngineConfig.eviction``).
+    ``stats``, if given, receives counts and per-prompt times once the iteration ends.
 
     Sampling draws token i of prompt n from (``seed``, n, i) alone, so it does not depend on the other prompts'
     timing. ``batch_invariant=True``: a prompt's tokens depend only on it, ``seed`` and the fixed settings
@@ -146,6 +150,7 @@ def generate_iter(
         backend=backend,
         batch_invariant=batch_invariant,
         kv_bits=kv_bits_for(model, kv_bits),
+        eviction=eviction,
     )
     capacity = config.max_seq_len
     if (

@@ -48,6 +48,9 @@ class HeadPages:
     def _pages(self, stored: np.ndarray) -> np.ndarray:
         return -(-stored // self.per_page)
 
+    def holds(self, owner: int) -> bool:
+        return owner in self._tables
+
     def stored(self, owner: int) -> np.ndarray:
         """Tokens each head of ``owner`` stores, [layers, heads] (zeros for an owner holding nothing)."""
         return self._stored.get(owner, np.zeros(self.shape, np.int64)).copy()

@@ -7,6 +7,12 @@ preempted (``free``), the pages a sliding window has passed (``release_passed``)
 server's counts (``stats``) and the invariants the fuzz tests check (``check``) all live here, so later page
 policies (per-head pages, eviction) change this module and not the scheduler.
 
+An evicting cache (``heads``, a ``runtime.head_pages.HeadPages``) has two pools: pool 0 stages a prompt while it is
+prefilled (whole: ``grow`` is asked for the prompt at once), and at the prompt's end each (layer, KV head) takes pages
+of the per-head pool for the whole prompt (``grow_heads``), gives the staging pages back (``end_prompt``) and, once
+the device says how many tokens each head kept, the per-head pages past them (``evicted``). Decode grows the
+per-head pages a token at a time.
+
 Pools are those of ``kvjax.runtime.cache``: pool 0 holds every position of a sequence; a pool per sliding window
 holds only the pages its window still covers. A request has one block table per pool, indexed by logical page; a
 page given back reads as the null page.
@@ -74,8 +80,12 @@ class PageManager:
         *,
         windows: dict[int, int] | None = None,
         max_pages_per_seq: int | None = None,
+        heads=None,
     ):
         short = sorted((windows or {}).items())
+        if heads is not None and short:
+            raise ValueError("an evicting cache has no sliding-window pools")
+        self.heads = heads
         self.windows: tuple[int | None, ...] = (None, *(w for w, _ in short))
         self.allocators = [PageAllocator(num_pages), *(PageAllocator(n) for _, n in short)]
         self.page_size, self.chunk_tokens = page_size, chunk_tokens
@@ -141,35 +151,70 @@ class PageManager:
 
     def free(self, owner: int) -> None:
         """Give back every page ``owner`` holds (none held: nothing to do)."""
+        if self.heads is not None:
+            self.heads.free(owner)
         if owner not in self._tables:
             return
         tables, released = self._tables.pop(owner), self._released.pop(owner)
         for pages, alloc, done in zip(tables, self.allocators, released):
             alloc.free(pages[done:])
 
+    def can_hold_heads(self, owner: int, tokens: int) -> bool:
+        """Whether the per-head pool has the pages ``tokens`` more tokens in every head of ``owner`` need, now."""
+        return self.heads.need(owner, tokens) <= self.heads.free_pages
+
+    def grow_heads(self, owner: int, tokens: int):
+        """Append ``tokens`` tokens to every head of ``owner`` in the per-head pool; the table entries filled
+        (``HeadPages.grow``), or None, and nothing changed, when it has too few pages."""
+        return self.heads.grow(owner, tokens)
+
+    def end_prompt(self, owner: int) -> None:
+        """Give back ``owner``'s staging pages: its prompt now lives in its per-head pages. Called before the step
+        after the one that evicted it is scheduled: that step's rows never read them."""
+        tables = self._tables.pop(owner, None)
+        if tables is not None:
+            self.allocators[0].free(tables[0])
+            del self._released[owner]
+
+    def evicted(self, owner: int, prompt: int, kept) -> None:
+        """The device evicted ``owner``'s ``prompt``-token prompt and each head kept ``kept`` [layers, heads] tokens;
+        decode has appended the same number of tokens to every head since (the host grew every head by the whole
+        prompt). The pages past what each head now stores go back."""
+        grown = self.heads.stored(owner) - prompt  # tokens decoded since, the same in every head
+        self.heads.shrink(owner, kept + grown)
+
+    def holds_heads(self, owner: int) -> bool:
+        return self.heads is not None and self.heads.holds(owner)
+
     def table(self, owner: int) -> tuple[tuple[int, ...], ...]:
         """``owner``'s block tables, per pool (empty ones for an owner holding nothing)."""
         return tuple(map(tuple, self._tables.get(owner, [[] for _ in self.windows])))
 
     def holds(self, owner: int) -> bool:
-        return owner in self._tables
+        return owner in self._tables or self.holds_heads(owner)
 
     def stats(self) -> dict:
         """Free and total pages of pool 0, and [free, total] of each window pool by window (the server's
         /health)."""
-        return dict(
+        out = dict(
             free_pages=self.allocators[0].free_pages,
             total_pages=self.allocators[0].num_pages - 1,
             window_pages={
                 str(w): [a.free_pages, a.num_pages - 1] for w, a in zip(self.windows[1:], self.allocators[1:])
             },
         )
+        if self.heads is not None:  # pool 0 stages prompts; the per-head pool holds what they keep
+            out["head_pages"] = [self.heads.free_pages, self.heads.num_pages - 1]
+        return out
 
     def check(self, reached: dict[int, int]) -> None:
         """Raise AssertionError unless the pages add up for owners at ``reached`` positions ({owner: positions}):
         exactly those owners hold pages, owned + free == the pool, none owned twice, each owner holds the pages of
         the positions it reached, and none its window still sees was given back (the fuzz tests call it after
-        every step)."""
+        every step). An evicting cache's ``reached`` names the owners that stage a prompt (holding its whole
+        length); its per-head pool is checked by ``HeadPages.check``."""
+        if self.heads is not None:
+            self.heads.check()
         assert set(self._tables) == set(reached), "pages held by an owner that should hold none, or the reverse"
         for i, (w, alloc) in enumerate(zip(self.windows, self.allocators)):
             owned = [p for t in self._tables.values() for p in t[i] if p != NULL_PAGE]

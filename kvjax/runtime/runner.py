@@ -27,6 +27,8 @@ class _Pending:
 
     tokens: jax.Array
     rows: list[tuple[Request, int, int]]
+    kept: jax.Array | None = None  # an evicting prefill call's kept counts [rows, L, Hkv]
+    evicted: list[tuple[Request, int, int, int]] = dataclasses.field(default_factory=list)  # (r, row, epoch, prompt)
 
 
 class Runner:
@@ -49,6 +51,7 @@ class Runner:
             max_pages_per_seq=engine.pages_per_seq,
             fixed_chunks=engine.batch_invariant,
             windows=engine.window_pages,
+            **_eviction(engine),
         )
         self._pending: deque[list[_Pending]] = deque()
         self.steps = 0
@@ -126,6 +129,8 @@ class Runner:
             out += [self._prefill(g) for g in groups]
         for p in out:
             p.tokens.copy_to_host_async()
+            if p.kept is not None:
+                p.kept.copy_to_host_async()
         return out
 
     def _decode(self, decodes: list[Decode]) -> _Pending:
@@ -133,11 +138,14 @@ class Runner:
         rows = engine.max_batch  # row i is slot i
         meta = engine.rows(rows)
         positions, active = np.zeros(rows, np.int32), np.zeros(rows, bool)
+        entries = []
         for d in decodes:
             r = d.request
             meta.set(d.slot, d.pages, r.seed, r.stream, d.index, r.temperature, r.top_p)
             positions[d.slot], active[d.slot] = d.position, True
-        tokens = engine.decode(positions, active, meta)
+            if d.entries is not None and len(d.entries):
+                entries.append(np.concatenate([np.full((len(d.entries), 1), d.slot, np.int32), d.entries], 1))
+        tokens = engine.decode(positions, active, meta, np.concatenate(entries) if entries else None)
         return _Pending(tokens, [(d.request, d.slot, d.index) for d in decodes])
 
     def _prefill(self, chunks: list[Chunk]) -> _Pending:
@@ -151,8 +159,13 @@ class Runner:
             meta,
             [c.slot for c in chunks],
             [c.tail_slot for c in chunks],
+            [c.heads for c in chunks] if any(c.heads is not None for c in chunks) else None,
         )
-        return _Pending(tokens, [(c.request, row, c.index) for row, c in enumerate(chunks) if c.index >= 0])
+        rows = [(c.request, row, c.index) for row, c in enumerate(chunks) if c.index >= 0]
+        evicted = [
+            (c.request, row, c.request.preemptions, c.end) for row, c in enumerate(chunks) if c.heads is not None
+        ]
+        return _Pending(tokens, rows, self.engine.kept if evicted else None, evicted)
 
     def _read(self, pending: list[_Pending]) -> list[Request]:
         finished = []
@@ -162,4 +175,20 @@ class Runner:
             for request, row, index in p.rows:
                 if self.scheduler.arrived(request, index, int(tokens[row]), now):
                     finished.append(request)
+            if p.evicted:
+                kept = np.asarray(p.kept)
+                for request, row, epoch, prompt in p.evicted:
+                    self.scheduler.evicted(request, epoch, prompt, kept[row])
         return finished
+
+
+def _eviction(engine: Engine) -> dict:
+    """The scheduler's eviction settings for ``engine``: its per-head pool (a ``HeadPages`` of the engine's format)
+    and the fewest tokens of a prompt's last chunk (the eviction's window of queries); none for one that keeps every
+    token."""
+    if engine.eviction is None:
+        return {}
+    from kvjax.runtime.head_pages import HeadPages
+
+    heads = HeadPages(engine.head_pages, engine.head_per_page, engine.head_max_pages)
+    return dict(heads=heads, last_chunk=engine.eviction.window)

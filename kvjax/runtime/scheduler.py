@@ -14,6 +14,11 @@ The scheduler knows nothing of devices, and which pages a request holds is the p
 sampled tokens may reach it a step or more late (``Runner`` enqueues step n + 1 before reading step n), so a request
 stops scheduling once its last token is enqueued, and one preempted with tokens still in flight is readmitted only
 once they have arrived.
+
+With eviction (``heads``: the per-head pool's ``HeadPages``), a request stages its whole prompt at its first chunk,
+takes per-head pages for it at its last (which is at least ``last_chunk`` tokens, the eviction's window of queries,
+or the whole prompt), gives the staging pages back the step after, and learns what each head kept a step or more
+later (``evicted``); decode grows each head a token a step. A request whose heads cannot grow preempts as above.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import enum
 import time
 from collections import deque
 from collections.abc import Callable
+
+import numpy as np
 
 from kvjax.runtime.pages import PageManager
 
@@ -89,6 +96,9 @@ class Chunk:
     index: int
     slot: int
     tail_slot: int = -1
+    heads: np.ndarray | None = (
+        None  # evicting: the chunk ends the prompt, and these are its per-head tables (HeadPages.table)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +111,7 @@ class Decode:
     position: int
     pages: tuple[tuple[int, ...], ...]
     index: int
+    entries: np.ndarray | None = None  # evicting: the per-head table entries this token filled (HeadPages.grow's rows)
 
 
 @dataclasses.dataclass
@@ -117,7 +128,9 @@ class Scheduler:
     """Requests, a page pool of ``num_pages`` pages of ``page_size`` tokens, ``max_running`` slots and a budget of
     ``chunk_tokens`` prompt tokens per step. ``windows``: sliding-window pools beside it, {window: pages}, whose
     pages a request gives back as its window passes them. ``fixed_chunks``: chunk boundaries fall every
-    ``chunk_tokens`` positions of a context whatever else runs (batch-invariant prefill)."""
+    ``chunk_tokens`` positions of a context whatever else runs (batch-invariant prefill). ``heads``: evict into this
+    per-head pool (``runtime.head_pages.HeadPages``), the pages stage prompts; ``last_chunk``: the fewest tokens a
+    prompt's last chunk holds where the prompt has them."""
 
     def __init__(
         self,
@@ -129,10 +142,16 @@ class Scheduler:
         max_pages_per_seq: int | None = None,
         fixed_chunks: bool = False,
         windows: dict[int, int] | None = None,
+        heads=None,
+        last_chunk: int = 1,
     ):
         self.pages = PageManager(
-            num_pages, page_size, chunk_tokens, windows=windows, max_pages_per_seq=max_pages_per_seq
+            num_pages, page_size, chunk_tokens, windows=windows, max_pages_per_seq=max_pages_per_seq, heads=heads
         )
+        if last_chunk > chunk_tokens:
+            raise ValueError(f"a prompt's last chunk of {last_chunk} tokens does not fit chunk_tokens={chunk_tokens}")
+        self.evicting, self.last_chunk = heads is not None, last_chunk
+        self._staged: list[Request] = []  # evicted in the step just scheduled: their staging pages go back next
         self.max_running, self.chunk_tokens = max_running, chunk_tokens
         self.fixed_chunks = fixed_chunks
         self.waiting: deque[Request] = deque()
@@ -168,6 +187,9 @@ class Scheduler:
         free)."""
         for r in self.draining:  # their last step is enqueued: a later one may reuse what they held
             self._release(r)
+        for r in self._staged:  # evicted into per-head pages by the step before
+            self.pages.end_prompt(r.id)
+        self._staged = []
         step = Step([], [], [])
         budget = self.chunk_tokens
         for r in list(self.running):
@@ -182,7 +204,7 @@ class Scheduler:
             if r.sampled > len(r.tokens):  # preempted with tokens in flight: wait for them
                 break
             first = self._chunk_end(r, budget) - r.computed
-            if first <= 0 or not self.pages.can_grow(r.id, r.computed + first):
+            if first <= 0 or not self._admissible(r, first):
                 break
             self.waiting.popleft()
             r.state, r.slot = State.RUNNING, self._free_slots.pop()
@@ -190,31 +212,54 @@ class Scheduler:
             budget -= self._schedule_chunk(r, budget, step)
         return step
 
+    def _admissible(self, r: Request, first: int) -> bool:
+        """Whether waiting r can start now with a first chunk of ``first`` tokens: its pages for them; evicting, the
+        staging pages of its whole prompt and room in the per-head pool for all of it."""
+        if not self.evicting:
+            return self.pages.can_grow(r.id, r.computed + first)
+        return self.pages.can_grow(r.id, r.target) and self.pages.can_hold_heads(r.id, r.target)
+
     def _chunk_end(self, r: Request, budget: int) -> int:
+        """Where r's next chunk ends: within ``budget`` (at the next multiple of ``chunk_tokens`` with
+        ``fixed_chunks``), leaving the prompt's last chunk at least ``last_chunk`` tokens; r.computed: none fits."""
         if self.fixed_chunks:
             end = min(r.target, (r.computed // self.chunk_tokens + 1) * self.chunk_tokens)
-            return end if end - r.computed <= budget else r.computed
-        return min(r.target, r.computed + budget)
+        else:
+            end = min(r.target, r.computed + budget)
+        if 0 < r.target - end < self.last_chunk:  # a last chunk too short for eviction's window of queries
+            end = r.target - self.last_chunk if r.target - self.last_chunk > r.computed else r.target
+        return end if end - r.computed <= budget else r.computed
 
     def _schedule_chunk(self, r: Request, budget: int, step: Step) -> int:
         """Schedule r's next chunk within ``budget``; returns the tokens it takes."""
         end = self._chunk_end(r, budget)
-        if end <= r.computed or not self._grow(r, end, step):
+        if end <= r.computed or not self._grow(r, r.target if self.evicting else end, step):
             return 0
         sample = end == r.target
+        heads = None
+        if sample and self.evicting:  # the prompt ends here: every head takes pages for all of it
+            if self._grow_heads(r, r.target, step) is None:
+                return 0
+            heads = self.pages.heads.table(r.id)
+            self._staged.append(r)
         start, pages, index = r.computed, self.pages.table(r.id), r.sampled if sample else -1
         taken, r.computed = end - r.computed, end
         if sample:
             self._sampled_one(r)
         slot = -1 if r.slot is None else r.slot
-        step.chunks.append(Chunk(r, start, end, pages, index, slot if sample else -1, slot))
+        step.chunks.append(Chunk(r, start, end, pages, index, slot if sample else -1, slot, heads))
         return taken
 
     def _schedule_decode(self, r: Request, step: Step) -> None:
-        if not self._grow(r, r.computed + 1, step):
+        entries = None
+        if self.evicting:
+            entries = self._grow_heads(r, 1, step)
+            if entries is None:
+                return
+        elif not self._grow(r, r.computed + 1, step):
             return
         assert r.slot is not None
-        step.decodes.append(Decode(r, r.slot, r.computed, self.pages.table(r.id), r.sampled))
+        step.decodes.append(Decode(r, r.slot, r.computed, self.pages.table(r.id), r.sampled, entries))
         r.computed += 1
         self._sampled_one(r)
 
@@ -237,6 +282,16 @@ class Scheduler:
                 return False
         return True
 
+    def _grow_heads(self, r: Request, tokens: int, step: Step):
+        """``tokens`` more tokens in every head of r's per-head pages, preempting the newest others if needed: the
+        table entries filled, or None if r itself had to be preempted."""
+        while (entries := self.pages.grow_heads(r.id, tokens)) is None:
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is r:
+                return None
+        return entries
+
     def _preempt(self, r: Request, step: Step) -> None:
         self.running.remove(r)
         self._release(r)
@@ -253,6 +308,13 @@ class Scheduler:
             r.slot = None
 
     # tokens out
+
+    def evicted(self, r: Request, epoch: int, prompt: int, kept) -> None:
+        """The device kept ``kept`` [layers, heads] tokens of each head of r's ``prompt``-token prompt, evicted at
+        preemption count ``epoch``: the per-head pages past them go back. Nothing to do for a request since
+        preempted, finished or draining (its pages have gone or will go back whole)."""
+        if r.state is State.RUNNING and r.preemptions == epoch and self.pages.holds_heads(r.id):
+            self.pages.evicted(r.id, prompt, kept)
 
     def arrived(self, r: Request, index: int, token: int, now: float) -> bool:
         """Record new token ``index`` of r (sampled in a step now read); tokens after r finished are dropped.
@@ -293,7 +355,14 @@ class Scheduler:
         hold pages (``PageManager.check``), one slot per request that holds one, none held by a waiting request (the
         scheduler tests call it after every step)."""
         holders = [*self.running, *(r for r in self.draining if r.slot is not None)]  # not yet released
-        self.pages.check({r.id: r.computed for r in holders})
+        if self.evicting:  # staging: the whole prompt from its first chunk to the step after its last
+            staged = [r for r in holders if r.prefilling or r in self._staged]
+            self.pages.check({r.id: r.target for r in staged})
+            with_heads = {r.id for r in holders if not r.prefilling}
+            assert all(self.pages.holds_heads(i) for i in with_heads), "a decoding request holds no per-head pages"
+            assert not any(self.pages.holds_heads(r.id) for r in holders if r.prefilling), "a prompt holds heads early"
+        else:
+            self.pages.check({r.id: r.computed for r in holders})
         slots = [r.slot for r in self.running] + [r.slot for r in self.draining if r.slot is not None]
         assert None not in slots and len(set(slots)) == len(slots), "slots are not one per running request"
         assert len(slots) + len(self._free_slots) == self.max_running, "slots leaked"

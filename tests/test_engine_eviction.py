@@ -1,0 +1,250 @@
+"""Eviction in the engine (issue 37, items 4 and 5): prompts prefilled into staging pages, evicted at their end into
+per-head pages on the device, decoded from those. A page-exact fake engine drives the scheduler, page manager and
+runner through thousands of steps where pages change hands (every head's survivors read back after every step); a
+tiny real model gives ``eviction.reference``'s tokens, and a budget past every prompt changes no token."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_CONFIGS, fresh_seed
+from test_scheduler import VOCAB, FakeEngine, next_token, single_run
+
+import kvjax
+from kvjax.eviction.reference import evicted_hidden
+from kvjax.eviction.select import Eviction
+from kvjax.ops.paging import NULL_PAGE
+from kvjax.runtime.config import EngineConfig
+from kvjax.runtime.engine import Engine
+from kvjax.runtime.runner import Runner
+from kvjax.runtime.scheduler import Request, State
+
+WIDE = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)
+CALIBRATION_SMALL = dict(calibration="random", num_tokens=256, seq_len=64, progress=False)
+
+
+def kept_by_rule(position: int, token: int, layer: int, head: int) -> bool:
+    """The fake eviction's choice: a head keeps a token by a hash of where and what it is (about two in three)."""
+    return (position * 7919 + token * 104729 + layer * 31 + head * 17) % 3 != 0
+
+
+class FakeEvictingEngine(FakeEngine):
+    """``FakeEngine`` with eviction: at a prompt's end each (layer, head) keeps its ``kept_by_rule`` tokens (and the
+    last ``protect``), written through the per-head tables the host gave into a pool of token ids; decode applies the
+    host's table entries, appends each token to every head, then reads every active head back through its tables and
+    checks it against the survivors it was given plus what was appended since. Sampling follows the whole context
+    (``next_token``), so every request still finishes with its single-run tokens whatever was evicted."""
+
+    def __init__(self, head_pages, per_page, head_max_pages, window, **kw):
+        super().__init__(**kw)
+        self.eviction = Eviction("snapkv", ratio=2.0, window=window)
+        self.head_pages, self.head_per_page, self.head_max_pages = head_pages, np.asarray(per_page), head_max_pages
+        layers, heads = self.head_per_page.shape
+        self.pool = np.full((head_pages, int(self.head_per_page.max())), -1, np.int64)
+        self.tables = np.full((self.max_batch, layers, heads, head_max_pages), NULL_PAGE, np.int64)
+        self.stored = np.zeros((self.max_batch, layers, heads), np.int64)
+        self.expected: dict[int, list] = {}  # slot -> [layer][head]: the ids each head must read back
+        self.contexts: dict[int, list[int]] = {}  # slot -> its request's context so far
+        self.kept, self.evictions, self.protect = None, 0, window
+
+    def _head_slot(self, slot, layer, head, i):
+        per = self.head_per_page[layer, head]
+        page = self.tables[slot, layer, head, i // per]
+        assert page != NULL_PAGE, "a per-head slot through the null page"
+        return page, i % per
+
+    def prefill(self, chunks, starts, rows, slots, tail_slots=None, heads=None):
+        new = super().prefill(chunks, starts, rows, slots, tail_slots)
+        layers, kv_heads = self.head_per_page.shape
+        kept = np.zeros((len(chunks), layers, kv_heads), np.int32)
+        for i, table in enumerate(heads or []):
+            if table is None:
+                continue
+            end = starts[i] + len(chunks[i])
+            assert len(chunks[i]) >= min(self.eviction.window, end), "a prompt's last chunk shorter than the window"
+            context = self._read(rows.table[:, i], end)
+            slot = slots[i]
+            self.tables[slot], self.stored[slot] = table, 0
+            self.expected[slot] = [[[] for _ in range(kv_heads)] for _ in range(layers)]
+            for layer in range(layers):
+                for head in range(kv_heads):
+                    for p, token in enumerate(context):
+                        if p >= end - self.protect or kept_by_rule(p, token, layer, head):
+                            self._append(slot, layer, head, token)
+            kept[i] = self.stored[slot]
+            self.contexts[slot] = context + [int(new[i])]
+            self.evictions += 1
+        self.kept = jnp.asarray(kept)
+        return new
+
+    def _append(self, slot, layer, head, token):
+        page, row = self._head_slot(slot, layer, head, self.stored[slot, layer, head])
+        self.pool[page, row] = token
+        self.expected[slot][layer][head].append(token)
+        self.stored[slot, layer, head] += 1
+
+    def decode(self, positions, active, rows, entries=None):
+        for slot, layer, head, index, page in entries if entries is not None else []:
+            self.tables[slot, layer, head, index] = page
+        live = np.flatnonzero(active)
+        for slot in live:
+            for layer, head in np.ndindex(*self.head_per_page.shape):
+                self._append(slot, layer, head, int(self.slot_tokens[slot]))
+        for slot in live:  # after every row wrote: a page two heads share shows here
+            for layer, head in np.ndindex(*self.head_per_page.shape):
+                got = [
+                    int(self.pool[self._head_slot(slot, layer, head, i)]) for i in range(self.stored[slot, layer, head])
+                ]
+                assert got == self.expected[slot][layer][head], f"slot {slot} head ({layer}, {head}) read other tokens"
+            self.slot_tokens[slot] = next_token(self.contexts[slot])
+            self.contexts[slot].append(int(self.slot_tokens[slot]))
+        return jnp.asarray(self.slot_tokens.copy())
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_arrivals_with_eviction_keep_every_heads_survivors_and_every_token(seed):
+    """The scheduler fuzz with eviction on: random arrivals, stops, lags and pools small enough to preempt; after every
+    step the staging and per-head pages add up (none owned twice, owned + free = the pool, each head's pages those of
+    its stored tokens), every decode reads each head's survivors back exactly, and every request finishes with its
+    single-run tokens; at the end every page is free."""
+    rng = np.random.default_rng(seed)
+    page_size, max_batch = int(rng.choice([2, 4, 8])), int(rng.integers(1, 5))
+    chunk_tokens = int(rng.integers(4, 24))
+    window = int(rng.integers(1, chunk_tokens + 1))
+    pages_per_seq = int(rng.integers(6, 14))
+    per_page = rng.choice([page_size, 2 * page_size, 4 * page_size], size=(2, 2))
+    one = int((-(-pages_per_seq * page_size // per_page)).sum())
+    head_pages = int(rng.integers(one + 1, 3 * one))
+    engine = FakeEvictingEngine(
+        head_pages,
+        per_page,
+        -(-pages_per_seq * page_size // int(per_page.min())),
+        window,
+        num_pages=2 * pages_per_seq + 1,
+        page_size=page_size,
+        max_batch=max_batch,
+        pages_per_seq=pages_per_seq,
+        batch_invariant=bool(rng.integers(0, 2)),
+    )
+    runner = Runner(engine, chunk_tokens=chunk_tokens, lag=int(rng.integers(0, 3)))
+    stops = set(rng.choice(VOCAB, 2, replace=False).tolist())
+    capacity = pages_per_seq * page_size
+    arrivals, requests, done, step = sorted(rng.integers(0, 50, 20).tolist()), [], [], 0
+    while arrivals or runner.busy:
+        while arrivals and arrivals[0] <= step:
+            arrivals.pop(0)
+            n_prompt = int(rng.integers(1, capacity - 1))
+            max_new = int(rng.integers(1, capacity - n_prompt + 1))
+            requests.append(
+                runner.add(Request(rng.integers(0, VOCAB, n_prompt).tolist(), max_new, stop=lambda t: t[-1] in stops))
+            )
+        done += runner.step()
+        runner.scheduler.check()
+        step += 1
+        assert step < 20_000
+    assert sorted(r.id for r in done) == sorted(r.id for r in requests)
+    for r in requests:
+        assert r.state is State.FINISHED and r.tokens == single_run(r.prompt, r.max_new_tokens, stops), r.id
+    pages = runner.scheduler.pages
+    assert pages.allocators[0].free_pages == engine.num_pages - 1 and pages.heads.free_pages == head_pages - 1
+    assert engine.evictions >= len(requests)
+
+
+def test_the_head_pool_preempts_when_full_and_every_request_still_finishes():
+    """A per-head pool that holds about two sequences, four long requests: the newest are preempted (their per-head
+    pages freed), recomputed and evicted again, and all finish with their single-run tokens."""
+    engine = FakeEvictingEngine(
+        2 * 4 * 10 + 3, np.full((2, 2), 4), 10, 4, num_pages=21, page_size=4, max_batch=4, pages_per_seq=10
+    )
+    runner = Runner(engine, chunk_tokens=8)
+    rng = np.random.default_rng(5)
+    requests = [runner.add(Request(rng.integers(0, VOCAB, 12).tolist(), 25)) for _ in range(4)]
+    while runner.busy:
+        runner.step()
+        runner.scheduler.check()
+    assert sum(r.preemptions for r in requests) > 0
+    for r in requests:
+        assert r.tokens == single_run(r.prompt, 25, set())
+
+
+def _greedy(engine, prompts, new):
+    runner = Runner(engine)
+    requests = [runner.add(Request(p, new)) for p in prompts]
+    for _ in runner.run():
+        runner.scheduler.check()
+    return [r.tokens for r in requests]
+
+
+@pytest.mark.parametrize("plan", ["none", "zack"])
+def test_a_budget_past_every_prompt_evicts_nothing_and_changes_no_token(plan):
+    """Eviction whose budget holds every prompt: the engine's greedy tokens through staging and per-head pages equal
+    the plain engine's, uncompressed and ZACK 0.5, prompts longer than a chunk."""
+    seed = fresh_seed()
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
+    if plan == "zack":
+        model = kvjax.compress(model, removal_rate=0.5, seed=seed % 1000, max_context=128, **CALIBRATION_SMALL)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 97, int(n)).tolist() for n in rng.integers(2, 90, 4)]
+    settings = dict(max_batch=2, max_seq_len=128, chunk_tokens=32, backend="reference")
+    plain = _greedy(Engine(model, **settings), prompts, 8)
+    evicting = Engine(model, **settings, eviction="kvcompress:1000")
+    assert _greedy(evicting, prompts, 8) == plain, f"seed {seed}"
+    assert "evicting with kvcompress:1000" in evicting.describe()
+
+
+def _reference_tokens(model, prompt, tokens, spec):
+    """The greedy tokens ``eviction.reference`` gives after ``prompt`` evicted by ``spec``, teacher-forced on
+    ``tokens``: its argmax at every position from the prompt's last."""
+    hidden, _ = evicted_hidden(model, np.array([prompt + tokens[:-1]]), len(prompt), spec)
+    logits = np.asarray(model.module.logits(hidden[0, len(prompt) - 1 :]))
+    return logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("spec", ["kvcompress:3x", "snapkv:2x", "kvcompress:24:uniform"])
+def test_the_evicting_engine_gives_the_reference_tokens(backend, spec):
+    """Greedy decoding after eviction on the device (scores from the last chunk's queries, selection, per-head
+    pages, decode over them; the kernels in interpret mode) gives the tokens of ``eviction.reference``'s forward, in
+    which each head of the prompt sees only the selection: prompts longer than a chunk, of several lengths."""
+    seed = fresh_seed()
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 97, int(n)).tolist() for n in (70, 41, 6)]
+    settings = dict(max_batch=2, max_seq_len=96, chunk_tokens=32, backend=backend)
+    engine = Engine(model, **settings, eviction=spec)
+    got = _greedy(engine, prompts, 6)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == _reference_tokens(model, prompt, tokens, engine.eviction), f"seed {seed}, prompt {len(prompt)}"
+    if backend == "reference":  # the eviction mattered: the plain engine's tokens are others
+        assert got != _greedy(Engine(model, **settings), prompts, 6), f"seed {seed}"
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(eviction="h2o:4x"), "h2o needs every query's attention"),
+        (dict(eviction="kvcompress-full:2x"), "needs every query's attention"),
+        (dict(eviction="kvcompress:4x", kv_bits=4), "evicting from quantized pages is not supported yet"),
+        (dict(eviction="kvcompress"), "METHOD:BUDGET"),
+        (dict(eviction="tova:4x"), "eviction method must be one of"),
+        (dict(eviction=4), "eviction must be an Eviction or a string"),
+        (dict(eviction="snapkv:2x", chunk_tokens=4), "window of 8 queries"),
+    ],
+)
+def test_unsupported_eviction_settings_are_one_line_errors(settings, message):
+    with pytest.raises((ValueError, TypeError), match=message) as info:
+        EngineConfig(**settings)
+    assert "\n" not in str(info.value)
+
+
+def test_models_the_engine_cannot_evict_yet_are_refused_in_one_line():
+    """Palu (keys rebuilt at decode) and sliding-window layers get a one-line refusal, before any cache is taken."""
+    mistral = kvjax.Model.random(
+        dataclasses.replace(TINY_CONFIGS["mistral"], head_dim=64, hidden_size=128, sliding_window=16)
+    )
+    with pytest.raises(ValueError, match="sliding-window layers is not supported yet"):
+        Engine(mistral, max_batch=2, max_seq_len=64, eviction="snapkv:2x")
+    palu = kvjax.compress(kvjax.Model.random(WIDE), method="palu", removal_rate=0.5, **CALIBRATION_SMALL)
+    with pytest.raises(ValueError, match="keys are rebuilt"):
+        Engine(palu, max_batch=2, max_seq_len=64, eviction="snapkv:2x")
