@@ -12,7 +12,10 @@ stays within 1% of the uncompressed model's, over eviction alone, each plan alon
 Mode ``retrieval``: the passkey and multi-key prompts of ``retrieval``, their answers teacher-forced: a trial is
 right when the greedy choice at every answer position is the answer's token (then greedy decoding writes the
 answer; the engine's ``accuracy.py retrieval`` scores the same trials by their generated text). The prompt is cut
-once after prefill, as the methods publish it; the question at its end is in every observation window.
+once after prefill, as the methods publish it; the question at its end is in every observation window. With
+``--served``, the engine generates the answers instead (``kvjax.generate`` with ``eviction=``, every trial of a
+context in one batched call), scored by their text: observation-window methods only, the rate nominal (the plan's
+bytes over the ratio).
 
 Scores are computed once per (model, method, window) and reused by every budget. Results: bench/RESULTS.md
 "Eviction: accuracy"."""
@@ -264,6 +267,42 @@ def run_retrieval(base, args, save=None) -> list[dict]:
     return rows
 
 
+def run_served_retrieval(base, args, save=None) -> list[dict]:
+    """Per task, context, plan and policy: the share of trials whose answer the engine generates right
+    (``retrieval.run`` with ``eviction``), the policies those the engine runs. ``save(rows)`` after each run."""
+    specs, models = policies(args), plan_models(base, args, max(args.contexts) + ANSWER_ROOM)
+    rows: list[dict] = []
+    for fields, model in models:
+        for spec in specs:
+            results = retrieval.run(
+                model,
+                args.task,
+                args.contexts,
+                args.depths,
+                args.trials,
+                seed=args.seed,
+                max_batch=args.max_batch,
+                eviction=None if spec is None else spec.name,
+                progress=False,
+            )
+            for task, result in results.items():
+                for context in result["contexts"]:
+                    cells = [c for c in result["cells"] if c["context"] == context]
+                    kept = 1.0 if spec is None or spec.ratio is None else 1.0 / spec.ratio
+                    rows.append(
+                        {"task": task, "context": context, "plan": fields["plan"], "evict": _label(spec)}
+                        | {"overall_rate": 1.0 - (1.0 - fields["rate"]) * kept, "served": True}
+                        | {
+                            "accuracy": float(np.mean([c["accuracy"] for c in cells])),
+                            "trials": len(cells) * args.trials,
+                        }
+                    )
+                    print(accuracy._fmt(rows[-1]), flush=True)
+            if save is not None:
+                save(rows)
+    return rows
+
+
 def _retrieval_rows(hits: dict, kept: dict, models) -> list[dict]:
     rates = {fields["plan"]: fields["rate"] for fields, _ in models}
     rows = []
@@ -303,6 +342,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", type=accuracy._positive, nargs="+", default=[4096, 8192])
     p.add_argument("--depths", type=accuracy._fraction, nargs="+", default=list(retrieval.DEPTHS))
     p.add_argument("--trials", type=accuracy._positive, default=4, help="retrieval: trials per depth (default 4)")
+    p.add_argument(
+        "--served",
+        action="store_true",
+        help="retrieval: the engine generates each answer with the policy's eviction (kvcompress, snapkv only)",
+    )
+    p.add_argument("--max-batch", type=accuracy._positive, default=8, help="--served: prompts decoded at once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     return p
@@ -315,6 +360,12 @@ def main(argv=None):
         p.error(f"--continuation {args.continuation} leaves no prompt in a window of {args.windows[0]}")
     if args.mode == "eval" and args.eval_tokens < args.windows[0]:
         p.error(f"--eval-tokens {args.eval_tokens} is fewer than the window {args.windows[0]}")
+    if args.served:
+        unserved = [s.name for s in policies(args) if s is not None and s.method not in metrics.WINDOWED]
+        if args.mode != "retrieval" or unserved:
+            p.error(
+                f"--served runs retrieval through the engine, which evicts with {metrics.WINDOWED} only: {unserved}"
+            )
     jax.config.update("jax_default_matmul_precision", "highest")
     start = time.time()
     base = kvjax.load(args.model, dtype=args.dtype)
@@ -332,7 +383,8 @@ def main(argv=None):
         extra = {"within_one_percent": summary}
         text = f"\n\nlargest overall rate within 1% of the uncompressed perplexity\n\n{accuracy.table(summary)}"
     else:
-        rows, extra, text = run_retrieval(base, args, save), {}, ""
+        run = run_served_retrieval if args.served else run_retrieval
+        rows, extra, text = run(base, args, save), {}, ""
     print(f"\n{args.mode} on {args.model} ({args.dtype}), {time.time() - start:.0f} s\n\n{accuracy.table(rows)}{text}")
     save(rows, extra, partial=False)
 

@@ -272,6 +272,7 @@ def run(
     backend: str | None = None,
     kv_bits: int | None = None,
     page_size: int | None = None,
+    eviction: str | None = None,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, dict]:
@@ -279,7 +280,8 @@ def run(
 
     ``tasks``: a task name or several. All prompts of a context (tasks x depths x trials) go through one
     ``kvjax.generate`` call, so the tasks share its compiled engine; ``kv_bits`` (4 or 2) serves them from a cache
-    of quantized pages (``EngineConfig.kv_bits``) of ``page_size`` tokens (None: the engine's default). Contexts
+    of quantized pages (``EngineConfig.kv_bits``) of ``page_size`` tokens (None: the engine's default); ``eviction``
+    ("kvcompress:8x") evicts each prompt once prefilled (``EngineConfig.eviction``). Contexts
     longer than the model's ``max_position_embeddings`` are skipped, with a message to ``log`` (default: stderr).
     Each task's dict holds "cells" (context, depth, trials, correct, accuracy), "records" (one per trial:
     expected, answer, correct, ...), "contexts" (those run), "skipped", "depths", "seconds" (per context: the wall
@@ -288,6 +290,7 @@ def run(
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     limit = model.config.max_position_embeddings
     settings = dict(seed=seed, trials=trials, max_new_tokens=max_new_tokens, depths=depths, kv_bits=kv_bits)
+    settings |= dict(eviction=eviction)
     out: dict[str, dict] = {
         t: dict(task=t, **settings, contexts=[], skipped=[], seconds={}, cells=[], records=[]) for t in tasks
     }
@@ -312,6 +315,7 @@ def run(
             backend=backend,
             kv_bits=kv_bits,
             page_size=page_size,
+            eviction=eviction,
             progress=progress,
         )
         seconds = time.perf_counter() - start

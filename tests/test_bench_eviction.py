@@ -9,7 +9,7 @@ import types
 
 import numpy as np
 import pytest
-from conftest import TINY_CONFIGS, fresh_seed
+from conftest import TINY_CONFIGS, fresh_seed, tiny_tokenizer
 
 import kvjax
 
@@ -80,6 +80,8 @@ def test_retrieval_is_right_when_every_answer_token_is_the_greedy_choice():
         (["eval", "--ratios", "0.5"], "--ratios: must be a number >= 1"),
         (["eval", "--methods", "lru"], "--methods: invalid choice"),
         (["eval", "--windows", "64", "--continuation", "64"], "--continuation 64 leaves no prompt"),
+        (["retrieval", "--served", "--methods", "h2o", "--ratios", "2"], "evicts with ('kvcompress', 'snapkv') only"),
+        (["eval", "--served"], "--served runs retrieval through the engine"),
     ],
 )
 def test_bad_flags_are_one_line_usage_errors_before_any_model_loads(flags, message, monkeypatch, capsys):
@@ -139,3 +141,25 @@ def test_a_retrieval_run_cut_short_keeps_the_trials_it_finished(tmp_path, monkey
 def _prompt(rng, context):
     """A retrieval prompt of random tokens (the harness's text needs a tokenizer the random model lacks)."""
     return types.SimpleNamespace(ids=rng.integers(1, WIDE.vocab_size, context).tolist(), expected="7")
+
+
+def test_served_retrieval_generates_every_trial_through_the_evicting_engine(tmp_path, monkeypatch):
+    """--served: each plan and policy's trials are answered by ``kvjax.generate`` with that eviction (a random model
+    with a tokenizer, prompts of random tokens), every trial counted once, the rate nominal (2x keeps half)."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    model = kvjax.Model.random(WIDE, seed=seed % 1000)
+    model.tokenizer = tiny_tokenizer(WIDE.vocab_size)
+    monkeypatch.setattr(eviction.kvjax, "load", lambda *a, **k: model)
+
+    def prompt(task, tokenizer, context, depth, trial_rng):
+        ids = rng.integers(1, WIDE.vocab_size, context).tolist()
+        return types.SimpleNamespace(ids=ids, expected="7", target="7", number_position=0)
+
+    monkeypatch.setattr(eviction.retrieval, "build_prompt", prompt)
+    out = tmp_path / "served.json"
+    flags = ["retrieval", "--served", "--contexts", "48", "--depths", "0.5", "--trials", "3", "--task", "passkey"]
+    eviction.main([*flags, "--methods", "kvcompress", "--ratios", "2", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["evict"]: (r["trials"], r["overall_rate"]) for r in rows} == {"none": (3, 0.0), "kvcompress:2x": (3, 0.5)}
+    assert all(r["served"] and 0.0 <= r["accuracy"] <= 1.0 for r in rows)
