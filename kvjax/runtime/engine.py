@@ -212,10 +212,11 @@ def _last_queries(q, k, rotation, lengths, window: int):
     what ``metrics.window_scores`` scores a prompt's keys with. Rows before a chunk's first are clipped to it; the
     scheduler ends every prompt with a chunk of at least ``window`` tokens (or the whole prompt), so clipped rows lie
     before position 0 and are ignored."""
-    if rotation is not None:
-        q, _ = rotation.packed(q, k)
-    rows = jnp.clip(lengths[:, None] - window + jnp.arange(window)[None, :], 0, None)
-    return jnp.take_along_axis(q, rows[..., None], axis=1)
+    rows = jnp.clip(lengths[:, None] - window + jnp.arange(window)[None, :], 0, None)[..., None]
+    q = jnp.take_along_axis(q, rows, axis=1)
+    if rotation is not None:  # only the window's rows: the chunk's are packed by the attention
+        q, _ = rotation.packed(q, jnp.take_along_axis(k, rows, axis=1))
+    return q
 
 
 def _evicted(
@@ -493,24 +494,11 @@ class Engine:
         if num_pages is not None:
             self.budget_note = f"num_pages={num_pages}"
             self.head_pages = num_pages
+        elif (budget := self._budget(cache_memory)) is None:
+            self.head_pages = need
         else:
             reserve = self.activation_bytes() + staging_bytes
-            free = memory.free_bytes()
-            if cache_memory is not None:
-                budget = memory.budget_bytes(cache_memory)
-                self.budget_note = f"cache_memory={memory.size(budget)}"
-                (self.head_pages,) = memory.pool_pages(budget, reserve, [page_bytes], [need], what="cache_memory")
-            elif free is None:
-                self.budget_note = (
-                    "room for max_batch full sequences (this machine does not say how much memory is free)"
-                )
-                self.head_pages = need
-            else:
-                share = machine.SHARE[machine.platform()]
-                self.budget_note = f"at most {share:.0%} of the {memory.size(free)} free on this {machine.platform()}"
-                (self.head_pages,) = memory.pool_pages(
-                    int(share * free), reserve, [page_bytes], [need], what="free-memory"
-                )
+            (self.head_pages,) = memory.pool_pages(budget[0], reserve, [page_bytes], [need], what=budget[1])
         if self.head_pages - 1 < one:
             tokens = self.max_seq_len * (self.head_pages - 1) // one
             raise memory.CacheTooSmall(
@@ -654,6 +642,24 @@ class Engine:
         )
         return max(prefill, decode)
 
+    def _budget(self, cache_memory) -> tuple[int, str] | None:
+        """The cache's bytes and their name in ``memory.pool_pages``' errors: ``cache_memory``, or a share of the
+        memory free (``machine.SHARE``); None on a machine that does not say what is free (the caller then sizes for
+        ``max_batch`` full sequences). Says which in ``budget_note``."""
+        free = memory.free_bytes()
+        if cache_memory is not None:
+            budget = memory.budget_bytes(cache_memory)
+            self.budget_note = f"cache_memory={memory.size(budget)}"
+            if isinstance(cache_memory, float) and free is not None:
+                self.budget_note += f", {cache_memory:g} of the {memory.size(free)} free"
+            return budget, "cache_memory"
+        if free is None:
+            self.budget_note = "room for max_batch full sequences (this machine does not say how much memory is free)"
+            return None
+        share = machine.SHARE[machine.platform()]
+        self.budget_note = f"at most {share:.0%} of the {memory.size(free)} free on this {machine.platform()}"
+        return int(share * free), "free-memory"
+
     def _pages(self, num_pages, cache_memory, dtype) -> tuple[int, ...]:
         """Each pool's page count. The whole-context pool: ``num_pages``, or what ``cache_memory`` (or 90% of free
         memory) buys beside the window pools, capped at what ``max_batch`` full sequences can use; a window pool:
@@ -670,20 +676,10 @@ class Engine:
             fmts = [tuple(f for f, p in zip(self.formats, self.pools) if p == i) for i in range(len(needs))]
             page_bytes = [sum(f.page_bytes for f in group) for group in fmts]
         reserve = self.activation_bytes() + self.tail_bytes(dtype)
-        free = memory.free_bytes()
-        if cache_memory is not None:
-            budget, what = memory.budget_bytes(cache_memory), "cache_memory"
-            self.budget_note = f"cache_memory={memory.size(budget)}"
-            if isinstance(cache_memory, float) and free is not None:
-                self.budget_note += f", {cache_memory:g} of the {memory.size(free)} free"
-        elif free is None:
-            self.budget_note = "room for max_batch full sequences (this machine does not say how much memory is free)"
+        budget = self._budget(cache_memory)
+        if budget is None:
             return tuple(needs)
-        else:
-            share = machine.SHARE[machine.platform()]
-            budget, what = int(share * free), "free-memory"
-            self.budget_note = f"at most {share:.0%} of the {memory.size(free)} free on this {machine.platform()}"
-        pages = memory.pool_pages(budget, reserve, page_bytes, needs, what=what)
+        pages = memory.pool_pages(budget[0], reserve, page_bytes, needs, what=budget[1])
         if page_bytes[0] and (pages[0] - 1) * self.page_size < self.max_seq_len:
             tokens = (pages[0] - 1) * self.page_size
             raise memory.CacheTooSmall(

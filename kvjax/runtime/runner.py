@@ -159,7 +159,7 @@ class Runner:
             meta,
             [c.slot for c in chunks],
             [c.tail_slot for c in chunks],
-            [c.heads for c in chunks] if any(c.heads is not None for c in chunks) else None,
+            [c.heads for c in chunks],
         )
         rows = [(c.request, row, c.index) for row, c in enumerate(chunks) if c.index >= 0]
         evicted = [

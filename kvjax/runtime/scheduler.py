@@ -275,22 +275,22 @@ class Scheduler:
         on can no longer see), preempting the newest other requests if needed; False if r itself had to be
         preempted."""
         self.pages.release_passed(r.id, r.computed)
-        while not self.pages.grow(r.id, positions):
-            victim = self.running[-1]
-            self._preempt(victim, step)
-            if victim is r:
-                return False
-        return True
+        return self._preempting(r, step, lambda: self.pages.grow(r.id, positions) or None) is not None
 
     def _grow_heads(self, r: Request, tokens: int, step: Step):
         """``tokens`` more tokens in every head of r's per-head pages, preempting the newest others if needed: the
         table entries filled, or None if r itself had to be preempted."""
-        while (entries := self.pages.grow_heads(r.id, tokens)) is None:
+        return self._preempting(r, step, lambda: self.pages.grow_heads(r.id, tokens))
+
+    def _preempting(self, r: Request, step: Step, take):
+        """``take()`` until it gives something other than None (it changes nothing when it gives None), preempting
+        the newest running request before each retry; what it gave, or None once r itself was preempted."""
+        while (got := take()) is None:
             victim = self.running[-1]
             self._preempt(victim, step)
             if victim is r:
                 return None
-        return entries
+        return got
 
     def _preempt(self, r: Request, step: Step) -> None:
         self.running.remove(r)
