@@ -10,10 +10,12 @@ import os
 import sys
 import time
 
+import jax.numpy as jnp
 from engine import model_at
 from harness import LLAMA_8B
 
 from kvjax import validate
+from kvjax.cli.options import eviction_arg
 from kvjax.cli.serve import capacity_line
 from kvjax.ops.quant import GROUP, PageFormat, check_bits
 from kvjax.runtime.cache import bytes_per_token
@@ -65,6 +67,15 @@ def main(argv=None) -> int:
         default=None,
         help="quantized pages of 4 or 2 bits (of quant.GROUP tokens), on top of --method (default: bf16 pages)",
     )
+    ap.add_argument(
+        "--evict",
+        type=eviction_arg,
+        default=None,
+        metavar="METHOD:AMOUNT",
+        help="evict each prompt once prefilled (kvjax-serve --evict, e.g. kvcompress:4x), on top of --method; the "
+        "staging pages (two whole --max-seq-len prompts) come out of --cache-memory and the per-head pages get the "
+        "rest (default none)",
+    )
     args = ap.parse_args(argv)
     budget = parse_memory(args.cache_memory)
     if not isinstance(budget, int):
@@ -81,10 +92,9 @@ def main(argv=None) -> int:
     # the cache itself gets the budget (not the budget less each method's activation reserve), so every method's
     # K/V bytes are the same
     page = GROUP if args.kv_bits else PAGE_SIZE
-    if args.kv_bits:  # every byte of a quantized page (codes, scales, zeros, padding), the tails aside
-        page_bytes = sum(PageFormat.for_layout(lay, page, args.kv_bits).page_bytes for lay in model.layouts)
-    else:
-        page_bytes = page * bytes_per_token(model.layouts, model.dtype)
+    if args.evict and args.kv_bits:
+        ap.error("--evict does not stack with --kv-bits yet (the engine refuses it)")
+    num_pages = budget // _page_bytes(model, page, args.kv_bits) if not args.evict else _head_pages(model, args, budget)
     engine = Engine(
         model,
         max_batch=args.max_batch,
@@ -92,10 +102,13 @@ def main(argv=None) -> int:
         page_size=page,
         kv_bits=args.kv_bits,
         chunk_tokens=args.chunk_tokens,
-        num_pages=budget // page_bytes,
+        num_pages=num_pages,
         prefill_min_tokens=args.prefill_min_tokens,
         prefill_max_rows=args.prefill_max_rows,
+        eviction=args.evict,
     )
+    if args.evict and (pages := engine.cache.staging.nbytes + engine.cache.heads.pool.nbytes) > budget:
+        ap.error(f"the staging and per-head pages take {pages:,} bytes, more than --cache-memory ({budget:,})")
     if not args.no_compile_ahead:  # no request of the sweep waits for a compile
         t0 = time.perf_counter()
         n = engine.compile_ahead(greedy=(True,), threads=os.cpu_count() or 1, progress=True)
@@ -105,6 +118,7 @@ def main(argv=None) -> int:
         f"{args.shape}-{args.method}" + (f"-{rate:g}" if rate else "") + (f"-int{args.kv_bits}" if args.kv_bits else "")
     )
     name += "-uniform" if rate and args.plan == "uniform" else ""
+    name += f"-{args.evict.name.replace(':', '-')}" if args.evict else ""
     print(capacity_line(engine, model), file=sys.stderr, flush=True)
     print(f"serving {name!r} on http://127.0.0.1:{args.port}/v1", file=sys.stderr, flush=True)
     try:
@@ -114,6 +128,23 @@ def main(argv=None) -> int:
     finally:
         worker.stop()
     return 0
+
+
+def _page_bytes(model, page: int, kv_bits) -> int:
+    """Bytes of one whole-context page: every byte of a quantized page (codes, scales, zeros, padding), the tails
+    aside, or ``page`` tokens at the model's widths."""
+    if kv_bits:
+        return sum(PageFormat.for_layout(lay, page, kv_bits).page_bytes for lay in model.layouts)
+    return page * bytes_per_token(model.layouts, model.dtype)
+
+
+def _head_pages(model, args, budget: int) -> int:
+    """An evicting engine's per-head pages in ``budget`` once its staging pool (``Engine._evicting_pages``: two whole
+    ``max_seq_len`` prompts and the null page) is taken out; a page holds ``PAGE_SIZE`` tokens of the widest head
+    (``Engine._eviction_setup``). The engine's cache bytes are checked against the budget after it is built."""
+    staging = (2 * -(-args.max_seq_len // PAGE_SIZE) + 1) * _page_bytes(model, PAGE_SIZE, None)
+    widest = max(k + v for lay in model.layouts for k, v in zip(lay.k_widths, lay.v_widths))
+    return (budget - staging) // (PAGE_SIZE * widest * jnp.dtype(model.dtype).itemsize)
 
 
 if __name__ == "__main__":
