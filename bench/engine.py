@@ -172,14 +172,16 @@ def prefilled(
     warm_steps: int = 8,
     kv_bits=None,
     eviction=None,
+    slots: int | None = None,
 ) -> Prefilled:
     """An engine whose ``batch`` random ``ctx``-token requests (``new`` tokens each) are prefilled and
     ``warm_steps`` decode steps in, every step shape compiled first by a one-request run of its own. ``kv_bits``:
     quantized pages (of the default 32 tokens; 16 tokens a page otherwise); ``eviction``: each prompt evicted once
-    prefilled (``EngineConfig.eviction``)."""
+    prefilled (``EngineConfig.eviction``); ``slots``: the engine's ``max_batch`` (default ``batch``), more than the
+    batch to time a lightly loaded server's step."""
     engine = Engine(
         model,
-        max_batch=batch,
+        max_batch=max(batch, slots or batch),
         max_seq_len=ctx + new,
         page_size=None if kv_bits else 16,
         chunk_tokens=chunk_tokens,
@@ -210,7 +212,9 @@ def run_shape(model, rate, batch, ctx, args, bandwidth, kv_bits=None, eviction=N
     """Prefill ``batch`` random prompts of ``ctx`` tokens, then time decode steps in steady state, every request
     still running (each may sample a token per prefill step before, one per step after)."""
     new = batch * -(-ctx // args.chunk_tokens) + args.warm_steps + 2 * args.steps + 8
-    state = prefilled(model, batch, ctx, new, args.chunk_tokens, args.config, args.warm_steps, kv_bits, eviction)
+    state = prefilled(
+        model, batch, ctx, new, args.chunk_tokens, args.config, args.warm_steps, kv_bits, eviction, args.max_batch
+    )
     engine, runner, requests, since = state.engine, state.runner, state.requests, state.since
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -240,6 +244,7 @@ def run_shape(model, rate, batch, ctx, args, bandwidth, kv_bits=None, eviction=N
         attention_floor_ms=attention_floor * 1e3,
         attention_pct_of_floor=100 * attention_floor / split["attention"],
         batch=batch,
+        slots=max(batch, args.max_batch or batch),
         ctx=ctx,
         wall_ms=wall * 1e3,
         device_ms=device * 1e3,
@@ -402,6 +407,11 @@ def main(argv=None) -> None:
     )
     ap.add_argument(
         "--chunk-tokens", type=count_arg("--chunk-tokens"), default=2048, help="prompt tokens per step (default 2048)"
+    )
+    ap.add_argument(
+        "--max-batch",
+        type=count_arg("--max-batch"),
+        help="the engine's slots when more than a shape's batch: a lightly loaded server's step (default the batch)",
     )
     ap.add_argument(
         "--steps", type=count_arg("--steps"), default=32, help="decode steps timed, by each timer (default 32)"

@@ -3,12 +3,14 @@ one layer of the random Llama-3.1-8B attention shape (32 query heads, 8 KV heads
 B32 x 8K), per rank rate (``harness.rank_plan``'s representative layer), each KV head storing its own share of the
 context (``--keep``: below 1 the mean share, each head drawing its own from [keep/2, min(1, 3 keep/2)], as eviction
 leaves them; 1: every head the whole context), read by ``ops.decode.head_kernel`` from one pool of fixed-size pages
-(``--page-tokens`` full-width tokens a page), under each combination of ``--pages-per-step``, ``--warps`` and
-``--stages``. Beside them (``--per-sequence``) the engine's per-sequence kernel (``ops.decode.kernel``, its balanced
-schedule) over the whole context: the same bytes as keep 1. Every row: CUPTI time, the floor (the K and V bytes
-the heads store over the measured copy bandwidth), their ratio, and the relative error against
-``head_paging.decode_attention`` (float32). ``--interpret --timer host --shape 2x256`` runs the rows on a CPU
-(plumbing only). Table: bench/RESULTS.md "Per-head pages: decode kernel"."""
+(``--page-tokens`` full-width tokens a page), under each combination of ``--pages-per-step``, ``--warps``,
+``--stages`` and ``--splits`` (programs sharing a head's pages; 0: ``head_kernel.default_splits``). ``--live``: only
+that many sequences hold tokens, the rest of the batch none (a lightly loaded engine's slots). Beside them
+(``--per-sequence``) the engine's per-sequence kernel (``ops.decode.kernel``, its balanced schedule) over the whole
+context: the same bytes as keep 1. Every row: CUPTI time, the floor (the K and V bytes the heads store over the
+measured copy bandwidth), their ratio, and the relative error against ``head_paging.decode_attention`` (float32).
+``--interpret --timer host --shape 2x256`` runs the rows on a CPU (plumbing only). Table: bench/RESULTS.md "Per-head
+pages: decode kernel"."""
 
 from __future__ import annotations
 
@@ -42,18 +44,21 @@ from kvjax.ops.decode.head_kernel import NUM_STAGES, PAGES_PER_STEP, head_paged_
 from kvjax.runtime.head_pages import HeadPages
 
 
-def case(layout, batch: int, context: int, keep: float, page_tokens: int, seed: int = 0):
-    """(q, pool, tables, stored, bytes stored) for ``batch`` sequences whose heads store their own shares."""
+def case(layout, batch: int, context: int, keep: float, page_tokens: int, seed: int = 0, live: int | None = None):
+    """(q, pool, tables, stored, bytes stored) for ``batch`` sequences whose heads store their own shares; only the
+    first ``live`` of them (default all) hold tokens, the others none (an idle slot)."""
     rng = np.random.default_rng(seed)
     page_elems = page_tokens * 2 * D
     share = rng.uniform(keep / 2, min(1.0, 1.5 * keep), (batch, layout.num_kv_heads)) if keep < 1 else 1.0
     share = np.broadcast_to(share, (batch, layout.num_kv_heads))
     stored = np.maximum(1, (share * context).astype(np.int64))
+    live = batch if live is None else live
     per = head_paging.layer_tokens_per_page(layout, page_elems)[None]
     need = int((-(-stored // per)).sum())
     pages = HeadPages(need + 1, per, int(-(-context // per.min())))
     for b in range(batch):
         assert pages.grow(b, stored[b][None]) is not None
+    stored[live:] = 0
     tables = jnp.asarray(np.stack([pages.table(b)[0] for b in range(batch)]))
     key = jax.random.key(seed)
     pool = harness.randn(key, (need + 1, page_elems))
@@ -104,6 +109,10 @@ def main(argv=None):
         default=["pair", "one"],
         help="a launch per (K, V) width pair, one for all, or both (default)",
     )
+    p.add_argument(
+        "--splits", type=int, nargs="+", default=[0], help="programs a head's pages are split over (0: the default)"
+    )
+    p.add_argument("--live", type=count_arg("--live"), help="sequences holding tokens, the rest empty (default all)")
     p.add_argument("--per-sequence", action="store_true", help="time the per-sequence kernel beside (GPU only)")
     p.add_argument("--timer", choices=("cupti", "host"), default="cupti")
     p.add_argument("--interpret", action="store_true")
@@ -117,13 +126,17 @@ def main(argv=None):
     for rate in args.rates:
         layout = pick_layer(rank_plan(rate), rate)
         for keep in args.keep:
-            q, pool, tables, stored, nbytes, page_elems = case(layout, batch, context, keep, args.page_tokens)
+            q, pool, tables, stored, nbytes, page_elems = case(
+                layout, batch, context, keep, args.page_tokens, live=args.live
+            )
+            live = slice(0, args.live)
             want = head_paging.decode_attention(
                 q.astype(jnp.float32), pool.astype(jnp.float32), tables, stored, layout, page_elems, context
             )
-            combos = itertools.product(args.launches, args.pages_per_step, args.warps, args.stages)
-            for launches, step, warps, stages in combos:
+            combos = itertools.product(args.launches, args.pages_per_step, args.warps, args.stages, args.splits)
+            for launches, step, warps, stages, splits in combos:
                 knobs = dict(pages_per_step=step, num_warps=warps, num_stages=stages, one_launch=launches == "one")
+                knobs |= dict(splits=splits or None)
 
                 def run(pool, tables, stored, q, layout=layout, page_elems=page_elems, knobs=knobs):
                     return head_paged_decode(
@@ -133,7 +146,9 @@ def main(argv=None):
                 got = run(pool, tables, stored, q)
                 seconds = harness.time_calls(run, (pool, tables, stored), [(q,)])
                 label = dict(kernel=f"per-head ({launches})", pages_per_step=step, warps=warps, stages=stages)
-                rows.append(row(rate, keep, batch, context, seconds, nbytes / bandwidth, rel_err(got, want), **label))
+                label |= dict(splits=splits or "default", live=args.live or batch)
+                err = rel_err(got[live], want[live])
+                rows.append(row(rate, keep, batch, context, seconds, nbytes / bandwidth, err, **label))
         if args.per_sequence:
             rows.append(per_sequence(layout, rate, batch, context, bandwidth))
     print_table(rows)
