@@ -103,19 +103,24 @@ def window_scores(method: str, q, k, lengths, layout: HeadLayout, *, pool: int =
     prompt's end: ``q`` [B, W, q_cols], the queries of each prompt's last W positions (``lengths[b] - W`` on; rows
     before position 0 are ignored), against the prompt's keys ``k`` [B, S, k_cols] (slots past ``lengths`` are
     ignored and score 0). Equal to ``scores(method, ...)`` with ``window`` W over each prompt alone (tested): the
-    prefill step computes it from the last chunk's queries and the keys in its pages, with no second pass."""
+    prefill step computes it from the last chunk's queries and the keys in its pages, with no second pass.
+
+    ``lengths`` [B, Hkv] gives each KV head its own count: a head's slots after eviction, its survivors in order and
+    then what was decoded, whose last W are the last W queries' own tokens (continual eviction,
+    ``kvjax.eviction.continual``)."""
     if method not in WINDOWED:
         raise ValueError(f"only {WINDOWED} score from a window of queries; {method!r} needs every query's attention")
-    b, w = q.shape[:2]
+    w = q.shape[1]
     s = k.shape[1]
     lengths = jnp.asarray(lengths, jnp.int32)
-    rows = lengths[:, None] - w + jnp.arange(w)[None, :]  # [B, W] each query's position
     key_pos = jnp.arange(s)
-    seen = visible(rows[:, :, None], key_pos[None, None, :], layout.sliding_window) & (rows >= 0)[:, :, None]
-    seen &= key_pos < lengths[:, None, None]  # [B, W, S]
     out = []
     for g in range(layout.num_kv_heads):
+        n = lengths[:, g] if lengths.ndim == 2 else lengths
+        rows = n[:, None] - w + jnp.arange(w)[None, :]  # [B, W] each query's position
+        seen = visible(rows[:, :, None], key_pos[None, None, :], layout.sliding_window) & (rows >= 0)[:, :, None]
+        seen &= key_pos < n[:, None, None]  # [B, W, S]
         total = _mass(method, head_logits(q, k, layout, g), seen[:, None])
-        pooled = _pool(jnp.where(key_pos < lengths[:, None], total, -jnp.inf), pool)
-        out.append(jnp.where(key_pos < lengths[:, None], pooled, 0.0))
+        pooled = _pool(jnp.where(key_pos < n[:, None], total, -jnp.inf), pool)
+        out.append(jnp.where(key_pos < n[:, None], pooled, 0.0))
     return jnp.stack(out, axis=1)

@@ -1,0 +1,77 @@
+"""Continual eviction on the device (issue 37, item 4; KV-Compress, Rehg 2024, section 3.4): a decoding sequence
+whose per-head pages must shrink (the pool would otherwise preempt a request) has each KV head cut to a number of
+tokens the host chose, keeping the head's most recent slots and its highest scoring others, scored in the reduced
+space by the sequence's last W queries (the limited observation window, ``metrics.window_scores``), then compacted in
+place (``head_paging.compact``).
+
+The host chooses the counts (``halved``), not the scores, so it gives the freed pages back in the same step that
+needs them, with no wait for the device. Each head keeps a share of what it stores, so the allocation across heads
+and layers that KV-Compress made at the prompt's end carries over in proportion. Scoring works in slot order: after
+eviction a head's slots are its survivors in position order, then every token decoded since, and the last W of
+them are the last W queries' own tokens (never evicted: ``protected`` holds at least the window), so each query
+sees exactly the slots before and at its own, as causal attention did.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.eviction import metrics
+from kvjax.eviction.select import Eviction, _ranks
+from kvjax.ops import head_paging
+
+
+def protected(spec: Eviction) -> int:
+    """The most recent slots of every head that continual eviction keeps: the observation window, and at least the
+    page being filled."""
+    return max(spec.window, spec.page_size)
+
+
+def halved(spec: Eviction, stored) -> np.ndarray:
+    """Host: what each head keeps when its sequence is cut (int64, ``stored``'s shape): half of what it stores,
+    rounded up, and never fewer than ``protected(spec)`` (or than it stores). ``compress`` keeps exactly this many."""
+    stored = np.asarray(stored, np.int64)
+    return np.minimum(stored, np.maximum(-(-stored // 2), protected(spec)))
+
+
+def _keys(pool, tables, layout, page_elems: int, tokens: int):
+    """Every KV head's first ``tokens`` slots of one layer, packed as the layer's K [B, tokens, k_cols]; slots past
+    what a head stores hold whatever their pages do (the scores mask them)."""
+    heads = range(layout.num_kv_heads)
+    return jnp.concatenate([head_paging.read(pool, tables, h, layout, page_elems, tokens)[0] for h in heads], -1)
+
+
+def keep_counts(scores, stored, target, protect: int):
+    """bool [..., S]: of each head's ``stored`` [...] slots, its last ``protect`` and then its highest ``scores``
+    [..., S] (ties: the earlier slot) up to ``target`` [...] in all; ``max(min(target, stored), min(protect,
+    stored))`` of them (``halved`` gives targets of at least ``protect``)."""
+    slot = jnp.arange(scores.shape[-1])
+    stored = jnp.asarray(stored, jnp.int32)[..., None]
+    live = slot < stored
+    guarded = live & (slot >= stored - protect)
+    free = live & ~guarded
+    room = jnp.minimum(jnp.asarray(target, jnp.int32), stored[..., 0]) - guarded.sum(-1, dtype=jnp.int32)
+    cost = jnp.where(free, -scores.astype(jnp.float32), jnp.inf)
+    return guarded | (free & (_ranks(cost) < room[..., None]))
+
+
+def compress(spec: Eviction, queries, pool, tables, stored, target, layouts, page_elems: int, tokens: int):
+    """Cut each KV head of B sequences to ``target`` [B, L, Hkv] tokens (``halved``) and compact it in place.
+
+    ``queries``: per layer [B, W, q_cols], each sequence's last W queries in order (packed as the cache is: ZACK's
+    rotated ones), the last one the latest token's; ``tables`` [B, L, Hkv, pages] and ``stored`` [B, L, Hkv] as
+    ``runtime.cache.HeadKVCache`` holds them; ``tokens`` (static): the most slots a head may store. Returns (pool,
+    kept [B, L, Hkv], keep [B, L, Hkv, tokens]): the pool with each head's survivors in its first slots, in order
+    (donate it under ``jax.jit``: XLA writes in place), and the counts ``HeadPages.shrink`` took from the host."""
+    if spec.method not in metrics.WINDOWED:
+        raise ValueError(f"continual eviction scores with {metrics.WINDOWED}; {spec.method!r} needs every query")
+    if any(lay.sliding_window is not None for lay in layouts):
+        raise ValueError("continual eviction on sliding-window layers is not supported (slots are not positions)")
+    scores = []
+    for layer, lay in enumerate(layouts):
+        keys = _keys(pool, tables[:, layer], lay, page_elems, tokens)
+        scores.append(metrics.window_scores(spec.method, queries[layer], keys, stored[:, layer], lay, pool=spec.pool))
+    keep = keep_counts(jnp.stack(scores, axis=1), stored, target, protected(spec))
+    pool, kept = head_paging.compact(pool, tables, keep, stored, layouts, page_elems)
+    return pool, kept, keep
