@@ -12,6 +12,7 @@ from conftest import TINY_CONFIGS, fresh_seed
 from test_scheduler import VOCAB, FakeEngine, next_token, single_run
 
 import kvjax
+from kvjax.eviction.continual import protected
 from kvjax.eviction.reference import evicted_hidden
 from kvjax.eviction.select import Eviction
 from kvjax.ops.paging import NULL_PAGE
@@ -36,9 +37,9 @@ class FakeEvictingEngine(FakeEngine):
     checks it against the survivors it was given plus what was appended since. Sampling follows the whole context
     (``next_token``), so every request still finishes with its single-run tokens whatever was evicted."""
 
-    def __init__(self, head_pages, per_page, head_max_pages, window, **kw):
+    def __init__(self, head_pages, per_page, head_max_pages, window, eviction=None, **kw):
         super().__init__(**kw)
-        self.eviction = Eviction("snapkv", ratio=2.0, window=window)
+        self.eviction = eviction or Eviction("snapkv", ratio=2.0, window=window)
         self.head_pages, self.head_per_page, self.head_max_pages = head_pages, np.asarray(per_page), head_max_pages
         layers, heads = self.head_per_page.shape
         self.pool = np.full((head_pages, int(self.head_per_page.max())), -1, np.int64)
@@ -47,6 +48,7 @@ class FakeEvictingEngine(FakeEngine):
         self.expected: dict[int, list] = {}  # slot -> [layer][head]: the ids each head must read back
         self.contexts: dict[int, list[int]] = {}  # slot -> its request's context so far
         self.kept, self.evictions, self.protect = None, 0, window
+        self.compressions = 0
 
     def _head_slot(self, slot, layer, head, i):
         per = self.head_per_page[layer, head]
@@ -84,6 +86,22 @@ class FakeEvictingEngine(FakeEngine):
         self.expected[slot][layer][head].append(token)
         self.stored[slot, layer, head] += 1
 
+    def compress(self, slot, last, target):
+        """Continual eviction: each head keeps its last ``protected`` slots and, of the others, those first in a
+        hash order, ``target`` in all, moved to its first slots through the pages the host left it."""
+        assert last == len(self.contexts[slot]) - 2, "the latest query is not the last token written"
+        guard = protected(self.eviction)
+        for layer, head in np.ndindex(*self.head_per_page.shape):
+            tokens = self.expected[slot][layer][head]
+            n, want = len(tokens), int(target[layer, head])
+            assert min(n, guard) <= want <= n, "a cut past a head's recent slots or past what it stores"
+            others = sorted(range(n - min(n, guard)), key=lambda i: ((i * 7919 + tokens[i] * 31 + layer) % 11, i))
+            keep = sorted(others[: want - min(n, guard)]) + list(range(n - min(n, guard), n))
+            self.expected[slot][layer][head], self.stored[slot, layer, head] = [], 0
+            for i in keep:
+                self._append(slot, layer, head, tokens[i])
+        self.compressions += 1
+
     def decode(self, positions, active, rows, entries=None):
         for slot, layer, head, index, page in entries if entries is not None else []:
             self.tables[slot, layer, head, index] = page
@@ -102,12 +120,13 @@ class FakeEvictingEngine(FakeEngine):
         return jnp.asarray(self.slot_tokens.copy())
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(16))
 def test_random_arrivals_with_eviction_keep_every_heads_survivors_and_every_token(seed):
     """The scheduler fuzz with eviction on: random arrivals, stops, lags and pools small enough to preempt; after every
     step the staging and per-head pages add up (none owned twice, owned + free = the pool, each head's pages those of
     its stored tokens), every decode reads each head's survivors back exactly, and every request finishes with its
-    single-run tokens; at the end every page is free."""
+    single-run tokens; at the end every page is free. Seeds 8 on give a tight per-head pool, where continual eviction
+    cuts decoding heads (every cut head read back exactly after it) before anyone is preempted."""
     rng = np.random.default_rng(seed)
     page_size, max_batch = int(rng.choice([2, 4, 8])), int(rng.integers(1, 5))
     chunk_tokens = int(rng.integers(4, 24))
@@ -115,12 +134,15 @@ def test_random_arrivals_with_eviction_keep_every_heads_survivors_and_every_toke
     pages_per_seq = int(rng.integers(6, 14))
     per_page = rng.choice([page_size, 2 * page_size, 4 * page_size], size=(2, 2))
     one = int((-(-pages_per_seq * page_size // per_page)).sum())
-    head_pages = int(rng.integers(one + 1, 3 * one))
+    head_pages = int(rng.integers(one + 1, 3 * one if seed < 8 else one + one // 2 + 2))  # seeds 8 on: a tight pool
+    # continual eviction's floor is the policy's budget: a small one cuts often
+    policy = dict(budget=int(rng.integers(2, 12))) if rng.integers(0, 2) else dict(ratio=2.0)
     engine = FakeEvictingEngine(
         head_pages,
         per_page,
         -(-pages_per_seq * page_size // int(per_page.min())),
         window,
+        Eviction("snapkv", window=window, page_size=page_size, **policy),
         num_pages=2 * pages_per_seq + 1,
         page_size=page_size,
         max_batch=max_batch,
@@ -149,6 +171,34 @@ def test_random_arrivals_with_eviction_keep_every_heads_survivors_and_every_toke
     pages = runner.scheduler.pages
     assert pages.allocators[0].free_pages == engine.num_pages - 1 and pages.heads.free_pages == head_pages - 1
     assert engine.evictions >= len(requests)
+
+
+def test_a_full_head_pool_cuts_decoding_heads_before_it_preempts():
+    """Continual eviction: four long requests in a per-head pool of about two sequences. Cutting heads (each to the
+    policy's floor, its recent slots kept) comes first, and every cut head reads back exactly what the cut kept
+    (the fake checks every decode); fewer requests are preempted than with preemption alone, and all finish with
+    their single-run tokens."""
+
+    def run(continual: bool):
+        spec = Eviction("snapkv", budget=4, window=2, page_size=2)
+        engine = FakeEvictingEngine(
+            2 * 4 * 10 + 3, np.full((2, 2), 4), 10, 2, spec, num_pages=21, page_size=4, max_batch=4, pages_per_seq=10
+        )
+        runner = Runner(engine, chunk_tokens=8)
+        if not continual:
+            runner.scheduler.continual = None
+        rng = np.random.default_rng(5)
+        requests = [runner.add(Request(rng.integers(0, VOCAB, 12).tolist(), 25)) for _ in range(4)]
+        while runner.busy:
+            runner.step()
+            runner.scheduler.check()
+        for r in requests:
+            assert r.tokens == single_run(r.prompt, 25, set())
+        return engine.compressions, sum(r.preemptions for r in requests)
+
+    cuts, preempted = run(True)
+    none, alone = run(False)
+    assert none == 0 and cuts > 0 and preempted < alone, (cuts, preempted, alone)
 
 
 def test_the_head_pool_preempts_when_full_and_every_request_still_finishes():
@@ -248,3 +298,93 @@ def test_models_the_engine_cannot_evict_yet_are_refused_in_one_line():
     palu = kvjax.compress(kvjax.Model.random(WIDE), method="palu", removal_rate=0.5, **CALIBRATION_SMALL)
     with pytest.raises(ValueError, match="keys are rebuilt"):
         Engine(palu, max_batch=2, max_seq_len=64, eviction="snapkv:2x")
+
+
+def _packed_queries(model, context):
+    """Each layer's packed queries [T, q_cols] of ``context`` (the model's own forward, teacher-forced)."""
+    from kvjax.ops.prefill.reference import causal_attention
+
+    queries = []
+    t = len(context)
+    positions = jnp.arange(t, dtype=jnp.int32)[None]
+
+    def attend(i, q, k, v, rebuild=None, rotation=None):
+        if rotation is not None:
+            q, k = rotation.packed(q, k)
+        queries.append(q[0])
+        return causal_attention(q, k, v, model.module.layouts[i], rebuild)
+
+    model.module.hidden(jnp.asarray([context], jnp.int32), positions, attend)
+    return queries
+
+
+@pytest.mark.parametrize("plan", ["none", "zack"])
+def test_the_engines_cut_scores_with_the_last_queries_and_keeps_its_selection(plan):
+    """Continual eviction in the engine: each slot's query ring holds the model's last W packed queries (ZACK's
+    rotated ones), in order once unrolled, and ``Engine.compress`` leaves each head exactly the tokens
+    ``continual.compress`` selects from them, in order, with the host's counts stored."""
+    from kvjax.eviction.continual import compress, halved
+    from kvjax.ops import head_paging
+
+    seed = fresh_seed()
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
+    if plan == "zack":
+        model = kvjax.compress(model, removal_rate=0.5, seed=seed % 1000, max_context=128, **CALIBRATION_SMALL)
+    rng = np.random.default_rng(seed)
+    engine = Engine(model, max_batch=2, max_seq_len=128, chunk_tokens=32, backend="reference", eviction="snapkv:1000")
+    runner = Runner(engine, lag=0)
+    r = runner.add(Request(rng.integers(0, 97, int(rng.integers(20, 60))).tolist(), 40))
+    while len(r.tokens) < int(rng.integers(3, 12)):
+        runner.step()
+    written = (r.prompt + r.tokens)[: r.computed]
+    spec, w, slot, last = engine.eviction, engine.eviction.window, r.slot, r.computed - 1
+    order = (last - w + 1 + np.arange(w)) % w
+    heads = engine.cache.heads
+    ring = [np.asarray(q[slot])[order] for q in heads.queries]
+    for layer, (got, want) in enumerate(zip(ring, _packed_queries(model, written))):
+        np.testing.assert_allclose(got, want[-w:], rtol=2e-4, atol=2e-4, err_msg=f"seed {seed}, layer {layer}")
+    stored = np.asarray(heads.stored[slot])
+    assert (stored == len(written)).all(), f"seed {seed}"  # a budget past the prompt keeps every token
+    target = halved(spec, stored)
+    layouts, elems = model.module.layouts, engine._evict.page_elems
+    before = [[head_paging.read(heads.pool, heads.tables[slot][None, i], h, lay, elems, len(written)) for h in
+               range(lay.num_kv_heads)] for i, lay in enumerate(layouts)]  # fmt: skip
+    _, _, keep = compress(spec, [jnp.asarray(q[None]) for q in ring], heads.pool, heads.tables[slot][None],
+                          heads.stored[slot][None], jnp.asarray(target[None]), layouts, elems, 128)  # fmt: skip
+    runner.scheduler.pages.heads.shrink(r.id, target)
+    engine.compress(slot, last, target)
+    after = engine.cache.heads
+    np.testing.assert_array_equal(after.stored[slot], target, f"seed {seed}")
+    for i, lay in enumerate(layouts):
+        for h in range(lay.num_kv_heads):
+            n = int(target[i, h])
+            k, v = head_paging.read(after.pool, after.tables[slot][None, i], h, lay, elems, n)
+            chosen = np.flatnonzero(np.asarray(keep[0, i, h]))
+            assert len(chosen) == n, f"seed {seed}"
+            np.testing.assert_array_equal(k[0], before[i][h][0][0, chosen], f"seed {seed}, layer {i}, head {h}")
+            np.testing.assert_array_equal(v[0], before[i][h][1][0, chosen], f"seed {seed}, layer {i}, head {h}")
+
+
+def test_a_tight_head_pool_on_the_engine_cuts_and_every_request_finishes():
+    """The engine end to end with continual eviction: a per-head pool of about two sequences, four requests that
+    outgrow it. Heads are cut on the device before the steps that reuse their pages, the pages add up after every
+    step, and every request finishes with all its tokens."""
+    seed = fresh_seed()
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
+    settings = dict(max_batch=4, max_seq_len=96, chunk_tokens=32, backend="reference", eviction="snapkv:16")
+    probe = Engine(model, **settings)
+    one = int((-(-probe.max_seq_len // probe.head_per_page)).sum())
+    del probe
+    engine = Engine(model, **settings, num_pages=2 * one + 1)
+    cuts = []
+    compress = engine.compress
+    engine.compress = lambda *a: (cuts.append(a), compress(*a))[1]
+    runner = Runner(engine)
+    rng = np.random.default_rng(seed)
+    requests = [runner.add(Request(rng.integers(0, 97, 40).tolist(), 50)) for _ in range(4)]
+    for _ in runner.run():
+        runner.scheduler.check()
+    assert cuts, f"seed {seed}: no head was cut"
+    assert all(r.finish_reason == "length" and len(r.tokens) == 50 for r in requests), f"seed {seed}"
+    pages = runner.scheduler.pages
+    assert pages.heads.free_pages == engine.head_pages - 1

@@ -356,7 +356,7 @@ def test_decode_over_head_pages_writes_each_heads_next_slot_and_attends_its_own_
     v = rng.normal(size=(3, layout.v_cols)).astype(np.float32)
     active = jnp.asarray([True, False, True])
     stored = jnp.asarray(lengths, jnp.int32)
-    out, got_pool, after = decode_heads(
+    out, got_pool, after, _ = decode_heads(
         jnp.asarray(q),
         jnp.asarray(k),
         jnp.asarray(v),
@@ -411,7 +411,7 @@ def test_a_pool_past_two_billion_elements_is_written_and_read_at_its_far_pages()
             jnp.asarray(rng.normal(size=(2, n)), jnp.bfloat16) for n in (layout.q_cols, layout.k_cols, layout.v_cols)
         )
         for backend in ("reference", "pallas"):
-            out, new_pool, after = decode_heads(q, k, v, layout, pool, tables, stored, page_elems, backend=backend)
+            out, new_pool, after, _ = decode_heads(q, k, v, layout, pool, tables, stored, page_elems, backend=backend)
             outs[backend] = np.asarray(out, np.float32)
         pool, stored = new_pool, after
         np.testing.assert_allclose(outs["pallas"], outs["reference"], rtol=3e-2, atol=3e-2, err_msg=f"seed {seed}")

@@ -28,11 +28,14 @@ def protected(spec: Eviction) -> int:
     return max(spec.window, spec.page_size)
 
 
-def halved(spec: Eviction, stored) -> np.ndarray:
+def halved(spec: Eviction, stored, context: int | None = None) -> np.ndarray:
     """Host: what each head keeps when its sequence is cut (int64, ``stored``'s shape): half of what it stores,
-    rounded up, and never fewer than ``protected(spec)`` (or than it stores). ``compress`` keeps exactly this many."""
+    rounded up, never fewer than ``protected(spec)`` nor, for a sequence at ``context`` positions, than the policy's
+    tokens a head for it (``spec.per_head``: continual eviction never cuts below the budget the prompt was cut to),
+    and never more than it stores. ``compress`` keeps exactly this many."""
     stored = np.asarray(stored, np.int64)
-    return np.minimum(stored, np.maximum(-(-stored // 2), protected(spec)))
+    floor = max(protected(spec), 0 if context is None else spec.per_head(context))
+    return np.minimum(stored, np.maximum(-(-stored // 2), floor))
 
 
 def _keys(pool, tables, layout, page_elems: int, tokens: int):

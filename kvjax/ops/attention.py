@@ -239,7 +239,8 @@ def decode_heads(
     """One new token per sequence over per-head pages (``ops.head_paging``, eviction's cache): its K/V [B, cols]
     written at each KV head's next slot, ``stored`` [B, Hkv] (a head's count before it), through this layer's
     ``tables`` [B, Hkv, pages] (the pages for that slot already given), then its query against each head's own
-    tokens, the new one included. Returns (out [B, out_cols], pool, stored after). ``backend``: "reference" (jnp),
+    tokens, the new one included. Returns (out [B, out_cols], pool, stored after, q packed [B, q_cols]: what
+    continual eviction scores with). ``backend``: "reference" (jnp),
     "pallas" or "interpret" (``ops.decode.head_kernel``). ``rotation`` (ZACK layers): q and k packed first.
     ``active`` [B] (optional): rows that are not write nothing and keep their counts (their output is unspecified).
     The engine's decode step calls it once a layer, the pool (every layer's pages) threaded through."""
@@ -253,6 +254,6 @@ def decode_heads(
     if backend == "reference":
         most = int(head_paging.layer_tokens_per_page(layout, page_elems).max()) * tables.shape[-1]
         out = head_paging.decode_attention(q, pool, tables, after, layout, page_elems, most)
-        return out, pool, after
+        return out, pool, after, q
     out = head_paged_decode(q, pool, tables, after, layout, page_elems, interpret=backend == "interpret")
-    return out, pool, after
+    return out, pool, after, q

@@ -97,19 +97,25 @@ class HeadKVCache:
     head shares (``ops.head_paging``), each slot's per-head block tables and stored counts. The host's
     ``runtime.head_pages.HeadPages`` decides which pages a head owns; the tables here follow it by the entries its
     ``grow_many`` fills (``with_entries``: kilobytes a step where whole tables would be megabytes, bench/RESULTS.md
-    "Per-head pages: host cost")."""
+    "Per-head pages: host cost"). ``queries``: per layer, each slot's last W packed queries, the query of position p
+    in row p % W, which continual eviction scores with (``kvjax.eviction.continual``)."""
 
     pool: jax.Array  # [num_pages, page_elems]
     tables: jax.Array  # int32 [slots, layers, Hkv, pages a head]
     stored: jax.Array  # int32 [slots, layers, Hkv]: tokens each head stores
+    queries: tuple[jax.Array, ...] = ()  # per layer [slots, W, q_cols]
 
     @classmethod
-    def create(cls, num_pages: int, page_elems: int, slots: int, layers: int, heads: int, max_pages: int, dtype):
-        """Zeroed pool, tables of null pages, nothing stored."""
+    def create(
+        cls, num_pages: int, page_elems: int, slots: int, layers: int, heads: int, max_pages: int, dtype, q_cols=()
+    ):
+        """Zeroed pool, tables of null pages, nothing stored; ``q_cols``: (W, q_cols) a layer, the shape of its
+        query ring (none without)."""
         return cls(
             pool=jnp.zeros((num_pages, page_elems), dtype),
             tables=jnp.full((slots, layers, heads, max_pages), NULL_PAGE, jnp.int32),
             stored=jnp.zeros((slots, layers, heads), jnp.int32),
+            queries=tuple(jnp.zeros((slots, w, cols), dtype) for w, cols in q_cols),
         )
 
     def with_entries(self, slots, entries) -> HeadKVCache:
@@ -128,7 +134,7 @@ class HeadKVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.pool.nbytes + self.tables.nbytes + self.stored.nbytes
+        return self.pool.nbytes + self.tables.nbytes + self.stored.nbytes + sum(q.nbytes for q in self.queries)
 
 
 @jax.tree_util.register_dataclass

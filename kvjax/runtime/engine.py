@@ -19,6 +19,7 @@ from flax import nnx
 
 from kvjax import machine
 from kvjax.compression.plan import check_kv_bits
+from kvjax.eviction.continual import compress
 from kvjax.eviction.prompt import evict_prompts
 from kvjax.eviction.select import Eviction
 from kvjax.ops import attention, head_paging
@@ -251,7 +252,35 @@ def _evicted(
     )
     tables = heads.tables.at[slots].set(head_tables, mode="drop")
     stored = heads.stored.at[slots].set(kept, mode="drop")
-    return HeadKVCache(pool, tables, stored), kept
+    w = evict.spec.window
+    ring_rows = (prompts[:, None] - w + jnp.arange(w)[None, :]) % w  # position p's query in row p % W
+    rings = tuple(
+        ring.at[slots[:, None], ring_rows].set(q.astype(ring.dtype), mode="drop")
+        for ring, q in zip(heads.queries, queries)
+    )
+    return HeadKVCache(pool, tables, stored, rings), kept
+
+
+def _compress_step(cache, slot, last, target, *, evict: _Evict, layouts, tokens: int):
+    """Continual eviction of slot ``slot``: each of its KV heads cut to ``target`` [L, Hkv] tokens
+    (``continual.halved``, which the host's pages already shrank to), scored by the slot's last W queries, the
+    latest at position ``last``, and compacted in place (``continual.compress``)."""
+    heads, w = cache.heads, evict.spec.window
+    order = (last - w + 1 + jnp.arange(w)) % w  # the ring's rows oldest first
+    queries = [ring[slot][order][None] for ring in heads.queries]
+    pool, kept, _ = compress(
+        evict.spec,
+        queries,
+        heads.pool,
+        heads.tables[slot][None],
+        heads.stored[slot][None],
+        target[None],
+        layouts,
+        evict.page_elems,
+        tokens,
+    )
+    heads = dataclasses.replace(heads, pool=pool, stored=heads.stored.at[slot].set(kept[0]))
+    return EvictingCache(cache.staging, heads)
 
 
 def _decode_step(
@@ -305,11 +334,12 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
     """``_decode_step`` over per-head pages (``attention.decode_heads``): positions stay the tokens' own (RoPE),
     each head attends to the tokens it stores."""
     heads = cache.heads.with_entries(jnp.arange(slot_tokens.shape[0]), entries)
-    pool, stored = heads.pool, []
+    pool, stored, rings = heads.pool, [], list(heads.queries)
+    ring_row = jnp.where(active, positions % evict.spec.window, evict.spec.window)  # inactive rows: dropped
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
         nonlocal pool
-        out, pool, after = attention.decode_heads(
+        out, pool, after, packed = attention.decode_heads(
             q[:, 0],
             k[:, 0],
             v[:, 0],
@@ -323,11 +353,12 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
             active=active,
         )
         stored.append(after)
+        rings[i] = rings[i].at[jnp.arange(packed.shape[0]), ring_row].set(packed.astype(rings[i].dtype), mode="drop")
         return out[:, None]
 
     hidden = module.hidden(slot_tokens[:, None], positions[:, None], attend)
     new = sample(module.logits(hidden[:, 0]), *sampling, greedy=greedy)
-    heads = HeadKVCache(pool, heads.tables, jnp.stack(stored, axis=1))
+    heads = HeadKVCache(pool, heads.tables, jnp.stack(stored, axis=1), tuple(rings))
     return jnp.where(active, new, slot_tokens), EvictingCache(cache.staging, heads)
 
 
@@ -440,6 +471,11 @@ class Engine:
                         evict=self._evict if evicts else None,
                     )
                     self._steps["prefill", greedy, prefix, evicts] = jit(step)
+        if self._evict is not None:
+            step = functools.partial(
+                _compress_step, evict=self._evict, layouts=tuple(model.layouts), tokens=self.max_seq_len
+            )
+            self._steps[("compress",)] = jax.jit(step, donate_argnums=(0,), compiler_options=COMPILER_OPTIONS)
 
     def _create_cache(self, model, dtype) -> PagedKVCache | QuantizedKVCache | EvictingCache:
         """The zeroed cache of the engine's pools: quantized pages (``formats``), staging and per-head pages
@@ -449,7 +485,14 @@ class Engine:
             return EvictingCache(
                 PagedKVCache.create(model.layouts, self.num_pages, self.page_size, dtype),
                 HeadKVCache.create(
-                    self.head_pages, self._evict.page_elems, self.max_batch, layers, heads, self.head_max_pages, dtype
+                    self.head_pages,
+                    self._evict.page_elems,
+                    self.max_batch,
+                    layers,
+                    heads,
+                    self.head_max_pages,
+                    dtype,
+                    [(self._evict.spec.window, lay.q_cols) for lay in model.layouts],
                 ),
             )
         if self.formats is None:
@@ -483,14 +526,17 @@ class Engine:
     def _evicting_pages(self, num_pages, cache_memory, dtype) -> tuple[int, ...]:
         """An evicting engine's two pools: the staging pool (``num_pages``) holds two whole ``max_seq_len`` prompts
         (each is prefilled there whole, then evicted into per-head pages); the per-head pool (``head_pages``) gets
-        ``num_pages`` given, or the rest of the budget (``_pages``' rules), at most what ``max_batch`` unevicted
-        sequences need, and at least one such sequence. Returns (staging pages,)."""
+        ``num_pages`` given, or the rest of the budget (``_pages``' rules, each slot's ring of last queries set aside
+        beside the staging pages), at most what ``max_batch`` unevicted sequences need, and at least one such
+        sequence. Returns (staging pages,)."""
         assert self._evict is not None
         staging = 2 * self.pages_per_seq + 1
         one = int((-(-self.max_seq_len // self.head_per_page)).sum())  # a full sequence in every head
         need = self.max_batch * one + 1
         page_bytes = self._evict.page_elems * jnp.dtype(dtype).itemsize
         staging_bytes = staging * self.page_size * bytes_per_token(self.model.layouts, dtype)
+        rings = self.max_batch * self._evict.spec.window * sum(lay.q_cols for lay in self.model.layouts)
+        staging_bytes += rings * jnp.dtype(dtype).itemsize  # each slot's last queries (continual eviction)
         if num_pages is not None:
             self.budget_note = f"num_pages={num_pages}"
             self.head_pages = num_pages
@@ -583,9 +629,9 @@ class Engine:
         if self._evict is None or self.eviction is None:
             return ""
         return (
-            f"; evicting with {self.eviction.name} at each prompt's end ({self.eviction.allocated} budget): per-head "
-            f"pages of {self._evict.page_elems} elements, {self.head_pages - 1:,} of them, beside staging pages for "
-            f"two whole prompts"
+            f"; evicting with {self.eviction.name} at each prompt's end ({self.eviction.allocated} budget), and "
+            f"halving a decoding request's heads before preempting one: per-head pages of {self._evict.page_elems} "
+            f"elements, {self.head_pages - 1:,} of them, beside staging pages for two whole prompts"
         )
 
     def _band_note(self) -> str:
@@ -768,6 +814,15 @@ class Engine:
         )
         return self.slot_tokens
 
+    def compress(self, slot: int, last: int, target) -> None:
+        """Enqueue continual eviction of slot ``slot``, whose latest query is at position ``last``: each KV head cut to
+        ``target`` [L, Hkv] tokens (``continual.halved``; the host's ``HeadPages`` has already given back the pages
+        past them, so this runs before any step that writes them), by its last W queries' scores."""
+        if self._evict is None:
+            raise ValueError("continual eviction asked of an engine that does not evict")
+        step = self._compiled.get(("compress",)) or self._steps[("compress",)]
+        self.cache = step(self.cache, np.int32(slot), np.int32(last), np.asarray(target, np.int32))
+
     def head_entries(self, entries) -> np.ndarray | None:
         """An evicting decode step's table entries padded to its fixed shape (one page a head of every slot, the most
         a step can fill), padding rows naming no slot; None for an engine that does not evict."""
@@ -839,6 +894,9 @@ class Engine:
                         evicting = self._evicting_inputs([None] * b, zeros, zeros + 1, 0) if evicts else None
                         inputs = (ids, zeros, zeros + 1, rows.table, zeros, zeros, rows.sampling(), evicting)
                         jobs.append(((*key, b, t), self._steps[key], (*state, *inputs)))
+        if self._evict is not None:  # continual eviction, which a full per-head pool asks for mid-serving
+            target = np.zeros(self.head_per_page.shape, np.int32)
+            jobs.append((("compress",), self._steps[("compress",)], (self.cache, np.int32(0), np.int32(0), target)))
         jobs = [job for job in jobs if job[0] not in self._compiled]
 
         def compile_one(job):

@@ -156,6 +156,10 @@ class HeadPages:
         self._stored[owner] = kept
         return freed
 
+    def freed_by(self, owner: int, kept) -> int:
+        """How many pages ``shrink(owner, kept)`` would give back."""
+        return int((self._pages(self._stored[owner]) - self._pages(np.asarray(kept, np.int64))).sum())
+
     def check(self) -> None:
         """Raise AssertionError unless pages add up: owned + free = the pool, none owned twice or both owned and free,
         and each head holds exactly the pages its stored tokens need, in its first table entries."""

@@ -115,6 +115,9 @@ class Runner:
         )
 
     def _enqueue(self, step: Step) -> list[_Pending]:
+        for c in step.compress:  # before the step: it may write pages the cut gave back
+            if c.request not in step.preempted:
+                self.engine.compress(c.slot, c.last, c.target)
         out = []
         if step.decodes:
             out.append(self._decode(step.decodes))
@@ -191,4 +194,4 @@ def _eviction(engine: Engine) -> dict:
     from kvjax.runtime.head_pages import HeadPages
 
     heads = HeadPages(engine.head_pages, engine.head_per_page, engine.head_max_pages)
-    return dict(heads=heads, last_chunk=engine.eviction.window)
+    return dict(heads=heads, last_chunk=engine.eviction.window, continual=engine.eviction)

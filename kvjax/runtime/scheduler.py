@@ -18,7 +18,11 @@ once they have arrived.
 With eviction (``heads``: the per-head pool's ``HeadPages``), a request stages its whole prompt at its first chunk,
 takes per-head pages for it at its last (which is at least ``last_chunk`` tokens, the eviction's window of queries,
 or the whole prompt), gives the staging pages back the step after, and learns what each head kept a step or more
-later (``evicted``); decode grows each head a token a step. A request whose heads cannot grow preempts as above.
+later (``evicted``); decode grows each head a token a step. When heads cannot grow, continual eviction
+(``continual``) first cuts the heads of a decoding request this step has not reached yet, the one that frees the
+most pages (``kvjax.eviction.continual``: half of each head, never below the policy's budget for its context); the
+pages come back at once and the engine compacts its heads before the step runs (``Step.compress``). Only when no
+such request frees a page is one preempted as above.
 """
 
 from __future__ import annotations
@@ -114,11 +118,23 @@ class Decode:
     entries: np.ndarray | None = None  # evicting: the per-head table entries this token filled (HeadPages.grow's rows)
 
 
+@dataclasses.dataclass(frozen=True)
+class Compress:
+    """Continual eviction of ``request`` in row ``slot``, before the step runs: each head cut to ``target`` [L, Hkv]
+    tokens, scored by its last queries, the latest at position ``last``."""
+
+    request: Request
+    slot: int
+    last: int
+    target: np.ndarray
+
+
 @dataclasses.dataclass
 class Step:
     chunks: list[Chunk]
     decodes: list[Decode]
     preempted: list[Request]
+    compress: list[Compress] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.chunks or self.decodes)
@@ -130,7 +146,8 @@ class Scheduler:
     pages a request gives back as its window passes them. ``fixed_chunks``: chunk boundaries fall every
     ``chunk_tokens`` positions of a context whatever else runs (batch-invariant prefill). ``heads``: evict into this
     per-head pool (``runtime.head_pages.HeadPages``), the pages stage prompts; ``last_chunk``: the fewest tokens a
-    prompt's last chunk holds where the prompt has them."""
+    prompt's last chunk holds where the prompt has them; ``continual``: the eviction policy (``Eviction``) that cuts
+    decoding requests' heads before the per-head pool preempts (None: preempt at once)."""
 
     def __init__(
         self,
@@ -144,6 +161,7 @@ class Scheduler:
         windows: dict[int, int] | None = None,
         heads=None,
         last_chunk: int = 1,
+        continual=None,
     ):
         self.pages = PageManager(
             num_pages, page_size, chunk_tokens, windows=windows, max_pages_per_seq=max_pages_per_seq, heads=heads
@@ -152,6 +170,8 @@ class Scheduler:
             raise ValueError(f"a prompt's last chunk of {last_chunk} tokens does not fit chunk_tokens={chunk_tokens}")
         self.evicting, self.last_chunk = heads is not None, last_chunk
         self._staged: list[Request] = []  # evicted in the step just scheduled: their staging pages go back next
+        self.continual = continual if heads is not None else None
+        self._settled: set[int] = set()  # requests whose prompt eviction's kept counts have arrived
         self.max_running, self.chunk_tokens = max_running, chunk_tokens
         self.fixed_chunks = fixed_chunks
         self.waiting: deque[Request] = deque()
@@ -280,17 +300,46 @@ class Scheduler:
     def _grow_heads(self, r: Request, tokens: int, step: Step):
         """``tokens`` more tokens in every head of r's per-head pages, preempting the newest others if needed: the
         table entries filled, or None if r itself had to be preempted."""
-        return self._preempting(r, step, lambda: self.pages.grow_heads(r.id, tokens))
+        return self._preempting(r, step, lambda: self.pages.grow_heads(r.id, tokens), relieve=self._cut)
 
-    def _preempting(self, r: Request, step: Step, take):
-        """``take()`` until it gives something other than None (it changes nothing when it gives None), preempting
-        the newest running request before each retry; what it gave, or None once r itself was preempted."""
+    def _preempting(self, r: Request, step: Step, take, relieve=None):
+        """``take()`` until it gives something other than None (it changes nothing when it gives None), first
+        ``relieve(r, step)`` while it frees something, then preempting the newest running request before each retry;
+        what it gave, or None once r itself was preempted."""
         while (got := take()) is None:
+            if relieve is not None and relieve(r, step):
+                continue
             victim = self.running[-1]
             self._preempt(victim, step)
             if victim is r:
                 return None
         return got
+
+    def _cut(self, r: Request, step: Step) -> bool:
+        """Continual eviction for r's growth: of the decoding requests this step has not scheduled yet (r and those
+        admitted after it) whose prompt eviction has been heard back, and not cut in this step already, cut the one
+        whose cut frees the most per-head pages; False if none frees any."""
+        if self.continual is None:
+            return False
+        from kvjax.eviction.continual import halved
+
+        cut = {c.request.id for c in step.compress}
+        later = self.running[self.running.index(r) :] if r in self.running else []
+        best, most = None, 0
+        for x in later:
+            if x.prefilling or x.id not in self._settled or x.id in cut:
+                continue
+            target = halved(self.continual, self.pages.heads.stored(x.id), x.computed)
+            freed = self.pages.heads.freed_by(x.id, target)
+            if freed > most:
+                best, most = (x, target), freed
+        if best is None:
+            return False
+        x, target = best
+        self.pages.heads.shrink(x.id, target)
+        assert x.slot is not None
+        step.compress.append(Compress(x, x.slot, x.computed - 1, target.astype(np.int32)))
+        return True
 
     def _preempt(self, r: Request, step: Step) -> None:
         self.running.remove(r)
@@ -302,6 +351,7 @@ class Scheduler:
 
     def _release(self, r: Request) -> None:
         self.pages.free(r.id)
+        self._settled.discard(r.id)
         if r.slot is not None:
             self._free_slots.append(r.slot)
             self._free_slots.sort(reverse=True)  # the lowest slot goes first: decode rows stay packed
@@ -315,6 +365,7 @@ class Scheduler:
         preempted, finished or draining (its pages have gone or will go back whole)."""
         if r.state is State.RUNNING and r.preemptions == epoch and self.pages.holds_heads(r.id):
             self.pages.evicted(r.id, prompt, kept)
+            self._settled.add(r.id)
 
     def arrived(self, r: Request, index: int, token: int, now: float) -> bool:
         """Record new token ``index`` of r (sampled in a step now read); tokens after r finished are dropped.
