@@ -97,7 +97,8 @@ def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
         help="once a prompt is prefilled, keep only its most attended tokens in each KV head (scored from its last 8 "
         "queries in the space the model attends in): kvcompress (one budget shared by every head, KV-Compress) or "
         "snapkv (the same budget each head), AMOUNT a ratio such as 4x (a quarter of the prompt) or tokens per head "
-        "such as 256; the most recent 16 tokens are always kept and decoded tokens are never evicted. Stacks with "
+        "such as 256; the most recent 16 tokens are always kept. When the cache fills mid-decode, a running "
+        "request's heads are halved (never below that budget) before any request is preempted. Stacks with "
         "rank compression; not with --kv-bits or Palu, banded or sliding-window models (default none)",
     )
     p.add_argument(
