@@ -388,3 +388,53 @@ def test_a_tight_head_pool_on_the_engine_cuts_and_every_request_finishes():
     assert all(r.finish_reason == "length" and len(r.tokens) == 50 for r in requests), f"seed {seed}"
     pages = runner.scheduler.pages
     assert pages.heads.free_pages == engine.head_pages - 1
+
+
+def test_a_cut_is_exact_when_its_slots_tables_name_pages_it_gave_back():
+    """A prompt's eviction gives pages back on the host while the slot's device tables still name them, and decode
+    growth then hands them to the same slot's other heads. A cut compacts every page it is given, so given those
+    stale entries two heads would write one page; it must be given only the pages each head's stored tokens fill,
+    and leave each head exactly its selection."""
+    from kvjax.eviction.continual import compress, halved
+    from kvjax.ops import head_paging
+
+    seed = fresh_seed()
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
+    rng = np.random.default_rng(seed)
+    engine = Engine(model, max_batch=2, max_seq_len=128, chunk_tokens=64, backend="reference", eviction="kvcompress:16")
+    runner = Runner(engine, lag=0)
+    pages = runner.scheduler.pages.heads
+    r = runner.add(Request(rng.integers(0, 97, 60).tolist(), 60))
+
+    def hazard():  # a device table entry past a head's pages names a page another head of the slot now holds
+        if r.slot is None or not pages.holds(r.id):
+            return False
+        host = pages.table(r.id)
+        stale = np.asarray(engine.cache.heads.tables[r.slot])[host == NULL_PAGE]
+        return np.isin(stale[stale != NULL_PAGE], host).any()
+
+    while not hazard():  # evicted to 16 tokens a head on average, then grown onto pages other heads gave back
+        runner.step()
+        assert len(r.tokens) < 50, f"seed {seed}: the test lost its hazard"
+    heads, layouts, elems = engine.cache.heads, model.module.layouts, engine._evict.page_elems
+    host = pages.table(r.id)
+    stored = pages.stored(r.id)
+    tokens = int(stored.max())
+    before = [[head_paging.read(heads.pool, jnp.asarray(host[None, i]), h, lay, elems, tokens) for h in
+               range(lay.num_kv_heads)] for i, lay in enumerate(layouts)]  # fmt: skip
+    w, last = engine.eviction.window, r.computed - 1
+    ring = [jnp.asarray(np.asarray(q[r.slot])[(last - w + 1 + np.arange(w)) % w][None]) for q in heads.queries]
+    target = halved(engine.eviction, stored)
+    assert (target < stored).any()
+    _, _, keep = compress(engine.eviction, ring, heads.pool, jnp.asarray(host[None]), jnp.asarray(stored[None]),
+                          jnp.asarray(target[None]), layouts, elems, 128)  # fmt: skip
+    pages.shrink(r.id, target)
+    engine.compress(r.slot, last, target)
+    after = engine.cache.heads
+    for i, lay in enumerate(layouts):
+        for h in range(lay.num_kv_heads):
+            n = int(target[i, h])
+            k, v = head_paging.read(after.pool, jnp.asarray(pages.table(r.id)[None, i]), h, lay, elems, n)
+            chosen = np.flatnonzero(np.asarray(keep[0, i, h]))
+            np.testing.assert_array_equal(k[0], before[i][h][0][0, chosen], f"seed {seed}, layer {i}, head {h}")
+            np.testing.assert_array_equal(v[0], before[i][h][1][0, chosen], f"seed {seed}, layer {i}, head {h}")

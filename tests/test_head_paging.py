@@ -142,6 +142,34 @@ def test_device_compaction_equals_the_host_moves(trial):
     device.check()
 
 
+def test_compaction_ignores_table_entries_past_a_heads_pages():
+    """A device table may still name a page its head gave back and another head of the same width then took (an
+    eviction's shrink, then growth). ``compact`` writes every page it reads, so such a stale entry would write the
+    page twice in one scatter, after the owner's compacted rows; it reads and writes only the pages each head's
+    stored slots fill, and the owner keeps its selection."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    layout = HeadLayout(4, 2, 16, (16, 16), (16, 16))  # one width pair: both heads in one scatter, head 1 last
+    per = head_paging.layer_tokens_per_page(layout, PAGE_ELEMS)[None]  # 4 tokens a page
+    pages = HeadPages(40, per, max_pages=8)
+    assert pages.grow(0, np.array([[12, 8]])) is not None  # head 0: 3 pages, head 1: 2
+    pool = jnp.asarray(rng.normal(size=(40, PAGE_ELEMS)), jnp.float32)
+    table = pages.table(0)
+    stale = table.copy()
+    stale[0, 1, 2] = table[0, 0, 0]  # head 1's entry past its pages names head 0's first page
+    keep = np.zeros((1, 1, 2, 12), bool)
+    keep[0, 0, 0, [1, 5, 6, 9]] = True  # head 0 keeps 4 of 12, all moved to its first page
+    keep[0, 0, 1, :8] = True
+    stored = jnp.asarray(pages.stored(0)[None], jnp.int32)
+    want = {h: head_paging.read(pool, jnp.asarray(table[None, 0]), h, layout, PAGE_ELEMS, 12) for h in (0, 1)}
+    got, kept = head_paging.compact(pool, jnp.asarray(stale[None]), jnp.asarray(keep), stored, (layout,), PAGE_ELEMS)
+    np.testing.assert_array_equal(kept, [[[4, 8]]])
+    for h, rows in ((0, [1, 5, 6, 9]), (1, list(range(8)))):
+        k, v = head_paging.read(got, jnp.asarray(table[None, 0]), h, layout, PAGE_ELEMS, len(rows))
+        np.testing.assert_array_equal(k[0], want[h][0][0, rows], f"seed {seed}, head {h}")
+        np.testing.assert_array_equal(v[0], want[h][1][0, rows], f"seed {seed}, head {h}")
+
+
 def test_pages_changing_hands_keep_every_heads_tokens_fuzz():
     """A fuzz over owners that grow (writing fresh rows), evict (``compact`` then ``shrink``) and finish at random:
     after every step pages add up, and every head of every owner reads back exactly the rows a plain list model of

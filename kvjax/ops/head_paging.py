@@ -130,7 +130,9 @@ def _reordered(blocks, order, first: int, width: int, per: int):
 def compact(pool, tables, keep, stored, layouts, page_elems: int):
     """Eviction's compaction on the device: each head keeps, of its first ``stored`` [B, L, Hkv] slots, those
     ``keep`` [B, L, Hkv, S] marks (slots past ``stored`` or ``S`` are dropped), moved in their order to its first
-    slots, through ``tables`` [B, L, Hkv, pages]. Returns (pool, kept [B, L, Hkv] int32): what the host hands
+    slots, through ``tables`` [B, L, Hkv, pages]. Entries past the pages a head's ``stored`` slots fill are ignored:
+    a device table may still name pages an eviction gave back, since taken by another head, and the write of every
+    page read would then put one page twice in a scatter. Returns (pool, kept [B, L, Hkv] int32): what the host hands
     ``HeadPages.shrink``, which gives back the pages past them. Equal to ``HeadPages.evict``'s moves applied by
     ``move``, without their host work (bench/RESULTS.md "Per-head pages: host cost": 24-429 ms an 8K sequence).
 
@@ -151,6 +153,8 @@ def compact(pool, tables, keep, stored, layouts, page_elems: int):
         ls, hs = (np.array(x) for x in zip(*members))
         per = tokens_per_page(page_elems, kw, vw)
         table = tables[:, ls, hs]  # [B, G, pages]
+        filled = -(-stored[:, ls, hs] // per)  # pages a head's slots fill; entries past them may be stale
+        table = jnp.where(jnp.arange(pages) < filled[..., None], table, NULL_PAGE)
         blocks = pool[table]  # [B, G, pages, page_elems]
         mark = keep[:, ls, hs]
         room = pages * per
