@@ -11,7 +11,7 @@ An evicting cache (``heads``, a ``runtime.head_pages.HeadPages``) has two pools:
 prefilled (whole: ``grow`` is asked for the prompt at once), and at the prompt's end each (layer, KV head) takes pages
 of the per-head pool for the whole prompt (``grow_heads``), gives the staging pages back (``end_prompt``) and, once
 the device says how many tokens each head kept, the per-head pages past them (``evicted``). Decode grows the
-per-head pages a token at a time.
+per-head pages a token at a time; continual eviction cuts a request's heads when they cannot grow (``cut_heads``).
 
 Pools are those of ``kvjax.runtime.cache``: pool 0 holds every position of a sequence; a pool per sliding window
 holds only the pages its window still covers. A request has one block table per pool, indexed by logical page; a
@@ -182,6 +182,20 @@ class PageManager:
         prompt). The pages past what each head now stores go back."""
         grown = self.heads.stored(owner) - prompt  # tokens decoded since, the same in every head
         self.heads.shrink(owner, kept + grown)
+
+    def head_counts(self, owner: int):
+        """Tokens each head of ``owner`` stores now, [layers, heads]."""
+        return self.heads.stored(owner)
+
+    def cut_frees(self, owner: int, kept) -> int:
+        """Per-head pages ``cut_heads(owner, kept)`` would give back."""
+        return self.heads.freed_by(owner, kept)
+
+    def cut_heads(self, owner: int, kept) -> None:
+        """Continual eviction: each head of ``owner`` keeps ``kept`` [layers, heads] tokens, in its first slots once
+        the device has compacted it (``Engine.compress``, enqueued before any step that writes the pages given back
+        now)."""
+        self.heads.shrink(owner, kept)
 
     def holds_heads(self, owner: int) -> bool:
         return self.heads is not None and self.heads.holds(owner)

@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvjax.eviction.continual import halved
 from kvjax.runtime.pages import PageManager
 
 
@@ -321,22 +322,20 @@ class Scheduler:
         whose cut frees the most per-head pages; False if none frees any."""
         if self.continual is None:
             return False
-        from kvjax.eviction.continual import halved
-
         cut = {c.request.id for c in step.compress}
         later = self.running[self.running.index(r) :] if r in self.running else []
         best, most = None, 0
         for x in later:
             if x.prefilling or x.id not in self._settled or x.id in cut:
                 continue
-            target = halved(self.continual, self.pages.heads.stored(x.id), x.computed)
-            freed = self.pages.heads.freed_by(x.id, target)
+            target = halved(self.continual, self.pages.head_counts(x.id), x.computed)
+            freed = self.pages.cut_frees(x.id, target)
             if freed > most:
                 best, most = (x, target), freed
         if best is None:
             return False
         x, target = best
-        self.pages.heads.shrink(x.id, target)
+        self.pages.cut_heads(x.id, target)
         assert x.slot is not None
         step.compress.append(Compress(x, x.slot, x.computed - 1, target.astype(np.int32)))
         return True
