@@ -154,8 +154,9 @@ def _window_runs(base, models, specs, chunk, prompt: int, kept: dict, source: st
     return runs
 
 
-def run_eval(base, args) -> list[dict]:
-    """One row per source, plan and policy: the continuation's ppl, KL and top-1, the kept share and overall rate."""
+def run_eval(base, args, save=None) -> list[dict]:
+    """One row per source, plan and policy: the continuation's ppl, KL and top-1, the kept share and overall rate;
+    ``save(rows)`` gets the rows of every window scored so far after each window (a run cut short keeps them)."""
     window = args.windows[0]
     specs, models = policies(args), plan_models(base, args, window)
     prompt = window - args.continuation
@@ -175,6 +176,16 @@ def run_eval(base, args) -> list[dict]:
                     block = accuracy.window_sums(base_logp, accuracy.log_probs(base, hidden[rows]), targets[rows])
                     sums[key] = block if key not in sums else accuracy._add(sums[key], block)
             print(f"{source} window at {start}: {len(runs)} models scored", file=sys.stderr, flush=True)
+            if save is not None:
+                save(_eval_rows(sums, kept, models, window, prompt))
+    rows = _eval_rows(sums, kept, models, window, prompt)
+    for row in rows:
+        print(accuracy._fmt(row), flush=True)
+    return rows
+
+
+def _eval_rows(sums: dict, kept: dict, models, window: int, prompt: int) -> list[dict]:
+    """``run_eval``'s rows from its running sums."""
     rates = {fields["plan"]: fields["rate"] for fields, _ in models}
     rows = []
     for (source, plan, policy), total in sums.items():
@@ -182,7 +193,6 @@ def run_eval(base, args) -> list[dict]:
         overall = rates.get(plan, 0.0) if share is None else 1.0 - share
         row = {"source": source, "window": window, "prompt": prompt, "plan": plan, "evict": policy}
         rows.append(row | {"plan_rate": rates.get(plan, 0.0), "overall_rate": overall} | accuracy._scores([total]))
-        print(accuracy._fmt(rows[-1]), flush=True)
     return rows
 
 
@@ -378,7 +388,7 @@ def main(argv=None):
             write_json(args.json, out | ({"partial": True} if partial else {}), indent=1)
 
     if args.mode == "eval":
-        rows = run_eval(base, args)
+        rows = run_eval(base, args, save)
         summary = within_one_percent(rows)
         extra = {"within_one_percent": summary}
         text = f"\n\nlargest overall rate within 1% of the uncompressed perplexity\n\n{accuracy.table(summary)}"

@@ -30,7 +30,12 @@ def test_eval_scores_the_continuation_of_every_plan_and_policy(tmp_path, monkeyp
     flags = ["--windows", "48", "--continuation", "16", "--eval-tokens", "96", "--sources", "prose"]
     flags += ["--methods", "kvcompress", "h2o", "--budgets", "8", "32", "--ratios", "2", "--page-size", "4"]
     flags += ["--plans", "none", "zack:0.5", "--calibration", "random", "--num-tokens", "128", "--seq-len", "32"]
+    writes, write = [], eviction.write_json
+    monkeypatch.setattr(eviction, "write_json", lambda path, data, **kw: (writes.append(data), write(path, data, **kw)))
     eviction.main(["eval", *flags, "--evict", "snapkv:4x:global", "--json", str(out)])
+    # each of the two windows saved the rows so far (a run cut short keeps them), then the whole run
+    assert [w.get("partial", False) for w in writes] == [True, True, False], f"seed {seed}"
+    assert len(writes[0]["rows"]) == len(writes[-1]["rows"])  # one source: every key after its first window
     data = json.loads(out.read_text())
     rows = {(r["plan"], r["evict"]): r for r in data["rows"]}
     policies = ["none", "kvcompress:8", "kvcompress:32", "kvcompress:2x", "h2o:8", "h2o:32", "h2o:2x"]
