@@ -236,6 +236,7 @@ def run_shape(model, rate, batch, ctx, args, bandwidth, kv_bits=None, eviction=N
     mean_lengths = lengths + args.steps // 2  # over the CUPTI steps
     floor = floor_bytes(model, mean_lengths, engine) / bandwidth
     attention_floor = kv_bytes(model, mean_lengths, engine) / bandwidth
+    slots = engine.max_batch
     del engine, runner
     return dict(
         rate=rate,
@@ -244,7 +245,7 @@ def run_shape(model, rate, batch, ctx, args, bandwidth, kv_bits=None, eviction=N
         attention_floor_ms=attention_floor * 1e3,
         attention_pct_of_floor=100 * attention_floor / split["attention"],
         batch=batch,
-        slots=max(batch, args.max_batch or batch),
+        slots=slots,
         ctx=ctx,
         wall_ms=wall * 1e3,
         device_ms=device * 1e3,

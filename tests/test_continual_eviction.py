@@ -11,7 +11,7 @@ from conftest import fresh_seed
 from test_head_paging import LAYOUT, PAGE_ELEMS, _stored_case
 
 from kvjax.eviction import Eviction, metrics
-from kvjax.eviction.continual import compress, halved, keep_counts, protected
+from kvjax.eviction.continual import compress, halved, keep_counts
 from kvjax.layout import HeadLayout
 from kvjax.ops import head_paging
 
@@ -47,8 +47,8 @@ def test_halved_keeps_half_the_recent_slots_at_least_and_never_more_than_stored(
     spec = Eviction("kvcompress", ratio=4)
     stored = np.arange(0, 200)
     got = halved(spec, stored)
-    assert (got <= stored).all() and (got >= np.minimum(stored, protected(spec))).all()
-    big = stored >= 2 * protected(spec)
+    assert (got <= stored).all() and (got >= np.minimum(stored, spec.recent)).all()
+    big = stored >= 2 * spec.recent
     np.testing.assert_array_equal(got[big], -(-stored[big] // 2))
 
 
@@ -89,7 +89,7 @@ def test_each_head_keeps_the_reference_selection_compacted_in_order(method, tria
         ko, vo = HeadLayout.offsets(LAYOUT.k_widths)[h], HeadLayout.offsets(LAYOUT.v_widths)[h]
         kw, vw = LAYOUT.k_widths[h], LAYOUT.v_widths[h]
         for b in range(2):
-            want = _brute_keep(method, q[b], k[b], lengths[b, h], target[b, 0, h], protected(spec), spec.pool, h)
+            want = _brute_keep(method, q[b], k[b], lengths[b, h], target[b, 0, h], spec.recent, spec.pool, h)
             n = len(want)
             assert n == kept[b, 0, h], f"seed {seed}"
             np.testing.assert_array_equal(got_k[b, :n], k[b, want, ko : ko + kw], f"seed {seed}, head {h}")

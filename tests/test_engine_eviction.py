@@ -12,7 +12,6 @@ from conftest import TINY_CONFIGS, fresh_seed
 from test_scheduler import VOCAB, FakeEngine, next_token, single_run
 
 import kvjax
-from kvjax.eviction.continual import protected
 from kvjax.eviction.reference import evicted_hidden
 from kvjax.eviction.select import Eviction
 from kvjax.ops.paging import NULL_PAGE
@@ -87,10 +86,10 @@ class FakeEvictingEngine(FakeEngine):
         self.stored[slot, layer, head] += 1
 
     def compress(self, slot, last, target):
-        """Continual eviction: each head keeps its last ``protected`` slots and, of the others, those first in a
+        """Continual eviction: each head keeps its last ``Eviction.recent`` slots and, of the others, those first in a
         hash order, ``target`` in all, moved to its first slots through the pages the host left it."""
         assert last == len(self.contexts[slot]) - 2, "the latest query is not the last token written"
-        guard = protected(self.eviction)
+        guard = self.eviction.recent
         for layer, head in np.ndindex(*self.head_per_page.shape):
             tokens = self.expected[slot][layer][head]
             n, want = len(tokens), int(target[layer, head])

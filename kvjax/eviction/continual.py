@@ -8,7 +8,7 @@ The host chooses the counts (``halved``), not the scores, so it gives the freed 
 needs them, with no wait for the device. Each head keeps a share of what it stores, so the allocation across heads
 and layers that KV-Compress made at the prompt's end carries over in proportion. Scoring works in slot order: after
 eviction a head's slots are its survivors in position order, then every token decoded since, and the last W of
-them are the last W queries' own tokens (never evicted: ``protected`` holds at least the window), so each query
+them are the last W queries' own tokens (never evicted: ``Eviction.recent`` holds at least the window), so each query
 sees exactly the slots before and at its own, as causal attention did.
 """
 
@@ -18,23 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.eviction import metrics
-from kvjax.eviction.select import Eviction, _ranks
+from kvjax.eviction.select import Eviction, ranks
 from kvjax.ops import head_paging
-
-
-def protected(spec: Eviction) -> int:
-    """The most recent slots of every head that continual eviction keeps: the observation window, and at least the
-    page being filled."""
-    return max(spec.window, spec.page_size)
 
 
 def halved(spec: Eviction, stored, context: int | None = None) -> np.ndarray:
     """Host: what each head keeps when its sequence is cut (int64, ``stored``'s shape): half of what it stores,
-    rounded up, never fewer than ``protected(spec)`` nor, for a sequence at ``context`` positions, than the policy's
+    rounded up, never fewer than ``spec.recent`` nor, for a sequence at ``context`` positions, than the policy's
     tokens a head for it (``spec.per_head``: continual eviction never cuts below the budget the prompt was cut to),
     and never more than it stores. ``compress`` keeps exactly this many."""
     stored = np.asarray(stored, np.int64)
-    floor = max(protected(spec), 0 if context is None else spec.per_head(context))
+    floor = max(spec.recent, 0 if context is None else spec.per_head(context))
     return np.minimum(stored, np.maximum(-(-stored // 2), floor))
 
 
@@ -56,7 +50,7 @@ def keep_counts(scores, stored, target, protect: int):
     free = live & ~guarded
     room = jnp.minimum(jnp.asarray(target, jnp.int32), stored[..., 0]) - guarded.sum(-1, dtype=jnp.int32)
     cost = jnp.where(free, -scores.astype(jnp.float32), jnp.inf)
-    return guarded | (free & (_ranks(cost) < room[..., None]))
+    return guarded | (free & (ranks(cost) < room[..., None]))
 
 
 def compress(spec: Eviction, queries, pool, tables, stored, target, layouts, page_elems: int, tokens: int):
@@ -75,6 +69,6 @@ def compress(spec: Eviction, queries, pool, tables, stored, target, layouts, pag
     for layer, lay in enumerate(layouts):
         keys = _keys(pool, tables[:, layer], lay, page_elems, tokens)
         scores.append(metrics.window_scores(spec.method, queries[layer], keys, stored[:, layer], lay, pool=spec.pool))
-    keep = keep_counts(jnp.stack(scores, axis=1), stored, target, protected(spec))
+    keep = keep_counts(jnp.stack(scores, axis=1), stored, target, spec.recent)
     pool, kept = head_paging.compact(pool, tables, keep, stored, layouts, page_elems)
     return pool, kept, keep

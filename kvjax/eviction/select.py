@@ -98,9 +98,15 @@ class Eviction:
         assert self.ratio is not None
         return min(prompt, math.ceil(prompt / self.ratio))
 
+    @property
+    def recent(self) -> int:
+        """The fewest most recent tokens a head always keeps: the observation window, and at least the page being
+        filled (continual eviction's guard too: ``kvjax.eviction.continual``)."""
+        return max(self.window, self.page_size)
+
     def protected(self, prompt: int) -> int:
         """The most recent tokens every head keeps whatever they score."""
-        recent = max(self.window, self.page_size)
+        recent = self.recent
         share = RECENT_SHARE.get(self.method)
         if share is not None:
             recent = max(recent, int(share * self.per_head(prompt)))
@@ -137,7 +143,7 @@ def keep_masks(spec: Eviction, scores: list[np.ndarray], windows: list[int | Non
     return keep
 
 
-def _ranks(cost):
+def ranks(cost):
     """Each entry's place in the stable ascending order of ``cost`` along its last axis (the inverse permutation of
     ``argsort``): ties keep their index order, as NumPy's stable sort in ``keep_masks`` does."""
     order = jnp.argsort(cost, axis=-1, stable=True)
@@ -167,12 +173,12 @@ def device_keep(spec: Eviction, scores, prompt, per_head, protect, windows: tupl
         chosen = jnp.maximum(spare, 0)
     else:  # the slots every head left, to the highest scores of all heads
         total = jnp.maximum(spare.sum((1, 2)), 0)[:, None]
-        taken = (_ranks(cost.reshape(b, -1)) < total) & free.reshape(b, -1)
+        taken = (ranks(cost.reshape(b, -1)) < total) & free.reshape(b, -1)
         chosen = taken.reshape(scores.shape).sum(-1, dtype=jnp.int32)
     candidates = free.sum(-1, dtype=jnp.int32)
     chosen = jnp.minimum(chosen, candidates)
     chosen = chosen + (candidates - chosen) % spec.page_size  # whole pages' worth evicted
-    return guarded | (free & (_ranks(cost) < chosen[..., None]))
+    return guarded | (free & (ranks(cost) < chosen[..., None]))
 
 
 def parse(text: str, **settings) -> Eviction:
