@@ -38,6 +38,7 @@ from harness import (
     shape_arg,
 )
 
+from kvjax import validate
 from kvjax.ops import head_paging
 from kvjax.ops.decode.config import DECODE
 from kvjax.ops.decode.head_kernel import NUM_STAGES, PAGES_PER_STEP, head_paged_decode
@@ -110,7 +111,11 @@ def main(argv=None):
         help="a launch per (K, V) width pair, one for all, or both (default)",
     )
     p.add_argument(
-        "--splits", type=int, nargs="+", default=[0], help="programs a head's pages are split over (0: the default)"
+        "--splits",
+        type=validate.arg(lambda v: validate.integer("--splits", v, low=0), int),
+        nargs="+",
+        default=[0],
+        help="programs a head's pages are split over (0: the default)",
     )
     p.add_argument("--live", type=count_arg("--live"), help="sequences holding tokens, the rest empty (default all)")
     p.add_argument("--per-sequence", action="store_true", help="time the per-sequence kernel beside (GPU only)")
