@@ -7,7 +7,12 @@ decoded over what was kept and are the ones scored: perplexity, KL(base || model
 uncompressed model on the same positions. ``overall_rate`` is 1 - the kept prompt's cache bytes (each head at its
 own width) over the uncompressed prompt's (``reference.kept_bytes``), averaged over windows; a plan without
 eviction has its own rate. The summary gives, per source and method, the largest overall rate whose perplexity
-stays within 1% of the uncompressed model's, over eviction alone, each plan alone and each stacked pair.
+stays within 1% of the uncompressed model's, alone and on each stack under it (a plan, quantized pages, both).
+
+``--kv-bits`` adds every model (the uncompressed one too) served from quantized pages of ``--page-size`` tokens,
+one page format for both: each head's survivors compacted, then quantized (``reference.compacted_round_trip``; the
+engine refuses eviction on quantized pages today, so this scores the design before it is built). Its overall rate
+counts the pages' codes, scales and zeros (``kv_schemes.token_bytes``, per layer).
 
 Mode ``retrieval``: the passkey and multi-key prompts of ``retrieval``, their answers teacher-forced: a trial is
 right when the greedy choice at every answer position is the answer's token (then greedy decoding writes the
@@ -47,7 +52,8 @@ EPILOG = """examples:
       --methods kvcompress --ratios 8 --plans none zack:0.5
 
 --plans: "none" (the uncompressed model) or VARIANT:RATE with a variant of accuracy.py (zack, zack-band16, palu,
-...), calibrated once on --calibration text. Policies: every --methods with every --budgets (tokens per KV head)
+...), calibrated once on --calibration text; --kv-bits 4 (or 2, gear2, ...) serves each also from quantized pages
+(plain ZACK and uncompressed plans only). Policies: every --methods with every --budgets (tokens per KV head)
 and every --ratios (prompt tokens over the ratio), plus "none"; --evict adds policies in their short form
 ("kvcompress:4x:uniform"). KV-Compress allocates one budget across all heads and layers, the others the same budget
 to every head (kvjax.eviction.select)."""
@@ -118,6 +124,32 @@ def plan_models(base, args, max_context: int) -> list[tuple[dict, object]]:
     return out
 
 
+def served_models(base, args, models) -> list[tuple[dict, object, object]]:
+    """(fields, model, scheme) per plan and ``--kv-bits`` entry: the scheme None (unquantized) or the
+    ``kv_schemes`` scheme its pages use, ``--page-size`` tokens a page; fields name the pair ("zack:0.5 kv4") and give
+    its overall rate (``accuracy.overall_rate``)."""
+    out = []
+    for (fields, model), kv in itertools.product(models, args.kv_bits):
+        rate = accuracy.overall_rate(base, model.plan, kv, args.page_size) if kv is not None else fields["rate"]
+        name = fields["plan"] if kv is None else f"{fields['plan']} kv{kv}"
+        scheme = None if kv is None else accuracy.scheme_of(kv, args.page_size)
+        out.append((fields | {"name": name, "kv_bits": kv, "rate": rate}, model, scheme))
+    return out
+
+
+def _everything(model, prompt: int, rows: int = 1) -> list[np.ndarray]:
+    """A selection that keeps every prompt token of every head (a plan served without eviction)."""
+    return [np.ones((rows, lay.num_kv_heads, prompt), bool) for lay in model.module.layouts]
+
+
+def _hidden(model, tokens, prompt: int, scheme, cut=None):
+    """``tokens`` [1, T] through ``model`` with the prompt cut to ``cut`` (None: kept whole), served from ``scheme``'s
+    pages (None: unquantized)."""
+    if scheme is None:
+        return model.hidden(tokens) if cut is None else hidden_after(model, tokens, cut)
+    return hidden_after(model, tokens, _everything(model, prompt) if cut is None else cut, kv=scheme)
+
+
 def _by_method(specs: list[Eviction | None]) -> dict:
     """The policies grouped by what their scores depend on (method, window, pooling, noise): one scoring each."""
     groups: dict = {}
@@ -141,16 +173,18 @@ def _window_runs(base, models, specs, chunk, prompt: int, kept: dict, source: st
         return hidden[0, prompt - 1 : window - 1]
 
     runs: list[tuple[tuple, jax.Array]] = [((source, "none", "none"), scored(base.hidden(chunk)))]
-    for fields, model in models:
-        if fields["plan"] != "none":
-            runs.append(((source, fields["plan"], "none"), scored(model.hidden(chunk))))
-        for group in _by_method(specs).values():
-            scores = prompt_scores(model, chunk[:, :prompt], group[0])
+    scores: dict = {}  # per plan and scoring group: a plan served at several --kv-bits is scored once
+    for fields, model, scheme in models:
+        if fields["name"] != "none":
+            runs.append(((source, fields["name"], "none"), scored(_hidden(model, chunk, prompt, scheme))))
+        for group_key, group in _by_method(specs).items():
+            if (fields["plan"], group_key) not in scores:
+                scores[fields["plan"], group_key] = prompt_scores(model, chunk[:, :prompt], group[0])
             for spec in group:
-                cut = keep(model, scores, spec)
-                key = (source, fields["plan"], spec.name)
-                kept.setdefault(key, []).append(kept_bytes(cut, model.module.layouts))
-                runs.append((key, scored(hidden_after(model, chunk, cut))))
+                cut = keep(model, scores[fields["plan"], group_key], spec)
+                key = (source, fields["name"], spec.name)
+                kept.setdefault(key, []).append(kept_bytes(cut, model.module.layouts, scheme))
+                runs.append((key, scored(_hidden(model, chunk, prompt, scheme, cut))))
     return runs
 
 
@@ -158,7 +192,7 @@ def run_eval(base, args, save=None) -> list[dict]:
     """One row per source, plan and policy: the continuation's ppl, KL and top-1, the kept share and overall rate;
     ``save(rows)`` gets the rows of every window scored so far after each window (a run cut short keeps them)."""
     window = args.windows[0]
-    specs, models = policies(args), plan_models(base, args, window)
+    specs, models = policies(args), served_models(base, args, plan_models(base, args, window))
     prompt = window - args.continuation
     sums: dict = {}
     kept: dict = {}
@@ -184,45 +218,59 @@ def run_eval(base, args, save=None) -> list[dict]:
     return rows
 
 
+def _named(models) -> dict:
+    """Each served model's fields by name, the uncompressed model's included."""
+    return {"none": {"plan": "none", "kv_bits": None, "rate": 0.0}} | {f["name"]: f for f, _, _ in models}
+
+
 def _eval_rows(sums: dict, kept: dict, models, window: int, prompt: int) -> list[dict]:
     """``run_eval``'s rows from its running sums."""
-    rates = {fields["plan"]: fields["rate"] for fields, _ in models}
+    named = _named(models)
     rows = []
-    for (source, plan, policy), total in sums.items():
-        share = float(np.mean(kept[(source, plan, policy)])) if policy != "none" else None
-        overall = rates.get(plan, 0.0) if share is None else 1.0 - share
-        row = {"source": source, "window": window, "prompt": prompt, "plan": plan, "evict": policy}
-        rows.append(row | {"plan_rate": rates.get(plan, 0.0), "overall_rate": overall} | accuracy._scores([total]))
+    for (source, name, policy), total in sums.items():
+        fields = named[name]
+        share = float(np.mean(kept[(source, name, policy)])) if policy != "none" else None
+        overall = fields["rate"] if share is None else 1.0 - share
+        row = {"source": source, "window": window, "prompt": prompt, "plan": fields["plan"]}
+        row |= {"kv_bits": fields["kv_bits"], "evict": policy, "plan_rate": fields["rate"], "overall_rate": overall}
+        rows.append(row | accuracy._scores([total]))
     return rows
 
 
+def _stack(row: dict) -> str:
+    """What a row's eviction sits on: "alone", "plan", "4-bit", "plan + 4-bit"."""
+    parts = (["plan"] if row["plan"] != "none" else []) + ([f"{row['kv_bits']}-bit"] if row.get("kv_bits") else [])
+    return " + ".join(parts) or "alone"
+
+
 def within_one_percent(rows: list[dict]) -> list[dict]:
-    """Per source and method ("none": rank reduction alone): the largest overall rate among rows whose perplexity is
-    within 1% of the uncompressed model's, alone (plan none), on each plan alone, and stacked (a plan and the
-    method)."""
+    """Per source and method ("none": no eviction): the largest overall rate among rows whose perplexity is within
+    1% of the uncompressed model's, per stack under the method (``_stack``: alone, on a plan, on quantized pages,
+    on both)."""
     out = []
     for source in sorted({r["source"] for r in rows}):
         mine = [r for r in rows if r["source"] == source]
-        base = next(r["ppl"] for r in mine if r["plan"] == "none" and r["evict"] == "none")
+        base = next(r["ppl"] for r in mine if _stack(r) == "alone" and r["evict"] == "none")
         methods = sorted({r["evict"].split(":")[0] for r in mine if r["evict"] != "none"})
-        for method, stacked in itertools.product(["none", *methods], [False, True]):
+        stacks = sorted({_stack(r) for r in mine}, key=lambda s: (s != "alone", s))
+        for method, stack in itertools.product(["none", *methods], stacks):
             pool = [
                 r
                 for r in mine
                 if (r["evict"] == "none" if method == "none" else r["evict"].split(":")[0] == method)
-                and ((r["plan"] != "none") == stacked)
+                and _stack(r) == stack
             ]
             passing = [r for r in pool if accuracy.AT_99["ppl"](r["ppl"], base)]
             best = max(passing, key=lambda r: r["overall_rate"], default=None)
-            what = "rank reduction" if method == "none" else method + (" + plan" if stacked else "")
-            if method == "none" and not stacked:
+            if method == "none" and stack == "alone":
                 continue  # the uncompressed model itself
+            what = stack if method == "none" else method + ("" if stack == "alone" else f" + {stack}")
             out.append(
                 {
                     "source": source,
                     "what": what,
                     "largest_overall_rate": None if best is None else best["overall_rate"],
-                    "at": None if best is None else f"{best['plan']} {best['evict']}",
+                    "at": None if best is None else " ".join(_at(best)),
                     "ppl": None if best is None else best["ppl"],
                     "base_ppl": base,
                 }
@@ -246,7 +294,8 @@ def run_retrieval(base, args, save=None) -> list[dict]:
     """Per task, context, plan and policy: the share of trials whose answer is teacher-forced right. ``save(rows)``
     is called with the rows so far after every trial: a run cut short (a device call's time limit) keeps what it
     measured."""
-    specs, models = policies(args), plan_models(base, args, max(args.contexts) + ANSWER_ROOM)
+    specs = policies(args)
+    models = served_models(base, args, plan_models(base, args, max(args.contexts) + ANSWER_ROOM))
     hits: dict = {}
     kept: dict = {}
     for task, context, depth, trial in itertools.product(args.task, args.contexts, args.depths, range(args.trials)):
@@ -256,17 +305,19 @@ def run_retrieval(base, args, save=None) -> list[dict]:
         tokens = np.asarray([prompt.ids + answer], np.int32)
         p = len(prompt.ids)
 
-        for fields, model in models:
-            for group in [[None], *_by_method(specs).values()]:
-                scores = None if group == [None] else prompt_scores(model, tokens[:, :p], group[0])
+        scores: dict = {}  # per plan and scoring group: a plan served at several --kv-bits is scored once
+        for fields, model, scheme in models:
+            for group_key, group in [(None, [None]), *_by_method(specs).items()]:
+                if group_key is not None and (fields["plan"], group_key) not in scores:
+                    scores[fields["plan"], group_key] = prompt_scores(model, tokens[:, :p], group[0])
                 for spec in group:
-                    key = (task, context, fields["plan"], _label(spec))
+                    key = (task, context, fields["name"], _label(spec))
                     if spec is None:
-                        hidden = model.hidden(tokens)
+                        hidden = _hidden(model, tokens, p, scheme)
                     else:
-                        cut = keep(model, scores, spec)
-                        kept.setdefault(key, []).append(kept_bytes(cut, model.module.layouts))
-                        hidden = hidden_after(model, tokens, cut)
+                        cut = keep(model, scores[fields["plan"], group_key], spec)
+                        kept.setdefault(key, []).append(kept_bytes(cut, model.module.layouts, scheme))
+                        hidden = _hidden(model, tokens, p, scheme, cut)
                     hits.setdefault(key, []).append(answered(model, hidden, p, answer))
         print(f"{task} {context} depth {depth} trial {trial} done", file=sys.stderr, flush=True)
         if save is not None:
@@ -314,16 +365,21 @@ def run_served_retrieval(base, args, save=None) -> list[dict]:
 
 
 def _retrieval_rows(hits: dict, kept: dict, models) -> list[dict]:
-    rates = {fields["plan"]: fields["rate"] for fields, _ in models}
+    named = _named(models)
     rows = []
-    for (task, context, plan, policy), got in hits.items():
-        share = kept.get((task, context, plan, policy))
-        overall = rates[plan] if share is None else 1.0 - float(np.mean(share))
+    for (task, context, name, policy), got in hits.items():
+        fields = named[name]
+        share = kept.get((task, context, name, policy))
+        overall = fields["rate"] if share is None else 1.0 - float(np.mean(share))
         rows.append(
-            {"task": task, "context": context, "plan": plan, "evict": policy, "overall_rate": overall}
-            | {"accuracy": float(np.mean(got)), "trials": len(got)}
+            {"task": task, "context": context, "plan": fields["plan"], "kv_bits": fields["kv_bits"]}
+            | {"evict": policy, "overall_rate": overall, "accuracy": float(np.mean(got)), "trials": len(got)}
         )
     return rows
+
+
+def _at(row: dict) -> list[str]:
+    return [row["plan"], *([f"kv{row['kv_bits']}"] if row.get("kv_bits") else []), row["evict"]]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -337,7 +393,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", type=accuracy._positive, nargs="*", default=[], help="tokens kept per KV head")
     p.add_argument("--ratios", type=_ratio_arg, nargs="*", default=[], help="prompt tokens over the ratio kept")
     p.add_argument("--evict", type=_evict_arg, nargs="*", default=[], help="more policies, e.g. snapkv:4x:global")
-    p.add_argument("--page-size", type=accuracy._positive, default=16, help="evictions in whole pages (default 16)")
+    p.add_argument(
+        "--page-size", type=accuracy._positive, default=16, help="evictions (and --kv-bits pages) in pages (default 16)"
+    )
+    p.add_argument(
+        "--kv-bits",
+        type=accuracy._kv_bits,
+        nargs="+",
+        default=[None],
+        metavar="B",
+        help="'none' (default) and/or quantized pages: 4, 2 (KIVI-style), gear4, gear2, ...",
+    )
     p.add_argument("--plans", type=_plan_arg, nargs="+", default=[None], help="'none' and/or VARIANT:RATE")
     p.add_argument("--calibration", default="text", help="plans' calibration source (default text)")
     p.add_argument("--num-tokens", type=accuracy._positive, default=16384)
@@ -363,6 +429,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_kv_bits(p, args) -> None:
+    """``--kv-bits`` combinations this harness cannot score, as usage errors."""
+    quantized = [kv for kv in args.kv_bits if kv is not None]
+    if quantized and args.served:
+        p.error("--served: the engine does not evict on quantized pages; --kv-bits scores them teacher-forced only")
+    if any(str(kv).startswith("zipcache") for kv in quantized):
+        p.error("--kv-bits: ZipCache ranks tokens by its own probe queries over the whole sequence; not with eviction")
+    rebuilt = [v for v, _ in filter(None, args.plans) if accuracy.VARIANTS[v][0] != "zack" or v in accuracy.BANDS]
+    if quantized and rebuilt:
+        p.error(f"--kv-bits: quantized pages serve plain ZACK and uncompressed plans only, not {sorted(set(rebuilt))}")
+
+
 def main(argv=None):
     p = parser()
     args = p.parse_args(argv)
@@ -370,6 +448,7 @@ def main(argv=None):
         p.error(f"--continuation {args.continuation} leaves no prompt in a window of {args.windows[0]}")
     if args.mode == "eval" and args.eval_tokens < args.windows[0]:
         p.error(f"--eval-tokens {args.eval_tokens} is fewer than the window {args.windows[0]}")
+    _check_kv_bits(p, args)
     if args.served:
         unserved = [s.name for s in policies(args) if s is not None and s.method not in metrics.WINDOWED]
         if args.mode != "retrieval" or unserved:

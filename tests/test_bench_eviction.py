@@ -2,6 +2,7 @@
 teacher-forced retrieval check, and refusals of bad flags before any model loads."""
 
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -52,11 +53,38 @@ def test_eval_scores_the_continuation_of_every_plan_and_policy(tmp_path, monkeyp
     assert stacked["overall_rate"] > rows[("none", "h2o:8")]["overall_rate"]  # narrower heads, same tokens
     assert all(r["prompt"] == 32 and r["window"] == 48 for r in data["rows"])
     summary = {s["what"]: s for s in data["within_one_percent"]}
-    assert set(summary) == {"rank reduction", "kvcompress", "kvcompress + plan", "h2o", "h2o + plan", "snapkv"} | {
-        "snapkv + plan"
-    }
+    assert set(summary) == {"plan", "kvcompress", "kvcompress + plan", "h2o", "h2o + plan", "snapkv", "snapkv + plan"}
     assert summary["kvcompress"]["largest_overall_rate"] >= 0  # at least the budget that keeps everything passes
     assert "largest overall rate within 1%" in capsys.readouterr().out
+
+
+def test_eval_with_quantized_pages_scores_every_plan_and_policy_on_them_too(tmp_path, monkeypatch):
+    """--kv-bits none 4: every model also from 4-bit pages, its overall rate counting the pages' bytes; a budget that
+    keeps the whole prompt on 4-bit pages is exactly the 4-bit model without eviction."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
+    monkeypatch.setattr(eviction.kvjax, "load", lambda *a, **k: model)
+    monkeypatch.setattr(accuracy, "heldout_ids", lambda m, source, n: rng.integers(1, WIDE.vocab_size, n))
+    out = tmp_path / "ev.json"
+    flags = ["--windows", "48", "--continuation", "16", "--eval-tokens", "48", "--sources", "prose"]
+    flags += ["--methods", "h2o", "--budgets", "8", "32", "--page-size", "4", "--kv-bits", "none", "4"]
+    flags += ["--plans", "none", "zack:0.5", "--calibration", "random", "--num-tokens", "128", "--seq-len", "32"]
+    eviction.main(["eval", *flags, "--json", str(out)])
+    data = json.loads(out.read_text())
+    rows = {(r["plan"], r["kv_bits"], r["evict"]): r for r in data["rows"]}
+    plans = [("none", None), ("none", 4), ("zack:0.5", None), ("zack:0.5", 4)]
+    assert set(rows) == {(p, kv, e) for (p, kv), e in itertools.product(plans, ["none", "h2o:8", "h2o:32"])}
+    four = rows[("none", 4, "none")]
+    assert four["overall_rate"] == pytest.approx(accuracy.overall_rate(model, None, 4, 4)) and four["kl"] > 0
+    assert rows[("none", 4, "h2o:32")]["kl"] == four["kl"]  # nothing evicted: the same pages, the same reads
+    assert rows[("none", 4, "h2o:32")]["overall_rate"] == pytest.approx(four["overall_rate"])
+    for plan in ("none", "zack:0.5"):
+        assert rows[(plan, 4, "h2o:8")]["overall_rate"] > rows[(plan, None, "h2o:8")]["overall_rate"] > 0
+    zack4 = rows[("zack:0.5", 4, "none")]
+    assert zack4["overall_rate"] > rows[("zack:0.5", None, "none")]["overall_rate"]
+    summary = {s["what"] for s in data["within_one_percent"]}
+    assert {"4-bit", "plan + 4-bit", "h2o + 4-bit", "h2o + plan + 4-bit"} <= summary, f"seed {seed}"
 
 
 def test_retrieval_is_right_when_every_answer_token_is_the_greedy_choice():
@@ -87,6 +115,10 @@ def test_retrieval_is_right_when_every_answer_token_is_the_greedy_choice():
         (["eval", "--windows", "64", "--continuation", "64"], "--continuation 64 leaves no prompt"),
         (["retrieval", "--served", "--methods", "h2o", "--ratios", "2"], "evicts with ('kvcompress', 'snapkv') only"),
         (["eval", "--served"], "--served runs retrieval through the engine"),
+        (["retrieval", "--served", "--kv-bits", "4"], "the engine does not evict on quantized pages"),
+        (["eval", "--kv-bits", "zipcache"], "--kv-bits: ZipCache ranks tokens"),
+        (["eval", "--kv-bits", "4", "--plans", "palu:0.5"], "not ['palu']"),
+        (["eval", "--kv-bits", "3"], "--kv-bits"),
     ],
 )
 def test_bad_flags_are_one_line_usage_errors_before_any_model_loads(flags, message, monkeypatch, capsys):

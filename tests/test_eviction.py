@@ -11,10 +11,12 @@ from conftest import TINY_CONFIGS, fresh_seed
 
 import kvjax
 from kvjax.eviction import Eviction, metrics
-from kvjax.eviction.reference import evicted_hidden, kept_bytes, prompt_keep
+from kvjax.eviction.reference import compacted_round_trip, evicted_hidden, hidden_after, kept_bytes, prompt_keep
 from kvjax.eviction.select import keep_masks
 from kvjax.layout import HeadLayout
+from kvjax.ops import kv_schemes
 from kvjax.ops.grouped import attend_groups
+from kvjax.ops.prefill.reference import quantized_causal_attention
 
 WIDE = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)
 CALIBRATION = dict(calibration="random", num_tokens=256, seq_len=64, progress=False)
@@ -410,3 +412,59 @@ def test_the_device_eviction_of_prefilled_prompts_keeps_the_reference_selection(
                         np.asarray(got_k[0, : len(survivors)]), k_seq[survivors, ko : ko + lay.k_widths[h]], context
                     )
         pages.check()
+
+
+def test_quantized_survivors_are_compacted_then_paged_as_one_head_at_a_time_would_be():
+    """``compacted_round_trip`` against loops: each head's survivors gathered in order, round-tripped through pages
+    of 4 as a one-head cache would, put back; a decoded query reads a survivor quantized iff the survivor's slot
+    page was full when the query was decoded, and the prompt's rows read nothing quantized."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    layout = HeadLayout(4, 2, 16, (16, 8), (8, 16))
+    b, t, prompt = 2, 23, 17
+    q = jnp.asarray(rng.normal(size=(b, t, 2 * 16 + 2 * 8)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, t, 24)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(b, t, 24)), jnp.float32)
+    kept = rng.random((b, 2, t)) < 0.5
+    kept[..., prompt:] = True
+    scheme = kv_schemes.Kivi(4, page_size=4)
+    kq, vq, quant = compacted_round_trip(scheme, q, k, v, layout, jnp.asarray(kept), prompt)
+    kq, vq, quant = np.asarray(kq), np.asarray(vq), np.asarray(quant)
+    ko, vo = HeadLayout.offsets(layout.k_widths), HeadLayout.offsets(layout.v_widths)
+    for i in range(b):
+        for h in range(2):
+            one = HeadLayout(2, 1, 16, (layout.k_widths[h],), (layout.v_widths[h],))
+            ks, vs = slice(ko[h], ko[h] + layout.k_widths[h]), slice(vo[h], vo[h] + layout.v_widths[h])
+            rows = np.flatnonzero(kept[i, h])
+            want_k, want_v = scheme.round_trip(None, k[i : i + 1, rows, ks], v[i : i + 1, rows, vs], one)
+            full = len(rows) // 4 * 4  # a partial last page is never read quantized (below), so never compared
+            np.testing.assert_allclose(kq[i, rows[:full], ks], want_k[0, :full], rtol=1e-6, err_msg=f"seed {seed}")
+            np.testing.assert_allclose(vq[i, rows[:full], vs], want_v[0, :full], rtol=1e-6, err_msg=f"seed {seed}")
+            survivors = int(kept[i, h, :prompt].sum())
+            for m in range(t):
+                cached = survivors + m - prompt + 1
+                want = [m >= prompt and slot // 4 < cached // 4 for slot in range(len(rows))]
+                assert quant[i, h, m, rows].tolist() == want, f"seed {seed}: head {h} query {m}"
+
+
+def test_quantized_pages_with_nothing_evicted_serve_as_the_quantized_cache_does(tiny_config):
+    """Everything kept: the compacted slots are the positions, so the decoded rows read what
+    ``quantized_causal_attention`` serves a prompt prefilled in one chunk (the prompt's rows exactly)."""
+    seed = fresh_seed()
+    model = kvjax.Model.random(tiny_config, seed=seed % 1000)
+    tokens = np.random.default_rng(seed).integers(0, tiny_config.vocab_size, (2, 40))
+    scheme = kv_schemes.Kivi(4, page_size=4)
+    kept = [np.ones((2, lay.num_kv_heads, 30), bool) for lay in model.layouts]
+    got = hidden_after(model, tokens, kept, kv=scheme)
+
+    module = model.module
+    positions = jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (2, 40))
+
+    def attend(i, q, k, v, rebuild=None, rotation=None):
+        return quantized_causal_attention(q, k, v, module.layouts[i], scheme, prompt=30)
+
+    want = module.hidden(jnp.asarray(tokens, jnp.int32), positions, attend)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
+    assert not np.allclose(np.asarray(got)[:, 30:], np.asarray(model.hidden(tokens))[:, 30:])  # it quantizes
+    with pytest.raises(ValueError, match="ZipCache"):
+        hidden_after(model, tokens, kept, kv=kv_schemes.parse("zipcache"))

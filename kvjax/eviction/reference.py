@@ -6,6 +6,10 @@ This is the methods' published setting (SnapKV, KV-Compress and Keyformer compre
 H2O's accumulated attention is read at the same point), teacher-forced: two forwards, the first over the prompt
 for the scores, the second over everything with each head's keys masked. Continual eviction during decode is the
 engine's (issue 37, item 4), not this module's.
+
+With ``kv`` (a ``kv_schemes`` scheme), the kept tokens are served from quantized pages as they would be if the
+survivors were compacted first and then quantized (``compacted_round_trip``): eviction on quantized pages, which the
+engine refuses today, scored before it is built.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from flax import nnx
 
 from kvjax.eviction import metrics
 from kvjax.eviction.select import Eviction, keep_masks
+from kvjax.ops import kv_schemes
 from kvjax.ops.grouped import attend_groups, full_width, visible
 from kvjax.ops.prefill.reference import causal_attention
 
@@ -45,10 +50,37 @@ def _prompt_scores(graphdef, state, tokens, spec: Eviction):
     return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def _evicted_hidden(graphdef, state, tokens, prompt: int, keep):
+def compacted_round_trip(kv, q, k, v, layout, kept, prompt: int):
+    """(K and V as ``kv``'s pages serve them, which of them a query reads quantized) when each KV head's surviving
+    tokens (``kept``: bool [B, Hkv, T], the tokens after the first ``prompt`` all True) are compacted in order and then
+    quantized page by page: per head, survivor j sits at slot ``rank_j`` (its count of survivors before it), pages
+    group slots, and a query at m >= ``prompt`` reads a key quantized iff the key's page was full when m was decoded
+    (``quantized_causal_attention``'s rule over slots: ``rank_j // page < (kept + m - prompt + 1) // page``). The
+    prompt's own rows read exactly (one prefill chunk, in full-precision staging pages). -> (k_q [B, T, k_cols],
+    v_q [B, T, v_cols], quant bool [B, Hkv, T, T])."""
+    t = kept.shape[-1]
+    order = jnp.argsort(~kept, axis=-1, stable=True)  # [B, Hkv, T]: slot -> position (survivors first, in order)
+    rank = jnp.argsort(order, axis=-1)  # position -> slot
+
+    def per_column(x, widths, index):
+        heads = np.repeat(np.arange(len(widths)), widths)  # each packed column's KV head
+        return jnp.take_along_axis(x, jnp.swapaxes(index[:, heads], 1, 2), axis=1)
+
+    k_slots = per_column(k, layout.k_widths, order)
+    v_slots = per_column(v, layout.v_widths, order)
+    kq, vq = kv.round_trip(q, k_slots, v_slots, layout)  # rows in slot order: the pages a compacted head fills
+    kq, vq = per_column(kq, layout.k_widths, rank), per_column(vq, layout.v_widths, rank)
+    pos = jnp.arange(t)
+    cached = kept[..., :prompt].sum(-1)[..., None] + jnp.maximum(pos - prompt + 1, 0)  # [B, Hkv, T] per query
+    page = kv.page_size
+    quant = (rank[:, :, None, :] // page < (cached // page)[..., None]) & (pos >= prompt)[None, None, :, None]
+    return kq, vq, quant
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 5))
+def _evicted_hidden(graphdef, state, tokens, prompt: int, keep, kv=None):
     """Final-norm hidden states [B, T, E] when the queries after the first ``prompt`` tokens see, of the prompt, only
-    what ``keep`` (per layer, bool [B, Hkv, P]) holds."""
+    what ``keep`` (per layer, bool [B, Hkv, P]) holds; ``kv``: from quantized pages (``compacted_round_trip``)."""
     module = nnx.merge(graphdef, state)
     t = tokens.shape[1]
     pos = jnp.arange(t)
@@ -58,12 +90,18 @@ def _evicted_hidden(graphdef, state, tokens, prompt: int, keep):
             q, k = rotation.packed(q, k)
         layout = module.layouts[i]
         if rebuild is not None:
+            if kv is not None:
+                raise ValueError("kv: quantized pages are not supported on Palu or banded ZACK models yet")
             k, layout = rebuild(k, _positions(tokens)), full_width(layout)
         seen = visible(pos[:, None], pos[None, :], layout.sliding_window)  # [T, T]
         kept = jnp.pad(keep[i], ((0, 0), (0, 0), (0, t - prompt)), constant_values=True)  # [B, Hkv, T]
         evicted_for = (pos[:, None] >= prompt) & (pos[None, :] < prompt)  # decode rows over prompt keys
         mask = seen & (~evicted_for | kept[:, :, None, :])  # [B, Hkv, T, T]
-        return attend_groups(q, k, v, mask, layout)
+        if kv is None:
+            return attend_groups(q, k, v, mask, layout)
+        kq, vq, quant = compacted_round_trip(kv, q, k, v, layout, kept, prompt)
+        both = jnp.concatenate([mask & quant, mask & ~quant], axis=-1)  # keys: the quantized copies, then exact
+        return attend_groups(q, jnp.concatenate([kq, k], axis=1), jnp.concatenate([vq, v], axis=1), both, layout)
 
     return module.hidden(tokens, _positions(tokens), attend)
 
@@ -89,12 +127,18 @@ def prompt_keep(model, tokens, spec: Eviction) -> list[np.ndarray]:
     return keep(model, prompt_scores(model, tokens, spec), spec)
 
 
-def hidden_after(model, tokens, kept: list[np.ndarray]) -> jax.Array:
+def hidden_after(model, tokens, kept: list[np.ndarray], kv=None) -> jax.Array:
     """Final-norm hidden states [B, T, E] of ``tokens`` [B, T] whose prompt (the first P, P = ``kept``'s last axis)
-    was prefilled and then cut to ``kept`` (per layer, bool [B, Hkv, P]) before the rest were decoded."""
+    was prefilled and then cut to ``kept`` (per layer, bool [B, Hkv, P]) before the rest were decoded; ``kv`` (a
+    ``kv_schemes`` scheme, KIVI-style or GEAR): the survivors compacted, then served from its quantized pages."""
     tokens = jnp.asarray(tokens, jnp.int32)
     prompt = kept[0].shape[-1]
-    return _evicted_hidden(model.graphdef, model.state, tokens, prompt, [jnp.asarray(k) for k in kept])
+    if kv is not None and not (hasattr(kv, "round_trip") and hasattr(kv, "page_size")):
+        raise TypeError(f"kv must be a kvjax.ops.kv_schemes scheme (Kivi, Gear), got {type(kv).__name__}")
+    if isinstance(kv, kv_schemes.Zip):
+        raise ValueError("kv: ZipCache ranks tokens by probe queries over the whole sequence; not with eviction")
+    keep = [jnp.asarray(k) for k in kept]
+    return _evicted_hidden(model.graphdef, model.state, tokens, prompt, keep, kv)
 
 
 def evicted_hidden(model, tokens, prompt: int, spec: Eviction) -> tuple[jax.Array, list[np.ndarray]]:
@@ -107,15 +151,18 @@ def evicted_hidden(model, tokens, prompt: int, spec: Eviction) -> tuple[jax.Arra
     return hidden_after(model, tokens, kept), kept
 
 
-def kept_bytes(kept: list[np.ndarray], layouts) -> float:
+def kept_bytes(kept: list[np.ndarray], layouts, kv=None) -> float:
     """The cache bytes the kept prompt tokens take (each head at its own K and V width) over those of every prompt
     token a head would hold uncompressed (at full width; a sliding-window layer's last window only): 1 - the
-    overall rate of rank reduction and eviction together, right after the prompt."""
+    overall rate of rank reduction and eviction together, right after the prompt. ``kv`` (a ``kv_schemes`` scheme):
+    the kept tokens sit in its pages, each layer's heads at the layer's bytes per token (codes, scales, zeros,
+    padding: ``page_bytes``) over its bytes in bfloat16."""
     held = total = 0.0
     for k, lay in zip(kept, layouts):
         p = k.shape[-1]
         widths = np.add(lay.k_widths, lay.v_widths)
-        held += float((k.sum(-1) * widths).sum())
+        scale = 1.0 if kv is None else sum(kv.page_bytes(lay).values()) / kv.page_size / (2 * float(widths.sum()))
+        held += float((k.sum(-1) * widths).sum()) * scale
         total += (
             k.shape[0]
             * lay.num_kv_heads
