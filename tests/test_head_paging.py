@@ -10,6 +10,7 @@ from conftest import fresh_seed
 from kvjax.layout import HeadLayout
 from kvjax.ops import head_paging
 from kvjax.ops.grouped import attend_groups
+from kvjax.ops.pallas_util import merge_splits
 from kvjax.runtime.head_pages import HeadPages
 
 LAYOUT = HeadLayout(6, 3, 16, (16, 8, 12), (16, 4, 8))
@@ -455,3 +456,56 @@ def test_a_step_reads_fewer_pages_of_a_wide_head_than_shared_memory_would_overfl
     assert pages_a_step(18, 96, 128, 4, 2, 2) == 3
     assert pages_a_step(64, 16, 16, 4, 2, 2) == 4
     assert pages_a_step(512, 128, 128, 4, 4, 3) == 1
+
+
+def test_the_one_launch_gives_its_programs_to_the_heads_that_store_tokens():
+    """``live_work``: the splits come from the live heads, not the slots (2 live sequences of 64 get 16 splits a
+    head, 32 full ones 2, 64 full ones 1), the live heads listed in order; ``merge_items`` groups items as
+    ``merge_splits`` does at every power-of-two split count."""
+    from kvjax.ops.decode.head_kernel import live_work, merge_items, work_items
+
+    stored = np.zeros((64, 8), np.int32)
+    stored[[5, 40]] = 100
+    work = np.asarray(live_work(jnp.asarray(stored)))
+    assert work[0] == 16 and work[1] == 16 and list(work[2:18]) == [*range(40, 48), *range(320, 328)]
+    for slots, splits in ((32, 2), (64, 1), (1, 16)):
+        full = np.asarray(live_work(jnp.ones((slots, 8), jnp.int32)))
+        assert full[:2].tolist() == [slots * 8, splits] and full[0] * full[1] <= work_items(slots * 8)
+    assert np.asarray(live_work(jnp.zeros((4, 8), jnp.int32)))[:2].tolist() == [0, 16]
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    items = work_items(8)
+    acc = jnp.asarray(rng.normal(size=(items, 3, 5)), jnp.float32)
+    m = jnp.asarray(rng.normal(size=(items, 3)), jnp.float32)
+    l = jnp.asarray(rng.uniform(0.5, 2, size=(items, 3)), jnp.float32)
+    for s in (1, 2, 4, 8, 16):
+        got = np.asarray(merge_items(acc, m, l, jnp.int32(s)))
+        n = items // s
+        want = merge_splits(acc.reshape(n, s, 3, 5), m.reshape(n, s, 3), l.reshape(n, s, 3))
+        np.testing.assert_allclose(got[:n], want, rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}, {s} splits")
+
+
+def test_a_lightly_loaded_one_launch_reads_only_the_live_heads_in_interpret_mode():
+    """Two of nine slots store tokens (the rest nothing): the live heads' splits come from their count, and every
+    row matches the reference (the empty slots zeros)."""
+    from kvjax.ops.decode.head_kernel import head_paged_decode
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    layout = HeadLayout(4, 2, 32, (16, 32), (32, 16))
+    page_elems = 8 * 2 * 32
+    per = head_paging.layer_tokens_per_page(layout, page_elems)[None]
+    pages = HeadPages(200, per, max_pages=10)
+    lengths = np.zeros((9, 2), np.int64)
+    lengths[[2, 7]] = rng.integers(1, 120, (2, 2))
+    for b in range(9):
+        assert pages.grow(b, lengths[b][None]) is not None
+    pool = jnp.asarray(rng.normal(size=(200, page_elems)), jnp.float32)
+    tables = jnp.asarray(np.stack([pages.table(b)[0] for b in range(9)]))
+    q = jnp.asarray(rng.normal(size=(9, layout.q_cols)), jnp.float32)
+    stored = jnp.asarray(lengths, jnp.int32)
+    got = head_paged_decode(q, pool, tables, stored, layout, page_elems, pages_per_step=2, interpret=True)
+    want = head_paging.decode_attention(q, pool, tables, stored, layout, page_elems, 120)
+    want = jnp.where(jnp.isnan(want), 0.0, want)  # a head storing nothing: the kernel gives zeros
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
+    assert not np.asarray(got)[[0, 1, 3]].any()

@@ -8,8 +8,10 @@ head's pages through the head's block table, ``pages_per_step`` pages a step (th
 and their V rows into another: the same bytes a step whatever the head's width, since pages are of one size; one
 16-token page a step left the loads too small to hide their latency), scores them against the group's queries and
 runs the online softmax; the splits' partial softmaxes are merged in jnp (``pallas_util.merge_splits``). Splits
-exist because a launch otherwise has only B x (its heads) programs. No schedule: the simplest form
-that reads each byte once. Measured: bench/RESULTS.md "Per-head pages: decode kernel".
+exist because a launch otherwise has only B x (its heads) programs. In the one launch, work goes to the heads that
+store tokens (``live_work``): their count, known only on the device, sets the splits (a power of two), so two live
+sequences among 64 slots get 16 splits a head, not the one that 64 full slots would (bench/RESULTS.md "Why a
+lightly loaded evicting step is slower"). Measured: bench/RESULTS.md "Per-head pages: decode kernel".
 
 Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; no sliding window (a slot
 is not a position once a head has evicted); the pool is indexed by (page, element), any size.
@@ -54,6 +56,8 @@ def _attend_head(
     head,
     q_base,
     out_stride,
+    item,
+    active,
     *,
     kw,
     vw,
@@ -67,8 +71,8 @@ def _attend_head(
 ):
     """One program's work on KV head row ``head`` (of the stored counts and tables) for its split (``head_split``:
     the program's split and the number of splits, read outside any branch, where interpret mode can): the group's
-    queries from ``q_base`` (rows ``kw`` apart), the head's share of pages, its partial softmax stored at rows
-    ``out_stride`` wide."""
+    queries from ``q_base`` (rows ``kw`` apart), the head's share of pages, its partial softmax stored as work item
+    ``item`` (rows ``out_stride`` wide); an inactive program stores an empty one (zeros, no weight)."""
     stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref = refs
     split, splits = head_split
     t = jnp.arange(max(16, tile(per * pages_per_step)))
@@ -81,7 +85,7 @@ def _attend_head(
     precision = dot_precision(dt)
     q = load_rows(q_ref, rows, kw, q_base, kc[None, :], kc_ok, real).astype(jnp.float32)
     q = (q * (scale * LOG2E)).astype(dt)
-    stored = stored_ref[head]
+    stored = jnp.where(active, stored_ref[head], 0)
     n_pages = (stored + per - 1) // per
     steps = (n_pages + pages_per_step - 1) // pages_per_step
     chunk = (steps + splits - 1) // splits  # this split's share of the head's steps
@@ -99,7 +103,7 @@ def _attend_head(
     carry = (jnp.zeros((BLOCK_H, vc.shape[0]), jnp.float32), jnp.full((BLOCK_H,), MASK), jnp.zeros((BLOCK_H,)))
     first = split * chunk
     acc, m, l = lax.fori_loop(first, jnp.minimum(first + chunk, steps), page_step, carry)
-    part = (head * splits + split) * group + rows  # this split's rows of the partial results
+    part = item * group + rows  # this split's rows of the partial results
     store_rows(acc_ref, part, out_stride, 0, vc[None, :], acc, vc_ok, real, interpret=interpret)
     at = jnp.where(real, part, NOWHERE) if interpret else part
     plgpu.store(m_ref.at[at], m, mask=real)
@@ -120,8 +124,9 @@ def _pair_kernel(stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref, 
     seq, unit, units = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
     head = seq * units + unit
     refs = (stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref)
-    head_split = pl.program_id(2), pl.num_programs(2)
-    _attend_head(refs, head_split, head, head * group * kw, vw, kw=kw, vw=vw, group=group, **static)
+    split, splits = pl.program_id(2), pl.num_programs(2)
+    item = head * splits + split
+    _attend_head(refs, (split, splits), head, head * group * kw, vw, item, True, kw=kw, vw=vw, group=group, **static)
 
 
 def _one_kernel(
@@ -131,35 +136,101 @@ def _one_kernel(
     pool_ref,
     pair_ref,
     qo_ref,
+    work_ref,
     acc_ref,
     m_ref,
     l_ref,
     *,
     pairs,
     q_cols,
+    units,
     out_stride,
     **static,
 ):
-    """Every width pair in one launch: each program switches to its head's pair (``pair_ref``), reading the packed
-    q [B, q_cols] from the head's column offset (``qo_ref``)."""
-    seq, unit, units = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
-    head = seq * units + unit
+    """Every width pair in one launch, over the live heads (``work_ref``: ``live_work``'s count, splits and heads):
+    program i does split i % S of live head i // S, switching to the head's pair (``pair_ref``) and reading the
+    packed q [B, q_cols] from the head's column offset (``qo_ref``); programs past the live heads store empty items."""
+    item = pl.program_id(0)
+    live, splits = work_ref[0], work_ref[1]
+    nth = item // splits
+    active = nth < live
+    head = work_ref[2 + jnp.where(active, nth, 0)]  # a flat (sequence, KV head) row
+    seq, unit = head // units, head % units
     refs = (stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref)
     q_base = seq * q_cols + qo_ref[unit]
-    head_split = pl.program_id(2), pl.num_programs(2)
+    head_split = item % splits, splits
     branches = [
         functools.partial(
-            _attend_head, refs, head_split, head, q_base, out_stride, kw=kw, vw=vw, per=per, pages_per_step=n, **static
+            _attend_head,
+            refs,
+            head_split,
+            head,
+            q_base,
+            out_stride,
+            item,
+            active,
+            kw=kw,
+            vw=vw,
+            per=per,
+            pages_per_step=n,
+            **static,
         )
         for kw, vw, per, n in pairs
     ]
     lax.switch(pair_ref[unit], branches)  # one pair: its branch alone, no switch
 
 
-def default_splits(programs: int, target: int = 264) -> int:
+TARGET_PROGRAMS = 264  # twice an H100's or H200's 132 SMs
+MAX_SPLITS = 16
+
+
+def default_splits(programs: int, target: int = TARGET_PROGRAMS) -> int:
     """Splits of each head's pages so that a launch has about ``target`` programs (twice an H100's or H200's 132
     SMs), at most 16: a launch has only B x (its heads) programs otherwise."""
-    return int(min(16, max(1, -(-target // programs))))
+    return int(min(MAX_SPLITS, max(1, -(-target // programs))))
+
+
+def work_items(heads: int) -> int:
+    """Programs of the one launch for ``heads`` (sequence, KV head) rows: room for every live head at
+    ``live_work``'s splits (fewer than 2 x ``TARGET_PROGRAMS`` items when a head has more than one split, one a head
+    otherwise), a multiple of ``MAX_SPLITS`` so that items group by any power-of-two split count."""
+    return -(-max(heads, 2 * TARGET_PROGRAMS) // MAX_SPLITS) * MAX_SPLITS
+
+
+def live_work(stored, splits=None) -> jax.Array:
+    """int32 [2 + B x Hkv]: the heads that store tokens (a count, live), the splits each gets, the live heads' flat
+    rows in order (padded with 0). Splits: ``splits`` if given, else the smallest power of two (at most 16) giving
+    the live heads about ``TARGET_PROGRAMS`` programs, computed on the device from ``stored`` [B, Hkv], so the
+    compiled step serves any load."""
+    flat = stored.reshape(-1) > 0
+    live = flat.sum().astype(jnp.int32)
+    if splits is None:
+        want = -(-TARGET_PROGRAMS // jnp.maximum(live, 1))
+        options = 2 ** jnp.arange(MAX_SPLITS.bit_length(), dtype=jnp.int32)  # 1, 2, 4, ..., 16
+        s = jnp.min(jnp.where((options >= want) | (options == MAX_SPLITS), options, MAX_SPLITS)).astype(jnp.int32)
+    else:
+        s = jnp.int32(splits)
+    (rows,) = jnp.nonzero(flat, size=flat.shape[0], fill_value=0)
+    return jnp.concatenate([jnp.stack([live, s]), rows.astype(jnp.int32)])
+
+
+def merge_items(acc, m, l, splits) -> jax.Array:
+    """[items // S, G, W]: consecutive groups of ``splits`` (S, traced, a power of two <= 16) work items' partial
+    softmaxes (``acc`` [items, G, W], ``m``, ``l`` [items, G]) merged (``merge_splits``), one branch per S so each
+    reads the items once."""
+    items = acc.shape[0]
+
+    def by(s):
+        def merge(acc, m, l):
+            n = items // s
+            out = merge_splits(acc.reshape(n, s, *acc.shape[1:]), m.reshape(n, s, -1), l.reshape(n, s, -1))
+            return jnp.pad(out, ((0, items - n), (0, 0), (0, 0)))  # one shape for every branch
+
+        return merge
+
+    options = [2**i for i in range(MAX_SPLITS.bit_length())]
+    index = jnp.argmax(jnp.asarray(options) == splits)
+    return lax.switch(index, [by(s) for s in options], acc, m, l)
 
 
 # Pages a program reads a step, and pipeline stages: the best of bench/RESULTS.md "Per-head pages: decode kernel"'s
@@ -229,7 +300,8 @@ def head_paged_decode(
 
     q [B, q_cols] packed; pool [num_pages, page_elems]; tables [B, Hkv, pages] int32 (each head's block table);
     stored [B, Hkv] int32 (tokens each head stores, the new one included, already written). ``splits``: programs
-    sharing one head's pages, their partial softmaxes merged after (None: ``default_splits``); ``pages_per_step``:
+    sharing one head's pages, their partial softmaxes merged after (None: ``live_work``'s, from the heads that store
+    tokens; a launch per pair: ``default_splits``); ``pages_per_step``:
     pages a program reads a step, at most (fewer for wide heads: ``pages_a_step``); ``one_launch``: every width pair
     in one kernel, each program switching to its head's pair (the default: 1.25-1.9x faster than a launch per pair
     at rate 0.5, bench/RESULTS.md "Per-head pages: decode kernel"). Returns [B, out_cols] in q's dtype; a head
@@ -245,25 +317,27 @@ def head_paged_decode(
     common |= dict(scale=1.0 / math.sqrt(layout.head_dim), interpret=interpret)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
-    def launch(kernel, n, s, inputs, width, name):
-        """(acc [B, n, S, G, width], m, l [B, n, S, G]) of ``kernel`` over a grid of (B, n heads, S splits)."""
-        rows = b * n * s * g
+    def launch(kernel, n, s, inputs, width, name, grid=None):
+        """(acc [B, n, S, G, width], m, l [B, n, S, G]) of ``kernel`` over a grid of (B, n heads, S splits), or
+        over ``grid`` (n x s items: acc [items, G, width], m, l [items, G])."""
+        rows = (b if grid is None else 1) * n * s * g
         shapes = [jax.ShapeDtypeStruct((rows * width,), jnp.float32), *[jax.ShapeDtypeStruct((rows,), jnp.float32)] * 2]
         acc, m, l = pl.pallas_call(
             kernel,
             out_shape=shapes,
-            grid=(b, n, s),
+            grid=(b, n, s) if grid is None else grid,
             in_specs=[whole_block(x) for x in inputs],
             out_specs=[whole_block(x) for x in shapes],
             interpret=interpret,
             compiler_params=params,
             name=name,
         )(*inputs)
+        if grid is not None:
+            return acc.reshape(n * s, g, width), m.reshape(n * s, g), l.reshape(n * s, g)
         return acc.reshape(b, n, s, g, width), m.reshape(b, n, s, g), l.reshape(b, n, s, g)
 
     if one_launch:
         heads = layout.num_kv_heads
-        s = default_splits(b * heads) if splits is None else splits
         groups = width_pairs(layout)
         pair_of = np.zeros(heads, np.int32)
         for i, (_, members) in enumerate(groups):
@@ -271,11 +345,21 @@ def head_paged_decode(
         static = [(kw, vw, tokens_per_page(page_elems, kw, vw), step_pages(kw, vw)) for (kw, vw), _ in groups]
         width = max(layout.v_widths)
         qo = np.asarray(HeadLayout.offsets(layout.k_widths, g), np.int32)
+        work = live_work(stored, splits)
+        items = work_items(b * heads) if splits is None else b * heads * splits
         inputs = [stored.astype(jnp.int32).reshape(-1), tables.astype(jnp.int32).reshape(-1), q.reshape(-1), pool]
-        inputs += [jnp.asarray(pair_of), jnp.asarray(qo)]
-        kernel = functools.partial(_one_kernel, pairs=tuple(static), q_cols=layout.q_cols, out_stride=width, **common)
-        acc, m, l = launch(kernel, heads, s, inputs, width, "kvjax_head_decode_all")
-        got = merge_splits(acc, m, l)  # [B, H, G, width]
+        inputs += [jnp.asarray(pair_of), jnp.asarray(qo), work]
+        kernel = functools.partial(
+            _one_kernel, pairs=tuple(static), q_cols=layout.q_cols, units=heads, out_stride=width, **common
+        )
+        acc, m, l = launch(kernel, items, 1, inputs, width, "kvjax_head_decode_all", grid=(items,))
+        if splits is None:
+            merged = merge_items(acc, m, l, work[1])
+        else:
+            merged = merge_splits(acc.reshape(-1, splits, g, width), m.reshape(-1, splits, g), l.reshape(-1, splits, g))
+        live = stored.reshape(-1) > 0
+        at = jnp.where(live, jnp.cumsum(live) - 1, 0)  # each head's place among the live ones
+        got = jnp.where(live[:, None, None], merged[at], 0.0).reshape(b, heads, g, width)
         outs = [got[:, h, :, :vw].reshape(b, g * vw) for h, vw in enumerate(layout.v_widths)]
         return jnp.concatenate(outs, axis=-1).astype(q.dtype)
 
