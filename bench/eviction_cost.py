@@ -13,6 +13,9 @@ Three parts, each a table:
 - **metrics**: each method's scores (``eviction.metrics.scores``) for one prompt of ``--context`` tokens, one
   representative layer (``harness.pick_layer``) timed with CUPTI and multiplied by 32 layers: a separate pass over
   the prompt's q and k, as ``eviction.reference`` runs it.
+- **continual**: continual eviction of one decoding sequence of ``--context`` tokens (``eviction.continual.compress``:
+  each head halved, scored by 8 random queries a layer, compacted in place with the pool donated; host timer): what
+  one cut costs the step it runs before, beside the pages it frees.
 - **ttft**: the time to first token of one ``--context``-token prompt through the runner (``--chunk`` tokens a
   prefill step, host timer, second pass), and each method's metric, selection and compaction as a share of it.
 
@@ -31,7 +34,7 @@ import numpy as np
 from files import write_json
 from harness import HKV, D, copy_bandwidth, count_arg, log, log_row, pick_layer, print_table, rank_plan, rates_arg
 
-from kvjax.eviction import Eviction, metrics
+from kvjax.eviction import Eviction, continual, metrics
 from kvjax.eviction.select import device_keep
 from kvjax.ops import head_paging
 from kvjax.runtime.head_pages import HeadPages
@@ -51,7 +54,9 @@ def _host_seconds(fn, reps: int = 5) -> float:
     return float(np.median(times))
 
 
-def compaction_rows(rate: float, batch: int, context: int, ratios: list[float], bandwidth: float) -> list[dict]:
+def _filled(rate: float, batch: int, context: int) -> dict:
+    """``batch`` sequences of ``context`` tokens in per-head pages of the rate's layouts: pool, tables, stored,
+    layouts, widths [L, Hkv] and one sequence's page bytes."""
     layouts = tuple(rank_plan(rate, LAYERS))
     per = np.stack([head_paging.layer_tokens_per_page(lay, PAGE_ELEMS) for lay in layouts])
     max_pages = int(-(-context // per.min()))
@@ -64,12 +69,51 @@ def compaction_rows(rate: float, batch: int, context: int, ratios: list[float], 
     widths = np.array([np.add(lay.k_widths, lay.v_widths) for lay in layouts])  # [L, Hkv]
     seq_bytes = int((-(-context // per) * PAGE_ELEMS).sum()) * 2  # a sequence's pages, bf16
     pool = harness.randn(jax.random.key(0), (need + 1, PAGE_ELEMS))
-    case = dict(rate=rate, batch=batch, context=context, tables=tables, stored=stored, layouts=layouts)
+    return dict(pool=pool, tables=tables, stored=stored, layouts=layouts, widths=widths, seq_bytes=seq_bytes)
+
+
+def compaction_rows(rate: float, batch: int, context: int, ratios: list[float], bandwidth: float) -> list[dict]:
+    filled = _filled(rate, batch, context)
+    pool, widths, seq_bytes = filled.pop("pool"), filled.pop("widths"), filled.pop("seq_bytes")
+    case = dict(rate=rate, batch=batch, context=context, **filled)
     rows = []
     for ratio in ratios:
         row, pool = _compaction_row(pool, ratio, widths, seq_bytes, bandwidth, **case)
         rows.append(row)
     return rows
+
+
+def continual_rows(rate: float, context: int, bandwidth: float) -> list[dict]:
+    """One decoding sequence cut by continual eviction: every head halved (``continual.halved`` of KV-Compress at
+    4x), 8 random queries a layer, the pool donated; host timer, median of 5 after a compiling call."""
+    f = _filled(rate, 1, context)
+    spec = Eviction("kvcompress", ratio=4.0)
+    target = jnp.asarray(continual.halved(spec, np.asarray(f["stored"]), context), jnp.int32)
+    keys = jax.random.split(jax.random.key(1), LAYERS)
+    queries = [harness.randn(k, (1, spec.window, lay.q_cols)) for k, lay in zip(keys, f["layouts"])]
+
+    def cut(pool):
+        pool, kept, _ = continual.compress(
+            spec, queries, pool, f["tables"], f["stored"], target, f["layouts"], PAGE_ELEMS, context
+        )
+        return pool, kept
+
+    run = jax.jit(cut, donate_argnums=0)
+    state = {"pool": f["pool"]}
+
+    def call():
+        state["pool"], kept = run(state["pool"])
+        return jax.block_until_ready(kept)
+
+    kept = np.asarray(call())
+    seconds = _host_seconds(call)
+    freed = int(((np.asarray(f["stored"]) - kept)[0] * f["widths"]).sum()) * 2
+    floor = 2 * f["seq_bytes"] / bandwidth
+    row = dict(rate=rate, context=context, kept_share=float(kept.sum() / np.asarray(f["stored"]).sum()))
+    row |= dict(compress_ms=1e3 * seconds, floor_ms=1e3 * floor, pct_of_floor=100 * floor / seconds)
+    row |= dict(freed_gib=freed / 2**30, ms_per_freed_gib=1e3 * seconds / (freed / 2**30))
+    log_row(row)
+    return [row]
 
 
 def _compaction_row(pool, ratio, widths, seq_bytes, bandwidth, *, rate, batch, context, tables, stored, layouts):
@@ -196,7 +240,8 @@ def main(argv=None):
     harness.TIMER["name"] = args.timer
     bandwidth = copy_bandwidth()
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    out: dict = {"args": vars(args), "bandwidth": bandwidth, "compaction": [], "metrics": [], "ttft": []}
+    out: dict = {"args": vars(args), "bandwidth": bandwidth, "compaction": [], "continual": [], "metrics": []}
+    out["ttft"] = []
 
     def save():
         if args.json:
@@ -206,13 +251,15 @@ def main(argv=None):
         for batch in args.batch:
             out["compaction"] += compaction_rows(rate, batch, args.context, args.ratios, bandwidth)
             save()
+        out["continual"] += continual_rows(rate, args.context, bandwidth)
+        save()
         out["metrics"] += metric_rows(rate, args.context, args.methods)
         save()
     if not args.no_ttft:
         for rate in args.rates:
             out["ttft"] += ttft_rows(rate, args.context, args.chunk, out)
             save()
-    for name in ("compaction", "metrics", "ttft"):
+    for name in ("compaction", "continual", "metrics", "ttft"):
         if out[name]:
             print(f"\n{name}")
             print_table(out[name])

@@ -140,6 +140,8 @@ def test_the_device_cost_bench_writes_its_tables_on_a_cpu(tmp_path, capsys):
     two, eight = data["compaction"]
     assert 0 < two["evicted_gib"] < eight["evicted_gib"] < two["pages_gib"]
     assert [r["method"] for r in data["metrics"]] == ["kvcompress"] and not data["ttft"]
+    (cut,) = data["continual"]  # every head halved (64 tokens: each keeps 32, its window among them)
+    assert cut["kept_share"] == 0.5 and cut["freed_gib"] > 0
     assert "compaction" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         eviction_cost.main(["--ratios", "0.5"])
