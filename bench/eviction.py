@@ -133,7 +133,7 @@ def served_models(base, args, models) -> list[tuple[dict, object, object]]:
         rate = accuracy.overall_rate(base, model.plan, kv, args.page_size) if kv is not None else fields["rate"]
         name = fields["plan"] if kv is None else f"{fields['plan']} kv{kv}"
         scheme = None if kv is None else accuracy.scheme_of(kv, args.page_size)
-        out.append((fields | {"name": name, "kv_bits": kv, "rate": rate}, model, scheme))
+        out.append((fields | {"name": name, "kv_bits": kv, "plan_rate": fields["rate"], "rate": rate}, model, scheme))
     return out
 
 
@@ -220,7 +220,9 @@ def run_eval(base, args, save=None) -> list[dict]:
 
 def _named(models) -> dict:
     """Each served model's fields by name, the uncompressed model's included."""
-    return {"none": {"plan": "none", "kv_bits": None, "rate": 0.0}} | {f["name"]: f for f, _, _ in models}
+    return {"none": {"plan": "none", "kv_bits": None, "plan_rate": 0.0, "rate": 0.0}} | {
+        f["name"]: f for f, _, _ in models
+    }
 
 
 def _eval_rows(sums: dict, kept: dict, models, window: int, prompt: int) -> list[dict]:
@@ -232,7 +234,12 @@ def _eval_rows(sums: dict, kept: dict, models, window: int, prompt: int) -> list
         share = float(np.mean(kept[(source, name, policy)])) if policy != "none" else None
         overall = fields["rate"] if share is None else 1.0 - share
         row = {"source": source, "window": window, "prompt": prompt, "plan": fields["plan"]}
-        row |= {"kv_bits": fields["kv_bits"], "evict": policy, "plan_rate": fields["rate"], "overall_rate": overall}
+        row |= {
+            "kv_bits": fields["kv_bits"],
+            "evict": policy,
+            "plan_rate": fields["plan_rate"],
+            "overall_rate": overall,
+        }
         rows.append(row | accuracy._scores([total]))
     return rows
 

@@ -4,7 +4,8 @@ B32 x 8K), per rank rate (``harness.rank_plan``'s representative layer), each KV
 context (``--keep``: below 1 the mean share, each head drawing its own from [keep/2, min(1, 3 keep/2)], as eviction
 leaves them; 1: every head the whole context), read by ``ops.decode.head_kernel`` from one pool of fixed-size pages
 (``--page-tokens`` full-width tokens a page), under each combination of ``--pages-per-step``, ``--warps``,
-``--stages`` and ``--splits`` (programs sharing a head's pages; 0: ``head_kernel.default_splits``). ``--live``: only
+``--stages`` and ``--splits`` (programs sharing a head's pages; 0: the default, in one launch ``live_work``'s from
+the heads that store tokens, in a launch per pair ``default_splits``). ``--live``: only
 that many sequences hold tokens, the rest of the batch none (a lightly loaded engine's slots). Beside them
 (``--per-sequence``) the engine's per-sequence kernel (``ops.decode.kernel``, its balanced schedule) over the whole
 context: the same bytes as keep 1. Every row: CUPTI time, the floor (the K and V bytes the heads store over the
