@@ -4,8 +4,8 @@ B32 x 8K), per rank rate (``harness.rank_plan``'s representative layer), each KV
 context (``--keep``: below 1 the mean share, each head drawing its own from [keep/2, min(1, 3 keep/2)], as eviction
 leaves them; 1: every head the whole context), read by ``ops.decode.head_kernel`` from one pool of fixed-size pages
 (``--page-tokens`` full-width tokens a page), under each combination of ``--pages-per-step``, ``--warps``,
-``--stages`` and ``--splits`` (programs sharing a head's pages; 0: the default, in one launch ``live_work``'s from
-the heads that store tokens, in a launch per pair ``default_splits``). ``--live``: only
+``--stages`` and ``--splits`` (programs sharing a head's pages; 0: the default, ``default_splits`` of the slots, or
+with ``--launches live`` ``live_work``'s from the heads that store tokens). ``--live``: only
 that many sequences hold tokens, the rest of the batch none (a lightly loaded engine's slots). Beside them
 (``--per-sequence``) the engine's per-sequence kernel (``ops.decode.kernel``, its balanced schedule) over the whole
 context: the same bytes as keep 1. Every row: CUPTI time, the floor (the K and V bytes the heads store over the
@@ -107,9 +107,10 @@ def main(argv=None):
     p.add_argument(
         "--launches",
         nargs="+",
-        choices=("pair", "one"),
+        choices=("pair", "one", "live"),
         default=["pair", "one"],
-        help="a launch per (K, V) width pair, one for all, or both (default)",
+        help="a launch per (K, V) width pair, one for all over every slot, one over the live heads (schedule='live'); "
+        "default pair and one",
     )
     p.add_argument(
         "--splits",
@@ -141,8 +142,8 @@ def main(argv=None):
             )
             combos = itertools.product(args.launches, args.pages_per_step, args.warps, args.stages, args.splits)
             for launches, step, warps, stages, splits in combos:
-                knobs = dict(pages_per_step=step, num_warps=warps, num_stages=stages, one_launch=launches == "one")
-                knobs |= dict(splits=splits or None)
+                knobs = dict(pages_per_step=step, num_warps=warps, num_stages=stages, one_launch=launches != "pair")
+                knobs |= dict(splits=splits or None, schedule="live" if launches == "live" else "slots")
 
                 def run(pool, tables, stored, q, layout=layout, page_elems=page_elems, knobs=knobs):
                     return head_paged_decode(

@@ -8,10 +8,12 @@ head's pages through the head's block table, ``pages_per_step`` pages a step (th
 and their V rows into another: the same bytes a step whatever the head's width, since pages are of one size; one
 16-token page a step left the loads too small to hide their latency), scores them against the group's queries and
 runs the online softmax; the splits' partial softmaxes are merged in jnp (``pallas_util.merge_splits``). Splits
-exist because a launch otherwise has only B x (its heads) programs. In the one launch, work goes to the heads that
-store tokens (``live_work``): their count, known only on the device, sets the splits (a power of two), so two live
-sequences among 64 slots get 16 splits a head, not the one that 64 full slots would (bench/RESULTS.md "Why a
-lightly loaded evicting step is slower"). Measured: bench/RESULTS.md "Per-head pages: decode kernel".
+exist because a launch otherwise has only B x (its heads) programs, fixed by the slots when the step compiles.
+``schedule="live"`` instead gives the one launch's programs to the heads that store tokens (``live_work``: their
+count, known on the device, sets the splits), so two live sequences among 64 slots get 16 splits a head: 2-2.4x
+faster there, but 23-35% slower with every slot full (its work list and merge cost more than they save), so it is
+not the default (bench/RESULTS.md "Why a lightly loaded evicting step is slower"). Measured: bench/RESULTS.md
+"Per-head pages: decode kernel".
 
 Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; no sliding window (a slot
 is not a position once a head has evicted); the pool is indexed by (page, element), any size.
@@ -136,6 +138,51 @@ def _one_kernel(
     pool_ref,
     pair_ref,
     qo_ref,
+    acc_ref,
+    m_ref,
+    l_ref,
+    *,
+    pairs,
+    q_cols,
+    out_stride,
+    **static,
+):
+    """Every width pair in one launch over a grid of (slots, KV heads, splits): each program switches to its head's
+    pair (``pair_ref``), reading the packed q [B, q_cols] from the head's column offset (``qo_ref``)."""
+    seq, unit, units = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
+    head = seq * units + unit
+    refs = (stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref)
+    q_base = seq * q_cols + qo_ref[unit]
+    split, splits = pl.program_id(2), pl.num_programs(2)
+    item = head * splits + split
+    branches = [
+        functools.partial(
+            _attend_head,
+            refs,
+            (split, splits),
+            head,
+            q_base,
+            out_stride,
+            item,
+            True,
+            kw=kw,
+            vw=vw,
+            per=per,
+            pages_per_step=n,
+            **static,
+        )
+        for kw, vw, per, n in pairs
+    ]
+    lax.switch(pair_ref[unit], branches)  # one pair: its branch alone, no switch
+
+
+def _live_kernel(
+    stored_ref,
+    table_ref,
+    q_ref,
+    pool_ref,
+    pair_ref,
+    qo_ref,
     work_ref,
     acc_ref,
     m_ref,
@@ -147,7 +194,7 @@ def _one_kernel(
     out_stride,
     **static,
 ):
-    """Every width pair in one launch, over the live heads (``work_ref``: ``live_work``'s count, splits and heads):
+    """``_one_kernel`` over the live heads (``work_ref``: ``live_work``'s count, splits and heads), a 1-D grid:
     program i does split i % S of live head i // S, switching to the head's pair (``pair_ref``) and reading the
     packed q [B, q_cols] from the head's column offset (``qo_ref``); programs past the live heads store empty items."""
     item = pl.program_id(0)
@@ -215,22 +262,22 @@ def live_work(stored, splits=None) -> jax.Array:
 
 
 def merge_items(acc, m, l, splits) -> jax.Array:
-    """[items // S, G, W]: consecutive groups of ``splits`` (S, traced, a power of two <= 16) work items' partial
-    softmaxes (``acc`` [items, G, W], ``m``, ``l`` [items, G]) merged (``merge_splits``), one branch per S so each
-    reads the items once."""
-    items = acc.shape[0]
-
-    def by(s):
-        def merge(acc, m, l):
-            n = items // s
-            out = merge_splits(acc.reshape(n, s, *acc.shape[1:]), m.reshape(n, s, -1), l.reshape(n, s, -1))
-            return jnp.pad(out, ((0, items - n), (0, 0), (0, 0)))  # one shape for every branch
-
-        return merge
-
-    options = [2**i for i in range(MAX_SPLITS.bit_length())]
-    index = jnp.argmax(jnp.asarray(options) == splits)
-    return lax.switch(index, [by(s) for s in options], acc, m, l)
+    """[items, G, W]: each work item's group of ``splits`` consecutive items (S, traced, a power of two <= 16)
+    merged as ``merge_splits`` merges them, the result at every item of the group (read it at the group's first).
+    Groups never cross a row of 16 items, so each row merges by a 16 x 16 same-group mask: the items are read once,
+    no branch (a conditional put XLA's predicate on the host and changed the step's kernels from call to call)."""
+    items, g, w = acc.shape
+    col = jnp.arange(MAX_SPLITS)
+    same = (col[:, None] // splits) == (col[None, :] // splits)  # [16, 16]: items i, j of a row in one group
+    m4, l4 = m.reshape(-1, MAX_SPLITS, g), l.reshape(-1, MAX_SPLITS, g)
+    top = jnp.max(jnp.where(same[None, :, :, None], m4[:, None], -jnp.inf), axis=2)  # [rows, 16, G]
+    weight = jnp.where(
+        l4[:, None] > 0, jnp.exp2(m4[:, None] - top[:, :, None]), 0.0
+    )  # [rows, 16 (item), 16 (other), G]
+    weight = jnp.where(same[None, :, :, None], weight, 0.0)
+    total = (weight * l4[:, None]).sum(axis=2)
+    out = jnp.einsum("rijg,rjgw->rigw", weight, acc.reshape(-1, MAX_SPLITS, g, w), precision=lax.Precision.HIGHEST)
+    return (out / jnp.where(total > 0, total, 1.0)[..., None]).reshape(items, g, w)
 
 
 # Pages a program reads a step, and pipeline stages: the best of bench/RESULTS.md "Per-head pages: decode kernel"'s
@@ -268,6 +315,27 @@ def _check(q, pool, tables, stored, layout: HeadLayout, page_elems: int, pages_p
         raise ValueError("per-head pages hold no positions: a sliding-window layer cannot be read from them")
 
 
+def _merge_live(acc, m, l, work, stored, layout: HeadLayout, splits) -> jax.Array:
+    """[B x Hkv, G, width]: each head's output from ``_live_kernel``'s items (``acc`` [items, G, width], ``m``, ``l``
+    [items, G]) under ``work`` (``live_work``), zeros for a head that stores nothing."""
+    items, _, width = acc.shape
+    if splits is None:
+        if min(layout.v_widths) < width:  # a narrow head's item leaves columns past its width unwritten, and
+            nth = jnp.arange(items) // work[1]  # merge_items' matmul would multiply them by its zero weights
+            head_of = work[2 + jnp.where(nth < work[0], nth, 0)]
+            written = jnp.arange(width) < jnp.asarray(layout.v_widths)[head_of % layout.num_kv_heads][:, None, None]
+            acc = jnp.where(written, acc, 0.0)
+        merged = merge_items(acc, m, l, work[1])
+    else:
+        g = acc.shape[1]
+        merged = merge_splits(acc.reshape(-1, splits, g, width), m.reshape(-1, splits, g), l.reshape(-1, splits, g))
+    live = stored.reshape(-1) > 0
+    at = jnp.where(live, jnp.cumsum(live) - 1, 0)  # each head's place among the live ones
+    if splits is None:
+        at = at * work[1]  # merge_items leaves a head's merge at its first item
+    return jnp.where(live[:, None, None], merged[at], 0.0)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -278,6 +346,7 @@ def _check(q, pool, tables, stored, layout: HeadLayout, page_elems: int, pages_p
         "num_warps",
         "num_stages",
         "one_launch",
+        "schedule",
         "interpret",
     ),
 )
@@ -294,17 +363,19 @@ def head_paged_decode(
     num_warps=4,
     num_stages=NUM_STAGES,
     one_launch=True,
+    schedule="slots",
     interpret=False,
 ):
     """One new query per sequence against each KV head's stored tokens; equal to ``head_paging.decode_attention``.
 
     q [B, q_cols] packed; pool [num_pages, page_elems]; tables [B, Hkv, pages] int32 (each head's block table);
     stored [B, Hkv] int32 (tokens each head stores, the new one included, already written). ``splits``: programs
-    sharing one head's pages, their partial softmaxes merged after (None: ``live_work``'s, from the heads that store
-    tokens; a launch per pair: ``default_splits``); ``pages_per_step``:
+    sharing one head's pages, their partial softmaxes merged after (None: ``default_splits`` of the slots, or with
+    ``schedule="live"`` in one launch, ``live_work``'s from the heads that store tokens); ``pages_per_step``:
     pages a program reads a step, at most (fewer for wide heads: ``pages_a_step``); ``one_launch``: every width pair
     in one kernel, each program switching to its head's pair (the default: 1.25-1.9x faster than a launch per pair
-    at rate 0.5, bench/RESULTS.md "Per-head pages: decode kernel"). Returns [B, out_cols] in q's dtype; a head
+    at rate 0.5, bench/RESULTS.md "Per-head pages: decode kernel"); ``schedule``: "slots" (a grid of every slot's
+    heads) or "live" (one launch only: ``_live_kernel``). Returns [B, out_cols] in q's dtype; a head
     storing nothing gives zeros."""
     _check(q, pool, tables, stored, layout, page_elems, pages_per_step)
     b, g = q.shape[0], layout.group_size
@@ -336,6 +407,8 @@ def head_paged_decode(
             return acc.reshape(n * s, g, width), m.reshape(n * s, g), l.reshape(n * s, g)
         return acc.reshape(b, n, s, g, width), m.reshape(b, n, s, g), l.reshape(b, n, s, g)
 
+    if schedule not in ("slots", "live") or (schedule == "live" and not one_launch):
+        raise ValueError(f"schedule must be 'slots', or 'live' with one_launch, got {schedule!r}")
     if one_launch:
         heads = layout.num_kv_heads
         groups = width_pairs(layout)
@@ -345,21 +418,25 @@ def head_paged_decode(
         static = [(kw, vw, tokens_per_page(page_elems, kw, vw), step_pages(kw, vw)) for (kw, vw), _ in groups]
         width = max(layout.v_widths)
         qo = np.asarray(HeadLayout.offsets(layout.k_widths, g), np.int32)
+        if schedule == "slots":
+            s = default_splits(b * heads) if splits is None else splits
+            inputs = [stored.astype(jnp.int32).reshape(-1), tables.astype(jnp.int32).reshape(-1), q.reshape(-1), pool]
+            inputs += [jnp.asarray(pair_of), jnp.asarray(qo)]
+            kernel = functools.partial(
+                _one_kernel, pairs=tuple(static), q_cols=layout.q_cols, out_stride=width, **common
+            )
+            got = merge_splits(*launch(kernel, heads, s, inputs, width, "kvjax_head_decode_all"))  # [B, H, G, width]
+            outs = [got[:, h, :, :vw].reshape(b, g * vw) for h, vw in enumerate(layout.v_widths)]
+            return jnp.concatenate(outs, axis=-1).astype(q.dtype)
         work = live_work(stored, splits)
         items = work_items(b * heads) if splits is None else b * heads * splits
         inputs = [stored.astype(jnp.int32).reshape(-1), tables.astype(jnp.int32).reshape(-1), q.reshape(-1), pool]
         inputs += [jnp.asarray(pair_of), jnp.asarray(qo), work]
         kernel = functools.partial(
-            _one_kernel, pairs=tuple(static), q_cols=layout.q_cols, units=heads, out_stride=width, **common
+            _live_kernel, pairs=tuple(static), q_cols=layout.q_cols, units=heads, out_stride=width, **common
         )
-        acc, m, l = launch(kernel, items, 1, inputs, width, "kvjax_head_decode_all", grid=(items,))
-        if splits is None:
-            merged = merge_items(acc, m, l, work[1])
-        else:
-            merged = merge_splits(acc.reshape(-1, splits, g, width), m.reshape(-1, splits, g), l.reshape(-1, splits, g))
-        live = stored.reshape(-1) > 0
-        at = jnp.where(live, jnp.cumsum(live) - 1, 0)  # each head's place among the live ones
-        got = jnp.where(live[:, None, None], merged[at], 0.0).reshape(b, heads, g, width)
+        acc, m, l = launch(kernel, items, 1, inputs, width, "kvjax_head_decode_live", grid=(items,))
+        got = _merge_live(acc, m, l, work, stored, layout, splits).reshape(b, heads, g, width)
         outs = [got[:, h, :, :vw].reshape(b, g * vw) for h, vw in enumerate(layout.v_widths)]
         return jnp.concatenate(outs, axis=-1).astype(q.dtype)
 
