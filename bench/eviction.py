@@ -309,8 +309,11 @@ def run_retrieval(base, args, save=None) -> list[dict]:
         rng = retrieval.trial_rng(args.seed, task, context, depth, trial)
         prompt = retrieval.build_prompt(task, base.tokenizer, context, depth, rng)
         answer = answer_ids(base.tokenizer, prompt.expected)
-        tokens = np.asarray([prompt.ids + answer], np.int32)
         p = len(prompt.ids)
+        # one length per context (the answer padded with its last token, which nothing before it sees): every
+        # trial of a context runs the same compiled forwards (a new length recompiled all of them, on a GPU minutes)
+        room = max(ANSWER_ROOM, len(answer))
+        tokens = np.asarray([prompt.ids + answer + answer[-1:] * (room - len(answer))], np.int32)
 
         scores: dict = {}  # per plan and scoring group: a plan served at several --kv-bits is scored once
         for fields, model, scheme in models:

@@ -177,6 +177,36 @@ def test_a_retrieval_run_cut_short_keeps_the_trials_it_finished(tmp_path, monkey
     assert {r["evict"]: r["trials"] for r in data["rows"]} == {"none": 2, "kvcompress:2x": 2}, f"seed {seed}"
 
 
+def test_every_retrieval_trial_of_a_context_runs_at_one_length(tmp_path, monkeypatch):
+    """Answers of different lengths are padded to one length a context, so the compiled forwards are reused; the
+    padding comes after the answer, so what is scored is what the unpadded forward gives."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    model = kvjax.Model.random(WIDE, seed=seed % 1000)
+    monkeypatch.setattr(eviction.kvjax, "load", lambda *a, **k: model)
+    prompts = []
+    monkeypatch.setattr(
+        eviction.retrieval, "build_prompt", lambda *a: prompts.append(_prompt(rng, a[2])) or prompts[-1]
+    )
+    lengths = iter([1, 3, 2, 5])
+    monkeypatch.setattr(eviction, "answer_ids", lambda tokenizer, expected: [7] * next(lengths))
+    seen = []
+    real = eviction.answered
+
+    def answered(m, hidden, prompt, answer):
+        seen.append((hidden.shape[1], len(answer)))
+        unpadded = np.asarray([prompts[-1].ids + answer], np.int32)
+        assert real(m, hidden, prompt, answer) == real(m, m.hidden(unpadded), prompt, answer), f"seed {seed}"
+        return real(m, hidden, prompt, answer)
+
+    monkeypatch.setattr(eviction, "answered", answered)
+    flags = ["retrieval", "--contexts", "40", "--depths", "0.5", "--trials", "4", "--task", "passkey"]
+    eviction.main(
+        [*flags, "--methods", "kvcompress", "--ratios", "2", "--page-size", "4", "--json", str(tmp_path / "r")]
+    )
+    assert {n for n, _ in seen} == {40 + eviction.ANSWER_ROOM} and {a for _, a in seen} == {1, 2, 3, 5}
+
+
 def _prompt(rng, context):
     """A retrieval prompt of random tokens (the harness's text needs a tokenizer the random model lacks)."""
     return types.SimpleNamespace(ids=rng.integers(1, WIDE.vocab_size, context).tolist(), expected="7")
