@@ -10,10 +10,10 @@ and their V rows into another: the same bytes a step whatever the head's width, 
 runs the online softmax; the splits' partial softmaxes are merged in jnp (``pallas_util.merge_splits``). Splits
 exist because a launch otherwise has only B x (its heads) programs, fixed by the slots when the step compiles.
 ``schedule="live"`` instead gives the one launch's programs to the heads that store tokens (``live_work``: their
-count, known on the device, sets the splits), so two live sequences among 64 slots get 16 splits a head: 2-2.4x
-faster there, but 23-35% slower with every slot full (its work list and merge cost more than they save), so it is
-not the default (bench/RESULTS.md "Why a lightly loaded evicting step is slower"). Measured: bench/RESULTS.md
-"Per-head pages: decode kernel".
+count, known on the device, sets the splits), so two live sequences among 64 slots get 16 splits a head: 1.9-2.4x
+faster there, but 23-34% slower with every slot full (its work list and merge cost more than they save), so it is
+not the default (bench/RESULTS.md "The live schedule (opt-in)"). Measured: bench/RESULTS.md "Per-head pages:
+decode kernel".
 
 Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; no sliding window (a slot
 is not a position once a head has evicted); the pool is indexed by (page, element), any size.
