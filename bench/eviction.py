@@ -121,6 +121,7 @@ def plan_models(base, args, max_context: int) -> list[tuple[dict, object]]:
         )
         model = fold(base, plan, bases)
         out.append(({"plan": f"{variant}:{p:g}", "rate": model.plan.rate}, model))
+        _progress(f"plan {variant}:{p:g} built")
     return out
 
 
@@ -185,7 +186,17 @@ def _window_runs(base, models, specs, chunk, prompt: int, kept: dict, source: st
                 key = (source, fields["name"], spec.name)
                 kept.setdefault(key, []).append(kept_bytes(cut, model.module.layouts, scheme))
                 runs.append((key, scored(_hidden(model, chunk, prompt, scheme, cut))))
+        _progress(f"{source}: {fields['name']} under every policy")
     return runs
+
+
+_STARTED = time.time()
+
+
+def _progress(what: str) -> None:
+    """A line on stderr with the seconds since the run began: the first window compiles every model's forwards, long
+    enough (tens of minutes on a busy host) to need saying where it is."""
+    print(f"[{time.time() - _STARTED:.0f}s] {what}", file=sys.stderr, flush=True)
 
 
 def run_eval(base, args, save=None) -> list[dict]:
