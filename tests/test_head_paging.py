@@ -515,3 +515,32 @@ def test_a_lightly_loaded_one_launch_reads_only_the_live_heads_in_interpret_mode
         assert not np.asarray(got)[[0, 1, 3]].any()
     with pytest.raises(ValueError, match="schedule must be"):
         head_paged_decode(q, pool, tables, stored, layout, page_elems, schedule="live", one_launch=False)
+
+
+def test_the_live_merge_ignores_what_a_narrow_head_left_unwritten():
+    """A narrow head's item stores only its own columns; the rest hold whatever the output buffer held (NaN on a GPU,
+    zeros in interpret mode). The merge must not mix them into a wider head's output through its zero weights."""
+    from kvjax.ops.decode.head_kernel import _merge_live, live_work, work_items
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    layout = HeadLayout(4, 2, 32, (16, 32), (16, 32))
+    stored = jnp.asarray([[5, 9], [7, 3]], jnp.int32)
+    work = live_work(stored)
+    items, g, width = work_items(4), 2, 32
+    acc = rng.normal(size=(items, g, width)).astype(np.float32)
+    m = rng.normal(size=(items, g)).astype(np.float32)
+    l = rng.uniform(0.5, 2, size=(items, g)).astype(np.float32)
+    s, live = int(work[1]), int(work[0])
+    for i in range(items):  # each item's head: the live rows in order, idle items the first
+        head = int(work[2 + (i // s if i // s < live else 0)])
+        acc[i, :, layout.v_widths[head % 2] :] = np.nan
+    got = np.asarray(_merge_live(jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l), work, stored, layout, None))
+    for head in range(4):
+        vw = layout.v_widths[head % 2]
+        assert np.isfinite(got[head, :, :vw]).all(), f"seed {seed}: head {head}"
+        rows = slice(head * s, head * s + s)
+        want = merge_splits(
+            jnp.asarray(acc[None, rows, :, :vw]), jnp.asarray(m[None, rows]), jnp.asarray(l[None, rows])
+        )
+        np.testing.assert_allclose(got[head, :, :vw], np.asarray(want)[0], rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}")
