@@ -525,9 +525,9 @@ def test_the_live_merge_ignores_what_a_narrow_head_left_unwritten():
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     layout = HeadLayout(4, 2, 32, (16, 32), (16, 32))
-    stored = jnp.asarray([[5, 9], [7, 3]], jnp.int32)
+    stored = jnp.asarray(rng.integers(1, 50, (40, 2)), jnp.int32)  # 80 live heads: 4 splits, 4 heads an item row
     work = live_work(stored)
-    items, g, width = work_items(4), 2, 32
+    items, g, width = work_items(80), 2, 32
     acc = rng.normal(size=(items, g, width)).astype(np.float32)
     m = rng.normal(size=(items, g)).astype(np.float32)
     l = rng.uniform(0.5, 2, size=(items, g)).astype(np.float32)
@@ -536,7 +536,8 @@ def test_the_live_merge_ignores_what_a_narrow_head_left_unwritten():
         head = int(work[2 + (i // s if i // s < live else 0)])
         acc[i, :, layout.v_widths[head % 2] :] = np.nan
     got = np.asarray(_merge_live(jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l), work, stored, layout, None))
-    for head in range(4):
+    assert s == 4
+    for head in range(80):
         vw = layout.v_widths[head % 2]
         assert np.isfinite(got[head, :, :vw]).all(), f"seed {seed}: head {head}"
         rows = slice(head * s, head * s + s)
