@@ -21,12 +21,18 @@ import eviction  # noqa: E402
 WIDE = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)
 
 
-def test_eval_scores_the_continuation_of_every_plan_and_policy(tmp_path, monkeypatch, capsys):
+def _random_heldout(monkeypatch):
+    """(seed, model): a random model that ``kvjax.load`` returns, and random held-out text for it."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
     monkeypatch.setattr(eviction.kvjax, "load", lambda *a, **k: model)
     monkeypatch.setattr(accuracy, "heldout_ids", lambda m, source, n: rng.integers(1, WIDE.vocab_size, n))
+    return seed, model
+
+
+def test_eval_scores_the_continuation_of_every_plan_and_policy(tmp_path, monkeypatch, capsys):
+    seed, model = _random_heldout(monkeypatch)
     out = tmp_path / "ev.json"
     flags = ["--windows", "48", "--continuation", "16", "--eval-tokens", "96", "--sources", "prose"]
     flags += ["--methods", "kvcompress", "h2o", "--budgets", "8", "32", "--ratios", "2", "--page-size", "4"]
@@ -61,11 +67,7 @@ def test_eval_scores_the_continuation_of_every_plan_and_policy(tmp_path, monkeyp
 def test_eval_with_quantized_pages_scores_every_plan_and_policy_on_them_too(tmp_path, monkeypatch):
     """--kv-bits none 4: every model also from 4-bit pages, its overall rate counting the pages' bytes; a budget that
     keeps the whole prompt on 4-bit pages is exactly the 4-bit model without eviction."""
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
-    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
-    monkeypatch.setattr(eviction.kvjax, "load", lambda *a, **k: model)
-    monkeypatch.setattr(accuracy, "heldout_ids", lambda m, source, n: rng.integers(1, WIDE.vocab_size, n))
+    seed, model = _random_heldout(monkeypatch)
     out = tmp_path / "ev.json"
     flags = ["--windows", "48", "--continuation", "16", "--eval-tokens", "48", "--sources", "prose"]
     flags += ["--methods", "h2o", "--budgets", "8", "32", "--page-size", "4", "--kv-bits", "none", "4"]

@@ -154,26 +154,16 @@ def _one_kernel(
     refs = (stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref)
     q_base = seq * q_cols + qo_ref[unit]
     split, splits = pl.program_id(2), pl.num_programs(2)
-    item = head * splits + split
-    branches = [
-        functools.partial(
-            _attend_head,
-            refs,
-            (split, splits),
-            head,
-            q_base,
-            out_stride,
-            item,
-            True,
-            kw=kw,
-            vw=vw,
-            per=per,
-            pages_per_step=n,
-            **static,
-        )
+    args = (refs, (split, splits), head, q_base, out_stride, head * splits + split, True)
+    lax.switch(pair_ref[unit], _branches(pairs, args, static))  # one pair: its branch alone, no switch
+
+
+def _branches(pairs, args, static) -> list:
+    """``_attend_head`` of ``args`` once per (K width, V width, tokens a page, pages a step) in ``pairs``."""
+    return [
+        functools.partial(_attend_head, *args, kw=kw, vw=vw, per=per, pages_per_step=n, **static)
         for kw, vw, per, n in pairs
     ]
-    lax.switch(pair_ref[unit], branches)  # one pair: its branch alone, no switch
 
 
 def _live_kernel(
@@ -205,26 +195,8 @@ def _live_kernel(
     seq, unit = head // units, head % units
     refs = (stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref)
     q_base = seq * q_cols + qo_ref[unit]
-    head_split = item % splits, splits
-    branches = [
-        functools.partial(
-            _attend_head,
-            refs,
-            head_split,
-            head,
-            q_base,
-            out_stride,
-            item,
-            active,
-            kw=kw,
-            vw=vw,
-            per=per,
-            pages_per_step=n,
-            **static,
-        )
-        for kw, vw, per, n in pairs
-    ]
-    lax.switch(pair_ref[unit], branches)  # one pair: its branch alone, no switch
+    args = (refs, (item % splits, splits), head, q_base, out_stride, item, active)
+    lax.switch(pair_ref[unit], _branches(pairs, args, static))
 
 
 TARGET_PROGRAMS = 264  # twice an H100's or H200's 132 SMs
