@@ -290,22 +290,19 @@ def _check(q, pool, tables, stored, layout: HeadLayout, page_elems: int, pages_p
 def _merge_live(acc, m, l, work, stored, layout: HeadLayout, splits) -> jax.Array:
     """[B x Hkv, G, width]: each head's output from ``_live_kernel``'s items (``acc`` [items, G, width], ``m``, ``l``
     [items, G]) under ``work`` (``live_work``), zeros for a head that stores nothing."""
-    items, _, width = acc.shape
-    if splits is None:
-        if min(layout.v_widths) < width:  # a narrow head's item leaves columns past its width unwritten, and
-            nth = jnp.arange(items) // work[1]  # merge_items' matmul would multiply them by its zero weights
-            head_of = work[2 + jnp.where(nth < work[0], nth, 0)]
-            written = jnp.arange(width) < jnp.asarray(layout.v_widths)[head_of % layout.num_kv_heads][:, None, None]
-            acc = jnp.where(written, acc, 0.0)
-        merged = merge_items(acc, m, l, work[1])
-    else:
-        g = acc.shape[1]
-        merged = merge_splits(acc.reshape(-1, splits, g, width), m.reshape(-1, splits, g), l.reshape(-1, splits, g))
+    items, g, width = acc.shape
     live = stored.reshape(-1) > 0
     at = jnp.where(live, jnp.cumsum(live) - 1, 0)  # each head's place among the live ones
-    if splits is None:
-        at = at * work[1]  # merge_items leaves a head's merge at its first item
-    return jnp.where(live[:, None, None], merged[at], 0.0)
+    if splits is not None:
+        merged = merge_splits(acc.reshape(-1, splits, g, width), m.reshape(-1, splits, g), l.reshape(-1, splits, g))
+        return jnp.where(live[:, None, None], merged[at], 0.0)
+    if min(layout.v_widths) < width:  # a narrow head's item leaves columns past its width unwritten, and
+        nth = jnp.arange(items) // work[1]  # merge_items' matmul would multiply them by its zero weights
+        head_of = work[2 + jnp.where(nth < work[0], nth, 0)]
+        written = jnp.arange(width) < jnp.asarray(layout.v_widths)[head_of % layout.num_kv_heads][:, None, None]
+        acc = jnp.where(written, acc, 0.0)
+    merged = merge_items(acc, m, l, work[1])  # a head's merge at its first item
+    return jnp.where(live[:, None, None], merged[at * work[1]], 0.0)
 
 
 @functools.partial(
