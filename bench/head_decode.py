@@ -5,7 +5,8 @@ context (``--keep``: below 1 the mean share, each head drawing its own from [kee
 leaves them; 1: every head the whole context), read by ``ops.decode.head_kernel`` from one pool of fixed-size pages
 (``--page-tokens`` full-width tokens a page), under each combination of ``--pages-per-step``, ``--warps``,
 ``--stages`` and ``--splits`` (programs sharing a head's pages; 0: the default, ``default_splits`` of the slots, or
-with ``--launches live`` ``live_work``'s from the heads that store tokens). ``--live``: only
+with ``--launches live`` or ``step`` ``live_work``'s from the heads that store tokens; ``step`` builds that list once
+outside the timed call, as the engine's step does for all its layers). ``--live``: only
 that many sequences hold tokens, the rest of the batch none (a lightly loaded engine's slots). Beside them
 (``--per-sequence``) the engine's per-sequence kernel (``ops.decode.kernel``, its balanced schedule) over the whole
 context: the same bytes as keep 1. Every row: CUPTI time, the floor (the K and V bytes the heads store over the
@@ -42,7 +43,7 @@ from harness import (
 from kvjax import validate
 from kvjax.ops import head_paging
 from kvjax.ops.decode.config import DECODE
-from kvjax.ops.decode.head_kernel import NUM_STAGES, PAGES_PER_STEP, head_paged_decode
+from kvjax.ops.decode.head_kernel import NUM_STAGES, PAGES_PER_STEP, head_paged_decode, live_work
 from kvjax.runtime.head_pages import HeadPages
 
 
@@ -107,10 +108,11 @@ def main(argv=None):
     p.add_argument(
         "--launches",
         nargs="+",
-        choices=("pair", "one", "live"),
+        choices=("pair", "one", "live", "step"),
         default=["pair", "one"],
-        help="a launch per (K, V) width pair, one for all over every slot, one over the live heads (schedule='live'); "
-        "default pair and one",
+        help="a launch per (K, V) width pair, one for all over every slot, one over the live heads (schedule='live', "
+        "its work list built by each call), the same with the work list built once a step outside the call (as the "
+        "engine does); default pair and one",
     )
     p.add_argument(
         "--splits",
@@ -143,15 +145,19 @@ def main(argv=None):
             combos = itertools.product(args.launches, args.pages_per_step, args.warps, args.stages, args.splits)
             for launches, step, warps, stages, splits in combos:
                 knobs = dict(pages_per_step=step, num_warps=warps, num_stages=stages, one_launch=launches != "pair")
-                knobs |= dict(splits=splits or None, schedule="live" if launches == "live" else "slots")
+                knobs |= dict(splits=splits or None, schedule="slots" if launches in ("pair", "one") else "live")
+                if launches == "step" and splits:
+                    raise SystemExit("--launches step builds live_work's own splits: give --splits 0")
+                # "step": the work list built once a step from the live slots, outside the timed call (the engine's)
+                work = live_work(stored) if launches == "step" else None
 
-                def run(pool, tables, stored, q, layout=layout, page_elems=page_elems, knobs=knobs):
+                def run(pool, tables, stored, work, q, layout=layout, page_elems=page_elems, knobs=knobs):
                     return head_paged_decode(
-                        q, pool, tables, stored, layout, page_elems, **knobs, interpret=args.interpret
+                        q, pool, tables, stored, layout, page_elems, **knobs, work=work, interpret=args.interpret
                     )
 
-                got = run(pool, tables, stored, q)
-                seconds = harness.time_calls(run, (pool, tables, stored), [(q,)])
+                got = run(pool, tables, stored, work, q)
+                seconds = harness.time_calls(run, (pool, tables, stored, work), [(q,)])
                 label = dict(kernel=f"per-head ({launches})", pages_per_step=step, warps=warps, stages=stages)
                 label |= dict(splits=splits or "default", live=args.live or batch)
                 err = rel_err(got[live], want[live])

@@ -14,6 +14,7 @@ from test_scheduler import VOCAB, FakeEngine, next_token, single_run
 import kvjax
 from kvjax.eviction.reference import evicted_hidden
 from kvjax.eviction.select import Eviction
+from kvjax.ops.decode.config import DECODE
 from kvjax.ops.paging import NULL_PAGE
 from kvjax.runtime.config import EngineConfig
 from kvjax.runtime.engine import Engine
@@ -252,7 +253,7 @@ def _reference_tokens(model, prompt, tokens, spec):
 
 @pytest.mark.parametrize("backend", ["reference", "interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("spec", ["kvcompress:3x", "snapkv:2x", "kvcompress:24:uniform"])
-def test_the_evicting_engine_gives_the_reference_tokens(backend, spec):
+def test_the_evicting_engine_gives_the_reference_tokens(backend, spec, schedule="live"):
     """Greedy decoding after eviction on the device (scores from the last chunk's queries, selection, per-head
     pages, decode over them; the kernels in interpret mode) gives the tokens of ``eviction.reference``'s forward, in
     which each head of the prompt sees only the selection: prompts longer than a chunk, of several lengths."""
@@ -261,12 +262,20 @@ def test_the_evicting_engine_gives_the_reference_tokens(backend, spec):
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, 97, int(n)).tolist() for n in (70, 41, 6)]
     settings = dict(max_batch=2, max_seq_len=96, chunk_tokens=32, backend=backend)
-    engine = Engine(model, **settings, eviction=spec)
+    config = dataclasses.replace(DECODE, head_schedule=schedule)
+    engine = Engine(model, **settings, eviction=spec, decode_config=config)
     got = _greedy(engine, prompts, 6)
     for prompt, tokens in zip(prompts, got):
         assert tokens == _reference_tokens(model, prompt, tokens, engine.eviction), f"seed {seed}, prompt {len(prompt)}"
     if backend == "reference":  # the eviction mattered: the plain engine's tokens are others
         assert got != _greedy(Engine(model, **settings), prompts, 6), f"seed {seed}"
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_the_slot_schedule_gives_the_reference_tokens(backend):
+    """The same with the decode kernel's slot grid (``DecodeConfig.head_schedule="slots"``) in place of the
+    default live schedule, whose work list is built once a step from the live slots and read by every layer."""
+    test_the_evicting_engine_gives_the_reference_tokens(backend, "kvcompress:3x", schedule="slots")
 
 
 @pytest.mark.parametrize(

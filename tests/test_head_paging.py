@@ -473,6 +473,9 @@ def test_the_one_launch_gives_its_programs_to_the_heads_that_store_tokens():
         full = np.asarray(live_work(jnp.ones((slots, 8), jnp.int32)))
         assert full[:2].tolist() == [slots * 8, splits] and full[0] * full[1] <= work_items(slots * 8)
     assert np.asarray(live_work(jnp.zeros((4, 8), jnp.int32)))[:2].tolist() == [0, 16]
+    first = work[2 + 64 * 8 :]  # each head's first item: the live heads' in order, 16 apart; -1 elsewhere
+    assert first[40:48].tolist() == list(range(0, 128, 16)) and first[320:328].tolist() == list(range(128, 256, 16))
+    assert (np.delete(first, [*range(40, 48), *range(320, 328)]) == -1).all()
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     items = work_items(8)
@@ -489,7 +492,7 @@ def test_the_one_launch_gives_its_programs_to_the_heads_that_store_tokens():
 def test_a_lightly_loaded_one_launch_reads_only_the_live_heads_in_interpret_mode():
     """Two of nine slots store tokens (the rest nothing): under either schedule (the live one's splits from the live
     heads' count) every row matches the reference, the empty slots zeros."""
-    from kvjax.ops.decode.head_kernel import head_paged_decode
+    from kvjax.ops.decode.head_kernel import head_paged_decode, live_work
 
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
@@ -513,8 +516,19 @@ def test_a_lightly_loaded_one_launch_reads_only_the_live_heads_in_interpret_mode
         )
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
         assert not np.asarray(got)[[0, 1, 3]].any()
+    # the engine's work list, built once a step from its live slots: a slot that stores tokens but is not live
+    # (slot 7 here) is skipped and gives zeros
+    active = jnp.zeros((9, 1), jnp.int32).at[2].set(1)
+    work = live_work(jnp.broadcast_to(active, (9, 2)))
+    got = head_paged_decode(
+        q, pool, tables, stored, layout, page_elems, pages_per_step=2, schedule="live", work=work, interpret=True
+    )
+    np.testing.assert_allclose(np.asarray(got)[2], np.asarray(want)[2], rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
+    assert not np.asarray(got)[[0, 1, 3, 7]].any()
     with pytest.raises(ValueError, match="schedule must be"):
         head_paged_decode(q, pool, tables, stored, layout, page_elems, schedule="live", one_launch=False)
+    with pytest.raises(ValueError, match="work must be"):
+        head_paged_decode(q, pool, tables, stored, layout, page_elems, schedule="live", work=work[:-1])
 
 
 def test_the_live_merge_ignores_what_a_narrow_head_left_unwritten():
@@ -535,7 +549,7 @@ def test_the_live_merge_ignores_what_a_narrow_head_left_unwritten():
     for i in range(items):  # each item's head: the live rows in order, idle items the first
         head = int(work[2 + (i // s if i // s < live else 0)])
         acc[i, :, layout.v_widths[head % 2] :] = np.nan
-    got = np.asarray(_merge_live(jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l), work, stored, layout, None))
+    got = np.asarray(_merge_live(jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l), work, None))
     assert s == 4
     for head in range(80):
         vw = layout.v_widths[head % 2]

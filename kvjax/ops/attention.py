@@ -235,6 +235,8 @@ def decode_heads(
     backend="reference",
     rotation=None,
     active=None,
+    schedule="slots",
+    work=None,
 ):
     """One new token per sequence over per-head pages (``ops.head_paging``, eviction's cache): its K/V [B, cols]
     written at each KV head's next slot, ``stored`` [B, Hkv] (a head's count before it), through this layer's
@@ -243,7 +245,8 @@ def decode_heads(
     continual eviction scores with). ``backend``: "reference" (jnp),
     "pallas" or "interpret" (``ops.decode.head_kernel``). ``rotation`` (ZACK layers): q and k packed first.
     ``active`` [B] (optional): rows that are not write nothing and keep their counts (their output is unspecified).
-    The engine's decode step calls it once a layer, the pool (every layer's pages) threaded through."""
+    ``schedule``, ``work``: the kernel's (``head_paged_decode``; the engine builds ``work`` once a step). The
+    engine's decode step calls it once a layer, the pool (every layer's pages) threaded through."""
     check_backend(backend)
     if rotation is not None:
         q, k = rotation.packed_rows(q, k)
@@ -255,5 +258,7 @@ def decode_heads(
         most = int(head_paging.layer_tokens_per_page(layout, page_elems).max()) * tables.shape[-1]
         out = head_paging.decode_attention(q, pool, tables, after, layout, page_elems, most)
         return out, pool, after, q
-    out = head_paged_decode(q, pool, tables, after, layout, page_elems, interpret=backend == "interpret")
+    out = head_paged_decode(
+        q, pool, tables, after, layout, page_elems, schedule=schedule, work=work, interpret=backend == "interpret"
+    )
     return out, pool, after, q

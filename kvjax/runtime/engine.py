@@ -24,6 +24,7 @@ from kvjax.eviction.prompt import evict_prompts
 from kvjax.eviction.select import Eviction
 from kvjax.ops import attention, head_paging
 from kvjax.ops.decode.gear_kernel import GearDecodeOp
+from kvjax.ops.decode.head_kernel import live_work
 from kvjax.ops.decode.kernel import MIN_BAND
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.plan import bucket as pow2_bucket
@@ -200,12 +201,13 @@ def _prefill_step(
 
 @dataclasses.dataclass(frozen=True)
 class _Evict:
-    """An evicting engine's static settings for its steps: the policy, the per-head pool's page (elements) and the
-    attention backend of its decode."""
+    """An evicting engine's static settings for its steps: the policy, the per-head pool's page (elements), the
+    attention backend of its decode and the kernel's schedule (``DecodeConfig.head_schedule``)."""
 
     spec: Eviction
     page_elems: int
     backend: str
+    schedule: str = "slots"
 
 
 def _last_queries(q, k, rotation, lengths, window: int):
@@ -336,9 +338,15 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
     heads = cache.heads.with_entries(jnp.arange(slot_tokens.shape[0]), entries)
     pool, stored, rings = heads.pool, [], list(heads.queries)
     ring_row = jnp.where(active, positions % evict.spec.window, evict.spec.window)  # inactive rows: dropped
+    works: dict = {}  # the live schedule's work list, built once a step (per KV head count) from the live slots
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
         nonlocal pool
+        work, heads_n = None, module.layouts[i].num_kv_heads
+        if evict.schedule == "live" and evict.backend != "reference":
+            if heads_n not in works:
+                works[heads_n] = live_work(jnp.broadcast_to(active[:, None], (active.shape[0], heads_n)))
+            work = works[heads_n]
         out, pool, after, packed = attention.decode_heads(
             q[:, 0],
             k[:, 0],
@@ -351,6 +359,8 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
             backend=evict.backend,
             rotation=rotation,
             active=active,
+            schedule=evict.schedule,
+            work=work,
         )
         stored.append(after)
         rings[i] = rings[i].at[jnp.arange(packed.shape[0]), ring_row].set(packed.astype(rings[i].dtype), mode="drop")
@@ -521,7 +531,7 @@ class Engine:
         page_elems = self.page_size * max(widths)
         self.head_per_page = np.stack([head_paging.layer_tokens_per_page(lay, page_elems) for lay in model.layouts])
         self.head_max_pages = -(-self.max_seq_len // int(self.head_per_page.min()))
-        return _Evict(spec, page_elems, self.backend)
+        return _Evict(spec, page_elems, self.backend, self.config.decode_config.head_schedule)
 
     def _evicting_pages(self, num_pages, cache_memory, dtype) -> tuple[int, ...]:
         """An evicting engine's two pools: the staging pool (``num_pages``) holds two whole ``max_seq_len`` prompts

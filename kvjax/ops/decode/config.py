@@ -12,6 +12,7 @@ import dataclasses
 from kvjax import validate
 
 ORDERS = ("auto", "lpt", "stream", "naive")
+HEAD_SCHEDULES = ("slots", "live")
 H100_SMS = 132
 # Fields that are counts or sizes of at least one; every other integer field must be >= 0.
 AT_LEAST_ONE = (
@@ -66,6 +67,11 @@ class DecodeConfig:
     # and no faster (bench/RESULTS.md "Engine: compile times").
     unmasked_steps: bool = False
     kernel_classes: int = 1  # layers share compiled kernels while these run classes cover them (``tables``)
+    # The per-head pages' decode (``head_kernel.head_paged_decode``, eviction's cache): "live" (the live slots'
+    # heads, their work list built once a step: 1.31x faster a step with 2 of 64 slots live, within 4% of the slot
+    # grid's kernel with 32 full slots) or "slots" (a grid of every slot's heads): bench/RESULTS.md "The live
+    # schedule".
+    head_schedule: str = "live"
 
     def for_run(self) -> DecodeConfig:
         """This config with the planner-only fields at their defaults: what the kernel compiles for (a plan that
@@ -85,6 +91,8 @@ class DecodeConfig:
     def __post_init__(self):
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, not {self.order!r}")
+        if self.head_schedule not in HEAD_SCHEDULES:
+            raise ValueError(f"head_schedule must be one of {HEAD_SCHEDULES}, not {self.head_schedule!r}")
         validate.int_fields(self, at_least_one=AT_LEAST_ONE)
         if not 0.0 <= self.auto_balance <= 1.0:
             raise ValueError(f"auto_balance must be in [0, 1], got {self.auto_balance}")

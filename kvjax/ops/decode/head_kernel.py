@@ -10,10 +10,12 @@ and their V rows into another: the same bytes a step whatever the head's width, 
 runs the online softmax; the splits' partial softmaxes are merged in jnp (``pallas_util.merge_splits``). Splits
 exist because a launch otherwise has only B x (its heads) programs, fixed by the slots when the step compiles.
 ``schedule="live"`` instead gives the one launch's programs to the heads that store tokens (``live_work``: their
-count, known on the device, sets the splits), so two live sequences among 64 slots get 16 splits a head: 1.9-2.4x
-faster there, but 23-34% slower with every slot full (its work list and merge cost more than they save), so it is
-not the default (bench/RESULTS.md "The live schedule (opt-in)"). Measured: bench/RESULTS.md "Per-head pages:
-decode kernel".
+count, known on the device, sets the splits; the engine builds that list once a step from its live slots and every
+layer reads it), so two live sequences among 64 slots get 16 splits a head: 3.7-5.1x faster there, and within 4% of
+the slot grid with 32 full slots (14% slower with 64 full ones at rate 0.5). The engine runs it by default
+(``DecodeConfig.head_schedule``); called alone, without a step's list, the kernel keeps the slot grid, since
+rebuilding the list every call costs 9-15% at full load (bench/RESULTS.md "The live schedule"). Measured:
+bench/RESULTS.md "Per-head pages: decode kernel".
 
 Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; no sliding window (a slot
 is not a position once a head has evicted); the pool is indexed by (page, element), any size.
@@ -216,40 +218,48 @@ def work_items(heads: int) -> int:
     return -(-max(heads, 2 * TARGET_PROGRAMS) // MAX_SPLITS) * MAX_SPLITS
 
 
-def live_work(stored, splits=None) -> jax.Array:
-    """int32 [2 + B x Hkv]: the heads that store tokens (a count, live), the splits each gets, the live heads' flat
-    rows in order (padded with 0). Splits: ``splits`` if given, else the smallest power of two (at most 16) giving
-    the live heads about ``TARGET_PROGRAMS`` programs, computed on the device from ``stored`` [B, Hkv], so the
-    compiled step serves any load."""
-    flat = stored.reshape(-1) > 0
-    live = flat.sum().astype(jnp.int32)
+def live_work(live, splits=None) -> jax.Array:
+    """int32 [2 + 2 x B x Hkv]: the heads that store tokens (a count, live), the splits each gets, the live heads'
+    flat rows in order (padded with 0), then each flat row's first work item (-1 where it stores nothing). A head is
+    live where ``live`` [B, Hkv] is above 0: a layer's stored counts, or the engine's live slots broadcast over the
+    heads, so that one list built per step serves every layer (``head_paged_decode(work=)``). Splits: ``splits`` if
+    given, else the smallest power of two (at most 16) giving the live heads about ``TARGET_PROGRAMS`` programs,
+    computed on the device, so the compiled step serves any load."""
+    flat = live.reshape(-1) > 0
+    count = flat.sum().astype(jnp.int32)
     if splits is None:
-        want = -(-TARGET_PROGRAMS // jnp.maximum(live, 1))
+        want = -(-TARGET_PROGRAMS // jnp.maximum(count, 1))
         options = 2 ** jnp.arange(MAX_SPLITS.bit_length(), dtype=jnp.int32)  # 1, 2, 4, ..., 16
         s = jnp.min(jnp.where((options >= want) | (options == MAX_SPLITS), options, MAX_SPLITS)).astype(jnp.int32)
     else:
         s = jnp.int32(splits)
     (rows,) = jnp.nonzero(flat, size=flat.shape[0], fill_value=0)
-    return jnp.concatenate([jnp.stack([live, s]), rows.astype(jnp.int32)])
+    first = jnp.where(flat, (jnp.cumsum(flat, dtype=jnp.int32) - 1) * s, -1)
+    return jnp.concatenate([jnp.stack([count, s]), rows.astype(jnp.int32), first])
 
 
 def merge_items(acc, m, l, splits) -> jax.Array:
     """[items, G, W]: each work item's group of ``splits`` consecutive items (S, traced, a power of two <= 16)
-    merged as ``merge_splits`` merges them, the result at every item of the group (read it at the group's first).
-    Groups never cross a row of 16 items, so each row merges by a 16 x 16 same-group mask: the items are read once,
-    no branch (a conditional put XLA's predicate on the host and changed the step's kernels from call to call)."""
-    items, g, w = acc.shape
-    col = jnp.arange(MAX_SPLITS)
-    same = (col[:, None] // splits) == (col[None, :] // splits)  # [16, 16]: items i, j of a row in one group
-    m4, l4 = m.reshape(-1, MAX_SPLITS, g), l.reshape(-1, MAX_SPLITS, g)
-    top = jnp.max(jnp.where(same[None, :, :, None], m4[:, None], -jnp.inf), axis=2)  # [rows, 16, G]
-    weight = jnp.where(
-        l4[:, None] > 0, jnp.exp2(m4[:, None] - top[:, :, None]), 0.0
-    )  # [rows, 16 (item), 16 (other), G]
-    weight = jnp.where(same[None, :, :, None], weight, 0.0)
-    total = (weight * l4[:, None]).sum(axis=2)
-    out = jnp.einsum("rijg,rjgw->rigw", weight, acc.reshape(-1, MAX_SPLITS, g, w), precision=lax.Precision.HIGHEST)
-    return (out / jnp.where(total > 0, total, 1.0)[..., None]).reshape(items, g, w)
+    merged as ``merge_splits`` merges them, the result at every item of the group. A butterfly: at step k (1, 2, 4,
+    8; taken while k < S) every item meets item ``i ^ k`` (the ``k``-blocks of a ``2k``-block swapped: a reversal, so
+    XLA fuses it) for the group's maximum, then for the weighted sums. Only a group's own items ever meet, so a
+    narrow head's unwritten columns stay in its own columns; no branch either (a conditional put XLA's predicate on
+    the host and changed the step's kernels from call to call)."""
+    items = acc.shape[0]
+
+    def partner(x, k):
+        return jnp.flip(x.reshape(items // (2 * k), 2, k, *x.shape[1:]), axis=1).reshape(x.shape)
+
+    steps = [k for k in (1, 2, 4, 8) if k < MAX_SPLITS and items % (2 * k) == 0]
+    top = m
+    for k in steps:
+        top = jnp.where(k < splits, jnp.maximum(top, partner(top, k)), top)
+    w = jnp.where(l > 0, jnp.exp2(m - top), 0.0)
+    acc, total = acc * w[..., None], l * w
+    for k in steps:
+        acc = jnp.where(k < splits, acc + partner(acc, k), acc)
+        total = jnp.where(k < splits, total + partner(total, k), total)
+    return acc / jnp.where(total > 0, total, 1.0)[..., None]
 
 
 # Pages a program reads a step, and pipeline stages: the best of bench/RESULTS.md "Per-head pages: decode kernel"'s
@@ -287,22 +297,26 @@ def _check(q, pool, tables, stored, layout: HeadLayout, page_elems: int, pages_p
         raise ValueError("per-head pages hold no positions: a sliding-window layer cannot be read from them")
 
 
-def _merge_live(acc, m, l, work, stored, layout: HeadLayout, splits) -> jax.Array:
+def _work_of(stored, work, splits) -> jax.Array:
+    """The live launch's work list: ``work`` as given (the step's, splits its own), else ``live_work`` of ``stored``."""
+    if work is None:
+        return live_work(stored, splits)
+    if splits is not None or work.shape != (2 + 2 * stored.size,):
+        raise ValueError(f"work must be live_work's [{2 + 2 * stored.size}] for B x Hkv heads, with splits None")
+    return work
+
+
+def _merge_live(acc, m, l, work, splits) -> jax.Array:
     """[B x Hkv, G, width]: each head's output from ``_live_kernel``'s items (``acc`` [items, G, width], ``m``, ``l``
     [items, G]) under ``work`` (``live_work``), zeros for a head that stores nothing."""
     items, g, width = acc.shape
-    live = stored.reshape(-1) > 0
-    at = jnp.where(live, jnp.cumsum(live) - 1, 0)  # each head's place among the live ones
+    first = work[2 + (work.shape[0] - 2) // 2 :]  # each head's first item, -1 if not live
+    at = jnp.maximum(first, 0)
     if splits is not None:
         merged = merge_splits(acc.reshape(-1, splits, g, width), m.reshape(-1, splits, g), l.reshape(-1, splits, g))
-        return jnp.where(live[:, None, None], merged[at], 0.0)
-    if min(layout.v_widths) < width:  # a narrow head's item leaves columns past its width unwritten, and
-        nth = jnp.arange(items) // work[1]  # merge_items' matmul would multiply them by its zero weights
-        head_of = work[2 + jnp.where(nth < work[0], nth, 0)]
-        written = jnp.arange(width) < jnp.asarray(layout.v_widths)[head_of % layout.num_kv_heads][:, None, None]
-        acc = jnp.where(written, acc, 0.0)
-    merged = merge_items(acc, m, l, work[1])  # a head's merge at its first item
-    return jnp.where(live[:, None, None], merged[at * work[1]], 0.0)
+        return jnp.where((first >= 0)[:, None, None], merged[at // splits], 0.0)
+    merged = merge_items(acc, m, l, work[1])  # every item of a group holds its merge
+    return jnp.where((first >= 0)[:, None, None], merged[at], 0.0)
 
 
 @functools.partial(
@@ -333,6 +347,7 @@ def head_paged_decode(
     num_stages=NUM_STAGES,
     one_launch=True,
     schedule="slots",
+    work=None,
     interpret=False,
 ):
     """One new query per sequence against each KV head's stored tokens; equal to ``head_paging.decode_attention``.
@@ -344,8 +359,9 @@ def head_paged_decode(
     pages a program reads a step, at most (fewer for wide heads: ``pages_a_step``); ``one_launch``: every width pair
     in one kernel, each program switching to its head's pair (the default: 1.25-1.9x faster than a launch per pair
     at rate 0.5, bench/RESULTS.md "Per-head pages: decode kernel"); ``schedule``: "slots" (a grid of every slot's
-    heads) or "live" (one launch only: ``_live_kernel``). Returns [B, out_cols] in q's dtype; a head
-    storing nothing gives zeros."""
+    heads) or "live" (one launch only: ``_live_kernel``); ``work``: with "live" and no ``splits``, a ``live_work`` built
+    once for the step and shared by its layers (the engine's, from its live slots; default: from ``stored``, each
+    layer again). Returns [B, out_cols] in q's dtype; a head storing nothing (or not live in ``work``) gives zeros."""
     _check(q, pool, tables, stored, layout, page_elems, pages_per_step)
     b, g = q.shape[0], layout.group_size
     common: dict = dict(page_elems=page_elems, pages=tables.shape[2], group=g)
@@ -397,7 +413,7 @@ def head_paged_decode(
             got = merge_splits(*launch(kernel, heads, s, inputs, width, "kvjax_head_decode_all"))  # [B, H, G, width]
             outs = [got[:, h, :, :vw].reshape(b, g * vw) for h, vw in enumerate(layout.v_widths)]
             return jnp.concatenate(outs, axis=-1).astype(q.dtype)
-        work = live_work(stored, splits)
+        work = _work_of(stored, work, splits)
         items = work_items(b * heads) if splits is None else b * heads * splits
         inputs = [stored.astype(jnp.int32).reshape(-1), tables.astype(jnp.int32).reshape(-1), q.reshape(-1), pool]
         inputs += [jnp.asarray(pair_of), jnp.asarray(qo), work]
@@ -405,7 +421,7 @@ def head_paged_decode(
             _live_kernel, pairs=tuple(static), q_cols=layout.q_cols, units=heads, out_stride=width, **common
         )
         acc, m, l = launch(kernel, items, 1, inputs, width, "kvjax_head_decode_live", grid=(items,))
-        got = _merge_live(acc, m, l, work, stored, layout, splits).reshape(b, heads, g, width)
+        got = _merge_live(acc, m, l, work, splits).reshape(b, heads, g, width)
         outs = [got[:, h, :, :vw].reshape(b, g * vw) for h, vw in enumerate(layout.v_widths)]
         return jnp.concatenate(outs, axis=-1).astype(q.dtype)
 
