@@ -91,6 +91,7 @@ STAGES = [
     ("kvjax.ops",),  # attention ops: plan + kernel + reference, and the dispatch
     ("kvjax.models",),  # config, transformer, rope, the Model class (its full forward runs ops' references)
     ("kvjax.compression",),  # calibration, rank plans, folding (head order through the decode op's cost model)
+    ("kvjax.parallel",),  # tensor parallelism: which device holds each KV head
     ("kvjax.eviction",),  # which cached tokens each KV head keeps: metrics, budgets, the teacher-forced reference
     ("kvjax.io",),  # checkpoints in and out
     ("kvjax.runtime",),  # cache, engine, generate

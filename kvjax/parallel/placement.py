@@ -1,0 +1,123 @@
+"""Which device holds each KV head of every layer under tensor parallelism, so that every device carries the same
+cache bytes (issue 38, item 2; ``../shared/DESIGN.md``, "Sharding").
+
+With rank reduction KV heads have different widths (and, quantized, different bytes per token), so an even split of
+heads is an uneven split of bytes: the device with the widest heads holds the most cache, and in decode it sets
+every layer's step, since each layer ends in an all-reduce. A KV head moves with its whole query group (its query
+heads' columns, its output rows), and every layer's weights are permuted on their own, so each layer may place its
+heads differently. Every device holds the same number of KV heads a layer (``H / N``): the device programs are one
+SPMD program, so each device's share of a layer must have one shape. Two steps a layer:
+
+1. **Within the layer**: heads heaviest first, each to the least loaded of the bins that still have room (LPT with a
+   cardinality limit; with two heads a bin it pairs the heaviest with the lightest, which is optimal). This keeps the
+   layer's heaviest device, which sets its step, near the mean.
+2. **Across layers**: the layer's bins, heaviest first, go to the devices least loaded over the layers placed so
+   far, so that each device's total (its page pool) balances too.
+
+Fewer KV heads than devices: the heads are placed on ``H`` groups of ``N / H`` devices as above, and each device of
+a group holds the head (its query heads split between them): the cache is replicated, as the Megatron layout does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvjax.layout import HeadLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """KV heads on devices, per layer. ``heads`` [layers, devices, heads a device]: the KV heads each device holds,
+    in the order its shard packs them; ``token_bytes`` [layers, KV heads]: the bytes per token it placed;
+    ``replicas``: devices holding each head (1 unless there are fewer KV heads than devices)."""
+
+    heads: np.ndarray
+    token_bytes: np.ndarray
+    replicas: int
+
+    @property
+    def devices(self) -> int:
+        return self.heads.shape[1]
+
+    def device_bytes(self) -> np.ndarray:
+        """[layers, devices]: the bytes per token each device carries in each layer."""
+        return np.take_along_axis(self.token_bytes[:, None, :], self.heads, axis=2).sum(-1)
+
+    def memory_imbalance(self) -> float:
+        """Max over mean of the devices' bytes per token summed over layers: what sizes each device's page pool."""
+        total = self.device_bytes().sum(0)
+        return float(total.max() / total.mean())
+
+    def step_imbalance(self) -> float:
+        """Sum over layers of the heaviest device's bytes over the sum of the mean's: a decode step's attention time
+        over the time of a perfect split (each layer waits for its slowest device)."""
+        per = self.device_bytes()
+        return float(per.max(1).sum() / per.mean(1).sum())
+
+    def describe(self) -> str:
+        return (
+            f"{self.devices} devices, {self.heads.shape[2]} KV head(s) each a layer"
+            + (f" (each held by {self.replicas})" if self.replicas > 1 else "")
+            + f": bytes per device max/mean {self.memory_imbalance():.3f}, step {self.step_imbalance():.3f}"
+        )
+
+
+def layout_bytes(layouts: list[HeadLayout], itemsize: int = 2) -> np.ndarray:
+    """[layers, KV heads]: bytes per token of each head's K and V rows at ``itemsize`` bytes an element."""
+    _same_heads(layouts)
+    return np.array([[(k + v) * itemsize for k, v in zip(lay.k_widths, lay.v_widths)] for lay in layouts], np.int64)
+
+
+def place(token_bytes, devices: int) -> Placement:
+    """Byte-balanced placement of ``token_bytes`` [layers, KV heads] (bytes per token of each head, > 0) on
+    ``devices`` (the module's two steps). Refused in one line where the heads cannot be shared out evenly."""
+    cost, bins, replicas = _check(token_bytes, devices)
+    layers, heads = cost.shape
+    per = heads // bins
+    total = np.zeros(bins, np.int64)
+    out = np.zeros((layers, bins, per), np.int64)
+    for layer in range(layers):
+        load = np.zeros(bins, np.int64)
+        members: list[list[int]] = [[] for _ in range(bins)]
+        for h in np.argsort(-cost[layer], kind="stable"):
+            room = [i for i in range(bins) if len(members[i]) < per]
+            lightest = min(room, key=lambda i: (load[i], i))
+            members[lightest].append(int(h))
+            load[lightest] += cost[layer, h]
+        # the layer's heaviest bin to the device least loaded so far
+        for b, device in zip(np.argsort(-load, kind="stable"), np.argsort(total, kind="stable")):
+            out[layer, device] = sorted(members[b])
+            total[device] += load[b]
+    return Placement(np.repeat(out, replicas, axis=1), cost, replicas)
+
+
+def even(token_bytes, devices: int) -> Placement:
+    """The even-count placement that ignores bytes: device d holds heads d·H/N .. (d+1)·H/N - 1 of every layer (what
+    sharding the packed head columns in order gives); the baseline ``place`` is measured against."""
+    cost, bins, replicas = _check(token_bytes, devices)
+    layers, heads = cost.shape
+    out = np.broadcast_to(np.arange(heads).reshape(1, bins, heads // bins), (layers, bins, heads // bins))
+    return Placement(np.repeat(out, replicas, axis=1), cost, replicas)
+
+
+def _check(token_bytes, devices) -> tuple[np.ndarray, int, int]:
+    """(bytes [layers, heads] int64, bins, replicas), or a one-line ValueError."""
+    if isinstance(devices, bool) or not isinstance(devices, (int, np.integer)) or devices < 1:
+        raise ValueError(f"devices must be a positive integer, got {devices!r}")
+    cost = np.asarray(token_bytes)
+    if cost.ndim != 2 or cost.size == 0 or not np.issubdtype(cost.dtype, np.integer) or (cost <= 0).any():
+        raise ValueError("token_bytes must be positive integers [layers, KV heads]")
+    heads = cost.shape[1]
+    if heads >= devices and heads % devices:
+        raise ValueError(f"{heads} KV heads cannot be shared evenly by {devices} devices (a multiple of {devices})")
+    if heads < devices and devices % heads:
+        raise ValueError(f"{heads} KV heads cannot be replicated evenly on {devices} devices (need a multiple)")
+    bins = min(heads, devices)
+    return cost.astype(np.int64), bins, devices // bins
+
+
+def _same_heads(layouts: list[HeadLayout]) -> None:
+    if not layouts or len({lay.num_kv_heads for lay in layouts}) != 1:
+        raise ValueError("placement needs one or more layers with the same number of KV heads")
