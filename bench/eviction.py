@@ -22,8 +22,8 @@ once after prefill, as the methods publish it; the question at its end is in eve
 context in one batched call), scored by their text: observation-window methods only, the rate nominal (the plan's
 bytes over the ratio).
 
-Scores are computed once per (model, method, window) and reused by every budget. Results: bench/RESULTS.md
-"Eviction: accuracy"."""
+Scores are computed once per (plan, window), every method from one forward and one compile, and reused by every
+budget and page format. Results: bench/RESULTS.md "Eviction: accuracy"."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ import kvjax
 from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
 from kvjax.eviction import Eviction, metrics
 from kvjax.eviction import parse as parse_eviction
-from kvjax.eviction.reference import hidden_after, keep, kept_bytes, prompt_scores
+from kvjax.eviction.reference import hidden_after, keep, kept_bytes, many_prompt_scores
 
 ANSWER_ROOM = 16  # retrieval: positions past the prompt a plan's basis covers (the answer's tokens)
 EPILOG = """examples:
@@ -161,6 +161,16 @@ def _by_method(specs: list[Eviction | None]) -> dict:
     return groups
 
 
+def _score_plan(scores: dict, plan: str, model, prompt_tokens, specs) -> None:
+    """Each scoring group's prompt scores for ``plan`` into ``scores`` (keyed by plan and group), all of them from
+    one forward and one compile (``many_prompt_scores``); a plan already scored (another --kv-bits) is skipped."""
+    groups = _by_method(specs)
+    if not groups or (plan, next(iter(groups))) in scores:
+        return
+    found = many_prompt_scores(model, prompt_tokens, [group[0] for group in groups.values()])
+    scores.update({(plan, key): got for key, got in zip(groups, found, strict=True)})
+
+
 def _label(spec: Eviction | None) -> str:
     return "none" if spec is None else spec.name
 
@@ -178,9 +188,8 @@ def _window_runs(base, models, specs, chunk, prompt: int, kept: dict, source: st
     for fields, model, scheme in models:
         if fields["name"] != "none":
             runs.append(((source, fields["name"], "none"), scored(_hidden(model, chunk, prompt, scheme))))
+        _score_plan(scores, fields["plan"], model, chunk[:, :prompt], specs)
         for group_key, group in _by_method(specs).items():
-            if (fields["plan"], group_key) not in scores:
-                scores[fields["plan"], group_key] = prompt_scores(model, chunk[:, :prompt], group[0])
             for spec in group:
                 cut = keep(model, scores[fields["plan"], group_key], spec)
                 key = (source, fields["name"], spec.name)
@@ -328,9 +337,8 @@ def run_retrieval(base, args, save=None) -> list[dict]:
 
         scores: dict = {}  # per plan and scoring group: a plan served at several --kv-bits is scored once
         for fields, model, scheme in models:
+            _score_plan(scores, fields["plan"], model, tokens[:, :p], specs)
             for group_key, group in [(None, [None]), *_by_method(specs).items()]:
-                if group_key is not None and (fields["plan"], group_key) not in scores:
-                    scores[fields["plan"], group_key] = prompt_scores(model, tokens[:, :p], group[0])
                 for spec in group:
                     key = (task, context, fields["name"], _label(spec))
                     if spec is None:

@@ -236,6 +236,23 @@ def test_zack_at_full_width_scores_in_its_rotated_space_as_the_full_heads_do():
     ]
 
 
+def test_one_forward_scores_every_method_as_its_own_forward_does():
+    """``many_prompt_scores``: the methods scored together from one forward (the eviction bench's one compile a
+    plan) give each method's own ``prompt_scores``, on a plain and a ZACK model."""
+    from kvjax.eviction.reference import many_prompt_scores, prompt_scores
+
+    seed = fresh_seed()
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
+    zack = kvjax.compress(model, removal_rate=0.4, seed=seed % 1000, **CALIBRATION)
+    tokens = np.random.default_rng(seed).integers(0, WIDE.vocab_size, (2, 40))
+    specs = [Eviction(m, budget=8, page_size=1) for m in ("kvcompress", "snapkv", "h2o", "keyformer")]
+    for m in (model, zack):
+        together = many_prompt_scores(m, tokens, specs)
+        for spec, got in zip(specs, together, strict=True):
+            for a, b in zip(got, prompt_scores(m, tokens, spec), strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}, {spec.name}")
+
+
 def test_the_short_form_parses_and_names_itself():
     from kvjax.eviction import parse
 

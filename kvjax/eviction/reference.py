@@ -35,15 +35,23 @@ def _positions(tokens):
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _prompt_scores(graphdef, state, tokens, spec: Eviction):
     """Per layer, float32 [B, Hkv, P]: the policy's scores of the prompt ``tokens`` [B, P], from an exact forward."""
+    return _many_scores(graphdef, state, tokens, (spec,))[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _many_scores(graphdef, state, tokens, specs: tuple[Eviction, ...]):
+    """Per spec, per layer, float32 [B, Hkv, P]: each policy's scores of the prompt ``tokens`` [B, P] from one exact
+    forward (each layer's q and k serve every spec): one compile and one forward for all of a plan's methods."""
     module = nnx.merge(graphdef, state)
-    out = []
+    out: list[list] = [[] for _ in specs]
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
         if rotation is not None:
             q, k = rotation.packed(q, k)
         layout = module.layouts[i]
-        kw = dict(window=spec.window, pool=spec.pool, tau=spec.tau, seed=spec.seed, layer=i, rebuild=rebuild)
-        out.append(metrics.scores(spec.method, q, k, layout, **kw))
+        for spec, found in zip(specs, out):
+            kw = dict(window=spec.window, pool=spec.pool, tau=spec.tau, seed=spec.seed, layer=i, rebuild=rebuild)
+            found.append(metrics.scores(spec.method, q, k, layout, **kw))
         return causal_attention(q, k, v, layout, rebuild)
 
     module.hidden(tokens, _positions(tokens), attend)
@@ -112,6 +120,13 @@ def prompt_scores(model, tokens, spec: Eviction) -> list[np.ndarray]:
     call serves every budget (``keep``)."""
     tokens = jnp.asarray(tokens, jnp.int32)
     return [np.asarray(s) for s in _prompt_scores(model.graphdef, model.state, tokens, spec)]
+
+
+def many_prompt_scores(model, tokens, specs) -> list[list[np.ndarray]]:
+    """``prompt_scores`` of each of ``specs`` (a sequence of ``Eviction``), from one forward: the same scores, one
+    compile for all of them (the eviction bench scores every method of a plan this way)."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    return [[np.asarray(s) for s in found] for found in _many_scores(model.graphdef, model.state, tokens, tuple(specs))]
 
 
 def keep(model, scores: list[np.ndarray], spec: Eviction) -> list[np.ndarray]:
