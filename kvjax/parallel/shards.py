@@ -1,0 +1,73 @@
+"""Each device's share of a layer under tensor parallelism (issue 38, item 1): which packed columns of q, k, v and
+which rows of o hold the KV heads a device was given (``placement``), the layout those heads form on the device, and
+the even splits of the MLP and the vocabulary. Index arithmetic only, over the packed layout of ``kvjax.layout``:
+the mesh code slices weights with it, and the sum of the devices' partial outputs is the layer's (tested).
+
+Packed forms (``kvjax.layout``): q and K rows after ZACK's rotation hold each KV head's block at its K width (q's
+``G`` query heads a block), V at its V width, and the attention output (o's input rows) ``G`` blocks at the V width;
+before the rotation the q and k projections' outputs are full width (``head_dim`` a head).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvjax.layout import HeadLayout
+
+PARTS = ("q", "k", "v", "o", "q_full", "k_full")
+
+
+def block_widths(layout: HeadLayout, part: str) -> list[int]:
+    """Each KV head's block width in the packed ``part`` (``PARTS``)."""
+    g, d = layout.group_size, layout.head_dim
+    widths = {
+        "q": [g * w for w in layout.k_widths],
+        "k": list(layout.k_widths),
+        "v": list(layout.v_widths),
+        "o": [g * w for w in layout.v_widths],
+        "q_full": [g * d] * layout.num_kv_heads,
+        "k_full": [d] * layout.num_kv_heads,
+    }
+    if part not in widths:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    return widths[part]
+
+
+def columns(layout: HeadLayout, heads, part: str) -> np.ndarray:
+    """int [n]: the packed ``part``'s columns (o: rows) that hold KV heads ``heads``, in their order: a device's
+    slice of the projection, its heads side by side as its local layout packs them."""
+    widths = block_widths(layout, part)
+    starts = np.concatenate([[0], np.cumsum(widths)])
+    heads = _heads(layout, heads)
+    return np.concatenate([np.arange(starts[h], starts[h] + widths[h]) for h in heads]).astype(np.int64)
+
+
+def local_layout(layout: HeadLayout, heads) -> HeadLayout:
+    """The layout of KV heads ``heads`` (in order) with their query groups: what a device attends over."""
+    heads = _heads(layout, heads)
+    g = layout.group_size
+    return HeadLayout(
+        g * len(heads),
+        len(heads),
+        layout.head_dim,
+        tuple(layout.k_widths[h] for h in heads),
+        tuple(layout.v_widths[h] for h in heads),
+        layout.sliding_window,
+    )
+
+
+def even_split(size: int, devices: int) -> tuple[int, int]:
+    """(per, padded): each device's share of ``size`` rows or columns (the MLP's intermediate width, the
+    vocabulary) as one shape on every device, ``per = ceil(size / devices)``, and the padded total ``per * devices``
+    (the last device's rows past ``size`` are zeros: a padded vocabulary row is never the argmax, its logit masked)."""
+    if devices < 1 or size < 1:
+        raise ValueError(f"size and devices must be positive, got {size} and {devices}")
+    per = -(-size // devices)
+    return per, per * devices
+
+
+def _heads(layout: HeadLayout, heads) -> list[int]:
+    heads = [int(h) for h in np.asarray(heads).ravel()]
+    if not heads or len(set(heads)) != len(heads) or not all(0 <= h < layout.num_kv_heads for h in heads):
+        raise ValueError(f"heads must be distinct KV heads of 0..{layout.num_kv_heads - 1}, got {heads}")
+    return heads
