@@ -12,10 +12,11 @@ placement"."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import numpy as np
 from files import write_json
-from harness import count_arg, print_table, rank_plan, rates_arg
+from harness import HKV, count_arg, print_table, rank_plan, rates_arg
 
 from kvjax.parallel.placement import even, layout_bytes, place
 
@@ -49,6 +50,10 @@ def main(argv=None) -> None:
     p.add_argument("--seeds", type=count_arg("--seeds"), default=20, help="random plans a row (default 20)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if bad := [n for n in args.devices if not (HKV % n == 0 or n % HKV == 0)]:
+        p.error(f"--devices {bad[0]}: the {HKV} KV heads must be shared out evenly (a divisor or a multiple of {HKV})")
+    if args.json and not os.access(os.path.dirname(os.path.abspath(args.json)), os.W_OK):
+        p.error(f"--json {args.json}: its folder is not a writable directory")
     rows = [
         row
         for rate in args.rates

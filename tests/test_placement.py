@@ -116,5 +116,11 @@ def test_the_bench_prints_both_placements_and_writes_its_rows(tmp_path, capsys):
     assert [r["placement"] for r in rows] == ["even", "balanced"]
     assert rows[1]["memory_worst"] <= 1.05 and rows[1]["step_worst"] <= rows[0]["step_worst"]
     assert "| 0.5 | drawn | 4 | balanced |" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        bench.main(["--devices", "0"])
+    for bad, message in (
+        (["--devices", "0"], "--devices must be positive"),
+        (["--devices", "3"], "must be shared out evenly"),
+        (["--json", "/nonexistent-folder/p.json"], "is not a writable directory"),
+    ):
+        with pytest.raises(SystemExit):
+            bench.main(bad)
+        assert message in capsys.readouterr().err
