@@ -207,7 +207,7 @@ class _Evict:
     spec: Eviction
     page_elems: int
     backend: str
-    schedule: str = "slots"
+    schedule: str
 
 
 def _last_queries(q, k, rotation, lengths, window: int):
