@@ -223,13 +223,17 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, layout, method, dtype=dtype, rngs=rngs, band=band)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, inv_freq, layout, attend, layer):
+    def __call__(self, x, positions, inv_freq, layout, attend, layer, reduce=None):
+        """``reduce`` (tensor parallelism): sums a device's partial attention and MLP outputs over the devices
+        before they join the residual (one call each; Falcon's parallel block, one for both)."""
+        reduce = reduce or (lambda y: y)
         h = self.attn_norm(x)
         a = self.attn(h, positions, inv_freq, layout, attend, layer)
         if self.parallel:  # Falcon: attention and MLP read the same residual
-            return x + (self.mlp(h if self.mlp_norm is None else self.mlp_norm(x)) + a)
+            return x + reduce(self.mlp(h if self.mlp_norm is None else self.mlp_norm(x)) + a)
+        a = reduce(a)
         x = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
-        m = self.mlp(self.mlp_norm(x))
+        m = reduce(self.mlp(self.mlp_norm(x)))
         return x + (m if self.post_mlp_norm is None else self.post_mlp_norm(m))
 
 
@@ -290,11 +294,12 @@ class Transformer(nnx.Module):
         scale = self.config.embed_scale
         return x if scale is None else x * jnp.asarray(scale, x.dtype)  # in the weights' dtype, as transformers
 
-    def hidden(self, tokens: jax.Array, positions: jax.Array, attend: AttendFn) -> jax.Array:
-        """Final-norm hidden states [B, T, E] for ``tokens`` at ``positions`` (both int32 [B, T])."""
+    def hidden(self, tokens: jax.Array, positions: jax.Array, attend: AttendFn, reduce=None) -> jax.Array:
+        """Final-norm hidden states [B, T, E] for ``tokens`` at ``positions`` (both int32 [B, T]); ``reduce``: a
+        tensor-parallel shard's sum over the devices (``Block``)."""
         x = self.embed_tokens(tokens)
         for i, block in enumerate(self.layers):
-            x = block(x, positions, self.inv_freq(i), self.layouts[i], attend, i)
+            x = block(x, positions, self.inv_freq(i), self.layouts[i], attend, i, reduce)
         return self.final_norm(x)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
