@@ -100,3 +100,21 @@ def test_columns_refuse_what_is_not_a_set_of_heads():
         columns(layout, [0], "w")
     with pytest.raises(ValueError, match="must be positive"):
         even_split(10, 0)
+
+
+def test_one_padded_local_layout_holds_every_devices_heads():
+    """Local head j is as wide as the widest j-th head of any device; ``into`` puts a narrower head's columns at the
+    start of its wider block (q and o: each query head's block at the start of its own)."""
+    from kvjax.parallel.shards import into, padded_widths
+
+    layout = HeadLayout(8, 4, 64, (64, 16, 32, 48), (16, 64, 48, 32))
+    k, v = padded_widths(layout, [[0, 1], [3, 2]])
+    assert (k, v) == ((64, 32), (32, 64))
+    local = HeadLayout(4, 2, 64, k, v)
+    src, dst = into(layout, [3, 2], local, "k")  # head 3 (48) into slot 0 (64), head 2 (32) into slot 1 (32)
+    assert src.tolist() == [*range(112, 160), *range(80, 112)] and dst.tolist() == [*range(0, 48), *range(64, 96)]
+    src, dst = into(layout, [3, 2], local, "o")  # G=2 query heads of V width 32 into slots of 32, then 48 into 64
+    assert dst.tolist() == [*range(0, 32), *range(32, 64), *range(64, 112), *range(128, 176)]
+    assert src.tolist() == columns(layout, [3, 2], "o").tolist()
+    with pytest.raises(ValueError, match="the same number of KV heads"):
+        padded_widths(layout, [[0], [1, 2]])

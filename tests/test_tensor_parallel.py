@@ -2,7 +2,8 @@
 (``--xla_force_host_platform_device_count=4``, in a subprocess so the rest of the suite keeps one device), the
 sharded forward gives the single-device model's greedy tokens at every position, its logits within float32's
 all-reduce rounding, for Llama, Mistral (sliding window), Falcon (parallel block, biases) and Gemma 3 (q/k norms,
-local and global layers), on 1, 2 and 4 devices; what this form cannot split is refused in one line."""
+local and global layers), uncompressed and ZACK-compressed (heads of different widths on each device, padded to one
+local layout), on 1, 2 and 4 devices; what this form cannot split is refused in one line."""
 
 import os
 import subprocess
@@ -17,7 +18,7 @@ SCRIPT = textwrap.dedent(
     import numpy as np
     import jax
     sys.path.insert(0, {tests!r})
-    from conftest import TINY_CONFIGS
+    from conftest import TINY_CONFIGS, varied_plan_model
     from test_gemma3 import local_then_global
     import kvjax
     from kvjax.parallel.forward import logits, shard
@@ -25,13 +26,19 @@ SCRIPT = textwrap.dedent(
     assert len(jax.devices()) == 4, jax.devices()
     seed = {seed}
     configs = dict(
-        llama=dataclasses.replace(TINY_CONFIGS["llama"], num_heads=8, num_kv_heads=4, head_dim=32, hidden_size=128),
+        llama=dataclasses.replace(TINY_CONFIGS["llama"], num_heads=8, num_kv_heads=4, head_dim=64, hidden_size=128),
         mistral=dataclasses.replace(TINY_CONFIGS["mistral"], sliding_window=6),
         falcon=TINY_CONFIGS["falcon_new"],
-        gemma3=local_then_global(2, 32),
+        gemma3=local_then_global(2, 64),
     )
+    calibration = dict(calibration="random", num_tokens=128, seq_len=32, progress=False)
+    models = {{}}
     for name, cfg in configs.items():
-        model = kvjax.Model.random(cfg, seed=seed % 1000, scale=2.0)
+        models[name] = kvjax.Model.random(cfg, seed=seed % 1000, scale=2.0)
+    models["llama zack"] = varied_plan_model(models["llama"])  # every head of a layer at its own K and V width
+    models["gemma3 zack"] = varied_plan_model(models["gemma3"])
+    for name, model in models.items():
+        cfg = model.config
         tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (2, 19))
         want = np.asarray(model.logits(tokens))
         for n in (1, 2, 4):
@@ -49,13 +56,13 @@ SCRIPT = textwrap.dedent(
             assert message in str(e) and "\\n" not in str(e), e
         else:
             raise AssertionError(bad)
-    zack = kvjax.compress(model, removal_rate=0.5, calibration="random", num_tokens=128, seq_len=32, progress=False)
+    palu = kvjax.compress(model, removal_rate=0.5, method="palu", **calibration)
     try:
-        shard(zack, 2)
+        shard(palu, 2)
     except ValueError as e:
-        assert "uncompressed models for now" in str(e)
+        assert "not Palu or banded ones" in str(e)
     else:
-        raise AssertionError("a compressed model was sharded")
+        raise AssertionError("a Palu model was sharded")
     print("all ok")
     """
 )

@@ -5,10 +5,12 @@ inside one ``shard_map`` with explicit specs; one ``psum`` after attention and o
 outputs (XLA's all-reduce; NCCL on GPUs). A bias after a ``psum`` (o's, down's) is held by the first device only, so
 it is added once. No hand-written communication.
 
-Not yet in this form (issue 38's next steps, ``bench/notes/2026-12-03-live-default-and-placement.md``): the
-embedding and lm_head are replicated (vocabulary-parallel next); compressed models, whose devices' heads have
-different widths and so need one padded local layout for the one SPMD program, are refused in one line; the engine,
-its page pools and its kernels are single-device.
+Plain ZACK models too: their devices' heads have different widths, and the one SPMD program needs one shape a
+shard, so each device's heads are ordered widest first and padded to the widest j-th head of any device
+(``shards.padded_widths``); the padding's zero columns add exactly nothing. Not yet in this form (issue 38's next
+steps, ``bench/notes/2026-12-03-live-default-and-placement.md``): the embedding and lm_head are replicated
+(vocabulary-parallel next); Palu and banded plans are refused in one line; the engine, its page pools and its
+kernels are single-device, where the per-head kernel's data-driven widths would drop the padding.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from kvjax.models.transformer import Transformer, separate_params
 from kvjax.ops.prefill.reference import causal_attention
 from kvjax.parallel.placement import Placement, layout_bytes, place
-from kvjax.parallel.shards import columns, even_split
+from kvjax.parallel.shards import columns, even_split, into, padded_widths
 
 AXIS = "tp"
 
@@ -42,59 +44,100 @@ class Sharded:
     placement: Placement
 
 
+@dataclasses.dataclass(frozen=True)
+class _LocalPlan:
+    """What ``Transformer`` reads of a rank plan, for one device's share: the method and each layer's padded local
+    widths (``shards.padded_widths``)."""
+
+    method: str | None
+    widths: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    band: None = None
+
+    def layer_widths(self, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return self.widths[layer]
+
+
 def shard(model, devices: int) -> Sharded:
-    """``model`` (a ``kvjax.Model``) split over the first ``devices`` devices by byte-balanced placement
-    (``placement.place``); refused in one line where this form cannot split it."""
+    """``model`` (a ``kvjax.Model``: uncompressed or plain ZACK) split over the first ``devices`` devices by
+    byte-balanced placement (``placement.place``), each device's heads widest first and padded to one local layout
+    (``shards.padded_widths``); refused in one line where this form cannot split it."""
     cfg = model.config
-    if model.plan is not None:
-        raise ValueError("tensor parallelism runs uncompressed models for now; compressed ones are not supported yet")
+    method = None if model.plan is None else model.plan.method
+    if method not in (None, "zack") or getattr(model.plan, "band", None) is not None:
+        raise ValueError("tensor parallelism runs uncompressed and plain ZACK models for now, not Palu or banded ones")
     available = len(jax.devices())
     if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= available:
         raise ValueError(f"tensor_parallel must be 1..{available} (the devices JAX sees), got {devices!r}")
     if cfg.num_kv_heads % devices:
         raise ValueError(f"{cfg.num_kv_heads} KV heads cannot be shared evenly by {devices} devices")
     placement = place(layout_bytes(list(model.layouts)), devices)
+    order = widest_first(placement)
+    locals_ = [
+        local_layout_of(model.layouts[i], padded_widths(model.layouts[i], order[i]), devices)
+        for i in range(cfg.num_layers)
+    ]
     per, _ = even_split(cfg.intermediate_size, devices)
     local_cfg = dataclasses.replace(
-        cfg,
-        num_heads=cfg.num_heads // devices,
-        num_kv_heads=cfg.num_kv_heads // devices,
-        intermediate_size=per,
+        cfg, num_heads=cfg.num_heads // devices, num_kv_heads=cfg.num_kv_heads // devices, intermediate_size=per
     )
-    local = nnx.eval_shape(lambda: Transformer(local_cfg, dtype=model.dtype, rngs=nnx.Rngs(0)))
+    plan = None if method is None else _LocalPlan(method, tuple((lay.k_widths, lay.v_widths) for lay in locals_))
+    local = nnx.eval_shape(lambda: Transformer(local_cfg, plan=plan, dtype=model.dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(local)
     params = separate_params(model.module)
     mesh = Mesh(np.asarray(jax.devices()[:devices]), (AXIS,))
     spread = NamedSharding(mesh, PartitionSpec(AXIS))
     for path, var in nnx.to_flat_state(state):
-        parts = [_part(params[path], path, model.layouts, placement, d, per) for d in range(devices)]
         want = tuple(var.get_value().shape)
+        share = functools.partial(_part, params[path], path, model.layouts, locals_, order, per=per, shape=want)
+        parts = [share(d, devices=devices) for d in range(devices)]
         if any(tuple(p.shape) != want for p in parts):
             raise AssertionError(f"{path}: a device's share has shape {parts[0].shape}, the local module {want}")
         var.set_value(jax.device_put(jnp.stack([jnp.asarray(p) for p in parts]), spread))
     return Sharded(mesh, graphdef, state, placement)
 
 
-def _part(x, path: tuple, layouts, placement: Placement, device: int, per: int):
-    """Device ``device``'s share of parameter ``x`` at ``path`` (the separate form's names)."""
+def widest_first(placement: Placement) -> list[list[list[int]]]:
+    """[layer][device]: each device's heads, the most bytes per token first (so that the devices' j-th heads are of
+    similar widths and pad little: ``shards.padded_widths``)."""
+    cost = placement.token_bytes
+    out: list[list[list[int]]] = []
+    for layer, shares in enumerate(placement.heads):
+        out.append([sorted(int(h) for h in heads) for heads in shares])
+        for heads in out[-1]:
+            heads.sort(key=lambda h: -int(cost[layer, h]))  # stable: equal bytes stay in head order
+    return out
+
+
+def local_layout_of(layout, widths, devices: int):
+    """The padded local layout of a layer: ``layout``'s query groups, ``1/devices`` of its KV heads at ``widths``."""
+    k, v = widths
+    return dataclasses.replace(
+        layout, num_heads=layout.num_heads // devices, num_kv_heads=len(k), k_widths=k, v_widths=v
+    )
+
+
+def _part(x, path: tuple, layouts, locals_, order, device: int, *, per: int, devices: int, shape):
+    """Device ``device``'s share of parameter ``x`` at ``path`` (the separate form's names), of shape ``shape``."""
     if path[0] != "layers":
         return x  # embedding, final norm, lm_head: replicated in this form
-    layer, owner, name, kind = path[1], path[2], path[3] if len(path) > 3 else None, path[-1]
-    heads = placement.heads[layer, device]
-    layout = layouts[layer]
-    if owner == "attn" and name in ("q", "k", "v"):
-        cols = columns(layout, heads, {"q": "q_full", "k": "k_full", "v": "v"}[name])
-        return x[..., cols]
+    layer, owner, name, kind = path[1], path[2], path[3], path[-1]
+    heads, layout, local = order[layer][device], layouts[layer], locals_[layer]
+    if owner == "attn" and name in ("q", "k"):  # full width before RoPE and the rotation: no padding
+        return x[..., columns(layout, heads, {"q": "q_full", "k": "k_full"}[name])]
+    if owner == "attn" and name in ("v", "qk_rotation"):  # the cached widths: padded into the local layout
+        src, dst = into(layout, heads, local, "v" if name == "v" else "k")
+        return jnp.zeros(shape, x.dtype).at[..., dst].set(x[..., src])
     if owner == "attn" and name == "o":
         if kind == "bias":
             return x if device == 0 else jnp.zeros_like(x)
-        return x[columns(layout, heads, "o")]
+        src, dst = into(layout, heads, local, "o")
+        return jnp.zeros(shape, x.dtype).at[dst].set(x[src])
     if owner == "mlp" and name in ("gate", "up"):
-        return _padded(x, x.ndim - 1, per * placement.devices)[..., device * per : (device + 1) * per]
+        return _padded(x, x.ndim - 1, per * devices)[..., device * per : (device + 1) * per]
     if owner == "mlp" and name == "down":
         if kind == "bias":
             return x if device == 0 else jnp.zeros_like(x)
-        return _padded(x, 0, per * placement.devices)[device * per : (device + 1) * per]
+        return _padded(x, 0, per * devices)[device * per : (device + 1) * per]
     return x  # norms (Gemma's per-head q/k norms too): replicated
 
 
@@ -118,6 +161,8 @@ def _logits(graphdef, mesh, state, tokens):
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
         def attend(i, q, k, v, rebuild=None, rotation=None):
+            if rotation is not None:
+                q, k = rotation.packed(q, k)
             return causal_attention(q, k, v, module.layouts[i], rebuild)
 
         hidden = module.hidden(tokens, positions, attend, reduce=lambda y: jax.lax.psum(y, AXIS))

@@ -56,6 +56,36 @@ def local_layout(layout: HeadLayout, heads) -> HeadLayout:
     )
 
 
+def padded_widths(layout: HeadLayout, per_device) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(K widths, V widths) of the one local layout every device runs: local head j as wide as the widest j-th head
+    of any device (``per_device``: each device's heads in local order; order them widest first so similar widths
+    share a slot). One SPMD program needs one shape a shard; a narrower head's extra columns are zeros (its rotation
+    and V columns, its o rows), which add exactly nothing to its scores and outputs."""
+    rows = [_heads(layout, heads) for heads in per_device]
+    if len({len(r) for r in rows}) != 1:
+        raise ValueError("every device must hold the same number of KV heads")
+    k = tuple(max(layout.k_widths[r[j]] for r in rows) for j in range(len(rows[0])))
+    v = tuple(max(layout.v_widths[r[j]] for r in rows) for j in range(len(rows[0])))
+    return k, v
+
+
+def into(layout: HeadLayout, heads, local: HeadLayout, part: str) -> tuple[np.ndarray, np.ndarray]:
+    """(source, destination) columns: ``heads``' columns of the packed ``part`` in ``layout`` and where they sit in
+    the padded ``local`` layout (each head's block at the start of its wider local block; the rest stays zero)."""
+    heads = _heads(layout, heads)
+    src = columns(layout, heads, part)
+    starts = np.concatenate([[0], np.cumsum(block_widths(local, part))])
+    widths = block_widths(layout, part)
+    if part in ("q", "o"):  # G blocks a head, each at its own width: place each query head's block
+        g = layout.group_size
+        mine = [w // g for w in widths]
+        theirs = [w // g for w in block_widths(local, part)]
+        dst = [starts[j] + q * theirs[j] + np.arange(mine[h]) for j, h in enumerate(heads) for q in range(g)]
+    else:
+        dst = [starts[j] + np.arange(widths[h]) for j, h in enumerate(heads)]
+    return src, np.concatenate(dst).astype(np.int64)
+
+
 def even_split(size: int, devices: int) -> tuple[int, int]:
     """(per, padded): each device's share of ``size`` rows or columns (the MLP's intermediate width, the
     vocabulary) as one shape on every device, ``per = ceil(size / devices)``, and the padded total ``per * devices``
