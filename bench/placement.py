@@ -4,7 +4,9 @@ log-normal widths, as compression stores them ("ordered": each layer's heads in 
 the byte-balanced placement (``kvjax.parallel.placement.place``) against the even-count split that shards the
 packed heads in order (``even``), on 2, 4 and 8 devices. Per row, over ``--seeds`` plans: the memory imbalance (max
 over mean of each device's bytes per token summed over layers: its page pool) and the step imbalance (each layer's
-slowest device summed over layers, over a perfect split: decode attention time), mean and worst.
+slowest device summed over layers, over a perfect split: decode attention time), and the padded imbalance (one
+local layout for the one SPMD program, each local head as wide as the widest device's: what a forward over padded
+local layouts reads, ``Placement.padded_imbalance``), mean and worst.
 
 Host arithmetic only, in bf16 bytes: the same on any machine. Table: bench/RESULTS.md "Tensor parallelism: head
 placement"."""
@@ -30,14 +32,15 @@ def rows_for(rate: float, form: str, devices: int, seeds: int) -> list[dict]:
         cost = layout_bytes(list(rank_plan(rate, LAYERS_70B, seed=seed, form=form)))
         for name, how in (("even", even), ("balanced", place)):
             p = how(cost, devices)
-            found[name].append((p.memory_imbalance(), p.step_imbalance()))
+            found[name].append((p.memory_imbalance(), p.step_imbalance(), p.padded_imbalance()))
     rows = []
     for name, pairs in found.items():
-        mem, step = np.array(pairs).T
+        mem, step, padded = np.array(pairs).T
         rows.append(
             dict(rate=rate, form=form, devices=devices, placement=name, plans=seeds)
             | dict(memory_mean=round(mem.mean(), 4), memory_worst=round(mem.max(), 4))
             | dict(step_mean=round(step.mean(), 4), step_worst=round(step.max(), 4))
+            | dict(padded_mean=round(padded.mean(), 4), padded_worst=round(padded.max(), 4))
         )
     return rows
 

@@ -44,6 +44,10 @@ def test_bytes_balance_within_5_percent_on_random_rate_half_70b_layouts(devices)
         assert balanced.memory_imbalance() <= 1.05, f"seed {seed}: {balanced.describe()}"
         assert balanced.memory_imbalance() <= naive.memory_imbalance() + 1e-12, f"seed {seed}"
         assert balanced.step_imbalance() <= naive.step_imbalance() + 1e-12, f"seed {seed}"
+        for p in (balanced, naive):  # one padded local layout reads at least what the slowest device holds
+            assert p.padded_imbalance() >= p.step_imbalance() - 1e-12 >= 1 - 1e-9, f"seed {seed}"
+    uniform = place(np.full((3, 8), 512), devices)
+    assert uniform.memory_imbalance() == uniform.step_imbalance() == uniform.padded_imbalance() == 1.0
 
 
 def test_two_heads_a_device_pairs_heaviest_with_lightest_which_is_optimal():
