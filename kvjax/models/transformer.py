@@ -297,7 +297,11 @@ class Transformer(nnx.Module):
     def hidden(self, tokens: jax.Array, positions: jax.Array, attend: AttendFn, reduce=None) -> jax.Array:
         """Final-norm hidden states [B, T, E] for ``tokens`` at ``positions`` (both int32 [B, T]); ``reduce``: a
         tensor-parallel shard's sum over the devices (``Block``)."""
-        x = self.embed_tokens(tokens)
+        return self.hidden_from(self.embed_tokens(tokens), positions, attend, reduce)
+
+    def hidden_from(self, x: jax.Array, positions: jax.Array, attend: AttendFn, reduce=None) -> jax.Array:
+        """``hidden`` from the first layer's input ``x`` [B, T, E] (``embed_tokens``' output, or a vocabulary-split
+        shard's summed lookups)."""
         for i, block in enumerate(self.layers):
             x = block(x, positions, self.inv_freq(i), self.layouts[i], attend, i, reduce)
         return self.final_norm(x)

@@ -7,10 +7,12 @@ it is added once. No hand-written communication.
 
 Plain ZACK models too: their devices' heads have different widths, and the one SPMD program needs one shape a
 shard, so each device's heads are ordered widest first and padded to the widest j-th head of any device
-(``shards.padded_widths``); the padding's zero columns add exactly nothing. Not yet in this form (issue 38's next
-steps, ``bench/notes/2026-12-03-live-default-and-placement.md``): the embedding and lm_head are replicated
-(vocabulary-parallel next); Palu and banded plans are refused in one line; the engine, its page pools and its
-kernels are single-device, where the per-head kernel's data-driven widths would drop the padding.
+(``shards.padded_widths``); the padding's zero columns add exactly nothing. The embedding and lm_head are split by
+vocabulary (padded to the devices): each device looks up the tokens it holds (zeros for the rest, then a ``psum``)
+and computes its share of the logits, gathered after. Not yet in this form (issue 38's next steps,
+``bench/notes/2026-12-03-live-default-and-placement.md``): Palu and banded plans are refused in one line; the
+engine, its page pools and its kernels are single-device, where the per-head kernel's data-driven widths would drop
+the padding.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ AXIS = "tp"
 class Sharded:
     """A model split over ``mesh``: the local module's ``graphdef`` (one device's share, the same on every device),
     its ``state`` with every array stacked over the devices on a leading axis sharded along "tp", and the
-    ``placement`` that chose each device's heads."""
+    ``placement`` that chose each device's heads; ``vocab_size``: the model's (each device holds a padded share)."""
 
     mesh: Mesh
     graphdef: nnx.GraphDef
     state: nnx.State
     placement: Placement
+    vocab_size: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +80,13 @@ def shard(model, devices: int) -> Sharded:
         for i in range(cfg.num_layers)
     ]
     per, _ = even_split(cfg.intermediate_size, devices)
+    vocab, _ = even_split(cfg.vocab_size, devices)
     local_cfg = dataclasses.replace(
-        cfg, num_heads=cfg.num_heads // devices, num_kv_heads=cfg.num_kv_heads // devices, intermediate_size=per
+        cfg,
+        num_heads=cfg.num_heads // devices,
+        num_kv_heads=cfg.num_kv_heads // devices,
+        intermediate_size=per,
+        vocab_size=vocab,
     )
     plan = None if method is None else _LocalPlan(method, tuple((lay.k_widths, lay.v_widths) for lay in locals_))
     local = nnx.eval_shape(lambda: Transformer(local_cfg, plan=plan, dtype=model.dtype, rngs=nnx.Rngs(0)))
@@ -93,7 +101,7 @@ def shard(model, devices: int) -> Sharded:
         if any(tuple(p.shape) != want for p in parts):
             raise AssertionError(f"{path}: a device's share has shape {parts[0].shape}, the local module {want}")
         var.set_value(jax.device_put(jnp.stack([jnp.asarray(p) for p in parts]), spread))
-    return Sharded(mesh, graphdef, state, placement)
+    return Sharded(mesh, graphdef, state, placement, cfg.vocab_size)
 
 
 def widest_first(placement: Placement) -> list[list[list[int]]]:
@@ -118,55 +126,62 @@ def local_layout_of(layout, widths, devices: int):
 
 def _part(x, path: tuple, layouts, locals_, order, device: int, *, per: int, devices: int, shape):
     """Device ``device``'s share of parameter ``x`` at ``path`` (the separate form's names), of shape ``shape``."""
+    if path[0] in ("embed", "lm_head"):  # by vocabulary: the embedding's rows, lm_head's columns
+        axis = 0 if path[0] == "embed" else 1
+        return _share(x, axis, shape[axis], device, devices)
     if path[0] != "layers":
-        return x  # embedding, final norm, lm_head: replicated in this form
+        return x  # the final norm: replicated
     layer, owner, name, kind = path[1], path[2], path[3], path[-1]
+    if name in ("o", "down") and kind == "bias":  # added after the psum: by one device only
+        return x if device == 0 else jnp.zeros_like(x)
+    if owner == "mlp":  # gate and up by columns, down by rows
+        axis = 0 if name == "down" else x.ndim - 1
+        return _share(x, axis, per, device, devices)
     heads, layout, local = order[layer][device], layouts[layer], locals_[layer]
     if owner == "attn" and name in ("q", "k"):  # full width before RoPE and the rotation: no padding
         return x[..., columns(layout, heads, {"q": "q_full", "k": "k_full"}[name])]
-    if owner == "attn" and name in ("v", "qk_rotation"):  # the cached widths: padded into the local layout
-        src, dst = into(layout, heads, local, "v" if name == "v" else "k")
+    if owner == "attn" and name in ("v", "qk_rotation", "o"):  # the cached widths: padded into the local layout
+        src, dst = into(layout, heads, local, {"v": "v", "qk_rotation": "k", "o": "o"}[name])
+        if name == "o":
+            return jnp.zeros(shape, x.dtype).at[dst].set(x[src])
         return jnp.zeros(shape, x.dtype).at[..., dst].set(x[..., src])
-    if owner == "attn" and name == "o":
-        if kind == "bias":
-            return x if device == 0 else jnp.zeros_like(x)
-        src, dst = into(layout, heads, local, "o")
-        return jnp.zeros(shape, x.dtype).at[dst].set(x[src])
-    if owner == "mlp" and name in ("gate", "up"):
-        return _padded(x, x.ndim - 1, per * devices)[..., device * per : (device + 1) * per]
-    if owner == "mlp" and name == "down":
-        if kind == "bias":
-            return x if device == 0 else jnp.zeros_like(x)
-        return _padded(x, 0, per * devices)[device * per : (device + 1) * per]
     return x  # norms (Gemma's per-head q/k norms too): replicated
 
 
-def _padded(x, axis: int, size: int):
-    """``x`` with zeros appended along ``axis`` up to ``size`` (an MLP width the devices do not divide)."""
+def _share(x, axis: int, size: int, device: int, devices: int):
+    """Device ``device``'s ``size`` rows (or columns) along ``axis`` of ``x``, padded with zeros to ``size x
+    devices`` (an MLP width or a vocabulary the devices do not divide)."""
     pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad)
+    pad[axis] = (0, size * devices - x.shape[axis])
+    return jax.lax.slice_in_dim(jnp.pad(x, pad), device * size, (device + 1) * size, axis=axis)
 
 
 def logits(sharded: Sharded, tokens) -> jax.Array:
     """float32 logits [B, T, V] of the full causal forward of ``tokens`` [B, T] over the devices: the model's
     ``Model.logits``, up to the order of the all-reduce's sums."""
-    return _logits(sharded.graphdef, sharded.mesh, sharded.state, jnp.asarray(tokens, jnp.int32))
+    tokens = jnp.asarray(tokens, jnp.int32)
+    return _logits(sharded.graphdef, sharded.mesh, sharded.vocab_size, sharded.state, tokens)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _logits(graphdef, mesh, state, tokens):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _logits(graphdef, mesh, vocab_size: int, state, tokens):
     def local(state, tokens):
         module = nnx.merge(graphdef, jax.tree.map(lambda x: x[0], state))
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        rows = module.config.vocab_size  # this device's share of the vocabulary
+        mine = tokens - jax.lax.axis_index(AXIS) * rows
+        held = (mine >= 0) & (mine < rows)
+        x = module.embed_tokens(jnp.where(held, mine, 0))  # a token another device holds looks up zeros here
+        x = jax.lax.psum(jnp.where(held[..., None], x, jnp.zeros_like(x)), AXIS)
 
         def attend(i, q, k, v, rebuild=None, rotation=None):
             if rotation is not None:
                 q, k = rotation.packed(q, k)
             return causal_attention(q, k, v, module.layouts[i], rebuild)
 
-        hidden = module.hidden(tokens, positions, attend, reduce=lambda y: jax.lax.psum(y, AXIS))
-        return module.logits(hidden)
+        hidden = module.hidden_from(x, positions, attend, reduce=lambda y: jax.lax.psum(y, AXIS))
+        shares = jax.lax.all_gather(module.logits(hidden), AXIS, axis=-1, tiled=True)  # [B, T, padded vocabulary]
+        return shares[..., :vocab_size]
 
     spec = PartitionSpec(AXIS)
     run = jax.shard_map(local, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=PartitionSpec(), check_vma=False)
