@@ -253,6 +253,23 @@ def test_one_forward_scores_every_method_as_its_own_forward_does():
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}, {spec.name}")
 
 
+@pytest.mark.parametrize("allocation", ["uniform", "global"])
+def test_a_ratio_cuts_what_each_layer_holds_sliding_windows_included(allocation):
+    """A ratio is of the cache: on a layer whose window holds 8 of 32 prompt tokens, 2x keeps 4, not 16 (which would
+    keep the whole window and, under a global budget, hand its unused share to the other layers)."""
+    rng = np.random.default_rng(fresh_seed())
+    spec = Eviction("kvcompress", ratio=2.0, allocation=allocation, window=1, page_size=1)
+    scores = [rng.normal(size=(2, 32)) for _ in range(2)]
+    kept = keep_masks(spec, scores, [None, 8])
+    assert kept[0].sum() + kept[1].sum() == 2 * 16 + 2 * 4
+    if allocation == "uniform":
+        assert kept[0].sum(-1).tolist() == [16, 16] and kept[1].sum(-1).tolist() == [4, 4]
+    assert not kept[1][:, :24].any()  # what the window dropped stays dropped
+    assert spec.per_head(32, 8) == 4 and spec.per_head(32) == 16 and Eviction("h2o", budget=6).per_head(32, 8) == 6
+    per_head, protect = spec.sizes([32, 5], (None, 8))
+    assert per_head.tolist() == [[16, 4], [3, 3]] and protect.tolist() == [1, 1]
+
+
 def test_the_short_form_parses_and_names_itself():
     from kvjax.eviction import parse
 
@@ -300,7 +317,7 @@ def test_the_device_selection_equals_the_host_one_ties_included(trial):
                 spec = Eviction(method, allocation=allocation, window=int(rng.integers(1, 12)), page_size=4, **size)
                 prompts = rng.integers(1, width + 1, 3)
                 scores = rng.integers(0, 4, (3, layers, heads, width)).astype(np.float32)
-                per_head, protect = spec.sizes(prompts)
+                per_head, protect = spec.sizes(prompts, windows)
                 run = jax.jit(device_keep, static_argnums=(0, 5))
                 got = np.asarray(run(spec, jnp.asarray(scores), prompts, per_head, protect, windows))
                 for b, n in enumerate(prompts):

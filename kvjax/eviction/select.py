@@ -73,10 +73,13 @@ class Eviction:
         if not _is_int(self.seed, 0):
             raise ValueError(f"eviction seed must be a non-negative integer, got {self.seed!r}")
 
-    def sizes(self, prompts) -> tuple[np.ndarray, np.ndarray]:
-        """``per_head`` and ``protected`` of each of ``prompts`` (lengths), int32 arrays: ``device_keep``'s inputs."""
-        per_head = np.array([self.per_head(int(p)) for p in prompts], np.int32)
-        return per_head, np.array([self.protected(int(p)) for p in prompts], np.int32)
+    def sizes(self, prompts, windows=(None,)) -> tuple[np.ndarray, np.ndarray]:
+        """(per_head [B, L], protected [B]) int32 for ``prompts`` (lengths) over layers of sliding ``windows``
+        (None: the whole context): ``device_keep``'s inputs."""
+        per_head = [[self.per_head(int(p), w) for w in windows] for p in prompts]
+        return np.array(per_head, np.int32).reshape(len(prompts), len(windows)), np.array(
+            [self.protected(int(p)) for p in prompts], np.int32
+        )
 
     @property
     def allocated(self) -> str:
@@ -91,12 +94,15 @@ class Eviction:
         amount = f"{self.budget}" if self.budget is not None else f"{self.ratio:g}x"
         return f"{self.method}:{amount}" + ("" if self.allocation is None else f":{self.allocation}")
 
-    def per_head(self, prompt: int) -> int:
-        """Tokens one head keeps of a ``prompt``-token prompt, on average under "global"."""
+    def per_head(self, prompt: int, window: int | None = None) -> int:
+        """Tokens one head keeps of a ``prompt``-token prompt, on average under "global": of what it holds, the
+        prompt's last ``window`` tokens on a sliding-window layer (a ratio is of the cache, so a 2x cut halves a
+        local layer's window too, and its budget never counts tokens the window has already dropped)."""
+        held = prompt if window is None else min(prompt, window)
         if self.budget is not None:
-            return min(prompt, self.budget)
+            return min(held, self.budget)
         assert self.ratio is not None
-        return min(prompt, math.ceil(prompt / self.ratio))
+        return min(held, math.ceil(held / self.ratio))
 
     @property
     def recent(self) -> int:
@@ -118,7 +124,7 @@ def keep_masks(spec: Eviction, scores: list[np.ndarray], windows: list[int | Non
     keep) and sliding window (None: whole context). Tokens a layer's window has already passed for the prompt's
     last query are neither candidates nor kept (the window drops them whatever the policy)."""
     s = scores[0].shape[-1]
-    protect, per_head = spec.protected(s), spec.per_head(s)
+    protect = spec.protected(s)
     keep = [np.zeros(sc.shape, bool) for sc in scores]
     ranked, spare = [], []  # per (layer, head): its candidate tokens and their scores; the slots left to it
     for layer, (sc, w) in enumerate(zip(scores, windows)):
@@ -128,7 +134,7 @@ def keep_masks(spec: Eviction, scores: list[np.ndarray], windows: list[int | Non
         free = np.flatnonzero(seen & ~recent)
         for g in range(sc.shape[0]):
             ranked.append((layer, g, free, np.asarray(sc[g], np.float64)[free]))
-            spare.append(per_head - int((seen & recent).sum()))
+            spare.append(spec.per_head(s, w) - int((seen & recent).sum()))
     if spec.allocated == "uniform":
         chosen = [max(n, 0) for n in spare]
     else:  # the slots every head left, to the highest scores of all heads
@@ -154,19 +160,20 @@ def ranks(cost):
 def device_keep(spec: Eviction, scores, prompt, per_head, protect, windows: tuple[int | None, ...]):
     """``keep_masks`` on the device, for a batch: bool [B, L, Hkv, S] from scores [B, L, Hkv, S] (float32, higher =
     keep) of prompts of ``prompt`` [B] tokens each (slots past a prompt are neither scored nor kept), each prompt's
-    ``spec.per_head`` and ``spec.protected`` (``spec.sizes``: the host knows its prompts' lengths) and the layers'
-    sliding ``windows`` (static). The same selection as ``keep_masks``, ties included (tested); what the engine runs
-    after prefill, where the host version cost 24-429 ms an 8K sequence (bench/RESULTS.md "Per-head pages: host
-    cost"). Traceable: ``spec`` and ``windows`` static, the rest arrays."""
+    ``spec.per_head`` per layer [B, L] (or [B, 1] for every layer) and ``spec.protected`` [B] (``spec.sizes``: the
+    host knows its prompts' lengths) and the layers' sliding ``windows`` (static). The same selection as
+    ``keep_masks``, ties included (tested); what the engine runs after prefill, where the host version cost 24-429
+    ms an 8K sequence (bench/RESULTS.md "Per-head pages: host cost"). Traceable: ``spec`` and ``windows`` static,
+    the rest arrays."""
     b, n_layers, heads, s = scores.shape
-    n, per_head = jnp.asarray(prompt, jnp.int32)[:, None, None], jnp.asarray(per_head, jnp.int32)
+    n, per_head = jnp.asarray(prompt, jnp.int32)[:, None, None], jnp.asarray(per_head, jnp.int32)  # [B, L]
     protect = jnp.asarray(protect, jnp.int32)[:, None, None]
     slot = jnp.arange(s)[None, None, :]  # [1, 1, S] against [B, 1, 1] counts
     first = jnp.array([0 if w is None else w for w in windows])[None, :, None]
     seen = (slot < n) & ((first == 0) | (slot >= jnp.maximum(n - first, 0)))  # [B, L, S]
     guarded = (seen & (slot >= n - protect))[:, :, None, :]  # [B, L, 1, S]
     free = jnp.broadcast_to((seen & (slot < n - protect))[:, :, None, :], scores.shape)
-    spare = per_head[:, None, None] - guarded.sum(-1, dtype=jnp.int32)  # [B, L, 1]
+    spare = per_head[:, :, None] - guarded.sum(-1, dtype=jnp.int32)  # [B, L, 1]
     spare = jnp.broadcast_to(spare, (b, n_layers, heads))
     cost = jnp.where(free, -scores.astype(jnp.float32), jnp.inf)  # candidates first, best first, then slot order
     if spec.allocated == "uniform":
