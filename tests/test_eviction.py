@@ -225,10 +225,10 @@ def test_zack_at_full_width_scores_in_its_rotated_space_as_the_full_heads_do():
     zack = kvjax.compress(model, removal_rate=0.0, seed=seed % 1000, **CALIBRATION)
     tokens = np.random.default_rng(seed).integers(0, WIDE.vocab_size, (1, 48))
     spec = Eviction("kvcompress-full", budget=16, page_size=1)
-    from kvjax.eviction.reference import _prompt_scores
+    from kvjax.eviction.reference import prompt_scores
 
-    base = _prompt_scores(model.graphdef, model.state, jnp.asarray(tokens), spec)
-    rotated = _prompt_scores(zack.graphdef, zack.state, jnp.asarray(tokens), spec)
+    base = prompt_scores(model, tokens, spec)
+    rotated = prompt_scores(zack, tokens, spec)
     for a, b in zip(base, rotated):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-3, atol=1e-5, err_msg=f"seed {seed}")
     assert [k.tolist() for k in prompt_keep(model, tokens, spec)] == [

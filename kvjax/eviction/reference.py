@@ -33,12 +33,6 @@ def _positions(tokens):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
-def _prompt_scores(graphdef, state, tokens, spec: Eviction):
-    """Per layer, float32 [B, Hkv, P]: the policy's scores of the prompt ``tokens`` [B, P], from an exact forward."""
-    return _many_scores(graphdef, state, tokens, (spec,))[0]
-
-
-@functools.partial(jax.jit, static_argnums=(0, 3))
 def _many_scores(graphdef, state, tokens, specs: tuple[Eviction, ...]):
     """Per spec, per layer, float32 [B, Hkv, P]: each policy's scores of the prompt ``tokens`` [B, P] from one exact
     forward (each layer's q and k serve every spec): one compile and one forward for all of a plan's methods."""
@@ -118,8 +112,7 @@ def prompt_scores(model, tokens, spec: Eviction) -> list[np.ndarray]:
     """Per layer, float32 [B, Hkv, P]: ``spec``'s scores of the prompt ``tokens`` [B, P] from an exact forward of
     ``model`` (a ``kvjax.Model``). They depend on the method and its window, pooling and noise, not the budget: one
     call serves every budget (``keep``)."""
-    tokens = jnp.asarray(tokens, jnp.int32)
-    return [np.asarray(s) for s in _prompt_scores(model.graphdef, model.state, tokens, spec)]
+    return many_prompt_scores(model, tokens, [spec])[0]
 
 
 def many_prompt_scores(model, tokens, specs) -> list[list[np.ndarray]]:
