@@ -6,7 +6,7 @@ packed heads in order (``even``), on 2, 4 and 8 devices. Per row, over ``--seeds
 over mean of each device's bytes per token summed over layers: its page pool) and the step imbalance (each layer's
 slowest device summed over layers, over a perfect split: decode attention time), and the padded imbalance (one
 local layout for the one SPMD program, each local head as wide as the widest device's: what a forward over padded
-local layouts reads, ``Placement.padded_imbalance``), mean and worst.
+local layouts reads, ``shards.padded_imbalance``), mean and worst.
 
 Host arithmetic only, in bf16 bytes: the same on any machine. Table: bench/RESULTS.md "Tensor parallelism: head
 placement"."""
@@ -21,6 +21,7 @@ from files import write_json
 from harness import HKV, count_arg, print_table, rank_plan, rates_arg
 
 from kvjax.parallel.placement import even, layout_bytes, place
+from kvjax.parallel.shards import padded_imbalance
 
 LAYERS_70B = 80
 
@@ -29,10 +30,11 @@ def rows_for(rate: float, form: str, devices: int, seeds: int) -> list[dict]:
     """Two rows (even, balanced) for ``seeds`` plans at ``rate`` in ``form`` on ``devices``."""
     found: dict = {"even": [], "balanced": []}
     for seed in range(seeds):
-        cost = layout_bytes(list(rank_plan(rate, LAYERS_70B, seed=seed, form=form)))
+        layouts = list(rank_plan(rate, LAYERS_70B, seed=seed, form=form))
+        cost = layout_bytes(layouts)
         for name, how in (("even", even), ("balanced", place)):
             p = how(cost, devices)
-            found[name].append((p.memory_imbalance(), p.step_imbalance(), p.padded_imbalance()))
+            found[name].append((p.memory_imbalance(), p.step_imbalance(), padded_imbalance(layouts, p)))
     rows = []
     for name, pairs in found.items():
         mem, step, padded = np.array(pairs).T

@@ -10,6 +10,7 @@ from conftest import fresh_seed
 
 from kvjax.layout import HeadLayout
 from kvjax.parallel.placement import even, layout_bytes, place
+from kvjax.parallel.shards import padded_imbalance
 
 LAYERS_70B, KV_HEADS_70B, HEADS_70B, HEAD_DIM = 80, 8, 64, 128
 
@@ -39,15 +40,17 @@ def test_bytes_balance_within_5_percent_on_random_rate_half_70b_layouts(devices)
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     for _ in range(5):
-        cost = layout_bytes(rate_half_layouts(rng))
+        layouts = rate_half_layouts(rng)
+        cost = layout_bytes(layouts)
         balanced, naive = place(cost, devices), even(cost, devices)
         assert balanced.memory_imbalance() <= 1.05, f"seed {seed}: {balanced.describe()}"
         assert balanced.memory_imbalance() <= naive.memory_imbalance() + 1e-12, f"seed {seed}"
         assert balanced.step_imbalance() <= naive.step_imbalance() + 1e-12, f"seed {seed}"
         for p in (balanced, naive):  # one padded local layout reads at least what the slowest device holds
-            assert p.padded_imbalance() >= p.step_imbalance() - 1e-12 >= 1 - 1e-9, f"seed {seed}"
-    uniform = place(np.full((3, 8), 512), devices)
-    assert uniform.memory_imbalance() == uniform.step_imbalance() == uniform.padded_imbalance() == 1.0
+            assert padded_imbalance(layouts, p) >= p.step_imbalance() - 1e-12 >= 1 - 1e-9, f"seed {seed}"
+    uniform_layouts = [HeadLayout.uniform(HEADS_70B, KV_HEADS_70B, HEAD_DIM)] * 3
+    uniform = place(layout_bytes(uniform_layouts), devices)
+    assert uniform.memory_imbalance() == uniform.step_imbalance() == padded_imbalance(uniform_layouts, uniform) == 1.0
 
 
 def test_two_heads_a_device_pairs_heaviest_with_lightest_which_is_optimal():

@@ -7,7 +7,7 @@ it is added once. No hand-written communication.
 
 Plain ZACK models too: their devices' heads have different widths, and the one SPMD program needs one shape a
 shard, so each device's heads are ordered widest first and padded to the widest j-th head of any device
-(``shards.padded_widths``); the padding's zero columns add exactly nothing. The embedding and lm_head are split by
+(``shards.padded_layout``); the padding's zero columns add exactly nothing. The embedding and lm_head are split by
 vocabulary (padded to the devices): each device looks up the tokens it holds (zeros for the rest, then a ``psum``)
 and computes its share of the logits, gathered after. Not yet in this form (issue 38's next steps,
 ``bench/notes/2026-12-03-live-default-and-placement.md``): Palu and banded plans are refused in one line; the
@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from kvjax.models.transformer import Transformer, separate_params
 from kvjax.ops.prefill.reference import causal_attention
 from kvjax.parallel.placement import Placement, layout_bytes, place
-from kvjax.parallel.shards import columns, even_split, into, padded_widths
+from kvjax.parallel.shards import columns, even_split, into, padded_layout, widest_first
 
 AXIS = "tp"
 
@@ -63,7 +63,7 @@ class _LocalPlan:
 def shard(model, devices: int) -> Sharded:
     """``model`` (a ``kvjax.Model``: uncompressed or plain ZACK) split over the first ``devices`` devices by
     byte-balanced placement (``placement.place``), each device's heads widest first and padded to one local layout
-    (``shards.padded_widths``); refused in one line where this form cannot split it."""
+    (``shards.padded_layout``); refused in one line where this form cannot split it."""
     cfg = model.config
     method = None if model.plan is None else model.plan.method
     if method not in (None, "zack") or getattr(model.plan, "band", None) is not None:
@@ -75,10 +75,7 @@ def shard(model, devices: int) -> Sharded:
         raise ValueError(f"{cfg.num_kv_heads} KV heads cannot be shared evenly by {devices} devices")
     placement = place(layout_bytes(list(model.layouts)), devices)
     order = widest_first(placement)
-    locals_ = [
-        local_layout_of(model.layouts[i], padded_widths(model.layouts[i], order[i]), devices)
-        for i in range(cfg.num_layers)
-    ]
+    locals_ = [padded_layout(layout, heads) for layout, heads in zip(model.layouts, order)]
     per, _ = even_split(cfg.intermediate_size, devices)
     vocab, _ = even_split(cfg.vocab_size, devices)
     local_cfg = dataclasses.replace(
@@ -102,26 +99,6 @@ def shard(model, devices: int) -> Sharded:
             raise AssertionError(f"{path}: a device's share has shape {parts[0].shape}, the local module {want}")
         var.set_value(jax.device_put(jnp.stack([jnp.asarray(p) for p in parts]), spread))
     return Sharded(mesh, graphdef, state, placement, cfg.vocab_size)
-
-
-def widest_first(placement: Placement) -> list[list[list[int]]]:
-    """[layer][device]: each device's heads, the most bytes per token first (so that the devices' j-th heads are of
-    similar widths and pad little: ``shards.padded_widths``)."""
-    cost = placement.token_bytes
-    out: list[list[list[int]]] = []
-    for layer, shares in enumerate(placement.heads):
-        out.append([sorted(int(h) for h in heads) for heads in shares])
-        for heads in out[-1]:
-            heads.sort(key=lambda h: -int(cost[layer, h]))  # stable: equal bytes stay in head order
-    return out
-
-
-def local_layout_of(layout, widths, devices: int):
-    """The padded local layout of a layer: ``layout``'s query groups, ``1/devices`` of its KV heads at ``widths``."""
-    k, v = widths
-    return dataclasses.replace(
-        layout, num_heads=layout.num_heads // devices, num_kv_heads=len(k), k_widths=k, v_widths=v
-    )
 
 
 def _part(x, path: tuple, layouts, locals_, order, device: int, *, per: int, devices: int, shape):

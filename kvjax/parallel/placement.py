@@ -56,19 +56,11 @@ class Placement:
         per = self.device_bytes()
         return float(per.max(1).sum() / per.mean(1).sum())
 
-    def padded_imbalance(self) -> float:
-        """What one padded local layout costs (``shards.padded_widths``: each device's heads widest first, local
-        head j as wide as the widest j-th head): its bytes per token summed over layers over the mean device's
-        actual bytes. Data-driven widths (the per-head kernel) do not pay it; a padded page layout would."""
-        held = np.sort(np.take_along_axis(self.token_bytes[:, None, :], self.heads, axis=2), axis=2)  # [L, N, h]
-        return float(held.max(axis=1).sum() / self.device_bytes().mean(1).sum())
-
     def describe(self) -> str:
         return (
             f"{self.devices} devices, {self.heads.shape[2]} KV head(s) each a layer"
             + (f" (each held by {self.replicas})" if self.replicas > 1 else "")
-            + f": bytes per device max/mean {self.memory_imbalance():.3f}, step {self.step_imbalance():.3f}, "
-            + f"padded {self.padded_imbalance():.3f}"
+            + f": bytes per device max/mean {self.memory_imbalance():.3f}, step {self.step_imbalance():.3f}"
         )
 
 

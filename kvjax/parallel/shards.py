@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvjax.layout import HeadLayout
+from kvjax.parallel.placement import Placement
 
 PARTS = ("q", "k", "v", "o", "q_full", "k_full")
 
@@ -45,15 +46,17 @@ def columns(layout: HeadLayout, heads, part: str) -> np.ndarray:
 def local_layout(layout: HeadLayout, heads) -> HeadLayout:
     """The layout of KV heads ``heads`` (in order) with their query groups: what a device attends over."""
     heads = _heads(layout, heads)
-    g = layout.group_size
-    return HeadLayout(
-        g * len(heads),
-        len(heads),
-        layout.head_dim,
-        tuple(layout.k_widths[h] for h in heads),
-        tuple(layout.v_widths[h] for h in heads),
-        layout.sliding_window,
-    )
+    return _local(layout, tuple(layout.k_widths[h] for h in heads), tuple(layout.v_widths[h] for h in heads))
+
+
+def widest_first(placement: Placement) -> list[list[list[int]]]:
+    """[layer][device]: each device's heads, the most bytes per token first (ties in head order), so that the
+    devices' j-th heads are of similar widths and pad little (``padded_layout``)."""
+    out = []
+    for row, shares in zip(placement.token_bytes, placement.heads):
+        rank = {int(h): (-int(row[h]), int(h)) for h in range(len(row))}
+        out.append([sorted((int(h) for h in heads), key=rank.__getitem__) for heads in shares])
+    return out
 
 
 def padded_widths(layout: HeadLayout, per_device) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -67,6 +70,21 @@ def padded_widths(layout: HeadLayout, per_device) -> tuple[tuple[int, ...], tupl
     k = tuple(max(layout.k_widths[r[j]] for r in rows) for j in range(len(rows[0])))
     v = tuple(max(layout.v_widths[r[j]] for r in rows) for j in range(len(rows[0])))
     return k, v
+
+
+def padded_layout(layout: HeadLayout, per_device) -> HeadLayout:
+    """The local layout of ``padded_widths``: one device's query groups over its KV heads at the padded widths."""
+    return _local(layout, *padded_widths(layout, per_device))
+
+
+def padded_imbalance(layouts, placement: Placement, itemsize: int = 2) -> float:
+    """What the one padded local layout costs: each layer's ``padded_layout`` (devices' heads ``widest_first``) in
+    bytes per token, summed over layers, over the mean device's actual bytes. K and V are padded separately, so it
+    passes what the heaviest device holds. Kernels that take each device's widths as data (the per-head kernel
+    switches on a head's width pair) would not pay it."""
+    order = widest_first(placement)
+    padded = sum((lay.k_cols + lay.v_cols) * itemsize for lay in map(padded_layout, layouts, order))
+    return float(padded / placement.device_bytes().mean(1).sum())
 
 
 def into(layout: HeadLayout, heads, local: HeadLayout, part: str) -> tuple[np.ndarray, np.ndarray]:
@@ -94,6 +112,12 @@ def even_split(size: int, devices: int) -> tuple[int, int]:
         raise ValueError(f"size and devices must be positive, got {size} and {devices}")
     per = -(-size // devices)
     return per, per * devices
+
+
+def _local(layout: HeadLayout, k_widths: tuple[int, ...], v_widths: tuple[int, ...]) -> HeadLayout:
+    """A device's layout: ``layout``'s query groups over KV heads of these widths."""
+    n = len(k_widths)
+    return HeadLayout(layout.group_size * n, n, layout.head_dim, k_widths, v_widths, layout.sliding_window)
 
 
 def _heads(layout: HeadLayout, heads) -> list[int]:
