@@ -75,6 +75,7 @@ def test_grow_evict_and_free_keep_every_heads_tokens_and_the_pool_whole(trial):
     rng = np.random.default_rng(seed)
     layers, heads = int(rng.integers(1, 4)), int(rng.integers(1, 4))
     per_page = rng.choice([1, 2, 3, 4, 8], (layers, heads))
+    per_page.flat[rng.integers(per_page.size)] = rng.choice([2, 3, 4, 8])  # a page of one token never moves a token
     pages = HeadPages(1 + layers * heads * int(rng.integers(2, 5)), per_page, max_pages=int(rng.integers(4, 12)))
     pool = Pool(pages, int(per_page.max()))
     want: dict[int, list[list[list[int]]]] = {}  # owner -> per layer, head: its tokens in order
