@@ -106,8 +106,11 @@ def compile_times(since: int) -> dict:
 
 
 def kind(name: str) -> str:
-    """A CUPTI kernel's share of the split: GEMM, attention or rest."""
+    """A CUPTI kernel's share of the split: GEMM, attention, communication (NCCL's collectives, under tensor
+    parallelism) or rest."""
     low = name.lower()
+    if "nccl" in low or "allreduce" in low or "all_reduce" in low or "allgather" in low:
+        return "comm"
     if "kvjax" in low or "paged_decode" in low or "attention" in low:
         return "attention"
     if any(s in low for s in ("gemm", "nvjet", "cutlass", "xmma", "matmul", "dot")):
@@ -127,9 +130,14 @@ def cupti_steps(runner: Runner, steps: int) -> list[tuple[str, float]]:
 
 
 def floor_bytes(model: kvjax.Model, lengths: np.ndarray, engine: Engine | None = None) -> int:
-    """Bytes a decode step must read: every weight but the embedding table, and each sequence's K/V."""
+    """Bytes a decode step must read: every weight but the embedding table, and each sequence's K/V; under tensor
+    parallelism a device's: its share of the weights and its heads' columns at the padded local layout
+    (``Engine.layouts``), what the slowest device reads."""
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.state))
     embed = model.config.vocab_size * model.config.hidden_size * jnp.dtype(model.dtype).itemsize
+    if engine is not None and engine.devices > 1:
+        local = int(np.asarray(lengths).sum()) * bytes_per_token(engine.layouts, model.dtype)
+        return (weights - embed) // engine.devices + local
     return weights - embed + kv_bytes(model, lengths, engine)
 
 
@@ -173,12 +181,13 @@ def prefilled(
     kv_bits=None,
     eviction=None,
     slots: int | None = None,
+    tensor_parallel: int = 1,
 ) -> Prefilled:
     """An engine whose ``batch`` random ``ctx``-token requests (``new`` tokens each) are prefilled and
     ``warm_steps`` decode steps in, every step shape compiled first by a one-request run of its own. ``kv_bits``:
     quantized pages (of the default 32 tokens; 16 tokens a page otherwise); ``eviction``: each prompt evicted once
     prefilled (``EngineConfig.eviction``); ``slots``: the engine's ``max_batch`` (default ``batch``), more than the
-    batch to time a lightly loaded server's step."""
+    batch to time a lightly loaded server's step; ``tensor_parallel``: devices the engine splits the model over."""
     engine = Engine(
         model,
         max_batch=max(batch, slots or batch),
@@ -188,6 +197,7 @@ def prefilled(
         decode_config=config,
         kv_bits=kv_bits,
         eviction=eviction,
+        tensor_parallel=tensor_parallel,
     )
     runner = Runner(engine)
     rng = np.random.default_rng(0)
@@ -213,7 +223,17 @@ def run_shape(model, rate, batch, ctx, args, bandwidth, kv_bits=None, eviction=N
     still running (each may sample a token per prefill step before, one per step after)."""
     new = batch * -(-ctx // args.chunk_tokens) + args.warm_steps + 2 * args.steps + 8
     state = prefilled(
-        model, batch, ctx, new, args.chunk_tokens, args.config, args.warm_steps, kv_bits, eviction, args.max_batch
+        model,
+        batch,
+        ctx,
+        new,
+        args.chunk_tokens,
+        args.config,
+        args.warm_steps,
+        kv_bits,
+        eviction,
+        args.max_batch,
+        args.tensor_parallel,
     )
     engine, runner, requests, since = state.engine, state.runner, state.requests, state.since
     t0 = time.perf_counter()
@@ -226,20 +246,25 @@ def run_shape(model, rate, batch, ctx, args, bandwidth, kv_bits=None, eviction=N
     if any(r.finish_time is not None for r in requests):
         raise RuntimeError("a request finished while the steps were timed: the batch was not full")
     span = back_to_back(runner, requests, args.steps) if eviction is None else float("nan")
-    split = {"gemm": 0.0, "attention": 0.0, "rest": 0.0}
+    split = {"gemm": 0.0, "attention": 0.0, "comm": 0.0, "rest": 0.0}
     by_name: dict[str, float] = {}
+    per = args.steps * engine.devices  # CUPTI sees every device's kernels: a device's mean step
     for name, ms in kernels:
-        split[kind(name)] += ms / 1e3 / args.steps
-        by_name[name] = by_name.get(name, 0.0) + ms / args.steps
+        split[kind(name)] += ms / 1e3 / per
+        by_name[name] = by_name.get(name, 0.0) + ms / per
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     device = sum(split.values())
     mean_lengths = lengths + args.steps // 2  # over the CUPTI steps
     floor = floor_bytes(model, mean_lengths, engine) / bandwidth
-    attention_floor = kv_bytes(model, mean_lengths, engine) / bandwidth
-    slots = engine.max_batch
+    if engine.devices > 1:  # a device's heads at the padded local layout
+        attention_floor = int(mean_lengths.sum()) * bytes_per_token(engine.layouts, model.dtype) / bandwidth
+    else:
+        attention_floor = kv_bytes(model, mean_lengths, engine) / bandwidth
+    slots, devices = engine.max_batch, engine.devices
     del engine, runner
     return dict(
         rate=rate,
+        tensor_parallel=devices,
         kv_bits=kv_bits,
         eviction=eviction,
         attention_floor_ms=attention_floor * 1e3,
@@ -258,6 +283,7 @@ def run_shape(model, rate, batch, ctx, args, bandwidth, kv_bits=None, eviction=N
         tokens_per_s=batch / wall,
         gemm_ms=split["gemm"] * 1e3,
         attention_ms=split["attention"] * 1e3,
+        comm_ms=split["comm"] * 1e3,
         rest_ms=split["rest"] * 1e3,
         kernels_per_step=len(kernels) / args.steps,
         prefill_tok_s=batch * ctx / state.prefill_s,
@@ -349,13 +375,15 @@ def print_rows(rows: list[dict]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         rate = f"{r['rate']}{' palu' if r.get('method') == 'palu' else ''}"
+        rate += f" TP {r['tensor_parallel']}" if r.get("tensor_parallel", 1) > 1 else ""
+        rest = f"{r['rest_ms']:.2f}" + (f" (NCCL {r['comm_ms']:.2f})" if r.get("comm_ms") else "")
         print(
             f"| {rate} | {r.get('kv_bits') or '-'}{(' evict ' + r['eviction']) if r.get('eviction') else ''} | "
             f"{r['batch']} x {r['ctx']} | {r['wall_ms']:.2f} | "
             f"{r['device_ms']:.2f} | "
             f"{r['floor_ms']:.2f} | {r['pct_of_floor']:.0f}% | {r['wall_over_device']:.3f} | {r['tokens_per_s']:.0f} | "
             f"{r['gemm_ms']:.2f} | {r['attention_ms']:.2f} ({r['attention_floor_ms']:.2f}, "
-            f"{r['attention_pct_of_floor']:.0f}%) | {r['rest_ms']:.2f} | {r['kernels_per_step']:.0f} | "
+            f"{r['attention_pct_of_floor']:.0f}%) | {rest} | {r['kernels_per_step']:.0f} | "
             f"{r['prefill_tok_s']:.0f} ({r['chunk_tokens']}) | "
             f"{r['decode_compile_s']:.1f} / {r['prefill_compile_s']:.1f} ({r['prefill_compiles']}) | "
             f"{r['decode_trace_s']:.1f} + {r['decode_lower_s']:.1f} + {r['decode_compile_s']:.1f} | "
@@ -467,8 +495,17 @@ def main(argv=None) -> None:
         help="banded ZACK: keys in bands of this many positions (rates above 0, --method zack)",
     )
     ap.add_argument("--plan", choices=PLAN_FORMS, default="ordered", help="the rank plan's form (harness.PLAN_FORMS)")
+    ap.add_argument(
+        "--tensor-parallel",
+        type=count_arg("--tensor-parallel"),
+        default=1,
+        help="split the model over this many GPUs (the engine's tensor_parallel); times are a device's mean step, "
+        "floors a device's bytes, comm_ms NCCL's share (default 1)",
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
+    if args.tensor_parallel > 1 and args.evict != [None]:
+        ap.error("--evict is not timed under --tensor-parallel yet (its bytes are counted from one device's heads)")
     if args.band is not None and args.method != "zack":
         ap.error("--band applies to --method zack")
     args.config = with_knobs(DECODE, args.knob)

@@ -45,6 +45,8 @@ def test_compile_times_sum_each_steps_own_events_by_stage(monkeypatch):
         (["--prefill-chunks", "512,0"], "--prefill-chunks must be positive"),
         (["--warm-steps", "-1"], "--warm-steps must be"),
         (["--steps", "two"], "--steps"),
+        (["--tensor-parallel", "0"], "--tensor-parallel"),
+        (["--tensor-parallel", "2", "--evict", "snapkv:2x"], "--evict is not timed under --tensor-parallel"),
     ],
 )
 def test_bad_engine_arguments_are_usage_errors_before_any_model_is_built(args, message, capsys):

@@ -27,6 +27,9 @@ from kvjax.runtime.engine import Engine
         ("decode_config", {}, TypeError, "decode_config must be a DecodeConfig"),
         ("prefill_min_tokens", 0, ValueError, "prefill_min_tokens"),
         ("prefill_max_rows", "8", TypeError, "prefill_max_rows"),
+        ("tensor_parallel", 0, ValueError, "tensor_parallel"),
+        ("tensor_parallel", True, TypeError, "tensor_parallel"),
+        ("tensor_parallel", 2.0, TypeError, "tensor_parallel"),
     ],
 )
 def test_every_field_is_checked_once_with_a_one_line_error(field, value, error, message):

@@ -1,6 +1,7 @@
 """Per-head paging's host side (``kvjax.runtime.head_pages``): a fuzz of growth, eviction with compaction and
-release over random owners, heads of different tokens per page, and a pool simulated token by token: after every
-operation the pages add up, and each head's slots hold exactly its surviving tokens, in order."""
+release over random owners, heads of different tokens per page, one pool or one a device (tensor parallelism), and
+pools simulated token by token: after every operation the pages add up, and each head's slots hold exactly its
+surviving tokens, in order."""
 
 import numpy as np
 import pytest
@@ -11,33 +12,41 @@ from kvjax.runtime.head_pages import HeadPages
 
 
 class Pool:
-    """What the device pool would hold: token ids per (page, token in page); -1 empty."""
+    """What the device pools would hold: token ids per (device, page, token in page); -1 empty."""
 
     def __init__(self, pages: HeadPages, per_page_max: int):
-        self.data = np.full((pages.num_pages, per_page_max), -1, np.int64)
+        self.data = np.full((pages.devices, pages.num_pages, per_page_max), -1, np.int64)
 
     def write(self, pages: HeadPages, owner: int, before: np.ndarray, ids) -> None:
         table = pages.table(owner)
         for (layer, head), start in np.ndenumerate(before):
-            per = pages.per_page[layer, head]
+            per, device = pages.per_page[layer, head], pages.device_of[head]
             for i, token in enumerate(ids[layer][head]):
                 slot = start + i
-                self.data[table[layer, head, slot // per], slot % per] = token
+                self.data[device, table[layer, head, slot // per], slot % per] = token
 
     def read(self, pages: HeadPages, owner: int, layer: int, head: int) -> list[int]:
-        table, per = pages.table(owner), pages.per_page[layer, head]
-        return [int(self.data[table[layer, head, s // per], s % per]) for s in range(pages.stored(owner)[layer, head])]
+        table, per, device = pages.table(owner), pages.per_page[layer, head], pages.device_of[head]
+        held = range(pages.stored(owner)[layer, head])
+        return [int(self.data[device, table[layer, head, s // per], s % per]) for s in held]
 
-    def move(self, source: np.ndarray, destination: np.ndarray) -> None:
-        self.data[destination[:, 2], destination[:, 3]] = self.data[source[:, 2], source[:, 3]]  # gather, then write
+    def move(self, pages: HeadPages, source: np.ndarray, destination: np.ndarray) -> None:
+        device = pages.device_of[source[:, 1]]  # a head's moves stay in its device's pool
+        self.data[device, destination[:, 2], destination[:, 3]] = self.data[device, source[:, 2], source[:, 3]]
 
 
 def _grow(pages, pool, want, owner, n, next_id) -> int | None:
     """Grow ``owner`` by ``n`` tokens a head, writing fresh ids; the next free id, or None if refused."""
     layers, heads = pages.shape
-    before, free_before = pages.stored(owner), pages.free_pages
+    before, free_before = pages.stored(owner), pages.free_per_device
+    fits = pages.fits(owner, n)
     if pages.grow(owner, n) is None:
-        assert pages.free_pages == free_before and (pages.stored(owner) == before).all()
+        too_long = (-(-(before + n) // pages.per_page) > pages.max_pages).any()
+        assert (
+            (not fits or too_long)
+            and (pages.free_per_device == free_before).all()
+            and (pages.stored(owner) == before).all()
+        )
         return None
     ids = [
         [list(range(next_id + (i * heads + h) * n, next_id + (i * heads + h + 1) * n)) for h in range(heads)]
@@ -55,17 +64,17 @@ def _evict(pages, pool, want, owner, rng) -> int:
     """Evict a random share of ``owner``'s tokens per head; the tokens moved."""
     layers, heads = pages.shape
     keep = rng.random((layers, heads, int(pages.stored(owner).max()) + 2)) < rng.random()
-    free_before = pages.free_pages
+    free_before = pages.free_per_device
     source, destination = pages.evict(owner, keep)
-    pool.move(source, destination)
-    gained = 0
+    pool.move(pages, source, destination)
+    gained = np.zeros(pages.devices, np.int64)
     for i in range(layers):
         for h in range(heads):
             survivors = [t for j, t in enumerate(want[owner][i][h]) if keep[i, h, j]]
             per = pages.per_page[i, h]
-            gained += -(-len(want[owner][i][h]) // per) - -(-len(survivors) // per)
+            gained[pages.device_of[h]] += -(-len(want[owner][i][h]) // per) - -(-len(survivors) // per)
             want[owner][i][h] = survivors
-    assert pages.free_pages == free_before + gained
+    assert (pages.free_per_device == free_before + gained).all()
     return len(source)
 
 
@@ -73,10 +82,12 @@ def _evict(pages, pool, want, owner, rng) -> int:
 def test_grow_evict_and_free_keep_every_heads_tokens_and_the_pool_whole(trial):
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    layers, heads = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+    layers, heads = int(rng.integers(1, 4)), int(rng.integers(1, 5))
+    devices = int(rng.choice([d for d in (1, 2, 3, 4) if heads % d == 0]))  # a pool a device, each its run of heads
     per_page = rng.choice([1, 2, 3, 4, 8], (layers, heads))
     per_page.flat[rng.integers(per_page.size)] = rng.choice([2, 3, 4, 8])  # a page of one token never moves a token
-    pages = HeadPages(1 + layers * heads * int(rng.integers(2, 5)), per_page, max_pages=int(rng.integers(4, 12)))
+    size = 1 + layers * heads // devices * int(rng.integers(2, 5))
+    pages = HeadPages(size, per_page, max_pages=int(rng.integers(4, 12)), devices=devices)
     pool = Pool(pages, int(per_page.max()))
     want: dict[int, list[list[list[int]]]] = {}  # owner -> per layer, head: its tokens in order
     next_id, refused, moves = 0, 0, 0
@@ -197,3 +208,17 @@ def test_device_tables_follow_the_filled_entries_across_growth_eviction_and_reus
             np.testing.assert_array_equal(tables[s][mine], pages.table(owner)[mine], f"seed {seed}, step {step}")
         for s in set(range(4)) - set(owner_of):
             assert (tables[s] == NULL_PAGE).all(), f"seed {seed}: a free slot keeps tables"
+
+
+def test_each_device_numbers_its_own_pages_and_one_full_device_refuses_the_growth():
+    pages = HeadPages(6, [[1, 1, 4, 4]], max_pages=8, devices=2)  # heads 0-1 on device 0, 2-3 on device 1
+    first = pages.grow(0, 1)
+    assert sorted(first[:, 3].tolist()) == [1, 1, 2, 2]  # both devices hand out their pages 1 and 2
+    assert pages.free_per_device.tolist() == [3, 3] and pages.free_pages == 3
+    assert pages.fits(0, 1) and not pages.fits(0, 2)  # 4 pages on device 0, none on device 1: 6 free, but not there
+    assert pages.need(0, 2) == 4 and pages.grow(0, 2) is None and pages.free_per_device.tolist() == [3, 3]
+    pages.free(0)
+    assert pages.free_per_device.tolist() == [5, 5]
+    pages.check()
+    with pytest.raises(ValueError, match="cannot be split evenly"):
+        HeadPages(4, [[4, 4, 1]], max_pages=8, devices=2)

@@ -51,6 +51,7 @@ class FakeEngine:
         self.pages = [np.full((n, page_size), -1, np.int64) for n in counts]
         self.slot_tokens = np.zeros(max_batch, np.int64)
         self.eviction = None  # keeps every token (test_engine_eviction's fake evicts)
+        self.devices = 1  # one device: one per-head pool
 
     def rows(self, n):
         return Rows.empty(n, self.pages_per_seq, len(self.windows))

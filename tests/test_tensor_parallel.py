@@ -3,7 +3,12 @@
 sharded forward gives the single-device model's greedy tokens at every position, its logits within float32's
 all-reduce rounding, for Llama, Mistral (sliding window), Falcon (parallel block, biases) and Gemma 3 (q/k norms,
 local and global layers), uncompressed and ZACK-compressed (heads of different widths on each device, padded to one
-local layout), on 1, 2 and 4 devices; what this form cannot split is refused in one line."""
+local layout), on 1, 2 and 4 devices; what this form cannot split is refused in one line. The engine
+(``EngineConfig.tensor_parallel``, through ``kvjax.generate``) gives the single-device greedy tokens on 2 and 4
+devices: its steps inside one ``shard_map``, each device's cache holding its heads' columns of every page, with the
+jnp reference and with the Pallas kernels interpreted, in pages of the model's dtype and 4-bit pages, and with
+eviction (a pool of per-head pages a device, KV-Compress's budget ranked across every device's heads), a tight pool
+cutting the same heads at the same steps."""
 
 import os
 import subprocess
@@ -68,12 +73,90 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_the_sharded_forward_gives_the_single_device_tokens_on_four_cpu_devices():
+ENGINE = textwrap.dedent(
+    """
+    import dataclasses, sys
+    import numpy as np
+    import jax
+    sys.path.insert(0, {tests!r})
+    from conftest import TINY_CONFIGS, varied_plan_model
+    from test_gemma3 import local_then_global
+    import kvjax
+    from kvjax.runtime.engine import Engine
+    from kvjax.runtime.runner import Runner
+    from kvjax.runtime.scheduler import Request
+
+    seed = {seed}
+    rng = np.random.default_rng(seed)
+    llama = dataclasses.replace(TINY_CONFIGS["llama"], num_heads=8, num_kv_heads=4, head_dim=64, hidden_size=128)
+    base = kvjax.Model.random(llama, seed=seed % 1000, scale=2.0)
+    gemma = kvjax.Model.random(local_then_global(2, 64), seed=seed % 1000, scale=2.0)
+    models = dict(llama=base, zack=varied_plan_model(base), gemma3=varied_plan_model(gemma))
+    runs = [
+        ("llama", dict()),
+        ("zack", dict()),
+        ("zack", dict(kv_bits=4)),
+        ("zack", dict(backend="interpret")),
+        ("llama", dict(kv_bits=4, backend="interpret")),
+        ("gemma3", dict()),
+        ("llama", dict(eviction="kvcompress:2x")),
+        ("zack", dict(eviction="kvcompress:2x")),
+        ("zack", dict(eviction="snapkv:2x", backend="interpret")),
+    ]
+    for name, extra in runs:
+        model = models[name]
+        prompts = [list(rng.integers(0, model.config.vocab_size, n)) for n in (5, 37, 18)]
+        kw = dict(max_new_tokens=8, max_seq_len=96, chunk_tokens=32, **extra)
+        want = [g.tokens for g in kvjax.generate(model, prompts, **kw)]
+        for n in (2, 4) if not extra or "eviction" in extra else (2,):
+            if model.config.num_kv_heads % n:
+                continue
+            got = [g.tokens for g in kvjax.generate(model, prompts, tensor_parallel=n, **kw)]
+            assert got == want, (name, extra, n, seed, got, want)
+            print(name, extra, n, "ok", flush=True)
+    engine = Engine(base, max_batch=2, max_seq_len=64, tensor_parallel=2)
+    assert engine.cache.k[0].sharding.spec[0] == "tp" and engine.cache.k[0].shape[0] == 2, engine.cache.k[0].sharding
+    assert "2 cpu devices (tensor parallel" in engine.describe(), engine.describe()
+    for bad, message in (
+        (dict(tensor_parallel=3), "cannot be shared evenly"),
+        (dict(tensor_parallel=8), "tensor_parallel must be 1..4"),
+        (dict(tensor_parallel=2, kv_bits="gear2"), "not supported yet"),
+    ):
+        try:
+            Engine(base, max_batch=2, max_seq_len=64, **bad)
+        except ValueError as e:
+            assert message in str(e) and "\\n" not in str(e), e
+        else:
+            raise AssertionError(bad)
+
+    def tight(n):  # a per-head pool of two sequences a device, four requests that outgrow it: heads are cut
+        settings = dict(max_batch=4, max_seq_len=96, chunk_tokens=32, eviction="snapkv:16", tensor_parallel=n)
+        probe = Engine(base, **settings)
+        one = int((-(-probe.max_seq_len // probe.head_per_page)).sum()) // n  # a sequence's pages on a device
+        engine = Engine(base, **settings, num_pages=2 * one + 1)
+        cuts, compress = [], engine.compress
+        engine.compress = lambda *a: (cuts.append(a), compress(*a))[1]
+        runner = Runner(engine)
+        ids = np.random.default_rng(seed)
+        requests = [runner.add(Request(ids.integers(0, 97, 40).tolist(), 30)) for _ in range(4)]
+        for _ in runner.run():
+            runner.scheduler.check()
+        assert runner.scheduler.pages.heads.free_per_device.tolist() == [engine.head_pages - 1] * n
+        return [r.tokens for r in requests], len(cuts)
+
+    want, cuts = tight(1)
+    assert cuts and tight(2) == (want, cuts), (seed, cuts)
+    print("all ok")
+    """
+)
+
+
+def _run_on_four_devices(script: str) -> None:
     seed = fresh_seed()
     tests = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     run = subprocess.run(
-        [sys.executable, "-c", SCRIPT.format(tests=tests, seed=seed)],
+        [sys.executable, "-c", script.format(tests=tests, seed=seed)],
         env=env,
         capture_output=True,
         text=True,
@@ -81,3 +164,11 @@ def test_the_sharded_forward_gives_the_single_device_tokens_on_four_cpu_devices(
         cwd=os.path.dirname(tests),
     )
     assert run.returncode == 0 and "all ok" in run.stdout, f"seed {seed}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+
+
+def test_the_sharded_forward_gives_the_single_device_tokens_on_four_cpu_devices():
+    _run_on_four_devices(SCRIPT)
+
+
+def test_the_tensor_parallel_engine_gives_the_single_device_greedy_tokens():
+    _run_on_four_devices(ENGINE)

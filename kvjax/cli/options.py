@@ -58,8 +58,9 @@ def add_model(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
-    """--chunk-tokens, --cache-memory, --dtype, --kv-bits and --attention (``batch_flag``: the command's flag for the
-    most sequences decoded at once, which the cache's default size follows)."""
+    """--chunk-tokens, --cache-memory, --dtype, --kv-bits, --evict, --tensor-parallel and --attention
+    (``batch_flag``: the command's flag for the most sequences decoded at once, which the cache's default size
+    follows)."""
     p.add_argument(
         "--chunk-tokens",
         type=positive("chunk_tokens"),
@@ -100,6 +101,15 @@ def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
         "such as 256; the most recent 16 tokens are always kept. When the cache fills mid-decode, a running "
         "request's heads are halved (never below that budget) before any request is preempted. Stacks with "
         "rank compression; not with --kv-bits or Palu, banded or sliding-window models (default none)",
+    )
+    p.add_argument(
+        "--tensor-parallel",
+        type=positive("tensor_parallel"),
+        default=1,
+        metavar="N",
+        help="split the model over N devices of this host (JAX's sharding: each device holds its share of the "
+        "weights and its KV heads' columns of every page, heads placed so each device holds about the same bytes); "
+        "the KV heads must divide by N; uncompressed and ZACK models, not with --evict (default 1)",
     )
     p.add_argument(
         "--attention",

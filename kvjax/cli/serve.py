@@ -122,6 +122,7 @@ def build_engine(args, model):
         prefill_max_rows=args.prefill_max_rows,
         kv_bits=kv_bits_for(model, args.kv_bits),  # by default the checkpoint's choice (--kv-bits none: none)
         eviction=args.evict,
+        tensor_parallel=args.tensor_parallel,
     )
     try:
         return Engine(model, config)

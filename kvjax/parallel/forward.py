@@ -9,10 +9,10 @@ Plain ZACK models too: their devices' heads have different widths, and the one S
 shard, so each device's heads are ordered widest first and padded to the widest j-th head of any device
 (``shards.padded_layout``); the padding's zero columns add exactly nothing. The embedding and lm_head are split by
 vocabulary (padded to the devices): each device looks up the tokens it holds (zeros for the rest, then a ``psum``)
-and computes its share of the logits, gathered after. Not yet in this form (issue 38's next steps,
-``bench/notes/2026-12-03-live-default-and-placement.md``): Palu and banded plans are refused in one line; the
-engine, its page pools and its kernels are single-device, where the per-head kernel's data-driven widths would drop
-the padding.
+and computes its share of the logits, gathered after. ``hidden``, ``gathered_logits`` and ``spmd`` are the pieces the
+engine's steps run in (``EngineConfig.tensor_parallel``). Not yet (issue 38's next steps,
+``bench/notes/2026-12-03-live-default-and-placement.md``): Palu and banded plans are refused in one line; the per-head
+kernel's data-driven widths would drop the padding.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from kvjax.models.config import ModelConfig
 from kvjax.models.transformer import Transformer, separate_params
 from kvjax.ops.prefill.reference import causal_attention
 from kvjax.parallel.placement import Placement, layout_bytes, place
@@ -45,6 +46,8 @@ class Sharded:
     state: nnx.State
     placement: Placement
     vocab_size: int
+    layouts: tuple  # each layer's local (padded) layout: what every device's cache holds
+    config: ModelConfig  # the local module's config (its heads, MLP and vocabulary shares)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +73,11 @@ def shard(model, devices: int) -> Sharded:
         raise ValueError("tensor parallelism runs uncompressed and plain ZACK models for now, not Palu or banded ones")
     available = len(jax.devices())
     if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= available:
-        raise ValueError(f"tensor_parallel must be 1..{available} (the devices JAX sees), got {devices!r}")
+        platform = jax.devices()[0].platform
+        hint = " (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N shows N)" if platform == "cpu" else ""
+        raise ValueError(
+            f"tensor_parallel must be 1..{available}, the {platform} devices JAX sees here{hint}; got {devices!r}"
+        )
     if cfg.num_kv_heads % devices:
         raise ValueError(f"{cfg.num_kv_heads} KV heads cannot be shared evenly by {devices} devices")
     placement = place(layout_bytes(list(model.layouts)), devices)
@@ -98,7 +105,7 @@ def shard(model, devices: int) -> Sharded:
         if any(tuple(p.shape) != want for p in parts):
             raise AssertionError(f"{path}: a device's share has shape {parts[0].shape}, the local module {want}")
         var.set_value(jax.device_put(jnp.stack([jnp.asarray(p) for p in parts]), spread))
-    return Sharded(mesh, graphdef, state, placement, cfg.vocab_size)
+    return Sharded(mesh, graphdef, state, placement, cfg.vocab_size, tuple(locals_), local_cfg)
 
 
 def _part(x, path: tuple, layouts, locals_, order, device: int, *, per: int, devices: int, shape):
@@ -143,23 +150,86 @@ def logits(sharded: Sharded, tokens) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _logits(graphdef, mesh, vocab_size: int, state, tokens):
     def local(state, tokens):
-        module = nnx.merge(graphdef, jax.tree.map(lambda x: x[0], state))
+        module = nnx.merge(graphdef, state)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        rows = module.config.vocab_size  # this device's share of the vocabulary
-        mine = tokens - jax.lax.axis_index(AXIS) * rows
-        held = (mine >= 0) & (mine < rows)
-        x = module.embed_tokens(jnp.where(held, mine, 0))  # a token another device holds looks up zeros here
-        x = jax.lax.psum(jnp.where(held[..., None], x, jnp.zeros_like(x)), AXIS)
 
         def attend(i, q, k, v, rebuild=None, rotation=None):
             if rotation is not None:
                 q, k = rotation.packed(q, k)
             return causal_attention(q, k, v, module.layouts[i], rebuild)
 
-        hidden = module.hidden_from(x, positions, attend, reduce=lambda y: jax.lax.psum(y, AXIS))
-        shares = jax.lax.all_gather(module.logits(hidden), AXIS, axis=-1, tiled=True)  # [B, T, padded vocabulary]
-        return shares[..., :vocab_size]
+        return (gathered_logits(module, hidden(module, tokens, positions, attend), vocab_size),)
 
-    spec = PartitionSpec(AXIS)
-    run = jax.shard_map(local, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=PartitionSpec(), check_vma=False)
-    return run(state, tokens)
+    return spmd(local, mesh, stacked=(True, False), returns=(False,))(state, tokens)[0]
+
+
+def hidden(module: Transformer, tokens, positions, attend) -> jax.Array:
+    """``Transformer.hidden`` on one device's share, inside ``shard_map``: each device looks up the tokens its share
+    of the vocabulary holds (zeros for the rest) and a ``psum`` joins them; every layer's partial attention and MLP
+    outputs are summed by a ``psum`` (``Block``'s ``reduce``). The result is the same on every device."""
+    rows = module.config.vocab_size  # this device's share of the vocabulary
+    mine = tokens - jax.lax.axis_index(AXIS) * rows
+    held = (mine >= 0) & (mine < rows)
+    x = module.embed_tokens(jnp.where(held, mine, 0))  # a token another device holds looks up zeros here
+    x = jax.lax.psum(jnp.where(held[..., None], x, jnp.zeros_like(x)), AXIS)
+    return module.hidden_from(x, positions, attend, reduce=lambda y: jax.lax.psum(y, AXIS))
+
+
+def gathered_logits(module: Transformer, hidden, vocab_size: int) -> jax.Array:
+    """float32 logits [..., vocab_size] on every device: each device's share of the vocabulary, ``all_gather``ed
+    (the padded rows past ``vocab_size`` cut)."""
+    return jax.lax.all_gather(module.logits(hidden), AXIS, axis=-1, tiled=True)[..., :vocab_size]
+
+
+def spmd(fn, mesh: Mesh, stacked: tuple[bool, ...], returns: tuple[bool, ...] | bool):
+    """``fn`` run on every device of ``mesh`` inside one ``shard_map`` (``check_vma=False``: a ``pallas_call`` has no
+    sharding rule). ``stacked[i]``: argument i is per device, every leaf with a leading device axis sharded along
+    "tp" (parameters, cache pools), which ``fn`` sees without it; otherwise it is the same on every device (step
+    inputs). ``returns[j]`` says the same of ``fn``'s outputs (a tuple): a per-device output regains the axis, a
+    whole one must be equal on every device (sampled tokens, computed from gathered logits); a bool: ``fn`` returns
+    one output, so flagged."""
+    single = isinstance(returns, bool)
+    flags = (returns,) if isinstance(returns, bool) else returns
+
+    def local(*args):
+        args = tuple(jax.tree.map(lambda x: x[0], a) if s else a for a, s in zip(args, stacked, strict=True))
+        out = (fn(*args),) if single else fn(*args)
+        out = tuple(jax.tree.map(lambda x: x[None], o) if s else o for o, s in zip(out, flags, strict=True))
+        return out[0] if single else out
+
+    spec, whole = PartitionSpec(AXIS), PartitionSpec()
+    out_specs = tuple(spec if s else whole for s in flags)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=tuple(spec if s else whole for s in stacked),
+        out_specs=out_specs[0] if single else out_specs,
+        check_vma=False,
+    )
+
+
+def stacked_zeros(mesh: Mesh, make):
+    """``make()``'s pytree of arrays (one device's cache), zeros on every device of ``mesh``, stacked on a leading
+    axis sharded along "tp": each device allocates only its own share."""
+    shapes = jax.eval_shape(make)
+    n = mesh.devices.size
+    spread = NamedSharding(mesh, PartitionSpec(AXIS))
+
+    @functools.partial(jax.jit, out_shardings=jax.tree.map(lambda _: spread, shapes))
+    def zeros():
+        return jax.tree.map(lambda s: jnp.zeros((n, *s.shape), s.dtype), shapes)
+
+    return zeros()
+
+
+def local_heads(x, axis: int):
+    """This device's run of ``x``'s heads along ``axis`` (inside ``shard_map``): an array over every device's KV heads
+    in placed order (device ``d``'s at ``d * n`` onward, ``n`` = heads a device), as the host's per-head pages keep
+    them (``runtime.head_pages``)."""
+    n = x.shape[axis] // jax.lax.axis_size(AXIS)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(AXIS) * n, n, axis)
+
+
+def all_heads(x, axis: int):
+    """Every device's heads along ``axis``, in placed order (inside ``shard_map``): ``local_heads``' inverse."""
+    return jax.lax.all_gather(x, AXIS, axis=axis, tiled=True)

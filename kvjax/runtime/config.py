@@ -60,6 +60,8 @@ class EngineConfig:
     # "snapkv:256"), observation-window methods only (``metrics.WINDOWED``); None keeps every token. Its page size
     # becomes the engine's after construction.
     eviction: Eviction | str | None = None
+    # devices the model is split over (``kvjax.parallel``: KV heads placed by bytes, Megatron-style weights); 1: one
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         self._defaults()
@@ -74,10 +76,16 @@ class EngineConfig:
         if self.backend is not None:
             check_backend(self.backend)
         validate.flag("batch_invariant", self.batch_invariant)
+        validate.positive("tensor_parallel", self.tensor_parallel)
         if not isinstance(self.decode_config, DecodeConfig):
             raise TypeError(f"decode_config must be a DecodeConfig, got {type(self.decode_config).__name__}")
         if self.eviction is not None:
             self._check_eviction(engine_eviction(self.eviction, self.page_size))
+        if self.tensor_parallel > 1 and isinstance(self.kv_bits, str):
+            raise ValueError(
+                f"kv_bits {self.kv_bits} with tensor_parallel={self.tensor_parallel} is not supported yet (GEAR's "
+                "outliers and residual are taken over a device's padded heads, which changes them); 4 or 2 bits are"
+            )
 
     def _check_budget(self) -> None:
         """num_pages or cache_memory, each valid, never both."""

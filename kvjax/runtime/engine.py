@@ -34,6 +34,9 @@ from kvjax.ops.paging import NULL_PAGE
 from kvjax.ops.palu import PaluDecodeOp
 from kvjax.ops.prefill.op import PrefillOp
 from kvjax.ops.quant import PageFormat
+from kvjax.parallel import forward
+from kvjax.parallel.forward import local_heads, shard
+from kvjax.parallel.shards import padded_imbalance
 from kvjax.runtime import memory
 from kvjax.runtime.cache import (
     EvictingCache,
@@ -62,6 +65,30 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     """Smallest power of two >= max(n, minimum), capped at ``maximum``."""
     size = max(minimum, pow2_bucket(n))
     return size if maximum is None else min(size, maximum)
+
+
+def _jit(step, *, mesh, args: int, returns: tuple[bool, ...] | bool, cache: int = 1):
+    """A step ``step(weights, cache, *inputs)`` (or ``step(cache, *inputs)``: ``cache=0``) jitted with the cache
+    donated (updated in place); with a ``mesh`` (tensor parallelism) run inside one ``shard_map``
+    (``forward.spmd``): the weights and cache per device, the other inputs (``args`` in all) the same everywhere,
+    ``returns`` flagging the per-device outputs (the cache)."""
+    if mesh is not None:
+        stacked = (True,) * (cache + 1) + (False,) * (args - cache - 1)
+        step = forward.spmd(step, mesh, stacked=stacked, returns=returns)
+    return jax.jit(step, donate_argnums=(cache,), compiler_options=COMPILER_OPTIONS)
+
+
+def _hidden(module, tokens, positions, attend, vocab: int | None) -> jax.Array:
+    """The model's final hidden states: ``Transformer.hidden``, or under tensor parallelism (``vocab``: the whole
+    vocabulary's size) a device's share of the forward joined by all-reduces (``forward.hidden``)."""
+    if vocab is None:
+        return module.hidden(tokens, positions, attend)
+    return forward.hidden(module, tokens, positions, attend)
+
+
+def _logits(module, hidden, vocab: int | None) -> jax.Array:
+    """float32 logits of the whole vocabulary: ``Transformer.logits``, or the devices' shares gathered."""
+    return module.logits(hidden) if vocab is None else forward.gathered_logits(module, hidden, vocab)
 
 
 def prefill_groups(lengths, limit: int, min_length: int = 1, max_rows: int | None = None) -> list[list[int]]:
@@ -158,6 +185,7 @@ def _prefill_step(
     pools,
     formats,
     evict,
+    vocab,
 ):
     """Run prompt chunks [B, T] (chunk b from position ``starts[b]``, ``lengths[b]`` tokens) through the model,
     writing their K/V; the token sampled after each chunk's last row goes to its ``slots`` row (a row past the end:
@@ -166,7 +194,8 @@ def _prefill_step(
     of its block table in ``table``. ``formats`` (quantized caches): each layer's page format; the chunks continue
     the tails of rows ``tail_rows`` (their requests' slots). ``evict`` (an evicting engine's call in which chunks end
     their prompts; ``_Evict``): those prompts are evicted into per-head pages after the model has run
-    (``_evicted``; ``evicting``: its inputs)."""
+    (``_evicted``; ``evicting``: its inputs). ``vocab`` (tensor parallelism): the vocabulary's size, the step one
+    device's share (``_hidden``)."""
     module = nnx.merge(graphdef, jax.tree.unflatten(structure, weights))
     b, t = tokens.shape
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -188,8 +217,8 @@ def _prefill_step(
             )
         return out
 
-    hidden = module.hidden(tokens, positions, attend)
-    new = sample(module.logits(hidden[jnp.arange(b), lengths - 1]), *sampling, greedy=greedy)
+    hidden = _hidden(module, tokens, positions, attend, vocab)
+    new = sample(_logits(module, hidden[jnp.arange(b), lengths - 1], vocab), *sampling, greedy=greedy)
     staged = _rebuilt(staging, ks, vs)
     if not isinstance(cache, EvictingCache):
         return slot_tokens.at[slots].set(new, mode="drop"), new, staged, None
@@ -202,12 +231,15 @@ def _prefill_step(
 @dataclasses.dataclass(frozen=True)
 class _Evict:
     """An evicting engine's static settings for its steps: the policy, the per-head pool's page (elements), the
-    attention backend of its decode and the kernel's schedule (``DecodeConfig.head_schedule``)."""
+    attention backend of its decode and the kernel's schedule (``DecodeConfig.head_schedule``); ``sharded``: its
+    steps run a device's share, their per-head inputs from the host over every device's heads
+    (``forward.local_heads``)."""
 
     spec: Eviction
     page_elems: int
     backend: str
     schedule: str
+    sharded: bool = False  # tensor parallelism: the per-head arrays hold this device's heads (host ones: every head's)
 
 
 def _last_queries(q, k, rotation, lengths, window: int):
@@ -239,6 +271,8 @@ def _evicted(
     a ``slots`` entry take their ``head_tables`` (the host's ``HeadPages`` tables, grown by the whole prompt) and
     their kept counts into that slot; other rows have null head tables and write nothing. Returns (heads, kept
     [B, L, Hkv])."""
+    if evict.sharded:
+        head_tables = local_heads(head_tables, 2)
     pool, kept, _ = evict_prompts(
         evict.spec,
         queries,
@@ -251,6 +285,7 @@ def _evicted(
         heads.pool,
         head_tables,
         evict.page_elems,
+        sharded=evict.sharded,
     )
     tables = heads.tables.at[slots].set(head_tables, mode="drop")
     stored = heads.stored.at[slots].set(kept, mode="drop")
@@ -268,6 +303,8 @@ def _compress_step(cache, slot, last, target, *, evict: _Evict, layouts, tokens:
     (``continual.halved``, which the host's pages already shrank to), scored by the slot's last W queries, the
     latest at position ``last``, and compacted in place (``continual.compress``)."""
     heads, w = cache.heads, evict.spec.window
+    if evict.sharded:
+        target = local_heads(target, 1)
     order = (last - w + 1 + jnp.arange(w)) % w  # the ring's rows oldest first
     queries = [ring[slot][order][None] for ring in heads.queries]
     pool, kept, _ = compress(
@@ -303,14 +340,17 @@ def _decode_step(
     pools,
     formats,
     evict,
+    vocab,
 ):
     """Feed each active row's token (``slot_tokens``, one row per slot) at ``positions``, and put the next one in
     its place; layer i reads its pages through ``table[pools[i]]`` (``formats``: as in ``_prefill_step``). An
     evicting engine's (``evict``) reads and appends to each slot's per-head pages instead, its tables first given
-    this step's new ``entries`` (``HeadKVCache.with_entries``)."""
+    this step's new ``entries`` (``HeadKVCache.with_entries``). ``vocab``: as in ``_prefill_step``."""
     module = nnx.merge(graphdef, jax.tree.unflatten(structure, weights))
     if evict is not None:
-        return _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, entries, greedy, evict)
+        return _decode_heads_step(
+            module, cache, slot_tokens, positions, active, sampling, entries, greedy, evict, vocab
+        )
     ks, vs = _layers(cache)
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
@@ -327,14 +367,19 @@ def _decode_step(
             )
         return out[:, None]
 
-    hidden = module.hidden(slot_tokens[:, None], positions[:, None], attend)
-    new = sample(module.logits(hidden[:, 0]), *sampling, greedy=greedy)
+    hidden = _hidden(module, slot_tokens[:, None], positions[:, None], attend, vocab)
+    new = sample(_logits(module, hidden[:, 0], vocab), *sampling, greedy=greedy)
     return jnp.where(active, new, slot_tokens), _rebuilt(cache, ks, vs)
 
 
-def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, entries, greedy, evict):
+def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, entries, greedy, evict, vocab):
     """``_decode_step`` over per-head pages (``attention.decode_heads``): positions stay the tokens' own (RoPE),
     each head attends to the tokens it stores."""
+    if evict.sharded:  # the host's entries name every device's heads: this device's, renumbered, the rest dropped
+        local = cache.heads.tables.shape[2]
+        mine = entries[:, 2] // local == jax.lax.axis_index(forward.AXIS)
+        entries = entries.at[:, 0].set(jnp.where(mine, entries[:, 0], slot_tokens.shape[0]))
+        entries = entries.at[:, 2].set(entries[:, 2] % local)
     heads = cache.heads.with_entries(jnp.arange(slot_tokens.shape[0]), entries)
     pool, stored, rings = heads.pool, [], list(heads.queries)
     ring_row = jnp.where(active, positions % evict.spec.window, evict.spec.window)  # inactive rows: dropped
@@ -366,8 +411,8 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
         rings[i] = rings[i].at[jnp.arange(packed.shape[0]), ring_row].set(packed.astype(rings[i].dtype), mode="drop")
         return out[:, None]
 
-    hidden = module.hidden(slot_tokens[:, None], positions[:, None], attend)
-    new = sample(module.logits(hidden[:, 0]), *sampling, greedy=greedy)
+    hidden = _hidden(module, slot_tokens[:, None], positions[:, None], attend, vocab)
+    new = sample(_logits(module, hidden[:, 0], vocab), *sampling, greedy=greedy)
     heads = HeadKVCache(pool, heads.tables, jnp.stack(stored, axis=1), tuple(rings))
     return jnp.where(active, new, slot_tokens), EvictingCache(cache.staging, heads)
 
@@ -408,13 +453,18 @@ class Engine:
         call; fewer step shapes to compile (``compile_ahead``) for a little padding, since a short prefill call is
         bound by reading the weights anyway (bench/RESULTS.md "Serving: latency against request rate")."""
         c = self.config = _config(config, settings)
+        # tensor parallelism (``kvjax.parallel``): each device holds its placed KV heads at one padded local layout,
+        # its share of every weight, and its heads' columns of every page; the steps run inside one shard_map
+        self.sharded = None if c.tensor_parallel == 1 else shard(model, c.tensor_parallel)
+        self.layouts = tuple(model.layouts) if self.sharded is None else self.sharded.layouts
+        self.devices = c.tensor_parallel
         max_batch, max_seq_len, page_size, chunk_tokens = c.max_batch, c.max_seq_len, c.page_size, c.chunk_tokens
         backend, batch_invariant = c.backend, c.batch_invariant
         num_pages, cache_memory, cache_dtype = c.num_pages, c.cache_memory, c.cache_dtype
         self.model, self.max_batch, self.page_size = model, max_batch, page_size
         self.chunk_tokens, self.batch_invariant = chunk_tokens, batch_invariant
         self.backend = attention.check_backend(backend or attention.default_backend())
-        kernel_ready = all(w % 16 == 0 for lay in model.layouts for w in lay.k_widths + lay.v_widths)
+        kernel_ready = all(w % 16 == 0 for lay in self.layouts for w in lay.k_widths + lay.v_widths)
         if self.backend != "reference" and not kernel_ready:
             if backend is not None:
                 raise ValueError("the attention kernels need head widths that are multiples of 16")
@@ -428,11 +478,11 @@ class Engine:
             self.prefill_rows = min(max_batch, c.prefill_max_rows)
         self.prefill_limit = min(2 * bucket(max(chunk_tokens, self.prefill_min)), max_batch * bucket(self.max_seq_len))
         self.kv_bits = c.kv_bits
-        self.formats = _formats(model, c)
+        self.formats = _formats(model, self.layouts, c)
         self._build_ops(model, c)
         cache_dtype = cache_dtype or model.dtype
-        self.windows = pool_windows(model.layouts, self.max_seq_len)
-        self.pools = tuple(pool_of(lay, self.windows) for lay in model.layouts)
+        self.windows = pool_windows(self.layouts, self.max_seq_len)
+        self.pools = tuple(pool_of(lay, self.windows) for lay in self.layouts)
         self.eviction: Eviction | None = c.eviction  # type: ignore[assignment]  # EngineConfig parses a string
         self._evict = self._eviction_setup(model) if self.eviction is not None else None
         if self._evict is not None:
@@ -443,35 +493,42 @@ class Engine:
         self.window_pages = {w: n for w, n in zip(self.windows, self.pool_pages) if w is not None}
         self.cache_dtype = cache_dtype
         self.kept: jax.Array | None = None  # the kept counts [rows, L, Hkv] of the last prefill call that evicted
-        self.cache = self._create_cache(model, cache_dtype)
+        self.cache = self._create_cache(cache_dtype)
         self.slot_tokens = jnp.zeros((max_batch,), jnp.int32)
         # The cache is donated to every step, which updates it in place: on the CPU too, where a step that copied it
         # held two caches at once and spent most of its time copying (a 6.7 GB cache: 13 GB resident and about 16 s
         # a step; bench/notes/2026-11-27-first-hour.md)
-        jit = functools.partial(jax.jit, donate_argnums=(1,), compiler_options=COMPILER_OPTIONS)
+        jit = functools.partial(_jit, mesh=None if self.sharded is None else self.sharded.mesh)
         # The weights go to the steps as a flat list: flattening the model's nnx state (its Variables, in Python)
         # at every call cost the host about 0.9 ms a decode step (bench/notes/2026-11-24-memory-startup.md).
-        self.weights, structure = jax.tree.flatten(model.state)
+        graphdef, state = (
+            (model.graphdef, model.state) if self.sharded is None else (self.sharded.graphdef, self.sharded.state)
+        )
+        self.weights, structure = jax.tree.flatten(state)
+        vocab = None if self.sharded is None else self.sharded.vocab_size
         self._steps: dict[tuple, Callable] = {}
         self._compiled: dict[tuple, Callable] = {}  # compile_ahead's executables, by step and input shape
         for greedy in (True, False):
             self._steps["decode", greedy] = jit(
                 functools.partial(
                     _decode_step,
-                    model.graphdef,
+                    graphdef,
                     structure,
                     greedy=greedy,
                     op=self.decode_op,
                     pools=self.pools,
                     formats=self.formats,
                     evict=self._evict,
-                )
+                    vocab=vocab,
+                ),
+                args=9,
+                returns=(False, True),
             )
             for prefix in (True, False):
                 for evicts in (False, True) if self._evict is not None else (False,):
                     step = functools.partial(
                         _prefill_step,
-                        model.graphdef,
+                        graphdef,
                         structure,
                         greedy=greedy,
                         op=self.prefill_op,
@@ -479,21 +536,29 @@ class Engine:
                         pools=self.pools,
                         formats=self.formats,
                         evict=self._evict if evicts else None,
+                        vocab=vocab,
                     )
-                    self._steps["prefill", greedy, prefix, evicts] = jit(step)
+                    self._steps["prefill", greedy, prefix, evicts] = jit(
+                        step, args=11, returns=(False, False, True, True)
+                    )
         if self._evict is not None:
-            step = functools.partial(
-                _compress_step, evict=self._evict, layouts=tuple(model.layouts), tokens=self.max_seq_len
-            )
-            self._steps[("compress",)] = jax.jit(step, donate_argnums=(0,), compiler_options=COMPILER_OPTIONS)
+            step = functools.partial(_compress_step, evict=self._evict, layouts=self.layouts, tokens=self.max_seq_len)
+            self._steps[("compress",)] = jit(step, args=4, returns=True, cache=0)
 
-    def _create_cache(self, model, dtype) -> PagedKVCache | QuantizedKVCache | EvictingCache:
+    def _create_cache(self, dtype) -> PagedKVCache | QuantizedKVCache | EvictingCache:
         """The zeroed cache of the engine's pools: quantized pages (``formats``), staging and per-head pages
-        (eviction), or pages of ``dtype``."""
+        (eviction), or pages of ``dtype``; under tensor parallelism one such cache a device (of its heads' columns,
+        the page numbers shared), stacked and sharded, each device allocating its own."""
+        if self.sharded is not None:
+            return forward.stacked_zeros(self.sharded.mesh, functools.partial(self._local_cache, dtype))
+        return self._local_cache(dtype)
+
+    def _local_cache(self, dtype) -> PagedKVCache | QuantizedKVCache | EvictingCache:
+        """One device's cache (``_create_cache``)."""
         if self._evict is not None:
-            layers, heads = self.head_per_page.shape
+            layers, heads = self._local_per_page.shape
             return EvictingCache(
-                PagedKVCache.create(model.layouts, self.num_pages, self.page_size, dtype),
+                PagedKVCache.create(self.layouts, self.num_pages, self.page_size, dtype),
                 HeadKVCache.create(
                     self.head_pages,
                     self._evict.page_elems,
@@ -502,14 +567,12 @@ class Engine:
                     heads,
                     self.head_max_pages,
                     dtype,
-                    [(self._evict.spec.window, lay.q_cols) for lay in model.layouts],
+                    [(self._evict.spec.window, lay.q_cols) for lay in self.layouts],
                 ),
             )
         if self.formats is None:
-            return PagedKVCache.create(model.layouts, self.pool_pages, self.page_size, dtype, self.windows)
-        return QuantizedKVCache.create(
-            self.formats, model.layouts, self.pool_pages, self.max_batch, dtype, self.windows
-        )
+            return PagedKVCache.create(self.layouts, self.pool_pages, self.page_size, dtype, self.windows)
+        return QuantizedKVCache.create(self.formats, self.layouts, self.pool_pages, self.max_batch, dtype, self.windows)
 
     def _eviction_setup(self, model) -> _Evict:
         """An evicting engine's per-head pool format, or a one-line refusal of what it cannot evict yet: a page of
@@ -527,11 +590,14 @@ class Engine:
                 f"eviction {spec.name} on a model with sliding-window layers is not supported yet (their pages go back "
                 "as the window passes; a head's evicted slots no longer say which position they hold)"
             )
-        widths = [k + v for lay in model.layouts for k, v in zip(lay.k_widths, lay.v_widths)]
+        widths = [k + v for lay in self.layouts for k, v in zip(lay.k_widths, lay.v_widths)]
         page_elems = self.page_size * max(widths)
-        self.head_per_page = np.stack([head_paging.layer_tokens_per_page(lay, page_elems) for lay in model.layouts])
-        self.head_max_pages = -(-self.max_seq_len // int(self.head_per_page.min()))
-        return _Evict(spec, page_elems, self.backend, self.config.decode_config.head_schedule)
+        local = np.stack([head_paging.layer_tokens_per_page(lay, page_elems) for lay in self.layouts])
+        self._local_per_page = local  # a device's heads; the host's pages (``HeadPages``) hold every device's
+        self.head_per_page = np.tile(local, (1, self.devices))
+        self.head_max_pages = -(-self.max_seq_len // int(local.min()))
+        schedule = self.config.decode_config.head_schedule
+        return _Evict(spec, page_elems, self.backend, schedule, sharded=self.sharded is not None)
 
     def _evicting_pages(self, num_pages, cache_memory, dtype) -> tuple[int, ...]:
         """An evicting engine's two pools: the staging pool (``num_pages``) holds two whole ``max_seq_len`` prompts
@@ -541,11 +607,11 @@ class Engine:
         sequence. Returns (staging pages,)."""
         assert self._evict is not None
         staging = 2 * self.pages_per_seq + 1
-        one = int((-(-self.max_seq_len // self.head_per_page)).sum())  # a full sequence in every head
+        one = int((-(-self.max_seq_len // self._local_per_page)).sum())  # a full sequence in a device's every head
         need = self.max_batch * one + 1
         page_bytes = self._evict.page_elems * jnp.dtype(dtype).itemsize
-        staging_bytes = staging * self.page_size * bytes_per_token(self.model.layouts, dtype)
-        rings = self.max_batch * self._evict.spec.window * sum(lay.q_cols for lay in self.model.layouts)
+        staging_bytes = staging * self.page_size * bytes_per_token(self.layouts, dtype)
+        rings = self.max_batch * self._evict.spec.window * sum(lay.q_cols for lay in self.layouts)
         staging_bytes += rings * jnp.dtype(dtype).itemsize  # each slot's last queries (continual eviction)
         if num_pages is not None:
             self.budget_note = f"num_pages={num_pages}"
@@ -578,22 +644,22 @@ class Engine:
         interpret = self.backend == "interpret"
         band = model.module.band
         if model.module.rebuilt_k:  # K rebuilt (Palu's latent, banded keys): prefill at full width over rebuilt K
-            self.prefill_op = PrefillOp([full_width(lay) for lay in model.layouts], interpret=interpret)
+            self.prefill_op = PrefillOp([full_width(lay) for lay in self.layouts], interpret=interpret)
             if band is None or band < MIN_BAND:  # Palu's own decode kernel, rebuilding every key
                 self.decode_op = PaluDecodeOp(batch_invariant=c.batch_invariant, interpret=interpret)
                 return
         else:
-            self.prefill_op = PrefillOp(model.layouts, interpret=interpret)
+            self.prefill_op = PrefillOp(self.layouts, interpret=interpret)
         if c.eviction is not None:  # decode reads per-head pages (attention.decode_heads), with no host schedule
             return
         if self.formats is not None:
             if all(isinstance(f, PageFormat) for f in self.formats):
-                self.decode_op = _quant_decode_op(model.layouts, self.formats, self.pages_per_seq, c, interpret)
+                self.decode_op = _quant_decode_op(self.layouts, self.formats, self.pages_per_seq, c, interpret)
             else:  # GEAR pages
-                self.decode_op = GearDecodeOp(model.layouts, self.formats, interpret=interpret)
+                self.decode_op = GearDecodeOp(self.layouts, self.formats, interpret=interpret)
             return
         self.decode_op = DecodeOp(
-            model.layouts,
+            self.layouts,
             c.page_size,
             self.pages_per_seq,
             max_batch=c.max_batch,
@@ -608,7 +674,7 @@ class Engine:
         """Tokens the whole-context pool holds (its pages less the null page); an evicting engine's: the tokens its
         per-head pool holds at the model's widths (each head's share of a page at its own width)."""
         if self._evict is not None:
-            cols = sum(lay.k_cols + lay.v_cols for lay in self.model.layouts)
+            cols = sum(lay.k_cols + lay.v_cols for lay in self.layouts)
             return (self.head_pages - 1) * self._evict.page_elems // cols
         return (self.num_pages - 1) * self.page_size
 
@@ -621,17 +687,25 @@ class Engine:
 
     def token_bytes(self) -> dict:
         """Cache bytes a token takes across all layers, by part (``cache.token_bytes``)."""
-        return token_bytes(self.model.layouts, self.cache_dtype, self.formats)
+        return token_bytes(self.layouts, self.cache_dtype, self.formats)
 
     def describe(self) -> str:
         """One line for people: where and how the engine runs, its batch, positions per sequence and cache, and how
         the cache's size was chosen."""
         dtype = jnp.dtype(self.model.dtype).name
+        where, size = machine.platform(), memory.size(self.cache.nbytes)
+        if self.sharded is not None:
+            n, placement = self.config.tensor_parallel, self.sharded.placement
+            padded = padded_imbalance(list(self.model.layouts), placement)
+            where = (
+                f"{n} {where} devices (tensor parallel: KV heads placed by bytes, each device's padded to one layout, "
+                f"{padded:.2f}x the mean device's bytes)"
+            )
+            size = f"{size}, {memory.size(self.cache.nbytes // n)} a device"
         return (
-            f"on {machine.platform()} in {dtype} ({self.backend} attention): up to {self.max_batch} sequences at once "
+            f"on {where} in {dtype} ({self.backend} attention): up to {self.max_batch} sequences at once "
             f"of up to {self.max_seq_len} positions; KV cache {self.cache_tokens:,} tokens, "
-            f"{memory.size(self.cache.nbytes)} ({self.budget_note}){self._format_note()}{self._band_note()}"
-            f"{self._eviction_note()}"
+            f"{size} ({self.budget_note}){self._format_note()}{self._band_note()}{self._eviction_note()}"
         )
 
     def _eviction_note(self) -> str:
@@ -666,7 +740,7 @@ class Engine:
         narrow = (
             self.decode_op is not None
             and not gear
-            and any(min(lay.k_widths + lay.v_widths) < lay.head_dim for lay in self.model.layouts)
+            and any(min(lay.k_widths + lay.v_widths) < lay.head_dim for lay in self.layouts)
         )
         note = ""
         if narrow:
@@ -686,7 +760,8 @@ class Engine:
 
     def activation_bytes(self) -> int:
         """The room the largest step needs beside the cache (``memory.activation_bytes``'s estimate)."""
-        cfg, dtype = self.model.config, self.model.dtype
+        cfg = self.model.config if self.sharded is None else self.sharded.config  # a device's heads and MLP share
+        dtype = self.model.dtype
         scores = self.backend == "reference"
         gathers = scores or self.model.module.rebuilt_k  # a prefill over rebuilt K (Palu, banded) gathers each row
         rows = min(self.max_batch, self.prefill_limit)
@@ -725,7 +800,7 @@ class Engine:
         if num_pages is not None:
             self.budget_note = f"num_pages={num_pages}"
             return tuple(min(num_pages, need) if i else num_pages for i, need in enumerate(needs))
-        pooled = [tuple(lay for lay, p in zip(self.model.layouts, self.pools) if p == i) for i in range(len(needs))]
+        pooled = [tuple(lay for lay, p in zip(self.layouts, self.pools) if p == i) for i in range(len(needs))]
         if self.formats is None:
             page_bytes = [self.page_size * bytes_per_token(layouts, dtype) for layouts in pooled]
         else:
@@ -787,7 +862,7 @@ class Engine:
             padded.sampling(),
             evicting,
         )
-        self.kept = kept
+        self.kept = kept if self.sharded is None or kept is None else _placed(kept)
         return new
 
     def _evicting_inputs(self, heads, starts, lengths, n: int) -> tuple:
@@ -925,13 +1000,14 @@ class Engine:
         return None if self.decode_op is None else self.decode_op.plan(lengths)
 
 
-def _formats(model, c: EngineConfig) -> tuple[AnyPageFormat, ...] | None:
-    """Each layer's quantized page format (``kv_schemes.page_format``), or None for pages in the cache's dtype."""
+def _formats(model, layouts, c: EngineConfig) -> tuple[AnyPageFormat, ...] | None:
+    """Each layer's quantized page format (``kv_schemes.page_format``) for its cached ``layouts`` (a device's, under
+    tensor parallelism), or None for pages in the cache's dtype."""
     # Palu and banded models refused, in the words kvjax.compress uses
     kv_bits = check_kv_bits(c.kv_bits, model.module.method, model.module.band)
     if kv_bits is None:
         return None
-    return tuple(page_format(kv_bits, lay, c.page_size) for lay in model.layouts)
+    return tuple(page_format(kv_bits, lay, c.page_size) for lay in layouts)
 
 
 def _quant_decode_op(layouts, formats, pages_per_seq: int, config: EngineConfig, interpret: bool):
@@ -961,6 +1037,12 @@ def _config(config: EngineConfig | None, settings: dict) -> EngineConfig:
     if not isinstance(config, EngineConfig):
         raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
     return config
+
+
+def _placed(kept: jax.Array) -> jax.Array:
+    """Kept counts [devices, rows, L, local heads] as the host's per-head pages order them, [rows, L, heads]."""
+    n, b, layers, local = kept.shape
+    return jnp.moveaxis(kept, 0, 2).reshape(b, layers, n * local)
 
 
 def _pad_rows(rows: Rows, out: Rows) -> Rows:

@@ -10,6 +10,11 @@ A sequence reaches a number of *positions*; each head stores ``positions - evict
 order (slot ``i`` is token ``i % per_page`` of the head's page ``i // per_page``). Every operation works on all
 (layer, head) pairs at once as NumPy arrays: a loop over 32 layers x 8 heads a sequence a step would cost more than
 the step (DESIGN.md section 7, "Per-head pages").
+
+Under tensor parallelism (``devices`` > 1) each device holds its own pool of ``num_pages`` pages for its heads: the
+heads split into ``devices`` equal runs along the head axis (device ``d`` holds heads ``d * H/devices`` onward, the
+engine's placed order), and a head's pages are numbered within its device's pool. One manager still answers for
+every head, so the scheduler asks one question (``fits``) and gets pages on every device or a refusal.
 """
 
 from __future__ import annotations
@@ -20,18 +25,23 @@ from kvjax.ops.paging import NULL_PAGE
 
 
 class HeadPages:
-    """A pool of ``num_pages`` pages (page 0 the null page) shared by every (layer, KV head); head (l, h) stores
-    ``per_page[l, h]`` tokens a page and holds at most ``max_pages`` pages."""
+    """A pool of ``num_pages`` pages (page 0 the null page) shared by every (layer, KV head), one such pool a
+    device where ``devices`` > 1 (each shared by its run of heads); head (l, h) stores ``per_page[l, h]`` tokens a page
+    and holds at most ``max_pages`` pages."""
 
-    def __init__(self, num_pages: int, per_page, max_pages: int):
+    def __init__(self, num_pages: int, per_page, max_pages: int, devices: int = 1):
         self.per_page = np.asarray(per_page, np.int64)
         if self.per_page.ndim != 2 or (self.per_page < 1).any():
             raise ValueError(f"per_page must be positive tokens per page, [layers, heads], got {self.per_page!r}")
         if num_pages < 2 or max_pages < 1:
             raise ValueError(f"a pool needs at least 2 pages and a head at least 1, got {num_pages} and {max_pages}")
-        self.num_pages, self.max_pages = num_pages, max_pages
-        self._free = np.arange(num_pages - 1, NULL_PAGE, -1, dtype=np.int32)  # a stack: the top is the end
-        self._top = num_pages - 1
+        if devices < 1 or self.per_page.shape[1] % devices:
+            raise ValueError(f"{self.per_page.shape[1]} heads cannot be split evenly over {devices} devices")
+        self.num_pages, self.max_pages, self.devices = num_pages, max_pages, devices
+        self.device_of = np.arange(self.per_page.shape[1]) // (self.per_page.shape[1] // devices)  # each head's
+        # a stack of free pages a device: the top is the end
+        self._free = np.tile(np.arange(num_pages - 1, NULL_PAGE, -1, dtype=np.int32), (devices, 1))
+        self._top = np.full(devices, num_pages - 1, np.int64)
         self._tables: dict[int, np.ndarray] = {}  # owner -> int32 [layers, heads, max_pages]
         self._stored: dict[int, np.ndarray] = {}  # owner -> int64 [layers, heads]: tokens each head stores
 
@@ -43,7 +53,13 @@ class HeadPages:
 
     @property
     def free_pages(self) -> int:
-        return self._top
+        """Free pages of the pool, or of the device with the fewest."""
+        return int(self._top.min())
+
+    @property
+    def free_per_device(self) -> np.ndarray:
+        """Free pages of each device's pool, [devices]."""
+        return self._top.copy()
 
     def _pages(self, stored: np.ndarray) -> np.ndarray:
         return -(-stored // self.per_page)
@@ -60,9 +76,19 @@ class HeadPages:
         return self._tables.get(owner, np.full((*self.shape, self.max_pages), NULL_PAGE, np.int32)).copy()
 
     def need(self, owner: int, new_tokens) -> int:
-        """Pages ``owner`` lacks to store ``new_tokens`` more tokens in every head (an int, or [layers, heads])."""
+        """Pages ``owner`` lacks to store ``new_tokens`` more tokens in every head (an int, or [layers, heads]), over
+        every device."""
+        return int(self._lacking(owner, new_tokens).sum())
+
+    def fits(self, owner: int, new_tokens) -> bool:
+        """Whether ``grow(owner, new_tokens)`` would find its pages on every device now."""
+        return bool((self._lacking(owner, new_tokens) <= self._top).all())
+
+    def _lacking(self, owner: int, new_tokens) -> np.ndarray:
+        """Pages ``owner`` lacks on each device, [devices]."""
         stored = self._stored.get(owner, np.zeros(self.shape, np.int64))
-        return int((self._pages(stored + new_tokens) - self._pages(stored)).sum())
+        delta = self._pages(stored + np.asarray(new_tokens, np.int64)) - self._pages(stored)
+        return np.bincount(self.device_of, delta.sum(0), minlength=self.devices).astype(np.int64)
 
     def grow(self, owner: int, new_tokens) -> np.ndarray | None:
         """Append ``new_tokens`` tokens to every head of ``owner`` (an int, or [layers, heads]), taking pages from
@@ -83,13 +109,17 @@ class HeadPages:
         have, want = self._pages(stored), self._pages(after)
         delta = want - have
         total = int(delta.sum())
-        if total > self._top or (want > self.max_pages).any():
+        per_device = np.bincount(self.device_of, delta.sum((0, 1)), minlength=self.devices).astype(np.int64)
+        if (per_device > self._top).any() or (want > self.max_pages).any():
             return None
-        fresh = self._free[self._top - total : self._top][::-1]  # the stack's top first
-        self._top -= total
         row, layer, head = np.nonzero(delta)
         counts = delta[row, layer, head]
         row, layer, head = (np.repeat(x, counts) for x in (row, layer, head))
+        fresh = np.zeros(total, np.int32)
+        for d in np.nonzero(per_device)[0]:  # each device's pages from its own stack, its top first
+            mine, top = self.device_of[head] == d, self._top[d]
+            fresh[mine] = self._free[d, top - per_device[d] : top][::-1]
+            self._top[d] -= per_device[d]
         index = have[row, layer, head] + np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
         bounds = np.searchsorted(row, np.arange(len(owners) + 1))
         for i, owner in enumerate(owners):
@@ -107,20 +137,24 @@ class HeadPages:
             return
         table = self._tables.pop(owner)
         del self._stored[owner]
-        self._push(table[table != NULL_PAGE])
+        self._push(table, table != NULL_PAGE)
 
-    def _push(self, pages: np.ndarray) -> None:
-        n = len(pages)
-        self._free[self._top : self._top + n] = pages[::-1]
-        self._top += n
+    def _push(self, table: np.ndarray, gone: np.ndarray) -> None:
+        """Give back the pages of ``table`` [layers, heads, pages] that ``gone`` marks, each to its device's stack."""
+        heads = np.broadcast_to(self.device_of[None, :, None], table.shape)
+        for d in range(self.devices):
+            pages = table[gone & (heads == d)]
+            n, top = len(pages), self._top[d]
+            self._free[d, top : top + n] = pages[::-1]
+            self._top[d] += n
 
     def evict(self, owner: int, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Keep, of each head's stored tokens, those ``keep`` marks (bool [layers, heads, >= max stored]; entries
         past a head's stored count are ignored), moved to the head's first slots in their order, and give back the
         pages no longer needed. Returns the moves, (source, destination) int64 [n, 4] rows of (layer, head, page,
-        token in page): a device gather reading every source before any write (``jnp`` scatter of gathered rows)
-        applies them in place, and must run before anything is written to the pages given back (sources may lie
-        in them)."""
+        token in page; the page in the head's device's pool): a device gather reading every source before any
+        write (``jnp`` scatter of gathered rows) applies them in place, and must run before anything is written to
+        the pages given back (sources may lie in them)."""
         stored = self._stored[owner]
         table = self._tables[owner]
         keep = np.asarray(keep, bool)
@@ -151,7 +185,7 @@ class HeadPages:
         pages = np.arange(self.max_pages)
         gone = (pages >= want[..., None]) & (pages < have[..., None])
         freed = table[gone]
-        self._push(freed)
+        self._push(table, gone)
         table[gone] = NULL_PAGE
         self._stored[owner] = kept
         return freed
@@ -163,12 +197,14 @@ class HeadPages:
     def check(self) -> None:
         """Raise AssertionError unless pages add up: owned + free = the pool, none owned twice or both owned and free,
         and each head holds exactly the pages its stored tokens need, in its first table entries."""
-        owned = np.concatenate([t[t != NULL_PAGE] for t in self._tables.values()] or [np.zeros(0, np.int32)])
-        free = self._free[: self._top]
-        assert len(np.unique(owned)) == len(owned), "a page is owned twice"
-        assert len(np.unique(free)) == len(free), "a page is free twice"
-        assert len(owned) + len(free) == self.num_pages - 1, "pages leaked"
-        assert not np.intersect1d(owned, free).size and NULL_PAGE not in free, "an owned page is free"
+        for d in range(self.devices):
+            tables = [t[:, self.device_of == d] for t in self._tables.values()]
+            owned = np.concatenate([t[t != NULL_PAGE] for t in tables] or [np.zeros(0, np.int32)])
+            free = self._free[d, : self._top[d]]
+            assert len(np.unique(owned)) == len(owned), f"device {d}: a page is owned twice"
+            assert len(np.unique(free)) == len(free), f"device {d}: a page is free twice"
+            assert len(owned) + len(free) == self.num_pages - 1, f"device {d}: pages leaked"
+            assert not np.intersect1d(owned, free).size and NULL_PAGE not in free, f"device {d}: an owned page is free"
         for owner, table in self._tables.items():
             want = self._pages(self._stored[owner])
             held = (table != NULL_PAGE).sum(-1)

@@ -161,7 +161,7 @@ class PageManager:
 
     def can_hold_heads(self, owner: int, tokens: int) -> bool:
         """Whether the per-head pool has the pages ``tokens`` more tokens in every head of ``owner`` need, now."""
-        return self.heads.need(owner, tokens) <= self.heads.free_pages
+        return self.heads.fits(owner, tokens)
 
     def grow_heads(self, owner: int, tokens: int):
         """Append ``tokens`` tokens to every head of ``owner`` in the per-head pool; the table entries filled
