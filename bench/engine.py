@@ -23,6 +23,7 @@ from flax import nnx
 from harness import (
     LLAMA_8B,
     PLAN_FORMS,
+    SHAPES,
     copy_bandwidth,
     count_arg,
     cupti_kernels,
@@ -59,9 +60,12 @@ def model_at(
     form="ordered",
     method: str = "zack",
     band: int | None = None,
+    shapes_only: bool = False,
 ) -> kvjax.Model:
-    """Random bf16 weights of the 8B shape; rate > 0: compressed by ``method`` to the widths of
-    ``harness.rank_plan`` (in ``form``, its heads ordered for the decode ``config``; ``band``: banded ZACK)."""
+    """Random bf16 weights of the 8B shape (or ``cfg``'s); rate > 0: compressed by ``method`` to the widths of
+    ``harness.rank_plan`` (in ``form``, its heads ordered for the decode ``config``; ``band``: banded ZACK).
+    ``shapes_only``: the module's shapes without values, which a tensor-parallel engine fills with random shares on
+    each device (``forward.shard``): a shape larger than one GPU holds is never built whole."""
     plan = None
     if rate > 0:
         layouts = rank_plan(rate, cfg.num_layers, form=form, config=config)
@@ -69,7 +73,13 @@ def model_at(
         v = np.array([lay.v_widths for lay in layouts])
         ones = np.ones((*k.shape, cfg.head_dim))
         plan = RankPlan(method, cfg.head_dim, k, v, ones, ones, band=band)
-    return kvjax.Model(Transformer(cfg, plan=plan, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), plan=plan)
+
+    def build():
+        module = Transformer(cfg, plan=plan, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        module.join()
+        return module
+
+    return kvjax.Model(nnx.eval_shape(build) if shapes_only else build(), plan=plan)
 
 
 COMPILES: list[tuple[str, str, float]] = []  # (stage, function, seconds) of every trace, lowering and XLA compile
@@ -133,7 +143,7 @@ def floor_bytes(model: kvjax.Model, lengths: np.ndarray, engine: Engine | None =
     """Bytes a decode step must read: every weight but the embedding table, and each sequence's K/V; under tensor
     parallelism a device's: its share of the weights and its heads' columns at the padded local layout
     (``Engine.layouts``), what the slowest device reads."""
-    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.state))
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.state))  # values or shapes only
     embed = model.config.vocab_size * model.config.hidden_size * jnp.dtype(model.dtype).itemsize
     if engine is not None and engine.devices > 1:
         local = int(np.asarray(lengths).sum()) * bytes_per_token(engine.layouts, model.dtype)
@@ -408,7 +418,15 @@ def method_name(args) -> str:
 def decode_rows(args, bandwidth: float, rows: list[dict], save) -> None:
     """A decode row per rate, shape and cache format (``--kv-bits``), appended to ``rows``, ``save``d after each."""
     for rate in [] if args.no_decode else args.rates:
-        model = model_at(rate, config=args.config, form=args.plan, method=args.method, band=args.band)
+        model = model_at(
+            rate,
+            SHAPES[args.model],
+            config=args.config,
+            form=args.plan,
+            method=args.method,
+            band=args.band,
+            shapes_only=args.tensor_parallel > 1,
+        )
         for batch, ctx in args.shapes:
             for bits in args.kv_bits:
                 for evict in args.evict:
@@ -501,6 +519,12 @@ def main(argv=None) -> None:
         default=1,
         help="split the model over this many GPUs (the engine's tensor_parallel); times are a device's mean step, "
         "floors a device's bytes, comm_ms NCCL's share (default 1)",
+    )
+    ap.add_argument(
+        "--model",
+        choices=tuple(SHAPES),
+        default="llama-8b",
+        help="the random model's shape (default llama-8b; llama-70b needs --tensor-parallel: 141 GB of weights)",
     )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)

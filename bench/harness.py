@@ -40,6 +40,10 @@ LLAMA_8B = ModelConfig(  # the whole model's shape, for engine benchmarks (rando
     rope_theta=5e5,
     max_position_embeddings=131072,
 )
+LLAMA_70B = dataclasses.replace(  # Llama-3.1-70B's shape: 141 GB in bf16, more than one GPU holds
+    LLAMA_8B, num_layers=80, num_heads=64, hidden_size=8192, intermediate_size=28672
+)
+SHAPES = {"llama-8b": LLAMA_8B, "llama-70b": LLAMA_70B}
 GEMMA3_270M = ModelConfig(  # Gemma 3 270M's shape (its GGUF's config), for engine benchmarks (random weights)
     arch="gemma3",
     num_layers=18,

@@ -46,6 +46,7 @@ def test_compile_times_sum_each_steps_own_events_by_stage(monkeypatch):
         (["--warm-steps", "-1"], "--warm-steps must be"),
         (["--steps", "two"], "--steps"),
         (["--tensor-parallel", "0"], "--tensor-parallel"),
+        (["--model", "llama-7b"], "invalid choice"),
         (["--tensor-parallel", "2", "--evict", "snapkv:2x"], "--evict is not timed under --tensor-parallel"),
     ],
 )

@@ -82,6 +82,9 @@ ENGINE = textwrap.dedent(
     from conftest import TINY_CONFIGS, varied_plan_model
     from test_gemma3 import local_then_global
     import kvjax
+    import jax.numpy as jnp
+    from flax import nnx
+    from kvjax.models.transformer import Transformer
     from kvjax.runtime.engine import Engine
     from kvjax.runtime.runner import Runner
     from kvjax.runtime.scheduler import Request
@@ -143,6 +146,23 @@ ENGINE = textwrap.dedent(
             runner.scheduler.check()
         assert runner.scheduler.pages.heads.free_per_device.tolist() == [engine.head_pages - 1] * n
         return [r.tokens for r in requests], len(cuts)
+
+    def build():  # a module of shapes only: the engine draws each device's shares, never the whole model
+        module = Transformer(base.config, plan=models["zack"].plan, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        module.join()
+        return module
+
+    shapes = kvjax.Model(nnx.eval_shape(build), plan=models["zack"].plan)
+    engine = Engine(shapes, max_batch=2, max_seq_len=64, tensor_parallel=2)
+    assert all(w.sharding.spec[0] == "tp" for w in engine.weights) and float(abs(engine.weights[-1]).max()) > 0
+    (out,) = kvjax.generate(shapes, [[1, 2, 3]], max_new_tokens=4, max_seq_len=64, tensor_parallel=2)
+    assert len(out.tokens) == 4
+    try:
+        Engine(shapes, max_batch=2, max_seq_len=64)
+    except ValueError as e:
+        assert "give tensor_parallel > 1" in str(e), e
+    else:
+        raise AssertionError("a model of shapes only ran on one device")
 
     want, cuts = tight(1)
     assert cuts and tight(2) == (want, cuts), (seed, cuts)

@@ -97,7 +97,7 @@ class Model:
 
     @property
     def dtype(self):
-        return self.module.embed[...].dtype
+        return self.module.embed.get_value().dtype  # an array's, or a shapes-only module's ShapeDtypeStruct's
 
     def logits(self, tokens) -> jax.Array:
         """One full causal forward, no cache: int32 [B, T] -> float32 [B, T, vocab]."""

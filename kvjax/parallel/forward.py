@@ -63,10 +63,12 @@ class _LocalPlan:
         return self.widths[layer]
 
 
-def shard(model, devices: int) -> Sharded:
+def shard(model, devices: int, seed: int = 0) -> Sharded:
     """``model`` (a ``kvjax.Model``: uncompressed or plain ZACK) split over the first ``devices`` devices by
     byte-balanced placement (``placement.place``), each device's heads widest first and padded to one local layout
-    (``shards.padded_layout``); refused in one line where this form cannot split it."""
+    (``shards.padded_layout``); refused in one line where this form cannot split it. A model of shapes only (its
+    module built under ``nnx.eval_shape``: ``shapes_only``) gets random shares drawn on each device from ``seed``,
+    never whole on one: how a benchmark runs a shape larger than one device holds (Llama-3.1-70B's 141 GB)."""
     cfg = model.config
     method = None if model.plan is None else model.plan.method
     if method not in (None, "zack") or getattr(model.plan, "band", None) is not None:
@@ -95,17 +97,33 @@ def shard(model, devices: int) -> Sharded:
     plan = None if method is None else _LocalPlan(method, tuple((lay.k_widths, lay.v_widths) for lay in locals_))
     local = nnx.eval_shape(lambda: Transformer(local_cfg, plan=plan, dtype=model.dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(local)
-    params = separate_params(model.module)
+    params = None if shapes_only(model) else separate_params(model.module)
     mesh = Mesh(np.asarray(jax.devices()[:devices]), (AXIS,))
     spread = NamedSharding(mesh, PartitionSpec(AXIS))
-    for path, var in nnx.to_flat_state(state):
+    for i, (path, var) in enumerate(nnx.to_flat_state(state)):
         want = tuple(var.get_value().shape)
+        if params is None:
+            var.set_value(_random_shares(mesh, (devices, *want), var.get_value().dtype, seed * 100003 + i))
+            continue
         share = functools.partial(_part, params[path], path, model.layouts, locals_, order, per=per, shape=want)
         parts = [share(d, devices=devices) for d in range(devices)]
         if any(tuple(p.shape) != want for p in parts):
             raise AssertionError(f"{path}: a device's share has shape {parts[0].shape}, the local module {want}")
         var.set_value(jax.device_put(jnp.stack([jnp.asarray(p) for p in parts]), spread))
     return Sharded(mesh, graphdef, state, placement, cfg.vocab_size, tuple(locals_), local_cfg)
+
+
+def shapes_only(model) -> bool:
+    """Whether ``model``'s parameters are shapes without values (its module built under ``nnx.eval_shape``)."""
+    return isinstance(model.module.embed.get_value(), jax.ShapeDtypeStruct)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _random_shares(mesh: Mesh, shape: tuple, dtype, seed) -> jax.Array:
+    """Normal values times 0.02 of ``shape`` (devices first), each device drawing its own share (JAX's partitionable
+    threefry) into its memory."""
+    x = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * 0.02
+    return jax.lax.with_sharding_constraint(x.astype(dtype), NamedSharding(mesh, PartitionSpec(AXIS)))
 
 
 def _part(x, path: tuple, layouts, locals_, order, device: int, *, per: int, devices: int, shape):

@@ -453,11 +453,7 @@ class Engine:
         call; fewer step shapes to compile (``compile_ahead``) for a little padding, since a short prefill call is
         bound by reading the weights anyway (bench/RESULTS.md "Serving: latency against request rate")."""
         c = self.config = _config(config, settings)
-        # tensor parallelism (``kvjax.parallel``): each device holds its placed KV heads at one padded local layout,
-        # its share of every weight, and its heads' columns of every page; the steps run inside one shard_map
-        self.sharded = None if c.tensor_parallel == 1 else shard(model, c.tensor_parallel)
-        self.layouts = tuple(model.layouts) if self.sharded is None else self.sharded.layouts
-        self.devices = c.tensor_parallel
+        self._split(model, c.tensor_parallel)
         max_batch, max_seq_len, page_size, chunk_tokens = c.max_batch, c.max_seq_len, c.page_size, c.chunk_tokens
         backend, batch_invariant = c.backend, c.batch_invariant
         num_pages, cache_memory, cache_dtype = c.num_pages, c.cache_memory, c.cache_dtype
@@ -544,6 +540,16 @@ class Engine:
         if self._evict is not None:
             step = functools.partial(_compress_step, evict=self._evict, layouts=self.layouts, tokens=self.max_seq_len)
             self._steps[("compress",)] = jit(step, args=4, returns=True, cache=0)
+
+    def _split(self, model, devices: int) -> None:
+        """Tensor parallelism (``kvjax.parallel``) over ``devices``: each device holds its placed KV heads at one
+        padded local layout (``layouts``: what a device's cache holds), its share of every weight, and its heads'
+        columns of every page; the steps run inside one ``shard_map``. One device: the model as it is."""
+        self.devices = devices
+        self.sharded = None if devices == 1 else shard(model, devices)
+        if self.sharded is None and forward.shapes_only(model):
+            raise ValueError("a model of shapes only gets its weights as random shares: give tensor_parallel > 1")
+        self.layouts = tuple(model.layouts) if self.sharded is None else self.sharded.layouts
 
     def _create_cache(self, dtype) -> PagedKVCache | QuantizedKVCache | EvictingCache:
         """The zeroed cache of the engine's pools: quantized pages (``formats``), staging and per-head pages
