@@ -8,7 +8,8 @@ local layout), on 1, 2 and 4 devices; what this form cannot split is refused in 
 devices: its steps inside one ``shard_map``, each device's cache holding its heads' columns of every page, with the
 jnp reference and with the Pallas kernels interpreted, in pages of the model's dtype and 4-bit pages, and with
 eviction (a pool of per-head pages a device, KV-Compress's budget ranked across every device's heads), a tight pool
-cutting the same heads at the same steps."""
+cutting the same heads at the same steps; a checkpoint loaded for tensor parallelism is read by the devices, each
+its share, and gives the same tokens; a model of shapes only runs on random shares."""
 
 import os
 import subprocess
@@ -163,6 +164,35 @@ ENGINE = textwrap.dedent(
         assert "give tensor_parallel > 1" in str(e), e
     else:
         raise AssertionError("a model of shapes only ran on one device")
+
+    import tempfile
+    from kvjax.io.saved import restore_sharded
+
+    with tempfile.TemporaryDirectory() as folder:  # a checkpoint read sharded: each device its share from disk
+        models["zack"].save(folder + "/ck")
+        prompts = [list(rng.integers(0, 97, n)) for n in (7, 3)]
+        kw = dict(max_new_tokens=6, max_seq_len=64)
+        want = [g.tokens for g in kvjax.generate(kvjax.load(folder + "/ck"), prompts, **kw)]
+        for n in (2, 4):
+            lazy = kvjax.load(folder + "/ck", tensor_parallel=n)
+            assert lazy.tensor_parallel == n and isinstance(lazy.module.embed.get_value(), jax.ShapeDtypeStruct)
+            assert [g.tokens for g in kvjax.generate(lazy, prompts, **kw)] == want, (n, seed)
+        read = restore_sharded(folder + "/ck", jnp.float32, jax.devices()[:4])
+        embed = read[("embed",)]
+        assert all(x.data.size * 4 == embed.size for x in embed.addressable_shards), embed.sharding  # a quarter each
+        try:
+            kvjax.generate(lazy, prompts, tensor_parallel=1, **kw)
+        except ValueError as e:
+            assert "give tensor_parallel > 1" in str(e), e
+        else:
+            raise AssertionError("a model loaded for tensor parallelism ran on one device")
+        for bad in (0, True):
+            try:
+                kvjax.load(folder + "/ck", tensor_parallel=bad)
+            except (TypeError, ValueError) as e:
+                assert "tensor_parallel" in str(e), e
+            else:
+                raise AssertionError(bad)
 
     want, cuts = tight(1)
     assert cuts and tight(2) == (want, cuts), (seed, cuts)

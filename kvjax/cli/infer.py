@@ -360,7 +360,7 @@ def main(argv=None) -> int:
         import kvjax
 
         try:
-            model = kvjax.load(args.model, dtype=args.dtype)
+            model = kvjax.load(args.model, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
         except (OSError, ValueError) as e:
             p.error(f"--model {args.model!r}: {e}")
         capacity = args.max_seq_len or model.config.max_position_embeddings

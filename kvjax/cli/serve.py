@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     from kvjax.serving.worker import Worker
 
     try:
-        model = kvjax.load(args.model, dtype=args.dtype)
+        model = kvjax.load(args.model, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
     except (OSError, ValueError) as e:
         p.error(f"--model {args.model!r}: {e}")
     try:

@@ -103,7 +103,7 @@ def _load_gguf(path: str, dtype, progress: bool) -> Model:
     return Model(_build(cfg, ckpt.sources(cfg), ckpt, dtype, progress), ckpt.tokenizer())
 
 
-def load(path: str, dtype: str = "auto", *, progress: bool = True) -> Model:
+def load(path: str, dtype: str = "auto", *, progress: bool = True, tensor_parallel: int = 1) -> Model:
     """Load ``path``: a Hugging Face directory (config.json + safetensors), a ``.gguf`` file, an embedded model
     (``"smollm2"``, ``"gemma3-270m"``: see ``EMBEDDED``), or a directory written by ``Model.save`` (compressed or
     not; the quantized pages it was saved to be served from come back as ``Model.kv_bits``).
@@ -112,7 +112,12 @@ def load(path: str, dtype: str = "auto", *, progress: bool = True) -> Model:
     and float32 on a CPU while the model's float32 weights fit a share of the memory available
     (``kvjax.machine.default_dtype``: a small model's bfloat16 answers on a CPU are not its own). Weights are read
     and converted one tensor at a time, so host memory stays near the model's size in ``dtype``.
+
+    ``tensor_parallel`` > 1 (a kvjax checkpoint): every part is checked but no weight is read here; the engine that
+    splits the model over that many devices reads each device's share (``Model.tensor_parallel``; ``generate`` and
+    the commands use it by default). Other formats are read whole, then split by the engine.
     """
+    tensor_parallel = validate.positive("tensor_parallel", tensor_parallel)
     if not (isinstance(dtype, str) and dtype == "auto"):  # checked before any file is read; "auto" waits for the
         dtype = validate.dtype(dtype)  # model's config, which each loader reads anyway (``machine.param_dtype``)
     path = os.fspath(path)
@@ -122,7 +127,7 @@ def load(path: str, dtype: str = "auto", *, progress: bool = True) -> Model:
     path = resolve(path)
     if os.path.isdir(path):
         if is_kvjax_checkpoint(path):
-            module, tokenizer, plan, kv_bits = load_saved(path, dtype)
+            module, tokenizer, plan, kv_bits = load_saved(path, dtype, shapes_only=tensor_parallel > 1)
             model = Model(module, tokenizer, plan, kv_bits=kv_bits)
         else:
             model = _load_hf_dir(path, dtype, progress)
@@ -131,4 +136,5 @@ def load(path: str, dtype: str = "auto", *, progress: bool = True) -> Model:
     else:
         raise ValueError(f"cannot load {path!r}: expected a Hugging Face checkpoint directory or a .gguf file")
     model.source = os.path.abspath(path)
+    model.tensor_parallel = tensor_parallel
     return model

@@ -191,10 +191,12 @@ def is_kvjax_checkpoint(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, "kvjax.json"))
 
 
-def load_saved(directory: str, dtype):
+def load_saved(directory: str, dtype, *, shapes_only: bool = False):
     """(module, tokenizer, plan, kv_bits) of a checkpoint written by ``save``, cast to ``dtype`` (a name, or "auto":
     ``kvjax.machine.param_dtype``); ``kv_bits`` is the quantized pages it asks to be served from (None: the cache's
-    dtype). A missing, corrupt or inconsistent part, or a NaN/inf parameter, is a ``CheckpointError`` naming it."""
+    dtype). A missing, corrupt or inconsistent part, or a NaN/inf parameter, is a ``CheckpointError`` naming it.
+    ``shapes_only``: every part checked but no weight read, the module (joined) of shapes in ``dtype``: a
+    tensor-parallel engine reads its devices' shares (``restore_sharded``)."""
     import orbax.checkpoint as ocp
 
     from kvjax.models.rotation import packed_rotation
@@ -224,6 +226,16 @@ def load_saved(directory: str, dtype):
     checkpointer = ocp.StandardCheckpointer()
     saved = _orbax_metadata(checkpointer, params_dir)
     _check_params(params_dir, _flat(saved), _flat(abstract), plan_may_be_missing=parts is None and plan is None)
+    if shapes_only:
+        if fmt == 1:
+            raise CheckpointError(f"{directory}: a format-1 checkpoint is read whole; save it again to read it sharded")
+
+        def joined():
+            module = Transformer(cfg, plan=plan, dtype=dtype, rngs=nnx.Rngs(0))
+            module.join()
+            return module
+
+        return nnx.eval_shape(joined), _read_tokenizer(os.path.join(directory, "tokenizer")), plan, kv_bits
     restored = _restore(checkpointer, params_dir, abstract)
     _check_values(params_dir, restored, dtype)
     if fmt == 1:
@@ -232,6 +244,42 @@ def load_saved(directory: str, dtype):
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.asarray(x, dtype), restored))
     nnx.update(module, state)
     return module, _read_tokenizer(os.path.join(directory, "tokenizer")), plan, kv_bits
+
+
+def restore_sharded(directory: str, dtype, devices) -> dict[tuple, jax.Array]:
+    """Every parameter of the checkpoint at ``directory`` by path (``separate_params``' names), in ``dtype``, each
+    spread over ``devices`` along its first axis they divide (replicated where none does, as norms are): every
+    device reads from disk only its share of each large parameter, and the model is never whole on one device. A
+    tensor-parallel split then moves each device's heads where they belong (``parallel.forward.shard``). The checks
+    are ``load_saved``'s."""
+    import orbax.checkpoint as ocp
+    from flax.traverse_util import flatten_dict
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from kvjax.models.transformer import Transformer
+
+    directory = os.path.abspath(directory)
+    params_dir = os.path.join(directory, "params")
+    cfg, saved_dtype, _, fmt, _ = _read_meta(directory)
+    if fmt == 1:
+        raise CheckpointError(f"{directory}: a format-1 checkpoint is read whole; save it again to read it sharded")
+    plan = _read_plan(os.path.join(directory, "plan.json"))
+    module = nnx.eval_shape(lambda: Transformer(cfg, plan=plan, dtype=saved_dtype, rngs=nnx.Rngs(0)))
+    mesh, n = Mesh(list(devices), ("shards",)), len(devices)
+
+    def spread(x):
+        axes = [i for i, size in enumerate(x.shape) if size % n == 0]
+        spec = [None] * x.ndim
+        if axes:
+            spec[axes[0]] = "shards"
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec(*spec)))
+
+    abstract = jax.tree.map(spread, nnx.to_pure_dict(nnx.state(module, nnx.Param)))
+    checkpointer = ocp.StandardCheckpointer()
+    _check_params(params_dir, _flat(_orbax_metadata(checkpointer, params_dir)), _flat(abstract), False)
+    restored = _restore(checkpointer, params_dir, abstract)
+    _check_values(params_dir, restored, jnp.dtype(dtype))
+    return {path: x.astype(dtype) for path, x in flatten_dict(restored).items()}
 
 
 def _map_rotations(params: dict, layouts, fn) -> None:

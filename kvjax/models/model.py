@@ -71,6 +71,7 @@ class Model:
         module.join()
         self.module, self.tokenizer, self.plan, self.source = module, tokenizer, plan, source
         self.kv_bits = kv_bits
+        self.tensor_parallel = 1  # devices the engine splits it over by default (kvjax.load(..., tensor_parallel=N))
         self.graphdef, self.state = nnx.split(module)
         self._engines: dict = {}
 

@@ -63,25 +63,17 @@ class _LocalPlan:
         return self.widths[layer]
 
 
-def shard(model, devices: int, seed: int = 0) -> Sharded:
+def shard(model, devices: int, seed: int = 0, params: dict | None = None) -> Sharded:
     """``model`` (a ``kvjax.Model``: uncompressed or plain ZACK) split over the first ``devices`` devices by
     byte-balanced placement (``placement.place``), each device's heads widest first and padded to one local layout
     (``shards.padded_layout``); refused in one line where this form cannot split it. A model of shapes only (its
     module built under ``nnx.eval_shape``: ``shapes_only``) gets random shares drawn on each device from ``seed``,
-    never whole on one: how a benchmark runs a shape larger than one device holds (Llama-3.1-70B's 141 GB)."""
-    cfg = model.config
-    method = None if model.plan is None else model.plan.method
-    if method not in (None, "zack") or getattr(model.plan, "band", None) is not None:
-        raise ValueError("tensor parallelism runs uncompressed and plain ZACK models for now, not Palu or banded ones")
-    available = len(jax.devices())
-    if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= available:
-        platform = jax.devices()[0].platform
-        hint = " (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N shows N)" if platform == "cpu" else ""
-        raise ValueError(
-            f"tensor_parallel must be 1..{available}, the {platform} devices JAX sees here{hint}; got {devices!r}"
-        )
-    if cfg.num_kv_heads % devices:
-        raise ValueError(f"{cfg.num_kv_heads} KV heads cannot be shared evenly by {devices} devices")
+    never whole on one: how a benchmark runs a shape larger than one device holds (Llama-3.1-70B's 141 GB).
+    ``params``: the weights by path (``separate_params``' names) where they are not the module's, as
+    ``io.saved.restore_sharded`` reads them spread over the devices; each device's share is cut from them and put
+    on its device alone."""
+    check(model, devices)
+    cfg, method = model.config, None if model.plan is None else model.plan.method
     placement = place(layout_bytes(list(model.layouts)), devices)
     order = widest_first(placement)
     locals_ = [padded_layout(layout, heads) for layout, heads in zip(model.layouts, order)]
@@ -97,7 +89,8 @@ def shard(model, devices: int, seed: int = 0) -> Sharded:
     plan = None if method is None else _LocalPlan(method, tuple((lay.k_widths, lay.v_widths) for lay in locals_))
     local = nnx.eval_shape(lambda: Transformer(local_cfg, plan=plan, dtype=model.dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(local)
-    params = None if shapes_only(model) else separate_params(model.module)
+    if params is None and not shapes_only(model):
+        params = separate_params(model.module)
     mesh = Mesh(np.asarray(jax.devices()[:devices]), (AXIS,))
     spread = NamedSharding(mesh, PartitionSpec(AXIS))
     for i, (path, var) in enumerate(nnx.to_flat_state(state)):
@@ -106,11 +99,28 @@ def shard(model, devices: int, seed: int = 0) -> Sharded:
             var.set_value(_random_shares(mesh, (devices, *want), var.get_value().dtype, seed * 100003 + i))
             continue
         share = functools.partial(_part, params[path], path, model.layouts, locals_, order, per=per, shape=want)
-        parts = [share(d, devices=devices) for d in range(devices)]
-        if any(tuple(p.shape) != want for p in parts):
-            raise AssertionError(f"{path}: a device's share has shape {parts[0].shape}, the local module {want}")
-        var.set_value(jax.device_put(jnp.stack([jnp.asarray(p) for p in parts]), spread))
+        parts = [jax.device_put(share(d, devices=devices)[None], device) for d, device in enumerate(mesh.devices)]
+        if any(tuple(p.shape[1:]) != want for p in parts):
+            raise AssertionError(f"{path}: a device's share has shape {parts[0].shape[1:]}, the local module {want}")
+        var.set_value(jax.make_array_from_single_device_arrays((devices, *want), spread, parts))
     return Sharded(mesh, graphdef, state, placement, cfg.vocab_size, tuple(locals_), local_cfg)
+
+
+def check(model, devices) -> None:
+    """Refuse, in one line, a split this form cannot make: Palu and banded plans, more devices than JAX sees, KV heads
+    the devices do not divide."""
+    method = None if model.plan is None else model.plan.method
+    if method not in (None, "zack") or getattr(model.plan, "band", None) is not None:
+        raise ValueError("tensor parallelism runs uncompressed and plain ZACK models for now, not Palu or banded ones")
+    available = len(jax.devices())
+    if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= available:
+        platform = jax.devices()[0].platform
+        hint = " (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N shows N)" if platform == "cpu" else ""
+        raise ValueError(
+            f"tensor_parallel must be 1..{available}, the {platform} devices JAX sees here{hint}; got {devices!r}"
+        )
+    if model.config.num_kv_heads % devices:
+        raise ValueError(f"{model.config.num_kv_heads} KV heads cannot be shared evenly by {devices} devices")
 
 
 def shapes_only(model) -> bool:

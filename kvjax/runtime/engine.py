@@ -22,6 +22,7 @@ from kvjax.compression.plan import check_kv_bits
 from kvjax.eviction.continual import compress
 from kvjax.eviction.prompt import evict_prompts
 from kvjax.eviction.select import Eviction
+from kvjax.io.saved import restore_sharded
 from kvjax.ops import attention, head_paging
 from kvjax.ops.decode.gear_kernel import GearDecodeOp
 from kvjax.ops.decode.head_kernel import live_work
@@ -546,9 +547,18 @@ class Engine:
         padded local layout (``layouts``: what a device's cache holds), its share of every weight, and its heads'
         columns of every page; the steps run inside one ``shard_map``. One device: the model as it is."""
         self.devices = devices
-        self.sharded = None if devices == 1 else shard(model, devices)
-        if self.sharded is None and forward.shapes_only(model):
-            raise ValueError("a model of shapes only gets its weights as random shares: give tensor_parallel > 1")
+        self.sharded: forward.Sharded | None = None
+        if devices > 1:
+            params = None
+            forward.check(model, devices)  # before any weight is read
+            if forward.shapes_only(model) and model.source is not None:  # kvjax.load(..., tensor_parallel=N)
+                params = restore_sharded(model.source, model.dtype, jax.devices()[:devices])
+            self.sharded = shard(model, devices, params=params)
+        elif forward.shapes_only(model):
+            raise ValueError(
+                "a model loaded for tensor parallelism (or of shapes only) is read by its devices: give "
+                "tensor_parallel > 1"
+            )
         self.layouts = tuple(model.layouts) if self.sharded is None else self.sharded.layouts
 
     def _create_cache(self, dtype) -> PagedKVCache | QuantizedKVCache | EvictingCache:

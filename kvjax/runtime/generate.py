@@ -110,7 +110,7 @@ def generate_iter(
     batch_invariant: bool = False,
     kv_bits: KvBits = "model",
     eviction: Eviction | str | None = None,
-    tensor_parallel: int = 1,
+    tensor_parallel: int | None = None,
     stats: dict | None = None,
 ) -> _Run:
     """Check the arguments and queue the prompts; iterating the result runs them and yields (prompt index,
@@ -129,7 +129,8 @@ def generate_iter(
     takes the model's own choice, ``model.kv_bits`` (saved with a checkpoint by ``kvjax-convert --kv-bits``; None
     for a model that made none). ``eviction`` ("kvcompress:4x", "snapkv:256", an ``Eviction``; None keeps every
     token) evicts each prompt's least-attended tokens per KV head once it is prefilled (``EngineConfig.eviction``).
-    ``tensor_parallel`` splits the model over that many devices (``EngineConfig.tensor_parallel``; the same tokens).
+    ``tensor_parallel`` splits the model over that many devices (``EngineConfig.tensor_parallel``; the same tokens;
+    default: ``model.tensor_parallel``, what ``kvjax.load`` was asked for, else 1).
     ``stats``, if given, receives counts and per-prompt times once the iteration ends.
 
     Sampling draws token i of prompt n from (``seed``, n, i) alone, so it does not depend on the other prompts'
@@ -153,7 +154,7 @@ def generate_iter(
         batch_invariant=batch_invariant,
         kv_bits=kv_bits_for(model, kv_bits),
         eviction=eviction,
-        tensor_parallel=tensor_parallel,
+        tensor_parallel=getattr(model, "tensor_parallel", 1) if tensor_parallel is None else tensor_parallel,
     )
     capacity = config.max_seq_len
     if (
