@@ -165,6 +165,7 @@ ENGINE = textwrap.dedent(
     else:
         raise AssertionError("a model of shapes only ran on one device")
 
+    import os
     import tempfile
     from kvjax.io.saved import restore_sharded
 
@@ -186,6 +187,18 @@ ENGINE = textwrap.dedent(
             assert "give tensor_parallel > 1" in str(e), e
         else:
             raise AssertionError("a model loaded for tensor parallelism ran on one device")
+        for what, call in (
+            ("model.logits", lambda: lazy.logits([[1, 2]])),
+            ("model.save", lambda: lazy.save(folder + "/again")),
+            ("kvjax.compress", lambda: kvjax.compress(lazy, removal_rate=0.5)),
+        ):
+            try:
+                call()
+            except ValueError as e:
+                assert what in str(e) and "load it without tensor_parallel" in str(e), e
+            else:
+                raise AssertionError(what)
+        assert not os.path.exists(folder + "/again")
         for bad in (0, True):
             try:
                 kvjax.load(folder + "/ck", tensor_parallel=bad)

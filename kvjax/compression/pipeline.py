@@ -253,6 +253,7 @@ def compress(
     4 or 2, None (pages of the cache's dtype), or "model" (default): ``model``'s own. Palu models refuse 4 and 2,
     before any calibration, in the engine's words.
     """
+    model.need_weights("kvjax.compress")
     max_context = served_positions(model, method, max_context, band)
     _check_request(target_rate, removal_rate, method, max_context)  # before the (slow) calibration
     band = check_band(band, method, max_context)

@@ -100,8 +100,23 @@ class Model:
     def dtype(self):
         return self.module.embed.get_value().dtype  # an array's, or a shapes-only module's ShapeDtypeStruct's
 
+    @property
+    def has_weights(self) -> bool:
+        """False for a model of shapes only: loaded for tensor parallelism (``kvjax.load(..., tensor_parallel=N)``,
+        its engine's devices read their shares) or built under ``nnx.eval_shape``."""
+        return not isinstance(self.module.embed.get_value(), jax.ShapeDtypeStruct)
+
+    def need_weights(self, what: str) -> None:
+        """A one-line ValueError for ``what`` on a model without weights (``has_weights``)."""
+        if not self.has_weights:
+            raise ValueError(
+                f"{what} needs the model's weights, which were not read here (loaded with tensor_parallel="
+                f"{self.tensor_parallel}: its engine's devices read them); load it without tensor_parallel to {what}"
+            )
+
     def logits(self, tokens) -> jax.Array:
         """One full causal forward, no cache: int32 [B, T] -> float32 [B, T, vocab]."""
+        self.need_weights("model.logits")
         return _full_logits(self.graphdef, self.state, self._tokens(tokens))
 
     def hidden(self, tokens, kv=None) -> jax.Array:
@@ -111,6 +126,7 @@ class Model:
         scoring of quantization: ``ops.prefill.reference.quantized_causal_attention``)."""
         if kv is not None and not (hasattr(kv, "round_trip") and hasattr(kv, "page_size")):
             raise TypeError(f"kv must be a kvjax.ops.kv_schemes scheme (Kivi, Gear, Zip), got {type(kv).__name__}")
+        self.need_weights("model.hidden")
         return _hidden(self.graphdef, self.state, self._tokens(tokens), kv)
 
     def project(self, hidden) -> jax.Array:
@@ -124,6 +140,7 @@ class Model:
             raise ValueError(
                 f"hidden must be floating [..., {self.config.hidden_size}], got {hidden.dtype} {hidden.shape}"
             )
+        self.need_weights("model.project")
         return _project(self.graphdef, self.state, hidden)
 
     def _tokens(self, tokens) -> jax.Array:
@@ -137,6 +154,7 @@ class Model:
     def astype(self, dtype) -> Model:
         """The same model with its parameters cast to ``dtype`` (one of ``kvjax.validate.DTYPES``)."""
         dtype = jnp.dtype(validate.dtype(dtype))
+        self.need_weights("model.astype")
         module = nnx.merge(self.graphdef, jax.tree.map(lambda x: x.astype(dtype), self.state))
         return Model(module, self.tokenizer, self.plan, self.source, kv_bits=self.kv_bits)
 
@@ -148,6 +166,7 @@ class Model:
         from; the old one is deleted only once the new one is in place (``kvjax.io.atomic``)."""
         from kvjax.io.saved import save
 
+        self.need_weights("model.save")
         return save(self, directory, overwrite=overwrite, hint=hint)
 
     def __repr__(self):
