@@ -192,6 +192,7 @@ def prefilled(
     eviction=None,
     slots: int | None = None,
     tensor_parallel: int = 1,
+    placement: str = "bytes",
 ) -> Prefilled:
     """An engine whose ``batch`` random ``ctx``-token requests (``new`` tokens each) are prefilled and
     ``warm_steps`` decode steps in, every step shape compiled first by a one-request run of its own. ``kv_bits``:
@@ -208,6 +209,7 @@ def prefilled(
         kv_bits=kv_bits,
         eviction=eviction,
         tensor_parallel=tensor_parallel,
+        head_placement=placement,
     )
     runner = Runner(engine)
     rng = np.random.default_rng(0)
@@ -244,6 +246,7 @@ def run_shape(model, rate, batch, ctx, args, bandwidth, kv_bits=None, eviction=N
         eviction,
         args.max_batch,
         args.tensor_parallel,
+        args.placement,
     )
     engine, runner, requests, since = state.engine, state.runner, state.requests, state.since
     t0 = time.perf_counter()
@@ -275,6 +278,7 @@ def run_shape(model, rate, batch, ctx, args, bandwidth, kv_bits=None, eviction=N
     return dict(
         rate=rate,
         tensor_parallel=devices,
+        placement=args.placement if devices > 1 else None,
         kv_bits=kv_bits,
         eviction=eviction,
         attention_floor_ms=attention_floor * 1e3,
@@ -385,7 +389,7 @@ def print_rows(rows: list[dict]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         rate = f"{r['rate']}{' palu' if r.get('method') == 'palu' else ''}"
-        rate += f" TP {r['tensor_parallel']}" if r.get("tensor_parallel", 1) > 1 else ""
+        rate += f" TP {r['tensor_parallel']} {r.get('placement')}" if r.get("tensor_parallel", 1) > 1 else ""
         rest = f"{r['rest_ms']:.2f}" + (f" (NCCL {r['comm_ms']:.2f})" if r.get("comm_ms") else "")
         print(
             f"| {rate} | {r.get('kv_bits') or '-'}{(' evict ' + r['eviction']) if r.get('eviction') else ''} | "
@@ -519,6 +523,12 @@ def main(argv=None) -> None:
         default=1,
         help="split the model over this many GPUs (the engine's tensor_parallel); times are a device's mean step, "
         "floors a device's bytes, comm_ms NCCL's share (default 1)",
+    )
+    ap.add_argument(
+        "--placement",
+        choices=("bytes", "even"),
+        default="bytes",
+        help="with --tensor-parallel: KV heads placed by bytes, or the same count a device in order (default bytes)",
     )
     ap.add_argument(
         "--model",

@@ -50,9 +50,10 @@ SCRIPT = textwrap.dedent(
         for n in (1, 2, 4):
             if cfg.num_kv_heads % n:
                 continue
-            got = np.asarray(logits(shard(model, n), tokens))
-            assert (got.argmax(-1) == want.argmax(-1)).all(), (name, n, seed)
-            assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max()), (name, n, seed)
+            for placement in ("bytes", "even") if n > 1 else ("bytes",):
+                got = np.asarray(logits(shard(model, n, placement=placement), tokens))
+                assert (got.argmax(-1) == want.argmax(-1)).all(), (name, n, placement, seed)
+                assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max()), (name, n, placement, seed)
             print(name, n, "ok")
     model = kvjax.Model.random(configs["llama"], seed=1)
     for bad, message in ((3, "cannot be shared evenly"), (8, "tensor_parallel must be 1..4"), (0, "must be 1..4")):
@@ -125,6 +126,7 @@ ENGINE = textwrap.dedent(
         (dict(tensor_parallel=3), "cannot be shared evenly"),
         (dict(tensor_parallel=8), "tensor_parallel must be 1..4"),
         (dict(tensor_parallel=2, kv_bits="gear2"), "not supported yet"),
+        (dict(tensor_parallel=2, head_placement="lpt"), "head_placement must be"),
     ):
         try:
             Engine(base, max_batch=2, max_seq_len=64, **bad)

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from kvjax.models.config import ModelConfig
 from kvjax.models.transformer import Transformer, separate_params
 from kvjax.ops.prefill.reference import causal_attention
-from kvjax.parallel.placement import Placement, layout_bytes, place
+from kvjax.parallel.placement import Placement, even, layout_bytes, place
 from kvjax.parallel.shards import columns, even_split, into, padded_layout, widest_first
 
 AXIS = "tp"
@@ -63,7 +63,7 @@ class _LocalPlan:
         return self.widths[layer]
 
 
-def shard(model, devices: int, seed: int = 0, params: dict | None = None) -> Sharded:
+def shard(model, devices: int, seed: int = 0, params: dict | None = None, placement: str = "bytes") -> Sharded:
     """``model`` (a ``kvjax.Model``: uncompressed or plain ZACK) split over the first ``devices`` devices by
     byte-balanced placement (``placement.place``), each device's heads widest first and padded to one local layout
     (``shards.padded_layout``); refused in one line where this form cannot split it. A model of shapes only (its
@@ -71,11 +71,12 @@ def shard(model, devices: int, seed: int = 0, params: dict | None = None) -> Sha
     never whole on one: how a benchmark runs a shape larger than one device holds (Llama-3.1-70B's 141 GB).
     ``params``: the weights by path (``separate_params``' names) where they are not the module's, as
     ``io.saved.restore_sharded`` reads them spread over the devices; each device's share is cut from them and put
-    on its device alone."""
-    check(model, devices)
+    on its device alone. ``placement``: "bytes" (``placement.place``) or "even" (``placement.even``, the even-count
+    baseline it is measured against)."""
+    check(model, devices, placement)
     cfg, method = model.config, None if model.plan is None else model.plan.method
-    placement = place(layout_bytes(list(model.layouts)), devices)
-    order = widest_first(placement)
+    placed = (place if placement == "bytes" else even)(layout_bytes(list(model.layouts)), devices)
+    order = widest_first(placed)
     locals_ = [padded_layout(layout, heads) for layout, heads in zip(model.layouts, order)]
     per, _ = even_split(cfg.intermediate_size, devices)
     vocab, _ = even_split(cfg.vocab_size, devices)
@@ -103,10 +104,10 @@ def shard(model, devices: int, seed: int = 0, params: dict | None = None) -> Sha
         if any(tuple(p.shape[1:]) != want for p in parts):
             raise AssertionError(f"{path}: a device's share has shape {parts[0].shape[1:]}, the local module {want}")
         var.set_value(jax.make_array_from_single_device_arrays((devices, *want), spread, parts))
-    return Sharded(mesh, graphdef, state, placement, cfg.vocab_size, tuple(locals_), local_cfg)
+    return Sharded(mesh, graphdef, state, placed, cfg.vocab_size, tuple(locals_), local_cfg)
 
 
-def check(model, devices) -> None:
+def check(model, devices, placement: str = "bytes") -> None:
     """Refuse, in one line, a split this form cannot make: Palu and banded plans, more devices than JAX sees, KV heads
     the devices do not divide."""
     method = None if model.plan is None else model.plan.method
@@ -119,6 +120,8 @@ def check(model, devices) -> None:
         raise ValueError(
             f"tensor_parallel must be 1..{available}, the {platform} devices JAX sees here{hint}; got {devices!r}"
         )
+    if placement not in ("bytes", "even"):
+        raise ValueError(f"head placement must be 'bytes' or 'even', got {placement!r}")
     if model.config.num_kv_heads % devices:
         raise ValueError(f"{model.config.num_kv_heads} KV heads cannot be shared evenly by {devices} devices")
 

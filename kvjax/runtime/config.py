@@ -62,6 +62,9 @@ class EngineConfig:
     eviction: Eviction | str | None = None
     # devices the model is split over (``kvjax.parallel``: KV heads placed by bytes, Megatron-style weights); 1: one
     tensor_parallel: int = 1
+    # which device holds each KV head: "bytes" (balanced by bytes per token) or "even" (the same count in order: the
+    # baseline ``bench/engine.py --placement even`` measures against)
+    head_placement: str = "bytes"
 
     def __post_init__(self):
         self._defaults()
@@ -77,6 +80,8 @@ class EngineConfig:
             check_backend(self.backend)
         validate.flag("batch_invariant", self.batch_invariant)
         validate.positive("tensor_parallel", self.tensor_parallel)
+        if self.head_placement not in ("bytes", "even"):
+            raise ValueError(f"head_placement must be 'bytes' or 'even', got {self.head_placement!r}")
         if not isinstance(self.decode_config, DecodeConfig):
             raise TypeError(f"decode_config must be a DecodeConfig, got {type(self.decode_config).__name__}")
         if self.eviction is not None:

@@ -454,7 +454,7 @@ class Engine:
         call; fewer step shapes to compile (``compile_ahead``) for a little padding, since a short prefill call is
         bound by reading the weights anyway (bench/RESULTS.md "Serving: latency against request rate")."""
         c = self.config = _config(config, settings)
-        self._split(model, c.tensor_parallel)
+        self._split(model, c.tensor_parallel, c.head_placement)
         max_batch, max_seq_len, page_size, chunk_tokens = c.max_batch, c.max_seq_len, c.page_size, c.chunk_tokens
         backend, batch_invariant = c.backend, c.batch_invariant
         num_pages, cache_memory, cache_dtype = c.num_pages, c.cache_memory, c.cache_dtype
@@ -542,7 +542,7 @@ class Engine:
             step = functools.partial(_compress_step, evict=self._evict, layouts=self.layouts, tokens=self.max_seq_len)
             self._steps[("compress",)] = jit(step, args=4, returns=True, cache=0)
 
-    def _split(self, model, devices: int) -> None:
+    def _split(self, model, devices: int, placement: str) -> None:
         """Tensor parallelism (``kvjax.parallel``) over ``devices``: each device holds its placed KV heads at one
         padded local layout (``layouts``: what a device's cache holds), its share of every weight, and its heads'
         columns of every page; the steps run inside one ``shard_map``. One device: the model as it is."""
@@ -550,10 +550,10 @@ class Engine:
         self.sharded: forward.Sharded | None = None
         if devices > 1:
             params = None
-            forward.check(model, devices)  # before any weight is read
+            forward.check(model, devices, placement)  # before any weight is read
             if forward.shapes_only(model) and model.source is not None:  # kvjax.load(..., tensor_parallel=N)
                 params = restore_sharded(model.source, model.dtype, jax.devices()[:devices])
-            self.sharded = shard(model, devices, params=params)
+            self.sharded = shard(model, devices, params=params, placement=placement)
         elif forward.shapes_only(model):
             raise ValueError(
                 "a model loaded for tensor parallelism (or of shapes only) is read by its devices: give "
