@@ -219,7 +219,10 @@ ENGINE = textwrap.dedent(
 def _run_on_four_devices(script: str) -> None:
     seed = fresh_seed()
     tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    # XLA's CPU collectives abort a process whose devices' threads meet more than 40 s apart, which a loaded
+    # 2-core machine running four devices' compiles and steps can exceed (seen once beside a full test run)
+    slow = "--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900"
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {slow}", JAX_PLATFORMS="cpu")
     run = subprocess.run(
         [sys.executable, "-c", script.format(tests=tests, seed=seed)],
         env=env,
