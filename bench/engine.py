@@ -145,21 +145,21 @@ def floor_bytes(model: kvjax.Model, lengths: np.ndarray, engine: Engine | None =
     (``Engine.layouts``), what the slowest device reads."""
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.state))  # values or shapes only
     embed = model.config.vocab_size * model.config.hidden_size * jnp.dtype(model.dtype).itemsize
-    if engine is not None and engine.devices > 1:
-        local = int(np.asarray(lengths).sum()) * bytes_per_token(engine.layouts, model.dtype)
-        return (weights - embed) // engine.devices + local
-    return weights - embed + kv_bytes(model, lengths, engine)
+    devices = 1 if engine is None else engine.devices
+    return (weights - embed + kv_bytes(model, lengths, engine)) // devices
 
 
 def kv_bytes(model: kvjax.Model, lengths: np.ndarray, engine: Engine | None = None) -> int:
     """Bytes of K/V a decode step reads: each sequence's tokens at the cache's bytes a token (a quantized cache:
     its full pages' every byte, codes, scales, zeros and padding, and its tail's tokens in the cache's dtype); an
-    evicting engine's: the tokens each head stores now, at its width (``lengths`` unused)."""
+    evicting engine's: the tokens each head stores now, at its width (``lengths`` unused). Under tensor parallelism:
+    every device's, each device's heads at its padded layout (``Engine.layouts``), so a device reads this over N."""
     if engine is not None and engine.eviction is not None:
         stored = np.asarray(engine.cache.heads.stored)  # [slots, L, Hkv]
         widths = np.array([[k + v for k, v in zip(lay.k_widths, lay.v_widths)] for lay in model.layouts])
         return int((stored * widths).sum()) * jnp.dtype(model.dtype).itemsize
-    plain = bytes_per_token(model.layouts, model.dtype)
+    layouts = model.layouts if engine is None else engine.layouts  # under tensor parallelism a device's, padded
+    plain = bytes_per_token(layouts, model.dtype) * (1 if engine is None else engine.devices)
     if engine is None or engine.formats is None:
         return int(lengths.sum()) * plain
     p = engine.page_size
@@ -269,10 +269,7 @@ def run_shape(model, rate, batch, ctx, args, bandwidth, kv_bits=None, eviction=N
     device = sum(split.values())
     mean_lengths = lengths + args.steps // 2  # over the CUPTI steps
     floor = floor_bytes(model, mean_lengths, engine) / bandwidth
-    if engine.devices > 1:  # a device's heads at the padded local layout
-        attention_floor = int(mean_lengths.sum()) * bytes_per_token(engine.layouts, model.dtype) / bandwidth
-    else:
-        attention_floor = kv_bytes(model, mean_lengths, engine) / bandwidth
+    attention_floor = kv_bytes(model, mean_lengths, engine) / engine.devices / bandwidth
     slots, devices = engine.max_batch, engine.devices
     del engine, runner
     return dict(

@@ -12,12 +12,14 @@ import time
 
 import jax.numpy as jnp
 from engine import model_at
-from harness import LLAMA_8B
+from harness import LLAMA_8B, LLAMA_70B
 
 from kvjax import validate
 from kvjax.cli.options import eviction_arg
 from kvjax.cli.serve import capacity_line
 from kvjax.ops.quant import GROUP, PageFormat, check_bits
+from kvjax.parallel.placement import layout_bytes, place
+from kvjax.parallel.shards import padded_layout, widest_first
 from kvjax.runtime.cache import bytes_per_token
 from kvjax.runtime.engine import Engine
 from kvjax.serving.api import create_app, server_config
@@ -27,6 +29,7 @@ from kvjax.validate import parse_memory
 PAGE_SIZE = 16
 SHAPES = {
     "llama-3.1-8b": LLAMA_8B,
+    "llama-3.1-70b": LLAMA_70B,  # with --tensor-parallel: 141 GB of weights, never built whole
     "mistral-7b": dataclasses.replace(
         LLAMA_8B, arch="mistral", vocab_size=32000, rope_theta=1e6, max_position_embeddings=32768
     ),
@@ -76,7 +79,17 @@ def main(argv=None) -> int:
         "staging pages (two whole --max-seq-len prompts) come out of --cache-memory and the per-head pages get the "
         "rest (default none)",
     )
+    ap.add_argument(
+        "--tensor-parallel",
+        type=validate.arg(lambda v: validate.positive("--tensor-parallel", v), int),
+        default=1,
+        help="split the model over this many GPUs (random shares drawn on each; --cache-memory is a device's)",
+    )
     args = ap.parse_args(argv)
+    if args.tensor_parallel > 1 and args.evict:
+        ap.error(
+            "--evict is not served under --tensor-parallel by this bench yet (its per-head budget is one device's)"
+        )
     budget = parse_memory(args.cache_memory)
     if not isinstance(budget, int):
         ap.error(
@@ -88,13 +101,16 @@ def main(argv=None) -> int:
     shape = (
         SHAPES[args.shape] if args.layers is None else dataclasses.replace(SHAPES[args.shape], num_layers=args.layers)
     )
-    model = model_at(rate, shape, form=args.plan, method=args.method if rate else "zack")
+    n = args.tensor_parallel
+    model = model_at(rate, shape, form=args.plan, method=args.method if rate else "zack", shapes_only=n > 1)
     # the cache itself gets the budget (not the budget less each method's activation reserve), so every method's
     # K/V bytes are the same
     page = GROUP if args.kv_bits else PAGE_SIZE
     if args.evict and args.kv_bits:
         ap.error("--evict does not stack with --kv-bits yet (the engine refuses it)")
-    num_pages = budget // _page_bytes(model, page, args.kv_bits) if not args.evict else _head_pages(model, args, budget)
+    layouts = model.layouts if n == 1 else _device_layouts(model, n)  # what a device's pages hold
+    num_pages = budget // _page_bytes(layouts, model.dtype, page, args.kv_bits)
+    num_pages = num_pages if not args.evict else _head_pages(model, args, budget)
     engine = Engine(
         model,
         max_batch=args.max_batch,
@@ -106,6 +122,7 @@ def main(argv=None) -> int:
         prefill_min_tokens=args.prefill_min_tokens,
         prefill_max_rows=args.prefill_max_rows,
         eviction=args.evict,
+        tensor_parallel=n,
     )
     if args.evict and (pages := engine.cache.staging.nbytes + engine.cache.heads.pool.nbytes) > budget:
         ap.error(f"the staging and per-head pages take {pages:,} bytes, more than --cache-memory ({budget:,})")
@@ -119,6 +136,7 @@ def main(argv=None) -> int:
     )
     name += "-uniform" if rate and args.plan == "uniform" else ""
     name += f"-{args.evict.name.replace(':', '-')}" if args.evict else ""
+    name += f"-tp{n}" if n > 1 else ""
     print(capacity_line(engine, model), file=sys.stderr, flush=True)
     print(f"serving {name!r} on http://127.0.0.1:{args.port}/v1", file=sys.stderr, flush=True)
     try:
@@ -130,19 +148,26 @@ def main(argv=None) -> int:
     return 0
 
 
-def _page_bytes(model, page: int, kv_bits) -> int:
+def _page_bytes(layouts, dtype, page: int, kv_bits) -> int:
     """Bytes of one whole-context page: every byte of a quantized page (codes, scales, zeros, padding), the tails
-    aside, or ``page`` tokens at the model's widths."""
+    aside, or ``page`` tokens at the ``layouts``' widths."""
     if kv_bits:
-        return sum(PageFormat.for_layout(lay, page, kv_bits).page_bytes for lay in model.layouts)
-    return page * bytes_per_token(model.layouts, model.dtype)
+        return sum(PageFormat.for_layout(lay, page, kv_bits).page_bytes for lay in layouts)
+    return page * bytes_per_token(layouts, dtype)
+
+
+def _device_layouts(model, devices: int) -> tuple:
+    """A device's padded local layouts under tensor parallelism, as the engine's split makes them
+    (``parallel.forward.shard``): heads placed by bytes, widest first, padded to one layout."""
+    order = widest_first(place(layout_bytes(list(model.layouts)), devices))
+    return tuple(padded_layout(lay, heads) for lay, heads in zip(model.layouts, order))
 
 
 def _head_pages(model, args, budget: int) -> int:
     """An evicting engine's per-head pages in ``budget`` once its staging pool (``Engine._evicting_pages``: two whole
     ``max_seq_len`` prompts and the null page) is taken out; a page holds ``PAGE_SIZE`` tokens of the widest head
     (``Engine._eviction_setup``). The engine's cache bytes are checked against the budget after it is built."""
-    staging = (2 * -(-args.max_seq_len // PAGE_SIZE) + 1) * _page_bytes(model, PAGE_SIZE, None)
+    staging = (2 * -(-args.max_seq_len // PAGE_SIZE) + 1) * _page_bytes(model.layouts, model.dtype, PAGE_SIZE, None)
     widest = max(k + v for lay in model.layouts for k, v in zip(lay.k_widths, lay.v_widths))
     return (budget - staging) // (PAGE_SIZE * widest * jnp.dtype(model.dtype).itemsize)
 

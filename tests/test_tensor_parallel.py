@@ -122,6 +122,7 @@ ENGINE = textwrap.dedent(
     engine = Engine(base, max_batch=2, max_seq_len=64, tensor_parallel=2)
     assert engine.cache.k[0].sharding.spec[0] == "tp" and engine.cache.k[0].shape[0] == 2, engine.cache.k[0].sharding
     assert "2 cpu devices (tensor parallel" in engine.describe(), engine.describe()
+    assert engine.token_bytes() == Engine(base, max_batch=2, max_seq_len=64).token_bytes()  # no padding: equal heads
     for bad, message in (
         (dict(tensor_parallel=3), "cannot be shared evenly"),
         (dict(tensor_parallel=8), "tensor_parallel must be 1..4"),

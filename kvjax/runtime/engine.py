@@ -702,8 +702,9 @@ class Engine:
         return self.max_batch * self.page_size * sum(f.k_cols + f.v_cols for f in self.formats) * size
 
     def token_bytes(self) -> dict:
-        """Cache bytes a token takes across all layers, by part (``cache.token_bytes``)."""
-        return token_bytes(self.layouts, self.cache_dtype, self.formats)
+        """Cache bytes a token takes across all layers, by part (``cache.token_bytes``); under tensor parallelism
+        across every device, each device's heads at its padded layout (what the padding costs shows here)."""
+        return {k: n * self.devices for k, n in token_bytes(self.layouts, self.cache_dtype, self.formats).items()}
 
     def describe(self) -> str:
         """One line for people: where and how the engine runs, its batch, positions per sequence and cache, and how
