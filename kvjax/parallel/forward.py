@@ -90,6 +90,7 @@ def shard(model, devices: int, seed: int = 0, params: dict | None = None, placem
     plan = None if method is None else _LocalPlan(method, tuple((lay.k_widths, lay.v_widths) for lay in locals_))
     local = nnx.eval_shape(lambda: Transformer(local_cfg, plan=plan, dtype=model.dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(local)
+    given = params is not None
     if params is None and not shapes_only(model):
         params = separate_params(model.module)
     mesh = Mesh(np.asarray(jax.devices()[:devices]), (AXIS,))
@@ -104,6 +105,8 @@ def shard(model, devices: int, seed: int = 0, params: dict | None = None, placem
         if any(tuple(p.shape[1:]) != want for p in parts):
             raise AssertionError(f"{path}: a device's share has shape {parts[0].shape[1:]}, the local module {want}")
         var.set_value(jax.make_array_from_single_device_arrays((devices, *want), spread, parts))
+        if given:  # cutting a spread array runs collectives: one program in flight at a time (XLA's CPU devices
+            jax.block_until_ready(parts)  # share a few threads, and interleaved collective programs can starve)
     return Sharded(mesh, graphdef, state, placed, cfg.vocab_size, tuple(locals_), local_cfg)
 
 
