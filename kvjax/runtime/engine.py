@@ -714,8 +714,9 @@ class Engine:
         if self.sharded is not None:
             n, placement = self.config.tensor_parallel, self.sharded.placement
             padded = padded_imbalance(list(self.model.layouts), placement)
+            by = "by bytes" if self.config.head_placement == "bytes" else "evenly by count"
             where = (
-                f"{n} {where} devices (tensor parallel: KV heads placed by bytes, each device's padded to one layout, "
+                f"{n} {where} devices (tensor parallel: KV heads placed {by}, each device's padded to one layout, "
                 f"{padded:.2f}x the mean device's bytes)"
             )
             size = f"{size}, {memory.size(self.cache.nbytes // n)} a device"
