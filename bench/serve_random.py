@@ -18,8 +18,7 @@ from kvjax import validate
 from kvjax.cli.options import eviction_arg
 from kvjax.cli.serve import capacity_line
 from kvjax.ops.quant import GROUP, PageFormat, check_bits
-from kvjax.parallel.placement import layout_bytes, place
-from kvjax.parallel.shards import padded_layout, widest_first
+from kvjax.parallel.forward import device_layouts
 from kvjax.runtime.cache import bytes_per_token
 from kvjax.runtime.engine import Engine
 from kvjax.serving.api import create_app, server_config
@@ -108,7 +107,7 @@ def main(argv=None) -> int:
     page = GROUP if args.kv_bits else PAGE_SIZE
     if args.evict and args.kv_bits:
         ap.error("--evict does not stack with --kv-bits yet (the engine refuses it)")
-    layouts = model.layouts if n == 1 else _device_layouts(model, n)  # what a device's pages hold
+    layouts = model.layouts if n == 1 else device_layouts(model.layouts, n)[2]  # what a device's pages hold
     num_pages = budget // _page_bytes(layouts, model.dtype, page, args.kv_bits)
     num_pages = num_pages if not args.evict else _head_pages(model, args, budget)
     engine = Engine(
@@ -154,13 +153,6 @@ def _page_bytes(layouts, dtype, page: int, kv_bits) -> int:
     if kv_bits:
         return sum(PageFormat.for_layout(lay, page, kv_bits).page_bytes for lay in layouts)
     return page * bytes_per_token(layouts, dtype)
-
-
-def _device_layouts(model, devices: int) -> tuple:
-    """A device's padded local layouts under tensor parallelism, as the engine's split makes them
-    (``parallel.forward.shard``): heads placed by bytes, widest first, padded to one layout."""
-    order = widest_first(place(layout_bytes(list(model.layouts)), devices))
-    return tuple(padded_layout(lay, heads) for lay, heads in zip(model.layouts, order))
 
 
 def _head_pages(model, args, budget: int) -> int:

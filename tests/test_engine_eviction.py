@@ -373,6 +373,25 @@ def test_the_engines_cut_scores_with_the_last_queries_and_keeps_its_selection(pl
             np.testing.assert_array_equal(v[0], before[i][h][1][0, chosen], f"seed {seed}, layer {i}, head {h}")
 
 
+def run_tight(model, seed: int, new: int, **settings):
+    """An engine of ``settings`` whose per-head pool holds about two sequences (on each device, under tensor
+    parallelism), four 40-token requests of ``new`` tokens that outgrow it, run to the end with the pages checked
+    after every step. Returns (engine, runner, requests, the continual cuts' arguments)."""
+    probe = Engine(model, **settings)
+    one = int((-(-probe.max_seq_len // probe.head_per_page)).sum()) // probe.devices  # a sequence's pages a device
+    del probe
+    engine = Engine(model, **settings, num_pages=2 * one + 1)
+    cuts: list = []
+    compress = engine.compress
+    engine.compress = lambda *a: (cuts.append(a), compress(*a))[1]
+    runner = Runner(engine)
+    rng = np.random.default_rng(seed)
+    requests = [runner.add(Request(rng.integers(0, 97, 40).tolist(), new)) for _ in range(4)]
+    for _ in runner.run():
+        runner.scheduler.check()
+    return engine, runner, requests, cuts
+
+
 def test_a_tight_head_pool_on_the_engine_cuts_and_every_request_finishes():
     """The engine end to end with continual eviction: a per-head pool of about two sequences, four requests that
     outgrow it. Heads are cut on the device before the steps that reuse their pages, the pages add up after every
@@ -380,18 +399,7 @@ def test_a_tight_head_pool_on_the_engine_cuts_and_every_request_finishes():
     seed = fresh_seed()
     model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
     settings = dict(max_batch=4, max_seq_len=96, chunk_tokens=32, backend="reference", eviction="snapkv:16")
-    probe = Engine(model, **settings)
-    one = int((-(-probe.max_seq_len // probe.head_per_page)).sum())
-    del probe
-    engine = Engine(model, **settings, num_pages=2 * one + 1)
-    cuts = []
-    compress = engine.compress
-    engine.compress = lambda *a: (cuts.append(a), compress(*a))[1]
-    runner = Runner(engine)
-    rng = np.random.default_rng(seed)
-    requests = [runner.add(Request(rng.integers(0, 97, 40).tolist(), 50)) for _ in range(4)]
-    for _ in runner.run():
-        runner.scheduler.check()
+    engine, runner, requests, cuts = run_tight(model, seed, 50, **settings)
     assert cuts, f"seed {seed}: no head was cut"
     assert all(r.finish_reason == "length" and len(r.tokens) == 50 for r in requests), f"seed {seed}"
     pages = runner.scheduler.pages

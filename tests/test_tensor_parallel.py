@@ -88,8 +88,7 @@ ENGINE = textwrap.dedent(
     from flax import nnx
     from kvjax.models.transformer import Transformer
     from kvjax.runtime.engine import Engine
-    from kvjax.runtime.runner import Runner
-    from kvjax.runtime.scheduler import Request
+    from test_engine_eviction import run_tight
 
     seed = {seed}
     rng = np.random.default_rng(seed)
@@ -138,16 +137,7 @@ ENGINE = textwrap.dedent(
 
     def tight(n):  # a per-head pool of two sequences a device, four requests that outgrow it: heads are cut
         settings = dict(max_batch=4, max_seq_len=96, chunk_tokens=32, eviction="snapkv:16", tensor_parallel=n)
-        probe = Engine(base, **settings)
-        one = int((-(-probe.max_seq_len // probe.head_per_page)).sum()) // n  # a sequence's pages on a device
-        engine = Engine(base, **settings, num_pages=2 * one + 1)
-        cuts, compress = [], engine.compress
-        engine.compress = lambda *a: (cuts.append(a), compress(*a))[1]
-        runner = Runner(engine)
-        ids = np.random.default_rng(seed)
-        requests = [runner.add(Request(ids.integers(0, 97, 40).tolist(), 30)) for _ in range(4)]
-        for _ in runner.run():
-            runner.scheduler.check()
+        engine, runner, requests, cuts = run_tight(base, seed, 30, **settings)
         assert runner.scheduler.pages.heads.free_per_device.tolist() == [engine.head_pages - 1] * n
         return [r.tokens for r in requests], len(cuts)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import gc
 import hashlib
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -192,21 +194,32 @@ def is_kvjax_checkpoint(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, "kvjax.json"))
 
 
-def load_saved(directory: str, dtype, *, shapes_only: bool = False):
-    """(module, tokenizer, plan, kv_bits) of a checkpoint written by ``save``, cast to ``dtype`` (a name, or "auto":
-    ``kvjax.machine.param_dtype``); ``kv_bits`` is the quantized pages it asks to be served from (None: the cache's
-    dtype). A missing, corrupt or inconsistent part, or a NaN/inf parameter, is a ``CheckpointError`` naming it.
-    ``shapes_only``: every part checked but no weight read, the module (joined) of shapes in ``dtype``: a
-    tensor-parallel engine reads its devices' shares (``restore_sharded``)."""
+@dataclasses.dataclass
+class _Checked:
+    """A checkpoint's parts, read and checked against each other with no weight read (``_checked``)."""
+
+    cfg: Any  # ModelConfig
+    saved_dtype: Any
+    fmt: int
+    kv_bits: int | str | None
+    plan: Any  # RankPlan or None
+    module: Any  # the Transformer of shapes its config and plan build, in the saved dtype
+    abstract: dict  # its parameters' shapes (format 1's rotations in their old shape), as orbax restores them
+    checkpointer: object
+    params_dir: str
+
+
+def _checked(directory: str, sharded: bool = False) -> _Checked:
+    """Every part of the checkpoint at ``directory`` but its weights, read and checked (``load_saved``'s errors);
+    ``sharded``: to be read spread over devices, which a format-1 checkpoint cannot be."""
     import orbax.checkpoint as ocp
 
-    from kvjax.models.rotation import packed_rotation
     from kvjax.models.transformer import Transformer
 
-    directory = os.path.abspath(directory)
     plan_file, params_dir = os.path.join(directory, "plan.json"), os.path.join(directory, "params")
     cfg, saved_dtype, parts, fmt, kv_bits = _read_meta(directory)
-    dtype = jnp.dtype(machine.param_dtype(dtype, cfg.param_count()))  # "auto" by the model's size
+    if sharded and fmt == 1:
+        raise CheckpointError(f"{directory}: a format-1 checkpoint is read whole; save it again to read it sharded")
     plan = _read_plan(plan_file)
     if kv_bits is not None and plan is not None and plan.method == "palu":
         raise CheckpointError(
@@ -227,24 +240,39 @@ def load_saved(directory: str, dtype, *, shapes_only: bool = False):
     checkpointer = ocp.StandardCheckpointer()
     saved = _orbax_metadata(checkpointer, params_dir)
     _check_params(params_dir, _flat(saved), _flat(abstract), plan_may_be_missing=parts is None and plan is None)
+    return _Checked(cfg, saved_dtype, fmt, kv_bits, plan, module, abstract, checkpointer, params_dir)
+
+
+def load_saved(directory: str, dtype, *, shapes_only: bool = False):
+    """(module, tokenizer, plan, kv_bits) of a checkpoint written by ``save``, cast to ``dtype`` (a name, or "auto":
+    ``kvjax.machine.param_dtype``); ``kv_bits`` is the quantized pages it asks to be served from (None: the cache's
+    dtype). A missing, corrupt or inconsistent part, or a NaN/inf parameter, is a ``CheckpointError`` naming it.
+    ``shapes_only``: every part checked but no weight read, the module (joined) of shapes in ``dtype``: a
+    tensor-parallel engine reads its devices' shares (``restore_sharded``)."""
+    from kvjax.models.rotation import packed_rotation
+    from kvjax.models.transformer import Transformer
+
+    directory = os.path.abspath(directory)
+    c = _checked(directory, sharded=shapes_only)
+    dtype = jnp.dtype(machine.param_dtype(dtype, c.cfg.param_count()))  # "auto" by the model's size
+    tokenizer = os.path.join(directory, "tokenizer")
     if shapes_only:
-        if fmt == 1:
-            raise CheckpointError(f"{directory}: a format-1 checkpoint is read whole; save it again to read it sharded")
 
         def joined():
-            module = Transformer(cfg, plan=plan, dtype=dtype, rngs=nnx.Rngs(0))
+            module = Transformer(c.cfg, plan=c.plan, dtype=dtype, rngs=nnx.Rngs(0))
             module.join()
             return module
 
-        return nnx.eval_shape(joined), _read_tokenizer(os.path.join(directory, "tokenizer")), plan, kv_bits
-    restored = _restore(checkpointer, params_dir, abstract)
-    _check_values(params_dir, restored, dtype)
-    if fmt == 1:
+        return nnx.eval_shape(joined), _read_tokenizer(tokenizer), c.plan, c.kv_bits
+    restored = _restore(c.checkpointer, c.params_dir, c.abstract)
+    _check_values(c.params_dir, restored, dtype)
+    module = c.module
+    if c.fmt == 1:
         _map_rotations(restored, module.layouts, lambda layout, old: packed_rotation(old, layout.k_widths))
     state = nnx.state(module, nnx.Param)
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.asarray(x, dtype), restored))
     nnx.update(module, state)
-    return module, _read_tokenizer(os.path.join(directory, "tokenizer")), plan, kv_bits
+    return module, _read_tokenizer(tokenizer), c.plan, c.kv_bits
 
 
 def restore_sharded(directory: str, dtype, devices) -> dict[tuple, jax.Array]:
@@ -253,19 +281,10 @@ def restore_sharded(directory: str, dtype, devices) -> dict[tuple, jax.Array]:
     device reads from disk only its share of each large parameter, and the model is never whole on one device. A
     tensor-parallel split then moves each device's heads where they belong (``parallel.forward.shard``). The checks
     are ``load_saved``'s."""
-    import orbax.checkpoint as ocp
     from flax.traverse_util import flatten_dict
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from kvjax.models.transformer import Transformer
-
-    directory = os.path.abspath(directory)
-    params_dir = os.path.join(directory, "params")
-    cfg, saved_dtype, _, fmt, _ = _read_meta(directory)
-    if fmt == 1:
-        raise CheckpointError(f"{directory}: a format-1 checkpoint is read whole; save it again to read it sharded")
-    plan = _read_plan(os.path.join(directory, "plan.json"))
-    module = nnx.eval_shape(lambda: Transformer(cfg, plan=plan, dtype=saved_dtype, rngs=nnx.Rngs(0)))
+    c = _checked(os.path.abspath(directory), sharded=True)
     mesh, n = Mesh(list(devices), ("shards",)), len(devices)
 
     def spread(x):
@@ -275,11 +294,8 @@ def restore_sharded(directory: str, dtype, devices) -> dict[tuple, jax.Array]:
             spec[axes[0]] = "shards"
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec(*spec)))
 
-    abstract = jax.tree.map(spread, nnx.to_pure_dict(nnx.state(module, nnx.Param)))
-    checkpointer = ocp.StandardCheckpointer()
-    _check_params(params_dir, _flat(_orbax_metadata(checkpointer, params_dir)), _flat(abstract), False)
-    restored = _restore(checkpointer, params_dir, abstract)
-    _check_values(params_dir, restored, jnp.dtype(dtype), per_shard=True)
+    restored = _restore(c.checkpointer, c.params_dir, jax.tree.map(spread, c.abstract))
+    _check_values(c.params_dir, restored, jnp.dtype(dtype), per_shard=True)
     return {path: x.astype(dtype) for path, x in flatten_dict(restored).items()}
 
 
@@ -387,12 +403,13 @@ def _check_values(params_dir: str, restored, dtype, per_shard: bool = False) -> 
     spread parameter, so no collective runs (one over four CPU devices, while orbax's threads were still at work,
     once found a device's thread missing)."""
 
-    def check(x):
+    def flags(x):  # (finite, fits) of each part, on its device; fetched once for every parameter below
         parts = [s.data for s in x.addressable_shards if s.replica_id == 0] if per_shard else [x]
-        flags = [jnp.stack([jnp.isfinite(p).all(), jnp.isfinite(p.astype(dtype)).all()]) for p in parts]
-        return np.all(np.stack(jax.device_get(flags)), axis=0)
+        return tuple(jnp.stack([jnp.isfinite(p).all(), jnp.isfinite(p.astype(dtype)).all()]) for p in parts)
 
-    for name, (finite, fits) in _flat(jax.tree.map(check, restored)).items():
+    checks = jax.device_get(jax.tree.map(flags, restored))
+    both = jax.tree.map(lambda f: np.all(np.stack(f), axis=0), checks, is_leaf=lambda f: isinstance(f, tuple))
+    for name, (finite, fits) in _flat(both).items():
         if not finite:
             raise CheckpointError(f"{params_dir}: parameter {name} holds NaN or infinite values")
         if not fits:

@@ -75,9 +75,7 @@ def shard(model, devices: int, seed: int = 0, params: dict | None = None, placem
     baseline it is measured against)."""
     check(model, devices, placement)
     cfg, method = model.config, None if model.plan is None else model.plan.method
-    placed = (place if placement == "bytes" else even)(layout_bytes(list(model.layouts)), devices)
-    order = widest_first(placed)
-    locals_ = [padded_layout(layout, heads) for layout, heads in zip(model.layouts, order)]
+    placed, order, locals_ = device_layouts(model.layouts, devices, placement)
     per, _ = even_split(cfg.intermediate_size, devices)
     vocab, _ = even_split(cfg.vocab_size, devices)
     local_cfg = dataclasses.replace(
@@ -108,6 +106,14 @@ def shard(model, devices: int, seed: int = 0, params: dict | None = None, placem
         if given:  # cutting a spread array runs collectives: one program in flight at a time (XLA's CPU devices
             jax.block_until_ready(parts)  # share a few threads, and interleaved collective programs can starve)
     return Sharded(mesh, graphdef, state, placed, cfg.vocab_size, tuple(locals_), local_cfg)
+
+
+def device_layouts(layouts, devices: int, placement: str = "bytes") -> tuple[Placement, list, list]:
+    """(placement, each layer's devices' heads widest first, each layer's padded local layout): which heads each
+    device holds (by bytes, ``placement.place``, or ``even``) and the one layout every device runs."""
+    placed = (place if placement == "bytes" else even)(layout_bytes(list(layouts)), devices)
+    order = widest_first(placed)
+    return placed, order, [padded_layout(layout, heads) for layout, heads in zip(layouts, order)]
 
 
 def check(model, devices, placement: str = "bytes") -> None:

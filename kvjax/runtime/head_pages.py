@@ -87,8 +87,12 @@ class HeadPages:
     def _lacking(self, owner: int, new_tokens) -> np.ndarray:
         """Pages ``owner`` lacks on each device, [devices]."""
         stored = self._stored.get(owner, np.zeros(self.shape, np.int64))
-        delta = self._pages(stored + np.asarray(new_tokens, np.int64)) - self._pages(stored)
-        return np.bincount(self.device_of, delta.sum(0), minlength=self.devices).astype(np.int64)
+        return self._by_device(self._pages(stored + np.asarray(new_tokens, np.int64)) - self._pages(stored))
+
+    def _by_device(self, pages: np.ndarray) -> np.ndarray:
+        """Pages [..., heads] summed over each device's heads (and every leading axis), [devices]."""
+        per_head = pages.reshape(-1, pages.shape[-1]).sum(0)
+        return np.bincount(self.device_of, per_head, minlength=self.devices).astype(np.int64)
 
     def grow(self, owner: int, new_tokens) -> np.ndarray | None:
         """Append ``new_tokens`` tokens to every head of ``owner`` (an int, or [layers, heads]), taking pages from
@@ -109,7 +113,7 @@ class HeadPages:
         have, want = self._pages(stored), self._pages(after)
         delta = want - have
         total = int(delta.sum())
-        per_device = np.bincount(self.device_of, delta.sum((0, 1)), minlength=self.devices).astype(np.int64)
+        per_device = self._by_device(delta)
         if (per_device > self._top).any() or (want > self.max_pages).any():
             return None
         row, layer, head = np.nonzero(delta)
