@@ -109,7 +109,7 @@ def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
         metavar="N",
         help="split the model over N devices of this host (JAX's sharding: each device holds its share of the "
         "weights and its KV heads' columns of every page, heads placed so each device holds about the same bytes); "
-        "the KV heads must divide by N; uncompressed and ZACK models, not with --evict (default 1)",
+        "the KV heads must divide by N; uncompressed and ZACK models, not GEAR pages (default 1)",
     )
     p.add_argument(
         "--attention",
