@@ -45,7 +45,7 @@ def column_offsets(layout: HeadLayout) -> dict[str, list[int]]:
         v=HeadLayout.offsets(layout.v_widths),
         o=HeadLayout.offsets(layout.v_widths, g),
     )
-    if any(o % 16 for lst in offs.values() for o in lst):
+    if any(o % 16 for lst in offs.values() for o in lst) or any(w % 16 for w in layout.k_widths + layout.v_widths):
         raise ValueError(f"head widths must be multiples of 16 for the Pallas kernels: {layout}")
     return offs
 

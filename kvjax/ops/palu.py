@@ -45,7 +45,7 @@ from kvjax.ops.tiles import pow2_floor, tile
 
 ROWS = 16  # query rows per program: a GQA group (G <= 16) padded to the tensor cores' smallest M
 HEAD_FIELDS = 5  # per KV head in a class's table: its index, K offset, K width, V offset, V width
-STEP, WARPS = 16, 4  # tokens a loop step and warps: the best measured (bench/RESULTS.md "Palu's decode kernel")
+STEP, WARPS = 32, 4  # tokens a loop step and warps: the best measured (bench/RESULTS.md "Palu's decode kernel")
 MAX_SPLITS, TARGET_PROGRAMS = 16, 1024  # the grid's splits per sequence; the programs live rows should fill
 
 
@@ -63,10 +63,14 @@ def head_classes(layout: HeadLayout) -> tuple[tuple[int, ...], ...]:
 @functools.cache
 def _head_table(layout: HeadLayout, heads: tuple[int, ...]) -> np.ndarray:
     """int32 [len(heads) * 5 + 3]: for each of ``heads``, its index, packed K offset and width, V offset and width;
-    then the q, K and V row widths (run-time values, so layers with the same tiles share the compiled kernel)."""
+    then the q, K and V row widths (run-time values, so layers with the same tiles share the compiled kernel).
+    Offsets and widths are in units of 16 columns: the kernel multiplies them back, so Triton knows every row
+    starts 16-aligned and loads it in 16-byte vectors, as the decode kernel's tables do (``decode.tables``)."""
     offs = column_offsets(layout)
-    fields = [(g, offs["k"][g], layout.k_widths[g], offs["v"][g], layout.v_widths[g]) for g in heads]
-    rows = (layout.num_heads * layout.head_dim, layout.k_cols, layout.v_cols)
+    fields = [
+        (g, *(x // 16 for x in (offs["k"][g], layout.k_widths[g], offs["v"][g], layout.v_widths[g]))) for g in heads
+    ]
+    rows = (layout.num_heads * layout.head_dim // 16, layout.k_cols // 16, layout.v_cols // 16)
     return np.asarray([x for f in fields for x in f] + list(rows), np.int32)
 
 
@@ -115,8 +119,9 @@ def _kernel(
     half = head_dim // 2
     dtype = k_ref.dtype
     precision = dot_precision(dtype)
-    head, k_off, k_width, v_off, v_width = (heads_ref[slot * HEAD_FIELDS + f] for f in range(HEAD_FIELDS))
-    q_cols, k_cols, v_cols = (heads_ref[num_heads * HEAD_FIELDS + f] for f in range(3))
+    head = heads_ref[slot * HEAD_FIELDS]
+    k_off, k_width, v_off, v_width = (heads_ref[slot * HEAD_FIELDS + f] * 16 for f in range(1, HEAD_FIELDS))
+    q_cols, k_cols, v_cols = (heads_ref[num_heads * HEAD_FIELDS + f] * 16 for f in range(3))
     length = lengths_ref[seq]
 
     rows = jnp.arange(ROWS)
