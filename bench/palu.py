@@ -8,6 +8,7 @@ the jnp form. Tables: bench/RESULTS.md "Palu's decode kernel", "Banded decode ke
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import itertools
 import json
@@ -21,8 +22,10 @@ from harness import (
     HKV,
     D,
     PagedCase,
+    batched,
     copies_for,
     copy_bandwidth,
+    cupti_kernels,
     knob_option,
     log,
     on_gpu,
@@ -40,7 +43,7 @@ from kvjax.ops.decode.config import DECODE
 from kvjax.ops.decode.kernel import paged_decode
 from kvjax.ops.decode.op import banded_config
 from kvjax.ops.decode.reference import paged_decode_attention
-from kvjax.ops.palu import default_splits, palu_decode
+from kvjax.ops.palu import TARGET_PROGRAMS, default_splits, palu_decode
 
 
 def palu_kernel_call(case, rebuild, key, **knobs):
@@ -70,6 +73,16 @@ def banded_call(case, rebuild, sched, key):
         return paged_decode(q, k, v, table, lengths, s, lay, basis=basis, inv_freq=rebuild.inv_freq, band=rebuild.band)
 
     return fn, (case.k, case.v, lengths, sched, rebuild.basis()), head_queries(case, key)
+
+
+def kernel_shares(fn, shared, per_call) -> str:
+    """Each kernel's microseconds a call of ``time_calls``' batched ``fn`` (CUPTI), the largest first."""
+    f = batched(fn)
+    jax.block_until_ready(f(shared, per_call))
+    by_name: collections.Counter = collections.Counter()
+    for name, ms in cupti_kernels(lambda: jax.block_until_ready(f(shared, per_call))):
+        by_name[name] += ms * 1e3 / len(per_call)
+    return ", ".join(f"{name} {us:.0f}" for name, us in by_name.most_common())
 
 
 def check_banded(case, rebuild, sched) -> float:
@@ -110,6 +123,21 @@ def check(case, rebuild, **knobs) -> float:
     return reference_error(case, rebuild, q, table, out)
 
 
+def palu_rows(args, case, rebuild, key, row) -> None:
+    """Palu's kernel at every combination of the knobs' lists, each checked then timed (a ``row`` each)."""
+    grid = itertools.product(*(map(int, x.split(",")) for x in (args.steps, args.warps, args.stages, args.targets)))
+    for step, warps, stages, target in grid:
+        splits = default_splits(case.batch, case.layout.num_kv_heads, target)
+        knobs = dict(step=step, num_warps=warps, num_stages=stages, splits=splits, target_programs=target)
+        try:
+            err = check(case, rebuild, **knobs)
+            t = time_calls(*palu_kernel_call(case, rebuild, key, **knobs))
+        except Exception as e:  # a variant the GPU cannot run (shared memory, registers): reported, skipped
+            log(f"{knobs}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        row("palu (Pallas)", " ".join(f"{k}={v}" for k, v in knobs.items()), t, err)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", default="32x2048,32x8192,8x32768", help="BxCTX, comma-separated")
@@ -117,6 +145,14 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", default="16,32", help="tokens a loop step, comma-separated (default 16,32)")
     ap.add_argument("--warps", default="2,4", help="warps, comma-separated (default 2,4)")
     ap.add_argument("--stages", default="2", help="pipeline stages, comma-separated (default 2)")
+    ap.add_argument(
+        "--targets",
+        default=str(TARGET_PROGRAMS),
+        help=f"programs Palu's splits aim at, comma-separated (default {TARGET_PROGRAMS})",
+    )
+    ap.add_argument(
+        "--breakdown", action="store_true", help="with --bands: also each kernel's share of a banded call (CUPTI)"
+    )
     ap.add_argument("--uniform", action="store_true", help="also every head at the plan's mean widths (Palu's own)")
     ap.add_argument(
         "--bands", default="", help="also banded ZACK's decode at these bands, comma-separated (e.g. 16,32,64)"
@@ -158,19 +194,8 @@ def main(argv=None) -> None:
                 f"| {b} x {c} | {w} | {kernel} | {knobs} | {t * 1e6:.0f} | {fl * 1e6:.0f} | {100 * fl / t:.0f}% | {e} |"
             )
 
-        splits = default_splits(batch, lay.num_kv_heads)
-        grid = itertools.product(
-            map(int, args.steps.split(",")), map(int, args.warps.split(",")), map(int, args.stages.split(","))
-        )
-        for step, warps, stages in [] if args.no_palu else grid:
-            knobs = dict(step=step, num_warps=warps, num_stages=stages, splits=splits)
-            try:
-                err = check(case, rebuild, **knobs)
-                t = time_calls(*palu_kernel_call(case, rebuild, key, **knobs))
-            except Exception as e:  # a variant the GPU cannot run (shared memory, registers): reported, skipped
-                log(f"{knobs}: {type(e).__name__}: {str(e)[:200]}")
-                continue
-            row("palu (Pallas)", " ".join(f"{k}={v}" for k, v in knobs.items()), t, err)
+        if not args.no_palu:
+            palu_rows(args, case, rebuild, key, row)
         t = time_calls(*kvjax_decode_call(case, schedule_of(case, DECODE).schedule.layer(0), key))
         row("zack (Pallas)", "defaults", t)
         for band in [int(b) for b in args.bands.split(",") if b]:
@@ -180,7 +205,10 @@ def main(argv=None) -> None:
             row("zack (Pallas)", knobs, time_calls(*kvjax_decode_call(case, sched, key)))
             banded = dataclasses.replace(rebuild, band=band)
             err = check_banded(case, banded, sched)
-            row(f"zack banded {band} (Pallas)", knobs, time_calls(*banded_call(case, banded, sched, key)), err)
+            call = banded_call(case, banded, sched, key)
+            row(f"zack banded {band} (Pallas)", knobs, time_calls(*call), err)
+            if args.breakdown:
+                log(f"band {band}, us a call: {kernel_shares(*call)}")
         if name == "uniform":
             fn, shared, per_call, _, r, rv = palu_decode_call(case, lay, key)
             row("palu (XLA, jnp)", "", time_calls(fn, shared, per_call))

@@ -9,6 +9,9 @@ and likewise V; Q packs every query head at the K width of its group, the attent
 from __future__ import annotations
 
 import dataclasses
+import functools
+
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,3 +69,17 @@ class HeadLayout:
             starts.append(total)
             total += repeat * w
         return starts
+
+    def packed_columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """For each packed q column, (its query head, its K column): head g's queries side by side, each on the
+        group's ``k_widths[g]`` columns."""
+        return _packed_columns(self)
+
+
+@functools.cache
+def _packed_columns(layout: HeadLayout) -> tuple[np.ndarray, np.ndarray]:
+    g, starts = layout.group_size, HeadLayout.offsets(layout.k_widths)
+    heads = [(h * g + j, s, w) for h, (s, w) in enumerate(zip(starts, layout.k_widths)) for j in range(g)]
+    rows = np.concatenate([np.full(w, row) for row, _, w in heads])
+    cols = np.concatenate([np.arange(s, s + w) for _, s, w in heads])
+    return rows, cols

@@ -1,12 +1,13 @@
 """Banded ZACK (``compress(band=W)``): keys stored in the frame of their band of W positions, read back turned by the
 band's start angle (DESIGN.md section 7, "Banded bases"). At full width the model is the uncompressed one at every
-position, across band edges; the rebuild, the decode kernel projecting queries a band, Palu's kernel with a band and
+position, across band edges; the rebuild, the decode kernel reading queries a band, Palu's kernel with a band and
 the engine agree with the references; the
 plan records its band, and bad requests are refused before any work."""
 
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -80,7 +81,7 @@ def test_palus_kernel_with_a_band_matches_the_reference(band, step):
 @pytest.mark.parametrize("band, kernel", [(4, "Palu's decode kernel"), (16, "decode projects each query once a band")])
 def test_banded_on_the_kernels_gives_the_reference_tokens_with_chunked_prompts_and_a_window(band, kernel):
     """The engine serves a banded model on the kernels (interpret mode): bands under ``MIN_BAND`` on Palu's decode
-    kernel, wider ones on the variable-width kernel projecting queries a band; prompts longer than a chunk, so later
+    kernel, wider ones on the variable-width kernel reading queries a band; prompts longer than a chunk, so later
     chunks read a prefix across band edges; Mistral's sliding window; the reference path's greedy tokens."""
     cfg = dataclasses.replace(TINY_CONFIGS["mistral"], head_dim=64, hidden_size=128, sliding_window=40)
     model = varied_plan_model(kvjax.Model.random(cfg, seed=fresh_seed() % 1000, scale=5.0), band=band)
@@ -99,11 +100,11 @@ BAND_LAYOUTS = [HeadLayout(8, 2, 64, (48, 16), (16, 64)), HeadLayout(8, 4, 64, (
 
 @pytest.mark.parametrize("band", [16, 32, 64])
 @pytest.mark.parametrize("layout", BAND_LAYOUTS, ids=["two-heads", "four-heads"])
-def test_the_decode_kernel_projecting_queries_a_band_matches_the_reference(band, layout):
+def test_the_decode_kernel_reading_queries_a_band_matches_the_reference(band, layout):
     """``DecodeOp(band=)`` (interpret mode) against ``paged_decode_attention`` with the banded rebuild: sequences
     shorter than a band and across several, cut by the schedule at pages that are not multiples of a step (its first
-    step then masks the tokens before it), runs of several heads, folded rows (one projection for the bands of every
-    fold) and chunks wider than a band (a projection a band)."""
+    step then masks the tokens before it), runs of several heads, folded rows (each fold its own band's queries)
+    and chunks wider than a band (a band's queries each)."""
     seed = fresh_seed()
     lengths = [1, 37, 300, 130]
     q, k, v, table, lengths, rebuild = latent_case(np.random.default_rng(seed), layout, lengths, 8, band=band)
@@ -115,6 +116,29 @@ def test_the_decode_kernel_projecting_queries_a_band_matches_the_reference(band,
     out = op.run(q, k, v, table, lengths, schedule.layer(0), layout, rebuild)
     ref = paged_decode_attention(q, k, v, table, lengths, layout, rebuild)
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("band", [16, 64])
+def test_every_bands_queries_are_the_query_turned_back_and_projected(band):
+    """``bands.band_queries`` row b * B + s: sequence s's whole heads turned back by band b's start angle
+    (RoPE(-bW)) and projected on their group's packed columns, as ``QKRotation.packed`` projects them."""
+    from kvjax.models.rotation import QKRotation
+    from kvjax.ops.decode.bands import band_queries
+
+    rng = np.random.default_rng(fresh_seed())
+    layout = BAND_LAYOUTS[1]
+    d, batch, bands = layout.head_dim, 3, 5
+    q = jnp.asarray(rng.standard_normal((batch, layout.num_heads * d)), jnp.float32)
+    basis = jnp.asarray(rng.standard_normal((d, layout.k_cols)), jnp.float32)
+    inv_freq = inverse_frequencies(d, 10000.0, {})
+    got = np.asarray(band_queries(q, basis, inv_freq, band, layout, bands)).reshape(bands, batch, layout.q_cols)
+    rotation = QKRotation(basis, layout)
+    for b in range(bands):
+        at = jnp.full((batch, 1), -b * band)
+        turned = apply_rope(q.reshape(batch, 1, layout.num_heads, d), at, inv_freq).reshape(batch, -1)
+        with jax.default_matmul_precision("highest"):
+            want, _ = rotation.packed(turned, jnp.zeros((batch, layout.num_kv_heads * d)))
+        np.testing.assert_allclose(got[b], want, rtol=1e-4, atol=1e-4)
 
 
 def test_a_banded_decode_op_refuses_keys_of_another_band():
@@ -182,7 +206,7 @@ def test_bad_bands_are_refused_before_any_work():
 
 @pytest.mark.parametrize("band", [16, 64])
 def test_the_banded_decode_kernel_lowers_for_sm90(band):
-    """The variable-width kernel projecting queries a band lowers to Triton IR for an H100."""
+    """The variable-width kernel reading queries a band lowers to Triton IR for an H100."""
     from kvjax.ops.lowering import triton_modules
 
     layout = BAND_LAYOUTS[1]

@@ -97,8 +97,5 @@ class QKRotation:
 
 def packed_query(q_wide, layout: HeadLayout):
     """A wide q [B, >= H, k_cols] (``QKRotation.wide``) packed: each query head on its own group's columns."""
-    g, starts = layout.group_size, HeadLayout.offsets(layout.k_widths)
-    heads = [(h * g + j, s, w) for h, (s, w) in enumerate(zip(starts, layout.k_widths)) for j in range(g)]
-    rows = np.concatenate([np.full(w, row) for row, _, w in heads])
-    cols = np.concatenate([np.arange(s, s + w) for _, s, w in heads])
+    rows, cols = layout.packed_columns()
     return q_wide[:, rows, cols]

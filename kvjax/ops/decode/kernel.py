@@ -40,6 +40,7 @@ from jax.experimental.pallas import triton as plgpu
 from kvjax import validate
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode import tables
+from kvjax.ops.decode.bands import band_queries
 from kvjax.ops.decode.cost import ROWS
 from kvjax.ops.decode.merge import merge
 from kvjax.ops.decode.plan import END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, DecodeSchedule
@@ -48,7 +49,7 @@ from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, store_r
 from kvjax.ops.tiles import tile
 
 BLOCK_H = ROWS  # query rows per item: a GQA group (G <= 8) padded to the tensor cores' smallest M
-MIN_BAND = 16  # banded keys: narrower bands would take a query projection every few tokens (Palu's kernel reads them)
+MIN_BAND = 16  # banded keys: a band's queries are G / W of its keys' bytes (Palu's kernel reads narrower bands)
 
 
 def _class_pieces(tiles, exact: bool, last):
@@ -65,11 +66,11 @@ def _cols_ok(t: int, width):
 
 
 def _attend_item(
-    cls: RunClass, item, refs, *, group, page_size, window, scale, v_max, config, band, head_dim, interpret
+    cls: RunClass, item, refs, *, group, page_size, window, scale, v_max, config, band, band_rows, interpret
 ):
     """Online-softmax attention of one item (its class's tiles are static; its widths and offsets come from the
-    layer's tables) and the write of its result. With ``band``, q holds whole post-RoPE heads and each step
-    projects them on its band's frame (``_item_queries``)."""
+    layer's tables) and the write of its result. With ``band``, each step reads its band's queries
+    (``_item_queries``)."""
     units_ref, rows_ref, cols_ref, table_ref, q_ref, k_ref, v_ref = refs[:7]
     out_ref, acc_ref, m_ref, l_ref = refs[-4:]
     seq, unit, first, end, slot, length = item
@@ -110,14 +111,14 @@ def _attend_item(
 
     lo, hi, visible_from = _token_span(first * page_size, end * page_size, length, window, bt if band else 0)
     queries = _item_queries(
-        (q_ref, *refs[7:-4]),
-        (seqs, q_cols, qo + q_row, k_cols, ko),
+        q_ref,
+        (seqs, q_cols, qo + q_row),
         pieces=k_pieces,
         cols_ok=q_cols_ok,
         folds=[functools.partial(fold, c=c) for c in range(nf)],
         factor=scale * LOG2E,
         band=band and (band, chunk_of_row * bc, bc),
-        head_dim=head_dim,
+        band_rows=band_rows,
     )
     pages_per_seq = table_ref.shape[1]
 
@@ -208,19 +209,17 @@ def _in_sub_band(s, sub: int, subs: int, chunk: int):
     return s if subs == 1 else jnp.where((jnp.arange(chunk) // (chunk // subs) == sub)[None, :], s, 0.0)
 
 
-def _item_queries(refs, at, *, pieces, cols_ok, folds, factor, band, head_dim):
+def _item_queries(q_ref, at, *, pieces, cols_ok, folds, factor, band, band_rows):
     """The function that gives a step of an item its queries [sub-band][piece][fold] from its first token (q at
-    ``at``: rows, row width, offsets, and K's row width and the run's offset), each masked to its row's own head
-    (``cols_ok``) and scaled for log2 scores. Without a band, the row's packed or wide query, loaded once.
+    ``at``: rows, row width, offsets), each masked to its row's own head (``cols_ok``). Without a band, the row's
+    packed or wide query, loaded once and scaled (``factor``) for log2 scores.
 
-    With ``band`` (its width, each row's chunk offset in a step [BLOCK_H, 1] and the chunk's tokens; ``refs``: q,
-    the basis [d, k_cols] and RoPE's inv_freq), each row's whole post-RoPE query head is loaded once, and each step
-    turns it back by its band's start angle and projects it on the run's packed K columns of the basis: a
-    [BLOCK_H, d] x [d, tile] product a piece, where Palu's kernel rebuilds every key (DESIGN.md section 7, "Banded
-    bases"). Rows score their own chunk of the step (folds), so one product serves the bands of all chunks; a chunk
-    wider than the band takes one product per band in it (its sub-bands)."""
-    seqs, q_cols, q_at, k_cols, ko = at
-    q_ref = refs[0]
+    With ``band`` (its width, each row's chunk offset in a step [BLOCK_H, 1] and the chunk's tokens) and
+    ``band_rows`` (the batch and the bands of q, ``bands.band_queries``' rows, already scaled: band b of sequence
+    s in row b * batch + s), each step loads each row's packed query of its chunk's band, fold c's rows alone (the
+    others zero) so the loads feed the dots as they are; a chunk wider than the band loads one a band in it (its
+    sub-bands)."""
+    seqs, q_cols, q_at = at
     if not band:
         loaded = []
         for start, t, _ in pieces:
@@ -229,48 +228,23 @@ def _item_queries(refs, at, *, pieces, cols_ok, folds, factor, band, head_dim):
             loaded.append([fold(q) for fold in folds])
         return lambda _: [loaded]
     width, row_offset, chunk = band
-    subs = max(1, chunk // width)
-    up_ref, freq_ref = refs[1:]
-    half = jnp.arange(head_dim // 2)
-    q1, q2 = (load_rows(q_ref, seqs, q_cols, q_at + h * half.size, half[None, :]).astype(jnp.float32) for h in (0, 1))
-    freq = plgpu.load(freq_ref.at[half])[None, :]
-    dtype = up_ref.dtype
-    precision = dot_precision(dtype)
+    batch, bands = band_rows
+    fold_of = row_offset[:, 0] // chunk
 
-    def basis(start, t, cols_width):  # the piece's two halves [d/2, t]
-        cols, ok = jnp.arange(t)[None, :], _cols_ok(t, cols_width)
-        return tuple(load_rows(up_ref, half + h * half.size, k_cols, ko + start, cols, ok) for h in (0, 1))
-
-    # A row's band starts at the step's band plus its (sub-)chunk's offset rounded down to a band (steps start at
-    # multiples of their tokens, which divide the band or are multiples of it): the heads turned back by that
-    # offset once an item, so a step turns them all by one angle (two trig calls a column, not a row)
-    turned = []
-    for sub in range(subs):
-        offset = (row_offset + sub * width) // width * width  # [BLOCK_H, 1]
-        turned.append(_rope_back(q1, q2, offset.astype(jnp.float32) * freq))
-
-    def queries(first):
-        start = (first // width * width).astype(jnp.float32) * freq  # [1, d/2]
+    def read(first):
         out = []
-        for h1, h2 in turned:
-            r1, r2 = (x.astype(dtype) for x in _rope_back(h1, h2, start))
-            projected = []
-            for piece in pieces:
-                # loaded every step: as fast as kept in registers (bench/RESULTS.md "Banded decode kernel")
-                u1, u2 = basis(*piece)
-                q = plgpu.dot(r1, u1, precision=precision) + plgpu.dot(r2, u2, precision=precision)
-                q = jnp.where(cols_ok(piece[0], piece[1]), q * factor, 0.0).astype(dtype)
-                projected.append([fold(q) for fold in folds])
-            out.append(projected)
+        for sub in range(max(1, chunk // width)):
+            rows = jnp.minimum((first + row_offset[:, 0] + sub * width) // width, bands - 1) * batch + seqs
+            by_piece = []
+            for a, t, _ in pieces:
+                cols, ok = a + jnp.arange(t)[None, :], cols_ok(a, t)
+                by_piece.append(
+                    [load_rows(q_ref, rows, q_cols, q_at, cols, ok, fold_of == c) for c in range(len(folds))]
+                )
+            out.append(by_piece)
         return out
 
-    return queries
-
-
-def _rope_back(q1, q2, angle):
-    """The rotate-half halves of RoPE(-angle) q: q turned back by ``angle`` (broadcast over q's rows)."""
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
-    return q1 * cos + q2 * sin, q2 * cos - q1 * sin
+    return read
 
 
 def _token_steps(step, carry, span, bt, unmasked):
@@ -376,8 +350,8 @@ def paged_decode(
     Banded ZACK (``band``: its keys are cached in the frame of their band of ``band`` positions,
     ``models.latent.LatentK``): q is [B, H * head_dim], whole post-RoPE heads; ``basis`` [head_dim, k_cols] the
     layer's packed directions (``models.rotation.QKRotation.matrix``) and ``inv_freq`` [head_dim / 2] its RoPE
-    frequencies; each step projects the queries once for the bands of its chunks (``_item_queries``). Equal to the
-    reference with the layer's banded rebuild.
+    frequencies. Every band's queries are projected in one GEMM before the kernel (``bands.band_queries``) and
+    each step reads its band's (``_item_queries``). Equal to the reference with the layer's banded rebuild.
     """
     config = schedule.config
     shared = shared or (layout,)
@@ -389,11 +363,12 @@ def paged_decode(
     wide_rows = q.shape[1] if q.ndim == 3 else 0
     if wide_rows and (wide_rows < layout.num_heads or q.shape[2] != layout.k_cols):
         raise ValueError(f"a wide q must be [B, >= {layout.num_heads}, {layout.k_cols}], got {q.shape}")
+    band_rows = None
     if band is not None:
         _check_banded(q, basis, inv_freq, band, layout)
-    layer = tables.layer_tables(
-        layout, classes, config, tables.most_units(set(shared), config), wide_rows, full_heads=band is not None
-    )
+        band_rows = (b, -(-block_table.shape[1] * page_size // band))
+        q = band_queries(q, basis, inv_freq, band, layout, band_rows[1], scale=LOG2E / math.sqrt(layout.head_dim))
+    layer = tables.layer_tables(layout, classes, config, tables.most_units(set(shared), config), wide_rows)
     units, rows_table, cols = (jnp.asarray(t) for t in (layer.units, layer.rows, layer.cols))
     v_max = max(c.v_cols for c in classes)  # partial rows hold a run's V tile columns
     kernel = functools.partial(
@@ -406,7 +381,7 @@ def paged_decode(
         v_max=v_max,
         config=config,
         band=band,
-        head_dim=layout.head_dim,
+        band_rows=band_rows,
         interpret=interpret,
     )
     index = jnp.asarray(schedule.index, jnp.int32)
@@ -423,8 +398,6 @@ def paged_decode(
         k_pages.reshape(-1),
         v_pages.reshape(-1),
     ]
-    if band is not None:
-        args += [basis.astype(k_pages.dtype).reshape(-1), jnp.asarray(inv_freq, jnp.float32)]
     v_tile = max(tile(w) for lay in shared for w in lay.v_widths)
     out = launch_and_merge(
         kernel,

@@ -16,8 +16,8 @@ from kvjax.ops.decode.tables import kernel_groups
 
 
 def banded_config(config: DecodeConfig, band: int) -> DecodeConfig:
-    """``config`` for keys in bands of ``band`` positions: folds of a band's tokens, so that one projection of the
-    queries serves every chunk of a step (``kernel._item_queries``)."""
+    """``config`` for keys in bands of ``band`` positions: folds of at most a band's tokens, so that each fold's
+    chunk lies in one band and reads one band's queries (``kernel._item_queries``), not one a sub-band."""
     return dataclasses.replace(config, fold_tokens=min(config.fold_tokens, band))
 
 

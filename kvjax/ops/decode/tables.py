@@ -122,19 +122,16 @@ def layer_tables(
     config: DecodeConfig,
     units: int,
     wide_rows: int = 0,
-    full_heads: bool = False,
 ) -> LayerTables:
     """The tables of ``layout``'s runs (``units.head_runs``) for kernels compiled for ``classes``, padded to
     ``units`` runs (the most any shared layer has); rows past a run's heads are zero (width 0: no head).
 
     ``wide_rows`` > 0: q comes wide (``models.rotation.QKRotation.wide``: ``wide_rows`` rows of ``k_cols`` columns
     a sequence, query head h in row h), so a row's query is its head's row at the K columns the row reads: the
-    kernel's one addressing (unit offset + row offset + K column) covers both forms. ``full_heads``: q comes as
-    whole post-RoPE heads [B, H * head_dim] (banded ZACK, whose kernel projects each query itself), so a row's
-    offset is the start of its query head."""
+    kernel's one addressing (unit offset + row offset + K column) covers both forms."""
     offs = column_offsets(layout)
-    # a query head's columns when q comes whole or wide, one row a head (0: packed, the run's own K columns)
-    head_width = layout.k_cols if wide_rows else layout.head_dim if full_heads else 0
+    # a query head's columns when q comes wide, one row a head (0: packed, the run's own K columns)
+    head_width = layout.k_cols if wide_rows else 0
     keys = [c.key for c in classes]
     g = layout.group_size
     unit = np.zeros((units, UNIT_FIELDS), np.int32)
