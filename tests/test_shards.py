@@ -1,7 +1,8 @@
 """Each device's share of a layer under tensor parallelism (``kvjax.parallel.shards``): for the byte-balanced
-placement on 1, 2 and 4 devices, the devices' partial attention outputs (their heads' columns of q, K and V, their
-local layout, their rows of o) sum to the layer's, on a plain and on a ZACK-compressed model (float32), and ZACK's
-rotation sliced by a device's K columns rotates that device's queries and keys as the whole rotation does."""
+placement on 1, 2, 4 and 8 devices (8: each KV head replicated on two), the devices' partial attention outputs (their
+heads' columns of q, K and V, their local layout, their rows of o) sum to the layer's, on a plain and on a
+ZACK-compressed model (float32), and ZACK's rotation sliced by a device's K columns rotates that device's queries
+and keys as the whole rotation does."""
 
 import dataclasses
 
@@ -42,8 +43,9 @@ def models():
 
 
 @pytest.mark.parametrize("which", ["plain", "zack"])
-@pytest.mark.parametrize("devices", [1, 2, 4])
+@pytest.mark.parametrize("devices", [1, 2, 4, 8])
 def test_the_devices_partial_attention_outputs_sum_to_the_layers(models, which, devices):
+    """On 8 devices each of the 4 KV heads is held by two, each with one of its two query heads."""
     seed, found = models
     model = found[which]
     tokens = np.random.default_rng(seed).integers(0, FOUR.vocab_size, (2, 24))
@@ -56,17 +58,18 @@ def test_the_devices_partial_attention_outputs_sum_to_the_layers(models, which, 
         want = causal_attention(qp, kp, v, layout) @ wo
         got = jnp.zeros_like(want)
         for d in range(devices):
-            heads = placement.heads[i, d]
-            local = local_layout(layout, heads)
+            heads, replica = placement.heads[i, d], (d % placement.replicas, placement.replicas)
+            local = local_layout(layout, heads, placement.replicas)
             if rotation is not None:  # the device rotates its own full-width heads with its columns of the rotation
                 mine = QKRotation(rotation.matrix[:, columns(layout, heads, "k")], local)
-                ql, kl = mine.packed(q[..., columns(layout, heads, "q_full")], k[..., columns(layout, heads, "k_full")])
-                np.testing.assert_allclose(ql, qp[..., columns(layout, heads, "q")], rtol=1e-5, atol=1e-5)
+                ql = q[..., columns(layout, heads, "q_full", *replica)]
+                ql, kl = mine.packed(ql, k[..., columns(layout, heads, "k_full")])
+                np.testing.assert_allclose(ql, qp[..., columns(layout, heads, "q", *replica)], rtol=1e-5, atol=1e-5)
                 np.testing.assert_allclose(kl, kp[..., columns(layout, heads, "k")], rtol=1e-5, atol=1e-5)
             else:
-                ql, kl = q[..., columns(layout, heads, "q")], k[..., columns(layout, heads, "k")]
+                ql, kl = q[..., columns(layout, heads, "q", *replica)], k[..., columns(layout, heads, "k")]
             out = causal_attention(ql, kl, v[..., columns(layout, heads, "v")], local)
-            got = got + out @ wo[columns(layout, heads, "o")]
+            got = got + out @ wo[columns(layout, heads, "o", *replica)]
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4, err_msg=f"seed {seed}, layer {i}, {devices}")
 
 
@@ -93,6 +96,10 @@ def test_columns_refuse_what_is_not_a_set_of_heads():
     assert columns(layout, [2], "k").tolist() == list(range(48, 64))
     assert columns(layout, [1, 0], "o").tolist() == [*range(64, 96), *range(0, 64)]
     assert local_layout(layout, [3, 1]) == HeadLayout(4, 2, 32, (32, 32), (16, 16))
+    assert columns(layout, [1], "o", 1, 2).tolist() == list(range(80, 96))  # head 1's second query head
+    assert local_layout(layout, [1], 2) == HeadLayout(1, 1, 32, (32,), (16,))
+    with pytest.raises(ValueError, match="cannot be split among 3 replicas"):
+        local_layout(layout, [1], 3)
     for bad in ([], [4], [1, 1], [-1]):
         with pytest.raises(ValueError, match="heads must be distinct KV heads"):
             columns(layout, bad, "q")

@@ -3,7 +3,8 @@
 sharded forward gives the single-device model's greedy tokens at every position, its logits within float32's
 all-reduce rounding, for Llama, Mistral (sliding window), Falcon (parallel block, biases) and Gemma 3 (q/k norms,
 local and global layers), uncompressed and ZACK-compressed (heads of different widths on each device, padded to one
-local layout), on 1, 2 and 4 devices; what this form cannot split is refused in one line. The engine
+local layout), on 1, 2 and 4 devices (fewer KV heads than devices: each head replicated, its query heads split
+among its devices); what this form cannot split is refused in one line. The engine
 (``EngineConfig.tensor_parallel``, through ``kvjax.generate``) gives the single-device greedy tokens on 2 and 4
 devices: its steps inside one ``shard_map``, each device's cache holding its heads' columns of every page, with the
 jnp reference and with the Pallas kernels interpreted, in pages of the model's dtype and 4-bit pages, and with
@@ -31,10 +32,16 @@ SCRIPT = textwrap.dedent(
 
     assert len(jax.devices()) == 4, jax.devices()
     seed = {seed}
+
+    def splittable(cfg, n):  # KV heads shared out evenly, or fewer than devices and replicated evenly
+        kv, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+        return kv % n == 0 if kv >= n else n % kv == 0 and group % (n // kv) == 0
+
     configs = dict(
         llama=dataclasses.replace(TINY_CONFIGS["llama"], num_heads=8, num_kv_heads=4, head_dim=64, hidden_size=128),
         mistral=dataclasses.replace(TINY_CONFIGS["mistral"], sliding_window=6),
         falcon=TINY_CONFIGS["falcon_new"],
+        falcon_7b=TINY_CONFIGS["falcon_7b"],  # one KV head: replicated on every device
         gemma3=local_then_global(2, 64),
     )
     calibration = dict(calibration="random", num_tokens=128, seq_len=32, progress=False)
@@ -48,7 +55,7 @@ SCRIPT = textwrap.dedent(
         tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (2, 19))
         want = np.asarray(model.logits(tokens))
         for n in (1, 2, 4):
-            if cfg.num_kv_heads % n:
+            if not splittable(cfg, n):
                 continue
             for placement in ("bytes", "even") if n > 1 else ("bytes",):
                 got = np.asarray(logits(shard(model, n, placement=placement), tokens))
@@ -56,13 +63,19 @@ SCRIPT = textwrap.dedent(
                 assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max()), (name, n, placement, seed)
             print(name, n, "ok")
     model = kvjax.Model.random(configs["llama"], seed=1)
-    for bad, message in ((3, "cannot be shared evenly"), (8, "tensor_parallel must be 1..4"), (0, "must be 1..4")):
+    one_each = kvjax.Model.random(dataclasses.replace(configs["llama"], num_heads=2, num_kv_heads=2), seed=1)
+    for bad, n, message in (
+        (model, 3, "cannot be shared evenly"),
+        (model, 8, "tensor_parallel must be 1..4"),
+        (model, 0, "must be 1..4"),
+        (one_each, 4, "cannot be replicated on 4 devices"),  # one query head a KV head: nothing to split
+    ):
         try:
-            shard(model, bad)
+            shard(bad, n)
         except ValueError as e:
             assert message in str(e) and "\\n" not in str(e), e
         else:
-            raise AssertionError(bad)
+            raise AssertionError(n)
     palu = kvjax.compress(model, removal_rate=0.5, method="palu", **calibration)
     try:
         shard(palu, 2)
@@ -113,8 +126,8 @@ ENGINE = textwrap.dedent(
         kw = dict(max_new_tokens=8, max_seq_len=96, chunk_tokens=32, **extra)
         want = [g.tokens for g in kvjax.generate(model, prompts, **kw)]
         for n in (2, 4) if not extra or "eviction" in extra else (2,):
-            if model.config.num_kv_heads % n:
-                continue
+            if model.config.num_kv_heads % n:  # gemma3: two KV heads, each replicated on two of four devices
+                assert name == "gemma3" and n == 4 and not extra, (name, extra, n)
             got = [g.tokens for g in kvjax.generate(model, prompts, tensor_parallel=n, **kw)]
             assert got == want, (name, extra, n, seed, got, want)
             print(name, extra, n, "ok", flush=True)
@@ -127,9 +140,10 @@ ENGINE = textwrap.dedent(
         (dict(tensor_parallel=8), "tensor_parallel must be 1..4"),
         (dict(tensor_parallel=2, kv_bits="gear2"), "not supported yet"),
         (dict(tensor_parallel=2, head_placement="lpt"), "head_placement must be"),
+        (dict(tensor_parallel=4, eviction="snapkv:16", model=models["gemma3"]), "eviction with tensor_parallel=4"),
     ):
         try:
-            Engine(base, max_batch=2, max_seq_len=64, **bad)
+            Engine(bad.pop("model", base), max_batch=2, max_seq_len=64, **bad)
         except ValueError as e:
             assert message in str(e) and "\\n" not in str(e), e
         else:

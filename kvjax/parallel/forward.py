@@ -9,10 +9,11 @@ Plain ZACK models too: their devices' heads have different widths, and the one S
 shard, so each device's heads are ordered widest first and padded to the widest j-th head of any device
 (``shards.padded_layout``); the padding's zero columns add exactly nothing. The embedding and lm_head are split by
 vocabulary (padded to the devices): each device looks up the tokens it holds (zeros for the rest, then a ``psum``)
-and computes its share of the logits, gathered after. ``hidden``, ``gathered_logits`` and ``spmd`` are the pieces the
-engine's steps run in (``EngineConfig.tensor_parallel``). Not yet (issue 38's next steps,
-``bench/notes/2026-12-03-live-default-and-placement.md``): Palu and banded plans are refused in one line; the per-head
-kernel's data-driven widths would drop the padding.
+and computes its share of the logits, gathered after. Fewer KV heads than devices: each head is replicated on
+N / Hkv devices, each holding G / (N / Hkv) of its query heads (``shards``). ``hidden``, ``gathered_logits`` and
+``spmd`` are the pieces the engine's steps run in (``EngineConfig.tensor_parallel``). Not yet (issue 38's next
+steps, ``bench/notes/2026-12-03-tp-engine.md``): Palu and banded plans are refused in one line, and eviction over
+replicated heads; the per-head kernel's data-driven widths would drop the padding.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def shard(model, devices: int, seed: int = 0, params: dict | None = None, placem
     local_cfg = dataclasses.replace(
         cfg,
         num_heads=cfg.num_heads // devices,
-        num_kv_heads=cfg.num_kv_heads // devices,
+        num_kv_heads=max(1, cfg.num_kv_heads // devices),  # fewer heads than devices: one a device, replicated
         intermediate_size=per,
         vocab_size=vocab,
     )
@@ -98,7 +99,9 @@ def shard(model, devices: int, seed: int = 0, params: dict | None = None, placem
         if params is None:
             var.set_value(_random_shares(mesh, (devices, *want), var.get_value().dtype, seed * 100003 + i))
             continue
-        share = functools.partial(_part, params[path], path, model.layouts, locals_, order, per=per, shape=want)
+        share = functools.partial(
+            _part, params[path], path, model.layouts, locals_, order, per=per, shape=want, replicas=placed.replicas
+        )
         parts = [jax.device_put(share(d, devices=devices)[None], device) for d, device in enumerate(mesh.devices)]
         if any(tuple(p.shape[1:]) != want for p in parts):
             raise AssertionError(f"{path}: a device's share has shape {parts[0].shape[1:]}, the local module {want}")
@@ -113,12 +116,12 @@ def device_layouts(layouts, devices: int, placement: str = "bytes") -> tuple[Pla
     device holds (by bytes, ``placement.place``, or ``even``) and the one layout every device runs."""
     placed = (place if placement == "bytes" else even)(layout_bytes(list(layouts)), devices)
     order = widest_first(placed)
-    return placed, order, [padded_layout(layout, heads) for layout, heads in zip(layouts, order)]
+    return placed, order, [padded_layout(layout, heads, placed.replicas) for layout, heads in zip(layouts, order)]
 
 
 def check(model, devices, placement: str = "bytes") -> None:
     """Refuse, in one line, a split this form cannot make: Palu and banded plans, more devices than JAX sees, KV heads
-    the devices do not divide."""
+    the devices do not divide (or, fewer heads than devices, that cannot be replicated evenly: ``placement``)."""
     method = None if model.plan is None else model.plan.method
     if method not in (None, "zack") or getattr(model.plan, "band", None) is not None:
         raise ValueError("tensor parallelism runs uncompressed and plain ZACK models for now, not Palu or banded ones")
@@ -131,8 +134,14 @@ def check(model, devices, placement: str = "bytes") -> None:
         )
     if placement not in ("bytes", "even"):
         raise ValueError(f"head placement must be 'bytes' or 'even', got {placement!r}")
-    if model.config.num_kv_heads % devices:
-        raise ValueError(f"{model.config.num_kv_heads} KV heads cannot be shared evenly by {devices} devices")
+    kv, group = model.config.num_kv_heads, model.config.num_heads // model.config.num_kv_heads
+    if kv >= devices and kv % devices:
+        raise ValueError(f"{kv} KV heads cannot be shared evenly by {devices} devices")
+    if kv < devices and (devices % kv or group % (devices // kv)):
+        raise ValueError(
+            f"{kv} KV heads cannot be replicated on {devices} devices: each head's {group} query heads must split "
+            f"evenly among the {devices // kv} devices that would hold it"
+        )
 
 
 def shapes_only(model) -> bool:
@@ -148,8 +157,9 @@ def _random_shares(mesh: Mesh, shape: tuple, dtype, seed) -> jax.Array:
     return jax.lax.with_sharding_constraint(x.astype(dtype), NamedSharding(mesh, PartitionSpec(AXIS)))
 
 
-def _part(x, path: tuple, layouts, locals_, order, device: int, *, per: int, devices: int, shape):
-    """Device ``device``'s share of parameter ``x`` at ``path`` (the separate form's names), of shape ``shape``."""
+def _part(x, path: tuple, layouts, locals_, order, device: int, *, per: int, devices: int, shape, replicas: int = 1):
+    """Device ``device``'s share of parameter ``x`` at ``path`` (the separate form's names), of shape ``shape``;
+    ``replicas``: devices that hold each KV head (the placement's: device d is replica d % replicas of its head)."""
     if path[0] in ("embed", "lm_head"):  # by vocabulary: the embedding's rows, lm_head's columns
         axis = 0 if path[0] == "embed" else 1
         return _share(x, axis, shape[axis], device, devices)
@@ -162,10 +172,11 @@ def _part(x, path: tuple, layouts, locals_, order, device: int, *, per: int, dev
         axis = 0 if name == "down" else x.ndim - 1
         return _share(x, axis, per, device, devices)
     heads, layout, local = order[layer][device], layouts[layer], locals_[layer]
+    mine = (device % replicas, replicas)  # the replica's query heads of each group
     if owner == "attn" and name in ("q", "k"):  # full width before RoPE and the rotation: no padding
-        return x[..., columns(layout, heads, {"q": "q_full", "k": "k_full"}[name])]
+        return x[..., columns(layout, heads, {"q": "q_full", "k": "k_full"}[name], *mine)]
     if owner == "attn" and name in ("v", "qk_rotation", "o"):  # the cached widths: padded into the local layout
-        src, dst = into(layout, heads, local, {"v": "v", "qk_rotation": "k", "o": "o"}[name])
+        src, dst = into(layout, heads, local, {"v": "v", "qk_rotation": "k", "o": "o"}[name], *mine)
         if name == "o":
             return jnp.zeros(shape, x.dtype).at[dst].set(x[src])
         return jnp.zeros(shape, x.dtype).at[..., dst].set(x[..., src])

@@ -6,6 +6,11 @@ the mesh code slices weights with it, and the sum of the devices' partial output
 Packed forms (``kvjax.layout``): q and K rows after ZACK's rotation hold each KV head's block at its K width (q's
 ``G`` query heads a block), V at its V width, and the attention output (o's input rows) ``G`` blocks at the V width;
 before the rotation the q and k projections' outputs are full width (``head_dim`` a head).
+
+Fewer KV heads than devices (``placement``'s replicas r > 1): a device holds one KV head whole (its k, v and rotation
+columns, so its cache) and replica ``rho``'s G / r of the group's query heads (their q columns and o rows), as the
+Megatron layout replicates KV heads; the devices' query heads are disjoint, so their partial outputs still sum to
+the layer's.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from kvjax.layout import HeadLayout
 from kvjax.parallel.placement import Placement
 
 PARTS = ("q", "k", "v", "o", "q_full", "k_full")
+QUERY_PARTS = ("q", "o", "q_full")  # G blocks a KV head, one a query head
 
 
-def block_widths(layout: HeadLayout, part: str) -> list[int]:
-    """Each KV head's block width in the packed ``part`` (``PARTS``)."""
-    g, d = layout.group_size, layout.head_dim
+def block_widths(layout: HeadLayout, part: str, replicas: int = 1) -> list[int]:
+    """Each KV head's block width in the packed ``part`` (``PARTS``); with ``replicas``, one replica's share of
+    the query parts (G / replicas query heads a block)."""
+    g, d = _group(layout, replicas), layout.head_dim
     widths = {
         "q": [g * w for w in layout.k_widths],
         "k": list(layout.k_widths),
@@ -34,19 +41,30 @@ def block_widths(layout: HeadLayout, part: str) -> list[int]:
     return widths[part]
 
 
-def columns(layout: HeadLayout, heads, part: str) -> np.ndarray:
+def columns(layout: HeadLayout, heads, part: str, replica: int = 0, replicas: int = 1) -> np.ndarray:
     """int [n]: the packed ``part``'s columns (o: rows) that hold KV heads ``heads``, in their order: a device's
-    slice of the projection, its heads side by side as its local layout packs them."""
+    slice of the projection, its heads side by side as its local layout packs them. With ``replicas``, the query
+    parts keep replica ``replica``'s G / replicas query heads of each group."""
     widths = block_widths(layout, part)
     starts = np.concatenate([[0], np.cumsum(widths)])
     heads = _heads(layout, heads)
-    return np.concatenate([np.arange(starts[h], starts[h] + widths[h]) for h in heads]).astype(np.int64)
+    if part not in QUERY_PARTS or replicas == 1:
+        return np.concatenate([np.arange(starts[h], starts[h] + widths[h]) for h in heads]).astype(np.int64)
+    g, mine = layout.group_size, _group(layout, replicas)
+    blocks = [
+        starts[h] + (replica * mine + j) * (widths[h] // g) + np.arange(widths[h] // g)
+        for h in heads
+        for j in range(mine)
+    ]
+    return np.concatenate(blocks).astype(np.int64)
 
 
-def local_layout(layout: HeadLayout, heads) -> HeadLayout:
-    """The layout of KV heads ``heads`` (in order) with their query groups: what a device attends over."""
+def local_layout(layout: HeadLayout, heads, replicas: int = 1) -> HeadLayout:
+    """The layout of KV heads ``heads`` (in order) with their query groups (a replica's share of them): what a
+    device attends over."""
     heads = _heads(layout, heads)
-    return _local(layout, tuple(layout.k_widths[h] for h in heads), tuple(layout.v_widths[h] for h in heads))
+    k, v = tuple(layout.k_widths[h] for h in heads), tuple(layout.v_widths[h] for h in heads)
+    return _local(layout, k, v, replicas)
 
 
 def widest_first(placement: Placement) -> list[list[list[int]]]:
@@ -72,9 +90,10 @@ def padded_widths(layout: HeadLayout, per_device) -> tuple[tuple[int, ...], tupl
     return k, v
 
 
-def padded_layout(layout: HeadLayout, per_device) -> HeadLayout:
-    """The local layout of ``padded_widths``: one device's query groups over its KV heads at the padded widths."""
-    return _local(layout, *padded_widths(layout, per_device))
+def padded_layout(layout: HeadLayout, per_device, replicas: int = 1) -> HeadLayout:
+    """The local layout of ``padded_widths``: one device's query groups (a replica's share of them) over its KV
+    heads at the padded widths."""
+    return _local(layout, *padded_widths(layout, per_device), replicas)
 
 
 def padded_imbalance(layouts, placement: Placement, itemsize: int = 2) -> float:
@@ -83,19 +102,23 @@ def padded_imbalance(layouts, placement: Placement, itemsize: int = 2) -> float:
     passes what the heaviest device holds. Kernels that take each device's widths as data (the per-head kernel
     switches on a head's width pair) would not pay it."""
     order = widest_first(placement)
-    padded = sum((lay.k_cols + lay.v_cols) * itemsize for lay in map(padded_layout, layouts, order))
+    locals_ = [padded_layout(lay, heads, placement.replicas) for lay, heads in zip(layouts, order)]
+    padded = sum((lay.k_cols + lay.v_cols) * itemsize for lay in locals_)
     return float(padded / placement.device_bytes().mean(1).sum())
 
 
-def into(layout: HeadLayout, heads, local: HeadLayout, part: str) -> tuple[np.ndarray, np.ndarray]:
-    """(source, destination) columns: ``heads``' columns of the packed ``part`` in ``layout`` and where they sit in
-    the padded ``local`` layout (each head's block at the start of its wider local block; the rest stays zero)."""
+def into(
+    layout: HeadLayout, heads, local: HeadLayout, part: str, replica: int = 0, replicas: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """(source, destination) columns: ``heads``' columns of the packed ``part`` in ``layout`` (replica
+    ``replica``'s query heads) and where they sit in the padded ``local`` layout (each head's block at the start of
+    its wider local block; the rest stays zero)."""
     heads = _heads(layout, heads)
-    src = columns(layout, heads, part)
+    src = columns(layout, heads, part, replica, replicas)
     starts = np.concatenate([[0], np.cumsum(block_widths(local, part))])
-    widths = block_widths(layout, part)
+    widths = block_widths(layout, part, replicas)
     if part in ("q", "o"):  # G blocks a head, each at its own width: place each query head's block
-        g = layout.group_size
+        g = local.group_size
         mine = [w // g for w in widths]
         theirs = [w // g for w in block_widths(local, part)]
         dst = [starts[j] + q * theirs[j] + np.arange(mine[h]) for j, h in enumerate(heads) for q in range(g)]
@@ -114,10 +137,17 @@ def even_split(size: int, devices: int) -> tuple[int, int]:
     return per, per * devices
 
 
-def _local(layout: HeadLayout, k_widths: tuple[int, ...], v_widths: tuple[int, ...]) -> HeadLayout:
-    """A device's layout: ``layout``'s query groups over KV heads of these widths."""
+def _local(layout: HeadLayout, k_widths: tuple[int, ...], v_widths: tuple[int, ...], replicas: int = 1) -> HeadLayout:
+    """A device's layout: ``layout``'s query groups (a replica's share) over KV heads of these widths."""
     n = len(k_widths)
-    return HeadLayout(layout.group_size * n, n, layout.head_dim, k_widths, v_widths, layout.sliding_window)
+    return HeadLayout(_group(layout, replicas) * n, n, layout.head_dim, k_widths, v_widths, layout.sliding_window)
+
+
+def _group(layout: HeadLayout, replicas: int) -> int:
+    """Query heads a replica holds of each group: G / replicas, which must divide."""
+    if replicas < 1 or layout.group_size % replicas:
+        raise ValueError(f"{layout.group_size} query heads a KV head cannot be split among {replicas} replicas")
+    return layout.group_size // replicas
 
 
 def _heads(layout: HeadLayout, heads) -> list[int]:

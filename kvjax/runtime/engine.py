@@ -551,6 +551,11 @@ class Engine:
         if devices > 1:
             params = None
             forward.check(model, devices, placement)  # before any weight is read
+            if self.config.eviction is not None and model.config.num_kv_heads < devices:
+                raise ValueError(
+                    f"eviction with tensor_parallel={devices} over {model.config.num_kv_heads} KV heads is not "
+                    "supported yet: each replica of a head would score it with its own query heads only"
+                )
             if forward.shapes_only(model) and model.source is not None:  # kvjax.load(..., tensor_parallel=N)
                 params = restore_sharded(model.source, model.dtype, jax.devices()[:devices])
             self.sharded = shard(model, devices, params=params, placement=placement)
