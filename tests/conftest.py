@@ -9,6 +9,7 @@ import pytest
 from kvjax.models.config import ModelConfig
 
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # before any test imports transformers
+os.environ.setdefault("KVJAX_COMPILE_CACHE", "off")  # no compile cache but test_compile_cache.py's own
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 

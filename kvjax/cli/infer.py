@@ -240,6 +240,7 @@ def _start(args, model, ids: list, stats: dict):
         kv_bits=args.kv_bits,  # "model" unless given: the checkpoint's choice (kvjax.generate)
         eviction=args.evict,
         tensor_parallel=args.tensor_parallel,
+        compile_cache=args.compile_cache,
         stats=stats,
     )
     print(f"kvjax-infer: {run.runner.engine.describe()}", file=sys.stderr, flush=True)  # what the machine got

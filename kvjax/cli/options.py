@@ -58,9 +58,17 @@ def add_model(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
-    """--chunk-tokens, --cache-memory, --dtype, --kv-bits, --evict, --tensor-parallel and --attention
-    (``batch_flag``: the command's flag for the most sequences decoded at once, which the cache's default size
-    follows)."""
+    """--chunk-tokens, --cache-memory, --dtype, --kv-bits, --evict, --tensor-parallel, --attention and
+    --compile-cache (``batch_flag``: the command's flag for the most sequences decoded at once, which the cache's
+    default size follows)."""
+    p.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="DIR|off",
+        help="keep compiled steps in this directory, so the next start on this machine skips their compile (JAX's "
+        "persistent compilation cache); 'off' leaves it off (default: $KVJAX_COMPILE_CACHE, else "
+        "~/.cache/kvjax/jax)",
+    )
     p.add_argument(
         "--chunk-tokens",
         type=positive("chunk_tokens"),
@@ -109,7 +117,8 @@ def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
         metavar="N",
         help="split the model over N devices of this host (JAX's sharding: each device holds its share of the "
         "weights and its KV heads' columns of every page, heads placed so each device holds about the same bytes); "
-        "the KV heads must divide by N; uncompressed and ZACK models, not GEAR pages (default 1)",
+        "KV heads a multiple of N, or fewer and each replicated on N / heads devices (their query heads split "
+        "among them); uncompressed and ZACK models, not GEAR pages (default 1)",
     )
     p.add_argument(
         "--attention",

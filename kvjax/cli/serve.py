@@ -207,9 +207,14 @@ def main(argv=None) -> int:
     except ImportError:
         p.error("kvjax-serve needs FastAPI and uvicorn: pip install 'kvjax[serve]'")
     import kvjax
+    from kvjax.runtime import compile_cache
     from kvjax.serving.api import FLUSH_S, KEEP_ALIVE_S, create_app, graceful_server, server_config
     from kvjax.serving.worker import Worker
 
+    try:
+        cached = compile_cache.use(args.compile_cache)
+    except ValueError as e:
+        p.error(f"--compile-cache: {e}")
     try:
         model = kvjax.load(args.model, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
     except (OSError, ValueError) as e:
@@ -225,6 +230,8 @@ def main(argv=None) -> int:
     app = create_app(worker, model, name)
     print(f"kvjax-serve: {engine.describe()}", file=sys.stderr, flush=True)
     print(capacity_line(engine, model), file=sys.stderr, flush=True)
+    where = "off" if cached is None else str(cached)
+    print(f"kvjax-serve: compile cache {where} (--compile-cache)", file=sys.stderr, flush=True)
     if (past := positions_warning(engine, model)) is not None:
         print(f"kvjax-serve: warning: {past}", file=sys.stderr, flush=True)
     print(f"kvjax-serve: {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)

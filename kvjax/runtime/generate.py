@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import os
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -15,6 +16,7 @@ from tqdm.auto import tqdm
 
 from kvjax import validate
 from kvjax.eviction.select import Eviction
+from kvjax.runtime.compile_cache import use as use_compile_cache
 from kvjax.runtime.config import EngineConfig, KvBits, kv_bits_for
 from kvjax.runtime.engine import Engine, bucket
 from kvjax.runtime.runner import Runner
@@ -111,6 +113,7 @@ def generate_iter(
     kv_bits: KvBits = "model",
     eviction: Eviction | str | None = None,
     tensor_parallel: int | None = None,
+    compile_cache: str | os.PathLike | None = None,
     stats: dict | None = None,
 ) -> _Run:
     """Check the arguments and queue the prompts; iterating the result runs them and yields (prompt index,
@@ -130,7 +133,9 @@ def generate_iter(
     for a model that made none). ``eviction`` ("kvcompress:4x", "snapkv:256", an ``Eviction``; None keeps every
     token) evicts each prompt's least-attended tokens per KV head once it is prefilled (``EngineConfig.eviction``).
     ``tensor_parallel`` splits the model over that many devices (``EngineConfig.tensor_parallel``; the same tokens;
-    default: ``model.tensor_parallel``, what ``kvjax.load`` was asked for, else 1).
+    default: ``model.tensor_parallel``, what ``kvjax.load`` was asked for, else 1). ``compile_cache``: where
+    compiled steps are kept for the next process (``runtime.compile_cache.use``: a directory, None for the default
+    ``~/.cache/kvjax/jax`` or ``$KVJAX_COMPILE_CACHE``, "off").
     ``stats``, if given, receives counts and per-prompt times once the iteration ends.
 
     Sampling draws token i of prompt n from (``seed``, n, i) alone, so it does not depend on the other prompts'
@@ -156,6 +161,7 @@ def generate_iter(
         eviction=eviction,
         tensor_parallel=getattr(model, "tensor_parallel", 1) if tensor_parallel is None else tensor_parallel,
     )
+    use_compile_cache(compile_cache)
     capacity = config.max_seq_len
     if (
         isinstance(prompts, (str, bytes))
