@@ -39,7 +39,15 @@ class FakeEngine:
     table are the context's."""
 
     def __init__(
-        self, num_pages, page_size, max_batch, pages_per_seq, batch_invariant=False, prefill_limit=1 << 20, windows=None
+        self,
+        num_pages,
+        page_size,
+        max_batch,
+        pages_per_seq,
+        batch_invariant=False,
+        prefill_limit=1 << 20,
+        windows=None,
+        prefix_caching=False,
     ):
         self.num_pages, self.page_size, self.max_batch = num_pages, page_size, max_batch
         self.pages_per_seq, self.batch_invariant = pages_per_seq, batch_invariant
@@ -52,6 +60,7 @@ class FakeEngine:
         self.slot_tokens = np.zeros(max_batch, np.int64)
         self.eviction = None  # keeps every token (test_engine_eviction's fake evicts)
         self.devices = 1  # one device: one per-head pool
+        self.prefix_caching = prefix_caching
 
     def rows(self, n):
         return Rows.empty(n, self.pages_per_seq, len(self.windows))
@@ -100,15 +109,33 @@ def check(scheduler: Scheduler):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_random_arrivals_finish_with_their_single_run_tokens(seed):
+    random_arrivals(seed, prefix=False)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_shared_prefixes_read_cached_pages_and_every_request_keeps_its_tokens(seed):
+    """Prefix caching: prompts over a few shared documents, random arrivals, lag and preemption; the fake engine's
+    pages hold token ids, so a page shared wrongly (or written while shared) reads another context's ids. Some
+    requests hit, and at the end no cached page has an owner."""
+    scheduler = random_arrivals(seed + 1000, prefix=True)
+    stats = scheduler.pages.stats()
+    assert stats["prefix_hit_tokens"] > 0, stats
+    assert scheduler.pages.prefix.idle_pages == stats["prefix_cached_pages"], "a cached page kept an owner"
+
+
+def random_arrivals(seed, prefix):
+    """30 random requests through a runner on the fake engine, each checked against a single run; the scheduler."""
     rng = np.random.default_rng(seed)
     page_size, num_pages = int(rng.choice([2, 4, 8])), int(rng.integers(12, 40))
-    lag, invariant = int(rng.integers(0, 3)), bool(rng.integers(0, 2))
+    lag, invariant = int(rng.integers(0, 3)), bool(rng.integers(0, 2)) and not prefix
     chunk_tokens = int(rng.integers(1, 24))
     limit = 2 * bucket(max(chunk_tokens, page_size))  # the engine's bound on a prefill call's padded tokens
-    engine = FakeEngine(num_pages, page_size, int(rng.integers(1, 6)), (num_pages - 1), invariant, limit)
+    batch = int(rng.integers(1, 6))
+    engine = FakeEngine(num_pages, page_size, batch, (num_pages - 1), invariant, limit, prefix_caching=prefix)
     runner = Runner(engine, chunk_tokens=chunk_tokens, lag=lag)
     stops = set(rng.choice(VOCAB, 3, replace=False).tolist())
     capacity = (num_pages - 1) * page_size
+    documents = [rng.integers(0, VOCAB, capacity // 2).tolist() for _ in range(3)]
     arrivals, requests, done = sorted(rng.integers(0, 60, 30).tolist()), [], []
     step = 0
     while arrivals or not runner.scheduler.idle or runner._pending:
@@ -116,6 +143,9 @@ def test_random_arrivals_finish_with_their_single_run_tokens(seed):
             arrivals.pop(0)
             n_prompt = int(rng.integers(1, capacity // 2))
             prompt = rng.integers(0, VOCAB, n_prompt).tolist()
+            if prefix:  # a shared document's start, then a question of its own
+                shared = int(rng.integers(0, n_prompt + 1))
+                prompt = documents[int(rng.integers(0, 3))][:shared] + prompt[shared:]
             max_new = int(rng.integers(1, capacity - n_prompt + 2))
             r = Request(prompt, max_new, stop=lambda toks: toks[-1] in stops)
             requests.append(runner.add(r))
@@ -132,7 +162,8 @@ def test_random_arrivals_finish_with_their_single_run_tokens(seed):
         assert r.tokens == single_run(r.prompt, r.max_new_tokens, stops), r.id
         assert r.finish_reason == ("stop" if r.tokens[-1] in stops else "length")
         assert r.arrival <= r.first_token_time <= r.finish_time and r.token_times == sorted(r.token_times)
-    assert runner.scheduler.pages.allocators[0].free_pages == num_pages - 1
+    assert runner.scheduler.pages.stats()["free_pages"] == num_pages - 1
+    return runner.scheduler
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -131,6 +131,18 @@ def test_models_and_health(served):
     assert health["status"] == "ok" and health["total_pages"] == 39
 
 
+def test_a_repeated_prompt_reads_cached_pages_and_health_counts_them(served):
+    """Prefix caching on by default: the second of two equal prompts reads the first one's full pages (read-only)
+    and gives the same text; /health counts the tokens read."""
+    _, client, base, _ = served
+    prompt = "a document many share, " * 3
+    before = httpx.get(base + "/health").json()["prefix_hit_tokens"]
+    outs = [client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0) for _ in range(2)]
+    health = httpx.get(base + "/health").json()
+    assert health["prefix_hit_tokens"] >= before + 16 and health["prefix_cached_pages"] > 0, health
+    assert outs[0].choices[0].text == outs[1].choices[0].text
+
+
 def test_completions_and_chat_streamed_or_not_equal_generate(served):
     model, client, _, _ = served
     want = reference(model, "the cat sat", 12)
@@ -303,7 +315,8 @@ def test_the_capacity_line_counts_tokens_and_what_they_would_be_uncompressed():
     cfg = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)
     model = kvjax.Model.random(cfg, seed=1, scale=5.0)
     plain = capacity_line(Engine(model, max_batch=2, max_seq_len=64, num_pages=21), model)
-    assert plain == "KV cache: 320 tokens uncompressed (20 pages of 16; num_pages=21)"
+    share = "; identical prefixes share pages (/health: prefix_hit_tokens)"
+    assert plain == f"KV cache: 320 tokens uncompressed (20 pages of 16; num_pages=21{share})"
     windowed = kvjax.Model.random(dataclasses.replace(cfg, arch="mistral", sliding_window=5), seed=1)
     line = capacity_line(Engine(windowed, max_batch=2, max_seq_len=64, num_pages=21), windowed)
     assert line.endswith(
@@ -313,7 +326,7 @@ def test_the_capacity_line_counts_tokens_and_what_they_would_be_uncompressed():
     line = capacity_line(Engine(small, max_batch=2, max_seq_len=64, num_pages=21), small)
     m = re.fullmatch(
         r"KV cache: 320 tokens at overall rate (\S+) \(zack rate (\S+)\), (\d+) uncompressed in the same memory "
-        r"\(20 pages of 16; num_pages=21\)",
+        r"\(20 pages of 16; num_pages=21; identical prefixes share pages \(/health: prefix_hit_tokens\)\)",
         line,
     )
     assert m and float(m[1]) == float(m[2]) == round(small.plan.rate, 2), line

@@ -241,6 +241,7 @@ def _start(args, model, ids: list, stats: dict):
         eviction=args.evict,
         tensor_parallel=args.tensor_parallel,
         compile_cache=args.compile_cache,
+        prefix_caching=False if args.no_prefix_caching else None,
         stats=stats,
     )
     print(f"kvjax-infer: {run.runner.engine.describe()}", file=sys.stderr, flush=True)  # what the machine got

@@ -62,6 +62,12 @@ def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
     --compile-cache (``batch_flag``: the command's flag for the most sequences decoded at once, which the cache's
     default size follows)."""
     p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="prefill every prompt whole, sharing no pages (by default the full pages of identical prefixes are "
+        "shared, read-only, where the cache allows it: not with --evict, --kv-bits or sliding-window models)",
+    )
+    p.add_argument(
         "--compile-cache",
         default=None,
         metavar="DIR|off",

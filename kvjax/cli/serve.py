@@ -123,6 +123,7 @@ def build_engine(args, model):
         kv_bits=kv_bits_for(model, args.kv_bits),  # by default the checkpoint's choice (--kv-bits none: none)
         eviction=args.evict,
         tensor_parallel=args.tensor_parallel,
+        prefix_caching=False if args.no_prefix_caching else None,
     )
     try:
         return Engine(model, config)
@@ -196,7 +197,8 @@ def capacity_line(engine, model) -> str:
             f"{engine.head_pages - 1} per-head pages and {engine.num_pages - 1} staging pages of {engine.page_size}; "
             f"each prompt evicted to {engine.eviction.name} once prefilled"
         )
-    return f"KV cache: {tokens:,} tokens {rate}{extra} ({pages}; {engine.budget_note})"
+    sharing = "; identical prefixes share pages (/health: prefix_hit_tokens)" if engine.prefix_caching else ""
+    return f"KV cache: {tokens:,} tokens {rate}{extra} ({pages}; {engine.budget_note}{sharing})"
 
 
 def main(argv=None) -> int:

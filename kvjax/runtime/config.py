@@ -65,6 +65,9 @@ class EngineConfig:
     # which device holds each KV head: "bytes" (balanced by bytes per token) or "even" (the same count in order: the
     # baseline ``bench/engine.py --placement even`` measures against)
     head_placement: str = "bytes"
+    # share the pages of identical prefixes (``runtime.prefix``): None wherever the cache can (not with eviction,
+    # sliding-window layers, quantized pages or batch_invariant), True insists (refused where it cannot), False off
+    prefix_caching: bool | None = None
 
     def __post_init__(self):
         self._defaults()
@@ -79,6 +82,7 @@ class EngineConfig:
         if self.backend is not None:
             check_backend(self.backend)
         validate.flag("batch_invariant", self.batch_invariant)
+        self.prefix_caching is None or validate.flag("prefix_caching", self.prefix_caching)
         validate.positive("tensor_parallel", self.tensor_parallel)
         if self.head_placement not in ("bytes", "even"):
             raise ValueError(f"head_placement must be 'bytes' or 'even', got {self.head_placement!r}")

@@ -488,6 +488,7 @@ class Engine:
             self.pool_pages = self._pages(num_pages, cache_memory, cache_dtype)
         self.num_pages = self.pool_pages[0]
         self.window_pages = {w: n for w, n in zip(self.windows, self.pool_pages) if w is not None}
+        self.prefix_caching = self._prefix_caching(c.prefix_caching)
         self.cache_dtype = cache_dtype
         self.kept: jax.Array | None = None  # the kept counts [rows, L, Hkv] of the last prefill call that evicted
         self.cache = self._create_cache(cache_dtype)
@@ -541,6 +542,26 @@ class Engine:
         if self._evict is not None:
             step = functools.partial(_compress_step, evict=self._evict, layouts=self.layouts, tokens=self.max_seq_len)
             self._steps[("compress",)] = jit(step, args=4, returns=True, cache=0)
+
+    def _prefix_caching(self, asked: bool | None) -> bool:
+        """Whether the scheduler shares cached prefix pages (``runtime.prefix``): where asked (None: wherever this
+        cache can), refused in one line where it cannot. Shared pages must be whole-context pages of the model's
+        dtype that nothing rewrites: not evicting caches, sliding-window pools (their pages go back as the window
+        passes), quantized pages (a chunk continues its slot's exact tail page) or batch-invariant runs (a prefix
+        hit moves every later chunk boundary)."""
+        why = [
+            reason
+            for reason, applies in (
+                ("eviction", self._evict is not None),
+                ("sliding-window layers", len(self.windows) > 1),
+                (f"kv_bits={self.kv_bits}", self.kv_bits is not None),
+                ("batch_invariant", self.batch_invariant),
+            )
+            if applies
+        ]
+        if asked and why:
+            raise ValueError(f"prefix caching cannot share pages with {' and '.join(why)}")
+        return not why if asked is None else asked
 
     def _split(self, model, devices: int, placement: str) -> None:
         """Tensor parallelism (``kvjax.parallel``) over ``devices``: each device holds its placed KV heads at one

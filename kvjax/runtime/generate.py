@@ -114,6 +114,7 @@ def generate_iter(
     eviction: Eviction | str | None = None,
     tensor_parallel: int | None = None,
     compile_cache: str | os.PathLike | None = None,
+    prefix_caching: bool | None = None,
     stats: dict | None = None,
 ) -> _Run:
     """Check the arguments and queue the prompts; iterating the result runs them and yields (prompt index,
@@ -135,7 +136,8 @@ def generate_iter(
     ``tensor_parallel`` splits the model over that many devices (``EngineConfig.tensor_parallel``; the same tokens;
     default: ``model.tensor_parallel``, what ``kvjax.load`` was asked for, else 1). ``compile_cache``: where
     compiled steps are kept for the next process (``runtime.compile_cache.use``: a directory, None for the default
-    ``~/.cache/kvjax/jax`` or ``$KVJAX_COMPILE_CACHE``, "off").
+    ``~/.cache/kvjax/jax`` or ``$KVJAX_COMPILE_CACHE``, "off"). ``prefix_caching``: prompts share the cached pages
+    of identical prefixes (``EngineConfig.prefix_caching``; None: wherever the cache can, False: never).
     ``stats``, if given, receives counts and per-prompt times once the iteration ends.
 
     Sampling draws token i of prompt n from (``seed``, n, i) alone, so it does not depend on the other prompts'
@@ -160,6 +162,7 @@ def generate_iter(
         kv_bits=kv_bits_for(model, kv_bits),
         eviction=eviction,
         tensor_parallel=getattr(model, "tensor_parallel", 1) if tensor_parallel is None else tensor_parallel,
+        prefix_caching=prefix_caching,
     )
     use_compile_cache(compile_cache)
     capacity = config.max_seq_len

@@ -13,6 +13,10 @@ of the per-head pool for the whole prompt (``grow_heads``), gives the staging pa
 the device says how many tokens each head kept, the per-head pages past them (``evicted``). Decode grows the
 per-head pages a token at a time; continual eviction cuts a request's heads when they cannot grow (``cut_heads``).
 
+With ``prefix_caching`` (``runtime.prefix``), pool 0's full pages are also known by the hash of the tokens up to their
+end: a new owner starts with the cached pages of its context's prefix (``cached_prefix``, ``take_prefix``), shared and
+never written, and cached pages no owner holds are handed out again only when the free list runs dry.
+
 Pools are those of ``kvjax.runtime.cache``: pool 0 holds every position of a sequence; a pool per sliding window
 holds only the pages its window still covers. A request has one block table per pool, indexed by logical page; a
 page given back reads as the null page.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 from kvjax.ops.paging import NULL_PAGE
 from kvjax.runtime.cache import first_kept_page, window_span
+from kvjax.runtime.prefix import PrefixCache
 
 
 class CacheFullError(RuntimeError):
@@ -81,10 +86,14 @@ class PageManager:
         windows: dict[int, int] | None = None,
         max_pages_per_seq: int | None = None,
         heads=None,
+        prefix_caching: bool = False,
     ):
         short = sorted((windows or {}).items())
         if heads is not None and short:
             raise ValueError("an evicting cache has no sliding-window pools")
+        if prefix_caching and (heads is not None or short):
+            raise ValueError("prefix caching shares whole-context pages: not with eviction or sliding-window pools")
+        self.prefix = PrefixCache(page_size) if prefix_caching else None
         self.heads = heads
         self.windows: tuple[int | None, ...] = (None, *(w for w, _ in short))
         self.allocators = [PageAllocator(num_pages), *(PageAllocator(n) for _, n in short)]
@@ -119,21 +128,67 @@ class PageManager:
         need = self.pages_for(positions)
         return [need - len(pages) for pages in self._tables.get(owner, [[]] * len(self.windows))]
 
+    def _free(self) -> list[int]:
+        """Pages each pool can hand out now: its free list, and in pool 0 the cached pages no owner holds."""
+        idle = self.prefix.idle_pages if self.prefix is not None else 0
+        return [a.free_pages + (idle if i == 0 else 0) for i, a in enumerate(self.allocators)]
+
     def can_grow(self, owner: int, positions: int) -> bool:
         """Whether ``grow(owner, positions)`` would succeed now."""
-        return all(n <= a.free_pages for n, a in zip(self._missing(owner, positions), self.allocators))
+        return all(n <= free for n, free in zip(self._missing(owner, positions), self._free()))
 
     def grow(self, owner: int, positions: int) -> bool:
         """Give ``owner`` the pages ``positions`` positions need in every pool; False, and nothing changed, when a
         pool has too few free."""
         missing = self._missing(owner, positions)
-        if any(n > a.free_pages for n, a in zip(missing, self.allocators)):
+        if any(n > free for n, free in zip(missing, self._free())):
             return False
+        self._start(owner)
+        for i, (pages, alloc, n) in enumerate(zip(self._tables[owner], self.allocators, missing)):
+            got = alloc.allocate(min(n, alloc.free_pages))
+            if i == 0 and len(got) < n:  # the free list ran dry: the longest-idle cached pages, forgotten
+                assert self.prefix is not None
+                got += self.prefix.reclaim(n - len(got))
+            pages += got
+        return True
+
+    def _start(self, owner: int) -> None:
         if owner not in self._tables:
             self._tables[owner], self._released[owner] = [[] for _ in self.windows], [0] * len(self.windows)
-        for pages, alloc, n in zip(self._tables[owner], self.allocators, missing):
-            pages += alloc.allocate(n)
-        return True
+
+    def cached_prefix(self, context, limit: int) -> list[int]:
+        """The cached pages of ``context``'s longest cached prefix, at most ``limit`` (none without prefix caching)."""
+        return [] if self.prefix is None else self.prefix.match(context, limit)
+
+    def can_take_prefix(self, owner: int, pages: list[int], positions: int) -> bool:
+        """Whether ``owner`` (holding nothing) could start with ``pages`` (a ``cached_prefix``) and then grow to
+        ``positions``: the rest from what is free besides those pages."""
+        need = self.pages_for(positions) - len(pages)
+        taken = self.prefix.idle_among(pages) if self.prefix is not None else 0
+        return need <= self._free()[0] - taken and all(
+            n <= free for n, free in zip(self._missing(owner, positions)[1:], self._free()[1:])
+        )
+
+    def take_prefix(self, owner: int, pages: list[int], context: int) -> None:
+        """``owner`` (holding nothing) starts with the cached ``pages`` of its ``context``-token context."""
+        if self.prefix is None:
+            return
+        assert owner not in self._tables, "a prefix is taken by an owner that holds pages"
+        self.prefix.take(pages, context)
+        if pages:
+            self._start(owner)
+            self._tables[owner][0] += pages
+
+    def filled(self, owner: int, tokens, start: int, end: int) -> None:
+        """``owner``'s prefill of positions ``start`` .. ``end`` is in the step being scheduled: its full pages are
+        cached from the next step on (prefix caching)."""
+        if self.prefix is not None and owner in self._tables:
+            self.prefix.filled(owner, tokens, self._tables[owner][0], start // self.page_size, end // self.page_size)
+
+    def commit(self) -> None:
+        """The step scheduled last is enqueued: the pages it filled are cached (prefix caching)."""
+        if self.prefix is not None:
+            self.prefix.commit()
 
     def release_passed(self, owner: int, position: int) -> None:
         """Give back the window pages that queries at ``position`` and after can no longer see. Called before the
@@ -156,8 +211,11 @@ class PageManager:
         if owner not in self._tables:
             return
         tables, released = self._tables.pop(owner), self._released.pop(owner)
-        for pages, alloc, done in zip(tables, self.allocators, released):
-            alloc.free(pages[done:])
+        for i, (pages, alloc, done) in enumerate(zip(tables, self.allocators, released)):
+            pages = pages[done:]
+            if i == 0 and self.prefix is not None:  # cached pages lose an owner; the rest are free
+                pages = self.prefix.release(owner, pages)
+            alloc.free(pages)
 
     def can_hold_heads(self, owner: int, tokens: int) -> bool:
         """Whether the per-head pool has the pages ``tokens`` more tokens in every head of ``owner`` need, now."""
@@ -210,8 +268,8 @@ class PageManager:
     def stats(self) -> dict:
         """Free and total pages of pool 0, and [free, total] of each window pool by window (the server's
         /health)."""
-        out = dict(
-            free_pages=self.allocators[0].free_pages,
+        out: dict = dict(
+            free_pages=self._free()[0],  # with prefix caching, cached pages no owner holds too: handed out when needed
             total_pages=self.allocators[0].num_pages - 1,
             window_pages={
                 str(w): [a.free_pages, a.num_pages - 1] for w, a in zip(self.windows[1:], self.allocators[1:])
@@ -219,6 +277,8 @@ class PageManager:
         )
         if self.heads is not None:  # pool 0 stages prompts; the per-head pool holds what they keep
             out["head_pages"] = [self.heads.free_pages, self.heads.num_pages - 1]
+        if self.prefix is not None:
+            out.update(self.prefix.stats())
         return out
 
     def check(self, reached: dict[int, int]) -> None:
@@ -232,9 +292,18 @@ class PageManager:
         assert set(self._tables) == set(reached), "pages held by an owner that should hold none, or the reverse"
         for i, (w, alloc) in enumerate(zip(self.windows, self.allocators)):
             owned = [p for t in self._tables.values() for p in t[i] if p != NULL_PAGE]
+            idle: set[int] = set()
+            if i == 0 and self.prefix is not None:  # a cached page is held by as many owners as it counts
+                idle = self.prefix.idle_set()
+                for p in set(owned):
+                    holders = owned.count(p)
+                    assert holders == 1 or self.prefix.shared(p), "an uncached page is owned twice"
+                    assert not self.prefix.shared(p) or self.prefix.holders(p) == holders, "a cached page's count"
+                assert not idle & set(owned), "an idle cached page is owned"
+                owned = list(set(owned))
             assert len(owned) == len(set(owned)), "a page is owned twice"
-            assert len(owned) + alloc.free_pages == alloc.num_pages - 1, "pages leaked"
-            assert not set(owned) & alloc.free_set(), "an owned page is free"
+            assert len(owned) + alloc.free_pages + len(idle) == alloc.num_pages - 1, "pages leaked"
+            assert not (set(owned) | idle) & alloc.free_set(), "an owned or cached page is free"
             for owner, positions in reached.items():
                 pages = self._tables[owner][i]
                 assert len(pages) == self.pages_for(positions), "pages not those of the positions reached"

@@ -51,6 +51,7 @@ class Runner:
             max_pages_per_seq=engine.pages_per_seq,
             fixed_chunks=engine.batch_invariant,
             windows=engine.window_pages,
+            prefix_caching=engine.prefix_caching,
             **_eviction(engine),
         )
         self._pending: deque[list[_Pending]] = deque()

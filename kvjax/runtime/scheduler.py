@@ -163,9 +163,16 @@ class Scheduler:
         heads=None,
         last_chunk: int = 1,
         continual=None,
+        prefix_caching: bool = False,
     ):
         self.pages = PageManager(
-            num_pages, page_size, chunk_tokens, windows=windows, max_pages_per_seq=max_pages_per_seq, heads=heads
+            num_pages,
+            page_size,
+            chunk_tokens,
+            windows=windows,
+            max_pages_per_seq=max_pages_per_seq,
+            heads=heads,
+            prefix_caching=prefix_caching,
         )
         if last_chunk > chunk_tokens:
             raise ValueError(f"a prompt's last chunk of {last_chunk} tokens does not fit chunk_tokens={chunk_tokens}")
@@ -211,6 +218,7 @@ class Scheduler:
         for r in self._staged:  # evicted into per-head pages by the step before
             self.pages.end_prompt(r.id)
         self._staged = []
+        self.pages.commit()  # the pages the step before filled are enqueued: now they may be shared
         step = Step([], [], [])
         budget = self.chunk_tokens
         for r in list(self.running):
@@ -224,20 +232,32 @@ class Scheduler:
             r = self.waiting[0]
             if r.sampled > len(r.tokens):  # preempted with tokens in flight: wait for them
                 break
+            prefix = self._cached_prefix(r)
+            r.computed = len(prefix) * self.pages.page_size
             first = self._chunk_end(r, budget) - r.computed
-            if first <= 0 or not self._admissible(r, first):
+            if first <= 0 or not self._admissible(r, first, prefix):
+                r.computed = 0
                 break
+            self.pages.take_prefix(r.id, prefix, r.target)
             self.waiting.popleft()
             r.state, r.slot = State.RUNNING, self._free_slots.pop()
             self.running.append(r)
             budget -= self._schedule_chunk(r, budget, step)
         return step
 
-    def _admissible(self, r: Request, first: int) -> bool:
-        """Whether waiting r can start now with a first chunk of ``first`` tokens: its pages for them; evicting, the
-        staging pages of its whole prompt and room in the per-head pool for all of it."""
+    def _cached_prefix(self, r: Request) -> list[int]:
+        """The cached pages of waiting r's context (prefix caching): full pages only, never its last token, whose
+        logits the last chunk must compute."""
+        if self.pages.prefix is None:
+            return []
+        return self.pages.cached_prefix(r.context[: r.target], (r.target - 1) // self.pages.page_size)
+
+    def _admissible(self, r: Request, first: int, prefix: list[int]) -> bool:
+        """Whether waiting r can start now with a first chunk of ``first`` tokens after its cached ``prefix``: its
+        pages for them; evicting, the staging pages of its whole prompt and room in the per-head pool for all of
+        it."""
         if not self.evicting:
-            return self.pages.can_grow(r.id, r.computed + first)
+            return self.pages.can_take_prefix(r.id, prefix, r.computed + first)
         return self.pages.can_grow(r.id, r.target) and self.pages.can_hold_heads(r.id, r.target)
 
     def _chunk_end(self, r: Request, budget: int) -> int:
@@ -265,6 +285,8 @@ class Scheduler:
             self._staged.append(r)
         start, pages, index = r.computed, self.pages.table(r.id), r.sampled if sample else -1
         taken, r.computed = end - r.computed, end
+        if self.pages.prefix is not None:
+            self.pages.filled(r.id, r.context, start, end)
         if sample:
             self._sampled_one(r)
         slot = -1 if r.slot is None else r.slot
