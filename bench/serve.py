@@ -40,9 +40,12 @@ def draw_lengths(rng, avg: float, lo: int, hi: int, n: int) -> np.ndarray:
     return np.clip(np.round(b * z), lo, hi).astype(int)
 
 
-def workload(trace: str, n: int, rate: float, vocab: int, seed: int, scale: float = 1.0):
+def workload(
+    trace: str, n: int, rate: float, vocab: int, seed: int, scale: float = 1.0, documents: int = 0, question: int = 64
+):
     """``n`` requests of ``trace`` (lengths times ``scale``): (send time s, prompt ids, output tokens), arrivals
-    Poisson at ``rate`` requests a second."""
+    Poisson at ``rate`` requests a second. ``documents`` > 0: a shared-prefix trace, each prompt one of that many
+    documents (lengths drawn from the trace) followed by a question of its own, ``question`` tokens."""
     rng = np.random.default_rng(seed)
     (i_avg, i_lo, i_hi), (o_avg, o_lo, o_hi) = TRACES[trace]
 
@@ -52,6 +55,10 @@ def workload(trace: str, n: int, rate: float, vocab: int, seed: int, scale: floa
     inputs = draw_lengths(rng, *scaled(i_avg, i_lo, i_hi), n)
     outputs = draw_lengths(rng, *scaled(o_avg, o_lo, o_hi), n)
     sends = np.cumsum(rng.exponential(1.0 / rate, n))
+    if documents:
+        docs = [rng.integers(0, vocab, int(i)).tolist() for i in inputs[:documents]]
+        prompts = [docs[int(rng.integers(0, documents))] + rng.integers(0, vocab, question).tolist() for _ in range(n)]
+        return [(float(t), p, int(o)) for t, p, o in zip(sends, prompts, outputs)]
     return [(float(t), rng.integers(0, vocab, int(i)).tolist(), int(o)) for t, i, o in zip(sends, inputs, outputs)]
 
 
@@ -135,7 +142,9 @@ async def sweep(args) -> dict:
             runs=runs,
         )
         for rate in args.rates:
-            work = workload(args.trace, args.requests, rate, args.vocab, args.seed, args.scale)
+            work = workload(
+                args.trace, args.requests, rate, args.vocab, args.seed, args.scale, args.documents, args.question
+            )
             work = [w for w in work if w[0] <= args.max_seconds] or work[:1]
             start = time.perf_counter() + 0.1
             records = await asyncio.gather(*(one(client, args.url, model, t, p, o, start) for t, p, o in work))
@@ -175,6 +184,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=600, help="send no request later than this per rate")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the trace's lengths (smoke runs: 0.01)")
     ap.add_argument("--vocab", type=int, default=32000, help="prompt token ids are drawn below this (default 32000)")
+    ap.add_argument(
+        "--documents",
+        type=int,
+        default=0,
+        help="a shared-prefix trace: every prompt is one of this many documents (the trace's lengths) and a question "
+        "of its own (default 0: every prompt its own)",
+    )
+    ap.add_argument("--question", type=int, default=64, help="with --documents: a question's tokens (default 64)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slo-ttft", type=float, default=10.0, help="goodput's TTFT bound, seconds (default 10)")
     ap.add_argument("--slo-tbt-ms", type=float, default=100.0, help="goodput's mean-gap bound, ms (default 100)")

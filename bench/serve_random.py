@@ -84,6 +84,11 @@ def main(argv=None) -> int:
         default=1,
         help="split the model over this many GPUs (random shares drawn on each; --cache-memory is a device's)",
     )
+    ap.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="share no pages between identical prefixes (kvjax-serve --no-prefix-caching; default: shared)",
+    )
     args = ap.parse_args(argv)
     if args.tensor_parallel > 1 and args.evict:
         ap.error(
@@ -122,6 +127,7 @@ def main(argv=None) -> int:
         prefill_max_rows=args.prefill_max_rows,
         eviction=args.evict,
         tensor_parallel=n,
+        prefix_caching=False if args.no_prefix_caching else None,
     )
     if args.evict and (pages := engine.cache.staging.nbytes + engine.cache.heads.pool.nbytes) > budget:
         ap.error(f"the staging and per-head pages take {pages:,} bytes, more than --cache-memory ({budget:,})")
@@ -136,6 +142,7 @@ def main(argv=None) -> int:
     name += "-uniform" if rate and args.plan == "uniform" else ""
     name += f"-{args.evict.name.replace(':', '-')}" if args.evict else ""
     name += f"-tp{n}" if n > 1 else ""
+    name += "-no-prefix" if args.no_prefix_caching else ""
     print(capacity_line(engine, model), file=sys.stderr, flush=True)
     print(f"serving {name!r} on http://127.0.0.1:{args.port}/v1", file=sys.stderr, flush=True)
     try:
