@@ -19,6 +19,7 @@ from kvjax.cli.options import eviction_arg
 from kvjax.cli.serve import capacity_line
 from kvjax.ops.quant import GROUP, PageFormat, check_bits
 from kvjax.parallel.forward import device_layouts
+from kvjax.runtime import compile_cache
 from kvjax.runtime.cache import bytes_per_token
 from kvjax.runtime.engine import Engine
 from kvjax.serving.api import create_app, server_config
@@ -89,7 +90,19 @@ def main(argv=None) -> int:
         action="store_true",
         help="share no pages between identical prefixes (kvjax-serve --no-prefix-caching; default: shared)",
     )
+    ap.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="DIR|off",
+        help="JAX's persistent compilation cache, as kvjax-serve keeps it (default: $KVJAX_COMPILE_CACHE, else "
+        "~/.cache/kvjax/jax)",
+    )
     args = ap.parse_args(argv)
+    try:
+        where = compile_cache.use(args.compile_cache)
+    except ValueError as e:
+        ap.error(f"--compile-cache: {e}")
+    print(f"compile cache {where or 'off'}", file=sys.stderr, flush=True)
     if args.tensor_parallel > 1 and args.evict:
         ap.error(
             "--evict is not served under --tensor-parallel by this bench yet (its per-head budget is one device's)"
@@ -133,8 +146,8 @@ def main(argv=None) -> int:
         ap.error(f"the staging and per-head pages take {pages:,} bytes, more than --cache-memory ({budget:,})")
     if not args.no_compile_ahead:  # no request of the sweep waits for a compile
         t0 = time.perf_counter()
-        n = engine.compile_ahead(greedy=(True,), threads=os.cpu_count() or 1, progress=True)
-        print(f"compiled {n} steps ahead in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        steps = engine.compile_ahead(greedy=(True,), threads=os.cpu_count() or 1, progress=True)
+        print(f"compiled {steps} steps ahead in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     worker = Worker(engine).start()
     name = (
         f"{args.shape}-{args.method}" + (f"-{rate:g}" if rate else "") + (f"-int{args.kv_bits}" if args.kv_bits else "")
