@@ -5,7 +5,6 @@ workload."""
 import sys
 from pathlib import Path
 
-import numpy as np
 from conftest import fresh_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

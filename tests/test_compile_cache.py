@@ -93,6 +93,9 @@ def test_a_directory_that_cannot_be_made_is_refused_in_one_line(tmp_path, jax_ca
             compile_cache.use(bad)
         assert str(bad) in str(e.value) and "\n" not in str(e.value)
     assert jax.config.jax_compilation_cache_dir is None
+    for bad in (3, "", b"x"):
+        with pytest.raises(TypeError, match="compile_cache must be a directory or 'off'"):
+            compile_cache.use(bad)
 
 
 def test_the_commands_refuse_a_bad_directory_before_loading_anything(tmp_path):

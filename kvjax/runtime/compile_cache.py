@@ -33,7 +33,10 @@ def use(where: str | os.PathLike | None = None) -> Path | None:
     """Turn the persistent compilation cache on and return its directory, or None where it stays off.
 
     ``where``: a directory; None for the default (``default_dir``, or the directory JAX was already given);
-    ``"off"`` to leave the cache alone. A directory that cannot be made is a one-line ValueError."""
+    ``"off"`` to leave the cache alone. A directory that cannot be made is a one-line ValueError, anything else
+    (a number, an empty string) a TypeError."""
+    if where is not None and (not isinstance(where, (str, os.PathLike)) or not str(where)):
+        raise TypeError(f"compile_cache must be a directory or 'off', got {where!r}")
     if where is None and os.environ.get(ENV) == OFF or where == OFF:
         return None
     current = jax.config.jax_compilation_cache_dir
