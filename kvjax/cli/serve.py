@@ -70,9 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     options.add_engine(p, "--max-batch")
     p.add_argument(
         "--compile-ahead",
-        action="store_true",
-        help="compile every step shape the engine can run before listening, so no request waits for a compile "
-        "(a compressed 8B model's steps take seconds each: see --prefill-min-tokens)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile every step shape the engine can run before listening, with a progress bar, so no request "
+        "waits for a compile (a compressed 8B model's steps take seconds each: see --prefill-min-tokens; the "
+        "compile cache makes later starts shorter) (default: on a GPU, not on a CPU, where steps compile in "
+        "seconds)",
     )
     p.add_argument(
         "--prefill-min-tokens",
@@ -226,7 +229,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    if args.compile_ahead:
+    import jax
+
+    if args.compile_ahead or (args.compile_ahead is None and jax.default_backend() == "gpu"):
         engine.compile_ahead(threads=os.cpu_count() or 1, progress=True)
     worker = Worker(engine).start()
     app = create_app(worker, model, name)
