@@ -13,7 +13,8 @@ and computes its share of the logits, gathered after. Fewer KV heads than device
 N / Hkv devices, each holding G / (N / Hkv) of its query heads (``shards``). ``hidden``, ``gathered_logits`` and
 ``spmd`` are the pieces the engine's steps run in (``EngineConfig.tensor_parallel``). Not yet (issue 38's next
 steps, ``bench/notes/2026-12-03-tp-engine.md``): Palu and banded plans are refused in one line, and eviction over
-replicated heads; the per-head kernel's data-driven widths would drop the padding.
+replicated heads; the per-head kernel's data-driven widths would drop the padding. Several processes (hosts): each
+puts only its own devices' shares (``shard``), and all issue the same calls (tests/test_multihost.py).
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def shard(model, devices: int, seed: int = 0, params: dict | None = None, placem
         share = functools.partial(
             _part, params[path], path, model.layouts, locals_, order, per=per, shape=want, replicas=placed.replicas
         )
-        parts = [jax.device_put(share(d, devices=devices)[None], device) for d, device in enumerate(mesh.devices)]
+        mine = [(d, device) for d, device in enumerate(mesh.devices) if device.process_index == jax.process_index()]
+        parts = [jax.device_put(share(d, devices=devices)[None], device) for d, device in mine]  # this host's
         if any(tuple(p.shape[1:]) != want for p in parts):
             raise AssertionError(f"{path}: a device's share has shape {parts[0].shape[1:]}, the local module {want}")
         var.set_value(jax.make_array_from_single_device_arrays((devices, *want), spread, parts))
