@@ -24,6 +24,8 @@ page given back reads as the null page.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from kvjax.ops.paging import NULL_PAGE
 from kvjax.runtime.cache import first_kept_page, window_span
 from kvjax.runtime.prefix import PrefixCache
@@ -163,11 +165,10 @@ class PageManager:
     def can_take_prefix(self, owner: int, pages: list[int], positions: int) -> bool:
         """Whether ``owner`` (holding nothing) could start with ``pages`` (a ``cached_prefix``) and then grow to
         ``positions``: the rest from what is free besides those pages."""
-        need = self.pages_for(positions) - len(pages)
-        taken = self.prefix.idle_among(pages) if self.prefix is not None else 0
-        return need <= self._free()[0] - taken and all(
-            n <= free for n, free in zip(self._missing(owner, positions)[1:], self._free()[1:])
-        )
+        missing, free = self._missing(owner, positions), self._free()
+        missing[0] -= len(pages)
+        free[0] -= self.prefix.idle_among(pages) if self.prefix is not None else 0
+        return all(n <= f for n, f in zip(missing, free))
 
     def take_prefix(self, owner: int, pages: list[int], context: int) -> None:
         """``owner`` (holding nothing) starts with the cached ``pages`` of its ``context``-token context."""
@@ -295,8 +296,7 @@ class PageManager:
             idle: set[int] = set()
             if i == 0 and self.prefix is not None:  # a cached page is held by as many owners as it counts
                 idle = self.prefix.idle_set()
-                for p in set(owned):
-                    holders = owned.count(p)
+                for p, holders in Counter(owned).items():
                     assert holders == 1 or self.prefix.shared(p), "an uncached page is owned twice"
                     assert not self.prefix.shared(p) or self.prefix.holders(p) == holders, "a cached page's count"
                 assert not idle & set(owned), "an idle cached page is owned"

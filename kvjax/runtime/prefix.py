@@ -14,21 +14,21 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import numpy as np
 
 ROOT = b"kvjax-prefix"
 
 
-def page_hashes(tokens, page_size: int, pages: int, start: bytes = ROOT) -> list[bytes]:
-    """The chained hashes of the first ``pages`` full pages of ``tokens``: page i's covers every token before its
-    end, so equal hashes mean equal prefixes (16-byte BLAKE2b)."""
-    out, prev = [], start
+def page_hashes(tokens, page_size: int, pages: int, start: bytes = ROOT) -> Iterator[bytes]:
+    """The chained hashes of the first ``pages`` full pages of ``tokens``, one at a time: page i's covers every
+    token before its end, so equal hashes mean equal prefixes (16-byte BLAKE2b)."""
+    prev = start
     for i in range(pages):
         block = np.asarray(tokens[i * page_size : (i + 1) * page_size], np.int64).tobytes()
         prev = hashlib.blake2b(prev + block, digest_size=16).digest()
-        out.append(prev)
-    return out
+        yield prev
 
 
 class PrefixCache:
@@ -51,7 +51,8 @@ class PrefixCache:
         return len(self._idle)
 
     def match(self, tokens, limit: int) -> list[int]:
-        """The cached pages of ``tokens``' longest cached prefix of full pages, at most ``limit`` pages."""
+        """The cached pages of ``tokens``' longest cached prefix of full pages, at most ``limit`` pages (hashing
+        stops at the first page not cached: a request waiting at the queue's head asks again every step)."""
         pages = []
         for h in page_hashes(tokens, self.page_size, limit):
             page = self._page.get(h)
