@@ -203,6 +203,8 @@ def main(argv=None) -> int:
     args.rates = [float(r) for r in args.rates.split(",")]
     if min(args.rates) <= 0 or args.requests < 1:
         ap.error("rates and --requests must be positive")
+    if args.documents < 0 or args.question < 1:
+        ap.error("--documents must be 0 or more and --question positive")
     print(f"\n{args.trace} trace, {args.requests} requests a rate, {args.url}\n{HEADER}", flush=True)
     asyncio.run(sweep(args))
     return 0
