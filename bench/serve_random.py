@@ -119,6 +119,7 @@ def main(argv=None) -> int:
         SHAPES[args.shape] if args.layers is None else dataclasses.replace(SHAPES[args.shape], num_layers=args.layers)
     )
     n = args.tensor_parallel
+    t0 = time.perf_counter()
     model = model_at(rate, shape, form=args.plan, method=args.method if rate else "zack", shapes_only=n > 1)
     # the cache itself gets the budget (not the budget less each method's activation reserve), so every method's
     # K/V bytes are the same
@@ -142,12 +143,16 @@ def main(argv=None) -> int:
         tensor_parallel=n,
         prefix_caching=False if args.no_prefix_caching else None,
     )
+    print(f"random weights and engine built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     if args.evict and (pages := engine.cache.staging.nbytes + engine.cache.heads.pool.nbytes) > budget:
         ap.error(f"the staging and per-head pages take {pages:,} bytes, more than --cache-memory ({budget:,})")
     if not args.no_compile_ahead:  # no request of the sweep waits for a compile
         t0 = time.perf_counter()
-        steps = engine.compile_ahead(greedy=(True,), threads=os.cpu_count() or 1, progress=True)
-        print(f"compiled {steps} steps ahead in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        cores = os.cpu_count() or 1
+        steps = engine.compile_ahead(greedy=(True,), threads=cores, progress=True, processes=cores)
+        kept = sum(getattr(step, "stored", False) for step in engine._compiled.values())
+        took = time.perf_counter() - t0
+        print(f"compiled {steps} steps ahead in {took:.0f} s ({kept} read back traced)", file=sys.stderr, flush=True)
     worker = Worker(engine).start()
     name = (
         f"{args.shape}-{args.method}" + (f"-{rate:g}" if rate else "") + (f"-int{args.kv_bits}" if args.kv_bits else "")

@@ -72,10 +72,10 @@ def _parser() -> argparse.ArgumentParser:
         "--compile-ahead",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="compile every step shape the engine can run before listening, with a progress bar, so no request "
-        "waits for a compile (a compressed 8B model's steps take seconds each: see --prefill-min-tokens; the "
-        "compile cache makes later starts shorter) (default: on a GPU, not on a CPU, where steps compile in "
-        "seconds)",
+        help="compile every step shape the engine can run before listening, with progress bars, so no request "
+        "waits for a compile (a compressed 8B model's steps take seconds each: see --prefill-min-tokens). With the "
+        "compile cache on, steps it does not hold yet are traced in parallel processes, and a later start reads "
+        "them back traced and compiled (default: on a GPU, not on a CPU, where steps compile in seconds)",
     )
     p.add_argument(
         "--prefill-min-tokens",
@@ -232,7 +232,8 @@ def main(argv=None) -> int:
     import jax
 
     if args.compile_ahead or (args.compile_ahead is None and jax.default_backend() == "gpu"):
-        engine.compile_ahead(threads=os.cpu_count() or 1, progress=True)
+        cores = os.cpu_count() or 1
+        engine.compile_ahead(threads=cores, progress=True, processes=cores)
     worker = Worker(engine).start()
     app = create_app(worker, model, name)
     print(f"kvjax-serve: {engine.describe()}", file=sys.stderr, flush=True)

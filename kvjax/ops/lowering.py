@@ -10,7 +10,7 @@ import jax
 
 def triton_modules(fn, args) -> list[str]:
     """The Triton IR of every Pallas kernel call in ``fn(*args)``, in call order."""
-    # Pallas asks the GPU for its compute capability while lowering: the lookup answers 9.0 meanwhile
+    # Pallas asks the GPU for its compute capability while lowering: the lookup answers 90 (sm_90) meanwhile
     from jax._src.pallas.triton import pallas_call_registration as registration
 
     captured = []
@@ -23,7 +23,7 @@ def triton_modules(fn, args) -> list[str]:
 
     gpu_info = registration.gpu_info_lib
     registration.gpu_info_lib = types.SimpleNamespace(  # type: ignore[assignment]  # a stand-in for the module
-        get_gpu_info=lambda: types.SimpleNamespace(compute_capability="9.0")
+        get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)
     )
     registration.lowering.lower_jaxpr_to_triton_module = capture
     try:

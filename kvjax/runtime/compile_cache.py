@@ -6,7 +6,8 @@ the user (JAX treats the cache as trusted code: whoever can write to it can run 
 already set through JAX's own ``jax_compilation_cache_dir`` is kept. ``"off"`` (the argument, the environment
 variable, or the commands' ``--compile-cache off``) leaves JAX's cache as it is. JAX caches what compiles for longer
 than ``jax_persistent_cache_min_compile_time_secs`` (1 s by default; ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``
-sets it): a step's XLA and Triton compile, not its tracing and lowering, which every process still does.
+sets it): a step's XLA and Triton compile. Its tracing and lowering are kept beside, in ``steps/``
+(``step_cache``), by the engine.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import pickle
 from collections.abc import Callable
 
 import jax
@@ -38,7 +40,7 @@ from kvjax.ops.quant import PageFormat
 from kvjax.parallel import forward
 from kvjax.parallel.forward import local_heads, shard
 from kvjax.parallel.shards import padded_imbalance
-from kvjax.runtime import memory
+from kvjax.runtime import memory, step_cache
 from kvjax.runtime.cache import (
     EvictingCache,
     HeadKVCache,
@@ -77,6 +79,11 @@ def _jit(step, *, mesh, args: int, returns: tuple[bool, ...] | bool, cache: int 
         stacked = (True,) * (cache + 1) + (False,) * (args - cache - 1)
         step = forward.spmd(step, mesh, stacked=stacked, returns=returns)
     return jax.jit(step, donate_argnums=(cache,), compiler_options=COMPILER_OPTIONS)
+
+
+def _unjitted(step) -> Callable:
+    """What a step of ``_jit`` traces: its function before ``jax.jit`` (for ``step_cache``, which jits its own)."""
+    return step.__wrapped__
 
 
 def _hidden(module, tokens, positions, attend, vocab: int | None) -> jax.Array:
@@ -892,8 +899,9 @@ class Engine:
             self._evicting_inputs(heads, starts, lengths, n) if heads and any(h is not None for h in heads) else None
         )
         key = ("prefill", padded.greedy, bool(starts.any()), evicting is not None)
-        step = self._compiled.get((*key, b, t)) or self._steps[key]
-        self.slot_tokens, new, self.cache, kept = step(
+        self.slot_tokens, new, self.cache, kept = self._run(
+            key,
+            (*key, b, t),
             self.weights,
             self.cache,
             self.slot_tokens,
@@ -929,8 +937,10 @@ class Engine:
         ``entries`` (an evicting engine): the per-head table entries this step's growth filled, rows of (slot, layer,
         head, index, page) (``HeadPages.grow``'s, with the slot first). Returns the slot tokens [max_batch] after the
         step on the device, without waiting."""
-        step = self._compiled.get(("decode", rows.greedy)) or self._steps["decode", rows.greedy]
-        self.slot_tokens, self.cache = step(
+        key = ("decode", rows.greedy)
+        self.slot_tokens, self.cache = self._run(
+            key,
+            key,
             self.weights,
             self.cache,
             self.slot_tokens,
@@ -949,8 +959,8 @@ class Engine:
         past them, so this runs before any step that writes them), by its last W queries' scores."""
         if self._evict is None:
             raise ValueError("continual eviction asked of an engine that does not evict")
-        step = self._compiled.get(("compress",)) or self._steps[("compress",)]
-        self.cache = step(self.cache, np.int32(slot), np.int32(last), np.asarray(target, np.int32))
+        args = (self.cache, np.int32(slot), np.int32(last), np.asarray(target, np.int32))
+        self.cache = self._run(("compress",), ("compress",), *args)
 
     def head_entries(self, entries) -> np.ndarray | None:
         """An evicting decode step's table entries padded to its fixed shape (one page a head of every slot, the most
@@ -985,11 +995,13 @@ class Engine:
         rows = {bucket(1 << i, maximum=most) for i in range(most.bit_length() + 1)}
         return [(b, t) for t in sorted(lengths) for b in sorted(rows) if b * t <= self.prefill_limit]
 
-    def compile_ahead(self, greedy=(True, False), threads: int = 8, progress: bool = False) -> int:
+    def compile_ahead(self, greedy=(True, False), threads: int = 8, progress: bool = False, processes: int = 0) -> int:
         """Compile every step the engine can run (the decode step; each prefill shape, with and without a prefix)
         before serving, so no request waits for a compile. ``threads`` overlap XLA's compiles; tracing and Pallas's
         lowering hold Python's lock, and for a compressed 8B-shaped model they cost seconds a shape
-        (bench/RESULTS.md "Serving: latency against request rate"). Returns how many executables it compiled."""
+        (bench/RESULTS.md "Serving: latency against request rate"), so with the step store on (``step_cache``)
+        ``processes`` > 0 traces the steps it lacks in that many processes at once (``step_cache.trace_apart``).
+        Returns how many executables it compiled."""
         from concurrent.futures import ThreadPoolExecutor
 
         from tqdm import tqdm
@@ -1028,9 +1040,13 @@ class Engine:
             jobs.append((("compress",), self._steps[("compress",)], (self.cache, np.int32(0), np.int32(0), target)))
         jobs = [job for job in jobs if job[0] not in self._compiled]
 
+        if processes > 0 and self._store() is not None:
+            apart = [(name, _unjitted(step), args) for name, step, args in jobs]
+            step_cache.trace_apart(apart, fingerprint=self.fingerprint, processes=processes, progress=progress)
+
         def compile_one(job):
-            key, step, args = job
-            return key, step.lower(*args).compile()
+            name, step, args = job
+            return name, self._compile(step, name, args)
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
             done = tqdm(
@@ -1038,6 +1054,49 @@ class Engine:
             )
             self._compiled.update(done)
         return len(jobs)
+
+    def _run(self, key: tuple, name: tuple, *args):
+        """Step ``key`` (of ``_steps``) run on ``args``: its executable for their shapes ``name`` (``_compiled``),
+        compiled now through the step store where that is on, else the jitted step."""
+        step = self._compiled.get(name)
+        if step is None:
+            if self._store() is None:
+                return self._steps[key](*args)
+            step = self._compiled[name] = self._compile(self._steps[key], name, args)
+        return step(*args)
+
+    def _store(self):
+        """The step store's directory (``step_cache``), None where it is off or the engine is sharded (a sharded
+        step is not stored yet)."""
+        return step_cache.directory() if self.sharded is None else None
+
+    def _compile(self, step, name: tuple, args: tuple):
+        """The jitted ``step`` compiled for ``args``: through the step store, where it is on, under ``name``."""
+        where = self._store()
+        if where is None:
+            return step.lower(*args).compile()
+        donate = 0 if name == ("compress",) else 1  # the cache (``_jit``)
+        fingerprint, options = self.fingerprint, COMPILER_OPTIONS
+        return step_cache.compile(
+            _unjitted(step),
+            args,
+            name=name,
+            fingerprint=fingerprint,
+            donate=donate,
+            compiler_options=options,
+            where=where,
+        )
+
+    @functools.cached_property
+    def fingerprint(self) -> bytes:
+        """What the engine's steps are traced from, for ``step_cache``: the model's graph (its structure, layouts
+        and settings, without weights) and the engine's configuration. Everything else a step closes over (the
+        ops, pools, formats) is built from these on the same code and machine, which ``step_cache.key`` adds."""
+        graphdef, state = (
+            (self.model.graphdef, self.model.state) if self.sharded is None else (self.sharded.graphdef, None)
+        )
+        parts = pickle.dumps((graphdef, jax.tree.structure(state) if state is not None else None))
+        return hashlib.blake2b(parts + repr(self.config).encode(), digest_size=20).digest()
 
     def schedule(self, lengths: np.ndarray):
         """The decode op's device schedule for these lengths (None on the reference path)."""
