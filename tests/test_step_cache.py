@@ -208,3 +208,16 @@ def test_on_a_gpu_steps_traced_apart_are_the_kernels_own_and_give_the_jitted_tok
     apart, verified, jitted = runs
     assert all(apart["stored"]) and all(verified["stored"]) and not any(jitted["stored"])
     assert apart["tokens"] == verified["tokens"] == jitted["tokens"], f"seed {seed}"
+
+
+def test_a_model_that_cannot_be_fingerprinted_runs_unstored(store, monkeypatch):
+    import pickle
+
+    def refuse(self):
+        raise pickle.PicklingError("a static attribute pickle cannot take")
+
+    monkeypatch.setattr(Engine, "fingerprint", property(refuse))
+    model = kvjax.Model.random(TINY_CONFIGS["llama"], seed=11)
+    engine = Engine(model, **SETTINGS)
+    assert engine._store() is None and _tokens(engine, 4)
+    assert not store.exists()

@@ -1066,9 +1066,15 @@ class Engine:
         return step(*args)
 
     def _store(self):
-        """The step store's directory (``step_cache``), None where it is off or the engine is sharded (a sharded
-        step is not stored yet)."""
-        return step_cache.directory() if self.sharded is None else None
+        """The step store's directory (``step_cache``), None where it is off, where the engine is sharded (a sharded
+        step is not stored yet) or where its model cannot be fingerprinted (a static attribute pickle refuses)."""
+        if self.sharded is not None or step_cache.directory() is None:
+            return None
+        try:
+            self.fingerprint  # noqa: B018  # computed once, here, so that a model it cannot name runs unstored
+        except (pickle.PicklingError, TypeError, AttributeError):
+            return None
+        return step_cache.directory()
 
     def _compile(self, step, name: tuple, args: tuple):
         """The jitted ``step`` compiled for ``args``: through the step store, where it is on, under ``name``."""
