@@ -510,6 +510,7 @@ class Engine:
             (model.graphdef, model.state) if self.sharded is None else (self.sharded.graphdef, self.sharded.state)
         )
         self.weights, structure = jax.tree.flatten(state)
+        self._graph = graphdef, structure  # what every step merges its weights into (``fingerprint``)
         vocab = None if self.sharded is None else self.sharded.vocab_size
         self._steps: dict[tuple, Callable] = {}
         self._compiled: dict[tuple, Callable] = {}  # compile_ahead's executables, by step and input shape
@@ -1068,13 +1069,14 @@ class Engine:
     def _store(self):
         """The step store's directory (``step_cache``), None where it is off, where the engine is sharded (a sharded
         step is not stored yet) or where its model cannot be fingerprinted (a static attribute pickle refuses)."""
-        if self.sharded is not None or step_cache.directory() is None:
+        where = step_cache.directory() if self.sharded is None else None
+        if where is None:
             return None
         try:
             self.fingerprint  # noqa: B018  # computed once, here, so that a model it cannot name runs unstored
         except (pickle.PicklingError, TypeError, AttributeError):
             return None
-        return step_cache.directory()
+        return where
 
     def _compile(self, step, name: tuple, args: tuple):
         """The jitted ``step`` compiled for ``args``: through the step store, where it is on, under ``name``."""
@@ -1098,11 +1100,7 @@ class Engine:
         """What the engine's steps are traced from, for ``step_cache``: the model's graph (its structure, layouts
         and settings, without weights) and the engine's configuration. Everything else a step closes over (the
         ops, pools, formats) is built from these on the same code and machine, which ``step_cache.key`` adds."""
-        graphdef, state = (
-            (self.model.graphdef, self.model.state) if self.sharded is None else (self.sharded.graphdef, None)
-        )
-        parts = pickle.dumps((graphdef, jax.tree.structure(state) if state is not None else None))
-        return hashlib.blake2b(parts + repr(self.config).encode(), digest_size=20).digest()
+        return hashlib.blake2b(pickle.dumps(self._graph) + repr(self.config).encode(), digest_size=20).digest()
 
     def schedule(self, lengths: np.ndarray):
         """The decode op's device schedule for these lengths (None on the reference path)."""

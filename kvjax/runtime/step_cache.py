@@ -14,6 +14,7 @@ it is trusted code: files are unpickled, so the directory is the user's alone (`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -123,17 +124,14 @@ def compile(
     leaves, in_tree = jax.tree.flatten(args)
     path = None if where is None else where / f"{key(name, fingerprint, args)}.step"
     found = _read(path)
-    out_tree = None
-    if found is None or os.environ.get(VERIFY) == "1":
-        traced = _export(fn, in_tree, leaves)
-        if found is not None and _code(traced[1]) != _code(found[1]):
-            raise AssertionError(f"stored step {path} differs from its trace: its key misses what changed")
-        out_tree, exported = traced
-        if found is None and path is not None:
+    if found is None:
+        out_tree, exported = _export(fn, in_tree, leaves)
+        if path is not None:
             _write(path, out_tree, exported)
-    if found is not None:
+    else:
         out_tree, exported = found
-    assert out_tree is not None
+        if os.environ.get(VERIFY) == "1" and _code(_export(fn, in_tree, leaves)[1]) != _code(exported):
+            raise AssertionError(f"stored step {path} differs from its trace: its key misses what changed")
     donated: tuple[int, ...] = ()
     if donate is not None:
         before = sum(len(jax.tree.leaves(a)) for a in args[:donate])
@@ -160,7 +158,7 @@ def trace_apart(jobs: Sequence[tuple], *, fingerprint: bytes, processes: int, wh
     todo: list[tuple[Path, bytes]] = []
     for name, fn, args in jobs:
         path = where / f"{key(name, fingerprint, args)}.step"
-        if not path.is_file() and path not in [t[0] for t in todo]:
+        if not path.is_file():
             leaves, in_tree = jax.tree.flatten(args)
             shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in map(jax.typeof, leaves)]
             todo.append((path, pickle.dumps((fn, in_tree, shapes))))
@@ -192,16 +190,12 @@ def _compute_capability() -> int:
 
 def _trace_one(job: bytes, platform: str, capability: int | None) -> bytes:
     """In a process of ``trace_apart``: one step traced and lowered for ``platform``, serialized."""
+    from kvjax.ops.lowering import as_if_on_gpu
+
     jax.config.update("jax_platforms", "cpu")
-    if capability is not None:  # Pallas asks the device for it while lowering; this process has none
-        import types
-
-        from jax._src.pallas.triton import pallas_call_registration as registration
-
-        info = types.SimpleNamespace(get_gpu_info=lambda: types.SimpleNamespace(compute_capability=capability))
-        registration.gpu_info_lib = info  # type: ignore[assignment]  # a stand-in for the module
     fn, in_tree, shapes = pickle.loads(job)
-    out_tree, exported = _export(fn, in_tree, shapes, platforms=(platform,))
+    with as_if_on_gpu(capability) if capability is not None else contextlib.nullcontext():
+        out_tree, exported = _export(fn, in_tree, shapes, platforms=(platform,))
     return pickle.dumps((out_tree, exported.serialize()))
 
 
