@@ -221,3 +221,11 @@ def test_a_model_that_cannot_be_fingerprinted_runs_unstored(store, monkeypatch):
     engine = Engine(model, **SETTINGS)
     assert engine._store() is None and _tokens(engine, 4)
     assert not store.exists()
+
+
+def test_compile_ahead_refuses_a_bad_process_count_before_any_work(store):
+    engine = Engine(kvjax.Model.random(TINY_CONFIGS["llama"], seed=13), **SETTINGS)
+    for bad, error in ((-1, ValueError), (float("nan"), TypeError), ("2", TypeError), (1.5, TypeError)):
+        with pytest.raises(error, match="processes"):
+            engine.compile_ahead(processes=bad)
+    assert not engine._compiled and not store.exists()

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax import machine
+from kvjax import machine, validate
 from kvjax.compression.plan import check_kv_bits
 from kvjax.eviction.continual import compress
 from kvjax.eviction.prompt import evict_prompts
@@ -1007,6 +1007,7 @@ class Engine:
 
         from tqdm import tqdm
 
+        processes = validate.integer("processes", processes, low=0)  # before any work: a bad count names itself
         jobs: list[tuple[tuple, Callable, tuple]] = []
         state = (self.weights, self.cache, self.slot_tokens)
 
