@@ -487,7 +487,8 @@ def main(argv=None) -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="an XLA option for the engine's steps over its own (repeatable), e.g. xla_gpu_autotune_level=0",
+        help="an XLA option for the engine's steps over its own (repeatable), e.g. xla_gpu_autotune_level=4 "
+        "(XLA's own default; the engine's is 0)",
     )
     knob_option(ap)
     ap.add_argument(

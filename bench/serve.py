@@ -118,6 +118,18 @@ def summary(records: list[dict], slo_ttft: float, slo_tbt: float) -> dict:
     )
 
 
+def rate_workloads(args) -> list[tuple[float, int, list]]:
+    """(rate, seed, requests) for each rate of ``args.rates``: rate i draws with seed ``args.seed + i`` (the same
+    prompts at every rate would make a later rate's prompts prefix-cache hits of an earlier one's), and sends
+    nothing after ``args.max_seconds`` (at least one request)."""
+    out = []
+    for i, rate in enumerate(args.rates):
+        seed = args.seed + i
+        work = workload(args.trace, args.requests, rate, args.vocab, seed, args.scale, args.documents, args.question)
+        out.append((rate, seed, [w for w in work if w[0] <= args.max_seconds] or work[:1]))
+    return out
+
+
 async def sweep(args) -> dict:
     """Every rate of ``args.rates`` in turn, each drained before the next; the JSON (``args.json``) is rewritten
     after each rate, so a run cut short keeps the rates it finished."""
@@ -141,15 +153,11 @@ async def sweep(args) -> dict:
             health_before=health,
             runs=runs,
         )
-        for rate in args.rates:
-            work = workload(
-                args.trace, args.requests, rate, args.vocab, args.seed, args.scale, args.documents, args.question
-            )
-            work = [w for w in work if w[0] <= args.max_seconds] or work[:1]
+        for rate, seed, work in rate_workloads(args):
             start = time.perf_counter() + 0.1
             records = await asyncio.gather(*(one(client, args.url, model, t, p, o, start) for t, p, o in work))
             stats = summary(list(records), args.slo_ttft, args.slo_tbt_ms / 1e3)
-            runs.append(dict(rate=rate, summary=stats, records=list(records)))
+            runs.append(dict(rate=rate, seed=seed, summary=stats, records=list(records)))
             print_row(rate, stats)
             out["health_after"] = (await client.get(args.url + "/health")).json()
             if args.json:
@@ -192,7 +200,9 @@ def main(argv=None) -> int:
         "of its own (default 0: every prompt its own)",
     )
     ap.add_argument("--question", type=int, default=64, help="with --documents: a question's tokens (default 64)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--seed", type=int, default=0, help="the first rate's workload seed; each later rate takes the next (default 0)"
+    )
     ap.add_argument("--slo-ttft", type=float, default=10.0, help="goodput's TTFT bound, seconds (default 10)")
     ap.add_argument("--slo-tbt-ms", type=float, default=100.0, help="goodput's mean-gap bound, ms (default 100)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds a request may take (default 3600)")

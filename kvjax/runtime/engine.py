@@ -60,8 +60,14 @@ from kvjax.runtime.config import EngineConfig
 # matrix at every step (0.6 ms of a 10 ms step: bench/RESULTS.md "Engine: decode step beside the floor"); the model
 # now holds them joined once (``Transformer.join``). XLA's Triton GEMMs are off: cuBLAS ran the steps' GEMMs faster
 # and compiled without autotuning tiles for every distinct shape of a compressed model's projections
-# (bench/RESULTS.md "Engine: GEMMs on cuBLAS").
-COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0, "xla_gpu_enable_triton_gemm": False}
+# (bench/RESULTS.md "Engine: GEMMs on cuBLAS"). cuBLAS's own algorithm autotuning is off too (level 0, its
+# heuristic's pick): the steps run as fast or faster without it, and a compressed model, a GEMM shape per layer,
+# compiles its steps ahead in 39 s instead of 58-97 s (bench/RESULTS.md "Start-up: GEMM autotuning off").
+COMPILER_OPTIONS = {
+    "xla_gpu_dot_merger_threshold_mb": 0,
+    "xla_gpu_enable_triton_gemm": False,
+    "xla_gpu_autotune_level": 0,
+}
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
