@@ -152,7 +152,9 @@ def main(argv=None) -> int:
         steps = engine.compile_ahead(greedy=(True,), threads=cores, progress=True, processes=cores)
         kept = sum(getattr(step, "stored", False) for step in engine._compiled.values())
         took = time.perf_counter() - t0
-        print(f"compiled {steps} steps ahead in {took:.0f} s ({kept} read back traced)", file=sys.stderr, flush=True)
+        print(
+            f"compiled {steps} steps ahead in {took:.0f} s ({kept} through the step store)", file=sys.stderr, flush=True
+        )
     worker = Worker(engine).start()
     name = (
         f"{args.shape}-{args.method}" + (f"-{rate:g}" if rate else "") + (f"-int{args.kv_bits}" if args.kv_bits else "")
