@@ -24,12 +24,19 @@ SHARE = {"gpu": 0.9, "cpu": 0.5}  # of the memory available, for the KV cache an
 # CPU defaults: the jnp attention path reads every page of a sequence's block table at every step, so a step's cost
 # follows max_batch x max_seq_len; these keep a small model's step well under a second on two cores
 CPU_MAX_BATCH, CPU_MAX_SEQ_LEN = 4, 2048
+GPU_MAX_BATCH, GPU_MAX_SEQ_LEN = 32, 8192  # a GPU's: the shapes its steps were measured at (bench/RESULTS.md)
 F32_SHARE = 0.25  # on a CPU, float32 parameters by default only while they take at most this share of the memory
 
 
 def platform(device=None) -> str:
     """ "gpu" for a CUDA/ROCm device, "cpu" otherwise (an interpreted or unknown device plans as a CPU does)."""
     return "gpu" if (device or jax.devices()[0]).platform in ("gpu", "cuda", "rocm") else "cpu"
+
+
+def default_max_batch(device=None) -> int:
+    """Sequences decoded at once where the caller gives none: ``GPU_MAX_BATCH`` on a GPU, ``CPU_MAX_BATCH`` on a
+    CPU. ``kvjax.generate``, ``kvjax-infer`` and ``kvjax-serve`` all default to it."""
+    return GPU_MAX_BATCH if platform(device) == "gpu" else CPU_MAX_BATCH
 
 
 def _meminfo_available(path: str = "/proc/meminfo") -> int | None:

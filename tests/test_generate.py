@@ -105,7 +105,7 @@ def test_kvjax_infer_writes_results_atomically(tmp_path, capsys):
                 str(out),
                 "--max-new-tokens",
                 "4",
-                "--batch-size",
+                "--max-batch",
                 "2",
                 "--dtype",
                 "float32",

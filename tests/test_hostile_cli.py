@@ -81,7 +81,10 @@ def records(path) -> list[dict]:
         ("--dtype", "foo", "'foo'"),
         ("--max-new-tokens", "0", "got 0"),
         ("--max-new-tokens", "1.5", "'1.5'"),
-        ("--batch-size", "-1", "got -1"),
+        ("--max-batch", "-1", "got -1"),
+        ("--max-batch", "2.5", "'2.5'"),
+        ("--page-size", "0", "got 0"),
+        ("--page-size", "sixteen", "'sixteen'"),
         ("--seed", "-3", "got -3"),
         ("--max-seq-len", "0", "got 0"),
         ("--cache-memory", "0", "got 0"),
@@ -204,7 +207,7 @@ def test_bad_prompts_in_later_batches_get_error_records(files, tmp_path, capsys,
     rows = [[1, 2, 3], [4, 5], [6, 7], [1] * 253, [VOCAB], "text needs a tokenizer", [8]]
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in rows))
     (tmp_path / "out.jsonl.partial").write_text("left by an interrupted run\n")
-    assert run(prompts, out, "--max-new-tokens", "4", "--batch-size", "2", "--show") == 1
+    assert run(prompts, out, "--max-new-tokens", "4", "--max-batch", "2", "--show") == 1
     got = records(out)
     assert [r["index"] for r in got] == list(range(7)) and [r["prompt"] for r in got] == rows
     assert "253 tokens" in got[3]["error"] and "needs 257 cache positions, more than the 256" in got[3]["error"]
@@ -247,7 +250,7 @@ def test_a_failed_run_gives_the_unfinished_prompts_error_records(
     prompts, out = files
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ([1], [2], [9, 9, 9], [3], [4])))
     monkeypatch.setattr(kvjax, "generate_iter", failing_after(2, error))
-    assert run(prompts, out, "--max-new-tokens", "3", "--batch-size", "2") == 1
+    assert run(prompts, out, "--max-new-tokens", "3", "--max-batch", "2") == 1
     got = records(out)
     assert [r["index"] for r in got] == list(range(5))
     finished = [n for n in range(5) if "error" not in got[n]]
@@ -261,7 +264,7 @@ def test_interrupted_run_keeps_finished_records_in_partial_file(files, tmp_path,
     prompts, out = files
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ([1], [2], [VOCAB + 5], [3], [4])))
     monkeypatch.setattr(kvjax, "generate_iter", failing_after(2, KeyboardInterrupt()))
-    assert run(prompts, out, "--max-new-tokens", "3", "--batch-size", "2") == 130
+    assert run(prompts, out, "--max-new-tokens", "3", "--max-batch", "2") == 130
     partial = tmp_path / "out.jsonl.partial"
     got = records(partial)
     assert [r["index"] for r in got] == [0, 1, 2] and "error" in got[2] and all(len(r["tokens"]) == 3 for r in got[:2])

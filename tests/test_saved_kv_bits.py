@@ -104,7 +104,7 @@ def test_the_commands_default_to_the_checkpoints_choice(tmp_path, capsys):
     prompts.write_text(json.dumps({"prompt": [1, 2, 3]}) + "\n")
     argv = ["--model", str(ckpt), "--prompts", str(prompts), "--out", str(out), "--dtype", "float32"]
     for flags, pages in (([], "int4 pages"), (["--kv-bits", "none"], None), (["--kv-bits", "2"], "int2 pages")):
-        assert infer.main([*argv, "--max-new-tokens", "2", "--batch-size", "1", *flags]) == 0
+        assert infer.main([*argv, "--max-new-tokens", "2", "--max-batch", "1", *flags]) == 0
         line = next(s for s in capsys.readouterr().err.splitlines() if s.startswith("kvjax-infer: on "))
         assert (pages in line) if pages else (" pages of " not in line), line
 

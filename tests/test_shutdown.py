@@ -101,7 +101,7 @@ def test_ctrl_c_on_infer_exits_130_keeping_the_partial_file(tmp_path, batch_size
     out.write_bytes(OLD)
     partial = tmp_path / "out.jsonl.partial"
     cmd = [sys.executable, "-c", SLOW_INFER, "--model", os.path.join(FIXTURES, "llama"), "--dtype", "float32"]
-    cmd += ["--prompts", str(prompts), "--out", str(out), "--batch-size", str(batch_size), "--max-new-tokens", "12"]
+    cmd += ["--prompts", str(prompts), "--out", str(out), "--max-batch", str(batch_size), "--max-new-tokens", "12"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90

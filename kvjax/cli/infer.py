@@ -231,8 +231,9 @@ def _start(args, model, ids: list, stats: dict):
         args.temperature,
         args.top_p,
         args.seed,
-        max_batch=args.batch_size,
+        max_batch=args.max_batch,
         max_seq_len=args.max_seq_len,
+        page_size=args.page_size,
         chunk_tokens=args.chunk_tokens,
         cache_memory=args.cache_memory,
         backend=args.attention,
@@ -314,13 +315,10 @@ def _parser() -> argparse.ArgumentParser:
         default=64,
         help="new tokens per prompt (default 64)",
     )
-    p.add_argument(
-        "--batch-size",
-        type=options.positive("batch_size"),
-        default=8,
-        help="most prompts decoded at once; a finished one's place goes to the next at once (default 8)",
+    options.add_engine(p)
+    p.add_argument(  # the old name of --max-batch, kept working (without a help line) for scripts that use it
+        "--batch-size", dest="max_batch", type=options.positive("max_batch"), help=argparse.SUPPRESS
     )
-    options.add_engine(p, "--batch-size")
     p.add_argument(
         "--temperature", type=validate.arg(validate.temperature, float), default=0.0, help="0 is greedy (default)"
     )
@@ -336,7 +334,7 @@ def _parser() -> argparse.ArgumentParser:
         "--batch-invariant",
         action="store_true",
         help="each prompt's tokens depend on it alone, not on the prompts running beside it (chunks run one at "
-        "a time and every decode step runs --batch-size rows; see kvjax.generate)",
+        "a time and every decode step runs --max-batch rows; see kvjax.generate)",
     )
     p.add_argument("--show", action="store_true", help="also print every prompt with its generated text")
     p.add_argument(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvjax import validate
+from kvjax import machine, validate
 from kvjax.ops.kv_schemes import SERVED, ScoredOnly, served
 
 
@@ -57,10 +57,27 @@ def add_model(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
-    """--chunk-tokens, --cache-memory, --dtype, --kv-bits, --evict, --tensor-parallel, --attention and
-    --compile-cache (``batch_flag``: the command's flag for the most sequences decoded at once, which the cache's
-    default size follows)."""
+def add_engine(p: argparse.ArgumentParser) -> None:
+    """The engine's flags, one per ``EngineConfig`` field a user sets, named and defaulted alike in kvjax-infer and
+    kvjax-serve: --max-batch, --page-size, --chunk-tokens, --cache-memory, --dtype, --kv-bits, --evict,
+    --tensor-parallel, --attention, --no-prefix-caching and --compile-cache."""
+    p.add_argument(
+        "--max-batch",
+        type=positive("max_batch"),
+        default=None,
+        metavar="N",
+        help=f"most sequences decoded at once; a finished one's place goes to the next at once (default "
+        f"{machine.GPU_MAX_BATCH} on a GPU, {machine.CPU_MAX_BATCH} on a CPU, where a step's cost follows it)",
+    )
+    p.add_argument(
+        "--page-size",
+        type=positive("page_size"),
+        default=None,
+        metavar="TOKENS",
+        help="tokens a page of the KV cache: smaller pages waste less of a sequence's last page, larger ones mean "
+        "fewer block-table entries; the GPU kernels take a power of two of at least 16 (default 16, or 32 with "
+        "--kv-bits, the keys' quantization group)",
+    )
     p.add_argument(
         "--no-prefix-caching",
         action="store_true",
@@ -89,7 +106,7 @@ def add_engine(p: argparse.ArgumentParser, batch_flag: str) -> None:
         type=validate.arg(lambda v: validate.memory_budget("cache_memory", v), validate.parse_memory),
         default=None,
         help="KV cache budget: a fraction of free device memory (e.g. 0.9) or a size (e.g. 12GiB); a compressed "
-        f"model's narrower pages fit more tokens in it (default: room for {batch_flag} full sequences, or where that "
+        "model's narrower pages fit more tokens in it (default: room for --max-batch full sequences, or where that "
         "is less 90%% of the free GPU memory, half of the memory this process may still use on a CPU; "
         "KVJAX_MEMORY=SIZE caps what kvjax takes to be free)",
     )

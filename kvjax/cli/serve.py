@@ -55,19 +55,13 @@ def _parser() -> argparse.ArgumentParser:
         help="TCP port (default 8000)",
     )
     p.add_argument(
-        "--max-batch",
-        type=options.positive("max_batch"),
-        default=None,
-        help="most requests decoded at once (default 32 on a GPU, 4 on a CPU)",
-    )
-    p.add_argument(
         "--max-seq-len",
         type=options.positive("max_seq_len"),
         default=None,
         help="cache positions per sequence: prompt + new tokens (default: the model's, at most 8192 on a GPU and "
         "2048 on a CPU, and at most what the cache holds); one the cache cannot hold once is refused",
     )
-    options.add_engine(p, "--max-batch")
+    options.add_engine(p)
     p.add_argument(
         "--compile-ahead",
         action=argparse.BooleanOptionalAction,
@@ -118,6 +112,7 @@ def build_engine(args, model):
         model.config.max_position_embeddings,
         max_batch=args.max_batch,
         max_seq_len=args.max_seq_len,
+        page_size=args.page_size,
         chunk_tokens=args.chunk_tokens,
         cache_memory=args.cache_memory,
         backend=args.attention,

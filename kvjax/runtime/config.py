@@ -40,7 +40,7 @@ class EngineConfig:
     """The engine's settings (``Engine``'s docstring says what each does); invalid values are one-line errors at
     construction, before any memory is taken."""
 
-    max_batch: int = 8  # sequences decoded at once (kvjax-infer --batch-size, kvjax-serve --max-batch)
+    max_batch: int = 8  # sequences decoded at once (--max-batch; the entry points default to the machine's)
     max_seq_len: int = 512  # cache positions a sequence may fill: prompt + new tokens
     # tokens a page; None: 16, or quant.GROUP (32, the keys' quantization group) with kv_bits, resolved at construction
     page_size: int = None  # type: ignore[assignment]
@@ -140,8 +140,8 @@ class EngineConfig:
         on a CPU (where a step's cost follows both), never past the model's ``context``."""
         cpu = machine.platform() == "cpu"
         return cls(
-            max_batch=max_batch or (machine.CPU_MAX_BATCH if cpu else 32),
-            max_seq_len=max_seq_len or min(context, machine.CPU_MAX_SEQ_LEN if cpu else 8192),
+            max_batch=max_batch or machine.default_max_batch(),
+            max_seq_len=max_seq_len or min(context, machine.CPU_MAX_SEQ_LEN if cpu else machine.GPU_MAX_SEQ_LEN),
             **settings,
         )
 

@@ -469,16 +469,11 @@ class Engine:
         c = self.config = _config(config, settings)
         self._split(model, c.tensor_parallel, c.head_placement)
         max_batch, max_seq_len, page_size, chunk_tokens = c.max_batch, c.max_seq_len, c.page_size, c.chunk_tokens
-        backend, batch_invariant = c.backend, c.batch_invariant
+        batch_invariant = c.batch_invariant
         num_pages, cache_memory, cache_dtype = c.num_pages, c.cache_memory, c.cache_dtype
         self.model, self.max_batch, self.page_size = model, max_batch, page_size
         self.chunk_tokens, self.batch_invariant = chunk_tokens, batch_invariant
-        self.backend = attention.check_backend(backend or attention.default_backend())
-        kernel_ready = all(w % 16 == 0 for lay in self.layouts for w in lay.k_widths + lay.v_widths)
-        if self.backend != "reference" and not kernel_ready:
-            if backend is not None:
-                raise ValueError("the attention kernels need head widths that are multiples of 16")
-            self.backend = "reference"
+        self.backend = self._backend(c)
         self.pages_per_seq = -(-max_seq_len // page_size)
         self.max_seq_len = self.pages_per_seq * page_size
         self.prefill_min, self.prefill_rows = page_size, max_batch
@@ -1062,6 +1057,23 @@ class Engine:
             )
             self._compiled.update(done)
         return len(jobs)
+
+    def _backend(self, c: EngineConfig) -> str:
+        """The attention path: ``c.backend``, else the device's default (``attention.default_backend``), else the
+        reference where the kernels cannot run these head widths (multiples of 16); a kernel path asked for by name
+        that cannot run them, or GPU kernels given pages they do not take, is a one-line ValueError."""
+        backend = attention.check_backend(c.backend or attention.default_backend())
+        if backend != "reference" and not all(w % 16 == 0 for lay in self.layouts for w in lay.k_widths + lay.v_widths):
+            if c.backend is not None:
+                raise ValueError("the attention kernels need head widths that are multiples of 16")
+            return "reference"
+        page = c.page_size
+        if backend == "pallas" and not isinstance(c.kv_bits, str) and (page < 16 or page & page - 1):
+            raise ValueError(
+                f"page_size={page}: the GPU kernels take pages of a power of two of at least 16 tokens (checked "
+                "at 16 and 32); the reference path takes any"
+            )
+        return backend
 
     def _run(self, key: tuple, name: tuple, *args):
         """Step ``key`` (of ``_steps``) run on ``args``: its executable for their shapes ``name`` (``_compiled``),

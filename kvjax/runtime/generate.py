@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from kvjax import validate
+from kvjax import machine, validate
 from kvjax.eviction.select import Eviction
 from kvjax.runtime.compile_cache import use as use_compile_cache
 from kvjax.runtime.config import EngineConfig, KvBits, kv_bits_for
@@ -103,7 +103,7 @@ def generate_iter(
     stop: Sequence[str | int] | str | None = None,
     *,
     chat: bool = False,
-    max_batch: int = 8,
+    max_batch: int | None = None,
     max_seq_len: int | None = None,
     page_size: int | None = None,
     chunk_tokens: int = 512,
@@ -123,19 +123,20 @@ def generate_iter(
     ``temperature=0`` is greedy decoding. ``stop`` holds stop strings and/or stop token ids (EOS always stops).
     ``chat=True`` wraps string prompts in the tokenizer's chat template. ``max_seq_len`` (default: the model's
     ``max_position_embeddings``) bounds prompt + new tokens per sequence. Prompts run continuously batched: up to
-    ``max_batch`` at once, a finished one's place taken by the next at once, prompts prefilled ``chunk_tokens`` per
-    step beside the others' decoding. ``cache_memory`` sizes the KV cache: a fraction of the device memory free
-    now, or bytes (default: room for ``max_batch`` full sequences, or 90% of free memory where that is less);
-    prompts that do not fit at once wait, or are preempted and recomputed later. ``backend`` picks the attention
-    path: "pallas" (the kernels, default on a GPU), "reference" (jnp, default elsewhere) or "interpret" (the
-    kernels on the CPU). ``kv_bits`` (4 or 2) keeps the cache in quantized pages (``EngineConfig.kv_bits``;
-    ``page_size`` then defaults to 32, the keys' group); None keeps it in the cache's dtype; "model" (the default)
-    takes the model's own choice, ``model.kv_bits`` (saved with a checkpoint by ``kvjax-convert --kv-bits``; None
-    for a model that made none). ``eviction`` ("kvcompress:4x", "snapkv:256", an ``Eviction``; None keeps every
-    token) evicts each prompt's least-attended tokens per KV head once it is prefilled (``EngineConfig.eviction``).
-    ``tensor_parallel`` splits the model over that many devices (``EngineConfig.tensor_parallel``; the same tokens;
-    default: ``model.tensor_parallel``, what ``kvjax.load`` was asked for, else 1). ``compile_cache``: where
-    compiled steps are kept for the next process (``runtime.compile_cache.use``: a directory, None for the default
+    ``max_batch`` at once (default ``machine.default_max_batch``: 32 on a GPU, 4 on a CPU, as the commands), a
+    finished one's place taken by the next at once, prompts prefilled ``chunk_tokens`` per step beside the others'
+    decoding. ``cache_memory`` sizes the KV cache: a fraction of the device memory free now, or bytes (default: room
+    for ``max_batch`` full sequences, or 90% of free memory where that is less); prompts that do not fit at once
+    wait, or are preempted and recomputed later. ``backend`` picks the attention path: "pallas" (the kernels,
+    default on a GPU), "reference" (jnp, default elsewhere) or "interpret" (the kernels on the CPU). ``kv_bits`` (4
+    or 2) keeps the cache in quantized pages (``EngineConfig.kv_bits``; ``page_size`` then defaults to 32, the keys'
+    group); None keeps it in the cache's dtype; "model" (the default) takes the model's own choice,
+    ``model.kv_bits`` (saved with a checkpoint by ``kvjax-convert --kv-bits``; None for a model that made none).
+    ``eviction`` ("kvcompress:4x", "snapkv:256", an ``Eviction``; None keeps every token) evicts each prompt's
+    least-attended tokens per KV head once it is prefilled (``EngineConfig.eviction``). ``tensor_parallel`` splits
+    the model over that many devices (``EngineConfig.tensor_parallel``; the same tokens; default:
+    ``model.tensor_parallel``, what ``kvjax.load`` was asked for, else 1). ``compile_cache``: where compiled steps
+    are kept for the next process (``runtime.compile_cache.use``: a directory, None for the default
     ``~/.cache/kvjax/jax`` or ``$KVJAX_COMPILE_CACHE``, "off"). ``prefix_caching``: prompts share the cached pages
     of identical prefixes (``EngineConfig.prefix_caching``; None: wherever the cache can, False: never).
     ``stats``, if given, receives counts and per-prompt times once the iteration ends.
@@ -152,7 +153,7 @@ def generate_iter(
     temperature, top_p, seed = validate.temperature(temperature), validate.top_p(top_p), validate.seed(seed)
     chat = validate.flag("chat", chat)
     config = EngineConfig(  # checks every engine setting, before any prompt is encoded
-        max_batch=max_batch,
+        max_batch=machine.default_max_batch() if max_batch is None else max_batch,
         max_seq_len=model.config.max_position_embeddings if max_seq_len is None else max_seq_len,
         page_size=page_size,  # type: ignore[arg-type]  # None: the format's default (EngineConfig)
         chunk_tokens=chunk_tokens,

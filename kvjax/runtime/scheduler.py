@@ -142,7 +142,7 @@ class Step:
 
 
 class Scheduler:
-    """Requests, a page pool of ``num_pages`` pages of ``page_size`` tokens, ``max_running`` slots and a budget of
+    """Requests, a page pool of ``num_pages`` pages of ``page_size`` tokens, ``max_batch`` slots and a budget of
     ``chunk_tokens`` prompt tokens per step. ``windows``: sliding-window pools beside it, {window: pages}, whose
     pages a request gives back as its window passes them. ``fixed_chunks``: chunk boundaries fall every
     ``chunk_tokens`` positions of a context whatever else runs (batch-invariant prefill). ``heads``: evict into this
@@ -154,7 +154,7 @@ class Scheduler:
         self,
         num_pages: int,
         page_size: int,
-        max_running: int,
+        max_batch: int,
         chunk_tokens: int,
         *,
         max_pages_per_seq: int | None = None,
@@ -180,12 +180,12 @@ class Scheduler:
         self._staged: list[Request] = []  # evicted in the step just scheduled: their staging pages go back next
         self.continual = continual if heads is not None else None
         self._settled: set[int] = set()  # requests whose prompt eviction's kept counts have arrived
-        self.max_running, self.chunk_tokens = max_running, chunk_tokens
+        self.max_batch, self.chunk_tokens = max_batch, chunk_tokens
         self.fixed_chunks = fixed_chunks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.draining: list[Request] = []
-        self._free_slots = list(range(max_running - 1, -1, -1))
+        self._free_slots = list(range(max_batch - 1, -1, -1))
         self._next_id = 0
 
     # requests in
@@ -437,5 +437,5 @@ class Scheduler:
             self.pages.check({r.id: r.computed for r in holders})
         slots = [r.slot for r in self.running] + [r.slot for r in self.draining if r.slot is not None]
         assert None not in slots and len(set(slots)) == len(slots), "slots are not one per running request"
-        assert len(slots) + len(self._free_slots) == self.max_running, "slots leaked"
+        assert len(slots) + len(self._free_slots) == self.max_batch, "slots leaked"
         assert all(not self.pages.holds(r.id) and r.slot is None for r in self.waiting), "a waiting request holds pages"
