@@ -33,10 +33,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import retrieval
-from files import write_json
 
 import kvjax
+from bench import retrieval
+from bench.files import write_json
 from kvjax import validate
 from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
 from kvjax.compression.calibration import principal_axes
@@ -78,19 +78,19 @@ AT_99 = {  # the 99%-of-baseline tests, (value, uncompressed value) -> passes: e
     "top1": lambda value, base: value >= 0.99,
 }
 EPILOG = """modes:
-  python bench/accuracy.py rates  --model smollm2 --rates 0.25 0.375 0.5 [--json out.json]
-  python bench/accuracy.py search --model smollm2      # largest p meeting 99% of baseline, per variant
-  python bench/accuracy.py stability --model smollm2   # rotation stability (the papers' Table 4)
-  python bench/accuracy.py transformers                # SmolLM2 perplexity next to transformers'
-  python bench/accuracy.py eval --windows 1024 4096 --rates 0.5 --calibrations text --max-context none 4096
-  python bench/accuracy.py eval --rates 0.5 --k-share none 0.4 0.6     # one row per Q/K share of the kept columns
-  python bench/accuracy.py eval --rates 0.25 0.5 0.625 --bisect-steps 4   # largest rate at 99% of baseline
-  python bench/accuracy.py eval --calibrations random text prose code text:notes.txt --variants zack palu-uniform
-  python bench/accuracy.py eval --rates 0.3 0.5 --variants zack --kv-bits none 4 2   # ranks and quantized pages
-  python bench/accuracy.py eval --rates 0.3 0.5 --variants zack-band16 zack-band16-measured   # ranks by measured KL
-  python bench/accuracy.py retrieval --task passkey multikey --contexts 1024 2048 4096 8192 --trials 50 \\
+  python -m bench.accuracy rates  --model smollm2 --rates 0.25 0.375 0.5 [--json out.json]
+  python -m bench.accuracy search --model smollm2      # largest p meeting 99% of baseline, per variant
+  python -m bench.accuracy stability --model smollm2   # rotation stability (the papers' Table 4)
+  python -m bench.accuracy transformers                # SmolLM2 perplexity next to transformers'
+  python -m bench.accuracy eval --windows 1024 4096 --rates 0.5 --calibrations text --max-context none 4096
+  python -m bench.accuracy eval --rates 0.5 --k-share none 0.4 0.6     # one row per Q/K share of the kept columns
+  python -m bench.accuracy eval --rates 0.25 0.5 0.625 --bisect-steps 4   # largest rate at 99% of baseline
+  python -m bench.accuracy eval --calibrations random text prose code text:notes.txt --variants zack palu-uniform
+  python -m bench.accuracy eval --rates 0.3 0.5 --variants zack --kv-bits none 4 2   # ranks and quantized pages
+  python -m bench.accuracy eval --rates 0.3 0.5 --variants zack-band16 zack-band16-measured   # ranks by measured KL
+  python -m bench.accuracy retrieval --task passkey multikey --contexts 1024 2048 4096 8192 --trials 50 \\
       --rates 0.5 --calibrations text --max-context 8200 --json retrieval.json --png-dir retrieval
-  python bench/accuracy.py retrieval --rates 0.25 0.375 0.5 --retrieval-tolerance 0.02   # within 2 points of base
+  python -m bench.accuracy retrieval --rates 0.25 0.375 0.5 --retrieval-tolerance 0.02   # within 2 points of base
 
 Agreement: the uncompressed model continues the prompts greedily; it is the fraction of those positions where the
 compressed model, fed the same tokens, picks the same argmax (so one early difference does not count M times).

@@ -11,7 +11,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from harness import HKV, HQ, D, queries, randn
+
+from bench.harness import HKV, HQ, D, queries, randn
 
 
 def jax_paged_call(case, key, pages_per_block, splits):

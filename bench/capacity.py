@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 
 import jax
 import numpy as np
-from engine import model_at
-from harness import log, on_gpu
 
+from bench.engine import model_at
+from bench.harness import log, on_gpu
 from kvjax import validate
 from kvjax.runtime import memory
 from kvjax.runtime.engine import Engine
@@ -109,8 +110,9 @@ def main(argv=None) -> None:
     rows = []
     for config in args.configs.split(","):
         log(f"{config}")
-        cmd = [sys.executable, __file__, "--one", config, "--chunk-tokens", str(args.chunk_tokens)]
-        out = subprocess.run(cmd, capture_output=True, text=True)
+        cmd = [sys.executable, "-m", "bench.capacity", "--one", config, "--chunk-tokens", str(args.chunk_tokens)]
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where ``bench`` is a package
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
         lines = [line for line in out.stdout.splitlines() if line.startswith("ROW ")]
         if out.returncode or not lines:
             print(out.stderr[-3000:], file=sys.stderr)

@@ -17,15 +17,15 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from harness import knob_option, log, on_gpu, rank_plan, with_knobs
 
+from bench.harness import knob_option, log, on_gpu, rank_plan, with_knobs
 from kvjax.ops.decode.config import DECODE
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.quant_kernel import QUANT_DECODE, QUANT_KERNEL, QuantDecodeOp, head_classes
 from kvjax.ops.decode.tables import kernel_groups, run_classes
 from kvjax.ops.prefill.config import PREFILL
 from kvjax.ops.prefill.kernel import prefill_attention
-from kvjax.ops.prefill.plan import tile_classes
+from kvjax.ops.prefill.work import tile_classes
 from kvjax.ops.quant_paging import create_tail
 
 
@@ -83,7 +83,7 @@ def decode_case(layouts, batch: int, ctx: int, page_size: int = 16, config=DECOD
     pps = -(-ctx // page_size)
     op = DecodeOp(layouts, page_size, pps, max_batch=batch, config=config)
     lengths = np.full(batch, ctx, np.int32)
-    schedule = op.plan(lengths)
+    schedule = op.schedule(lengths)
     rng = np.random.default_rng(0)
     pages = batch * pps + 1
     args = (
@@ -121,7 +121,7 @@ def quant_decode_case(layouts, batch: int, ctx: int, bits: int, config, kernel, 
         create_tail(max(fmts, key=lambda f: f.k_cols + f.v_cols), batch, jnp.bfloat16),
         jnp.arange(1, pages, dtype=jnp.int32).reshape(batch, pps),
         jnp.asarray(lengths),
-        op.plan(lengths),
+        op.schedule(lengths),
     )
 
     def run(q, pool, tail, table, lengths, schedule):

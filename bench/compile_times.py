@@ -9,9 +9,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from decode import schedule_of
-from harness import PagedCase, rank_plan
 
+from bench.decode import schedule_of
+from bench.harness import PagedCase, rank_plan
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.kernel import paged_decode
 

@@ -1,7 +1,7 @@
 """The decode kernel (``kvjax.ops.decode.kernel.paged_decode``) measured: its correctness against the jnp reference
 on every shape class, its time beside the floor (bytes it must read over the copy bandwidth) and beside the
 baselines, a sweep of ``DecodeConfig`` variants per rank plan (autotune), bandwidth by head width, and the
-rate-0.5 layer as one launch per width class. Every plan is built with the config the kernel then runs with (the
+rate-0.5 layer as one launch per width class. Every schedule is built with the config the kernel then runs with (the
 kernel reads its knobs from ``schedule.config``). Tables: bench/RESULTS.md "Decode kernel: time beside the floor",
 "Decode schedule: unit costs", "Decode: run width and pieces" and "Kernel correctness"."""
 
@@ -14,8 +14,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from baselines import cudnn_decode_call, jax_paged_call, palu_decode_call
-from harness import (
+
+from bench.baselines import cudnn_decode_call, jax_paged_call, palu_decode_call
+from bench.harness import (
     HKV,
     ODD,
     WINDOWED,
@@ -37,12 +38,11 @@ from harness import (
     uniform,
     worst_head,
 )
-
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.kernel import paged_decode
-from kvjax.ops.decode.plan import DecodePlan, build_decode_schedule
 from kvjax.ops.decode.reference import paged_decode_attention
+from kvjax.ops.decode.schedule import BuiltSchedule, build_decode_schedule
 
 # The fields the autotune table prints, and its variants: the schedule's unit costs, a floor or a large fixed cost
 # per token (bench/RESULTS.md "Decode schedule: unit costs"; the earlier sweeps of warps, stages, tokens per step,
@@ -78,8 +78,8 @@ def kvjax_decode_call(case, sched, key):
     return fn, (case.k, case.v, lengths, sched), per_call
 
 
-def schedule_of(case, config: DecodeConfig, num_programs: int | None = None, **changes) -> DecodePlan:
-    """The plan of a case under ``config`` with ``changes`` (``DecodeConfig`` fields) applied."""
+def schedule_of(case, config: DecodeConfig, num_programs: int | None = None, **changes) -> BuiltSchedule:
+    """The schedule of a case under ``config`` with ``changes`` (``DecodeConfig`` fields) applied."""
     config = dataclasses.replace(config, **changes)
     return build_decode_schedule(case.lengths, case.layout, case.page_size, num_programs, config=config)
 
@@ -92,7 +92,7 @@ def decode_check_inputs(
 ):
     """``paged_decode``'s positional arguments for one check case (chunks down to a page, so groups split)."""
     case = PagedCase(layout, batch, lengths, page_size, 1, key, dtype)
-    plan = build_decode_schedule(
+    built = build_decode_schedule(
         case.lengths,
         layout,
         page_size,
@@ -100,7 +100,7 @@ def decode_check_inputs(
         headroom_pages=headroom,
         config=dataclasses.replace(config, min_chunk_tokens=page_size),
     )
-    return case.q, case.k, case.v, case.tables[0], jnp.asarray(case.lengths), plan.schedule.layer(0), layout
+    return case.q, case.k, case.v, case.tables[0], jnp.asarray(case.lengths), built.schedule.layer(0), layout
 
 
 def check_decode(args, interpret=False):
@@ -216,7 +216,7 @@ def decode_table(key, bw, shapes, rates, quick, tuned, orders=("lpt", "naive"), 
     }
     layers = {(r, f): pick_layer(rank_plan(r, form=f, config=tuned[r]), r) for r in rates for _, f in variants[r]}
     for batch, ctx in shapes:
-        # every case, plan and kvjax call of the shape first, so their kernels compile side by side
+        # every case, schedule and kvjax call of the shape first, so their kernels compile side by side
         cases, calls = {}, {}
         for rate in rates:
             for order, form in variants[rate]:
@@ -226,9 +226,9 @@ def decode_table(key, bw, shapes, rates, quick, tuned, orders=("lpt", "naive"), 
                     cases[rate, form] = PagedCase(lay, batch, np.full(batch, ctx), 32, copies_for(nbytes), key)
                 case = cases[rate, form]
                 t0 = time.perf_counter()
-                plan = schedule_of(case, tuned[rate], order=order)
+                built = schedule_of(case, tuned[rate], order=order)
                 host = time.perf_counter() - t0
-                calls[rate, order, form] = host, kvjax_decode_call(case, plan.schedule.layer(0), key)
+                calls[rate, order, form] = host, kvjax_decode_call(case, built.schedule.layer(0), key)
         compile_ahead([timing_job(*call) for _, call in calls.values()])
         base = None
         for rate in rates:
@@ -321,8 +321,8 @@ def width_sweep(key, bw, config: DecodeConfig = DECODE):
     for name, lay in sweep:
         case = PagedCase(lay, 32, np.full(32, 4096), 32, 1, key)
         for pieces in (1, 3) if name != "uniform 64" else (1,):
-            plan = schedule_of(case, config, max_segments=pieces)
-            jobs[name, pieces] = case.bytes, kvjax_decode_call(case, plan.schedule.layer(0), key)
+            built = schedule_of(case, config, max_segments=pieces)
+            jobs[name, pieces] = case.bytes, kvjax_decode_call(case, built.schedule.layer(0), key)
     compile_ahead([timing_job(*job) for _, job in jobs.values()])
     for (name, pieces), (nbytes, job) in jobs.items():
         t = time_calls(*job)

@@ -20,7 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from harness import (
+from jax._src import dispatch
+
+import kvjax
+from bench.harness import (
     LLAMA_8B,
     PLAN_FORMS,
     SHAPES,
@@ -36,9 +39,6 @@ from harness import (
     shapes_arg,
     with_knobs,
 )
-from jax._src import dispatch
-
-import kvjax
 from kvjax import validate
 from kvjax.compression import RankPlan
 from kvjax.models.config import ModelConfig

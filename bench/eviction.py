@@ -32,13 +32,12 @@ import itertools
 import sys
 import time
 
-import accuracy
 import jax
 import numpy as np
-import retrieval
-from files import write_json
 
 import kvjax
+from bench import accuracy, retrieval
+from bench.files import write_json
 from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
 from kvjax.eviction import Eviction, metrics
 from kvjax.eviction import parse as parse_eviction
@@ -46,9 +45,9 @@ from kvjax.eviction.reference import hidden_after, keep, kept_bytes, many_prompt
 
 ANSWER_ROOM = 16  # retrieval: positions past the prompt a plan's basis covers (the answer's tokens)
 EPILOG = """examples:
-  python bench/eviction.py eval --model smollm2 --windows 4096 --continuation 1024 \\
+  python -m bench.eviction eval --model smollm2 --windows 4096 --continuation 1024 \\
       --methods kvcompress snapkv h2o keyformer --budgets 128 256 512 1024 --ratios 2 4 8 --plans none zack:0.5
-  python bench/eviction.py retrieval --task passkey multikey --contexts 4096 8192 --trials 4 \\
+  python -m bench.eviction retrieval --task passkey multikey --contexts 4096 8192 --trials 4 \\
       --methods kvcompress --ratios 8 --plans none zack:0.5
 
 --plans: "none" (the uncompressed model) or VARIANT:RATE with a variant of accuracy.py (zack, zack-band16, palu,

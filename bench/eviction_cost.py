@@ -27,13 +27,13 @@ from __future__ import annotations
 import argparse
 import time
 
-import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
-from files import write_json
-from harness import HKV, D, copy_bandwidth, count_arg, log, log_row, pick_layer, print_table, rank_plan, rates_arg
 
+from bench import harness
+from bench.files import write_json
+from bench.harness import HKV, D, copy_bandwidth, count_arg, log, log_row, pick_layer, print_table, rank_plan, rates_arg
 from kvjax.eviction import Eviction, continual, metrics
 from kvjax.eviction.select import device_keep
 from kvjax.ops import head_paging
@@ -181,8 +181,7 @@ def metric_rows(rate: float, context: int, methods: list[str]) -> list[dict]:
 
 def ttft_seconds(rate: float, context: int, chunk: int) -> float:
     """Seconds from a prompt's arrival to its first token, one prompt alone, second pass (the first compiles)."""
-    from engine import model_at
-
+    from bench.engine import model_at
     from kvjax.runtime.engine import Engine
     from kvjax.runtime.runner import Runner
     from kvjax.runtime.scheduler import Request

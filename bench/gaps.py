@@ -15,11 +15,11 @@ import re
 import tempfile
 
 import jax
-from engine import back_to_back, model_at, prefilled, step_inputs
-from files import write_json
-from harness import count_arg, log, on_gpu, rates_arg, shape_arg
 from jax.profiler import ProfileData
 
+from bench.engine import back_to_back, model_at, prefilled, step_inputs
+from bench.files import write_json
+from bench.harness import count_arg, log, on_gpu, rates_arg, shape_arg
 from kvjax.runtime import engine as engine_module
 from kvjax.runtime.runner import Runner
 from kvjax.runtime.scheduler import Request

@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import itertools
 
-import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
-from files import write_json
-from harness import (
+
+from bench import harness
+from bench.files import write_json
+from bench.harness import (
     D,
     PagedCase,
     copies_for,
@@ -39,7 +40,6 @@ from harness import (
     rel_err,
     shape_arg,
 )
-
 from kvjax import validate
 from kvjax.ops import head_paging
 from kvjax.ops.decode.config import DECODE
@@ -80,7 +80,7 @@ def row(rate, keep, batch, context, seconds, floor, err, **knobs) -> dict:
 def per_sequence(layout, rate, batch, context, bandwidth) -> dict:
     """The engine's per-sequence kernel (its own pages: a page holds every head of ``page_size`` tokens) over
     ``batch`` sequences of ``context`` tokens: the bytes of keep 1."""
-    from decode import kvjax_decode_call, schedule_of
+    from bench.decode import kvjax_decode_call, schedule_of
 
     lengths = np.full(batch, context)
     nbytes = int(lengths.sum()) * (layout.k_cols + layout.v_cols) * 2

@@ -14,9 +14,9 @@ import argparse
 import time
 
 import numpy as np
-from files import write_json
-from harness import HKV, D, count_arg, print_table, rank_plan
 
+from bench.files import write_json
+from bench.harness import HKV, D, count_arg, print_table, rank_plan
 from kvjax.ops.head_paging import layer_tokens_per_page
 from kvjax.runtime.head_pages import HeadPages
 

@@ -16,16 +16,16 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from decode import kvjax_decode_call
 from flax import nnx
-from harness import LLAMA_8B, PagedCase, copies_for, copy_bandwidth, pick_layer, rank_plan, time_calls
 
 import kvjax
+from bench.decode import kvjax_decode_call
+from bench.harness import LLAMA_8B, PagedCase, copies_for, copy_bandwidth, pick_layer, rank_plan, time_calls
 from kvjax.models.config import ModelConfig
 from kvjax.ops import attention
 from kvjax.ops.decode.config import DECODE
 from kvjax.ops.decode.kernel import paged_decode
-from kvjax.ops.decode.plan import bucket, build_decode_schedule, fixed_chunk_schedule
+from kvjax.ops.decode.schedule import bucket, build_decode_schedule, fixed_chunk_schedule
 from kvjax.runtime.engine import Engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,5 +1,5 @@
 """The kernel benchmarks' one command line: correctness of the Pallas kernels against the jnp references, then their
-timings beside their floors, as named sections (``python bench/kernels.py --only SECTIONS``; ``--help`` lists each
+timings beside their floors, as named sections (``python -m bench.kernels --only SECTIONS``; ``--help`` lists each
 section and the module it lives in). The ceilings the floors divide by are measured in the same run, before any
 section that times kernels: the copy bandwidth (a 1 GiB elementwise pass, bytes read + written) and the bf16 matmul
 rate (8192^3). Every timing is the median of several batches of jitted calls, divided by the calls (``--timer``:
@@ -8,7 +8,7 @@ variants are compiled side by side first, into the persistent cache in ``--cache
 must read (K/V rows of every visible token + q + out) / copy bandwidth; prefill = causal FLOPs / matmul rate.
 Shapes are Llama-3.1-8B / Mistral-7B attention; tuned defaults come from ``DECODE`` and ``PREFILL``; the whole
 default set takes over 10 minutes on an H100, mostly compiling, so split it across calls with ``--only``. On a
-machine without a GPU only the checks (in Pallas' interpreter) and the host cost of the plan run."""
+machine without a GPU only the checks (in Pallas' interpreter) and the host cost of scheduling run."""
 
 from __future__ import annotations
 
@@ -22,13 +22,9 @@ import textwrap
 import time
 from collections.abc import Callable
 
-import compile_times
-import decode
-import harness
 import jax
-import prefill
-import schedule
 
+from bench import compile_times, decode, harness, prefill, schedule
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.prefill.config import PREFILL, PrefillConfig
 
@@ -103,13 +99,13 @@ def run_decode(run: Run):
 
 
 def run_schedules(run: Run):
-    """The schedules section: planner options' rows."""
+    """The schedules section: schedule options' rows."""
     cases = [(0.5, 32, 4096), (0.7, 32, 4096), (0.5, 1, 32768), (0.5, 128, 4096)]
     run.result["schedules"] = schedule.schedule_table(run.key, run.bw, cases)
 
 
 def run_schedule(run: Run):
-    """The schedule section: the host cost of the plan (a step estimated from the decode table's row)."""
+    """The schedule section: the host cost of scheduling (a step estimated from the decode table's row)."""
     rows = {
         r["kernel"]: r["time_us"]
         for r in run.result.get("decode", [])
@@ -181,9 +177,9 @@ SECTIONS = {  # in the order sections run
         True, "decode.decode_table: decode beside its floor, JAX paged_attention, cuDNN and Palu", run_decode
     ),
     "schedules": Section(
-        True, "schedule.schedule_table: planner options side by side on one compiled kernel", run_schedules
+        True, "schedule.schedule_table: schedule options side by side on one compiled kernel", run_schedules
     ),
-    "schedule": Section(False, "schedule.schedule_cost: the host cost of the plan", run_schedule),
+    "schedule": Section(False, "schedule.schedule_cost: the host cost of scheduling", run_schedule),
     "check_prefill": Section(
         False,
         "prefill.prefill_checks: the prefill kernel (and its page writes) against the reference",

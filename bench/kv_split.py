@@ -3,7 +3,7 @@ for both, the uniform plan's split by singular-value mass, and fixed Q/K shares)
 uncompressed model on calibration text (what ``compress(k_share="measured")`` minimises) beside held-out
 perplexity. Results: bench/RESULTS.md "Compression: K and V budgets".
 
-    python bench/kv_split.py --model smollm2 --method zack --rate 0.5 --json out.json
+    python -m bench.kv_split --model smollm2 --method zack --rate 0.5 --json out.json
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import sys
 import time
 
 import numpy as np
-from accuracy import perplexity
-from files import write_json
 
 import kvjax
+from bench.accuracy import perplexity
+from bench.files import write_json
 from kvjax.compression import calibrate, calibration_tokens, fold
 from kvjax.compression.pipeline import BASIS
 from kvjax.compression.plan import RankPlan

@@ -16,9 +16,10 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-from baselines import palu_decode_call
-from decode import kvjax_decode_call, schedule_of
-from harness import (
+
+from bench.baselines import palu_decode_call
+from bench.decode import kvjax_decode_call, schedule_of
+from bench.harness import (
     HKV,
     D,
     PagedCase,
@@ -35,7 +36,6 @@ from harness import (
     time_calls,
     with_knobs,
 )
-
 from kvjax.layout import HeadLayout
 from kvjax.models.latent import LatentK
 from kvjax.models.rope import inverse_frequencies

@@ -17,9 +17,9 @@ import argparse
 import os
 
 import numpy as np
-from files import write_json
-from harness import HKV, count_arg, print_table, rank_plan, rates_arg
 
+from bench.files import write_json
+from bench.harness import HKV, count_arg, print_table, rank_plan, rates_arg
 from kvjax.parallel.placement import even, layout_bytes, place
 from kvjax.parallel.shards import padded_imbalance
 

@@ -5,7 +5,8 @@ A grid split over several runs (by context, by variant) reads as one. ``--markdo
 per model and context and the largest rate within 2 points of the uncompressed model, as in ``bench/RESULTS.md``;
 ``--mean-depths`` averages only some depths (those the uncompressed model answers, say).
 
-    python3 plot_retrieval.py results/retrieval-a.json results/retrieval-b.json --task passkey --out plots/x.png
+    python3 -m bench.plot_retrieval bench/results/retrieval-a.json bench/results/retrieval-b.json --task passkey \\
+        --out bench/plots/x.png
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import os
 import sys
 
 import numpy as np
-import retrieval
-from accuracy import largest_passing
-from files import read_accuracy_jsons, write_atomic
+
+from bench import retrieval
+from bench.accuracy import largest_passing
+from bench.files import read_accuracy_jsons, write_atomic
 
 
 def _label(run: dict) -> str:

@@ -16,9 +16,9 @@ import argparse
 import jax
 import jax.numpy as jnp
 import numpy as np
-from files import write_json
 
 import kvjax
+from bench.files import write_json
 from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
 from kvjax.compression.calibration import check_source
 from kvjax.compression.plan import check_band

@@ -11,8 +11,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from baselines import cudnn_prefill_call
-from harness import (
+
+from bench.baselines import cudnn_prefill_call
+from bench.harness import (
     ODD,
     WINDOWED,
     batched,
@@ -30,7 +31,6 @@ from harness import (
     timing_job,
     worst_head,
 )
-
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.prefill.config import PREFILL, PrefillConfig

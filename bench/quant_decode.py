@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
-from files import write_json
-from harness import (
+
+from bench import harness
+from bench.files import write_json
+from bench.harness import (
     HKV,
     HQ,
     D,
@@ -36,12 +37,10 @@ from harness import (
     rates_arg,
     shape_arg,
 )
-
 from kvjax import validate
 from kvjax.ops import kv_schemes
 from kvjax.ops.decode.gear_kernel import gear_paged_decode
 from kvjax.ops.decode.kernel import paged_decode
-from kvjax.ops.decode.plan import build_decode_schedule
 from kvjax.ops.decode.quant_kernel import (
     QUANT_DECODE,
     QUANT_KERNEL,
@@ -50,6 +49,7 @@ from kvjax.ops.decode.quant_kernel import (
     unit_kernels,
 )
 from kvjax.ops.decode.reference import paged_decode_attention, quantized_decode_attention
+from kvjax.ops.decode.schedule import build_decode_schedule
 from kvjax.ops.quant import PageFormat, check_bits
 from kvjax.ops.quant_paging import create_tail
 

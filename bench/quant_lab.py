@@ -30,15 +30,15 @@ import json
 import math
 from typing import NamedTuple
 
-import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
-from harness import HKV, HQ, D, PagedCase, copy_bandwidth, count_arg, log, shape_arg
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from bench import harness
+from bench.harness import HKV, HQ, D, PagedCase, copy_bandwidth, count_arg, log, shape_arg
 from kvjax.ops.decode.reference import quantized_decode_attention
 from kvjax.ops.pallas_util import LOG2E, MASK, whole_block
 from kvjax.ops.quant import PageFormat

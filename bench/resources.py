@@ -25,12 +25,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from harness import HKV, HQ, D, knob_option, pick_layer, rank_plan, uniform, with_knobs
 
+from bench.harness import HKV, HQ, D, knob_option, pick_layer, rank_plan, uniform, with_knobs
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.kernel import paged_decode
-from kvjax.ops.decode.plan import build_decode_schedule
 from kvjax.ops.decode.quant_kernel import (
     QUANT_DECODE,
     QUANT_KERNEL,
@@ -39,20 +38,21 @@ from kvjax.ops.decode.quant_kernel import (
     plan_config,
     quantized_paged_decode,
 )
+from kvjax.ops.decode.schedule import build_decode_schedule
 from kvjax.ops.decode.tables import run_classes
 from kvjax.ops.decode.units import head_runs
 from kvjax.ops.lowering import triton_modules
 from kvjax.ops.prefill.config import PREFILL, PrefillConfig
 from kvjax.ops.prefill.kernel import prefill_attention
-from kvjax.ops.prefill.plan import block_rows, class_of, keys_per_step, tile_classes
+from kvjax.ops.prefill.work import block_rows, class_of, keys_per_step, tile_classes
 from kvjax.ops.quant import PageFormat
 from kvjax.ops.tiles import tile
 
 EPILOG = """examples:
-  python bench/resources.py rate:0.5 uniform:64 widths:80,48/96,32 [--warps 4 --stages 3]
-  python bench/resources.py --kernel prefill rate:0.5 uniform:64 uniform:128 [--knob block_k=64]
-  python bench/resources.py --kernel quant --bits 4 rate:0.5 uniform:128 [--knob narrow_step_tokens=128]
-  python bench/resources.py --kernel gear --gear gear2-r1-o0.01-p128 uniform:128 rate:0.5 [--warps 8]
+  python -m bench.resources rate:0.5 uniform:64 widths:80,48/96,32 [--warps 4 --stages 3]
+  python -m bench.resources --kernel prefill rate:0.5 uniform:64 uniform:128 [--knob block_k=64]
+  python -m bench.resources --kernel quant --bits 4 rate:0.5 uniform:128 [--knob narrow_step_tokens=128]
+  python -m bench.resources --kernel gear --gear gear2-r1-o0.01-p128 uniform:128 rate:0.5 [--warps 8]
 
 Layouts: rate:R (the bench's representative layer of a rate-R plan), uniform:W, or widths:K,K,../V,V,.. (cycled
 over the 8 KV heads). Each decode row gives the SASS instructions in the body of every loop of the kernel (a loop

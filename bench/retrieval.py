@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from files import write_atomic
 
 import kvjax
+from bench.files import write_atomic
 from kvjax import validate
 
 TASKS = ("passkey", "multikey")

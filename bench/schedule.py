@@ -1,9 +1,9 @@
-"""The decode plan measured (``kvjax.ops.decode.plan`` and ``planner``): planner options side by side on one
-compiled kernel, the orders (auto, stream, LPT, naive) on ragged batches with their planned balance, and the host
-cost of planning: a build, the plans a ``DecodePlanner`` keeps over a run of steps, the balance aged plans meet,
-the headroom trade-off and what a step waits with builds in the step or ahead. Tables: bench/RESULTS.md "Decode
-schedule: planner options (items per program, token cost)", "Decode schedule: ragged batches" and "Host cost of the
-plan"."""
+"""The decode schedule measured (``kvjax.ops.decode.schedule`` and ``schedule_cache``): schedule options side by
+side on one compiled kernel, the orders (auto, stream, LPT, naive) on ragged batches with their scheduled balance,
+and the host cost of scheduling: a build, the schedules a ``ScheduleCache`` keeps over a run of steps, the balance
+aged schedules meet, the headroom trade-off and what a step waits with builds in the step or ahead. Tables:
+bench/RESULTS.md "Decode schedule: planner options (items per program, token cost)", "Decode schedule: ragged
+batches" and "Host cost of the plan"."""
 
 from __future__ import annotations
 
@@ -14,18 +14,18 @@ import statistics
 import time
 
 import numpy as np
-from decode import kvjax_decode_call, schedule_of
-from harness import PagedCase, copies_for, log, pick_layer, rank_plan, time_calls
 
+from bench.decode import kvjax_decode_call, schedule_of
+from bench.harness import PagedCase, copies_for, log, pick_layer, rank_plan, time_calls
 from kvjax.ops.decode.config import DECODE, DecodeConfig
-from kvjax.ops.decode.plan import (
+from kvjax.ops.decode.schedule import (
     DecodeSchedule,
     ScheduleShape,
     build_decode_schedule,
     load_balance,
     realized_loads,
 )
-from kvjax.ops.decode.planner import DecodePlanner
+from kvjax.ops.decode.schedule_cache import ScheduleCache
 from kvjax.ops.decode.units import head_runs
 
 # LPT options, one head per unit and costs from widths alone (bench/RESULTS.md "Decode schedule: planner options
@@ -39,12 +39,12 @@ ORDERS = ("auto", "stream", "lpt", "naive")
 
 
 def pad_schedule(s: DecodeSchedule, shape: ScheduleShape, config: DecodeConfig) -> DecodeSchedule:
-    """One layer's schedule padded to ``shape`` and run with ``config``, so plans compared share one kernel."""
+    """One layer's schedule padded to ``shape`` and run with ``config``, so schedules compared share one kernel."""
     return dataclasses.replace(s.padded(shape), config=config)
 
 
 def schedule_table(key, bw, cases, variants=SCHEDULE_VARIANTS, num_programs=None):
-    """Rows of planner ``variants`` side by side on one compiled kernel per (rate, batch, ctx) case."""
+    """Rows of schedule ``variants`` side by side on one compiled kernel per (rate, batch, ctx) case."""
     # finer items (more to balance, more merges) and a per-token cost that weighs narrow heads above their bytes
     print(
         "\n| plan | batch | ctx | items per program | token cost | items | planned balance | time us | "
@@ -57,10 +57,10 @@ def schedule_table(key, bw, cases, variants=SCHEDULE_VARIANTS, num_programs=None
             raise ValueError("the variants cut this layer into different units: they cannot share one kernel")
         nbytes = batch * ctx * (lay.k_cols + lay.v_cols) * 2
         case = PagedCase(lay, batch, np.full(batch, ctx), 32, copies_for(nbytes), key)
-        plans = [schedule_of(case, v, num_programs) for v in variants]
-        shape = functools.reduce(ScheduleShape.cover, (p.schedule.shape for p in plans))
-        for v, plan in zip(variants, plans, strict=True):
-            sched = pad_schedule(plan.schedule.layer(0), shape, variants[0])
+        built = [schedule_of(case, v, num_programs) for v in variants]
+        shape = functools.reduce(ScheduleShape.cover, (b.schedule.shape for b in built))
+        for v, b in zip(variants, built, strict=True):
+            sched = pad_schedule(b.schedule.layer(0), shape, variants[0])
             t = time_calls(*kvjax_decode_call(case, sched, key))
             rows.append(
                 dict(
@@ -69,15 +69,15 @@ def schedule_table(key, bw, cases, variants=SCHEDULE_VARIANTS, num_programs=None
                     ctx=ctx,
                     items_per_program=v.items_per_program,
                     token_cost=v.token_cost,
-                    items=int(plan.num_items[0]),
-                    balance=plan.balance,
+                    items=int(b.num_items[0]),
+                    balance=b.balance,
                     time_us=t * 1e6,
                     pct=100 * case.bytes / bw / t,
                 )
             )
             print(
                 f"| r{rate} | {batch} | {ctx} | {v.items_per_program} | {v.token_cost} | "
-                f"{rows[-1]['items']} | {plan.balance:.3f} | {t * 1e6:.1f} | {rows[-1]['pct']:.0f}% |",
+                f"{rows[-1]['items']} | {b.balance:.3f} | {t * 1e6:.1f} | {rows[-1]['pct']:.0f}% |",
                 flush=True,
             )
         del case
@@ -102,9 +102,9 @@ def lpt_table(key, bw, cases, tuned, forms=("ordered",)):
         floor = case.bytes / bw
         for order in ORDERS:
             t0 = time.perf_counter()
-            plan = schedule_of(case, config, order=order)
+            built = schedule_of(case, config, order=order)
             host = time.perf_counter() - t0
-            t = time_calls(*kvjax_decode_call(case, plan.schedule.layer(0), key))
+            t = time_calls(*kvjax_decode_call(case, built.schedule.layer(0), key))
             rows.append(
                 dict(
                     rate=rate,
@@ -115,12 +115,12 @@ def lpt_table(key, bw, cases, tuned, forms=("ordered",)):
                     time_us=t * 1e6,
                     floor_us=floor * 1e6,
                     host_ms=host * 1e3,
-                    balance=plan.balance,
+                    balance=built.balance,
                 )
             )
             print(
                 f"| {name} | {batch} | {ctx} | {order} | {t * 1e6:.1f} | {floor * 1e6:.1f} | "
-                f"{100 * floor / t:.0f}% | {plan.balance:.3f} | {host * 1e3:.2f} |",
+                f"{100 * floor / t:.0f}% | {built.balance:.3f} | {host * 1e3:.2f} |",
                 flush=True,
             )
     return rows
@@ -133,14 +133,14 @@ def schedule_cost(
     config: DecodeConfig = DECODE,
     headrooms=(16, 64, 128, 256, 512),
 ) -> dict:
-    """Host cost of planning a 32-layer rate-0.5 model at batch 256 over ``steps`` steps of one token each."""
-    # Per build; over the steps, as DecodePlanner keeps plans: the balance aged plans meet at the real lengths
-    # (``realized_loads``) beside fresh plans', rebuilds against aged balance per headroom, and what a step loses
-    # to planning in the step or ahead beside sleeps standing in for the device step (the decode table's time per
-    # layer and the copy bandwidth estimate a step, else 11 ms).
+    """Host cost of scheduling a 32-layer rate-0.5 model at batch 256 over ``steps`` steps of one token each."""
+    # Per build; over the steps, as ScheduleCache keeps schedules: the balance aged schedules meet at the real
+    # lengths (``realized_loads``) beside fresh schedules', rebuilds against aged balance per headroom, and what a
+    # step loses to scheduling in the step or ahead beside sleeps standing in for the device step (the decode
+    # table's time per layer and the copy bandwidth estimate a step, else 11 ms).
     layouts, ps = rank_plan(0.5, config=config), 16
     lengths = np.random.default_rng(0).integers(256, 769, 256)  # mean 512: the shortest step measured, most share
-    default = DecodePlanner(layouts, ps, config=config)
+    default = ScheduleCache(layouts, ps, config=config)
     times = []
     for _ in range(20):
         t0 = time.perf_counter()
@@ -151,17 +151,18 @@ def schedule_cost(
     if decode_us_per_layer and bw:
         step_s = 32 * decode_us_per_layer * 1e-6 + 16e9 / bw  # + Llama-3.1-8B bf16 weights read once per step
 
-    def run(planner, steps, device_s=0.0, every=16):
-        """Host seconds of each step past ``device_s``, and its plan's balance at the real lengths every few steps."""
+    def run(cache, steps, device_s=0.0, every=16):
+        """Host seconds of each step past ``device_s``, and its schedule's balance at the real lengths every few
+        steps."""
         spent, balance = [], []
         for s in range(steps):
             t0 = time.perf_counter()
-            planner(lengths + s)
+            cache(lengths + s)
             if device_s:
                 time.sleep(device_s)
             spent.append(time.perf_counter() - t0 - device_s)
             if s % every == 0:
-                balance.append(load_balance(realized_loads(planner.plan.schedule, lengths + s, layouts, ps)))
+                balance.append(load_balance(realized_loads(cache.built.schedule, lengths + s, layouts, ps)))
         return np.array(spent), np.array(balance)
 
     fresh = np.mean(
@@ -185,12 +186,12 @@ def schedule_cost(
     )
     sweep = []
     for headroom in sorted({*headrooms, config.headroom_tokens}):
-        planner = DecodePlanner(layouts, ps, config=dataclasses.replace(config, headroom_tokens=headroom), ahead=False)
-        spent, balance = run(planner, steps)
+        cache = ScheduleCache(layouts, ps, config=dataclasses.replace(config, headroom_tokens=headroom), ahead=False)
+        spent, balance = run(cache, steps)
         sweep.append(
             dict(
                 headroom_tokens=headroom,
-                rebuilds=planner.rebuilds,
+                rebuilds=cache.rebuilds,
                 amortized_ms=spent.mean() * 1e3,
                 worst_ms=spent[1:].max() * 1e3,
                 balance_aged=balance.mean(),
@@ -198,7 +199,7 @@ def schedule_cost(
             )
         )
         print(
-            f"| {headroom}{' (default)' if headroom == DECODE.headroom_tokens else ''} | {planner.rebuilds} | "
+            f"| {headroom}{' (default)' if headroom == DECODE.headroom_tokens else ''} | {cache.rebuilds} | "
             f"{spent.mean() * 1e3:.4f} | {spent[1:].max() * 1e3:.2f} | {balance.mean():.3f} | {balance.min():.3f} |"
         )
     res = dict(
@@ -215,12 +216,12 @@ def schedule_cost(
         f"steps, {config.headroom_tokens} tokens of headroom:"
     )
     for ahead in (False, True):
-        planner = DecodePlanner(layouts, ps, config=config, ahead=ahead)
-        spent, _ = run(planner, steps // 2, device_s, every=steps)
+        cache = ScheduleCache(layouts, ps, config=config, ahead=ahead)
+        spent, _ = run(cache, steps // 2, device_s, every=steps)
         name = "ahead" if ahead else "in_step"
         res.update({f"{name}_ms": np.median(spent) * 1e3, f"{name}_worst_ms": spent[1:].max() * 1e3})
         print(
-            f"  built {'ahead' if ahead else 'in the step'}: {planner.rebuilds} plans ({planner.built_ahead} built "
+            f"  built {'ahead' if ahead else 'in the step'}: {cache.rebuilds} plans ({cache.built_ahead} built "
             f"ahead), median {res[f'{name}_ms']:.3f} ms, worst after the first {res[f'{name}_worst_ms']:.2f} ms"
         )
     if step_s:

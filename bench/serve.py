@@ -17,7 +17,8 @@ import time
 from urllib.parse import urlparse
 
 import numpy as np
-from files import write_json
+
+from bench.files import write_json
 
 # (input average, min, max), (output average, min, max) in tokens: ZACK paper, Table 3 (Cocktail: the long one)
 TRACES = {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Several methods' serving sweeps in turn on this machine (bench/serve_method.sh for each), every one under the same
-# server and load flags. Run from bench/:
-#   ./serve_all.sh OUTDIR SECONDS "serve.py flags" METHOD...
+# server and load flags. Run from anywhere (paths are the caller's):
+#   bench/serve_all.sh OUTDIR SECONDS "serve.py flags" METHOD...
 # METHOD is none, zack:RATE, palu:RATE or palu:RATE:uniform (one width for every head), each optionally with
 # +int4 or +int2 (quantized KV pages: serve_random.py --kv-bits), e.g. none+int4, zack:0.5+int4, or with /POLICY
 # (each prompt evicted once prefilled: serve_random.py --evict), e.g. zack:0.5/kvcompress:4x. The whole run ends
@@ -26,7 +26,7 @@ for spec in "$@"; do
     echo "== $name ($(date +%T), ${left} s left)"
     # shellcheck disable=SC2086  # $load is a list of flags
     LABEL="$method${rate:+ $rate}${plan:+ $plan}${bits:+ int$bits}${evict:+ + $evict}" SERVER_FLAGS=$flags timeout "$left" \
-        ./serve_method.sh "$method" "${rate:-0}" "$outdir/serve-$name.json" $load >"$outdir/serve-$name.log" 2>&1
+        "$(dirname "$0")/serve_method.sh" "$method" "${rate:-0}" "$outdir/serve-$name.json" $load >"$outdir/serve-$name.log" 2>&1
     echo "   exit $? ($(date +%T))"
     grep -E "compiled|KV cache|^\|" "$outdir/serve-$name.log" || true
 done

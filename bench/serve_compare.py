@@ -9,8 +9,8 @@ import argparse
 import math
 import sys
 
-from files import write_json
-from plot_serve import load
+from bench.files import write_json
+from bench.plot_serve import load
 
 METRICS = {  # name -> (summary key, scale to the unit shown, unit)
     "p99 TBT": ("tbt_p99_ms", 1.0, "ms"),

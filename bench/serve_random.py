@@ -11,9 +11,9 @@ import sys
 import time
 
 import jax.numpy as jnp
-from engine import model_at
-from harness import LLAMA_8B, LLAMA_70B
 
+from bench.engine import model_at
+from bench.harness import LLAMA_8B, LLAMA_70B
 from kvjax import validate
 from kvjax.cli.options import eviction_arg
 from kvjax.cli.serve import capacity_line

@@ -10,9 +10,9 @@ import json
 import time
 
 import jax
-from engine import model_at
-from harness import log, on_gpu
 
+from bench.engine import model_at
+from bench.harness import log, on_gpu
 from kvjax.compression.calibration import calibrate, calibration_tokens
 from kvjax.compression.folding import fold
 from kvjax.compression.pipeline import make_plan

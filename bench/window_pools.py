@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from files import write_json
-from harness import GEMMA3_270M
-
 import kvjax
+from bench.files import write_json
+from bench.harness import GEMMA3_270M
 from kvjax import validate
 from kvjax.runtime import memory
 from kvjax.runtime.cache import bytes_per_token

@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         f"\nKV cache: {full:,} bytes a token uncompressed, {short:,} compressed ({full / short:.2f}x the tokens in "
         f"the same memory: {GIB // full:,} against {GIB // short:,} a GiB)"
         f"\naccuracy on {len(ids):,} held-out tokens of prose: KL {kl:.3f} nats a token from the uncompressed "
-        f"model, top-1 agreement {top1:.1%} (full tables: bench/RESULTS.md, python bench/accuracy.py eval)"
+        f"model, top-1 agreement {top1:.1%} (full tables: bench/RESULTS.md, python -m bench.accuracy eval)"
     )
     return 0
 

@@ -1,7 +1,7 @@
 """Fingerprint of what kvjax produces, to show a refactor changed no output: ``python scripts/fingerprint.py OUT.json``.
 
 Records greedy tokens of ``kvjax.generate`` (uncompressed, ZACK, ZACK with filled tiles, Palu), the rank plans
-``kvjax.compress`` makes (summary and JSON), what ``kvjax-convert`` writes, and hashes of the decode planner's
+``kvjax.compress`` makes (summary and JSON), what ``kvjax-convert`` writes, and hashes of the decode schedule's
 tables for random layouts and lengths, on SmolLM2 and the test fixtures. Compare two runs with ``diff``.
 """
 
@@ -42,14 +42,21 @@ def model_outputs(kvjax, model, prompts, backends, new_tokens) -> dict:
     return out
 
 
-def compressed(kvjax, model, prompts, backends, new_tokens, num_tokens) -> dict:
+def compressed(kvjax, model, prompts, backends, new_tokens, num_tokens, calibration="text") -> dict:
     out = {}
     for name, kwargs in (
         ("zack0.5", dict(target_rate=0.5)),
         ("zack0.5-fill", dict(target_rate=0.5, fill_tiles=True)),
         ("palu0.5", dict(target_rate=0.5, method="palu")),
     ):
-        small = kvjax.compress(model, num_tokens=num_tokens, seq_len=min(128, num_tokens), progress=False, **kwargs)
+        small = kvjax.compress(
+            model,
+            num_tokens=num_tokens,
+            seq_len=min(128, num_tokens),
+            calibration=calibration,
+            progress=False,
+            **kwargs,
+        )
         out[name] = dict(
             summary=small.plan.summary(),
             plan=json.loads(small.plan.to_json())["k_qk"],
@@ -79,7 +86,11 @@ def schedules() -> dict:
     from kvjax.layout import HeadLayout
     from kvjax.ops.decode import search, units
     from kvjax.ops.decode.config import DECODE
-    from kvjax.ops.decode.plan import build_decode_schedule, fixed_chunk_schedule
+
+    try:
+        from kvjax.ops.decode.schedule import build_decode_schedule, fixed_chunk_schedule
+    except ImportError:  # before 2026-12-04 the module was ``plan``: the same script fingerprints both sides
+        from kvjax.ops.decode.plan import build_decode_schedule, fixed_chunk_schedule  # type: ignore[no-redef]
 
     rng = np.random.default_rng(7)
     out = {}
@@ -135,7 +146,7 @@ def main(path: str) -> None:
         )
         model = kvjax.Model.random(config, seed=3)
         rec = model_outputs(kvjax, model, PROMPTS, ("reference", "interpret"), 8)
-        rec.update(compressed(kvjax, model, PROMPTS, ("reference", "interpret"), 8, 512))
+        rec.update(compressed(kvjax, model, PROMPTS, ("reference", "interpret"), 8, 512, calibration="random"))
         result[f"random-{arch}"] = rec
     result["convert/smollm2"] = converted("smollm2")
     smol = kvjax.load("smollm2", dtype="float32", progress=False)

@@ -4,8 +4,6 @@ of baseline (bisection) and retrieval's tolerance summary."""
 
 import dataclasses
 import json
-import os
-import sys
 
 import jax
 import numpy as np
@@ -13,13 +11,11 @@ import pytest
 from conftest import TINY_CONFIGS, fresh_seed
 
 import kvjax
+from bench import accuracy  # noqa: E402
 from kvjax.compression import make_plan
 from kvjax.compression.text import CODE_PACKAGES, pydoc_text, stdlib_code, stdlib_code_files
 from kvjax.ops.kv_schemes import Kivi
 from kvjax.ops.quant import PageFormat
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-import accuracy  # noqa: E402
 
 WIDE = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)  # compressible heads
 ROW_KEYS = {"source", "window", "tokens", "calibration", "variant", "max_context", "k_share", "target_rate", "rate"}

@@ -22,8 +22,8 @@ from kvjax.models.rope import apply_rope, inverse_frequencies
 from kvjax.ops.decode.config import DECODE
 from kvjax.ops.decode.kernel import paged_decode
 from kvjax.ops.decode.op import DecodeOp
-from kvjax.ops.decode.plan import FIRST_PAGE
 from kvjax.ops.decode.reference import paged_decode_attention
+from kvjax.ops.decode.schedule import FIRST_PAGE
 from kvjax.ops.palu import palu_decode
 from kvjax.runtime.engine import Engine
 
@@ -110,7 +110,7 @@ def test_the_decode_kernel_reading_queries_a_band_matches_the_reference(band, la
     q, k, v, table, lengths, rebuild = latent_case(np.random.default_rng(seed), layout, lengths, 8, band=band)
     config = dataclasses.replace(DECODE, min_chunk_tokens=16)  # long sequences cut in several items
     op = DecodeOp([layout], 8, table.shape[1], max_batch=4, config=config, band=band, num_programs=5, interpret=True)
-    schedule = op.plan(np.asarray(lengths))
+    schedule = op.schedule(np.asarray(lengths))
     first = np.asarray(schedule.items)[..., FIRST_PAGE].ravel() * 8
     assert (first % 64).any()
     out = op.run(q, k, v, table, lengths, schedule.layer(0), layout, rebuild)
@@ -145,7 +145,7 @@ def test_a_banded_decode_op_refuses_keys_of_another_band():
     layout = BAND_LAYOUTS[0]
     q, k, v, table, lengths, rebuild = latent_case(np.random.default_rng(0), layout, [20], 16, band=32)
     op = DecodeOp([layout], 16, table.shape[1], band=16, interpret=True)
-    schedule = op.plan(np.asarray(lengths)).layer(0)
+    schedule = op.schedule(np.asarray(lengths)).layer(0)
     for wrong in (rebuild, None):
         with pytest.raises(ValueError, match="reads keys in bands of 16; pass the layer's banded rebuild"):
             op.run(q, k, v, table, lengths, schedule, layout, wrong)
@@ -214,7 +214,7 @@ def test_the_banded_decode_kernel_lowers_for_sm90(band):
         np.random.default_rng(0), layout, [1, 37], 16, dtype=jnp.bfloat16, band=band
     )
     op = DecodeOp([layout], 16, table.shape[1], band=band)
-    schedule = op.plan(np.asarray(lengths)).layer(0)
+    schedule = op.schedule(np.asarray(lengths)).layer(0)
 
     def run(q, k, v, table, lengths):
         return op.run(q, k, v, table, lengths, schedule, layout, rebuild)

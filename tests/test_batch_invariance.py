@@ -12,7 +12,7 @@ from test_pallas_decode import paged_inputs, reference, rel_err
 import kvjax
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.kernel import paged_decode
-from kvjax.ops.decode.plan import END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, fixed_chunk_schedule
+from kvjax.ops.decode.schedule import END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, fixed_chunk_schedule
 
 LAYOUTS = [
     HeadLayout(8, 2, 64, (48, 16), (16, 64)),

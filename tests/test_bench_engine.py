@@ -1,14 +1,10 @@
 """bench/engine.py: each step's first call split into trace, lower and compile from JAX's compile events."""
 
-import os
-import sys
-
 import numpy as np
 import pytest
 from jax._src import dispatch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-import engine  # noqa: E402
+from bench import engine  # noqa: E402
 
 
 def test_compile_times_sum_each_steps_own_events_by_stage(monkeypatch):

@@ -4,8 +4,6 @@ teacher-forced retrieval check, and refusals of bad flags before any model loads
 import dataclasses
 import itertools
 import json
-import os
-import sys
 import types
 
 import numpy as np
@@ -13,10 +11,10 @@ import pytest
 from conftest import TINY_CONFIGS, fresh_seed, tiny_tokenizer
 
 import kvjax
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-import accuracy  # noqa: E402
-import eviction  # noqa: E402
+from bench import (
+    accuracy,  # noqa: E402
+    eviction,  # noqa: E402
+)
 
 WIDE = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)
 
@@ -133,7 +131,7 @@ def test_bad_flags_are_one_line_usage_errors_before_any_model_loads(flags, messa
 def test_the_device_cost_bench_writes_its_tables_on_a_cpu(tmp_path, capsys):
     """bench/eviction_cost.py's compaction and metric rows on a CPU (plumbing: host timer, a tiny context); the
     compaction row's evicted bytes follow the ratio, and a ratio under 1 is refused before any work."""
-    import eviction_cost
+    from bench import eviction_cost
 
     out = tmp_path / "cost.json"
     flags = ["--timer", "host", "--context", "64", "--batch", "1", "--rates", "0.5", "--ratios", "2", "8"]

@@ -1,13 +1,9 @@
 """bench/gaps.py: a stream's idle time charged to the kernel after each gap, copies left out."""
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-import gaps  # noqa: E402
+from bench import gaps  # noqa: E402
 
 
 def test_each_gap_goes_to_the_kernel_after_it_and_copies_neither_end_nor_take_one():

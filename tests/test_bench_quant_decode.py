@@ -3,13 +3,10 @@ JSON written after every row, whole, marked complete only at the end."""
 
 import json
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-
-import quant_decode  # noqa: E402
+from bench import quant_decode  # noqa: E402
 
 
 def test_one_width_layer_rows_and_their_json(tmp_path, capsys):

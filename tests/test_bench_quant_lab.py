@@ -1,20 +1,16 @@
 """bench/quant_lab.py's kernels (interpret mode) equal the quantized decode reference: each lab variant computes the
 attention it is timed for."""
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import fresh_seed
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-
-import harness  # noqa: E402
-import quant_lab  # noqa: E402
-
+from bench import (
+    harness,  # noqa: E402
+    quant_lab,  # noqa: E402
+)
 from kvjax.ops.decode.reference import quantized_decode_attention  # noqa: E402
 from kvjax.ops.quant import PageFormat  # noqa: E402
 from kvjax.ops.quant_paging import create_tail  # noqa: E402

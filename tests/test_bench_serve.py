@@ -2,14 +2,11 @@
 ``--documents`` (each prompt one of a few documents and a question of its own), Poisson arrivals, one seed one
 workload, a seed a rate."""
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 from conftest import fresh_seed
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from serve import rate_workloads, workload  # noqa: E402
+from bench.serve import rate_workloads, workload  # noqa: E402
 
 
 def test_a_shared_prefix_trace_draws_each_prompt_from_a_few_documents():

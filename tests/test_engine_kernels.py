@@ -55,7 +55,7 @@ def test_unknown_backend_and_unaligned_widths_are_rejected():
 
 
 def test_the_decode_step_compiles_once_as_requests_come_and_go():
-    """Requests of random lengths join and leave the batch, so the decode plans differ from step to step: every
+    """Requests of random lengths join and leave the batch, so the decode schedules differ from step to step: every
     schedule comes in the shape the op was built for, and the jitted decode step compiles once."""
     cfg = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)
     model = varied_plan_model(kvjax.Model.random(cfg, seed=2))
@@ -66,7 +66,7 @@ def test_the_decode_step_compiles_once_as_requests_come_and_go():
         runner.add(Request(rng.integers(0, 97, n).tolist(), int(new)))
     done = list(runner.run())
     assert len(done) == 7 and all(r.finish_reason == "length" for r in done)
-    assert engine.decode_op.planner.rebuilds > 1 and engine.decode_op.planner.reshaped == 0
+    assert engine.decode_op.schedules.rebuilds > 1 and engine.decode_op.schedules.reshaped == 0
     assert engine._steps["decode", True]._cache_size() == 1
 
 

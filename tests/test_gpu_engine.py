@@ -1,8 +1,6 @@
 """On a GPU: the engine's default path is the Pallas kernels, and its greedy tokens match the reference path."""
 
 import dataclasses
-import os
-import sys
 
 import jax
 import numpy as np
@@ -13,7 +11,6 @@ import kvjax
 from kvjax.models.config import ModelConfig
 from kvjax.ops import attention
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 GEMMA3_270M = pytest.importorskip("harness").GEMMA3_270M
 
 pytestmark = pytest.mark.gpu

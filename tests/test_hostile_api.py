@@ -208,7 +208,7 @@ def test_temperature_is_a_finite_non_negative_number(x):
     ],
 )
 def test_op_configs_refuse_bad_fields(make, field, value, message):
-    """A decode or prefill config with a field no kernel or planner can run is refused when it is made."""
+    """A decode or prefill config with a field no kernel or scheduling step can run is refused when it is made."""
     from kvjax.ops.decode.config import DecodeConfig
     from kvjax.ops.prefill.config import PrefillConfig
 

@@ -2,8 +2,6 @@
 
 import dataclasses
 import json
-import os
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -101,8 +99,7 @@ def test_window_pools_fit_the_budget_beside_the_whole_context_pool(kind):
 def test_the_window_pools_bench_prints_and_writes_its_rows(tmp_path, capsys):
     """bench/window_pools.py on Gemma 3 270M's shape: at 4 GiB and 16 x 32K the window pools hold every sequence
     where one pool held 6; bad flags are usage errors."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-    import window_pools
+    from bench import window_pools
 
     out = tmp_path / "rows.json"
     assert window_pools.main(["--budgets", "4GiB", "--shapes", "16x32768", "--json", str(out)]) == 0

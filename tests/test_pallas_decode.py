@@ -14,8 +14,8 @@ from kvjax.ops import attention
 from kvjax.ops.decode.config import DECODE
 from kvjax.ops.decode.kernel import paged_decode
 from kvjax.ops.decode.op import DecodeOp
-from kvjax.ops.decode.plan import build_decode_schedule, static_decode_schedule
 from kvjax.ops.decode.reference import paged_decode_attention
+from kvjax.ops.decode.schedule import build_decode_schedule, static_decode_schedule
 from kvjax.ops.decode.tables import kernel_groups, run_classes
 from kvjax.ops.lowering import triton_modules
 from kvjax.ops.tiles import segments, tile
@@ -124,8 +124,8 @@ def test_decode_matches_reference(name, fold_tokens, max_segments, unmasked):
         max_segments=max_segments,
         unmasked_steps=unmasked,
     )
-    plan = build_decode_schedule(lengths, layout, ps, programs, config=config, headroom_pages=headroom)
-    out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, interpret=True)
+    built = build_decode_schedule(lengths, layout, ps, programs, config=config, headroom_pages=headroom)
+    out = paged_decode(q, k, v, table, lens, built.schedule.layer(0), layout, interpret=True)
     assert out.shape == (len(lengths), layout.out_cols) and out.dtype == dtype
     assert rel_err(out, reference(q, k, v, table, lens, layout)) < (1e-4 if dtype == jnp.float32 else 1e-2)
 
@@ -171,9 +171,9 @@ def test_packed_runs_match_reference(name):
         fold_tokens=16,
         max_segments=max_segments,
     )
-    plan = build_decode_schedule(lengths, layout, ps, 5, config=config, headroom_pages=1)
-    assert plan.schedule.items[0, :, :, 1].max() < layout.num_kv_heads - 1  # heads did pack into runs
-    out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, interpret=True)
+    built = build_decode_schedule(lengths, layout, ps, 5, config=config, headroom_pages=1)
+    assert built.schedule.items[0, :, :, 1].max() < layout.num_kv_heads - 1  # heads did pack into runs
+    out = paged_decode(q, k, v, table, lens, built.schedule.layer(0), layout, interpret=True)
     assert rel_err(out, reference(q, k, v, table, lens, layout)) < (1e-4 if dtype == jnp.float32 else 1e-2)
 
 
@@ -190,8 +190,8 @@ def test_runs_of_other_head_counts_share_a_class_where_they_do_not_fold():
     rng = np.random.default_rng()
     q, k, v, table, lens = paged_inputs(rng, layout, [150, 33], 16, jnp.bfloat16)
     for config in (folded, unfolded):
-        plan = build_decode_schedule([150, 33], layout, 16, 3, config=config, headroom_pages=1)
-        out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, interpret=True)
+        built = build_decode_schedule([150, 33], layout, 16, 3, config=config, headroom_pages=1)
+        out = paged_decode(q, k, v, table, lens, built.schedule.layer(0), layout, interpret=True)
         assert rel_err(out, reference(q, k, v, table, lens, layout)) < 1e-2
 
 
@@ -221,7 +221,7 @@ def layers_case(lengths, dtype, seed=None, interpret=True):
         interpret=interpret,
     )
     inputs = [paged_inputs(rng, lay, lengths, 16, dtype) for lay in LAYERS]
-    return op, op.plan(np.asarray(lengths)), inputs
+    return op, op.schedule(np.asarray(lengths)), inputs
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -336,25 +336,25 @@ def test_pieces_cover_the_width_and_save_what_they_cost(max_segments, min_saving
             assert tile(width) - sum(t for _, t, _ in pieces) >= min_saving * (len(pieces) - 1)
 
 
-def test_one_plan_serves_growing_lengths():
-    """A plan with a spare page stays valid as sequences grow into it (the kernel reads lengths at run time)."""
+def test_one_schedule_serves_growing_lengths():
+    """A schedule with a spare page stays valid as sequences grow into it (the kernel reads lengths at run time)."""
     layout = HeadLayout(4, 2, 32, (16, 32), (32, 16))
     rng = np.random.default_rng()
     lengths = np.array([10, 31])
     q, k, v, table, _ = paged_inputs(rng, layout, lengths + 16, 16, jnp.float32)
-    plan = build_decode_schedule(
+    built = build_decode_schedule(
         lengths, layout, 16, 3, config=dataclasses.replace(DECODE, min_chunk_tokens=16), headroom_pages=1
     )
     for grown in (lengths, lengths + 6):
-        assert plan.covers(grown)
+        assert built.covers(grown)
         lens = jnp.asarray(grown, jnp.int32)
-        out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout, interpret=True)
+        out = paged_decode(q, k, v, table, lens, built.schedule.layer(0), layout, interpret=True)
         assert rel_err(out, reference(q, k, v, table, lens, layout)) < 1e-4
 
 
 def test_attention_seam_with_a_length_blind_schedule():
     """attention.decode inside jit: the new token's K/V written at length - 1, then the op's kernel with the
-    trace-time schedule planned at the table's full width; the same out and pages as the reference path."""
+    trace-time schedule built at the table's full width; the same out and pages as the reference path."""
     layout = HeadLayout(4, 2, 32, (32, 16), (16, 32))
     rng = np.random.default_rng()
     q, k_pages, v_pages, table, lens = paged_inputs(rng, layout, [5, 40], 16, jnp.float32)
@@ -380,19 +380,19 @@ def test_decode_on_gpu(dtype):
     rng = np.random.default_rng()
     lengths = rng.integers(1, 5000, 16)
     q, k, v, table, lens = paged_inputs(rng, layout, lengths, 32, dtype)
-    plan = build_decode_schedule(lengths, layout, 32, headroom_pages=1)
-    out = paged_decode(q, k, v, table, lens, plan.schedule.layer(0), layout)
+    built = build_decode_schedule(lengths, layout, 32, headroom_pages=1)
+    out = paged_decode(q, k, v, table, lens, built.schedule.layer(0), layout)
     assert rel_err(out, reference(q, k, v, table, lens, layout)) < (1e-4 if dtype == jnp.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("batch_invariant", [False, True])
-def test_a_slot_refilled_with_a_shorter_windowed_sequence_gets_a_new_plan(batch_invariant):
-    """Continuous batching hands a slot to a shorter sequence: a kept sliding-window plan starts past its window."""
+def test_a_slot_refilled_with_a_shorter_windowed_sequence_gets_a_new_schedule(batch_invariant):
+    """Continuous batching hands a slot to a shorter sequence: a kept sliding-window schedule starts past its window."""
     layout = HeadLayout(4, 2, 16, (16, 16), (16, 16), sliding_window=5)
     op = DecodeOp([layout], 4, 16, batch_invariant=batch_invariant, interpret=True)
     rng = np.random.default_rng()
     for lengths in ([30], [5], [13], [40], [6]):
         q, k, v, table, lens = paged_inputs(rng, layout, lengths, 4, jnp.float32)
         table = jnp.pad(table, ((0, 0), (0, 16 - table.shape[1])))
-        out = op.run(q, k, v, table, lens, op.plan(np.asarray(lengths)).layer(0), layout)
+        out = op.run(q, k, v, table, lens, op.schedule(np.asarray(lengths)).layer(0), layout)
         assert rel_err(out, reference(q, k, v, table, lens, layout)) < 1e-4, lengths

@@ -11,7 +11,8 @@ from kvjax.ops.paging import NULL_PAGE, write_pages
 from kvjax.ops.prefill.config import PrefillConfig
 from kvjax.ops.prefill.kernel import prefill_attention
 from kvjax.ops.prefill.op import PrefillOp
-from kvjax.ops.prefill.plan import (
+from kvjax.ops.prefill.reference import causal_attention, chunk_attention
+from kvjax.ops.prefill.work import (
     KV_TILE_BYTES,
     block_rows,
     class_of,
@@ -21,7 +22,6 @@ from kvjax.ops.prefill.plan import (
     tile_for,
     work_items,
 )
-from kvjax.ops.prefill.reference import causal_attention, chunk_attention
 
 
 def prompts(rng, layout, batch, t, dtype, page_size=16):

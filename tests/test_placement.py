@@ -111,11 +111,8 @@ def test_layouts_of_different_head_counts_are_refused():
 def test_the_bench_prints_both_placements_and_writes_its_rows(tmp_path, capsys):
     """bench/placement.py: a row per placement, the balanced one within 1.05, and its JSON."""
     import json
-    import os
-    import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-    import placement as bench  # noqa: E402
+    from bench import placement as bench  # noqa: E402
 
     out = tmp_path / "placement.json"
     bench.main(["--devices", "4", "--forms", "drawn", "--seeds", "2", "--json", str(out)])

@@ -3,14 +3,10 @@ and KL against the rate), read from bench/accuracy.py JSONs."""
 
 import gzip
 import json
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-
-import plot_retrieval  # noqa: E402
+from bench import plot_retrieval  # noqa: E402
 
 pytest.importorskip("matplotlib")
 
@@ -114,7 +110,7 @@ def test_the_command_writes_a_png_and_refuses_what_it_cannot_draw(tmp_path, caps
 
 
 def test_accuracy_curves_keep_grid_rows_of_one_window_and_one_point_a_rate():
-    import plot_accuracy
+    from bench import plot_accuracy
 
     def row(variant, rate, ppl, window=4096, probe=False, source="prose"):
         return {

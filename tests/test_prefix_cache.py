@@ -2,7 +2,7 @@
 over shared documents read the first request's cached pages and give exactly the tokens of a cold run (greedy,
 float32), plain and ZACK-compressed, on the jnp reference and on the kernels interpreted; owners' counts return to
 zero; the caches that cannot share refuse it in one line, and by default it is on only where they can. The
-scheduler's fuzz with sharing: tests/test_scheduler.py."""
+scheduler's fuzz with sharing: tests/test_request_scheduler.py."""
 
 import dataclasses
 

@@ -12,7 +12,6 @@ from conftest import fresh_seed
 from kvjax.layout import HeadLayout
 from kvjax.models.rotation import packed_query
 from kvjax.ops.decode.config import DECODE
-from kvjax.ops.decode.plan import build_decode_schedule
 from kvjax.ops.decode.quant_kernel import (
     QUANT_DECODE,
     QuantDecodeOp,
@@ -23,6 +22,7 @@ from kvjax.ops.decode.quant_kernel import (
     unit_kernels,
 )
 from kvjax.ops.decode.reference import quantized_decode_attention
+from kvjax.ops.decode.schedule import build_decode_schedule
 from kvjax.ops.lowering import triton_modules
 from kvjax.ops.quant import PageFormat
 
@@ -114,11 +114,11 @@ def test_quantized_decode_matches_reference(name):
     fmt = PageFormat.for_layout(layout, p, bits)
     q, pages, tail, table, lens = quant_inputs(np.random.default_rng(seed), layout, lengths, fmt, dtype)
     config = dataclasses.replace(QUANT_DECODE, order="lpt", min_chunk_tokens=p)
-    classes = [unit_kernels(layout, bits, config, kernel.classes_per_kernel)]  # as QuantDecodeOp plans
-    plan = build_decode_schedule(lengths, layout, p, programs, config=config, headroom_pages=1, classes=classes)
-    assert (plan.schedule.merge_dest[..., 0] >= 0).any()  # some groups were split, so the merge ran
+    classes = [unit_kernels(layout, bits, config, kernel.classes_per_kernel)]  # as QuantDecodeOp schedules
+    built = build_decode_schedule(lengths, layout, p, programs, config=config, headroom_pages=1, classes=classes)
+    assert (built.schedule.merge_dest[..., 0] >= 0).any()  # some groups were split, so the merge ran
     out = quantized_paged_decode(
-        q, pages, tail, table, lens, plan.schedule.layer(0), layout, fmt, kernel=kernel, interpret=True
+        q, pages, tail, table, lens, built.schedule.layer(0), layout, fmt, kernel=kernel, interpret=True
     )
     assert out.shape == (len(lengths), layout.out_cols) and out.dtype == dtype
     err = rel_err(out, reference(q, pages, tail, fmt, table, lens, layout))
@@ -164,16 +164,16 @@ def test_packed_runs_match_reference(name):
     rng = np.random.default_rng(seed)
     fmt = PageFormat.for_layout(layout, p, bits)
     q, pages, tail, table, lens = quant_inputs(rng, layout, lengths, fmt, dtype)
-    plan = build_decode_schedule(lengths, layout, p, 5, config=config, headroom_pages=1)
-    assert (plan.schedule.merge_dest[..., 0] >= 0).any()  # some groups were split, so the merge ran
+    built = build_decode_schedule(lengths, layout, p, 5, config=config, headroom_pages=1)
+    assert (built.schedule.merge_dest[..., 0] >= 0).any()  # some groups were split, so the merge ran
     run = functools.partial(quantized_paged_decode, kernel=SMALL, interpret=True)
-    out = run(q, pages, tail, table, lens, plan.schedule.layer(0), layout, fmt)
+    out = run(q, pages, tail, table, lens, built.schedule.layer(0), layout, fmt)
     err = rel_err(out, reference(q, pages, tail, fmt, table, lens, layout))
     assert err < tolerance(dtype), f"seed {seed}: relative error {err}"
     if dtype == jnp.float32:
         wide = jnp.asarray(rng.standard_normal((len(lengths), layout.num_heads, layout.k_cols)), jnp.float32)
-        got = run(wide, pages, tail, table, lens, plan.schedule.layer(0), layout, fmt)
-        want = run(packed_query(wide, layout), pages, tail, table, lens, plan.schedule.layer(0), layout, fmt)
+        got = run(wide, pages, tail, table, lens, built.schedule.layer(0), layout, fmt)
+        want = run(packed_query(wide, layout), pages, tail, table, lens, built.schedule.layer(0), layout, fmt)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
@@ -197,7 +197,7 @@ def test_op_runs_every_layer_and_a_wide_query_gives_the_packed_querys_output():
     )
     assert set(op.groups[LAYERS[0]]) == set(op.groups[LAYERS[1]]) == set(LAYERS)
     assert head_classes(LAYERS[0], 4)[1] == head_classes(LAYERS[1], 4)[0] == (("gather", 16), ("planes", 32))
-    schedule = op.plan(np.asarray(lengths))
+    schedule = op.schedule(np.asarray(lengths))
     for i, layout in enumerate(LAYERS):
         fmt = op.formats[layout]
         q, pages, tail, table, lens = quant_inputs(rng, layout, lengths, fmt, jnp.float32)
@@ -217,7 +217,7 @@ def test_layers_lower_to_one_kernel_a_class():
     Triton IR, so XLA compiles one per class for the model: two layers of two classes each, three distinct."""
     lengths = [40, 300]
     op = QuantDecodeOp(LAYERS, 16, 20, bits=4, max_batch=2, num_programs=4)
-    schedule = op.plan(np.asarray(lengths))
+    schedule = op.schedule(np.asarray(lengths))
     rng = np.random.default_rng(0)
     inputs = [quant_inputs(rng, lay, lengths, op.formats[lay], jnp.bfloat16) for lay in LAYERS]
 
@@ -267,6 +267,6 @@ def test_quantized_decode_on_gpu(bits):
     fmt = PageFormat.for_layout(layout, 32, bits)
     q, pages, tail, table, lens = quant_inputs(rng, layout, lengths, fmt, jnp.bfloat16)
     op = QuantDecodeOp([layout], 32, table.shape[1], bits=bits, max_batch=len(lengths))
-    out = op.run(q, pages, tail, table, lens, op.plan(lengths).layer(0), layout)
+    out = op.run(q, pages, tail, table, lens, op.schedule(lengths).layer(0), layout)
     err = rel_err(out, reference(q, pages, tail, fmt, table, lens, layout))
     assert err < 2e-2, f"seed {seed}: relative error {err}"

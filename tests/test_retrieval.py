@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import sys
 
 import numpy as np
 import pytest
@@ -12,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvjax
+from bench import (
+    accuracy,  # noqa: E402
+    retrieval,  # noqa: E402
+)
 from kvjax.runtime.generate import Generation
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-import accuracy  # noqa: E402
-import retrieval  # noqa: E402
 
 LONGEST_SENTENCE = 16  # tokens: no FILLER sentence of SmolLM2's tokenizer is longer
 

@@ -2,13 +2,10 @@
 rates where the curve crosses the bound, linearly, and never past a rate that already broke it."""
 
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 serve_compare = pytest.importorskip("serve_compare")
 
 

@@ -122,7 +122,7 @@ def decode(
     active=None,
 ):
     """One new token per sequence: its K/V [B, cols] written at position ``lengths - 1``, then its query [B, q_cols]
-    against the whole paged cache; returns (out, k_pages, v_pages). ``schedule``: this layer's (``op.plan``).
+    against the whole paged cache; returns (out, k_pages, v_pages). ``schedule``: this layer's (``op.schedule``).
     ``rotation`` (ZACK layers, with q and k per head): the kernel takes the wide q (one GEMM), the reference the
     packed one. ``rebuild`` (Palu, banded ZACK: ``models.latent.LatentK``): Palu's kernel rebuilds each key from it,
     a banded ``DecodeOp`` projects the queries once a band with it. ``active`` [B] (optional): rows that are not

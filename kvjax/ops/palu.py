@@ -306,10 +306,10 @@ def palu_decode(
 
 
 class PaluDecodeOp:
-    """Palu layers' decode as the engine holds it: no host plan (``plan`` returns None; each program splits its
+    """Palu layers' decode as the engine holds it: no host schedule (``schedule`` returns None; each program splits its
     sequence by the length it reads, into as many splits as this step's live rows need: ``live_splits``; with
-    ``batch_invariant``, into all ``splits``, so a row's result never depends on the others), ``run`` attends one
-    layer with its K rebuild."""
+    ``batch_invariant``, into all ``splits``, so a row's result never depends on the others), ``run`` attends one layer
+    with its K rebuild."""
 
     def __init__(
         self,
@@ -324,7 +324,7 @@ class PaluDecodeOp:
         self.target_programs = None if batch_invariant else TARGET_PROGRAMS
         self.step, self.num_warps, self.interpret = step, num_warps, interpret
 
-    def plan(self, lengths) -> None:
+    def schedule(self, lengths) -> None:
         return None
 
     def run(self, q, k_pages, v_pages, block_table, lengths, rebuild, layout: HeadLayout):

@@ -1,4 +1,5 @@
-"""Power-of-two tile arithmetic shared by the kernels: Triton tiles have power-of-two shapes, head widths need not."""
+"""Power-of-two arithmetic, written once: Triton tiles have power-of-two shapes (head widths need not), and
+schedules and step shapes are bucketed to powers of two."""
 
 from __future__ import annotations
 
@@ -13,6 +14,17 @@ def tile(width: int) -> int:
 def pow2_floor(n: float) -> int:
     """The largest power of two <= n (1 for n < 2)."""
     return 1 << max(0, int(math.floor(math.log2(max(n, 1)))))
+
+
+def pow2_ceil(n: float) -> int:
+    """The smallest power of two >= n (1 for n <= 1): the bucketed sizes of schedules and of the steps' shapes,
+    so that a jitted function sees few distinct shapes."""
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def is_pow2(n, at_least: int = 1) -> bool:
+    """``n`` is an integer power of two of at least ``at_least`` (a bool is no integer here)."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= at_least and not n & (n - 1)
 
 
 def segments(width: int, max_segments: int, min_saving: int = 0) -> tuple[tuple[int, int, int], ...]:

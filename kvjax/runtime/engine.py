@@ -30,13 +30,13 @@ from kvjax.ops.decode.gear_kernel import GearDecodeOp
 from kvjax.ops.decode.head_kernel import live_work
 from kvjax.ops.decode.kernel import MIN_BAND
 from kvjax.ops.decode.op import DecodeOp
-from kvjax.ops.decode.plan import bucket as pow2_bucket
 from kvjax.ops.grouped import full_width
 from kvjax.ops.kv_schemes import AnyPageFormat, label, page_format
 from kvjax.ops.paging import NULL_PAGE
 from kvjax.ops.palu import PaluDecodeOp
 from kvjax.ops.prefill.op import PrefillOp
 from kvjax.ops.quant import PageFormat
+from kvjax.ops.tiles import is_pow2, pow2_ceil
 from kvjax.parallel import forward
 from kvjax.parallel.forward import local_heads, shard
 from kvjax.parallel.shards import padded_imbalance
@@ -72,7 +72,7 @@ COMPILER_OPTIONS = {
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     """Smallest power of two >= max(n, minimum), capped at ``maximum``."""
-    size = max(minimum, pow2_bucket(n))
+    size = max(minimum, pow2_ceil(n))
     return size if maximum is None else min(size, maximum)
 
 
@@ -459,7 +459,7 @@ class Engine:
     def __init__(self, model, config: EngineConfig | None = None, **settings):
         """``config`` (or its fields as keywords; ``kvjax.runtime.config``) holds every setting. ``backend``:
         "reference" (jnp), "pallas" (GPU kernels) or "interpret" (the kernels on the CPU); default: the kernels on
-        a GPU, the reference elsewhere. ``batch_invariant``: decode plans split each sequence by its own length
+        a GPU, the reference elsewhere. ``batch_invariant``: decode schedules split each sequence by its own length
         alone and every decode step runs ``max_batch`` rows, and the runner prefills one chunk per step call
         (``kvjax.generate``). ``decode_config``: the decode kernel's knobs (its defaults are the measured best;
         bench/engine.py's ``--knob`` sets them). ``prefill_min_tokens`` (default the page size) and
@@ -1068,7 +1068,7 @@ class Engine:
                 raise ValueError("the attention kernels need head widths that are multiples of 16")
             return "reference"
         page = c.page_size
-        if backend == "pallas" and not isinstance(c.kv_bits, str) and (page < 16 or page & page - 1):
+        if backend == "pallas" and not isinstance(c.kv_bits, str) and not is_pow2(page, 16):
             raise ValueError(
                 f"page_size={page}: the GPU kernels take pages of a power of two of at least 16 tokens (checked "
                 "at 16 and 32); the reference path takes any"
@@ -1123,7 +1123,7 @@ class Engine:
 
     def schedule(self, lengths: np.ndarray):
         """The decode op's device schedule for these lengths (None on the reference path)."""
-        return None if self.decode_op is None else self.decode_op.plan(lengths)
+        return None if self.decode_op is None else self.decode_op.schedule(lengths)
 
 
 def _formats(model, layouts, c: EngineConfig) -> tuple[AnyPageFormat, ...] | None:
@@ -1137,7 +1137,7 @@ def _formats(model, layouts, c: EngineConfig) -> tuple[AnyPageFormat, ...] | Non
 
 
 def _quant_decode_op(layouts, formats, pages_per_seq: int, config: EngineConfig, interpret: bool):
-    """The fused decode kernel over quantized pages (``ops.decode.quant_kernel``) of each layer's format, planned by
+    """The fused decode kernel over quantized pages (``ops.decode.quant_kernel``) of each layer's format, scheduled by
     the engine's ``decode_config`` with one KV head a unit, or with runs of heads when it sets ``quant_runs``
     (``quant_kernel.plan_config``)."""
     from kvjax.ops.decode.quant_kernel import QuantDecodeOp, plan_config

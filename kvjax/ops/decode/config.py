@@ -1,4 +1,4 @@
-"""The decode op's tuned defaults, in one place: the cost model, the planner and the kernel all read them.
+"""The decode op's tuned defaults, in one place: the cost model, the schedule builder and the kernel all read them.
 
 Each field names what it controls; the figures behind the defaults are in bench/RESULTS.md ("Decode: runs of heads
 and head order", "Decode schedule: orders side by side", "Decode kernel: time beside the floor"). Benchmarks sweep
@@ -45,15 +45,15 @@ class DecodeConfig:
     floor_tile: int = 128  # a unit's token costs at least one of a floor_tile + floor_tile unit (0: no floor)
     tile_weight: int = 1  # weight of the tile columns (instructions) beside the K + V columns (bytes)
     piece_saving: int = 64  # with max_segments > 1: a run is read as pieces only where that saves this many columns
-    # The schedule (``plan``).
+    # The schedule (``schedule``).
     order: str = "auto"  # "auto" (LPT if it balances to auto_balance, else stream), "lpt", "stream" or "naive"
     auto_balance: float = 0.95
     item_overhead: int = 32 * 64  # an item's fixed cost, in tokens x columns
     min_chunk_tokens: int = 256  # LPT never cuts shorter chunks; stream snaps cuts this close (/4) to a group's edge
     items_per_program: int = 1  # LPT splits groups costlier than 1/items_per_program of a program's average load
     programs_per_sm: int = 2  # persistent programs per streaming multiprocessor
-    headroom_tokens: int = 128  # a plan covers this many tokens past each length (``planner.DecodePlanner``)
-    fixed_chunk_tokens: int = 512  # batch-invariant plans cut every sequence at multiples of this
+    headroom_tokens: int = 128  # a schedule covers this many tokens past each length (``schedule_cache.ScheduleCache``)
+    fixed_chunk_tokens: int = 512  # batch-invariant schedules cut every sequence at multiples of this
     # The kernel (``kernel.paged_decode``).
     block_tokens: int = 64  # tokens per loop step for a 128 + 128-column unit (narrower units take more)
     max_step_tokens: int = 512
@@ -74,9 +74,9 @@ class DecodeConfig:
     head_schedule: str = "live"
 
     def for_run(self) -> DecodeConfig:
-        """This config with the planner-only fields at their defaults: what the kernel compiles for (a plan that
-        switches order, as "auto" does, must not make the jitted step compile again)."""
-        return dataclasses.replace(self, **{f: getattr(DECODE, f) for f in PLANNER_ONLY})
+        """This config with the schedule-only fields at their defaults: what the kernel compiles for (a schedule
+        that switches order, as "auto" does, must not make the jitted step compile again)."""
+        return dataclasses.replace(self, **{f: getattr(DECODE, f) for f in SCHEDULE_ONLY})
 
     def num_programs(self) -> int:
         """``programs_per_sm`` programs per SM of the first GPU (the H100's 132 SMs where there is none)."""
@@ -100,7 +100,7 @@ class DecodeConfig:
 
 DECODE = DecodeConfig()
 # Fields that shape the schedule but neither the units nor the kernel.
-PLANNER_ONLY = (
+SCHEDULE_ONLY = (
     "order",
     "auto_balance",
     "item_overhead",

@@ -14,11 +14,11 @@ same pages, which rebuilds every key and value first; this kernel rebuilds none:
   outliers times their corrections, summed onto their columns (two).
 
 The work is one program per (sequence, KV head) over all of the sequence's pages, heads of one (K, V) width pair a
-kernel: no split of long sequences and no schedule (``plan`` returns None), the simplest form that reads each byte
+kernel: no split of long sequences and no schedule (``schedule`` returns None), the simplest form that reads each byte
 once. Unmeasured on a GPU (written in a session without device time: bench/notes/2026-11-28-gear-kernel.md). Priced
-offline (bench/RESULTS.md "GEAR pages: decode kernel (offline)"), the codes and low-rank term cost no more
-instructions a (token, head) than the KIVI-style kernel (``quant_kernel``, the one tuned for speed), and 1% outliers
-cost about 2.7x that: their one-hot tiles.
+offline (bench/RESULTS.md "GEAR pages: decode kernel (offline)"), the codes and low-rank term cost no more instructions
+a (token, head) than the KIVI-style kernel (``quant_kernel``, the one tuned for speed), and 1% outliers cost about 2.7x
+that: their one-hot tiles.
 
 Constraints: q packed [B, q_cols]; a group of at most 16 queries a KV head; the pool and tail under 2^31 elements.
 """
@@ -351,9 +351,9 @@ def gear_paged_decode(
 
 
 class GearDecodeOp:
-    """Decode attention over a model's GEAR layers, held by the engine as it holds ``op.DecodeOp``: ``plan`` has
-    nothing to plan (a program per sequence and KV head; returns None), ``run`` attends one layer on the device.
-    Queries come packed (``wide_queries`` False: the engine packs them with ``QKRotation.packed``)."""
+    """Decode attention over a model's GEAR layers, held by the engine as it holds ``op.DecodeOp``: ``schedule``
+    has nothing to schedule (a program per sequence and KV head; returns None), ``run`` attends one layer on the
+    device. Queries come packed (``wide_queries`` False: the engine packs them with ``QKRotation.packed``)."""
 
     wide_queries = False
 
@@ -367,7 +367,7 @@ class GearDecodeOp:
                 raise ValueError(f"two page formats for one layout: {self.formats[lay]} and {fmt}")
         self.interpret = interpret
 
-    def plan(self, lengths) -> None:
+    def schedule(self, lengths) -> None:
         return None
 
     def run(self, q, pages, tail, block_table, lengths, schedule, layout: HeadLayout):

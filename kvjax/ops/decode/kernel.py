@@ -1,7 +1,7 @@
 """The decode op's run step: paged attention over KV heads of different widths, one persistent program per
 schedule row (Pallas, Triton lowering).
 
-Each program walks its row of the host-built ``plan.DecodeSchedule``: for every item (sequence, unit, chunk of
+Each program walks its row of the host-built ``schedule.DecodeSchedule``: for every item (sequence, unit, chunk of
 pages) it loads the unit's query heads once ([16, k_tile], rows past the real ones masked), streams the chunk's K
 and V rows out of the packed pages through the block table with an online softmax, and writes either the
 normalized output (the group's only chunk) or a partial (acc, max, sum) that ``merge.merge`` combines.
@@ -43,7 +43,7 @@ from kvjax.ops.decode import tables
 from kvjax.ops.decode.bands import band_queries
 from kvjax.ops.decode.cost import ROWS
 from kvjax.ops.decode.merge import merge
-from kvjax.ops.decode.plan import END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, DecodeSchedule
+from kvjax.ops.decode.schedule import END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, DecodeSchedule
 from kvjax.ops.decode.tables import RunClass, folds, step_tokens
 from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, store_rows, whole_block
 from kvjax.ops.tiles import tile

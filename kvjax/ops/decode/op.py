@@ -1,4 +1,5 @@
-"""The decode op as the engine holds it: ``plan`` on the host (as FlashInfer's ``plan()``), ``run`` on the device."""
+"""The decode op as the engine holds it: ``schedule`` on the host (as FlashInfer's ``plan()``), ``run`` on the
+device."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import numpy as np
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.kernel import check_band, paged_decode
-from kvjax.ops.decode.plan import DecodeSchedule, as_layouts, bucket, compiled_shape
-from kvjax.ops.decode.planner import DecodePlanner
+from kvjax.ops.decode.schedule import DecodeSchedule, as_layouts, compiled_shape
+from kvjax.ops.decode.schedule_cache import ScheduleCache
 from kvjax.ops.decode.tables import kernel_groups
+from kvjax.ops.tiles import pow2_ceil
 
 
 def banded_config(config: DecodeConfig, band: int) -> DecodeConfig:
@@ -22,12 +24,12 @@ def banded_config(config: DecodeConfig, band: int) -> DecodeConfig:
 
 
 class DecodeOp:
-    """Paged decode attention over a model's layers: ``plan(lengths)`` returns the device schedule for a step (the
-    kept plan while it covers the lengths, so most steps plan nothing), ``run`` attends one layer with it.
+    """Paged decode attention over a model's layers: ``schedule(lengths)`` returns the device schedule for a step
+    (the kept one while it covers the lengths, so most steps schedule nothing), ``run`` attends one layer with it.
 
-    ``batch_invariant``: each sequence is split by its own length alone (``plan.fixed_chunk_schedule``), so a
+    ``batch_invariant``: each sequence is split by its own length alone (``schedule.fixed_chunk_schedule``), so a
     row's result does not depend on the batch it runs in. Schedules of up to ``max_batch`` sequences come in one
-    shape (``plan.compiled_shape``), so the step that takes them compiles once.
+    shape (``schedule.compiled_shape``), so the step that takes them compiles once.
 
     ``band`` (banded ZACK, at least ``kernel.MIN_BAND``): ``run`` takes whole post-RoPE query heads and the layer's
     banded K rebuild; its config folds chunks of a band's tokens (``banded_config``)."""
@@ -46,22 +48,22 @@ class DecodeOp:
         interpret: bool = False,
     ):
         if band is not None:
-            band = check_band(band)  # before any planning: a bad band names itself, not the config it would make
+            band = check_band(band)  # before any scheduling: a bad band names itself, not the config it would make
             config = banded_config(config, band)
         self.config, self.band, self.interpret = config, band, interpret
         self.groups = kernel_groups(as_layouts(layouts), config)  # the layers that share each compiled kernel
-        self._planner(layouts, page_size, pages_per_seq, max_batch, config, num_programs, batch_invariant)
+        self._schedule_cache(layouts, page_size, pages_per_seq, max_batch, config, num_programs, batch_invariant)
 
-    def _planner(
+    def _schedule_cache(
         self, layouts, page_size, pages_per_seq, max_batch, config, num_programs, batch_invariant, classes=None
     ) -> None:
-        """The host planner and its kept schedule (``plan``); the quantized op (``quant_kernel``) plans the same,
-        a head class at a time (``classes``: per layer, each unit's kernel)."""
+        """The host schedule cache (``schedules``) and the device copy of its kept schedule; the quantized op
+        (``quant_kernel``) schedules the same, a head class at a time (``classes``: per layer, each unit's kernel)."""
         chunk = -(-config.fixed_chunk_tokens // page_size) if batch_invariant else 0
-        splits = bucket(-(-pages_per_seq // chunk)) if chunk else 0
+        splits = pow2_ceil(-(-pages_per_seq // chunk)) if chunk else 0
         most = max((len(set(c)) for c in classes), default=1) if classes else 1
         shape = compiled_shape(layouts, max_batch, num_programs, config=config, splits=splits, classes=most)
-        self.planner = DecodePlanner(
+        self.schedules = ScheduleCache(
             layouts,
             page_size,
             num_programs,
@@ -72,13 +74,13 @@ class DecodeOp:
             classes=classes,
         )
         self._schedule: DecodeSchedule | None = None
-        self._plan_id = -1
+        self._schedule_id = -1
 
-    def plan(self, lengths) -> DecodeSchedule:
+    def schedule(self, lengths) -> DecodeSchedule:
         """The schedule of all layers for sequences of ``lengths`` tokens (new token included), on the device."""
-        plan = self.planner(np.asarray(lengths))
-        if self.planner.rebuilds != self._plan_id:
-            self._schedule, self._plan_id = jax.device_put(plan), self.planner.rebuilds
+        schedule = self.schedules(np.asarray(lengths))
+        if self.schedules.rebuilds != self._schedule_id:
+            self._schedule, self._schedule_id = jax.device_put(schedule), self.schedules.rebuilds
         assert self._schedule is not None
         return self._schedule
 

@@ -2,19 +2,18 @@
 registers as they stream, and its exact tail, in one online softmax (Pallas, Triton lowering). It equals
 ``reference.quantized_decode_attention`` and is held by the engine as ``op.DecodeOp`` is (``QuantDecodeOp``).
 
-The work is the bf16 op's: the same planner and ``plan.DecodeSchedule`` (items of sequence, unit, chunk of pages,
-partial slot) and the same ``merge.merge`` for split groups, with one KV head a unit (``DecodeConfig.pack_tile`` 0):
-a head's codes are packed in planes of its own width, so each head has its own byte pattern. Or (``plan_config``
-packed, not yet the default: unmeasured on a GPU) a unit is a run of up to ``RUN_HEADS`` (and 16 / G) adjacent heads
-of any widths: their code bytes are adjacent, so plane ``i`` of the run is every head's plane ``i`` side by side, read
-as one head's (a lane's head found from the run's plane ends); row ``r`` of the score tile is query ``r % G`` of head
-``r // G``, its q zero outside its head's lanes, and each row folds its own head's value scales. An item
-reads its full pages in chunks (``chunk_tokens`` of one page: one block-table lookup and one key scale and zero row
-a chunk), several a loop step, then its sequence's partial last page from the slot's tail row in one more step.
-Codes become floats by bit tricks, not conversions (``_MAGIC``). A head whose planes (``quant.pack``) are at least
-16 columns is read plane by plane, a dot a plane, with its key scales folded into q; a narrower one as one tile
-gathered from its bytes (``_Reader``). Value scales are folded into the weights (``(p * scale_t) . codes + p .
-zero_t``).
+The work is the bf16 op's: the same schedule cache and ``schedule.DecodeSchedule`` (items of sequence, unit, chunk of
+pages, partial slot) and the same ``merge.merge`` for split groups, with one KV head a unit (``DecodeConfig.pack_tile``
+0): a head's codes are packed in planes of its own width, so each head has its own byte pattern. Or (``plan_config``
+packed, not yet the default: unmeasured on a GPU) a unit is a run of up to ``RUN_HEADS`` (and 16 / G) adjacent heads of
+any widths: their code bytes are adjacent, so plane ``i`` of the run is every head's plane ``i`` side by side, read as
+one head's (a lane's head found from the run's plane ends); row ``r`` of the score tile is query ``r % G`` of head
+``r // G``, its q zero outside its head's lanes, and each row folds its own head's value scales. An item reads its full
+pages in chunks (``chunk_tokens`` of one page: one block-table lookup and one key scale and zero row a chunk), several a
+loop step, then its sequence's partial last page from the slot's tail row in one more step. Codes become floats by bit
+tricks, not conversions (``_MAGIC``). A head whose planes (``quant.pack``) are at least 16 columns is read plane by
+plane, a dot a plane, with its key scales folded into q; a narrower one as one tile gathered from its bytes
+(``_Reader``). Value scales are folded into the weights (``(p * scale_t) . codes + p . zero_t``).
 
 Scales and zeros are read through a float16 view of the one uint8 pool (a bitcast in XLA, no copy), each head's
 run as one vector: Triton pipelines no load narrower than 32 bits a lane, and reading them as byte pairs made the
@@ -29,8 +28,8 @@ kernel a class present in it (``QuantKernelConfig.classes_per_kernel`` 1), one a
 partial buffers, each skipping the items of other classes: compile time grows with the square of a kernel's size
 (Triton's Coalesce pass), so a switch over a layer's 5 classes compiled 4.8x slower than its 5 kernels of one class
 (bench/RESULTS.md "Quantized pages: compile times (offline)"), and every layer reuses the same kernel of a class.
-The layer's schedule is planned a kernel at a time (``unit_kernels``, ``plan.build_decode_schedule``'s ``classes``):
-planned as one, each class's items sat on the few programs that drew them, so every class kernel took about as long
+The layer's schedule is built a kernel at a time (``unit_kernels``, ``schedule.build_decode_schedule``'s ``classes``):
+built as one, each class's items sat on the few programs that drew them, so every class kernel took about as long
 as the whole layer (a rate-0.5 layer: 10.8x the bf16 kernel's time; bench/RESULTS.md "Rate 0.5, and one head class
 at a time"). Time follows the (token, head) pairs visited, not bytes, and narrow classes cost the most: runs of
 heads cut a narrow head's instructions (built, off by default; bench/notes/2026-11-27-quantized-kernel-lab.md).
@@ -70,7 +69,7 @@ from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.cost import ROWS
 from kvjax.ops.decode.kernel import launch_and_merge
 from kvjax.ops.decode.op import DecodeOp
-from kvjax.ops.decode.plan import (
+from kvjax.ops.decode.schedule import (
     END_PAGE,
     FIRST_PAGE,
     SEQ,
@@ -82,10 +81,10 @@ from kvjax.ops.decode.plan import (
 from kvjax.ops.decode.units import head_runs
 from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, column_offsets, dot_precision
 from kvjax.ops.quant import PageFormat, check_bits
-from kvjax.ops.tiles import pow2_floor, tile
+from kvjax.ops.tiles import is_pow2, tile
 
 BLOCK_H = ROWS  # query rows per item: a GQA group (G <= 16) padded to the tensor cores' smallest M
-QUANT_DECODE = dataclasses.replace(DECODE, pack_tile=0)  # the plan's config: one KV head a unit
+QUANT_DECODE = dataclasses.replace(DECODE, pack_tile=0)  # the schedule's config: one KV head a unit
 PACK_TILE = 128  # with packed runs (``plan_config``): the widest K or V a run of several heads reads
 
 # Fields of a unit's row in the head table (a unit: one KV head, or a run of adjacent heads, ``plan_config``), each of
@@ -109,9 +108,9 @@ LAYER_FIELDS = 13
 
 @dataclasses.dataclass(frozen=True)
 class QuantKernelConfig:
-    """How the quantized decode kernel runs (hashable: a static argument of the jitted kernel); a GPU sweep varies
-    these with ``dataclasses.replace``. The plan's config (``DecodeConfig``) cuts the work; its kernel fields are not
-    read here."""
+    """How the quantized decode kernel runs (hashable: a static argument of the jitted kernel); a GPU sweep varies these
+    with ``dataclasses.replace``. The schedule's config (``DecodeConfig``) cuts the work; its kernel fields are not read
+    here."""
 
     chunk_tokens: int = 32  # tokens a chunk reads from one page (fewer to divide the page): one lookup, one key range
     # tokens a loop step reads: 128 for a head whose K and V tiles hold 256 columns or more (a rate-0 layer: 304 us,
@@ -129,7 +128,7 @@ class QuantKernelConfig:
     def __post_init__(self):
         validate.int_fields(self, at_least_one=tuple(f.name for f in dataclasses.fields(self)))
         for name in ("chunk_tokens", "step_tokens", "narrow_step_tokens"):
-            if getattr(self, name) < 16 or pow2_floor(getattr(self, name)) != getattr(self, name):
+            if not is_pow2(getattr(self, name), 16):
                 raise ValueError(f"{name} must be a power of two of at least 16, got {getattr(self, name)}")
 
     def chunk(self, page_size: int) -> int:
@@ -155,7 +154,7 @@ def _pow2_divisor(values) -> int:
 
 
 def plan_config(config: DecodeConfig, bits: int, packed: bool) -> DecodeConfig:
-    """The plan's config for quantized decode: one KV head a unit, or (``packed``) runs of up to ``16 / G`` (at most
+    """The schedule's config for quantized decode: one KV head a unit, or (``packed``) runs of up to ``16 / G`` (at most
     ``RUN_HEADS``) adjacent heads, read as one head of their planes side by side, each side at least one 16-column
     plane and at most ``PACK_TILE`` columns (the cost model chooses the runs, ``units.head_runs``)."""
     if not packed:
@@ -228,7 +227,7 @@ def side_class(width: int, bits: int, keys: bool = True) -> Side:
 
 
 def head_classes(layout: HeadLayout, bits: int, config: DecodeConfig = QUANT_DECODE) -> tuple[tuple, ...]:
-    """Each unit's class (``units.head_runs`` under the plan's ``config``): the (K, V) ``side_class`` pair of its
+    """Each unit's class (``units.head_runs`` under the schedule's ``config``): the (K, V) ``side_class`` pair of its
     columns, and for a run of several heads a third entry, ``"run"`` (its rows gather each head's value scales). A
     compiled kernel has one branch a class."""
     return tuple(
@@ -239,8 +238,8 @@ def head_classes(layout: HeadLayout, bits: int, config: DecodeConfig = QUANT_DEC
 
 def unit_kernels(layout: HeadLayout, bits: int, config: DecodeConfig, per_kernel: int) -> tuple[int, ...]:
     """Which of the layer's kernels runs each unit: its classes in sorted order (``_Geometry``'s), ``per_kernel``
-    (``QuantKernelConfig.classes_per_kernel``) a kernel. The plan balances each kernel's units on their own
-    (``plan.build_decode_schedule``'s ``classes``)."""
+    (``QuantKernelConfig.classes_per_kernel``) a kernel. The schedule balances each kernel's units on their own
+    (``schedule.build_decode_schedule``'s ``classes``)."""
     cls = head_classes(layout, bits, config)
     present = sorted(set(cls))
     return tuple(present.index(c) // per_kernel for c in cls)
@@ -730,8 +729,8 @@ def check_format(layout: HeadLayout, fmt) -> PageFormat:
     return PageFormat.check_serves(layout, fmt, "quant.PageFormat")
 
 
-def _check_plan_config(config: DecodeConfig, bits: Sequence[int]) -> None:
-    """A plan of one head a unit, or of runs whose planes fill 16 columns (``plan_config``)."""
+def _check_schedule_config(config: DecodeConfig, bits: Sequence[int]) -> None:
+    """A schedule config of one head a unit, or of runs whose planes fill 16 columns (``plan_config``)."""
     least = 16 * (8 // min(bits))
     if config.pack_tile and not (
         config.pack_min_cols >= least and config.pack_tile <= PACK_TILE and config.pack_max_heads <= RUN_HEADS
@@ -765,15 +764,15 @@ def quantized_paged_decode(
     head's own columns of its row); pages [num_pages, fmt.page_bytes] uint8 (``quant.PageFormat``); tail [>= B,
     page_size, k_cols + v_cols] (row i: sequence i's partial last page, ``quant_paging``); block_table [B,
     pages_per_seq] int32; lengths [B] int32 (the new token included, already written); schedule: a ``DecodeSchedule``
-    planned under ``plan_config`` for these lengths or any they do not exceed, set to this layer (any plan is
-    correct; one planned with ``classes=unit_kernels(...)`` keeps every class kernel busy).
+    built under ``plan_config`` for these lengths or any they do not exceed, set to this layer (any schedule is
+    correct; one built with ``classes=unit_kernels(...)`` keeps every class kernel busy).
     Returns [B, out_cols] in q's dtype; rows with length 0 are unspecified. ``shared``: the layouts of every layer
     that runs this kernel with the same bits and page size (default: ``layout`` alone); its code depends on them, not
     on ``layout``, so XLA compiles one kernel for all of them.
     """
     check_format(layout, fmt)
     config = schedule.config
-    _check_plan_config(config, [fmt.bits])
+    _check_schedule_config(config, [fmt.bits])
     shared = shared or (layout,)
     if layout not in shared:
         raise ValueError("layout must be one of the shared layouts")
@@ -827,7 +826,8 @@ def quantized_paged_decode(
     merge_tables = tables.layer_tables(
         layout, tables.run_classes(shared, config), config, tables.most_units(set(shared), config)
     )
-    # one kernel a group of classes, cut as the plan cut them (``unit_kernels``), each by its classes' branch indices
+    # one kernel a group of classes, cut as the schedule cuts them (``unit_kernels``), each by its classes' branch
+    # indices
     per_unit = unit_kernels(layout, fmt.bits, config, kernel.classes_per_kernel)
     by_kernel: dict[int, set[int]] = {}
     for c, j in zip(head_classes(layout, fmt.bits, config), per_unit):
@@ -873,12 +873,13 @@ def kernel_groups(
 
 class QuantDecodeOp(DecodeOp):
     """Decode attention over a model's quantized layers, held by the engine as it holds ``op.DecodeOp``:
-    ``plan(lengths)`` on the host (the bf16 op's planner, one KV head a unit), ``run`` one layer on the device.
+    ``schedule(lengths)`` on the host (the bf16 op's schedule cache, one KV head a unit), ``run`` one layer on the
+    device.
 
     ``bits``: the code width of every layer, or one per layout (4 or 2); ``formats``: the layers' page formats
-    instead (one per layout, each ``PageFormat.for_layout`` of it). ``config``: the plan's config, with
+    instead (one per layout, each ``PageFormat.for_layout`` of it). ``config``: the schedule's config, with
     ``pack_tile`` 0; ``kernel``: how the kernel runs (``QuantKernelConfig``). ``batch_invariant``: each sequence is
-    split by its own length alone (``plan.fixed_chunk_schedule``). Queries come wide (``wide_queries``: the engine
+    split by its own length alone (``schedule.fixed_chunk_schedule``). Queries come wide (``wide_queries``: the engine
     rotates them with ``QKRotation.wide``), or packed."""
 
     wide_queries = True
@@ -914,18 +915,20 @@ class QuantDecodeOp(DecodeOp):
                 raise ValueError(f"a page format of {fmt.page_size} tokens a page for pages of {page_size}")
             if self.formats.setdefault(lay, fmt) != fmt:
                 raise ValueError(f"two page formats for one layout: {self.formats[lay]} and {fmt}")
-        _check_plan_config(config, [f.bits for f in formats])
+        _check_schedule_config(config, [f.bits for f in formats])
         self.config, self.kernel, self.interpret = config, kernel, interpret
         # a kernel a class (``classes_per_kernel`` 1) is the same code for every layer that shares the geometry: one
         # group of all layers; kernels that switch between classes group layers under ``config.kernel_classes``
         cap = config.kernel_classes if kernel.classes_per_kernel > 1 else math.inf
         self.groups = kernel_groups(self.formats, cap, config)
-        # each kernel's units planned over all programs on their own (batch-invariant plans split by length alone)
+        # each kernel's units scheduled over all programs on their own (batch-invariant schedules split by length alone)
         classes = None
         if not batch_invariant:
             per = kernel.classes_per_kernel
             classes = [unit_kernels(lay, fmt.bits, config, per) for lay, fmt in zip(layouts, formats)]
-        self._planner(layouts, page_size, pages_per_seq, max_batch, config, num_programs, batch_invariant, classes)
+        self._schedule_cache(
+            layouts, page_size, pages_per_seq, max_batch, config, num_programs, batch_invariant, classes
+        )
 
     def run(self, q, pages, tail, block_table, lengths, schedule: DecodeSchedule, layout: HeadLayout, rebuild=None):
         """One layer's attention (``schedule``: that layer's, ``DecodeSchedule.layer``; ``layout``: one of the op's

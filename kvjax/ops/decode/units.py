@@ -1,10 +1,10 @@
 """Work units of decode: runs of adjacent KV heads that one work item reads as one wider head.
 
-A run's heads have adjacent columns in the packed K and V rows, so the kernel reads ``n`` of them with one page
-lookup per token, ``n * G`` rows of its score tile (each row masked to its own head's columns, so every row keeps
-its own exact softmax) and one tile over the run's K columns and one over its V columns. ``head_runs`` cuts a
-layer into the runs that cost least by the op's cost model (``cost.token_cost``); the schedule plans these runs
-and the kernel reads them, so both take them from here.
+A run's heads have adjacent columns in the packed K and V rows, so the kernel reads ``n`` of them with one page lookup
+per token, ``n * G`` rows of its score tile (each row masked to its own head's columns, so every row keeps its own exact
+softmax) and one tile over the run's K columns and one over its V columns. ``head_runs`` cuts a layer into the runs that
+cost least by the op's cost model (``cost.token_cost``); the schedule is built over these runs and the kernel reads
+them, so both take them from here.
 """
 
 from __future__ import annotations

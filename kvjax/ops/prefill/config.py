@@ -8,6 +8,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from kvjax import validate
+from kvjax.ops.tiles import is_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,11 +28,11 @@ class PrefillConfig:
     def __post_init__(self):
         validate.int_fields(self, at_least_one=tuple(f.name for f in dataclasses.fields(self) if f.name != "balanced"))
         tiles = self.tile_widths
-        if not isinstance(tiles, tuple) or not tiles or any(not _pow2_at_least_16(t) for t in tiles):
+        if not isinstance(tiles, tuple) or not tiles or any(not is_pow2(t, 16) for t in tiles):
             raise ValueError(f"tile_widths must be a non-empty tuple of powers of two of at least 16, got {tiles!r}")
         for name in ("block_q", "block_k", "max_block_q"):
             value = getattr(self, name)
-            if not _pow2_at_least_16(value):
+            if not is_pow2(value, 16):
                 raise ValueError(f"{name} must be a power of two of at least 16, got {value}")
 
     def for_dtype(self, dtype) -> PrefillConfig:
@@ -45,10 +46,6 @@ class PrefillConfig:
             block_k=min(self.block_k, 32),
             num_stages=min(self.num_stages, 2),
         )
-
-
-def _pow2_at_least_16(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 16 and not value & (value - 1)
 
 
 PREFILL = PrefillConfig()

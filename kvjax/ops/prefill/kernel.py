@@ -1,8 +1,8 @@
 """The prefill op's run step: causal flash attention for a batch of prompts whose KV heads have their own K and V
 widths, writing their K/V into the pages (Pallas, Triton lowering).
 
-One program per work item (prompt, query head, block of query rows) from the static table ``plan.work_items``
-builds at trace time. Heads of one tile class (``plan.TileClass``) share one code path chosen by ``lax.switch``;
+One program per work item (prompt, query head, block of query rows) from the static table ``work.work_items``
+builds at trace time. Heads of one tile class (``work.TileClass``) share one code path chosen by ``lax.switch``;
 a head's widths and column offsets come from its layer's head table at run time and its loads are masked to its
 widths, and every array is addressed as flat rows whose widths come from that table too. So one kernel serves
 every layer of a model: XLA compiles it once, not once per layer (bench/RESULTS.md "Engine: compile times"). Steps
@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 from kvjax.layout import HeadLayout
 from kvjax.ops.grouped import visible
 from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, store_rows, whole_block
-from kvjax.ops.prefill import plan
+from kvjax.ops.prefill import work
 from kvjax.ops.prefill.config import PREFILL, PrefillConfig
 
 
@@ -64,8 +64,8 @@ def _attend_block(
     b, h, q0, length, start = item
     kw, vw, qo, ko, vo, oo = head
     qc, kc, vc, oc = cols
-    bq = plan.block_rows(cls, block_q, seq_len, balanced, max_rows)
-    bk = plan.keys_per_step(block_k, bq, cls.cols, jnp.dtype(k_ref.dtype).itemsize, num_stages)
+    bq = work.block_rows(cls, block_q, seq_len, balanced, max_rows)
+    bk = work.keys_per_step(block_k, bq, cls.cols, jnp.dtype(k_ref.dtype).itemsize, num_stages)
     precision = dot_precision(k_ref.dtype)
     gi = h % group
     k_cols, v_cols = jnp.arange(cls.k_tile)[None, :], jnp.arange(cls.v_tile)[None, :]
@@ -163,14 +163,14 @@ def _kernel(items_ref, lengths_ref, starts_ref, heads_ref, cols_ref, *refs, clas
     item = (b, h, items_ref[pid, 2], lengths_ref[b], starts_ref[b])
     kv = h // group
     head = tuple(
-        heads_ref[kv, c] * 16 for c in (plan.K_WIDTH, plan.V_WIDTH, plan.Q_OFF, plan.K_OFF, plan.V_OFF, plan.O_OFF)
+        heads_ref[kv, c] * 16 for c in (work.K_WIDTH, work.V_WIDTH, work.Q_OFF, work.K_OFF, work.V_OFF, work.O_OFF)
     )
-    cols = tuple(cols_ref[c] * 16 for c in (plan.Q_COLS, plan.K_COLS, plan.V_COLS, plan.O_COLS))
+    cols = tuple(cols_ref[c] * 16 for c in (work.Q_COLS, work.K_COLS, work.V_COLS, work.O_COLS))
     branches = [functools.partial(_attend_block, cls, refs=refs, group=group, **static) for cls in classes]
     if len(branches) == 1:
         branches[0](item, head, cols)
     else:
-        lax.switch(heads_ref[kv, plan.CLASS], [lambda *a, f=f: f(*a) for f in branches], item, head, cols)
+        lax.switch(heads_ref[kv, work.CLASS], [lambda *a, f=f: f(*a) for f in branches], item, head, cols)
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "config", "interpret", "shared"))
@@ -206,10 +206,10 @@ def prefill_attention(
     if layout not in shared:
         raise ValueError("layout must be one of the shared layouts")
     widths = config.tile_widths
-    classes = plan.tile_classes(shared, widths)
+    classes = work.tile_classes(shared, widths)
     sizes = (b, t, config.block_q, config.balanced, config.max_block_q)
-    count = max(plan.num_items(lay, classes, widths, *sizes) for lay in set(shared))
-    items = plan.work_items(layout, classes, plan.class_of(layout, classes, widths), *sizes, count=count)
+    count = max(work.num_items(lay, classes, widths, *sizes) for lay in set(shared))
+    items = work.work_items(layout, classes, work.class_of(layout, classes, widths), *sizes, count=count)
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     write = k_pages is not None
     prefix = starts is not None
@@ -238,8 +238,8 @@ def prefill_attention(
         jnp.asarray(items),
         lengths,
         starts,
-        jnp.asarray(plan.head_table(layout, classes, widths)),
-        jnp.asarray(plan.layer_cols(layout)),
+        jnp.asarray(work.head_table(layout, classes, widths)),
+        jnp.asarray(work.layer_cols(layout)),
         jnp.zeros((b, 1), jnp.int32) if block_table is None else block_table.astype(jnp.int32),
         q.reshape(-1),
         k.reshape(-1),

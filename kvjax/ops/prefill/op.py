@@ -1,4 +1,4 @@
-"""The prefill op as the engine holds it: its work items are planned at trace time, so it only runs."""
+"""The prefill op as the engine holds it: its work items are built at trace time, so it only runs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The prefill op's plan step, built at trace time: the tile classes its kernel compiles for, each layer's head table
+"""The prefill op's work, laid out at trace time: the tile classes its kernel compiles for, each layer's head table
 (which class, widths and column offsets every KV head has, read by the kernel at run time), and the work items
 (prompt, query head, first query row).
 

@@ -1,4 +1,4 @@
-"""The decode op's plan step (host, numpy): which program reads which pages of which work unit, for given lengths.
+"""The decode op's scheduling step (host, numpy): which program reads which pages of which work unit, for given lengths.
 
 The kernel (``kernel.paged_decode``) runs ``P`` persistent programs; program ``p`` works through row ``p`` of the
 schedule. A work unit is a run of adjacent KV heads (``units.head_runs``), a group is (sequence, unit), and a work
@@ -7,21 +7,20 @@ item is a chunk of a group's pages. Items are weighed by the op's cost model (``
 - "lpt": groups costlier than a program's average load are split into chunks, and the items dealt longest first to
   the least-loaded program, in rounds of ``P`` items vectorized over all layers;
 - "stream": each layer's groups laid end to end and cut into ``P`` equal shares at page boundaries (stream-K);
-- "auto": the LPT plan when it balances to ``auto_balance`` of perfect, else the stream plan (LPT splits nothing
-  it need not; stream balances any batch: bench/RESULTS.md "Decode schedule: orders side by side");
+- "auto": the LPT schedule when it balances to ``auto_balance`` of perfect, else the stream schedule (LPT splits
+  nothing it need not; stream balances any batch: bench/RESULTS.md "Decode schedule: orders side by side");
 - "naive": natural order dealt round-robin (the ablation).
 Chunks of a split group write partial softmax states to slots that ``kernel.merge`` combines.
 
-A plan depends only on page counts and widths, and covers ``headroom_pages`` past each sequence's last page (the
-kernel stops at the real length), so one plan serves many steps (``planner.DecodePlanner``). Arrays are int32 with
-power-of-two bucketed shapes, so a jitted step taking them recompiles only when a bucket changes. jax is imported
-only to register the schedule as a pytree.
+A schedule depends only on page counts and widths, and covers ``headroom_pages`` past each sequence's last page
+(the kernel stops at the real length), so one schedule serves many steps (``schedule_cache.ScheduleCache``). Arrays
+are int32 with power-of-two bucketed shapes, so a jitted step taking them recompiles only when a bucket changes. jax
+is imported only to register the schedule as a pytree.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -33,6 +32,7 @@ from kvjax.layout import HeadLayout
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.cost import unit_cost
 from kvjax.ops.decode.units import head_runs
+from kvjax.ops.tiles import pow2_ceil
 
 # Item fields, in this order along the last axis of ``DecodeSchedule.items``.
 SEQ, UNIT, FIRST_PAGE, END_PAGE, SLOT = range(5)
@@ -43,11 +43,6 @@ def _rank_in_runs(counts) -> np.ndarray:
     """Each element's index within its run, for runs of ``counts`` elements laid end to end."""
     counts = np.asarray(counts, np.int64)
     return np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-
-
-def bucket(n: int) -> int:
-    """Smallest power of two >= max(n, 1)."""
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
 @jax.tree_util.register_dataclass
@@ -63,8 +58,8 @@ class DecodeSchedule:
     merge_range [L, M, 2]: (first slot, number of slots) of each split group's partials, which lie in adjacent
         slots in chunk order; (0, 0) in padding rows.
     num_slots: static; partial slots a layer may use (every slot is below it).
-    config: static; how the units were cut and how the kernel runs, so plan and run agree (``for_run``: a
-        change of order or of another planner-only field compiles nothing new).
+    config: static; how the units were cut and how the kernel runs, so scheduling and running agree (``for_run``:
+        a change of order or of another schedule-only field compiles nothing new).
     index [1] int32: the layer the kernels read (``layer``).
     """
 
@@ -126,18 +121,18 @@ class ScheduleShape(NamedTuple):
 
 
 @dataclasses.dataclass
-class DecodePlan:
+class BuiltSchedule:
     """A schedule and the host facts about it: what it covers and how well it balances."""
 
     schedule: DecodeSchedule
-    capacity: np.ndarray  # [B] tokens each sequence may reach before the plan must be rebuilt
-    loads: np.ndarray  # [L, P] planned cost per program
+    capacity: np.ndarray  # [B] tokens each sequence may reach before the schedule must be rebuilt
+    loads: np.ndarray  # [L, P] scheduled cost per program
     num_items: np.ndarray  # [L]
-    floor: np.ndarray | int = 0  # [B] fewest tokens a sequence may have: a sliding window's first planned page
+    floor: np.ndarray | int = 0  # [B] fewest tokens a sequence may have: a sliding window's first scheduled page
 
     def covers(self, lengths) -> bool:
-        """The plan reads every visible page of sequences of ``lengths``: none past its capacity, and none before
-        its first page under a sliding window (a slot that now holds a shorter sequence)."""
+        """The schedule reads every visible page of sequences of ``lengths``: none past its capacity, and none
+        before its first page under a sliding window (a slot that now holds a shorter sequence)."""
         lengths = np.asarray(lengths)
         return (
             lengths.shape == self.capacity.shape
@@ -147,7 +142,7 @@ class DecodePlan:
 
     @property
     def balance(self) -> float:
-        """Mean over layers of (average program load / largest program load) as planned; 1.0 is perfect."""
+        """Mean over layers of (average program load / largest program load) as scheduled; 1.0 is perfect."""
         return load_balance(self.loads)
 
 
@@ -178,17 +173,17 @@ def build_decode_schedule(
     headroom_pages=0,
     fit: ScheduleShape | None = None,
     classes: Sequence[Sequence[int]] | None = None,
-) -> DecodePlan:
-    """Plan decode for sequences of ``lengths`` tokens (new token included) over one layer or all layers, by
-    ``config.order`` (module doc); ``headroom_pages``: pages planned past each sequence's last one (one number, or
-    one per sequence). Every visible page of every (sequence, unit) is planned exactly once. ``fit``: "auto" takes
-    the stream plan only if its shape is within this one (a stream program may span many short groups).
+) -> BuiltSchedule:
+    """Schedule decode for sequences of ``lengths`` tokens (new token included) over one layer or all layers, by
+    ``config.order`` (module doc); ``headroom_pages``: pages scheduled past each sequence's last one (one number,
+    or one per sequence). Every visible page of every (sequence, unit) is scheduled exactly once. ``fit``: "auto"
+    takes the stream schedule only if its shape is within this one (a stream program may span many short groups).
 
     ``classes``: per layer, each unit's class, for kernels that run one class at a time over the layer's schedule
-    (``quant_kernel``: one kernel a head class). Each (layer, class) is then planned over all programs on its own
+    (``quant_kernel``: one kernel a head class). Each (layer, class) is then scheduled over all programs on its own
     and each program's row holds its classes' items one class after another, slots numbered on through the layer:
-    planned as one, a class's items sat on the few programs that drew them and the rest idled through its kernel
-    (bench/RESULTS.md "Rate 0.5, and one head class at a time"). ``DecodePlan.loads`` then has a row a (layer,
+    scheduled as one, a class's items sat on the few programs that drew them and the rest idled through its kernel
+    (bench/RESULTS.md "Rate 0.5, and one head class at a time"). ``BuiltSchedule.loads`` then has a row a (layer,
     class), so ``balance`` is each kernel's."""
     if config.order == "auto":
 
@@ -204,11 +199,11 @@ def build_decode_schedule(
                 classes=classes,
             )
 
-        plan = by("lpt")
-        if plan.balance >= config.auto_balance:
-            return plan
+        lpt = by("lpt")
+        if lpt.balance >= config.auto_balance:
+            return lpt
         stream = by("stream")
-        return stream if fit is None or fit.holds(stream.schedule.shape) else plan
+        return stream if fit is None or fit.holds(stream.schedule.shape) else lpt
     layouts = as_layouts(layouts)
     P = num_programs or config.num_programs()
     lengths = np.asarray(lengths, np.int64)
@@ -236,7 +231,7 @@ def build_decode_schedule(
         schedule, loads, per_layer = _lpt(first_page, end_page, pages, page_cost, P, page_size, config)
     if owner is not None:
         schedule, per_layer = _join(schedule, owner, len(layouts)), np.bincount(owner, per_layer, len(layouts))
-    return DecodePlan(schedule, capacity, loads, per_layer.astype(np.int64), floor)
+    return BuiltSchedule(schedule, capacity, loads, per_layer.astype(np.int64), floor)
 
 
 def _by_class(unit_cost: np.ndarray, classes: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -244,7 +239,7 @@ def _by_class(unit_cost: np.ndarray, classes: Sequence[Sequence[int]]) -> tuple[
     every other class's units at 0 (units of cost 0 get no items)."""
     L, H = unit_cost.shape
     if len(classes) != L:
-        raise ValueError(f"classes for {len(classes)} layers, the plan has {L}")
+        raise ValueError(f"classes for {len(classes)} layers, the schedule has {L}")
     owner, rows = [], []
     for layer, given in enumerate(classes):
         cls = np.asarray(given)
@@ -272,7 +267,7 @@ def _join(s: DecodeSchedule, owner: np.ndarray, L: int) -> DecodeSchedule:
     slot_at = on(used)
     counts = np.zeros((L, P), np.int32)
     np.add.at(counts, owner, s.counts)
-    items = np.zeros((L, P, bucket(int(counts.max(initial=1))), 5), np.int32)
+    items = np.zeros((L, P, pow2_ceil(int(counts.max(initial=1))), 5), np.int32)
     k, p, r = np.nonzero(np.arange(R) < s.counts[..., None])
     moved = s.items[k, p, r]
     moved[:, SLOT] = np.where(moved[:, SLOT] >= 0, moved[:, SLOT] + slot_at[k], -1)
@@ -282,11 +277,11 @@ def _join(s: DecodeSchedule, owner: np.ndarray, L: int) -> DecodeSchedule:
     groups = valid.sum(axis=1)
     k, m = np.nonzero(valid)
     at = on(groups)[k] + m
-    dest = np.full((L, bucket(int(np.bincount(owner, groups, L).max(initial=1))), 2), -1, np.int32)
+    dest = np.full((L, pow2_ceil(int(np.bincount(owner, groups, L).max(initial=1))), 2), -1, np.int32)
     ranges = np.zeros(dest.shape, np.int32)
     dest[owner[k], at] = s.merge_dest[k, m]
     ranges[owner[k], at] = s.merge_range[k, m] + np.stack([slot_at[k], np.zeros_like(k)], axis=1)
-    slots = bucket(int(np.bincount(owner, used, L).max(initial=1)))
+    slots = pow2_ceil(int(np.bincount(owner, used, L).max(initial=1)))
     return DecodeSchedule(items, counts, dest, ranges, slots, s.config)
 
 
@@ -348,7 +343,7 @@ def _lpt(first_page, end_page, pages, page_cost, P, page_size, config):
             costs[i, : per_layer[i]] = item_cost[start[i] : start[i] + per_layer[i]]
     cbits, pbits = max(N - 1, 1).bit_length(), max(P - 1, 1).bit_length()
     if int(costs.sum(axis=1).max()).bit_length() + max(cbits, pbits) > 63:
-        raise ValueError("too much work to plan with 64-bit sort keys")
+        raise ValueError("too much work to schedule with 64-bit sort keys")
     rounds = -(-N // P)
     col = np.full((L, rounds * P), N, np.int64)
     dealt = np.zeros((L, rounds * P), np.int64)
@@ -362,7 +357,7 @@ def _lpt(first_page, end_page, pages, page_cost, P, page_size, config):
     col, dealt = col.reshape(L, rounds, P), dealt.reshape(L, rounds, P)
 
     prog, loads = _deal(dealt, order, pbits)
-    R = bucket(rounds)
+    R = pow2_ceil(rounds)
     table = np.full((L, P, R), T, np.int32)  # the item at each program and round; T: none
     where = prog * R + (np.arange(L)[:, None, None] * (P * R) + np.arange(rounds)[:, None])
     np.put(table, where, np.where(col < per_layer[:, None, None], col + start[:, None, None], T))
@@ -375,7 +370,7 @@ def _lpt(first_page, end_page, pages, page_cost, P, page_size, config):
 
 @dataclasses.dataclass
 class _Merges:
-    """The merge rows of a plan's split groups and where each group's partial slots begin."""
+    """The merge rows of a schedule's split groups and where each group's partial slots begin."""
 
     dest: np.ndarray  # [L, M, 2]
     range: np.ndarray  # [L, M, 2]
@@ -393,11 +388,11 @@ def _merges(L: int, layer, group, chunks, H: int) -> _Merges:
     used = np.bincount(layer, weights=chunks, minlength=L).astype(np.int64)  # slots per layer
     m = _rank_in_runs(per)  # the group's merge row in its layer
     begin = (np.cumsum(chunks) - chunks) - (np.cumsum(used) - used)[layer]
-    M = bucket(int(per.max(initial=1)))
+    M = pow2_ceil(int(per.max(initial=1)))
     dest, ranges = np.full((L, M, 2), -1, np.int32), np.zeros((L, M, 2), np.int32)
     dest[layer, m] = np.stack([group // H, group % H], axis=1)
     ranges[layer, m] = np.stack([begin, chunks], axis=1)
-    return _Merges(dest, ranges, begin, bucket(int(used.max(initial=1))))
+    return _Merges(dest, ranges, begin, pow2_ceil(int(used.max(initial=1))))
 
 
 def _deal(dealt, order: str, pbits: int):
@@ -428,14 +423,14 @@ def fixed_chunk_schedule(
     chunk_pages: int,
     splits: int,
     config: DecodeConfig = DECODE,
-) -> DecodePlan:
-    """A batch-invariant plan: how a sequence is split and merged depends on its own length alone.
+) -> BuiltSchedule:
+    """A batch-invariant schedule: how a sequence is split and merged depends on its own length alone.
 
-    Chunk k of every group covers pages ``[k * chunk_pages, (k + 1) * chunk_pages)`` and always goes through the
-    merge, which folds a group's chunks in chunk order (its result depends on the group alone); a sequence may
-    have at most ``splits`` chunks. Under a sliding window, chunks wholly before the window's first page are left
-    out. A plan covers a sequence until it leaves its last chunk or its window leaves its first one (``capacity``).
-    Items are dealt to programs longest first, round-robin; where an item runs changes nothing in its result.
+    Chunk k of every group covers pages ``[k * chunk_pages, (k + 1) * chunk_pages)`` and always goes through the merge,
+    which folds a group's chunks in chunk order (its result depends on the group alone); a sequence may have at most
+    ``splits`` chunks. Under a sliding window, chunks wholly before the window's first page are left out. A schedule
+    covers a sequence until it leaves its last chunk or its window leaves its first one (``capacity``). Items are dealt
+    to programs longest first, round-robin; where an item runs changes nothing in its result.
     """
     layouts = as_layouts(layouts)
     P = num_programs or config.num_programs()
@@ -475,7 +470,7 @@ def fixed_chunk_schedule(
     order = np.lexsort((-cost, layer))
     rank = _rank_in_runs(per_layer)
     prog, turn = rank % P, rank // P
-    R = bucket(int(turn.max(initial=0)) + 1)
+    R = pow2_ceil(int(turn.max(initial=0)) + 1)
     items = np.zeros((L, P, R, 5), np.int32)
     o = order
     items[layer[o], prog, turn] = np.stack([seq[o], unit[o], k[o] * C, (k[o] + 1) * C, slot[o]], axis=1)
@@ -483,13 +478,13 @@ def fixed_chunk_schedule(
     np.add.at(counts, (layer[o], prog), 1)
     loads = np.zeros((L, P), np.int64)
     np.add.at(loads, (layer[o], prog), cost[o])
-    return DecodePlan(merge.schedule(items, counts, config), capacity, loads, per_layer, floor)
+    return BuiltSchedule(merge.schedule(items, counts, config), capacity, loads, per_layer, floor)
 
 
 def _stream(first_page, pages, page_cost, P, item_overhead, snap_pages, config):
     """Equal shares of each layer's work, cut at page boundaries: program p takes the stretch from p/P to
     (p+1)/P of the layer's groups laid end to end (stream-K's split), so it gets one to a few items (the ends of
-    the groups it spans) and every program plans the same load up to a page. A cut within ``snap_pages`` of a
+    the groups it spans) and every program gets the same load up to a page. A cut within ``snap_pages`` of a
     group's edge moves to the edge (no slivers). first_page, pages: [L, B, H]; page_cost [L, 1, H].
 
     Returns (schedule, loads [L, P], items per layer [L]). Vectorized over all layers: every group and every cut
@@ -560,7 +555,7 @@ def _stream(first_page, pages, page_cost, P, item_overhead, snap_pages, config):
     per_row = np.bincount(row, minlength=L * P)
     counts = per_row.reshape(L, P).astype(np.int32)
     rank = _rank_in_runs(per_row)
-    R = bucket(int(counts.max(initial=1)))
+    R = pow2_ceil(int(counts.max(initial=1)))
     items = np.zeros((L * P * R, 5), np.int32)
     items[row * R + rank] = np.stack([g_seq[grp], g_unit[grp], first, end, slot], axis=1)
     items = items.reshape(L, P, R, 5)
@@ -578,28 +573,29 @@ def compiled_shape(
     splits: int = 0,
     classes: int = 1,
 ) -> ScheduleShape:
-    """A shape that holds the LPT plan of any lengths of up to ``max_batch`` sequences (with ``splits``, the
-    batch-invariant plan of sequences of up to ``splits`` chunks), so a step compiled for it serves them all.
+    """A shape that holds the LPT schedule of any lengths of up to ``max_batch`` sequences (with ``splits``, the
+    batch-invariant schedule of sequences of up to ``splits`` chunks), so a step compiled for it serves them all.
 
     LPT splits only groups costlier than a program's average load, into chunks no costlier than it: at most
     ``P * items_per_program`` split groups with ``2 * P * items_per_program`` partial slots among them, and
-    ``groups + slots`` items dealt ``P`` a round. The stream plan's split groups and slots are within the same
-    bounds (its ``P - 1`` cuts), its rounds are not ("auto" keeps it only where it fits). Planned a class at a
-    time (``build_decode_schedule``'s ``classes``, at most ``classes`` a layer), each class has those bounds, and
-    its rounds round up once more."""
+    ``groups + slots`` items dealt ``P`` a round. The stream schedule's split groups and slots are within the
+    same bounds (its ``P - 1`` cuts), its rounds are not ("auto" keeps it only where it fits). Scheduled a class
+    at a time (``build_decode_schedule``'s ``classes``, at most ``classes`` a layer), each class has those bounds,
+    and its rounds round up once more."""
     P = num_programs or config.num_programs()
     groups = max_batch * max(len(head_runs(lay, config)) for lay in as_layouts(layouts))
     if splits:
-        return ScheduleShape(bucket(-(-groups * splits // P)), bucket(groups), bucket(groups * splits))
+        return ScheduleShape(pow2_ceil(-(-groups * splits // P)), pow2_ceil(groups), pow2_ceil(groups * splits))
     split = classes * (P * config.items_per_program + 1)
     slots = 2 * split
     rounds = -(-(groups + slots) // P) + classes - 1
-    return ScheduleShape(bucket(rounds), bucket(min(groups, split)), bucket(slots))
+    return ScheduleShape(pow2_ceil(rounds), pow2_ceil(min(groups, split)), pow2_ceil(slots))
 
 
 def realized_loads(schedule: DecodeSchedule, lengths, layouts: Sequence[HeadLayout], page_size: int) -> np.ndarray:
-    """[L, P] work each program meets at ``lengths`` (which the plan covers), in the cost model the plan was built
-    with: its items' token loops stop at the real lengths, so an aged plan's loads differ from the planned ones.
+    """[L, P] work each program meets at ``lengths`` (which the schedule covers), in the cost model the schedule
+    was built with: its items' token loops stop at the real lengths, so an aged schedule's loads differ from the
+    scheduled ones.
     Its balance: ``load_balance``."""
     lengths = np.asarray(lengths, np.int64)
     items = schedule.items.astype(np.int64)
@@ -624,12 +620,12 @@ def static_decode_schedule(
     num_programs: int | None = None,
     config: DecodeConfig = DECODE,
 ) -> DecodeSchedule:
-    """A schedule that needs no lengths: every sequence planned at the block table's full width.
+    """A schedule that needs no lengths: every sequence scheduled at the block table's full width.
 
-    For callers with no host plan (e.g. inside a jitted step): correct for any lengths, balanced only when the
+    For callers with no host schedule (e.g. inside a jitted step): correct for any lengths, balanced only when the
     sequences fill their tables. Built with numpy at trace time, so it becomes a constant of the step.
     """
-    plan = build_decode_schedule(
+    built = build_decode_schedule(
         np.full(batch, pages_per_seq * page_size), layout, page_size, num_programs, config=config
     )
-    return plan.schedule.layer(0)
+    return built.schedule.layer(0)

@@ -1,5 +1,6 @@
-"""The host decode plan (kvjax.ops.decode.plan, .planner): every visible page planned once and inside its sequence,
-splits merged, loads as the cost model prices them, LPT and stream balanced, shapes bucketed, plans reused."""
+"""The host decode schedule (kvjax.ops.decode.schedule, .schedule_cache): every visible page scheduled once and
+inside its sequence, splits merged, loads as the cost model prices them, LPT and stream balanced, shapes bucketed,
+schedules reused."""
 
 import dataclasses
 
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.config import DECODE
 from kvjax.ops.decode.cost import unit_cost
-from kvjax.ops.decode.plan import (
+from kvjax.ops.decode.schedule import (
     END_PAGE,
     FIRST_PAGE,
     SEQ,
@@ -25,7 +26,7 @@ from kvjax.ops.decode.plan import (
     realized_loads,
     static_decode_schedule,
 )
-from kvjax.ops.decode.planner import DecodePlanner
+from kvjax.ops.decode.schedule_cache import ScheduleCache
 from kvjax.ops.decode.units import head_runs
 
 
@@ -45,7 +46,7 @@ def random_layouts(rng, num_layers, heads=8, window=None):
     return [HeadLayout(4 * heads, heads, 128, widths(), widths(), window) for _ in range(num_layers)]
 
 
-def planned_items(schedule, layer):
+def scheduled_items(schedule, layer):
     """(seq, unit, first, end, slot) of every real item of one layer."""
     items, counts = schedule.items[layer], schedule.counts[layer]
     return [tuple(int(x) for x in items[p, i]) for p in range(items.shape[0]) for i in range(counts[p])]
@@ -60,8 +61,8 @@ def random_classes(rng, layouts, cfg):
 @pytest.mark.parametrize("window, pack_tile", [(None, 0), (200, 0), (None, 128), (200, 256)])
 @pytest.mark.parametrize("by_class", [False, True])
 def test_every_visible_page_once(order, window, pack_tile, by_class):
-    """Every page of every (sequence, unit) group planned once, each item inside its sequence's visible pages and
-    headroom; units are runs of heads when packed. Planned a class at a time, too, and the merge rows hold every
+    """Every page of every (sequence, unit) group scheduled once, each item inside its sequence's visible pages and
+    headroom; units are runs of heads when packed. Scheduled a class at a time, too, and the merge rows hold every
     split group's slots."""
     rng = np.random.default_rng()
     layouts = random_layouts(rng, 3, window=window)
@@ -72,16 +73,16 @@ def test_every_visible_page_once(order, window, pack_tile, by_class):
     cfg = config(order=order, min_chunk_tokens=32, pack_tile=pack_tile)
     classes = random_classes(rng, layouts, cfg) if by_class else None
     programs = int(rng.integers(4, 40))
-    plan = build_decode_schedule(lengths, layouts, ps, programs, config=cfg, headroom_pages=headroom, classes=classes)
-    s = plan.schedule
+    built = build_decode_schedule(lengths, layouts, ps, programs, config=cfg, headroom_pages=headroom, classes=classes)
+    s = built.schedule
     assert s.config.pack_tile == pack_tile
-    assert plan.loads.shape == (sum(len(set(c)) for c in classes) if by_class else len(layouts), programs)
+    assert built.loads.shape == (sum(len(set(c)) for c in classes) if by_class else len(layouts), programs)
     for layer, lay in enumerate(layouts):
         units = len(head_runs(lay, s.config))
-        assert_merge_rows(s, layer, planned_items(s, layer))
-        assert plan.num_items[layer] == s.counts[layer].sum()
+        assert_merge_rows(s, layer, scheduled_items(s, layer))
+        assert built.num_items[layer] == s.counts[layer].sum()
         covered = {}
-        for seq, unit, first, end, slot in planned_items(s, layer):
+        for seq, unit, first, end, slot in scheduled_items(s, layer):
             assert 0 <= seq < len(lengths) and 0 <= unit < units and first < end
             for page in range(first, end):
                 assert (seq, unit, page) not in covered
@@ -95,7 +96,7 @@ def test_every_visible_page_once(order, window, pack_tile, by_class):
                 last = -(-n // ps) + np.broadcast_to(headroom, lengths.shape)[b]
                 first = max(n - window, 0) // ps if window else 0
                 assert sorted(pages) == list(range(first, last))
-    assert plan.covers(lengths) and not plan.covers(lengths + (headroom + 1) * ps)
+    assert built.covers(lengths) and not built.covers(lengths + (headroom + 1) * ps)
 
 
 @settings(max_examples=40, deadline=None)
@@ -107,17 +108,17 @@ def test_every_visible_page_once(order, window, pack_tile, by_class):
     st.sampled_from([0, 256]),
 )
 def test_fixed_chunks_cover_every_visible_page_once(lengths, chunk_pages, programs, window, pack_tile):
-    """The batch-invariant plan: every item is one whole chunk [k * C, (k + 1) * C) that starts inside its sequence,
-    goes through the merge in its group's slots in chunk order, and the chunks cover every visible page of every
-    group once."""
+    """The batch-invariant schedule: every item is one whole chunk [k * C, (k + 1) * C) that starts inside its
+    sequence, goes through the merge in its group's slots in chunk order, and the chunks cover every visible page of
+    every group once."""
     ps, splits = 16, 64
     lay = HeadLayout(16, 4, 128, (48, 64, 80, 64), (96, 64, 32, 64), window)
-    plan = fixed_chunk_schedule(
+    built = fixed_chunk_schedule(
         lengths, lay, ps, programs, chunk_pages=chunk_pages, splits=splits, config=config(pack_tile=pack_tile)
     )
-    s, units = plan.schedule, len(head_runs(lay, plan.schedule.config))
+    s, units = built.schedule, len(head_runs(lay, built.schedule.config))
     covered = {}
-    for seq, unit, first, end, slot in planned_items(s, 0):
+    for seq, unit, first, end, slot in scheduled_items(s, 0):
         k = first // chunk_pages
         assert (first, end) == (k * chunk_pages, (k + 1) * chunk_pages) and first * ps < lengths[seq]
         assert 0 <= slot < s.num_slots
@@ -131,8 +132,8 @@ def test_fixed_chunks_cover_every_visible_page_once(lengths, chunk_pages, progra
             assert pages >= set(visible) and (n > 0 or not pages)
             if pages:  # no chunk lies wholly before the window
                 assert min(pages) // chunk_pages == visible[0] // chunk_pages
-    assert plan.covers(lengths)
-    assert_merge_rows(s, 0, planned_items(s, 0), every_group=True)
+    assert built.covers(lengths)
+    assert_merge_rows(s, 0, scheduled_items(s, 0), every_group=True)
 
 
 def assert_merge_rows(s, layer, items, every_group=False):
@@ -162,28 +163,28 @@ def test_split_groups_have_merge_slots(order):
     lay = random_layouts(rng, 1)[0]
     lengths = rng.integers(100, 20000, 3)
     s = build_decode_schedule(lengths, lay, 32, 132, config=config(min_chunk_tokens=64, order=order)).schedule
-    assert_merge_rows(s, 0, planned_items(s, 0))
+    assert_merge_rows(s, 0, scheduled_items(s, 0))
     assert s.merge_dest[0, 0, 0] >= 0  # something was split
 
 
 @pytest.mark.parametrize("order", ["auto", "stream"])
 def test_a_class_at_a_time_keeps_every_program_busy_in_each_class(order):
-    """A rate-0.5-like layer at B32 x 8K with four classes of one or three heads: planned as one, a class's items
-    sit on the few programs that drew them (its kernel takes as long as the whole layer); planned a class at a
+    """A rate-0.5-like layer at B32 x 8K with four classes of one or three heads: scheduled as one, a class's items
+    sit on the few programs that drew them (its kernel takes as long as the whole layer); scheduled a class at a
     time, every class spreads over every program within 10% of its mean load (heads of one width: pages weigh
-    alike; "auto" takes the stream plan here, LPT's whole chunks leave a 1-head class 1.6x its mean)."""
+    alike; "auto" takes the stream schedule here, LPT's whole chunks leave a 1-head class 1.6x its mean)."""
     lay = HeadLayout(32, 8, 128, (64,) * 8, (64,) * 8)  # pages cost alike: balanced cost is balanced pages
     cls = (0, 1, 1, 1, 2, 2, 3, 3)
     lengths, P, ps = np.full(32, 8192), 132, 32
 
-    def worst(plan):  # per class: (largest program load, mean program load) in pages
-        items = planned_items(plan.schedule, 0)
+    def worst(built):  # per class: (largest program load, mean program load) in pages
+        items = scheduled_items(built.schedule, 0)
         out = []
         for c in set(cls):
             load = np.zeros(P)
             for prog in range(P):
-                for i in range(plan.schedule.counts[0, prog]):
-                    seq, unit, first, end, _ = plan.schedule.items[0, prog, i]
+                for i in range(built.schedule.counts[0, prog]):
+                    seq, unit, first, end, _ = built.schedule.items[0, prog, i]
                     load[prog] += (end - first) * (cls[unit] == c)
             out.append((load.max(), load.mean()))
         assert sum(e - f for _, _, f, e, _ in items) == 8 * 32 * 8192 // ps
@@ -221,7 +222,7 @@ def test_lpt_balances_and_beats_naive():
             per_token = unit_costs(lay, lpt.schedule.config)
             costs = [
                 (e - f) * 16 * per_token[u] + DECODE.item_overhead
-                for _, u, f, e, _ in planned_items(lpt.schedule, layer)
+                for _, u, f, e, _ in scheduled_items(lpt.schedule, layer)
             ]
             assert lpt.loads[layer].sum() == sum(costs)
             assert lpt.loads[layer].max() <= lpt.loads[layer].sum() / P + max(costs)  # the list-scheduling bound
@@ -239,13 +240,13 @@ def test_stream_gives_every_program_an_equal_share():
     lengths = rng.integers(1, 6000, int(rng.integers(1, 40)))
     ps, P = 16, int(rng.integers(8, 200))
     cfg = config(order="stream", min_chunk_tokens=64, pack_tile=int(rng.choice([0, 256])))
-    plan = build_decode_schedule(lengths, layouts, ps, P, config=cfg)
+    built = build_decode_schedule(lengths, layouts, ps, P, config=cfg)
     snap = max(1, cfg.min_chunk_tokens // ps // 4)
     for layer, lay in enumerate(layouts):
-        work = plan.loads[layer] - cfg.item_overhead * plan.schedule.counts[layer]
+        work = built.loads[layer] - cfg.item_overhead * built.schedule.counts[layer]
         page = ps * max(unit_costs(lay, cfg))
         assert np.abs(work - work.sum() / P).max() <= 2 * (snap + 1) * page
-        line = [(seq, unit, first) for seq, unit, first, _, _ in planned_items(plan.schedule, layer)]
+        line = [(seq, unit, first) for seq, unit, first, _, _ in scheduled_items(built.schedule, layer)]
         assert line == sorted(line)  # program after program along the line, in natural group order
 
 
@@ -275,7 +276,7 @@ def test_shapes_are_bucketed_int32_and_layers_independent():
     def same_work(sched, layer):
         """The items on each program in order; partial slots are numbered within the merge table, whose bucketed
         width all layers share, so only whether an item is direct or partial."""
-        return [item[:4] + (item[4] < 0,) for item in planned_items(sched, layer)]
+        return [item[:4] + (item[4] < 0,) for item in scheduled_items(sched, layer)]
 
     assert same_work(one, 0) == same_work(s, 1)
 
@@ -291,7 +292,7 @@ def test_lpt_deal_matches_a_plain_loop():
     s = build_decode_schedule(lengths, layouts, ps, P, config=cfg).schedule
     for layer, lay in enumerate(layouts):
         per_token = unit_costs(lay, cfg)
-        items = sorted(planned_items(s, layer))  # natural order: seq, unit, first page
+        items = sorted(scheduled_items(s, layer))  # natural order: seq, unit, first page
         cost = [(e - f) * ps * per_token[u] + cfg.item_overhead for _, u, f, e, _ in items]
         order = sorted(range(len(items)), key=lambda i: (-cost[i], i))
         loads, rows = np.zeros(P, np.int64), [[] for _ in range(P)]
@@ -308,56 +309,56 @@ def test_realized_loads_clip_items_to_the_real_lengths():
     lengths = rng.integers(0, 3000, 9)
     ps = 16
     cfg = config(min_chunk_tokens=32, pack_tile=int(rng.choice([0, 256])))
-    plan = build_decode_schedule(lengths, layouts, ps, 16, config=cfg, headroom_pages=rng.integers(0, 20, 9))
-    # at the lengths it was planned for, the plan meets exactly its planned loads
-    assert np.array_equal(realized_loads(plan.schedule, plan.capacity, layouts, ps), plan.loads)
-    # at the real lengths, every token is counted once (no window), however far the plan reaches past it
-    real = realized_loads(plan.schedule, lengths, layouts, ps)
+    built = build_decode_schedule(lengths, layouts, ps, 16, config=cfg, headroom_pages=rng.integers(0, 20, 9))
+    # at the lengths it was scheduled for, the schedule meets exactly its scheduled loads
+    assert np.array_equal(realized_loads(built.schedule, built.capacity, layouts, ps), built.loads)
+    # at the real lengths, every token is counted once (no window), however far the schedule reaches past it
+    real = realized_loads(built.schedule, lengths, layouts, ps)
     per_token = np.array([sum(unit_costs(lay, cfg)) for lay in layouts])
-    assert np.array_equal(real.sum(axis=1), lengths.sum() * per_token + cfg.item_overhead * plan.num_items)
-    assert np.all(real <= plan.loads) and 0 < load_balance(real) <= 1
+    assert np.array_equal(real.sum(axis=1), lengths.sum() * per_token + cfg.item_overhead * built.num_items)
+    assert np.all(real <= built.loads) and 0 < load_balance(real) <= 1
 
 
-def test_planner_reuses_until_a_sequence_outgrows_its_pages():
+def test_schedule_cache_reuses_until_a_sequence_outgrows_its_pages():
     layouts = random_layouts(np.random.default_rng(), 2)
-    planner = DecodePlanner(layouts, 16, 32, config=config(headroom_tokens=16), ahead=False)
+    cache = ScheduleCache(layouts, 16, 32, config=config(headroom_tokens=16), ahead=False)
     lengths = np.array([5, 16, 17, 40])
-    first = planner(lengths)
+    first = cache(lengths)
     for step in range(1, 30):
-        schedule = planner(lengths + step)
-        assert planner.plan.covers(lengths + step)
+        schedule = cache(lengths + step)
+        assert cache.built.covers(lengths + step)
         if step < 17:  # every sequence keeps at least one spare page for 16 steps
             assert schedule is first
-    assert 1 < planner.rebuilds <= 3
-    planner(np.array([5, 16, 17]))  # the batch changed
-    assert planner.plan.capacity.shape == (3,)
+    assert 1 < cache.rebuilds <= 3
+    cache(np.array([5, 16, 17]))  # the batch changed
+    assert cache.built.capacity.shape == (3,)
 
 
-def test_planner_headroom_is_capped_at_the_length():
+def test_schedule_cache_headroom_is_capped_at_the_length():
     layouts = random_layouts(np.random.default_rng(), 1)
-    planner = DecodePlanner(layouts, 16, 8, config=config(headroom_tokens=100), ahead=False)
+    cache = ScheduleCache(layouts, 16, 8, config=config(headroom_tokens=100), ahead=False)
     lengths = np.array([0, 1, 16, 17, 99, 100, 101, 1000])
     room = np.array([0, 1, 1, 2, 7, 7, 7, 7]) * 16  # min(100, length) rounded up to pages
-    assert np.array_equal(planner.build(lengths).capacity, -(-lengths // 16) * 16 + room)
+    assert np.array_equal(cache.build(lengths).capacity, -(-lengths // 16) * 16 + room)
 
 
-def test_planner_builds_ahead():
-    """Growing sequences (with padding rows that stay at length 1 and empty rows): every plan after the first is
-    built ahead for the lengths it meets, and each one taken covers every step it serves."""
+def test_schedule_cache_builds_ahead():
+    """Growing sequences (with padding rows that stay at length 1 and empty rows): every schedule after the first
+    is built ahead for the lengths it meets, and each one taken covers every step it serves."""
     rng = np.random.default_rng()
     layouts = random_layouts(rng, 2)
     batch = 12
     lengths = np.concatenate([rng.integers(1, 300, batch - 3), [1, 1, 0]])
     grows = np.arange(batch) < batch - 3
-    planner = DecodePlanner(layouts, 16, 16, config=config(headroom_tokens=int(rng.integers(16, 100))))
+    cache = ScheduleCache(layouts, 16, 16, config=config(headroom_tokens=int(rng.integers(16, 100))))
     for step in range(300):
-        schedule = planner(lengths + step * grows)
-        assert planner.plan.covers(lengths + step * grows) and schedule is planner.plan.schedule
-        assert np.array_equal(planner.plan.capacity[-3:], [32, 32, 0])  # planned as they are: no growth expected
-    assert planner.rebuilds >= 3 and planner.built_ahead == planner.rebuilds - 1  # a plan lasts < 128 steps
-    taken = planner.built_ahead
-    planner(np.full(batch, 5000))  # outgrew everything: the plan built ahead (if any) does not cover it
-    assert planner.built_ahead == taken and planner.plan.covers(np.full(batch, 5000))
+        schedule = cache(lengths + step * grows)
+        assert cache.built.covers(lengths + step * grows) and schedule is cache.built.schedule
+        assert np.array_equal(cache.built.capacity[-3:], [32, 32, 0])  # scheduled as they are: no growth expected
+    assert cache.rebuilds >= 3 and cache.built_ahead == cache.rebuilds - 1  # a schedule lasts < 128 steps
+    taken = cache.built_ahead
+    cache(np.full(batch, 5000))  # outgrew everything: the schedule built ahead (if any) does not cover it
+    assert cache.built_ahead == taken and cache.built.covers(np.full(batch, 5000))
 
 
 @settings(max_examples=25, deadline=None)
@@ -369,9 +370,9 @@ def test_planner_builds_ahead():
     st.integers(1, 2),
     st.booleans(),
 )
-def test_one_compiled_shape_holds_every_plan_of_the_batch(seed, max_batch, programs, order, per_program, invariant):
+def test_one_compiled_shape_holds_every_schedule_of_the_batch(seed, max_batch, programs, order, per_program, invariant):
     """Requests arrive, grow and finish at random in ``max_batch`` slots (empty slots at length 1, as the engine
-    runs them): every schedule the planner hands out has the shape ``compiled_shape`` gave it, so the jitted step
+    runs them): every schedule the cache hands out has the shape ``compiled_shape`` gave it, so the jitted step
     never compiles again."""
     rng = np.random.default_rng(seed)
     layouts = random_layouts(rng, 2, heads=int(rng.choice([2, 8])), window=rng.choice([None, 300]))
@@ -381,7 +382,7 @@ def test_one_compiled_shape_holds_every_plan_of_the_batch(seed, max_batch, progr
     classes = None if invariant or rng.random() < 0.5 else random_classes(rng, layouts, cfg)  # a class at a time
     most = max(len(set(c)) for c in classes) if classes else 1
     shape = compiled_shape(layouts, max_batch, programs, config=cfg, splits=splits, classes=most)
-    planner = DecodePlanner(
+    cache = ScheduleCache(
         layouts,
         ps,
         programs,
@@ -399,18 +400,18 @@ def test_one_compiled_shape_holds_every_plan_of_the_batch(seed, max_batch, progr
         lengths = np.where(admit, rng.integers(1, pages_per_seq * ps, max_batch), lengths)
         lengths = np.where((event == 2) & (rng.random(max_batch) < 0.2), 1, lengths + (lengths > 1))
         lengths = np.minimum(lengths, pages_per_seq * ps)
-        schedule = planner(lengths)
-        assert schedule.shape == shape and planner.reshaped == 0
+        schedule = cache(lengths)
+        assert schedule.shape == shape and cache.reshaped == 0
 
 
-def test_a_plan_wider_than_the_shape_widens_it_for_good():
+def test_a_schedule_wider_than_the_shape_widens_it_for_good():
     rng = np.random.default_rng()
     layouts = random_layouts(rng, 2)
-    planner = DecodePlanner(layouts, 16, 8, ahead=False, shape=ScheduleShape(1, 1, 1))
-    wide = planner(rng.integers(1000, 4000, 16)).shape
-    assert planner.reshaped == 1 and wide == planner.shape and wide != (1, 1, 1)
-    planner.plan = None
-    assert planner(np.full(16, 1)).shape == wide and planner.reshaped == 1
+    cache = ScheduleCache(layouts, 16, 8, ahead=False, shape=ScheduleShape(1, 1, 1))
+    wide = cache(rng.integers(1000, 4000, 16)).shape
+    assert cache.reshaped == 1 and wide == cache.shape and wide != (1, 1, 1)
+    cache.built = None
+    assert cache(np.full(16, 1)).shape == wide and cache.reshaped == 1
 
 
 def test_static_schedule_covers_the_whole_table():
@@ -438,7 +439,7 @@ def test_a_layer_index_outside_the_schedule_is_refused():
 
 
 def test_the_order_does_not_change_what_the_kernel_compiles_for():
-    """Plans of any order (and other planner-only fields) carry one run config, so a step taking them as an
+    """Schedules of any order (and other schedule-only fields) carry one run config, so a step taking them as an
     argument compiles once even when "auto" switches between LPT and stream."""
     rng = np.random.default_rng()
     layouts = random_layouts(rng, 2)
