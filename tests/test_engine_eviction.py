@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY_CONFIGS, fresh_seed
-from test_scheduler import VOCAB, FakeEngine, next_token, single_run
+from test_request_scheduler import VOCAB, FakeEngine, next_token, single_run
 
 import kvjax
 from kvjax.eviction.reference import evicted_hidden
