@@ -17,7 +17,7 @@ import kvjax
 from kvjax.cli import convert
 from kvjax.io import saved
 from kvjax.ops.kv_schemes import SERVED
-from kvjax.runtime.generate import chat_ids
+from kvjax.runtime.text import chat_ids
 
 WIDE = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)
 RANDOM = dict(calibration="random", num_tokens=64, seq_len=32, progress=False)

@@ -28,7 +28,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 import kvjax  # noqa: E402
 from kvjax.runtime.engine import Engine  # noqa: E402
-from kvjax.runtime.generate import encode_prompt  # noqa: E402
+from kvjax.runtime.text import encode_prompt  # noqa: E402
 from kvjax.serving.api import create_app, server_config  # noqa: E402
 from kvjax.serving.worker import Worker  # noqa: E402
 

@@ -147,7 +147,7 @@ def _check_paths(p: argparse.ArgumentParser, args) -> None:
 
 def _encode(model, prompts: list, args, capacity: int, where: str) -> tuple[dict, dict]:
     """Each prompt's token ids, or the one-line reason it cannot be generated: ({index: ids}, {index: error})."""
-    from kvjax.runtime.generate import encode_prompt
+    from kvjax.runtime.text import encode_prompt
 
     encoded, errors = {}, {}
     for n, prompt in enumerate(prompts):

@@ -13,7 +13,8 @@ import math
 import numpy as np
 
 from kvjax.errors import CheckpointError
-from kvjax.io.hf import MissingTensorError, Path, Source, as_is, one_line, q_norm_weight, transposed
+from kvjax.io.hf import MissingTensorError, Path, Source, as_is, q_norm_weight, transposed
+from kvjax.io.messages import one_line
 from kvjax.models.config import ModelConfig, UnsupportedModelError
 
 # llama.cpp's pre-tokenizer names -> how the text is split before byte-level BPE.

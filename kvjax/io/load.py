@@ -15,7 +15,8 @@ from tqdm.auto import tqdm
 from kvjax import machine, validate
 from kvjax.errors import CheckpointError
 from kvjax.io import atomic
-from kvjax.io.hf import SafetensorsReader, fill_params, hf_sources, read_json
+from kvjax.io.hf import SafetensorsReader, fill_params, hf_sources
+from kvjax.io.messages import read_json
 from kvjax.io.saved import is_kvjax_checkpoint, load_saved
 from kvjax.models.config import MODEL_TYPES, ModelConfig, UnsupportedModelError, config_from_hf
 from kvjax.models.model import Model

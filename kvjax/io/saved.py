@@ -31,7 +31,7 @@ from flax import nnx
 from kvjax import machine
 from kvjax.errors import CheckpointError
 from kvjax.io import atomic
-from kvjax.io.hf import json_error, one_line, read_json, some
+from kvjax.io.messages import json_error, one_line, read_json, some
 
 # 2: a ZACK layer's qk_rotation is [d, k_cols] (``models.rotation``); format 1 stored it per group, zero-padded to
 # the widest group, [Hkv, d, W], and loads as such, converted.

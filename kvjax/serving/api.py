@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvjax import validate
-from kvjax.runtime.generate import chat_ids, cut_at_stop, encode_prompt, eos_ids, stopped
 from kvjax.runtime.scheduler import Request
+from kvjax.runtime.text import chat_ids, cut_at_stop, encode_prompt, eos_ids, stopped
 from kvjax.serving.worker import Worker
 
 # A text of n characters is refused untokenized when n > TEXT_MARGIN x longest token x positions: each token spans
