@@ -25,6 +25,7 @@ from kvjax.runtime.engine import Engine
 from kvjax.runtime.runner import Runner
 from kvjax.runtime.scheduler import Request
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where ``bench`` is a package: the runs' cwd
 NEW_TOKENS = 128
 CONFIGS = "0:64x2048:12GiB,0.5:64x2048:12GiB,0:64x2048:0.9,0:8x32768:0.9,0.5:8x32768:0.9"
 
@@ -111,8 +112,7 @@ def main(argv=None) -> None:
     for config in args.configs.split(","):
         log(f"{config}")
         cmd = [sys.executable, "-m", "bench.capacity", "--one", config, "--chunk-tokens", str(args.chunk_tokens)]
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where ``bench`` is a package
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         lines = [line for line in out.stdout.splitlines() if line.startswith("ROW ")]
         if out.returncode or not lines:
             print(out.stderr[-3000:], file=sys.stderr)

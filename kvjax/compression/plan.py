@@ -32,6 +32,7 @@ from kvjax.layout import HeadLayout
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.search import fill_runs, order_heads
 from kvjax.ops.kv_schemes import served
+from kvjax.ops.tiles import is_pow2
 
 ALIGN = 16
 METHODS = ("zack", "palu")
@@ -68,7 +69,7 @@ def check_band(band, method: str, max_context=None) -> int | None:
     if band is None:
         return None
     band = validate.integer("band", band, low=1)
-    if band > 4096 or band & (band - 1):
+    if band > 4096 or not is_pow2(band):
         raise ValueError(f"band must be a power of two from 1 to 4096, got {band}")
     if method != "zack":
         raise ValueError(f"band applies to method='zack' (a post-RoPE basis), not {method!r}")

@@ -46,7 +46,7 @@ from kvjax.ops.decode.merge import merge
 from kvjax.ops.decode.schedule import END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, DecodeSchedule
 from kvjax.ops.decode.tables import RunClass, folds, step_tokens
 from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, store_rows, whole_block
-from kvjax.ops.tiles import tile
+from kvjax.ops.tiles import is_pow2, tile
 
 BLOCK_H = ROWS  # query rows per item: a GQA group (G <= 8) padded to the tensor cores' smallest M
 MIN_BAND = 16  # banded keys: a band's queries are G / W of its keys' bytes (Palu's kernel reads narrower bands)
@@ -428,7 +428,7 @@ def check_band(band) -> int:
     """``band`` if this kernel reads keys in bands of that many positions (a power of two, at least ``MIN_BAND``):
     else a ValueError, or a TypeError for a band that is no integer."""
     band = validate.integer("band", band)
-    if band < MIN_BAND or band & (band - 1):
+    if not is_pow2(band, MIN_BAND):
         raise ValueError(f"band must be a power of two >= {MIN_BAND}, got {band}")
     return band
 
