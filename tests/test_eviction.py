@@ -483,7 +483,9 @@ def test_quantized_survivors_are_compacted_then_paged_as_one_head_at_a_time_woul
 
 def test_quantized_pages_with_nothing_evicted_serve_as_the_quantized_cache_does(tiny_config):
     """Everything kept: the compacted slots are the positions, so the decoded rows read what
-    ``quantized_causal_attention`` serves a prompt prefilled in one chunk (the prompt's rows exactly)."""
+    ``quantized_causal_attention`` serves a prompt prefilled in one chunk. The prompt's rows agree to float
+    rounding; the decoded rows to 2e-3, because the two paths compute the prompt's keys in another order and a
+    4-bit code on a rounding boundary can flip (seed 4192278983 moved them 1.2e-4; quantizing moves them ~0.08)."""
     seed = fresh_seed()
     model = kvjax.Model.random(tiny_config, seed=seed % 1000)
     tokens = np.random.default_rng(seed).integers(0, tiny_config.vocab_size, (2, 40))
@@ -498,7 +500,9 @@ def test_quantized_pages_with_nothing_evicted_serve_as_the_quantized_cache_does(
         return quantized_causal_attention(q, k, v, module.layouts[i], scheme, prompt=30)
 
     want = module.hidden(jnp.asarray(tokens, jnp.int32), positions, attend)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
-    assert not np.allclose(np.asarray(got)[:, 30:], np.asarray(model.hidden(tokens))[:, 30:])  # it quantizes
+    got, want = np.asarray(got), np.asarray(want)
+    np.testing.assert_allclose(got[:, :30], want[:, :30], rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(got[:, 30:], want[:, 30:], atol=2e-3, err_msg=f"seed {seed}")
+    assert not np.allclose(got[:, 30:], np.asarray(model.hidden(tokens))[:, 30:], atol=1e-2)  # it quantizes
     with pytest.raises(ValueError, match="ZipCache"):
         hidden_after(model, tokens, kept, kv=kv_schemes.parse("zipcache"))
