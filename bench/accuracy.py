@@ -2,8 +2,8 @@
 half of Python's ``pydoc_data.topics``; calibration text comes from the first half) and teacher-forced greedy
 agreement with the uncompressed model over N held-out prompts continued M tokens, per variant (ZACK adaptive or
 uniform ranks, Palu adaptive or uniform) and calibration source (random token ids, text, prose, code); "99% of
-baseline" = perplexity within +1% and agreement >= 99%. Results: bench/RESULTS.md "Compression accuracy (SmolLM2)"
-and "GGUF perplexity vs transformers".
+baseline" = perplexity within +1% and agreement >= 99%. Results: bench/results/accuracy.md "Compression accuracy
+(SmolLM2)" and "GGUF perplexity vs transformers".
 
 Mode ``eval`` scores longer contexts on two kinds of held-out text, prose (pydoc topics) and code (standard-library
 sources, ``kvjax.compression.text.stdlib_code``), in windows of 1K and 4K tokens: perplexity, and against the
@@ -1049,8 +1049,8 @@ def main(argv=None):
     if args.mode not in ("eval", "retrieval") and MEASURED & set(args.variants):
         p.error(f"--variants {' '.join(sorted(MEASURED & set(args.variants)))}: eval and retrieval only")
     # float32 means float32 on every device: JAX's GPU default computes float32 dots in TF32 (10-bit mantissas), so
-    # the same command gave other retrieval answers on an H100 than on the CPU (bench/RESULTS.md "Retrieval at 4K and
-    # 8K with quantized pages (SmolLM2, H100)")
+    # the same command gave other retrieval answers on an H100 than on the CPU (bench/results/quantization.md "Retrieval
+    # at 4K and 8K with quantized pages (SmolLM2, H100)")
     jax.config.update("jax_default_matmul_precision", "highest")
 
     start = time.time()

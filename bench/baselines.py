@@ -2,7 +2,7 @@
 ``jax.nn.dot_product_attention`` (decode and causal prefill, on a contiguous uncompressed cache), JAX's Pallas
 ``paged_attention`` (deprecated in JAX, on the uncompressed paged cache) and Palu's decode (K cached as a low-rank
 latent, rebuilt and RoPE'd every step). Each returns ``(fn, shared, per_call)`` for ``harness.time_calls``; the
-comparisons are in bench/RESULTS.md "Decode kernel: time beside the floor" and "Prefill vs cuDNN"."""
+comparisons are in bench/results/kernels.md "Decode kernel: time beside the floor" and "Prefill vs cuDNN"."""
 
 from __future__ import annotations
 

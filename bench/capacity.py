@@ -3,7 +3,7 @@
 budget buys, how many of the requests fit at once, then every request run through the continuous-batching runner:
 the most that ran at once, preemptions, wall time, tokens/s, and the device memory at its peak beside the weights,
 the cache and the engine's activation reserve. Each configuration runs in a process of its own, so each peak is
-its own. Table: bench/RESULTS.md "Engine: memory by budget"."""
+its own. Table: bench/results/engine.md "Engine: memory by budget"."""
 
 from __future__ import annotations
 

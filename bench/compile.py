@@ -5,7 +5,7 @@ them, ``tables.kernel_groups``; ``--knob`` sets DecodeConfig fields such as ``ke
 compiled by XLA on its own, timed by the host. ``--kv-bits 4`` compiles the quantized decode op instead
 (``QuantDecodeOp``: its groups from ``quant_kernel.kernel_groups`` under the same ``kernel_classes`` cap, a branch
 per head class; ``--quant-knob`` sets QuantKernelConfig fields such as ``narrow_step_tokens``), so ``--layers 1``
-times one layer's kernel. Tables: bench/RESULTS.md "Engine: compile times", "Quantized pages: compile times"."""
+times one layer's kernel. Tables: bench/results/startup.md "Engine: compile times", "Quantized pages: compile times"."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """XLA's compile time for modules that call the decode kernel, with JAX's persistent cache off: whether a module
 pays once per call site or once per distinct kernel, and whether a kernel compiled earlier in the process is
-reused by another module. Table: bench/RESULTS.md "Decode: compile time"."""
+reused by another module. Table: bench/results/kernels.md "Decode: compile time"."""
 
 from __future__ import annotations
 

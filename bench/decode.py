@@ -2,8 +2,8 @@
 on every shape class, its time beside the floor (bytes it must read over the copy bandwidth) and beside the
 baselines, a sweep of ``DecodeConfig`` variants per rank plan (autotune), bandwidth by head width, and the
 rate-0.5 layer as one launch per width class. Every schedule is built with the config the kernel then runs with (the
-kernel reads its knobs from ``schedule.config``). Tables: bench/RESULTS.md "Decode kernel: time beside the floor",
-"Decode schedule: unit costs", "Decode: run width and pieces" and "Kernel correctness"."""
+kernel reads its knobs from ``schedule.config``). Tables: bench/results/kernels.md "Decode kernel: time beside the
+floor", "Decode schedule: unit costs", "Decode: run width and pieces" and "Kernel correctness"."""
 
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ from kvjax.ops.decode.reference import paged_decode_attention
 from kvjax.ops.decode.schedule import BuiltSchedule, build_decode_schedule
 
 # The fields the autotune table prints, and its variants: the schedule's unit costs, a floor or a large fixed cost
-# per token (bench/RESULTS.md "Decode schedule: unit costs"; the earlier sweeps of warps, stages, tokens per step,
-# pieces, folding, orders and run width are in its other "Decode" sections).
+# per token (bench/results/kernels.md "Decode schedule: unit costs"; the earlier sweeps of warps, stages, tokens per
+# step, pieces, folding, orders and run width are in its other "Decode" sections).
 DECODE_SWEPT = (
     "order",
     "pack_tile",
@@ -310,7 +310,7 @@ def _uncompressed_baselines(case, key, ctx, floor, base) -> list[dict]:
 
 def width_sweep(key, bw, config: DecodeConfig = DECODE):
     """Decode bandwidth at batch 32, 4K by head width, heads read as one padded tile or in up to 3 pieces."""
-    # pieces only where each saves ``piece_saving`` columns (bench/RESULTS.md "Decode: run width and pieces")
+    # pieces only where each saves ``piece_saving`` columns (bench/results/kernels.md "Decode: run width and pieces")
     print("\n| layout | pieces | time us | % of copy bw |\n|---|---|---|---|")
     sweep = [
         ("rate 0.5 layer", pick_layer(rank_plan(0.5, config=config), 0.5)),

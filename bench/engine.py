@@ -6,7 +6,7 @@ summed), beside the floor (weights + K/V bytes read per step over the measured c
 attention and the rest; then the same step enqueued back to back without the runner (its span: kernels and the
 gaps between them), which tells the host's share of wall over device from the gaps'. With ``--prefill-chunks``, then
 prompt tokens per second at each chunk budget. Which kernels the gaps precede: bench/gaps.py. Tables:
-bench/RESULTS.md "Engine: decode step beside the floor", "Engine: prefill across chunk sizes"."""
+bench/results/engine.md "Engine: decode step beside the floor", "Engine: prefill across chunk sizes"."""
 
 from __future__ import annotations
 

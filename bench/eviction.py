@@ -23,7 +23,7 @@ context in one batched call), scored by their text: observation-window methods o
 bytes over the ratio).
 
 Scores are computed once per (plan, window), every method from one forward and one compile, and reused by every
-budget and page format. Results: bench/RESULTS.md "Eviction: accuracy"."""
+budget and page format. Results: bench/results/eviction.md "Eviction: accuracy"."""
 
 from __future__ import annotations
 

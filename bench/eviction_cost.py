@@ -19,8 +19,8 @@ Three parts, each a table:
 - **ttft**: the time to first token of one ``--context``-token prompt through the runner (``--chunk`` tokens a
   prefill step, host timer, second pass), and each method's metric, selection and compaction as a share of it.
 
-Table: bench/RESULTS.md "Eviction: device cost". ``--timer host --context 256 --batch 1 --no-ttft`` runs on a CPU
-(plumbing only)."""
+Table: bench/results/eviction.md "Eviction: device cost". ``--timer host --context 256 --batch 1 --no-ttft`` runs on a
+CPU (plumbing only)."""
 
 from __future__ import annotations
 

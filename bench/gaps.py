@@ -4,7 +4,7 @@ of a compute stream charged to the kernel after it, summed per kernel name (nume
 launches per step beside. Copy and memset events are left out: the step's input copy runs on a stream of its own,
 and its "gap" is the whole step. JAX's profiler and the Mosaic CUPTI timer that ``engine.py`` uses cannot share a
 process (the timer aborts: "activity records were dropped"), hence a script of its own.
-Table: bench/RESULTS.md "Engine: where the decode step's gaps sit"."""
+Table: bench/results/engine.md "Engine: where the decode step's gaps sit"."""
 
 from __future__ import annotations
 

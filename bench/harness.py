@@ -2,7 +2,7 @@
 bf16) and its random rank plans (``rank_plan``, ``pick_layer``), random paged inputs (``PagedCase``), the timers
 (``time_calls``: CUPTI's kernel durations or the host's wall clock over queued calls; ``compile_ahead`` compiles
 variants side by side first), the ceilings the floors divide by (``copy_bandwidth``, ``matmul_rate``), error
-measures against a float32 reference, and table printing. Why CUPTI by default: bench/RESULTS.md "Decode: CUPTI
+measures against a float32 reference, and table printing. Why CUPTI by default: bench/results/kernels.md "Decode: CUPTI
 timer against the host timer"."""
 
 from __future__ import annotations

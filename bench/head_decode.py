@@ -11,8 +11,8 @@ that many sequences hold tokens, the rest of the batch none (a lightly loaded en
 (``--per-sequence``) the engine's per-sequence kernel (``ops.decode.kernel``, its balanced schedule) over the whole
 context: the same bytes as keep 1. Every row: CUPTI time, the floor (the K and V bytes the heads store over the
 measured copy bandwidth), their ratio, and the relative error against ``head_paging.decode_attention`` (float32).
-``--interpret --timer host --shape 2x256`` runs the rows on a CPU (plumbing only). Table: bench/RESULTS.md "Per-head
-pages: decode kernel"."""
+``--interpret --timer host --shape 2x256`` runs the rows on a CPU (plumbing only). Table: bench/results/eviction.md
+"Per-head pages: decode kernel"."""
 
 from __future__ import annotations
 

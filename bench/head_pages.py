@@ -5,7 +5,7 @@ one token in every head, in one call; the entries it fills are what the device's
 entries and, beside them, whole per-head tables would send, and the time one sequence's eviction (a random half
 kept per head) takes with the moves it returns.
 
-Host work only: the same numbers on any machine with this CPU. Table: bench/RESULTS.md "Per-head pages: host
+Host work only: the same numbers on any machine with this CPU. Table: bench/results/eviction.md "Per-head pages: host
 cost"."""
 
 from __future__ import annotations

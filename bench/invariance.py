@@ -1,6 +1,6 @@
 """Batch invariance measured: how often batching changes greedy tokens, where the changes come from (GEMM rows,
 prefill padding, the decode plan), and what the batch-invariant mode (``kvjax.generate(..., batch_invariant=True)``)
-costs in decode kernel time and prefill time; ``--help`` describes each section. Results: bench/RESULTS.md "Batch
+costs in decode kernel time and prefill time; ``--help`` describes each section. Results: bench/results/engine.md "Batch
 invariance"."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How a target rate's kept columns are best split between Q/K and V (issue 17 item 3): per plan (one removal rate
 for both, the uniform plan's split by singular-value mass, and fixed Q/K shares), the held-in KL from the
 uncompressed model on calibration text (what ``compress(k_share="measured")`` minimises) beside held-out
-perplexity. Results: bench/RESULTS.md "Compression: K and V budgets".
+perplexity. Results: bench/results/accuracy.md "Compression: K and V budgets".
 
     python -m bench.kv_split --model smollm2 --method zack --rate 0.5 --json out.json
 """

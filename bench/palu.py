@@ -3,7 +3,7 @@ plan of the Llama-3.1-8B shape: checked against the jnp reference, then timed (C
 warps, pipeline stages, splits), beside the floor (the latent K and V bytes over the copy bandwidth), ZACK's decode
 kernel on the same widths (with ``--bands``, also banded ZACK's: the same kernel projecting each query once a band,
 beside plain ZACK with the banded config's folds, which separates the two costs), and Palu's decode as XLA fuses
-the jnp form. Tables: bench/RESULTS.md "Palu's decode kernel", "Banded decode kernel"."""
+the jnp form. Tables: bench/results/kernels.md "Palu's decode kernel", "Banded decode kernel"."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ slowest device summed over layers, over a perfect split: decode attention time),
 local layout for the one SPMD program, each local head as wide as the widest device's: what a forward over padded
 local layouts reads, ``shards.padded_imbalance``), mean and worst.
 
-Host arithmetic only, in bf16 bytes: the same on any machine. Table: bench/RESULTS.md "Tensor parallelism: head
+Host arithmetic only, in bf16 bytes: the same on any machine. Table: bench/results/parallel.md "Tensor parallelism: head
 placement"."""
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 a row per model (uncompressed first, then by variant and rate) and context, a column per depth, each cell's accuracy
 written in it. The per-run maps ``accuracy.py --png-dir`` writes hold one model each; this one is for comparing.
 A grid split over several runs (by context, by variant) reads as one. ``--markdown`` also prints the mean accuracy
-per model and context and the largest rate within 2 points of the uncompressed model, as in ``bench/RESULTS.md``;
-``--mean-depths`` averages only some depths (those the uncompressed model answers, say).
+per model and context and the largest rate within 2 points of the uncompressed model, as in
+``bench/results/accuracy.md``; ``--mean-depths`` averages only some depths (those the uncompressed model answers, say).
 
-    python3 -m bench.plot_retrieval bench/results/retrieval-a.json bench/results/retrieval-b.json --task passkey \\
+    python3 -m bench.plot_retrieval out/retrieval-a.json out/retrieval-b.json --task passkey \\
         --out bench/plots/x.png
 """
 
@@ -69,7 +69,7 @@ def table(runs: list[dict], task: str, tolerance: float = 0.02, depths: list[flo
     variant and context the largest grid target rate whose mean (and every smaller grid rate's) is within
     ``tolerance`` of the uncompressed model's, by ``accuracy.largest_passing`` as ``within_tolerance`` judges it (0
     where none is). Fewer depths leave out cells the uncompressed model fails (depth 1 for both real models:
-    RESULTS "Retrieval")."""
+    bench/results/accuracy.md "Retrieval: SmolLM2 and Gemma 3 270M, 1K to 8K")."""
     chosen = models(runs, task)
     if depths is not None:
         known = chosen[0][0]["results"]["depths"]

@@ -7,7 +7,7 @@ the model's context length, ``kvjax.compress``'s default), and ZACK calibrated o
 ``--bands-only``. Each
 cell: the perplexity, and its ratio to the uncompressed model's over the same positions. Calibration text:
 ``--calibration`` (default "prose", the first half of Python's pydoc topics); evaluation: the second half
-(``kvjax.compression.text``). Tables: bench/RESULTS.md "Compression: the basis for the served positions"."""
+(``kvjax.compression.text``). Tables: bench/results/accuracy.md "Compression: the basis for the served positions"."""
 
 from __future__ import annotations
 

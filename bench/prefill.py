@@ -1,7 +1,7 @@
 """The prefill kernel (``kvjax.ops.prefill.kernel.prefill_attention``) measured: its correctness against the jnp
 reference (output and the K/V it writes into the pages), its time beside the floor (causal FLOPs over the measured
 matmul rate) balanced and unbalanced against cuDNN, and a sweep of ``PrefillConfig`` variants. Tables:
-bench/RESULTS.md "Prefill vs cuDNN", "Prefill: knob sweep" and "Kernel correctness"."""
+bench/results/kernels.md "Prefill vs cuDNN", "Prefill: knob sweep" and "Kernel correctness"."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from kvjax.ops.prefill.reference import causal_attention
 
 # heads too wide for 128-key prefill steps (``plan.keys_per_step`` gives them 64) beside narrow ones
 WIDE = HeadLayout(32, 8, 128, (112, 128, 16, 96, 112, 64, 128, 48), (112, 16, 128, 112, 80, 128, 96, 48))
-# The fields the sweep prints, and its variants of the defaults (bench/RESULTS.md "Prefill: knob sweep").
+# The fields the sweep prints, and its variants of the defaults (bench/results/kernels.md "Prefill: knob sweep").
 PREFILL_SWEPT = ("block_q", "block_k", "max_block_q", "tile_widths", "num_warps", "num_stages")
 PREFILL_SWEEP = [
     PREFILL,

@@ -10,7 +10,7 @@ of copy bandwidth. ``--widths`` adds layers of one head width each (one head cla
 reads runs of adjacent heads as one unit; ``--one-schedule`` plans a layer's class kernels as one (the ablation).
 ``--gear NAME`` adds GEAR's decode kernel (``ops.decode.gear_kernel``) over pages of that scheme.
 ``--interpret --timer host --shape 2x256`` runs the same rows on a CPU (plumbing only: its times mean nothing).
-Tables: bench/RESULTS.md "Quantized pages: decode kernel"."""
+Tables: bench/results/quantization.md "Quantized pages: decode kernel"."""
 
 from __future__ import annotations
 

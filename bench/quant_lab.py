@@ -2,7 +2,8 @@
 (sequence, KV head, split) streaming its whole pages, no schedule, no tail, partials merged in jnp), timed side by
 side on a GPU (CUPTI) with the floor (the pages' bytes over the measured copy bandwidth) and checked against
 ``quantized_decode_attention``. Uniform heads of 128 + 128 (rate 0), G = 4, pages of 32 tokens, B32 x 8K by default.
-What it found: bench/RESULTS.md "Quantized pages: decode kernel lab"; bench/notes/2026-11-27-quantized-kernel-lab.md.
+What it found: bench/results/quantization.md "Quantized pages: decode kernel lab";
+bench/notes/2026-11-27-quantized-kernel-lab.md.
 
 Variants (``--variants``; a ``_pre`` suffix issues a step's loads one step ahead, held in registers):
   gather  the production kernel's arithmetic: each column's code read from byte ``c % 64`` and shifted, keys

@@ -6,7 +6,7 @@ for layouts given on the command line, lowered by Pallas for CUDA sm_90 here and
 package's own compiler and ptxas (``pip install triton``; not a kvjax dependency). Device time is scarce and a
 width-mixed kernel takes a minute to compile there, so questions such as which width class sets the register count
 are answered here; this Triton is not the exact build inside jaxlib, so expect the same trends and similar numbers
-(bench/RESULTS.md "Decode: registers and code size (offline)", "Decode: instructions per step by tile shape
+(bench/results/kernels.md "Decode: registers and code size (offline)", "Decode: instructions per step by tile shape
 (offline)")."""
 
 from __future__ import annotations
@@ -125,12 +125,12 @@ def quant_ir(
 def quant_report(specs, bits: int, kernel: QuantKernelConfig, packed: bool = False) -> None:
     """One row a layout: its head classes, its kernels (one a class, or a switch over several: ``classes_per_kernel``),
     their IR lines, the most registers and spills of any, their SASS instructions, and their offline compile time
-    summed, which grows with the square of a kernel's size (Triton's Coalesce pass; bench/RESULTS.md "Quantized
-    pages: compile times (offline)"); then, with a kernel a class, each kernel's largest loop body (the chunk loop: a
-    step of ``chunks_per_step`` chunks) over the (token, head) pairs a step visits, summed over the layer's units as
-    the instructions a token of the layer costs every warp, and the time 4 schedulers on each of an H100's SMs need
-    to issue them at B32 x 8K (``ISSUE``): the kernel is bound by issue (bench/RESULTS.md "Quantized pages:
-    instructions per (token, head) (offline)")."""
+    summed, which grows with the square of a kernel's size (Triton's Coalesce pass; bench/results/quantization.md
+    "Quantized pages: compile times (offline)"); then, with a kernel a class, each kernel's largest loop body (the chunk
+    loop: a step of ``chunks_per_step`` chunks) over the (token, head) pairs a step visits, summed over the layer's
+    units as the instructions a token of the layer costs every warp, and the time 4 schedulers on each of an H100's SMs
+    need to issue them at B32 x 8K (``ISSUE``): the kernel is bound by issue (bench/results/quantization.md "Quantized
+    pages: instructions per (token, head) (offline)")."""
     print(
         "| layout | head classes | kernels | IR lines | registers | spilled bytes | SASS instructions | compile s "
         "| loop instructions a (token, head) | a layer token | issue us at B32 x 8K | top opcodes |\n"
@@ -337,7 +337,7 @@ def gear_report(specs, name: str, warps: int) -> None:
     pages of the scheme ``name``: its kernels, the most registers and spills, SASS instructions, compile time, and
     the page loop's instructions over the page's tokens (a (token, head) of each pair, then summed over the layer's
     heads), priced in issue time at B32 x 8K as ``quant_report`` prices the KIVI-style kernel
-    (bench/RESULTS.md "GEAR pages: decode kernel (offline)")."""
+    (bench/results/quantization.md "GEAR pages: decode kernel (offline)")."""
     from kvjax.ops import kv_schemes
     from kvjax.ops.decode.gear_kernel import gear_paged_decode
     from kvjax.ops.pallas_util import width_pairs

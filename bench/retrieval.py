@@ -9,7 +9,8 @@ Two tasks, built as token ids so the prompt is exactly the target context long:
   at the requested depth and the others at random sentence boundaries elsewhere; the question names the target word.
 
 Neither intro holds the words its question ends with ("The pass key is"), so a model that copies the intro where
-the number belongs scores nothing rather than being scored on the intro (RESULTS "Passkey retrieval on Gemma 3 270M").
+the number belongs scores nothing rather than being scored on the intro (bench/results/accuracy.md "Retrieval: SmolLM2
+and Gemma 3 270M, 1K to 8K").
 
 Depth is measured in filler tokens: a key line at depth d follows the filler sentence boundary nearest to
 d * (filler tokens), so 0 is right after the instructions and 1 right before the question. Every trial draws its

@@ -2,7 +2,7 @@
 side on one compiled kernel, the orders (auto, stream, LPT, naive) on ragged batches with their scheduled balance,
 and the host cost of scheduling: a build, the schedules a ``ScheduleCache`` keeps over a run of steps, the balance
 aged schedules meet, the headroom trade-off and what a step waits with builds in the step or ahead. Tables:
-bench/RESULTS.md "Decode schedule: planner options (items per program, token cost)", "Decode schedule: ragged
+bench/results/kernels.md "Decode schedule: planner options (items per program, token cost)", "Decode schedule: ragged
 batches" and "Host cost of the plan"."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from kvjax.ops.decode.schedule import (
 from kvjax.ops.decode.schedule_cache import ScheduleCache
 from kvjax.ops.decode.units import head_runs
 
-# LPT options, one head per unit and costs from widths alone (bench/RESULTS.md "Decode schedule: planner options
+# LPT options, one head per unit and costs from widths alone (bench/results/kernels.md "Decode schedule: planner options
 # (items per program, token cost)"): items per program x a per-token cost.
 SCHEDULE_VARIANTS = [
     dataclasses.replace(DECODE, order="lpt", pack_tile=0, tile_weight=0, items_per_program=i, token_cost=c)

@@ -3,8 +3,8 @@
 job completion time), swept over request rates. Prompts are random token ids whose lengths, and the outputs', are
 drawn to match a trace of the ZACK paper's Table 3 (outputs run to their drawn length: ``ignore_eos``); every token
 comes with its id (``return_token_ids``), so a gap is a step, not a character. Writes a JSON of every request's
-stamps and prints a table; bench/plot_serve.py draws the plots from the JSONs on the CPU. Table: bench/RESULTS.md
-"Serving: latency against request rate"."""
+stamps and prints a table; bench/plot_serve.py draws the plots from the JSONs on the CPU. Table:
+bench/results/serving.md "Serving: latency against request rate"."""
 
 from __future__ import annotations
 

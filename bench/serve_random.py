@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         choices=("ordered", "uniform"),
         default="ordered",
         help="head widths: per head and layer as harness.rank_plan draws them (default), or one width for every "
-        "head (Palu's own setting, where its kernel runs fastest: bench/RESULTS.md \"Palu's decode kernel\")",
+        "head (Palu's own setting, where its kernel runs fastest: bench/results/kernels.md \"Palu's decode kernel\")",
     )
     ap.add_argument("--layers", type=int, help="keep only this many layers (smoke runs on the CPU)")
     ap.add_argument("--port", type=int, default=8000)

@@ -1,6 +1,6 @@
 """``kvjax.compress`` of a random Llama-3.1-8B-shaped model (bf16) phase by phase: calibration tokens, the Gram
 matrices on the device (its first batch, which compiles, apart from the rest), the bases and the rank plan (host
-eigendecompositions and the F_p bisection), and folding the bases into the weights. Table: bench/RESULTS.md
+eigendecompositions and the F_p bisection), and folding the bases into the weights. Table: bench/results/startup.md
 "Start-up: compression"."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What sliding-window page pools buy: for a model shape, budgets and batch shapes, the pages the engine gives its
 whole-context pool and its window pools (``Engine`` itself, as a server would size them), the tokens and whole
 sequences the cache then holds, and the same with every layer's pages held for the whole context (the engine
-before window pools). The engine's arithmetic only: no step runs, so it needs no GPU. Table: bench/RESULTS.md
+before window pools). The engine's arithmetic only: no step runs, so it needs no GPU. Table: bench/results/engine.md
 "Engine: sliding-window page pools"."""
 
 from __future__ import annotations

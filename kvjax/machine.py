@@ -24,7 +24,7 @@ SHARE = {"gpu": 0.9, "cpu": 0.5}  # of the memory available, for the KV cache an
 # CPU defaults: the jnp attention path reads every page of a sequence's block table at every step, so a step's cost
 # follows max_batch x max_seq_len; these keep a small model's step well under a second on two cores
 CPU_MAX_BATCH, CPU_MAX_SEQ_LEN = 4, 2048
-GPU_MAX_BATCH, GPU_MAX_SEQ_LEN = 32, 8192  # a GPU's: the shapes its steps were measured at (bench/RESULTS.md)
+GPU_MAX_BATCH, GPU_MAX_SEQ_LEN = 32, 8192  # a GPU's: the shapes its steps were measured at (bench/results/engine.md)
 F32_SHARE = 0.25  # on a CPU, float32 parameters by default only while they take at most this share of the memory
 
 
@@ -124,7 +124,7 @@ def available_bytes(device=None) -> int | None:
 
 def default_dtype(param_count: int, device=None) -> str:
     """The parameter dtype a model gets when none is asked for: bfloat16 on a GPU; on a CPU float32, whose answers
-    are the model's own (bfloat16's rounding flips a small model's greedy tokens with the batch: bench/RESULTS.md
+    are the model's own (bfloat16's rounding flips a small model's greedy tokens with the batch: bench/results/engine.md
     "Batch invariance"), unless its parameters would take more than ``F32_SHARE`` of the memory available."""
     if platform(device) == "gpu":
         return "bfloat16"

@@ -388,8 +388,8 @@ def test_greedy_on_the_paged_engine_past_the_window(gemma, ref, long_logits):
 @needs_gemma
 def test_compression_at_half_the_cache(gemma, ref):
     """ZACK at rate 0.5 (head_dim 256, one KV head a layer): the cache halves, held-out text stays about as close
-    as SmolLM2's at this rate (bench/RESULTS.md: KL 1.09, top-1 0.54), and the paged engine decodes the compressed
-    model past the window as its own full forward does."""
+    as SmolLM2's at this rate (bench/results/accuracy.md "Compression accuracy: prose and code, KL and top-1": KL 1.09,
+    top-1 0.54), and the paged engine decodes the compressed model past the window as its own full forward does."""
     # the basis of the positions this test serves (compress's default covers Gemma's 32K, costlier at the short end)
     small = kvjax.compress(
         gemma, target_rate=0.5, calibration="text", num_tokens=2048, seq_len=512, max_context=1024, progress=False

@@ -255,7 +255,7 @@ def test_a_wide_query_gives_the_packed_querys_output():
 
 def test_layers_of_other_widths_lower_to_one_kernel():
     """The decode and merge kernels of every layer lower to the same Triton IR, so XLA compiles each once for the
-    model, not once per layer (bench/RESULTS.md "Engine: compile times")."""
+    model, not once per layer (bench/results/startup.md "Engine: compile times")."""
     op, schedule, inputs = layers_case([40, 300], jnp.bfloat16, seed=0, interpret=False)
 
     def layers(schedule, *arrays):

@@ -88,8 +88,8 @@ def parse_args(argv=None):
         metavar="W",
         help="zack: banded ZACK, a variant beside the paper's method: each key is stored in the frame of its band of W "
         "positions (16, 32 or 64; a power of two), so one basis fits every position (--max-context does not apply) "
-        'and is closer to Palu\'s accuracy at the same bytes (bench/RESULTS.md "Banded bases"), for slower decode '
-        '(bench/RESULTS.md "Banded decode kernel"); served without quantized pages',
+        'and is closer to Palu\'s accuracy at the same bytes (bench/results/accuracy.md "Banded bases"), for '
+        'slower decode (bench/results/kernels.md "Banded decode kernel"); served without quantized pages',
     )
     p.add_argument(
         "--k-share",
@@ -106,7 +106,7 @@ def parse_args(argv=None):
         help="with --target-rate: how each head's widths are chosen. 'spectrum' (default): one removal rate on every "
         "head's singular values (F_p). 'measured': probe each head's Q/K and V at half width, score the probe by KL "
         "to the original on held-in calibration rows, and spend the rate where it costs least, K and V together "
-        '(2 x layers x KV heads extra forward passes; bench/RESULTS.md "Ranks by measured effect")',
+        '(2 x layers x KV heads extra forward passes; bench/results/accuracy.md "Ranks by measured effect")',
     )
     p.add_argument(
         "--seed",

@@ -98,8 +98,8 @@ def add_engine(p: argparse.ArgumentParser) -> None:
         default=512,
         help="prompt tokens prefilled per step, a budget the prompts being prefilled share, beside the running "
         "sequences' decoding, which always runs: more prefills faster but lengthens the steps that carry it (on an "
-        "H200, 2048 against 4096: the same throughput, p99 time between tokens 105 against 181 ms; bench/RESULTS.md "
-        '"Serving: shared prefixes and the prefill budget") (default 512)',
+        "H200, 2048 against 4096: the same throughput, p99 time between tokens 105 against 181 ms; "
+        'bench/results/serving.md "Serving: shared prefixes and the prefill budget") (default 512)',
     )
     p.add_argument(
         "--cache-memory",

@@ -2,7 +2,7 @@
 
 On a GPU XLA may emit a GEMM as a Triton kernel and autotune its tiles while it compiles, seconds a shape, which
 pays off only over many calls; these functions run a few times, so their GEMMs go to cuBLAS, whose algorithm
-choice is quick (bench/RESULTS.md "Start-up: compression").
+choice is quick (bench/results/startup.md "Start-up: compression").
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ def served_positions(model, method: str, max_context, band=None):
     """``compress``'s ``max_context`` resolved for ``model``: ``"model"`` (the default) is the model's context length
     (``config.max_position_embeddings``) for plain ZACK and None for Palu and banded ZACK (a pre-RoPE basis, or a
     band's frame, serves every position); an int or None (the positions calibration saw) as given. Past the
-    positions it was made for, a post-RoPE basis degrades (bench/RESULTS.md "Compression: the basis for the served
-    positions"): the default covers all of them."""
+    positions it was made for, a post-RoPE basis degrades (bench/results/accuracy.md "Compression: the basis for the
+    served positions"): the default covers all of them."""
     if isinstance(max_context, str):
         if max_context != MODEL_CONTEXT:
             raise ValueError(f"max_context must be {MODEL_CONTEXT!r}, a positive integer or None, got {max_context!r}")
@@ -230,7 +230,7 @@ def compress(
     ``order_heads``: store each layer's KV heads in the order the decode kernel reads fastest (output unchanged).
     ``fill_tiles``: move a few columns between a layer's heads, at the same rate, so the kernel's runs fill their
     tiles: faster decode, some accuracy lost, ranks within 32 columns a head of the calibrated ones
-    (bench/RESULTS.md "Decode: filled tiles").
+    (bench/results/kernels.md "Decode: filled tiles").
     ``max_context`` (zack): the positions the Q/K basis serves, derived for 0..max_context-1 from pre-RoPE
     statistics, so it holds past the calibration rows' ``seq_len``: ``"model"`` (default) the model's context
     length, an int the longest prompt + new tokens the model will serve, or None the positions calibration saw

@@ -153,7 +153,8 @@ class RankPlan:
         K and V totals kept, so the rate stays) where that lets the decode kernel's runs fill their tiles
         (``kvjax.ops.decode.search.fill_runs``), dropping as little energy (squared singular values, each head's
         share) as it can. Not free: on SmolLM2, moving 3% of the kept columns cost about as much perplexity as one
-        more point of rate (bench/RESULTS.md "Decode: filled tiles"), so compression leaves it off unless asked."""
+        more point of rate (bench/results/kernels.md "Decode: filled tiles"), so compression leaves it off unless
+        asked."""
         if self.head_order is not None:
             raise ValueError("fill a plan's widths before ordering its heads")
         heads, m = self.k_qk.shape[1], max_shift // ALIGN
@@ -333,8 +334,8 @@ class RankPlan:
 def uniform_widths(p: float, head_dim: int, k_share: float | None = None) -> tuple[int, int]:
     """One (k_qk, k_v) for every head: a per-head budget of ``2 * head_dim * (1 - p)`` columns rounded to 16,
     split between K and V by ``k_share``, by default evenly (one rate for K and V, the ablation of the ZACK paper's
-    ZACK/AC; a split by singular-value mass compared two scales and cut K first: bench/RESULTS.md "Compression: K
-    and V budgets"), at least 16 each."""
+    ZACK/AC; a split by singular-value mass compared two scales and cut K first: bench/results/accuracy.md "Compression:
+    K and V budgets"), at least 16 each."""
     budget = min(2 * head_dim, max(2 * ALIGN, round(2 * head_dim * (1 - p) / ALIGN) * ALIGN))
     share = 0.5 if k_share is None else k_share
     k_qk = min(head_dim, max(ALIGN, round(budget * share / ALIGN) * ALIGN))

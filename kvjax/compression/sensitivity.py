@@ -1,6 +1,6 @@
 """Ranks by measured effect: how far truncating each head moves the model's outputs, and the widths that spend a
-target rate where that costs least: the alternative to ``F_p``'s shared removal rate (bench/RESULTS.md "Ranks by
-measured effect": on SmolLM2 it halves banded ZACK's KL at rate 0.3).
+target rate where that costs least: the alternative to ``F_p``'s shared removal rate (bench/results/accuracy.md "Ranks
+by measured effect": on SmolLM2 it halves banded ZACK's KL at rate 0.3).
 
 Post-RoPE spectra are flat, so one removal rate barely tells heads apart, and K's and V's singular values live on
 scales that cannot be compared (``compression.split``). Here each (layer, KV head, Q/K or V) is probed on its own:

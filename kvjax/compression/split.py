@@ -3,7 +3,7 @@ model's next-token distributions on held-in calibration rows stay closest (mean 
 
 Singular values of K and V live on different scales (a Gram of keys against one of values weighted by W_o), so no
 rule that compares them can split a budget between the two; one removal rate for both only happens to land near the
-best share on some models (bench/RESULTS.md "Compression: K and V budgets")."""
+best share on some models (bench/results/accuracy.md "Compression: K and V budgets")."""
 
 from __future__ import annotations
 

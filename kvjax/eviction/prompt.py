@@ -4,7 +4,7 @@ per-sequence pages, the prefill step has each layer's last ``window`` queries; s
 survivors into its per-head pages in one jitted pass, with no host work between.
 
 Observation-window methods only (``metrics.WINDOWED``: KV-Compress, SnapKV): full-history ones need every query's
-softmax, which only the prefill kernel has (bench/RESULTS.md "Eviction: device cost": 2-3x the prefill as a
+softmax, which only the prefill kernel has (bench/results/eviction.md "Eviction: device cost": 2-3x the prefill as a
 separate pass). Its selection is ``eviction.reference``'s (tested on a model's own prefill).
 """
 

@@ -163,8 +163,8 @@ def device_keep(spec: Eviction, scores, prompt, per_head, protect, windows: tupl
     ``spec.per_head`` per layer [B, L] (or [B, 1] for every layer) and ``spec.protected`` [B] (``spec.sizes``: the
     host knows its prompts' lengths) and the layers' sliding ``windows`` (static). The same selection as
     ``keep_masks``, ties included (tested); what the engine runs after prefill, where the host version cost 24-429
-    ms an 8K sequence (bench/RESULTS.md "Per-head pages: host cost"). Traceable: ``spec`` and ``windows`` static,
-    the rest arrays."""
+    ms an 8K sequence (bench/results/eviction.md "Per-head pages: host cost"). Traceable: ``spec`` and ``windows``
+    static, the rest arrays."""
     b, n_layers, heads, s = scores.shape
     n, per_head = jnp.asarray(prompt, jnp.int32)[:, None, None], jnp.asarray(per_head, jnp.int32)  # [B, L]
     protect = jnp.asarray(protect, jnp.int32)[:, None, None]

@@ -5,7 +5,7 @@ computed on the packed K columns the cache holds.
 The matrix holds every group's directions side by side, in the packed K column order. The product comes in two
 forms, for the attention ops to pick: ``packed`` (each query head on its own group's columns: the cache's and the
 references' layout) and ``wide`` (every head on every packed column in one GEMM, of which the decode kernel reads
-each head's own columns: no per-group matmuls, transposes or gathers of q in the step, bench/RESULTS.md "Engine:
+each head's own columns: no per-group matmuls, transposes or gathers of q in the step, bench/results/engine.md "Engine:
 the Q/K rotation as one GEMM").
 """
 
@@ -68,7 +68,7 @@ class QKRotation:
     def packed_rows(self, q, k):
         """``packed`` for one token a row (q [B, H*d], k [B, Hkv*d]) as one GEMM (``wide``) and a gather of each
         query head's own columns (``packed_query``), where ``packed`` runs a small GEMM a group: 1 ms of a rate-0.5
-        8B-shaped decode step at B32 (bench/RESULTS.md "Eviction: the engine's decode step")."""
+        8B-shaped decode step at B32 (bench/results/eviction.md "Eviction: the engine's decode step")."""
         wide, k = self.wide(q, k)
         return packed_query(wide, self.layout), k
 

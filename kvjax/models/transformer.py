@@ -47,7 +47,8 @@ class Linear(nnx.Module):
 
 class Joined(Linear):
     """Several ``Linear`` side by side as one (``names`` [i]'s output columns end at ``ends[i]``): one GEMM where
-    there were several, fewer and wider launches in a decode step (bench/RESULTS.md "Engine: joined projections")."""
+    there were several, fewer and wider launches in a decode step (bench/results/engine.md "Engine: joined
+    projections")."""
 
     def __init__(self, parts: dict[str, Linear]):
         kernels = [part.kernel[...] for part in parts.values()]

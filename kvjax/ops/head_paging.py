@@ -134,7 +134,7 @@ def compact(pool, tables, keep, stored, layouts, page_elems: int):
     a device table may still name pages an eviction gave back, since taken by another head, and the write of every
     page read would then put one page twice in a scatter. Returns (pool, kept [B, L, Hkv] int32): what the host hands
     ``HeadPages.shrink``, which gives back the pages past them. Equal to ``HeadPages.evict``'s moves applied by
-    ``move``, without their host work (bench/RESULTS.md "Per-head pages: host cost": 24-429 ms an 8K sequence).
+    ``move``, without their host work (bench/results/eviction.md "Per-head pages: host cost": 24-429 ms an 8K sequence).
 
     Shapes are static (one compile per batch and table width): heads of one (K, V) width pair, of every layer, are
     read whole ([heads, pages, page_elems]), ordered by a stable sort on the keep mask and written back to the same

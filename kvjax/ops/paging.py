@@ -16,7 +16,7 @@ def write_pages(
     """Scatter ``values`` [B, T, cols] at ``positions`` [B, T] through ``block_table``; invalid rows and rows bound
     for the null page (padding rows) are dropped. The rest land in pages their sequences own alone, so the scatter
     is declared unique: XLA then stores plainly instead of resolving collisions (a third of the compressed step's
-    time beside the floor: bench/RESULTS.md "Engine: decode step beside the floor")."""
+    time beside the floor: bench/results/engine.md "Engine: decode step beside the floor")."""
     num_pages, page_size = pages.shape[:2]
     page = jnp.take_along_axis(block_table, positions // page_size, axis=1, mode="clip")
     page = jnp.where(valid & (page != NULL_PAGE), page, num_pages)

@@ -25,7 +25,7 @@ NOWHERE = int(np.iinfo(np.int32).max)
 def register_triton_dialect() -> None:
     """Let MLIR's Python bindings find the Triton ("tt") dialect module by the first name they try. They look it up
     for every op the Pallas lowering builds and never remember a miss, so each op walked the import path: 70% of
-    lowering a compressed model's decode kernels (bench/RESULTS.md "Engine: first call of a step")."""
+    lowering a compressed model's decode kernels (bench/results/startup.md "Engine: first call of a step")."""
     try:
         from jax._src.lib.triton import dialect
     except ImportError:  # a jaxlib without the Triton dialect: nothing is lowered to it

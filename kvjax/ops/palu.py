@@ -45,7 +45,7 @@ from kvjax.ops.tiles import pow2_floor, tile
 
 ROWS = 16  # query rows per program: a GQA group (G <= 16) padded to the tensor cores' smallest M
 HEAD_FIELDS = 5  # per KV head in a class's table: its index, K offset, K width, V offset, V width
-STEP, WARPS = 32, 4  # tokens a loop step and warps: the best measured (bench/RESULTS.md "Palu's decode kernel")
+STEP, WARPS = 32, 4  # tokens a loop step and warps: the best measured (bench/results/kernels.md "Palu's decode kernel")
 MAX_SPLITS, TARGET_PROGRAMS = 16, 1024  # the grid's splits per sequence; the programs live rows should fill
 
 
@@ -53,7 +53,7 @@ MAX_SPLITS, TARGET_PROGRAMS = 16, 1024  # the grid's splits per sequence; the pr
 def head_classes(layout: HeadLayout) -> tuple[tuple[int, ...], ...]:
     """The layer's KV heads grouped by K tile (``tiles.tile`` of the latent width), narrowest first: each class is
     one launch whose rebuild multiplies by its own tile, not the layer's widest (as fast as one launch at the
-    widest tile on the 8B shape's plan, bench/RESULTS.md "Palu's decode kernel", and no padded ``up``)."""
+    widest tile on the 8B shape's plan, bench/results/kernels.md "Palu's decode kernel", and no padded ``up``)."""
     by_tile: dict[int, list[int]] = {}
     for g, w in enumerate(layout.k_widths):
         by_tile.setdefault(tile(w), []).append(g)

@@ -239,8 +239,8 @@ class PageFormat(HeadWidths):
       ``k_meta``  [2, k_cols] float16: the keys' scale row, then their zero row (one range per column of the page);
       ``v_meta``  [2, heads, page_size] float16: the values' scales, then their zeros (one range per token and head;
                   a head's run contiguous, so a kernel reads it as one vector: a load narrower than 32 bits a lane is
-                  never pipelined by Triton, and strided metadata made the decode kernel 2.2x slower, bench/RESULTS.md
-                  "Quantized pages: decode kernel lab").
+                  never pipelined by Triton, and strided metadata made the decode kernel 2.2x slower,
+                  bench/results/quantization.md "Quantized pages: decode kernel lab").
     ``n = 8 // bits`` codes a byte. The key group is the page (``../shared/DESIGN.md``, "Quantized pages"), so a
     page carries one scale and zero vector per head and a kernel streams whole pages."""
 
@@ -298,7 +298,7 @@ class PageFormat(HeadWidths):
         """Pages of keys [..., page_size, k_cols] and values [..., page_size, v_cols] -> uint8 [..., page_bytes]:
         ``quantize_keys`` and ``quantize_values`` of every page at once, in a few whole-array operations whatever
         the number of heads. A decode step encodes its filling pages with it: per-head slices made the int4 step's
-        writes about 36 kernels a layer, whole arrays about 12 (bench/RESULTS.md "Engine: quantized pages")."""
+        writes about 36 kernels a layer, whole arrays about 12 (bench/results/engine.md "Engine: quantized pages")."""
         lead, p = k.shape[:-2], self.page_size
         kp, ks, kz = quantize_keys(k.reshape(-1, p, self.k_cols), self.k_widths, self.bits)
         vp, vs, vz = quantize_values(v.reshape(-1, p, self.v_cols), self.v_widths, self.bits)

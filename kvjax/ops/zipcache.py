@@ -15,7 +15,8 @@ the stored values (``quant.quantize``):
   keys, ``keys="paged"``: channel-wise per precision class as above, but one range per channel for every
       ``key_group`` tokens of a class in order (a page of one precision: a post-RoPE cache does not care about token
       order), as KIVI-style pages range keys; at 4K windows one range over a class's 1,600 low tokens widened the
-      2-bit ranges until ZipCache lost to KIVI-style at equal bytes (bench/RESULTS.md "Every scheme at 4K windows");
+      2-bit ranges until ZipCache lost to KIVI-style at equal bytes (bench/results/quantization.md "Every scheme at 4K
+      windows");
   keys, ``keys="separable"``, and values always: channel-separable token-wise: each channel divided by a normalizer
       ``sqrt(max_t |x_t|)`` (one per sequence and channel, over all tokens), each token of each KV head then
       quantized with its own range, and the normalizer multiplied back after dequantizing.

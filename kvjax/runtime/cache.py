@@ -96,9 +96,9 @@ class HeadKVCache:
     """Eviction's cache on the device (issue 37): one pool of fixed-size pages that every layer and KV
     head shares (``ops.head_paging``), each slot's per-head block tables and stored counts. The host's
     ``runtime.head_pages.HeadPages`` decides which pages a head owns; the tables here follow it by the entries its
-    ``grow_many`` fills (``with_entries``: kilobytes a step where whole tables would be megabytes, bench/RESULTS.md
-    "Per-head pages: host cost"). ``queries``: per layer, each slot's last W packed queries, the query of position p
-    in row p % W, which continual eviction scores with (``kvjax.eviction.continual``)."""
+    ``grow_many`` fills (``with_entries``: kilobytes a step where whole tables would be megabytes,
+    bench/results/eviction.md "Per-head pages: host cost"). ``queries``: per layer, each slot's last W packed queries,
+    the query of position p in row p % W, which continual eviction scores with (``kvjax.eviction.continual``)."""
 
     pool: jax.Array  # [num_pages, page_elems]
     tables: jax.Array  # int32 [slots, layers, Hkv, pages a head]

@@ -57,12 +57,12 @@ from kvjax.runtime.config import EngineConfig
 
 # XLA merges dots that share an operand when each weighs under a threshold (32 MB) by concatenating their weights,
 # which are step inputs here, so a compressed layer's narrower K and V projections had Q, K and V copied into one
-# matrix at every step (0.6 ms of a 10 ms step: bench/RESULTS.md "Engine: decode step beside the floor"); the model
-# now holds them joined once (``Transformer.join``). XLA's Triton GEMMs are off: cuBLAS ran the steps' GEMMs faster
-# and compiled without autotuning tiles for every distinct shape of a compressed model's projections
-# (bench/RESULTS.md "Engine: GEMMs on cuBLAS"). cuBLAS's own algorithm autotuning is off too (level 0, its
+# matrix at every step (0.6 ms of a 10 ms step: bench/results/engine.md "Engine: decode step beside the floor"); the
+# model now holds them joined once (``Transformer.join``). XLA's Triton GEMMs are off: cuBLAS ran the steps' GEMMs
+# faster and compiled without autotuning tiles for every distinct shape of a compressed model's projections
+# (bench/results/engine.md "Engine: GEMMs on cuBLAS"). cuBLAS's own algorithm autotuning is off too (level 0, its
 # heuristic's pick): the steps run as fast or faster without it, and a compressed model, a GEMM shape per layer,
-# compiles its steps ahead in 39 s instead of 58-97 s (bench/RESULTS.md "Start-up: GEMM autotuning off").
+# compiles its steps ahead in 39 s instead of 58-97 s (bench/results/startup.md "Start-up: GEMM autotuning off").
 COMPILER_OPTIONS = {
     "xla_gpu_dot_merger_threshold_mb": 0,
     "xla_gpu_enable_triton_gemm": False,
@@ -465,7 +465,7 @@ class Engine:
         bench/engine.py's ``--knob`` sets them). ``prefill_min_tokens`` (default the page size) and
         ``prefill_max_rows`` (default ``max_batch``): the shortest padded length and the most rows of a prefill
         call; fewer step shapes to compile (``compile_ahead``) for a little padding, since a short prefill call is
-        bound by reading the weights anyway (bench/RESULTS.md "Serving: latency against request rate")."""
+        bound by reading the weights anyway (bench/results/serving.md "Serving: latency against request rate")."""
         c = self.config = _config(config, settings)
         self._split(model, c.tensor_parallel, c.head_placement)
         max_batch, max_seq_len, page_size, chunk_tokens = c.max_batch, c.max_seq_len, c.page_size, c.chunk_tokens
@@ -799,12 +799,12 @@ class Engine:
         if narrow:
             note = (
                 "; compressed heads make the quantized decode kernel slower than bf16's (1.75x at rate 0.5: "
-                'bench/RESULTS.md "On the H100, with 64 tokens a step for narrow heads")'
+                'bench/results/quantization.md "On the H100, with 64 tokens a step for narrow heads")'
             )
         elif gear:
             note = (
                 "; GEAR's decode kernel is 6.6x slower than bf16's at rate 0 and 39x at rate 0.5, its outliers most "
-                'of it (bench/RESULTS.md "On the H100, with 64 tokens a step for narrow heads")'
+                'of it (bench/results/quantization.md "On the H100, with 64 tokens a step for narrow heads")'
             )
         return (
             f"; {label(self.kv_bits)} pages of {self.page_size} tokens, {sum(parts.values()):,.0f} bytes a token "
@@ -1001,7 +1001,7 @@ class Engine:
         """Compile every step the engine can run (the decode step; each prefill shape, with and without a prefix)
         before serving, so no request waits for a compile. ``threads`` overlap XLA's compiles; tracing and Pallas's
         lowering hold Python's lock, and for a compressed 8B-shaped model they cost seconds a shape
-        (bench/RESULTS.md "Serving: latency against request rate"), so with the step store on (``step_cache``)
+        (bench/results/serving.md "Serving: latency against request rate"), so with the step store on (``step_cache``)
         ``processes`` > 0 traces the steps it lacks in that many processes at once (``step_cache.trace_apart``).
         Returns how many executables it compiled."""
         from concurrent.futures import ThreadPoolExecutor

@@ -107,7 +107,7 @@ def generate_iter(
     (``max_batch``, ``max_seq_len``, ``page_size``, ``chunk_tokens``, backend, dtype, device), never on the other
     prompts or their order: chunks are cut every ``chunk_tokens`` positions and run one per call, every decode
     step runs ``max_batch`` rows, the kernels split each sequence by its own length (``schedule.fixed_chunk_schedule``)
-    and every prompt samples from (``seed``, 0, i), so equal prompts sample equally. Its cost: bench/RESULTS.md,
+    and every prompt samples from (``seed``, 0, i), so equal prompts sample equally. Its cost: bench/results/engine.md,
     "Batch invariance".
     """
     max_new_tokens = validate.positive("max_new_tokens", max_new_tokens)

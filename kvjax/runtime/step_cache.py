@@ -1,7 +1,7 @@
 """Steps kept on disk traced and lowered (``jax.export``), so that a process meeting a step a process before it met
 skips the work JAX's compilation cache cannot: tracing the step and lowering it, every Pallas kernel included, to
-StableHLO (issue 39, item 1; bench/RESULTS.md "Start-up: steps kept traced"). JAX's cache then finds the compiled
-executable by the stored module's hash.
+StableHLO (issue 39, item 1; bench/results/startup.md "Start-up: steps kept traced"). JAX's cache then finds the
+compiled executable by the stored module's hash.
 
 The store is ``steps/`` inside the compilation cache's directory (``compile_cache.use``), on and off with it. A step
 is stored under a key over everything its trace depends on: kvjax's own source, the versions of jax, jaxlib and flax,

@@ -9,7 +9,7 @@ of the query's group. Written per RoPE pair p as complex numbers, RoPE(-bW) turn
 
 (u1, u2: the halves of packed column c's basis direction; q1, q2: the halves of its query head). Every band's
 queries are thus one product of a constant [bands, d] table of cos and sin by M [d, B * q_cols]: the projection's
-work leaves the kernel, which measured twice the scores' tensor work at W = 64 (bench/RESULTS.md "Banded decode
+work leaves the kernel, which measured twice the scores' tensor work at W = 64 (bench/results/kernels.md "Banded decode
 kernel"), for G / W more bytes read than the keys' (6% at W = 64, G = 4).
 """
 
@@ -47,7 +47,7 @@ def band_queries(q, basis, inv_freq, band: int, layout: HeadLayout, bands: int, 
     table = band_table(bands, band, inv_freq).astype(q.dtype)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     # M whole before the product: fused into the GEMM's prologue (a gather and float32 math a tile), the product
-    # ran at 16 TFLOP/s, 130 us a layer at W = 64 on the H200 (bench/RESULTS.md "Banded decode kernel")
+    # ran at 16 TFLOP/s, 130 us a layer at W = 64 on the H200 (bench/results/kernels.md "Banded decode kernel")
     m = jax.lax.optimization_barrier(m.astype(q.dtype))
     out = jnp.einsum("nd,bcd->nbc", table, m, preferred_element_type=jnp.float32, precision=precision)
     return out.astype(q.dtype).reshape(bands * b, layout.q_cols)

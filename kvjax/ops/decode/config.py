@@ -1,7 +1,7 @@
 """The decode op's tuned defaults, in one place: the cost model, the schedule builder and the kernel all read them.
 
-Each field names what it controls; the figures behind the defaults are in bench/RESULTS.md ("Decode: runs of heads
-and head order", "Decode schedule: orders side by side", "Decode kernel: time beside the floor"). Benchmarks sweep
+Each field names what it controls; the figures behind the defaults are in bench/results/kernels.md ("Decode: runs of
+heads and head order", "Decode schedule: orders side by side", "Decode kernel: time beside the floor"). Benchmarks sweep
 a field with ``dataclasses.replace(DECODE, field=value)``.
 """
 
@@ -59,17 +59,17 @@ class DecodeConfig:
     max_step_tokens: int = 512
     fold_tokens: int = 64  # least tokens per fold when spare score-tile rows fold a step's tokens
     # Power-of-two pieces a run's K (or V) columns may be read as. One piece a run compiles 20-33% faster for
-    # under 1% more device time (bench/RESULTS.md "Engine: one piece a run").
+    # under 1% more device time (bench/results/engine.md "Engine: one piece a run").
     max_segments: int = 1
     num_warps: int = 4
     num_stages: int = 3
     # Steps with every token visible in a loop of their own, without masks: twice the loop code, so compile time,
-    # and no faster (bench/RESULTS.md "Engine: compile times").
+    # and no faster (bench/results/startup.md "Engine: compile times").
     unmasked_steps: bool = False
     kernel_classes: int = 1  # layers share compiled kernels while these run classes cover them (``tables``)
     # The per-head pages' decode (``head_kernel.head_paged_decode``, eviction's cache): "live" (the live slots'
     # heads, their work list built once a step: 1.31x faster a step with 2 of 64 slots live, within 4% of the slot
-    # grid's kernel with 32 full slots) or "slots" (a grid of every slot's heads): bench/RESULTS.md "The live
+    # grid's kernel with 32 full slots) or "slots" (a grid of every slot's heads): bench/results/eviction.md "The live
     # schedule".
     head_schedule: str = "live"
 

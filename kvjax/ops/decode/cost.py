@@ -2,7 +2,7 @@
 
 A unit (a run of adjacent KV heads, ``units``) costs per token its K + V columns (the bytes it reads), plus
 ``tile_weight`` times the columns of the tiles it computes on, at least those of a ``floor_tile`` + ``floor_tile``
-unit (a narrow unit takes about as long as a full one: bench/RESULTS.md "Decode: runs of heads and head
+unit (a narrow unit takes about as long as a full one: bench/results/kernels.md "Decode: runs of heads and head
 order"), plus ``token_cost`` for the per-token work that does not shrink with width.
 
 The schedule weighs units with ``unit_cost``. The offline searches over runs (``units.head_runs``,

@@ -16,9 +16,9 @@ same pages, which rebuilds every key and value first; this kernel rebuilds none:
 The work is one program per (sequence, KV head) over all of the sequence's pages, heads of one (K, V) width pair a
 kernel: no split of long sequences and no schedule (``schedule`` returns None), the simplest form that reads each byte
 once. Unmeasured on a GPU (written in a session without device time: bench/notes/2026-11-28-gear-kernel.md). Priced
-offline (bench/RESULTS.md "GEAR pages: decode kernel (offline)"), the codes and low-rank term cost no more instructions
-a (token, head) than the KIVI-style kernel (``quant_kernel``, the one tuned for speed), and 1% outliers cost about 2.7x
-that: their one-hot tiles.
+offline (bench/results/quantization.md "GEAR pages: decode kernel (offline)"), the codes and low-rank term cost no more
+instructions a (token, head) than the KIVI-style kernel (``quant_kernel``, the one tuned for speed), and 1% outliers
+cost about 2.7x that: their one-hot tiles.
 
 Constraints: q packed [B, q_cols]; a group of at most 16 queries a KV head; the pool and tail under 2^31 elements.
 """

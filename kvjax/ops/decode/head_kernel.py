@@ -14,8 +14,8 @@ count, known on the device, sets the splits; the engine builds that list once a 
 layer reads it), so two live sequences among 64 slots get 16 splits a head: 3.7-5.1x faster there, and within 4% of
 the slot grid with 32 full slots (14% slower with 64 full ones at rate 0.5). The engine runs it by default
 (``DecodeConfig.head_schedule``); called alone, without a step's list, the kernel keeps the slot grid, since
-rebuilding the list every call costs 9-15% at full load (bench/RESULTS.md "The live schedule"). Measured:
-bench/RESULTS.md "Per-head pages: decode kernel".
+rebuilding the list every call costs 9-15% at full load (bench/results/eviction.md "The live schedule"). Measured:
+bench/results/eviction.md "Per-head pages: decode kernel".
 
 Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; no sliding window (a slot
 is not a position once a head has evicted); the pool is indexed by (page, element), any size.
@@ -262,8 +262,8 @@ def merge_items(acc, m, l, splits) -> jax.Array:
     return acc / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-# Pages a program reads a step, and pipeline stages: the best of bench/RESULTS.md "Per-head pages: decode kernel"'s
-# sweep on the H200 (4 pages = 64 full-width tokens or 128 of a half-width head).
+# Pages a program reads a step, and pipeline stages: the best of bench/results/eviction.md "Per-head pages: decode
+# kernel"'s sweep on the H200 (4 pages = 64 full-width tokens or 128 of a half-width head).
 PAGES_PER_STEP = 4
 NUM_STAGES = 2
 STEP_BYTES = 64 * 1024  # a step's K and V tiles times its stages: the measured best's (64 full-width bf16 tokens)
@@ -358,10 +358,11 @@ def head_paged_decode(
     ``schedule="live"`` in one launch, ``live_work``'s from the heads that store tokens); ``pages_per_step``:
     pages a program reads a step, at most (fewer for wide heads: ``pages_a_step``); ``one_launch``: every width pair
     in one kernel, each program switching to its head's pair (the default: 1.25-1.9x faster than a launch per pair
-    at rate 0.5, bench/RESULTS.md "Per-head pages: decode kernel"); ``schedule``: "slots" (a grid of every slot's
-    heads) or "live" (one launch only: ``_live_kernel``); ``work``: with "live" and no ``splits``, a ``live_work`` built
-    once for the step and shared by its layers (the engine's, from its live slots; default: from ``stored``, each
-    layer again). Returns [B, out_cols] in q's dtype; a head storing nothing (or not live in ``work``) gives zeros."""
+    at rate 0.5, bench/results/eviction.md "Per-head pages: decode kernel"); ``schedule``: "slots" (a grid of every
+    slot's heads) or "live" (one launch only: ``_live_kernel``); ``work``: with "live" and no ``splits``, a
+    ``live_work`` built once for the step and shared by its layers (the engine's, from its live slots; default: from
+    ``stored``, each layer again). Returns [B, out_cols] in q's dtype; a head storing nothing (or not live in ``work``)
+    gives zeros."""
     _check(q, pool, tables, stored, layout, page_elems, pages_per_step)
     b, g = q.shape[0], layout.group_size
     common: dict = dict(page_elems=page_elems, pages=tables.shape[2], group=g)

@@ -21,7 +21,7 @@ Why Triton: decode is a gather of ``[tokens, width]`` tiles at 16-column offsets
 block table, which masked pointer loads express directly, the pipeliner overlaps the next tile's loads with the
 current dots, and ``interpret=True`` runs the same kernel on the CPU for CI. Mosaic GPU would need one TMA
 descriptor per head width and offset, and has no CPU interpreter. Neither lowering has scalar prefetch, so the
-schedule is an ordinary int32 input read with scalar loads. Where the time goes: bench/RESULTS.md "Decode: where
+schedule is an ordinary int32 input read with scalar loads. Where the time goes: bench/results/kernels.md "Decode: where
 the time goes (Nsight Compute)".
 """
 

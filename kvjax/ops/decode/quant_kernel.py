@@ -17,8 +17,8 @@ plane, a dot a plane, with its key scales folded into q; a narrower one as one t
 
 Scales and zeros are read through a float16 view of the one uint8 pool (a bitcast in XLA, no copy), each head's
 run as one vector: Triton pipelines no load narrower than 32 bits a lane, and reading them as byte pairs made the
-kernel 2.2x slower (bench/RESULTS.md "Quantized pages: decode kernel lab"). What differs between the layers of a
-kernel group (page bytes, part offsets, head offsets, plane widths) is read from int32 tables at run time, each
+kernel 2.2x slower (bench/results/quantization.md "Quantized pages: decode kernel lab"). What differs between the layers
+of a kernel group (page bytes, part offsets, head offsets, plane widths) is read from int32 tables at run time, each
 entry stored divided by the largest power of two (<= 16) dividing it in every layer, so addresses and column masks
 stay provably aligned for vector loads. The code depends on the group's head classes (``head_classes``: a head read
 in planes by its plane tile, a gathered one by its width; one ``lax.switch`` branch each), bits and page size
@@ -27,23 +27,23 @@ branch: a rate-0.5 plan of Llama-3.1-8B's shape has 52 (K, V) width pairs but 11
 kernel a class present in it (``QuantKernelConfig.classes_per_kernel`` 1), one after another on the same output and
 partial buffers, each skipping the items of other classes: compile time grows with the square of a kernel's size
 (Triton's Coalesce pass), so a switch over a layer's 5 classes compiled 4.8x slower than its 5 kernels of one class
-(bench/RESULTS.md "Quantized pages: compile times (offline)"), and every layer reuses the same kernel of a class.
-The layer's schedule is built a kernel at a time (``unit_kernels``, ``schedule.build_decode_schedule``'s ``classes``):
-built as one, each class's items sat on the few programs that drew them, so every class kernel took about as long
-as the whole layer (a rate-0.5 layer: 10.8x the bf16 kernel's time; bench/RESULTS.md "Rate 0.5, and one head class
-at a time"). Time follows the (token, head) pairs visited, not bytes, and narrow classes cost the most: runs of
-heads cut a narrow head's instructions (built, off by default; bench/notes/2026-11-27-quantized-kernel-lab.md).
+(bench/results/quantization.md "Quantized pages: compile times (offline)"), and every layer reuses the same kernel of a
+class. The layer's schedule is built a kernel at a time (``unit_kernels``, ``schedule.build_decode_schedule``'s
+``classes``): built as one, each class's items sat on the few programs that drew them, so every class kernel took about
+as long as the whole layer (a rate-0.5 layer: 10.8x the bf16 kernel's time; bench/results/quantization.md "Rate 0.5, and
+one head class at a time"). Time follows the (token, head) pairs visited, not bytes, and narrow classes cost the most:
+runs of heads cut a narrow head's instructions (built, off by default; bench/notes/2026-11-27-quantized-kernel-lab.md).
 
 Constraints: q packed [B, q_cols] or wide (``QKRotation.wide``); widths multiples of 16; a group of at most 16
 queries a KV head; pool and tail under 2^31 elements (int32 offsets). Any page size works; chunks of fewer than 16
 tokens (pages of 8, or of 24: chunks of 8) mask the rest of their 16-row tile.
 
-Speed (H100, Llama-3.1-8B attention, B32 x 8K, page 32; bench/RESULTS.md "Quantized pages: decode kernel"): 301 us
-at int4 against a floor (bytes over copy bandwidth) of 106 us, where the bf16 kernel takes 377 us for 3.4x the
+Speed (H100, Llama-3.1-8B attention, B32 x 8K, page 32; bench/results/quantization.md "Quantized pages: decode kernel"):
+301 us at int4 against a floor (bytes over copy bandwidth) of 106 us, where the bf16 kernel takes 377 us for 3.4x the
 bytes. Every load is at least 32 bits a lane, so Triton pipelines it; deeper pipelines and more programs no longer
-move the time, so the work of a step binds: instruction issue (bench/RESULTS.md "Quantized pages: instructions per
-(token, head) (offline)"). A rate-0.5 layer (H200, "Rate 0.5: a schedule a class kernel"): 530 us with a schedule a
-class, 385 with value planes of 16 in 32-column tiles and 64 tokens a step, where bf16 takes 168.
+move the time, so the work of a step binds: instruction issue (bench/results/quantization.md "Quantized pages:
+instructions per (token, head) (offline)"). A rate-0.5 layer (H200, "Rate 0.5: a schedule a class kernel"): 530 us with
+a schedule a class, 385 with value planes of 16 in 32-column tiles and 64 tokens a step, where bf16 takes 168.
 ``QuantKernelConfig`` holds the knobs a GPU sweep turns.
 """
 
@@ -115,14 +115,14 @@ class QuantKernelConfig:
     chunk_tokens: int = 32  # tokens a chunk reads from one page (fewer to divide the page): one lookup, one key range
     # tokens a loop step reads: 128 for a head whose K and V tiles hold 256 columns or more (a rate-0 layer: 304 us,
     # 359 at 64), 64 for every narrower head, whose registers spill at more (a rate-0.5 layer: 464 us at 64, 530 at
-    # 256; its compile 40 s against 163). H100/H200, bench/RESULTS.md "Quantized pages: decode kernel"
+    # 256; its compile 40 s against 163). H100/H200, bench/results/quantization.md "Quantized pages: decode kernel"
     step_tokens: int = 128
     narrow_step_tokens: int = 64
     num_warps: int = 4
     num_stages: int = 2
     # head classes one compiled kernel switches between: a layer of more runs one kernel after another. Compile time
-    # grows with the square of a kernel's size (bench/RESULTS.md "Quantized pages: compile times (offline)"), so 1
-    # (a kernel a class, the same for every layer) keeps it linear in the classes
+    # grows with the square of a kernel's size (bench/results/quantization.md "Quantized pages: compile times
+    # (offline)"), so 1 (a kernel a class, the same for every layer) keeps it linear in the classes
     classes_per_kernel: int = 1
 
     def __post_init__(self):
@@ -218,8 +218,8 @@ def side_class(width: int, bits: int, keys: bool = True) -> Side:
 
     Value planes of 16 columns are read into 32-column tiles (``V_LEAST_TILE``): as 16-column tiles their codes
     took 3.4x the byte permutes of a 64-column plane's, 46.9 loop instructions a (token, head) against 23.9 masked to
-    32 (bench/RESULTS.md "Quantized pages: instructions per (token, head) (offline)"); key planes of 16 stay 16
-    (17.6 against 20.5)."""
+    32 (bench/results/quantization.md "Quantized pages: instructions per (token, head) (offline)"); key planes of 16
+    stay 16 (17.6 against 20.5)."""
     plane = width // (8 // check_bits(bits))
     if plane < 16:
         return ("gather", width)
@@ -408,7 +408,7 @@ class _Reader:
     - **planes** (a plane of ``w/n`` >= 16 columns): a head's code row of ``w/n`` bytes is loaded once, each of its
       ``n`` planes (the bytes shifted by ``i * bits``) a dot against its block of ``w/n`` columns. Key scales are
       folded into q once a chunk (``(q * scale) . codes + q . zero``), value scales into the weights. The fastest
-      form measured (bench/RESULTS.md "Quantized pages: decode kernel lab", ``wide``).
+      form measured (bench/results/quantization.md "Quantized pages: decode kernel lab", ``wide``).
     - **gather** (narrower planes, too narrow for a dot): the head as one tile, column ``c`` from byte ``c % (w/n)``
       shifted by ``(c // (w/n)) * bits`` (re-read bytes are L1 hits), keys dequantized before their dot."""
 

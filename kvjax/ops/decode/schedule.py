@@ -8,7 +8,7 @@ item is a chunk of a group's pages. Items are weighed by the op's cost model (``
   the least-loaded program, in rounds of ``P`` items vectorized over all layers;
 - "stream": each layer's groups laid end to end and cut into ``P`` equal shares at page boundaries (stream-K);
 - "auto": the LPT schedule when it balances to ``auto_balance`` of perfect, else the stream schedule (LPT splits
-  nothing it need not; stream balances any batch: bench/RESULTS.md "Decode schedule: orders side by side");
+  nothing it need not; stream balances any batch: bench/results/kernels.md "Decode schedule: orders side by side");
 - "naive": natural order dealt round-robin (the ablation).
 Chunks of a split group write partial softmax states to slots that ``kernel.merge`` combines.
 
@@ -73,7 +73,7 @@ class DecodeSchedule:
 
     def layer(self, i: int) -> DecodeSchedule:
         """The schedule for layer ``i``'s kernels: every layer's arrays, and ``i`` as a run-time operand the kernels
-        index them by (a slice per layer would cost the decode step four copy kernels a layer: bench/RESULTS.md
+        index them by (a slice per layer would cost the decode step four copy kernels a layer: bench/results/engine.md
         "Engine: schedule read in place")."""
         layers, i = self.items.shape[0], operator.index(i)  # a float index is a TypeError, not truncated
         if not -layers <= i < layers:  # the kernels would read past the arrays
@@ -183,8 +183,8 @@ def build_decode_schedule(
     (``quant_kernel``: one kernel a head class). Each (layer, class) is then scheduled over all programs on its own
     and each program's row holds its classes' items one class after another, slots numbered on through the layer:
     scheduled as one, a class's items sat on the few programs that drew them and the rest idled through its kernel
-    (bench/RESULTS.md "Rate 0.5, and one head class at a time"). ``BuiltSchedule.loads`` then has a row a (layer,
-    class), so ``balance`` is each kernel's."""
+    (bench/results/quantization.md "Rate 0.5, and one head class at a time"). ``BuiltSchedule.loads`` then has a row a
+    (layer, class), so ``balance`` is each kernel's."""
     if config.order == "auto":
 
         def by(order):

@@ -3,7 +3,7 @@
 Each sequence is scheduled ``min(config.headroom_tokens, length)`` tokens past its length, in whole pages, so a
 schedule lives about ``headroom_tokens`` steps. The kernel loops only up to the real lengths, so spare pages cost
 no bandwidth, only balance; each doubling of the headroom halves the rebuilds and about doubles the balance lost
-(bench/RESULTS.md "Host cost of the plan"). Capping at the length keeps rows that barely started (padding rows
+(bench/results/kernels.md "Host cost of the plan"). Capping at the length keeps rows that barely started (padding rows
 have length 1) from weighing like long ones.
 """
 

@@ -142,7 +142,7 @@ def fill_runs(
     runs (at their best head order) cost least; among the cheapest, the least loss. Returns the widths unchanged
     when no move makes the runs cheaper, by tiles and by the columns the kernel loads (``loaded_cost``).
 
-    Why: a run's time follows its tiles more than its bytes (bench/RESULTS.md "Decode: filled tiles"), so a
+    Why: a run's time follows its tiles more than its bytes (bench/results/kernels.md "Decode: filled tiles"), so a
     rate-0.5 layer whose runs hold K 128 + V 208, K 256 + V 176 and K 128 + V 128 columns is slower than the same
     columns moved into two runs of K 256 + V 256.
 
@@ -188,7 +188,7 @@ def fill_runs(
 def loaded_cost(layout: HeadLayout, config: DecodeConfig = DECODE) -> float:
     """A token's cost over the layer's runs at their best head order, counting the tile columns the kernel computes
     on (``cost.loaded``: 160 = 128 + 32) rather than whole tiles; ``fill_runs`` keeps only moves that lower it
-    (moves that were cheaper by tiles alone measured no gain on a rate-0.7 layer: bench/RESULTS.md "Decode:
+    (moves that were cheaper by tiles alone measured no gain on a rate-0.7 layer: bench/results/kernels.md "Decode:
     filled tiles")."""
     lay = permuted(layout, order_heads(layout, config))
     return sum(

@@ -7,7 +7,7 @@ head count otherwise, its widths, where each head's rows and columns sit, the la
 tables that the kernel and the merge read at run time, offsets in units of 16 so the compiler still sees 16-aligned
 vectors. So the code of the decode and merge kernels depends on the classes of the layers that share them
 (``kernel_groups``), never on the layer, and XLA compiles each once for its group instead of once per layer
-(bench/RESULTS.md "Engine: compile times", "Engine: first call of a step").
+(bench/results/startup.md "Engine: compile times", "Engine: first call of a step").
 """
 
 from __future__ import annotations
@@ -155,8 +155,8 @@ def layer_tables(
 def kernel_groups(layouts, config: DecodeConfig) -> dict[HeadLayout, tuple[HeadLayout, ...]]:
     """Each layout's kernel group: the layouts whose runs share its compiled kernels. Layers whose runs fall in the
     same classes always share; groups then merge, largest first, while their classes together stay within
-    ``config.kernel_classes`` (compile time grows faster than a kernel's classes: bench/RESULTS.md "Engine: compile
-    times")."""
+    ``config.kernel_classes`` (compile time grows faster than a kernel's classes: bench/results/startup.md "Engine:
+    compile times")."""
     layouts = tuple(dict.fromkeys(layouts))
     sets = {lay: frozenset(_key(run, lay.group_size, config) for run in head_runs(lay, config)) for lay in layouts}
     groups: list[set] = []  # each group's classes

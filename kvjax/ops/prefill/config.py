@@ -1,5 +1,5 @@
 """The prefill op's tuned defaults, in one place: the work items and the kernel read them, and so do the benchmarks
-(bench/RESULTS.md "Prefill: knob sweep")."""
+(bench/results/kernels.md "Prefill: knob sweep")."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ class PrefillConfig:
     block_k: int = 128  # keys per loop step (halved where the K/V tiles would not fit shared memory)
     max_block_q: int = 128  # 256-row blocks with 8 warps computed wrong results on the H100
     # Tile widths a head's K and V may be read through (its narrowest that fits): few, so few classes and one short
-    # compile for every layer (bench/RESULTS.md "Engine: compile times"); masked columns are fetched from no memory.
+    # compile for every layer (bench/results/startup.md "Engine: compile times"); masked columns are fetched from no
+    # memory.
     tile_widths: tuple[int, ...] = (64, 128)
     num_warps: int = 8
     num_stages: int = 3

@@ -5,14 +5,14 @@ One program per work item (prompt, query head, block of query rows) from the sta
 builds at trace time. Heads of one tile class (``work.TileClass``) share one code path chosen by ``lax.switch``;
 a head's widths and column offsets come from its layer's head table at run time and its loads are masked to its
 widths, and every array is addressed as flat rows whose widths come from that table too. So one kernel serves
-every layer of a model: XLA compiles it once, not once per layer (bench/RESULTS.md "Engine: compile times"). Steps
-left of the diagonal load without row masks; with pages, the program of a group's first query head stores the
+every layer of a model: XLA compiles it once, not once per layer (bench/results/startup.md "Engine: compile times").
+Steps left of the diagonal load without row masks; with pages, the program of a group's first query head stores the
 diagonal K/V blocks it has loaded into the cache (``input_output_aliases``: in place when the caller donates the
 pages).
 
 Why Triton: masked loads at 16-column offsets inside packed rows and per-token page addresses for the cache write,
 as in decode, plus a CPU interpreter for CI; Triton picks Hopper's wgmma for the dots. How it compares with cuDNN:
-bench/RESULTS.md "Prefill vs cuDNN".
+bench/results/kernels.md "Prefill vs cuDNN".
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 Layers share one kernel: a class is a (K tile, V tile) pair from ``PrefillConfig.tile_widths`` and holds every head
 whose widths fit it, the kernel masks each head's tile to its own widths, and a layer's widths and offsets travel in
 its head table; so the kernel's code and grid depend on the model's classes and the chunk shape, never on the layer,
-and XLA compiles it once for all layers (bench/RESULTS.md "Engine: compile times").
+and XLA compiles it once for all layers (bench/results/startup.md "Engine: compile times").
 
 Balancing: a class gets query blocks ``block_q * 256 / (K tile + V tile)`` rows tall (capped), so every item does
 about the same work per key whatever its width; items then run longest first (causal blocks late in the prompt see
