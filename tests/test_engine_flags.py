@@ -44,6 +44,17 @@ def test_generate_defaults_to_the_machines_batch():
     assert len(list(run)) == 1
 
 
+def test_an_engine_built_directly_takes_the_machines_batch_too():
+    """``EngineConfig`` resolves an open ``max_batch`` as the entry points do, so ``Engine(model)`` is the engine
+    ``kvjax.generate`` would build; ``replace(max_batch=None)`` resolves again."""
+    model = kvjax.Model.random(TINY_CONFIGS[sorted(TINY_CONFIGS)[0]], seed=fresh_seed())
+    assert EngineConfig().max_batch == machine.default_max_batch() == machine.CPU_MAX_BATCH
+    assert Engine(model, max_seq_len=64, num_pages=8).max_batch == machine.CPU_MAX_BATCH
+    assert EngineConfig(max_batch=3).replace(max_batch=None).max_batch == machine.CPU_MAX_BATCH
+    with pytest.raises(ValueError, match="max_batch"):
+        EngineConfig(max_batch=0)
+
+
 @pytest.mark.parametrize("page_size", [8, 24, 48])
 def test_gpu_kernels_refuse_pages_they_do_not_take_before_any_memory(page_size):
     model = kvjax.Model.random(TINY_CONFIGS[sorted(TINY_CONFIGS)[0]], seed=fresh_seed())

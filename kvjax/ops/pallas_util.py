@@ -1,6 +1,6 @@
-"""Pieces the Pallas kernels share: masked row loads and stores in flat arrays, whole-array blocks, dot precision,
-the packed column offsets of a layer's heads (multiples of 16, so loads are 16-byte vectors), and a fast lookup of
-the Triton dialect for their lowering."""
+"""Pieces the Pallas kernels share: masked row loads and stores in flat arrays, the block-table lookup of a token's
+page, whole-array blocks, dot precision, the online softmax, and a fast lookup of the Triton dialect for their
+lowering. Where heads' columns sit is ``ops.columns``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
+from kvjax.ops.columns import column_offsets
 
 LOG2E = math.log2(math.e)
 MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked block must not make exp2(-inf + inf) NaN
@@ -36,18 +37,22 @@ def register_triton_dialect() -> None:
 register_triton_dialect()
 
 
-def column_offsets(layout: HeadLayout) -> dict[str, list[int]]:
-    """Each KV head's first column in packed q, K, V and output rows (keys "q", "k", "v", "o"), multiples of 16."""
-    g = layout.group_size
-    offs = dict(
-        q=HeadLayout.offsets(layout.k_widths, g),
-        k=HeadLayout.offsets(layout.k_widths),
-        v=HeadLayout.offsets(layout.v_widths),
-        o=HeadLayout.offsets(layout.v_widths, g),
-    )
-    if any(o % 16 for lst in offs.values() for o in lst) or any(w % 16 for w in layout.k_widths + layout.v_widths):
-        raise ValueError(f"head widths must be multiples of 16 for the Pallas kernels: {layout}")
-    return offs
+def page_of(table_ref, seq, tokens, page_size: int, ok=None):
+    """In a kernel: the pages holding sequence ``seq``'s ``tokens`` (a vector, or one token), from the block table
+    [B, pages_per_seq]. With ``ok``, a token where it is False reads no entry past the table (the index is clamped)
+    and gets page 0: the caller masks what it loads from there."""
+    if ok is None:
+        return table_ref[seq, tokens // page_size]
+    at = jnp.minimum(tokens // page_size, table_ref.shape[1] - 1)
+    if jnp.ndim(tokens) == 0:  # one entry: read and selected, no masked load of a scalar
+        return jnp.where(ok, table_ref[seq, at], 0)
+    return plgpu.load(table_ref.at[seq, at], mask=ok, other=0)
+
+
+def page_rows(table_ref, seq, tokens, page_size: int, ok=None):
+    """In a kernel: rows of the flat page pool [num_pages * page_size, cols] holding sequence ``seq``'s ``tokens``
+    (``page_of``'s pages; with ``ok``, page 0's rows where it is False)."""
+    return page_of(table_ref, seq, tokens, page_size, ok) * page_size + tokens % page_size
 
 
 def _mask(cols_ok, rows_ok):

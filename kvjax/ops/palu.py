@@ -29,22 +29,22 @@ from jax.experimental.pallas import triton as plgpu
 
 from kvjax import validate
 from kvjax.layout import HeadLayout
+from kvjax.ops import columns
 from kvjax.ops.pallas_util import (
     LOG2E,
     MASK,
     NOWHERE,
-    column_offsets,
     dot_precision,
     load_rows,
     merge_splits,
     online_update,
+    page_rows,
     store_rows,
     whole_block,
 )
 from kvjax.ops.tiles import pow2_floor, tile
 
 ROWS = 16  # query rows per program: a GQA group (G <= 16) padded to the tensor cores' smallest M
-HEAD_FIELDS = 5  # per KV head in a class's table: its index, K offset, K width, V offset, V width
 STEP, WARPS = 32, 4  # tokens a loop step and warps: the best measured (bench/results/kernels.md "Palu's decode kernel")
 MAX_SPLITS, TARGET_PROGRAMS = 16, 1024  # the grid's splits per sequence; the programs live rows should fill
 
@@ -62,16 +62,15 @@ def head_classes(layout: HeadLayout) -> tuple[tuple[int, ...], ...]:
 
 @functools.cache
 def _head_table(layout: HeadLayout, heads: tuple[int, ...]) -> np.ndarray:
-    """int32 [len(heads) * 5 + 3]: for each of ``heads``, its index, packed K offset and width, V offset and width;
-    then the q, K and V row widths (run-time values, so layers with the same tiles share the compiled kernel).
-    Offsets and widths are in units of 16 columns: the kernel multiplies them back, so Triton knows every row
-    starts 16-aligned and loads it in 16-byte vectors, as the decode kernel's tables do (``decode.tables``)."""
-    offs = column_offsets(layout)
-    fields = [
-        (g, *(x // 16 for x in (offs["k"][g], layout.k_widths[g], offs["v"][g], layout.v_widths[g]))) for g in heads
-    ]
-    rows = (layout.num_heads * layout.head_dim // 16, layout.k_cols // 16, layout.v_cols // 16)
-    return np.asarray([x for f in fields for x in f] + list(rows), np.int32)
+    """The ``columns.head_columns`` rows of ``heads`` for full-width queries (run-time values, so layers with the
+    same tiles share the compiled kernel)."""
+    return columns.head_columns(layout, heads, q_width=layout.head_dim)
+
+
+@functools.cache
+def _row_widths(layout: HeadLayout) -> np.ndarray:
+    """``columns.row_widths`` with full-width queries."""
+    return columns.row_widths(layout, q_cols=layout.num_heads * layout.head_dim)
 
 
 def default_splits(batch: int, num_kv_heads: int, target_programs: int = TARGET_PROGRAMS) -> int:
@@ -92,6 +91,7 @@ def _kernel(
     lengths_ref,
     used_ref,
     heads_ref,
+    widths_ref,
     table_ref,
     q_ref,
     k_ref,
@@ -119,16 +119,15 @@ def _kernel(
     half = head_dim // 2
     dtype = k_ref.dtype
     precision = dot_precision(dtype)
-    head = heads_ref[slot * HEAD_FIELDS]
-    k_off, k_width, v_off, v_width = (heads_ref[slot * HEAD_FIELDS + f] * 16 for f in range(1, HEAD_FIELDS))
-    q_cols, k_cols, v_cols = (heads_ref[num_heads * HEAD_FIELDS + f] * 16 for f in range(3))
+    q_off, k_off, v_off, _, k_width, v_width = columns.read_head(heads_ref, slot)
+    q_cols, k_cols, v_cols, _ = columns.read_widths(widths_ref)
     length = lengths_ref[seq]
 
     rows = jnp.arange(ROWS)
     real = rows < group
     seqs = jnp.full((ROWS,), seq)
     halves = jnp.arange(half)[None, :]
-    q_at = ((head * group + rows) * head_dim)[:, None]
+    q_at = (q_off + rows * head_dim)[:, None]  # full-width queries: head h's start at h * G * d
 
     def load_q(offset):
         q = load_rows(q_ref, seqs, q_cols, q_at + offset, halves, None, real)
@@ -156,7 +155,6 @@ def _kernel(
     visible_from = jnp.maximum(length - window, 0) if window else 0
     if window:
         lo = jnp.maximum(lo, visible_from // step * step)
-    pages_per_seq = table_ref.shape[1]
     k_cols_ok = jnp.arange(k_tile)[None, :] < k_width
     v_cols_ok = jnp.arange(v_tile)[None, :] < v_width
 
@@ -164,8 +162,7 @@ def _kernel(
         first = lo + j * step
         tok = first + jnp.arange(step)
         valid = (tok < hi) & (tok >= visible_from)
-        page = plgpu.load(table_ref.at[seq, jnp.minimum(tok // page_size, pages_per_seq - 1)], mask=valid, other=0)
-        row = page * page_size + tok % page_size
+        row = page_rows(table_ref, seq, tok, page_size, valid)
         latent = load_rows(k_ref, row, k_cols, k_off, jnp.arange(k_tile)[None, :], k_cols_ok, valid)
         k1 = plgpu.dot(latent, up1, precision=precision)  # float32, where the reference rounds to the cache's dtype
         k2 = plgpu.dot(latent, up2, precision=precision)
@@ -283,7 +280,8 @@ def palu_decode(
             band=band,
             interpret=interpret,
         )
-        args = [lengths, used, jnp.asarray(_head_table(layout, heads)), block_table, *flat]
+        args = [lengths, used, jnp.asarray(_head_table(layout, heads)), jnp.asarray(_row_widths(layout)), block_table]
+        args += flat
         args += [ups.astype(k_pages.dtype).reshape(-1), freq]
         out_shape = [
             jax.ShapeDtypeStruct((parts * v_tile,), jnp.float32),

@@ -40,7 +40,9 @@ class EngineConfig:
     """The engine's settings (``Engine``'s docstring says what each does); invalid values are one-line errors at
     construction, before any memory is taken."""
 
-    max_batch: int = 8  # sequences decoded at once (--max-batch; the entry points default to the machine's)
+    # sequences decoded at once (--max-batch); None: the machine's, ``machine.default_max_batch`` (32 on a GPU, 4 on a
+    # CPU), resolved at construction as every entry point resolves it
+    max_batch: int = None  # type: ignore[assignment]
     max_seq_len: int = 512  # cache positions a sequence may fill: prompt + new tokens
     # tokens a page; None: 16, or quant.GROUP (32, the keys' quantization group) with kv_bits, resolved at construction
     page_size: int = None  # type: ignore[assignment]
@@ -121,6 +123,8 @@ class EngineConfig:
 
     def _defaults(self) -> None:
         """Fields whose default depends on others, filled in (the instance is frozen, hence ``object.__setattr__``)."""
+        if self.max_batch is None:
+            object.__setattr__(self, "max_batch", machine.default_max_batch())
         if self.kv_bits is not None:
             object.__setattr__(self, "kv_bits", served(self.kv_bits))
         fixed = page_of(self.kv_bits)  # a GEAR name's -p<tokens>: its streaming buffer is the page
@@ -140,7 +144,7 @@ class EngineConfig:
         on a CPU (where a step's cost follows both), never past the model's ``context``."""
         cpu = machine.platform() == "cpu"
         return cls(
-            max_batch=max_batch or machine.default_max_batch(),
+            max_batch=max_batch,  # type: ignore[arg-type]  # None: the machine's (resolved at construction)
             max_seq_len=max_seq_len or min(context, machine.CPU_MAX_SEQ_LEN if cpu else machine.GPU_MAX_SEQ_LEN),
             **settings,
         )

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from kvjax import machine, validate
+from kvjax import validate
 from kvjax.eviction.select import Eviction
 from kvjax.runtime.compile_cache import use as use_compile_cache
 from kvjax.runtime.config import EngineConfig, KvBits, kv_bits_for
@@ -114,7 +114,7 @@ def generate_iter(
     temperature, top_p, seed = validate.temperature(temperature), validate.top_p(top_p), validate.seed(seed)
     chat = validate.flag("chat", chat)
     config = EngineConfig(  # checks every engine setting, before any prompt is encoded
-        max_batch=machine.default_max_batch() if max_batch is None else max_batch,
+        max_batch=max_batch,  # type: ignore[arg-type]  # None: the machine's (EngineConfig)
         max_seq_len=model.config.max_position_embeddings if max_seq_len is None else max_seq_len,
         page_size=page_size,  # type: ignore[arg-type]  # None: the format's default (EngineConfig)
         chunk_tokens=chunk_tokens,

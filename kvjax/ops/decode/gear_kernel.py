@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
+from kvjax.ops.columns import column_offsets
 from kvjax.ops.decode.cost import ROWS
 from kvjax.ops.gear import GearPageFormat
 from kvjax.ops.pallas_util import (
@@ -45,7 +46,6 @@ from kvjax.ops.pallas_util import (
     MASK,
     NOWHERE,
     by_width_pair,
-    column_offsets,
     dot_precision,
     online_update,
     whole_block,

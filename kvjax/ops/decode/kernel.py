@@ -39,13 +39,14 @@ from jax.experimental.pallas import triton as plgpu
 
 from kvjax import validate
 from kvjax.layout import HeadLayout
+from kvjax.ops import columns
 from kvjax.ops.decode import tables
 from kvjax.ops.decode.bands import band_queries
 from kvjax.ops.decode.cost import ROWS
 from kvjax.ops.decode.merge import merge
 from kvjax.ops.decode.schedule import END_PAGE, FIRST_PAGE, SEQ, SLOT, UNIT, DecodeSchedule
 from kvjax.ops.decode.tables import RunClass, folds, step_tokens
-from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, store_rows, whole_block
+from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, page_rows, store_rows, whole_block
 from kvjax.ops.tiles import is_pow2, tile
 
 BLOCK_H = ROWS  # query rows per item: a GQA group (G <= 8) padded to the tensor cores' smallest M
@@ -83,7 +84,7 @@ def _attend_item(
     run_rows = heads * group
 
     qo, ko, vo, oo = (unit_field(f) for f in (tables.Q_OFF, tables.K_OFF, tables.V_OFF, tables.O_OFF))
-    q_cols, k_cols, v_cols, o_cols = (cols_ref[f] * 16 for f in range(4))
+    q_cols, k_cols, v_cols, o_cols = columns.read_widths(cols_ref)
     k_pieces = _class_pieces(cls.k_tiles, cls.k_exact, unit_field(tables.K_LAST))
     v_pieces = _class_pieces(cls.v_tiles, cls.v_exact, unit_field(tables.V_LAST))
     kt, vt = cls.k_cols, cls.v_cols
@@ -120,16 +121,11 @@ def _attend_item(
         band=band and (band, chunk_of_row * bc, bc),
         band_rows=band_rows,
     )
-    pages_per_seq = table_ref.shape[1]
 
     def load_chunk(tok, masked):
         """K and V pieces [bc, tile] of tokens ``tok`` through the block table, and which of them are visible."""
         valid = (tok < hi) & (tok >= visible_from) if masked else None
-        if masked:
-            page = plgpu.load(table_ref.at[seq, jnp.minimum(tok // page_size, pages_per_seq - 1)], mask=valid, other=0)
-        else:
-            page = table_ref[seq, tok // page_size]
-        row = page * page_size + tok % page_size
+        row = page_rows(table_ref, seq, tok, page_size, valid)
         ks = [
             load_rows(k_ref, row, k_cols, ko + a, jnp.arange(t)[None, :], _cols_ok(t, w), valid) for a, t, w in k_pieces
         ]

@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kvjax.ops import columns
 from kvjax.ops.decode import tables
 from kvjax.ops.decode.cost import ROWS
 from kvjax.ops.pallas_util import MASK, load_rows, store_rows, whole_block
@@ -74,7 +75,7 @@ def _merge_row(seq, unit, row, width, first, count, refs, *, v_max, v_tile, inte
     init = (jnp.zeros((1, v_tile), jnp.float32), jnp.float32(MASK), jnp.float32(0.0))
     acc, _, l = lax.fori_loop(0, pl.cdiv(count, SLOTS), step, init)
     out = acc / jnp.where(l > 0, l, 1.0)
-    o_cols = cols_ref[tables.O_COLS] * 16
+    o_cols = cols_ref[columns.O_COLS] * columns.UNIT
     store_rows(out_ref, jnp.full((1,), seq), o_cols, to, cols, out, cols_ok, interpret=interpret)
 
 

@@ -64,6 +64,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kvjax import validate
 from kvjax.layout import HeadLayout
+from kvjax.ops.columns import column_offsets
 from kvjax.ops.decode import tables
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.cost import ROWS
@@ -79,7 +80,7 @@ from kvjax.ops.decode.schedule import (
     as_layouts,
 )
 from kvjax.ops.decode.units import head_runs
-from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, column_offsets, dot_precision
+from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, dot_precision, page_of
 from kvjax.ops.quant import PageFormat, check_bits
 from kvjax.ops.tiles import is_pow2, tile
 
@@ -542,7 +543,7 @@ def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, 
         """Scores [BLOCK_H, tc] of the chunk of tokens from ``tok0`` (one page's), and a function of its weights
         p [BLOCK_H, tc] giving ``_Reader.values``."""
         ok = tok0 < hi
-        page = jnp.where(ok, table_ref[seq, jnp.minimum(tok0 // P, table_ref.shape[1] - 1)], 0)
+        page = page_of(table_ref, seq, tok0, P, ok)
         r = jnp.arange(tile_rows)
         t = tok0 % P + r  # rows of the page
         visible = ok & (tok0 + r >= visible_from) & (r < tc)

@@ -17,10 +17,11 @@ import dataclasses
 import numpy as np
 
 from kvjax.layout import HeadLayout
+from kvjax.ops import columns
+from kvjax.ops.columns import column_offsets
 from kvjax.ops.decode.config import DecodeConfig
 from kvjax.ops.decode.cost import ROWS
 from kvjax.ops.decode.units import Run, head_runs
-from kvjax.ops.pallas_util import column_offsets
 from kvjax.ops.tiles import pow2_floor, segments
 
 # Columns of a unit's row in the unit table: its class, its head count, its first head's column in packed q, K, V
@@ -32,8 +33,6 @@ UNIT_FIELDS = 8
 # q row and its output in a packed output row, relative to the unit's offsets, less the head's first column.
 K_START, K_WIDTH, V_START, V_WIDTH, Q_ROW, O_ROW = range(6)
 ROW_FIELDS = 6
-# Entries of a layer's row widths: packed q, K, V and output.
-Q_COLS, K_COLS, V_COLS, O_COLS = range(4)
 
 
 def step_tokens(k_tile: int, v_tile: int, config: DecodeConfig) -> int:
@@ -113,7 +112,7 @@ class LayerTables:
 
     units: np.ndarray  # [units * UNIT_FIELDS]
     rows: np.ndarray  # [units * ROW_FIELDS * ROWS]
-    cols: np.ndarray  # [4]: row widths of packed q, K, V and output
+    cols: np.ndarray  # [4]: ``columns.row_widths``
 
 
 def layer_tables(
@@ -148,7 +147,7 @@ def layer_tables(
                 row[u, :, i * g + j] = ks, kw, vs, vw, q_row, (g - 1) * vs + j * vw
     unit[:, Q_OFF:] //= 16
     q_cols = (wide_rows or layout.num_heads) * head_width if head_width else layout.q_cols
-    cols = np.array([q_cols, layout.k_cols, layout.v_cols, layout.out_cols], np.int32) // 16
+    cols = columns.row_widths(layout, q_cols)
     return LayerTables(unit.ravel(), (row // 16).ravel(), cols)
 
 

@@ -27,8 +27,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
+from kvjax.ops import columns
 from kvjax.ops.grouped import visible
-from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, store_rows, whole_block
+from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, page_rows, store_rows, whole_block
 from kvjax.ops.prefill import work
 from kvjax.ops.prefill.config import PREFILL, PrefillConfig
 
@@ -62,7 +63,7 @@ def _attend_block(
     else:
         table_ref, q_ref, k_ref, v_ref, out_ref = refs
     b, h, q0, length, start = item
-    kw, vw, qo, ko, vo, oo = head
+    qo, ko, vo, oo, kw, vw = head
     qc, kc, vc, oc = cols
     bq = work.block_rows(cls, block_q, seq_len, balanced, max_rows)
     bk = work.keys_per_step(block_k, bq, cls.cols, jnp.dtype(k_ref.dtype).itemsize, num_stages)
@@ -85,7 +86,7 @@ def _attend_block(
     def prefix_body(j, carry):  # keys before the chunk, read from the pages at absolute positions
         keys = j * bk + jnp.arange(bk)
         ok = keys < start
-        src = _page_rows(table_ref, b, keys, page_size, ok)
+        src = page_rows(table_ref, b, keys, page_size, ok)
         k = load_rows(kp_in, src, kc, ko, k_cols, k_ok, ok)
         v = load_rows(vp_in, src, vc, vo, v_cols, v_ok, ok)
         seen = ok[None, :] & visible(start + rows[:, None], keys[None, :], window)
@@ -101,7 +102,7 @@ def _attend_block(
             s = jnp.where(visible(rows[:, None], keys[None, :], window), s, MASK)
         if write_pages and masked:  # the item's own keys (>= q0) all lie in masked steps
             tok_ok = (keys >= q0) & (keys < length) & writer
-            dest = _page_rows(table_ref, b, start + keys, page_size, tok_ok)
+            dest = page_rows(table_ref, b, start + keys, page_size, tok_ok)
             store_rows(kp_ref, dest, kc, ko, k_cols, k, k_ok, tok_ok, interpret=interpret)
             store_rows(vp_ref, dest, vc, vo, v_cols, v, v_ok, tok_ok, interpret=interpret)
         return _softmax_step(carry, s, v, precision)
@@ -127,12 +128,6 @@ def _softmax_step(carry, s, v, precision):
     p = jnp.exp2(s - m_new[:, None])
     acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
     return acc, m_new, l * alpha + p.sum(axis=1)
-
-
-def _page_rows(table_ref, b, positions, page_size, ok):
-    """Rows of the flattened page pool [num_pages * page_size, cols] holding sequence b's ``positions``."""
-    page = plgpu.load(table_ref.at[b, jnp.minimum(positions // page_size, table_ref.shape[1] - 1)], mask=ok, other=0)
-    return page * page_size + positions % page_size
 
 
 def _prefix_steps(body, carry, live, first_row, start, bk, window):
@@ -162,10 +157,8 @@ def _kernel(items_ref, lengths_ref, starts_ref, heads_ref, cols_ref, *refs, clas
     b, h = items_ref[pid, 0], items_ref[pid, 1]
     item = (b, h, items_ref[pid, 2], lengths_ref[b], starts_ref[b])
     kv = h // group
-    head = tuple(
-        heads_ref[kv, c] * 16 for c in (work.K_WIDTH, work.V_WIDTH, work.Q_OFF, work.K_OFF, work.V_OFF, work.O_OFF)
-    )
-    cols = tuple(cols_ref[c] * 16 for c in (work.Q_COLS, work.K_COLS, work.V_COLS, work.O_COLS))
+    head = columns.read_head(heads_ref, kv)
+    cols = columns.read_widths(cols_ref)
     branches = [functools.partial(_attend_block, cls, refs=refs, group=group, **static) for cls in classes]
     if len(branches) == 1:
         branches[0](item, head, cols)
@@ -239,7 +232,7 @@ def prefill_attention(
         lengths,
         starts,
         jnp.asarray(work.head_table(layout, classes, widths)),
-        jnp.asarray(work.layer_cols(layout)),
+        jnp.asarray(columns.row_widths(layout)),
         jnp.zeros((b, 1), jnp.int32) if block_table is None else block_table.astype(jnp.int32),
         q.reshape(-1),
         k.reshape(-1),

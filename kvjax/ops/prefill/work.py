@@ -20,13 +20,10 @@ import math
 import numpy as np
 
 from kvjax.layout import HeadLayout
-from kvjax.ops.pallas_util import column_offsets
+from kvjax.ops import columns
 from kvjax.ops.tiles import pow2_floor, tile
 
-# Columns of a head table row (units of 16 for widths and offsets, so the kernel sees 16-alignment).
-CLASS, K_WIDTH, V_WIDTH, Q_OFF, K_OFF, V_OFF, O_OFF = range(7)
-# Entries of a layer's column counts (units of 16): the row widths of packed q, K, V and output.
-Q_COLS, K_COLS, V_COLS, O_COLS = range(4)
+CLASS = columns.HEAD_FIELDS  # the column a head table row adds to ``columns.head_columns``: the head's tile class
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,18 +68,9 @@ def class_of(layout: HeadLayout, classes: tuple[TileClass, ...], tile_widths: tu
 
 
 def head_table(layout: HeadLayout, classes: tuple[TileClass, ...], tile_widths: tuple[int, ...]) -> np.ndarray:
-    """int32 [num_kv_heads, 7]: each KV head's class, K and V widths and q/K/V/output offsets (see ``CLASS``)."""
-    offs = column_offsets(layout)
-    rows = [
-        (c, kw // 16, vw // 16, offs["q"][h] // 16, offs["k"][h] // 16, offs["v"][h] // 16, offs["o"][h] // 16)
-        for h, (c, kw, vw) in enumerate(zip(class_of(layout, classes, tile_widths), layout.k_widths, layout.v_widths))
-    ]
-    return np.asarray(rows, np.int32)
-
-
-def layer_cols(layout: HeadLayout) -> np.ndarray:
-    """int32 [4]: the layer's packed q, K, V and output row widths in units of 16 (see ``Q_COLS``)."""
-    return np.asarray([layout.q_cols, layout.k_cols, layout.v_cols, layout.out_cols], np.int32) // 16
+    """int32 [num_kv_heads, HEAD_FIELDS + 1]: each KV head's ``columns.head_columns`` row, then its class."""
+    cls = np.asarray(class_of(layout, classes, tile_widths), np.int32)[:, None]
+    return np.concatenate([columns.head_columns(layout), cls], axis=1)
 
 
 # Bytes of K/V tiles one pipelined key loop keeps in flight, (num_stages - 1) x keys x loaded columns x itemsize,
