@@ -31,6 +31,21 @@ def test_both_commands_read_the_engine_flags_alike(command, capsys):
     assert "--max-batch" in text and "--page-size" in text and "--batch-size" not in text
 
 
+def test_both_commands_hand_the_engine_the_same_settings_by_the_configs_names():
+    import dataclasses
+
+    from kvjax.cli import options
+
+    flags = ["--max-batch", "3", "--page-size", "32", "--chunk-tokens", "64", "--kv-bits", "4", "--no-prefix-caching"]
+    got = {c: options.engine_settings(p().parse_args([*req, *flags])) for c, (p, req) in BOTH.items()}
+    assert got["kvjax-infer"] == got["kvjax-serve"]
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(got["kvjax-infer"]) <= fields
+    config = EngineConfig(**got["kvjax-infer"])
+    assert (config.max_batch, config.page_size, config.chunk_tokens, config.kv_bits) == (3, 32, 64, 4)
+    assert config.prefix_caching is False
+
+
 def test_the_old_batch_flag_of_kvjax_infer_still_sets_max_batch():
     parser, required = BOTH["kvjax-infer"]
     assert parser().parse_args([*required, "--batch-size", "5"]).max_batch == 5

@@ -231,19 +231,11 @@ def _start(args, model, ids: list, stats: dict):
         args.temperature,
         args.top_p,
         args.seed,
-        max_batch=args.max_batch,
         max_seq_len=args.max_seq_len,
-        page_size=args.page_size,
-        chunk_tokens=args.chunk_tokens,
-        cache_memory=args.cache_memory,
-        backend=args.attention,
         batch_invariant=args.batch_invariant,
-        kv_bits=args.kv_bits,  # "model" unless given: the checkpoint's choice (kvjax.generate)
-        eviction=args.evict,
-        tensor_parallel=args.tensor_parallel,
         compile_cache=args.compile_cache,
-        prefix_caching=False if args.no_prefix_caching else None,
         stats=stats,
+        **options.engine_settings(args),  # kv_bits "model" unless given: the checkpoint's choice (kvjax.generate)
     )
     print(f"kvjax-infer: {run.runner.engine.describe()}", file=sys.stderr, flush=True)  # what the machine got
     return run

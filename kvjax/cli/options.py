@@ -154,6 +154,23 @@ def add_engine(p: argparse.ArgumentParser) -> None:
     )
 
 
+def engine_settings(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` fields that ``add_engine``'s flags set, by the config's names, so both commands hand the
+    engine the same settings; ``kv_bits`` as given ("model" unless set: ``config.kv_bits_for`` resolves it).
+    --dtype and --compile-cache are not engine fields: each command applies them itself."""
+    return dict(
+        max_batch=args.max_batch,
+        page_size=args.page_size,
+        chunk_tokens=args.chunk_tokens,
+        cache_memory=args.cache_memory,
+        backend=args.attention,
+        kv_bits=args.kv_bits,
+        eviction=args.evict,
+        tensor_parallel=args.tensor_parallel,
+        prefix_caching=False if args.no_prefix_caching else None,
+    )
+
+
 def add_dtype(p: argparse.ArgumentParser, what: str, *, auto: bool = False) -> None:
     """--dtype; ``auto``: "auto" is allowed and the default (``kvjax.machine.default_dtype``)."""
     if not auto:

@@ -108,20 +108,14 @@ def build_engine(args, model):
     from kvjax.runtime.engine import Engine
     from kvjax.runtime.memory import CacheTooSmall
 
+    settings = options.engine_settings(args)
+    settings["kv_bits"] = kv_bits_for(model, args.kv_bits)  # by default the checkpoint's choice (--kv-bits none: none)
     config = EngineConfig.for_machine(
         model.config.max_position_embeddings,
-        max_batch=args.max_batch,
         max_seq_len=args.max_seq_len,
-        page_size=args.page_size,
-        chunk_tokens=args.chunk_tokens,
-        cache_memory=args.cache_memory,
-        backend=args.attention,
         prefill_min_tokens=args.prefill_min_tokens,
         prefill_max_rows=args.prefill_max_rows,
-        kv_bits=kv_bits_for(model, args.kv_bits),  # by default the checkpoint's choice (--kv-bits none: none)
-        eviction=args.evict,
-        tensor_parallel=args.tensor_parallel,
-        prefix_caching=False if args.no_prefix_caching else None,
+        **settings,
     )
     try:
         return Engine(model, config)

@@ -1,23 +1,12 @@
-"""Rank plans: how many rotated directions each KV head keeps for Q/K and for V.
+"""Rank plans (``RankPlan``): how many rotated directions each KV head keeps for Q/K and for V.
 
 A head keeps the smallest ``k`` whose removed tail of singular values stays within the shared removal rate ``r``
 (``sum_{i>=k} s_i / sum_i s_i <= r``), rounded up to a multiple of 16 (kernel alignment), at least 16. The overall
-rate is ``p = 1 - sum(k_qk + k_v) / (2 * Hkv * d_h * L)``; ``F_p`` finds ``r`` for a target ``p`` by bisection.
-A plan with ``ranks="measured"`` takes its widths from each head's measured effect instead
-(``compression.sensitivity``).
-
-A plan may also reorder each layer's KV heads (``head_order``, see ``kvjax.ops.decode.search.order_heads``): the
-ranks stay those of the calibrated heads, the folded model and its cache hold the heads in the new order, where
-adjacent narrow heads fill the decode kernel's tiles. Reordering heads does not change the model's output.
-
-Before ordering, a plan may move a few columns between a layer's heads (``filled_for_runs``, see
-``kvjax.ops.decode.search.fill_runs``; opt-in, it trades accuracy for decode speed): at most 32 a head, each
-layer's K and V totals kept (so the rate is unchanged), where that lets the kernel's runs fill their tiles. Those
-heads then keep a little more or less than the removal rate says; ``moved_columns`` counts what moved.
-
-A ZACK plan may store keys in banded frames (``band``, DESIGN.md section 7, "Banded bases"): key ``n`` is kept as
-``U^T RoPE(n mod W) k_pre(n)``, the band's own frame, with ``U`` the basis of positions ``0..W-1``; attention turns
-it back by the band's start angle. The basis then depends on no absolute position, so it serves any context.
+rate is ``p = 1 - sum(k_qk + k_v) / (2 * Hkv * d_h * L)``; ``F_p`` finds ``r`` for a target ``p`` by bisection, and
+``ranks="measured"`` takes the widths from each head's measured effect instead (``compression.sensitivity``).
+A plan may reorder each layer's KV heads (``head_order``; the output does not change), move a few columns between
+a layer's heads at an unchanged rate (``filled_for_runs``, opt-in: accuracy traded for decode speed), and, for ZACK,
+store keys in banded frames (``band``, DESIGN.md section 7, "Banded bases").
 """
 
 from __future__ import annotations

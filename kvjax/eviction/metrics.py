@@ -1,20 +1,11 @@
 """How much each cached token matters to each KV head: the eviction metrics, computed from the attention the model
 actually runs (ZACK's rotated, truncated q·k; a Palu latent rebuilt; the packed layout of ``kvjax.layout``).
 
-Every metric is a score per (KV head, key) over a prompt's keys, higher = keep. The methods:
-
-- ``kvcompress``: KV-Compress (Rehg, 2024, section 3.2), limited observation window: the squared attention of the
-  last ``window`` queries, summed over them and over the KV head's query group, max-pooled over ``pool`` keys.
-- ``kvcompress-full``: the same squared attention summed over every query after the key (its full-history form).
-- ``snapkv``: SnapKV (Li et al., 2024, section 4): the attention of the last ``window`` queries summed over them and
-  the group, pooled (max) over ``pool`` keys.
-- ``h2o``: H2O (Zhang et al., 2023, section 3): attention accumulated over every query (heavy hitters); its recent
-  window is kept by the selection (``kvjax.eviction.select``).
-- ``keyformer``: Keyformer (Adnan et al., 2024, section 3.3): a Gumbel-softmax of each query's logits (noise from
-  ``seed``, temperature ``tau``) accumulated over every query.
-
-Sums over all queries run in blocks of ``QUERY_BLOCK`` rows (a scan: one block's code compiled once), so memory
-holds [group, block, keys] at a time.
+``scores`` is a float32 score per (KV head, key) over a prompt's keys, higher = keep, for each of ``METHODS``:
+``kvcompress`` (KV-Compress, Rehg, 2024, section 3.2; ``kvcompress-full``, its full-history form), ``snapkv``
+(SnapKV, Li et al., 2024, section 4), ``h2o`` (H2O, Zhang et al., 2023, section 3) and ``keyformer`` (Keyformer,
+Adnan et al., 2024, section 3.3). ``window_scores`` gives the observation-window methods from a prompt's last
+queries, as the engine has them. Sums over all queries run in blocks of ``QUERY_BLOCK`` rows.
 """
 
 from __future__ import annotations

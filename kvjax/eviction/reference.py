@@ -1,15 +1,9 @@
 """Eviction in a plain forward, for scoring and as the engine's reference: a prompt is prefilled exactly, each KV
 head's prompt tokens are cut to the policy's selection (``select.keep_masks`` over ``metrics.scores``), and the
-tokens after the prompt attend to what was kept plus each other, as decode would over the evicted cache.
-
-This is the methods' published setting (SnapKV, KV-Compress and Keyformer compress the prompt once after prefill;
-H2O's accumulated attention is read at the same point), teacher-forced: two forwards, the first over the prompt
-for the scores, the second over everything with each head's keys masked. Continual eviction during decode is the
-engine's (issue 37, item 4), not this module's.
-
-With ``kv`` (a ``kv_schemes`` scheme), the kept tokens are served from quantized pages as they would be if the
-survivors were compacted first and then quantized (``compacted_round_trip``): eviction on quantized pages, which the
-engine refuses today, scored before it is built.
+tokens after the prompt attend to what was kept plus each other, as decode would over the evicted cache
+(``evicted_hidden``, ``hidden_after``). Teacher-forced, and one cut after prefill (the methods' published setting);
+continual eviction during decode is the engine's. With ``kv`` (a ``kv_schemes`` scheme), the kept tokens are
+compacted and then served from quantized pages (``compacted_round_trip``).
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Which prompt tokens each KV head keeps: a budget, per head or shared by every head of every layer, spent on the
 highest scores (``kvjax.eviction.metrics``) after the most recent tokens, which are always kept.
 
-``Eviction`` is the one description of a policy that the reference forward (``kvjax.eviction.reference``), the
-harness and, later, the engine read. Two allocations:
-
-- ``global`` (KV-Compress, section 3.3): one budget of ``budget`` tokens times the number of (layer, KV head)
-  pairs; the protected tokens of every head count against it, and the rest goes to the highest-scoring tokens across
-  all heads and layers, so heads and layers that attend widely keep more.
-- ``uniform`` (SnapKV, H2O, Keyformer as published): every head keeps ``budget`` tokens.
-
-Either way a head evicts a whole number of pages' worth of tokens (its evictions are rounded down to a multiple of
-``page_size``): after compaction every page it holds is full, and freed pages go back whole. A head may so keep up
-to ``page_size - 1`` tokens over its share. Protected: the last ``max(window, page_size)`` tokens (the
-observation window, and at least the page being filled); H2O and Keyformer also keep a recent window of
-``recent_share`` of the budget, their published split between recent and heavy-hitter tokens.
+``Eviction`` (``parse`` reads its short form) is the one description of a policy; ``keep_masks`` applies it on the
+host and ``device_keep`` on the device, the same selection. Allocations: ``global`` (KV-Compress, section 3.3: one
+budget over every (layer, KV head)) and ``uniform`` (SnapKV, H2O, Keyformer as published: ``budget`` a head). A head
+evicts whole pages' worth of tokens, so it may keep up to ``page_size - 1`` over its share. Protected: the last
+``max(window, page_size)`` tokens, and for H2O and Keyformer a recent window of ``recent_share`` of the budget.
 """
 
 from __future__ import annotations

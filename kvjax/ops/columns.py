@@ -1,18 +1,10 @@
-"""Where each KV head's columns sit in a layer's packed rows, in the one encoding every Pallas kernel reads at run time.
-
-Packed rows hold the heads side by side, each at its own width (``layout.HeadLayout``): a query row has G queries of
-each head at its K width, a K row each head's K columns, and so on. A kernel gets that placement as int32 tables, not
-as constants, so layers whose heads fit the same tiles share one compiled kernel (bench/results/startup.md "Engine:
-compile times"). Offsets and widths are stored in units of 16 columns and multiplied back in the kernel, so the
-compiler still knows every head starts 16-aligned and loads its columns as 16-byte vectors.
-
-- a head table (``head_columns``) has a row a KV head: ``Q_OFF, K_OFF, V_OFF, O_OFF, K_WIDTH, V_WIDTH``; a kernel
-  may append columns of its own after ``HEAD_FIELDS`` (the prefill kernel's tile class, Palu's head index);
-- a layer's row widths (``row_widths``): ``Q_COLS, K_COLS, V_COLS, O_COLS``.
-
-The decode kernel reads runs of heads, not heads (``ops.decode.tables``): its unit table is built from these offsets
-and its row widths are ``row_widths``.
-"""
+"""Where each KV head's columns sit in a layer's packed rows, in the one int32 encoding the decode, prefill and Palu
+kernels read at run time (so layers whose heads fit the same tiles share one compiled kernel: bench/results/startup.md
+"Engine: compile times"). Offsets and widths count units of 16 columns, multiplied back in the kernel, so every head
+starts 16-aligned and loads as 16-byte vectors. ``head_columns``: a row a KV head, fields ``Q_OFF, K_OFF, V_OFF,
+O_OFF, K_WIDTH, V_WIDTH`` (a kernel may append its own after ``HEAD_FIELDS``); ``row_widths``: a layer's ``Q_COLS,
+K_COLS, V_COLS, O_COLS``; ``read_head`` and ``read_widths`` read them inside a kernel. The decode kernel's unit
+table (``ops.decode.tables``) places runs of heads from the same offsets."""
 
 from __future__ import annotations
 

@@ -1,56 +1,13 @@
-"""GEAR (Kang et al. 2024, "GEAR: An Efficient KV Cache Compression Recipe for Near-Lossless Generative Inference of
-LLM") as a page-wise round trip: each full page of each KV head, a matrix X [P, w] (P tokens, w columns), is stored as
-``D + L + S``:
+"""GEAR (Kang et al. 2024) as a page-wise round trip: each full page of each KV head, a matrix X [P, w], is stored as
+``D + L + S``: S, a fraction ``outliers`` of X's entries kept exact (float16, with their positions); D, the rest
+quantized as kvjax's KIVI-style pages are (``quant``); L = A B^T, a rank-``rank`` approximation of ``X - D`` (float16
+factors from ``iterations`` steps of power iteration from a fixed start, so deterministic). The reconstruction is
+``D + L`` with the outliers put back; with no outliers and no L it is ``quant.simulate`` exactly.
 
-  S, the sparse outliers: a fraction ``outliers`` of X's entries, kept exact (float16) with their positions;
-  D, the rest quantized as kvjax's KIVI pages are (``quant``: keys per column over the page's tokens, values per token
-     and head, 4 or 2 bits), with the outliers' places filled by their group's inlier mean first, so they stretch no
-     range;
-  L = A B^T, a rank-``rank`` approximation of the quantization residual ``X - D`` (zero at the outliers), A [P, r]
-     and B [w, r] stored as float16, found by ``iterations`` steps of power (subspace) iteration.
-
-The reconstruction is ``D + L`` with the outliers' stored values put back in their places. At decode a query scores
-the low-rank part without rebuilding it, ``q (A B^T)^T = (q B) A^T`` (``scores_low_rank``: (w + P) r multiply-adds a
-query instead of P w), and the outliers as a sparse correction.
-
-Taken from the authors' reference implementation (github.com/opengear-project/GEAR; read at efe0bfe):
-
-- The three parts and their order (``GenerationBench/GenerationTest/GEARLM/Simulated/compress_function.py``:
-  ``gears_channelQ``, ``gears_tokenQ``, ``gearslkivi_channelQ_new``, ``gearslkivi_tokenQ_new``): outliers are taken out
-  first and their places filled with their group's mean before quantizing, put back exactly after, and the low-rank
-  part approximates ``X - (D + S)``, which is zero at the outliers. Keys and values both get all three parts, keys
-  quantized per channel and values per token, each with a rank of its own (``rank``/``rankv``; kvjax uses one).
-- Outliers are the extremes of each quantization group (that code: the ``s/2`` smallest and ``s/2`` largest entries of
-  each key channel over the tokens and of each value token over the heads' channels; ``TrueCompression/models/
-  TrueCompressFunction.py::true_gear_compress``: the same over the whole flattened cache tensor, zero-filled), at
-  ``s = 2%`` (``--left 0.02`` in ``run_template_llama-3-8b.sh`` and ``run_template_llama2-13b.sh``).
-- The low-rank part is per head (``fake_poweriteration_group``, ``cuda_supported_gear/quant/new_pack.py::
-  headwise_lrap``): A, the token side, orthonormal, and ``B = R^T A``; ``loop = 3`` steps (``--loop 3``); factors
-  kept in float16 (``true_poweriteration`` returns them as half) and used at decode as ``(q B) A^T``
-  (``cuda_supported_gear/modeling_llamagear.py::matmul_withlrap``).
-- Ranks: 4 for the prefilled matrix and 2 for each streaming buffer of new tokens (``--prefillrank 4 --rank 2``, with
-  buffers of ``--streaming_gap 64`` tokens): ``PREFILL_RANK``, ``STREAM_RANK``.
-
-Where kvjax differs:
-
-- The streaming buffer is the page (default 32 tokens): every full page of every head is compressed on its own,
-  prompt pages included, so a page's rank is one number (``STREAM_RANK`` suits it; the reference compresses the whole
-  prompt as one matrix at ``PREFILL_RANK``). D is kvjax's own quantizer, so with no outliers and no L the round trip
-  is ``quant.simulate`` exactly.
-- Outlier budget: ``floor(outliers * P * w)`` entries per page and head, the entries farthest from their quantization
-  group's mean (a key's column over the page, a value's row of the head). Per group, as the reference counts them, 2%
-  of a 32-token column or a 64-wide row rounds to no outlier at all; over the head's page block the budget is whole
-  (40 of 32 x 64) and still goes to each group's extremes first (whichever end lies farther from the mean), wherever
-  the ranges are widest. The fill
-  is the mean of the group's inliers (the reference's mean counts the outliers, and can lie outside the inliers'
-  range).
-- Power iteration starts from a fixed Gaussian block (column j from a seeded generator of its own, so a rank-r start
-  is the first r columns of a rank-(r + 1) one) rather than ``torch.rand``, and orthonormalises every step rather than
-  only the last: deterministic, and the rank-r subspace is nested in the rank-(r + 1) one, so the error does not grow
-  with the rank.
-- Factors are float16 per head and page (the reconstruction uses the rounded factors); outliers are a float16 value
-  and a position within the page's head block, ``ceil(log2(P w))`` bits stored in the smallest unsigned integer that
-  holds them (11 bits for 32 x 64: 2 bytes; the reference keeps int64 indices), so ``page_bytes`` is honest.
+Entry points: ``GearSpec``, ``round_trip``, ``GearPageFormat`` (the engine's page, ``quant.PageFormat``'s interface)
+and ``page_bytes``, which counts every stored part. ``scores_low_rank`` scores L as ``(q B) A^T`` without rebuilding
+it. Defaults follow the authors' reference implementation (github.com/opengear-project/GEAR, read at efe0bfe), with
+the page as its streaming buffer.
 """
 
 from __future__ import annotations

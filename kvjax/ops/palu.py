@@ -1,18 +1,11 @@
-"""Palu's decode in one kernel: each tile of cached K latent is rebuilt to full K, rotated by RoPE and scored without
-leaving the chip, as Palu's authors fuse it (the Palu paper, section 3.4), so the ZACK-against-Palu comparison runs
-against Palu's best decode, not a strawman (Pallas, Triton lowering).
+"""Palu's decode in one kernel (Pallas, Triton lowering): each tile of cached K latent is rebuilt to full K, rotated
+by RoPE and scored without leaving the chip, as Palu's authors fuse it (the Palu paper, section 3.4), so ZACK is
+compared against Palu's best decode. ``palu_decode`` equals ``reference.paged_decode_attention`` with the layer's K
+rebuild; ``PaluDecodeOp`` is the engine's op (no host schedule).
 
-One program per (sequence, KV head, split of the sequence's pages); how many of the grid's splits a sequence uses is
-decided on the device from the rows that are live this step (``live_splits``), so a step of few sequences still fills
-the GPU and a full one does not pay for merging splits it does not need. Per step of ``step`` tokens it loads the head's
-latent rows [step, k_tile] through the block table, multiplies them by the head's ``up`` halves [k_tile, d/2] (tensor
-cores), applies RoPE as HF's rotate-half on the two halves, with cos/sin of each token's angle made from the step's
-first angle and a per-program table of in-step offsets (angle addition: two trig calls per column a step, not per
-token), scores the group's queries against it, and runs the online softmax over the head's V rows. A split writes a
-partial (acc, max, sum) that ``_merge`` combines in jnp. Heads run in one launch per K tile (``head_classes``), so the
-rebuild multiplies by the head's own tile; heads narrower than the tile mask their columns, so loads never read a column
-the head does not own. With ``band`` (banded ZACK, whose cached key is in the frame of its band of ``band``
-positions: ``models.latent.LatentK``), each token's angle is its band's start, not its own position.
+One program per (sequence, KV head, split), heads in one launch per K tile (``head_classes``); each sequence takes
+the splits this step's live rows need (``live_splits``). With ``band`` (banded ZACK: ``models.latent.LatentK``),
+each token's angle is its band's start, not its own position.
 """
 
 from __future__ import annotations

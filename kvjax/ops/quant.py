@@ -1,16 +1,12 @@
-"""KIVI-style quantized pages: the codes, scales and zero points of one page of K or V, and their jnp reference.
+"""KIVI-style quantized pages: the codes, scales and zero points of one page of K or V (``PageFormat``), and their jnp
+reference (``quantize``, ``dequantize``, ``simulate``).
 
-Keys are quantized per channel over a page's tokens (KIVI, section 3: keys have outlier channels, so each column
-gets a range of its own; the page is the key group), values per token (each token's row of a head its own range).
-A b-bit code c in [0, 2^b) stands for ``zero + scale * c`` with ``scale = (max - min) / (2^b - 1)`` and
-``zero = min``, so a value comes back within ``scale / 2`` of itself, plus the rounding of the stored scale and
-zero (``bound``).
-
-Codes are packed ``8 // b`` to a byte in planes: within a head of width ``w``, byte column ``j`` holds the codes of
-columns ``j, j + w/n, ..., j + (n - 1) w/n`` (``n = 8 // b``), the first in the lowest bits. Unpacking a head's bytes
-by shift and mask gives ``n`` contiguous blocks of columns, so a kernel scores ``q[:, block]`` against each block
-with no permutation (``../shared/DESIGN.md``, "Quantized pages"). Head widths are multiples of 16, so every width
-splits into whole planes at 4 and 2 bits.
+Keys are quantized per channel over a page's tokens (KIVI, section 3), values per token and head. A b-bit code c in
+[0, 2^b) stands for ``zero + scale * c`` with ``scale = (max - min) / (2^b - 1)`` and ``zero = min``, so a value comes
+back within ``scale / 2`` of itself, plus the rounding of the stored scale and zero (``bound``). Codes are packed
+``n = 8 // b`` to a byte in planes (``pack``): byte column ``j`` of a head of width ``w`` holds columns ``j, j + w/n,
+...``, the first in the lowest bits, so a kernel scores ``q[:, block]`` against each unpacked block with no
+permutation (``../shared/DESIGN.md``, "Quantized pages"). Head widths are multiples of 16: whole planes at 4 and 2 bits.
 """
 
 from __future__ import annotations

@@ -1,62 +1,16 @@
-"""ZipCache (He et al., NeurIPS 2024, "ZipCache: Accurate and Efficient KV Cache Quantization with Salient Token
-Identification") as a round trip for teacher-forced scoring: every (sequence, KV head) keeps its most salient
-tokens at ``high_bits`` and the rest at ``low_bits``.
+"""ZipCache (He et al., NeurIPS 2024) as a round trip for teacher-forced scoring: every (sequence, KV head) keeps its
+most salient tokens at ``high_bits`` and the rest at ``low_bits``; keys and values share the choice.
 
-Saliency is *normalized attention*: the attention a token receives, summed over the queries that see it and over the
-KV head's group of query heads, divided by how many of those queries there are, so early tokens are not ranked high
-merely for being seen by more queries. It is computed from a few *probe* queries (the most recent positions and some
-drawn at random from the rest) so that a prefill can keep a fused attention kernel for its output (``saliency``).
-The top ``salient`` fraction by that score goes to high bits (``salient_mask``); keys and values share the choice.
-
-Quantization (``encode``/``decode``), every scale, zero point and normalizer float16 and the codes rounded against
-the stored values (``quant.quantize``):
-  keys, ``keys="channel"`` (default): channel-wise, one range per channel over the tokens of each precision: the
-      salient tokens' range and the others' range, per (sequence, KV head, channel);
-  keys, ``keys="paged"``: channel-wise per precision class as above, but one range per channel for every
-      ``key_group`` tokens of a class in order (a page of one precision: a post-RoPE cache does not care about token
-      order), as KIVI-style pages range keys; at 4K windows one range over a class's 1,600 low tokens widened the
-      2-bit ranges until ZipCache lost to KIVI-style at equal bytes (bench/results/quantization.md "Every scheme at 4K
-      windows");
-  keys, ``keys="separable"``, and values always: channel-separable token-wise: each channel divided by a normalizer
-      ``sqrt(max_t |x_t|)`` (one per sequence and channel, over all tokens), each token of each KV head then
-      quantized with its own range, and the normalizer multiplied back after dequantizing.
-The precision map is one bit per token and KV head (``token_bytes`` counts it).
-
-Teacher-forced semantics: ``round_trip`` ranks the whole sequence once, as after a prefill of all of it, and
-quantizes every token. Decoding with the reference, new tokens stay exact in a buffer and every ``DECODE_GAP`` steps
-the ones since the last refresh are ranked by the current query's (unnormalized) attention and the whole cache is
-re-quantized; that cadence is not modelled here: decoded tokens are ranked with the queries that follow them (a
-little optimistic) and none of the newest tokens is kept exact (a little pessimistic).
-
-Taken from the reference implementation (github.com/ThisisBillhe/ZipCache, commit b6932b9):
-  * probes: ``MixedLlamaAttention.forward`` (``zipcache/models/modeling_llama.py``): the last 5% of the prompt's
-    positions (``probe_recent``) plus 5% of the prompt drawn at random from the positions before them
-    (``probe_random``); the probes' causal softmax rows summed over the KV head's query heads and over the probes;
-  * the salient ratio and bits: ``zipcache_generation_demo.py`` (4 and 2 bits, 40% of the tokens low, so
-    ``salient=0.6``; the low count is ``floor(0.4 T)``, ``topk(int(ratio * q_len))``); keys reuse the values'
-    choice (``unimportant_ids_v = unimportant_ids_k``);
-  * keys channel-wise per precision class: the demo's ``"mixed_channelwiseQ"``, ``compress_function.py``
-    ``true_mixedprec_compress_channelwise`` / ``true_channel_wise_quantize`` (the paper's argument: keys have outlier
-    channels but little difference between tokens). ``keys="separable"`` is the reference's channel-separable
-    token-wise scheme for keys (``true_channel_tokenwise_quantize``), with one normalizer for both classes;
-  * values channel-separable token-wise: ``true_channel_separate_mixedprec_tokenwise_compress`` (normalizer
-    ``sqrt(max |x|)`` per channel over all tokens before the split into classes, asymmetric min/max ranges per token,
-    ``tokenwise_dequantization`` then times the normalizer);
-  * the decode cadence ``DECODE_GAP = 100``: the demo's ``streaming_gap``.
-
-Where kvjax differs:
-  * ranges and normalizers are per sequence and KV head: the reference pools them over the batch (``reshape(-1, C)``
-    before the min/max), so one sequence's outliers would widen another's ranges;
-  * a token-wise range covers one token of one KV head (as ``quant.quantize_values``): the reference's covers a
-    token's row across all of the layer's heads, and as each head picks its own salient tokens that row joins
-    different tokens of different heads;
-  * normalization divides a token's probe sum by the number of *probes* that see it (the paper's nnz of the column,
-    taken over the probe rows). The reference divides the probe sum by ``T - i``, the number of *all* queries that
-    see token i, which with 10% probes scales a token near the start by about 0.1 and one near the end by up to 1:
-    it re-introduces a bias toward late tokens. With every query a probe the two are the same;
-  * random probes are drawn without replacement by numpy's generator seeded with ``spec.seed`` (the reference:
-    ``torch.randint``, with replacement, unseeded), and causal visibility honours ``layout.sliding_window``;
-  * the precision map is a packed bit per token and KV head, not the reference's int64 index tensors.
+``saliency`` ranks tokens by ZipCache's normalized attention from a few probe queries, ``salient_mask`` takes the top
+``salient`` fraction, ``encode`` and ``decode`` store and rebuild both classes (keys by ``keys``: "channel", "paged"
+or "separable"; values channel-separable token-wise; every scale, zero and normalizer float16), and ``round_trip``
+ranks the whole sequence once and quantizes every token, as after a prefill of all of it (the decode cadence,
+``DECODE_GAP``, is not modelled). ``token_bytes`` counts what is stored, the one-bit precision map included.
+Defaults are the reference implementation's (github.com/ThisisBillhe/ZipCache, commit b6932b9). Where kvjax differs
+from it: ranges and normalizers per sequence and KV head (never pooled over the batch or across heads), a token's
+probe sum divided by the probes that see it (the paper's rule; the reference's ``T - i`` favours late tokens), probes
+drawn without replacement from ``spec.seed`` (bench/notes/2026-12-04-module-docstrings.md has the full account).
+Why paged keys: bench/results/quantization.md "Every scheme at 4K windows".
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
-"""Tensor parallelism on JAX's own machinery (issue 38, item 1), first form: a model's full causal forward over a
-1-D mesh of devices (axis "tp"), in the Megatron layout. Each device holds its placed KV heads' columns of q, k and v
-and rows of o (``shards``, ``placement``), its share of the MLP (gate and up columns, down rows), and runs the layer
-inside one ``shard_map`` with explicit specs; one ``psum`` after attention and one after the MLP sum the partial
-outputs (XLA's all-reduce; NCCL on GPUs). A bias after a ``psum`` (o's, down's) is held by the first device only, so
-it is added once. No hand-written communication.
+"""Tensor parallelism on JAX's own machinery (issue 38, item 1): a model's causal forward over a 1-D mesh (axis "tp")
+in the Megatron layout, one ``shard_map`` a layer with one ``psum`` after attention and one after the MLP; no
+hand-written communication.
 
-Plain ZACK models too: their devices' heads have different widths, and the one SPMD program needs one shape a
-shard, so each device's heads are ordered widest first and padded to the widest j-th head of any device
-(``shards.padded_layout``); the padding's zero columns add exactly nothing. The embedding and lm_head are split by
-vocabulary (padded to the devices): each device looks up the tokens it holds (zeros for the rest, then a ``psum``)
-and computes its share of the logits, gathered after. Fewer KV heads than devices: each head is replicated on
-N / Hkv devices, each holding G / (N / Hkv) of its query heads (``shards``). ``hidden``, ``gathered_logits`` and
-``spmd`` are the pieces the engine's steps run in (``EngineConfig.tensor_parallel``). Not yet (issue 38's next
-steps, ``bench/notes/2026-12-03-tp-engine.md``): Palu and banded plans are refused in one line, and eviction over
-replicated heads; the per-head kernel's data-driven widths would drop the padding. Several processes (hosts): each
-puts only its own devices' shares (``shard``), and all issue the same calls (tests/test_multihost.py).
+``shard`` splits a ``kvjax.Model`` (uncompressed or plain ZACK) into a ``Sharded``: each device's placed KV heads
+(``placement``, ``shards``) padded to one shape, its share of the MLP and of the vocabulary. ``logits`` equals
+``Model.logits`` up to the order of the all-reduce's sums. ``hidden``, ``gathered_logits`` and ``spmd`` are the
+pieces the engine's steps run in (``EngineConfig.tensor_parallel``). ``check`` refuses in one line what this form
+cannot split (Palu and banded plans among them). Several processes each put only their own devices' shares.
 """
 
 from __future__ import annotations

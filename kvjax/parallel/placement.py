@@ -1,21 +1,12 @@
 """Which device holds each KV head of every layer under tensor parallelism, so that every device carries the same
 cache bytes (issue 38, item 2; ``../shared/DESIGN.md``, "Sharding").
 
-With rank reduction KV heads have different widths (and, quantized, different bytes per token), so an even split of
-heads is an uneven split of bytes: the device with the widest heads holds the most cache, and in decode it sets
-every layer's step, since each layer ends in an all-reduce. A KV head moves with its whole query group (its query
-heads' columns, its output rows), and every layer's weights are permuted on their own, so each layer may place its
-heads differently. Every device holds the same number of KV heads a layer (``H / N``): the device programs are one
-SPMD program, so each device's share of a layer must have one shape. Two steps a layer:
-
-1. **Within the layer**: heads heaviest first, each to the least loaded of the bins that still have room (LPT with a
-   cardinality limit; with two heads a bin it pairs the heaviest with the lightest, which is optimal). This keeps the
-   layer's heaviest device, which sets its step, near the mean.
-2. **Across layers**: the layer's bins, heaviest first, go to the devices least loaded over the layers placed so
-   far, so that each device's total (its page pool) balances too.
-
-Fewer KV heads than devices: the heads are placed on ``H`` groups of ``N / H`` devices as above, and each device of
-a group holds the head (its query heads split between them): the cache is replicated, as the Megatron layout does.
+``place`` returns a ``Placement``: every device holds ``H / N`` KV heads a layer (one SPMD program, one shape a
+shard), a KV head moves with its whole query group, and each layer places its heads on its own. Within a layer,
+heads go heaviest first to the least loaded bin with room (LPT with a cardinality limit); across layers, the heaviest
+bins go to the devices least loaded so far, so each device's page pool balances too. ``even`` is the byte-blind
+baseline. Fewer KV heads than devices: each head is replicated on ``N / H`` devices, its query heads split between
+them, as the Megatron layout does. Heads that cannot be shared out evenly are refused in one line.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Each device's share of a layer under tensor parallelism (issue 38, item 1): which packed columns of q, k, v and
-which rows of o hold the KV heads a device was given (``placement``), the layout those heads form on the device, and
-the even splits of the MLP and the vocabulary. Index arithmetic only, over the packed layout of ``kvjax.layout``:
-the mesh code slices weights with it, and the sum of the devices' partial outputs is the layer's (tested).
-
-Packed forms (``kvjax.layout``): q and K rows after ZACK's rotation hold each KV head's block at its K width (q's
-``G`` query heads a block), V at its V width, and the attention output (o's input rows) ``G`` blocks at the V width;
-before the rotation the q and k projections' outputs are full width (``head_dim`` a head).
-
-Fewer KV heads than devices (``placement``'s replicas r > 1): a device holds one KV head whole (its k, v and rotation
-columns, so its cache) and replica ``rho``'s G / r of the group's query heads (their q columns and o rows), as the
-Megatron layout replicates KV heads; the devices' query heads are disjoint, so their partial outputs still sum to
-the layer's.
+which rows of o hold the KV heads a device was given (``placement``), the layout those heads form on the device
+(``local_layout``, ``padded_layout``), and the even splits of the MLP and the vocabulary (``even_split``). Index
+arithmetic only, over the packed layout of ``kvjax.layout``; the sum of the devices' partial outputs is the layer's
+(tested). Fewer KV heads than devices (``replicas`` > 1): a device holds one KV head whole and its replica's share
+of the group's query heads, as the Megatron layout replicates KV heads.
 """
 
 from __future__ import annotations

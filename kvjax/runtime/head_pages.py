@@ -1,20 +1,12 @@
-"""Per-head paging's host side (issue 37, item 2): which pages each (layer, KV head) of each sequence owns in one
-pool of fixed-size pages, how many tokens each head stores, and the moves that compact a head after eviction.
+"""Per-head paging's host side (issue 37, item 2): ``HeadPages``, which pages each (layer, KV head) of each sequence
+owns in one pool of fixed-size pages, how many tokens each head stores, and the moves that compact a head after
+eviction.
 
-The pool format (bench/notes/2026-11-28-eviction-start.md, "Per-head pages"): every page has the same size, and a
-head stores as many of its tokens in a page as fit (``per_page[layer, head]``: a page of ``page_size x head_dim``
-elements holds 16 full-width tokens or 64 of a 32-column head). Any page serves any layer and head, so the pages
-one head's eviction frees are usable by every other: nothing is stranded in a pool of the wrong shape.
-
-A sequence reaches a number of *positions*; each head stores ``positions - evicted[layer, head]`` tokens, in slot
-order (slot ``i`` is token ``i % per_page`` of the head's page ``i // per_page``). Every operation works on all
-(layer, head) pairs at once as NumPy arrays: a loop over 32 layers x 8 heads a sequence a step would cost more than
-the step (DESIGN.md section 7, "Per-head pages").
-
-Under tensor parallelism (``devices`` > 1) each device holds its own pool of ``num_pages`` pages for its heads: the
-heads split into ``devices`` equal runs along the head axis (device ``d`` holds heads ``d * H/devices`` onward, the
-engine's placed order), and a head's pages are numbered within its device's pool. One manager still answers for
-every head, so the scheduler asks one question (``fits``) and gets pages on every device or a refusal.
+Every page has one size and a head stores as many of its tokens in it as fit (``per_page[layer, head]``), so pages
+one head frees serve every other. Each head stores ``positions - evicted[layer, head]`` tokens, in slot order; every
+operation works on all (layer, head) pairs at once. With ``devices`` > 1 each device has a pool of ``num_pages`` for
+its run of heads, and one manager still answers for all (``fits``: pages on every device, or a refusal). The format:
+bench/notes/2026-11-28-eviction-start.md, "Per-head pages".
 """
 
 from __future__ import annotations

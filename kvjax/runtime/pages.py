@@ -1,25 +1,12 @@
-"""Which cache pages each request owns: the page manager (vLLM's ``KVCacheManager``), and the allocator of one pool.
+"""Which cache pages each request owns: ``PageManager``, the page manager (vLLM's ``KVCacheManager``) over the pools of
+``kvjax.runtime.cache``, and ``PageAllocator``, the allocator of one pool. It decides nothing but counts pages.
 
-The scheduler decides who runs; this module decides nothing but counts pages. Asked to grow a request's pages to
-cover some positions, ``PageManager.grow`` either hands them out in every pool or changes nothing and says no; the
-scheduler then preempts someone and asks again. Admission (``can_grow``), release when a request finishes or is
-preempted (``free``), the pages a sliding window has passed (``release_passed``), block tables (``table``), the
-server's counts (``stats``) and the invariants the fuzz tests check (``check``) all live here, so later page
-policies (per-head pages, eviction) change this module and not the scheduler.
-
-An evicting cache (``heads``, a ``runtime.head_pages.HeadPages``) has two pools: pool 0 stages a prompt while it is
-prefilled (whole: ``grow`` is asked for the prompt at once), and at the prompt's end each (layer, KV head) takes pages
-of the per-head pool for the whole prompt (``grow_heads``), gives the staging pages back (``end_prompt``) and, once
-the device says how many tokens each head kept, the per-head pages past them (``evicted``). Decode grows the
-per-head pages a token at a time; continual eviction cuts a request's heads when they cannot grow (``cut_heads``).
-
-With ``prefix_caching`` (``runtime.prefix``), pool 0's full pages are also known by the hash of the tokens up to their
-end: a new owner starts with the cached pages of its context's prefix (``cached_prefix``, ``take_prefix``), shared and
-never written, and cached pages no owner holds are handed out again only when the free list runs dry.
-
-Pools are those of ``kvjax.runtime.cache``: pool 0 holds every position of a sequence; a pool per sliding window
-holds only the pages its window still covers. A request has one block table per pool, indexed by logical page; a
-page given back reads as the null page.
+``grow`` either hands a request pages for the positions asked in every pool or changes nothing and says no (the
+scheduler then preempts and asks again). ``can_grow``, ``free``, ``release_passed`` (pages a sliding window has
+passed), ``table`` (a block table per pool; a page given back reads as the null page), ``stats`` and ``check`` (the
+invariants the fuzz tests check) complete it. An evicting cache (``heads``) stages a prompt in pool 0 and moves it
+to per-head pages (``grow_heads``, ``end_prompt``, ``evicted``, ``cut_heads``); with ``prefix_caching``, pool 0's
+full pages are shared, never written, by the hash of the tokens up to their end (``cached_prefix``, ``take_prefix``).
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
-"""Continuous batching on the host: which requests run in the next step, which prompt chunks they prefill, and which
-pages they own (vLLM's scheduler, in its recompute-preemption form).
+"""Continuous batching on the host (vLLM's scheduler, in its recompute-preemption form): ``Scheduler`` decides each
+``Step``: which requests run, which prompt chunks they prefill, and which pages they own.
 
-Each step the running requests go first, oldest first: a decoding request gets the page its next token needs, a
-prefilling one its next chunk of the prompt within the step's token budget. Then waiting requests are admitted, first
-come first served, while a slot, the budget and free pages allow. A request owns pages only for the tokens it has
-reached, and gives them all back when it finishes; in a sliding-window pool (``kvjax.runtime.cache``) it gives back
-each page as soon as its window has passed it. When a running request needs a page and none is free, the most
-recently admitted request is preempted: its pages are freed and it waits at the head of the queue, to prefill its
-prompt and the tokens it has so far again (recompute), so no token is dropped, repeated or reordered.
-
-The scheduler knows nothing of devices, and which pages a request holds is the page manager's
-(``kvjax.runtime.pages``): the scheduler asks it for the pages a step needs, and preempts when it refuses. A step's
-sampled tokens may reach it a step or more late (``Runner`` enqueues step n + 1 before reading step n), so a request
-stops scheduling once its last token is enqueued, and one preempted with tokens still in flight is readmitted only
-once they have arrived.
-
-With eviction (``heads``: the per-head pool's ``HeadPages``), a request stages its whole prompt at its first chunk,
-takes per-head pages for it at its last (which is at least ``last_chunk`` tokens, the eviction's window of queries,
-or the whole prompt), gives the staging pages back the step after, and learns what each head kept a step or more
-later (``evicted``); decode grows each head a token a step. When heads cannot grow, continual eviction
-(``continual``) first cuts the heads of a decoding request this step has not reached yet, the one that frees the
-most pages (``kvjax.eviction.continual``: half of each head, never below the policy's budget for its context); the
-pages come back at once and the engine compacts its heads before the step runs (``Step.compress``). Only when no
-such request frees a page is one preempted as above.
+Running requests go first, oldest first; then waiting ones are admitted, first come first served, while a slot, the
+step's token budget and free pages allow. When a running request needs a page and none is free, the most recently
+admitted one is preempted and later prefills its prompt and tokens again, so no token is dropped, repeated or
+reordered. Pages are the page manager's (``kvjax.runtime.pages``); the scheduler knows nothing of devices, and a
+step's sampled tokens may reach it a step or more late. With eviction (``heads``) a request's prompt moves to
+per-head pages at its end, and continual eviction (``continual``) cuts decoding requests' heads before any preemption.
 """
 
 from __future__ import annotations

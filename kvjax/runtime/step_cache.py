@@ -1,15 +1,13 @@
 """Steps kept on disk traced and lowered (``jax.export``), so that a process meeting a step a process before it met
 skips the work JAX's compilation cache cannot: tracing the step and lowering it, every Pallas kernel included, to
-StableHLO (issue 39, item 1; bench/results/startup.md "Start-up: steps kept traced"). JAX's cache then finds the
-compiled executable by the stored module's hash.
+StableHLO (issue 39, item 1; bench/results/startup.md "Start-up: steps kept traced"). ``compile`` reads or stores a
+step; ``trace_apart`` traces steps in other processes.
 
-The store is ``steps/`` inside the compilation cache's directory (``compile_cache.use``), on and off with it. A step
-is stored under a key over everything its trace depends on: kvjax's own source, the versions of jax, jaxlib and flax,
-the device kind, JAX's trace-affecting settings, the caller's ``fingerprint`` (the engine's: its model's graph and
-its configuration, ``Engine.fingerprint``) and the step's inputs (tree, shapes, dtypes, shardings). A file is
-written whole or not at all (a rename); one that cannot be read is traced again and replaced. Like JAX's own cache
-it is trusted code: files are unpickled, so the directory is the user's alone (``compile_cache.use`` makes it 0700).
-``KVJAX_STEP_CACHE_VERIFY=1`` traces every stored step again and fails unless the module is the stored one.
+The store is ``steps/`` inside the compilation cache's directory (``compile_cache.use``), on and off with it. A step's
+``key`` covers everything its trace depends on (kvjax's source, library versions, device kind, JAX's settings, the
+caller's ``fingerprint``, the step's inputs). A file is written whole or not at all; one that cannot be read is traced
+again. Files are unpickled, so the directory is the user's alone. ``KVJAX_STEP_CACHE_VERIFY=1`` traces every stored
+step again and fails unless the module is the stored one.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Banded ZACK's decode queries for every band at once: one GEMM a layer outside the kernel, which then reads the
 query of each step's band as plain ZACK's kernel reads its one query (DESIGN.md section 7, "Banded bases").
 
-A key in band b is stored in the band's frame, so its query is q_b = U^T RoPE(-b W) q_post, on the packed K columns
-of the query's group. Written per RoPE pair p as complex numbers, RoPE(-bW) turns pair p by e^{-i b W theta_p}, so
-
-    q_b[c] = sum_p cos(b W theta_p) M_re[p, c] + sin(b W theta_p) M_im[p, c],
-    M_re = u1 q1 + u2 q2,  M_im = u1 q2 - u2 q1
-
-(u1, u2: the halves of packed column c's basis direction; q1, q2: the halves of its query head). Every band's
-queries are thus one product of a constant [bands, d] table of cos and sin by M [d, B * q_cols]: the projection's
-work leaves the kernel, which measured twice the scores' tensor work at W = 64 (bench/results/kernels.md "Banded decode
-kernel"), for G / W more bytes read than the keys' (6% at W = 64, G = 4).
+``band_queries`` gives sequence s's packed query for keys of band b, ``q_b = U^T RoPE(-b W) q_post``, as row
+``b * B + s``: the product of ``band_table`` (cos and sin of each band's start angle) by one [d, B * q_cols] matrix
+of q and the basis. The projection's work thus leaves the kernel (bench/results/kernels.md "Banded decode kernel"),
+for G / W more bytes read than the keys' (6% at W = 64, G = 4).
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
-"""The decode op over GEAR pages (``gear.GearPageFormat``): one new query per sequence against its pages, each page
-of a KV head read as GEAR stores it, ``D + A B^T + S`` (codes, low-rank factors, sparse outliers), and its exact
-tail, in one online softmax (Pallas, Triton lowering). It equals ``reference.quantized_decode_attention`` over the
-same pages, which rebuilds every key and value first; this kernel rebuilds none:
-
-- D, the codes: dequantized in registers as a page streams (keys per column, values per token: ``quant``), the
-  head as one gathered tile (column ``c`` from byte ``c % (w/n)`` shifted by ``(c // (w/n)) * bits``), a dot
-  against q and one against the weights;
-- L = A B^T: scored as ``(q B) A^T`` and added to the output as ``(p A) B^T`` (GEAR's decode, section 3 of the
-  paper; ``gear.scores_low_rank``): ``rank`` row sums and outer products a page, no [P, w] product;
-- S, the outliers: each stored exact, so the kernel adds ``exact - (D + L)`` at its place, computed from the
-  page's own codes and factors there (gathered loads of n entries), by one-hot dots in the dots' dtype: the query's
-  column at each outlier times the correction, summed onto its token's score (one dot); each token's weight at its
-  outliers times their corrections, summed onto their columns (two).
-
-The work is one program per (sequence, KV head) over all of the sequence's pages, heads of one (K, V) width pair a
-kernel: no split of long sequences and no schedule (``schedule`` returns None), the simplest form that reads each byte
-once. Unmeasured on a GPU (written in a session without device time: bench/notes/2026-11-28-gear-kernel.md). Priced
-offline (bench/results/quantization.md "GEAR pages: decode kernel (offline)"), the codes and low-rank term cost no more
-instructions a (token, head) than the KIVI-style kernel (``quant_kernel``, the one tuned for speed), and 1% outliers
-cost about 2.7x that: their one-hot tiles.
+"""The decode op over GEAR pages (``gear.GearPageFormat``; Pallas, Triton lowering): one new query per sequence
+against its pages, each read as GEAR stores it, ``D + A B^T + S``, and its exact tail, in one online softmax.
+``gear_paged_decode`` equals ``reference.quantized_decode_attention`` over the same pages but rebuilds no key or
+value: codes dequantized in registers, the low-rank part scored as ``(q B) A^T`` (GEAR's decode, section 3 of the
+paper), each outlier added as its exact correction. ``GearDecodeOp`` is the engine's op: one program per (sequence,
+KV head), a kernel per (K, V) width pair, no schedule (``schedule`` returns None). Priced offline:
+bench/results/quantization.md "GEAR pages: decode kernel (offline)".
 
 Constraints: q packed [B, q_cols]; a group of at most 16 queries a KV head; the pool and tail under 2^31 elements.
 """

@@ -1,21 +1,10 @@
-"""Decode attention over per-head pages (``kvjax.ops.head_paging``; issue 37, item 2), Pallas with Triton lowering:
-one new query per sequence against each KV head's own stored tokens, which eviction may have made a different count
-for every head. It equals ``head_paging.decode_attention``.
+"""Decode attention over per-head pages (``kvjax.ops.head_paging``; issue 37, item 2; Pallas, Triton lowering): one
+new query per sequence against each KV head's own stored tokens, whose count eviction may have made different for
+every head. ``head_paged_decode`` equals ``head_paging.decode_attention``.
 
-One program per (sequence, KV head, split), in one launch for every (K, V) width pair of the layer (each program
-switches to its head's pair, a branch per pair; or a launch per pair, measured beside it): it walks its share of the
-head's pages through the head's block table, ``pages_per_step`` pages a step (their K rows gathered into one block
-and their V rows into another: the same bytes a step whatever the head's width, since pages are of one size; one
-16-token page a step left the loads too small to hide their latency), scores them against the group's queries and
-runs the online softmax; the splits' partial softmaxes are merged in jnp (``pallas_util.merge_splits``). Splits
-exist because a launch otherwise has only B x (its heads) programs, fixed by the slots when the step compiles.
-``schedule="live"`` instead gives the one launch's programs to the heads that store tokens (``live_work``: their
-count, known on the device, sets the splits; the engine builds that list once a step from its live slots and every
-layer reads it), so two live sequences among 64 slots get 16 splits a head: 3.7-5.1x faster there, and within 4% of
-the slot grid with 32 full slots (14% slower with 64 full ones at rate 0.5). The engine runs it by default
-(``DecodeConfig.head_schedule``); called alone, without a step's list, the kernel keeps the slot grid, since
-rebuilding the list every call costs 9-15% at full load (bench/results/eviction.md "The live schedule"). Measured:
-bench/results/eviction.md "Per-head pages: decode kernel".
+One program per (sequence, KV head, split) walks its share of the head's pages through the head's block table; the
+splits' partial softmaxes are merged in jnp. ``schedule="live"``, the engine's default, gives the programs to the
+heads that store tokens (``live_work``, built once a step): bench/results/eviction.md "The live schedule".
 
 Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; no sliding window (a slot
 is not a position once a head has evicted); the pool is indexed by (page, element), any size.

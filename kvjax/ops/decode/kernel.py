@@ -1,28 +1,12 @@
-"""The decode op's run step: paged attention over KV heads of different widths, one persistent program per
-schedule row (Pallas, Triton lowering).
+"""The decode op's run step (Pallas, Triton lowering): paged attention of one new query per sequence over KV heads
+of different widths. ``paged_decode`` equals ``reference.paged_decode_attention``.
 
-Each program walks its row of the host-built ``schedule.DecodeSchedule``: for every item (sequence, unit, chunk of
-pages) it loads the unit's query heads once ([16, k_tile], rows past the real ones masked), streams the chunk's K
-and V rows out of the packed pages through the block table with an online softmax, and writes either the
-normalized output (the group's only chunk) or a partial (acc, max, sum) that ``merge.merge`` combines.
-
-A unit is a run of adjacent KV heads (``units``): row ``i*G + g`` of the score tile holds query g of head i, masked
-to head i's columns of the run's K tile, so each row scores only its own head, and one page lookup per token and
-one padded tile serve the whole run. A step moves ``block_tokens * 256 / (k_tile + v_tile)`` tokens (capped), so
-bytes in flight stay constant as widths shrink; when a unit fills few of the 16 rows, the step's tokens fold into
-the spare rows (``folds``); every step is masked (``DecodeConfig.unmasked_steps``: the fully visible ones in a loop
-of their own). Runs that cut to the same tiles share a code path (``tables.RunClass``), picked per item by
-``lax.switch``; widths and column offsets come from the layer's tables at run time in multiples of 16, so loads are
-16-byte vectors that never touch a column the unit does not own, and layers whose runs fall in the same classes run
-one compiled kernel (``tables.kernel_groups``). A run's K or V columns are read as one power-of-two tile, or with
-``max_segments`` > 1 as pieces where that saves ``piece_saving`` columns (160 = 128 + 32).
-
-Why Triton: decode is a gather of ``[tokens, width]`` tiles at 16-column offsets inside packed rows through the
-block table, which masked pointer loads express directly, the pipeliner overlaps the next tile's loads with the
-current dots, and ``interpret=True`` runs the same kernel on the CPU for CI. Mosaic GPU would need one TMA
-descriptor per head width and offset, and has no CPU interpreter. Neither lowering has scalar prefetch, so the
-schedule is an ordinary int32 input read with scalar loads. Where the time goes: bench/results/kernels.md "Decode: where
-the time goes (Nsight Compute)".
+One persistent program per row of the host-built ``schedule.DecodeSchedule`` walks its items (sequence, unit, chunk
+of pages) with an online softmax and writes the output (a group's only chunk) or a partial that ``merge.merge``
+combines. A unit is a run of adjacent KV heads in one padded tile, each score row masked to its own head's columns.
+Widths and offsets come from the layer's tables at run time in multiples of 16, so layers whose runs fall in the same
+classes run one compiled kernel (``tables.kernel_groups``). Where the time goes: bench/results/kernels.md "Decode:
+where the time goes (Nsight Compute)".
 """
 
 from __future__ import annotations

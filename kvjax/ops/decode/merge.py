@@ -1,14 +1,9 @@
-"""The decode op's merge step: the partial softmax states of each split group folded into its packed output rows
-(Pallas, Triton lowering; as FlashInfer's merge of split-KV states).
+"""The decode op's merge step (Pallas, Triton lowering; as FlashInfer's merge of split-KV states): ``merge`` folds
+the partial softmax states (acc, max, sum) of each split group into its rows of the packed output, in place.
 
-A split group is (sequence, run of heads); its chunks wrote (acc, max, sum) per row to adjacent partial slots of
-``ROWS`` rows each (row ``i*G + g``: query g of the run's head i, over the run's V columns). One program per merge row
-of the schedule and row of the score tile reads ``SLOTS`` of the group's slots at once (a loop step per ``SLOTS``: one
-step unless a group has more chunks), so its loads are in flight together rather than one slot after another, and folds
-them with the online-softmax update. It reads only the slots the schedule used, and the result depends on the group
-alone (the batch-invariant schedules rely on this). Each row reads and writes its own head's columns (the layer's row
-table, ``tables``), so the tile is one head wide, and lands at its place in the packed output, which is updated in
-place: rows of groups that were not split keep what the decode kernel wrote. Widths and offsets are read at run time, so
+A split group is (sequence, run of heads), and its chunks wrote adjacent partial slots. The merge reads only the
+slots the schedule used, and its result depends on the group alone (the batch-invariant schedules rely on this);
+rows of groups that were not split keep what the decode kernel wrote. Widths and offsets are read at run time, so
 the layers of a kernel group share one compiled merge.
 """
 

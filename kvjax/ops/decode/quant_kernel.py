@@ -1,50 +1,12 @@
-"""The decode op over quantized pages: one new query per sequence against its int4 or int2 pages, dequantized in
-registers as they stream, and its exact tail, in one online softmax (Pallas, Triton lowering). It equals
-``reference.quantized_decode_attention`` and is held by the engine as ``op.DecodeOp`` is (``QuantDecodeOp``).
-
-The work is the bf16 op's: the same schedule cache and ``schedule.DecodeSchedule`` (items of sequence, unit, chunk of
-pages, partial slot) and the same ``merge.merge`` for split groups, with one KV head a unit (``DecodeConfig.pack_tile``
-0): a head's codes are packed in planes of its own width, so each head has its own byte pattern. Or (``plan_config``
-packed, not yet the default: unmeasured on a GPU) a unit is a run of up to ``RUN_HEADS`` (and 16 / G) adjacent heads of
-any widths: their code bytes are adjacent, so plane ``i`` of the run is every head's plane ``i`` side by side, read as
-one head's (a lane's head found from the run's plane ends); row ``r`` of the score tile is query ``r % G`` of head
-``r // G``, its q zero outside its head's lanes, and each row folds its own head's value scales. An item reads its full
-pages in chunks (``chunk_tokens`` of one page: one block-table lookup and one key scale and zero row a chunk), several a
-loop step, then its sequence's partial last page from the slot's tail row in one more step. Codes become floats by bit
-tricks, not conversions (``_MAGIC``). A head whose planes (``quant.pack``) are at least 16 columns is read plane by
-plane, a dot a plane, with its key scales folded into q; a narrower one as one tile gathered from its bytes
-(``_Reader``). Value scales are folded into the weights (``(p * scale_t) . codes + p . zero_t``).
-
-Scales and zeros are read through a float16 view of the one uint8 pool (a bitcast in XLA, no copy), each head's
-run as one vector: Triton pipelines no load narrower than 32 bits a lane, and reading them as byte pairs made the
-kernel 2.2x slower (bench/results/quantization.md "Quantized pages: decode kernel lab"). What differs between the layers
-of a kernel group (page bytes, part offsets, head offsets, plane widths) is read from int32 tables at run time, each
-entry stored divided by the largest power of two (<= 16) dividing it in every layer, so addresses and column masks
-stay provably aligned for vector loads. The code depends on the group's head classes (``head_classes``: a head read
-in planes by its plane tile, a gathered one by its width; one ``lax.switch`` branch each), bits and page size
-(``_Geometry``), so layers share compiled kernels, and heads of 80 to 128 columns (planes of 40 to 64 at int4) one
-branch: a rate-0.5 plan of Llama-3.1-8B's shape has 52 (K, V) width pairs but 11 classes at int4. A layer runs one
-kernel a class present in it (``QuantKernelConfig.classes_per_kernel`` 1), one after another on the same output and
-partial buffers, each skipping the items of other classes: compile time grows with the square of a kernel's size
-(Triton's Coalesce pass), so a switch over a layer's 5 classes compiled 4.8x slower than its 5 kernels of one class
-(bench/results/quantization.md "Quantized pages: compile times (offline)"), and every layer reuses the same kernel of a
-class. The layer's schedule is built a kernel at a time (``unit_kernels``, ``schedule.build_decode_schedule``'s
-``classes``): built as one, each class's items sat on the few programs that drew them, so every class kernel took about
-as long as the whole layer (a rate-0.5 layer: 10.8x the bf16 kernel's time; bench/results/quantization.md "Rate 0.5, and
-one head class at a time"). Time follows the (token, head) pairs visited, not bytes, and narrow classes cost the most:
-runs of heads cut a narrow head's instructions (built, off by default; bench/notes/2026-11-27-quantized-kernel-lab.md).
+"""The decode op over quantized pages (Pallas, Triton lowering): one new query per sequence against its int4 or int2
+pages, dequantized in registers as they stream, and its exact tail, in one online softmax. ``quantized_paged_decode``
+equals ``reference.quantized_decode_attention``; ``QuantDecodeOp`` is the op the engine holds as it holds
+``op.DecodeOp``, with the bf16 op's schedule and ``merge.merge`` (one KV head a unit unless ``plan_config`` packs runs).
+A layer runs one kernel a head class (``head_classes``, ``unit_kernels``), so layers share compiled kernels
+(bench/results/quantization.md "Quantized pages: compile times (offline)"). ``QuantKernelConfig`` holds the knobs.
 
 Constraints: q packed [B, q_cols] or wide (``QKRotation.wide``); widths multiples of 16; a group of at most 16
-queries a KV head; pool and tail under 2^31 elements (int32 offsets). Any page size works; chunks of fewer than 16
-tokens (pages of 8, or of 24: chunks of 8) mask the rest of their 16-row tile.
-
-Speed (H100, Llama-3.1-8B attention, B32 x 8K, page 32; bench/results/quantization.md "Quantized pages: decode kernel"):
-301 us at int4 against a floor (bytes over copy bandwidth) of 106 us, where the bf16 kernel takes 377 us for 3.4x the
-bytes. Every load is at least 32 bits a lane, so Triton pipelines it; deeper pipelines and more programs no longer
-move the time, so the work of a step binds: instruction issue (bench/results/quantization.md "Quantized pages:
-instructions per (token, head) (offline)"). A rate-0.5 layer (H200, "Rate 0.5: a schedule a class kernel"): 530 us with
-a schedule a class, 385 with value planes of 16 in 32-column tiles and 64 tokens a step, where bf16 takes 168.
-``QuantKernelConfig`` holds the knobs a GPU sweep turns.
+queries a KV head; pool and tail under 2^31 elements (int32 offsets). Any page size works.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """The decode op's scheduling step (host, numpy): which program reads which pages of which work unit, for given lengths.
 
-The kernel (``kernel.paged_decode``) runs ``P`` persistent programs; program ``p`` works through row ``p`` of the
-schedule. A work unit is a run of adjacent KV heads (``units.head_runs``), a group is (sequence, unit), and a work
-item is a chunk of a group's pages. Items are weighed by the op's cost model (``cost.unit_cost``) plus a fixed
-``item_overhead``. Orders (``DecodeConfig.order``):
-- "lpt": groups costlier than a program's average load are split into chunks, and the items dealt longest first to
-  the least-loaded program, in rounds of ``P`` items vectorized over all layers;
-- "stream": each layer's groups laid end to end and cut into ``P`` equal shares at page boundaries (stream-K);
-- "auto": the LPT schedule when it balances to ``auto_balance`` of perfect, else the stream schedule (LPT splits
-  nothing it need not; stream balances any batch: bench/results/kernels.md "Decode schedule: orders side by side");
-- "naive": natural order dealt round-robin (the ablation).
-Chunks of a split group write partial softmax states to slots that ``kernel.merge`` combines.
-
-A schedule depends only on page counts and widths, and covers ``headroom_pages`` past each sequence's last page
-(the kernel stops at the real length), so one schedule serves many steps (``schedule_cache.ScheduleCache``). Arrays
-are int32 with power-of-two bucketed shapes, so a jitted step taking them recompiles only when a bucket changes. jax
-is imported only to register the schedule as a pytree.
+``build_decode_schedule`` returns a ``DecodeSchedule`` whose row ``p`` is the work of ``kernel.paged_decode``'s
+persistent program ``p``: every visible page of every (sequence, unit) scheduled once, in chunks; a split group's
+chunks write partial slots that ``merge.merge`` combines. ``DecodeConfig.order`` picks "lpt", "stream", "auto" or
+"naive" (bench/results/kernels.md "Decode schedule: orders side by side"). A schedule depends only on page counts and
+widths and covers ``headroom_pages`` past each sequence's last page, so one serves many steps
+(``schedule_cache.ScheduleCache``); its arrays are int32 with power-of-two bucketed shapes. ``fixed_chunk_schedule``
+is batch-invariant; ``static_decode_schedule`` needs no lengths.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""The prefill op's run step: causal flash attention for a batch of prompts whose KV heads have their own K and V
-widths, writing their K/V into the pages (Pallas, Triton lowering).
+"""The prefill op's run step (Pallas, Triton lowering): causal flash attention for a batch of prompts whose KV heads
+have their own K and V widths, writing their K/V into the pages. ``prefill_attention`` equals
+``reference.causal_attention`` and ``reference.chunk_attention``.
 
-One program per work item (prompt, query head, block of query rows) from the static table ``work.work_items``
-builds at trace time. Heads of one tile class (``work.TileClass``) share one code path chosen by ``lax.switch``;
-a head's widths and column offsets come from its layer's head table at run time and its loads are masked to its
-widths, and every array is addressed as flat rows whose widths come from that table too. So one kernel serves
-every layer of a model: XLA compiles it once, not once per layer (bench/results/startup.md "Engine: compile times").
-Steps left of the diagonal load without row masks; with pages, the program of a group's first query head stores the
-diagonal K/V blocks it has loaded into the cache (``input_output_aliases``: in place when the caller donates the
-pages).
-
-Why Triton: masked loads at 16-column offsets inside packed rows and per-token page addresses for the cache write,
-as in decode, plus a CPU interpreter for CI; Triton picks Hopper's wgmma for the dots. How it compares with cuDNN:
-bench/results/kernels.md "Prefill vs cuDNN".
+One program per work item (prompt, query head, block of query rows) of ``work.work_items``. Heads of one tile class
+share a code path (``lax.switch``) and read their widths and offsets from the layer's head table at run time, so one
+kernel serves every layer (bench/results/startup.md "Engine: compile times"). The cache write is in place when the
+caller donates the pages.
 """
 
 from __future__ import annotations

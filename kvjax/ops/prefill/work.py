@@ -1,15 +1,10 @@
-"""The prefill op's work, laid out at trace time: the tile classes its kernel compiles for, each layer's head table
-(which class, widths and column offsets every KV head has, read by the kernel at run time), and the work items
-(prompt, query head, first query row).
+"""The prefill op's work, laid out at trace time: the tile classes its kernel compiles for (``tile_classes``), each
+layer's head table (``head_table``: every KV head's class, widths and column offsets, read by the kernel at run time)
+and the work items (``work_items``: prompt, query head, first query row).
 
-Layers share one kernel: a class is a (K tile, V tile) pair from ``PrefillConfig.tile_widths`` and holds every head
-whose widths fit it, the kernel masks each head's tile to its own widths, and a layer's widths and offsets travel in
-its head table; so the kernel's code and grid depend on the model's classes and the chunk shape, never on the layer,
-and XLA compiles it once for all layers (bench/results/startup.md "Engine: compile times").
-
-Balancing: a class gets query blocks ``block_q * 256 / (K tile + V tile)`` rows tall (capped), so every item does
-about the same work per key whatever its width; items then run longest first (causal blocks late in the prompt see
-more keys), so the hardware scheduler packs the short ones into the tail.
+The kernel's code and grid depend on the model's classes and the chunk shape, never on the layer, so XLA compiles it
+once for all layers (bench/results/startup.md "Engine: compile times"). A class's query blocks are sized so that
+every item does about the same work per key whatever its widths, and items run longest first.
 """
 
 from __future__ import annotations
