@@ -2,7 +2,7 @@
 column per held-out source, perplexity (log scale, the uncompressed model's and its +1% dashed) above KL, at one
 window length; grid rows only (bisection probes are left out).
 
-    python3 -m bench.plot_accuracy out/accuracy-eval-*.json --window 4096 --out bench/plots/accuracy.png
+    python3 -m bench.plot_accuracy bench/results/accuracy-eval-*.json --window 4096 --out bench/plots/accuracy.png
 """
 
 from __future__ import annotations

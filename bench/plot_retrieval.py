@@ -5,7 +5,7 @@ A grid split over several runs (by context, by variant) reads as one. ``--markdo
 per model and context and the largest rate within 2 points of the uncompressed model, as in
 ``bench/results/accuracy.md``; ``--mean-depths`` averages only some depths (those the uncompressed model answers, say).
 
-    python3 -m bench.plot_retrieval out/retrieval-a.json out/retrieval-b.json --task passkey \\
+    python3 -m bench.plot_retrieval bench/results/retrieval-a.json bench/results/retrieval-b.json --task passkey \\
         --out bench/plots/x.png
 """
 
