@@ -61,7 +61,7 @@ def _attend_item(
     seq, unit, first, end, slot, length = item
 
     def unit_field(f):
-        return units_ref[unit * tables.UNIT_FIELDS + f] * 16
+        return units_ref[unit * tables.UNIT_FIELDS + f] * columns.UNIT
 
     # real rows of the score tile (head i of the run has rows i*G .. i*G+G-1): static where the class folds
     heads = cls.num_heads or units_ref[unit * tables.UNIT_FIELDS + tables.HEADS]
@@ -82,7 +82,7 @@ def _attend_item(
     run_row = rows % run_rows
 
     def row_field(f):  # [BLOCK_H, 1]: the field for each row's head and query
-        return plgpu.load(rows_ref.at[(unit * tables.ROW_FIELDS + f) * BLOCK_H + run_row])[:, None] * 16
+        return plgpu.load(rows_ref.at[(unit * tables.ROW_FIELDS + f) * BLOCK_H + run_row])[:, None] * columns.UNIT
 
     k_start, k_width, v_start, v_width, q_row, o_row = (row_field(f) for f in range(tables.ROW_FIELDS))
     seqs = jnp.full((BLOCK_H,), seq)

@@ -33,7 +33,7 @@ def _merge_kernel(
 
     @pl.when(seq >= 0)
     def _():
-        width = rows_ref[(unit * tables.ROW_FIELDS + tables.V_WIDTH) * ROWS + row] * 16
+        width = rows_ref[(unit * tables.ROW_FIELDS + tables.V_WIDTH) * ROWS + row] * columns.UNIT
 
         @pl.when(width > 0)  # rows past the run's heads have no columns
         def _():
@@ -48,10 +48,10 @@ def _merge_row(seq, unit, row, width, first, count, refs, *, v_max, v_tile, inte
     units_ref, rows_ref, cols_ref, acc_ref, m_ref, l_ref, out_ref = refs
 
     def field(f):
-        return rows_ref[(unit * tables.ROW_FIELDS + f) * ROWS + row] * 16
+        return rows_ref[(unit * tables.ROW_FIELDS + f) * ROWS + row] * columns.UNIT
 
     start = field(tables.V_START)
-    to = units_ref[unit * tables.UNIT_FIELDS + tables.O_OFF] * 16 + field(tables.O_ROW) + start
+    to = units_ref[unit * tables.UNIT_FIELDS + tables.O_OFF] * columns.UNIT + field(tables.O_ROW) + start
     cols = jnp.arange(v_tile)[None, :]
     cols_ok = cols < width
 

@@ -145,10 +145,10 @@ def layer_tables(
             for j in range(g):
                 q_row = (i * g + j) * head_width if head_width else (g - 1) * ks + j * kw
                 row[u, :, i * g + j] = ks, kw, vs, vw, q_row, (g - 1) * vs + j * vw
-    unit[:, Q_OFF:] //= 16
+    unit[:, Q_OFF:] //= columns.UNIT
     q_cols = (wide_rows or layout.num_heads) * head_width if head_width else layout.q_cols
     cols = columns.row_widths(layout, q_cols)
-    return LayerTables(unit.ravel(), (row // 16).ravel(), cols)
+    return LayerTables(unit.ravel(), (row // columns.UNIT).ravel(), cols)
 
 
 def kernel_groups(layouts, config: DecodeConfig) -> dict[HeadLayout, tuple[HeadLayout, ...]]:
