@@ -53,6 +53,17 @@ def test_bytes_balance_within_5_percent_on_random_rate_half_70b_layouts(devices)
     assert uniform.memory_imbalance() == uniform.step_imbalance() == padded_imbalance(uniform_layouts, uniform) == 1.0
 
 
+def test_a_plan_the_even_split_balances_exactly_is_balanced_as_well():
+    """The plans CI met (seed 1757866052): the even split's pools happened to balance exactly and the greedy alone
+    gave 1.0004; ``place`` is never worse than the even split by construction."""
+    rng = np.random.default_rng(1757866052)
+    for _ in range(5):
+        cost = layout_bytes(rate_half_layouts(rng))
+        balanced, naive = place(cost, 2), even(cost, 2)
+        assert balanced.memory_imbalance() <= naive.memory_imbalance()
+        assert balanced.step_imbalance() <= naive.step_imbalance()
+
+
 def test_two_heads_a_device_pairs_heaviest_with_lightest_which_is_optimal():
     """With two heads a device each layer's heaviest device is the least any split can give (brute force)."""
     seed = fresh_seed()

@@ -4,9 +4,10 @@ cache bytes (issue 38, item 2; ``../shared/DESIGN.md``, "Sharding").
 ``place`` returns a ``Placement``: every device holds ``H / N`` KV heads a layer (one SPMD program, one shape a
 shard), a KV head moves with its whole query group, and each layer places its heads on its own. Within a layer,
 heads go heaviest first to the least loaded bin with room (LPT with a cardinality limit); across layers, the heaviest
-bins go to the devices least loaded so far, so each device's page pool balances too. ``even`` is the byte-blind
-baseline. Fewer KV heads than devices: each head is replicated on ``N / H`` devices, its query heads split between
-them, as the Megatron layout does. Heads that cannot be shared out evenly are refused in one line.
+bins go to the devices least loaded so far, then a layer's bins swap devices while that narrows the pools' spread.
+``even`` is the byte-blind baseline, and ``place`` is never worse than it. Fewer KV heads than devices: each head is
+replicated on ``N / H`` devices, its query heads split between them, as the Megatron layout does. Heads that
+cannot be shared out evenly are refused in one line.
 """
 
 from __future__ import annotations
@@ -63,25 +64,65 @@ def layout_bytes(layouts: list[HeadLayout], itemsize: int = 2) -> np.ndarray:
 
 def place(token_bytes, devices: int) -> Placement:
     """Byte-balanced placement of ``token_bytes`` [layers, KV heads] (bytes per token of each head, > 0) on
-    ``devices`` (the module's two steps). Refused in one line where the heads cannot be shared out evenly."""
+    ``devices`` (the module's two steps, then pairwise swaps of a layer's bins between devices while they lower the
+    pool spread). Never worse than ``even`` by construction: each layer keeps the even split's grouping where LPT's
+    heaviest bin is not lighter, and where the result's memory imbalance still exceeds the even split's (possible
+    with a heuristic, however rare) the even split is returned. Refused in one line where the heads cannot be
+    shared out evenly."""
     cost, bins, replicas = _check(token_bytes, devices)
     layers, heads = cost.shape
     per = heads // bins
-    total = np.zeros(bins, np.int64)
-    out = np.zeros((layers, bins, per), np.int64)
+    contiguous = np.arange(heads).reshape(bins, per)
+    groups = np.zeros((layers, bins, per), np.int64)  # each layer's bins, before they meet devices
     for layer in range(layers):
-        load = np.zeros(bins, np.int64)
-        members: list[list[int]] = [[] for _ in range(bins)]
-        for h in np.argsort(-cost[layer], kind="stable"):
-            room = [i for i in range(bins) if len(members[i]) < per]
-            lightest = min(room, key=lambda i: (load[i], i))
-            members[lightest].append(int(h))
-            load[lightest] += cost[layer, h]
-        # the layer's heaviest bin to the device least loaded so far
-        for b, device in zip(np.argsort(-load, kind="stable"), np.argsort(total, kind="stable")):
-            out[layer, device] = sorted(members[b])
-            total[device] += load[b]
-    return Placement(np.repeat(out, replicas, axis=1), cost, replicas)
+        lpt = _lpt(cost[layer], bins, per)
+        groups[layer] = lpt if cost[layer][lpt].sum(1).max() < cost[layer][contiguous].sum(1).max() else contiguous
+    loads = np.take_along_axis(cost[:, None, :], groups, axis=2).sum(-1)  # [layers, bins]
+    # the layer's heaviest bin to the device least loaded so far, then swaps that narrow the spread
+    owner = np.zeros((layers, bins), np.int64)  # owner[layer, bin]: its device
+    total = np.zeros(bins, np.int64)
+    for layer in range(layers):
+        for b, device in zip(np.argsort(-loads[layer], kind="stable"), np.argsort(total, kind="stable")):
+            owner[layer, b] = device
+            total[device] += loads[layer, b]
+    _swap_while_better(loads, owner, total)
+    out = np.zeros_like(groups)
+    for layer in range(layers):
+        out[layer, owner[layer]] = np.sort(groups[layer], axis=1)
+    balanced = Placement(np.repeat(out, replicas, axis=1), cost, replicas)
+    baseline = even(cost, devices)
+    return balanced if balanced.memory_imbalance() <= baseline.memory_imbalance() else baseline
+
+
+def _lpt(cost: np.ndarray, bins: int, per: int) -> np.ndarray:
+    """[bins, per]: heads heaviest first to the least loaded bin with room (LPT with a cardinality limit)."""
+    load = np.zeros(bins, np.int64)
+    members: list[list[int]] = [[] for _ in range(bins)]
+    for h in np.argsort(-cost, kind="stable"):
+        lightest = min((i for i in range(bins) if len(members[i]) < per), key=lambda i: (load[i], i))
+        members[lightest].append(int(h))
+        load[lightest] += cost[h]
+    return np.array(members, np.int64)
+
+
+def _swap_while_better(loads: np.ndarray, owner: np.ndarray, total: np.ndarray, rounds: int = 8) -> None:
+    """Swap the devices of two bins of one layer wherever that lowers the sum of squared device totals (the pool
+    spread), in place, for at most ``rounds`` passes; each swap strictly lowers it, so the loop ends."""
+    layers, bins = loads.shape
+    for _ in range(rounds):
+        changed = False
+        for layer in range(layers):
+            for a in range(bins):
+                for b in range(a + 1, bins):
+                    da, db = owner[layer, a], owner[layer, b]
+                    moved = loads[layer, a] - loads[layer, b]  # what device da gives to db by the swap
+                    if moved and (total[da] - total[db]) * moved > moved * moved:
+                        owner[layer, a], owner[layer, b] = db, da
+                        total[da] -= moved
+                        total[db] += moved
+                        changed = True
+        if not changed:
+            return
 
 
 def even(token_bytes, devices: int) -> Placement:
