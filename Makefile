@@ -22,7 +22,7 @@ demo: $(VENV)/installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/installed
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadfile --durations=30
 
 lint: $(VENV)/installed
 	$(VENV)/bin/ruff check .

