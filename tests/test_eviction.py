@@ -253,7 +253,7 @@ def test_one_forward_scores_every_method_as_its_own_forward_does():
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}, {spec.name}")
 
 
-@pytest.mark.parametrize("allocation", ["uniform", "global"])
+@pytest.mark.parametrize("allocation", ["uniform", "global", "classed"])
 def test_a_ratio_cuts_what_each_layer_holds_sliding_windows_included(allocation):
     """A ratio is of the cache: on a layer whose window holds 8 of 32 prompt tokens, 2x keeps 4, not 16 (which would
     keep the whole window and, under a global budget, hand its unused share to the other layers)."""
@@ -264,10 +264,45 @@ def test_a_ratio_cuts_what_each_layer_holds_sliding_windows_included(allocation)
     assert kept[0].sum() + kept[1].sum() == 2 * 16 + 2 * 4
     if allocation == "uniform":
         assert kept[0].sum(-1).tolist() == [16, 16] and kept[1].sum(-1).tolist() == [4, 4]
+    if allocation == "classed":  # each window class spends its own heads' share
+        assert kept[0].sum() == 2 * 16 and kept[1].sum() == 2 * 4
     assert not kept[1][:, :24].any()  # what the window dropped stays dropped
     assert spec.per_head(32, 8) == 4 and spec.per_head(32) == 16 and Eviction("h2o", budget=6).per_head(32, 8) == 6
     per_head, protect = spec.sizes([32, 5], (None, 8))
     assert per_head.tolist() == [[16, 4], [3, 3]] and protect.tolist() == [1, 1]
+
+
+def test_a_classed_budget_ranks_each_window_class_apart_and_is_global_with_one_class():
+    """ "classed": a class of layers of one sliding window spends exactly its heads' shares on its own highest
+    scores, however much larger another class's scores are; with one class it is the global budget."""
+    from kvjax.eviction import parse
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    s, local = 64, 24
+    windows = [None, local, local, None, local]
+    scores = [rng.normal(size=(3, s)) * (100.0 if w is None else 1.0) for w in windows]  # global heads score higher
+    budget = int(rng.integers(4, 20))
+    spec = dict(budget=budget, window=1, page_size=1)  # the last token is protected, each other one a candidate
+    classed = keep_masks(Eviction("kvcompress", allocation="classed", **spec), scores, windows)
+    every = keep_masks(Eviction("kvcompress", allocation="global", **spec), scores, windows)
+    for w in (None, local):
+        layers = [i for i, x in enumerate(windows) if x == w]
+        assert sum(int(classed[i].sum()) for i in layers) == 3 * len(layers) * budget, f"seed {seed}"
+        candidate = (np.arange(s) >= (0 if w is None else s - w)) & (np.arange(s) < s - 1)
+        kept = np.concatenate([scores[i][classed[i] & candidate] for i in layers])
+        dropped = np.concatenate([scores[i][~classed[i] & candidate] for i in layers])
+        assert kept.min() >= dropped.max(), f"seed {seed}: a class keeps its own highest scores"
+    on_local = lambda masks: sum(int(m.sum()) for m, w in zip(masks, windows) if w)  # noqa: E731
+    assert on_local(every) < on_local(classed), f"seed {seed}: the global budget moves local heads' share away"
+    one = [None] * 3
+    for a, b in zip(
+        keep_masks(Eviction("kvcompress", ratio=3.0, allocation="classed"), scores[:3], one),
+        keep_masks(Eviction("kvcompress", ratio=3.0, allocation="global"), scores[:3], one),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b, f"seed {seed}")
+    assert parse("kvcompress:4x:classed").allocated == "classed"
 
 
 def test_the_short_form_parses_and_names_itself():
@@ -313,7 +348,7 @@ def test_the_device_selection_equals_the_host_one_ties_included(trial):
     windows = (None, int(rng.integers(4, 40)), None)
     for method in ("kvcompress", "snapkv", "h2o", "keyformer"):
         for size in (dict(budget=int(rng.integers(1, 50))), dict(ratio=float(rng.choice([1.0, 1.5, 2.0, 3.3, 8.0])))):
-            for allocation in ("global", "uniform"):
+            for allocation in ("global", "classed", "uniform"):
                 spec = Eviction(method, allocation=allocation, window=int(rng.integers(1, 12)), page_size=4, **size)
                 prompts = rng.integers(1, width + 1, 3)
                 scores = rng.integers(0, 4, (3, layers, heads, width)).astype(np.float32)

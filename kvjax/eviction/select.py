@@ -3,9 +3,11 @@ highest scores (``kvjax.eviction.metrics``) after the most recent tokens, which 
 
 ``Eviction`` (``parse`` reads its short form) is the one description of a policy; ``keep_masks`` applies it on the
 host and ``device_keep`` on the device, the same selection. Allocations: ``global`` (KV-Compress, section 3.3: one
-budget over every (layer, KV head)) and ``uniform`` (SnapKV, H2O, Keyformer as published: ``budget`` a head). A head
-evicts whole pages' worth of tokens, so it may keep up to ``page_size - 1`` over its share. Protected: the last
-``max(window, page_size)`` tokens, and for H2O and Keyformer a recent window of ``recent_share`` of the budget.
+budget over every (layer, KV head)), ``classed`` (one such budget within each class of layers of one sliding window:
+local heads' scores never compete with global ones') and ``uniform`` (SnapKV, H2O, Keyformer as published:
+``budget`` a head). A head evicts whole pages' worth of tokens, so it may keep up to ``page_size - 1`` over its
+share. Protected: the last ``max(window, page_size)`` tokens, and for H2O and Keyformer a recent window of
+``recent_share`` of the budget.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 
 from kvjax.eviction.metrics import METHODS
 
-ALLOCATIONS = ("global", "uniform")
+ALLOCATIONS = ("global", "classed", "uniform")
 RECENT_SHARE = {"h2o": 0.5, "keyformer": 0.2}  # of the budget, kept as a recent window (H2O: half heavy hitters)
 
 
@@ -34,7 +36,8 @@ def _is_number(value) -> bool:
 class Eviction:
     """An eviction policy: ``method`` (``metrics.METHODS``) keeps ``budget`` prompt tokens per KV head, or the
     prompt's tokens over ``ratio`` (2.0: half of them), under ``allocation`` (None: "global" for KV-Compress,
-    "uniform" for the others)."""
+    "uniform" for the others; "classed" ranks each window class of layers apart, for models of local and global
+    layers)."""
 
     method: str
     budget: int | None = None
@@ -75,7 +78,7 @@ class Eviction:
 
     @property
     def allocated(self) -> str:
-        """The allocation in force ("global" or "uniform")."""
+        """The allocation in force ("global", "classed" or "uniform")."""
         if self.allocation is not None:
             return self.allocation
         return "global" if self.method.startswith("kvcompress") else "uniform"
@@ -129,16 +132,27 @@ def keep_masks(spec: Eviction, scores: list[np.ndarray], windows: list[int | Non
             spare.append(spec.per_head(s, w) - int((seen & recent).sum()))
     if spec.allocated == "uniform":
         chosen = [max(n, 0) for n in spare]
-    else:  # the slots every head left, to the highest scores of all heads
-        values = np.concatenate([v for _, _, _, v in ranked])
-        owner = np.concatenate([np.full(len(v), i) for i, (_, _, _, v) in enumerate(ranked)])
-        order = np.argsort(-values, kind="stable")[: max(sum(spare), 0)]
-        chosen = np.bincount(owner[order], minlength=len(ranked)).tolist()
+    else:  # the slots a class's heads left, to the highest scores of its heads
+        chosen = [0] * len(ranked)
+        for members in _classes(spec, [windows[layer] for layer, _, _, _ in ranked]):
+            values = np.concatenate([ranked[i][3] for i in members])
+            owner = np.concatenate([np.full(len(ranked[i][3]), i) for i in members])
+            order = np.argsort(-values, kind="stable")[: max(sum(spare[i] for i in members), 0)]
+            for i, n in zip(*np.unique(owner[order], return_counts=True)):
+                chosen[int(i)] = int(n)
     for (layer, g, free, values), n in zip(ranked, chosen):
         n = min(n, len(free))
         n += (len(free) - n) % spec.page_size  # whole pages' worth evicted
         keep[layer][g, free[np.argsort(-values, kind="stable")[:n]]] = True
     return keep
+
+
+def _classes(spec: Eviction, windows) -> list[list[int]]:
+    """The indices of ``windows`` that share one budget: all of them ("global"), or those of one window ("classed"),
+    classes in order of first appearance."""
+    if spec.allocated == "global":
+        return [list(range(len(windows)))]
+    return [[i for i, w in enumerate(windows) if w == c] for c in dict.fromkeys(windows)]
 
 
 def ranks(cost):
@@ -170,10 +184,14 @@ def device_keep(spec: Eviction, scores, prompt, per_head, protect, windows: tupl
     cost = jnp.where(free, -scores.astype(jnp.float32), jnp.inf)  # candidates first, best first, then slot order
     if spec.allocated == "uniform":
         chosen = jnp.maximum(spare, 0)
-    else:  # the slots every head left, to the highest scores of all heads
-        total = jnp.maximum(spare.sum((1, 2)), 0)[:, None]
-        taken = (ranks(cost.reshape(b, -1)) < total) & free.reshape(b, -1)
-        chosen = taken.reshape(scores.shape).sum(-1, dtype=jnp.int32)
+    else:  # the slots a class's heads left, to the highest scores of its heads
+        chosen = jnp.zeros((b, n_layers, heads), jnp.int32)
+        for members in _classes(spec, windows):
+            inside = jnp.asarray(np.isin(np.arange(n_layers), members))[None, :, None]  # [1, L, 1], static
+            total = jnp.maximum(jnp.where(inside, spare, 0).sum((1, 2)), 0)[:, None]
+            mine = free & inside[..., None]
+            taken = (ranks(jnp.where(mine, cost, jnp.inf).reshape(b, -1)) < total) & mine.reshape(b, -1)
+            chosen = chosen + taken.reshape(scores.shape).sum(-1, dtype=jnp.int32)
     candidates = free.sum(-1, dtype=jnp.int32)
     chosen = jnp.minimum(chosen, candidates)
     chosen = chosen + (candidates - chosen) % spec.page_size  # whole pages' worth evicted
@@ -182,11 +200,13 @@ def device_keep(spec: Eviction, scores, prompt, per_head, protect, windows: tupl
 
 def parse(text: str, **settings) -> Eviction:
     """An ``Eviction`` from its short form: "METHOD:BUDGET" (tokens per KV head) or "METHOD:RATIOx" (the prompt over
-    RATIO), optionally ":global" or ":uniform"; ``settings`` fill the other fields (``page_size``, ``window``...).
-    "kvcompress:256", "snapkv:4x", "h2o:512:global"."""
+    RATIO), optionally ":global", ":classed" or ":uniform"; ``settings`` fill the other fields (``page_size``,
+    ``window``...). "kvcompress:256", "snapkv:4x", "h2o:512:global"."""
     parts = text.strip().split(":")
     if len(parts) not in (2, 3) or not parts[1]:
-        raise ValueError(f"eviction must look like METHOD:BUDGET or METHOD:RATIOx[:global|uniform], got {text!r}")
+        raise ValueError(
+            f"eviction must look like METHOD:BUDGET or METHOD:RATIOx[:global|classed|uniform], got {text!r}"
+        )
     amount, allocation = parts[1].lower(), parts[2].lower() if len(parts) == 3 else None
     try:
         size = dict(ratio=float(amount[:-1])) if amount.endswith("x") else dict(budget=int(amount))
