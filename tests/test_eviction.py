@@ -281,7 +281,7 @@ def test_a_classed_budget_ranks_each_window_class_apart_and_is_global_with_one_c
     rng = np.random.default_rng(seed)
     s, local = 64, 24
     windows = [None, local, local, None, local]
-    scores = [rng.normal(size=(3, s)) * (100.0 if w is None else 1.0) for w in windows]  # global heads score higher
+    scores = [np.abs(rng.normal(size=(3, s))) * (100.0 if w is None else 1.0) for w in windows]  # global ones higher
     budget = int(rng.integers(4, 20))
     spec = dict(budget=budget, window=1, page_size=1)  # the last token is protected, each other one a candidate
     classed = keep_masks(Eviction("kvcompress", allocation="classed", **spec), scores, windows)
