@@ -409,7 +409,7 @@ def test_compression_at_half_the_cache(gemma, ref):
     assert_greedy(small, prompt, result.tokens)
 
 
-def test_a_joined_model_is_never_read_part_written(tmp_path, monkeypatch):
+def test_a_joined_model_is_never_read_part_written(tmp_path):
     """The embedded model's parts are joined into a private file and renamed into place: a join cut short leaves
     nothing at the target, and a target an older join left part-written is joined again (``load._joined``)."""
     import hashlib

@@ -131,15 +131,14 @@ def keep_masks(spec: Eviction, scores: list[np.ndarray], windows: list[int | Non
             ranked.append((layer, g, free, np.asarray(sc[g], np.float64)[free]))
             spare.append(spec.per_head(s, w) - int((seen & recent).sum()))
     if spec.allocated == "uniform":
-        chosen = [max(n, 0) for n in spare]
+        chosen = np.maximum(np.array(spare, np.int64), 0)
     else:  # the slots a class's heads left, to the highest scores of its heads
-        chosen = [0] * len(ranked)
+        chosen = np.zeros(len(ranked), np.int64)
         for members in _classes(spec, [windows[layer] for layer, _, _, _ in ranked]):
             values = np.concatenate([ranked[i][3] for i in members])
             owner = np.concatenate([np.full(len(ranked[i][3]), i) for i in members])
             order = np.argsort(-values, kind="stable")[: max(sum(spare[i] for i in members), 0)]
-            for i, n in zip(*np.unique(owner[order], return_counts=True)):
-                chosen[int(i)] = int(n)
+            chosen += np.bincount(owner[order], minlength=len(ranked))
     for (layer, g, free, values), n in zip(ranked, chosen):
         n = min(n, len(free))
         n += (len(free) - n) % spec.page_size  # whole pages' worth evicted

@@ -72,12 +72,12 @@ def place(token_bytes, devices: int) -> Placement:
     cost, bins, replicas = _check(token_bytes, devices)
     layers, heads = cost.shape
     per = heads // bins
-    contiguous = np.arange(heads).reshape(bins, per)
-    groups = np.zeros((layers, bins, per), np.int64)  # each layer's bins, before they meet devices
-    for layer in range(layers):
-        lpt = _lpt(cost[layer], bins, per)
-        groups[layer] = lpt if cost[layer][lpt].sum(1).max() < cost[layer][contiguous].sum(1).max() else contiguous
-    loads = np.take_along_axis(cost[:, None, :], groups, axis=2).sum(-1)  # [layers, bins]
+    lpt = np.stack([_lpt(c, bins, per) for c in cost])  # [layers, bins, heads a bin]
+    contiguous = np.broadcast_to(_contiguous(heads, bins), lpt.shape)
+    bin_bytes = lambda groups: Placement(groups, cost, 1).device_bytes()  # noqa: E731  [layers, bins]
+    lighter = bin_bytes(lpt).max(1) < bin_bytes(contiguous).max(1)
+    groups = np.where(lighter[:, None, None], lpt, contiguous)  # each layer's bins, before they meet devices
+    loads = bin_bytes(groups)
     # the layer's heaviest bin to the device least loaded so far, then swaps that narrow the spread
     owner = np.zeros((layers, bins), np.int64)  # owner[layer, bin]: its device
     total = np.zeros(bins, np.int64)
@@ -92,6 +92,11 @@ def place(token_bytes, devices: int) -> Placement:
     balanced = Placement(np.repeat(out, replicas, axis=1), cost, replicas)
     baseline = even(cost, devices)
     return balanced if balanced.memory_imbalance() <= baseline.memory_imbalance() else baseline
+
+
+def _contiguous(heads: int, bins: int) -> np.ndarray:
+    """[bins, heads a bin]: heads in order, ``heads / bins`` a bin (what sharding the packed head columns gives)."""
+    return np.arange(heads).reshape(bins, heads // bins)
 
 
 def _lpt(cost: np.ndarray, bins: int, per: int) -> np.ndarray:
@@ -130,7 +135,7 @@ def even(token_bytes, devices: int) -> Placement:
     sharding the packed head columns in order gives); the baseline ``place`` is measured against."""
     cost, bins, replicas = _check(token_bytes, devices)
     layers, heads = cost.shape
-    out = np.broadcast_to(np.arange(heads).reshape(1, bins, heads // bins), (layers, bins, heads // bins))
+    out = np.broadcast_to(_contiguous(heads, bins), (layers, bins, heads // bins))
     return Placement(np.repeat(out, replicas, axis=1), cost, replicas)
 
 
