@@ -2,8 +2,9 @@
 plan of the Llama-3.1-8B shape: checked against the jnp reference, then timed (CUPTI) at its knobs (tokens a step,
 warps, pipeline stages, splits), beside the floor (the latent K and V bytes over the copy bandwidth), ZACK's decode
 kernel on the same widths (with ``--bands``, also banded ZACK's: the same kernel projecting each query once a band,
-beside plain ZACK with the banded config's folds, which separates the two costs), and Palu's decode as XLA fuses
-the jnp form. Tables: bench/results/kernels.md "Palu's decode kernel", "Banded decode kernel"."""
+beside plain ZACK with the banded config's folds, which separates the two costs; with ``--query-knobs``, the band
+queries' kernel alone), and Palu's decode as XLA fuses the jnp form. Tables: bench/results/kernels.md "Palu's
+decode kernel", "Banded decode kernel"."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from bench.harness import (
 from kvjax.layout import HeadLayout
 from kvjax.models.latent import LatentK
 from kvjax.models.rope import inverse_frequencies
+from kvjax.ops.decode.bands import band_queries, band_queries_reference
 from kvjax.ops.decode.config import DECODE
 from kvjax.ops.decode.kernel import paged_decode
 from kvjax.ops.decode.op import banded_config
@@ -138,6 +140,59 @@ def palu_rows(args, case, rebuild, key, row) -> None:
         row("palu (Pallas)", " ".join(f"{k}={v}" for k, v in knobs.items()), t, err)
 
 
+def band_query_rows(args, case, rebuild, band: int, key, row, bandwidth: float) -> None:
+    """Banded ZACK's band queries alone (``bands.band_queries``) at each of ``--query-knobs``' variants and as one
+    XLA GEMM, each checked against the float32 product and timed (CUPTI) beside its floor (the queries' bytes
+    written, over the copy bandwidth)."""
+    lay, lengths = case.layout, jnp.asarray(case.lengths)
+    bands = -(-max(case.lengths) // band)
+    basis, inv_freq = rebuild.basis(), rebuild.inv_freq
+    per_call = [(q,) for q, _ in head_queries(case, key)]
+    with jax.default_matmul_precision("highest"):
+        f32 = jnp.float32
+        exact = band_queries_reference(per_call[0][0].astype(f32), basis.astype(f32), inv_freq, band, lay, bands)
+    at = (case.batch, max(case.lengths), bands * case.batch * lay.q_cols * 2 / bandwidth, f"band {band} queries")
+
+    def reference(basis, lengths, q):
+        return band_queries_reference(q, basis, inv_freq, band, lay, bands)
+
+    variants = [("band queries (XLA GEMM)", "", reference)]
+    for spec in filter(None, args.query_knobs.split(",")):
+        block, piece, warps = map(int, spec.split(":"))
+        knobs = dict(block=block, piece=piece, num_warps=warps)
+
+        def kernel(basis, lengths, q, knobs=knobs):
+            return band_queries(q, basis, inv_freq, band, lay, bands, lengths=lengths, **knobs)
+
+        variants.append(("band queries (Pallas)", " ".join(f"{k}={v}" for k, v in knobs.items()), kernel))
+    for name, knobs, fn in variants:
+        try:
+            err = rel_err(fn(basis, lengths, *per_call[0]), exact)
+            t = time_calls(fn, (basis, lengths), per_call)
+        except Exception as e:  # a variant the GPU cannot run (shared memory, registers): reported, skipped
+            log(f"{name} {knobs}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        row(name, knobs, t, err, at=at)
+
+
+def banded_rows(args, case, rebuild, key, row, bandwidth: float) -> None:
+    """At each of ``--bands``: plain ZACK's kernel with the banded config's folds, banded ZACK's decode (checked,
+    timed, with ``--breakdown`` its kernels' shares) and, with ``--query-knobs``, its band queries alone."""
+    for band in [int(b) for b in args.bands.split(",") if b]:
+        config = banded_config(args.config, band)
+        sched = schedule_of(case, config).schedule.layer(0)
+        knobs = f"fold_tokens={config.fold_tokens}"
+        row("zack (Pallas)", knobs, time_calls(*kvjax_decode_call(case, sched, key)))
+        banded = dataclasses.replace(rebuild, band=band)
+        err = check_banded(case, banded, sched)
+        call = banded_call(case, banded, sched, key)
+        row(f"zack banded {band} (Pallas)", knobs, time_calls(*call), err)
+        if args.breakdown:
+            log(f"band {band}, us a call: {kernel_shares(*call)}")
+        if args.query_knobs:
+            band_query_rows(args, case, banded, band, key, row, bandwidth)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", default="32x2048,32x8192,8x32768", help="BxCTX, comma-separated")
@@ -158,6 +213,12 @@ def main(argv=None) -> None:
         "--bands", default="", help="also banded ZACK's decode at these bands, comma-separated (e.g. 16,32,64)"
     )
     ap.add_argument("--no-palu", action="store_true", help="skip Palu's kernel (with --bands: banded against plain)")
+    ap.add_argument(
+        "--query-knobs",
+        default="",
+        help="with --bands: also the band queries alone, at these BLOCK:PIECE:WARPS variants of their kernel "
+        "(comma-separated, e.g. 64:32:4,32:128:4), beside the XLA GEMM",
+    )
     knob_option(ap, "a DecodeConfig field for --bands")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
@@ -198,17 +259,7 @@ def main(argv=None) -> None:
             palu_rows(args, case, rebuild, key, row)
         t = time_calls(*kvjax_decode_call(case, schedule_of(case, DECODE).schedule.layer(0), key))
         row("zack (Pallas)", "defaults", t)
-        for band in [int(b) for b in args.bands.split(",") if b]:
-            config = banded_config(args.config, band)
-            sched = schedule_of(case, config).schedule.layer(0)
-            knobs = f"fold_tokens={config.fold_tokens}"
-            row("zack (Pallas)", knobs, time_calls(*kvjax_decode_call(case, sched, key)))
-            banded = dataclasses.replace(rebuild, band=band)
-            err = check_banded(case, banded, sched)
-            call = banded_call(case, banded, sched, key)
-            row(f"zack banded {band} (Pallas)", knobs, time_calls(*call), err)
-            if args.breakdown:
-                log(f"band {band}, us a call: {kernel_shares(*call)}")
+        banded_rows(args, case, rebuild, key, row, bw)
         if name == "uniform":
             fn, shared, per_call, _, r, rv = palu_decode_call(case, lay, key)
             row("palu (XLA, jnp)", "", time_calls(fn, shared, per_call))

@@ -119,11 +119,13 @@ def test_the_decode_kernel_reading_queries_a_band_matches_the_reference(band, la
 
 
 @pytest.mark.parametrize("band", [16, 64])
-def test_every_bands_queries_are_the_query_turned_back_and_projected(band):
-    """``bands.band_queries`` row b * B + s: sequence s's whole heads turned back by band b's start angle
-    (RoPE(-bW)) and projected on their group's packed columns, as ``QKRotation.packed`` projects them."""
+@pytest.mark.parametrize("form", ["kernel", "reference"])
+def test_every_bands_queries_are_the_query_turned_back_and_projected(band, form):
+    """``bands.band_queries`` (interpret mode) and its XLA reference, row b * B + s: sequence s's whole heads turned
+    back by band b's start angle (RoPE(-bW)) and projected on their group's packed columns, as
+    ``QKRotation.packed`` projects them."""
     from kvjax.models.rotation import QKRotation
-    from kvjax.ops.decode.bands import band_queries
+    from kvjax.ops.decode.bands import band_queries, band_queries_reference
 
     rng = np.random.default_rng(fresh_seed())
     layout = BAND_LAYOUTS[1]
@@ -131,7 +133,11 @@ def test_every_bands_queries_are_the_query_turned_back_and_projected(band):
     q = jnp.asarray(rng.standard_normal((batch, layout.num_heads * d)), jnp.float32)
     basis = jnp.asarray(rng.standard_normal((d, layout.k_cols)), jnp.float32)
     inv_freq = inverse_frequencies(d, 10000.0, {})
-    got = np.asarray(band_queries(q, basis, inv_freq, band, layout, bands)).reshape(bands, batch, layout.q_cols)
+    if form == "kernel":
+        got = band_queries(q, basis, inv_freq, band, layout, bands, interpret=True)
+    else:
+        got = band_queries_reference(q, basis, inv_freq, band, layout, bands)
+    got = np.asarray(got).reshape(bands, batch, layout.q_cols)
     rotation = QKRotation(basis, layout)
     for b in range(bands):
         at = jnp.full((batch, 1), -b * band)
@@ -139,6 +145,27 @@ def test_every_bands_queries_are_the_query_turned_back_and_projected(band):
         with jax.default_matmul_precision("highest"):
             want, _ = rotation.packed(turned, jnp.zeros((batch, layout.num_kv_heads * d)))
         np.testing.assert_allclose(got[b], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", BAND_LAYOUTS, ids=["two-heads", "four-heads"])
+def test_the_band_query_kernel_makes_the_bands_each_sequence_reaches(layout):
+    """``band_queries`` (interpret mode, scaled, lengths given) equals the XLA reference on every band a sequence
+    reaches (b * W < length), across more than one block of bands and with a block past the last band; the rows of
+    bands a sequence does not reach are left as they were."""
+    from kvjax.ops.decode.bands import BAND_BLOCK, band_queries, band_queries_reference
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    d, band, bands = layout.head_dim, 16, BAND_BLOCK + 7
+    lengths = np.asarray([1, 16, 17, bands * band, 40 * band + 3])
+    q = jnp.asarray(rng.standard_normal((len(lengths), layout.num_heads * d)), jnp.float32)
+    basis = jnp.asarray(rng.standard_normal((d, layout.k_cols)), jnp.float32)
+    inv_freq = inverse_frequencies(d, 10000.0, {})
+    args = (q, basis, inv_freq, band, layout, bands, 0.7)
+    got = np.asarray(band_queries(*args, lengths=jnp.asarray(lengths), interpret=True)).reshape(bands, len(lengths), -1)
+    want = np.asarray(band_queries_reference(*args)).reshape(bands, len(lengths), -1)
+    reached = np.arange(bands)[:, None] * band < lengths[None, :]
+    np.testing.assert_allclose(got[reached], want[reached], rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
 
 
 def test_a_banded_decode_op_refuses_keys_of_another_band():
@@ -206,7 +233,7 @@ def test_bad_bands_are_refused_before_any_work():
 
 @pytest.mark.parametrize("band", [16, 64])
 def test_the_banded_decode_kernel_lowers_for_sm90(band):
-    """The variable-width kernel reading queries a band lowers to Triton IR for an H100."""
+    """The band queries' kernel and the variable-width kernel reading them lower to Triton IR for an H100."""
     from kvjax.ops.lowering import triton_modules
 
     layout = BAND_LAYOUTS[1]
@@ -219,7 +246,8 @@ def test_the_banded_decode_kernel_lowers_for_sm90(band):
     def run(q, k, v, table, lengths):
         return op.run(q, k, v, table, lengths, schedule, layout, rebuild)
 
-    decode, merge = triton_modules(run, (q, k, v, table, lengths))
+    queries, decode, merge = triton_modules(run, (q, k, v, table, lengths))
+    assert "@kvjax_band_queries" in queries and "tt.dot" in queries
     assert "@kvjax_paged_decode" in decode and "tt.dot" in decode
     assert "tt.dot" not in merge
 

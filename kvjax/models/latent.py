@@ -28,10 +28,13 @@ class LatentK:
     inv_freq: np.ndarray
     layout: HeadLayout
     band: int | None = None
+    matrix: jax.Array | None = None  # ``basis`` where the caller holds it whole (banded ZACK's rotation matrix)
 
     def basis(self) -> jax.Array:
         """[d, k_cols]: every head's ``up`` transposed, side by side in the packed K columns (banded ZACK: its Q/K
         rotation matrix, ``rotation.QKRotation.matrix``, which the banded decode kernel projects queries on)."""
+        if self.matrix is not None:
+            return self.matrix
         return jnp.concatenate([up.T for up in self.up], axis=1)
 
     def __call__(self, latent, positions):

@@ -57,9 +57,14 @@ class QKRotation:
         return jnp.concatenate(qs, axis=-1), self.keys(k)
 
     def keys(self, k):
-        """k [..., Hkv*d] packed as the cache holds it: each group's key times its own directions."""
+        """k [..., Hkv*d] packed as the cache holds it: each group's key times its own directions. Up to
+        ``ONE_GEMM_ROWS`` tokens (a decode step's), as one GEMM of every key head on every column, each column kept
+        from its own head's row (``own_columns``): a small GEMM and its slices a group cost a banded rate-0.5 8B
+        step 0.56 ms and 0.4 ms (bench/results/kernels.md "Banded decode kernel")."""
         lay = self.layout
         kh = k.reshape(*k.shape[:-1], lay.num_kv_heads, lay.head_dim)
+        if int(np.prod(k.shape[:-1])) <= ONE_GEMM_ROWS:
+            return jnp.where(own_columns(lay), kh @ self.matrix, 0).sum(axis=-2, dtype=k.dtype)
         return jnp.concatenate(
             [kh[..., g, :] @ self.matrix[:, start : start + width] for g, (start, width) in enumerate(self._columns())],
             axis=-1,
@@ -74,9 +79,9 @@ class QKRotation:
 
     def banded(self, inv_freq, band: int):
         """The K rebuild of a banded plan (``latent.LatentK`` with ``band``): each group's directions transposed,
-        turned by the band's start angle as keys are read."""
+        turned by the band's start angle as keys are read; its ``basis`` is this matrix itself."""
         ups = tuple(self.matrix[:, start : start + width].T for start, width in self._columns())
-        return LatentK(ups, inv_freq, self.layout, band)
+        return LatentK(ups, inv_freq, self.layout, band, matrix=self.matrix)
 
     def wide(self, q, k):
         """For one token a row (q [B, H*d], k [B, Hkv*d]): (q [B, H + Hkv, k_cols], k [B, k_cols]). Row ``h`` of
@@ -90,9 +95,18 @@ class QKRotation:
         wide = rows @ self.matrix
         # each packed key column from its own head's row: a select and a sum over the Hkv key rows, which XLA fuses
         # into one small kernel (as a gather, XLA first transposed the whole wide block: 5 us a layer)
-        own = np.repeat(np.arange(lay.num_kv_heads), lay.k_widths)[None, :] == np.arange(lay.num_kv_heads)[:, None]
-        k = jnp.where(own, wide[:, lay.num_heads :], 0).sum(axis=1, dtype=wide.dtype)
+        k = jnp.where(own_columns(lay), wide[:, lay.num_heads :], 0).sum(axis=1, dtype=wide.dtype)
         return wide, k
+
+
+ONE_GEMM_ROWS = 512  # tokens up to which ``QKRotation.keys`` projects every key head on every column in one GEMM
+
+
+def own_columns(layout: HeadLayout) -> np.ndarray:
+    """bool [Hkv, k_cols]: packed K column c belongs to key head h."""
+    return (
+        np.repeat(np.arange(layout.num_kv_heads), layout.k_widths)[None, :] == np.arange(layout.num_kv_heads)[:, None]
+    )
 
 
 def packed_query(q_wide, layout: HeadLayout):

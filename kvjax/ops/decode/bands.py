@@ -1,18 +1,29 @@
-"""Banded ZACK's decode queries for every band at once: one GEMM a layer outside the kernel, which then reads the
-query of each step's band as plain ZACK's kernel reads its one query (DESIGN.md section 7, "Banded bases").
+"""Banded ZACK's decode queries for every band at once, made before the decode kernel, which then reads the query of
+each step's band as plain ZACK's kernel reads its one query (DESIGN.md section 7, "Banded bases").
 
-``band_queries`` gives sequence s's packed query for keys of band b, ``q_b = U^T RoPE(-b W) q_post``, as row
-``b * B + s``: the product of ``band_table`` (cos and sin of each band's start angle) by one [d, B * q_cols] matrix
-of q and the basis. The projection's work thus leaves the kernel (bench/results/kernels.md "Banded decode kernel"),
-for G / W more bytes read than the keys' (6% at W = 64, G = 4).
+Sequence s's packed query for keys of band b, ``q_b = U^T RoPE(-b W) q_post``, is row ``b * B + s``. ``band_queries``
+makes them in a Pallas kernel, a program for a block of one sequence's bands and one KV head (the query turned back
+by each band's start angle, then one product by the head's basis columns), and only for the bands the sequence
+reaches; ``band_queries_reference`` is the same product as one XLA GEMM a layer. Made apart from the decode kernel,
+the projection costs G / W of the keys' bytes (bench/results/kernels.md "Banded decode kernel").
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
+from kvjax.ops import columns
+from kvjax.ops.pallas_util import dot_precision, load_rows, store_rows, whole_block
+from kvjax.ops.tiles import is_pow2, pow2_ceil, tile
+
+BAND_BLOCK = 64  # bands a program turns and projects at once: the rows of its products
+PIECE = 32  # basis columns a product takes; a head's pieces past its width are skipped
 
 
 def band_table(bands: int, band: int, inv_freq):
@@ -23,13 +34,135 @@ def band_table(bands: int, band: int, inv_freq):
     return jnp.concatenate([jnp.cos(angle), jnp.sin(angle)], axis=1)
 
 
-def band_queries(q, basis, inv_freq, band: int, layout: HeadLayout, bands: int, scale: float = 1.0):
+def band_queries(
+    q,
+    basis,
+    inv_freq,
+    band: int,
+    layout: HeadLayout,
+    bands: int,
+    scale: float = 1.0,
+    *,
+    lengths=None,
+    shared: tuple[HeadLayout, ...] | None = None,
+    interpret: bool = False,
+    block: int = BAND_BLOCK,
+    piece: int = PIECE,
+    num_warps: int = 4,
+):
     """[bands * B, q_cols] in q's dtype: row ``b * B + s`` is sequence s's packed query for keys of band b, times
-    ``scale``.
+    ``scale``, for every band b with ``b * band < lengths[s]`` (the rest of the rows are left unwritten; every
+    band without ``lengths``).
 
     q [B, H * d] whole post-RoPE heads; basis [d, k_cols] the layer's packed directions
-    (``models.rotation.QKRotation.matrix``); inv_freq [d/2] RoPE's frequencies. The product runs in q's dtype
-    (float32 at full precision) with float32 sums."""
+    (``models.rotation.QKRotation.matrix``); inv_freq [d/2] RoPE's frequencies. Each query is turned and scaled in
+    float32, then multiplied by the basis in q's dtype with float32 sums. ``shared``: the layouts of every layer
+    that runs this kernel (one compiled kernel for all, as the decode kernel's). Head dims whose half is no power
+    of two of at least 16 (no Triton tile) take ``band_queries_reference``. ``block`` bands a program, ``piece``
+    basis columns a product and ``num_warps`` are the kernel's knobs."""
+    d, b = layout.head_dim, q.shape[0]
+    half = d // 2
+    if not is_pow2(half, 16):
+        return band_queries_reference(q, basis, inv_freq, band, layout, bands, scale)
+    shared = shared or (layout,)
+    block = max(16, min(block, pow2_ceil(bands)))
+    width_tile = max(tile(w) for lay in shared for w in lay.k_widths)
+    lengths = jnp.full((b,), bands * band, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+    args = [
+        lengths,
+        jnp.asarray(columns.head_columns(layout)),
+        jnp.asarray(columns.row_widths(layout)),
+        band_table(bands, band, inv_freq).reshape(-1),
+        q.reshape(-1),
+        basis.astype(q.dtype).reshape(-1),
+    ]
+    kernel = functools.partial(
+        _kernel,
+        group=layout.group_size,
+        half=half,
+        q_stride=layout.num_heads * d,
+        width_tile=width_tile,
+        piece=min(max(16, piece), width_tile),
+        block=block,
+        band=band,
+        bands=bands,
+        scale=scale,
+        interpret=interpret,
+    )
+    out = jax.ShapeDtypeStruct((bands * b * layout.q_cols,), q.dtype)
+    got = pl.pallas_call(
+        kernel,
+        grid=(b, layout.num_kv_heads, pl.cdiv(bands, block)),
+        in_specs=[whole_block(x) for x in args],
+        out_specs=whole_block(out),
+        out_shape=out,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        name="kvjax_band_queries",
+    )(*args)
+    return got.reshape(bands * b, layout.q_cols)
+
+
+def _kernel(
+    lengths_ref,
+    heads_ref,
+    widths_ref,
+    table_ref,
+    q_ref,
+    basis_ref,
+    out_ref,
+    *,
+    group,
+    half,
+    q_stride,
+    width_tile,
+    piece,
+    block,
+    band,
+    bands,
+    scale,
+    interpret,
+):
+    """Program (s, h, j): bands j * block ... of sequence s, for KV head h's G query heads, if s reaches them."""
+    seq, head, first = pl.program_id(0), pl.program_id(1), pl.program_id(2) * block
+
+    @pl.when(first * band < lengths_ref[seq])
+    def _():
+        batch = pl.num_programs(0)
+        q_off, k_off, k_width = columns.read_head(heads_ref, head, (columns.Q_OFF, columns.K_OFF, columns.K_WIDTH))
+        q_cols, k_cols, _, _ = columns.read_widths(widths_ref)
+        rows = first + jnp.arange(block)
+        rows_ok = rows < bands
+        pair = jnp.arange(half)[None, :]
+        cos = load_rows(table_ref, rows, 2 * half, 0, pair, None, rows_ok)  # [block, half]
+        sin = load_rows(table_ref, rows, 2 * half, half, pair, None, rows_ok)
+        dims = jnp.arange(half)
+        dtype = basis_ref.dtype
+        precision = dot_precision(dtype)
+        for g in range(group):
+            at = seq * q_stride + (head * group + g) * 2 * half
+            q1 = plgpu.load(q_ref.at[at + dims]).astype(jnp.float32)[None, :] * scale
+            q2 = plgpu.load(q_ref.at[at + half + dims]).astype(jnp.float32)[None, :] * scale
+            # RoPE(-bW) q: pair p's first half is cos q1 + sin q2, its second cos q2 - sin q1
+            t1 = (cos * q1 + sin * q2).astype(dtype)
+            t2 = (cos * q2 - sin * q1).astype(dtype)
+            for start in range(0, width_tile, piece):
+
+                @pl.when(start < k_width)
+                def _(start=start, g=g, t1=t1, t2=t2):
+                    cols = start + jnp.arange(piece)[None, :]
+                    cols_ok = cols < k_width
+                    u1 = load_rows(basis_ref, dims, k_cols, k_off, cols, cols_ok)  # [half, piece]
+                    u2 = load_rows(basis_ref, dims + half, k_cols, k_off, cols, cols_ok)
+                    out = plgpu.dot(t1, u1, precision=precision) + plgpu.dot(t2, u2, precision=precision)
+                    at_row = q_off + g * k_width
+                    rows_at = rows * batch + seq
+                    store_rows(out_ref, rows_at, q_cols, at_row, cols, out, cols_ok, rows_ok, interpret=interpret)
+
+
+def band_queries_reference(q, basis, inv_freq, band: int, layout: HeadLayout, bands: int, scale: float = 1.0):
+    """``band_queries`` for every band as one XLA GEMM: the product of ``band_table`` by one [d, B * q_cols] matrix
+    of q and the basis, in q's dtype (float32 at full precision) with float32 sums."""
     b, d = q.shape[0], layout.head_dim
     half = d // 2
     heads, cols = layout.packed_columns()

@@ -102,7 +102,7 @@ def _attend_item(
         cols_ok=q_cols_ok,
         folds=[functools.partial(fold, c=c) for c in range(nf)],
         factor=scale * LOG2E,
-        band=band and (band, chunk_of_row * bc, bc),
+        band=band and (band, chunk_of_row * bc, bc, length),
         band_rows=band_rows,
     )
 
@@ -194,11 +194,12 @@ def _item_queries(q_ref, at, *, pieces, cols_ok, folds, factor, band, band_rows)
     ``at``: rows, row width, offsets), each masked to its row's own head (``cols_ok``). Without a band, the row's
     packed or wide query, loaded once and scaled (``factor``) for log2 scores.
 
-    With ``band`` (its width, each row's chunk offset in a step [BLOCK_H, 1] and the chunk's tokens) and
-    ``band_rows`` (the batch and the bands of q, ``bands.band_queries``' rows, already scaled: band b of sequence
-    s in row b * batch + s), each step loads each row's packed query of its chunk's band, fold c's rows alone (the
-    others zero) so the loads feed the dots as they are; a chunk wider than the band loads one a band in it (its
-    sub-bands)."""
+    With ``band`` (its width, each row's chunk offset in a step [BLOCK_H, 1], the chunk's tokens and the sequence's
+    length) and ``band_rows`` (the batch and the bands of q, ``bands.band_queries``' rows, already scaled: band b
+    of sequence s in row b * batch + s), each step loads each row's packed query of its chunk's band, fold c's rows
+    alone (the others zero) so the loads feed the dots as they are; a chunk wider than the band loads one a band in
+    it (its sub-bands). A chunk past the sequence's last band (its tokens all masked) reads the last band's queries,
+    so no row ``band_queries`` left unwritten is read."""
     seqs, q_cols, q_at = at
     if not band:
         loaded = []
@@ -207,14 +208,15 @@ def _item_queries(q_ref, at, *, pieces, cols_ok, folds, factor, band, band_rows)
             q = (q.astype(jnp.float32) * factor).astype(q.dtype)
             loaded.append([fold(q) for fold in folds])
         return lambda _: [loaded]
-    width, row_offset, chunk = band
+    width, row_offset, chunk, length = band
     batch, bands = band_rows
     fold_of = row_offset[:, 0] // chunk
+    last = jnp.minimum(jnp.maximum(length - 1, 0) // width, bands - 1)  # bands past it were not made
 
     def read(first):
         out = []
         for sub in range(max(1, chunk // width)):
-            rows = jnp.minimum((first + row_offset[:, 0] + sub * width) // width, bands - 1) * batch + seqs
+            rows = jnp.minimum((first + row_offset[:, 0] + sub * width) // width, last) * batch + seqs
             by_piece = []
             for a, t, _ in pieces:
                 cols, ok = a + jnp.arange(t)[None, :], cols_ok(a, t)
@@ -330,8 +332,9 @@ def paged_decode(
     Banded ZACK (``band``: its keys are cached in the frame of their band of ``band`` positions,
     ``models.latent.LatentK``): q is [B, H * head_dim], whole post-RoPE heads; ``basis`` [head_dim, k_cols] the
     layer's packed directions (``models.rotation.QKRotation.matrix``) and ``inv_freq`` [head_dim / 2] its RoPE
-    frequencies. Every band's queries are projected in one GEMM before the kernel (``bands.band_queries``) and
-    each step reads its band's (``_item_queries``). Equal to the reference with the layer's banded rebuild.
+    frequencies. Every band's queries are made before the kernel (``bands.band_queries``, the bands each
+    sequence reaches) and each step reads its band's (``_item_queries``). Equal to the reference with the layer's
+    banded rebuild.
     """
     config = schedule.config
     shared = shared or (layout,)
@@ -347,7 +350,10 @@ def paged_decode(
     if band is not None:
         _check_banded(q, basis, inv_freq, band, layout)
         band_rows = (b, -(-block_table.shape[1] * page_size // band))
-        q = band_queries(q, basis, inv_freq, band, layout, band_rows[1], scale=LOG2E / math.sqrt(layout.head_dim))
+        scale = LOG2E / math.sqrt(layout.head_dim)
+        q = band_queries(
+            q, basis, inv_freq, band, layout, band_rows[1], scale, lengths=lengths, shared=shared, interpret=interpret
+        )
     layer = tables.layer_tables(layout, classes, config, tables.most_units(set(shared), config), wide_rows)
     units, rows_table, cols = (jnp.asarray(t) for t in (layer.units, layer.rows, layer.cols))
     v_max = max(c.v_cols for c in classes)  # partial rows hold a run's V tile columns
