@@ -168,6 +168,28 @@ def test_the_band_query_kernel_makes_the_bands_each_sequence_reaches(layout):
     np.testing.assert_allclose(got[reached], want[reached], rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 600])
+def test_keys_are_each_heads_key_on_its_own_directions_in_either_form(tokens):
+    """``QKRotation.keys``: one GEMM of every head on every column (a decode step's few tokens) or a product a group
+    (past ``ONE_GEMM_ROWS``), either way head g's key times its own columns, as float64 computes it."""
+    from kvjax.models.rotation import ONE_GEMM_ROWS, QKRotation
+
+    rng = np.random.default_rng(fresh_seed())
+    layout = BAND_LAYOUTS[1]
+    d = layout.head_dim
+    matrix = rng.standard_normal((d, layout.k_cols))
+    k = rng.standard_normal((1, tokens, layout.num_kv_heads * d))
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(QKRotation(jnp.asarray(matrix, jnp.float32), layout).keys(jnp.asarray(k, jnp.float32)))
+    starts = HeadLayout.offsets(layout.k_widths)
+    kh = k.reshape(1, tokens, layout.num_kv_heads, d)
+    want = np.concatenate(
+        [kh[..., g, :] @ matrix[:, s : s + w] for g, (s, w) in enumerate(zip(starts, layout.k_widths))], -1
+    )
+    assert (tokens <= ONE_GEMM_ROWS) == (tokens < 600)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
 def test_a_banded_decode_op_refuses_keys_of_another_band():
     layout = BAND_LAYOUTS[0]
     q, k, v, table, lengths, rebuild = latent_case(np.random.default_rng(0), layout, [20], 16, band=32)
