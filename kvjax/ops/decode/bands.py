@@ -64,8 +64,10 @@ def band_queries(
     half = d // 2
     if not is_pow2(half, 16):
         return band_queries_reference(q, basis, inv_freq, band, layout, bands, scale)
+    if not (is_pow2(block, 16) and is_pow2(piece, 16)):
+        raise ValueError(f"block and piece must be powers of two >= 16, got {block} and {piece}")
     shared = shared or (layout,)
-    block = max(16, min(block, pow2_ceil(bands)))
+    block = min(block, max(16, pow2_ceil(bands)))
     width_tile = max(tile(w) for lay in shared for w in lay.k_widths)
     lengths = jnp.full((b,), bands * band, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     args = [
@@ -82,7 +84,7 @@ def band_queries(
         half=half,
         q_stride=layout.num_heads * d,
         width_tile=width_tile,
-        piece=min(max(16, piece), width_tile),
+        piece=min(piece, width_tile),
         block=block,
         band=band,
         bands=bands,
