@@ -145,13 +145,14 @@ def band_query_rows(args, case, rebuild, band: int, key, row, bandwidth: float) 
     XLA GEMM, each checked against the float32 product and timed (CUPTI) beside its floor (the queries' bytes
     written, over the copy bandwidth)."""
     lay, lengths = case.layout, jnp.asarray(case.lengths)
-    bands = -(-max(case.lengths) // band)
+    ctx = int(max(case.lengths))
+    bands = -(-ctx // band)
     basis, inv_freq = rebuild.basis(), rebuild.inv_freq
     per_call = [(q,) for q, _ in head_queries(case, key)]
     with jax.default_matmul_precision("highest"):
         f32 = jnp.float32
         exact = band_queries_reference(per_call[0][0].astype(f32), basis.astype(f32), inv_freq, band, lay, bands)
-    at = (case.batch, max(case.lengths), bands * case.batch * lay.q_cols * 2 / bandwidth, f"band {band} queries")
+    at = (case.batch, ctx, bands * case.batch * lay.q_cols * 2 / bandwidth, f"band {band} queries")
 
     def reference(basis, lengths, q):
         return band_queries_reference(q, basis, inv_freq, band, lay, bands)

@@ -147,11 +147,12 @@ def test_every_bands_queries_are_the_query_turned_back_and_projected(band, form)
         np.testing.assert_allclose(got[b], want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("piece", [None, 16])
 @pytest.mark.parametrize("layout", BAND_LAYOUTS, ids=["two-heads", "four-heads"])
-def test_the_band_query_kernel_makes_the_bands_each_sequence_reaches(layout):
-    """``band_queries`` (interpret mode, scaled, lengths given) equals the XLA reference on every band a sequence
-    reaches (b * W < length), across more than one block of bands and with a block past the last band; the rows of
-    bands a sequence does not reach are left as they were."""
+def test_the_band_query_kernel_makes_the_bands_each_sequence_reaches(layout, piece):
+    """``band_queries`` (interpret mode, scaled, lengths given; basis columns in one tile or in pieces, those past a
+    head's width skipped) equals the XLA reference on every band a sequence reaches (b * W < length), across more
+    than one block of bands and with a block past the last band."""
     from kvjax.ops.decode.bands import BAND_BLOCK, band_queries, band_queries_reference
 
     seed = fresh_seed()
@@ -162,7 +163,8 @@ def test_the_band_query_kernel_makes_the_bands_each_sequence_reaches(layout):
     basis = jnp.asarray(rng.standard_normal((d, layout.k_cols)), jnp.float32)
     inv_freq = inverse_frequencies(d, 10000.0, {})
     args = (q, basis, inv_freq, band, layout, bands, 0.7)
-    got = np.asarray(band_queries(*args, lengths=jnp.asarray(lengths), interpret=True)).reshape(bands, len(lengths), -1)
+    got = band_queries(*args, lengths=jnp.asarray(lengths), piece=piece, interpret=True)
+    got = np.asarray(got).reshape(bands, len(lengths), -1)
     want = np.asarray(band_queries_reference(*args)).reshape(bands, len(lengths), -1)
     reached = np.arange(bands)[:, None] * band < lengths[None, :]
     np.testing.assert_allclose(got[reached], want[reached], rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
@@ -188,6 +190,16 @@ def test_keys_are_each_heads_key_on_its_own_directions_in_either_form(tokens):
     )
     assert (tokens <= ONE_GEMM_ROWS) == (tokens < 600)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_band_query_kernel_refuses_knobs_it_cannot_tile():
+    from kvjax.ops.decode.bands import band_queries
+
+    layout = BAND_LAYOUTS[0]
+    q, basis = jnp.ones((1, layout.num_heads * 64)), jnp.ones((64, layout.k_cols))
+    for knobs in (dict(block=48), dict(piece=8)):
+        with pytest.raises(ValueError, match="block and piece must be powers of two >= 16"):
+            band_queries(q, basis, inverse_frequencies(64, 1e4, {}), 16, layout, 4, interpret=True, **knobs)
 
 
 def test_a_banded_decode_op_refuses_keys_of_another_band():

@@ -11,6 +11,7 @@ the projection costs G / W of the keys' bytes (bench/results/kernels.md "Banded 
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,6 @@ from kvjax.ops.pallas_util import dot_precision, load_rows, store_rows, whole_bl
 from kvjax.ops.tiles import is_pow2, pow2_ceil, tile
 
 BAND_BLOCK = 64  # bands a program turns and projects at once: the rows of its products
-PIECE = 32  # basis columns a product takes; a head's pieces past its width are skipped
 
 
 def band_table(bands: int, band: int, inv_freq):
@@ -47,7 +47,7 @@ def band_queries(
     shared: tuple[HeadLayout, ...] | None = None,
     interpret: bool = False,
     block: int = BAND_BLOCK,
-    piece: int = PIECE,
+    piece: int | None = None,
     num_warps: int = 4,
 ):
     """[bands * B, q_cols] in q's dtype: row ``b * B + s`` is sequence s's packed query for keys of band b, times
@@ -59,16 +59,21 @@ def band_queries(
     float32, then multiplied by the basis in q's dtype with float32 sums. ``shared``: the layouts of every layer
     that runs this kernel (one compiled kernel for all, as the decode kernel's). Head dims whose half is no power
     of two of at least 16 (no Triton tile) take ``band_queries_reference``. ``block`` bands a program, ``piece``
-    basis columns a product and ``num_warps`` are the kernel's knobs."""
+    basis columns a product (None: the widest head's tile; pieces past a head's width are skipped) and
+    ``num_warps`` are the kernel's knobs: pieces of 32 columns (each loading its basis columns once a query head)
+    ran 1.6-1.7x slower than one tile on the H200
+    (bench/results/kernels.md "Banded decode kernel")."""
     d, b = layout.head_dim, q.shape[0]
     half = d // 2
     if not is_pow2(half, 16):
         return band_queries_reference(q, basis, inv_freq, band, layout, bands, scale)
+    bands = operator.index(bands)
+    shared = shared or (layout,)
+    width_tile = max(tile(w) for lay in shared for w in lay.k_widths)
+    piece = width_tile if piece is None else piece
     if not (is_pow2(block, 16) and is_pow2(piece, 16)):
         raise ValueError(f"block and piece must be powers of two >= 16, got {block} and {piece}")
-    shared = shared or (layout,)
     block = min(block, max(16, pow2_ceil(bands)))
-    width_tile = max(tile(w) for lay in shared for w in lay.k_widths)
     lengths = jnp.full((b,), bands * band, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     args = [
         lengths,
@@ -141,25 +146,27 @@ def _kernel(
         dims = jnp.arange(half)
         dtype = basis_ref.dtype
         precision = dot_precision(dtype)
-        for g in range(group):
-            at = seq * q_stride + (head * group + g) * 2 * half
-            q1 = plgpu.load(q_ref.at[at + dims]).astype(jnp.float32)[None, :] * scale
-            q2 = plgpu.load(q_ref.at[at + half + dims]).astype(jnp.float32)[None, :] * scale
-            # RoPE(-bW) q: pair p's first half is cos q1 + sin q2, its second cos q2 - sin q1
-            t1 = (cos * q1 + sin * q2).astype(dtype)
-            t2 = (cos * q2 - sin * q1).astype(dtype)
-            for start in range(0, width_tile, piece):
 
-                @pl.when(start < k_width)
-                def _(start=start, g=g, t1=t1, t2=t2):
-                    cols = start + jnp.arange(piece)[None, :]
-                    cols_ok = cols < k_width
-                    u1 = load_rows(basis_ref, dims, k_cols, k_off, cols, cols_ok)  # [half, piece]
-                    u2 = load_rows(basis_ref, dims + half, k_cols, k_off, cols, cols_ok)
-                    out = plgpu.dot(t1, u1, precision=precision) + plgpu.dot(t2, u2, precision=precision)
-                    at_row = q_off + g * k_width
-                    rows_at = rows * batch + seq
-                    store_rows(out_ref, rows_at, q_cols, at_row, cols, out, cols_ok, rows_ok, interpret=interpret)
+        def project(start):  # basis columns start .. start + piece of the head, for each of its query heads
+            cols = start + jnp.arange(piece)[None, :]
+            cols_ok = cols < k_width
+            u1 = load_rows(basis_ref, dims, k_cols, k_off, cols, cols_ok)  # [half, piece]
+            u2 = load_rows(basis_ref, dims + half, k_cols, k_off, cols, cols_ok)
+            for g in range(group):
+                at = seq * q_stride + (head * group + g) * 2 * half
+                q1 = plgpu.load(q_ref.at[at + dims]).astype(jnp.float32)[None, :] * scale
+                q2 = plgpu.load(q_ref.at[at + half + dims]).astype(jnp.float32)[None, :] * scale
+                # RoPE(-bW) q: pair p's first half is cos q1 + sin q2, its second cos q2 - sin q1
+                t1 = (cos * q1 + sin * q2).astype(dtype)
+                t2 = (cos * q2 - sin * q1).astype(dtype)
+                out = plgpu.dot(t1, u1, precision=precision) + plgpu.dot(t2, u2, precision=precision)
+                rows_at = rows * batch + seq
+                at_row = q_off + g * k_width
+                store_rows(out_ref, rows_at, q_cols, at_row, cols, out, cols_ok, rows_ok, interpret=interpret)
+
+        project(0)  # every head fills its first piece
+        for start in range(piece, width_tile, piece):
+            pl.when(start < k_width)(functools.partial(project, start))
 
 
 def band_queries_reference(q, basis, inv_freq, band: int, layout: HeadLayout, bands: int, scale: float = 1.0):
