@@ -37,6 +37,7 @@ from bench.harness import (
     time_calls,
     with_knobs,
 )
+from kvjax import validate
 from kvjax.layout import HeadLayout
 from kvjax.models.latent import LatentK
 from kvjax.models.rope import inverse_frequencies
@@ -140,6 +141,17 @@ def palu_rows(args, case, rebuild, key, row) -> None:
         row("palu (Pallas)", " ".join(f"{k}={v}" for k, v in knobs.items()), t, err)
 
 
+def query_knobs(text: str) -> list[tuple[int, int, int]]:
+    """``--query-knobs``: comma-separated BLOCK:PIECE:WARPS, each a positive integer; a ValueError names a bad one."""
+    out = []
+    for spec in filter(None, text.split(",")):
+        parts = spec.split(":")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"expected BLOCK:PIECE:WARPS of positive integers, got {spec!r}")
+        out.append(tuple(map(int, parts)))
+    return out
+
+
 def band_query_rows(args, case, rebuild, band: int, key, row, bandwidth: float) -> None:
     """Banded ZACK's band queries alone (``bands.band_queries``) at each of ``--query-knobs``' variants and as one
     XLA GEMM, each checked against the float32 product and timed (CUPTI) beside its floor (the queries' bytes
@@ -158,8 +170,7 @@ def band_query_rows(args, case, rebuild, band: int, key, row, bandwidth: float) 
         return band_queries_reference(q, basis, inv_freq, band, lay, bands)
 
     variants = [("band queries (XLA GEMM)", "", reference)]
-    for spec in filter(None, args.query_knobs.split(",")):
-        block, piece, warps = map(int, spec.split(":"))
+    for block, piece, warps in args.query_knobs:
         knobs = dict(block=block, piece=piece, num_warps=warps)
 
         def kernel(basis, lengths, q, knobs=knobs):
@@ -216,7 +227,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-palu", action="store_true", help="skip Palu's kernel (with --bands: banded against plain)")
     ap.add_argument(
         "--query-knobs",
-        default="",
+        type=validate.arg(query_knobs),
+        default=[],
         help="with --bands: also the band queries alone, at these BLOCK:PIECE:WARPS variants of their kernel "
         "(comma-separated, e.g. 64:32:4,32:128:4), beside the XLA GEMM",
     )

@@ -12,6 +12,7 @@ the Q/K rotation as one GEMM").
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +64,7 @@ class QKRotation:
         step 0.56 ms and 0.4 ms (bench/results/kernels.md "Banded decode kernel")."""
         lay = self.layout
         kh = k.reshape(*k.shape[:-1], lay.num_kv_heads, lay.head_dim)
-        if int(np.prod(k.shape[:-1])) <= ONE_GEMM_ROWS:
+        if math.prod(k.shape[:-1]) <= ONE_GEMM_ROWS:
             return jnp.where(own_columns(lay), kh @ self.matrix, 0).sum(axis=-2, dtype=k.dtype)
         return jnp.concatenate(
             [kh[..., g, :] @ self.matrix[:, start : start + width] for g, (start, width) in enumerate(self._columns())],

@@ -146,6 +146,7 @@ def _kernel(
         dims = jnp.arange(half)
         dtype = basis_ref.dtype
         precision = dot_precision(dtype)
+        rows_at = rows * batch + seq  # the output rows of these bands of the sequence
 
         def project(start):  # basis columns start .. start + piece of the head, for each of its query heads
             cols = start + jnp.arange(piece)[None, :]
@@ -160,7 +161,6 @@ def _kernel(
                 t1 = (cos * q1 + sin * q2).astype(dtype)
                 t2 = (cos * q2 - sin * q1).astype(dtype)
                 out = plgpu.dot(t1, u1, precision=precision) + plgpu.dot(t2, u2, precision=precision)
-                rows_at = rows * batch + seq
                 at_row = q_off + g * k_width
                 store_rows(out_ref, rows_at, q_cols, at_row, cols, out, cols_ok, rows_ok, interpret=interpret)
 
