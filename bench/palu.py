@@ -141,18 +141,14 @@ def palu_rows(args, case, rebuild, key, row) -> None:
         row("palu (Pallas)", " ".join(f"{k}={v}" for k, v in knobs.items()), t, err)
 
 
-def query_knobs(text: str) -> list[tuple[int, int | str, int]]:
-    """``--query-knobs``: comma-separated BLOCK:PIECE:WARPS, each a positive integer (PIECE may be ``fit``: each head
-    one tile of its own width); a ValueError names a bad one."""
-    out: list[tuple[int, int | str, int]] = []
+def query_knobs(text: str) -> list[tuple[int, int, int]]:
+    """``--query-knobs``: comma-separated BLOCK:PIECE:WARPS, each a positive integer; a ValueError names a bad one."""
+    out = []
     for spec in filter(None, text.split(",")):
         parts = spec.split(":")
-        if len(parts) != 3 or not all(
-            (p.isdigit() and int(p) > 0) or (i == 1 and p == "fit") for i, p in enumerate(parts)
-        ):
-            raise ValueError(f"expected BLOCK:PIECE:WARPS of positive integers (PIECE may be fit), got {spec!r}")
-        block, piece, warps = parts
-        out.append((int(block), piece if piece == "fit" else int(piece), int(warps)))
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"expected BLOCK:PIECE:WARPS of positive integers, got {spec!r}")
+        out.append(tuple(map(int, parts)))
     return out
 
 
@@ -175,11 +171,7 @@ def band_query_rows(args, case, rebuild, band: int, key, row, bandwidth: float) 
 
     variants = [("band queries (XLA GEMM)", "", reference)]
     for block, piece, warps in args.query_knobs:
-        knobs = (
-            dict(block=block, piece=piece, num_warps=warps)
-            if piece != "fit"
-            else dict(block=block, fit=True, num_warps=warps)
-        )
+        knobs = dict(block=block, piece=piece, num_warps=warps)
 
         def kernel(basis, lengths, q, knobs=knobs):
             return band_queries(q, basis, inv_freq, band, lay, bands, lengths=lengths, **knobs)
@@ -238,7 +230,7 @@ def main(argv=None) -> None:
         type=validate.arg(query_knobs),
         default=[],
         help="with --bands: also the band queries alone, at these BLOCK:PIECE:WARPS variants of their kernel "
-        "(comma-separated, e.g. 64:32:4,32:fit:4; PIECE fit: each head one tile of its own width), beside the XLA GEMM",
+        "(comma-separated, e.g. 64:32:4,32:128:4), beside the XLA GEMM",
     )
     knob_option(ap, "a DecodeConfig field for --bands")
     ap.add_argument("--json", help="write the rows here")

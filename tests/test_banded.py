@@ -19,7 +19,7 @@ from kvjax.compression.plan import BANDED_KV_BITS
 from kvjax.layout import HeadLayout
 from kvjax.models.latent import LatentK
 from kvjax.models.rope import apply_rope, inverse_frequencies
-from kvjax.ops.decode.config import DECODE, DecodeConfig
+from kvjax.ops.decode.config import DECODE
 from kvjax.ops.decode.kernel import paged_decode
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.reference import paged_decode_attention
@@ -147,12 +147,12 @@ def test_every_bands_queries_are_the_query_turned_back_and_projected(band, form)
         np.testing.assert_allclose(got[b], want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("knobs", [{}, dict(piece=16), dict(fit=True)], ids=["one-tile", "pieces", "fit"])
+@pytest.mark.parametrize("piece", [None, 16])
 @pytest.mark.parametrize("layout", BAND_LAYOUTS, ids=["two-heads", "four-heads"])
-def test_the_band_query_kernel_makes_the_bands_each_sequence_reaches(layout, knobs):
-    """``band_queries`` (interpret mode, scaled, lengths given; basis columns in one tile, in pieces, those past a
-    head's width skipped, or each head in a tile of its own width) equals the XLA reference on every band a sequence
-    reaches (b * W < length), across more than one block of bands and with a block past the last band."""
+def test_the_band_query_kernel_makes_the_bands_each_sequence_reaches(layout, piece):
+    """``band_queries`` (interpret mode, scaled, lengths given; basis columns in one tile or in pieces, those past a
+    head's width skipped) equals the XLA reference on every band a sequence reaches (b * W < length), across more
+    than one block of bands and with a block past the last band."""
     from kvjax.ops.decode.bands import BAND_BLOCK, band_queries, band_queries_reference
 
     seed = fresh_seed()
@@ -163,7 +163,7 @@ def test_the_band_query_kernel_makes_the_bands_each_sequence_reaches(layout, kno
     basis = jnp.asarray(rng.standard_normal((d, layout.k_cols)), jnp.float32)
     inv_freq = inverse_frequencies(d, 10000.0, {})
     args = (q, basis, inv_freq, band, layout, bands, 0.7)
-    got = band_queries(*args, lengths=jnp.asarray(lengths), interpret=True, **knobs)
+    got = band_queries(*args, lengths=jnp.asarray(lengths), piece=piece, interpret=True)
     got = np.asarray(got).reshape(bands, len(lengths), -1)
     want = np.asarray(band_queries_reference(*args)).reshape(bands, len(lengths), -1)
     reached = np.arange(bands)[:, None] * band < lengths[None, :]
@@ -200,10 +200,6 @@ def test_the_band_query_kernel_refuses_knobs_it_cannot_tile():
     for knobs in (dict(block=48), dict(piece=8)):
         with pytest.raises(ValueError, match="block and piece must be powers of two >= 16"):
             band_queries(q, basis, inverse_frequencies(64, 1e4, {}), 16, layout, 4, interpret=True, **knobs)
-    with pytest.raises(ValueError, match="fit makes each head one tile of its own width"):
-        band_queries(q, basis, inverse_frequencies(64, 1e4, {}), 16, layout, 4, interpret=True, piece=16, fit=True)
-    with pytest.raises(ValueError, match="band_tiles must be one of"):
-        DecodeConfig(band_tiles="two")
 
 
 def test_a_banded_decode_op_refuses_keys_of_another_band():
@@ -269,17 +265,16 @@ def test_bad_bands_are_refused_before_any_work():
     assert str(e.value) == BANDED_KV_BITS
 
 
-@pytest.mark.parametrize("band,tiles", [(16, "one"), (64, "one"), (64, "fit")])
-def test_the_banded_decode_kernel_lowers_for_sm90(band, tiles):
-    """The band queries' kernel (either tiling) and the variable-width kernel reading them lower to Triton IR for an
-    H100."""
+@pytest.mark.parametrize("band", [16, 64])
+def test_the_banded_decode_kernel_lowers_for_sm90(band):
+    """The band queries' kernel and the variable-width kernel reading them lower to Triton IR for an H100."""
     from kvjax.ops.lowering import triton_modules
 
     layout = BAND_LAYOUTS[1]
     q, k, v, table, lengths, rebuild = latent_case(
         np.random.default_rng(0), layout, [1, 37], 16, dtype=jnp.bfloat16, band=band
     )
-    op = DecodeOp([layout], 16, table.shape[1], band=band, config=DecodeConfig(band_tiles=tiles))
+    op = DecodeOp([layout], 16, table.shape[1], band=band)
     schedule = op.schedule(np.asarray(lengths)).layer(0)
 
     def run(q, k, v, table, lengths):

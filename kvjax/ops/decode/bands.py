@@ -48,7 +48,6 @@ def band_queries(
     interpret: bool = False,
     block: int = BAND_BLOCK,
     piece: int | None = None,
-    fit: bool = False,
     num_warps: int = 4,
 ):
     """[bands * B, q_cols] in q's dtype: row ``b * B + s`` is sequence s's packed query for keys of band b, times
@@ -63,9 +62,7 @@ def band_queries(
     basis columns a product (None: the widest head's tile; pieces past a head's width are skipped) and
     ``num_warps`` are the kernel's knobs: pieces of 32 columns (each loading its basis columns once a query head)
     ran 1.6-1.7x slower than one tile on the H200
-    (bench/results/kernels.md "Banded decode kernel"). ``fit``: each head one tile of its own width's power of two
-    (a branch for each such tile among ``shared``'s heads) instead of the widest head's, which multiplies up to
-    half of its columns for nothing."""
+    (bench/results/kernels.md "Banded decode kernel")."""
     d, b = layout.head_dim, q.shape[0]
     half = d // 2
     if not is_pow2(half, 16):
@@ -76,9 +73,6 @@ def band_queries(
     piece = width_tile if piece is None else piece
     if not (is_pow2(block, 16) and is_pow2(piece, 16)):
         raise ValueError(f"block and piece must be powers of two >= 16, got {block} and {piece}")
-    if fit and piece < width_tile:
-        raise ValueError(f"fit makes each head one tile of its own width: give no piece, got {piece}")
-    tiles = sorted({tile(w) for lay in shared for w in lay.k_widths}) if fit else [width_tile]
     block = min(block, max(16, pow2_ceil(bands)))
     lengths = jnp.full((b,), bands * band, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     args = [
@@ -96,7 +90,6 @@ def band_queries(
         q_stride=layout.num_heads * d,
         width_tile=width_tile,
         piece=min(piece, width_tile),
-        tiles=tuple(tiles),
         block=block,
         band=band,
         bands=bands,
@@ -131,7 +124,6 @@ def _kernel(
     q_stride,
     width_tile,
     piece,
-    tiles,
     block,
     band,
     bands,
@@ -156,7 +148,7 @@ def _kernel(
         precision = dot_precision(dtype)
         rows_at = rows * batch + seq  # the output rows of these bands of the sequence
 
-        def project(start, piece):  # basis columns start .. start + piece of the head, for each query head
+        def project(start):  # basis columns start .. start + piece of the head, for each of its query heads
             cols = start + jnp.arange(piece)[None, :]
             cols_ok = cols < k_width
             u1 = load_rows(basis_ref, dims, k_cols, k_off, cols, cols_ok)  # [half, piece]
@@ -172,13 +164,9 @@ def _kernel(
                 at_row = q_off + g * k_width
                 store_rows(out_ref, rows_at, q_cols, at_row, cols, out, cols_ok, rows_ok, interpret=interpret)
 
-        if len(tiles) > 1:  # fit: one branch for each tile width, the head taking its own
-            for below, t in zip((0, *tiles), tiles):
-                pl.when((k_width > below) & (k_width <= t))(functools.partial(project, 0, t))
-            return
-        project(0, piece)  # every head fills its first piece
+        project(0)  # every head fills its first piece
         for start in range(piece, width_tile, piece):
-            pl.when(start < k_width)(functools.partial(project, start, piece))
+            pl.when(start < k_width)(functools.partial(project, start))
 
 
 def band_queries_reference(q, basis, inv_freq, band: int, layout: HeadLayout, bands: int, scale: float = 1.0):

@@ -13,7 +13,6 @@ from kvjax import validate
 
 ORDERS = ("auto", "lpt", "stream", "naive")
 HEAD_SCHEDULES = ("slots", "live")
-BAND_TILES = ("one", "fit")
 H100_SMS = 132
 # Fields that are counts or sizes of at least one; every other integer field must be >= 0.
 AT_LEAST_ONE = (
@@ -73,9 +72,6 @@ class DecodeConfig:
     # grid's kernel with 32 full slots) or "slots" (a grid of every slot's heads): bench/results/eviction.md "The live
     # schedule".
     head_schedule: str = "live"
-    # Banded ZACK's band queries (``bands.band_queries``): every head multiplies the widest head's tile of basis
-    # columns ("one") or a tile of its own width ("fit").
-    band_tiles: str = "one"
 
     def for_run(self) -> DecodeConfig:
         """This config with the schedule-only fields at their defaults: what the kernel compiles for (a schedule
@@ -97,8 +93,6 @@ class DecodeConfig:
             raise ValueError(f"order must be one of {ORDERS}, not {self.order!r}")
         if self.head_schedule not in HEAD_SCHEDULES:
             raise ValueError(f"head_schedule must be one of {HEAD_SCHEDULES}, not {self.head_schedule!r}")
-        if self.band_tiles not in BAND_TILES:
-            raise ValueError(f"band_tiles must be one of {BAND_TILES}, not {self.band_tiles!r}")
         validate.int_fields(self, at_least_one=AT_LEAST_ONE)
         if not 0.0 <= self.auto_balance <= 1.0:
             raise ValueError(f"auto_balance must be in [0, 1], got {self.auto_balance}")
