@@ -347,7 +347,7 @@ def run_retrieval(base, args, save=None) -> list[dict]:
                         kept.setdefault(key, []).append(kept_bytes(cut, model.module.layouts, scheme))
                         hidden = _hidden(model, tokens, p, scheme, cut)
                     hits.setdefault(key, []).append(answered(model, hidden, p, answer))
-        print(f"{task} {context} depth {depth} trial {trial} done", file=sys.stderr, flush=True)
+        _progress(f"{task} {context} depth {depth} trial {trial} done")
         if save is not None:
             save(_retrieval_rows(hits, kept, models))
     rows = _retrieval_rows(hits, kept, models)
