@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY_CONFIGS, fresh_seed
+from test_gemma3 import local_then_global
 from test_request_scheduler import VOCAB, FakeEngine, next_token, single_run
 
 import kvjax
@@ -36,6 +37,8 @@ class FakeEvictingEngine(FakeEngine):
     host's table entries, appends each token to every head, then reads every active head back through its tables and
     checks it against the survivors it was given plus what was appended since. Sampling follows the whole context
     (``next_token``), so every request still finishes with its single-run tokens whatever was evicted."""
+
+    continual = True  # it cuts decoding heads (``compress``) as an engine without sliding-window layers does
 
     def __init__(self, head_pages, per_page, head_max_pages, window, eviction=None, **kw):
         super().__init__(**kw)
@@ -297,15 +300,53 @@ def test_unsupported_eviction_settings_are_one_line_errors(settings, message):
 
 
 def test_models_the_engine_cannot_evict_yet_are_refused_in_one_line():
-    """Palu (keys rebuilt at decode) and sliding-window layers get a one-line refusal, before any cache is taken."""
-    mistral = kvjax.Model.random(
-        dataclasses.replace(TINY_CONFIGS["mistral"], head_dim=64, hidden_size=128, sliding_window=16)
-    )
-    with pytest.raises(ValueError, match="sliding-window layers is not supported yet"):
-        Engine(mistral, max_batch=2, max_seq_len=64, eviction="snapkv:2x")
+    """Palu (keys rebuilt at decode) gets a one-line refusal, before any cache is taken."""
     palu = kvjax.compress(kvjax.Model.random(WIDE), method="palu", removal_rate=0.5, **CALIBRATION_SMALL)
     with pytest.raises(ValueError, match="keys are rebuilt"):
         Engine(palu, max_batch=2, max_seq_len=64, eviction="snapkv:2x")
+
+
+SLIDING = {  # windows of 32: past the 16 most recent tokens every head keeps, so eviction chooses inside them
+    "local-global": dataclasses.replace(local_then_global(2, 64), sliding_window=32),  # Gemma 3's pattern
+    "all-local": dataclasses.replace(TINY_CONFIGS["mistral"], head_dim=64, hidden_size=128, sliding_window=32),
+}
+
+
+@pytest.mark.parametrize("config", SLIDING, ids=list(SLIDING))
+def test_a_budget_past_every_prompt_on_sliding_windows_changes_no_token(config):
+    """Sliding-window layers in per-head pages: with nothing evicted, each head's window starts where the plain
+    engine's window pools start it, so greedy tokens equal the plain engine's, prompts shorter and longer than the
+    window and decoding past it many times over."""
+    seed = fresh_seed()
+    model = kvjax.Model.random(SLIDING[config], seed=seed % 1000, scale=0.5)  # at 3, Gemma's repeats one token
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 97, int(n)).tolist() for n in (3, 29, 70)]
+    settings = dict(max_batch=2, max_seq_len=128, chunk_tokens=32, backend="reference")
+    plain = _greedy(Engine(model, **settings), prompts, 40)
+    evicting = Engine(model, **settings, eviction="kvcompress:1000")
+    assert not evicting.continual and evicting.windows == (None,)
+    assert _greedy(evicting, prompts, 40) == plain, f"seed {seed}"
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("config", SLIDING, ids=list(SLIDING))
+def test_eviction_on_sliding_windows_gives_the_reference_tokens(config, backend):
+    """Eviction inside each sliding window (``select.device_keep``: a local head keeps only its window's tokens),
+    then decoding past the window: the engine's greedy tokens equal ``eviction.reference``'s forward, where each
+    query sees the kept prompt tokens its window covers and every decoded token it covers."""
+    seed = fresh_seed()
+    model = kvjax.Model.random(SLIDING[config], seed=seed % 1000, scale=0.5)  # at 3, Gemma's repeats one token
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 97, int(n)).tolist() for n in (70, 41, 6)]
+    settings = dict(max_batch=2, max_seq_len=128, chunk_tokens=32, backend=backend)
+    engine = Engine(model, **settings, eviction="kvcompress:3x")
+    got = _greedy(engine, prompts, 40)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == _reference_tokens(model, prompt, tokens, engine.eviction), f"seed {seed}, prompt {len(prompt)}"
+    if backend == "reference":  # the eviction mattered: the plain engine's tokens are others
+        assert got != _greedy(Engine(model, **settings), prompts, 40), f"seed {seed}"
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        engine.compress(0, 10, np.zeros((2, 2), np.int32))
 
 
 def _packed_queries(model, context):

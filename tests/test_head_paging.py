@@ -2,6 +2,8 @@
 decode attention over heads of different stored counts equals attention over each head's own tokens, and the
 compaction moves of an eviction leave each head its survivors, in order."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -333,6 +335,61 @@ def test_the_per_head_decode_kernel_matches_the_reference_in_interpret_mode(dtyp
     want = jnp.where(jnp.isnan(want), 0.0, want)  # a head storing nothing: the kernel gives zeros
     tol = 1e-5 if dtype == np.float32 else 3e-2
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol, err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("one_launch, schedule", [(False, "slots"), (True, "slots"), (True, "live")])
+def test_the_per_head_decode_kernel_skips_the_slots_a_window_has_passed(one_launch, schedule):
+    """A sliding-window layer's heads start at their own first seen slot (``first``): whole pages before it skipped,
+    the rest of its page masked, equal to the reference at any start (0, inside the first page, pages in)."""
+    from kvjax.ops.decode.head_kernel import head_paged_decode
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    layout = HeadLayout(8, 4, 64, (16, 48, 16, 64), (32, 16, 32, 64), sliding_window=24)
+    page_elems = 8 * 2 * 64
+    per = head_paging.layer_tokens_per_page(layout, page_elems)[None]
+    pages = HeadPages(300, per, max_pages=12)
+    lengths = rng.integers(1, 60, (3, 4))
+    for b in range(3):
+        assert pages.grow(b, lengths[b][None]) is not None
+    first = np.minimum(rng.integers(0, 40, (3, 4)), lengths - 1)
+    first[0] = 0
+    pool = jnp.asarray(rng.normal(size=(300, page_elems)), np.float32)
+    tables = jnp.asarray(np.stack([pages.table(b)[0] for b in range(3)]))
+    q = jnp.asarray(rng.normal(size=(3, layout.q_cols)), np.float32)
+    stored, first = jnp.asarray(lengths, jnp.int32), jnp.asarray(first, jnp.int32)
+    kw = dict(first=first, one_launch=one_launch, schedule=schedule, interpret=True)
+    got = head_paged_decode(q, pool, tables, stored, layout, page_elems, **kw)
+    want = head_paging.decode_attention(q, pool, tables, stored, layout, page_elems, 60, first=first)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
+    with pytest.raises(ValueError, match="for sliding-window layers only"):
+        plain = dataclasses.replace(layout, sliding_window=None)
+        head_paged_decode(q, pool, tables, stored, plain, page_elems, first=first, interpret=True)
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_where_a_window_starts_in_a_heads_slots_is_counted_from_what_it_kept(trial):
+    """``window_before`` then ``window_first``: a head that kept some of its prompt's last W positions and then
+    decoded d tokens sees, from its first seen slot on, exactly the stored positions a query at n - 1 + d sees (the
+    last W), for every d, any prompt length (shorter than W too) and any selection inside the window."""
+    rng = np.random.default_rng(fresh_seed() + trial)
+    w, s = int(rng.integers(2, 12)), 40
+    n = int(rng.integers(1, s))
+    keep = np.zeros((1, 2, 3, s), bool)
+    inside = np.arange(s) >= n - w
+    keep[..., :n] = (rng.random((1, 2, 3, n)) < 0.6) & inside[:n]
+    keep[..., n - 1] = True  # the newest prompt token is always kept (protected)
+    before = head_paging.window_before(jnp.asarray(keep), jnp.asarray([n]), (w, None), w)
+    assert not np.asarray(before[:, 1]).any()
+    for d in range(1, 3 * w):
+        kept = [np.flatnonzero(keep[0, 0, h]).tolist() for h in range(3)]
+        positions = [k + list(range(n, n + d)) for k in kept]  # each head's slots, in order
+        stored = jnp.asarray([[len(p) for p in positions]], jnp.int32)
+        first = np.asarray(head_paging.window_first(before[:, 0], stored, w))[0]
+        query = n - 1 + d
+        for h, p in enumerate(positions):
+            seen = [i for i, pos in enumerate(p) if query - pos < w]
+            assert seen == list(range(first[h], len(p))), (n, w, d, h)
 
 
 def test_the_per_head_decode_kernel_lowers_for_sm90():

@@ -237,6 +237,7 @@ def decode_heads(
     active=None,
     schedule="slots",
     work=None,
+    before=None,
 ):
     """One new token per sequence over per-head pages (``ops.head_paging``, eviction's cache): its K/V [B, cols]
     written at each KV head's next slot, ``stored`` [B, Hkv] (a head's count before it), through this layer's
@@ -245,8 +246,10 @@ def decode_heads(
     continual eviction scores with). ``backend``: "reference" (jnp),
     "pallas" or "interpret" (``ops.decode.head_kernel``). ``rotation`` (ZACK layers): q and k packed first.
     ``active`` [B] (optional): rows that are not write nothing and keep their counts (their output is unspecified).
-    ``schedule``, ``work``: the kernel's (``head_paged_decode``; the engine builds ``work`` once a step). The
-    engine's decode step calls it once a layer, the pool (every layer's pages) threaded through."""
+    ``schedule``, ``work``: the kernel's (``head_paged_decode``; the engine builds ``work`` once a step). ``before``
+    [B, Hkv, >= W + 1] (``head_paging.window_before``'s rows of this layer): where a sliding window starts in each
+    head's slots, for a layer whose window can pass a stored token (None: it cannot). The engine's decode step calls
+    it once a layer, the pool (every layer's pages) threaded through."""
     check_backend(backend)
     if rotation is not None:
         q, k = rotation.packed_rows(q, k)
@@ -254,11 +257,25 @@ def decode_heads(
     live = jnp.ones((b,), bool) if active is None else active
     pool = head_paging.write(pool, tables, stored[..., None], k[:, None], v[:, None], live[:, None], layout, page_elems)
     after = stored + live[:, None].astype(stored.dtype)
+    first = None
+    if before is not None:
+        if layout.sliding_window is None:
+            raise ValueError("before (where a window starts) is for sliding-window layers only")
+        first = head_paging.window_first(before, after, layout.sliding_window)
     if backend == "reference":
         most = int(head_paging.layer_tokens_per_page(layout, page_elems).max()) * tables.shape[-1]
-        out = head_paging.decode_attention(q, pool, tables, after, layout, page_elems, most)
+        out = head_paging.decode_attention(q, pool, tables, after, layout, page_elems, most, first=first)
         return out, pool, after, q
     out = head_paged_decode(
-        q, pool, tables, after, layout, page_elems, schedule=schedule, work=work, interpret=backend == "interpret"
+        q,
+        pool,
+        tables,
+        after,
+        layout,
+        page_elems,
+        first=first,
+        schedule=schedule,
+        work=work,
+        interpret=backend == "interpret",
     )
     return out, pool, after, q

@@ -75,10 +75,39 @@ def read(pool, table, h: int, layout: HeadLayout, page_elems: int, tokens: int):
     return pool[k_page[..., None], k_index], pool[v_page[..., None], v_index]
 
 
-def decode_attention(q, pool, table, stored, layout: HeadLayout, page_elems: int, tokens: int):
+def window_before(keep, prompts, windows: tuple[int | None, ...], most: int):
+    """int32 [B, L, Hkv, most + 1]: for each sliding-window layer's head, entry j counts the slots it kept among the
+    prompt's positions before ``n - W + j`` (``keep`` [B, L, Hkv, S] the selection, ``prompts`` [B] the lengths n,
+    ``windows`` each layer's W or None, ``most`` the largest W); zeros for whole-context layers. Eviction keeps a
+    sliding layer's tokens inside its window's last W positions only, so entry W is every kept slot, and
+    ``window_first`` reads where the window has moved from it."""
+    b, layers, heads, s = keep.shape
+    sums = jnp.concatenate([jnp.zeros((b, layers, heads, 1), jnp.int32), jnp.cumsum(keep, -1, dtype=jnp.int32)], -1)
+    rows = []
+    for layer, w in enumerate(windows):
+        if w is None:
+            rows.append(jnp.zeros((b, heads, most + 1), jnp.int32))
+            continue
+        at = jnp.clip(jnp.asarray(prompts, jnp.int32)[:, None] - w + jnp.minimum(jnp.arange(most + 1), w), 0, s)
+        rows.append(jnp.take_along_axis(sums[:, layer], jnp.broadcast_to(at[:, None, :], (b, heads, most + 1)), -1))
+    return jnp.stack(rows, axis=1)
+
+
+def window_first(before, stored, window: int):
+    """int32 [B, Hkv]: each head's first slot a sliding window of ``window`` positions sees, the newest token stored
+    (``stored`` [B, Hkv] counts it) and ``before`` [B, Hkv, >= window + 1] its layer's ``window_before`` rows. Slots
+    hold the kept prompt tokens in order, then every decoded one: after d = stored - kept decoded tokens the window
+    has passed ``before[min(d, W)]`` kept ones and ``max(d - W, 0)`` decoded ones."""
+    decoded = stored - before[..., window]
+    passed = jnp.take_along_axis(before, jnp.clip(decoded, 0, window)[..., None], -1)[..., 0]
+    return passed + jnp.maximum(decoded - window, 0)
+
+
+def decode_attention(q, pool, table, stored, layout: HeadLayout, page_elems: int, tokens: int, first=None):
     """One query token per sequence, q [B, q_cols] (packed), over each KV head's ``stored`` [B, Hkv] slots (its own
     token included, already written) read through ``table`` [B, Hkv, pages]; ``tokens``: the most slots any head
-    stores (static). Returns [B, out_cols]."""
+    stores (static); ``first`` [B, Hkv] (a sliding-window layer): each head's first slot its window sees. Returns
+    [B, out_cols]."""
     scale = 1.0 / math.sqrt(layout.head_dim)
     size = layout.group_size
     outs = []
@@ -87,7 +116,10 @@ def decode_attention(q, pool, table, stored, layout: HeadLayout, page_elems: int
         qo = HeadLayout.offsets(layout.k_widths, size)[h]
         qh = q[:, qo : qo + size * kw].reshape(q.shape[0], size, kw)
         logits = jnp.einsum("bgd,bsd->bgs", qh, k).astype(jnp.float32) * scale
-        seen = jnp.arange(tokens)[None, None, :] < stored[:, h, None, None]
+        slot = jnp.arange(tokens)[None, None, :]
+        seen = slot < stored[:, h, None, None]
+        if first is not None:
+            seen &= slot >= first[:, h, None, None]
         probs = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1).astype(v.dtype)
         outs.append(jnp.einsum("bgs,bsd->bgd", probs, v).astype(q.dtype).reshape(q.shape[0], size * vw))
     return jnp.concatenate(outs, axis=-1)

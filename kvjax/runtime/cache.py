@@ -98,24 +98,37 @@ class HeadKVCache:
     ``runtime.head_pages.HeadPages`` decides which pages a head owns; the tables here follow it by the entries its
     ``grow_many`` fills (``with_entries``: kilobytes a step where whole tables would be megabytes,
     bench/results/eviction.md "Per-head pages: host cost"). ``queries``: per layer, each slot's last W packed queries,
-    the query of position p in row p % W, which continual eviction scores with (``kvjax.eviction.continual``)."""
+    the query of position p in row p % W, which continual eviction scores with (``kvjax.eviction.continual``).
+    ``before``: for sliding-window layers, where each head's window starts in its slots
+    (``ops.head_paging.window_before``; [slots, layers, Hkv, 1] of zeros for a model without them)."""
 
     pool: jax.Array  # [num_pages, page_elems]
     tables: jax.Array  # int32 [slots, layers, Hkv, pages a head]
     stored: jax.Array  # int32 [slots, layers, Hkv]: tokens each head stores
     queries: tuple[jax.Array, ...] = ()  # per layer [slots, W, q_cols]
+    before: jax.Array | None = None  # int32 [slots, layers, Hkv, largest window + 1]
 
     @classmethod
     def create(
-        cls, num_pages: int, page_elems: int, slots: int, layers: int, heads: int, max_pages: int, dtype, q_cols=()
+        cls,
+        num_pages: int,
+        page_elems: int,
+        slots: int,
+        layers: int,
+        heads: int,
+        max_pages: int,
+        dtype,
+        q_cols=(),
+        window: int = 0,
     ):
         """Zeroed pool, tables of null pages, nothing stored; ``q_cols``: (W, q_cols) a layer, the shape of its
-        query ring (none without)."""
+        query ring (none without); ``window``: the layers' largest sliding window (0: none)."""
         return cls(
             pool=jnp.zeros((num_pages, page_elems), dtype),
             tables=jnp.full((slots, layers, heads, max_pages), NULL_PAGE, jnp.int32),
             stored=jnp.zeros((slots, layers, heads), jnp.int32),
             queries=tuple(jnp.zeros((slots, w, cols), dtype) for w, cols in q_cols),
+            before=jnp.zeros((slots, layers, heads, window + 1), jnp.int32),
         )
 
     def with_entries(self, slots, entries) -> HeadKVCache:
@@ -134,7 +147,8 @@ class HeadKVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.pool.nbytes + self.tables.nbytes + self.stored.nbytes + sum(q.nbytes for q in self.queries)
+        extra = 0 if self.before is None else self.before.nbytes
+        return self.pool.nbytes + self.tables.nbytes + self.stored.nbytes + sum(q.nbytes for q in self.queries) + extra
 
 
 @jax.tree_util.register_dataclass

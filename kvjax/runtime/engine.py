@@ -253,7 +253,11 @@ class _Evict:
     page_elems: int
     backend: str
     schedule: str
-    sharded: bool = False  # tensor parallelism: the per-head arrays hold this device's heads (host ones: every head's)
+    sharded: bool = False
+    # each layer's sliding window where it can pass a stored token (shorter than max_seq_len), else None
+    windows: tuple[
+        int | None, ...
+    ] = ()  # tensor parallelism: the per-head arrays hold this device's heads (host ones: every head's)
 
 
 def _last_queries(q, k, rotation, lengths, window: int):
@@ -282,12 +286,12 @@ def _evicted(
     layouts,
 ):
     """The call's ending prompts evicted from their staging pages into per-head pages (``evict_prompts``): rows with
-    a ``slots`` entry take their ``head_tables`` (the host's ``HeadPages`` tables, grown by the whole prompt) and
-    their kept counts into that slot; other rows have null head tables and write nothing. Returns (heads, kept
-    [B, L, Hkv])."""
+    a ``slots`` entry take their ``head_tables`` (the host's ``HeadPages`` tables, grown by the whole prompt), their
+    kept counts and, for sliding-window layers, where each head's window starts (``head_paging.window_before``) into
+    that slot; other rows have null head tables and write nothing. Returns (heads, kept [B, L, Hkv])."""
     if evict.sharded:
         head_tables = local_heads(head_tables, 2)
-    pool, kept, _ = evict_prompts(
+    pool, kept, keep = evict_prompts(
         evict.spec,
         queries,
         staged.k,
@@ -303,13 +307,18 @@ def _evicted(
     )
     tables = heads.tables.at[slots].set(head_tables, mode="drop")
     stored = heads.stored.at[slots].set(kept, mode="drop")
+    before = heads.before
+    if any(evict.windows):
+        assert before is not None  # HeadKVCache.create makes it
+        got = head_paging.window_before(keep, prompts, evict.windows, before.shape[-1] - 1)
+        before = before.at[slots].set(got, mode="drop")
     w = evict.spec.window
     ring_rows = (prompts[:, None] - w + jnp.arange(w)[None, :]) % w  # position p's query in row p % W
     rings = tuple(
         ring.at[slots[:, None], ring_rows].set(q.astype(ring.dtype), mode="drop")
         for ring, q in zip(heads.queries, queries)
     )
-    return HeadKVCache(pool, tables, stored, rings), kept
+    return HeadKVCache(pool, tables, stored, rings, before), kept
 
 
 def _compress_step(cache, slot, last, target, *, evict: _Evict, layouts, tokens: int):
@@ -406,6 +415,7 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
             if heads_n not in works:
                 works[heads_n] = live_work(jnp.broadcast_to(active[:, None], (active.shape[0], heads_n)))
             work = works[heads_n]
+        window = evict.windows[i]
         out, pool, after, packed = attention.decode_heads(
             q[:, 0],
             k[:, 0],
@@ -420,6 +430,7 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
             active=active,
             schedule=evict.schedule,
             work=work,
+            before=None if window is None else heads.before[:, i],
         )
         stored.append(after)
         rings[i] = rings[i].at[jnp.arange(packed.shape[0]), ring_row].set(packed.astype(rings[i].dtype), mode="drop")
@@ -427,7 +438,7 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
 
     hidden = _hidden(module, slot_tokens[:, None], positions[:, None], attend, vocab)
     new = sample(_logits(module, hidden[:, 0], vocab), *sampling, greedy=greedy)
-    heads = HeadKVCache(pool, heads.tables, jnp.stack(stored, axis=1), tuple(rings))
+    heads = HeadKVCache(pool, heads.tables, jnp.stack(stored, axis=1), tuple(rings), heads.before)
     return jnp.where(active, new, slot_tokens), EvictingCache(cache.staging, heads)
 
 
@@ -486,9 +497,11 @@ class Engine:
         self.formats = _formats(model, self.layouts, c)
         self._build_ops(model, c)
         cache_dtype = cache_dtype or model.dtype
-        self.windows = pool_windows(self.layouts, self.max_seq_len)
-        self.pools = tuple(pool_of(lay, self.windows) for lay in self.layouts)
         self.eviction: Eviction | None = c.eviction  # type: ignore[assignment]  # EngineConfig parses a string
+        # an evicting engine's staging pages hold whole prompts in one pool (the prefill kernel masks each window);
+        # its per-head pages keep the sliding layers' windows (``_Evict.windows``)
+        self.windows = pool_windows(self.layouts, self.max_seq_len) if self.eviction is None else (None,)
+        self.pools = tuple(pool_of(lay, self.windows) for lay in self.layouts)
         self._evict = self._eviction_setup(model) if self.eviction is not None else None
         if self._evict is not None:
             self.pool_pages = self._evicting_pages(num_pages, cache_memory, cache_dtype)
@@ -548,7 +561,7 @@ class Engine:
                     self._steps["prefill", greedy, prefix, evicts] = jit(
                         step, args=11, returns=(False, False, True, True)
                     )
-        if self._evict is not None:
+        if self._evict is not None and self.continual:
             step = functools.partial(_compress_step, evict=self._evict, layouts=self.layouts, tokens=self.max_seq_len)
             self._steps[("compress",)] = jit(step, args=4, returns=True, cache=0)
 
@@ -619,6 +632,7 @@ class Engine:
                     self.head_max_pages,
                     dtype,
                     [(self._evict.spec.window, lay.q_cols) for lay in self.layouts],
+                    max(w or 0 for w in self._evict.windows),
                 ),
             )
         if self.formats is None:
@@ -636,11 +650,6 @@ class Engine:
                 f"eviction {spec.name} on a model whose keys are rebuilt (Palu, banded ZACK) is not supported yet: "
                 "its decode reads every key through the rebuild"
             )
-        if len(self.windows) > 1:
-            raise ValueError(
-                f"eviction {spec.name} on a model with sliding-window layers is not supported yet (their pages go back "
-                "as the window passes; a head's evicted slots no longer say which position they hold)"
-            )
         widths = [k + v for lay in self.layouts for k, v in zip(lay.k_widths, lay.v_widths)]
         page_elems = self.page_size * max(widths)
         local = np.stack([head_paging.layer_tokens_per_page(lay, page_elems) for lay in self.layouts])
@@ -648,7 +657,11 @@ class Engine:
         self.head_per_page = np.tile(local, (1, self.devices))
         self.head_max_pages = -(-self.max_seq_len // int(local.min()))
         schedule = self.config.decode_config.head_schedule
-        return _Evict(spec, page_elems, self.backend, schedule, sharded=self.sharded is not None)
+        windows = tuple(
+            None if lay.sliding_window is None or lay.sliding_window >= self.max_seq_len else lay.sliding_window
+            for lay in self.layouts
+        )
+        return _Evict(spec, page_elems, self.backend, schedule, sharded=self.sharded is not None, windows=windows)
 
     def _evicting_pages(self, num_pages, cache_memory, dtype) -> tuple[int, ...]:
         """An evicting engine's two pools: the staging pool (``num_pages``) holds two whole ``max_seq_len`` prompts
@@ -664,6 +677,8 @@ class Engine:
         staging_bytes = staging * self.page_size * bytes_per_token(self.layouts, dtype)
         rings = self.max_batch * self._evict.spec.window * sum(lay.q_cols for lay in self.layouts)
         staging_bytes += rings * jnp.dtype(dtype).itemsize  # each slot's last queries (continual eviction)
+        window = max(w or 0 for w in self._evict.windows)
+        staging_bytes += 4 * self.max_batch * self._local_per_page.size * (window + 1) if window else 0  # ``before``
         if num_pages is not None:
             self.budget_note = f"num_pages={num_pages}"
             self.head_pages = num_pages
@@ -930,7 +945,8 @@ class Engine:
             if table is not None:
                 tables[row] = table
         prompts = (starts + lengths).astype(np.int32)
-        return (tables, prompts, *self.eviction.sizes(prompts))
+        windows = tuple(lay.sliding_window for lay in self.layouts)  # a local head's budget is of its window
+        return (tables, prompts, *self.eviction.sizes(prompts, windows))
 
     def decode(self, positions: np.ndarray, active: np.ndarray, rows: Rows, entries=None) -> jax.Array:
         """Enqueue one decode step over all ``max_batch`` slots (row i is slot i, so the step compiles once; an
@@ -955,12 +971,19 @@ class Engine:
         )
         return self.slot_tokens
 
+    @property
+    def continual(self) -> bool:
+        """Whether this engine cuts decoding requests' heads when its per-head pool runs out (continual eviction),
+        before the scheduler preempts: an evicting engine without sliding-window layers, whose slots would stop
+        saying where each window starts once cut again (``_Evict.windows``)."""
+        return self._evict is not None and not any(self._evict.windows)
+
     def compress(self, slot: int, last: int, target) -> None:
         """Enqueue continual eviction of slot ``slot``, whose latest query is at position ``last``: each KV head cut to
         ``target`` [L, Hkv] tokens (``continual.halved``; the host's ``HeadPages`` has already given back the pages
         past them, so this runs before any step that writes them), by its last W queries' scores."""
-        if self._evict is None:
-            raise ValueError("continual eviction asked of an engine that does not evict")
+        if not self.continual:
+            raise ValueError("continual eviction asked of an engine that does not evict, or of sliding-window layers")
         args = (self.cache, np.int32(slot), np.int32(last), np.asarray(target, np.int32))
         self.cache = self._run(("compress",), ("compress",), *args)
 
@@ -1038,7 +1061,7 @@ class Engine:
                         evicting = self._evicting_inputs([None] * b, zeros, zeros + 1, 0) if evicts else None
                         inputs = (ids, zeros, zeros + 1, rows.table, zeros, zeros, rows.sampling(), evicting)
                         jobs.append(((*key, b, t), self._steps[key], (*state, *inputs)))
-        if self._evict is not None:  # continual eviction, which a full per-head pool asks for mid-serving
+        if self.continual:  # continual eviction, which a full per-head pool asks for mid-serving
             target = np.zeros(self.head_per_page.shape, np.int32)
             jobs.append((("compress",), self._steps[("compress",)], (self.cache, np.int32(0), np.int32(0), target)))
         jobs = [job for job in jobs if job[0] not in self._compiled]

@@ -195,4 +195,4 @@ def _eviction(engine: Engine) -> dict:
     from kvjax.runtime.head_pages import HeadPages
 
     heads = HeadPages(engine.head_pages, engine.head_per_page, engine.head_max_pages, engine.devices)
-    return dict(heads=heads, last_chunk=engine.eviction.window, continual=engine.eviction)
+    return dict(heads=heads, last_chunk=engine.eviction.window, continual=engine.eviction if engine.continual else None)

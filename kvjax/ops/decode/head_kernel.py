@@ -6,8 +6,9 @@ One program per (sequence, KV head, split) walks its share of the head's pages t
 splits' partial softmaxes are merged in jnp. ``schedule="live"``, the engine's default, gives the programs to the
 heads that store tokens (``live_work``, built once a step): bench/results/eviction.md "The live schedule".
 
-Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; no sliding window (a slot
-is not a position once a head has evicted); the pool is indexed by (page, element), any size.
+Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; the pool is indexed by
+(page, element), any size. A sliding-window layer's heads say which of their slots the window still sees (``first``:
+a slot is not a position once a head has evicted, so the engine counts them, ``runtime.engine``'s ``_window_first``).
 """
 
 from __future__ import annotations
@@ -64,9 +65,10 @@ def _attend_head(
 ):
     """One program's work on KV head row ``head`` (of the stored counts and tables) for its split (``head_split``:
     the program's split and the number of splits, read outside any branch, where interpret mode can): the group's
-    queries from ``q_base`` (rows ``kw`` apart), the head's share of pages, its partial softmax stored as work item
-    ``item`` (rows ``out_stride`` wide); an inactive program stores an empty one (zeros, no weight)."""
-    stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref = refs
+    queries from ``q_base`` (rows ``kw`` apart), the head's share of its pages from the one holding its first seen
+    slot, its partial softmax stored as work item ``item`` (rows ``out_stride`` wide); an inactive program stores an
+    empty one (zeros, no weight)."""
+    stored_ref, first_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref = refs
     split, splits = head_split
     t = jnp.arange(max(16, tile(per * pages_per_step)))
     in_page, nth = t % per, t // per  # each row's token in its page, and which of the step's pages
@@ -79,13 +81,16 @@ def _attend_head(
     q = load_rows(q_ref, rows, kw, q_base, kc[None, :], kc_ok, real).astype(jnp.float32)
     q = (q * (scale * LOG2E)).astype(dt)
     stored = jnp.where(active, stored_ref[head], 0)
-    n_pages = (stored + per - 1) // per
+    seen_from = jnp.where(active, first_ref[head], 0)  # slots before it are out of the layer's window
+    lo = seen_from // per  # the head's first page with a seen slot
+    n_pages = jnp.maximum((stored + per - 1) // per - lo, 0)
     steps = (n_pages + pages_per_step - 1) // pages_per_step
     chunk = (steps + splits - 1) // splits  # this split's share of the head's steps
 
     def page_step(i, carry):
-        page = i * pages_per_step + nth
-        ok = (nth < pages_per_step) & (page * per + in_page < stored)
+        page = lo + i * pages_per_step + nth
+        slot = page * per + in_page
+        ok = (nth < pages_per_step) & (slot < stored) & (slot >= seen_from)
         at = jnp.where(ok, head * pages + page, head * pages)  # a row past the head's pages reads its first entry
         page_of = plgpu.load(table_ref.at[at])[:, None]
         k = _load_page_rows(pool_ref, page_of, in_page, kw, 0, kc[None, :], kc_ok, ok).astype(dt)
@@ -112,11 +117,11 @@ def _load_page_rows(pool_ref, page, rows, stride, offset, cols, cols_ok, rows_ok
     return plgpu.load(pool_ref.at[jnp.broadcast_to(page, index.shape), index], mask=mask, other=0.0)
 
 
-def _pair_kernel(stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref, *, kw, vw, group, **static):
+def _pair_kernel(stored_ref, first_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref, *, kw, vw, group, **static):
     """One width pair's launch: q holds the pair's heads' query columns, [B, heads, G * kw]."""
     seq, unit, units = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
     head = seq * units + unit
-    refs = (stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref)
+    refs = (stored_ref, first_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref)
     split, splits = pl.program_id(2), pl.num_programs(2)
     item = head * splits + split
     _attend_head(refs, (split, splits), head, head * group * kw, vw, item, True, kw=kw, vw=vw, group=group, **static)
@@ -124,6 +129,7 @@ def _pair_kernel(stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref, 
 
 def _one_kernel(
     stored_ref,
+    first_ref,
     table_ref,
     q_ref,
     pool_ref,
@@ -142,7 +148,7 @@ def _one_kernel(
     pair (``pair_ref``), reading the packed q [B, q_cols] from the head's column offset (``qo_ref``)."""
     seq, unit, units = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
     head = seq * units + unit
-    refs = (stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref)
+    refs = (stored_ref, first_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref)
     q_base = seq * q_cols + qo_ref[unit]
     split, splits = pl.program_id(2), pl.num_programs(2)
     args = (refs, (split, splits), head, q_base, out_stride, head * splits + split, True)
@@ -159,6 +165,7 @@ def _branches(pairs, args, static) -> list:
 
 def _live_kernel(
     stored_ref,
+    first_ref,
     table_ref,
     q_ref,
     pool_ref,
@@ -184,7 +191,7 @@ def _live_kernel(
     active = nth < live
     head = work_ref[2 + jnp.where(active, nth, 0)]  # a flat (sequence, KV head) row
     seq, unit = head // units, head % units
-    refs = (stored_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref)
+    refs = (stored_ref, first_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref)
     q_base = seq * q_cols + qo_ref[unit]
     args = (refs, (item % splits, splits), head, q_base, out_stride, item, active)
     lax.switch(pair_ref[unit], _branches(pairs, args, static))
@@ -269,7 +276,7 @@ def pages_a_step(per: int, kw: int, vw: int, most: int, itemsize: int, stages: i
     return n
 
 
-def _check(q, pool, tables, stored, layout: HeadLayout, page_elems: int, pages_per_step) -> None:
+def _check(q, pool, tables, stored, first, layout: HeadLayout, page_elems: int, pages_per_step) -> None:
     """``head_paged_decode``'s inputs, each refused in one line."""
     b, g = q.shape[0], layout.group_size
     if q.ndim != 2 or q.shape[1] != layout.q_cols:
@@ -282,8 +289,15 @@ def _check(q, pool, tables, stored, layout: HeadLayout, page_elems: int, pages_p
         raise ValueError(f"pages_per_step must be a positive integer, got {pages_per_step!r}")
     if g > BLOCK_H:
         raise ValueError(f"per-head decode scores at most {BLOCK_H} queries a KV head, got {g}")
-    if layout.sliding_window is not None:
-        raise ValueError("per-head pages hold no positions: a sliding-window layer cannot be read from them")
+    if first is not None and layout.sliding_window is None:
+        raise ValueError("first (where a head's window starts) is for sliding-window layers only")
+    if first is not None and first.shape != stored.shape:
+        raise ValueError(f"first must be [{b}, {layout.num_kv_heads}] as stored, got {first.shape}")
+
+
+def _counts(stored, first) -> list[jax.Array]:
+    """The kernels' first two inputs: each head's stored count and first seen slot, flat int32."""
+    return [stored.astype(jnp.int32).reshape(-1), first.astype(jnp.int32).reshape(-1)]
 
 
 def _work_of(stored, work, splits) -> jax.Array:
@@ -330,6 +344,7 @@ def head_paged_decode(
     layout: HeadLayout,
     page_elems: int,
     *,
+    first=None,
     splits=None,
     pages_per_step=PAGES_PER_STEP,
     num_warps=4,
@@ -342,18 +357,20 @@ def head_paged_decode(
     """One new query per sequence against each KV head's stored tokens; equal to ``head_paging.decode_attention``.
 
     q [B, q_cols] packed; pool [num_pages, page_elems]; tables [B, Hkv, pages] int32 (each head's block table);
-    stored [B, Hkv] int32 (tokens each head stores, the new one included, already written). ``splits``: programs
-    sharing one head's pages, their partial softmaxes merged after (None: ``default_splits`` of the slots, or with
-    ``schedule="live"`` in one launch, ``live_work``'s from the heads that store tokens); ``pages_per_step``:
-    pages a program reads a step, at most (fewer for wide heads: ``pages_a_step``); ``one_launch``: every width pair
-    in one kernel, each program switching to its head's pair (the default: 1.25-1.9x faster than a launch per pair
-    at rate 0.5, bench/results/eviction.md "Per-head pages: decode kernel"); ``schedule``: "slots" (a grid of every
-    slot's heads) or "live" (one launch only: ``_live_kernel``); ``work``: with "live" and no ``splits``, a
-    ``live_work`` built once for the step and shared by its layers (the engine's, from its live slots; default: from
-    ``stored``, each layer again). Returns [B, out_cols] in q's dtype; a head storing nothing (or not live in ``work``)
-    gives zeros."""
-    _check(q, pool, tables, stored, layout, page_elems, pages_per_step)
+    stored [B, Hkv] int32 (tokens each head stores, the new one included, already written); ``first`` [B, Hkv] int32
+    (sliding-window layers only): each head's first slot the window sees, the slots before it skipped. ``splits``:
+    programs sharing one head's pages, their partial softmaxes merged after (None: ``default_splits`` of the slots,
+    or with ``schedule="live"`` in one launch, ``live_work``'s from the heads that store tokens);
+    ``pages_per_step``: pages a program reads a step, at most (fewer for wide heads: ``pages_a_step``);
+    ``one_launch``: every width pair in one kernel, each program switching to its head's pair (the default:
+    1.25-1.9x faster than a launch per pair at rate 0.5, bench/results/eviction.md "Per-head pages: decode kernel");
+    ``schedule``: "slots" (a grid of every slot's heads) or "live" (one launch only: ``_live_kernel``); ``work``:
+    with "live" and no ``splits``, a ``live_work`` built once for the step and shared by its layers (the engine's,
+    from its live slots; default: from ``stored``, each layer again). Returns [B, out_cols] in q's dtype; a head
+    storing nothing (or not live in ``work``) gives zeros."""
+    _check(q, pool, tables, stored, first, layout, page_elems, pages_per_step)
     b, g = q.shape[0], layout.group_size
+    first = jnp.zeros_like(stored) if first is None else first
     common: dict = dict(page_elems=page_elems, pages=tables.shape[2], group=g)
     itemsize = jnp.dtype(pool.dtype).itemsize
 
@@ -395,7 +412,7 @@ def head_paged_decode(
         qo = np.asarray(HeadLayout.offsets(layout.k_widths, g), np.int32)
         if schedule == "slots":
             s = default_splits(b * heads) if splits is None else splits
-            inputs = [stored.astype(jnp.int32).reshape(-1), tables.astype(jnp.int32).reshape(-1), q.reshape(-1), pool]
+            inputs = [*_counts(stored, first), tables.astype(jnp.int32).reshape(-1), q.reshape(-1), pool]
             inputs += [jnp.asarray(pair_of), jnp.asarray(qo)]
             kernel = functools.partial(
                 _one_kernel, pairs=tuple(static), q_cols=layout.q_cols, out_stride=width, **common
@@ -405,7 +422,7 @@ def head_paged_decode(
             return jnp.concatenate(outs, axis=-1).astype(q.dtype)
         work = _work_of(stored, work, splits)
         items = work_items(b * heads) if splits is None else b * heads * splits
-        inputs = [stored.astype(jnp.int32).reshape(-1), tables.astype(jnp.int32).reshape(-1), q.reshape(-1), pool]
+        inputs = [*_counts(stored, first), tables.astype(jnp.int32).reshape(-1), q.reshape(-1), pool]
         inputs += [jnp.asarray(pair_of), jnp.asarray(qo), work]
         kernel = functools.partial(
             _live_kernel, pairs=tuple(static), q_cols=layout.q_cols, units=heads, out_stride=width, **common
@@ -418,7 +435,7 @@ def head_paged_decode(
     def attend(kw, vw, heads, qh):
         n = len(heads)
         s = default_splits(b * n) if splits is None else splits
-        inputs = [stored[:, heads].astype(jnp.int32).reshape(-1), tables[:, heads].astype(jnp.int32).reshape(-1)]
+        inputs = [*_counts(stored[:, heads], first[:, heads]), tables[:, heads].astype(jnp.int32).reshape(-1)]
         inputs += [qh.reshape(-1), pool]
         per, step = tokens_per_page(page_elems, kw, vw), step_pages(kw, vw)
         kernel = functools.partial(_pair_kernel, kw=kw, vw=vw, per=per, pages_per_step=step, **common)
