@@ -253,11 +253,8 @@ class _Evict:
     page_elems: int
     backend: str
     schedule: str
-    sharded: bool = False
-    # each layer's sliding window where it can pass a stored token (shorter than max_seq_len), else None
-    windows: tuple[
-        int | None, ...
-    ] = ()  # tensor parallelism: the per-head arrays hold this device's heads (host ones: every head's)
+    sharded: bool = False  # tensor parallelism: the per-head arrays hold this device's heads (host ones: every head's)
+    windows: tuple[int | None, ...] = ()  # each layer's sliding window where it can pass a stored token, else None
 
 
 def _last_queries(q, k, rotation, lengths, window: int):

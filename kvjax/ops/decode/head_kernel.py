@@ -8,7 +8,7 @@ heads that store tokens (``live_work``, built once a step): bench/results/evicti
 
 Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; the pool is indexed by
 (page, element), any size. A sliding-window layer's heads say which of their slots the window still sees (``first``:
-a slot is not a position once a head has evicted, so the engine counts them, ``runtime.engine``'s ``_window_first``).
+a slot is not a position once a head has evicted, so it is counted from the eviction, ``head_paging.window_first``).
 """
 
 from __future__ import annotations
