@@ -256,6 +256,11 @@ class _Evict:
     sharded: bool = False  # tensor parallelism: the per-head arrays hold this device's heads (host ones: every head's)
     windows: tuple[int | None, ...] = ()  # each layer's sliding window where it can pass a stored token, else None
 
+    @property
+    def widest(self) -> int:
+        """The widest of ``windows`` (0: none): the last axis of ``HeadKVCache.before`` is one more."""
+        return max(w or 0 for w in self.windows)
+
 
 def _last_queries(q, k, rotation, lengths, window: int):
     """Each chunk's last ``window`` queries [B, W, q_cols], packed as the cache is (ZACK's rotated, truncated ones):
@@ -629,7 +634,7 @@ class Engine:
                     self.head_max_pages,
                     dtype,
                     [(self._evict.spec.window, lay.q_cols) for lay in self.layouts],
-                    max(w or 0 for w in self._evict.windows),
+                    self._evict.widest,
                 ),
             )
         if self.formats is None:
@@ -674,8 +679,8 @@ class Engine:
         staging_bytes = staging * self.page_size * bytes_per_token(self.layouts, dtype)
         rings = self.max_batch * self._evict.spec.window * sum(lay.q_cols for lay in self.layouts)
         staging_bytes += rings * jnp.dtype(dtype).itemsize  # each slot's last queries (continual eviction)
-        window = max(w or 0 for w in self._evict.windows)
-        staging_bytes += 4 * self.max_batch * self._local_per_page.size * (window + 1) if window else 0  # ``before``
+        if window := self._evict.widest:  # ``HeadKVCache.before``
+            staging_bytes += 4 * self.max_batch * self._local_per_page.size * (window + 1)
         if num_pages is not None:
             self.budget_note = f"num_pages={num_pages}"
             self.head_pages = num_pages
@@ -942,8 +947,8 @@ class Engine:
             if table is not None:
                 tables[row] = table
         prompts = (starts + lengths).astype(np.int32)
-        windows = tuple(lay.sliding_window for lay in self.layouts)  # a local head's budget is of its window
-        return (tables, prompts, *self.eviction.sizes(prompts, windows))
+        # a local head's budget is of its window (``_Evict.windows``: one whole context past max_seq_len)
+        return (tables, prompts, *self.eviction.sizes(prompts, self._evict.windows))
 
     def decode(self, positions: np.ndarray, active: np.ndarray, rows: Rows, entries=None) -> jax.Array:
         """Enqueue one decode step over all ``max_batch`` slots (row i is slot i, so the step compiles once; an
