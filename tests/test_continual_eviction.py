@@ -120,10 +120,29 @@ def test_the_selection_keeps_the_recent_slots_whatever_they_score():
     np.testing.assert_array_equal(keep, [[False, False, True, True, False, False]])
 
 
-def test_full_history_methods_and_sliding_windows_are_refused():
+def test_full_history_methods_are_refused():
     spec = Eviction("h2o", budget=8)
     with pytest.raises(ValueError, match="needs every query"):
         compress(spec, [], None, None, None, None, (LAYOUT,), PAGE_ELEMS, 8)
-    windowed = HeadLayout(6, 3, 16, (16, 8, 12), (16, 4, 8), sliding_window=8)
-    with pytest.raises(ValueError, match="sliding-window"):
-        compress(Eviction("snapkv", budget=8), [], None, None, None, None, (windowed,), PAGE_ELEMS, 8)
+
+
+def test_a_sliding_window_layer_is_never_cut_read_or_moved():
+    """``halved`` keeps every slot of a windowed layer, and ``compress`` neither reads nor writes its heads' pages:
+    here layer 1 (windowed) names the very pages layer 0 holds, as a local head's stale entries may name pages its
+    window gave back, and layer 0 is cut exactly as it is alone."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = Eviction("kvcompress", ratio=2, window=W, page_size=6)
+    lengths = rng.integers(W, 50, (2, LAYOUT.num_kv_heads))
+    pages, pool, _, _ = _stored_case(rng, 2, lengths)
+    table = jnp.asarray(np.stack([pages.table(b) for b in range(2)]))  # [B, 1, Hkv, pages]
+    q = jnp.asarray(rng.normal(size=(2, W, LAYOUT.q_cols)), jnp.float32)
+    stored = np.stack([lengths, lengths], 1)  # [B, L=2, Hkv]
+    target = halved(spec, stored, windows=[None, 8])
+    np.testing.assert_array_equal(target[:, 1], lengths)
+    alone = compress(spec, [q], pool, table, jnp.asarray(lengths[:, None]), jnp.asarray(target[:, :1]), (LAYOUT,),
+                     PAGE_ELEMS, 50)  # fmt: skip
+    both = compress(spec, [q, q], pool, jnp.concatenate([table, table], 1), jnp.asarray(stored), jnp.asarray(target),
+                    (LAYOUT, LAYOUT), PAGE_ELEMS, 50, windows=(None, 8))  # fmt: skip
+    np.testing.assert_array_equal(both[0], alone[0], f"seed {seed}")
+    np.testing.assert_array_equal(both[1], np.stack([np.asarray(alone[1])[:, 0], lengths], 1), f"seed {seed}")

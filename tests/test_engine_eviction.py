@@ -36,12 +36,16 @@ class FakeEvictingEngine(FakeEngine):
     last ``protect``), written through the per-head tables the host gave into a pool of token ids; decode applies the
     host's table entries, appends each token to every head, then reads every active head back through its tables and
     checks it against the survivors it was given plus what was appended since. Sampling follows the whole context
-    (``next_token``), so every request still finishes with its single-run tokens whatever was evicted."""
+    (``next_token``), so every request still finishes with its single-run tokens whatever was evicted.
 
-    continual = True  # it cuts decoding heads (``compress``) as an engine without sliding-window layers does
+    ``head_windows`` (a window or None per layer): a sliding-window layer's heads keep only tokens of the prompt's
+    last window, and each decode reads back only the slots the new token's window sees, as the real engine does
+    (``head_paging.window_first``); the host may give back the pages before them. A cut never touches them."""
 
-    def __init__(self, head_pages, per_page, head_max_pages, window, eviction=None, **kw):
+    def __init__(self, head_pages, per_page, head_max_pages, window, eviction=None, head_windows=None, **kw):
         super().__init__(**kw)
+        self.head_windows = head_windows
+        self.continual = not all(head_windows or (None,))  # as the engine: some layer sees the whole context
         self.eviction = eviction or Eviction("snapkv", ratio=2.0, window=window)
         self.head_pages, self.head_per_page, self.head_max_pages = head_pages, np.asarray(per_page), head_max_pages
         layers, heads = self.head_per_page.shape
@@ -49,6 +53,8 @@ class FakeEvictingEngine(FakeEngine):
         self.tables = np.full((self.max_batch, layers, heads, head_max_pages), NULL_PAGE, np.int64)
         self.stored = np.zeros((self.max_batch, layers, heads), np.int64)
         self.expected: dict[int, list] = {}  # slot -> [layer][head]: the ids each head must read back
+        self.where: dict[int, list] = {}  # slot -> [layer][head]: each stored id's position
+        self.owner_of: dict[int, tuple] = {}  # page -> the (slot, layer, head) the host gave it to last
         self.contexts: dict[int, list[int]] = {}  # slot -> its request's context so far
         self.kept, self.evictions, self.protect = None, 0, window
         self.compressions = 0
@@ -57,7 +63,12 @@ class FakeEvictingEngine(FakeEngine):
         per = self.head_per_page[layer, head]
         page = self.tables[slot, layer, head, i // per]
         assert page != NULL_PAGE, "a per-head slot through the null page"
+        assert self.owner_of[page] == (slot, layer, head), "a slot through a page the host gave to another head"
         return page, i % per
+
+    def _own(self, slot, layer, head, page):
+        if page != NULL_PAGE:
+            self.owner_of[page] = (slot, layer, head)
 
     def prefill(self, chunks, starts, rows, slots, tail_slots=None, heads=None):
         new = super().prefill(chunks, starts, rows, slots, tail_slots)
@@ -71,22 +82,30 @@ class FakeEvictingEngine(FakeEngine):
             context = self._read(rows.table[:, i], end)
             slot = slots[i]
             self.tables[slot], self.stored[slot] = table, 0
+            for (layer, head, _), page in np.ndenumerate(table):
+                self._own(slot, layer, head, page)
             self.expected[slot] = [[[] for _ in range(kv_heads)] for _ in range(layers)]
+            self.where[slot] = [[[] for _ in range(kv_heads)] for _ in range(layers)]
             for layer in range(layers):
+                w = self._window(layer) or end
                 for head in range(kv_heads):
                     for p, token in enumerate(context):
-                        if p >= end - self.protect or kept_by_rule(p, token, layer, head):
-                            self._append(slot, layer, head, token)
+                        if p >= end - w and (p >= end - self.protect or kept_by_rule(p, token, layer, head)):
+                            self._append(slot, layer, head, token, p)
             kept[i] = self.stored[slot]
             self.contexts[slot] = context + [int(new[i])]
             self.evictions += 1
         self.kept = jnp.asarray(kept)
         return new
 
-    def _append(self, slot, layer, head, token):
+    def _window(self, layer):
+        return None if self.head_windows is None else self.head_windows[layer]
+
+    def _append(self, slot, layer, head, token, position):
         page, row = self._head_slot(slot, layer, head, self.stored[slot, layer, head])
         self.pool[page, row] = token
         self.expected[slot][layer][head].append(token)
+        self.where[slot][layer][head].append(position)
         self.stored[slot, layer, head] += 1
 
     def compress(self, slot, last, target):
@@ -97,27 +116,37 @@ class FakeEvictingEngine(FakeEngine):
         for layer, head in np.ndindex(*self.head_per_page.shape):
             tokens = self.expected[slot][layer][head]
             n, want = len(tokens), int(target[layer, head])
+            if self._window(layer):
+                assert want == n, "a cut of a sliding-window head"
+                continue
             assert min(n, guard) <= want <= n, "a cut past a head's recent slots or past what it stores"
             others = sorted(range(n - min(n, guard)), key=lambda i: ((i * 7919 + tokens[i] * 31 + layer) % 11, i))
             keep = sorted(others[: want - min(n, guard)]) + list(range(n - min(n, guard), n))
-            self.expected[slot][layer][head], self.stored[slot, layer, head] = [], 0
+            where = self.where[slot][layer][head]
+            self.expected[slot][layer][head], self.where[slot][layer][head], self.stored[slot, layer, head] = [], [], 0
             for i in keep:
-                self._append(slot, layer, head, tokens[i])
+                self._append(slot, layer, head, tokens[i], where[i])
         self.compressions += 1
 
     def decode(self, positions, active, rows, entries=None):
         for slot, layer, head, index, page in entries if entries is not None else []:
             self.tables[slot, layer, head, index] = page
+            self._own(slot, layer, head, page)
         live = np.flatnonzero(active)
         for slot in live:
             for layer, head in np.ndindex(*self.head_per_page.shape):
-                self._append(slot, layer, head, int(self.slot_tokens[slot]))
+                self._append(slot, layer, head, int(self.slot_tokens[slot]), len(self.contexts[slot]) - 1)
         for slot in live:  # after every row wrote: a page two heads share shows here
+            now = len(self.contexts[slot]) - 1  # the query's position
             for layer, head in np.ndindex(*self.head_per_page.shape):
+                w = self._window(layer)
+                first = 0 if w is None else sum(p <= now - w for p in self.where[slot][layer][head])
                 got = [
-                    int(self.pool[self._head_slot(slot, layer, head, i)]) for i in range(self.stored[slot, layer, head])
+                    int(self.pool[self._head_slot(slot, layer, head, i)])
+                    for i in range(first, self.stored[slot, layer, head])
                 ]
-                assert got == self.expected[slot][layer][head], f"slot {slot} head ({layer}, {head}) read other tokens"
+                want = self.expected[slot][layer][head][first:]
+                assert got == want, f"slot {slot} head ({layer}, {head}) read other tokens"
             self.slot_tokens[slot] = next_token(self.contexts[slot])
             self.contexts[slot].append(int(self.slot_tokens[slot]))
         return jnp.asarray(self.slot_tokens.copy())
@@ -130,16 +159,40 @@ def test_random_arrivals_with_eviction_keep_every_heads_survivors_and_every_toke
     its stored tokens), every decode reads each head's survivors back exactly, and every request finishes with its
     single-run tokens; at the end every page is free. Seeds 8 on give a tight per-head pool, where continual eviction
     cuts decoding heads (every cut head read back exactly after it) before anyone is preempted."""
+    _fuzz(seed, windowed=False)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_arrivals_on_sliding_windows_give_back_passed_head_pages(seed):
+    """The same fuzz with a sliding window on one or both layers: each decode reads back exactly the slots its
+    window sees while the host gives back the pages before them (``HeadPages.release_passed``) and hands them to
+    other heads and requests; the pages add up after every step (released ones neither owned nor lost), and pages
+    were given back while their owner still ran. Odd seeds have a tight pool: a layer without a window is cut
+    (continual eviction) and a windowed one never is."""
+    released = _fuzz(seed, windowed=True)
+    assert released, f"seed {seed}: no window ever gave a page back"
+
+
+def _fuzz(seed: int, windowed: bool) -> int:
+    """The eviction fuzz of ``seed``; returns the most pages sliding windows had given back at once."""
     rng = np.random.default_rng(seed)
     page_size, max_batch = int(rng.choice([2, 4, 8])), int(rng.integers(1, 5))
     chunk_tokens = int(rng.integers(4, 24))
     window = int(rng.integers(1, chunk_tokens + 1))
     pages_per_seq = int(rng.integers(6, 14))
     per_page = rng.choice([page_size, 2 * page_size, 4 * page_size], size=(2, 2))
+    if windowed:
+        per_page[0, 0] = page_size  # a head of small pages: its window passes whole pages often
     one = int((-(-pages_per_seq * page_size // per_page)).sum())
-    head_pages = int(rng.integers(one + 1, 3 * one if seed < 8 else one + one // 2 + 2))  # seeds 8 on: a tight pool
+    tight = seed % 2 == 1 if windowed else seed >= 8  # a tight pool cuts (or, with windows only, preempts)
+    head_pages = int(rng.integers(one + 1, one + one // 2 + 2 if tight else 3 * one))
     # continual eviction's floor is the policy's budget: a small one cuts often
     policy = dict(budget=int(rng.integers(2, 12))) if rng.integers(0, 2) else dict(ratio=2.0)
+    head_windows = None
+    if windowed:  # its own stream: the other seeds' draws stay as they were
+        draw = np.random.default_rng(seed + 1000).integers
+        span = pages_per_seq * page_size // 2
+        head_windows = (int(draw(1, span // 4 + 2)), None if tight or draw(0, 2) else int(draw(1, span)))
     engine = FakeEvictingEngine(
         head_pages,
         per_page,
@@ -151,8 +204,10 @@ def test_random_arrivals_with_eviction_keep_every_heads_survivors_and_every_toke
         max_batch=max_batch,
         pages_per_seq=pages_per_seq,
         batch_invariant=bool(rng.integers(0, 2)),
+        head_windows=head_windows,
     )
     runner = Runner(engine, chunk_tokens=chunk_tokens, lag=int(rng.integers(0, 3)))
+    released = 0
     stops = set(rng.choice(VOCAB, 2, replace=False).tolist())
     capacity = pages_per_seq * page_size
     arrivals, requests, done, step = sorted(rng.integers(0, 50, 20).tolist()), [], [], 0
@@ -166,6 +221,7 @@ def test_random_arrivals_with_eviction_keep_every_heads_survivors_and_every_toke
             )
         done += runner.step()
         runner.scheduler.check()
+        released = max(released, sum(int(r.sum()) for r in runner.scheduler.pages.heads._released.values()))
         step += 1
         assert step < 20_000
     assert sorted(r.id for r in done) == sorted(r.id for r in requests)
@@ -174,18 +230,29 @@ def test_random_arrivals_with_eviction_keep_every_heads_survivors_and_every_toke
     pages = runner.scheduler.pages
     assert pages.allocators[0].free_pages == engine.num_pages - 1 and pages.heads.free_pages == head_pages - 1
     assert engine.evictions >= len(requests)
+    return released
 
 
-def test_a_full_head_pool_cuts_decoding_heads_before_it_preempts():
+@pytest.mark.parametrize("head_windows", [None, (6, None)], ids=["whole", "local-global"])
+def test_a_full_head_pool_cuts_decoding_heads_before_it_preempts(head_windows):
     """Continual eviction: four long requests in a per-head pool of about two sequences. Cutting heads (each to the
     policy's floor, its recent slots kept) comes first, and every cut head reads back exactly what the cut kept
     (the fake checks every decode); fewer requests are preempted than with preemption alone, and all finish with
-    their single-run tokens."""
+    their single-run tokens. With a sliding window on layer 0 only layer 1 is cut (the fake checks it)."""
 
     def run(continual: bool):
         spec = Eviction("snapkv", budget=4, window=2, page_size=2)
         engine = FakeEvictingEngine(
-            2 * 4 * 10 + 3, np.full((2, 2), 4), 10, 2, spec, num_pages=21, page_size=4, max_batch=4, pages_per_seq=10
+            2 * 4 * 10 + 3,
+            np.full((2, 2), 4),
+            10,
+            2,
+            spec,
+            head_windows=head_windows,
+            num_pages=21,
+            page_size=4,
+            max_batch=4,
+            pages_per_seq=10,
         )
         runner = Runner(engine, chunk_tokens=8)
         if not continual:
@@ -324,7 +391,7 @@ def test_a_budget_past_every_prompt_on_sliding_windows_changes_no_token(config):
     settings = dict(max_batch=2, max_seq_len=128, chunk_tokens=32, backend="reference")
     plain = _greedy(Engine(model, **settings), prompts, 40)
     evicting = Engine(model, **settings, eviction="kvcompress:1000")
-    assert not evicting.continual and evicting.windows == (None,)
+    assert evicting.continual == (config == "local-global") and evicting.windows == (None,)
     assert _greedy(evicting, prompts, 40) == plain, f"seed {seed}"
 
 
@@ -345,8 +412,37 @@ def test_eviction_on_sliding_windows_gives_the_reference_tokens(config, backend)
         assert tokens == _reference_tokens(model, prompt, tokens, engine.eviction), f"seed {seed}, prompt {len(prompt)}"
     if backend == "reference":  # the eviction mattered: the plain engine's tokens are others
         assert got != _greedy(Engine(model, **settings), prompts, 40), f"seed {seed}"
-    with pytest.raises(ValueError, match="sliding-window layers"):
-        engine.compress(0, 10, np.zeros((2, 2), np.int32))
+    if config == "all-local":  # nothing a cut may touch
+        with pytest.raises(ValueError, match="sliding layers only"):
+            engine.compress(0, 10, np.zeros((2, 2), np.int32))
+
+
+def test_sliding_heads_give_back_passed_pages_and_a_small_pool_then_holds_more(monkeypatch):
+    """A local head gives back the per-head pages its window has passed (``HeadPages.release_passed``): three
+    requests decoding 60 tokens past windows of 32 fit a per-head pool that, without it, must preempt one; the pages
+    given back go to other heads at once (the top of the free stack), and every request still gets
+    ``eviction.reference``'s tokens, so no head read a page after giving it back."""
+    seed = fresh_seed()
+    model = kvjax.Model.random(SLIDING["all-local"], seed=seed % 1000, scale=3.0)  # at 0.5 a misread barely shows
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 97, int(n)).tolist() for n in (60, 52, 44)]
+    settings = dict(max_batch=3, max_seq_len=128, chunk_tokens=32, page_size=8, num_pages=81, backend="interpret")
+
+    def run():
+        engine = Engine(model, **settings, eviction="kvcompress:3x")
+        runner = Runner(engine)
+        requests = [runner.add(Request(p, 60)) for p in prompts]
+        for _ in runner.run():
+            runner.scheduler.check()
+        return engine, requests
+
+    engine, requests = run()
+    assert [r.preemptions for r in requests] == [0, 0, 0], f"seed {seed}"
+    for prompt, r in zip(prompts, requests):
+        assert r.tokens == _reference_tokens(model, prompt, r.tokens, engine.eviction), f"seed {seed}"
+    monkeypatch.setattr(Engine, "head_windows", property(lambda self: None))  # the host keeps every page
+    _, kept_all = run()
+    assert sum(r.preemptions for r in kept_all) > 0, f"seed {seed}"
 
 
 def _packed_queries(model, context):
@@ -445,6 +541,61 @@ def test_a_tight_head_pool_on_the_engine_cuts_and_every_request_finishes():
     assert all(r.finish_reason == "length" and len(r.tokens) == 50 for r in requests), f"seed {seed}"
     pages = runner.scheduler.pages
     assert pages.heads.free_pages == engine.head_pages - 1
+
+
+def test_a_tight_pool_cuts_only_the_global_layers_of_a_local_global_model():
+    """Continual eviction on Gemma 3's pattern (windows of 32 on local layers): a cut leaves every local head's slots
+    as they were (its stored count, its K and V from its window's first slot on), since those slots say where the
+    window starts and its pages already go back as it passes; global heads are cut. Four requests outgrow a pool of
+    about two, the pages add up after every step, and every request finishes with all its tokens."""
+    from kvjax.ops import head_paging
+
+    seed = fresh_seed()
+    model = kvjax.Model.random(SLIDING["local-global"], seed=seed % 1000, scale=0.5)
+    settings = dict(max_batch=4, max_seq_len=96, chunk_tokens=32, backend="reference", eviction="snapkv:16")
+    probe = Engine(model, **settings)
+    one = int((-(-probe.max_seq_len // probe.head_per_page)).sum())
+    engine = Engine(model, **settings, num_pages=2 * one + 1)
+    del probe
+    assert engine.continual
+    layouts, elems, windows = model.module.layouts, engine._evict.page_elems, engine.head_windows
+    compress, cut = engine.compress, []
+
+    def checked(slot, last, target):
+        heads = engine.cache.heads
+
+        def local(h):  # every local head's stored count and its seen K, V
+            out = []
+            for i, lay in enumerate(layouts):
+                if windows[i] is None:
+                    continue
+                first = np.asarray(head_paging.window_first(h.before[slot][i], h.stored[slot][i], windows[i]))
+                for j in range(lay.num_kv_heads):
+                    n = int(h.stored[slot][i, j])
+                    k, v = head_paging.read(h.pool, h.tables[slot][None, i], j, lay, elems, n)
+                    out.append((n, np.asarray(k[0, first[j] :]), np.asarray(v[0, first[j] :])))
+            return out
+
+        was, stored = local(heads), np.asarray(heads.stored[slot])
+        rows = [i for i, w in enumerate(windows) if w is not None]
+        np.testing.assert_array_equal(target[rows], stored[rows], f"seed {seed}: the host cut a local head")
+        compress(slot, last, target)
+        now = local(engine.cache.heads)
+        for (n0, k0, v0), (n1, k1, v1) in zip(was, now):
+            assert n0 == n1, f"seed {seed}: a local head was cut"
+            np.testing.assert_array_equal(k0, k1, f"seed {seed}")
+            np.testing.assert_array_equal(v0, v1, f"seed {seed}")
+        cut.append(stored - np.asarray(engine.cache.heads.stored[slot]))
+
+    engine.compress = checked
+    runner = Runner(engine)
+    rng = np.random.default_rng(seed)
+    requests = [runner.add(Request(rng.integers(0, 97, 40).tolist(), 50)) for _ in range(4)]
+    for _ in runner.run():
+        runner.scheduler.check()
+    assert cut and any(c.any() for c in cut), f"seed {seed}: no head was cut"
+    assert all(r.finish_reason == "length" and len(r.tokens) == 50 for r in requests), f"seed {seed}"
+    assert runner.scheduler.pages.heads.free_pages == engine.head_pages - 1
 
 
 def test_a_cut_is_exact_when_its_slots_tables_name_pages_it_gave_back():

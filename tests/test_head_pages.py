@@ -210,6 +210,36 @@ def test_device_tables_follow_the_filled_entries_across_growth_eviction_and_reus
             assert (tables[s] == NULL_PAGE).all(), f"seed {seed}: a free slot keeps tables"
 
 
+def test_a_sliding_window_head_gives_back_the_pages_its_window_passed():
+    """Layer 0 has a window of 6, layer 1 none; pages of 4 tokens. Nothing goes back before the prompt's eviction is
+    heard, nor while the window still reaches into the kept prompt (the device alone knows where); after that a page
+    goes back as soon as the next query's window starts past its last slot, and growth goes on past it."""
+    pages = HeadPages(40, [[4], [4]], max_pages=10, windows=[6, None])
+    pages.grow(0, 10)  # a 10-token prompt: every head takes its pages
+    assert not len(pages.release_passed(0))  # not evicted yet
+    pages.evicted(0, 10, np.array([[5], [7]]))  # layer 0 kept 5 (all in its last 6 positions), layer 1 kept 7
+    assert pages.stored(0).tolist() == [[5], [7]]
+    released = 0
+    for decoded in range(1, 20):  # the step appending decoded token number `decoded` releases, then grows
+        freed = pages.release_passed(0)
+        first = 5 + decoded - 6 if decoded >= 6 else 0  # its window's first slot (head_paging.window_first)
+        assert len(freed) == first // 4 - released
+        released = first // 4
+        table, held = pages.table(0), -(-(pages.stored(0)[:, 0]) // 4)
+        assert (table[0, 0, :released] == NULL_PAGE).all() and (table[0, 0, released : held[0]] != NULL_PAGE).all()
+        assert (table[1, 0, : held[1]] != NULL_PAGE).all()  # the whole-context layer keeps every page
+        assert pages.grow(0, 1) is not None
+        pages.check()
+    free = pages.free_pages
+    pages.free(0)
+    assert pages.free_pages == 39 and free < 39
+    pages.check()
+    with pytest.raises(ValueError, match="windows"):
+        HeadPages(8, [[4]], 2, windows=[0])
+    with pytest.raises(ValueError, match="windows"):
+        HeadPages(8, [[4]], 2, windows=[4, 4])
+
+
 def test_each_device_numbers_its_own_pages_and_one_full_device_refuses_the_growth():
     pages = HeadPages(6, [[1, 1, 4, 4]], max_pages=8, devices=2)  # heads 0-1 on device 0, 2-3 on device 1
     first = pages.grow(0, 1)

@@ -10,6 +10,11 @@ and layers that KV-Compress made at the prompt's end carries over in proportion.
 eviction a head's slots are its survivors in position order, then every token decoded since, and the last W of
 them are the last W queries' own tokens (never evicted: ``Eviction.recent`` holds at least the window), so each query
 sees exactly the slots before and at its own, as causal attention did.
+
+Sliding-window layers are never cut: their heads' slots are counted from the prompt's eviction to say where the
+window starts (``head_paging.window_before``), and their pages already go back as the window passes
+(``HeadPages.release_passed``), so each holds about a window. A model of local and global layers (Gemma 3) cuts its
+global ones.
 """
 
 from __future__ import annotations
@@ -22,14 +27,19 @@ from kvjax.eviction.select import Eviction, ranks
 from kvjax.ops import head_paging
 
 
-def halved(spec: Eviction, stored, context: int | None = None) -> np.ndarray:
-    """Host: what each head keeps when its sequence is cut (int64, ``stored``'s shape): half of what it stores,
-    rounded up, never fewer than ``spec.recent`` nor, for a sequence at ``context`` positions, than the policy's
-    tokens a head for it (``spec.per_head``: continual eviction never cuts below the budget the prompt was cut to),
-    and never more than it stores. ``compress`` keeps exactly this many."""
+def halved(spec: Eviction, stored, context: int | None = None, windows=None) -> np.ndarray:
+    """Host: what each head keeps when its sequence is cut (int64, ``stored``'s shape, [..., layers, heads]): half of
+    what it stores, rounded up, never fewer than ``spec.recent`` nor, for a sequence at ``context`` positions, than
+    the policy's tokens a head for it (``spec.per_head``: continual eviction never cuts below the budget the prompt
+    was cut to), and never more than it stores; all of it in a layer with a sliding window (``windows``: one a layer,
+    None or 0 for none; module docstring). ``compress`` keeps exactly this many."""
     stored = np.asarray(stored, np.int64)
     floor = max(spec.recent, 0 if context is None else spec.per_head(context))
-    return np.minimum(stored, np.maximum(-(-stored // 2), floor))
+    target = np.minimum(stored, np.maximum(-(-stored // 2), floor))
+    if windows is not None:
+        local = np.array([bool(w) for w in windows])[:, None]
+        target = np.where(local, stored, target)
+    return target
 
 
 def _keys(pool, tables, layout, page_elems: int, tokens: int):
@@ -53,8 +63,10 @@ def keep_counts(scores, stored, target, protect: int):
     return guarded | (free & (ranks(cost) < room[..., None]))
 
 
-def compress(spec: Eviction, queries, pool, tables, stored, target, layouts, page_elems: int, tokens: int):
-    """Cut each KV head of B sequences to ``target`` [B, L, Hkv] tokens (``halved``) and compact it in place.
+def compress(spec: Eviction, queries, pool, tables, stored, target, layouts, page_elems: int, tokens: int, windows=()):
+    """Cut each KV head of B sequences to ``target`` [B, L, Hkv] tokens (``halved``) and compact it in place; the
+    heads of a layer with a sliding window (``windows``: one a layer, None for none; absent: none) keep every slot,
+    unread and unmoved (their tables may name pages the window has given back).
 
     ``queries``: per layer [B, W, q_cols], each sequence's last W queries in order (packed as the cache is: ZACK's
     rotated ones), the last one the latest token's; ``tables`` [B, L, Hkv, pages] and ``stored`` [B, L, Hkv] as
@@ -63,12 +75,16 @@ def compress(spec: Eviction, queries, pool, tables, stored, target, layouts, pag
     (donate it under ``jax.jit``: XLA writes in place), and the counts ``HeadPages.shrink`` took from the host."""
     if spec.method not in metrics.WINDOWED:
         raise ValueError(f"continual eviction scores with {metrics.WINDOWED}; {spec.method!r} needs every query")
-    if any(lay.sliding_window is not None for lay in layouts):
-        raise ValueError("continual eviction on sliding-window layers is not supported (slots are not positions)")
-    scores = []
+    cut = tuple(layer for layer in range(len(layouts)) if not (windows and windows[layer]))
+    every = jnp.arange(tokens) < jnp.asarray(stored, jnp.int32)[..., None]  # [B, L, Hkv, tokens]
+    marks = []
     for layer, lay in enumerate(layouts):
+        if layer not in cut:
+            marks.append(every[:, layer])
+            continue
         keys = _keys(pool, tables[:, layer], lay, page_elems, tokens)
-        scores.append(metrics.window_scores(spec.method, queries[layer], keys, stored[:, layer], lay, pool=spec.pool))
-    keep = keep_counts(jnp.stack(scores, axis=1), stored, target, spec.recent)
-    pool, kept = head_paging.compact(pool, tables, keep, stored, layouts, page_elems)
+        scores = metrics.window_scores(spec.method, queries[layer], keys, stored[:, layer], lay, pool=spec.pool)
+        marks.append(keep_counts(scores, stored[:, layer], target[:, layer], spec.recent))
+    keep = jnp.stack(marks, axis=1)
+    pool, kept = head_paging.compact(pool, tables, keep, stored, layouts, page_elems, layers=cut)
     return pool, kept, keep

@@ -159,12 +159,15 @@ def _reordered(blocks, order, first: int, width: int, per: int):
     return jnp.take_along_axis(part, order, axis=2).reshape(b, g, pages, per * width)
 
 
-def compact(pool, tables, keep, stored, layouts, page_elems: int):
+def compact(pool, tables, keep, stored, layouts, page_elems: int, layers: tuple[int, ...] | None = None):
     """Eviction's compaction on the device: each head keeps, of its first ``stored`` [B, L, Hkv] slots, those
     ``keep`` [B, L, Hkv, S] marks (slots past ``stored`` or ``S`` are dropped), moved in their order to its first
-    slots, through ``tables`` [B, L, Hkv, pages]. Entries past the pages a head's ``stored`` slots fill are ignored:
-    a device table may still name pages an eviction gave back, since taken by another head, and the write of every
-    page read would then put one page twice in a scatter. Returns (pool, kept [B, L, Hkv] int32): what the host hands
+    slots, through ``tables`` [B, L, Hkv, pages]; ``layers`` (static): only these layers' heads are read and moved
+    (the rest must keep every slot: ``continual.compress``'s sliding-window layers). Entries past the pages a head's
+    ``stored`` slots fill are ignored: a device table may still name pages an eviction gave back, since taken by
+    another head, and the write of every page read would then put one page twice in a scatter (for the same reason
+    a sliding-window head, whose first entries may name pages its window gave back, must not be among ``layers``).
+    Returns (pool, kept [B, L, Hkv] int32): what the host hands
     ``HeadPages.shrink``, which gives back the pages past them. Equal to ``HeadPages.evict``'s moves applied by
     ``move``, without their host work (bench/results/eviction.md "Per-head pages: host cost": 24-429 ms an 8K sequence).
 
@@ -178,6 +181,8 @@ def compact(pool, tables, keep, stored, layouts, page_elems: int):
     kept = keep.sum(-1, dtype=jnp.int32)
     groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for layer, lay in enumerate(layouts):
+        if layers is not None and layer not in layers:
+            continue
         for h, pair in enumerate(zip(lay.k_widths, lay.v_widths)):
             groups.setdefault(pair, []).append((layer, h))
     flat_pages = pool.shape[0]

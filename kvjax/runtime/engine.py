@@ -326,7 +326,7 @@ def _evicted(
 def _compress_step(cache, slot, last, target, *, evict: _Evict, layouts, tokens: int):
     """Continual eviction of slot ``slot``: each of its KV heads cut to ``target`` [L, Hkv] tokens
     (``continual.halved``, which the host's pages already shrank to), scored by the slot's last W queries, the
-    latest at position ``last``, and compacted in place (``continual.compress``)."""
+    latest at position ``last``, and compacted in place (``continual.compress``; sliding-window layers untouched)."""
     heads, w = cache.heads, evict.spec.window
     if evict.sharded:
         target = local_heads(target, 1)
@@ -342,6 +342,7 @@ def _compress_step(cache, slot, last, target, *, evict: _Evict, layouts, tokens:
         layouts,
         evict.page_elems,
         tokens,
+        windows=evict.windows,
     )
     heads = dataclasses.replace(heads, pool=pool, stored=heads.stored.at[slot].set(kept[0]))
     return EvictingCache(cache.staging, heads)
@@ -974,18 +975,24 @@ class Engine:
         return self.slot_tokens
 
     @property
+    def head_windows(self) -> tuple[int | None, ...] | None:
+        """Each layer's sliding window where its per-head pages give back what the window has passed (None: the
+        whole context), for the host's ``HeadPages``; None for an engine that does not evict."""
+        return None if self._evict is None else self._evict.windows
+
+    @property
     def continual(self) -> bool:
         """Whether this engine cuts decoding requests' heads when its per-head pool runs out (continual eviction),
-        before the scheduler preempts: an evicting engine without sliding-window layers, whose slots would stop
-        saying where each window starts once cut again (``_Evict.windows``)."""
-        return self._evict is not None and not any(self._evict.windows)
+        before the scheduler preempts: an evicting engine with a layer that sees the whole context (sliding-window
+        layers are never cut: ``eviction.continual``)."""
+        return self._evict is not None and not all(self._evict.windows)
 
     def compress(self, slot: int, last: int, target) -> None:
         """Enqueue continual eviction of slot ``slot``, whose latest query is at position ``last``: each KV head cut to
         ``target`` [L, Hkv] tokens (``continual.halved``; the host's ``HeadPages`` has already given back the pages
         past them, so this runs before any step that writes them), by its last W queries' scores."""
         if not self.continual:
-            raise ValueError("continual eviction asked of an engine that does not evict, or of sliding-window layers")
+            raise ValueError("continual eviction asked of an engine that does not evict, or of sliding layers only")
         args = (self.cache, np.int32(slot), np.int32(last), np.asarray(target, np.int32))
         self.cache = self._run(("compress",), ("compress",), *args)
 

@@ -19,9 +19,10 @@ from kvjax.ops.paging import NULL_PAGE
 class HeadPages:
     """A pool of ``num_pages`` pages (page 0 the null page) shared by every (layer, KV head), one such pool a
     device where ``devices`` > 1 (each shared by its run of heads); head (l, h) stores ``per_page[l, h]`` tokens a page
-    and holds at most ``max_pages`` pages."""
+    and holds at most ``max_pages`` pages. ``windows``: each layer's sliding window, None (or all None) where a
+    layer's queries see every stored token."""
 
-    def __init__(self, num_pages: int, per_page, max_pages: int, devices: int = 1):
+    def __init__(self, num_pages: int, per_page, max_pages: int, devices: int = 1, windows=None):
         self.per_page = np.asarray(per_page, np.int64)
         if self.per_page.ndim != 2 or (self.per_page < 1).any():
             raise ValueError(f"per_page must be positive tokens per page, [layers, heads], got {self.per_page!r}")
@@ -36,6 +37,12 @@ class HeadPages:
         self._top = np.full(devices, num_pages - 1, np.int64)
         self._tables: dict[int, np.ndarray] = {}  # owner -> int32 [layers, heads, max_pages]
         self._stored: dict[int, np.ndarray] = {}  # owner -> int64 [layers, heads]: tokens each head stores
+        windows = [None] * self.per_page.shape[0] if windows is None else list(windows)
+        if len(windows) != self.per_page.shape[0] or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"windows must be a window or None per layer ({self.per_page.shape[0]}), got {windows!r}")
+        self.windows = np.array([w or 0 for w in windows], np.int64)  # 0: the whole context
+        self._released: dict[int, np.ndarray] = {}  # owner -> int64 [layers, heads]: first entries given back
+        self._prompt: dict[int, np.ndarray] = {}  # owner -> int64 [layers, heads]: prompt tokens each head kept
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -133,7 +140,46 @@ class HeadPages:
             return
         table = self._tables.pop(owner)
         del self._stored[owner]
+        self._released.pop(owner, None)
+        self._prompt.pop(owner, None)
         self._push(table, table != NULL_PAGE)
+
+    def evicted(self, owner: int, prompt: int, kept) -> np.ndarray:
+        """The device evicted ``owner``'s ``prompt``-token prompt, each head keeping ``kept`` [layers, heads] of it,
+        and decode has appended the same number of tokens to every head since (``grow`` gave every head the whole
+        prompt): the pages past what each head now stores go back (``shrink``), and a sliding-window layer's heads
+        count their window from ``kept`` on (``release_passed``). Returns the pages given back."""
+        kept = np.asarray(kept, np.int64)
+        grown = self._stored[owner] - prompt  # tokens decoded since, the same in every head
+        freed = self.shrink(owner, kept + grown)
+        self._prompt[owner] = kept
+        return freed
+
+    def release_passed(self, owner: int, appended: int = 1) -> np.ndarray:
+        """Give back the pages of ``owner``'s sliding-window heads that the query of the token a step is about to
+        append (``appended`` tokens from now), and every later one, cannot see. Returns the pages given back.
+
+        A head's slots hold its kept prompt tokens, then every decoded one; once d decoded tokens are stored and
+        d >= W, its window (W positions) starts at slot kept + d - W, exactly ``head_paging.window_first``'s.
+        Before that, the window starts among the kept prompt tokens at a slot only the device knows, and nothing
+        is given back: a head holds at most its kept prompt and W decoded tokens. Called before the step is
+        scheduled: that step never reads these pages (the kernel starts at the first seen slot's page), so another
+        row of it may write them. Nothing to do before ``evicted`` has been heard back."""
+        kept = self._prompt.get(owner)
+        if kept is None or not self.windows.any():
+            return np.zeros(0, np.int32)
+        table, released = self._tables[owner], self._released.setdefault(owner, np.zeros(self.shape, np.int64))
+        decoded = self._stored[owner] + appended - kept
+        w = self.windows[:, None]
+        first = np.where((w > 0) & (decoded >= w), kept + decoded - w, 0)
+        done = np.maximum(first // self.per_page, released)
+        pages = np.arange(self.max_pages)
+        gone = (pages >= released[..., None]) & (pages < done[..., None])
+        freed = table[gone]
+        self._push(table, gone)
+        table[gone] = NULL_PAGE
+        released[...] = done
+        return freed
 
     def _push(self, table: np.ndarray, gone: np.ndarray) -> None:
         """Give back the pages of ``table`` [layers, heads, pages] that ``gone`` marks, each to its device's stack."""
@@ -179,7 +225,7 @@ class HeadPages:
             raise ValueError(f"kept must be [layers, heads] counts within what each head stores, got {kept!r}")
         have, want = self._pages(stored), self._pages(kept)
         pages = np.arange(self.max_pages)
-        gone = (pages >= want[..., None]) & (pages < have[..., None])
+        gone = (pages >= want[..., None]) & (pages < have[..., None]) & (table != NULL_PAGE)  # not those released
         freed = table[gone]
         self._push(table, gone)
         table[gone] = NULL_PAGE
@@ -188,11 +234,13 @@ class HeadPages:
 
     def freed_by(self, owner: int, kept) -> int:
         """How many pages ``shrink(owner, kept)`` would give back."""
-        return int((self._pages(self._stored[owner]) - self._pages(np.asarray(kept, np.int64))).sum())
+        want = np.maximum(self._pages(np.asarray(kept, np.int64)), self._released.get(owner, 0))
+        return int(np.maximum(self._pages(self._stored[owner]) - want, 0).sum())
 
     def check(self) -> None:
         """Raise AssertionError unless pages add up: owned + free = the pool, none owned twice or both owned and free,
-        and each head holds exactly the pages its stored tokens need, in its first table entries."""
+        and each head holds exactly the pages its stored tokens need, in its first table entries but those its
+        window has passed (``release_passed``)."""
         for d in range(self.devices):
             tables = [t[:, self.device_of == d] for t in self._tables.values()]
             owned = np.concatenate([t[t != NULL_PAGE] for t in tables] or [np.zeros(0, np.int32)])
@@ -202,8 +250,10 @@ class HeadPages:
             assert len(owned) + len(free) == self.num_pages - 1, f"device {d}: pages leaked"
             assert not np.intersect1d(owned, free).size and NULL_PAGE not in free, f"device {d}: an owned page is free"
         for owner, table in self._tables.items():
-            want = self._pages(self._stored[owner])
+            want, released = self._pages(self._stored[owner]), self._released.get(owner, np.zeros(self.shape, int))
+            assert (released <= want).all(), f"owner {owner}: pages released past its stored tokens"
             held = (table != NULL_PAGE).sum(-1)
-            assert (held == want).all(), f"owner {owner}: pages not those of its stored tokens"
-            first = np.arange(self.max_pages) < want[..., None]
+            assert (held == want - released).all(), f"owner {owner}: pages not those of its stored tokens"
+            index = np.arange(self.max_pages)
+            first = (index >= released[..., None]) & (index < want[..., None])
             assert (table[first] != NULL_PAGE).all(), f"owner {owner}: a gap in a head's pages"

@@ -3,10 +3,11 @@
 
 ``grow`` either hands a request pages for the positions asked in every pool or changes nothing and says no (the
 scheduler then preempts and asks again). ``can_grow``, ``free``, ``release_passed`` (pages a sliding window has
-passed), ``table`` (a block table per pool; a page given back reads as the null page), ``stats`` and ``check`` (the
-invariants the fuzz tests check) complete it. An evicting cache (``heads``) stages a prompt in pool 0 and moves it
-to per-head pages (``grow_heads``, ``end_prompt``, ``evicted``, ``cut_heads``); with ``prefix_caching``, pool 0's
-full pages are shared, never written, by the hash of the tokens up to their end (``cached_prefix``, ``take_prefix``).
+passed, per-head ones too), ``table`` (a block table per pool; a page given back reads as the null page), ``stats``
+and ``check`` (the invariants the fuzz tests check) complete it. An evicting cache (``heads``) stages a prompt in
+pool 0 and moves it to per-head pages (``grow_heads``, ``end_prompt``, ``evicted``, ``cut_heads``); with
+``prefix_caching``, pool 0's full pages are shared, never written, by the hash of the tokens up to their end
+(``cached_prefix``, ``take_prefix``).
 """
 
 from __future__ import annotations
@@ -179,9 +180,12 @@ class PageManager:
             self.prefix.commit()
 
     def release_passed(self, owner: int, position: int) -> None:
-        """Give back the window pages that queries at ``position`` and after can no longer see. Called before the
-        step whose first row is at ``position`` is scheduled: that step reads none of them, so another row of it
-        may write them."""
+        """Give back the window pages that queries at ``position`` and after can no longer see, and, evicting, the
+        per-head pages a sliding-window head's next query no longer sees (``HeadPages.release_passed``). Called
+        before the step whose first row is at ``position`` is scheduled: that step reads none of them, so another
+        row of it may write them."""
+        if self.heads is not None and self.heads.holds(owner):
+            self.heads.release_passed(owner)
         if owner not in self._tables:
             return
         tables, released = self._tables[owner], self._released[owner]
@@ -226,8 +230,7 @@ class PageManager:
         """The device evicted ``owner``'s ``prompt``-token prompt and each head kept ``kept`` [layers, heads] tokens;
         decode has appended the same number of tokens to every head since (the host grew every head by the whole
         prompt). The pages past what each head now stores go back."""
-        grown = self.heads.stored(owner) - prompt  # tokens decoded since, the same in every head
-        self.heads.shrink(owner, kept + grown)
+        self.heads.evicted(owner, prompt, kept)
 
     def head_counts(self, owner: int):
         """Tokens each head of ``owner`` stores now, [layers, heads]."""

@@ -194,5 +194,7 @@ def _eviction(engine: Engine) -> dict:
         return {}
     from kvjax.runtime.head_pages import HeadPages
 
-    heads = HeadPages(engine.head_pages, engine.head_per_page, engine.head_max_pages, engine.devices)
+    heads = HeadPages(
+        engine.head_pages, engine.head_per_page, engine.head_max_pages, engine.devices, windows=engine.head_windows
+    )
     return dict(heads=heads, last_chunk=engine.eviction.window, continual=engine.eviction if engine.continual else None)

@@ -280,6 +280,7 @@ class Scheduler:
     def _schedule_decode(self, r: Request, step: Step) -> None:
         entries = None
         if self.evicting:
+            self.pages.release_passed(r.id, r.computed)  # per-head pages a sliding window has passed
             entries = self._grow_heads(r, 1, step)
             if entries is None:
                 return
@@ -334,7 +335,7 @@ class Scheduler:
         for x in later:
             if x.prefilling or x.id not in self._settled or x.id in cut:
                 continue
-            target = halved(self.continual, self.pages.head_counts(x.id), x.computed)
+            target = halved(self.continual, self.pages.head_counts(x.id), x.computed, self.pages.heads.windows)
             freed = self.pages.cut_frees(x.id, target)
             if freed > most:
                 best, most = (x, target), freed
