@@ -41,7 +41,7 @@ from bench.files import write_json
 from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
 from kvjax.eviction import Eviction, metrics
 from kvjax.eviction import parse as parse_eviction
-from kvjax.eviction.reference import hidden_after, keep, kept_bytes, many_prompt_scores
+from kvjax.eviction.reference import hidden_after, keep, kept_bytes, scores_and_prefix
 
 ANSWER_ROOM = 16  # retrieval: positions past the prompt a plan's basis covers (the answer's tokens)
 EPILOG = """examples:
@@ -142,12 +142,12 @@ def _everything(model, prompt: int, rows: int = 1) -> list[np.ndarray]:
     return [np.ones((rows, lay.num_kv_heads, prompt), bool) for lay in model.module.layouts]
 
 
-def _hidden(model, tokens, prompt: int, scheme, cut=None):
+def _hidden(model, tokens, prompt: int, scheme, cut=None, prefix=None):
     """``tokens`` [1, T] through ``model`` with the prompt cut to ``cut`` (None: kept whole), served from ``scheme``'s
-    pages (None: unquantized)."""
+    pages (None: unquantized); ``prefix``: the prompt's ``prompt_prefix`` (every cut of one plan shares it)."""
     if scheme is None:
-        return model.hidden(tokens) if cut is None else hidden_after(model, tokens, cut)
-    return hidden_after(model, tokens, _everything(model, prompt) if cut is None else cut, kv=scheme)
+        return model.hidden(tokens) if cut is None else hidden_after(model, tokens, cut, prefix=prefix)
+    return hidden_after(model, tokens, _everything(model, prompt) if cut is None else cut, kv=scheme, prefix=prefix)
 
 
 def _by_method(specs: list[Eviction | None]) -> dict:
@@ -160,14 +160,18 @@ def _by_method(specs: list[Eviction | None]) -> dict:
     return groups
 
 
-def _score_plan(scores: dict, plan: str, model, prompt_tokens, specs) -> None:
+def _score_plan(scores: dict, plan: str, model, prompt_tokens, specs):
     """Each scoring group's prompt scores for ``plan`` into ``scores`` (keyed by plan and group), all of them from
-    one forward and one compile (``many_prompt_scores``); a plan already scored (another --kv-bits) is skipped."""
+    one forward and one compile (``scores_and_prefix``), and the prompt's prefix that forward leaves (keyed by plan
+    alone; every cut decodes from it), which it returns (None without policies); a plan already scored (another
+    --kv-bits) is skipped."""
     groups = _by_method(specs)
-    if not groups or (plan, next(iter(groups))) in scores:
-        return
-    found = many_prompt_scores(model, prompt_tokens, [group[0] for group in groups.values()])
-    scores.update({(plan, key): got for key, got in zip(groups, found, strict=True)})
+    if not groups:
+        return None
+    if plan not in scores:
+        found, scores[plan] = scores_and_prefix(model, prompt_tokens, [group[0] for group in groups.values()])
+        scores.update({(plan, key): got for key, got in zip(groups, found, strict=True)})
+    return scores[plan]
 
 
 def _label(spec: Eviction | None) -> str:
@@ -185,15 +189,15 @@ def _window_runs(base, models, specs, chunk, prompt: int, kept: dict, source: st
     runs: list[tuple[tuple, jax.Array]] = [((source, "none", "none"), scored(base.hidden(chunk)))]
     scores: dict = {}  # per plan and scoring group: a plan served at several --kv-bits is scored once
     for fields, model, scheme in models:
+        prefix = _score_plan(scores, fields["plan"], model, chunk[:, :prompt], specs)  # one prompt for every cut
         if fields["name"] != "none":
-            runs.append(((source, fields["name"], "none"), scored(_hidden(model, chunk, prompt, scheme))))
-        _score_plan(scores, fields["plan"], model, chunk[:, :prompt], specs)
+            runs.append(((source, fields["name"], "none"), scored(_hidden(model, chunk, prompt, scheme, None, prefix))))
         for group_key, group in _by_method(specs).items():
             for spec in group:
                 cut = keep(model, scores[fields["plan"], group_key], spec)
                 key = (source, fields["name"], spec.name)
                 kept.setdefault(key, []).append(kept_bytes(cut, model.module.layouts, scheme))
-                runs.append((key, scored(_hidden(model, chunk, prompt, scheme, cut))))
+                runs.append((key, scored(_hidden(model, chunk, prompt, scheme, cut, prefix))))
         _progress(f"{source}: {fields['name']} under every policy")
     return runs
 
@@ -336,16 +340,16 @@ def run_retrieval(base, args, save=None) -> list[dict]:
 
         scores: dict = {}  # per plan and scoring group: a plan served at several --kv-bits is scored once
         for fields, model, scheme in models:
-            _score_plan(scores, fields["plan"], model, tokens[:, :p], specs)
+            prefix = _score_plan(scores, fields["plan"], model, tokens[:, :p], specs)  # one prompt for every cut
             for group_key, group in [(None, [None]), *_by_method(specs).items()]:
                 for spec in group:
                     key = (task, context, fields["name"], _label(spec))
                     if spec is None:
-                        hidden = _hidden(model, tokens, p, scheme)
+                        hidden = _hidden(model, tokens, p, scheme, None, prefix)
                     else:
                         cut = keep(model, scores[fields["plan"], group_key], spec)
                         kept.setdefault(key, []).append(kept_bytes(cut, model.module.layouts, scheme))
-                        hidden = _hidden(model, tokens, p, scheme, cut)
+                        hidden = _hidden(model, tokens, p, scheme, cut, prefix)
                     hits.setdefault(key, []).append(answered(model, hidden, p, answer))
         _progress(f"{task} {context} depth {depth} trial {trial} done")
         if save is not None:

@@ -11,7 +11,7 @@ from conftest import TINY_CONFIGS, fresh_seed
 
 import kvjax
 from kvjax.eviction import Eviction, metrics
-from kvjax.eviction.reference import compacted_round_trip, evicted_hidden, hidden_after, kept_bytes, prompt_keep
+from kvjax.eviction.reference import compacted_round_trip, evicted_hidden, hidden_after, keep, kept_bytes, prompt_keep
 from kvjax.eviction.select import keep_masks
 from kvjax.layout import HeadLayout
 from kvjax.ops import kv_schemes
@@ -198,7 +198,30 @@ def test_a_budget_as_large_as_the_prompt_evicts_nothing_and_changes_no_logit(tin
     tokens = np.random.default_rng(seed).integers(0, tiny_config.vocab_size, (2, 40))
     hidden, keep = evicted_hidden(model, tokens, 30, Eviction(method, budget=30, page_size=4))
     assert kept_bytes(keep, model.module.layouts) == 1.0  # all that a window still sees
-    np.testing.assert_array_equal(np.asarray(hidden), np.asarray(model.hidden(tokens)), err_msg=f"seed {seed}")
+    # to float32's rounding: the prompt runs alone (``prompt_prefix``), its rows then the rest's, not one [T, T]
+    # forward, and XLA may sum a row in another order at another length
+    np.testing.assert_allclose(hidden, model.hidden(tokens), rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
+
+
+def test_a_prompt_prefix_serves_every_cut_of_its_prompt():
+    """``prompt_prefix`` computed once gives each cut's ``hidden_after`` exactly what it computes alone (the eviction
+    bench runs a prompt once for every policy), and the prefix the scoring forward leaves (``scores_and_prefix``)
+    the same to float rounding; a prefix of another prompt length is refused."""
+    from kvjax.eviction.reference import prompt_prefix, scores_and_prefix
+
+    seed = fresh_seed()
+    model = kvjax.Model.random(TINY_CONFIGS["llama"], seed=seed % 1000)
+    tokens = np.random.default_rng(seed).integers(0, 97, (2, 40))
+    prefix = prompt_prefix(model, tokens[:, :30])
+    spec = Eviction("snapkv", budget=4, page_size=4, window=4)
+    (scores,), scored = scores_and_prefix(model, tokens[:, :30], [spec])
+    for budget in (4, 12):
+        kept = keep(model, scores, dataclasses.replace(spec, budget=budget))
+        alone = hidden_after(model, tokens, kept)
+        np.testing.assert_array_equal(hidden_after(model, tokens, kept, prefix=prefix), alone)
+        np.testing.assert_allclose(hidden_after(model, tokens, kept, prefix=scored), alone, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="prefix"):
+        hidden_after(model, tokens, kept, prefix=prompt_prefix(model, tokens[:, :20]))
 
 
 def test_evicting_what_no_later_window_sees_changes_nothing_and_evicting_more_changes_only_the_decoded_rows():

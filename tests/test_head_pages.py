@@ -216,12 +216,12 @@ def test_a_sliding_window_head_gives_back_the_pages_its_window_passed():
     goes back as soon as the next query's window starts past its last slot, and growth goes on past it."""
     pages = HeadPages(40, [[4], [4]], max_pages=10, windows=[6, None])
     pages.grow(0, 10)  # a 10-token prompt: every head takes its pages
-    assert not len(pages.release_passed(0))  # not evicted yet
+    assert not len(pages.release_passed([0]))  # not evicted yet
     pages.evicted(0, 10, np.array([[5], [7]]))  # layer 0 kept 5 (all in its last 6 positions), layer 1 kept 7
     assert pages.stored(0).tolist() == [[5], [7]]
     released = 0
     for decoded in range(1, 20):  # the step appending decoded token number `decoded` releases, then grows
-        freed = pages.release_passed(0)
+        freed = pages.release_passed([0])
         first = 5 + decoded - 6 if decoded >= 6 else 0  # its window's first slot (head_paging.window_first)
         assert len(freed) == first // 4 - released
         released = first // 4

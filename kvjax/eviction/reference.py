@@ -28,10 +28,12 @@ def _positions(tokens):
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _many_scores(graphdef, state, tokens, specs: tuple[Eviction, ...]):
-    """Per spec, per layer, float32 [B, Hkv, P]: each policy's scores of the prompt ``tokens`` [B, P] from one exact
-    forward (each layer's q and k serve every spec): one compile and one forward for all of a plan's methods."""
+    """(per spec, per layer, float32 [B, Hkv, P]: each policy's scores of the prompt ``tokens`` [B, P], and the
+    prompt's ``_prompt_prefix``) from one exact forward (each layer's q and k serve every spec): one compile and one
+    forward for all of a plan's methods and every cut's decode after them."""
     module = nnx.merge(graphdef, state)
     out: list[list] = [[] for _ in specs]
+    ks, vs = [], []
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
         if rotation is not None:
@@ -40,20 +42,22 @@ def _many_scores(graphdef, state, tokens, specs: tuple[Eviction, ...]):
         for spec, found in zip(specs, out):
             kw = dict(window=spec.window, pool=spec.pool, tau=spec.tau, seed=spec.seed, layer=i, rebuild=rebuild)
             found.append(metrics.scores(spec.method, q, k, layout, **kw))
+        ks.append(k)
+        vs.append(v)
         return causal_attention(q, k, v, layout, rebuild)
 
-    module.hidden(tokens, _positions(tokens), attend)
-    return out
+    hidden = module.hidden(tokens, _positions(tokens), attend)
+    return out, (hidden, ks, vs)
 
 
-def compacted_round_trip(kv, q, k, v, layout, kept, prompt: int):
+def compacted_round_trip(kv, q, k, v, layout, kept, prompt: int, rows=None):
     """(K and V as ``kv``'s pages serve them, which of them a query reads quantized) when each KV head's surviving
     tokens (``kept``: bool [B, Hkv, T], the tokens after the first ``prompt`` all True) are compacted in order and then
     quantized page by page: per head, survivor j sits at slot ``rank_j`` (its count of survivors before it), pages
     group slots, and a query at m >= ``prompt`` reads a key quantized iff the key's page was full when m was decoded
     (``quantized_causal_attention``'s rule over slots: ``rank_j // page < (kept + m - prompt + 1) // page``). The
-    prompt's own rows read exactly (one prefill chunk, in full-precision staging pages). -> (k_q [B, T, k_cols],
-    v_q [B, T, v_cols], quant bool [B, Hkv, T, T])."""
+    prompt's own rows read exactly (one prefill chunk, in full-precision staging pages). ``rows``: the queries'
+    positions (default: all T). -> (k_q [B, T, k_cols], v_q [B, T, v_cols], quant bool [B, Hkv, len(rows), T])."""
     t = kept.shape[-1]
     order = jnp.argsort(~kept, axis=-1, stable=True)  # [B, Hkv, T]: slot -> position (survivors first, in order)
     rank = jnp.argsort(order, axis=-1)  # position -> slot
@@ -66,40 +70,62 @@ def compacted_round_trip(kv, q, k, v, layout, kept, prompt: int):
     v_slots = per_column(v, layout.v_widths, order)
     kq, vq = kv.round_trip(q, k_slots, v_slots, layout)  # rows in slot order: the pages a compacted head fills
     kq, vq = per_column(kq, layout.k_widths, rank), per_column(vq, layout.v_widths, rank)
-    pos = jnp.arange(t)
-    cached = kept[..., :prompt].sum(-1)[..., None] + jnp.maximum(pos - prompt + 1, 0)  # [B, Hkv, T] per query
+    pos = jnp.arange(t) if rows is None else rows
+    cached = kept[..., :prompt].sum(-1)[..., None] + jnp.maximum(pos - prompt + 1, 0)  # [B, Hkv, rows] per query
     page = kv.page_size
     quant = (rank[:, :, None, :] // page < (cached // page)[..., None]) & (pos >= prompt)[None, None, :, None]
     return kq, vq, quant
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 5))
-def _evicted_hidden(graphdef, state, tokens, prompt: int, keep, kv=None):
-    """Final-norm hidden states [B, T, E] when the queries after the first ``prompt`` tokens see, of the prompt, only
-    what ``keep`` (per layer, bool [B, Hkv, P]) holds; ``kv``: from quantized pages (``compacted_round_trip``)."""
+@functools.partial(jax.jit, static_argnums=(0,))
+def _prompt_prefix(graphdef, state, tokens):
+    """(final-norm hidden [B, P, E], per layer K [B, P, k_cols] and V [B, P, v_cols]) of the prompt ``tokens`` [B, P]
+    from the exact causal forward, K and V as attention receives them (ZACK's packed; Palu's latent K, rebuilt where
+    it is read)."""
     module = nnx.merge(graphdef, state)
-    t = tokens.shape[1]
-    pos = jnp.arange(t)
+    ks, vs = [], []
+
+    def attend(i, q, k, v, rebuild=None, rotation=None):
+        if rotation is not None:
+            q, k = rotation.packed(q, k)
+        ks.append(k)
+        vs.append(v)
+        return causal_attention(q, k, v, module.layouts[i], rebuild)
+
+    hidden = module.hidden(tokens, _positions(tokens), attend)
+    return hidden, ks, vs
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 7))
+def _continued_hidden(graphdef, state, tokens, prompt: int, prefix_k, prefix_v, keep, kv=None):
+    """Final-norm hidden states [B, C, E] of the tokens after the prompt (``tokens`` [B, C], at positions ``prompt``
+    on), each attending to what ``keep`` (per layer, bool [B, Hkv, P]) holds of the prompt's K and V (``prefix_k``,
+    ``prefix_v``: ``_prompt_prefix``'s) and causally to each other; ``kv``: from quantized pages
+    (``compacted_round_trip``). The work is the C rows' against the P + C keys: a prompt is never run again."""
+    module = nnx.merge(graphdef, state)
+    b, c = tokens.shape
+    t = prompt + c
+    rows, cols = prompt + jnp.arange(c), jnp.arange(t)
+    positions = jnp.broadcast_to(rows.astype(jnp.int32), tokens.shape)
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
         if rotation is not None:
             q, k = rotation.packed(q, k)
         layout = module.layouts[i]
+        k, v = jnp.concatenate([prefix_k[i], k], axis=1), jnp.concatenate([prefix_v[i], v], axis=1)
         if rebuild is not None:
             if kv is not None:
                 raise ValueError("kv: quantized pages are not supported on Palu or banded ZACK models yet")
-            k, layout = rebuild(k, _positions(tokens)), full_width(layout)
-        seen = visible(pos[:, None], pos[None, :], layout.sliding_window)  # [T, T]
-        kept = jnp.pad(keep[i], ((0, 0), (0, 0), (0, t - prompt)), constant_values=True)  # [B, Hkv, T]
-        evicted_for = (pos[:, None] >= prompt) & (pos[None, :] < prompt)  # decode rows over prompt keys
-        mask = seen & (~evicted_for | kept[:, :, None, :])  # [B, Hkv, T, T]
+            k, layout = rebuild(k, jnp.broadcast_to(cols.astype(jnp.int32), (b, t))), full_width(layout)
+        kept = jnp.pad(keep[i], ((0, 0), (0, 0), (0, c)), constant_values=True)  # [B, Hkv, T]
+        mask = visible(rows[:, None], cols[None, :], layout.sliding_window) & kept[:, :, None, :]  # [B, Hkv, C, T]
         if kv is None:
             return attend_groups(q, k, v, mask, layout)
-        kq, vq, quant = compacted_round_trip(kv, q, k, v, layout, kept, prompt)
+        kq, vq, quant = compacted_round_trip(kv, q, k, v, layout, kept, prompt, rows=rows)
         both = jnp.concatenate([mask & quant, mask & ~quant], axis=-1)  # keys: the quantized copies, then exact
         return attend_groups(q, jnp.concatenate([kq, k], axis=1), jnp.concatenate([vq, v], axis=1), both, layout)
 
-    return module.hidden(tokens, _positions(tokens), attend)
+    return module.hidden(tokens, positions, attend)
 
 
 def prompt_scores(model, tokens, spec: Eviction) -> list[np.ndarray]:
@@ -112,8 +138,15 @@ def prompt_scores(model, tokens, spec: Eviction) -> list[np.ndarray]:
 def many_prompt_scores(model, tokens, specs) -> list[list[np.ndarray]]:
     """``prompt_scores`` of each of ``specs`` (a sequence of ``Eviction``), from one forward: the same scores, one
     compile for all of them (the eviction bench scores every method of a plan this way)."""
+    return scores_and_prefix(model, tokens, specs)[0]
+
+
+def scores_and_prefix(model, tokens, specs) -> tuple[list[list[np.ndarray]], tuple]:
+    """(``many_prompt_scores``, ``prompt_prefix``) of the prompt ``tokens`` from the one forward both need: a caller
+    that scores a prompt and then decodes each cut of it (the eviction bench) runs the prompt once."""
     tokens = jnp.asarray(tokens, jnp.int32)
-    return [[np.asarray(s) for s in found] for found in _many_scores(model.graphdef, model.state, tokens, tuple(specs))]
+    found, prefix = _many_scores(model.graphdef, model.state, tokens, tuple(specs))
+    return [[np.asarray(s) for s in one] for one in found], prefix
 
 
 def keep(model, scores: list[np.ndarray], spec: Eviction) -> list[np.ndarray]:
@@ -129,18 +162,35 @@ def prompt_keep(model, tokens, spec: Eviction) -> list[np.ndarray]:
     return keep(model, prompt_scores(model, tokens, spec), spec)
 
 
-def hidden_after(model, tokens, kept: list[np.ndarray], kv=None) -> jax.Array:
+def prompt_prefix(model, prompt_tokens) -> tuple:
+    """The exact forward of ``prompt_tokens`` [B, P] through ``model``, kept for ``hidden_after``: its hidden states
+    and each layer's K and V. Every cut of one prompt decodes from the same prefix, so a caller scoring many
+    policies (the eviction bench) runs the prompt once."""
+    return _prompt_prefix(model.graphdef, model.state, jnp.asarray(prompt_tokens, jnp.int32))
+
+
+def hidden_after(model, tokens, kept: list[np.ndarray], kv=None, prefix=None) -> jax.Array:
     """Final-norm hidden states [B, T, E] of ``tokens`` [B, T] whose prompt (the first P, P = ``kept``'s last axis)
     was prefilled and then cut to ``kept`` (per layer, bool [B, Hkv, P]) before the rest were decoded; ``kv`` (a
-    ``kv_schemes`` scheme, KIVI-style or GEAR): the survivors compacted, then served from its quantized pages."""
+    ``kv_schemes`` scheme, KIVI-style or GEAR): the survivors compacted, then served from its quantized pages.
+    ``prefix``: ``prompt_prefix`` of these tokens' prompt (computed here when None). The prompt's rows are its exact
+    forward's; the rest cost their rows against the prompt's keys, not a whole [T, T] forward."""
     tokens = jnp.asarray(tokens, jnp.int32)
     prompt = kept[0].shape[-1]
     if kv is not None and not (hasattr(kv, "round_trip") and hasattr(kv, "page_size")):
         raise TypeError(f"kv must be a kvjax.ops.kv_schemes scheme (Kivi, Gear), got {type(kv).__name__}")
     if isinstance(kv, kv_schemes.Zip):
         raise ValueError("kv: ZipCache ranks tokens by probe queries over the whole sequence; not with eviction")
+    if not 0 < prompt <= tokens.shape[1]:
+        raise ValueError(f"kept covers {prompt} prompt tokens of {tokens.shape[1]}")
+    hidden, ks, vs = prompt_prefix(model, tokens[:, :prompt]) if prefix is None else prefix
+    if hidden.shape[:2] != (tokens.shape[0], prompt):
+        raise ValueError(f"prefix is of {hidden.shape[:2]} prompt tokens, not {(tokens.shape[0], prompt)}")
+    if prompt == tokens.shape[1]:
+        return hidden
     keep = [jnp.asarray(k) for k in kept]
-    return _evicted_hidden(model.graphdef, model.state, tokens, prompt, keep, kv)
+    rest = _continued_hidden(model.graphdef, model.state, tokens[:, prompt:], prompt, ks, vs, keep, kv)
+    return jnp.concatenate([hidden, rest], axis=1)
 
 
 def evicted_hidden(model, tokens, prompt: int, spec: Eviction) -> tuple[jax.Array, list[np.ndarray]]:

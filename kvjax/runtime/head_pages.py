@@ -42,6 +42,7 @@ class HeadPages:
             raise ValueError(f"windows must be a window or None per layer ({self.per_page.shape[0]}), got {windows!r}")
         self.windows = np.array([w or 0 for w in windows], np.int64)  # 0: the whole context
         self._released: dict[int, np.ndarray] = {}  # owner -> int64 [layers, heads]: first entries given back
+        self._none = np.zeros(self.per_page.shape, np.int64)  # an owner's ``_released`` before any
         self._prompt: dict[int, np.ndarray] = {}  # owner -> int64 [layers, heads]: prompt tokens each head kept
 
     @property
@@ -155,39 +156,56 @@ class HeadPages:
         self._prompt[owner] = kept
         return freed
 
-    def release_passed(self, owner: int, appended: int = 1) -> np.ndarray:
-        """Give back the pages of ``owner``'s sliding-window heads that the query of the token a step is about to
-        append (``appended`` tokens from now), and every later one, cannot see. Returns the pages given back.
+    def release_passed(self, owners: list[int], appended: int = 1) -> np.ndarray:
+        """Give back the pages of each of ``owners``' sliding-window heads that the query of the token a step is about
+        to append (``appended`` tokens from now), and every later one, cannot see. Returns the pages given back.
 
         A head's slots hold its kept prompt tokens, then every decoded one; once d decoded tokens are stored and
         d >= W, its window (W positions) starts at slot kept + d - W, exactly ``head_paging.window_first``'s.
         Before that, the window starts among the kept prompt tokens at a slot only the device knows, and nothing
         is given back: a head holds at most its kept prompt and W decoded tokens. Called before the step is
         scheduled: that step never reads these pages (the kernel starts at the first seen slot's page), so another
-        row of it may write them. Nothing to do before ``evicted`` has been heard back."""
-        kept = self._prompt.get(owner)
-        if kept is None or not self.windows.any():
+        row of it may write them. Owners whose ``evicted`` has not been heard back are skipped. One set of array
+        operations for every owner, as ``grow_many``: a step calls it once for its decoding rows."""
+        owners = [o for o in owners if o in self._prompt]
+        if not owners or not self.windows.any():
             return np.zeros(0, np.int32)
-        table, released = self._tables[owner], self._released.setdefault(owner, np.zeros(self.shape, np.int64))
-        decoded = self._stored[owner] + appended - kept
-        w = self.windows[:, None]
+        kept = np.stack([self._prompt[o] for o in owners])  # [B, layers, heads]
+        released = np.stack([self._released.get(o, self._none) for o in owners])
+        decoded = np.stack([self._stored[o] for o in owners]) + appended - kept
+        w = self.windows[None, :, None]
         first = np.where((w > 0) & (decoded >= w), kept + decoded - w, 0)
         done = np.maximum(first // self.per_page, released)
-        pages = np.arange(self.max_pages)
-        gone = (pages >= released[..., None]) & (pages < done[..., None])
-        freed = table[gone]
-        self._push(table, gone)
-        table[gone] = NULL_PAGE
-        released[...] = done
-        return freed
+        row, layer, head = np.nonzero(done > released)  # most steps: none, no window having passed a whole page since
+        if not len(row):
+            return np.zeros(0, np.int32)
+        counts = done[row, layer, head] - released[row, layer, head]
+        starts = np.repeat(released[row, layer, head] - np.cumsum(counts) + counts, counts)
+        row, layer, head = (np.repeat(x, counts) for x in (row, layer, head))
+        index = starts + np.arange(int(counts.sum()))
+        freed = []
+        for i in np.unique(row):
+            mine = row == i
+            table = self._tables[owners[i]]
+            freed.append(table[layer[mine], head[mine], index[mine]])
+            table[layer[mine], head[mine], index[mine]] = NULL_PAGE
+            self._released[owners[i]] = done[i]
+        pages = np.concatenate(freed)
+        self._give(pages, head)
+        return pages
 
     def _push(self, table: np.ndarray, gone: np.ndarray) -> None:
         """Give back the pages of ``table`` [layers, heads, pages] that ``gone`` marks, each to its device's stack."""
-        heads = np.broadcast_to(self.device_of[None, :, None], table.shape)
+        heads = np.broadcast_to(np.arange(table.shape[1])[None, :, None], table.shape)
+        self._give(table[gone], heads[gone])
+
+    def _give(self, pages: np.ndarray, heads: np.ndarray) -> None:
+        """Give back ``pages`` (flat), each held by the head of the same place in ``heads``, to its device's stack."""
+        device = self.device_of[heads]
         for d in range(self.devices):
-            pages = table[gone & (heads == d)]
-            n, top = len(pages), self._top[d]
-            self._free[d, top : top + n] = pages[::-1]
+            mine = pages[device == d]
+            n, top = len(mine), self._top[d]
+            self._free[d, top : top + n] = mine[::-1]
             self._top[d] += n
 
     def evict(self, owner: int, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

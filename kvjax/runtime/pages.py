@@ -3,11 +3,11 @@
 
 ``grow`` either hands a request pages for the positions asked in every pool or changes nothing and says no (the
 scheduler then preempts and asks again). ``can_grow``, ``free``, ``release_passed`` (pages a sliding window has
-passed, per-head ones too), ``table`` (a block table per pool; a page given back reads as the null page), ``stats``
-and ``check`` (the invariants the fuzz tests check) complete it. An evicting cache (``heads``) stages a prompt in
-pool 0 and moves it to per-head pages (``grow_heads``, ``end_prompt``, ``evicted``, ``cut_heads``); with
-``prefix_caching``, pool 0's full pages are shared, never written, by the hash of the tokens up to their end
-(``cached_prefix``, ``take_prefix``).
+passed; ``release_passed_heads``, per-head ones), ``table`` (a block table per pool; a page given back reads as the
+null page), ``stats`` and ``check`` (the invariants the fuzz tests check) complete it. An evicting cache (``heads``)
+stages a prompt in pool 0 and moves it to per-head pages (``grow_heads``, ``end_prompt``, ``evicted``,
+``cut_heads``); with ``prefix_caching``, pool 0's full pages are shared, never written, by the hash of the tokens up
+to their end (``cached_prefix``, ``take_prefix``).
 """
 
 from __future__ import annotations
@@ -180,12 +180,9 @@ class PageManager:
             self.prefix.commit()
 
     def release_passed(self, owner: int, position: int) -> None:
-        """Give back the window pages that queries at ``position`` and after can no longer see, and, evicting, the
-        per-head pages a sliding-window head's next query no longer sees (``HeadPages.release_passed``). Called
-        before the step whose first row is at ``position`` is scheduled: that step reads none of them, so another
-        row of it may write them."""
-        if self.heads is not None and self.heads.holds(owner):
-            self.heads.release_passed(owner)
+        """Give back the window pages that queries at ``position`` and after can no longer see. Called before the
+        step whose first row is at ``position`` is scheduled: that step reads none of them, so another row of it
+        may write them."""
         if owner not in self._tables:
             return
         tables, released = self._tables[owner], self._released[owner]
@@ -195,6 +192,12 @@ class PageManager:
                 self.allocators[i].free(tables[i][released[i] : done])
                 tables[i][released[i] : done] = [NULL_PAGE] * (done - released[i])
                 released[i] = done
+
+    def release_passed_heads(self, owners: list[int]) -> None:
+        """Evicting: give back the per-head pages that the next query of each of ``owners`` (decoding requests) no
+        longer sees in its sliding-window heads (``HeadPages.release_passed``, one call for them all). Called before
+        the step is scheduled, as ``release_passed``."""
+        self.heads.release_passed(owners)
 
     def free(self, owner: int) -> None:
         """Give back every page ``owner`` holds (none held: nothing to do)."""

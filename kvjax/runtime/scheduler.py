@@ -205,6 +205,8 @@ class Scheduler:
         self.pages.commit()  # the pages the step before filled are enqueued: now they may be shared
         step = Step([], [], [])
         budget = self.chunk_tokens
+        if self.evicting:  # per-head pages the next query of a sliding-window head no longer sees
+            self.pages.release_passed_heads([r.id for r in self.running if not r.prefilling])
         for r in list(self.running):
             if r.state is not State.RUNNING:  # preempted earlier in this loop
                 continue
@@ -280,7 +282,6 @@ class Scheduler:
     def _schedule_decode(self, r: Request, step: Step) -> None:
         entries = None
         if self.evicting:
-            self.pages.release_passed(r.id, r.computed)  # per-head pages a sliding window has passed
             entries = self._grow_heads(r, 1, step)
             if entries is None:
                 return
