@@ -36,6 +36,16 @@ def write_json(path: str, data, indent: int | None = None) -> None:
     write_atomic(path, lambda f: json.dump(data, f, indent=indent))
 
 
+def json_folder(parser: argparse.ArgumentParser, path: str | None) -> None:
+    """Make the folder of ``path`` (a ``--json`` argument; None: nothing) now, or stop with ``parser``'s one-line
+    error: a bad path fails before the work, not after it."""
+    if path:
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        except OSError as e:
+            parser.error(f"--json: {e}")
+
+
 def read_accuracy_jsons(parser: argparse.ArgumentParser, names: list[str], mode: str) -> tuple[list[dict], str | None]:
     """The row (eval) or run (retrieval) lists of ``bench/accuracy.py`` JSONs of ``mode`` joined in
     order, and the first one's model; a file that cannot be read or holds another mode is ``parser``'s usage error.

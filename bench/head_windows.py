@@ -10,13 +10,12 @@ Table: bench/results/eviction.md "Per-head pages on sliding-window models"."""
 from __future__ import annotations
 
 import argparse
-import os
 
 import numpy as np
 
 import kvjax
 from bench.accuracy import heldout_ids
-from bench.files import write_json
+from bench.files import json_folder, write_json
 from kvjax.ops.paging import NULL_PAGE
 from kvjax.runtime.engine import Engine
 from kvjax.runtime.runner import Runner
@@ -56,11 +55,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if min(args.prompt, args.new, args.every) < 1:
         ap.error("--prompt, --new and --every must be positive")
-    if args.json:  # its folder now, so a bad path fails before the work, not after it
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        except OSError as e:
-            ap.error(f"--json: {e}")
+    json_folder(ap, args.json)
     model = kvjax.load(args.model, dtype=args.dtype)
     windows = sorted({lay.sliding_window for lay in model.module.layouts if lay.sliding_window})
     if not windows:

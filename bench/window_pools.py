@@ -7,10 +7,9 @@ before window pools). The engine's arithmetic only: no step runs, so it needs no
 from __future__ import annotations
 
 import argparse
-import os
 
 import kvjax
-from bench.files import write_json
+from bench.files import json_folder, write_json
 from bench.harness import GEMMA3_270M
 from kvjax import validate
 from kvjax.runtime import memory
@@ -85,11 +84,7 @@ def main(argv=None) -> int:
         ap.error(f"--shapes: expected BATCHxLEN pairs like 16x32768, got {args.shapes!r}")
     if args.chunk_tokens < 1:
         ap.error("--chunk-tokens must be positive")
-    if args.json:  # its folder now, so a bad path fails before the work, not after it
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        except OSError as e:
-            ap.error(f"--json: {e}")
+    json_folder(ap, args.json)
     cfg = SHAPES[args.shape]
     model = kvjax.Model.random(cfg, dtype=args.dtype)  # random weights: only shapes matter here
     rows = []
