@@ -133,8 +133,10 @@ def add_engine(p: argparse.ArgumentParser) -> None:
         "queries in the space the model attends in): kvcompress (one budget shared by every head, KV-Compress) or "
         "snapkv (the same budget each head), AMOUNT a ratio such as 4x (a quarter of the prompt) or tokens per head "
         "such as 256; the most recent 16 tokens are always kept. When the cache fills mid-decode, a running "
-        "request's heads are halved (never below that budget) before any request is preempted. Stacks with "
-        "rank compression; not with --kv-bits or Palu, banded or sliding-window models (default none)",
+        "request's heads are halved (never below that budget) before any request is preempted. On sliding-window "
+        "layers (Gemma 3, Mistral) a head keeps only tokens of its window, gives its pages back as the window passes "
+        "and is never halved. Stacks with rank compression; not with --kv-bits or Palu or banded models "
+        "(default none)",
     )
     p.add_argument(
         "--tensor-parallel",
