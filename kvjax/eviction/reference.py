@@ -29,7 +29,8 @@ def _positions(tokens):
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _many_scores(graphdef, state, tokens, specs: tuple[Eviction, ...]):
     """(per spec, per layer, float32 [B, Hkv, P]: each policy's scores of the prompt ``tokens`` [B, P], and the
-    prompt's ``_prompt_prefix``) from one exact forward (each layer's q and k serve every spec): one compile and one
+    prompt's prefix: final-norm hidden [B, P, E] and each layer's K and V as attention receives them, ZACK's packed,
+    Palu's latent K) from one exact forward (each layer's q and k serve every spec): one compile and one
     forward for all of a plan's methods and every cut's decode after them."""
     module = nnx.merge(graphdef, state)
     out: list[list] = [[] for _ in specs]
@@ -77,30 +78,11 @@ def compacted_round_trip(kv, q, k, v, layout, kept, prompt: int, rows=None):
     return kq, vq, quant
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _prompt_prefix(graphdef, state, tokens):
-    """(final-norm hidden [B, P, E], per layer K [B, P, k_cols] and V [B, P, v_cols]) of the prompt ``tokens`` [B, P]
-    from the exact causal forward, K and V as attention receives them (ZACK's packed; Palu's latent K, rebuilt where
-    it is read)."""
-    module = nnx.merge(graphdef, state)
-    ks, vs = [], []
-
-    def attend(i, q, k, v, rebuild=None, rotation=None):
-        if rotation is not None:
-            q, k = rotation.packed(q, k)
-        ks.append(k)
-        vs.append(v)
-        return causal_attention(q, k, v, module.layouts[i], rebuild)
-
-    hidden = module.hidden(tokens, _positions(tokens), attend)
-    return hidden, ks, vs
-
-
 @functools.partial(jax.jit, static_argnums=(0, 3, 7))
 def _continued_hidden(graphdef, state, tokens, prompt: int, prefix_k, prefix_v, keep, kv=None):
     """Final-norm hidden states [B, C, E] of the tokens after the prompt (``tokens`` [B, C], at positions ``prompt``
     on), each attending to what ``keep`` (per layer, bool [B, Hkv, P]) holds of the prompt's K and V (``prefix_k``,
-    ``prefix_v``: ``_prompt_prefix``'s) and causally to each other; ``kv``: from quantized pages
+    ``prefix_v``: ``prompt_prefix``'s) and causally to each other; ``kv``: from quantized pages
     (``compacted_round_trip``). The work is the C rows' against the P + C keys: a prompt is never run again."""
     module = nnx.merge(graphdef, state)
     b, c = tokens.shape
@@ -165,8 +147,8 @@ def prompt_keep(model, tokens, spec: Eviction) -> list[np.ndarray]:
 def prompt_prefix(model, prompt_tokens) -> tuple:
     """The exact forward of ``prompt_tokens`` [B, P] through ``model``, kept for ``hidden_after``: its hidden states
     and each layer's K and V. Every cut of one prompt decodes from the same prefix, so a caller scoring many
-    policies (the eviction bench) runs the prompt once."""
-    return _prompt_prefix(model.graphdef, model.state, jnp.asarray(prompt_tokens, jnp.int32))
+    policies (the eviction bench) runs the prompt once. ``scores_and_prefix`` with no policy to score."""
+    return scores_and_prefix(model, prompt_tokens, [])[1]
 
 
 def hidden_after(model, tokens, kept: list[np.ndarray], kv=None, prefix=None) -> jax.Array:

@@ -268,7 +268,7 @@ class HeadPages:
             assert len(owned) + len(free) == self.num_pages - 1, f"device {d}: pages leaked"
             assert not np.intersect1d(owned, free).size and NULL_PAGE not in free, f"device {d}: an owned page is free"
         for owner, table in self._tables.items():
-            want, released = self._pages(self._stored[owner]), self._released.get(owner, np.zeros(self.shape, int))
+            want, released = self._pages(self._stored[owner]), self._released.get(owner, self._none)
             assert (released <= want).all(), f"owner {owner}: pages released past its stored tokens"
             held = (table != NULL_PAGE).sum(-1)
             assert (held == want - released).all(), f"owner {owner}: pages not those of its stored tokens"
