@@ -292,7 +292,28 @@ def test_a_ratio_cuts_what_each_layer_holds_sliding_windows_included(allocation)
     assert not kept[1][:, :24].any()  # what the window dropped stays dropped
     assert spec.per_head(32, 8) == 4 and spec.per_head(32) == 16 and Eviction("h2o", budget=6).per_head(32, 8) == 6
     per_head, protect = spec.sizes([32, 5], (None, 8))
-    assert per_head.tolist() == [[16, 4], [3, 3]] and protect.tolist() == [1, 1]
+    assert per_head.tolist() == [[16, 4], [3, 3]] and protect.tolist() == [[1, 1], [1, 1]]
+
+
+@pytest.mark.parametrize("method", ["h2o", "keyformer"])
+@pytest.mark.parametrize("allocation", ["global", "uniform"])
+def test_a_recent_share_on_a_sliding_window_layer_is_of_that_layers_budget(method, allocation):
+    """H2O's and Keyformer's protected recent window is a share of each layer's own budget: on a layer whose window
+    holds 64 of 256 prompt tokens, 4x keeps 16 a head, of which the share is protected, not a share of the whole
+    prompt's 64 (which kept 32 a local head, past its budget, and lowered the overall rate on Gemma 3)."""
+    rng = np.random.default_rng(fresh_seed())
+    spec = Eviction(method, ratio=4.0, allocation=allocation, window=1, page_size=1)
+    s, local = 256, 64
+    scores = [rng.normal(size=(2, s)) for _ in range(2)]
+    kept = keep_masks(spec, scores, [None, local])
+    assert spec.protected(s, local) == max(1, int({"h2o": 0.5, "keyformer": 0.2}[method] * 16))
+    assert spec.protected(s) == max(1, int({"h2o": 0.5, "keyformer": 0.2}[method] * 64))
+    assert kept[0].sum() + kept[1].sum() == 2 * 64 + 2 * 16
+    if allocation == "uniform":
+        assert kept[1].sum(-1).tolist() == [16, 16]
+    assert kept[1][:, s - spec.protected(s, local) :].all()
+    per_head, protect = spec.sizes([s], (None, local))
+    assert per_head.tolist() == [[64, 16]] and protect.tolist() == [[spec.protected(s), spec.protected(s, local)]]
 
 
 def test_a_classed_budget_ranks_each_window_class_apart_and_is_global_with_one_class():

@@ -69,12 +69,12 @@ class Eviction:
             raise ValueError(f"eviction seed must be a non-negative integer, got {self.seed!r}")
 
     def sizes(self, prompts, windows=(None,)) -> tuple[np.ndarray, np.ndarray]:
-        """(per_head [B, L], protected [B]) int32 for ``prompts`` (lengths) over layers of sliding ``windows``
+        """(per_head [B, L], protected [B, L]) int32 for ``prompts`` (lengths) over layers of sliding ``windows``
         (None: the whole context): ``device_keep``'s inputs."""
+        shape = (len(prompts), len(windows))
         per_head = [[self.per_head(int(p), w) for w in windows] for p in prompts]
-        return np.array(per_head, np.int32).reshape(len(prompts), len(windows)), np.array(
-            [self.protected(int(p)) for p in prompts], np.int32
-        )
+        protected = [[self.protected(int(p), w) for w in windows] for p in prompts]
+        return np.array(per_head, np.int32).reshape(shape), np.array(protected, np.int32).reshape(shape)
 
     @property
     def allocated(self) -> str:
@@ -105,13 +105,16 @@ class Eviction:
         filled (continual eviction's guard too: ``kvjax.eviction.continual``)."""
         return max(self.window, self.page_size)
 
-    def protected(self, prompt: int) -> int:
-        """The most recent tokens every head keeps whatever they score."""
+    def protected(self, prompt: int, window: int | None = None) -> int:
+        """The most recent tokens every head of a layer of sliding ``window`` keeps whatever they score: ``recent``,
+        and for H2O and Keyformer their recent share of that layer's own budget (``per_head``). A local layer's
+        share is of its window's budget: of the whole prompt's, it would keep more than its budget."""
+        budget = self.per_head(prompt, window)
         recent = self.recent
         share = RECENT_SHARE.get(self.method)
         if share is not None:
-            recent = max(recent, int(share * self.per_head(prompt)))
-        return min(prompt, recent, max(self.per_head(prompt), 1))
+            recent = max(recent, int(share * budget))
+        return min(prompt, recent, max(budget, 1))
 
 
 def keep_masks(spec: Eviction, scores: list[np.ndarray], windows: list[int | None]) -> list[np.ndarray]:
@@ -119,10 +122,10 @@ def keep_masks(spec: Eviction, scores: list[np.ndarray], windows: list[int | Non
     keep) and sliding window (None: whole context). Tokens a layer's window has already passed for the prompt's
     last query are neither candidates nor kept (the window drops them whatever the policy)."""
     s = scores[0].shape[-1]
-    protect = spec.protected(s)
     keep = [np.zeros(sc.shape, bool) for sc in scores]
     ranked, spare = [], []  # per (layer, head): its candidate tokens and their scores; the slots left to it
     for layer, (sc, w) in enumerate(zip(scores, windows)):
+        protect = spec.protected(s, w)
         seen = np.arange(s) >= (0 if w is None else max(s - w, 0))
         recent = np.arange(s) >= s - protect
         keep[layer][:, seen & recent] = True
@@ -165,14 +168,15 @@ def ranks(cost):
 def device_keep(spec: Eviction, scores, prompt, per_head, protect, windows: tuple[int | None, ...]):
     """``keep_masks`` on the device, for a batch: bool [B, L, Hkv, S] from scores [B, L, Hkv, S] (float32, higher =
     keep) of prompts of ``prompt`` [B] tokens each (slots past a prompt are neither scored nor kept), each prompt's
-    ``spec.per_head`` per layer [B, L] (or [B, 1] for every layer) and ``spec.protected`` [B] (``spec.sizes``: the
+    ``spec.per_head`` per layer [B, L] (or [B, 1] for every layer) and ``spec.protected`` [B, L] (``spec.sizes``: the
     host knows its prompts' lengths) and the layers' sliding ``windows`` (static). The same selection as
     ``keep_masks``, ties included (tested); what the engine runs after prefill, where the host version cost 24-429
     ms an 8K sequence (bench/results/eviction.md "Per-head pages: host cost"). Traceable: ``spec`` and ``windows``
     static, the rest arrays."""
     b, n_layers, heads, s = scores.shape
     n, per_head = jnp.asarray(prompt, jnp.int32)[:, None, None], jnp.asarray(per_head, jnp.int32)  # [B, L]
-    protect = jnp.asarray(protect, jnp.int32)[:, None, None]
+    protect = jnp.asarray(protect, jnp.int32)
+    protect = protect[:, :, None] if protect.ndim == 2 else protect[:, None, None]  # [B, L or 1, 1]
     slot = jnp.arange(s)[None, None, :]  # [1, 1, S] against [B, 1, 1] counts
     first = jnp.array([0 if w is None else w for w in windows])[None, :, None]
     seen = (slot < n) & ((first == 0) | (slot >= jnp.maximum(n - first, 0)))  # [B, L, S]
