@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import harness
 from bench.baselines import palu_decode_call
 from bench.decode import kvjax_decode_call, schedule_of
 from bench.harness import (
@@ -233,11 +234,20 @@ def main(argv=None) -> None:
         "(comma-separated, e.g. 64:32:4,32:128:4), beside the XLA GEMM",
     )
     knob_option(ap, "a DecodeConfig field for --bands")
+    ap.add_argument(
+        "--timer",
+        choices=("cupti", "host"),
+        default="cupti",
+        help="cupti (the kernels' own durations, default); host to run under Nsight Compute, which holds CUPTI itself",
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
+    if args.timer == "host" and args.breakdown:
+        ap.error("--breakdown reads each kernel's time from CUPTI: use it with --timer cupti")
+    harness.TIMER["name"] = args.timer
     args.config = with_knobs(DECODE, args.knob)
     if not on_gpu():
-        raise SystemExit("bench/palu.py times the kernel on a GPU (CUPTI)")
+        raise SystemExit("bench/palu.py times the kernel on a GPU")
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     planned = pick_layer(rank_plan(args.rate), args.rate)
