@@ -39,6 +39,7 @@ import kvjax
 from bench import accuracy, retrieval
 from bench.files import write_json
 from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
+from kvjax.compression.pipeline import measure_sensitivity
 from kvjax.eviction import Eviction, metrics
 from kvjax.eviction import parse as parse_eviction
 from kvjax.eviction.reference import hidden_after, keep, kept_bytes, scores_and_prefix
@@ -67,9 +68,9 @@ def _plan_arg(value: str) -> tuple[str, float] | None:
         p = float(rate)
     except ValueError:
         p = -1.0
-    if variant not in accuracy.VARIANTS or variant in accuracy.MEASURED or not 0.0 <= p < 1.0:
-        plain = sorted(set(accuracy.VARIANTS) - accuracy.MEASURED)
-        raise argparse.ArgumentTypeError(f"must be 'none' or VARIANT:RATE (VARIANT one of {plain}), got {value!r}")
+    if variant not in accuracy.VARIANTS or not 0.0 <= p < 1.0:
+        names = sorted(accuracy.VARIANTS)
+        raise argparse.ArgumentTypeError(f"must be 'none' or VARIANT:RATE (VARIANT one of {names}), got {value!r}")
     return variant, p
 
 
@@ -101,8 +102,9 @@ def policies(args) -> list[Eviction | None]:
 
 def plan_models(base, args, max_context: int) -> list[tuple[dict, object]]:
     """(fields, model) per ``--plans`` entry: the uncompressed model, and each plan folded from one calibration; a
-    plain ZACK plan's Q/K basis covers ``max_context`` positions."""
-    stats = None
+    plain ZACK plan's Q/K basis covers ``max_context`` positions. A ``-measured`` variant's ranks come from each
+    head's probed effect (``measure_sensitivity``: two forwards a head), probed once and reused by its every rate."""
+    stats, ids, measured = None, None, {}
     out = []
     for entry in args.plans:
         if entry is None:
@@ -110,13 +112,17 @@ def plan_models(base, args, max_context: int) -> list[tuple[dict, object]]:
             continue
         variant, p = entry
         if stats is None:
-            stats = calibrate(base, calibration_tokens(base, args.calibration, args.num_tokens, args.seq_len, seed=0))
+            ids = calibration_tokens(base, args.calibration, args.num_tokens, args.seq_len, seed=0)
+            stats = calibrate(base, ids)
         method, adaptive = accuracy.VARIANTS[variant]
         band = accuracy.BANDS.get(variant)
         # a plain ZACK basis fits the positions it will serve (make_plan's default fits the calibration rows' 512)
-        max_context = max_context if method == "zack" and band is None else None
+        where = dict(method=method, band=band, max_context=max_context if method == "zack" and band is None else None)
+        if variant in accuracy.MEASURED and variant not in measured:
+            measured[variant] = measure_sensitivity(base, stats, args.calibration, ids, **where)
+            _progress(f"{variant}: every head probed")
         plan, bases = make_plan(
-            base, stats, target_rate=p, method=method, adaptive=adaptive, band=band, max_context=max_context
+            base, stats, target_rate=p, adaptive=adaptive, sensitivity=measured.get(variant), **where
         )
         model = fold(base, plan, bases)
         out.append(({"plan": f"{variant}:{p:g}", "rate": model.plan.rate}, model))

@@ -63,6 +63,24 @@ def test_eval_scores_the_continuation_of_every_plan_and_policy(tmp_path, monkeyp
     assert "largest overall rate within 1%" in capsys.readouterr().out
 
 
+def test_eval_builds_plans_of_measured_ranks_probing_each_variant_once(tmp_path, monkeypatch):
+    """A ``-measured`` plan (ranks by each head's probed effect) is scored like any other, and its probes run once
+    per variant, whatever its rates."""
+    seed, model = _random_heldout(monkeypatch)
+    probed, measure = [], eviction.measure_sensitivity
+    monkeypatch.setattr(eviction, "measure_sensitivity", lambda *a, **k: (probed.append(k), measure(*a, **k))[1])
+    out = tmp_path / "ev.json"
+    flags = ["--windows", "48", "--continuation", "16", "--eval-tokens", "48", "--sources", "prose"]
+    flags += ["--methods", "kvcompress", "--ratios", "2", "--page-size", "4", "--calibration", "random"]
+    flags += ["--plans", "none", "zack-band16-measured:0.3", "zack-band16-measured:0.5", "--num-tokens", "128"]
+    eviction.main(["eval", *flags, "--seq-len", "32", "--json", str(out)])
+    rows = {(r["plan"], r["evict"]): r for r in json.loads(out.read_text())["rows"]}
+    plans = ("none", "zack-band16-measured:0.3", "zack-band16-measured:0.5")
+    assert set(rows) == {(p, e) for p in plans for e in ("none", "kvcompress:2x")}, f"seed {seed}"
+    assert [k["band"] for k in probed] == [16], f"seed {seed}"
+    assert 0 < rows[(plans[1], "none")]["plan_rate"] < rows[(plans[2], "none")]["plan_rate"], f"seed {seed}"
+
+
 def test_eval_with_quantized_pages_scores_every_plan_and_policy_on_them_too(tmp_path, monkeypatch):
     """--kv-bits none 4: every model also from 4-bit pages, its overall rate counting the pages' bytes; a budget that
     keeps the whole prompt on 4-bit pages is exactly the 4-bit model without eviction."""
