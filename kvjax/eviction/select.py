@@ -71,10 +71,11 @@ class Eviction:
     def sizes(self, prompts, windows=(None,)) -> tuple[np.ndarray, np.ndarray]:
         """(per_head [B, L], protected [B, L]) int32 for ``prompts`` (lengths) over layers of sliding ``windows``
         (None: the whole context): ``device_keep``'s inputs."""
-        shape = (len(prompts), len(windows))
-        per_head = [[self.per_head(int(p), w) for w in windows] for p in prompts]
-        protected = [[self.protected(int(p), w) for w in windows] for p in prompts]
-        return np.array(per_head, np.int32).reshape(shape), np.array(protected, np.int32).reshape(shape)
+        lengths, shape = [int(p) for p in prompts], (len(prompts), len(windows))
+        # once a distinct window, not a layer: the engine asks at every prefill that ends prompts
+        by_window = {w: [(self.per_head(n, w), self.protected(n, w)) for n in lengths] for w in dict.fromkeys(windows)}
+        both = np.array([by_window[w] for w in windows], np.int32).reshape(len(windows), len(lengths), 2)
+        return both[..., 0].T.reshape(shape), both[..., 1].T.reshape(shape)
 
     @property
     def allocated(self) -> str:
@@ -168,15 +169,14 @@ def ranks(cost):
 def device_keep(spec: Eviction, scores, prompt, per_head, protect, windows: tuple[int | None, ...]):
     """``keep_masks`` on the device, for a batch: bool [B, L, Hkv, S] from scores [B, L, Hkv, S] (float32, higher =
     keep) of prompts of ``prompt`` [B] tokens each (slots past a prompt are neither scored nor kept), each prompt's
-    ``spec.per_head`` per layer [B, L] (or [B, 1] for every layer) and ``spec.protected`` [B, L] (``spec.sizes``: the
+    ``spec.per_head`` and ``spec.protected`` per layer [B, L] (or [B, 1] for every layer; ``spec.sizes``: the
     host knows its prompts' lengths) and the layers' sliding ``windows`` (static). The same selection as
     ``keep_masks``, ties included (tested); what the engine runs after prefill, where the host version cost 24-429
     ms an 8K sequence (bench/results/eviction.md "Per-head pages: host cost"). Traceable: ``spec`` and ``windows``
     static, the rest arrays."""
     b, n_layers, heads, s = scores.shape
     n, per_head = jnp.asarray(prompt, jnp.int32)[:, None, None], jnp.asarray(per_head, jnp.int32)  # [B, L]
-    protect = jnp.asarray(protect, jnp.int32)
-    protect = protect[:, :, None] if protect.ndim == 2 else protect[:, None, None]  # [B, L or 1, 1]
+    protect = jnp.asarray(protect, jnp.int32)[:, :, None]  # [B, L or 1, 1]
     slot = jnp.arange(s)[None, None, :]  # [1, 1, S] against [B, 1, 1] counts
     first = jnp.array([0 if w is None else w for w in windows])[None, :, None]
     seen = (slot < n) & ((first == 0) | (slot >= jnp.maximum(n - first, 0)))  # [B, L, S]
