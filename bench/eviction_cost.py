@@ -231,7 +231,7 @@ def main(argv=None):
     p.add_argument("--methods", nargs="+", choices=metrics.METHODS, default=list(metrics.METHODS))
     p.add_argument("--chunk", type=count_arg("--chunk"), default=2048, help="prefill tokens a step for the TTFT")
     p.add_argument("--no-ttft", action="store_true", help="skip the TTFT rows (they build the 8B model)")
-    p.add_argument("--timer", choices=("cupti", "host"), default="cupti")
+    harness.timer_option(p)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if any(r < 1 for r in args.ratios):

@@ -377,6 +377,18 @@ def knob_option(ap, what: str = "a DecodeConfig field") -> None:
     ap.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE", help=f"{what} (repeatable)")
 
 
+def timer_option(ap) -> None:
+    """``--timer cupti|host`` on ``ap``: which clock ``time_calls`` reads (``TIMER``; the bench sets it)."""
+    ap.add_argument(
+        "--timer",
+        choices=("cupti", "host"),
+        default="cupti",
+        help="cupti: the kernels' own durations, summed by CUPTI (default: host timing moves 20-30%% "
+        "between calls on 50-us single-sequence calls); host: wall clock over calls queued back "
+        "to back (launch gaps included), and the one that runs under Nsight Compute, which holds CUPTI itself",
+    )
+
+
 def with_knobs(config, pairs):
     """``config`` with each ``NAME=VALUE`` of ``pairs`` set (a Python literal, else the string; ``--knob`` on the
     command lines); exits naming the fields when one is not a field of the config."""

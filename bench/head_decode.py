@@ -123,7 +123,7 @@ def main(argv=None):
     )
     p.add_argument("--live", type=count_arg("--live"), help="sequences holding tokens, the rest empty (default all)")
     p.add_argument("--per-sequence", action="store_true", help="time the per-sequence kernel beside (GPU only)")
-    p.add_argument("--timer", choices=("cupti", "host"), default="cupti")
+    harness.timer_option(p)
     p.add_argument("--interpret", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

@@ -215,14 +215,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true", help="smoke test: one decode shape, one prefill shape")
     ap.add_argument("--profile", help="only run one decode call for ncu: uniform:W, rate:R or filled:R")
     ap.add_argument("--json", help="write all rows here")
-    ap.add_argument(
-        "--timer",
-        choices=("cupti", "host"),
-        default="cupti",
-        help="cupti: the kernels' own durations, summed by CUPTI (default: host timing moves 20-30%% "
-        "between calls on 50-us single-sequence calls); host: wall clock over calls queued back "
-        "to back (launch gaps included)",
-    )
+    harness.timer_option(ap)
     ap.add_argument(
         "--shapes",
         help="decode shapes BxCTX, comma-separated (default: 32x4096,128x4096,1x32768,256x512; --quick: 32x4096)",

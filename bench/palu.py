@@ -234,12 +234,7 @@ def main(argv=None) -> None:
         "(comma-separated, e.g. 64:32:4,32:128:4), beside the XLA GEMM",
     )
     knob_option(ap, "a DecodeConfig field for --bands")
-    ap.add_argument(
-        "--timer",
-        choices=("cupti", "host"),
-        default="cupti",
-        help="cupti (the kernels' own durations, default); host to run under Nsight Compute, which holds CUPTI itself",
-    )
+    harness.timer_option(ap)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     if args.timer == "host" and args.breakdown:

@@ -321,7 +321,7 @@ def main(argv=None) -> None:
         help="plan the quantized layer as one, not a class kernel at a time (the ablation: each class kernel then "
         "idles the programs holding none of its items)",
     )
-    ap.add_argument("--timer", choices=("cupti", "host"), default="cupti")
+    harness.timer_option(ap)
     ap.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode (CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the rows here (after every row; 'complete' false until the last)")

@@ -335,7 +335,7 @@ def main(argv=None):
     ap.add_argument("--stages", type=counts, default=[2], help="Triton pipeline stages, comma-separated (default 2)")
     ap.add_argument("--splits", type=count_arg("--splits"), default=2, help="programs a (sequence, head) (default 2)")
     ap.add_argument("--interpret", action="store_true", help="run the kernels in interpret mode (CPU)")
-    ap.add_argument("--timer", choices=("cupti", "host"), default="cupti")
+    harness.timer_option(ap)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     for v in args.variants.split(","):
