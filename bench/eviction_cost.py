@@ -12,7 +12,8 @@ Three parts, each a table:
   pages, gathered once).
 - **metrics**: each method's scores (``eviction.metrics.scores``) for one prompt of ``--context`` tokens, one
   representative layer (``harness.pick_layer``) timed with CUPTI and multiplied by 32 layers: a separate pass over
-  the prompt's q and k, as ``eviction.reference`` runs it.
+  the prompt's q and k, as ``eviction.reference`` runs it; on a GPU the full-history methods twice, through
+  ``ops.attention_mass`` ("kernel") and the jnp form ("jnp").
 - **continual**: continual eviction of one decoding sequence of ``--context`` tokens (``eviction.continual.compress``:
   each head halved, scored by 8 random queries a layer, compacted in place with the pool donated; host timer): what
   one cut costs the step it runs before, beside the pages it frees.
@@ -165,34 +166,47 @@ def metric_rows(rate: float, context: int, methods: list[str]) -> list[dict]:
     key = jax.random.key(1)
     q = harness.randn(key, (1, context, layout.q_cols))
     k = harness.randn(jax.random.fold_in(key, 1), (1, context, layout.k_cols))
+    on_gpu = jax.default_backend() == "gpu"
     rows = []
     for method in methods:
+        forms = ("kernel", "jnp") if method in metrics.ON_KERNEL and on_gpu else ("jnp",)
+        for form in forms:
 
-        def score(k, q, method=method):
-            return metrics.scores(method, q, k, layout)
+            def score(k, q, method=method, form=form):
+                return metrics.scores(method, q, k, layout, kernel=form == "kernel")
 
-        seconds = harness.time_calls(score, (k,), [(q,)])
-        rows.append(
-            dict(rate=rate, context=context, method=method, layer_ms=1e3 * seconds, model_ms=LAYERS * 1e3 * seconds)
-        )
-        log_row(rows[-1])
+            seconds = harness.time_calls(score, (k,), [(q,)])
+            rows.append(
+                dict(
+                    rate=rate,
+                    context=context,
+                    method=method,
+                    form=form,
+                    layer_ms=1e3 * seconds,
+                    model_ms=LAYERS * 1e3 * seconds,
+                )
+            )
+            log_row(rows[-1])
     return rows
 
 
 def ttft_seconds(rate: float, context: int, chunk: int) -> float:
-    """Seconds from a prompt's arrival to its first token, one prompt alone, second pass (the first compiles)."""
+    """Seconds from a prompt's arrival to its first token, one new prompt alone, median of the second and third
+    passes (the first compiles)."""
     from bench.engine import model_at
     from kvjax.runtime.engine import Engine
     from kvjax.runtime.runner import Runner
     from kvjax.runtime.scheduler import Request
 
     model = model_at(rate)
-    engine = Engine(model, max_batch=1, max_seq_len=context + 16, chunk_tokens=chunk)
+    # no prefix caching: a repeated prompt would find its pages cached and skip the prefill this measures (and a
+    # new prompt each pass as well)
+    engine = Engine(model, max_batch=1, max_seq_len=context + 16, chunk_tokens=chunk, prefix_caching=False)
     runner = Runner(engine)
-    prompt = np.random.default_rng(1).integers(0, 32000, context).tolist()
+    rng = np.random.default_rng(1)
     times = []
     for _ in range(3):
-        runner.add(Request(prompt, 1))
+        runner.add(Request(rng.integers(0, 32000, context).tolist(), 1))
         t0 = time.perf_counter()
         list(runner.run())
         times.append(time.perf_counter() - t0)
@@ -213,6 +227,7 @@ def ttft_rows(rate: float, context: int, chunk: int, out: dict) -> list[dict]:
                     rate=rate,
                     context=context,
                     method=m["method"],
+                    form=m["form"],
                     ratio=ratio,
                     ttft_ms=1e3 * ttft,
                     eviction_ms=cost,

@@ -1,0 +1,196 @@
+"""What every query of a prompt gives each key, summed (Pallas, Triton lowering): the full-history eviction metrics
+(H2O's accumulated attention, KV-Compress's squared form) without the [T, T] probabilities ever in memory.
+
+A key's mass for KV head h is the sum, over the query heads of h's group and the query rows that see it (causal, and
+inside a sliding window if any), of each row's softmax weight on it (squared: KV-Compress, Rehg 2024, section 3.2;
+plain: H2O, Zhang et al. 2023, section 3). A row's weight needs its whole softmax denominator, so two passes run,
+as flash attention's backward pass does: ``_lse_kernel`` (a program a block of query rows) streams the keys it
+sees and keeps each row's running max and sum, then ``_mass_kernel`` (a program a block of keys) streams the query
+rows that see its keys, recomputes their scores and adds up ``exp2(s - lse)``; each key block is one program's, so
+the sums need no atomics and come out the same on every run. Both passes read q·k at the widths attention runs
+(ZACK's truncated heads, or a Palu latent rebuilt by the caller); heads of one K width share a call.
+
+``eviction.metrics.scores`` runs it for ``h2o`` and ``kvcompress-full`` on a GPU; its jnp form is the reference
+(tests/test_attention_mass.py). Cost against the jnp pass: bench/results/eviction.md "Eviction: device cost".
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kvjax.layout import HeadLayout
+from kvjax.ops.grouped import visible
+from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, whole_block
+from kvjax.ops.tiles import tile
+
+BLOCK_Q = 64  # query rows a step (the mass pass) or a program (the denominator pass)
+BLOCK_K = 64  # keys a program (the mass pass) or a step (the denominator pass)
+
+
+def attention_mass(
+    q,
+    k,
+    layout: HeadLayout,
+    *,
+    squared: bool = False,
+    interpret: bool = False,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+    num_warps: int = 4,
+):
+    """float32 [B, Hkv, S]: for each KV head and key of a prompt, the softmax weight every query row that sees it
+    gives it, summed over the rows and the group's query heads (each weight squared with ``squared``).
+
+    q [B, S, q_cols] packed post-RoPE queries, k [B, S, k_cols] the keys attention reads (``layout``'s widths);
+    scores are q·k / sqrt(head_dim), as ``ops.grouped.head_logits``. Equals ``eviction.metrics.scores`` for
+    ``h2o`` (plain) and ``kvcompress-full`` (squared) to float32 rounding."""
+    b, s = q.shape[:2]
+    group, d = layout.group_size, layout.head_dim
+    step = max(block_q, block_k)
+    padded = -(-s // step) * step
+    q_off, k_off = HeadLayout.offsets(layout.k_widths, group), HeadLayout.offsets(layout.k_widths)
+    by_width: dict[int, list[int]] = {}
+    for h, w in enumerate(layout.k_widths):
+        by_width.setdefault(w, []).append(h)
+    out: list = [None] * layout.num_kv_heads
+    for width, heads in by_width.items():
+        wt = tile(width)
+        pad = ((0, 0), (0, 0), (0, 0), (0, padded - s), (0, wt - width))
+        # [B, heads, G, S, tile]: each query head's rows, zero past its width (a zero column adds nothing to q·k)
+        qh = jnp.stack([q[..., q_off[h] : q_off[h] + group * width].reshape(b, s, group, width) for h in heads], 1)
+        qh = jnp.pad(qh.transpose(0, 1, 3, 2, 4), pad).reshape(-1)
+        kh = jnp.stack([k[..., k_off[h] : k_off[h] + width] for h in heads], 1)  # [B, heads, S, width]
+        kh = jnp.pad(kh, pad[1:]).reshape(-1)
+        got = _mass(
+            qh,
+            kh,
+            programs=b * len(heads),
+            group=group,
+            seq_len=s,
+            padded=padded,
+            width=wt,
+            scale=LOG2E / math.sqrt(d),
+            window=layout.sliding_window,
+            squared=squared,
+            block_q=block_q,
+            block_k=block_k,
+            num_warps=num_warps,
+            interpret=interpret,
+        ).reshape(b, len(heads), padded)
+        for j, h in enumerate(heads):
+            out[h] = got[:, j, :s]
+    return jnp.stack(out, axis=1)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "programs",
+        "group",
+        "seq_len",
+        "padded",
+        "width",
+        "scale",
+        "window",
+        "squared",
+        "block_q",
+        "block_k",
+        "num_warps",
+        "interpret",
+    ),
+)
+def _mass(
+    qh, kh, *, programs, group, seq_len, padded, width, scale, window, squared, block_q, block_k, num_warps, interpret
+):
+    """Both passes over flat qh [programs, G, padded, width] and kh [programs, padded, width], a program a query head
+    and block: float32 [programs, padded], each key's mass summed over the group (0 past ``seq_len``)."""
+    static = dict(group=group, seq_len=seq_len, padded=padded, width=width, scale=scale, window=window)
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
+    heads = programs * group
+    lse_shape = jax.ShapeDtypeStruct((heads * padded,), jnp.float32)
+    lse = pl.pallas_call(
+        functools.partial(_lse_kernel, block_q=block_q, block_k=block_k, **static),
+        grid=(heads, padded // block_q),
+        in_specs=[whole_block(qh), whole_block(kh)],
+        out_specs=whole_block(lse_shape),
+        out_shape=lse_shape,
+        interpret=interpret,
+        compiler_params=params,
+        name="kvjax_attention_lse",
+    )(qh, kh)
+    mass_shape = jax.ShapeDtypeStruct((heads * padded,), jnp.float32)
+    mass = pl.pallas_call(
+        functools.partial(_mass_kernel, block_q=block_q, block_k=block_k, squared=squared, **static),
+        grid=(heads, padded // block_k),
+        in_specs=[whole_block(qh), whole_block(kh), whole_block(lse)],
+        out_specs=whole_block(mass_shape),
+        out_shape=mass_shape,
+        interpret=interpret,
+        compiler_params=params,
+        name="kvjax_attention_mass",
+    )(qh, kh, lse)
+    return mass.reshape(programs, group, padded).sum(axis=1)
+
+
+def _queries(q_ref, head, rows, *, padded, width, scale):
+    """Query head ``head``'s rows [rows, width], scaled to give scores in log2 units, in q's dtype (the same rounding
+    in both passes, so each recomputed score is the one its denominator summed)."""
+    q = load_rows(q_ref, head * padded + rows, width, 0, jnp.arange(width)[None, :])
+    return (q.astype(jnp.float32) * scale).astype(q.dtype)
+
+
+def _lse_kernel(q_ref, k_ref, lse_ref, *, group, seq_len, padded, width, scale, window, block_q, block_k):
+    """Program (h, i): query rows i * block_q ... of query head h (the (h // group)-th KV head's): log2 of each row's
+    softmax denominator over the keys it sees."""
+    h, i = pl.program_id(0), pl.program_id(1)
+    rows = i * block_q + jnp.arange(block_q)
+    cols = jnp.arange(width)[None, :]
+    precision = dot_precision(q_ref.dtype)
+    q = _queries(q_ref, h, rows, padded=padded, width=width, scale=scale)
+
+    def body(j, carry):
+        m, l = carry
+        keys = j * block_k + jnp.arange(block_k)
+        k = load_rows(k_ref, (h // group) * padded + keys, width, 0, cols)
+        seen = visible(rows[:, None], keys[None, :], window) & (keys < seq_len)[None, :]
+        s = jnp.where(seen, plgpu.dot(q, k, trans_b=True, precision=precision), MASK)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        return m_new, l * jnp.exp2(m - m_new) + jnp.exp2(s - m_new[:, None]).sum(axis=1)
+
+    first = jnp.maximum(i * block_q - window + 1, 0) // block_k if window else 0
+    last = pl.cdiv(jnp.minimum((i + 1) * block_q, seq_len), block_k)
+    start = (jnp.full((block_q,), MASK, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+    m, l = lax.fori_loop(first, jnp.maximum(last, first), body, start)
+    # a row that saw nothing (past the prompt) keeps l 0; its mass never reads it (the row is masked there)
+    plgpu.store(lse_ref.at[h * padded + rows], m + jnp.log2(jnp.where(l > 0, l, 1.0)))
+
+
+def _mass_kernel(
+    q_ref, k_ref, lse_ref, out_ref, *, group, seq_len, padded, width, scale, window, squared, block_q, block_k
+):
+    """Program (h, j): keys j * block_k ... of query head h's KV head, the weight each of h's rows that sees them
+    gives them, summed over the rows (the group's heads are summed by the caller)."""
+    h, j = pl.program_id(0), pl.program_id(1)
+    keys = j * block_k + jnp.arange(block_k)
+    precision = dot_precision(q_ref.dtype)
+    k = load_rows(k_ref, (h // group) * padded + keys, width, 0, jnp.arange(width)[None, :])
+
+    def body(i, total):
+        rows = i * block_q + jnp.arange(block_q)
+        seen = visible(rows[:, None], keys[None, :], window) & ((rows < seq_len)[:, None] & (keys < seq_len)[None, :])
+        q = _queries(q_ref, h, rows, padded=padded, width=width, scale=scale)
+        lse = plgpu.load(lse_ref.at[h * padded + rows])
+        p = jnp.where(seen, jnp.exp2(plgpu.dot(q, k, trans_b=True, precision=precision) - lse[:, None]), 0.0)
+        return total + (p * p if squared else p).sum(axis=0)
+
+    first = (j * block_k) // block_q  # the first rows that can see these keys (causal)
+    end = jnp.minimum((j + 1) * block_k - 1 + window, seq_len) if window else seq_len
+    total = lax.fori_loop(first, jnp.maximum(pl.cdiv(end, block_q), first), body, jnp.zeros((block_k,), jnp.float32))
+    plgpu.store(out_ref.at[h * padded + keys], total)

@@ -1,0 +1,68 @@
+"""ops.attention_mass (the full-history eviction metrics' kernel) against the jnp form of eviction.metrics.scores."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.eviction import metrics
+from kvjax.layout import HeadLayout
+from kvjax.ops.attention_mass import attention_mass
+
+GPU = jax.default_backend() == "gpu"
+
+
+def case(seed, layout, batch, length, dtype):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((batch, length, layout.q_cols)) * 1.5, dtype)
+    k = jnp.asarray(rng.standard_normal((batch, length, layout.k_cols)), dtype)
+    return q, k
+
+
+@pytest.mark.parametrize("length", [1, 16, 77])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("method", ["h2o", "kvcompress-full"])
+def test_the_interpreted_kernel_equals_the_jnp_sums(length, window, method):
+    # heads of three widths (one not a multiple of 16), a group of 3, blocks that do not divide the prompt
+    layout = HeadLayout(9, 3, 64, (48, 24, 48), (32, 64, 16), window)
+    seed = int(np.random.default_rng().integers(1 << 30))
+    q, k = case(seed, layout, 2, length, jnp.float32)
+    got = attention_mass(q, k, layout, squared=method == "kvcompress-full", interpret=True, block_q=16, block_k=32)
+    want = metrics.scores(method, q, k, layout, kernel=False)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6, err_msg=f"seed {seed}")
+
+
+def test_each_query_row_gives_its_whole_softmax():
+    """Plain mass summed over a head's keys is the rows times the group: every row's weights sum to 1."""
+    layout = HeadLayout(4, 2, 32, (32, 16), (32, 32), 9)
+    q, k = case(int(np.random.default_rng().integers(1 << 30)), layout, 3, 50, jnp.float32)
+    got = attention_mass(q, k, layout, interpret=True, block_q=16, block_k=16)
+    np.testing.assert_allclose(np.asarray(got).sum(axis=-1), 50 * 2, rtol=1e-5)
+    assert (np.asarray(attention_mass(q, k, layout, squared=True, interpret=True, block_q=16, block_k=16)) <= got).all()
+
+
+def test_scores_take_the_kernel_where_asked():
+    layout = HeadLayout(4, 2, 32, (16, 32), (32, 32))
+    q, k = case(int(np.random.default_rng().integers(1 << 30)), layout, 1, 40, jnp.float32)
+    for method in metrics.ON_KERNEL:
+        got = metrics.scores(method, q, k, layout, kernel=True)
+        want = metrics.scores(method, q, k, layout, kernel=False)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("window", [None, 300])
+def test_the_kernel_on_the_gpu(dtype, window):
+    layout = dataclasses.replace(
+        HeadLayout(32, 8, 128, (64, 32, 48, 128, 16, 80, 64, 96), (64,) * 8), sliding_window=window
+    )
+    q, k = case(int(np.random.default_rng().integers(1 << 30)), layout, 2, 1000, dtype)
+    for method in metrics.ON_KERNEL:
+        got = np.asarray(metrics.scores(method, q, k, layout))
+        want = np.asarray(metrics.scores(method, q.astype(jnp.float32), k.astype(jnp.float32), layout, kernel=False))
+        tol = 3e-2 if dtype == jnp.bfloat16 else 1e-4
+        assert np.abs(got - want).max() <= tol * np.abs(want).max(), method
