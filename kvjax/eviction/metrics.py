@@ -6,8 +6,8 @@ actually runs (ZACK's rotated, truncated q·k; a Palu latent rebuilt; the packed
 (SnapKV, Li et al., 2024, section 4), ``h2o`` (H2O, Zhang et al., 2023, section 3) and ``keyformer`` (Keyformer,
 Adnan et al., 2024, section 3.3). ``window_scores`` gives the observation-window methods from a prompt's last
 queries, as the engine has them. Sums over all queries run in blocks of ``QUERY_BLOCK`` rows; on a GPU the
-full-history sums of ``ON_KERNEL`` run in ``ops.attention_mass`` (two Pallas passes, no [T, T] array), 30-50x faster
-than this jnp form at 8K (bench/results/eviction.md "Eviction: device cost").
+full-history sums of ``ON_KERNEL`` run in ``ops.attention_mass`` (two Pallas passes, no [T, T] array; both forms
+timed in bench/results/eviction.md "Eviction: device cost").
 """
 
 from __future__ import annotations
