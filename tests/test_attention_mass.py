@@ -24,12 +24,16 @@ def case(seed, layout, batch, length, dtype):
 @pytest.mark.parametrize("length", [1, 16, 77])
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("method", ["h2o", "kvcompress-full"])
-def test_the_interpreted_kernel_equals_the_jnp_sums(length, window, method):
+@pytest.mark.parametrize("blocks", [(16, 32), (32, 16)])
+def test_the_interpreted_kernel_equals_the_jnp_sums(length, window, method, blocks):
     # heads of three widths (one not a multiple of 16), a group of 3, blocks that do not divide the prompt
     layout = HeadLayout(9, 3, 64, (48, 24, 48), (32, 64, 16), window)
     seed = int(np.random.default_rng().integers(1 << 30))
     q, k = case(seed, layout, 2, length, jnp.float32)
-    got = attention_mass(q, k, layout, squared=method == "kvcompress-full", interpret=True, block_q=16, block_k=32)
+    block_q, block_k = blocks  # rows and keys a step: unmasked steps left of and below the diagonal, masked on it
+    got = attention_mass(
+        q, k, layout, squared=method == "kvcompress-full", interpret=True, block_q=block_q, block_k=block_k
+    )
     want = metrics.scores(method, q, k, layout, kernel=False)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6, err_msg=f"seed {seed}")
 
@@ -66,3 +70,16 @@ def test_the_kernel_on_the_gpu(dtype, window):
         want = np.asarray(metrics.scores(method, q.astype(jnp.float32), k.astype(jnp.float32), layout, kernel=False))
         tol = 3e-2 if dtype == jnp.bfloat16 else 1e-4
         assert np.abs(got - want).max() <= tol * np.abs(want).max(), method
+
+
+def test_both_passes_lower_to_triton_for_an_h100():
+    """Lowered to Triton IR for sm_90 (no GPU here: what XLA would compile): two kernels a power-of-two tile of the
+    K widths (16; 48 and 64 share 64), each with its products on the tensor cores."""
+    from kvjax.ops.lowering import triton_modules
+
+    layout = HeadLayout(8, 4, 64, (16, 48, 16, 64), (32, 16, 32, 64), 100)
+    q = jnp.ones((1, 200, layout.q_cols), jnp.bfloat16)
+    k = jnp.ones((1, 200, layout.k_cols), jnp.bfloat16)
+    modules = triton_modules(lambda q, k: attention_mass(q, k, layout, squared=True), (q, k))
+    assert len(modules) == 4 and all("tt.dot" in m for m in modules)
+    assert sum("@kvjax_attention_lse" in m for m in modules) == 2

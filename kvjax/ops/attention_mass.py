@@ -56,18 +56,16 @@ def attention_mass(
     step = max(block_q, block_k)
     padded = -(-s // step) * step
     q_off, k_off = HeadLayout.offsets(layout.k_widths, group), HeadLayout.offsets(layout.k_widths)
-    by_width: dict[int, list[int]] = {}
+    by_tile: dict[int, list[int]] = {}  # heads whose widths share a power-of-two tile share a call
     for h, w in enumerate(layout.k_widths):
-        by_width.setdefault(w, []).append(h)
+        by_tile.setdefault(tile(w), []).append(h)
     out: list = [None] * layout.num_kv_heads
-    for width, heads in by_width.items():
-        wt = tile(width)
-        pad = ((0, 0), (0, 0), (0, 0), (0, padded - s), (0, wt - width))
+    for wt, heads in by_tile.items():
         # [B, heads, G, S, tile]: each query head's rows, zero past its width (a zero column adds nothing to q·k)
-        qh = jnp.stack([q[..., q_off[h] : q_off[h] + group * width].reshape(b, s, group, width) for h in heads], 1)
-        qh = jnp.pad(qh.transpose(0, 1, 3, 2, 4), pad).reshape(-1)
-        kh = jnp.stack([k[..., k_off[h] : k_off[h] + width] for h in heads], 1)  # [B, heads, S, width]
-        kh = jnp.pad(kh, pad[1:]).reshape(-1)
+        qh = jnp.stack([_padded(q, q_off[h], layout.k_widths[h], group, wt) for h in heads], 1)
+        qh = jnp.pad(qh.transpose(0, 1, 3, 2, 4), ((0, 0), (0, 0), (0, 0), (0, padded - s), (0, 0))).reshape(-1)
+        kh = jnp.stack([_padded(k, k_off[h], layout.k_widths[h], 1, wt)[:, :, 0] for h in heads], 1)
+        kh = jnp.pad(kh, ((0, 0), (0, 0), (0, padded - s), (0, 0))).reshape(-1)  # [B, heads, S, tile]
         got = _mass(
             qh,
             kh,
@@ -87,6 +85,14 @@ def attention_mass(
         for j, h in enumerate(heads):
             out[h] = got[:, j, :s]
     return jnp.stack(out, axis=1)
+
+
+def _padded(x, offset: int, width: int, count: int, wt: int):
+    """``count`` heads of ``width`` columns from ``offset`` of packed rows x [B, S, cols], each zero-padded to ``wt``
+    columns: [B, S, count, wt]."""
+    b, s = x.shape[:2]
+    heads = x[..., offset : offset + count * width].reshape(b, s, count, width)
+    return jnp.pad(heads, ((0, 0), (0, 0), (0, 0), (0, wt - width)))
 
 
 @functools.partial(
@@ -155,19 +161,25 @@ def _lse_kernel(q_ref, k_ref, lse_ref, *, group, seq_len, padded, width, scale, 
     precision = dot_precision(q_ref.dtype)
     q = _queries(q_ref, h, rows, padded=padded, width=width, scale=scale)
 
-    def body(j, carry):
+    def body(j, carry, masked):
         m, l = carry
         keys = j * block_k + jnp.arange(block_k)
         k = load_rows(k_ref, (h // group) * padded + keys, width, 0, cols)
-        seen = visible(rows[:, None], keys[None, :], window) & (keys < seq_len)[None, :]
-        s = jnp.where(seen, plgpu.dot(q, k, trans_b=True, precision=precision), MASK)
+        s = plgpu.dot(q, k, trans_b=True, precision=precision)
+        if masked:
+            s = jnp.where(visible(rows[:, None], keys[None, :], window) & (keys < seq_len)[None, :], s, MASK)
         m_new = jnp.maximum(m, s.max(axis=1))
         return m_new, l * jnp.exp2(m - m_new) + jnp.exp2(s - m_new[:, None]).sum(axis=1)
 
-    first = jnp.maximum(i * block_q - window + 1, 0) // block_k if window else 0
     last = pl.cdiv(jnp.minimum((i + 1) * block_q, seq_len), block_k)
-    start = (jnp.full((block_q,), MASK, jnp.float32), jnp.zeros((block_q,), jnp.float32))
-    m, l = lax.fori_loop(first, jnp.maximum(last, first), body, start)
+    carry = (jnp.full((block_q,), MASK, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+    if window:  # the window's lower edge cuts into blocks too: every step masked
+        first = jnp.maximum(i * block_q - window + 1, 0) // block_k
+        m, l = lax.fori_loop(first, jnp.maximum(last, first), functools.partial(body, masked=True), carry)
+    else:  # key blocks every row sees whole (left of the diagonal, inside the prompt) skip the mask
+        whole = jnp.clip(jnp.minimum((i * block_q + 1) // block_k, seq_len // block_k), 0, last)
+        carry = lax.fori_loop(0, whole, functools.partial(body, masked=False), carry)
+        m, l = lax.fori_loop(whole, jnp.maximum(last, whole), functools.partial(body, masked=True), carry)
     # a row that saw nothing (past the prompt) keeps l 0; its mass never reads it (the row is masked there)
     plgpu.store(lse_ref.at[h * padded + rows], m + jnp.log2(jnp.where(l > 0, l, 1.0)))
 
@@ -182,15 +194,27 @@ def _mass_kernel(
     precision = dot_precision(q_ref.dtype)
     k = load_rows(k_ref, (h // group) * padded + keys, width, 0, jnp.arange(width)[None, :])
 
-    def body(i, total):
+    def body(i, total, masked):
         rows = i * block_q + jnp.arange(block_q)
-        seen = visible(rows[:, None], keys[None, :], window) & ((rows < seq_len)[:, None] & (keys < seq_len)[None, :])
         q = _queries(q_ref, h, rows, padded=padded, width=width, scale=scale)
         lse = plgpu.load(lse_ref.at[h * padded + rows])
-        p = jnp.where(seen, jnp.exp2(plgpu.dot(q, k, trans_b=True, precision=precision) - lse[:, None]), 0.0)
+        p = jnp.exp2(plgpu.dot(q, k, trans_b=True, precision=precision) - lse[:, None])
+        if masked:
+            seen = visible(rows[:, None], keys[None, :], window) & (rows < seq_len)[:, None]
+            p = jnp.where(seen & (keys < seq_len)[None, :], p, 0.0)
         return total + (p * p if squared else p).sum(axis=0)
 
     first = (j * block_k) // block_q  # the first rows that can see these keys (causal)
-    end = jnp.minimum((j + 1) * block_k - 1 + window, seq_len) if window else seq_len
-    total = lax.fori_loop(first, jnp.maximum(pl.cdiv(end, block_q), first), body, jnp.zeros((block_k,), jnp.float32))
+    end = pl.cdiv(jnp.minimum((j + 1) * block_k - 1 + window, seq_len) if window else seq_len, block_q)
+    end = jnp.maximum(end, first)
+    total = jnp.zeros((block_k,), jnp.float32)
+    if window:  # rows past the window's edge stop seeing these keys: every step masked
+        total = lax.fori_loop(first, end, functools.partial(body, masked=True), total)
+    else:  # row blocks that see every key whole (below the diagonal, inside the prompt) skip the mask
+        below = jnp.clip(pl.cdiv((j + 1) * block_k - 1, block_q), first, end)
+        inside = jnp.where((j + 1) * block_k <= seq_len, jnp.maximum(seq_len // block_q, below), below)
+        inside = jnp.minimum(inside, end)
+        total = lax.fori_loop(first, below, functools.partial(body, masked=True), total)
+        total = lax.fori_loop(below, inside, functools.partial(body, masked=False), total)
+        total = lax.fori_loop(inside, end, functools.partial(body, masked=True), total)
     plgpu.store(out_ref.at[h * padded + keys], total)
