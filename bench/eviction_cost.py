@@ -1,13 +1,14 @@
 """What eviction after prefill costs on the device (issue 37: "compaction time per evicted GiB", "metrics under 5% of
 TTFT"), on the random Llama-3.1-8B shape (32 layers, 8 KV heads of 128; rate > 0: ``harness.rank_plan``'s widths).
 
-Three parts, each a table:
+Four parts, each a table:
 
 - **compaction**: ``--batch`` sequences of ``--context`` tokens in per-head pages (``runtime.head_pages``, pages of
   16 full-width tokens), random scores, KV-Compress's global selection at each ``--ratios`` on the device
   (``eviction.select.device_keep``, CUPTI), then ``ops.head_paging.compact`` with the pool donated (host timer over
-  repeated calls: each moves a GiB or more). Beside it: the bytes evicted, seconds per evicted GiB, the floor (the
-  sequences' pages read and written once over the copy bandwidth), and XLA's memory analysis of the compiled call:
+  repeated calls: each moves a GiB or more); on a GPU also ``ops.head_compact.compact`` (the Pallas copy,
+  "kernel"). Beside it: the bytes evicted, seconds per evicted GiB, the floor (the sequences' pages read and written
+  once over the copy bandwidth), and XLA's memory analysis of the compiled call:
   the bytes its output aliases (the whole pool: written in place, never copied) and its scratch (the sequences'
   pages, gathered once).
 - **metrics**: each method's scores (``eviction.metrics.scores``) for one prompt of ``--context`` tokens, one
@@ -37,7 +38,7 @@ from bench.files import write_json
 from bench.harness import HKV, D, copy_bandwidth, count_arg, log, log_row, pick_layer, print_table, rank_plan, rates_arg
 from kvjax.eviction import Eviction, continual, metrics
 from kvjax.eviction.select import device_keep
-from kvjax.ops import head_paging
+from kvjax.ops import head_compact, head_paging
 from kvjax.runtime.head_pages import HeadPages
 
 PAGE_ELEMS = 16 * 2 * D  # 16 full-width tokens
@@ -78,9 +79,10 @@ def compaction_rows(rate: float, batch: int, context: int, ratios: list[float], 
     pool, widths, seq_bytes = filled.pop("pool"), filled.pop("widths"), filled.pop("seq_bytes")
     case = dict(rate=rate, batch=batch, context=context, **filled)
     rows = []
-    for ratio in ratios:
-        row, pool = _compaction_row(pool, ratio, widths, seq_bytes, bandwidth, **case)
-        rows.append(row)
+    for form in ("jnp", "kernel") if jax.default_backend() == "gpu" else ("jnp",):
+        for ratio in ratios:
+            row, pool = _compaction_row(pool, ratio, widths, seq_bytes, bandwidth, form=form, **case)
+            rows.append(row)
     return rows
 
 
@@ -117,8 +119,9 @@ def continual_rows(rate: float, context: int, bandwidth: float) -> list[dict]:
     return [row]
 
 
-def _compaction_row(pool, ratio, widths, seq_bytes, bandwidth, *, rate, batch, context, tables, stored, layouts):
-    """One ratio's row, and the pool (donated to each call) after it."""
+def _compaction_row(pool, ratio, widths, seq_bytes, bandwidth, *, form, rate, batch, context, tables, stored, layouts):
+    """One ratio's row, and the pool (donated to each call) after it; ``form``: ``head_paging.compact`` ("jnp") or
+    ``head_compact.compact`` ("kernel")."""
     spec = Eviction("kvcompress", ratio=ratio)
     scores = jax.random.uniform(jax.random.key(int(ratio * 100)), (batch, LAYERS, HKV, context))
     prompts = np.full(batch, context)
@@ -129,7 +132,9 @@ def _compaction_row(pool, ratio, widths, seq_bytes, bandwidth, *, rate, batch, c
 
     select_s = harness.time_calls(select, (), [(scores,)])
     keep = jax.jit(select)(scores)
-    run = jax.jit(head_paging.compact, static_argnums=(4, 5), donate_argnums=0)
+    run = jax.jit(
+        head_paging.compact if form == "jnp" else head_compact.compact, static_argnums=(4, 5), donate_argnums=0
+    )
     state = {"pool": pool}
 
     def compact():
@@ -146,6 +151,7 @@ def _compaction_row(pool, ratio, widths, seq_bytes, bandwidth, *, rate, batch, c
         batch=batch,
         context=context,
         ratio=ratio,
+        form=form,
         select_ms=1e3 * select_s,
         compact_ms=1e3 * seconds,
         floor_ms=1e3 * floor,
@@ -217,7 +223,8 @@ def ttft_seconds(rate: float, context: int, chunk: int) -> float:
 def ttft_rows(rate: float, context: int, chunk: int, out: dict) -> list[dict]:
     """Each method's metric, selection and compaction (one sequence) as a share of the measured TTFT."""
     ttft = ttft_seconds(rate, context, chunk)
-    one = {r["ratio"]: r for r in out["compaction"] if r["rate"] == rate and r["batch"] == 1}
+    # the library's default compaction (jnp) of one sequence
+    one = {r["ratio"]: r for r in out["compaction"] if r["rate"] == rate and r["batch"] == 1 and r["form"] == "jnp"}
     rows = []
     for m in (r for r in out["metrics"] if r["rate"] == rate):
         for ratio, c in one.items():

@@ -110,10 +110,22 @@ def _heads(pool, pages: HeadPages, owner: int, tokens: int):
     return out
 
 
+def _kernel_compact(*args, **kwargs):
+    """``ops.head_compact.compact`` in interpret mode, 16 survivors a step (so a head takes several)."""
+    from kvjax.ops import head_compact
+
+    return head_compact.compact(*args, **kwargs, interpret=True, chunk=16)
+
+
+COMPACTIONS = {"jnp": head_paging.compact, "kernel": _kernel_compact}
+
+
 @pytest.mark.parametrize("trial", range(3))
-def test_device_compaction_equals_the_host_moves(trial):
+@pytest.mark.parametrize("backend", list(COMPACTIONS))
+def test_device_compaction_equals_the_host_moves(trial, backend):
     """``compact`` (one jitted call, the pool donated) leaves every head of every owner the rows the host's moves
-    leave, and the kept counts ``shrink`` takes; two layers, several width pairs, a batch of two owners."""
+    leave, and the kept counts ``shrink`` takes; two layers, several width pairs, a batch of two owners. The kernel
+    also leaves every row it does not move as it was (pages no head fills, slots past the survivors, page tails)."""
     import jax
 
     seed = fresh_seed()
@@ -132,8 +144,13 @@ def test_device_compaction_equals_the_host_moves(trial):
         want = head_paging.move(want, source, destination, TWO_LAYERS, PAGE_ELEMS)
     tables = jnp.asarray(np.stack([device.table(o) for o in (0, 1)]))
     stored = jnp.asarray(np.stack([device.stored(o) for o in (0, 1)]))
-    run = jax.jit(head_paging.compact, static_argnums=(4, 5), donate_argnums=0)
+    run = jax.jit(COMPACTIONS[backend], static_argnums=(4, 5), donate_argnums=0)
     got, kept = run(jnp.array(pool), tables, jnp.asarray(keep), stored, TWO_LAYERS, PAGE_ELEMS)
+    if backend == "kernel":  # survivors only: every element it wrote is a survivor's, the rest as before
+        moved = np.asarray(got) != np.asarray(pool)
+        assert moved.sum() <= sum(np.asarray(kept).ravel()) * 2 * 16, f"seed {seed}"
+        owned = {int(p) for o in (0, 1) for p in np.asarray(device.table(o)).ravel() if p}
+        assert not moved[[p for p in range(400) if p not in owned]].any(), f"seed {seed}"
     for owner in (0, 1):
         device.shrink(owner, np.asarray(kept[owner]))
         np.testing.assert_array_equal(device.table(owner), host.table(owner), f"seed {seed}")
@@ -145,7 +162,8 @@ def test_device_compaction_equals_the_host_moves(trial):
     device.check()
 
 
-def test_compaction_ignores_table_entries_past_a_heads_pages():
+@pytest.mark.parametrize("backend", list(COMPACTIONS))
+def test_compaction_ignores_table_entries_past_a_heads_pages(backend):
     """A device table may still name a page its head gave back and another head of the same width then took (an
     eviction's shrink, then growth). ``compact`` writes every page it reads, so such a stale entry would write the
     page twice in one scatter, after the owner's compacted rows; it reads and writes only the pages each head's
@@ -165,7 +183,7 @@ def test_compaction_ignores_table_entries_past_a_heads_pages():
     keep[0, 0, 1, :8] = True
     stored = jnp.asarray(pages.stored(0)[None], jnp.int32)
     want = {h: head_paging.read(pool, jnp.asarray(table[None, 0]), h, layout, PAGE_ELEMS, 12) for h in (0, 1)}
-    got, kept = head_paging.compact(pool, jnp.asarray(stale[None]), jnp.asarray(keep), stored, (layout,), PAGE_ELEMS)
+    got, kept = COMPACTIONS[backend](pool, jnp.asarray(stale[None]), jnp.asarray(keep), stored, (layout,), PAGE_ELEMS)
     np.testing.assert_array_equal(kept, [[[4, 8]]])
     for h, rows in ((0, [1, 5, 6, 9]), (1, list(range(8)))):
         k, v = head_paging.read(got, jnp.asarray(table[None, 0]), h, layout, PAGE_ELEMS, len(rows))
@@ -616,3 +634,18 @@ def test_the_live_merge_ignores_what_a_narrow_head_left_unwritten():
             jnp.asarray(acc[None, rows, :, :vw]), jnp.asarray(m[None, rows]), jnp.asarray(l[None, rows])
         )
         np.testing.assert_allclose(got[head, :, :vw], np.asarray(want)[0], rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}")
+
+
+def test_the_compaction_kernel_lowers_to_triton_for_an_h100():
+    """Lowered to Triton IR for sm_90 (no GPU here: what XLA would compile): a kernel a width pair, each with the
+    barrier between its loads and its stores."""
+    from kvjax.ops import head_compact
+    from kvjax.ops.lowering import triton_modules
+
+    layouts = (HeadLayout(8, 4, 64, (16, 48, 16, 64), (32, 16, 32, 64)),)
+    pool = jnp.ones((32, 8 * 2 * 64), jnp.bfloat16)
+    tables = jnp.ones((2, 1, 4, 4), jnp.int32)
+    keep = jnp.ones((2, 1, 4, 40), bool)
+    stored = jnp.full((2, 1, 4), 30, jnp.int32)
+    modules = triton_modules(lambda *a: head_compact.compact(*a, layouts, 8 * 2 * 64)[0], (pool, tables, keep, stored))
+    assert len(modules) == 3 and all("@kvjax_head_compact" in m and "gpu.barrier" in m for m in modules)
