@@ -5,9 +5,10 @@ actually runs (ZACK's rotated, truncated q·k; a Palu latent rebuilt; the packed
 ``kvcompress`` (KV-Compress, Rehg, 2024, section 3.2; ``kvcompress-full``, its full-history form), ``snapkv``
 (SnapKV, Li et al., 2024, section 4), ``h2o`` (H2O, Zhang et al., 2023, section 3) and ``keyformer`` (Keyformer,
 Adnan et al., 2024, section 3.3). ``window_scores`` gives the observation-window methods from a prompt's last
-queries, as the engine has them. Sums over all queries run in blocks of ``QUERY_BLOCK`` rows; on a GPU the
-full-history sums of ``ON_KERNEL`` run in ``ops.attention_mass`` (two Pallas passes, no [T, T] array; both forms
-timed in bench/results/eviction.md "Eviction: device cost").
+queries, as the engine has them. Sums over all queries run in blocks of ``QUERY_BLOCK`` rows; where asked, the
+full-history sums of ``ON_KERNEL`` run in ``ops.attention_mass`` instead (two Pallas passes, no [T, T] array; the
+jnp form stays the default until the kernel is measured on a GPU: bench/results/eviction.md "Eviction: device
+cost" times both).
 """
 
 from __future__ import annotations
@@ -59,20 +60,20 @@ def scores(
     seed: int = 0,
     layer: int = 0,
     rebuild=None,
-    kernel: bool | None = None,
+    kernel: bool = False,
 ):
     """float32 [B, Hkv, S] scores of the S keys of a prompt of S tokens for ``method`` (``METHODS``), from its packed
     q [B, S, q_cols] and the K attention reads, k [B, S, k_cols] (a Palu or banded latent with ``rebuild``).
     Each query sees the keys causal attention (and a sliding window) lets it see; a key's score sums what the
     queries that see it give it, so a key no scoring query sees scores 0. ``layer`` varies Keyformer's noise.
-    ``kernel``: the ``ON_KERNEL`` methods through ``ops.attention_mass`` (None: where the backend is a GPU; True
-    elsewhere runs it interpreted), else this jnp form."""
+    ``kernel``: the ``ON_KERNEL`` methods through ``ops.attention_mass`` (interpreted where the backend is no GPU),
+    else this jnp form."""
     if method not in METHODS:
         raise ValueError(f"eviction method must be one of {METHODS}, got {method!r}")
     b, s = q.shape[:2]
     if rebuild is not None:
         k, layout = rebuild(k, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))), full_width(layout)
-    if method in ON_KERNEL and (jax.default_backend() == "gpu" if kernel is None else kernel):
+    if method in ON_KERNEL and kernel:
         interpret = jax.default_backend() != "gpu"
         return attention_mass(q, k, layout, squared=method == "kvcompress-full", interpret=interpret)
     first = max(s - window, 0) if method in WINDOWED else 0
