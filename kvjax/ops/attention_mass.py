@@ -6,11 +6,12 @@ inside a sliding window if any), of each row's softmax weight on it (squared: KV
 plain: H2O, Zhang et al. 2023, section 3). A row's weight needs its whole softmax denominator, so two passes run,
 as flash attention's backward pass does: ``_lse_kernel`` (a program a block of query rows) streams the keys it
 sees and keeps each row's running max and sum, then ``_mass_kernel`` (a program a block of keys) streams the query
-rows that see its keys, recomputes their scores and adds up ``exp2(s - lse)``; each key block is one program's, so
-the sums need no atomics and come out the same on every run. Both passes read q·k at the widths attention runs
-(ZACK's truncated heads, or a Palu latent rebuilt by the caller); heads of one K width share a call.
+rows that see its keys, recomputes their scores and adds up ``exp2(s - lse)``. A program takes one query head (the
+group's heads are summed after) and each key block is one program's, so the sums need no atomics and come out the
+same on every run. Both passes read q·k at the widths attention runs (ZACK's truncated heads, or a Palu latent
+rebuilt by the caller); heads whose widths share a power-of-two tile share a call.
 
-``eviction.metrics.scores`` runs it for ``h2o`` and ``kvcompress-full`` on a GPU; its jnp form is the reference
+``eviction.metrics.scores(kernel=True)`` runs it for ``h2o`` and ``kvcompress-full``; its jnp form is the reference
 (tests/test_attention_mass.py). Cost against the jnp pass: bench/results/eviction.md "Eviction: device cost".
 """
 
@@ -180,7 +181,7 @@ def _lse_kernel(q_ref, k_ref, lse_ref, *, group, seq_len, padded, width, scale, 
         whole = jnp.clip(jnp.minimum((i * block_q + 1) // block_k, seq_len // block_k), 0, last)
         carry = lax.fori_loop(0, whole, functools.partial(body, masked=False), carry)
         m, l = lax.fori_loop(whole, jnp.maximum(last, whole), functools.partial(body, masked=True), carry)
-    # a row that saw nothing (past the prompt) keeps l 0; its mass never reads it (the row is masked there)
+    # every row sees key 0 or its own key, so l > 0; the guard only keeps log2 finite
     plgpu.store(lse_ref.at[h * padded + rows], m + jnp.log2(jnp.where(l > 0, l, 1.0)))
 
 
