@@ -16,13 +16,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
-from kvjax.ops.head_paging import tokens_per_page
+from kvjax.ops import head_paging
 from kvjax.ops.paging import NULL_PAGE
 from kvjax.ops.pallas_util import NOWHERE, whole_block
 from kvjax.ops.tiles import tile
@@ -49,24 +48,12 @@ def compact(
     Slots past a head's kept count are left as they were (the reference leaves the evicted rows there); table
     entries past the pages a head's stored slots fill are never read or written."""
     pages = tables.shape[-1]
-    keep = keep & (jnp.arange(keep.shape[-1]) < stored[..., None])
-    kept = keep.sum(-1, dtype=jnp.int32)
-    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for layer, lay in enumerate(layouts):
-        if layers is None or layer in layers:
-            for h, pair in enumerate(zip(lay.k_widths, lay.v_widths)):
-                groups.setdefault(pair, []).append((layer, h))
-    for (kw, vw), members in groups.items():
-        ls, hs = (np.array(x) for x in zip(*members))
-        per = tokens_per_page(page_elems, kw, vw)
-        room = pages * per
-        mark = keep[:, ls, hs]
-        mark = jnp.pad(mark, ((0, 0), (0, 0), (0, max(room - mark.shape[-1], 0))))[..., :room]
-        order = jnp.argsort(~mark, axis=-1, stable=True).astype(jnp.int32)  # survivors first, in slot order
+    kept, groups = head_paging.survivor_orders(keep, stored, layouts, page_elems, pages, layers)
+    for (kw, vw), ls, hs, per, order in groups:
         pool = _move(
             kept[:, ls, hs].reshape(-1),
             tables[:, ls, hs].reshape(-1).astype(jnp.int32),
-            order.reshape(-1),
+            order.astype(jnp.int32).reshape(-1),
             pool,
             kw=kw,
             vw=vw,

@@ -159,6 +159,29 @@ def _reordered(blocks, order, first: int, width: int, per: int):
     return jnp.take_along_axis(part, order, axis=2).reshape(b, g, pages, per * width)
 
 
+def survivor_orders(keep, stored, layouts, page_elems: int, pages: int, layers: tuple[int, ...] | None = None):
+    """What a compaction moves (``compact`` and ``ops.head_compact.compact`` share it): (kept [B, L, Hkv] int32, the
+    ``keep`` [B, L, Hkv, S] marks among each head's first ``stored`` slots; and for each (K, V) width pair of the
+    heads of ``layers`` (None: all), in order of first appearance, ((kw, vw), layers [G], heads [G], tokens a page,
+    order [B, G, pages x per]): each head's slots, its survivors first in slot order, then the rest)."""
+    keep = keep & (jnp.arange(keep.shape[-1]) < stored[..., None])
+    kept = keep.sum(-1, dtype=jnp.int32)
+    members: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for layer, lay in enumerate(layouts):
+        if layers is None or layer in layers:
+            for h, pair in enumerate(zip(lay.k_widths, lay.v_widths)):
+                members.setdefault(pair, []).append((layer, h))
+    groups = []
+    for (kw, vw), heads in members.items():
+        ls, hs = (np.array(x) for x in zip(*heads))
+        per = tokens_per_page(page_elems, kw, vw)
+        room = pages * per
+        mark = keep[:, ls, hs]
+        mark = jnp.pad(mark, ((0, 0), (0, 0), (0, max(room - mark.shape[-1], 0))))[..., :room]
+        groups.append(((kw, vw), ls, hs, per, jnp.argsort(~mark, axis=-1, stable=True)))
+    return kept, groups
+
+
 def compact(pool, tables, keep, stored, layouts, page_elems: int, layers: tuple[int, ...] | None = None):
     """Eviction's compaction on the device: each head keeps, of its first ``stored`` [B, L, Hkv] slots, those
     ``keep`` [B, L, Hkv, S] marks (slots past ``stored`` or ``S`` are dropped), moved in their order to its first
@@ -176,27 +199,14 @@ def compact(pool, tables, keep, stored, layouts, page_elems: int, layers: tuple[
     pages. Under ``jax.jit`` with the pool donated XLA scatters in place, so the pool is never copied; the traffic
     is the heads' pages read and written once, evicted or not."""
     pages = tables.shape[-1]
-    slots = jnp.arange(keep.shape[-1])
-    keep = keep & (slots < stored[..., None])
-    kept = keep.sum(-1, dtype=jnp.int32)
-    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for layer, lay in enumerate(layouts):
-        if layers is not None and layer not in layers:
-            continue
-        for h, pair in enumerate(zip(lay.k_widths, lay.v_widths)):
-            groups.setdefault(pair, []).append((layer, h))
+    kept, groups = survivor_orders(keep, stored, layouts, page_elems, pages, layers)
     flat_pages = pool.shape[0]
-    for (kw, vw), members in groups.items():
-        ls, hs = (np.array(x) for x in zip(*members))
-        per = tokens_per_page(page_elems, kw, vw)
+    for (kw, vw), ls, hs, per, order in groups:
         table = tables[:, ls, hs]  # [B, G, pages]
         filled = -(-stored[:, ls, hs] // per)  # pages a head's slots fill; entries past them may be stale
         table = jnp.where(jnp.arange(pages) < filled[..., None], table, NULL_PAGE)
         blocks = pool[table]  # [B, G, pages, page_elems]
-        mark = keep[:, ls, hs]
-        room = pages * per
-        mark = jnp.pad(mark, ((0, 0), (0, 0), (0, max(room - mark.shape[-1], 0))))[..., :room]
-        order = jnp.argsort(~mark, axis=-1, stable=True)[..., None]  # survivors first, in slot order
+        order = order[..., None]
         k_rows, v_rows = _reordered(blocks, order, 0, kw, per), _reordered(blocks, order, per * kw, vw, per)
         blocks = jnp.concatenate([k_rows, v_rows, blocks[..., per * (kw + vw) :]], axis=-1)
         target = jnp.where(table == NULL_PAGE, flat_pages, table)  # the null page is never written
