@@ -14,7 +14,7 @@ from test_request_scheduler import VOCAB, FakeEngine, next_token, single_run
 
 import kvjax
 from kvjax.eviction.reference import evicted_hidden
-from kvjax.eviction.select import Eviction
+from kvjax.eviction.select import Eviction, parse
 from kvjax.ops.decode.config import DECODE
 from kvjax.ops.paging import NULL_PAGE
 from kvjax.runtime.config import EngineConfig
@@ -410,8 +410,12 @@ def test_eviction_on_sliding_windows_gives_the_reference_tokens(config, backend)
     got = _greedy(engine, prompts, 40)
     for prompt, tokens in zip(prompts, got):
         assert tokens == _reference_tokens(model, prompt, tokens, engine.eviction), f"seed {seed}, prompt {len(prompt)}"
-    if backend == "reference":  # the eviction mattered: the plain engine's tokens are others
-        assert got != _greedy(Engine(model, **settings), prompts, 40), f"seed {seed}"
+    if backend == "reference":  # the eviction mattered: the reference's states move (at scale 0.5 the greedy
+        # tokens may not: seed 3010246055 gave the plain engine's tokens on all-local)
+        context = np.array([prompts[0] + got[0][:-1]])
+        evicted, _ = evicted_hidden(model, context, len(prompts[0]), engine.eviction)
+        kept_all, _ = evicted_hidden(model, context, len(prompts[0]), parse("kvcompress:1000"))
+        assert float(jnp.abs(evicted - kept_all).max()) > 1e-3, f"seed {seed}"
     if config == "all-local":  # nothing a cut may touch
         with pytest.raises(ValueError, match="sliding layers only"):
             engine.compress(0, 10, np.zeros((2, 2), np.int32))
