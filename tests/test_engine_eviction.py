@@ -321,6 +321,16 @@ def _reference_tokens(model, prompt, tokens, spec):
     return logits.argmax(-1).tolist()
 
 
+def _eviction_moved(model, prompt, tokens, spec) -> bool:
+    """Whether ``spec`` moves the reference's hidden states after ``prompt`` (teacher-forced on ``tokens``) off those
+    of a budget that keeps everything: the check that equal tokens were not equal because nothing was evicted.
+    Greedy tokens are too coarse for it (seed 3010246055 at scale 0.5 gave the plain engine's tokens)."""
+    context = np.array([prompt + tokens[:-1]])
+    evicted, _ = evicted_hidden(model, context, len(prompt), spec)
+    kept_all, _ = evicted_hidden(model, context, len(prompt), parse(f"{spec.method}:100000"))
+    return float(jnp.abs(evicted - kept_all).max()) > 1e-3
+
+
 @pytest.mark.parametrize("backend", ["reference", "interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("spec", ["kvcompress:3x", "snapkv:2x", "kvcompress:24:uniform"])
 def test_the_evicting_engine_gives_the_reference_tokens(backend, spec, schedule="live"):
@@ -337,8 +347,7 @@ def test_the_evicting_engine_gives_the_reference_tokens(backend, spec, schedule=
     got = _greedy(engine, prompts, 6)
     for prompt, tokens in zip(prompts, got):
         assert tokens == _reference_tokens(model, prompt, tokens, engine.eviction), f"seed {seed}, prompt {len(prompt)}"
-    if backend == "reference":  # the eviction mattered: the plain engine's tokens are others
-        assert got != _greedy(Engine(model, **settings), prompts, 6), f"seed {seed}"
+    assert _eviction_moved(model, prompts[0], got[0], engine.eviction), f"seed {seed}"
 
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
@@ -410,12 +419,7 @@ def test_eviction_on_sliding_windows_gives_the_reference_tokens(config, backend)
     got = _greedy(engine, prompts, 40)
     for prompt, tokens in zip(prompts, got):
         assert tokens == _reference_tokens(model, prompt, tokens, engine.eviction), f"seed {seed}, prompt {len(prompt)}"
-    if backend == "reference":  # the eviction mattered: the reference's states move (at scale 0.5 the greedy
-        # tokens may not: seed 3010246055 gave the plain engine's tokens on all-local)
-        context = np.array([prompts[0] + got[0][:-1]])
-        evicted, _ = evicted_hidden(model, context, len(prompts[0]), engine.eviction)
-        kept_all, _ = evicted_hidden(model, context, len(prompts[0]), parse("kvcompress:1000"))
-        assert float(jnp.abs(evicted - kept_all).max()) > 1e-3, f"seed {seed}"
+    assert _eviction_moved(model, prompts[0], got[0], engine.eviction), f"seed {seed}"
     if config == "all-local":  # nothing a cut may touch
         with pytest.raises(ValueError, match="sliding layers only"):
             engine.compress(0, 10, np.zeros((2, 2), np.int32))
