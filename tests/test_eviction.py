@@ -63,10 +63,8 @@ def test_each_metric_equals_brute_force_attention(method, window):
 
 
 def test_keyformer_is_the_gumbel_softmax_accumulated_and_its_noise_is_seeded():
-    """Keyformer's score is the brute-force Gumbel-softmax sum with the metric's own draws (one block of queries:
-    key (seed, layer * 1024 + head, block)); the same seed gives the same scores, another seed others."""
-    import jax
-
+    """Keyformer's score is the brute-force Gumbel-softmax sum with the metric's own draws (``gumbel_noise`` at each
+    (query head, query position, key position)); the same seed gives the same scores, another seed others."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     layout = HeadLayout(2, 1, 8, (8,), (8,))
@@ -74,14 +72,61 @@ def test_keyformer_is_the_gumbel_softmax_accumulated_and_its_noise_is_seeded():
     q = jnp.asarray(rng.normal(size=(1, s, layout.q_cols)), jnp.float32)
     k = jnp.asarray(rng.normal(size=(1, s, layout.k_cols)), jnp.float32)
     got = np.asarray(metrics.scores("keyformer", q, k, layout, tau=1.5, seed=3, layer=2))[0]
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(3), 2 * 1024 + 0), 0)
-    noise = np.asarray(jax.random.gumbel(key, (1, 2, s, s)))[0]  # [group, S, S] of the one block
+    noise = np.asarray(metrics.gumbel_noise(3, 2, np.arange(2), np.arange(s)[None], np.arange(s)))[0]  # [Hq, S, S]
     want = brute_scores("keyformer", np.asarray(q)[0], np.asarray(k)[0], layout, 0, 1, tau=1.5, noise=noise)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=f"seed {seed}")
     again = np.asarray(metrics.scores("keyformer", q, k, layout, tau=1.5, seed=3, layer=2))[0]
     other = np.asarray(metrics.scores("keyformer", q, k, layout, tau=1.5, seed=4, layer=2))[0]
     np.testing.assert_array_equal(got, again)
     assert not np.allclose(got, other)
+
+
+def test_gumbel_noise_is_standard_gumbel_and_a_function_of_its_positions_alone():
+    """The draws have the standard Gumbel's mean (Euler's gamma) and variance (pi^2 / 6); a draw depends on (seed,
+    layer, head, query position, key position) only, not on the shape it is drawn in, and each of them changes it."""
+    seed = fresh_seed() % 2**31
+    rows, keys = np.arange(300)[None], np.arange(400)
+    draws = np.asarray(metrics.gumbel_noise(seed, 5, np.arange(4), rows, keys))  # [1, 4, 300, 400]
+    assert abs(draws.mean() - np.euler_gamma) < 0.01, f"seed {seed}"
+    assert abs(draws.var() - np.pi**2 / 6) < 0.03, f"seed {seed}"
+    part = np.asarray(metrics.gumbel_noise(seed, 5, np.array([2, 3]), np.array([[7, 250], [1, 2]]), keys[100:130]))
+    np.testing.assert_array_equal(part[0], draws[0, 2:4][:, [7, 250], 100:130])
+    one = draws[0, 1, 7, 9]
+    for args in ((seed + 1, 5, [1], [[7]], [9]), (seed, 6, [1], [[7]], [9]), (seed, 5, [2], [[7]], [9])):
+        assert np.asarray(metrics.gumbel_noise(*args)).item() != one
+    assert draws[0, 1, 8, 9] != one and draws[0, 1, 7, 10] != one
+
+
+@pytest.mark.parametrize("method", ["h2o", "kvcompress-full", "keyformer"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_chunk_masses_sum_to_the_whole_prompts_scores(method, window, monkeypatch):
+    """A full-history metric accumulated chunk by chunk (``chunk_mass``, as the engine's prefill does: each chunk
+    padded to one width, keys past it stale) equals the whole prompt's ``scores``, for chunks of random lengths, two
+    prompts a call at different starts, and blocks of queries that split a chunk."""
+    monkeypatch.setattr(metrics, "QUERY_BLOCK", 4)
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    layout = HeadLayout(4, 2, 8, (8, 5), (8, 3), window)
+    s, width, stored = 29, 10, 40
+    q = rng.normal(size=(2, s, layout.q_cols)).astype(np.float32) * 2
+    k = rng.normal(size=(2, stored, layout.k_cols)).astype(np.float32) * 2  # keys past the prompt: stale slots
+    kw = dict(tau=1.3, seed=7, layer=1)
+    want = np.stack([np.asarray(metrics.scores(method, q[[b]], k[[b], :s], layout, **kw))[0] for b in range(2)])
+    total = np.zeros((2, layout.num_kv_heads, stored), np.float32)
+    chunks = []  # per prompt, its chunks (start, length) of 1..width tokens
+    for _ in range(2):
+        ends = np.minimum(np.cumsum(rng.integers(1, width + 1, s)), s)
+        starts = np.concatenate([[0], ends[:-1]])
+        chunks.append([(int(a), int(e - a)) for a, e in zip(starts, ends) if e > a])
+    for step in range(max(map(len, chunks))):
+        chunk = np.full((2, width, layout.q_cols), 9.0, np.float32)  # padding rows: never read
+        at = [c[step] if step < len(c) else (s, 0) for c in chunks]  # a prompt already done: an empty chunk
+        for b, (start, length) in enumerate(at):
+            chunk[b, :length] = q[b, start : start + length]
+        starts, lengths = (np.array(x, np.int32) for x in zip(*at))
+        total += np.asarray(metrics.chunk_mass(method, chunk, k, starts, lengths, layout, **kw))
+    np.testing.assert_allclose(total[..., :s], want, rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(total[..., s:], 0.0)
 
 
 @pytest.mark.parametrize("method", ["h2o", "kvcompress-full"])

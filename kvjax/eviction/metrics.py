@@ -5,7 +5,8 @@ actually runs (ZACK's rotated, truncated q·k; a Palu latent rebuilt; the packed
 ``kvcompress`` (KV-Compress, Rehg, 2024, section 3.2; ``kvcompress-full``, its full-history form), ``snapkv``
 (SnapKV, Li et al., 2024, section 4), ``h2o`` (H2O, Zhang et al., 2023, section 3) and ``keyformer`` (Keyformer,
 Adnan et al., 2024, section 3.3). ``window_scores`` gives the observation-window methods from a prompt's last
-queries, as the engine has them. Sums over all queries run in blocks of ``QUERY_BLOCK`` rows; where asked, the
+queries, as the engine has them; ``chunk_mass`` one prefill chunk's share of a full-history sum, which the engine
+adds up over a prompt's chunks. Sums over queries run in blocks of ``QUERY_BLOCK`` rows; where asked, the
 full-history sums of ``ON_KERNEL`` run in ``ops.attention_mass`` instead (two Pallas passes, no [T, T] array; the
 jnp form stays the default until the kernel is measured on a GPU: bench/results/eviction.md "Eviction: device
 cost" times both).
@@ -48,6 +49,70 @@ def _mass(method: str, logits, seen):
     return probs.sum(axis=(1, 2))
 
 
+def gumbel_noise(seed: int, layer: int, heads, rows, keys):
+    """Keyformer's standard Gumbel draws, float32 [B, len(heads), R, S], for query ``heads`` [G] at query positions
+    ``rows`` [B, R] against key positions ``keys`` [S]: a counter-based hash of (seed, layer, query head, query
+    position, key position) alone (a 32-bit integer mixer, five rounds), so a prompt scored whole and the same
+    prompt scored chunk by chunk (the engine's prefill, ``chunk_mass``) draw the same noise."""
+
+    def mix(x):  # a 32-bit avalanche mixer (Wellons's "lowbias32"); uint32 products wrap
+        x = x ^ (x >> 16)
+        x = x * jnp.uint32(0x7FEB352D)
+        x = x ^ (x >> 15)
+        x = x * jnp.uint32(0x846CA68B)
+        return x ^ (x >> 16)
+
+    h = mix(jnp.uint32(seed) ^ jnp.uint32(0x9E3779B9))
+    h = mix(h ^ jnp.uint32(layer))
+    h = mix(h ^ jnp.asarray(heads, jnp.uint32)[None, :, None, None])
+    h = mix(h ^ jnp.asarray(rows, jnp.int32).astype(jnp.uint32)[:, None, :, None])
+    h = mix(h ^ jnp.asarray(keys, jnp.int32).astype(jnp.uint32)[None, None, None, :])
+    u = ((h >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
+    return -jnp.log(-jnp.log(u))
+
+
+def _head_mass(method: str, q, k, rows, valid, layout: HeadLayout, g: int, *, tau: float, seed: int, layer: int):
+    """float32 [B, S]: what KV head ``g``'s query group gives each key of ``k`` [B, S, k_cols] from the queries ``q``
+    [B, R, q_cols] at positions ``rows`` [B, R] (those ``valid`` [B, R]), each seeing the keys causal attention and
+    the layer's window let it see (``_mass``; Keyformer: its Gumbel-softmax)."""
+    logits = head_logits(q, k, layout, g)  # [B, group, R, S]
+    key_pos = jnp.arange(k.shape[1])
+    seen = visible(rows[:, :, None], key_pos[None, None, :], layout.sliding_window) & valid[:, :, None]
+    if method == "keyformer":
+        heads = g * layout.group_size + jnp.arange(layout.group_size)
+        logits = (logits + gumbel_noise(seed, layer, heads, rows, key_pos)) / tau
+    return _mass(method, logits, seen[:, None])
+
+
+def chunk_mass(
+    method: str, q, k, starts, lengths, layout: HeadLayout, *, tau: float = 1.0, seed: int = 0, layer: int = 0
+):
+    """float32 [B, Hkv, S]: the unpooled sum ``scores`` makes, over one chunk of queries only: ``q`` [B, T, q_cols]
+    holds chunk b's queries from position ``starts[b]`` (its first ``lengths[b]`` rows), ``k`` [B, S, k_cols] the
+    keys they may see (later slots are masked by causality). Sums over consecutive chunks equal the whole prompt's
+    sum (tested), which is how the engine accumulates the full-history methods (H2O, KV-Compress's full form,
+    Keyformer) while prefilling chunk by chunk. Rows run in blocks of ``QUERY_BLOCK``: memory [B, group, block, S]."""
+    b, t = q.shape[:2]
+    block = min(QUERY_BLOCK, t)
+    blocks = -(-t // block)
+    q = jnp.pad(q, ((0, 0), (0, blocks * block - t), (0, 0)))  # the last block's rows past the chunk: not valid
+    starts = jnp.broadcast_to(jnp.asarray(starts, jnp.int32), (b,))
+    lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), (b,))
+    out = []
+    for g in range(layout.num_kv_heads):
+
+        def step(total, i, g=g):
+            local = i * block + jnp.arange(block)
+            rows, valid = starts[:, None] + local[None, :], local[None, :] < lengths[:, None]
+            q_block = jax.lax.dynamic_slice_in_dim(q, i * block, block, axis=1)
+            mass = _head_mass(method, q_block, k, rows, valid, layout, g, tau=tau, seed=seed, layer=layer)
+            return total + mass, None
+
+        total, _ = jax.lax.scan(step, jnp.zeros((b, k.shape[1]), jnp.float32), jnp.arange(blocks))
+        out.append(total)
+    return jnp.stack(out, axis=1)
+
+
 def scores(
     method: str,
     q,
@@ -65,9 +130,9 @@ def scores(
     """float32 [B, Hkv, S] scores of the S keys of a prompt of S tokens for ``method`` (``METHODS``), from its packed
     q [B, S, q_cols] and the K attention reads, k [B, S, k_cols] (a Palu or banded latent with ``rebuild``).
     Each query sees the keys causal attention (and a sliding window) lets it see; a key's score sums what the
-    queries that see it give it, so a key no scoring query sees scores 0. ``layer`` varies Keyformer's noise.
-    ``kernel``: the ``ON_KERNEL`` methods through ``ops.attention_mass`` (interpreted where the backend is no GPU),
-    else this jnp form."""
+    queries that see it give it, so a key no scoring query sees scores 0. ``layer`` varies Keyformer's noise
+    (``gumbel_noise``). ``kernel``: the ``ON_KERNEL`` methods through ``ops.attention_mass`` (interpreted where the
+    backend is no GPU), else this jnp form (``chunk_mass`` over the scoring queries)."""
     if method not in METHODS:
         raise ValueError(f"eviction method must be one of {METHODS}, got {method!r}")
     b, s = q.shape[:2]
@@ -77,27 +142,8 @@ def scores(
         interpret = jax.default_backend() != "gpu"
         return attention_mass(q, k, layout, squared=method == "kvcompress-full", interpret=interpret)
     first = max(s - window, 0) if method in WINDOWED else 0
-    block = min(QUERY_BLOCK, s - first)
-    blocks = -(-(s - first) // block)
-    pad = first + blocks * block - s  # the last block's rows past the prompt are masked out
-    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0)))
-    key_pos = jnp.arange(s)
-    out = []
-    for g in range(layout.num_kv_heads):
-
-        def step(total, i, g=g):
-            start = first + i * block
-            rows = start + jnp.arange(block)
-            logits = head_logits(jax.lax.dynamic_slice_in_dim(q, start, block, axis=1), k, layout, g)
-            seen = visible(rows[:, None], key_pos[None, :], layout.sliding_window) & (rows < s)[:, None]
-            if method == "keyformer":
-                noise_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), layer * 1024 + g), i)
-                logits = (logits + jax.random.gumbel(noise_key, logits.shape)) / tau
-            return total + _mass(method, logits, seen), None
-
-        total, _ = jax.lax.scan(step, jnp.zeros((b, s), jnp.float32), jnp.arange(blocks))
-        out.append(_pool(total, pool) if method in WINDOWED else total)
-    return jnp.stack(out, axis=1)
+    total = chunk_mass(method, q[:, first:], k, first, s - first, layout, tau=tau, seed=seed, layer=layer)
+    return _pool(total, pool) if method in WINDOWED else total
 
 
 def window_scores(method: str, q, k, lengths, layout: HeadLayout, *, pool: int = 7):
