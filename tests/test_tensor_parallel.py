@@ -119,6 +119,7 @@ ENGINE = textwrap.dedent(
         ("llama", dict(eviction="kvcompress:2x")),
         ("zack", dict(eviction="kvcompress:2x")),
         ("zack", dict(eviction="snapkv:2x", backend="interpret")),
+        ("zack", dict(eviction="h2o:2x")),
     ]
     for name, extra in runs:
         model = models[name]
@@ -141,6 +142,7 @@ ENGINE = textwrap.dedent(
         (dict(tensor_parallel=2, kv_bits="gear2"), "not supported yet"),
         (dict(tensor_parallel=2, head_placement="lpt"), "head_placement must be"),
         (dict(tensor_parallel=4, eviction="snapkv:16", model=models["gemma3"]), "eviction with tensor_parallel=4"),
+        (dict(tensor_parallel=2, eviction="keyformer:2x"), "Keyformer's noise is drawn per query head"),
     ):
         try:
             Engine(bad.pop("model", base), max_batch=2, max_seq_len=64, **bad)

@@ -31,7 +31,7 @@ def kv_bits_arg(*, model: bool):
 
 
 def eviction_arg(text: str):
-    """An argparse ``type`` for --evict: 'none', or a policy the engine can run ("kvcompress:4x", "snapkv:256":
+    """An argparse ``type`` for --evict: 'none', or a policy the engine can run ("kvcompress:4x", "h2o:256":
     ``runtime.config.engine_eviction``); a bad one is a usage error in its own words."""
     from kvjax.runtime.config import engine_eviction
 
@@ -129,11 +129,12 @@ def add_engine(p: argparse.ArgumentParser) -> None:
         type=eviction_arg,
         default=None,
         metavar="METHOD:AMOUNT",
-        help="once a prompt is prefilled, keep only its most attended tokens in each KV head (scored from its last 8 "
-        "queries in the space the model attends in): kvcompress (one budget shared by every head, KV-Compress) or "
-        "snapkv (the same budget each head), AMOUNT a ratio such as 4x (a quarter of the prompt) or tokens per head "
-        "such as 256; the most recent 16 tokens are always kept. When the cache fills mid-decode, a running "
-        "request's heads are halved (never below that budget) before any request is preempted. On sliding-window "
+        help="once a prompt is prefilled, keep only its most attended tokens in each KV head (scored in the space the "
+        "model attends in): kvcompress (its last 8 queries, one budget shared by every head, KV-Compress), snapkv "
+        "(its last 8 queries, the same budget each head), or from every query of the prompt: h2o, kvcompress-full, "
+        "keyformer; AMOUNT a ratio such as 4x (a quarter of the prompt) or tokens per head such as 256; the most "
+        "recent 16 tokens are always kept. When the cache fills mid-decode, a running request's heads are halved "
+        "(kvcompress and snapkv; never below that budget) before any request is preempted. On sliding-window "
         "layers (Gemma 3, Mistral) a head keeps only tokens of its window, gives its pages back as the window passes "
         "and is never halved. Stacks with rank compression; not with --kv-bits or Palu or banded models "
         "(default none)",

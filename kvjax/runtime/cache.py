@@ -156,14 +156,18 @@ class HeadKVCache:
 class EvictingCache:
     """An evicting engine's cache (``EngineConfig.eviction``): prompts are prefilled into per-sequence ``staging``
     pages as in a plain cache; at a prompt's end each KV head's survivors move to its per-head pages in ``heads``,
-    which decode reads and appends to (bench/notes/2026-12-02-eviction-device.md)."""
+    which decode reads and appends to (bench/notes/2026-12-02-eviction-device.md). ``mass`` (full-history methods:
+    H2O, KV-Compress's full form, Keyformer): float32 [layers, staging pages, page_size, Hkv], what every query of a
+    prompt so far gave each of its keys, beside the staging pages and addressed as they are
+    (``eviction.prompt.accumulate``)."""
 
     staging: PagedKVCache
     heads: HeadKVCache
+    mass: jax.Array | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.staging.nbytes + self.heads.nbytes
+        return self.staging.nbytes + self.heads.nbytes + (0 if self.mass is None else self.mass.nbytes)
 
 
 def pool_windows(layouts: tuple[HeadLayout, ...], max_seq_len: int | None = None) -> tuple[int | None, ...]:

@@ -59,8 +59,8 @@ class EngineConfig:
     # construction: ``kv_schemes.served``); None keeps the cache's dtype
     kv_bits: int | str | None = None
     # eviction after each prompt (issue 37): an ``eviction.Eviction`` or its short form ("kvcompress:4x",
-    # "snapkv:256"), observation-window methods only (``metrics.WINDOWED``); None keeps every token. Its page size
-    # becomes the engine's after construction.
+    # "snapkv:256", "h2o:4x"): any of ``metrics.METHODS``, the full-history ones accumulated over each prompt's chunks
+    # (``eviction.prompt.accumulate``); None keeps every token. Its page size becomes the engine's after construction.
     eviction: Eviction | str | None = None
     # devices the model is split over (``kvjax.parallel``: KV heads placed by bytes, Megatron-style weights); 1: one
     tensor_parallel: int = 1
@@ -110,7 +110,7 @@ class EngineConfig:
     def _check_eviction(self, eviction: Eviction) -> None:
         """Keep ``eviction`` (parsed, its pages the engine's), or refuse it in one line beside these settings."""
         object.__setattr__(self, "eviction", eviction)
-        if eviction.window > self.chunk_tokens:
+        if eviction.method in WINDOWED and eviction.window > self.chunk_tokens:
             raise ValueError(
                 f"eviction {eviction.name} scores each prompt from its last window of {eviction.window} queries, "
                 f"which a step's chunk_tokens={self.chunk_tokens} cannot hold"
@@ -151,16 +151,9 @@ class EngineConfig:
 
 
 def engine_eviction(eviction: Eviction | str, page_size: int = PAGE) -> Eviction:
-    """The engine's eviction policy from ``EngineConfig.eviction``, its pages the engine's, refused in one line for
-    a method the engine cannot score at a prompt's end."""
+    """The engine's eviction policy from ``EngineConfig.eviction``, its pages the engine's."""
     if isinstance(eviction, str):
         eviction = parse(eviction)
     elif not isinstance(eviction, Eviction):
         raise TypeError(f"eviction must be an Eviction or a string such as 'kvcompress:4x', got {eviction!r}")
-    if eviction.method not in WINDOWED:
-        raise ValueError(
-            f"eviction {eviction.name}: the engine evicts with {', '.join(WINDOWED)} (scored from a prompt's last "
-            f"queries); {eviction.method} needs every query's attention, which only the reference "
-            "(kvjax.eviction.reference) computes"
-        )
     return dataclasses.replace(eviction, page_size=page_size)

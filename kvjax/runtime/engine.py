@@ -21,8 +21,9 @@ from flax import nnx
 
 from kvjax import machine, validate
 from kvjax.compression.plan import check_kv_bits
+from kvjax.eviction import metrics
 from kvjax.eviction.continual import compress
-from kvjax.eviction.prompt import evict_prompts
+from kvjax.eviction.prompt import accumulate, evict_prompts
 from kvjax.eviction.select import Eviction
 from kvjax.io.saved import restore_sharded
 from kvjax.ops import attention, head_paging
@@ -200,6 +201,7 @@ def _prefill_step(
     formats,
     evict,
     vocab,
+    history=None,
 ):
     """Run prompt chunks [B, T] (chunk b from position ``starts[b]``, ``lengths[b]`` tokens) through the model,
     writing their K/V; the token sampled after each chunk's last row goes to its ``slots`` row (a row past the end:
@@ -209,13 +211,15 @@ def _prefill_step(
     the tails of rows ``tail_rows`` (their requests' slots). ``evict`` (an evicting engine's call in which chunks end
     their prompts; ``_Evict``): those prompts are evicted into per-head pages after the model has run
     (``_evicted``; ``evicting``: its inputs). ``vocab`` (tensor parallelism): the vocabulary's size, the step one
-    device's share (``_hidden``)."""
+    device's share (``_hidden``). ``history`` (an evicting engine's full-history policy): every call adds what its
+    chunks' queries give their keys to the cache's ``mass`` (``eviction.prompt.accumulate``)."""
     module = nnx.merge(graphdef, jax.tree.unflatten(structure, weights))
     b, t = tokens.shape
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     staging = cache.staging if isinstance(cache, EvictingCache) else cache
     ks, vs = _layers(staging)
     queries = []
+    mass = cache.mass if isinstance(cache, EvictingCache) else None
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
         if evict is not None:
@@ -225,6 +229,11 @@ def _prefill_step(
             out, ks[i], vs[i] = attention.prefill(
                 q, k, v, lay, ks[i], vs[i], pages, lengths, prefix_from, op=op, rebuild=rebuild, rotation=rotation
             )
+            if history is not None:
+                nonlocal mass
+                packed = q if rotation is None else rotation.packed(q, k)[0]
+                keys = ks[i][pages].reshape(b, -1, lay.k_cols)
+                mass = accumulate(mass, i, history, packed, keys, pages, starts, lengths, lay)
         else:
             out, ks[i], vs[i] = attention.prefill_quantized(
                 q, k, v, lay, ks[i], vs[i], formats[i], pages, tail_rows, lengths, prefix_from, op=op, rotation=rotation
@@ -238,8 +247,8 @@ def _prefill_step(
         return slot_tokens.at[slots].set(new, mode="drop"), new, staged, None
     heads, kept = cache.heads, None
     if evict is not None:
-        heads, kept = _evicted(evict, heads, queries, staged, table[0], slots, *evicting, module.layouts)
-    return slot_tokens.at[slots].set(new, mode="drop"), new, EvictingCache(staged, heads), kept
+        heads, kept = _evicted(evict, heads, queries, staged, table[0], slots, *evicting, module.layouts, mass=mass)
+    return slot_tokens.at[slots].set(new, mode="drop"), new, EvictingCache(staged, heads, mass), kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +264,12 @@ class _Evict:
     schedule: str
     sharded: bool = False  # tensor parallelism: the per-head arrays hold this device's heads (host ones: every head's)
     windows: tuple[int | None, ...] = ()  # each layer's sliding window where it can pass a stored token, else None
+
+    @property
+    def history(self) -> Eviction | None:
+        """The policy where it scores with every query (its prefill steps accumulate ``EvictingCache.mass``), else
+        None (the observation-window methods: a prompt's last queries)."""
+        return None if self.spec.method in metrics.WINDOWED else self.spec
 
     @property
     def widest(self) -> int:
@@ -286,11 +301,13 @@ def _evicted(
     per_head,
     protect,
     layouts,
+    mass=None,
 ):
     """The call's ending prompts evicted from their staging pages into per-head pages (``evict_prompts``): rows with
     a ``slots`` entry take their ``head_tables`` (the host's ``HeadPages`` tables, grown by the whole prompt), their
     kept counts and, for sliding-window layers, where each head's window starts (``head_paging.window_before``) into
-    that slot; other rows have null head tables and write nothing. Returns (heads, kept [B, L, Hkv])."""
+    that slot; other rows have null head tables and write nothing. ``mass``: the full-history methods' scores so
+    far (``EvictingCache.mass``). Returns (heads, kept [B, L, Hkv])."""
     if evict.sharded:
         head_tables = local_heads(head_tables, 2)
     pool, kept, keep = evict_prompts(
@@ -306,6 +323,7 @@ def _evicted(
         head_tables,
         evict.page_elems,
         sharded=evict.sharded,
+        mass=mass,
     )
     tables = heads.tables.at[slots].set(head_tables, mode="drop")
     stored = heads.stored.at[slots].set(kept, mode="drop")
@@ -345,7 +363,7 @@ def _compress_step(cache, slot, last, target, *, evict: _Evict, layouts, tokens:
         windows=evict.windows,
     )
     heads = dataclasses.replace(heads, pool=pool, stored=heads.stored.at[slot].set(kept[0]))
-    return EvictingCache(cache.staging, heads)
+    return dataclasses.replace(cache, heads=heads)
 
 
 def _decode_step(
@@ -442,7 +460,7 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
     hidden = _hidden(module, slot_tokens[:, None], positions[:, None], attend, vocab)
     new = sample(_logits(module, hidden[:, 0], vocab), *sampling, greedy=greedy)
     heads = HeadKVCache(pool, heads.tables, jnp.stack(stored, axis=1), tuple(rings), heads.before)
-    return jnp.where(active, new, slot_tokens), EvictingCache(cache.staging, heads)
+    return jnp.where(active, new, slot_tokens), dataclasses.replace(cache, heads=heads)
 
 
 def _layers(cache) -> tuple[list, list]:
@@ -560,6 +578,7 @@ class Engine:
                         formats=self.formats,
                         evict=self._evict if evicts else None,
                         vocab=vocab,
+                        history=None if self._evict is None else self._evict.history,
                     )
                     self._steps["prefill", greedy, prefix, evicts] = jit(
                         step, args=11, returns=(False, False, True, True)
@@ -602,6 +621,11 @@ class Engine:
                     f"eviction with tensor_parallel={devices} over {model.config.num_kv_heads} KV heads is not "
                     "supported yet: each replica of a head would score it with its own query heads only"
                 )
+            if isinstance(spec := self.config.eviction, Eviction) and spec.method == "keyformer":  # parsed by now
+                raise ValueError(
+                    f"eviction {spec.name} with tensor_parallel={devices} is not supported yet: "
+                    "Keyformer's noise is drawn per query head, and a device numbers only its own heads"
+                )
             if forward.shapes_only(model) and model.source is not None:  # kvjax.load(..., tensor_parallel=N)
                 params = restore_sharded(model.source, model.dtype, jax.devices()[:devices])
             self.sharded = shard(model, devices, params=params, placement=placement)
@@ -637,6 +661,9 @@ class Engine:
                     [(self._evict.spec.window, lay.q_cols) for lay in self.layouts],
                     self._evict.widest,
                 ),
+                None
+                if self._evict.history is None
+                else jnp.zeros((layers, self.num_pages, self.page_size, heads), jnp.float32),
             )
         if self.formats is None:
             return PagedKVCache.create(self.layouts, self.pool_pages, self.page_size, dtype, self.windows)
@@ -680,6 +707,8 @@ class Engine:
         staging_bytes = staging * self.page_size * bytes_per_token(self.layouts, dtype)
         rings = self.max_batch * self._evict.spec.window * sum(lay.q_cols for lay in self.layouts)
         staging_bytes += rings * jnp.dtype(dtype).itemsize  # each slot's last queries (continual eviction)
+        if self._evict.history is not None:  # ``EvictingCache.mass``, float32 beside each staged token
+            staging_bytes += 4 * staging * self.page_size * self._local_per_page.size
         if window := self._evict.widest:  # ``HeadKVCache.before``
             staging_bytes += 4 * self.max_batch * self._local_per_page.size * (window + 1)
         if num_pages is not None:
@@ -985,7 +1014,7 @@ class Engine:
         """Whether this engine cuts decoding requests' heads when its per-head pool runs out (continual eviction),
         before the scheduler preempts: an evicting engine with a layer that sees the whole context (sliding-window
         layers are never cut: ``eviction.continual``)."""
-        return self._evict is not None and not all(self._evict.windows)
+        return self._evict is not None and self._evict.history is None and not all(self._evict.windows)
 
     def compress(self, slot: int, last: int, target) -> None:
         """Enqueue continual eviction of slot ``slot``, whose latest query is at position ``last``: each KV head cut to
