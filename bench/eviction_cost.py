@@ -20,6 +20,10 @@ Four parts, each a table:
   one cut costs the step it runs before, beside the pages it frees.
 - **ttft**: the time to first token of one ``--context``-token prompt through the runner (``--chunk`` tokens a
   prefill step, host timer, second pass), and each method's metric, selection and compaction as a share of it.
+- **engine**: the same TTFT through an engine that evicts each prompt by ``--engine-ratio`` with each method
+  (``EngineConfig.eviction``: the windowed methods scored by the last chunk's queries, the full-history ones
+  accumulated over every chunk, ``eviction.prompt.accumulate``), beside the plain engine's: what eviction adds to
+  the time to first token as the engine runs it.
 
 Table: bench/results/eviction.md "Eviction: device cost". ``--timer host --context 256 --batch 1 --no-ttft`` runs on a
 CPU (plumbing only)."""
@@ -196,28 +200,55 @@ def metric_rows(rate: float, context: int, methods: list[str]) -> list[dict]:
     return rows
 
 
-def ttft_seconds(rate: float, context: int, chunk: int) -> float:
+def ttft_seconds(rate: float, context: int, chunk: int, eviction: str | None = None, model=None) -> float:
     """Seconds from a prompt's arrival to its first token, one new prompt alone, median of the second and third
-    passes (the first compiles)."""
+    passes (the first compiles); ``eviction``: through an engine that evicts each prompt so. ``model``: the
+    rate's 8B-shape model (``bench.engine.model_at``) where not given."""
     from bench.engine import model_at
     from kvjax.runtime.engine import Engine
     from kvjax.runtime.runner import Runner
     from kvjax.runtime.scheduler import Request
 
-    model = model_at(rate)
+    model = model_at(rate) if model is None else model
     # no prefix caching: a repeated prompt would find its pages cached and skip the prefill this measures (and a
-    # new prompt each pass as well)
-    engine = Engine(model, max_batch=1, max_seq_len=context + 16, chunk_tokens=chunk, prefix_caching=False)
+    # new prompt each pass as well); an evicting engine never shares prefixes
+    settings = dict(max_batch=1, max_seq_len=context + 16, chunk_tokens=chunk)
+    engine = Engine(model, **settings, **(dict(eviction=eviction) if eviction else dict(prefix_caching=False)))
     runner = Runner(engine)
     rng = np.random.default_rng(1)
     times = []
     for _ in range(3):
-        runner.add(Request(rng.integers(0, 32000, context).tolist(), 1))
+        runner.add(Request(rng.integers(0, model.config.vocab_size, context).tolist(), 1))
         t0 = time.perf_counter()
         list(runner.run())
         times.append(time.perf_counter() - t0)
-    del engine, runner, model
+    del engine, runner
     return float(np.median(times[1:]))
+
+
+def engine_rows(rate: float, context: int, chunk: int, methods, ratio: float, model=None) -> list[dict]:
+    """The TTFT of an engine evicting with each of ``methods`` at ``ratio`` beside the plain engine's, one prompt
+    of ``context`` tokens (``ttft_seconds``)."""
+    from bench.engine import model_at
+
+    model = model_at(rate) if model is None else model
+    plain = ttft_seconds(rate, context, chunk, model=model)
+    rows = []
+    for method in methods:
+        spec = f"{method}:{ratio:g}x"
+        ttft = ttft_seconds(rate, context, chunk, eviction=spec, model=model)
+        rows.append(
+            dict(
+                rate=rate,
+                context=context,
+                eviction=spec,
+                plain_ttft_ms=1e3 * plain,
+                ttft_ms=1e3 * ttft,
+                added_pct=100 * (ttft - plain) / plain,
+            )
+        )
+        log_row(rows[-1])
+    return rows
 
 
 def ttft_rows(rate: float, context: int, chunk: int, out: dict) -> list[dict]:
@@ -253,16 +284,17 @@ def main(argv=None):
     p.add_argument("--methods", nargs="+", choices=metrics.METHODS, default=list(metrics.METHODS))
     p.add_argument("--chunk", type=count_arg("--chunk"), default=2048, help="prefill tokens a step for the TTFT")
     p.add_argument("--no-ttft", action="store_true", help="skip the TTFT rows (they build the 8B model)")
+    p.add_argument("--engine-ratio", type=float, default=4.0, help="the engine rows' eviction ratio (default 4)")
     harness.timer_option(p)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    if any(r < 1 for r in args.ratios):
-        p.error("--ratios must be at least 1")
+    if any(r < 1 for r in args.ratios) or args.engine_ratio < 1:
+        p.error("--ratios and --engine-ratio must be at least 1")
     harness.TIMER["name"] = args.timer
     bandwidth = copy_bandwidth()
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     out: dict = {"args": vars(args), "bandwidth": bandwidth, "compaction": [], "continual": [], "metrics": []}
-    out["ttft"] = []
+    out["ttft"], out["engine"] = [], []
 
     def save():
         if args.json:
@@ -280,7 +312,9 @@ def main(argv=None):
         for rate in args.rates:
             out["ttft"] += ttft_rows(rate, args.context, args.chunk, out)
             save()
-    for name in ("compaction", "continual", "metrics", "ttft"):
+            out["engine"] += engine_rows(rate, args.context, args.chunk, args.methods, args.engine_ratio)
+            save()
+    for name in ("compaction", "continual", "metrics", "ttft", "engine"):
         if out[name]:
             print(f"\n{name}")
             print_table(out[name])

@@ -132,7 +132,6 @@ def test_retrieval_is_right_when_every_answer_token_is_the_greedy_choice():
         (["eval", "--ratios", "0.5"], "--ratios: must be a number >= 1"),
         (["eval", "--methods", "lru"], "--methods: invalid choice"),
         (["eval", "--windows", "64", "--continuation", "64"], "--continuation 64 leaves no prompt"),
-        (["retrieval", "--served", "--methods", "h2o", "--ratios", "2"], "evicts with ('kvcompress', 'snapkv') only"),
         (["eval", "--served"], "--served runs retrieval through the engine"),
         (["retrieval", "--served", "--kv-bits", "4"], "the engine does not evict on quantized pages"),
         (["eval", "--kv-bits", "zipcache"], "--kv-bits: ZipCache ranks tokens"),
@@ -164,7 +163,18 @@ def test_the_device_cost_bench_writes_its_tables_on_a_cpu(tmp_path, capsys):
     assert "compaction" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         eviction_cost.main(["--ratios", "0.5"])
-    assert "--ratios must be at least 1" in capsys.readouterr().err
+    assert "--ratios and --engine-ratio must be at least 1" in capsys.readouterr().err
+
+
+def test_the_engine_ttft_rows_time_each_method_through_the_evicting_engine():
+    """``eviction_cost.engine_rows`` on a tiny model (plumbing): one row a method, each beside the plain engine's
+    TTFT, the windowed and the full-history methods alike served."""
+    from bench import eviction_cost
+
+    model = kvjax.Model.random(WIDE, seed=fresh_seed() % 1000)
+    rows = eviction_cost.engine_rows(0.0, 40, 16, ["kvcompress", "h2o"], 2.0, model=model)
+    assert [r["eviction"] for r in rows] == ["kvcompress:2x", "h2o:2x"]
+    assert all(r["ttft_ms"] > 0 and r["plain_ttft_ms"] > 0 for r in rows)
 
 
 def test_a_retrieval_run_cut_short_keeps_the_trials_it_finished(tmp_path, monkeypatch):
@@ -244,7 +254,8 @@ def _prompt(rng, context):
 
 
 def test_served_retrieval_generates_every_trial_through_the_evicting_engine(tmp_path, monkeypatch):
-    """--served: each plan and policy's trials are answered by ``kvjax.generate`` with that eviction (a random model
+    """--served: each plan and policy's trials (an observation-window one and a full-history one) are answered by
+    ``kvjax.generate`` with that eviction (a random model
     with a tokenizer, prompts of random tokens), every trial counted once, the rate nominal (2x keeps half)."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
@@ -259,9 +270,10 @@ def test_served_retrieval_generates_every_trial_through_the_evicting_engine(tmp_
     monkeypatch.setattr(eviction.retrieval, "build_prompt", prompt)
     out = tmp_path / "served.json"
     flags = ["retrieval", "--served", "--contexts", "48", "--depths", "0.5", "--trials", "3", "--task", "passkey"]
-    eviction.main([*flags, "--methods", "kvcompress", "--ratios", "2", "--json", str(out)])
+    eviction.main([*flags, "--methods", "kvcompress", "h2o", "--ratios", "2", "--json", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert {r["evict"]: (r["trials"], r["overall_rate"]) for r in rows} == {"none": (3, 0.0), "kvcompress:2x": (3, 0.5)}
+    want = {"none": (3, 0.0), "kvcompress:2x": (3, 0.5), "h2o:2x": (3, 0.5)}
+    assert {r["evict"]: (r["trials"], r["overall_rate"]) for r in rows} == want
     assert all(r["served"] and 0.0 <= r["accuracy"] <= 1.0 for r in rows)
 
 
