@@ -1,8 +1,6 @@
 import gc
 import os
-import shutil
 import string
-import tempfile
 
 import jax
 import numpy as np
@@ -11,31 +9,9 @@ import pytest
 from kvjax.models.config import ModelConfig
 
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # before any test imports transformers
-os.environ.setdefault("KVJAX_COMPILE_CACHE", "off")  # kvjax's own default (~/.cache) untouched by tests
+os.environ.setdefault("KVJAX_COMPILE_CACHE", "off")  # no compile cache but test_compile_cache.py's own
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
-RUN_CACHE = "KVJAX_TEST_RUN_CACHE"  # the run's compilation cache directory, for its xdist workers
-_made: list[str] = []  # the directory this process made (and removes)
-
-
-def pytest_configure(config):
-    """One run's compilation cache, shared by its xdist workers (made by the process that starts them, named to them
-    by ``$KVJAX_TEST_RUN_CACHE``) and removed when that process ends: tests build many engines of one shape, each
-    compiling the same steps (a cold cache took test_engine_eviction.py and test_quant_cache.py from 354 to 293 s on
-    2 cores). Set in the pytest processes' JAX config only: scripts that tests start see no cache but what they ask
-    for, and tests of the cache itself save and restore the config."""
-    where = os.environ.get(RUN_CACHE)
-    if not where:
-        where = tempfile.mkdtemp(prefix="kvjax-test-cache-")
-        os.environ[RUN_CACHE] = where
-        _made.append(where)
-    jax.config.update("jax_compilation_cache_dir", where)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-
-
-def pytest_unconfigure(config):
-    for where in _made:
-        shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
