@@ -434,7 +434,7 @@ def test_a_budget_past_every_prompt_on_sliding_windows_changes_no_token(config):
 
 @pytest.mark.parametrize("backend", ["reference", "interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("config", SLIDING, ids=list(SLIDING))
-def test_eviction_on_sliding_windows_gives_the_reference_tokens(config, backend):
+def test_eviction_on_sliding_windows_gives_the_reference_tokens(config, backend, spec="kvcompress:3x"):
     """Eviction inside each sliding window (``select.device_keep``: a local head keeps only its window's tokens),
     then decoding past the window: the engine's greedy tokens equal ``eviction.reference``'s forward, where each
     query sees the kept prompt tokens its window covers and every decoded token it covers."""
@@ -443,7 +443,7 @@ def test_eviction_on_sliding_windows_gives_the_reference_tokens(config, backend)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, 97, int(n)).tolist() for n in (70, 41, 6)]
     settings = dict(max_batch=2, max_seq_len=128, chunk_tokens=32, backend=backend)
-    engine = Engine(model, **settings, eviction="kvcompress:3x")
+    engine = Engine(model, **settings, eviction=spec)
     got = _greedy(engine, prompts, 40)
     for prompt, tokens in zip(prompts, got):
         assert tokens == _reference_tokens(model, prompt, tokens, engine.eviction), f"seed {seed}, prompt {len(prompt)}"
@@ -451,6 +451,12 @@ def test_eviction_on_sliding_windows_gives_the_reference_tokens(config, backend)
     if config == "all-local":  # nothing a cut may touch
         with pytest.raises(ValueError, match="sliding layers only"):
             engine.compress(0, 10, np.zeros((2, 2), np.int32))
+
+
+def test_h2o_on_sliding_windows_sums_only_what_each_window_saw():
+    """H2O in the engine on Gemma 3's local-then-global layers: a local layer's sums count only the queries whose
+    window covers a key, its budget and protected share are of its window, and the tokens are the reference's."""
+    test_eviction_on_sliding_windows_gives_the_reference_tokens("local-global", "reference", spec="h2o:3x")
 
 
 def test_sliding_heads_give_back_passed_pages_and_a_small_pool_then_holds_more(monkeypatch):
