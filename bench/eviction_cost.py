@@ -200,16 +200,13 @@ def metric_rows(rate: float, context: int, methods: list[str]) -> list[dict]:
     return rows
 
 
-def ttft_seconds(rate: float, context: int, chunk: int, eviction: str | None = None, model=None) -> float:
-    """Seconds from a prompt's arrival to its first token, one new prompt alone, median of the second and third
-    passes (the first compiles); ``eviction``: through an engine that evicts each prompt so. ``model``: the
-    rate's 8B-shape model (``bench.engine.model_at``) where not given."""
-    from bench.engine import model_at
+def ttft_seconds(model, context: int, chunk: int, eviction: str | None = None) -> float:
+    """Seconds from a prompt's arrival to its first token through an engine of ``model``, one new prompt alone,
+    median of the second and third passes (the first compiles); ``eviction``: an engine that evicts each prompt so."""
     from kvjax.runtime.engine import Engine
     from kvjax.runtime.runner import Runner
     from kvjax.runtime.scheduler import Request
 
-    model = model_at(rate) if model is None else model
     # no prefix caching: a repeated prompt would find its pages cached and skip the prefill this measures (and a
     # new prompt each pass as well); an evicting engine never shares prefixes
     settings = dict(max_batch=1, max_seq_len=context + 16, chunk_tokens=chunk)
@@ -226,17 +223,13 @@ def ttft_seconds(rate: float, context: int, chunk: int, eviction: str | None = N
     return float(np.median(times[1:]))
 
 
-def engine_rows(rate: float, context: int, chunk: int, methods, ratio: float, model=None) -> list[dict]:
-    """The TTFT of an engine evicting with each of ``methods`` at ``ratio`` beside the plain engine's, one prompt
-    of ``context`` tokens (``ttft_seconds``)."""
-    from bench.engine import model_at
-
-    model = model_at(rate) if model is None else model
-    plain = ttft_seconds(rate, context, chunk, model=model)
+def engine_rows(rate: float, model, context: int, chunk: int, plain: float, methods, ratio: float) -> list[dict]:
+    """The TTFT of an engine of ``model`` (the rate's) evicting with each of ``methods`` at ``ratio``, one prompt of
+    ``context`` tokens (``ttft_seconds``), beside the plain engine's ``plain`` seconds."""
     rows = []
     for method in methods:
         spec = f"{method}:{ratio:g}x"
-        ttft = ttft_seconds(rate, context, chunk, eviction=spec, model=model)
+        ttft = ttft_seconds(model, context, chunk, eviction=spec)
         rows.append(
             dict(
                 rate=rate,
@@ -251,9 +244,9 @@ def engine_rows(rate: float, context: int, chunk: int, methods, ratio: float, mo
     return rows
 
 
-def ttft_rows(rate: float, context: int, chunk: int, out: dict) -> list[dict]:
-    """Each method's metric, selection and compaction (one sequence) as a share of the measured TTFT."""
-    ttft = ttft_seconds(rate, context, chunk)
+def ttft_rows(rate: float, context: int, ttft: float, out: dict) -> list[dict]:
+    """Each method's metric, selection and compaction (one sequence) as a share of the measured TTFT ``ttft``
+    (seconds)."""
     # the library's default compaction (jnp) of one sequence
     one = {r["ratio"]: r for r in out["compaction"] if r["rate"] == rate and r["batch"] == 1 and r["form"] == "jnp"}
     rows = []
@@ -309,11 +302,16 @@ def main(argv=None):
         out["metrics"] += metric_rows(rate, args.context, args.methods)
         save()
     if not args.no_ttft:
+        from bench.engine import model_at
+
         for rate in args.rates:
-            out["ttft"] += ttft_rows(rate, args.context, args.chunk, out)
+            model = model_at(rate)  # built once a rate: the plain TTFT serves both tables
+            plain = ttft_seconds(model, args.context, args.chunk)
+            out["ttft"] += ttft_rows(rate, args.context, plain, out)
             save()
-            out["engine"] += engine_rows(rate, args.context, args.chunk, args.methods, args.engine_ratio)
+            out["engine"] += engine_rows(rate, model, args.context, args.chunk, plain, args.methods, args.engine_ratio)
             save()
+            del model
     for name in ("compaction", "continual", "metrics", "ttft", "engine"):
         if out[name]:
             print(f"\n{name}")

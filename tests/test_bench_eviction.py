@@ -172,7 +172,8 @@ def test_the_engine_ttft_rows_time_each_method_through_the_evicting_engine():
     from bench import eviction_cost
 
     model = kvjax.Model.random(WIDE, seed=fresh_seed() % 1000)
-    rows = eviction_cost.engine_rows(0.0, 40, 16, ["kvcompress", "h2o"], 2.0, model=model)
+    plain = eviction_cost.ttft_seconds(model, 40, 16)
+    rows = eviction_cost.engine_rows(0.0, model, 40, 16, plain, ["kvcompress", "h2o"], 2.0)
     assert [r["eviction"] for r in rows] == ["kvcompress:2x", "h2o:2x"]
     assert all(r["ttft_ms"] > 0 and r["plain_ttft_ms"] > 0 for r in rows)
 
