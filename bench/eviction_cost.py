@@ -281,7 +281,7 @@ def main(argv=None):
     harness.timer_option(p)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    if any(r < 1 for r in args.ratios) or args.engine_ratio < 1:
+    if not all(r >= 1 for r in [*args.ratios, args.engine_ratio]):  # NaN too
         p.error("--ratios and --engine-ratio must be at least 1")
     harness.TIMER["name"] = args.timer
     bandwidth = copy_bandwidth()
