@@ -268,6 +268,43 @@ def ttft_rows(rate: float, context: int, ttft: float, out: dict) -> list[dict]:
     return rows
 
 
+def device_tables(args, parts: set, bandwidth: float, out: dict, save) -> None:
+    """The compaction, continual and metrics tables of ``parts`` (no model), each row saved as it comes."""
+    for rate in args.rates:
+        if "compaction" in parts:
+            for batch in args.batch:
+                out["compaction"] += compaction_rows(rate, batch, args.context, args.ratios, bandwidth)
+                save()
+        if "continual" in parts:
+            out["continual"] += continual_rows(rate, args.context, bandwidth)
+            save()
+        if "metrics" in parts:
+            out["metrics"] += metric_rows(rate, args.context, args.methods)
+            save()
+
+
+def model_tables(args, parts: set, out: dict, save) -> None:
+    """The TTFT and engine tables of ``parts``: one 8B model and one plain TTFT a rate serve both."""
+    if not parts & {"ttft", "engine"}:
+        return
+    from bench.engine import model_at
+
+    for rate in args.rates:
+        model = model_at(rate)
+        plain = ttft_seconds(model, args.context, args.chunk)
+        if "ttft" in parts:
+            out["ttft"] += ttft_rows(rate, args.context, plain, out)
+            save()
+        if "engine" in parts:
+            for method in args.methods:  # saved a method at a time: each builds and compiles an engine
+                out["engine"] += engine_rows(rate, model, args.context, args.chunk, plain, [method], args.engine_ratio)
+                save()
+        del model
+
+
+PARTS = ("compaction", "continual", "metrics", "ttft", "engine")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", type=rates_arg(), default=[0.0, 0.5], help="comma-separated (default 0,0.5)")
@@ -276,7 +313,14 @@ def main(argv=None):
     p.add_argument("--ratios", type=float, nargs="+", default=[2.0, 4.0, 8.0])
     p.add_argument("--methods", nargs="+", choices=metrics.METHODS, default=list(metrics.METHODS))
     p.add_argument("--chunk", type=count_arg("--chunk"), default=2048, help="prefill tokens a step for the TTFT")
-    p.add_argument("--no-ttft", action="store_true", help="skip the TTFT rows (they build the 8B model)")
+    p.add_argument("--no-ttft", action="store_true", help="skip the TTFT and engine rows (they build the 8B model)")
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="which tables to run (default all; the TTFT table's shares need the compaction and metrics tables)",
+    )
     p.add_argument("--engine-ratio", type=float, default=4.0, help="the engine rows' eviction ratio (default 4)")
     harness.timer_option(p)
     p.add_argument("--json", default=None)
@@ -293,25 +337,9 @@ def main(argv=None):
         if args.json:
             write_json(args.json, out, indent=1)
 
-    for rate in args.rates:
-        for batch in args.batch:
-            out["compaction"] += compaction_rows(rate, batch, args.context, args.ratios, bandwidth)
-            save()
-        out["continual"] += continual_rows(rate, args.context, bandwidth)
-        save()
-        out["metrics"] += metric_rows(rate, args.context, args.methods)
-        save()
-    if not args.no_ttft:
-        from bench.engine import model_at
-
-        for rate in args.rates:
-            model = model_at(rate)  # built once a rate: the plain TTFT serves both tables
-            plain = ttft_seconds(model, args.context, args.chunk)
-            out["ttft"] += ttft_rows(rate, args.context, plain, out)
-            save()
-            out["engine"] += engine_rows(rate, model, args.context, args.chunk, plain, args.methods, args.engine_ratio)
-            save()
-            del model
+    parts = set(args.parts) - ({"ttft", "engine"} if args.no_ttft else set())
+    device_tables(args, parts, bandwidth, out, save)
+    model_tables(args, parts, out, save)
     for name in ("compaction", "continual", "metrics", "ttft", "engine"):
         if out[name]:
             print(f"\n{name}")
