@@ -38,6 +38,48 @@ def test_the_interpreted_kernel_equals_the_jnp_sums(length, window, method, bloc
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6, err_msg=f"seed {seed}")
 
 
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("method", ["h2o", "kvcompress-full"])
+@pytest.mark.parametrize("blocks", [(16, 32), (32, 16)])
+def test_a_chunk_through_the_kernel_equals_its_jnp_share(window, method, blocks):
+    """The engine's form: each row's chunk of queries from its own position, keys past the chunk holding anything
+    finite (large here), rows past its length padding; the kernel equals ``metrics.chunk_mass``'s jnp sums."""
+    layout = HeadLayout(9, 3, 64, (48, 24, 48), (32, 64, 16), window)
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    t, s = 37, 112  # chunk rows (padded) and key slots (the rows' pages)
+    starts = np.array([0, 19, 64, 5])
+    lengths = np.array([37, 30, 37, 1])  # a whole chunk, a part, one from position 64, one row
+    q = jnp.asarray(rng.standard_normal((4, t, layout.q_cols)) * 1.5, jnp.float32)
+    k = rng.standard_normal((4, s, layout.k_cols))
+    for b in range(4):
+        k[b, starts[b] + lengths[b] :] *= 1e3  # what no real row may see
+    k = jnp.asarray(k, jnp.float32)
+    block_q, block_k = blocks
+    got = attention_mass(
+        q,
+        k,
+        layout,
+        starts=jnp.asarray(starts, jnp.int32),
+        lengths=jnp.asarray(lengths, jnp.int32),
+        squared=method == "kvcompress-full",
+        interpret=True,
+        block_q=block_q,
+        block_k=block_k,
+    )
+    want = metrics.chunk_mass(method, q, k, starts, lengths, layout, kernel=False)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6, err_msg=f"seed {seed}")
+    for b in range(4):  # nothing reaches past a chunk's last real row
+        assert not np.asarray(got)[b, :, starts[b] + lengths[b] :].any()
+
+
+def test_a_whole_prompt_needs_one_length():
+    layout = HeadLayout(4, 2, 32, (32, 16), (32, 32))
+    q, k = case(1, layout, 1, 20, jnp.float32)
+    with pytest.raises(ValueError, match="one length"):
+        attention_mass(q, k[:, :10], layout, interpret=True)
+
+
 def test_each_query_row_gives_its_whole_softmax():
     """Plain mass summed over a head's keys is the rows times the group: every row's weights sum to 1."""
     layout = HeadLayout(4, 2, 32, (32, 16), (32, 32), 9)

@@ -7,9 +7,9 @@ actually runs (ZACK's rotated, truncated q·k; a Palu latent rebuilt; the packed
 Adnan et al., 2024, section 3.3). ``window_scores`` gives the observation-window methods from a prompt's last
 queries, as the engine has them; ``chunk_mass`` one prefill chunk's share of a full-history sum, which the engine
 adds up over a prompt's chunks. Sums over queries run in blocks of ``QUERY_BLOCK`` rows; where asked, the
-full-history sums of ``ON_KERNEL`` run in ``ops.attention_mass`` instead (two Pallas passes, no [T, T] array; the
-jnp form stays the default until the kernel is measured on a GPU: bench/results/eviction.md "Eviction: device
-cost" times both).
+full-history sums of ``ON_KERNEL`` run in ``ops.attention_mass`` instead (two Pallas passes, no [T, T] array; 9.1x
+the jnp form on an H100: bench/results/eviction.md "Eviction on the H100 (2026-12-06)"). The engine takes the kernel
+wherever it runs kernels; the jnp form is the reference, and the only form of Keyformer's noisy sums.
 """
 
 from __future__ import annotations
@@ -85,14 +85,29 @@ def _head_mass(method: str, q, k, rows, valid, layout: HeadLayout, g: int, *, ta
 
 
 def chunk_mass(
-    method: str, q, k, starts, lengths, layout: HeadLayout, *, tau: float = 1.0, seed: int = 0, layer: int = 0
+    method: str,
+    q,
+    k,
+    starts,
+    lengths,
+    layout: HeadLayout,
+    *,
+    tau: float = 1.0,
+    seed: int = 0,
+    layer: int = 0,
+    kernel: bool = False,
 ):
     """float32 [B, Hkv, S]: the unpooled sum ``scores`` makes, over one chunk of queries only: ``q`` [B, T, q_cols]
     holds chunk b's queries from position ``starts[b]`` (its first ``lengths[b]`` rows), ``k`` [B, S, k_cols] the
     keys they may see (later slots are masked by causality). Sums over consecutive chunks equal the whole prompt's
     sum (tested), which is how the engine accumulates the full-history methods (H2O, KV-Compress's full form,
-    Keyformer) while prefilling chunk by chunk. Rows run in blocks of ``QUERY_BLOCK``: memory [B, group, block, S]."""
+    Keyformer) while prefilling chunk by chunk. Rows run in blocks of ``QUERY_BLOCK``: memory [B, group, block, S].
+    ``kernel``: the ``ON_KERNEL`` methods through ``ops.attention_mass`` (no [rows, S] array; interpreted where the
+    backend is no GPU): 9.1x the jnp form on an H100 (bench/results/eviction.md "Eviction on the H100 (2026-12-06)")."""
     b, t = q.shape[:2]
+    if method in ON_KERNEL and kernel:
+        squared, interpret = method == "kvcompress-full", jax.default_backend() != "gpu"
+        return attention_mass(q, k, layout, starts=starts, lengths=lengths, squared=squared, interpret=interpret)
     block = min(QUERY_BLOCK, t)
     blocks = -(-t // block)
     q = jnp.pad(q, ((0, 0), (0, blocks * block - t), (0, 0)))  # the last block's rows past the chunk: not valid

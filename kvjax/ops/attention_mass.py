@@ -40,40 +40,56 @@ def attention_mass(
     k,
     layout: HeadLayout,
     *,
+    starts=None,
+    lengths=None,
     squared: bool = False,
     interpret: bool = False,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
     num_warps: int = 4,
 ):
-    """float32 [B, Hkv, S]: for each KV head and key of a prompt, the softmax weight every query row that sees it
-    gives it, summed over the rows and the group's query heads (each weight squared with ``squared``).
+    """float32 [B, Hkv, S]: for each KV head and key, the softmax weight every query row that sees it gives it,
+    summed over the rows and the group's query heads (each weight squared with ``squared``).
 
-    q [B, S, q_cols] packed post-RoPE queries, k [B, S, k_cols] the keys attention reads (``layout``'s widths);
-    scores are q·k / sqrt(head_dim), as ``ops.grouped.head_logits``. Equals ``eviction.metrics.scores`` for
-    ``h2o`` (plain) and ``kvcompress-full`` (squared) to float32 rounding."""
-    b, s = q.shape[:2]
+    q [B, T, q_cols] packed post-RoPE queries, k [B, S, k_cols] the keys attention reads (``layout``'s widths);
+    scores are q·k / sqrt(head_dim), as ``ops.grouped.head_logits``. Without ``starts``, q and k are one whole
+    prompt (T = S) and the result equals ``eviction.metrics.scores`` for ``h2o`` (plain) and ``kvcompress-full``
+    (squared) to float32 rounding. With ``starts`` and ``lengths`` [B] (int32), q is one prefill chunk of each row:
+    its first ``lengths[b]`` rows are positions ``starts[b]`` on, and k holds every key they may see (the chunk's own
+    written; later slots, which causality hides, may hold anything finite): the chunk's share of the prompt's sum,
+    ``eviction.metrics.chunk_mass``, which the engine adds up over a prompt's chunks."""
+    b, t = q.shape[:2]
+    s = k.shape[1]
+    if starts is None:
+        if t != s:
+            raise ValueError(f"a whole prompt's queries and keys have one length, got {t} and {s}: give starts")
+        starts, lengths = jnp.zeros((b,), jnp.int32), jnp.full((b,), t, jnp.int32)
+    starts = jnp.broadcast_to(jnp.asarray(starts, jnp.int32), (b,))
+    lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), (b,))
     group, d = layout.group_size, layout.head_dim
     step = max(block_q, block_k)
-    padded = -(-s // step) * step
+    padded_q, padded_k = -(-t // step) * step, -(-s // step) * step
     q_off, k_off = HeadLayout.offsets(layout.k_widths, group), HeadLayout.offsets(layout.k_widths)
     by_tile: dict[int, list[int]] = {}  # heads whose widths share a power-of-two tile share a call
     for h, w in enumerate(layout.k_widths):
         by_tile.setdefault(tile(w), []).append(h)
     out: list = [None] * layout.num_kv_heads
     for wt, heads in by_tile.items():
-        # [B, heads, G, S, tile]: each query head's rows, zero past its width (a zero column adds nothing to q·k)
+        # [B, heads, G, T, tile]: each query head's rows, zero past its width (a zero column adds nothing to q·k)
         qh = jnp.stack([_padded(q, q_off[h], layout.k_widths[h], group, wt) for h in heads], 1)
-        qh = jnp.pad(qh.transpose(0, 1, 3, 2, 4), ((0, 0), (0, 0), (0, 0), (0, padded - s), (0, 0))).reshape(-1)
+        qh = jnp.pad(qh.transpose(0, 1, 3, 2, 4), ((0, 0), (0, 0), (0, 0), (0, padded_q - t), (0, 0))).reshape(-1)
         kh = jnp.stack([_padded(k, k_off[h], layout.k_widths[h], 1, wt)[:, :, 0] for h in heads], 1)
-        kh = jnp.pad(kh, ((0, 0), (0, 0), (0, padded - s), (0, 0))).reshape(-1)  # [B, heads, S, tile]
+        kh = jnp.pad(kh, ((0, 0), (0, 0), (0, padded_k - s), (0, 0))).reshape(-1)  # [B, heads, S, tile]
         got = _mass(
+            starts,
+            lengths,
             qh,
             kh,
             programs=b * len(heads),
             group=group,
-            seq_len=s,
-            padded=padded,
+            per_batch=len(heads) * group,
+            padded_q=padded_q,
+            padded_k=padded_k,
             width=wt,
             scale=LOG2E / math.sqrt(d),
             window=layout.sliding_window,
@@ -82,7 +98,7 @@ def attention_mass(
             block_k=block_k,
             num_warps=num_warps,
             interpret=interpret,
-        ).reshape(b, len(heads), padded)
+        ).reshape(b, len(heads), padded_k)
         for j, h in enumerate(heads):
             out[h] = got[:, j, :s]
     return jnp.stack(out, axis=1)
@@ -101,8 +117,9 @@ def _padded(x, offset: int, width: int, count: int, wt: int):
     static_argnames=(
         "programs",
         "group",
-        "seq_len",
-        "padded",
+        "per_batch",
+        "padded_q",
+        "padded_k",
         "width",
         "scale",
         "window",
@@ -114,108 +131,164 @@ def _padded(x, offset: int, width: int, count: int, wt: int):
     ),
 )
 def _mass(
-    qh, kh, *, programs, group, seq_len, padded, width, scale, window, squared, block_q, block_k, num_warps, interpret
+    starts,
+    lengths,
+    qh,
+    kh,
+    *,
+    programs,
+    group,
+    per_batch,
+    padded_q,
+    padded_k,
+    width,
+    scale,
+    window,
+    squared,
+    block_q,
+    block_k,
+    num_warps,
+    interpret,
 ):
-    """Both passes over flat qh [programs, G, padded, width] and kh [programs, padded, width], a program a query head
-    and block: float32 [programs, padded], each key's mass summed over the group (0 past ``seq_len``)."""
-    static = dict(group=group, seq_len=seq_len, padded=padded, width=width, scale=scale, window=window)
+    """Both passes over flat qh [programs, G, padded_q, width] and kh [programs, padded_k, width] (``per_batch``
+    query heads a row of the batch), a program a query head and block: float32 [programs, padded_k], each key's mass
+    summed over the group (0 where no real row sees it)."""
+    static = dict(
+        group=group, per_batch=per_batch, padded_q=padded_q, padded_k=padded_k, width=width, scale=scale, window=window
+    )
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
     heads = programs * group
-    lse_shape = jax.ShapeDtypeStruct((heads * padded,), jnp.float32)
+    lse_shape = jax.ShapeDtypeStruct((heads * padded_q,), jnp.float32)
+    scalars = [whole_block(starts), whole_block(lengths)]
     lse = pl.pallas_call(
         functools.partial(_lse_kernel, block_q=block_q, block_k=block_k, **static),
-        grid=(heads, padded // block_q),
-        in_specs=[whole_block(qh), whole_block(kh)],
+        grid=(heads, padded_q // block_q),
+        in_specs=[*scalars, whole_block(qh), whole_block(kh)],
         out_specs=whole_block(lse_shape),
         out_shape=lse_shape,
         interpret=interpret,
         compiler_params=params,
         name="kvjax_attention_lse",
-    )(qh, kh)
-    mass_shape = jax.ShapeDtypeStruct((heads * padded,), jnp.float32)
+    )(starts, lengths, qh, kh)
+    mass_shape = jax.ShapeDtypeStruct((heads * padded_k,), jnp.float32)
     mass = pl.pallas_call(
         functools.partial(_mass_kernel, block_q=block_q, block_k=block_k, squared=squared, **static),
-        grid=(heads, padded // block_k),
-        in_specs=[whole_block(qh), whole_block(kh), whole_block(lse)],
+        grid=(heads, padded_k // block_k),
+        in_specs=[*scalars, whole_block(qh), whole_block(kh), whole_block(lse)],
         out_specs=whole_block(mass_shape),
         out_shape=mass_shape,
         interpret=interpret,
         compiler_params=params,
         name="kvjax_attention_mass",
-    )(qh, kh, lse)
-    return mass.reshape(programs, group, padded).sum(axis=1)
+    )(starts, lengths, qh, kh, lse)
+    return mass.reshape(programs, group, padded_k).sum(axis=1)
 
 
-def _queries(q_ref, head, rows, *, padded, width, scale):
+def _queries(q_ref, head, rows, *, padded_q, width, scale):
     """Query head ``head``'s rows [rows, width], scaled to give scores in log2 units, in q's dtype (the same rounding
     in both passes, so each recomputed score is the one its denominator summed)."""
-    q = load_rows(q_ref, head * padded + rows, width, 0, jnp.arange(width)[None, :])
+    q = load_rows(q_ref, head * padded_q + rows, width, 0, jnp.arange(width)[None, :])
     return (q.astype(jnp.float32) * scale).astype(q.dtype)
 
 
-def _lse_kernel(q_ref, k_ref, lse_ref, *, group, seq_len, padded, width, scale, window, block_q, block_k):
-    """Program (h, i): query rows i * block_q ... of query head h (the (h // group)-th KV head's): log2 of each row's
-    softmax denominator over the keys it sees."""
+def _lse_kernel(
+    starts_ref,
+    lengths_ref,
+    q_ref,
+    k_ref,
+    lse_ref,
+    *,
+    group,
+    per_batch,
+    padded_q,
+    padded_k,
+    width,
+    scale,
+    window,
+    block_q,
+    block_k,
+):
+    """Program (h, i): chunk rows i * block_q ... of query head h (the (h // group)-th KV head's): log2 of each row's
+    softmax denominator over the keys it sees. A block past the chunk's real rows reads nothing."""
     h, i = pl.program_id(0), pl.program_id(1)
-    rows = i * block_q + jnp.arange(block_q)
+    start, length = starts_ref[h // per_batch], lengths_ref[h // per_batch]
+    local = i * block_q + jnp.arange(block_q)
+    rows = start + local  # positions in the prompt
     cols = jnp.arange(width)[None, :]
     precision = dot_precision(q_ref.dtype)
-    q = _queries(q_ref, h, rows, padded=padded, width=width, scale=scale)
+    q = _queries(q_ref, h, local, padded_q=padded_q, width=width, scale=scale)
 
     def body(j, carry, masked):
         m, l = carry
         keys = j * block_k + jnp.arange(block_k)
-        k = load_rows(k_ref, (h // group) * padded + keys, width, 0, cols)
+        k = load_rows(k_ref, (h // group) * padded_k + keys, width, 0, cols)
         s = plgpu.dot(q, k, trans_b=True, precision=precision)
         if masked:
-            s = jnp.where(visible(rows[:, None], keys[None, :], window) & (keys < seq_len)[None, :], s, MASK)
+            s = jnp.where(visible(rows[:, None], keys[None, :], window), s, MASK)
         m_new = jnp.maximum(m, s.max(axis=1))
         return m_new, l * jnp.exp2(m - m_new) + jnp.exp2(s - m_new[:, None]).sum(axis=1)
 
-    last = pl.cdiv(jnp.minimum((i + 1) * block_q, seq_len), block_k)
+    # the keys up to the block's last real row; none for a block of padding rows
+    last = jnp.where(i * block_q < length, pl.cdiv(start + jnp.minimum((i + 1) * block_q, length), block_k), 0)
     carry = (jnp.full((block_q,), MASK, jnp.float32), jnp.zeros((block_q,), jnp.float32))
     if window:  # the window's lower edge cuts into blocks too: every step masked
-        first = jnp.maximum(i * block_q - window + 1, 0) // block_k
+        first = jnp.maximum(start + i * block_q - window + 1, 0) // block_k
         m, l = lax.fori_loop(first, jnp.maximum(last, first), functools.partial(body, masked=True), carry)
-    else:  # key blocks every row sees whole (left of the diagonal, inside the prompt) skip the mask
-        whole = jnp.clip(jnp.minimum((i * block_q + 1) // block_k, seq_len // block_k), 0, last)
+    else:  # key blocks every row sees whole (at or before the block's first position) skip the mask
+        whole = jnp.clip((start + i * block_q + 1) // block_k, 0, last)
         carry = lax.fori_loop(0, whole, functools.partial(body, masked=False), carry)
         m, l = lax.fori_loop(whole, jnp.maximum(last, whole), functools.partial(body, masked=True), carry)
-    # every row sees key 0 or its own key, so l > 0; the guard only keeps log2 finite
-    plgpu.store(lse_ref.at[h * padded + rows], m + jnp.log2(jnp.where(l > 0, l, 1.0)))
+    # every real row sees its own key, so l > 0; the guard only keeps log2 finite in padding rows
+    plgpu.store(lse_ref.at[h * padded_q + local], m + jnp.log2(jnp.where(l > 0, l, 1.0)))
 
 
 def _mass_kernel(
-    q_ref, k_ref, lse_ref, out_ref, *, group, seq_len, padded, width, scale, window, squared, block_q, block_k
+    starts_ref,
+    lengths_ref,
+    q_ref,
+    k_ref,
+    lse_ref,
+    out_ref,
+    *,
+    group,
+    per_batch,
+    padded_q,
+    padded_k,
+    width,
+    scale,
+    window,
+    squared,
+    block_q,
+    block_k,
 ):
-    """Program (h, j): keys j * block_k ... of query head h's KV head, the weight each of h's rows that sees them
-    gives them, summed over the rows (the group's heads are summed by the caller)."""
+    """Program (h, j): keys j * block_k ... of query head h's KV head, the weight each of h's real chunk rows that
+    sees them gives them, summed over the rows (the group's heads are summed by the caller)."""
     h, j = pl.program_id(0), pl.program_id(1)
+    start, length = starts_ref[h // per_batch], lengths_ref[h // per_batch]
     keys = j * block_k + jnp.arange(block_k)
     precision = dot_precision(q_ref.dtype)
-    k = load_rows(k_ref, (h // group) * padded + keys, width, 0, jnp.arange(width)[None, :])
+    k = load_rows(k_ref, (h // group) * padded_k + keys, width, 0, jnp.arange(width)[None, :])
 
     def body(i, total, masked):
-        rows = i * block_q + jnp.arange(block_q)
-        q = _queries(q_ref, h, rows, padded=padded, width=width, scale=scale)
-        lse = plgpu.load(lse_ref.at[h * padded + rows])
+        local = i * block_q + jnp.arange(block_q)
+        q = _queries(q_ref, h, local, padded_q=padded_q, width=width, scale=scale)
+        lse = plgpu.load(lse_ref.at[h * padded_q + local])
         p = jnp.exp2(plgpu.dot(q, k, trans_b=True, precision=precision) - lse[:, None])
         if masked:
-            seen = visible(rows[:, None], keys[None, :], window) & (rows < seq_len)[:, None]
-            p = jnp.where(seen & (keys < seq_len)[None, :], p, 0.0)
+            seen = visible(start + local[:, None], keys[None, :], window) & (local < length)[:, None]
+            p = jnp.where(seen, p, 0.0)
         return total + (p * p if squared else p).sum(axis=0)
 
-    first = (j * block_k) // block_q  # the first rows that can see these keys (causal)
-    end = pl.cdiv(jnp.minimum((j + 1) * block_k - 1 + window, seq_len) if window else seq_len, block_q)
-    end = jnp.maximum(end, first)
+    first = jnp.maximum(j * block_k - start, 0) // block_q  # the first chunk rows that can see these keys (causal)
+    end = jnp.minimum((j + 1) * block_k - 1 + window - start, length) if window else length
+    end = jnp.maximum(pl.cdiv(end, block_q), first)
     total = jnp.zeros((block_k,), jnp.float32)
     if window:  # rows past the window's edge stop seeing these keys: every step masked
         total = lax.fori_loop(first, end, functools.partial(body, masked=True), total)
-    else:  # row blocks that see every key whole (below the diagonal, inside the prompt) skip the mask
-        below = jnp.clip(pl.cdiv((j + 1) * block_k - 1, block_q), first, end)
-        inside = jnp.where((j + 1) * block_k <= seq_len, jnp.maximum(seq_len // block_q, below), below)
-        inside = jnp.minimum(inside, end)
+    else:  # row blocks that see every key whole (at or after the last key, all real) skip the mask
+        below = jnp.clip(pl.cdiv((j + 1) * block_k - 1 - start, block_q), first, end)
+        inside = jnp.minimum(jnp.maximum(length // block_q, below), end)
         total = lax.fori_loop(first, below, functools.partial(body, masked=True), total)
         total = lax.fori_loop(below, inside, functools.partial(body, masked=False), total)
         total = lax.fori_loop(inside, end, functools.partial(body, masked=True), total)
-    plgpu.store(out_ref.at[h * padded + keys], total)
+    plgpu.store(out_ref.at[h * padded_k + keys], total)

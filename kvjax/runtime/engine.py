@@ -212,7 +212,8 @@ def _prefill_step(
     their prompts; ``_Evict``): those prompts are evicted into per-head pages after the model has run
     (``_evicted``; ``evicting``: its inputs). ``vocab`` (tensor parallelism): the vocabulary's size, the step one
     device's share (``_hidden``). ``history`` (an evicting engine's full-history policy): every call adds what its
-    chunks' queries give their keys to the cache's ``mass`` (``eviction.prompt.accumulate``)."""
+    chunks' queries give their keys to the cache's ``mass`` (``eviction.prompt.accumulate``; through the mass kernel
+    where ``op`` runs kernels)."""
     module = nnx.merge(graphdef, jax.tree.unflatten(structure, weights))
     b, t = tokens.shape
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -233,7 +234,7 @@ def _prefill_step(
                 nonlocal mass
                 packed = q if rotation is None else rotation.packed(q, k)[0]
                 keys = ks[i][pages].reshape(b, -1, lay.k_cols)
-                mass = accumulate(mass, i, history, packed, keys, pages, starts, lengths, lay)
+                mass = accumulate(mass, i, history, packed, keys, pages, starts, lengths, lay, kernel=op is not None)
         else:
             out, ks[i], vs[i] = attention.prefill_quantized(
                 q, k, v, lay, ks[i], vs[i], formats[i], pages, tail_rows, lengths, prefix_from, op=op, rotation=rotation
