@@ -23,7 +23,7 @@ def case(seed, layout, batch, length, dtype):
 
 @pytest.mark.parametrize("length", [1, 16, 77])
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("method", ["h2o", "kvcompress-full"])
+@pytest.mark.parametrize("method", metrics.ON_KERNEL)
 @pytest.mark.parametrize("blocks", [(16, 32), (32, 16)])
 def test_the_interpreted_kernel_equals_the_jnp_sums(length, window, method, blocks):
     # heads of three widths (one not a multiple of 16), a group of 3, blocks that do not divide the prompt
@@ -31,15 +31,23 @@ def test_the_interpreted_kernel_equals_the_jnp_sums(length, window, method, bloc
     seed = int(np.random.default_rng().integers(1 << 30))
     q, k = case(seed, layout, 2, length, jnp.float32)
     block_q, block_k = blocks  # rows and keys a step: unmasked steps left of and below the diagonal, masked on it
+    gumbel = (seed, 3, 0.7) if method == "keyformer" else None  # a seed, a layer and a temperature
     got = attention_mass(
-        q, k, layout, squared=method == "kvcompress-full", interpret=True, block_q=block_q, block_k=block_k
+        q,
+        k,
+        layout,
+        squared=method == "kvcompress-full",
+        gumbel=gumbel,
+        interpret=True,
+        block_q=block_q,
+        block_k=block_k,
     )
-    want = metrics.scores(method, q, k, layout, kernel=False)
+    want = metrics.scores(method, q, k, layout, kernel=False, seed=seed, layer=3, tau=0.7)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6, err_msg=f"seed {seed}")
 
 
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("method", ["h2o", "kvcompress-full"])
+@pytest.mark.parametrize("method", metrics.ON_KERNEL)
 @pytest.mark.parametrize("blocks", [(16, 32), (32, 16)])
 def test_a_chunk_through_the_kernel_equals_its_jnp_share(window, method, blocks):
     """The engine's form: each row's chunk of queries from its own position, keys past the chunk holding anything
@@ -63,11 +71,12 @@ def test_a_chunk_through_the_kernel_equals_its_jnp_share(window, method, blocks)
         starts=jnp.asarray(starts, jnp.int32),
         lengths=jnp.asarray(lengths, jnp.int32),
         squared=method == "kvcompress-full",
+        gumbel=(seed, 11, 1.5) if method == "keyformer" else None,
         interpret=True,
         block_q=block_q,
         block_k=block_k,
     )
-    want = metrics.chunk_mass(method, q, k, starts, lengths, layout, kernel=False)
+    want = metrics.chunk_mass(method, q, k, starts, lengths, layout, kernel=False, seed=seed, layer=11, tau=1.5)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6, err_msg=f"seed {seed}")
     for b in range(4):  # nothing reaches past a chunk's last real row
         assert not np.asarray(got)[b, :, starts[b] + lengths[b] :].any()
@@ -128,3 +137,20 @@ def test_both_passes_lower_to_triton_for_an_h100():
     modules = triton_modules(lambda q, k: attention_mass(q, k, layout, squared=True), (q, k))
     assert len(modules) == 4 and all("tt.dot" in m for m in modules)
     assert sum("@kvjax_attention_lse" in m for m in modules) == 2
+
+
+def test_keyformers_chunk_lowers_to_triton_for_an_h100():
+    """The chunk form with Keyformer's noise (integer hashing, logical shifts, two logs a score) lowers too."""
+    from kvjax.ops.lowering import triton_modules
+
+    layout = HeadLayout(8, 4, 64, (16, 48, 16, 64), (32, 16, 32, 64))
+    q = jnp.ones((2, 64, layout.q_cols), jnp.bfloat16)
+    k = jnp.ones((2, 200, layout.k_cols), jnp.bfloat16)
+    starts, lengths = jnp.array([0, 100], jnp.int32), jnp.array([64, 30], jnp.int32)
+
+    def run(q, k):
+        return attention_mass(q, k, layout, starts=starts, lengths=lengths, gumbel=(5, 3, 1.0))
+
+    modules = triton_modules(run, (q, k))
+    assert len(modules) == 4 and all("tt.dot" in m for m in modules)
+    assert all("arith.shrui" in m and "tt.extern_elementwise" in m for m in modules)  # the logs: libdevice

@@ -97,6 +97,14 @@ def test_gumbel_noise_is_standard_gumbel_and_a_function_of_its_positions_alone()
     assert draws[0, 1, 8, 9] != one and draws[0, 1, 7, 10] != one
 
 
+def test_the_extreme_hashes_give_finite_draws():
+    """The smallest and largest hashes map inside (0, 1): no infinite draw (24 bits made one in 2^24 infinite)."""
+    from kvjax.ops import noise
+
+    h = jnp.asarray(np.array([0, 1, 0x7FFFFFFF, 0xFFFFFFFF, 0xFFFFFE00, 0x80000000], np.uint32).view(np.int32))
+    assert np.isfinite(np.asarray(noise.gumbel(h))).all()
+
+
 @pytest.mark.parametrize("method", ["h2o", "kvcompress-full", "keyformer"])
 @pytest.mark.parametrize("window", [None, 5])
 def test_chunk_masses_sum_to_the_whole_prompts_scores(method, window, monkeypatch):

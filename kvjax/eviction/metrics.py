@@ -18,12 +18,13 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.layout import HeadLayout
+from kvjax.ops import noise
 from kvjax.ops.attention_mass import attention_mass
 from kvjax.ops.grouped import full_width, head_logits, visible
 
 METHODS = ("kvcompress", "kvcompress-full", "snapkv", "h2o", "keyformer")
 WINDOWED = ("kvcompress", "snapkv")  # scored by the last ``window`` queries only
-ON_KERNEL = ("h2o", "kvcompress-full")  # full-history sums ``ops.attention_mass`` computes (Keyformer's noise: jnp)
+ON_KERNEL = ("h2o", "kvcompress-full", "keyformer")  # the full-history sums ``ops.attention_mass`` computes
 QUERY_BLOCK = 256
 
 
@@ -52,23 +53,13 @@ def _mass(method: str, logits, seen):
 def gumbel_noise(seed: int, layer: int, heads, rows, keys):
     """Keyformer's standard Gumbel draws, float32 [B, len(heads), R, S], for query ``heads`` [G] at query positions
     ``rows`` [B, R] against key positions ``keys`` [S]: a counter-based hash of (seed, layer, query head, query
-    position, key position) alone (a 32-bit integer mixer, five rounds), so a prompt scored whole and the same
-    prompt scored chunk by chunk (the engine's prefill, ``chunk_mass``) draw the same noise."""
+    position, key position) alone (``ops.noise``: a 32-bit integer mixer, five rounds), so a prompt scored whole and
+    the same prompt scored chunk by chunk (the engine's prefill, ``chunk_mass``) draw the same noise, and the mass
+    kernel hashes the same bits."""
 
-    def mix(x):  # a 32-bit avalanche mixer (Wellons's "lowbias32"); uint32 products wrap
-        x = x ^ (x >> 16)
-        x = x * jnp.uint32(0x7FEB352D)
-        x = x ^ (x >> 15)
-        x = x * jnp.uint32(0x846CA68B)
-        return x ^ (x >> 16)
-
-    h = mix(jnp.uint32(seed) ^ jnp.uint32(0x9E3779B9))
-    h = mix(h ^ jnp.uint32(layer))
-    h = mix(h ^ jnp.asarray(heads, jnp.uint32)[None, :, None, None])
-    h = mix(h ^ jnp.asarray(rows, jnp.int32).astype(jnp.uint32)[:, None, :, None])
-    h = mix(h ^ jnp.asarray(keys, jnp.int32).astype(jnp.uint32)[None, None, None, :])
-    u = ((h >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
-    return -jnp.log(-jnp.log(u))
+    h = noise.mix(noise.base(seed, layer) ^ jnp.asarray(heads, jnp.int32)[None, :, None, None])
+    h = noise.mix(h ^ jnp.asarray(rows, jnp.int32)[:, None, :, None])
+    return noise.gumbel(noise.mix(h ^ jnp.asarray(keys, jnp.int32)[None, None, None, :]))
 
 
 def _head_mass(method: str, q, k, rows, valid, layout: HeadLayout, g: int, *, tau: float, seed: int, layer: int):
@@ -82,6 +73,21 @@ def _head_mass(method: str, q, k, rows, valid, layout: HeadLayout, g: int, *, ta
         heads = g * layout.group_size + jnp.arange(layout.group_size)
         logits = (logits + gumbel_noise(seed, layer, heads, rows, key_pos)) / tau
     return _mass(method, logits, seen[:, None])
+
+
+def _on_kernel(method: str, q, k, layout: HeadLayout, *, tau: float, seed: int, layer, starts=None, lengths=None):
+    """``ops.attention_mass`` for an ``ON_KERNEL`` method (squared: KV-Compress; Keyformer's noise hashed in the
+    kernel), interpreted where the backend is no GPU."""
+    return attention_mass(
+        q,
+        k,
+        layout,
+        starts=starts,
+        lengths=lengths,
+        squared=method == "kvcompress-full",
+        gumbel=(seed, layer, tau) if method == "keyformer" else None,
+        interpret=jax.default_backend() != "gpu",
+    )
 
 
 def chunk_mass(
@@ -106,8 +112,7 @@ def chunk_mass(
     backend is no GPU): 9.1x the jnp form on an H100 (bench/results/eviction.md "Eviction on the H100 (2026-12-06)")."""
     b, t = q.shape[:2]
     if method in ON_KERNEL and kernel:
-        squared, interpret = method == "kvcompress-full", jax.default_backend() != "gpu"
-        return attention_mass(q, k, layout, starts=starts, lengths=lengths, squared=squared, interpret=interpret)
+        return _on_kernel(method, q, k, layout, starts=starts, lengths=lengths, tau=tau, seed=seed, layer=layer)
     block = min(QUERY_BLOCK, t)
     blocks = -(-t // block)
     q = jnp.pad(q, ((0, 0), (0, blocks * block - t), (0, 0)))  # the last block's rows past the chunk: not valid
@@ -154,8 +159,7 @@ def scores(
     if rebuild is not None:
         k, layout = rebuild(k, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))), full_width(layout)
     if method in ON_KERNEL and kernel:
-        interpret = jax.default_backend() != "gpu"
-        return attention_mass(q, k, layout, squared=method == "kvcompress-full", interpret=interpret)
+        return _on_kernel(method, q, k, layout, tau=tau, seed=seed, layer=layer)
     first = max(s - window, 0) if method in WINDOWED else 0
     total = chunk_mass(method, q[:, first:], k, first, s - first, layout, tau=tau, seed=seed, layer=layer)
     return _pool(total, pool) if method in WINDOWED else total

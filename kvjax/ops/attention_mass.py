@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
+from kvjax.ops import noise
 from kvjax.ops.grouped import visible
 from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, whole_block
 from kvjax.ops.tiles import tile
@@ -43,6 +44,7 @@ def attention_mass(
     starts=None,
     lengths=None,
     squared: bool = False,
+    gumbel=None,
     interpret: bool = False,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
@@ -57,7 +59,9 @@ def attention_mass(
     (squared) to float32 rounding. With ``starts`` and ``lengths`` [B] (int32), q is one prefill chunk of each row:
     its first ``lengths[b]`` rows are positions ``starts[b]`` on, and k holds every key they may see (the chunk's own
     written; later slots, which causality hides, may hold anything finite): the chunk's share of the prompt's sum,
-    ``eviction.metrics.chunk_mass``, which the engine adds up over a prompt's chunks."""
+    ``eviction.metrics.chunk_mass``, which the engine adds up over a prompt's chunks. ``gumbel`` (seed, layer, tau):
+    Keyformer's softmax instead, of (q·k + g) / tau with g ``metrics.gumbel_noise``'s draw for (seed, layer, query
+    head, query position, key position), hashed in the kernel (``ops.noise``; the same bits as the jnp form)."""
     b, t = q.shape[:2]
     s = k.shape[1]
     if starts is None:
@@ -67,6 +71,8 @@ def attention_mass(
     starts = jnp.broadcast_to(jnp.asarray(starts, jnp.int32), (b,))
     lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), (b,))
     group, d = layout.group_size, layout.head_dim
+    seed, layer, tau = gumbel if gumbel is not None else (0, 0, None)
+    start_hash = noise.base(seed, layer).reshape(1)
     step = max(block_q, block_k)
     padded_q, padded_k = -(-t // step) * step, -(-s // step) * step
     q_off, k_off = HeadLayout.offsets(layout.k_widths, group), HeadLayout.offsets(layout.k_widths)
@@ -83,10 +89,13 @@ def attention_mass(
         got = _mass(
             starts,
             lengths,
+            start_hash,
+            jnp.asarray(heads, jnp.int32),
             qh,
             kh,
             programs=b * len(heads),
             group=group,
+            tau=tau,
             per_batch=len(heads) * group,
             padded_q=padded_q,
             padded_k=padded_k,
@@ -118,6 +127,7 @@ def _padded(x, offset: int, width: int, count: int, wt: int):
         "programs",
         "group",
         "per_batch",
+        "tau",
         "padded_q",
         "padded_k",
         "width",
@@ -133,12 +143,15 @@ def _padded(x, offset: int, width: int, count: int, wt: int):
 def _mass(
     starts,
     lengths,
+    start_hash,
+    kv_heads,
     qh,
     kh,
     *,
     programs,
     group,
     per_batch,
+    tau,
     padded_q,
     padded_k,
     width,
@@ -152,14 +165,22 @@ def _mass(
 ):
     """Both passes over flat qh [programs, G, padded_q, width] and kh [programs, padded_k, width] (``per_batch``
     query heads a row of the batch), a program a query head and block: float32 [programs, padded_k], each key's mass
-    summed over the group (0 where no real row sees it)."""
+    summed over the group (0 where no real row sees it). ``kv_heads`` [per_batch / group]: the layout's KV head of
+    each of a row's programs; ``start_hash`` [1] and ``tau`` (None: no noise): Keyformer's draws."""
     static = dict(
-        group=group, per_batch=per_batch, padded_q=padded_q, padded_k=padded_k, width=width, scale=scale, window=window
+        group=group,
+        per_batch=per_batch,
+        tau=tau,
+        padded_q=padded_q,
+        padded_k=padded_k,
+        width=width,
+        scale=scale,
+        window=window,
     )
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
     heads = programs * group
     lse_shape = jax.ShapeDtypeStruct((heads * padded_q,), jnp.float32)
-    scalars = [whole_block(starts), whole_block(lengths)]
+    scalars = [whole_block(x) for x in (starts, lengths, start_hash, kv_heads)]
     lse = pl.pallas_call(
         functools.partial(_lse_kernel, block_q=block_q, block_k=block_k, **static),
         grid=(heads, padded_q // block_q),
@@ -169,7 +190,7 @@ def _mass(
         interpret=interpret,
         compiler_params=params,
         name="kvjax_attention_lse",
-    )(starts, lengths, qh, kh)
+    )(starts, lengths, start_hash, kv_heads, qh, kh)
     mass_shape = jax.ShapeDtypeStruct((heads * padded_k,), jnp.float32)
     mass = pl.pallas_call(
         functools.partial(_mass_kernel, block_q=block_q, block_k=block_k, squared=squared, **static),
@@ -180,7 +201,7 @@ def _mass(
         interpret=interpret,
         compiler_params=params,
         name="kvjax_attention_mass",
-    )(starts, lengths, qh, kh, lse)
+    )(starts, lengths, start_hash, kv_heads, qh, kh, lse)
     return mass.reshape(programs, group, padded_k).sum(axis=1)
 
 
@@ -191,15 +212,34 @@ def _queries(q_ref, head, rows, *, padded_q, width, scale):
     return (q.astype(jnp.float32) * scale).astype(q.dtype)
 
 
+def _head_hash(h, hash_ref, heads_ref, group: int, per_batch: int):
+    """Program h's query head (its layout number: its call's KV head times the group, plus its place in the group)
+    hashed onto the (seed, layer) hash, as ``eviction.metrics.gumbel_noise`` orders them."""
+    head = heads_ref[(h % per_batch) // group] * group + h % group
+    return noise.mix(hash_ref[0] ^ head)
+
+
+def _noisy(s, row_hash, keys, tau):
+    """Scores ``s`` [R, K] (log2 units) as Keyformer's softmax takes them, (s + g) / tau with each (row, key)'s
+    Gumbel draw g from the rows' hashes ``row_hash`` [R] and the key positions ``keys`` [K]; no noise: ``s``."""
+    if tau is None:
+        return s
+    g = noise.gumbel(noise.mix(row_hash[:, None] ^ keys[None, :]))
+    return (s + g * LOG2E) / tau
+
+
 def _lse_kernel(
     starts_ref,
     lengths_ref,
+    hash_ref,
+    heads_ref,
     q_ref,
     k_ref,
     lse_ref,
     *,
     group,
     per_batch,
+    tau,
     padded_q,
     padded_k,
     width,
@@ -217,12 +257,13 @@ def _lse_kernel(
     cols = jnp.arange(width)[None, :]
     precision = dot_precision(q_ref.dtype)
     q = _queries(q_ref, h, local, padded_q=padded_q, width=width, scale=scale)
+    row_hash = None if tau is None else noise.mix(_head_hash(h, hash_ref, heads_ref, group, per_batch) ^ rows)
 
     def body(j, carry, masked):
         m, l = carry
         keys = j * block_k + jnp.arange(block_k)
         k = load_rows(k_ref, (h // group) * padded_k + keys, width, 0, cols)
-        s = plgpu.dot(q, k, trans_b=True, precision=precision)
+        s = _noisy(plgpu.dot(q, k, trans_b=True, precision=precision), row_hash, keys, tau)
         if masked:
             s = jnp.where(visible(rows[:, None], keys[None, :], window), s, MASK)
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -245,6 +286,8 @@ def _lse_kernel(
 def _mass_kernel(
     starts_ref,
     lengths_ref,
+    hash_ref,
+    heads_ref,
     q_ref,
     k_ref,
     lse_ref,
@@ -252,6 +295,7 @@ def _mass_kernel(
     *,
     group,
     per_batch,
+    tau,
     padded_q,
     padded_k,
     width,
@@ -268,12 +312,15 @@ def _mass_kernel(
     keys = j * block_k + jnp.arange(block_k)
     precision = dot_precision(q_ref.dtype)
     k = load_rows(k_ref, (h // group) * padded_k + keys, width, 0, jnp.arange(width)[None, :])
+    head_hash = None if tau is None else _head_hash(h, hash_ref, heads_ref, group, per_batch)
 
     def body(i, total, masked):
         local = i * block_q + jnp.arange(block_q)
         q = _queries(q_ref, h, local, padded_q=padded_q, width=width, scale=scale)
         lse = plgpu.load(lse_ref.at[h * padded_q + local])
-        p = jnp.exp2(plgpu.dot(q, k, trans_b=True, precision=precision) - lse[:, None])
+        row_hash = None if tau is None else noise.mix(head_hash ^ (start + local))
+        s = _noisy(plgpu.dot(q, k, trans_b=True, precision=precision), row_hash, keys, tau)
+        p = jnp.exp2(s - lse[:, None])
         if masked:
             seen = visible(start + local[:, None], keys[None, :], window) & (local < length)[:, None]
             p = jnp.where(seen, p, 0.0)
