@@ -385,6 +385,46 @@ def test_the_per_head_decode_kernel_skips_the_slots_a_window_has_passed(one_laun
         head_paged_decode(q, pool, tables, stored, plain, page_elems, first=first, interpret=True)
 
 
+@pytest.mark.parametrize("schedule, splits", [("slots", None), ("slots", 3), ("live", None), ("live", 2)])
+@pytest.mark.parametrize("window", [None, 24])
+def test_the_per_head_decode_kernels_weights_equal_the_softmax_on_each_slot(schedule, splits, window):
+    """``weights=True``: each query row's softmax weight on each slot of its head, from the kernel's own scores and
+    the splits' merged denominators (any split of a head's pages, the live schedule's items, a window's first slot,
+    a head storing nothing), equal to the reference; slots past a head's count weigh 0 and every row sums to 1."""
+    from kvjax.ops.decode.head_kernel import head_paged_decode
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    layout = HeadLayout(8, 4, 64, (16, 48, 16, 64), (32, 16, 32, 64), sliding_window=window)
+    page_elems = 8 * 2 * 64
+    per = head_paging.layer_tokens_per_page(layout, page_elems)[None]
+    pages = HeadPages(300, per, max_pages=12)
+    lengths = rng.integers(1, 60, (3, 4))
+    lengths[1, 2] = 0  # a head that evicted everything
+    for b in range(3):
+        assert pages.grow(b, lengths[b][None]) is not None
+    first = None
+    if window:
+        first = jnp.asarray(np.minimum(rng.integers(0, 40, (3, 4)), np.maximum(lengths - 1, 0)), jnp.int32)
+    pool = jnp.asarray(rng.normal(size=(300, page_elems)), np.float32)
+    tables = jnp.asarray(np.stack([pages.table(b)[0] for b in range(3)]))
+    q = jnp.asarray(rng.normal(size=(3, layout.q_cols)) * 2, np.float32)
+    stored = jnp.asarray(lengths, jnp.int32)
+    kw = dict(first=first, splits=splits, schedule=schedule, interpret=True)
+    out, got = head_paged_decode(q, pool, tables, stored, layout, page_elems, weights=True, **kw)
+    np.testing.assert_allclose(
+        np.asarray(out), np.asarray(head_paged_decode(q, pool, tables, stored, layout, page_elems, **kw)), rtol=1e-6
+    )
+    want = head_paging.decode_weights(q, pool, tables, stored, layout, page_elems, 60, first=first)
+    got = np.asarray(got)
+    assert got.shape[:3] == (3, 4, layout.group_size) and got.shape[3] >= 60
+    np.testing.assert_allclose(got[..., :60], want, rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}")
+    assert not got[..., 60:].any()
+    sums = got.sum(axis=-1)
+    np.testing.assert_allclose(sums[lengths > 0], 1.0, rtol=1e-5)
+    assert not sums[lengths == 0].any()
+
+
 @pytest.mark.parametrize("trial", range(4))
 def test_where_a_window_starts_in_a_heads_slots_is_counted_from_what_it_kept(trial):
     """``window_before`` then ``window_first``: a head that kept some of its prompt's last W positions and then
@@ -415,6 +455,7 @@ def test_the_per_head_decode_kernel_lowers_for_sm90():
     with a branch per pair (the default)."""
     from kvjax.ops.decode.head_kernel import head_paged_decode
     from kvjax.ops.lowering import triton_modules
+    from kvjax.ops.pallas_util import width_pairs
 
     layout = HeadLayout(8, 4, 64, (16, 48, 16, 64), (32, 16, 32, 64))
     page_elems = 8 * 2 * 64
@@ -436,12 +477,26 @@ def test_the_per_head_decode_kernel_lowers_for_sm90():
     (module,) = triton_modules(one, (q, pool, tables, stored))  # every pair in one kernel, a branch each
     assert "@kvjax_head_decode_all" in module and module.count("tt.dot") >= 6
 
+    def weighed(q, pool, tables, stored):
+        return head_paged_decode(q, pool, tables, stored, layout, page_elems, schedule="live", weights=True)
+
+    def live(q, pool, tables, stored):
+        return head_paged_decode(q, pool, tables, stored, layout, page_elems, schedule="live")
+
+    (module,) = triton_modules(weighed, (q, pool, tables, stored))
+    (plain,) = triton_modules(live, (q, pool, tables, stored))
+    assert "@kvjax_head_decode_live" in module  # a branch a pair, each storing its scores beside the softmax
+    assert module.count("tt.store") == plain.count("tt.store") + len(width_pairs(layout))
+    with pytest.raises(ValueError, match="one launch only"):
+        head_paged_decode(q, pool, tables, stored, layout, page_elems, one_launch=False, weights=True)
+
 
 @pytest.mark.parametrize("backend", ["reference", "interpret"])
 def test_decode_over_head_pages_writes_each_heads_next_slot_and_attends_its_own_tokens(backend):
     """``attention.decode_heads``: the new token lands at each KV head's own next slot (heads store different counts,
     one none), the output is softmax attention over each head's stored tokens and the new one (float64 brute force),
-    and an inactive row writes nothing and keeps its counts; the kernel in interpret mode gives the same."""
+    and an inactive row writes nothing and keeps its counts; the kernel in interpret mode gives the same. The
+    weights (``weights=True``, the full-history eviction sums' decode share) are that softmax on each slot."""
     from kvjax.ops.attention import decode_heads
 
     seed = fresh_seed()
@@ -461,7 +516,7 @@ def test_decode_over_head_pages_writes_each_heads_next_slot_and_attends_its_own_
     v = rng.normal(size=(3, layout.v_cols)).astype(np.float32)
     active = jnp.asarray([True, False, True])
     stored = jnp.asarray(lengths, jnp.int32)
-    out, got_pool, after, _ = decode_heads(
+    out, got_pool, after, _, weights = decode_heads(
         jnp.asarray(q),
         jnp.asarray(k),
         jnp.asarray(v),
@@ -472,8 +527,10 @@ def test_decode_over_head_pages_writes_each_heads_next_slot_and_attends_its_own_
         page_elems,
         backend=backend,
         active=active,
+        weights=True,
     )
     np.testing.assert_array_equal(after, lengths + np.array([[1], [0], [1]]))
+    weights = np.asarray(weights)
     scale = 1 / np.sqrt(layout.head_dim)
     for b in (0, 2):
         for h, (kw, vw) in enumerate(zip(layout.k_widths, layout.v_widths)):
@@ -489,6 +546,8 @@ def test_decode_over_head_pages_writes_each_heads_next_slot_and_attends_its_own_
                 logits = keys[:n] @ q[b, qo + j * kw : qo + (j + 1) * kw] * scale
                 p = np.exp(logits - logits.max())
                 want = (p / p.sum()) @ values[:n]
+                np.testing.assert_allclose(weights[b, h, j, :n], p / p.sum(), rtol=2e-4, atol=1e-6)
+                assert not weights[b, h, j, n:].any()
                 oo = HeadLayout.offsets(layout.v_widths, 2)[h] + j * vw
                 np.testing.assert_allclose(out[b, oo : oo + vw], want, rtol=2e-4, atol=2e-5, err_msg=f"seed {seed}")
     untouched = np.asarray(tables[1]).ravel()

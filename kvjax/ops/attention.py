@@ -238,6 +238,7 @@ def decode_heads(
     schedule="slots",
     work=None,
     before=None,
+    weights: bool = False,
 ):
     """One new token per sequence over per-head pages (``ops.head_paging``, eviction's cache): its K/V [B, cols]
     written at each KV head's next slot, ``stored`` [B, Hkv] (a head's count before it), through this layer's
@@ -249,7 +250,9 @@ def decode_heads(
     ``schedule``, ``work``: the kernel's (``head_paged_decode``; the engine builds ``work`` once a step). ``before``
     [B, Hkv, >= W + 1] (``head_paging.window_before``'s rows of this layer): where a sliding window starts in each
     head's slots, for a layer whose window can pass a stored token (None: it cannot). The engine's decode step calls
-    it once a layer, the pool (every layer's pages) threaded through."""
+    it once a layer, the pool (every layer's pages) threaded through. ``weights``: a fifth result, float32 [B, Hkv, G,
+    slots], each query row's softmax weight on each slot of its head (``head_paging.decode_weights``; on the kernels
+    out of the decode kernel's own scores): the step's share of the full-history eviction sums."""
     check_backend(backend)
     if rotation is not None:
         q, k = rotation.packed_rows(q, k)
@@ -264,18 +267,19 @@ def decode_heads(
         first = head_paging.window_first(before, after, layout.sliding_window)
     if backend == "reference":
         most = int(head_paging.layer_tokens_per_page(layout, page_elems).max()) * tables.shape[-1]
-        out = head_paging.decode_attention(q, pool, tables, after, layout, page_elems, most, first=first)
-        return out, pool, after, q
-    out = head_paged_decode(
-        q,
-        pool,
-        tables,
-        after,
-        layout,
-        page_elems,
-        first=first,
-        schedule=schedule,
-        work=work,
-        interpret=backend == "interpret",
-    )
-    return out, pool, after, q
+        got = head_paging.decode_attention(q, pool, tables, after, layout, page_elems, most, first, weights=weights)
+    else:
+        got = head_paged_decode(
+            q,
+            pool,
+            tables,
+            after,
+            layout,
+            page_elems,
+            first=first,
+            schedule=schedule,
+            work=work,
+            weights=weights,
+            interpret=backend == "interpret",
+        )
+    return (got[0], pool, after, q, got[1]) if weights else (got, pool, after, q)

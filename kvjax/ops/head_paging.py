@@ -103,15 +103,36 @@ def window_first(before, stored, window: int):
     return passed + jnp.maximum(decoded - window, 0)
 
 
-def decode_attention(q, pool, table, stored, layout: HeadLayout, page_elems: int, tokens: int, first=None):
+def decode_attention(
+    q, pool, table, stored, layout: HeadLayout, page_elems: int, tokens: int, first=None, weights: bool = False
+):
     """One query token per sequence, q [B, q_cols] (packed), over each KV head's ``stored`` [B, Hkv] slots (its own
     token included, already written) read through ``table`` [B, Hkv, pages]; ``tokens``: the most slots any head
     stores (static); ``first`` [B, Hkv] (a sliding-window layer): each head's first slot its window sees. Returns
-    [B, out_cols]."""
+    [B, out_cols]; with ``weights``, also ``decode_weights``' from the same softmax."""
+    outs, probs = [], []
+    for h, (p, v) in enumerate(_head_weights(q, pool, table, stored, layout, page_elems, tokens, first)):
+        size, vw = layout.group_size, layout.v_widths[h]
+        out = jnp.einsum("bgs,bsd->bgd", p.astype(v.dtype), v)
+        outs.append(out.astype(q.dtype).reshape(q.shape[0], size * vw))
+        probs.append(p)
+    out = jnp.concatenate(outs, axis=-1)
+    return (out, jnp.nan_to_num(jnp.stack(probs, axis=1))) if weights else out  # nothing stored: 0, not NaN
+
+
+def decode_weights(q, pool, table, stored, layout: HeadLayout, page_elems: int, tokens: int, first=None):
+    """float32 [B, Hkv, G, tokens]: the softmax weight each query row of ``decode_attention`` (same arguments) gives
+    each of its head's slots, 0 on slots it does not see: what the decode step adds to the full-history eviction
+    sums (H2O's plain, KV-Compress's squared, summed over the group). The reference of ``head_paged_decode``'s
+    ``weights``."""
+    return decode_attention(q, pool, table, stored, layout, page_elems, tokens, first, weights=True)[1]
+
+
+def _head_weights(q, pool, table, stored, layout: HeadLayout, page_elems: int, tokens: int, first):
+    """(probs float32 [B, G, tokens], v [B, tokens, vw]) of each KV head, in order."""
     scale = 1.0 / math.sqrt(layout.head_dim)
     size = layout.group_size
-    outs = []
-    for h, (kw, vw) in enumerate(zip(layout.k_widths, layout.v_widths)):
+    for h, kw in enumerate(layout.k_widths):
         k, v = read(pool, table, h, layout, page_elems, tokens)
         qo = HeadLayout.offsets(layout.k_widths, size)[h]
         qh = q[:, qo : qo + size * kw].reshape(q.shape[0], size, kw)
@@ -120,9 +141,7 @@ def decode_attention(q, pool, table, stored, layout: HeadLayout, page_elems: int
         seen = slot < stored[:, h, None, None]
         if first is not None:
             seen &= slot >= first[:, h, None, None]
-        probs = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1).astype(v.dtype)
-        outs.append(jnp.einsum("bgs,bsd->bgd", probs, v).astype(q.dtype).reshape(q.shape[0], size * vw))
-    return jnp.concatenate(outs, axis=-1)
+        yield jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1), v
 
 
 def _spans(starts: np.ndarray, widths: np.ndarray) -> np.ndarray:

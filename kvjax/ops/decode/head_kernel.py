@@ -62,13 +62,15 @@ def _attend_head(
     group,
     scale,
     interpret,
+    cap=0,
 ):
     """One program's work on KV head row ``head`` (of the stored counts and tables) for its split (``head_split``:
     the program's split and the number of splits, read outside any branch, where interpret mode can): the group's
     queries from ``q_base`` (rows ``kw`` apart), the head's share of its pages from the one holding its first seen
     slot, its partial softmax stored as work item ``item`` (rows ``out_stride`` wide); an inactive program stores an
-    empty one (zeros, no weight)."""
-    stored_ref, first_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref = refs
+    empty one (zeros, no weight). With a weights output (``refs``' last, ``cap`` slots a head): each seen slot's
+    scores (log2 units), which ``_weights`` turns into softmax weights once the splits' denominators are known."""
+    stored_ref, first_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref, *w_ref = refs
     split, splits = head_split
     t = jnp.arange(max(16, tile(per * pages_per_step)))
     in_page, nth = t % per, t // per  # each row's token in its page, and which of the step's pages
@@ -96,6 +98,10 @@ def _attend_head(
         k = _load_page_rows(pool_ref, page_of, in_page, kw, 0, kc[None, :], kc_ok, ok).astype(dt)
         v = _load_page_rows(pool_ref, page_of, in_page, vw, per * kw, vc[None, :], vc_ok, ok).astype(dt)
         s = plgpu.dot(q, k, trans_b=True, precision=precision)
+        if w_ref:  # the scores [rows, slots] at (head, slot, row): 4 bytes a row a slot beside the K and V read
+            mask = ok[None, :] & real[:, None]
+            index = (head * cap + slot[None, :]) * group + rows[:, None]
+            plgpu.store(w_ref[0].at[jnp.where(mask, index, NOWHERE) if interpret else index], s, mask=mask)
         return online_update(carry, jnp.where(ok[None, :], s, MASK), v, None, precision)
 
     carry = (jnp.zeros((BLOCK_H, vc.shape[0]), jnp.float32), jnp.full((BLOCK_H,), MASK), jnp.zeros((BLOCK_H,)))
@@ -117,11 +123,11 @@ def _load_page_rows(pool_ref, page, rows, stride, offset, cols, cols_ok, rows_ok
     return plgpu.load(pool_ref.at[jnp.broadcast_to(page, index.shape), index], mask=mask, other=0.0)
 
 
-def _pair_kernel(stored_ref, first_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref, *, kw, vw, group, **static):
+def _pair_kernel(stored_ref, first_ref, table_ref, q_ref, pool_ref, *outs, kw, vw, group, **static):
     """One width pair's launch: q holds the pair's heads' query columns, [B, heads, G * kw]."""
     seq, unit, units = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
     head = seq * units + unit
-    refs = (stored_ref, first_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref)
+    refs = (stored_ref, first_ref, table_ref, q_ref, pool_ref, *outs)
     split, splits = pl.program_id(2), pl.num_programs(2)
     item = head * splits + split
     _attend_head(refs, (split, splits), head, head * group * kw, vw, item, True, kw=kw, vw=vw, group=group, **static)
@@ -135,10 +141,7 @@ def _one_kernel(
     pool_ref,
     pair_ref,
     qo_ref,
-    acc_ref,
-    m_ref,
-    l_ref,
-    *,
+    *outs,
     pairs,
     q_cols,
     out_stride,
@@ -148,7 +151,7 @@ def _one_kernel(
     pair (``pair_ref``), reading the packed q [B, q_cols] from the head's column offset (``qo_ref``)."""
     seq, unit, units = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
     head = seq * units + unit
-    refs = (stored_ref, first_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref)
+    refs = (stored_ref, first_ref, table_ref, q_ref, pool_ref, *outs)
     q_base = seq * q_cols + qo_ref[unit]
     split, splits = pl.program_id(2), pl.num_programs(2)
     args = (refs, (split, splits), head, q_base, out_stride, head * splits + split, True)
@@ -172,10 +175,7 @@ def _live_kernel(
     pair_ref,
     qo_ref,
     work_ref,
-    acc_ref,
-    m_ref,
-    l_ref,
-    *,
+    *outs,
     pairs,
     q_cols,
     units,
@@ -191,7 +191,7 @@ def _live_kernel(
     active = nth < live
     head = work_ref[2 + jnp.where(active, nth, 0)]  # a flat (sequence, KV head) row
     seq, unit = head // units, head % units
-    refs = (stored_ref, first_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref)
+    refs = (stored_ref, first_ref, table_ref, q_ref, pool_ref, *outs)
     q_base = seq * q_cols + qo_ref[unit]
     args = (refs, (item % splits, splits), head, q_base, out_stride, item, active)
     lax.switch(pair_ref[unit], _branches(pairs, args, static))
@@ -322,6 +322,90 @@ def _merge_live(acc, m, l, work, splits) -> jax.Array:
     return jnp.where((first >= 0)[:, None, None], merged[at], 0.0)
 
 
+def _log_sum(m, l, axis):
+    """log2 of each row's whole softmax denominator from its splits' running maxima ``m`` and sums ``l`` along
+    ``axis`` (splits that saw nothing count nothing); a row that saw nothing gives MASK, not -inf."""
+    top = m.max(axis=axis, keepdims=True)
+    total = jnp.where(l > 0, l * jnp.exp2(m - top), 0.0).sum(axis=axis)
+    return jnp.where(total > 0, top.squeeze(axis) + jnp.log2(jnp.where(total > 0, total, 1.0)), MASK)
+
+
+def _live_log_sum(m, l, work, splits):
+    """[B x Hkv, G]: ``_log_sum`` over each head's items of the live launch (``work``: the first item of each head,
+    its splits ``work[1]`` or ``splits``, consecutive), MASK for a head that stores nothing."""
+    first = work[2 + (work.shape[0] - 2) // 2 :]
+    count = work[1] if splits is None else splits
+    nth = jnp.arange(splits or MAX_SPLITS)
+    at = jnp.clip(jnp.maximum(first, 0)[:, None] + nth[None, :], 0, m.shape[0] - 1)  # [BH, S]
+    seen = ((nth[None, :] < count) & (first >= 0)[:, None])[..., None]
+    return _log_sum(jnp.where(seen, m[at], MASK), jnp.where(seen, l[at], 0.0), axis=1)
+
+
+def _weights(raw, lse, stored, first):
+    """float32 [B, Hkv, G, slots]: the kernel's scores ``raw`` [B, Hkv, slots, G] (log2 units) as softmax weights
+    under each row's ``lse`` [B, Hkv, G], 0 on slots a head does not see (past ``stored``, before ``first``): slots
+    the kernel never wrote are masked, never read as numbers."""
+    slot = jnp.arange(raw.shape[2])[None, None, :]
+    seen = ((slot < stored[..., None]) & (slot >= first[..., None]))[..., None]
+    w = jnp.exp2(jnp.where(seen, raw, MASK) - lse[:, :, None, :])
+    return jnp.swapaxes(jnp.where(seen, w, 0.0), 2, 3)
+
+
+def _launch(kernel, n, s, inputs, width, name, grid=None, *, b, g, cap, heads, params, interpret):
+    """(acc [B, n, S, G, width], m, l [B, n, S, G], raw) of ``kernel`` over a grid of (B, n heads, S splits), or
+    over ``grid`` (n x s items: acc [items, G, width], m, l [items, G]); raw: with ``cap`` slots a head, the weights
+    output's scores [B, Hkv, cap, G] (else None)."""
+    rows = (b if grid is None else 1) * n * s * g
+    shapes = [jax.ShapeDtypeStruct((rows * width,), jnp.float32), *[jax.ShapeDtypeStruct((rows,), jnp.float32)] * 2]
+    if cap:
+        shapes.append(jax.ShapeDtypeStruct((b * heads * cap * g,), jnp.float32))
+    acc, m, l, *raw = pl.pallas_call(
+        kernel,
+        out_shape=shapes,
+        grid=(b, n, s) if grid is None else grid,
+        in_specs=[whole_block(x) for x in inputs],
+        out_specs=[whole_block(x) for x in shapes],
+        interpret=interpret,
+        compiler_params=params,
+        name=name,
+    )(*inputs)
+    raw_scores = raw[0].reshape(b, heads, cap, g) if raw else None
+    if grid is not None:
+        return acc.reshape(n * s, g, width), m.reshape(n * s, g), l.reshape(n * s, g), raw_scores
+    return acc.reshape(b, n, s, g, width), m.reshape(b, n, s, g), l.reshape(b, n, s, g), raw_scores
+
+
+def _one_launch(q, pool, tables, stored, first, layout, static, splits, schedule, work, launch, common):
+    """``head_paged_decode``'s one launch for every width pair (``static``: each pair's kw, vw, tokens a page, pages
+    a step), on the slot grid or the live heads; with ``common["cap"]`` also the weights."""
+    b, g, heads = q.shape[0], layout.group_size, layout.num_kv_heads
+    pair_of = np.zeros(heads, np.int32)
+    for i, (_, members) in enumerate(width_pairs(layout)):
+        pair_of[members] = i
+    width = max(layout.v_widths)
+    qo = np.asarray(HeadLayout.offsets(layout.k_widths, g), np.int32)
+    inputs = [*_counts(stored, first), tables.astype(jnp.int32).reshape(-1), q.reshape(-1), pool]
+    inputs += [jnp.asarray(pair_of), jnp.asarray(qo)]
+    if schedule == "slots":
+        s = default_splits(b * heads) if splits is None else splits
+        kernel = functools.partial(_one_kernel, pairs=tuple(static), q_cols=layout.q_cols, out_stride=width, **common)
+        acc, m, l, raw = launch(kernel, heads, s, inputs, width, "kvjax_head_decode_all")
+        got = merge_splits(acc, m, l)  # [B, H, G, width]
+        lse = None if raw is None else _log_sum(m, l, axis=2)
+    else:
+        work = _work_of(stored, work, splits)
+        items = work_items(b * heads) if splits is None else b * heads * splits
+        kernel = functools.partial(
+            _live_kernel, pairs=tuple(static), q_cols=layout.q_cols, units=heads, out_stride=width, **common
+        )
+        acc, m, l, raw = launch(kernel, items, 1, [*inputs, work], width, "kvjax_head_decode_live", (items,))
+        got = _merge_live(acc, m, l, work, splits).reshape(b, heads, g, width)
+        lse = None if raw is None else _live_log_sum(m, l, work, splits).reshape(b, heads, g)
+    outs = [got[:, h, :, :vw].reshape(b, g * vw) for h, vw in enumerate(layout.v_widths)]
+    out = jnp.concatenate(outs, axis=-1).astype(q.dtype)
+    return out if raw is None else (out, _weights(raw, lse, stored, first))
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -333,6 +417,7 @@ def _merge_live(acc, m, l, work, splits) -> jax.Array:
         "num_stages",
         "one_launch",
         "schedule",
+        "weights",
         "interpret",
     ),
 )
@@ -352,6 +437,7 @@ def head_paged_decode(
     one_launch=True,
     schedule="slots",
     work=None,
+    weights=False,
     interpret=False,
 ):
     """One new query per sequence against each KV head's stored tokens; equal to ``head_paging.decode_attention``.
@@ -367,8 +453,13 @@ def head_paged_decode(
     ``schedule``: "slots" (a grid of every slot's heads) or "live" (one launch only: ``_live_kernel``); ``work``:
     with "live" and no ``splits``, a ``live_work`` built once for the step and shared by its layers (the engine's,
     from its live slots; default: from ``stored``, each layer again). Returns [B, out_cols] in q's dtype; a head
-    storing nothing (or not live in ``work``) gives zeros."""
+    storing nothing (or not live in ``work``) gives zeros. ``weights`` (one launch only): also float32 [B, Hkv, G,
+    slots], each query row's softmax weight on each slot of its head (0 where it sees none; slots = the tables'
+    pages times the most tokens a page holds), equal to ``head_paging.decode_weights``: the decode step's share of
+    the full-history eviction sums, out of the kernel's own scores rather than a second pass over K."""
     _check(q, pool, tables, stored, first, layout, page_elems, pages_per_step)
+    if weights and not one_launch:
+        raise ValueError("the decode weights come from the one launch only (one_launch=True)")
     b, g = q.shape[0], layout.group_size
     first = jnp.zeros_like(stored) if first is None else first
     common: dict = dict(page_elems=page_elems, pages=tables.shape[2], group=g)
@@ -378,59 +469,18 @@ def head_paged_decode(
         return pages_a_step(tokens_per_page(page_elems, kw, vw), kw, vw, pages_per_step, itemsize, num_stages)
 
     common |= dict(scale=1.0 / math.sqrt(layout.head_dim), interpret=interpret)
-    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-    def launch(kernel, n, s, inputs, width, name, grid=None):
-        """(acc [B, n, S, G, width], m, l [B, n, S, G]) of ``kernel`` over a grid of (B, n heads, S splits), or
-        over ``grid`` (n x s items: acc [items, G, width], m, l [items, G])."""
-        rows = (b if grid is None else 1) * n * s * g
-        shapes = [jax.ShapeDtypeStruct((rows * width,), jnp.float32), *[jax.ShapeDtypeStruct((rows,), jnp.float32)] * 2]
-        acc, m, l = pl.pallas_call(
-            kernel,
-            out_shape=shapes,
-            grid=(b, n, s) if grid is None else grid,
-            in_specs=[whole_block(x) for x in inputs],
-            out_specs=[whole_block(x) for x in shapes],
-            interpret=interpret,
-            compiler_params=params,
-            name=name,
-        )(*inputs)
-        if grid is not None:
-            return acc.reshape(n * s, g, width), m.reshape(n * s, g), l.reshape(n * s, g)
-        return acc.reshape(b, n, s, g, width), m.reshape(b, n, s, g), l.reshape(b, n, s, g)
-
+    params, debug = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages), dict(interpret=interpret)
     if schedule not in ("slots", "live") or (schedule == "live" and not one_launch):
         raise ValueError(f"schedule must be 'slots', or 'live' with one_launch, got {schedule!r}")
     if one_launch:
-        heads = layout.num_kv_heads
-        groups = width_pairs(layout)
-        pair_of = np.zeros(heads, np.int32)
-        for i, (_, members) in enumerate(groups):
-            pair_of[members] = i
-        static = [(kw, vw, tokens_per_page(page_elems, kw, vw), step_pages(kw, vw)) for (kw, vw), _ in groups]
-        width = max(layout.v_widths)
-        qo = np.asarray(HeadLayout.offsets(layout.k_widths, g), np.int32)
-        if schedule == "slots":
-            s = default_splits(b * heads) if splits is None else splits
-            inputs = [*_counts(stored, first), tables.astype(jnp.int32).reshape(-1), q.reshape(-1), pool]
-            inputs += [jnp.asarray(pair_of), jnp.asarray(qo)]
-            kernel = functools.partial(
-                _one_kernel, pairs=tuple(static), q_cols=layout.q_cols, out_stride=width, **common
-            )
-            got = merge_splits(*launch(kernel, heads, s, inputs, width, "kvjax_head_decode_all"))  # [B, H, G, width]
-            outs = [got[:, h, :, :vw].reshape(b, g * vw) for h, vw in enumerate(layout.v_widths)]
-            return jnp.concatenate(outs, axis=-1).astype(q.dtype)
-        work = _work_of(stored, work, splits)
-        items = work_items(b * heads) if splits is None else b * heads * splits
-        inputs = [*_counts(stored, first), tables.astype(jnp.int32).reshape(-1), q.reshape(-1), pool]
-        inputs += [jnp.asarray(pair_of), jnp.asarray(qo), work]
-        kernel = functools.partial(
-            _live_kernel, pairs=tuple(static), q_cols=layout.q_cols, units=heads, out_stride=width, **common
-        )
-        acc, m, l = launch(kernel, items, 1, inputs, width, "kvjax_head_decode_live", grid=(items,))
-        got = _merge_live(acc, m, l, work, splits).reshape(b, heads, g, width)
-        outs = [got[:, h, :, :vw].reshape(b, g * vw) for h, vw in enumerate(layout.v_widths)]
-        return jnp.concatenate(outs, axis=-1).astype(q.dtype)
+        static = [
+            (kw, vw, tokens_per_page(page_elems, kw, vw), step_pages(kw, vw)) for (kw, vw), _ in width_pairs(layout)
+        ]
+        cap = tables.shape[2] * max(per for _, _, per, _ in static) if weights else 0
+        launch = functools.partial(_launch, b=b, g=g, cap=cap, heads=layout.num_kv_heads, params=params, **debug)
+        args = (q, pool, tables, stored, first, layout, static, splits, schedule, work, launch)
+        return _one_launch(*args, common | dict(cap=cap) if weights else common)
+    launch = functools.partial(_launch, b=b, g=g, cap=0, heads=layout.num_kv_heads, params=params, **debug)
 
     def attend(kw, vw, heads, qh):
         n = len(heads)
@@ -439,7 +489,7 @@ def head_paged_decode(
         inputs += [qh.reshape(-1), pool]
         per, step = tokens_per_page(page_elems, kw, vw), step_pages(kw, vw)
         kernel = functools.partial(_pair_kernel, kw=kw, vw=vw, per=per, pages_per_step=step, **common)
-        got = merge_splits(*launch(kernel, n, s, inputs, vw, f"kvjax_head_decode_k{kw}_v{vw}"))
+        got = merge_splits(*launch(kernel, n, s, inputs, vw, f"kvjax_head_decode_k{kw}_v{vw}")[:3])
         return got.reshape(b, n, g * vw).astype(q.dtype)
 
     return by_width_pair(q, layout, attend)
