@@ -11,8 +11,9 @@ that many sequences hold tokens, the rest of the batch none (a lightly loaded en
 (``--per-sequence``) the engine's per-sequence kernel (``ops.decode.kernel``, its balanced schedule) over the whole
 context: the same bytes as keep 1. Every row: CUPTI time, the floor (the K and V bytes the heads store over the
 measured copy bandwidth), their ratio, and the relative error against ``head_paging.decode_attention`` (float32).
-``--interpret --timer host --shape 2x256`` runs the rows on a CPU (plumbing only). Table: bench/results/eviction.md
-"Per-head pages: decode kernel"."""
+``--weights`` times each one-launch row again with the decode share of the full-history eviction sums
+(``weights=True``). ``--interpret --timer host --shape 2x256`` runs the rows on a CPU (plumbing only). Table:
+bench/results/eviction.md "Per-head pages: decode kernel"."""
 
 from __future__ import annotations
 
@@ -123,6 +124,12 @@ def main(argv=None):
     )
     p.add_argument("--live", type=count_arg("--live"), help="sequences holding tokens, the rest empty (default all)")
     p.add_argument("--per-sequence", action="store_true", help="time the per-sequence kernel beside (GPU only)")
+    p.add_argument(
+        "--weights",
+        action="store_true",
+        help="each one-launch row again with weights=True (the decode share of the full-history eviction sums: the "
+        "scores stored per slot and the epilogue that makes them weights), beside the row without",
+    )
     harness.timer_option(p)
     p.add_argument("--interpret", action="store_true")
     p.add_argument("--json", default=None)
@@ -142,9 +149,13 @@ def main(argv=None):
             want = head_paging.decode_attention(
                 q.astype(jnp.float32), pool.astype(jnp.float32), tables, stored, layout, page_elems, context
             )
-            combos = itertools.product(args.launches, args.pages_per_step, args.warps, args.stages, args.splits)
-            for launches, step, warps, stages, splits in combos:
+            weighs = (False, True) if args.weights else (False,)
+            combos = itertools.product(args.launches, args.pages_per_step, args.warps, args.stages, args.splits, weighs)
+            for launches, step, warps, stages, splits, weights in combos:
+                if weights and launches == "pair":
+                    continue  # the weights come from the one launch only
                 knobs = dict(pages_per_step=step, num_warps=warps, num_stages=stages, one_launch=launches != "pair")
+                knobs |= dict(weights=weights)
                 knobs |= dict(splits=splits or None, schedule="slots" if launches in ("pair", "one") else "live")
                 if launches == "step" and splits:
                     raise SystemExit("--launches step builds live_work's own splits: give --splits 0")
@@ -157,9 +168,10 @@ def main(argv=None):
                     )
 
                 got = run(pool, tables, stored, work, q)
+                got = got[0] if weights else got
                 seconds = harness.time_calls(run, (pool, tables, stored, work), [(q,)])
                 label = dict(kernel=f"per-head ({launches})", pages_per_step=step, warps=warps, stages=stages)
-                label |= dict(splits=splits or "default", live=args.live or batch)
+                label |= dict(splits=splits or "default", live=args.live or batch, weights=weights)
                 err = rel_err(got[live], want[live])
                 rows.append(row(rate, keep, batch, context, seconds, nbytes / bandwidth, err, **label))
         if args.per_sequence:
