@@ -9,7 +9,8 @@ queries, as the engine has them; ``chunk_mass`` one prefill chunk's share of a f
 adds up over a prompt's chunks. Sums over queries run in blocks of ``QUERY_BLOCK`` rows; where asked, the
 full-history sums of ``ON_KERNEL`` run in ``ops.attention_mass`` instead (two Pallas passes, no [T, T] array; 9.1x
 the jnp form on an H100: bench/results/eviction.md "Eviction on the H100 (2026-12-06)"). The engine takes the kernel
-wherever it runs kernels; the jnp form is the reference, and the only form of Keyformer's noisy sums.
+wherever it runs kernels (Keyformer's noise hashed in the kernel, the same bits as ``gumbel_noise``); the jnp form
+is the reference.
 """
 
 from __future__ import annotations

@@ -71,8 +71,8 @@ def accumulate(mass, layer: int, spec: Eviction, q, keys, pages, starts, lengths
     ``lengths[b]`` rows real, give the keys ``keys`` [B, S, k_cols] (its pages ``pages`` [B, S / page_size], the
     chunk's own keys written) what ``metrics.chunk_mass`` says; a chunk from position 0 starts its pages afresh (a
     prompt's first chunk, or a preempted one's again). The sum over a prompt's chunks is ``metrics.scores``'
-    (tested). Rows of null pages all add to page 0, which no prompt reads. ``kernel``: H2O's and KV-Compress's sums
-    through ``ops.attention_mass`` (``metrics.chunk_mass``)."""
+    (tested). Rows of null pages all add to page 0, which no prompt reads. ``kernel``: the sums through
+    ``ops.attention_mass`` (``metrics.chunk_mass``)."""
     add = metrics.chunk_mass(
         spec.method, q, keys, starts, lengths, layout, tau=spec.tau, seed=spec.seed, layer=layer, kernel=kernel
     )

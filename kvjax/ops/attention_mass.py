@@ -1,18 +1,22 @@
 """What every query of a prompt gives each key, summed (Pallas, Triton lowering): the full-history eviction metrics
-(H2O's accumulated attention, KV-Compress's squared form) without the [T, T] probabilities ever in memory.
+(H2O's accumulated attention, KV-Compress's squared form, Keyformer's Gumbel-softmax) without the [T, T]
+probabilities ever in memory.
 
 A key's mass for KV head h is the sum, over the query heads of h's group and the query rows that see it (causal, and
 inside a sliding window if any), of each row's softmax weight on it (squared: KV-Compress, Rehg 2024, section 3.2;
-plain: H2O, Zhang et al. 2023, section 3). A row's weight needs its whole softmax denominator, so two passes run,
+plain: H2O, Zhang et al. 2023, section 3; of noisy scores: Keyformer, Adnan et al. 2024, section 3.3, the noise
+hashed from the coordinates by ``ops.noise``). A row's weight needs its whole softmax denominator, so two passes run,
 as flash attention's backward pass does: ``_lse_kernel`` (a program a block of query rows) streams the keys it
 sees and keeps each row's running max and sum, then ``_mass_kernel`` (a program a block of keys) streams the query
 rows that see its keys, recomputes their scores and adds up ``exp2(s - lse)``. A program takes one query head (the
 group's heads are summed after) and each key block is one program's, so the sums need no atomics and come out the
 same on every run. Both passes read q·k at the widths attention runs (ZACK's truncated heads, or a Palu latent
-rebuilt by the caller); heads whose widths share a power-of-two tile share a call.
+rebuilt by the caller); heads whose widths share a power-of-two tile share a call. The queries may be one prefill
+chunk of each row (``starts``, ``lengths``): the engine adds each chunk's share to the prompt's sums.
 
-``eviction.metrics.scores(kernel=True)`` runs it for ``h2o`` and ``kvcompress-full``; its jnp form is the reference
-(tests/test_attention_mass.py). Cost against the jnp pass: bench/results/eviction.md "Eviction: device cost".
+``eviction.metrics.scores(kernel=True)`` and ``chunk_mass(kernel=True)`` run it; their jnp form is the reference
+(tests/test_attention_mass.py). Cost: bench/results/eviction.md "Eviction on the H100 (2026-12-06)" (9.1x the jnp
+form).
 """
 
 from __future__ import annotations
