@@ -126,6 +126,25 @@ def test_the_kernel_on_the_gpu(dtype, window):
         assert np.abs(got - want).max() <= tol * np.abs(want).max(), method
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+@pytest.mark.parametrize("method", metrics.ON_KERNEL)
+def test_a_chunk_through_the_kernel_on_the_gpu(method):
+    """The engine's form on the GPU: 2,048-row chunks of 8 KV heads at ZACK-like widths, rows at different starts."""
+    layout = HeadLayout(32, 8, 128, (64, 32, 48, 128, 16, 80, 64, 96), (64,) * 8)
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((2, 512, layout.q_cols)) * 1.5, jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((2, 1536, layout.k_cols)), jnp.bfloat16)
+    starts, lengths = np.array([0, 1024]), np.array([512, 300])
+    kw = dict(tau=0.8, seed=seed, layer=5)
+    got = np.asarray(metrics.chunk_mass(method, q, k, starts, lengths, layout, kernel=True, **kw))
+    with jax.default_matmul_precision("highest"):
+        q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
+        want = np.asarray(metrics.chunk_mass(method, q32, k32, starts, lengths, layout, kernel=False, **kw))
+    assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max(), f"{method}, seed {seed}"
+
+
 def test_both_passes_lower_to_triton_for_an_h100():
     """Lowered to Triton IR for sm_90 (no GPU here: what XLA would compile): two kernels a power-of-two tile of the
     K widths (16; 48 and 64 share 64), each with its products on the tensor cores."""

@@ -4,6 +4,7 @@ compaction moves of an eviction leave each head its survivors, in order."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -385,9 +386,18 @@ def test_the_per_head_decode_kernel_skips_the_slots_a_window_has_passed(one_laun
         head_paged_decode(q, pool, tables, stored, plain, page_elems, first=first, interpret=True)
 
 
-@pytest.mark.parametrize("schedule, splits", [("slots", None), ("slots", 3), ("live", None), ("live", 2)])
+@pytest.mark.parametrize(
+    "schedule, splits, interpret",
+    [
+        ("slots", None, True),
+        ("slots", 3, True),
+        ("live", None, True),
+        ("live", 2, True),
+        pytest.param("live", None, False, marks=pytest.mark.gpu),
+    ],
+)
 @pytest.mark.parametrize("window", [None, 24])
-def test_the_per_head_decode_kernels_weights_equal_the_softmax_on_each_slot(schedule, splits, window):
+def test_the_per_head_decode_kernels_weights_equal_the_softmax_on_each_slot(schedule, splits, interpret, window):
     """``weights=True``: each query row's softmax weight on each slot of its head, from the kernel's own scores and
     the splits' merged denominators (any split of a head's pages, the live schedule's items, a window's first slot,
     a head storing nothing), equal to the reference; slots past a head's count weigh 0 and every row sums to 1."""
@@ -410,12 +420,13 @@ def test_the_per_head_decode_kernels_weights_equal_the_softmax_on_each_slot(sche
     tables = jnp.asarray(np.stack([pages.table(b)[0] for b in range(3)]))
     q = jnp.asarray(rng.normal(size=(3, layout.q_cols)) * 2, np.float32)
     stored = jnp.asarray(lengths, jnp.int32)
-    kw = dict(first=first, splits=splits, schedule=schedule, interpret=True)
+    kw = dict(first=first, splits=splits, schedule=schedule, interpret=interpret)
     out, got = head_paged_decode(q, pool, tables, stored, layout, page_elems, weights=True, **kw)
     np.testing.assert_allclose(
         np.asarray(out), np.asarray(head_paged_decode(q, pool, tables, stored, layout, page_elems, **kw)), rtol=1e-6
     )
-    want = head_paging.decode_weights(q, pool, tables, stored, layout, page_elems, 60, first=first)
+    with jax.default_matmul_precision("highest"):  # a GPU's default float32 dot is TF32
+        want = head_paging.decode_weights(q, pool, tables, stored, layout, page_elems, 60, first=first)
     got = np.asarray(got)
     assert got.shape[:3] == (3, 4, layout.group_size) and got.shape[3] >= 60
     np.testing.assert_allclose(got[..., :60], want, rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}")
