@@ -223,25 +223,21 @@ def ttft_seconds(model, context: int, chunk: int, eviction: str | None = None) -
     return float(np.median(times[1:]))
 
 
-def engine_rows(rate: float, model, context: int, chunk: int, plain: float, methods, ratio: float) -> list[dict]:
-    """The TTFT of an engine of ``model`` (the rate's) evicting with each of ``methods`` at ``ratio``, one prompt of
+def engine_row(rate: float, model, context: int, chunk: int, plain: float, method: str, ratio: float) -> dict:
+    """The TTFT of an engine of ``model`` (the rate's) evicting with ``method`` at ``ratio``, one prompt of
     ``context`` tokens (``ttft_seconds``), beside the plain engine's ``plain`` seconds."""
-    rows = []
-    for method in methods:
-        spec = f"{method}:{ratio:g}x"
-        ttft = ttft_seconds(model, context, chunk, eviction=spec)
-        rows.append(
-            dict(
-                rate=rate,
-                context=context,
-                eviction=spec,
-                plain_ttft_ms=1e3 * plain,
-                ttft_ms=1e3 * ttft,
-                added_pct=100 * (ttft - plain) / plain,
-            )
-        )
-        log_row(rows[-1])
-    return rows
+    spec = f"{method}:{ratio:g}x"
+    ttft = ttft_seconds(model, context, chunk, eviction=spec)
+    row = dict(
+        rate=rate,
+        context=context,
+        eviction=spec,
+        plain_ttft_ms=1e3 * plain,
+        ttft_ms=1e3 * ttft,
+        added_pct=100 * (ttft - plain) / plain,
+    )
+    log_row(row)
+    return row
 
 
 def ttft_rows(rate: float, context: int, ttft: float, out: dict) -> list[dict]:
@@ -297,7 +293,9 @@ def model_tables(args, parts: set, out: dict, save) -> None:
             save()
         if "engine" in parts:
             for method in args.methods:  # saved a method at a time: each builds and compiles an engine
-                out["engine"] += engine_rows(rate, model, args.context, args.chunk, plain, [method], args.engine_ratio)
+                out["engine"].append(
+                    engine_row(rate, model, args.context, args.chunk, plain, method, args.engine_ratio)
+                )
                 save()
         del model
 

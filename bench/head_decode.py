@@ -155,8 +155,8 @@ def main(argv=None):
                 if weights and launches == "pair":
                     continue  # the weights come from the one launch only
                 knobs = dict(pages_per_step=step, num_warps=warps, num_stages=stages, one_launch=launches != "pair")
-                knobs |= dict(weights=weights)
                 knobs |= dict(splits=splits or None, schedule="slots" if launches in ("pair", "one") else "live")
+                knobs |= dict(weights=weights)
                 if launches == "step" and splits:
                     raise SystemExit("--launches step builds live_work's own splits: give --splits 0")
                 # "step": the work list built once a step from the live slots, outside the timed call (the engine's)

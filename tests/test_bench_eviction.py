@@ -167,13 +167,13 @@ def test_the_device_cost_bench_writes_its_tables_on_a_cpu(tmp_path, capsys):
 
 
 def test_the_engine_ttft_rows_time_each_method_through_the_evicting_engine():
-    """``eviction_cost.engine_rows`` on a tiny model (plumbing): one row a method, each beside the plain engine's
+    """``eviction_cost.engine_row`` on a tiny model (plumbing): one row a method, each beside the plain engine's
     TTFT, the windowed and the full-history methods alike served."""
     from bench import eviction_cost
 
     model = kvjax.Model.random(WIDE, seed=fresh_seed() % 1000)
     plain = eviction_cost.ttft_seconds(model, 40, 16)
-    rows = eviction_cost.engine_rows(0.0, model, 40, 16, plain, ["kvcompress", "h2o"], 2.0)
+    rows = [eviction_cost.engine_row(0.0, model, 40, 16, plain, m, 2.0) for m in ("kvcompress", "h2o")]
     assert [r["eviction"] for r in rows] == ["kvcompress:2x", "h2o:2x"]
     assert all(r["ttft_ms"] > 0 and r["plain_ttft_ms"] > 0 for r in rows)
 

@@ -110,12 +110,20 @@ def decode_attention(
     token included, already written) read through ``table`` [B, Hkv, pages]; ``tokens``: the most slots any head
     stores (static); ``first`` [B, Hkv] (a sliding-window layer): each head's first slot its window sees. Returns
     [B, out_cols]; with ``weights``, also ``decode_weights``' from the same softmax."""
+    scale = 1.0 / math.sqrt(layout.head_dim)
+    size = layout.group_size
     outs, probs = [], []
-    for h, (p, v) in enumerate(_head_weights(q, pool, table, stored, layout, page_elems, tokens, first)):
-        size, vw = layout.group_size, layout.v_widths[h]
-        out = jnp.einsum("bgs,bsd->bgd", p.astype(v.dtype), v)
-        outs.append(out.astype(q.dtype).reshape(q.shape[0], size * vw))
-        probs.append(p)
+    for h, (kw, vw) in enumerate(zip(layout.k_widths, layout.v_widths)):
+        k, v = read(pool, table, h, layout, page_elems, tokens)
+        qo = HeadLayout.offsets(layout.k_widths, size)[h]
+        qh = q[:, qo : qo + size * kw].reshape(q.shape[0], size, kw)
+        logits = jnp.einsum("bgd,bsd->bgs", qh, k).astype(jnp.float32) * scale
+        slot = jnp.arange(tokens)[None, None, :]
+        seen = slot < stored[:, h, None, None]
+        if first is not None:
+            seen &= slot >= first[:, h, None, None]
+        probs.append(jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1))
+        outs.append(jnp.einsum("bgs,bsd->bgd", probs[-1].astype(v.dtype), v).astype(q.dtype).reshape(-1, size * vw))
     out = jnp.concatenate(outs, axis=-1)
     return (out, jnp.nan_to_num(jnp.stack(probs, axis=1))) if weights else out  # nothing stored: 0, not NaN
 
@@ -126,22 +134,6 @@ def decode_weights(q, pool, table, stored, layout: HeadLayout, page_elems: int, 
     sums (H2O's plain, KV-Compress's squared, summed over the group). The reference of ``head_paged_decode``'s
     ``weights``."""
     return decode_attention(q, pool, table, stored, layout, page_elems, tokens, first, weights=True)[1]
-
-
-def _head_weights(q, pool, table, stored, layout: HeadLayout, page_elems: int, tokens: int, first):
-    """(probs float32 [B, G, tokens], v [B, tokens, vw]) of each KV head, in order."""
-    scale = 1.0 / math.sqrt(layout.head_dim)
-    size = layout.group_size
-    for h, kw in enumerate(layout.k_widths):
-        k, v = read(pool, table, h, layout, page_elems, tokens)
-        qo = HeadLayout.offsets(layout.k_widths, size)[h]
-        qh = q[:, qo : qo + size * kw].reshape(q.shape[0], size, kw)
-        logits = jnp.einsum("bgd,bsd->bgs", qh, k).astype(jnp.float32) * scale
-        slot = jnp.arange(tokens)[None, None, :]
-        seen = slot < stored[:, h, None, None]
-        if first is not None:
-            seen &= slot >= first[:, h, None, None]
-        yield jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1), v
 
 
 def _spans(starts: np.ndarray, widths: np.ndarray) -> np.ndarray:

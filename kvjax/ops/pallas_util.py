@@ -109,14 +109,22 @@ def online_update(carry, s, v, extra=None, precision=None):
     return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
 
-def merge_splits(acc, m, l):
+def merge_splits(acc, m, l, with_lse: bool = False):
     """The attention output [..., G, W] from S splits' partial softmax states: unnormalized sums ``acc`` [..., S, G,
     W], running maxima ``m`` and sums ``l`` [..., S, G] (log2 units), each split weighted by ``2^(m - max m)`` (a
-    split that saw nothing, none); rows that saw nothing at all give zeros (float32)."""
+    split that saw nothing, none); rows that saw nothing at all give zeros (float32). ``with_lse``: also each row's
+    whole denominator, ``log_sum``'s [..., G]."""
     top = m.max(axis=-2, keepdims=True)
     w = jnp.where(l > 0, jnp.exp2(m - top), 0.0)
     total = (w * l).sum(axis=-2)
-    return (w[..., None] * acc).sum(axis=-3) / jnp.where(total > 0, total, 1.0)[..., None]
+    out = (w[..., None] * acc).sum(axis=-3) / jnp.where(total > 0, total, 1.0)[..., None]
+    return (out, log_sum(top.squeeze(-2), total)) if with_lse else out
+
+
+def log_sum(top, total):
+    """log2 of a softmax denominator from its merged maximum ``top`` and its sum ``total`` under it (log2 units); a
+    row that saw nothing (``total`` 0) gives MASK, not -inf."""
+    return jnp.where(total > 0, top + jnp.log2(jnp.where(total > 0, total, 1.0)), MASK)
 
 
 def width_pairs(layout: HeadLayout) -> list[tuple[tuple[int, int], list[int]]]:

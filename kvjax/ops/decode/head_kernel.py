@@ -33,6 +33,7 @@ from kvjax.ops.pallas_util import (
     by_width_pair,
     dot_precision,
     load_rows,
+    log_sum,
     merge_splits,
     online_update,
     store_rows,
@@ -234,13 +235,14 @@ def live_work(live, splits=None) -> jax.Array:
     return jnp.concatenate([jnp.stack([count, s]), rows.astype(jnp.int32), first])
 
 
-def merge_items(acc, m, l, splits) -> jax.Array:
+def merge_items(acc, m, l, splits, with_lse: bool = False):
     """[items, G, W]: each work item's group of ``splits`` consecutive items (S, traced, a power of two <= 16)
     merged as ``merge_splits`` merges them, the result at every item of the group. A butterfly: at step k (1, 2, 4,
     8; taken while k < S) every item meets item ``i ^ k`` (the ``k``-blocks of a ``2k``-block swapped: a reversal, so
     XLA fuses it) for the group's maximum, then for the weighted sums. Only a group's own items ever meet, so a
     narrow head's unwritten columns stay in its own columns; no branch either (a conditional put XLA's predicate on
-    the host and changed the step's kernels from call to call)."""
+    the host and changed the step's kernels from call to call). ``with_lse``: also each item's group's whole
+    denominator [items, G] (``log_sum``)."""
     items = acc.shape[0]
 
     def partner(x, k):
@@ -255,7 +257,8 @@ def merge_items(acc, m, l, splits) -> jax.Array:
     for k in steps:
         acc = jnp.where(k < splits, acc + partner(acc, k), acc)
         total = jnp.where(k < splits, total + partner(total, k), total)
-    return acc / jnp.where(total > 0, total, 1.0)[..., None]
+    out = acc / jnp.where(total > 0, total, 1.0)[..., None]
+    return (out, log_sum(top, total)) if with_lse else out
 
 
 # Pages a program reads a step, and pipeline stages: the best of bench/results/eviction.md "Per-head pages: decode
@@ -309,36 +312,23 @@ def _work_of(stored, work, splits) -> jax.Array:
     return work
 
 
-def _merge_live(acc, m, l, work, splits) -> jax.Array:
+def _merge_live(acc, m, l, work, splits, with_lse: bool = False):
     """[B x Hkv, G, width]: each head's output from ``_live_kernel``'s items (``acc`` [items, G, width], ``m``, ``l``
-    [items, G]) under ``work`` (``live_work``), zeros for a head that stores nothing."""
+    [items, G]) under ``work`` (``live_work``), zeros for a head that stores nothing. ``with_lse``: also each head's
+    whole denominators [B x Hkv, G] (``log_sum``; MASK for a head that stores nothing)."""
     items, g, width = acc.shape
     first = work[2 + (work.shape[0] - 2) // 2 :]  # each head's first item, -1 if not live
     at = jnp.maximum(first, 0)
     if splits is not None:
-        merged = merge_splits(acc.reshape(-1, splits, g, width), m.reshape(-1, splits, g), l.reshape(-1, splits, g))
-        return jnp.where((first >= 0)[:, None, None], merged[at // splits], 0.0)
-    merged = merge_items(acc, m, l, work[1])  # every item of a group holds its merge
-    return jnp.where((first >= 0)[:, None, None], merged[at], 0.0)
-
-
-def _log_sum(m, l, axis):
-    """log2 of each row's whole softmax denominator from its splits' running maxima ``m`` and sums ``l`` along
-    ``axis`` (splits that saw nothing count nothing); a row that saw nothing gives MASK, not -inf."""
-    top = m.max(axis=axis, keepdims=True)
-    total = jnp.where(l > 0, l * jnp.exp2(m - top), 0.0).sum(axis=axis)
-    return jnp.where(total > 0, top.squeeze(axis) + jnp.log2(jnp.where(total > 0, total, 1.0)), MASK)
-
-
-def _live_log_sum(m, l, work, splits):
-    """[B x Hkv, G]: ``_log_sum`` over each head's items of the live launch (``work``: the first item of each head,
-    its splits ``work[1]`` or ``splits``, consecutive), MASK for a head that stores nothing."""
-    first = work[2 + (work.shape[0] - 2) // 2 :]
-    count = work[1] if splits is None else splits
-    nth = jnp.arange(splits or MAX_SPLITS)
-    at = jnp.clip(jnp.maximum(first, 0)[:, None] + nth[None, :], 0, m.shape[0] - 1)  # [BH, S]
-    seen = ((nth[None, :] < count) & (first >= 0)[:, None])[..., None]
-    return _log_sum(jnp.where(seen, m[at], MASK), jnp.where(seen, l[at], 0.0), axis=1)
+        merged, lse = merge_splits(
+            acc.reshape(-1, splits, g, width), m.reshape(-1, splits, g), l.reshape(-1, splits, g), with_lse=True
+        )
+        merged, lse = merged[at // splits], lse[at // splits]
+    else:
+        merged, lse = merge_items(acc, m, l, work[1], with_lse=True)  # every item of a group holds its merge
+        merged, lse = merged[at], lse[at]
+    out = jnp.where((first >= 0)[:, None, None], merged, 0.0)
+    return (out, jnp.where((first >= 0)[:, None], lse, MASK)) if with_lse else out
 
 
 def _weights(raw, lse, stored, first):
@@ -390,8 +380,7 @@ def _one_launch(q, pool, tables, stored, first, layout, static, splits, schedule
         s = default_splits(b * heads) if splits is None else splits
         kernel = functools.partial(_one_kernel, pairs=tuple(static), q_cols=layout.q_cols, out_stride=width, **common)
         acc, m, l, raw = launch(kernel, heads, s, inputs, width, "kvjax_head_decode_all")
-        got = merge_splits(acc, m, l)  # [B, H, G, width]
-        lse = None if raw is None else _log_sum(m, l, axis=2)
+        got, lse = merge_splits(acc, m, l, with_lse=True)  # [B, H, G, width], [B, H, G]
     else:
         work = _work_of(stored, work, splits)
         items = work_items(b * heads) if splits is None else b * heads * splits
@@ -399,8 +388,8 @@ def _one_launch(q, pool, tables, stored, first, layout, static, splits, schedule
             _live_kernel, pairs=tuple(static), q_cols=layout.q_cols, units=heads, out_stride=width, **common
         )
         acc, m, l, raw = launch(kernel, items, 1, [*inputs, work], width, "kvjax_head_decode_live", (items,))
-        got = _merge_live(acc, m, l, work, splits).reshape(b, heads, g, width)
-        lse = None if raw is None else _live_log_sum(m, l, work, splits).reshape(b, heads, g)
+        got, lse = _merge_live(acc, m, l, work, splits, with_lse=True)
+        got, lse = got.reshape(b, heads, g, width), lse.reshape(b, heads, g)
     outs = [got[:, h, :, :vw].reshape(b, g * vw) for h, vw in enumerate(layout.v_widths)]
     out = jnp.concatenate(outs, axis=-1).astype(q.dtype)
     return out if raw is None else (out, _weights(raw, lse, stored, first))
