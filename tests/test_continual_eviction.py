@@ -12,6 +12,7 @@ from test_head_paging import LAYOUT, PAGE_ELEMS, _stored_case
 
 from kvjax.eviction import Eviction, metrics
 from kvjax.eviction.continual import compress, halved, keep_counts
+from kvjax.eviction.select import compacted
 from kvjax.layout import HeadLayout
 from kvjax.ops import head_paging
 
@@ -120,10 +121,64 @@ def test_the_selection_keeps_the_recent_slots_whatever_they_score():
     np.testing.assert_array_equal(keep, [[False, False, True, True, False, False]])
 
 
-def test_full_history_methods_are_refused():
-    spec = Eviction("h2o", budget=8)
-    with pytest.raises(ValueError, match="needs every query"):
-        compress(spec, [], None, None, None, None, (LAYOUT,), PAGE_ELEMS, 8)
+def test_keyformer_is_refused_and_the_decoded_methods_need_their_sums():
+    """Keyformer is scored at a prompt's end only (its noise is keyed by positions); H2O and KV-Compress's full form
+    rank each slot's sum, so a cut without them is a one-line error."""
+    with pytest.raises(ValueError, match="continual eviction scores with"):
+        compress(Eviction("keyformer", budget=8), [], None, None, None, None, (LAYOUT,), PAGE_ELEMS, 8)
+    for method in metrics.DECODED:
+        with pytest.raises(ValueError, match="give the sums"):
+            compress(Eviction(method, budget=8), [], None, None, None, None, (LAYOUT,), PAGE_ELEMS, 8)
+
+
+@pytest.mark.parametrize("method", metrics.DECODED)
+def test_a_full_history_cut_keeps_the_highest_sums_and_compacts_them_in_order(method):
+    """With ``sums`` each head keeps its last ``Eviction.recent`` slots and its highest sums up to the host's count,
+    its K and V compacted in order; ``select.compacted`` moves the sums with them. The queries are never read."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = Eviction(method, budget=8, page_size=6)
+    lengths = rng.integers(1, 40, (2, LAYOUT.num_kv_heads))
+    pages, pool, k, v = _stored_case(rng, 2, lengths)
+    tables = jnp.asarray(np.stack([pages.table(b) for b in range(2)]))
+    stored = lengths[:, None]
+    sums = np.where(np.arange(40) < stored[..., None], rng.random((2, 1, LAYOUT.num_kv_heads, 40)), 0.0)
+    target = halved(spec, stored)
+    after, kept, keep = compress(spec, None, pool, tables, jnp.asarray(stored), jnp.asarray(target), (LAYOUT,),
+                                 PAGE_ELEMS, 40, sums=jnp.asarray(sums, jnp.float32))  # fmt: skip
+    np.testing.assert_array_equal(kept, target, f"seed {seed}")
+    moved = np.asarray(compacted(jnp.asarray(sums), keep, 40))
+    for b, h in np.ndindex(2, LAYOUT.num_kv_heads):
+        n, want = int(lengths[b, h]), int(target[b, 0, h])
+        guard = set(range(max(n - spec.recent, 0), n))
+        rest = sorted(set(range(n)) - guard, key=lambda i: (-sums[b, 0, h, i], i))
+        chosen = sorted(guard | set(rest[: max(want - len(guard), 0)]))
+        np.testing.assert_array_equal(np.flatnonzero(keep[b, 0, h]), chosen, f"seed {seed}, row {b}, head {h}")
+        np.testing.assert_allclose(moved[b, 0, h, :want], sums[b, 0, h, chosen], rtol=1e-6)
+        assert not moved[b, 0, h, want:].any()
+        got_k, _ = head_paging.read(after, tables[:, 0], h, LAYOUT, PAGE_ELEMS, want)
+        ko, kw = HeadLayout.offsets(LAYOUT.k_widths)[h], LAYOUT.k_widths[h]
+        np.testing.assert_array_equal(got_k[b], k[b, chosen, ko : ko + kw], f"seed {seed}, row {b}, head {h}")
+
+
+def test_compacted_puts_the_kept_values_first_in_order_and_drops_what_overflows():
+    values = jnp.array([[5.0, 6.0, 7.0, 8.0, 9.0]])
+    keep = jnp.array([[False, True, False, True, True]])
+    np.testing.assert_array_equal(compacted(values, keep, 5), [[6.0, 8.0, 9.0, 0.0, 0.0]])
+    np.testing.assert_array_equal(compacted(values, keep, 2), [[6.0, 8.0]])
+    np.testing.assert_array_equal(compacted(values, ~keep | True, 3), [[5.0, 6.0, 7.0]])
+
+
+def test_decode_mass_sums_the_groups_weights_squared_for_kvcompress():
+    """``metrics.decode_mass`` of weights [B, Hkv, G, S]: H2O sums each slot's weights over the group, KV-Compress's
+    full form their squares; Keyformer and the window methods have no decode share."""
+    seed = fresh_seed()
+    w = jax.nn.softmax(jnp.asarray(np.random.default_rng(seed).normal(size=(2, 3, 4, 9)), jnp.float32), -1)
+    np.testing.assert_allclose(metrics.decode_mass("h2o", w), np.asarray(w).sum(2), rtol=1e-6)
+    np.testing.assert_allclose(metrics.decode_mass("kvcompress-full", w), (np.asarray(w) ** 2).sum(2), rtol=1e-6)
+    for method in ("keyformer", "kvcompress", "snapkv"):
+        with pytest.raises(ValueError, match="decode adds to"):
+            metrics.decode_mass(method, w)
 
 
 def test_a_sliding_window_layer_is_never_cut_read_or_moved():

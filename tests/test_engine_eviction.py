@@ -375,7 +375,9 @@ def test_full_history_eviction_accumulated_over_chunks_gives_the_reference_token
     prompts = [rng.integers(0, 97, int(n)).tolist() for n in (70, 20, 45)]  # the third evicts in the first's pages
     settings = dict(max_batch=2, max_seq_len=96, chunk_tokens=32, backend=backend)
     engine = Engine(model, **settings, eviction=spec)
-    assert engine.cache.mass is not None and not engine.continual  # decode adds nothing: no cut mid-decode
+    assert engine.cache.mass is not None
+    decoded = engine.eviction.method != "keyformer"  # Keyformer's sums end with the prompt: no cut mid-decode
+    assert engine.continual == decoded and (engine.cache.heads.sums is not None) == decoded
     got = _greedy(engine, prompts, 6)
     for prompt, tokens in zip(prompts, got):
         assert tokens == _reference_tokens(model, prompt, tokens, engine.eviction), f"seed {seed}, prompt {len(prompt)}"
@@ -554,6 +556,99 @@ def test_the_engines_cut_scores_with_the_last_queries_and_keeps_its_selection(pl
             np.testing.assert_array_equal(v[0], before[i][h][1][0, chosen], f"seed {seed}, layer {i}, head {h}")
 
 
+def _decoding(model, spec: str, backend: str, seed: int):
+    """An engine of ``spec`` with one request of a random 30-70 token prompt, stepped until it has decoded 3-12
+    tokens (its prompt cut at its end). Returns (engine, runner, request, the positions written)."""
+    rng = np.random.default_rng(seed)
+    engine = Engine(model, max_batch=2, max_seq_len=128, chunk_tokens=32, backend=backend, eviction=spec)
+    runner = Runner(engine, lag=0)
+    r = runner.add(Request(rng.integers(0, 97, int(rng.integers(30, 70))).tolist(), 40))
+    while len(r.tokens) < int(rng.integers(3, 12)):
+        runner.step()
+    return engine, runner, r, (r.prompt + r.tokens)[: r.computed]
+
+
+@pytest.mark.parametrize(
+    "spec, plan, backend",
+    [
+        ("h2o:3x", "none", "reference"),
+        ("kvcompress-full:2x", "zack", "reference"),
+        ("h2o:2x", "zack", "interpret"),  # the prompt's sums from the mass kernel, the decode's from the decode kernel
+        pytest.param("kvcompress-full:3x", "zack", "pallas", marks=pytest.mark.gpu),
+    ],
+)
+def test_decode_adds_each_steps_softmax_to_the_stored_tokens_sums(spec, plan, backend):
+    """H2O and KV-Compress's full form keep a sum a stored token (``HeadKVCache.sums``): after a prompt's cut and a
+    few decode steps each head's slots hold, in order, the brute-force sums of ``eviction.reference.decode_sums``
+    (the prompt's exact scores plus every later query's softmax over what the head kept, squared for KV-Compress),
+    slots past what a head stores hold 0, and the prompt's cut was the reference's."""
+    from kvjax.eviction.reference import decode_sums
+
+    seed = fresh_seed()
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
+    if plan == "zack":
+        model = kvjax.compress(model, removal_rate=0.5, seed=seed % 1000, max_context=128, **CALIBRATION_SMALL)
+    engine, _, r, written = _decoding(model, spec, backend, seed)
+    assert engine.continual
+    want, kept = decode_sums(model, np.array([written]), len(r.prompt), engine.eviction)
+    heads = engine.cache.heads
+    sums, stored = np.asarray(heads.sums[r.slot]), np.asarray(heads.stored[r.slot])
+    for layer, (ref, mask) in enumerate(zip(want, kept)):
+        for h in range(ref.shape[1]):
+            held = np.flatnonzero(np.concatenate([mask[0, h], np.ones(len(written) - len(r.prompt), bool)]))
+            where = f"seed {seed}, layer {layer}, head {h}"
+            assert stored[layer, h] == len(held), where
+            np.testing.assert_allclose(
+                sums[layer, h, : len(held)], ref[0, h, held], rtol=2e-4, atol=2e-5, err_msg=where
+            )
+            assert not sums[layer, h, len(held) :].any(), where
+    assert int(stored.sum()) < len(written) * stored.size, f"seed {seed}: nothing was evicted"
+
+
+@pytest.mark.parametrize("plan", ["none", "zack"])
+def test_a_cut_ranks_by_the_sums_and_moves_them_with_the_survivors(plan):
+    """Continual eviction by H2O mid-decode: ``Engine.compress`` keeps each head's last ``Eviction.recent`` slots
+    and its highest sums (``continual.keep_counts`` over ``HeadKVCache.sums``), its K and V and its sums moved to its
+    first slots in order, and the host's counts stored; the sums it ranked are the brute-force ones."""
+    from kvjax.eviction.continual import halved, keep_counts
+    from kvjax.eviction.reference import decode_sums
+    from kvjax.ops import head_paging
+
+    seed = fresh_seed()
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
+    if plan == "zack":
+        model = kvjax.compress(model, removal_rate=0.5, seed=seed % 1000, max_context=128, **CALIBRATION_SMALL)
+    engine, runner, r, written = _decoding(model, "h2o:2x", "reference", seed)
+    spec, slot, heads = engine.eviction, r.slot, engine.cache.heads
+    stored, sums = np.asarray(heads.stored[slot]), np.asarray(heads.sums[slot])
+    want, kept = decode_sums(model, np.array([written]), len(r.prompt), spec)
+    for layer, (ref, mask) in enumerate(zip(want, kept)):  # the sums the cut ranks are the brute-force ones
+        for h in range(ref.shape[1]):
+            held = np.flatnonzero(np.concatenate([mask[0, h], np.ones(len(written) - len(r.prompt), bool)]))
+            np.testing.assert_allclose(sums[layer, h, : len(held)], ref[0, h, held], rtol=2e-4, atol=2e-5)
+    target = halved(spec, stored, len(written))
+    assert (target < stored).any(), f"seed {seed}: the cut cuts nothing"
+    layouts, elems = model.module.layouts, engine._evict.page_elems
+    before = [[head_paging.read(heads.pool, heads.tables[slot][None, i], h, lay, elems, 128) for h in
+               range(lay.num_kv_heads)] for i, lay in enumerate(layouts)]  # fmt: skip
+    keep = np.asarray(keep_counts(jnp.asarray(sums), stored, target, spec.recent))
+    runner.scheduler.pages.heads.shrink(r.id, target)
+    engine.compress(slot, r.computed - 1, target)
+    after = engine.cache.heads
+    np.testing.assert_array_equal(after.stored[slot], target, f"seed {seed}")
+    moved = np.asarray(after.sums[slot])
+    for i, lay in enumerate(layouts):
+        for h in range(lay.num_kv_heads):
+            n, chosen = int(target[i, h]), np.flatnonzero(keep[i, h])
+            where = f"seed {seed}, layer {i}, head {h}"
+            assert len(chosen) == n and chosen[-1] == stored[i, h] - 1, where  # the latest token survives
+            k, v = head_paging.read(after.pool, after.tables[slot][None, i], h, lay, elems, n)
+            np.testing.assert_array_equal(k[0], before[i][h][0][0, chosen], where)
+            np.testing.assert_array_equal(v[0], before[i][h][1][0, chosen], where)
+            np.testing.assert_array_equal(moved[i, h, :n], sums[i, h, chosen], where)
+            assert not moved[i, h, n:].any(), where
+
+
 def run_tight(model, seed: int, new: int, **settings):
     """An engine of ``settings`` whose per-head pool holds about two sequences (on each device, under tensor
     parallelism), four 40-token requests of ``new`` tokens that outgrow it, run to the end with the pages checked
@@ -573,13 +668,14 @@ def run_tight(model, seed: int, new: int, **settings):
     return engine, runner, requests, cuts
 
 
-def test_a_tight_head_pool_on_the_engine_cuts_and_every_request_finishes():
+@pytest.mark.parametrize("spec", ["snapkv:16", "h2o:16"])
+def test_a_tight_head_pool_on_the_engine_cuts_and_every_request_finishes(spec):
     """The engine end to end with continual eviction: a per-head pool of about two sequences, four requests that
-    outgrow it. Heads are cut on the device before the steps that reuse their pages, the pages add up after every
-    step, and every request finishes with all its tokens."""
+    outgrow it. Heads are cut on the device before the steps that reuse their pages (by the last queries, or by
+    H2O's sums), the pages add up after every step, and every request finishes with all its tokens."""
     seed = fresh_seed()
     model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
-    settings = dict(max_batch=4, max_seq_len=96, chunk_tokens=32, backend="reference", eviction="snapkv:16")
+    settings = dict(max_batch=4, max_seq_len=96, chunk_tokens=32, backend="reference", eviction=spec)
     engine, runner, requests, cuts = run_tight(model, seed, 50, **settings)
     assert cuts, f"seed {seed}: no head was cut"
     assert all(r.finish_reason == "length" and len(r.tokens) == 50 for r in requests), f"seed {seed}"

@@ -1,8 +1,9 @@
 """Continual eviction on the device (issue 37, item 4; KV-Compress, Rehg 2024, section 3.4): a decoding sequence
 whose per-head pages must shrink (the pool would otherwise preempt a request) has each KV head cut to a number of
 tokens the host chose, keeping the head's most recent slots and its highest scoring others, scored in the reduced
-space by the sequence's last W queries (the limited observation window, ``metrics.window_scores``), then compacted in
-place (``head_paging.compact``).
+space by the sequence's last W queries (the limited observation window, ``metrics.window_scores``) or, for the
+full-history methods decode adds to (H2O, KV-Compress's full form: ``metrics.DECODED``), by each slot's sum of what
+every query so far gave it, then compacted in place (``head_paging.compact``).
 
 The host chooses the counts (``halved``), not the scores, so it gives the freed pages back in the same step that
 needs them, with no wait for the device. Each head keeps a share of what it stores, so the allocation across heads
@@ -63,7 +64,9 @@ def keep_counts(scores, stored, target, protect: int):
     return guarded | (free & (ranks(cost) < room[..., None]))
 
 
-def compress(spec: Eviction, queries, pool, tables, stored, target, layouts, page_elems: int, tokens: int, windows=()):
+def compress(
+    spec: Eviction, queries, pool, tables, stored, target, layouts, page_elems: int, tokens: int, windows=(), sums=None
+):
     """Cut each KV head of B sequences to ``target`` [B, L, Hkv] tokens (``halved``) and compact it in place; the
     heads of a layer with a sliding window (``windows``: one a layer, None for none; absent: none) keep every slot,
     unread and unmoved (their tables may name pages the window has given back).
@@ -72,9 +75,15 @@ def compress(spec: Eviction, queries, pool, tables, stored, target, layouts, pag
     rotated ones), the last one the latest token's; ``tables`` [B, L, Hkv, pages] and ``stored`` [B, L, Hkv] as
     ``runtime.cache.HeadKVCache`` holds them; ``tokens`` (static): the most slots a head may store. Returns (pool,
     kept [B, L, Hkv], keep [B, L, Hkv, tokens]): the pool with each head's survivors in its first slots, in order
-    (donate it under ``jax.jit``: XLA writes in place), and the counts ``HeadPages.shrink`` took from the host."""
-    if spec.method not in metrics.WINDOWED:
-        raise ValueError(f"continual eviction scores with {metrics.WINDOWED}; {spec.method!r} needs every query")
+    (donate it under ``jax.jit``: XLA writes in place), and the counts ``HeadPages.shrink`` took from the host.
+    ``sums`` (the full-history methods that decode adds to, ``metrics.DECODED``; their ``queries`` are unused):
+    float32 [B, L, Hkv, tokens], each stored slot's sum so far, which ranks the head's slots instead; move them with
+    the survivors by ``select.compacted(sums, keep, tokens)``."""
+    if spec.method in metrics.DECODED:
+        if sums is None:
+            raise ValueError(f"continual eviction by {spec.method!r} ranks each slot's sum: give the sums")
+    elif spec.method not in metrics.WINDOWED:
+        raise ValueError(f"continual eviction scores with {metrics.WINDOWED + metrics.DECODED}, not {spec.method!r}")
     cut = tuple(layer for layer in range(len(layouts)) if not (windows and windows[layer]))
     every = jnp.arange(tokens) < jnp.asarray(stored, jnp.int32)[..., None]  # [B, L, Hkv, tokens]
     marks = []
@@ -82,8 +91,11 @@ def compress(spec: Eviction, queries, pool, tables, stored, target, layouts, pag
         if layer not in cut:
             marks.append(every[:, layer])
             continue
-        keys = _keys(pool, tables[:, layer], lay, page_elems, tokens)
-        scores = metrics.window_scores(spec.method, queries[layer], keys, stored[:, layer], lay, pool=spec.pool)
+        if spec.method in metrics.DECODED:
+            scores = sums[:, layer]
+        else:
+            keys = _keys(pool, tables[:, layer], lay, page_elems, tokens)
+            scores = metrics.window_scores(spec.method, queries[layer], keys, stored[:, layer], lay, pool=spec.pool)
         marks.append(keep_counts(scores, stored[:, layer], target[:, layer], spec.recent))
     keep = jnp.stack(marks, axis=1)
     pool, kept = head_paging.compact(pool, tables, keep, stored, layouts, page_elems, layers=cut)

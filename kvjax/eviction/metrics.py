@@ -26,6 +26,9 @@ from kvjax.ops.grouped import full_width, head_logits, visible
 METHODS = ("kvcompress", "kvcompress-full", "snapkv", "h2o", "keyformer")
 WINDOWED = ("kvcompress", "snapkv")  # scored by the last ``window`` queries only
 ON_KERNEL = ("h2o", "kvcompress-full", "keyformer")  # the full-history sums ``ops.attention_mass`` computes
+# the full-history sums decode keeps adding to, one step's weights at a time (``decode_mass``): Keyformer's noise is
+# keyed by positions, which a cut head's slots no longer are, so it is scored at a prompt's end only
+DECODED = ("h2o", "kvcompress-full")
 QUERY_BLOCK = 256
 
 
@@ -40,7 +43,7 @@ def _pool(scores, width: int):
     )
 
 
-def _mass(method: str, logits, seen):
+def softmax_mass(method: str, logits, seen):
     """What the queries give each key, [B, S]: each query's softmax over the keys it ``seen`` (0 elsewhere, so a row
     that sees nothing gives nothing and no NaN), squared for KV-Compress, summed over the query group and the rows of
     ``logits`` [B, group, rows, S]."""
@@ -49,6 +52,21 @@ def _mass(method: str, logits, seen):
     if method.startswith("kvcompress"):
         probs = probs * probs
     return probs.sum(axis=(1, 2))
+
+
+def decode_mass(method: str, weights):
+    """float32 [B, Hkv, S]: what one decode step's queries give each slot of their KV head, from their softmax
+    ``weights`` [B, Hkv, group, S] over the head's slots (0 on slots a query does not see;
+    ``ops.attention.decode_heads(weights=True)``): ``softmax_mass``'s rule, squared for KV-Compress's full form,
+    summed over the group. Added to a slot's prompt sum after every step, it makes H2O's accumulated attention
+    (Zhang et al., 2023, section 3.2) and KV-Compress's full-history metric (Rehg, 2024, section 3.2) over everything
+    decoded."""
+    if method not in DECODED:
+        raise ValueError(f"decode adds to the sums of {DECODED}, not {method!r}")
+    weights = weights.astype(jnp.float32)
+    if method.startswith("kvcompress"):
+        weights = weights * weights
+    return weights.sum(axis=2)
 
 
 def gumbel_noise(seed: int, layer: int, heads, rows, keys):
@@ -73,7 +91,7 @@ def _head_mass(method: str, q, k, rows, valid, layout: HeadLayout, g: int, *, ta
     if method == "keyformer":
         heads = g * layout.group_size + jnp.arange(layout.group_size)
         logits = (logits + gumbel_noise(seed, layer, heads, rows, key_pos)) / tau
-    return _mass(method, logits, seen[:, None])
+    return softmax_mass(method, logits, seen[:, None])
 
 
 def _on_kernel(method: str, q, k, layout: HeadLayout, *, tau: float, seed: int, layer, starts=None, lengths=None):
@@ -188,7 +206,7 @@ def window_scores(method: str, q, k, lengths, layout: HeadLayout, *, pool: int =
         rows = n[:, None] - w + jnp.arange(w)[None, :]  # [B, W] each query's position
         seen = visible(rows[:, :, None], key_pos[None, None, :], layout.sliding_window) & (rows >= 0)[:, :, None]
         seen &= key_pos < n[:, None, None]  # [B, W, S]
-        total = _mass(method, head_logits(q, k, layout, g), seen[:, None])
+        total = softmax_mass(method, head_logits(q, k, layout, g), seen[:, None])
         pooled = _pool(jnp.where(key_pos < n[:, None], total, -jnp.inf), pool)
         out.append(jnp.where(key_pos < n[:, None], pooled, 0.0))
     return jnp.stack(out, axis=1)

@@ -16,9 +16,10 @@ import numpy as np
 from flax import nnx
 
 from kvjax.eviction import metrics
+from kvjax.eviction.metrics import softmax_mass
 from kvjax.eviction.select import Eviction, keep_masks
 from kvjax.ops import kv_schemes
-from kvjax.ops.grouped import attend_groups, full_width, visible
+from kvjax.ops.grouped import attend_groups, full_width, head_logits, visible
 from kvjax.ops.prefill.reference import causal_attention
 
 
@@ -78,17 +79,20 @@ def compacted_round_trip(kv, q, k, v, layout, kept, prompt: int, rows=None):
     return kq, vq, quant
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 7))
-def _continued_hidden(graphdef, state, tokens, prompt: int, prefix_k, prefix_v, keep, kv=None):
+@functools.partial(jax.jit, static_argnums=(0, 3, 7, 8))
+def _continued_hidden(graphdef, state, tokens, prompt: int, prefix_k, prefix_v, keep, kv=None, method=None):
     """Final-norm hidden states [B, C, E] of the tokens after the prompt (``tokens`` [B, C], at positions ``prompt``
     on), each attending to what ``keep`` (per layer, bool [B, Hkv, P]) holds of the prompt's K and V (``prefix_k``,
     ``prefix_v``: ``prompt_prefix``'s) and causally to each other; ``kv``: from quantized pages
-    (``compacted_round_trip``). The work is the C rows' against the P + C keys: a prompt is never run again."""
+    (``compacted_round_trip``). The work is the C rows' against the P + C keys: a prompt is never run again.
+    ``method`` (a full-history one): also, per layer, float32 [B, Hkv, P + C], what these rows' softmax gives each
+    key under ``metrics``' rule for it (their share of the method's sums)."""
     module = nnx.merge(graphdef, state)
     b, c = tokens.shape
     t = prompt + c
     rows, cols = prompt + jnp.arange(c), jnp.arange(t)
     positions = jnp.broadcast_to(rows.astype(jnp.int32), tokens.shape)
+    masses: list = []
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
         if rotation is not None:
@@ -101,13 +105,19 @@ def _continued_hidden(graphdef, state, tokens, prompt: int, prefix_k, prefix_v, 
             k, layout = rebuild(k, jnp.broadcast_to(cols.astype(jnp.int32), (b, t))), full_width(layout)
         kept = jnp.pad(keep[i], ((0, 0), (0, 0), (0, c)), constant_values=True)  # [B, Hkv, T]
         mask = visible(rows[:, None], cols[None, :], layout.sliding_window) & kept[:, :, None, :]  # [B, Hkv, C, T]
+        if method is not None:
+            heads = range(layout.num_kv_heads)
+            masses.append(
+                jnp.stack([softmax_mass(method, head_logits(q, k, layout, g), mask[:, g, None]) for g in heads], 1)
+            )
         if kv is None:
             return attend_groups(q, k, v, mask, layout)
         kq, vq, quant = compacted_round_trip(kv, q, k, v, layout, kept, prompt, rows=rows)
         both = jnp.concatenate([mask & quant, mask & ~quant], axis=-1)  # keys: the quantized copies, then exact
         return attend_groups(q, jnp.concatenate([kq, k], axis=1), jnp.concatenate([vq, v], axis=1), both, layout)
 
-    return module.hidden(tokens, positions, attend)
+    hidden = module.hidden(tokens, positions, attend)
+    return hidden if method is None else (hidden, masses)
 
 
 def prompt_scores(model, tokens, spec: Eviction) -> list[np.ndarray]:
@@ -183,6 +193,32 @@ def evicted_hidden(model, tokens, prompt: int, spec: Eviction) -> tuple[jax.Arra
         raise ValueError(f"prompt must be 1..{tokens.shape[1]} tokens, got {prompt}")
     kept = prompt_keep(model, tokens[:, :prompt], spec)
     return hidden_after(model, tokens, kept), kept
+
+
+def decode_sums(model, tokens, prompt: int, spec: Eviction) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(per layer, float32 [B, Hkv, T]: each token's full-history sum, per layer, bool [B, Hkv, prompt]: what each
+    head kept of the prompt) for ``tokens`` [B, T] whose first ``prompt`` were prefilled and cut by ``spec`` (a
+    method decode adds to: ``metrics.DECODED``) before the rest were decoded: a kept prompt token's exact sum over
+    the prompt's queries (``prompt_scores``) plus what every later query's softmax over the head's kept tokens and
+    those since gives it; a later token's from the queries at and after it; 0 on evicted tokens. Brute force over
+    the whole [T - prompt, T] softmax: what the engine's ``HeadKVCache.sums`` holds for the tokens each head stores
+    once the queries of ``tokens`` have run (tested)."""
+    if spec.method not in metrics.DECODED:
+        raise ValueError(f"decode adds to the sums of {metrics.DECODED}, not {spec.method!r}")
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if not 0 < prompt < tokens.shape[1]:
+        raise ValueError(f"prompt must be 1..{tokens.shape[1] - 1} tokens, got {prompt}")
+    (scores,), (_, ks, vs) = scores_and_prefix(model, tokens[:, :prompt], [spec])
+    kept = keep(model, scores, spec)
+    rest = tokens[:, prompt:]
+    masks = [jnp.asarray(k) for k in kept]
+    _, masses = _continued_hidden(model.graphdef, model.state, rest, prompt, ks, vs, masks, None, spec.method)
+    out = []
+    for score, mask, mass in zip(scores, kept, masses):
+        held = np.pad(mask, ((0, 0), (0, 0), (0, rest.shape[1])), constant_values=True)
+        total = np.pad(score, ((0, 0), (0, 0), (0, rest.shape[1]))) + np.asarray(mass, np.float64)
+        out.append(np.where(held, total, 0.0))
+    return out, kept
 
 
 def kept_bytes(kept: list[np.ndarray], layouts, kv=None) -> float:

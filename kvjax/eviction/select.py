@@ -166,6 +166,17 @@ def ranks(cost):
     return jnp.put_along_axis(jnp.zeros_like(order), order, places, axis=-1, inplace=False)
 
 
+def compacted(values, keep, slots: int):
+    """float32 [..., slots]: the ``values`` [..., S] that ``keep`` [..., S] marks, in order, in the first slots
+    (0 after them): what a per-head value says of each stored token once the kept ones are compacted into a head's
+    first slots (``head_paging.admit`` at a prompt's end, ``head_paging.compact`` at a cut). Kept entries past
+    ``slots`` are dropped."""
+    dest = jnp.where(keep, jnp.cumsum(keep, axis=-1, dtype=jnp.int32) - 1, slots)  # past the end: dropped
+    out = jnp.zeros((*keep.shape[:-1], slots + 1), jnp.float32)
+    out = jnp.put_along_axis(out, dest, jnp.asarray(values, jnp.float32), axis=-1, inplace=False)
+    return out[..., :slots]
+
+
 def device_keep(spec: Eviction, scores, prompt, per_head, protect, windows: tuple[int | None, ...]):
     """``keep_masks`` on the device, for a batch: bool [B, L, Hkv, S] from scores [B, L, Hkv, S] (float32, higher =
     keep) of prompts of ``prompt`` [B] tokens each (slots past a prompt are neither scored nor kept), each prompt's

@@ -100,13 +100,17 @@ class HeadKVCache:
     bench/results/eviction.md "Per-head pages: host cost"). ``queries``: per layer, each slot's last W packed queries,
     the query of position p in row p % W, which continual eviction scores with (``kvjax.eviction.continual``).
     ``before``: for sliding-window layers, where each head's window starts in its slots
-    (``ops.head_paging.window_before``; [slots, layers, Hkv, 1] of zeros for a model without them)."""
+    (``ops.head_paging.window_before``; [slots, layers, Hkv, 1] of zeros for a model without them). ``sums`` (the
+    full-history methods decode adds to, ``eviction.metrics.DECODED``): float32 [slots, layers, Hkv, tokens], what
+    every query so far gave each stored slot (the prompt's sums written at its end, each decode step's weights
+    added), by which continual eviction ranks a head's slots."""
 
     pool: jax.Array  # [num_pages, page_elems]
     tables: jax.Array  # int32 [slots, layers, Hkv, pages a head]
     stored: jax.Array  # int32 [slots, layers, Hkv]: tokens each head stores
     queries: tuple[jax.Array, ...] = ()  # per layer [slots, W, q_cols]
     before: jax.Array | None = None  # int32 [slots, layers, Hkv, largest window + 1]
+    sums: jax.Array | None = None  # float32 [slots, layers, Hkv, tokens a head may store]
 
     @classmethod
     def create(
@@ -120,15 +124,18 @@ class HeadKVCache:
         dtype,
         q_cols=(),
         window: int = 0,
+        sums: int = 0,
     ):
         """Zeroed pool, tables of null pages, nothing stored; ``q_cols``: (W, q_cols) a layer, the shape of its
-        query ring (none without); ``window``: the layers' largest sliding window (0: none)."""
+        query ring (none without); ``window``: the layers' largest sliding window (0: none); ``sums``: the tokens a
+        head may store, for a policy that keeps a sum a slot (0: none)."""
         return cls(
             pool=jnp.zeros((num_pages, page_elems), dtype),
             tables=jnp.full((slots, layers, heads, max_pages), NULL_PAGE, jnp.int32),
             stored=jnp.zeros((slots, layers, heads), jnp.int32),
             queries=tuple(jnp.zeros((slots, w, cols), dtype) for w, cols in q_cols),
             before=jnp.zeros((slots, layers, heads, window + 1), jnp.int32),
+            sums=jnp.zeros((slots, layers, heads, sums), jnp.float32) if sums else None,
         )
 
     def with_entries(self, slots, entries) -> HeadKVCache:
@@ -147,7 +154,7 @@ class HeadKVCache:
 
     @property
     def nbytes(self) -> int:
-        extra = 0 if self.before is None else self.before.nbytes
+        extra = sum(0 if a is None else a.nbytes for a in (self.before, self.sums))
         return self.pool.nbytes + self.tables.nbytes + self.stored.nbytes + sum(q.nbytes for q in self.queries) + extra
 
 

@@ -23,8 +23,8 @@ from kvjax import machine, validate
 from kvjax.compression.plan import check_kv_bits
 from kvjax.eviction import metrics
 from kvjax.eviction.continual import compress
-from kvjax.eviction.prompt import accumulate, evict_prompts
-from kvjax.eviction.select import Eviction
+from kvjax.eviction.prompt import accumulate, evict_prompts, history_scores
+from kvjax.eviction.select import Eviction, compacted
 from kvjax.io.saved import restore_sharded
 from kvjax.ops import attention, head_paging
 from kvjax.ops.decode.gear_kernel import GearDecodeOp
@@ -273,6 +273,12 @@ class _Evict:
         return None if self.spec.method in metrics.WINDOWED else self.spec
 
     @property
+    def decoded(self) -> bool:
+        """Whether decode adds to each stored slot's sum (``HeadKVCache.sums``; ``metrics.DECODED``: H2O,
+        KV-Compress's full form), which continual eviction then ranks a head's slots by."""
+        return self.spec.method in metrics.DECODED
+
+    @property
     def widest(self) -> int:
         """The widest of ``windows`` (0: none): the last axis of ``HeadKVCache.before`` is one more."""
         return max(w or 0 for w in self.windows)
@@ -308,7 +314,8 @@ def _evicted(
     a ``slots`` entry take their ``head_tables`` (the host's ``HeadPages`` tables, grown by the whole prompt), their
     kept counts and, for sliding-window layers, where each head's window starts (``head_paging.window_before``) into
     that slot; other rows have null head tables and write nothing. ``mass``: the full-history methods' scores so
-    far (``EvictingCache.mass``). Returns (heads, kept [B, L, Hkv])."""
+    far (``EvictingCache.mass``), whose survivors' sums go to ``HeadKVCache.sums`` in slot order where decode adds to
+    them. Returns (heads, kept [B, L, Hkv])."""
     if evict.sharded:
         head_tables = local_heads(head_tables, 2)
     pool, kept, keep = evict_prompts(
@@ -328,6 +335,10 @@ def _evicted(
     )
     tables = heads.tables.at[slots].set(head_tables, mode="drop")
     stored = heads.stored.at[slots].set(kept, mode="drop")
+    sums = heads.sums
+    if sums is not None:  # each survivor's prompt sum, in the slot its K and V moved to
+        survivors = compacted(history_scores(mass, seq_table, prompts), keep, sums.shape[-1])
+        sums = sums.at[slots].set(survivors, mode="drop")
     before = heads.before
     if any(evict.windows):
         assert before is not None  # HeadKVCache.create makes it
@@ -339,19 +350,21 @@ def _evicted(
         ring.at[slots[:, None], ring_rows].set(q.astype(ring.dtype), mode="drop")
         for ring, q in zip(heads.queries, queries)
     )
-    return HeadKVCache(pool, tables, stored, rings, before), kept
+    return HeadKVCache(pool, tables, stored, rings, before, sums), kept
 
 
 def _compress_step(cache, slot, last, target, *, evict: _Evict, layouts, tokens: int):
     """Continual eviction of slot ``slot``: each of its KV heads cut to ``target`` [L, Hkv] tokens
     (``continual.halved``, which the host's pages already shrank to), scored by the slot's last W queries, the
-    latest at position ``last``, and compacted in place (``continual.compress``; sliding-window layers untouched)."""
+    latest at position ``last`` (or, where decode keeps them, by its slots' sums: ``HeadKVCache.sums``, moved with
+    the survivors), and compacted in place (``continual.compress``; sliding-window layers untouched)."""
     heads, w = cache.heads, evict.spec.window
     if evict.sharded:
         target = local_heads(target, 1)
     order = (last - w + 1 + jnp.arange(w)) % w  # the ring's rows oldest first
     queries = [ring[slot][order][None] for ring in heads.queries]
-    pool, kept, _ = compress(
+    sums = None if heads.sums is None else heads.sums[slot][None]
+    pool, kept, keep = compress(
         evict.spec,
         queries,
         heads.pool,
@@ -362,8 +375,11 @@ def _compress_step(cache, slot, last, target, *, evict: _Evict, layouts, tokens:
         evict.page_elems,
         tokens,
         windows=evict.windows,
+        sums=sums,
     )
     heads = dataclasses.replace(heads, pool=pool, stored=heads.stored.at[slot].set(kept[0]))
+    if sums is not None:
+        heads = dataclasses.replace(heads, sums=heads.sums.at[slot].set(compacted(sums, keep, tokens)[0]))
     return dataclasses.replace(cache, heads=heads)
 
 
@@ -426,19 +442,19 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
         entries = entries.at[:, 0].set(jnp.where(mine, entries[:, 0], slot_tokens.shape[0]))
         entries = entries.at[:, 2].set(entries[:, 2] % local)
     heads = cache.heads.with_entries(jnp.arange(slot_tokens.shape[0]), entries)
-    pool, stored, rings = heads.pool, [], list(heads.queries)
+    pool, stored, rings, sums = heads.pool, [], list(heads.queries), heads.sums
     ring_row = jnp.where(active, positions % evict.spec.window, evict.spec.window)  # inactive rows: dropped
     works: dict = {}  # the live schedule's work list, built once a step (per KV head count) from the live slots
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
-        nonlocal pool
+        nonlocal pool, sums
         work, heads_n = None, module.layouts[i].num_kv_heads
         if evict.schedule == "live" and evict.backend != "reference":
             if heads_n not in works:
                 works[heads_n] = live_work(jnp.broadcast_to(active[:, None], (active.shape[0], heads_n)))
             work = works[heads_n]
         window = evict.windows[i]
-        out, pool, after, packed = attention.decode_heads(
+        got = attention.decode_heads(
             q[:, 0],
             k[:, 0],
             v[:, 0],
@@ -453,15 +469,27 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
             schedule=evict.schedule,
             work=work,
             before=None if window is None else heads.before[:, i],
+            weights=sums is not None,
         )
+        out, pool, after, packed = got[:4]
+        if sums is not None:  # this step's queries' share of each slot's sum (inactive rows add nothing)
+            sums = sums.at[:, i].add(_slot_mass(evict.spec.method, got[4], active, sums.shape[-1]))
         stored.append(after)
         rings[i] = rings[i].at[jnp.arange(packed.shape[0]), ring_row].set(packed.astype(rings[i].dtype), mode="drop")
         return out[:, None]
 
     hidden = _hidden(module, slot_tokens[:, None], positions[:, None], attend, vocab)
     new = sample(_logits(module, hidden[:, 0], vocab), *sampling, greedy=greedy)
-    heads = HeadKVCache(pool, heads.tables, jnp.stack(stored, axis=1), tuple(rings), heads.before)
+    heads = HeadKVCache(pool, heads.tables, jnp.stack(stored, axis=1), tuple(rings), heads.before, sums)
     return jnp.where(active, new, slot_tokens), dataclasses.replace(cache, heads=heads)
+
+
+def _slot_mass(method: str, weights, active, tokens: int):
+    """float32 [B, Hkv, tokens]: ``metrics.decode_mass`` of one layer's decode ``weights`` [B, Hkv, G, cap] (the
+    kernel's ``cap`` slots a head, at least ``tokens``: every slot a head can store), 0 for rows not ``active``."""
+    mass = metrics.decode_mass(method, weights)[..., :tokens]
+    mass = jnp.pad(mass, ((0, 0), (0, 0), (0, tokens - mass.shape[-1])))
+    return jnp.where(active[:, None, None], mass, 0.0)
 
 
 def _layers(cache) -> tuple[list, list]:
@@ -661,6 +689,7 @@ class Engine:
                     dtype,
                     [(self._evict.spec.window, lay.q_cols) for lay in self.layouts],
                     self._evict.widest,
+                    self.max_seq_len if self._evict.decoded else 0,
                 ),
                 None
                 if self._evict.history is None
@@ -710,6 +739,8 @@ class Engine:
         staging_bytes += rings * jnp.dtype(dtype).itemsize  # each slot's last queries (continual eviction)
         if self._evict.history is not None:  # ``EvictingCache.mass``, float32 beside each staged token
             staging_bytes += 4 * staging * self.page_size * self._local_per_page.size
+        if self._evict.decoded:  # ``HeadKVCache.sums``: float32 for each slot a head may store
+            staging_bytes += 4 * self.max_batch * self._local_per_page.size * self.max_seq_len
         if window := self._evict.widest:  # ``HeadKVCache.before``
             staging_bytes += 4 * self.max_batch * self._local_per_page.size * (window + 1)
         if num_pages is not None:
@@ -1014,8 +1045,10 @@ class Engine:
     def continual(self) -> bool:
         """Whether this engine cuts decoding requests' heads when its per-head pool runs out (continual eviction),
         before the scheduler preempts: an evicting engine with a layer that sees the whole context (sliding-window
-        layers are never cut: ``eviction.continual``)."""
-        return self._evict is not None and self._evict.history is None and not all(self._evict.windows)
+        layers are never cut: ``eviction.continual``) whose policy scores by its last queries or by sums decode keeps
+        adding to (``_Evict.decoded``; not Keyformer)."""
+        evict = self._evict
+        return evict is not None and (evict.history is None or evict.decoded) and not all(evict.windows)
 
     def compress(self, slot: int, last: int, target) -> None:
         """Enqueue continual eviction of slot ``slot``, whose latest query is at position ``last``: each KV head cut to
