@@ -434,6 +434,8 @@ def test_the_per_head_decode_kernels_weights_equal_the_softmax_on_each_slot(sche
     sums = got.sum(axis=-1)
     np.testing.assert_allclose(sums[lengths > 0], 1.0, rtol=1e-5)
     assert not sums[lengths == 0].any()
+    _, fewer = head_paged_decode(q, pool, tables, stored, layout, page_elems, weights=True, slots=60, **kw)
+    np.testing.assert_array_equal(fewer, got[..., :60], f"seed {seed}")  # the slots a head can store
 
 
 @pytest.mark.parametrize("trial", range(4))

@@ -94,9 +94,11 @@ def _head_mass(method: str, q, k, rows, valid, layout: HeadLayout, g: int, *, ta
     return softmax_mass(method, logits, seen[:, None])
 
 
-def _on_kernel(method: str, q, k, layout: HeadLayout, *, tau: float, seed: int, layer, starts=None, lengths=None):
+def _on_kernel(
+    method: str, q, k, layout: HeadLayout, *, tau: float, seed: int, layer, starts=None, lengths=None, lse=None
+):
     """``ops.attention_mass`` for an ``ON_KERNEL`` method (squared: KV-Compress; Keyformer's noise hashed in the
-    kernel), interpreted where the backend is no GPU."""
+    kernel), interpreted where the backend is no GPU; ``lse``: attention's denominators (not Keyformer's)."""
     return attention_mass(
         q,
         k,
@@ -105,6 +107,7 @@ def _on_kernel(method: str, q, k, layout: HeadLayout, *, tau: float, seed: int, 
         lengths=lengths,
         squared=method == "kvcompress-full",
         gumbel=(seed, layer, tau) if method == "keyformer" else None,
+        lse=lse,
         interpret=jax.default_backend() != "gpu",
     )
 
@@ -121,6 +124,7 @@ def chunk_mass(
     seed: int = 0,
     layer: int = 0,
     kernel: bool = False,
+    lse=None,
 ):
     """float32 [B, Hkv, S]: the unpooled sum ``scores`` makes, over one chunk of queries only: ``q`` [B, T, q_cols]
     holds chunk b's queries from position ``starts[b]`` (its first ``lengths[b]`` rows), ``k`` [B, S, k_cols] the
@@ -128,10 +132,13 @@ def chunk_mass(
     sum (tested), which is how the engine accumulates the full-history methods (H2O, KV-Compress's full form,
     Keyformer) while prefilling chunk by chunk. Rows run in blocks of ``QUERY_BLOCK``: memory [B, group, block, S].
     ``kernel``: the ``ON_KERNEL`` methods through ``ops.attention_mass`` (no [rows, S] array; interpreted where the
-    backend is no GPU): 9.1x the jnp form on an H100 (bench/results/eviction.md "Eviction on the H100 (2026-12-06)")."""
+    backend is no GPU): 9.1x the jnp form on an H100 (bench/results/eviction.md "Eviction on the H100 (2026-12-06)").
+    ``lse`` (with ``kernel``; H2O and KV-Compress's full form): the chunk's log2 softmax denominators [B, T, num_heads]
+    from the prefill kernel (``ops.prefill.kernel.prefill_attention(lse=True)``), which skip the kernel's first pass."""
     b, t = q.shape[:2]
     if method in ON_KERNEL and kernel:
-        return _on_kernel(method, q, k, layout, starts=starts, lengths=lengths, tau=tau, seed=seed, layer=layer)
+        kw = dict(starts=starts, lengths=lengths, tau=tau, seed=seed, layer=layer, lse=lse)
+        return _on_kernel(method, q, k, layout, **kw)
     block = min(QUERY_BLOCK, t)
     blocks = -(-t // block)
     q = jnp.pad(q, ((0, 0), (0, blocks * block - t), (0, 0)))  # the last block's rows past the chunk: not valid

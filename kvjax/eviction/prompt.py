@@ -65,17 +65,18 @@ def evict_prompts(
     return head_pool, kept, keep
 
 
-def accumulate(mass, layer: int, spec: Eviction, q, keys, pages, starts, lengths, layout, kernel: bool = False):
+def accumulate(
+    mass, layer: int, spec: Eviction, q, keys, pages, starts, lengths, layout, kernel: bool = False, lse=None
+):
     """``mass`` [L, P, page_size, Hkv] (float32, beside the staging pool of P pages) with layer ``layer``'s entries
     for one prefill call added: chunk b's packed queries ``q`` [B, T, q_cols], from position ``starts[b]``, its first
     ``lengths[b]`` rows real, give the keys ``keys`` [B, S, k_cols] (its pages ``pages`` [B, S / page_size], the
     chunk's own keys written) what ``metrics.chunk_mass`` says; a chunk from position 0 starts its pages afresh (a
     prompt's first chunk, or a preempted one's again). The sum over a prompt's chunks is ``metrics.scores``'
     (tested). Rows of null pages all add to page 0, which no prompt reads. ``kernel``: the sums through
-    ``ops.attention_mass`` (``metrics.chunk_mass``)."""
-    add = metrics.chunk_mass(
-        spec.method, q, keys, starts, lengths, layout, tau=spec.tau, seed=spec.seed, layer=layer, kernel=kernel
-    )
+    ``ops.attention_mass`` (``metrics.chunk_mass``); ``lse``: the prefill kernel's denominators for them."""
+    kw = dict(tau=spec.tau, seed=spec.seed, layer=layer, kernel=kernel, lse=lse)
+    add = metrics.chunk_mass(spec.method, q, keys, starts, lengths, layout, **kw)
     old = mass[layer][pages]  # [B, pages, page_size, Hkv]
     old = jnp.where((jnp.asarray(starts) == 0)[:, None, None, None], 0.0, old)
     new = old + jnp.swapaxes(add, 1, 2).reshape(old.shape)

@@ -46,15 +46,20 @@ def prefill(
     op: PrefillOp | None = None,
     rebuild=None,
     rotation=None,
+    lse: bool = False,
 ):
     """Attention of prompt chunks [B, T, cols] (chunk b at positions ``starts[b]`` on, default 0) over themselves and
     the earlier chunks in the pages, their K/V written into the pages; returns (out, k_pages, v_pages). ``rebuild``
     (Palu layers, ``models.latent.LatentK``) rebuilds full K from the cached latent; with an op, the prefill kernel
-    runs at full width over the rebuilt K. ``rotation`` (ZACK layers, with q and k per head): packs them first."""
+    runs at full width over the rebuilt K. ``rotation`` (ZACK layers, with q and k per head): packs them first.
+    ``lse``: a fourth result, each row's log2 softmax denominator [B, T, num_heads] where the prefill kernel runs on
+    the cached keys (``prefill_attention(lse=True)``, which the full-history eviction sums reuse), else None."""
     if rotation is not None:
         q, k = rotation.packed(q, k)
     if op is not None and rebuild is None:
-        return op.run(q, k, v, layout, lengths, k_pages, v_pages, block_table, starts)
+        return op.run(q, k, v, layout, lengths, k_pages, v_pages, block_table, starts, lse=lse)
+    if lse:
+        return (*prefill(q, k, v, layout, k_pages, v_pages, block_table, lengths, starts, op=op, rebuild=rebuild), None)
     b, t = q.shape[:2]
     offsets = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     positions = offsets if starts is None else starts[:, None] + offsets
@@ -239,6 +244,7 @@ def decode_heads(
     work=None,
     before=None,
     weights: bool = False,
+    slots: int | None = None,
 ):
     """One new token per sequence over per-head pages (``ops.head_paging``, eviction's cache): its K/V [B, cols]
     written at each KV head's next slot, ``stored`` [B, Hkv] (a head's count before it), through this layer's
@@ -252,7 +258,8 @@ def decode_heads(
     head's slots, for a layer whose window can pass a stored token (None: it cannot). The engine's decode step calls
     it once a layer, the pool (every layer's pages) threaded through. ``weights``: a fifth result, float32 [B, Hkv, G,
     slots], each query row's softmax weight on each slot of its head (``head_paging.decode_weights``; on the kernels
-    out of the decode kernel's own scores): the step's share of the full-history eviction sums."""
+    out of the decode kernel's own scores): the step's share of the full-history eviction sums; ``slots``: the
+    most tokens a head stores (default: what its table addresses), the weights' last axis."""
     check_backend(backend)
     if rotation is not None:
         q, k = rotation.packed_rows(q, k)
@@ -267,6 +274,7 @@ def decode_heads(
         first = head_paging.window_first(before, after, layout.sliding_window)
     if backend == "reference":
         most = int(head_paging.layer_tokens_per_page(layout, page_elems).max()) * tables.shape[-1]
+        most = most if slots is None else min(most, slots)
         got = head_paging.decode_attention(q, pool, tables, after, layout, page_elems, most, first, weights=weights)
     else:
         got = head_paged_decode(
@@ -280,6 +288,7 @@ def decode_heads(
             schedule=schedule,
             work=work,
             weights=weights,
+            slots=slots,
             interpret=backend == "interpret",
         )
     return (got[0], pool, after, q, got[1]) if weights else (got, pool, after, q)

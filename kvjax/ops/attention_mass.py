@@ -49,6 +49,7 @@ def attention_mass(
     lengths=None,
     squared: bool = False,
     gumbel=None,
+    lse=None,
     interpret: bool = False,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
@@ -65,7 +66,9 @@ def attention_mass(
     written; later slots, which causality hides, may hold anything finite): the chunk's share of the prompt's sum,
     ``eviction.metrics.chunk_mass``, which the engine adds up over a prompt's chunks. ``gumbel`` (seed, layer, tau):
     Keyformer's softmax instead, of (q·k + g) / tau with g ``metrics.gumbel_noise``'s draw for (seed, layer, query
-    head, query position, key position), hashed in the kernel (``ops.noise``; the same bits as the jnp form)."""
+    head, query position, key position), hashed in the kernel (``ops.noise``; the same bits as the jnp form).
+    ``lse`` float32 [B, T, num_heads] (not with ``gumbel``): each row's log2 softmax denominator, as the prefill
+    kernel gives it (``prefill_attention(lse=True)``), so only the second pass runs (half the work)."""
     b, t = q.shape[:2]
     s = k.shape[1]
     if starts is None:
@@ -76,6 +79,8 @@ def attention_mass(
     lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), (b,))
     group, d = layout.group_size, layout.head_dim
     seed, layer, tau = gumbel if gumbel is not None else (0, 0, None)
+    if lse is not None and gumbel is not None:
+        raise ValueError("Keyformer's softmax is of noisy scores: attention's denominators are not its own")
     start_hash = noise.base(seed, layer).reshape(1)
     step = max(block_q, block_k)
     padded_q, padded_k = -(-t // step) * step, -(-s // step) * step
@@ -90,6 +95,10 @@ def attention_mass(
         qh = jnp.pad(qh.transpose(0, 1, 3, 2, 4), ((0, 0), (0, 0), (0, 0), (0, padded_q - t), (0, 0))).reshape(-1)
         kh = jnp.stack([_padded(k, k_off[h], layout.k_widths[h], 1, wt)[:, :, 0] for h in heads], 1)
         kh = jnp.pad(kh, ((0, 0), (0, 0), (0, padded_k - s), (0, 0))).reshape(-1)  # [B, heads, S, tile]
+        given = None
+        if lse is not None:  # [B, heads, G, padded_q], as the first pass lays it out
+            given = jnp.stack([lse[:, :, h * group : (h + 1) * group] for h in heads], 1).transpose(0, 1, 3, 2)
+            given = jnp.pad(given.astype(jnp.float32), ((0, 0), (0, 0), (0, 0), (0, padded_q - t))).reshape(-1)
         got = _mass(
             starts,
             lengths,
@@ -97,6 +106,7 @@ def attention_mass(
             jnp.asarray(heads, jnp.int32),
             qh,
             kh,
+            given,
             programs=b * len(heads),
             group=group,
             tau=tau,
@@ -104,7 +114,7 @@ def attention_mass(
             padded_q=padded_q,
             padded_k=padded_k,
             width=wt,
-            scale=LOG2E / math.sqrt(d),
+            scale=(1.0 / math.sqrt(d)) * LOG2E,  # as the prefill kernel scales: its denominators fit these scores
             window=layout.sliding_window,
             squared=squared,
             block_q=block_q,
@@ -151,6 +161,7 @@ def _mass(
     kv_heads,
     qh,
     kh,
+    lse,
     *,
     programs,
     group,
@@ -170,7 +181,8 @@ def _mass(
     """Both passes over flat qh [programs, G, padded_q, width] and kh [programs, padded_k, width] (``per_batch``
     query heads a row of the batch), a program a query head and block: float32 [programs, padded_k], each key's mass
     summed over the group (0 where no real row sees it). ``kv_heads`` [per_batch / group]: the layout's KV head of
-    each of a row's programs; ``start_hash`` [1] and ``tau`` (None: no noise): Keyformer's draws."""
+    each of a row's programs; ``start_hash`` [1] and ``tau`` (None: no noise): Keyformer's draws; ``lse`` [programs,
+    G, padded_q] (None: the first pass computes it): each row's log2 denominator."""
     static = dict(
         group=group,
         per_batch=per_batch,
@@ -185,16 +197,17 @@ def _mass(
     heads = programs * group
     lse_shape = jax.ShapeDtypeStruct((heads * padded_q,), jnp.float32)
     scalars = [whole_block(x) for x in (starts, lengths, start_hash, kv_heads)]
-    lse = pl.pallas_call(
-        functools.partial(_lse_kernel, block_q=block_q, block_k=block_k, **static),
-        grid=(heads, padded_q // block_q),
-        in_specs=[*scalars, whole_block(qh), whole_block(kh)],
-        out_specs=whole_block(lse_shape),
-        out_shape=lse_shape,
-        interpret=interpret,
-        compiler_params=params,
-        name="kvjax_attention_lse",
-    )(starts, lengths, start_hash, kv_heads, qh, kh)
+    if lse is None:
+        lse = pl.pallas_call(
+            functools.partial(_lse_kernel, block_q=block_q, block_k=block_k, **static),
+            grid=(heads, padded_q // block_q),
+            in_specs=[*scalars, whole_block(qh), whole_block(kh)],
+            out_specs=whole_block(lse_shape),
+            out_shape=lse_shape,
+            interpret=interpret,
+            compiler_params=params,
+            name="kvjax_attention_lse",
+        )(starts, lengths, start_hash, kv_heads, qh, kh)
     mass_shape = jax.ShapeDtypeStruct((heads * padded_k,), jnp.float32)
     mass = pl.pallas_call(
         functools.partial(_mass_kernel, block_q=block_q, block_k=block_k, squared=squared, **static),

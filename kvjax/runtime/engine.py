@@ -213,7 +213,7 @@ def _prefill_step(
     (``_evicted``; ``evicting``: its inputs). ``vocab`` (tensor parallelism): the vocabulary's size, the step one
     device's share (``_hidden``). ``history`` (an evicting engine's full-history policy): every call adds what its
     chunks' queries give their keys to the cache's ``mass`` (``eviction.prompt.accumulate``; through the mass kernel
-    where ``op`` runs kernels)."""
+    where ``op`` runs kernels, its first pass the prefill kernel's denominators)."""
     module = nnx.merge(graphdef, jax.tree.unflatten(structure, weights))
     b, t = tokens.shape
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -221,20 +221,25 @@ def _prefill_step(
     ks, vs = _layers(staging)
     queries = []
     mass = cache.mass if isinstance(cache, EvictingCache) else None
+    # the prefill kernel's softmax denominators serve the mass kernel's second pass (Keyformer's are of noisy scores)
+    reuse = history is not None and op is not None and history.method != "keyformer"
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
         if evict is not None:
             queries.append(_last_queries(q, k, rotation, lengths, evict.spec.window))
         lay, pages, prefix_from = module.layouts[i], table[pools[i]], starts if prefix else None
         if formats is None:
-            out, ks[i], vs[i] = attention.prefill(
-                q, k, v, lay, ks[i], vs[i], pages, lengths, prefix_from, op=op, rebuild=rebuild, rotation=rotation
-            )
+            got = attention.prefill(
+                q, k, v, lay, ks[i], vs[i], pages, lengths, prefix_from, op=op, rebuild=rebuild, rotation=rotation,
+                lse=reuse,
+            )  # fmt: skip
+            out, ks[i], vs[i] = got[:3]
             if history is not None:
                 nonlocal mass
                 packed = q if rotation is None else rotation.packed(q, k)[0]
                 keys = ks[i][pages].reshape(b, -1, lay.k_cols)
-                mass = accumulate(mass, i, history, packed, keys, pages, starts, lengths, lay, kernel=op is not None)
+                kw = dict(kernel=op is not None, lse=got[3] if reuse else None)
+                mass = accumulate(mass, i, history, packed, keys, pages, starts, lengths, lay, **kw)
         else:
             out, ks[i], vs[i] = attention.prefill_quantized(
                 q, k, v, lay, ks[i], vs[i], formats[i], pages, tail_rows, lengths, prefix_from, op=op, rotation=rotation
@@ -470,10 +475,12 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
             work=work,
             before=None if window is None else heads.before[:, i],
             weights=sums is not None,
+            slots=None if sums is None else sums.shape[-1],
         )
         out, pool, after, packed = got[:4]
         if sums is not None:  # this step's queries' share of each slot's sum (inactive rows add nothing)
-            sums = sums.at[:, i].add(_slot_mass(evict.spec.method, got[4], active, sums.shape[-1]))
+            mass = metrics.decode_mass(evict.spec.method, got[4])
+            sums = sums.at[:, i].add(jnp.where(active[:, None, None], mass, 0.0))
         stored.append(after)
         rings[i] = rings[i].at[jnp.arange(packed.shape[0]), ring_row].set(packed.astype(rings[i].dtype), mode="drop")
         return out[:, None]
@@ -482,14 +489,6 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
     new = sample(_logits(module, hidden[:, 0], vocab), *sampling, greedy=greedy)
     heads = HeadKVCache(pool, heads.tables, jnp.stack(stored, axis=1), tuple(rings), heads.before, sums)
     return jnp.where(active, new, slot_tokens), dataclasses.replace(cache, heads=heads)
-
-
-def _slot_mass(method: str, weights, active, tokens: int):
-    """float32 [B, Hkv, tokens]: ``metrics.decode_mass`` of one layer's decode ``weights`` [B, Hkv, G, cap] (the
-    kernel's ``cap`` slots a head, at least ``tokens``: every slot a head can store), 0 for rows not ``active``."""
-    mass = metrics.decode_mass(method, weights)[..., :tokens]
-    mass = jnp.pad(mass, ((0, 0), (0, 0), (0, tokens - mass.shape[-1])))
-    return jnp.where(active[:, None, None], mass, 0.0)
 
 
 def _layers(cache) -> tuple[list, list]:

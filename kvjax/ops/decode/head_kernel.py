@@ -100,7 +100,7 @@ def _attend_head(
         v = _load_page_rows(pool_ref, page_of, in_page, vw, per * kw, vc[None, :], vc_ok, ok).astype(dt)
         s = plgpu.dot(q, k, trans_b=True, precision=precision)
         if w_ref:  # the scores [rows, slots] at (head, slot, row): 4 bytes a row a slot beside the K and V read
-            mask = ok[None, :] & real[:, None]
+            mask = (ok & (slot < cap))[None, :] & real[:, None]
             index = (head * cap + slot[None, :]) * group + rows[:, None]
             plgpu.store(w_ref[0].at[jnp.where(mask, index, NOWHERE) if interpret else index], s, mask=mask)
         return online_update(carry, jnp.where(ok[None, :], s, MASK), v, None, precision)
@@ -407,6 +407,7 @@ def _one_launch(q, pool, tables, stored, first, layout, static, splits, schedule
         "one_launch",
         "schedule",
         "weights",
+        "slots",
         "interpret",
     ),
 )
@@ -427,6 +428,7 @@ def head_paged_decode(
     schedule="slots",
     work=None,
     weights=False,
+    slots=None,
     interpret=False,
 ):
     """One new query per sequence against each KV head's stored tokens; equal to ``head_paging.decode_attention``.
@@ -443,9 +445,12 @@ def head_paged_decode(
     with "live" and no ``splits``, a ``live_work`` built once for the step and shared by its layers (the engine's,
     from its live slots; default: from ``stored``, each layer again). Returns [B, out_cols] in q's dtype; a head
     storing nothing (or not live in ``work``) gives zeros. ``weights`` (one launch only): also float32 [B, Hkv, G,
-    slots], each query row's softmax weight on each slot of its head (0 where it sees none; slots = the tables'
-    pages times the most tokens a page holds), equal to ``head_paging.decode_weights``: the decode step's share of
-    the full-history eviction sums, out of the kernel's own scores rather than a second pass over K."""
+    slots], each query row's softmax weight on each slot of its head (0 where it sees none), equal to
+    ``head_paging.decode_weights``: the decode step's share of the full-history eviction sums, out of the kernel's own
+    scores rather than a second pass over K. ``slots``: the most tokens a head stores (default: what its table
+    addresses, the tables' pages times the most tokens a page holds, up to 8x more for ZACK's narrow heads); the
+    weights cost bytes in proportion (bench/results/eviction.md "Eviction on the H100 (2026-12-06, second
+    session)")."""
     _check(q, pool, tables, stored, first, layout, page_elems, pages_per_step)
     if weights and not one_launch:
         raise ValueError("the decode weights come from the one launch only (one_launch=True)")
@@ -466,6 +471,7 @@ def head_paged_decode(
             (kw, vw, tokens_per_page(page_elems, kw, vw), step_pages(kw, vw)) for (kw, vw), _ in width_pairs(layout)
         ]
         cap = tables.shape[2] * max(per for _, _, per, _ in static) if weights else 0
+        cap = min(cap, slots) if weights and slots is not None else cap
         launch = functools.partial(_launch, b=b, g=g, cap=cap, heads=layout.num_kv_heads, params=params, **debug)
         args = (q, pool, tables, stored, first, layout, static, splits, schedule, work, launch)
         return _one_launch(*args, common | dict(cap=cap) if weights else common)

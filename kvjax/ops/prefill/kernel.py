@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 from kvjax.layout import HeadLayout
 from kvjax.ops import columns
 from kvjax.ops.grouped import visible
-from kvjax.ops.pallas_util import LOG2E, MASK, dot_precision, load_rows, page_rows, store_rows, whole_block
+from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, dot_precision, load_rows, page_rows, store_rows, whole_block
 from kvjax.ops.prefill import work
 from kvjax.ops.prefill.config import PREFILL, PrefillConfig
 
@@ -47,10 +47,15 @@ def _attend_block(
     write_pages,
     prefix,
     interpret,
+    heads=None,
 ):
     """One item of a class (static tiles; ``head``: its KV head's widths and offsets, ``cols``: its layer's row
     widths, both traced): flash attention of its query rows (``prefix``: after the keys before its chunk, read from
-    the pages), output store, cache write."""
+    the pages), output store, cache write; with ``heads`` (the layer's query heads), each row's log2 softmax
+    denominator stored too, at (row, query head)."""
+    lse_ref = None
+    if heads is not None:
+        *refs, lse_ref = refs
     if write_pages:
         table_ref, q_ref, k_ref, v_ref, kp_in, vp_in, out_ref, kp_ref, vp_ref = refs
     else:
@@ -107,10 +112,14 @@ def _attend_block(
     )
     if prefix:
         carry = _prefix_steps(prefix_body, carry, q0 < length, start + q0, start, bk, window)
-    acc, _, l = _key_steps(body, carry, q0 < length, q0, q_end, bk, window)
+    acc, m, l = _key_steps(body, carry, q0 < length, q0, q_end, bk, window)
     inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
     out = (acc * inv_l[:, None]).astype(out_ref.dtype)
     store_rows(out_ref, b * seq_len + rows, oc, oo + gi * vw, v_cols, out, v_ok, row_ok, interpret=interpret)
+    if lse_ref is not None:  # the denominator in log2 units, as ``ops.attention_mass`` uses it
+        index = (b * seq_len + rows) * heads + h
+        index = jnp.where(row_ok, index, NOWHERE) if interpret else index
+        plgpu.store(lse_ref.at[index], m + jnp.log2(jnp.where(l > 0, l, 1.0)), mask=row_ok)
 
 
 def _softmax_step(carry, s, v, precision):
@@ -159,7 +168,7 @@ def _kernel(items_ref, lengths_ref, starts_ref, heads_ref, cols_ref, *refs, clas
         lax.switch(heads_ref[kv, work.CLASS], [lambda *a, f=f: f(*a) for f in branches], item, head, cols)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "config", "interpret", "shared"))
+@functools.partial(jax.jit, static_argnames=("layout", "config", "interpret", "shared", "lse"))
 def prefill_attention(
     q,
     k,
@@ -174,6 +183,7 @@ def prefill_attention(
     config: PrefillConfig = PREFILL,
     interpret: bool = False,
     shared: tuple[HeadLayout, ...] | None = None,
+    lse: bool = False,
 ):
     """Causal attention of chunks of T prompt tokens; equal to ``reference.causal_attention`` (``starts`` None) and
     ``reference.chunk_attention``.
@@ -184,7 +194,9 @@ def prefill_attention(
     ``starts`` [B] (pages only; default 0): chunk b holds positions ``starts[b]`` on, and its queries also attend
     to the ``starts[b]`` keys before it, read from the pages (chunked prefill). ``shared``: the layouts of every
     layer that runs this kernel (default: ``layout`` alone); the kernel's code and grid depend on them, not on
-    ``layout``, so XLA compiles one kernel for all of them.
+    ``layout``, so XLA compiles one kernel for all of them. ``lse``: also (last) float32 [B, T, num_heads], each
+    row's log2 softmax denominator (scores in log2 units, q·k / sqrt(head_dim) times log2 e; rows past ``lengths``
+    unspecified): the first pass of ``ops.attention_mass``, which then need not run it.
     """
     b, t, _ = q.shape
     config = config.for_dtype(q.dtype)
@@ -218,6 +230,7 @@ def prefill_attention(
         write_pages=write,
         prefix=prefix,
         interpret=interpret,
+        heads=layout.num_heads if lse else None,
     )
     out_shape = [jax.ShapeDtypeStruct((b * t * layout.out_cols,), q.dtype)]
     args = [
@@ -237,6 +250,8 @@ def prefill_attention(
         out_shape += [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in flat]
         args += flat
         aliases = {9: 1, 10: 2}
+    if lse:
+        out_shape.append(jax.ShapeDtypeStruct((b * t * layout.num_heads,), jnp.float32))
     res = pl.pallas_call(
         kernel,
         grid=(items.shape[0],),
@@ -249,6 +264,7 @@ def prefill_attention(
         name="kvjax_prefill_attention",
     )(*args)
     out = res[0].reshape(b, t, layout.out_cols)
+    extra = (res[-1].reshape(b, t, layout.num_heads),) if lse else ()
     if write:
-        return out, res[1].reshape(k_pages.shape), res[2].reshape(v_pages.shape)
-    return out
+        return out, res[1].reshape(k_pages.shape), res[2].reshape(v_pages.shape), *extra
+    return (out, *extra) if lse else out

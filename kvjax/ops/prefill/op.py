@@ -15,8 +15,9 @@ class PrefillOp:
         self.layouts = None if layouts is None else tuple(layouts)
         self.config, self.interpret = config, interpret
 
-    def run(self, q, k, v, layout: HeadLayout, lengths, k_pages, v_pages, block_table, starts=None):
-        """(out, k_pages, v_pages) for chunks q/k/v [B, T, cols] of ``lengths`` tokens from positions ``starts``."""
+    def run(self, q, k, v, layout: HeadLayout, lengths, k_pages, v_pages, block_table, starts=None, lse=False):
+        """(out, k_pages, v_pages) for chunks q/k/v [B, T, cols] of ``lengths`` tokens from positions ``starts``;
+        ``lse``: and each row's log2 softmax denominator [B, T, num_heads]."""
         return prefill_attention(
             q,
             k,
@@ -30,4 +31,5 @@ class PrefillOp:
             config=self.config,
             interpret=self.interpret,
             shared=self.layouts,
+            lse=lse,
         )
