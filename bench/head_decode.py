@@ -12,8 +12,8 @@ that many sequences hold tokens, the rest of the batch none (a lightly loaded en
 context: the same bytes as keep 1. Every row: CUPTI time, the floor (the K and V bytes the heads store over the
 measured copy bandwidth), their ratio, and the relative error against ``head_paging.decode_attention`` (float32).
 ``--weights`` times each one-launch row again with the decode share of the full-history eviction sums
-(``weights=True``). ``--interpret --timer host --shape 2x256`` runs the rows on a CPU (plumbing only). Table:
-bench/results/eviction.md "Per-head pages: decode kernel"."""
+(``weights=True``, over the context's slots as the engine asks: ``slots``). ``--interpret --timer host --shape
+2x256`` runs the rows on a CPU (plumbing only). Table: bench/results/eviction.md "Per-head pages: decode kernel"."""
 
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def main(argv=None):
                     continue  # the weights come from the one launch only
                 knobs = dict(pages_per_step=step, num_warps=warps, num_stages=stages, one_launch=launches != "pair")
                 knobs |= dict(splits=splits or None, schedule="slots" if launches in ("pair", "one") else "live")
-                knobs |= dict(weights=weights)
+                knobs |= dict(weights=weights, slots=context if weights else None)  # the engine's: max_seq_len
                 if launches == "step" and splits:
                     raise SystemExit("--launches step builds live_work's own splits: give --splits 0")
                 # "step": the work list built once a step from the live slots, outside the timed call (the engine's)
