@@ -590,6 +590,9 @@ def test_decode_adds_each_steps_softmax_to_the_stored_tokens_sums(spec, plan, ba
         model = kvjax.compress(model, removal_rate=0.5, seed=seed % 1000, max_context=128, **CALIBRATION_SMALL)
     engine, _, r, written = _decoding(model, spec, backend, seed)
     assert engine.continual
+    # a GPU runs the model's float32 matmuls in TF32 (10-bit mantissa), the engine's and the reference's rounded
+    # apart: 0.39% at most on an H100 (bench/notes/2026-12-06-decode-sums-engine.md)
+    rtol = 1e-2 if backend == "pallas" else 2e-4
     want, kept = decode_sums(model, np.array([written]), len(r.prompt), engine.eviction)
     heads = engine.cache.heads
     sums, stored = np.asarray(heads.sums[r.slot]), np.asarray(heads.stored[r.slot])
@@ -599,7 +602,7 @@ def test_decode_adds_each_steps_softmax_to_the_stored_tokens_sums(spec, plan, ba
             where = f"seed {seed}, layer {layer}, head {h}"
             assert stored[layer, h] == len(held), where
             np.testing.assert_allclose(
-                sums[layer, h, : len(held)], ref[0, h, held], rtol=2e-4, atol=2e-5, err_msg=where
+                sums[layer, h, : len(held)], ref[0, h, held], rtol=rtol, atol=2e-5, err_msg=where
             )
             assert not sums[layer, h, len(held) :].any(), where
     assert int(stored.sum()) < len(written) * stored.size, f"seed {seed}: nothing was evicted"
