@@ -16,7 +16,6 @@ import numpy as np
 from flax import nnx
 
 from kvjax.eviction import metrics
-from kvjax.eviction.metrics import softmax_mass
 from kvjax.eviction.select import Eviction, keep_masks
 from kvjax.ops import kv_schemes
 from kvjax.ops.grouped import attend_groups, full_width, head_logits, visible
@@ -106,9 +105,9 @@ def _continued_hidden(graphdef, state, tokens, prompt: int, prefix_k, prefix_v, 
         kept = jnp.pad(keep[i], ((0, 0), (0, 0), (0, c)), constant_values=True)  # [B, Hkv, T]
         mask = visible(rows[:, None], cols[None, :], layout.sliding_window) & kept[:, :, None, :]  # [B, Hkv, C, T]
         if method is not None:
-            heads = range(layout.num_kv_heads)
+            logits = [head_logits(q, k, layout, g) for g in range(layout.num_kv_heads)]
             masses.append(
-                jnp.stack([softmax_mass(method, head_logits(q, k, layout, g), mask[:, g, None]) for g in heads], 1)
+                jnp.stack([metrics.softmax_mass(method, x, mask[:, g, None]) for g, x in enumerate(logits)], 1)
             )
         if kv is None:
             return attend_groups(q, k, v, mask, layout)
