@@ -134,10 +134,11 @@ def add_engine(p: argparse.ArgumentParser) -> None:
         "(its last 8 queries, the same budget each head), or from every query of the prompt: h2o, kvcompress-full, "
         "keyformer; AMOUNT a ratio such as 4x (a quarter of the prompt) or tokens per head such as 256; the most "
         "recent 16 tokens are always kept. When the cache fills mid-decode, a running request's heads are halved "
-        "(kvcompress and snapkv; never below that budget) before any request is preempted. On sliding-window "
-        "layers (Gemma 3, Mistral) a head keeps only tokens of its window, gives its pages back as the window passes "
-        "and is never halved. Stacks with rank compression; not with --kv-bits or Palu or banded models "
-        "(default none)",
+        "(every method but keyformer, by its last 8 queries or, for h2o and kvcompress-full, by each token's "
+        "attention summed over everything decoded; never below that budget) before any request is preempted. On "
+        "sliding-window layers (Gemma 3, Mistral) a head keeps only tokens of its window, gives its pages back as "
+        "the window passes and is never halved. Stacks with rank compression; not with --kv-bits or Palu or banded "
+        "models (default none)",
     )
     p.add_argument(
         "--tensor-parallel",
