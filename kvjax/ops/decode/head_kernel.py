@@ -99,9 +99,9 @@ def _attend_head(
         k = _load_page_rows(pool_ref, page_of, in_page, kw, 0, kc[None, :], kc_ok, ok).astype(dt)
         v = _load_page_rows(pool_ref, page_of, in_page, vw, per * kw, vc[None, :], vc_ok, ok).astype(dt)
         s = plgpu.dot(q, k, trans_b=True, precision=precision)
-        if w_ref:  # the scores [rows, slots] at (head, slot, row): 4 bytes a row a slot beside the K and V read
-            mask = (ok & (slot < cap))[None, :] & real[:, None]
-            index = (head * cap + slot[None, :]) * group + rows[:, None]
+        if w_ref:  # the scores [rows, slots] at (head, row, slot), each row's slots contiguous as the tile's are
+            mask = (ok & (slot < cap))[None, :] & real[:, None]  # 4 bytes a row a slot beside the K and V read
+            index = (head * group + rows[:, None]) * cap + slot[None, :]
             plgpu.store(w_ref[0].at[jnp.where(mask, index, NOWHERE) if interpret else index], s, mask=mask)
         return online_update(carry, jnp.where(ok[None, :], s, MASK), v, None, precision)
 
@@ -332,19 +332,19 @@ def _merge_live(acc, m, l, work, splits, with_lse: bool = False):
 
 
 def _weights(raw, lse, stored, first):
-    """float32 [B, Hkv, G, slots]: the kernel's scores ``raw`` [B, Hkv, slots, G] (log2 units) as softmax weights
+    """float32 [B, Hkv, G, slots]: the kernel's scores ``raw`` [B, Hkv, G, slots] (log2 units) as softmax weights
     under each row's ``lse`` [B, Hkv, G], 0 on slots a head does not see (past ``stored``, before ``first``): slots
     the kernel never wrote are masked, never read as numbers."""
-    slot = jnp.arange(raw.shape[2])[None, None, :]
-    seen = ((slot < stored[..., None]) & (slot >= first[..., None]))[..., None]
-    w = jnp.exp2(jnp.where(seen, raw, MASK) - lse[:, :, None, :])
-    return jnp.swapaxes(jnp.where(seen, w, 0.0), 2, 3)
+    slot = jnp.arange(raw.shape[-1])[None, None, :]
+    seen = ((slot < stored[..., None]) & (slot >= first[..., None]))[:, :, None, :]
+    w = jnp.exp2(jnp.where(seen, raw, MASK) - lse[..., None])
+    return jnp.where(seen, w, 0.0)
 
 
 def _launch(kernel, n, s, inputs, width, name, grid=None, *, b, g, cap, heads, params, interpret):
     """(acc [B, n, S, G, width], m, l [B, n, S, G], raw) of ``kernel`` over a grid of (B, n heads, S splits), or
     over ``grid`` (n x s items: acc [items, G, width], m, l [items, G]); raw: with ``cap`` slots a head, the weights
-    output's scores [B, Hkv, cap, G] (else None)."""
+    output's scores [B, Hkv, G, cap] (else None)."""
     rows = (b if grid is None else 1) * n * s * g
     shapes = [jax.ShapeDtypeStruct((rows * width,), jnp.float32), *[jax.ShapeDtypeStruct((rows,), jnp.float32)] * 2]
     if cap:
@@ -359,7 +359,7 @@ def _launch(kernel, n, s, inputs, width, name, grid=None, *, b, g, cap, heads, p
         compiler_params=params,
         name=name,
     )(*inputs)
-    raw_scores = raw[0].reshape(b, heads, cap, g) if raw else None
+    raw_scores = raw[0].reshape(b, heads, g, cap) if raw else None
     if grid is not None:
         return acc.reshape(n * s, g, width), m.reshape(n * s, g), l.reshape(n * s, g), raw_scores
     return acc.reshape(b, n, s, g, width), m.reshape(b, n, s, g), l.reshape(b, n, s, g), raw_scores
