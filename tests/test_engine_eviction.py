@@ -608,6 +608,16 @@ def test_decode_adds_each_steps_softmax_to_the_stored_tokens_sums(spec, plan, ba
     assert int(stored.sum()) < len(written) * stored.size, f"seed {seed}: nothing was evicted"
 
 
+def test_the_brute_force_sums_refuse_what_decode_does_not_add_to():
+    from kvjax.eviction.reference import decode_sums
+
+    with pytest.raises(ValueError, match="decode adds to the sums of"):
+        decode_sums(None, np.zeros((1, 8), np.int32), 4, parse("keyformer:2x"))
+    for prompt in (0, 8):  # nothing prefilled, or nothing decoded
+        with pytest.raises(ValueError, match="prompt must be 1..7 tokens"):
+            decode_sums(None, np.zeros((1, 8), np.int32), prompt, parse("h2o:2x"))
+
+
 @pytest.mark.parametrize("plan", ["none", "zack"])
 def test_a_cut_ranks_by_the_sums_and_moves_them_with_the_survivors(plan):
     """Continual eviction by H2O mid-decode: ``Engine.compress`` keeps each head's last ``Eviction.recent`` slots
