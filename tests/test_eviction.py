@@ -549,7 +549,7 @@ def test_the_device_eviction_of_prefilled_prompts_keeps_the_reference_selection(
             assert pages.grow(b, int(n)) is not None  # the whole prompt: always enough
         tables = jnp.asarray(np.stack([pages.table(b) for b in range(2)]))
         pool = jnp.asarray(rng.normal(size=(400, page_elems)), jnp.float32)
-        pool, kept, keep = evict_prompts(
+        pool, kept, keep, _ = evict_prompts(
             spec,
             window,
             k_pages,

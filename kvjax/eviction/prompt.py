@@ -40,10 +40,12 @@ def evict_prompts(
     prompt's last W queries (packed as the cache is: ZACK's rotated ones); ``sizes`` = ``spec.sizes(lengths)`` from
     the host. ``head_tables`` [B, L, Hkv, head pages] must give each head pages for what it keeps (the host's
     ``HeadPages`` grows them; the whole prompt is always enough). Returns (head_pool, kept [B, L, Hkv]: what
-    ``HeadPages.shrink`` takes, keep [B, L, Hkv, S]: the selection). ``mass`` (the full-history methods, which score
-    with it instead of ``queries``): ``accumulate``'s, over the prompts' whole prefill. ``sharded`` (tensor
-    parallelism, inside ``shard_map``): the arrays hold this device's heads, and a budget shared across heads ranks
-    every device's scores (gathered), each device keeping its own heads' share of the one selection."""
+    ``HeadPages.shrink`` takes, keep [B, L, Hkv, S]: the selection, scores [B, L, Hkv, S]: what it ranked, this
+    device's heads; the engine keeps the survivors' full-history sums from them). ``mass`` (the full-history
+    methods, which score with it instead of ``queries``): ``accumulate``'s, over the prompts' whole prefill.
+    ``sharded`` (tensor parallelism, inside ``shard_map``): the arrays hold this device's heads, and a budget shared
+    across heads ranks every device's scores (gathered), each device keeping its own heads' share of the one
+    selection."""
     b = seq_table.shape[0]
     if spec.method in metrics.WINDOWED:
         scores = []
@@ -62,7 +64,7 @@ def evict_prompts(
     else:
         keep = device_keep(spec, stacked, lengths, per_head, protect, windows)
     head_pool, kept = head_paging.admit(head_pool, head_tables, k_pages, v_pages, seq_table, keep, layouts, page_elems)
-    return head_pool, kept, keep
+    return head_pool, kept, keep, stacked
 
 
 def accumulate(

@@ -23,7 +23,7 @@ from kvjax import machine, validate
 from kvjax.compression.plan import check_kv_bits
 from kvjax.eviction import metrics
 from kvjax.eviction.continual import compress
-from kvjax.eviction.prompt import accumulate, evict_prompts, history_scores
+from kvjax.eviction.prompt import accumulate, evict_prompts
 from kvjax.eviction.select import Eviction, compacted
 from kvjax.io.saved import restore_sharded
 from kvjax.ops import attention, head_paging
@@ -323,7 +323,7 @@ def _evicted(
     them. Returns (heads, kept [B, L, Hkv])."""
     if evict.sharded:
         head_tables = local_heads(head_tables, 2)
-    pool, kept, keep = evict_prompts(
+    pool, kept, keep, scores = evict_prompts(
         evict.spec,
         queries,
         staged.k,
@@ -342,7 +342,7 @@ def _evicted(
     stored = heads.stored.at[slots].set(kept, mode="drop")
     sums = heads.sums
     if sums is not None:  # each survivor's prompt sum, in the slot its K and V moved to
-        survivors = compacted(history_scores(mass, seq_table, prompts), keep, sums.shape[-1])
+        survivors = compacted(scores, keep, sums.shape[-1])
         sums = sums.at[slots].set(survivors, mode="drop")
     before = heads.before
     if any(evict.windows):
