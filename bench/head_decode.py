@@ -11,8 +11,10 @@ that many sequences hold tokens, the rest of the batch none (a lightly loaded en
 (``--per-sequence``) the engine's per-sequence kernel (``ops.decode.kernel``, its balanced schedule) over the whole
 context: the same bytes as keep 1. Every row: CUPTI time, the floor (the K and V bytes the heads store over the
 measured copy bandwidth), their ratio, and the relative error against ``head_paging.decode_attention`` (float32).
-``--weights`` times each one-launch row again with the decode share of the full-history eviction sums
-(``weights=True``, over the context's slots as the engine asks: ``slots``). ``--interpret --timer host --shape
+``--weights`` times each one-launch row twice more with the decode share of the full-history eviction sums:
+``weights=True`` (the weights whole, over the context's slots as the engine asks: ``slots``) and ``sums`` (the
+engine's: the weights added into per-slot sums by ``sums_kernel.add_weights``; the bench's sums are not donated, so
+XLA copies them first: the kernel breakdown in the JSON separates it). ``--interpret --timer host --shape
 2x256`` runs the rows on a CPU (plumbing only). Table: bench/results/eviction.md "Per-head pages: decode kernel"."""
 
 from __future__ import annotations
@@ -97,6 +99,15 @@ def per_sequence(layout, rate, batch, context, bandwidth) -> dict:
     return row(rate, 1.0, batch, context, seconds, nbytes / bandwidth, float("nan"), **knobs)
 
 
+def kernel_us(run, *args) -> dict[str, float]:
+    """Microseconds each kernel of one ``run(*args)`` took (CUPTI), summed by name."""
+    per: dict[str, float] = {}
+    for name, ms in harness.cupti_kernels(lambda: jax.block_until_ready(run(*args))):
+        per[name] = per.get(name, 0.0) + ms * 1e3
+    harness.log(f"  kernels (us): {per}")
+    return {name: round(us, 2) for name, us in per.items()}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", type=shape_arg("--shape"), default=(32, 8192))
@@ -127,8 +138,9 @@ def main(argv=None):
     p.add_argument(
         "--weights",
         action="store_true",
-        help="each one-launch row again with weights=True (the decode share of the full-history eviction sums: the "
-        "scores stored per slot and the epilogue that makes them weights), beside the row without",
+        help="each one-launch row twice more: with weights=True (the decode share of the full-history eviction sums: "
+        "the scores stored per slot and the epilogue that makes them weights) and with sums (the engine's: the weights "
+        "added into per-slot sums by a kernel), beside the row without",
     )
     harness.timer_option(p)
     p.add_argument("--interpret", action="store_true")
@@ -138,7 +150,8 @@ def main(argv=None):
     batch, context = args.shape
     bandwidth = copy_bandwidth()
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    rows = []
+    rows: list[dict] = []
+    kernels: list[dict] = []  # the weights rows' kernels, one by one (CUPTI)
     for rate in args.rates:
         layout = pick_layer(rank_plan(rate), rate)
         for keep in args.keep:
@@ -149,14 +162,16 @@ def main(argv=None):
             want = head_paging.decode_attention(
                 q.astype(jnp.float32), pool.astype(jnp.float32), tables, stored, layout, page_elems, context
             )
-            weighs = (False, True) if args.weights else (False,)
+            weighs = (False, True, "sums") if args.weights else (False,)
+            sums = jnp.zeros((batch, layout.num_kv_heads, context), jnp.float32)
             combos = itertools.product(args.launches, args.pages_per_step, args.warps, args.stages, args.splits, weighs)
             for launches, step, warps, stages, splits, weights in combos:
                 if weights and launches == "pair":
                     continue  # the weights come from the one launch only
                 knobs = dict(pages_per_step=step, num_warps=warps, num_stages=stages, one_launch=launches != "pair")
                 knobs |= dict(splits=splits or None, schedule="slots" if launches in ("pair", "one") else "live")
-                knobs |= dict(weights=weights, slots=context if weights else None)  # the engine's: max_seq_len
+                knobs |= dict(weights=weights is True, slots=context if weights is True else None)  # the engine's
+                knobs |= dict(sums=sums) if weights == "sums" else {}  # its sums: one per slot of max_seq_len
                 if launches == "step" and splits:
                     raise SystemExit("--launches step builds live_work's own splits: give --splits 0")
                 # "step": the work list built once a step from the live slots, outside the timed call (the engine's)
@@ -174,11 +189,13 @@ def main(argv=None):
                 label |= dict(splits=splits or "default", live=args.live or batch, weights=weights)
                 err = rel_err(got[live], want[live])
                 rows.append(row(rate, keep, batch, context, seconds, nbytes / bandwidth, err, **label))
+                if weights and harness.TIMER["name"] == "cupti":  # where the weights' time goes, kernel by kernel
+                    kernels.append(dict(rate=rate, keep=keep, us=kernel_us(run, pool, tables, stored, work, q)))
         if args.per_sequence:
             rows.append(per_sequence(layout, rate, batch, context, bandwidth))
     print_table(rows)
     if args.json:
-        write_json(args.json, {"args": vars(args), "bandwidth": bandwidth, "rows": rows}, indent=1)
+        write_json(args.json, {"args": vars(args), "bandwidth": bandwidth, "rows": rows, "kernels": kernels}, indent=1)
 
 
 if __name__ == "__main__":

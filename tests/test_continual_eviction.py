@@ -169,18 +169,6 @@ def test_compacted_puts_the_kept_values_first_in_order_and_drops_what_overflows(
     np.testing.assert_array_equal(compacted(values, ~keep | True, 3), [[5.0, 6.0, 7.0]])
 
 
-def test_decode_mass_sums_the_groups_weights_squared_for_kvcompress():
-    """``metrics.decode_mass`` of weights [B, Hkv, G, S]: H2O sums each slot's weights over the group, KV-Compress's
-    full form their squares; Keyformer and the window methods have no decode share."""
-    seed = fresh_seed()
-    w = jax.nn.softmax(jnp.asarray(np.random.default_rng(seed).normal(size=(2, 3, 4, 9)), jnp.float32), -1)
-    np.testing.assert_allclose(metrics.decode_mass("h2o", w), np.asarray(w).sum(2), rtol=1e-6)
-    np.testing.assert_allclose(metrics.decode_mass("kvcompress-full", w), (np.asarray(w) ** 2).sum(2), rtol=1e-6)
-    for method in ("keyformer", "kvcompress", "snapkv"):
-        with pytest.raises(ValueError, match="decode adds to"):
-            metrics.decode_mass(method, w)
-
-
 def test_a_sliding_window_layer_is_never_cut_read_or_moved():
     """``halved`` keeps every slot of a windowed layer, and ``compress`` neither reads nor writes its heads' pages:
     here layer 1 (windowed) names the very pages layer 0 holds, as a local head's stale entries may name pages its

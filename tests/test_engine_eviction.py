@@ -591,11 +591,13 @@ def test_decode_adds_each_steps_softmax_to_the_stored_tokens_sums(spec, plan, ba
     engine, _, r, written = _decoding(model, spec, backend, seed)
     assert engine.continual
     # a GPU runs the model's float32 matmuls in TF32 (10-bit mantissa), the engine's and the reference's rounded
-    # apart: 0.39% at most on an H100 (bench/notes/2026-12-06-decode-sums-engine.md)
-    rtol = 1e-2 if backend == "pallas" else 2e-4
+    # apart: 0.39% and 1.5% at most in two H100 runs of fresh seeds, KV-Compress squaring each weight's error
+    # (bench/results/eviction.md, "Eviction on the H100 (2026-12-06, third session)"). A sum a slot out of place is
+    # off by more: in that run, neighbouring slots differed by 9% to 16x.
+    rtol = 3e-2 if backend == "pallas" else 2e-4
     want, kept = decode_sums(model, np.array([written]), len(r.prompt), engine.eviction)
     heads = engine.cache.heads
-    sums, stored = np.asarray(heads.sums[r.slot]), np.asarray(heads.stored[r.slot])
+    sums, stored = np.asarray(heads.slot_sums(r.slot)), np.asarray(heads.stored[r.slot])
     for layer, (ref, mask) in enumerate(zip(want, kept)):
         for h in range(ref.shape[1]):
             held = np.flatnonzero(np.concatenate([mask[0, h], np.ones(len(written) - len(r.prompt), bool)]))
@@ -633,7 +635,7 @@ def test_a_cut_ranks_by_the_sums_and_moves_them_with_the_survivors(plan):
         model = kvjax.compress(model, removal_rate=0.5, seed=seed % 1000, max_context=128, **CALIBRATION_SMALL)
     engine, runner, r, written = _decoding(model, "h2o:2x", "reference", seed)
     spec, slot, heads = engine.eviction, r.slot, engine.cache.heads
-    stored, sums = np.asarray(heads.stored[slot]), np.asarray(heads.sums[slot])
+    stored, sums = np.asarray(heads.stored[slot]), np.asarray(heads.slot_sums(slot))
     want, kept = decode_sums(model, np.array([written]), len(r.prompt), spec)
     for layer, (ref, mask) in enumerate(zip(want, kept)):  # the sums the cut ranks are the brute-force ones
         for h in range(ref.shape[1]):
@@ -649,7 +651,7 @@ def test_a_cut_ranks_by_the_sums_and_moves_them_with_the_survivors(plan):
     engine.compress(slot, r.computed - 1, target)
     after = engine.cache.heads
     np.testing.assert_array_equal(after.stored[slot], target, f"seed {seed}")
-    moved = np.asarray(after.sums[slot])
+    moved = np.asarray(after.slot_sums(slot))
     for i, lay in enumerate(layouts):
         for h in range(lay.num_kv_heads):
             n, chosen = int(target[i, h]), np.flatnonzero(keep[i, h])

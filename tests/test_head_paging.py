@@ -436,6 +436,19 @@ def test_the_per_head_decode_kernels_weights_equal_the_softmax_on_each_slot(sche
     assert not sums[lengths == 0].any()
     _, fewer = head_paged_decode(q, pool, tables, stored, layout, page_elems, weights=True, slots=60, **kw)
     np.testing.assert_array_equal(fewer, got[..., :60], f"seed {seed}")  # the slots a head can store
+    # ``sums``: the weights summed over each group (squared first where asked) added on the active rows, in place of
+    # the weights; sums longer than the slots the tables address keep their tail
+    active = jnp.asarray([True, False, True])
+    base = jnp.asarray(rng.uniform(size=(3, 4, got.shape[3] + 5)), jnp.float32)
+    for square in (False, True):
+        added, sums = head_paged_decode(
+            q, pool, tables, stored, layout, page_elems, sums=base, square=square, active=active, **kw
+        )
+        np.testing.assert_array_equal(added, out)
+        share = (got * got if square else got).sum(axis=2) * np.asarray(active)[:, None, None]
+        want = np.asarray(base).copy()
+        want[..., : got.shape[3]] += share
+        np.testing.assert_allclose(np.asarray(sums), want, rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}, {square}")
 
 
 @pytest.mark.parametrize("trial", range(4))
@@ -566,6 +579,22 @@ def test_decode_over_head_pages_writes_each_heads_next_slot_and_attends_its_own_
     untouched = np.asarray(tables[1]).ravel()
     untouched = untouched[untouched != 0]
     np.testing.assert_array_equal(np.asarray(got_pool)[untouched], np.asarray(pool)[untouched])
+    base = jnp.asarray(rng.uniform(size=(3, 4, weights.shape[-1])), jnp.float32)
+    for square in (False, True):  # ``sums``: the active rows' weights summed over the group (squared) added
+        got = decode_heads(
+            *(jnp.asarray(x) for x in (q, k, v)),
+            layout,
+            pool,
+            tables,
+            stored,
+            page_elems,
+            backend=backend,
+            active=active,
+            sums=base,
+            square=square,
+        )
+        share = (weights * weights if square else weights).sum(axis=2) * np.asarray(active)[:, None, None]
+        np.testing.assert_allclose(got[4], np.asarray(base) + share, rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}")
 
 
 @pytest.mark.gpu

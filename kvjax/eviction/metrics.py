@@ -26,7 +26,8 @@ from kvjax.ops.grouped import full_width, head_logits, visible
 METHODS = ("kvcompress", "kvcompress-full", "snapkv", "h2o", "keyformer")
 WINDOWED = ("kvcompress", "snapkv")  # scored by the last ``window`` queries only
 ON_KERNEL = ("h2o", "kvcompress-full", "keyformer")  # the full-history sums ``ops.attention_mass`` computes
-# the full-history sums decode keeps adding to, one step's weights at a time (``decode_mass``): Keyformer's noise is
+# the full-history sums decode keeps adding to, one step's weights at a time (``decode_heads(sums=)``, squared where
+# ``squares``, summed over the group: ``softmax_mass``'s rule on one query a row): Keyformer's noise is
 # keyed by positions, which a cut head's slots no longer are, so it is scored at a prompt's end only
 DECODED = ("h2o", "kvcompress-full")
 QUERY_BLOCK = 256
@@ -49,24 +50,14 @@ def softmax_mass(method: str, logits, seen):
     ``logits`` [B, group, rows, S]."""
     probs = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1)
     probs = jnp.where(seen, probs, 0.0)
-    if method.startswith("kvcompress"):
+    if squares(method):
         probs = probs * probs
     return probs.sum(axis=(1, 2))
 
 
-def decode_mass(method: str, weights):
-    """float32 [B, Hkv, S]: what one decode step's queries give each slot of their KV head, from their softmax
-    ``weights`` [B, Hkv, group, S] over the head's slots (0 on slots a query does not see;
-    ``ops.attention.decode_heads(weights=True)``): ``softmax_mass``'s rule, squared for KV-Compress's full form,
-    summed over the group. Added to a slot's prompt sum after every step, it makes H2O's accumulated attention
-    (Zhang et al., 2023, section 3.2) and KV-Compress's full-history metric (Rehg, 2024, section 3.2) over everything
-    decoded."""
-    if method not in DECODED:
-        raise ValueError(f"decode adds to the sums of {DECODED}, not {method!r}")
-    weights = weights.astype(jnp.float32)
-    if method.startswith("kvcompress"):
-        weights = weights * weights
-    return weights.sum(axis=2)
+def squares(method: str) -> bool:
+    """Whether ``method`` squares each attention weight before summing it (KV-Compress, Rehg, 2024, section 3.2)."""
+    return method.startswith("kvcompress")
 
 
 def gumbel_noise(seed: int, layer: int, heads, rows, keys):

@@ -245,6 +245,8 @@ def decode_heads(
     before=None,
     weights: bool = False,
     slots: int | None = None,
+    sums=None,
+    square: bool = False,
 ):
     """One new token per sequence over per-head pages (``ops.head_paging``, eviction's cache): its K/V [B, cols]
     written at each KV head's next slot, ``stored`` [B, Hkv] (a head's count before it), through this layer's
@@ -259,7 +261,10 @@ def decode_heads(
     it once a layer, the pool (every layer's pages) threaded through. ``weights``: a fifth result, float32 [B, Hkv, G,
     slots], each query row's softmax weight on each slot of its head (``head_paging.decode_weights``; on the kernels
     out of the decode kernel's own scores): the step's share of the full-history eviction sums; ``slots``: the
-    most tokens a head stores (default: what its table addresses), the weights' last axis."""
+    most tokens a head stores (default: what its table addresses), the weights' last axis. ``sums`` (float32 [B, Hkv,
+    slots], instead of ``weights``): the fifth result is ``sums`` with each active row's weights added, summed over
+    its group and squared first where ``square`` (on the kernels ``sums_kernel.add_weights``, the weights never
+    written whole): the engine's full-history sums a step."""
     check_backend(backend)
     if rotation is not None:
         q, k = rotation.packed_rows(q, k)
@@ -272,10 +277,19 @@ def decode_heads(
         if layout.sliding_window is None:
             raise ValueError("before (where a window starts) is for sliding-window layers only")
         first = head_paging.window_first(before, after, layout.sliding_window)
+    if sums is not None:
+        if weights:
+            raise ValueError("give weights=True or sums, not both")
+        slots = sums.shape[-1]
     if backend == "reference":
         most = int(head_paging.layer_tokens_per_page(layout, page_elems).max()) * tables.shape[-1]
         most = most if slots is None else min(most, slots)
-        got = head_paging.decode_attention(q, pool, tables, after, layout, page_elems, most, first, weights=weights)
+        wanted = weights or sums is not None
+        got = head_paging.decode_attention(q, pool, tables, after, layout, page_elems, most, first, weights=wanted)
+        if sums is not None:
+            w = got[1].astype(jnp.float32)
+            added = jnp.where(live[:, None, None], (w * w if square else w).sum(axis=2), 0.0)
+            got = (got[0], sums.at[..., : added.shape[-1]].add(added))
     else:
         got = head_paged_decode(
             q,
@@ -288,7 +302,10 @@ def decode_heads(
             schedule=schedule,
             work=work,
             weights=weights,
-            slots=slots,
+            slots=None if sums is not None else slots,
+            sums=sums,
+            square=square,
+            active=active,
             interpret=backend == "interpret",
         )
-    return (got[0], pool, after, q, got[1]) if weights else (got, pool, after, q)
+    return (got[0], pool, after, q, got[1]) if weights or sums is not None else (got, pool, after, q)

@@ -101,16 +101,19 @@ class HeadKVCache:
     the query of position p in row p % W, which continual eviction scores with (``kvjax.eviction.continual``).
     ``before``: for sliding-window layers, where each head's window starts in its slots
     (``ops.head_paging.window_before``; [slots, layers, Hkv, 1] of zeros for a model without them). ``sums`` (the
-    full-history methods decode adds to, ``eviction.metrics.DECODED``): float32 [slots, layers, Hkv, tokens], what
+    full-history methods decode adds to, ``eviction.metrics.DECODED``): per layer float32 [slots, Hkv, tokens], what
     every query so far gave each stored slot (the prompt's sums written at its end, each decode step's weights
-    added), by which continual eviction ranks a head's slots."""
+    added), by which continual eviction ranks a head's slots. One array a layer, as ``queries``, which a decode step's
+    kernel adds to in place (``ops.decode.sums_kernel``): a layer's slice of one array was copied whole by XLA every
+    layer (6.2 of 15.6 ms a step on the H100: bench/results/eviction.md, "Eviction on the H100 (2026-12-06, third
+    session)")."""
 
     pool: jax.Array  # [num_pages, page_elems]
     tables: jax.Array  # int32 [slots, layers, Hkv, pages a head]
     stored: jax.Array  # int32 [slots, layers, Hkv]: tokens each head stores
     queries: tuple[jax.Array, ...] = ()  # per layer [slots, W, q_cols]
     before: jax.Array | None = None  # int32 [slots, layers, Hkv, largest window + 1]
-    sums: jax.Array | None = None  # float32 [slots, layers, Hkv, tokens a head may store]
+    sums: tuple[jax.Array, ...] | None = None  # per layer float32 [slots, Hkv, tokens a head may store]
 
     @classmethod
     def create(
@@ -135,7 +138,7 @@ class HeadKVCache:
             stored=jnp.zeros((slots, layers, heads), jnp.int32),
             queries=tuple(jnp.zeros((slots, w, cols), dtype) for w, cols in q_cols),
             before=jnp.zeros((slots, layers, heads, window + 1), jnp.int32),
-            sums=jnp.zeros((slots, layers, heads, sums), jnp.float32) if sums else None,
+            sums=tuple(jnp.zeros((slots, heads, sums), jnp.float32) for _ in range(layers)) if sums else None,
         )
 
     def with_entries(self, slots, entries) -> HeadKVCache:
@@ -148,13 +151,24 @@ class HeadKVCache:
         tables = self.tables.at[slot, entries[:, 1], entries[:, 2], entries[:, 3]].set(entries[:, 4], mode="drop")
         return dataclasses.replace(self, tables=tables)
 
+    def slot_sums(self, slot) -> jax.Array:
+        """Slot ``slot``'s sums, float32 [layers, Hkv, tokens] (``sums`` must exist)."""
+        assert self.sums is not None
+        return jnp.stack([s[slot] for s in self.sums])
+
+    def with_slot_sums(self, slots, got) -> HeadKVCache:
+        """Sums ``got`` [n, layers, Hkv, tokens] written to slots ``slots`` [n] (a slot past the last: dropped)."""
+        assert self.sums is not None
+        sums = tuple(s.at[slots].set(got[:, i], mode="drop") for i, s in enumerate(self.sums))
+        return dataclasses.replace(self, sums=sums)
+
     def freed(self, slot: int) -> HeadKVCache:
         """Slot ``slot`` emptied: its tables back to null pages, nothing stored (its pages went back on the host)."""
         return dataclasses.replace(self, tables=self.tables.at[slot].set(NULL_PAGE), stored=self.stored.at[slot].set(0))
 
     @property
     def nbytes(self) -> int:
-        extra = sum(0 if a is None else a.nbytes for a in (self.before, self.sums))
+        extra = (0 if self.before is None else self.before.nbytes) + sum(a.nbytes for a in self.sums or ())
         return self.pool.nbytes + self.tables.nbytes + self.stored.nbytes + sum(q.nbytes for q in self.queries) + extra
 
 

@@ -340,10 +340,6 @@ def _evicted(
     )
     tables = heads.tables.at[slots].set(head_tables, mode="drop")
     stored = heads.stored.at[slots].set(kept, mode="drop")
-    sums = heads.sums
-    if sums is not None:  # each survivor's prompt sum, in the slot its K and V moved to
-        survivors = compacted(scores, keep, sums.shape[-1])
-        sums = sums.at[slots].set(survivors, mode="drop")
     before = heads.before
     if any(evict.windows):
         assert before is not None  # HeadKVCache.create makes it
@@ -355,7 +351,10 @@ def _evicted(
         ring.at[slots[:, None], ring_rows].set(q.astype(ring.dtype), mode="drop")
         for ring, q in zip(heads.queries, queries)
     )
-    return HeadKVCache(pool, tables, stored, rings, before, sums), kept
+    heads = HeadKVCache(pool, tables, stored, rings, before, heads.sums)
+    if heads.sums is not None:  # each survivor's prompt sum, in the slot its K and V moved to
+        heads = heads.with_slot_sums(slots, compacted(scores, keep, heads.sums[0].shape[-1]))
+    return heads, kept
 
 
 def _compress_step(cache, slot, last, target, *, evict: _Evict, layouts, tokens: int):
@@ -368,7 +367,7 @@ def _compress_step(cache, slot, last, target, *, evict: _Evict, layouts, tokens:
         target = local_heads(target, 1)
     order = (last - w + 1 + jnp.arange(w)) % w  # the ring's rows oldest first
     queries = [ring[slot][order][None] for ring in heads.queries]
-    sums = None if heads.sums is None else heads.sums[slot][None]
+    sums = None if heads.sums is None else heads.slot_sums(slot)[None]
     pool, kept, keep = compress(
         evict.spec,
         queries,
@@ -384,7 +383,7 @@ def _compress_step(cache, slot, last, target, *, evict: _Evict, layouts, tokens:
     )
     heads = dataclasses.replace(heads, pool=pool, stored=heads.stored.at[slot].set(kept[0]))
     if sums is not None:
-        heads = dataclasses.replace(heads, sums=heads.sums.at[slot].set(compacted(sums, keep, tokens)[0]))
+        heads = heads.with_slot_sums(jnp.asarray([slot]), compacted(sums, keep, tokens))
     return dataclasses.replace(cache, heads=heads)
 
 
@@ -447,12 +446,13 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
         entries = entries.at[:, 0].set(jnp.where(mine, entries[:, 0], slot_tokens.shape[0]))
         entries = entries.at[:, 2].set(entries[:, 2] % local)
     heads = cache.heads.with_entries(jnp.arange(slot_tokens.shape[0]), entries)
-    pool, stored, rings, sums = heads.pool, [], list(heads.queries), heads.sums
+    pool, stored, rings = heads.pool, [], list(heads.queries)
+    sums = None if heads.sums is None else list(heads.sums)
     ring_row = jnp.where(active, positions % evict.spec.window, evict.spec.window)  # inactive rows: dropped
     works: dict = {}  # the live schedule's work list, built once a step (per KV head count) from the live slots
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
-        nonlocal pool, sums
+        nonlocal pool
         work, heads_n = None, module.layouts[i].num_kv_heads
         if evict.schedule == "live" and evict.backend != "reference":
             if heads_n not in works:
@@ -474,19 +474,19 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
             schedule=evict.schedule,
             work=work,
             before=None if window is None else heads.before[:, i],
-            weights=sums is not None,
-            slots=None if sums is None else sums.shape[-1],
+            sums=None if sums is None else sums[i],  # this step's queries' share of each slot's sum added
+            square=metrics.squares(evict.spec.method),
         )
         out, pool, after, packed = got[:4]
-        if sums is not None:  # this step's queries' share of each slot's sum (inactive rows add nothing)
-            mass = metrics.decode_mass(evict.spec.method, got[4])
-            sums = sums.at[:, i].add(jnp.where(active[:, None, None], mass, 0.0))
+        if sums is not None:
+            sums[i] = got[4]
         stored.append(after)
         rings[i] = rings[i].at[jnp.arange(packed.shape[0]), ring_row].set(packed.astype(rings[i].dtype), mode="drop")
         return out[:, None]
 
     hidden = _hidden(module, slot_tokens[:, None], positions[:, None], attend, vocab)
     new = sample(_logits(module, hidden[:, 0], vocab), *sampling, greedy=greedy)
+    sums = None if sums is None else tuple(sums)
     heads = HeadKVCache(pool, heads.tables, jnp.stack(stored, axis=1), tuple(rings), heads.before, sums)
     return jnp.where(active, new, slot_tokens), dataclasses.replace(cache, heads=heads)
 

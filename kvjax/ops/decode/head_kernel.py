@@ -25,6 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.cost import ROWS
+from kvjax.ops.decode.sums_kernel import add_weights
 from kvjax.ops.head_paging import tokens_per_page
 from kvjax.ops.pallas_util import (
     LOG2E,
@@ -392,7 +393,7 @@ def _one_launch(q, pool, tables, stored, first, layout, static, splits, schedule
         got, lse = got.reshape(b, heads, g, width), lse.reshape(b, heads, g)
     outs = [got[:, h, :, :vw].reshape(b, g * vw) for h, vw in enumerate(layout.v_widths)]
     out = jnp.concatenate(outs, axis=-1).astype(q.dtype)
-    return out if raw is None else (out, _weights(raw, lse, stored, first))
+    return out if raw is None else (out, raw, lse)
 
 
 @functools.partial(
@@ -408,6 +409,7 @@ def _one_launch(q, pool, tables, stored, first, layout, static, splits, schedule
         "schedule",
         "weights",
         "slots",
+        "square",
         "interpret",
     ),
 )
@@ -429,6 +431,9 @@ def head_paged_decode(
     work=None,
     weights=False,
     slots=None,
+    sums=None,
+    square=False,
+    active=None,
     interpret=False,
 ):
     """One new query per sequence against each KV head's stored tokens; equal to ``head_paging.decode_attention``.
@@ -450,7 +455,13 @@ def head_paged_decode(
     scores rather than a second pass over K. ``slots``: the most tokens a head stores (default: what its table
     addresses, the tables' pages times the most tokens a page holds, up to 8x more for ZACK's narrow heads); the
     weights cost bytes in proportion (bench/results/eviction.md "Eviction on the H100 (2026-12-06, second
-    session)")."""
+    session)"). ``sums`` (float32 [B, Hkv, slots], instead of ``weights``): returned as (out, sums) with the weights
+    summed over each group added (squared first where ``square``) by ``sums_kernel.add_weights``, on the rows
+    ``active`` [B] allows (default every row): the engine's full-history sums, the weights never written whole."""
+    if sums is not None:
+        if weights:
+            raise ValueError("give weights=True or sums, not both")
+        slots, weights = sums.shape[-1], True
     _check(q, pool, tables, stored, first, layout, page_elems, pages_per_step)
     if weights and not one_launch:
         raise ValueError("the decode weights come from the one launch only (one_launch=True)")
@@ -474,7 +485,14 @@ def head_paged_decode(
         cap = min(cap, slots) if weights and slots is not None else cap
         launch = functools.partial(_launch, b=b, g=g, cap=cap, heads=layout.num_kv_heads, params=params, **debug)
         args = (q, pool, tables, stored, first, layout, static, splits, schedule, work, launch)
-        return _one_launch(*args, common | dict(cap=cap) if weights else common)
+        got = _one_launch(*args, common | dict(cap=cap) if weights else common)
+        if not weights:
+            return got
+        out, raw, lse = got
+        if sums is None:
+            return out, _weights(raw, lse, stored, first)
+        adding = stored if active is None else jnp.where(active[:, None], stored, 0)
+        return out, add_weights(raw, lse, first, adding, sums, square=square, interpret=interpret)
     launch = functools.partial(_launch, b=b, g=g, cap=0, heads=layout.num_kv_heads, params=params, **debug)
 
     def attend(kw, vw, heads, qh):
