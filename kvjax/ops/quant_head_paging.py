@@ -1,0 +1,223 @@
+"""Quantized per-head pages (issue 37, item 5: eviction combined with issue 35's quantized pages), as the ops see
+them, in jnp: the reference a kernel over them is checked against.
+
+A KV head's slots group by ``group`` (the engine's page size). A full group is one ``quant.PageFormat`` page of that
+head alone (``head_format``: keys ranged per column over the group's slots, values per slot), and a pool page of
+``page_bytes`` holds ``groups_per_page`` of one head's groups side by side, so a head stores ``tokens_per_page``
+slots a page: slot s of head h is row s % group of group (s % per) // group of page ``table[h, s // per]``. A head's
+newest, partial group stays exact in its columns of the layer's tail [slots, group, k_cols + v_cols] (the cache's
+dtype), as ``quant_paging``'s tail does for a whole sequence, until its last slot arrives and the group is quantized
+into its page. The pool is the per-head pool's (``runtime.head_pages``: every page one size, any head's), uint8.
+
+Groups of ``group`` slots, not of a page's tokens, so every head's keys share one range length whatever its width:
+the design ``eviction.reference.compacted_round_trip`` scores (each head's survivors compacted in order, then
+quantized a page of slots at a time; bench/results/eviction.md "On 4-bit pages and a low-rate plan").
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.layout import HeadLayout
+from kvjax.ops.paging import NULL_PAGE
+from kvjax.ops.quant import PageFormat
+
+
+def head_format(k_width: int, v_width: int, group: int, bits: int) -> PageFormat:
+    """One full group of one head's slots as quantized bytes."""
+    return PageFormat((int(k_width),), (int(v_width),), int(group), int(bits))
+
+
+def groups_per_page(page_bytes: int, k_width: int, v_width: int, group: int, bits: int) -> int:
+    """How many of a head's groups a pool page of ``page_bytes`` holds."""
+    n = page_bytes // head_format(k_width, v_width, group, bits).page_bytes
+    if n < 1:
+        raise ValueError(f"a page of {page_bytes} bytes holds no group of widths {k_width} + {v_width}")
+    return n
+
+
+def tokens_per_page(page_bytes: int, k_width: int, v_width: int, group: int, bits: int) -> int:
+    """How many of a head's slots a pool page holds: whole groups only."""
+    return group * groups_per_page(page_bytes, k_width, v_width, group, bits)
+
+
+def layer_tokens_per_page(layout: HeadLayout, page_bytes: int, group: int, bits: int) -> np.ndarray:
+    """int64 [Hkv]: ``tokens_per_page`` of each KV head of a layer (``runtime.head_pages.HeadPages``' per_page)."""
+    return np.array([tokens_per_page(page_bytes, k, v, group, bits) for k, v in zip(layout.k_widths, layout.v_widths)])
+
+
+def pool_page_bytes(layouts, group: int, bits: int) -> int:
+    """The pool's page: one group of the widest head of any layer, so every head fits one group and a narrower head
+    fits as many as its bytes allow (the bf16 pool's rule, ``head_paging``: its page holds the widest head's page of
+    tokens)."""
+    return max(head_format(k, v, group, bits).page_bytes for lay in layouts for k, v in zip(lay.k_widths, lay.v_widths))
+
+
+def create_tail(layout: HeadLayout, slots: int, group: int, dtype) -> jax.Array:
+    """A layer's empty tail: each slot's newest partial group of every head, [slots, group, k_cols + v_cols]."""
+    return jnp.zeros((slots, group, layout.k_cols + layout.v_cols), dtype)
+
+
+def _columns(layout: HeadLayout) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+    """(each tail column's head [k_cols + v_cols], each head's (K columns, V columns) of the tail)."""
+    ko, vo = HeadLayout.offsets(layout.k_widths), HeadLayout.offsets(layout.v_widths)
+    heads = np.concatenate(
+        [
+            np.repeat(np.arange(layout.num_kv_heads), layout.k_widths),
+            np.repeat(np.arange(layout.num_kv_heads), layout.v_widths),
+        ]
+    )
+    cols = [
+        (np.arange(ko[h], ko[h] + kw), layout.k_cols + np.arange(vo[h], vo[h] + vw))
+        for h, (kw, vw) in enumerate(zip(layout.k_widths, layout.v_widths))
+    ]
+    return heads, cols
+
+
+def _pairs(layout: HeadLayout) -> dict[tuple[int, int], list[int]]:
+    """Heads by (K width, V width): each pair's groups are encoded in one call."""
+    pairs: dict[tuple[int, int], list[int]] = {}
+    for h, pair in enumerate(zip(layout.k_widths, layout.v_widths)):
+        pairs.setdefault(pair, []).append(h)
+    return pairs
+
+
+def _write_groups(pool, parts, page_bytes: int, group: int, bits: int):
+    """Encode and scatter full groups in one scatter: ``parts``: per width pair ((kw, vw), k [..., group, kw],
+    v [..., group, vw], page [...], the group's index in its page [...]); a page past the pool or the null page
+    drops its group."""
+    num_pages = pool.shape[0]
+    pages, indices, values = [], [], []
+    for (kw, vw), k, v, page, nth in parts:
+        fmt = head_format(kw, vw, group, bits)
+        encoded = fmt.encode(k, v)  # [..., group bytes]
+        page = jnp.where((page > NULL_PAGE) & (page < num_pages), page, num_pages)
+        index = nth[..., None] * fmt.page_bytes + jnp.arange(fmt.page_bytes)
+        pages.append(jnp.broadcast_to(page[..., None], index.shape).reshape(-1))
+        indices.append(index.reshape(-1))
+        values.append(encoded.reshape(-1))
+    if not pages:
+        return pool
+    page, index = jnp.concatenate(pages), jnp.concatenate(indices)
+    return pool.at[page, index].set(jnp.concatenate(values), mode="drop")
+
+
+def write_decode(pool, tail, table, stored, k, v, active, layout: HeadLayout, page_bytes: int, group: int, bits: int):
+    """One new token a row (row i: slot i of the tail and of ``table`` [B, Hkv, pages]): K [B, k_cols] and V [B,
+    v_cols] (packed heads) at each head's next slot ``stored`` [B, Hkv] (its count before it) go to the head's columns
+    of the tail; a head whose group that slot completes has the group quantized into its page. Rows not ``active``
+    [B] write nothing. Returns (pool, tail).
+
+    Every head's group is encoded every step and only the completing ones are written (static shapes, one scatter
+    a layer): the reference's simplicity, about ``group`` tokens of encoding a head a step."""
+    b = k.shape[0]
+    heads, cols = _columns(layout)
+    new = jnp.concatenate([k, v], -1).astype(tail.dtype)  # [B, k_cols + v_cols]
+    row = jnp.where(active, jnp.arange(b), tail.shape[0])[:, None]
+    at = stored[:, heads] % group  # each column's head's slot in its group
+    tail = tail.at[row, at, jnp.arange(new.shape[1])[None, :]].set(new, mode="drop")
+    completes = active[:, None] & ((stored + 1) % group == 0)  # [B, Hkv]
+    parts = []
+    for (kw, vw), hs in _pairs(layout).items():
+        per = tokens_per_page(page_bytes, kw, vw, group, bits)
+        hs_ = np.array(hs)
+        kc, vc = np.stack([cols[h][0] for h in hs]), np.stack([cols[h][1] for h in hs])  # [n, kw], [n, vw]
+        slot = stored[:, hs_]  # [B, n]
+        page = jnp.take_along_axis(table[:, hs_], (slot // per)[..., None], axis=-1, mode="clip")[..., 0]
+        page = jnp.where(completes[:, hs_], page, NULL_PAGE)
+        k_rows = jnp.moveaxis(tail[:b][:, :, kc], 2, 1)  # [B, n, group, kw]
+        v_rows = jnp.moveaxis(tail[:b][:, :, vc], 2, 1)
+        parts.append(((kw, vw), k_rows, v_rows, page, (slot % per) // group))
+    return _write_groups(pool, parts, page_bytes, group, bits), tail
+
+
+def admit(
+    pool, tails, tables, tail_rows, k_pages, v_pages, seq_table, keep, layouts, page_bytes: int, group: int, bits: int
+):
+    """``head_paging.admit`` onto quantized per-head pages: each head's survivors (``keep`` [B, L, Hkv, S], in
+    position order) of the prompts in the per-sequence pages ``k_pages``/``v_pages`` (per layer [P, page_size,
+    cols]; ``seq_table`` [B, pages]) go to its slots 0 .. kept - 1 through ``tables`` [B, L, Hkv, head pages]: the
+    full groups quantized into their pages, the last partial group exact into the head's columns of ``tails`` (per
+    layer) at row ``tail_rows`` [B] (past the tail: dropped). Returns (pool, tails, kept [B, L, Hkv])."""
+    b, s = keep.shape[0], keep.shape[-1]
+    kept = keep.sum(-1, dtype=jnp.int32)
+    span = -(-s // group) * group
+    out = []
+    for layer, lay in enumerate(layouts):
+        heads, cols = _columns(lay)
+        order = jnp.argsort(~keep[:, layer], axis=-1, stable=True)  # [B, Hkv, S]: survivors first, in order
+        ks, vs = (pages[layer][seq_table].reshape(b, -1, pages[layer].shape[-1])[:, :s] for pages in (k_pages, v_pages))
+        every = jnp.concatenate([ks, vs], -1)  # [B, S, k_cols + v_cols]
+        rows = jnp.take_along_axis(every, jnp.swapaxes(order[:, heads], 1, 2), axis=1)  # column c: its head's order
+        rows = jnp.pad(rows, ((0, 0), (0, span - s), (0, 0)))  # [B, span, cols]: slot order, a head per column
+        parts = []
+        for (kw, vw), hs in _pairs(lay).items():
+            per = tokens_per_page(page_bytes, kw, vw, group, bits)
+            hs_ = np.array(hs)
+            kc, vc = np.stack([cols[h][0] for h in hs]), np.stack([cols[h][1] for h in hs])
+            grouped = rows.reshape(b, span // group, group, -1)  # [B, groups, group, cols]
+            k_rows = jnp.moveaxis(grouped[..., kc], 3, 1)  # [B, n, groups, group, kw]
+            v_rows = jnp.moveaxis(grouped[..., vc], 3, 1)
+            first = jnp.arange(span // group) * group  # each group's first slot
+            page = jnp.take_along_axis(tables[:, layer][:, hs_], (first // per)[None, None, :], axis=-1, mode="clip")
+            full = first[None, None, :] + group <= kept[:, layer][:, hs_][..., None]
+            page = jnp.where(full, page, NULL_PAGE)
+            nth = jnp.broadcast_to((first % per) // group, page.shape)
+            parts.append(((kw, vw), k_rows, v_rows, page, nth))
+        pool = _write_groups(pool, parts, page_bytes, group, bits)
+        start = kept[:, layer] // group * group  # [B, Hkv]: each head's partial group's first slot
+        index = start[:, heads][:, None, :] + jnp.arange(group)[None, :, None]  # [B, group, cols]
+        partial = jnp.take_along_axis(rows, jnp.minimum(index, span - 1), axis=1)
+        out.append(tails[layer].at[tail_rows].set(partial.astype(tails[layer].dtype), mode="drop"))
+    return pool, tuple(out), kept
+
+
+def read(pool, tail, table, stored, h: int, layout: HeadLayout, page_bytes: int, group: int, bits: int, tokens: int):
+    """Head ``h``'s first ``tokens`` slots as attention reads them, through ``table`` [B, Hkv, pages] and row i of
+    ``tail`` for row i: (K [B, tokens, k_width], V [B, tokens, v_width]) float32, full groups dequantized, the slots
+    of the head's partial group (``stored`` [B, Hkv]) exact; slots past ``stored`` read 0. A page's bytes past what
+    its head wrote may be another head's, of other widths, whose scale bytes can read as NaN: they never reach a
+    result."""
+    kw, vw = layout.k_widths[h], layout.v_widths[h]
+    fmt = head_format(kw, vw, group, bits)
+    per = tokens_per_page(page_bytes, kw, vw, group, bits)
+    b, n = table.shape[0], -(-tokens // group)
+    first = jnp.arange(n) * group
+    page = table[:, h, jnp.minimum(first // per, table.shape[-1] - 1)]  # [B, n]
+    index = ((first % per) // group)[:, None] * fmt.page_bytes + jnp.arange(fmt.page_bytes)  # [n, bytes]
+    k, v = fmt.decode(pool[page[..., None], index[None]])  # [B, n, group, kw / vw]
+    k, v = k.reshape(b, n * group, kw)[:, :tokens], v.reshape(b, n * group, vw)[:, :tokens]
+    _, cols = _columns(layout)
+    rows = tail[:b].astype(jnp.float32)
+    slot = jnp.arange(tokens)
+    exact = (slot[None, :] >= (stored[:, h] // group * group)[:, None])[..., None]
+    held = (slot[None, :] < stored[:, h, None])[..., None]
+    tk, tv = rows[:, slot % group][..., cols[h][0]], rows[:, slot % group][..., cols[h][1]]
+    return tuple(jnp.where(held, jnp.where(exact, x, y), 0.0) for x, y in ((tk, k), (tv, v)))
+
+
+def decode_attention(
+    q, pool, tail, table, stored, layout: HeadLayout, page_bytes: int, group: int, bits: int, tokens: int, first=None
+):
+    """``head_paging.decode_attention`` over quantized per-head pages: one query a row, q [B, q_cols] packed,
+    against each head's ``stored`` [B, Hkv] slots (its own token included, already written) as ``read`` gives them;
+    ``first`` [B, Hkv] (a sliding-window layer): each head's first slot its window sees. Returns [B, out_cols]."""
+    scale = 1.0 / math.sqrt(layout.head_dim)
+    size = layout.group_size
+    outs = []
+    for h, (kw, vw) in enumerate(zip(layout.k_widths, layout.v_widths)):
+        k, v = read(pool, tail, table, stored, h, layout, page_bytes, group, bits, tokens)
+        qo = HeadLayout.offsets(layout.k_widths, size)[h]
+        qh = q[:, qo : qo + size * kw].reshape(q.shape[0], size, kw).astype(jnp.float32)
+        logits = jnp.einsum("bgd,bsd->bgs", qh, k) * scale
+        slot = jnp.arange(tokens)[None, None, :]
+        seen = slot < stored[:, h, None, None]
+        if first is not None:
+            seen &= slot >= first[:, h, None, None]
+        probs = jnp.nan_to_num(jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1))  # nothing stored: 0
+        outs.append(jnp.einsum("bgs,bsd->bgd", probs, v).astype(q.dtype).reshape(-1, size * vw))
+    return jnp.concatenate(outs, axis=-1)
