@@ -45,6 +45,7 @@ from kvjax.models.config import ModelConfig
 from kvjax.models.transformer import Transformer
 from kvjax.ops import kv_schemes
 from kvjax.ops.decode.config import DECODE, DecodeConfig
+from kvjax.ops.quant_head_paging import head_format
 from kvjax.runtime import engine as engine_module
 from kvjax.runtime.cache import bytes_per_token
 from kvjax.runtime.config import engine_eviction
@@ -157,7 +158,14 @@ def kv_bytes(model: kvjax.Model, lengths: np.ndarray, engine: Engine | None = No
     if engine is not None and engine.eviction is not None:
         stored = np.asarray(engine.cache.heads.stored)  # [slots, L, Hkv]
         widths = np.array([[k + v for k, v in zip(lay.k_widths, lay.v_widths)] for lay in model.layouts])
-        return int((stored * widths).sum()) * jnp.dtype(model.dtype).itemsize
+        exact = jnp.dtype(model.dtype).itemsize
+        if (bits := kv_schemes.served(engine.kv_bits)) is None:
+            return int((stored * widths).sum()) * exact
+        p = engine.page_size  # quantized groups of p slots, each head's partial one exact
+        heads = [list(zip(lay.k_widths, lay.v_widths)) for lay in model.layouts]
+        group = np.array([[head_format(k, v, p, bits).page_bytes for k, v in layer] for layer in heads])
+        full = stored // p
+        return int((full * group).sum() + ((stored - full * p) * widths).sum() * exact)
     layouts = model.layouts if engine is None else engine.layouts  # under tensor parallelism a device's, padded
     plain = bytes_per_token(layouts, model.dtype) * (1 if engine is None else engine.devices)
     if engine is None or engine.formats is None:

@@ -392,9 +392,54 @@ def test_the_slot_schedule_gives_the_reference_tokens(backend):
 
 
 @pytest.mark.parametrize(
+    "spec, plan, bits, backend",
+    [
+        ("kvcompress:3x", "none", 4, "reference"),
+        ("snapkv:2x", "zack", 2, "interpret"),  # the prefill kernel stages the prompt; decode reads in jnp
+        ("h2o:3x", "zack", 4, "reference"),
+        ("kvcompress:3x", "local-global", 4, "reference"),
+        pytest.param("kvcompress:3x", "zack", 4, "pallas", marks=pytest.mark.gpu),
+    ],
+)
+def test_eviction_on_quantized_pages_gives_the_teacher_forced_tokens(spec, plan, bits, backend):
+    """Eviction with ``kv_bits`` (KIVI-style, ``ops.quant_head_paging``): prompts staged exactly, each head's
+    survivors compacted then quantized a page of slots at a time, the partial group exact until decode completes it;
+    greedy tokens equal ``eviction.reference.hidden_after``'s with the same survivors served from its quantized
+    pages (``compacted_round_trip``): uncompressed, ZACK 0.5, and Gemma 3's local-then-global layers decoding past
+    their windows (local heads giving passed pages back); prompts longer than a chunk. No continual cut (a full pool
+    preempts) and no sums for H2O (they only rank cuts)."""
+    from kvjax.eviction.reference import hidden_after, prompt_keep
+    from kvjax.ops.kv_schemes import Kivi
+
+    seed = fresh_seed()
+    if plan in SLIDING:  # windows of 32 passed by 40 decoded tokens
+        model, new = kvjax.Model.random(SLIDING[plan], seed=seed % 1000, scale=0.5), 40
+    else:
+        model, new = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0), 8
+    if plan == "zack":
+        model = kvjax.compress(model, removal_rate=0.5, seed=seed % 1000, max_context=128, **CALIBRATION_SMALL)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 97, int(n)).tolist() for n in (70, 41, 6)]
+    settings = dict(max_batch=2, max_seq_len=128, chunk_tokens=32, backend=backend)
+    engine = Engine(model, **settings, eviction=spec, kv_bits=bits)
+    assert not engine.continual and engine.cache.heads.sums is None and engine.cache.heads.pool.dtype == jnp.uint8
+    got = _greedy(engine, prompts, new)
+    scheme = Kivi(bits, engine.page_size)
+    moved = []
+    for prompt, tokens in zip(prompts, got):
+        context = np.array([prompt + tokens[:-1]])
+        kept = prompt_keep(model, context[:, : len(prompt)], engine.eviction)
+        hidden = hidden_after(model, context, kept, kv=scheme)
+        want = np.asarray(model.module.logits(hidden[0, len(prompt) - 1 :])).argmax(-1).tolist()
+        assert tokens == want, f"seed {seed}, prompt {len(prompt)}"
+        moved.append(float(jnp.abs(hidden - hidden_after(model, context, kept)).max()))
+    assert moved[0] > 1e-3, f"seed {seed}: the quantized pages did not move the reference"  # not vacuous
+
+
+@pytest.mark.parametrize(
     "settings, message",
     [
-        (dict(eviction="kvcompress:4x", kv_bits=4), "evicting from quantized pages is not supported yet"),
+        (dict(eviction="kvcompress:4x", kv_bits="gear2"), "KIVI-style 4 or 2 bits only"),
         (dict(eviction="kvcompress"), "METHOD:BUDGET"),
         (dict(eviction="tova:4x"), "eviction method must be one of"),
         (dict(eviction=4), "eviction must be an Eviction or a string"),
@@ -681,6 +726,19 @@ def run_tight(model, seed: int, new: int, **settings):
     for _ in runner.run():
         runner.scheduler.check()
     return engine, runner, requests, cuts
+
+
+def test_a_tight_pool_of_quantized_head_pages_preempts_and_every_request_finishes():
+    """Eviction on quantized pages never cuts mid-decode (a cut would split a head's quantized groups): four
+    requests outgrow a per-head pool of about two sequences, the newest are preempted instead, the pages add up
+    after every step, and every request finishes with all its tokens."""
+    seed = fresh_seed()
+    model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
+    settings = dict(max_batch=4, max_seq_len=96, chunk_tokens=32, backend="reference", eviction="snapkv:16", kv_bits=4)
+    engine, runner, requests, cuts = run_tight(model, seed, 50, **settings)
+    assert not cuts and sum(r.preemptions for r in requests) > 0, f"seed {seed}"
+    assert all(r.finish_reason == "length" and len(r.tokens) == 50 for r in requests), f"seed {seed}"
+    assert runner.scheduler.pages.heads.free_pages == engine.head_pages - 1
 
 
 @pytest.mark.parametrize("spec", ["snapkv:16", "h2o:16"])

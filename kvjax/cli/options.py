@@ -137,8 +137,9 @@ def add_engine(p: argparse.ArgumentParser) -> None:
         "(every method but keyformer, by its last 8 queries or, for h2o and kvcompress-full, by each token's "
         "attention summed over everything decoded; never below that budget) before any request is preempted. On "
         "sliding-window layers (Gemma 3, Mistral) a head keeps only tokens of its window, gives its pages back as "
-        "the window passes and is never halved. Stacks with rank compression; not with --kv-bits or Palu or banded "
-        "models (default none)",
+        "the window passes and is never halved. Stacks with rank compression and with --kv-bits 4 or 2 (each "
+        "head's survivors quantized in groups of --page-size slots; never halved then: a full cache preempts; "
+        "decoded in jnp, no kernel yet); not with GEAR, Palu or banded models (default none)",
     )
     p.add_argument(
         "--tensor-parallel",

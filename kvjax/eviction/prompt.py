@@ -46,6 +46,14 @@ def evict_prompts(
     ``sharded`` (tensor parallelism, inside ``shard_map``): the arrays hold this device's heads, and a budget shared
     across heads ranks every device's scores (gathered), each device keeping its own heads' share of the one
     selection."""
+    keep, stacked = select_prompts(spec, queries, k_pages, seq_table, lengths, sizes, layouts, sharded, mass)
+    head_pool, kept = head_paging.admit(head_pool, head_tables, k_pages, v_pages, seq_table, keep, layouts, page_elems)
+    return head_pool, kept, keep, stacked
+
+
+def select_prompts(spec: Eviction, queries, k_pages, seq_table, lengths, sizes, layouts, sharded=False, mass=None):
+    """``evict_prompts``' selection alone (same arguments): (keep [B, L, Hkv, S], scores [B, L, Hkv, S]), for a
+    caller that admits the survivors into pages of its own (``ops.quant_head_paging.admit``)."""
     b = seq_table.shape[0]
     if spec.method in metrics.WINDOWED:
         scores = []
@@ -63,8 +71,7 @@ def evict_prompts(
         keep = local_heads(device_keep(spec, all_heads(stacked, 2), lengths, per_head, protect, windows), 2)
     else:
         keep = device_keep(spec, stacked, lengths, per_head, protect, windows)
-    head_pool, kept = head_paging.admit(head_pool, head_tables, k_pages, v_pages, seq_table, keep, layouts, page_elems)
-    return head_pool, kept, keep, stacked
+    return keep, stacked
 
 
 def accumulate(

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.layout import HeadLayout
-from kvjax.ops import head_paging, quant_paging
+from kvjax.ops import head_paging, quant_head_paging, quant_paging
 from kvjax.ops.decode.head_kernel import head_paged_decode
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.decode.reference import paged_decode_attention, quantized_decode_attention
@@ -225,6 +225,44 @@ def decode_quantized(
     if op is None:
         return quantized_decode_attention(q, pages, tail, fmt, block_table, lengths, layout), pages, tail
     return op.run(q, pages, tail, block_table, lengths, schedule, layout), pages, tail
+
+
+def decode_quant_heads(
+    q,
+    k,
+    v,
+    layout: HeadLayout,
+    pool,
+    tail,
+    tables,
+    stored,
+    page_bytes: int,
+    group: int,
+    bits: int,
+    tokens: int,
+    *,
+    rotation=None,
+    active=None,
+    before=None,
+):
+    """``decode_heads`` over quantized per-head pages (``ops.quant_head_paging``: eviction with ``kv_bits``): the new
+    token to each head's next slot, its group quantized into its page when that slot completes it, then the query
+    against each head's ``tokens`` slots at most (static). jnp on every backend: no kernel reads these pages yet.
+    Returns (out [B, out_cols], pool, tail, stored after, q packed [B, q_cols])."""
+    if rotation is not None:
+        q, k = rotation.packed_rows(q, k)
+    live = jnp.ones((q.shape[0],), bool) if active is None else active
+    pool, tail = quant_head_paging.write_decode(pool, tail, tables, stored, k, v, live, layout, page_bytes, group, bits)
+    after = stored + live[:, None].astype(stored.dtype)
+    first = None
+    if before is not None:
+        if layout.sliding_window is None:
+            raise ValueError("before (where a window starts) is for sliding-window layers only")
+        first = head_paging.window_first(before, after, layout.sliding_window)
+    out = quant_head_paging.decode_attention(
+        q, pool, tail, tables, after, layout, page_bytes, group, bits, tokens, first
+    )
+    return out, pool, tail, after, q
 
 
 def decode_heads(

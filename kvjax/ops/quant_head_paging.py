@@ -219,5 +219,6 @@ def decode_attention(
         if first is not None:
             seen &= slot >= first[:, h, None, None]
         probs = jnp.nan_to_num(jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1))  # nothing stored: 0
+        v = jnp.where(seen[:, 0, :, None], v, 0.0)  # a window's passed slots: their pages may be given back
         outs.append(jnp.einsum("bgs,bsd->bgd", probs, v).astype(q.dtype).reshape(-1, size * vw))
     return jnp.concatenate(outs, axis=-1)

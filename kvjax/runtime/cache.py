@@ -106,7 +106,9 @@ class HeadKVCache:
     added), by which continual eviction ranks a head's slots. One array a layer, as ``queries``, which a decode step's
     kernel adds to in place (``ops.decode.sums_kernel``): a layer's slice of one array was copied whole by XLA every
     layer (6.2 of 15.6 ms a step on the H100: bench/results/eviction.md, "Eviction on the H100 (2026-12-06, third
-    session)")."""
+    session)"). ``tails`` (eviction with ``kv_bits``, ``ops.quant_head_paging``: the pool is uint8 and holds each
+    head's full groups of slots quantized): per layer [slots, group, k_cols + v_cols], each slot's newest partial
+    group of every head, exact."""
 
     pool: jax.Array  # [num_pages, page_elems]
     tables: jax.Array  # int32 [slots, layers, Hkv, pages a head]
@@ -114,6 +116,7 @@ class HeadKVCache:
     queries: tuple[jax.Array, ...] = ()  # per layer [slots, W, q_cols]
     before: jax.Array | None = None  # int32 [slots, layers, Hkv, largest window + 1]
     sums: tuple[jax.Array, ...] | None = None  # per layer float32 [slots, Hkv, tokens a head may store]
+    tails: tuple[jax.Array, ...] = ()  # quantized pages (uint8 pool): per layer [slots, group, k_cols + v_cols]
 
     @classmethod
     def create(
@@ -128,17 +131,21 @@ class HeadKVCache:
         q_cols=(),
         window: int = 0,
         sums: int = 0,
+        tails=None,
     ):
         """Zeroed pool, tables of null pages, nothing stored; ``q_cols``: (W, q_cols) a layer, the shape of its
         query ring (none without); ``window``: the layers' largest sliding window (0: none); ``sums``: the tokens a
-        head may store, for a policy that keeps a sum a slot (0: none)."""
+        head may store, for a policy that keeps a sum a slot (0: none); ``tails`` (quantized pages,
+        ``ops.quant_head_paging``: the pool is then uint8): (group, each layer's k_cols + v_cols), each slot's newest
+        partial group of every head in ``dtype``."""
         return cls(
-            pool=jnp.zeros((num_pages, page_elems), dtype),
+            pool=jnp.zeros((num_pages, page_elems), dtype if tails is None else jnp.uint8),
             tables=jnp.full((slots, layers, heads, max_pages), NULL_PAGE, jnp.int32),
             stored=jnp.zeros((slots, layers, heads), jnp.int32),
             queries=tuple(jnp.zeros((slots, w, cols), dtype) for w, cols in q_cols),
             before=jnp.zeros((slots, layers, heads, window + 1), jnp.int32),
             sums=tuple(jnp.zeros((slots, heads, sums), jnp.float32) for _ in range(layers)) if sums else None,
+            tails=() if tails is None else tuple(jnp.zeros((slots, tails[0], cols), dtype) for cols in tails[1]),
         )
 
     def with_entries(self, slots, entries) -> HeadKVCache:
@@ -169,6 +176,7 @@ class HeadKVCache:
     @property
     def nbytes(self) -> int:
         extra = (0 if self.before is None else self.before.nbytes) + sum(a.nbytes for a in self.sums or ())
+        extra += sum(t.nbytes for t in self.tails)
         return self.pool.nbytes + self.tables.nbytes + self.stored.nbytes + sum(q.nbytes for q in self.queries) + extra
 
 

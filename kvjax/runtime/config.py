@@ -115,10 +115,9 @@ class EngineConfig:
                 f"eviction {eviction.name} scores each prompt from its last window of {eviction.window} queries, "
                 f"which a step's chunk_tokens={self.chunk_tokens} cannot hold"
             )
-        if self.kv_bits is not None:
+        if self.kv_bits is not None and not isinstance(self.kv_bits, int):
             raise ValueError(
-                f"eviction {eviction.name} with kv_bits {self.kv_bits}: evicting from quantized pages is not "
-                "supported yet (a compaction must keep the keys' quantization groups whole)"
+                f"eviction {eviction.name} with kv_bits {self.kv_bits}: evicting serves KIVI-style 4 or 2 bits only"
             )
 
     def _defaults(self) -> None:

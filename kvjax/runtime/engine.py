@@ -23,16 +23,16 @@ from kvjax import machine, validate
 from kvjax.compression.plan import check_kv_bits
 from kvjax.eviction import metrics
 from kvjax.eviction.continual import compress
-from kvjax.eviction.prompt import accumulate, evict_prompts
+from kvjax.eviction.prompt import accumulate, evict_prompts, select_prompts
 from kvjax.eviction.select import Eviction, compacted
 from kvjax.io.saved import restore_sharded
-from kvjax.ops import attention, head_paging
+from kvjax.ops import attention, head_paging, quant_head_paging
 from kvjax.ops.decode.gear_kernel import GearDecodeOp
 from kvjax.ops.decode.head_kernel import live_work
 from kvjax.ops.decode.kernel import MIN_BAND
 from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.grouped import full_width
-from kvjax.ops.kv_schemes import AnyPageFormat, label, page_format
+from kvjax.ops.kv_schemes import AnyPageFormat, label, page_format, served
 from kvjax.ops.paging import NULL_PAGE
 from kvjax.ops.palu import PaluDecodeOp
 from kvjax.ops.prefill.op import PrefillOp
@@ -270,6 +270,9 @@ class _Evict:
     schedule: str
     sharded: bool = False  # tensor parallelism: the per-head arrays hold this device's heads (host ones: every head's)
     windows: tuple[int | None, ...] = ()  # each layer's sliding window where it can pass a stored token, else None
+    bits: int | None = None  # quantized per-head pages (``ops.quant_head_paging``; ``page_elems`` their bytes)
+    group: int = 0  # with ``bits``: the slots a quantized group covers (the engine's page size)
+    tokens: int = 0  # with ``bits``: the most slots a head stores (``max_seq_len``), what its jnp decode reads
 
     @property
     def history(self) -> Eviction | None:
@@ -280,8 +283,9 @@ class _Evict:
     @property
     def decoded(self) -> bool:
         """Whether decode adds to each stored slot's sum (``HeadKVCache.sums``; ``metrics.DECODED``: H2O,
-        KV-Compress's full form), which continual eviction then ranks a head's slots by."""
-        return self.spec.method in metrics.DECODED
+        KV-Compress's full form), which continual eviction then ranks a head's slots by; not on quantized pages,
+        which are never cut mid-decode."""
+        return self.spec.method in metrics.DECODED and self.bits is None
 
     @property
     def widest(self) -> int:
@@ -323,21 +327,40 @@ def _evicted(
     them. Returns (heads, kept [B, L, Hkv])."""
     if evict.sharded:
         head_tables = local_heads(head_tables, 2)
-    pool, kept, keep, scores = evict_prompts(
-        evict.spec,
-        queries,
-        staged.k,
-        staged.v,
-        seq_table,
-        prompts,
-        (per_head, protect),
-        layouts,
-        heads.pool,
-        head_tables,
-        evict.page_elems,
-        sharded=evict.sharded,
-        mass=mass,
-    )
+    tails = heads.tails
+    if evict.bits is None:
+        pool, kept, keep, scores = evict_prompts(
+            evict.spec,
+            queries,
+            staged.k,
+            staged.v,
+            seq_table,
+            prompts,
+            (per_head, protect),
+            layouts,
+            heads.pool,
+            head_tables,
+            evict.page_elems,
+            sharded=evict.sharded,
+            mass=mass,
+        )
+    else:  # the survivors' full groups quantized, each head's partial group to its slot's tail
+        sizes = (per_head, protect)
+        keep, scores = select_prompts(evict.spec, queries, staged.k, seq_table, prompts, sizes, layouts, mass=mass)
+        pool, tails, kept = quant_head_paging.admit(
+            heads.pool,
+            tails,
+            head_tables,
+            slots,
+            staged.k,
+            staged.v,
+            seq_table,
+            keep,
+            layouts,
+            evict.page_elems,
+            evict.group,
+            evict.bits,
+        )
     tables = heads.tables.at[slots].set(head_tables, mode="drop")
     stored = heads.stored.at[slots].set(kept, mode="drop")
     before = heads.before
@@ -351,7 +374,7 @@ def _evicted(
         ring.at[slots[:, None], ring_rows].set(q.astype(ring.dtype), mode="drop")
         for ring, q in zip(heads.queries, queries)
     )
-    heads = HeadKVCache(pool, tables, stored, rings, before, heads.sums)
+    heads = HeadKVCache(pool, tables, stored, rings, before, heads.sums, tails)
     if heads.sums is not None:  # each survivor's prompt sum, in the slot its K and V moved to
         heads = heads.with_slot_sums(slots, compacted(scores, keep, heads.sums[0].shape[-1]))
     return heads, kept
@@ -446,7 +469,7 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
         entries = entries.at[:, 0].set(jnp.where(mine, entries[:, 0], slot_tokens.shape[0]))
         entries = entries.at[:, 2].set(entries[:, 2] % local)
     heads = cache.heads.with_entries(jnp.arange(slot_tokens.shape[0]), entries)
-    pool, stored, rings = heads.pool, [], list(heads.queries)
+    pool, stored, rings, tails = heads.pool, [], list(heads.queries), list(heads.tails)
     sums = None if heads.sums is None else list(heads.sums)
     ring_row = jnp.where(active, positions % evict.spec.window, evict.spec.window)  # inactive rows: dropped
     works: dict = {}  # the live schedule's work list, built once a step (per KV head count) from the live slots
@@ -459,6 +482,29 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
                 works[heads_n] = live_work(jnp.broadcast_to(active[:, None], (active.shape[0], heads_n)))
             work = works[heads_n]
         window = evict.windows[i]
+        if evict.bits is not None:  # quantized per-head pages: jnp (no kernel reads them yet)
+            out, pool, tails[i], after, packed = attention.decode_quant_heads(
+                q[:, 0],
+                k[:, 0],
+                v[:, 0],
+                module.layouts[i],
+                pool,
+                tails[i],
+                heads.tables[:, i],
+                heads.stored[:, i],
+                evict.page_elems,
+                evict.group,
+                evict.bits,
+                evict.tokens,
+                rotation=rotation,
+                active=active,
+                before=None if window is None else heads.before[:, i],
+            )
+            stored.append(after)
+            rings[i] = (
+                rings[i].at[jnp.arange(packed.shape[0]), ring_row].set(packed.astype(rings[i].dtype), mode="drop")
+            )
+            return out[:, None]
         got = attention.decode_heads(
             q[:, 0],
             k[:, 0],
@@ -487,7 +533,7 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
     hidden = _hidden(module, slot_tokens[:, None], positions[:, None], attend, vocab)
     new = sample(_logits(module, hidden[:, 0], vocab), *sampling, greedy=greedy)
     sums = None if sums is None else tuple(sums)
-    heads = HeadKVCache(pool, heads.tables, jnp.stack(stored, axis=1), tuple(rings), heads.before, sums)
+    heads = HeadKVCache(pool, heads.tables, jnp.stack(stored, axis=1), tuple(rings), heads.before, sums, tuple(tails))
     return jnp.where(active, new, slot_tokens), dataclasses.replace(cache, heads=heads)
 
 
@@ -543,7 +589,8 @@ class Engine:
             self.prefill_rows = min(max_batch, c.prefill_max_rows)
         self.prefill_limit = min(2 * bucket(max(chunk_tokens, self.prefill_min)), max_batch * bucket(self.max_seq_len))
         self.kv_bits = c.kv_bits
-        self.formats = _formats(model, self.layouts, c)
+        # an evicting engine stages prompts exactly and quantizes only its per-head pages (``_eviction_setup``)
+        self.formats = _formats(model, self.layouts, c) if c.eviction is None else None
         self._build_ops(model, c)
         cache_dtype = cache_dtype or model.dtype
         self.eviction: Eviction | None = c.eviction  # type: ignore[assignment]  # EngineConfig parses a string
@@ -689,6 +736,9 @@ class Engine:
                     [(self._evict.spec.window, lay.q_cols) for lay in self.layouts],
                     self._evict.widest,
                     self.max_seq_len if self._evict.decoded else 0,
+                    None
+                    if self._evict.bits is None
+                    else (self.page_size, [lay.k_cols + lay.v_cols for lay in self.layouts]),
                 ),
                 None
                 if self._evict.history is None
@@ -709,9 +759,20 @@ class Engine:
                 f"eviction {spec.name} on a model whose keys are rebuilt (Palu, banded ZACK) is not supported yet: "
                 "its decode reads every key through the rebuild"
             )
-        widths = [k + v for lay in self.layouts for k, v in zip(lay.k_widths, lay.v_widths)]
-        page_elems = self.page_size * max(widths)
-        local = np.stack([head_paging.layer_tokens_per_page(lay, page_elems) for lay in self.layouts])
+        bits = served(self.kv_bits)
+        if bits is not None and not isinstance(bits, int):
+            raise ValueError(f"eviction {spec.name} with kv_bits {bits}: evicting serves KIVI-style 4 or 2 bits only")
+        if bits is not None and self.sharded is not None:
+            raise ValueError(f"eviction {spec.name} with kv_bits {bits} under tensor parallelism is not supported yet")
+        if bits is None:
+            widths = [k + v for lay in self.layouts for k, v in zip(lay.k_widths, lay.v_widths)]
+            page_elems = self.page_size * max(widths)
+            local = np.stack([head_paging.layer_tokens_per_page(lay, page_elems) for lay in self.layouts])
+        else:  # a page of bytes: one group of the widest head's slots, more of a narrower head's
+            page_elems = quant_head_paging.pool_page_bytes(self.layouts, self.page_size, bits)
+            local = np.stack(
+                [quant_head_paging.layer_tokens_per_page(lay, page_elems, self.page_size, bits) for lay in self.layouts]
+            )
         self._local_per_page = local  # a device's heads; the host's pages (``HeadPages``) hold every device's
         self.head_per_page = np.tile(local, (1, self.devices))
         self.head_max_pages = -(-self.max_seq_len // int(local.min()))
@@ -720,7 +781,9 @@ class Engine:
             None if lay.sliding_window is None or lay.sliding_window >= self.max_seq_len else lay.sliding_window
             for lay in self.layouts
         )
-        return _Evict(spec, page_elems, self.backend, schedule, sharded=self.sharded is not None, windows=windows)
+        sharded = self.sharded is not None
+        group = self.page_size if bits is not None else 0
+        return _Evict(spec, page_elems, self.backend, schedule, sharded, windows, bits, group, self.max_seq_len)
 
     def _evicting_pages(self, num_pages, cache_memory, dtype) -> tuple[int, ...]:
         """An evicting engine's two pools: the staging pool (``num_pages``) holds two whole ``max_seq_len`` prompts
@@ -732,7 +795,8 @@ class Engine:
         staging = 2 * self.pages_per_seq + 1
         one = int((-(-self.max_seq_len // self._local_per_page)).sum())  # a full sequence in a device's every head
         need = self.max_batch * one + 1
-        page_bytes = self._evict.page_elems * jnp.dtype(dtype).itemsize
+        quantized = self._evict.bits is not None
+        page_bytes = self._evict.page_elems * (1 if quantized else jnp.dtype(dtype).itemsize)
         staging_bytes = staging * self.page_size * bytes_per_token(self.layouts, dtype)
         rings = self.max_batch * self._evict.spec.window * sum(lay.q_cols for lay in self.layouts)
         staging_bytes += rings * jnp.dtype(dtype).itemsize  # each slot's last queries (continual eviction)
@@ -740,6 +804,9 @@ class Engine:
             staging_bytes += 4 * staging * self.page_size * self._local_per_page.size
         if self._evict.decoded:  # ``HeadKVCache.sums``: float32 for each slot a head may store
             staging_bytes += 4 * self.max_batch * self._local_per_page.size * self.max_seq_len
+        if quantized:  # ``HeadKVCache.tails``: each slot's partial group of every head
+            tails = self.max_batch * self.page_size * sum(lay.k_cols + lay.v_cols for lay in self.layouts)
+            staging_bytes += tails * jnp.dtype(dtype).itemsize
         if window := self._evict.widest:  # ``HeadKVCache.before``
             staging_bytes += 4 * self.max_batch * self._local_per_page.size * (window + 1)
         if num_pages is not None:
@@ -802,6 +869,11 @@ class Engine:
     def cache_tokens(self) -> int:
         """Tokens the whole-context pool holds (its pages less the null page); an evicting engine's: the tokens its
         per-head pool holds at the model's widths (each head's share of a page at its own width)."""
+        if self._evict is not None and self._evict.bits is not None:  # a token's bytes in each head's groups
+            group, bits = self._evict.group, self._evict.bits
+            heads = [(k, v) for lay in self.layouts for k, v in zip(lay.k_widths, lay.v_widths)]
+            token = sum(quant_head_paging.head_format(k, v, group, bits).page_bytes / group for k, v in heads)
+            return int((self.head_pages - 1) * self._evict.page_elems // token)
         if self._evict is not None:
             cols = sum(lay.k_cols + lay.v_cols for lay in self.layouts)
             return (self.head_pages - 1) * self._evict.page_elems // cols
@@ -843,10 +915,18 @@ class Engine:
         """For an evicting engine: the policy, and the pools it keeps."""
         if self._evict is None or self.eviction is None:
             return ""
+        evict = self._evict
+        cut = "halving a decoding request's heads before preempting one" if self.continual else "never halving heads"
+        if evict.bits is None:
+            pages = f"per-head pages of {evict.page_elems} elements"
+        else:
+            pages = (
+                f"per-head pages of {evict.page_elems} bytes, each head's survivors quantized to {evict.bits} bits in "
+                f"groups of {evict.group} slots (decoded in jnp: no kernel reads them yet)"
+            )
         return (
-            f"; evicting with {self.eviction.name} at each prompt's end ({self.eviction.allocated} budget), and "
-            f"halving a decoding request's heads before preempting one: per-head pages of {self._evict.page_elems} "
-            f"elements, {self.head_pages - 1:,} of them, beside staging pages for two whole prompts"
+            f"; evicting with {self.eviction.name} at each prompt's end ({self.eviction.allocated} budget), {cut}: "
+            f"{pages}, {self.head_pages - 1:,} of them, beside staging pages for two whole prompts"
         )
 
     def _band_note(self) -> str:
@@ -1047,7 +1127,9 @@ class Engine:
         layers are never cut: ``eviction.continual``) whose policy scores by its last queries or by sums decode keeps
         adding to (``_Evict.decoded``; not Keyformer)."""
         evict = self._evict
-        return evict is not None and (evict.history is None or evict.decoded) and not all(evict.windows)
+        if evict is None or evict.bits is not None:  # a cut would split quantized groups: preempt instead
+            return False
+        return (evict.history is None or evict.decoded) and not all(evict.windows)
 
     def compress(self, slot: int, last: int, target) -> None:
         """Enqueue continual eviction of slot ``slot``, whose latest query is at position ``last``: each KV head cut to
