@@ -287,7 +287,8 @@ def run_shape(model, rate, batch, ctx, args, bandwidth, kv_bits=None, eviction=N
         kv_bits=kv_bits,
         eviction=eviction,
         attention_floor_ms=attention_floor * 1e3,
-        attention_pct_of_floor=100 * attention_floor / split["attention"],
+        # no attention kernel (eviction on quantized pages decodes in jnp, counted in "rest"): no percentage
+        attention_pct_of_floor=100 * attention_floor / split["attention"] if split["attention"] else float("nan"),
         batch=batch,
         slots=slots,
         ctx=ctx,
