@@ -327,7 +327,9 @@ def decode_heads(
         if sums is not None:
             w = got[1].astype(jnp.float32)
             added = jnp.where(live[:, None, None], (w * w if square else w).sum(axis=2), 0.0)
-            got = (got[0], sums.at[..., : added.shape[-1]].add(added))
+            # padded and added whole: a scatter-add into the sums crashed XLA's CPU compiler under shard_map
+            added = jnp.pad(added, ((0, 0), (0, 0), (0, sums.shape[-1] - added.shape[-1])))
+            got = (got[0], sums + added)
     else:
         got = head_paged_decode(
             q,

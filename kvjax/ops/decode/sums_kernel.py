@@ -94,4 +94,5 @@ def add_weights_reference(raw, lse, first, stored, sums, *, square: bool = False
     slot = jnp.arange(cap)[None, None, :]
     seen = (slot >= first[..., None]) & (slot < stored[..., None])
     w = jnp.where(seen[:, :, None, :], jnp.exp2(jnp.where(seen[:, :, None, :], raw, MASK) - lse[..., None]), 0.0)
-    return sums.at[..., :cap].add((w * w if square else w).sum(axis=2))
+    added = (w * w if square else w).sum(axis=2)
+    return sums + jnp.pad(added, ((0, 0), (0, 0), (0, sums.shape[-1] - cap)))
