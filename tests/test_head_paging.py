@@ -542,19 +542,8 @@ def test_decode_over_head_pages_writes_each_heads_next_slot_and_attends_its_own_
     v = rng.normal(size=(3, layout.v_cols)).astype(np.float32)
     active = jnp.asarray([True, False, True])
     stored = jnp.asarray(lengths, jnp.int32)
-    out, got_pool, after, _, weights = decode_heads(
-        jnp.asarray(q),
-        jnp.asarray(k),
-        jnp.asarray(v),
-        layout,
-        pool,
-        tables,
-        stored,
-        page_elems,
-        backend=backend,
-        active=active,
-        weights=True,
-    )
+    inputs = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), layout, pool, tables, stored, page_elems)
+    out, got_pool, after, _, weights = decode_heads(*inputs, backend=backend, active=active, weights=True)
     np.testing.assert_array_equal(after, lengths + np.array([[1], [0], [1]]))
     weights = np.asarray(weights)
     scale = 1 / np.sqrt(layout.head_dim)
@@ -581,18 +570,7 @@ def test_decode_over_head_pages_writes_each_heads_next_slot_and_attends_its_own_
     np.testing.assert_array_equal(np.asarray(got_pool)[untouched], np.asarray(pool)[untouched])
     base = jnp.asarray(rng.uniform(size=(3, 4, weights.shape[-1])), jnp.float32)
     for square in (False, True):  # ``sums``: the active rows' weights summed over the group (squared) added
-        got = decode_heads(
-            *(jnp.asarray(x) for x in (q, k, v)),
-            layout,
-            pool,
-            tables,
-            stored,
-            page_elems,
-            backend=backend,
-            active=active,
-            sums=base,
-            square=square,
-        )
+        got = decode_heads(*inputs, backend=backend, active=active, sums=base, square=square)
         share = (weights * weights if square else weights).sum(axis=2) * np.asarray(active)[:, None, None]
         np.testing.assert_allclose(got[4], np.asarray(base) + share, rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}")
 

@@ -40,6 +40,30 @@ def _pool(bits, slots, layers=1):
     return page_bytes, pages
 
 
+def _step(pool, tail, table, stored, k, v, active, page_bytes, bits):
+    """One ``write_decode`` of rows' K [B, k_cols] and V [B, v_cols] at ``stored`` [B, Hkv] (NumPy)."""
+    args = (jnp.asarray(stored, jnp.int32), jnp.asarray(k), jnp.asarray(v), jnp.asarray(active))
+    return WRITE(pool, tail, table, *args, LAYOUT, page_bytes, GROUP, bits)
+
+
+def _record(heads, k, v):
+    """Append a row's packed K and V to each head's (keys, values) history."""
+    ko, vo = HeadLayout.offsets(LAYOUT.k_widths), HeadLayout.offsets(LAYOUT.v_widths)
+    for h, (kw, vw) in enumerate(zip(LAYOUT.k_widths, LAYOUT.v_widths)):
+        heads[h][0].append(k[ko[h] : ko[h] + kw])
+        heads[h][1].append(v[vo[h] : vo[h] + vw])
+
+
+def _check_reads(got, row, stored, heads, bits, where):
+    """Row ``row`` of ``_read_all``'s reads holds, for each head, ``_expected`` of its (keys, values) history."""
+    for h, (kw, vw) in enumerate(zip(LAYOUT.k_widths, LAYOUT.v_widths)):
+        n = int(stored[h])
+        want_k, want_v = _expected(*heads[h], kw, vw, bits)
+        for part, want in ((0, want_k), (1, want_v)):
+            got_h = np.asarray(got[h][part][row, :n])
+            np.testing.assert_allclose(got_h, want, rtol=1e-6, atol=1e-6, err_msg=f"{where}, head {h}")
+
+
 def _read_all(pool, tail, table, stored, bits, page_bytes, tokens):
     return [READ(pool, tail, table, stored, h, LAYOUT, page_bytes, GROUP, bits, tokens) for h in range(4)]
 
@@ -59,7 +83,6 @@ def test_tokens_written_one_at_a_time_read_back_as_quantized_groups_and_an_exact
     tail = jnp.asarray(rng.normal(size=(b, GROUP, LAYOUT.k_cols + LAYOUT.v_cols)), jnp.float32)
     stored = np.zeros((b, 4), np.int64)
     history = [[([], []) for _ in range(4)] for _ in range(b)]
-    ko, vo = HeadLayout.offsets(LAYOUT.k_widths), HeadLayout.offsets(LAYOUT.v_widths)
     for owner in range(b):
         assert pages.grow(owner, 60) is not None
     table = jnp.asarray(np.stack([pages.table(owner)[0] for owner in range(b)]))
@@ -67,33 +90,16 @@ def test_tokens_written_one_at_a_time_read_back_as_quantized_groups_and_an_exact
         active = rng.random(b) < 0.8
         k = rng.normal(size=(b, LAYOUT.k_cols)).astype(np.float32) * 2
         v = rng.normal(size=(b, LAYOUT.v_cols)).astype(np.float32)
-        pool, tail = WRITE(
-            pool,
-            tail,
-            table,
-            jnp.asarray(stored, jnp.int32),
-            jnp.asarray(k),
-            jnp.asarray(v),
-            jnp.asarray(active),
-            LAYOUT,
-            page_bytes,
-            GROUP,
-            bits,
-        )
+        pool, tail = _step(pool, tail, table, stored, k, v, active, page_bytes, bits)
         for row in np.flatnonzero(active):
-            for h, (kw, vw) in enumerate(zip(LAYOUT.k_widths, LAYOUT.v_widths)):
-                history[row][h][0].append(k[row, ko[h] : ko[h] + kw])
-                history[row][h][1].append(v[row, vo[h] : vo[h] + vw])
+            _record(history[row], k[row], v[row])
         stored += active[:, None]
     tokens = int(stored.max())
     got = _read_all(pool, tail, table, jnp.asarray(stored, jnp.int32), bits, page_bytes, tokens)
     for row in range(b):
-        for h, (kw, vw) in enumerate(zip(LAYOUT.k_widths, LAYOUT.v_widths)):
-            n = int(stored[row, h])
-            want_k, want_v = _expected(*history[row][h], kw, vw, bits)
-            where = f"seed {seed}, row {row}, head {h}"
-            np.testing.assert_allclose(np.asarray(got[h][0][row, :n]), want_k, rtol=1e-6, atol=1e-6, err_msg=where)
-            np.testing.assert_allclose(np.asarray(got[h][1][row, :n]), want_v, rtol=1e-6, atol=1e-6, err_msg=where)
+        _check_reads(got, row, stored[row], history[row], bits, f"seed {seed}, row {row}")
+        for h in range(4):
+            n, where = int(stored[row, h]), f"seed {seed}, row {row}, head {h}"
             full = n // GROUP * GROUP
             assert np.abs(np.asarray(got[h][0][row, :full]) - np.stack(history[row][h][0])[:full]).max() > 0, where
 
@@ -156,32 +162,13 @@ def test_admitted_survivors_read_as_their_groups_and_decode_continues_their_part
     for _ in range(6):
         k = rng.normal(size=(4, LAYOUT.k_cols)).astype(np.float32)
         v = rng.normal(size=(4, LAYOUT.v_cols)).astype(np.float32)
-        pool, tail = WRITE(
-            pool,
-            tail,
-            table,
-            jnp.asarray(stored, jnp.int32),
-            jnp.asarray(k),
-            jnp.asarray(v),
-            jnp.asarray(active),
-            LAYOUT,
-            page_bytes,
-            GROUP,
-            bits,
-        )
+        pool, tail = _step(pool, tail, table, stored, k, v, active, page_bytes, bits)
         for slot, row in slot_of.items():
-            for h, (kw, vw) in enumerate(zip(LAYOUT.k_widths, LAYOUT.v_widths)):
-                history[row][h][0].append(k[slot, ko[h] : ko[h] + kw])
-                history[row][h][1].append(v[slot, vo[h] : vo[h] + vw])
+            _record(history[row], k[slot], v[slot])
         stored += active[:, None]
     got = _read_all(pool, tail, table, jnp.asarray(stored, jnp.int32), bits, page_bytes, int(stored.max()))
     for slot, row in slot_of.items():
-        for h, (kw, vw) in enumerate(zip(LAYOUT.k_widths, LAYOUT.v_widths)):
-            n = int(stored[slot, h])
-            want_k, want_v = _expected(*history[row][h], kw, vw, bits)
-            where = f"seed {seed}, prompt {row}, head {h}"
-            np.testing.assert_allclose(np.asarray(got[h][0][slot, :n]), want_k, rtol=1e-6, atol=1e-6, err_msg=where)
-            np.testing.assert_allclose(np.asarray(got[h][1][slot, :n]), want_v, rtol=1e-6, atol=1e-6, err_msg=where)
+        _check_reads(got, slot, stored[slot], history[row], bits, f"seed {seed}, prompt {row}")
 
 
 def test_decode_attention_is_softmax_attention_over_what_each_head_reads():

@@ -143,6 +143,7 @@ ENGINE = textwrap.dedent(
         (dict(tensor_parallel=2, head_placement="lpt"), "head_placement must be"),
         (dict(tensor_parallel=4, eviction="snapkv:16", model=models["gemma3"]), "eviction with tensor_parallel=4"),
         (dict(tensor_parallel=2, eviction="keyformer:2x"), "Keyformer's noise is drawn per query head"),
+        (dict(tensor_parallel=2, eviction="snapkv:2x", kv_bits=4), "with kv_bits 4 under tensor parallelism"),
     ):
         try:
             Engine(bad.pop("model", base), max_batch=2, max_seq_len=64, **bad)

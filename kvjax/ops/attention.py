@@ -227,6 +227,16 @@ def decode_quantized(
     return op.run(q, pages, tail, block_table, lengths, schedule, layout), pages, tail
 
 
+def _window_first(layout: HeadLayout, before, after):
+    """Each head's first slot its window sees after this step's token (``head_paging.window_first``), or None for a
+    layer without ``before``."""
+    if before is None:
+        return None
+    if layout.sliding_window is None:
+        raise ValueError("before (where a window starts) is for sliding-window layers only")
+    return head_paging.window_first(before, after, layout.sliding_window)
+
+
 def decode_quant_heads(
     q,
     k,
@@ -254,11 +264,7 @@ def decode_quant_heads(
     live = jnp.ones((q.shape[0],), bool) if active is None else active
     pool, tail = quant_head_paging.write_decode(pool, tail, tables, stored, k, v, live, layout, page_bytes, group, bits)
     after = stored + live[:, None].astype(stored.dtype)
-    first = None
-    if before is not None:
-        if layout.sliding_window is None:
-            raise ValueError("before (where a window starts) is for sliding-window layers only")
-        first = head_paging.window_first(before, after, layout.sliding_window)
+    first = _window_first(layout, before, after)
     out = quant_head_paging.decode_attention(
         q, pool, tail, tables, after, layout, page_bytes, group, bits, tokens, first
     )
@@ -310,11 +316,7 @@ def decode_heads(
     live = jnp.ones((b,), bool) if active is None else active
     pool = head_paging.write(pool, tables, stored[..., None], k[:, None], v[:, None], live[:, None], layout, page_elems)
     after = stored + live[:, None].astype(stored.dtype)
-    first = None
-    if before is not None:
-        if layout.sliding_window is None:
-            raise ValueError("before (where a window starts) is for sliding-window layers only")
-        first = head_paging.window_first(before, after, layout.sliding_window)
+    first = _window_first(layout, before, after)
     if sums is not None:
         if weights:
             raise ValueError("give weights=True or sums, not both")
