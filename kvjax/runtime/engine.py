@@ -482,6 +482,7 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
                 works[heads_n] = live_work(jnp.broadcast_to(active[:, None], (active.shape[0], heads_n)))
             work = works[heads_n]
         window = evict.windows[i]
+        before = None if window is None else heads.before[:, i]
         if evict.bits is not None:  # quantized per-head pages: jnp (no kernel reads them yet)
             out, pool, tails[i], after, packed = attention.decode_quant_heads(
                 q[:, 0],
@@ -498,34 +499,30 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
                 evict.tokens,
                 rotation=rotation,
                 active=active,
-                before=None if window is None else heads.before[:, i],
+                before=before,
             )
-            stored.append(after)
-            rings[i] = (
-                rings[i].at[jnp.arange(packed.shape[0]), ring_row].set(packed.astype(rings[i].dtype), mode="drop")
+        else:
+            got = attention.decode_heads(
+                q[:, 0],
+                k[:, 0],
+                v[:, 0],
+                module.layouts[i],
+                pool,
+                heads.tables[:, i],
+                heads.stored[:, i],
+                evict.page_elems,
+                backend=evict.backend,
+                rotation=rotation,
+                active=active,
+                schedule=evict.schedule,
+                work=work,
+                before=before,
+                sums=None if sums is None else sums[i],  # this step's queries' share of each slot's sum added
+                square=metrics.squares(evict.spec.method),
             )
-            return out[:, None]
-        got = attention.decode_heads(
-            q[:, 0],
-            k[:, 0],
-            v[:, 0],
-            module.layouts[i],
-            pool,
-            heads.tables[:, i],
-            heads.stored[:, i],
-            evict.page_elems,
-            backend=evict.backend,
-            rotation=rotation,
-            active=active,
-            schedule=evict.schedule,
-            work=work,
-            before=None if window is None else heads.before[:, i],
-            sums=None if sums is None else sums[i],  # this step's queries' share of each slot's sum added
-            square=metrics.squares(evict.spec.method),
-        )
-        out, pool, after, packed = got[:4]
-        if sums is not None:
-            sums[i] = got[4]
+            out, pool, after, packed = got[:4]
+            if sums is not None:
+                sums[i] = got[4]
         stored.append(after)
         rings[i] = rings[i].at[jnp.arange(packed.shape[0]), ring_row].set(packed.astype(rings[i].dtype), mode="drop")
         return out[:, None]

@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.cost import ROWS
-from kvjax.ops.decode.sums_kernel import add_weights
+from kvjax.ops.decode.sums_kernel import add_weights, weights_of
 from kvjax.ops.head_paging import tokens_per_page
 from kvjax.ops.pallas_util import (
     LOG2E,
@@ -71,7 +71,8 @@ def _attend_head(
     queries from ``q_base`` (rows ``kw`` apart), the head's share of its pages from the one holding its first seen
     slot, its partial softmax stored as work item ``item`` (rows ``out_stride`` wide); an inactive program stores an
     empty one (zeros, no weight). With a weights output (``refs``' last, ``cap`` slots a head): each seen slot's
-    scores (log2 units), which ``_weights`` turns into softmax weights once the splits' denominators are known."""
+    scores (log2 units), which ``sums_kernel.weights_of`` turns into softmax weights once the splits' denominators
+    are known."""
     stored_ref, first_ref, table_ref, q_ref, pool_ref, acc_ref, m_ref, l_ref, *w_ref = refs
     split, splits = head_split
     t = jnp.arange(max(16, tile(per * pages_per_step)))
@@ -332,16 +333,6 @@ def _merge_live(acc, m, l, work, splits, with_lse: bool = False):
     return (out, jnp.where((first >= 0)[:, None], lse, MASK)) if with_lse else out
 
 
-def _weights(raw, lse, stored, first):
-    """float32 [B, Hkv, G, slots]: the kernel's scores ``raw`` [B, Hkv, G, slots] (log2 units) as softmax weights
-    under each row's ``lse`` [B, Hkv, G], 0 on slots a head does not see (past ``stored``, before ``first``): slots
-    the kernel never wrote are masked, never read as numbers."""
-    slot = jnp.arange(raw.shape[-1])[None, None, :]
-    seen = ((slot < stored[..., None]) & (slot >= first[..., None]))[:, :, None, :]
-    w = jnp.exp2(jnp.where(seen, raw, MASK) - lse[..., None])
-    return jnp.where(seen, w, 0.0)
-
-
 def _launch(kernel, n, s, inputs, width, name, grid=None, *, b, g, cap, heads, params, interpret):
     """(acc [B, n, S, G, width], m, l [B, n, S, G], raw) of ``kernel`` over a grid of (B, n heads, S splits), or
     over ``grid`` (n x s items: acc [items, G, width], m, l [items, G]); raw: with ``cap`` slots a head, the weights
@@ -490,7 +481,7 @@ def head_paged_decode(
             return got
         out, raw, lse = got
         if sums is None:
-            return out, _weights(raw, lse, stored, first)
+            return out, weights_of(raw, lse, stored, first)
         adding = stored if active is None else jnp.where(active[:, None], stored, 0)
         return out, add_weights(raw, lse, first, adding, sums, square=square, interpret=interpret)
     launch = functools.partial(_launch, b=b, g=g, cap=0, heads=layout.num_kv_heads, params=params, **debug)

@@ -88,11 +88,18 @@ def add_weights(raw, lse, first, stored, sums, *, square: bool = False, interpre
     return out.reshape(b, heads, held)
 
 
+def weights_of(raw, lse, stored, first):
+    """float32 [B, Hkv, G, slots]: the decode kernel's scores ``raw`` [B, Hkv, G, slots] (log2 units) as softmax
+    weights under each row's ``lse`` [B, Hkv, G], 0 on slots a head does not see (past ``stored``, before ``first``):
+    slots the kernel never wrote are masked, never read as numbers."""
+    slot = jnp.arange(raw.shape[-1])[None, None, :]
+    seen = ((slot < stored[..., None]) & (slot >= first[..., None]))[:, :, None, :]
+    w = jnp.exp2(jnp.where(seen, raw, MASK) - lse[..., None])
+    return jnp.where(seen, w, 0.0)
+
+
 def add_weights_reference(raw, lse, first, stored, sums, *, square: bool = False):
     """``add_weights`` in jnp."""
-    cap = raw.shape[-1]
-    slot = jnp.arange(cap)[None, None, :]
-    seen = (slot >= first[..., None]) & (slot < stored[..., None])
-    w = jnp.where(seen[:, :, None, :], jnp.exp2(jnp.where(seen[:, :, None, :], raw, MASK) - lse[..., None]), 0.0)
+    w = weights_of(raw, lse, stored, first)
     added = (w * w if square else w).sum(axis=2)
-    return sums + jnp.pad(added, ((0, 0), (0, 0), (0, sums.shape[-1] - cap)))
+    return sums + jnp.pad(added, ((0, 0), (0, 0), (0, sums.shape[-1] - raw.shape[-1])))
