@@ -397,7 +397,7 @@ def test_the_slot_schedule_gives_the_reference_tokens(backend):
     "spec, plan, bits, backend",
     [
         ("kvcompress:3x", "none", 4, "reference"),
-        ("snapkv:2x", "zack", 2, "interpret"),  # the prefill kernel stages the prompt; decode reads in jnp
+        ("snapkv:2x", "zack", 2, "interpret"),  # the kernels: prefill stages, quant_head_kernel decodes
         ("h2o:3x", "zack", 4, "reference"),
         ("kvcompress:3x", "local-global", 4, "reference"),
         pytest.param("kvcompress:3x", "zack", 4, "pallas", marks=pytest.mark.gpu),

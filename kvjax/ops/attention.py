@@ -10,6 +10,7 @@ from kvjax.layout import HeadLayout
 from kvjax.ops import head_paging, quant_head_paging, quant_paging
 from kvjax.ops.decode.head_kernel import head_paged_decode
 from kvjax.ops.decode.op import DecodeOp
+from kvjax.ops.decode.quant_head_kernel import quant_head_decode
 from kvjax.ops.decode.reference import paged_decode_attention, quantized_decode_attention
 from kvjax.ops.grouped import attend_groups, full_width, visible
 from kvjax.ops.paging import write_pages
@@ -251,23 +252,33 @@ def decode_quant_heads(
     bits: int,
     tokens: int,
     *,
+    backend="reference",
     rotation=None,
     active=None,
+    work=None,
     before=None,
 ):
     """``decode_heads`` over quantized per-head pages (``ops.quant_head_paging``: eviction with ``kv_bits``): the new
-    token to each head's next slot, its group quantized into its page when that slot completes it, then the query
-    against each head's ``tokens`` slots at most (static). jnp on every backend: no kernel reads these pages yet.
-    Returns (out [B, out_cols], pool, tail, stored after, q packed [B, q_cols])."""
+    token to each head's next slot, its group quantized into its page when that slot completes it (jnp), then the
+    query against each head's stored slots: ``quant_head_paging.decode_attention`` over ``tokens`` slots at most
+    (static) on the "reference" backend, ``ops.decode.quant_head_kernel`` on "pallas" and "interpret" (``work``: the
+    step's ``live_work``). Returns (out [B, out_cols], pool, tail, stored after, q packed [B, q_cols])."""
+    check_backend(backend)
     if rotation is not None:
         q, k = rotation.packed_rows(q, k)
     live = jnp.ones((q.shape[0],), bool) if active is None else active
     pool, tail = quant_head_paging.write_decode(pool, tail, tables, stored, k, v, live, layout, page_bytes, group, bits)
     after = stored + live[:, None].astype(stored.dtype)
     first = _window_first(layout, before, after)
-    out = quant_head_paging.decode_attention(
-        q, pool, tail, tables, after, layout, page_bytes, group, bits, tokens, first
-    )
+    if backend == "reference":
+        out = quant_head_paging.decode_attention(
+            q, pool, tail, tables, after, layout, page_bytes, group, bits, tokens, first
+        )
+    else:
+        out = quant_head_decode(
+            q, pool, tail, tables, after, layout, page_bytes, group, bits, first=first, work=work,
+            interpret=backend == "interpret",
+        )  # fmt: skip
     return out, pool, tail, after, q
 
 

@@ -483,7 +483,7 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
             work = works[heads_n]
         window = evict.windows[i]
         before = None if window is None else heads.before[:, i]
-        if evict.bits is not None:  # quantized per-head pages: jnp (no kernel reads them yet)
+        if evict.bits is not None:  # quantized per-head pages (``quant_head_kernel`` on the kernels)
             out, pool, tails[i], after, packed = attention.decode_quant_heads(
                 q[:, 0],
                 k[:, 0],
@@ -497,8 +497,10 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
                 evict.group,
                 evict.bits,
                 evict.tokens,
+                backend=evict.backend,
                 rotation=rotation,
                 active=active,
+                work=work,
                 before=before,
             )
         else:
@@ -919,7 +921,7 @@ class Engine:
         else:
             pages = (
                 f"per-head pages of {evict.page_elems} bytes, each head's survivors quantized to {evict.bits} bits in "
-                f"groups of {evict.group} slots (decoded in jnp: no kernel reads them yet)"
+                f"groups of {evict.group} slots"
             )
         return (
             f"; evicting with {self.eviction.name} at each prompt's end ({self.eviction.allocated} budget), {cut}: "

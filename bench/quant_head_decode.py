@@ -1,0 +1,161 @@
+"""Decode over quantized per-head pages (issue 37: eviction stacked with quantization; "decode over ragged per-head
+lengths at % of copy bandwidth on bytes read"): one layer of the random Llama-3.1-8B attention shape at ``--shape``
+(default B32 x 8K), per rank rate (``harness.rank_plan``'s representative layer), each KV head storing its own share
+of the context (``--keep``, drawn as ``bench.head_decode`` draws it), read by ``ops.decode.quant_head_kernel`` from
+one pool of int4 or int2 groups (``--bits``; groups of ``--group`` slots, the engine's page size) with each head's
+partial group exact in a bf16 tail, beside ``ops.decode.head_kernel`` over the same shares in bf16 per-head pages
+(the work list built once outside the timed call, as the engine's step does). Every row: CUPTI time, the floor (the
+bytes the heads store, every quantized byte counted, over the measured copy bandwidth), their ratio, and the relative
+error against the float32 jnp reference of its own cache (``quant_head_paging.decode_attention``,
+``head_paging.decode_attention``). ``--warps``, ``--stages`` and ``--step-groups`` sweep the quantized kernel's knobs.
+``--interpret --timer host --shape 2x256`` runs the rows on a CPU (plumbing
+only). Table: bench/results/eviction.md "Eviction on quantized pages: the decode kernel"."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import harness
+from bench.files import write_json
+from bench.harness import (
+    copy_bandwidth,
+    count_arg,
+    log,
+    pick_layer,
+    print_table,
+    rank_plan,
+    rates_arg,
+    rel_err,
+    shape_arg,
+)
+from bench.head_decode import case as bf16_case
+from bench.head_decode import row
+from kvjax import validate
+from kvjax.ops import head_paging, quant_head_paging
+from kvjax.ops.decode.head_kernel import head_paged_decode, live_work
+from kvjax.ops.decode.quant_head_kernel import quant_head_decode
+from kvjax.runtime.head_pages import HeadPages
+
+
+def quant_case(layout, batch: int, context: int, keep: float, group: int, bits: int, seed: int = 0):
+    """(q, pool, tail, tables, stored, bytes stored, page bytes): ``batch`` sequences whose heads store their own
+    shares (``bench.head_decode.case``'s draw), each head's full groups random values encoded in its own format on
+    its own pages, its partial group in the tail."""
+    rng = np.random.default_rng(seed)
+    share = rng.uniform(keep / 2, min(1.0, 1.5 * keep), (batch, layout.num_kv_heads)) if keep < 1 else 1.0
+    stored = np.maximum(1, (np.broadcast_to(share, (batch, layout.num_kv_heads)) * context).astype(np.int64))
+    page_bytes = quant_head_paging.pool_page_bytes([layout], group, bits)
+    per = quant_head_paging.layer_tokens_per_page(layout, page_bytes, group, bits)[None]
+    need = int((-(-stored // per)).sum())
+    pages = HeadPages(need + 1, per, int(-(-context // per.min())))
+    for b in range(batch):
+        assert pages.grow(b, stored[b][None]) is not None
+    tables = np.stack([pages.table(b)[0] for b in range(batch)])
+    pool = jnp.zeros((need + 1, page_bytes), jnp.uint8)
+    key = jax.random.key(seed)
+    nbytes = 0
+    for h, (kw, vw) in enumerate(zip(layout.k_widths, layout.v_widths)):
+        fmt = quant_head_paging.head_format(kw, vw, group, bits)
+        gpp = quant_head_paging.groups_per_page(page_bytes, kw, vw, group, bits)
+        full = stored[:, h] // group
+        grp = np.arange(max(1, int(full.max())))
+        k = harness.randn(jax.random.fold_in(key, 2 * h), (batch, len(grp), group, kw), jnp.float32)
+        v = harness.randn(jax.random.fold_in(key, 2 * h + 1), (batch, len(grp), group, vw), jnp.float32)
+        page = np.where(grp[None] < full[:, None], tables[:, h, grp // gpp], need + 1)  # past the pool: dropped
+        index = (grp % gpp)[:, None] * fmt.page_bytes + np.arange(fmt.page_bytes)  # [groups, bytes]
+        at = jnp.asarray(np.broadcast_to(page[..., None], (batch, *index.shape)))
+        pool = pool.at[at, jnp.asarray(index)[None]].set(fmt.encode(k, v), mode="drop")
+        nbytes += int(full.sum()) * fmt.page_bytes + int((stored[:, h] % group).sum()) * (kw + vw) * 2
+    tail = harness.randn(jax.random.fold_in(key, 1000), (batch, group, layout.k_cols + layout.v_cols))
+    q = harness.randn(jax.random.fold_in(key, 1001), (batch, layout.q_cols))
+    return q, pool, tail, jnp.asarray(tables), jnp.asarray(stored, jnp.int32), nbytes, page_bytes
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", type=shape_arg("--shape"), default=(32, 8192))
+    p.add_argument("--rates", type=rates_arg(), default=[0.0, 0.5], help="comma-separated (default 0,0.5)")
+    p.add_argument("--keep", type=float, nargs="+", default=[1.0, 0.25], help="each head's mean share (default 1 0.25)")
+    p.add_argument("--bits", type=int, nargs="+", choices=(4, 2), default=[4], help="code widths (default 4)")
+    p.add_argument("--group", type=count_arg("--group"), default=16, help="slots a quantized group (default 16)")
+    p.add_argument("--warps", type=count_arg("--warps"), nargs="+", default=[4], help="Triton warps (default 4)")
+    p.add_argument("--stages", type=count_arg("--stages"), nargs="+", default=[2], help="pipeline stages (default 2)")
+    p.add_argument(
+        "--step-groups",
+        type=validate.arg(lambda v: validate.integer("--step-groups", v, low=0), int),
+        nargs="+",
+        default=[0],
+        help="groups a program reads a loop step (0: the kernel's default, groups_a_step)",
+    )
+    p.add_argument("--no-bf16", action="store_true", help="leave out the bf16 per-head kernel's rows")
+    harness.timer_option(p)
+    p.add_argument("--interpret", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    harness.TIMER["name"] = args.timer
+    batch, context = args.shape
+    bandwidth = copy_bandwidth()
+    log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    rows: list[dict] = []
+    for rate in args.rates:
+        layout = pick_layer(rank_plan(rate), rate)
+        for keep in args.keep:
+            for bits in args.bits:
+                q, pool, tail, tables, stored, nbytes, page_bytes = quant_case(
+                    layout, batch, context, keep, args.group, bits
+                )
+                want = quant_head_paging.decode_attention(
+                    q.astype(jnp.float32), pool, tail.astype(jnp.float32), tables, stored, layout, page_bytes,
+                    args.group, bits, context,
+                )  # fmt: skip
+                work = live_work(stored)
+                for warps, stages, step in itertools.product(args.warps, args.stages, args.step_groups):
+                    knobs = dict(num_warps=warps, num_stages=stages, step_groups=step or None)
+
+                    def run(pool, tail, tables, stored, work, q, layout=layout, page_bytes=page_bytes, bits=bits,
+                            knobs=knobs):  # fmt: skip
+                        return quant_head_decode(
+                            q, pool, tail, tables, stored, layout, page_bytes, args.group, bits, work=work,
+                            interpret=args.interpret, **knobs,
+                        )  # fmt: skip
+
+                    got = run(pool, tail, tables, stored, work, q)
+                    seconds = harness.time_calls(run, (pool, tail, tables, stored, work), [(q,)])
+                    label = dict(
+                        kernel=f"int{bits} per-head", warps=warps, stages=stages, step_groups=step or "default"
+                    )
+                    err = rel_err(got, want)
+                    rows.append(
+                        row(rate, keep, batch, context, seconds, nbytes / bandwidth, err, **label, bytes=nbytes)
+                    )
+                del pool, tail, want
+            if not args.no_bf16:
+                q, pool, tables, stored, nbytes, page_elems = bf16_case(layout, batch, context, keep, args.group)
+                want = head_paging.decode_attention(
+                    q.astype(jnp.float32), pool.astype(jnp.float32), tables, stored, layout, page_elems, context
+                )
+                work = live_work(stored)
+
+                def run16(pool, tables, stored, work, q, layout=layout, page_elems=page_elems):
+                    return head_paged_decode(
+                        q, pool, tables, stored, layout, page_elems, schedule="live", work=work,
+                        interpret=args.interpret,
+                    )  # fmt: skip
+
+                got = run16(pool, tables, stored, work, q)
+                seconds = harness.time_calls(run16, (pool, tables, stored, work), [(q,)])
+                label = dict(kernel="bf16 per-head", warps=4, stages=2, step_groups="-", bytes=nbytes)
+                rows.append(row(rate, keep, batch, context, seconds, nbytes / bandwidth, rel_err(got, want), **label))
+                del pool, want
+    print_table(rows)
+    if args.json:
+        write_json(args.json, {"args": vars(args), "bandwidth": bandwidth, "rows": rows}, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""Decode attention over quantized per-head pages (``ops.quant_head_paging``: eviction with ``kv_bits``; issue 37,
+item 5; Pallas, Triton lowering). ``quant_head_decode`` equals ``quant_head_paging.decode_attention``.
+
+Two kernels' halves put together: ``head_kernel``'s work (one program per split of each live (sequence, KV head),
+``head_kernel.live_work``'s list, the splits merged by ``head_kernel``'s butterfly) and ``quant_kernel``'s reading of
+quantized codes (``quant_kernel._Reader``: a key plane scored against its block of ``q * scale``, value scales folded
+into the weights, no value or key ever rebuilt). A chunk is one of the head's full groups, found through its block
+table: page ``table[g // groups a page]``, at byte ``(g % groups a page) x the group's bytes`` of it; the head's
+partial group, exact in the layer's tail, is the last chunk of its first split.
+
+Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; the pool [pages, bytes]
+(indexed by (page, byte): a pool past 2 GiB needs no 64-bit flat offset), the tail under 2^31 elements.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kvjax.layout import HeadLayout
+from kvjax.ops.decode.cost import ROWS
+from kvjax.ops.decode.head_kernel import _launch, _merge_live, _work_of, work_items
+from kvjax.ops.decode.quant_kernel import _both, _fills, _Reader, _scores, _update, side_class
+from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, dot_precision, width_pairs
+from kvjax.ops.quant import check_bits
+from kvjax.ops.quant_head_paging import groups_per_page, head_format
+from kvjax.ops.tiles import tile
+
+BLOCK_H = ROWS  # query rows a program: a GQA group (G <= 16) padded to the tensor cores' smallest M
+# tokens a loop step reads: quant_kernel's (``QuantKernelConfig``: 128 for a head whose K and V tiles hold 256 columns
+# or more, 64 for narrower ones, whose registers spill at more)
+STEP_TOKENS, NARROW_STEP_TOKENS = 128, 64
+
+
+def groups_a_step(reader: _Reader, group: int) -> int:
+    """Groups (chunks of ``tile(group)`` rows) a program reads a loop step: ``STEP_TOKENS`` worth for a head whose K
+    and V tiles hold 256 columns or more, ``NARROW_STEP_TOKENS`` for a narrower one, at least one."""
+    tokens = STEP_TOKENS if reader.tile(True) + reader.tile(False) >= 256 else NARROW_STEP_TOKENS
+    return max(1, tokens // tile(group))
+
+
+def _reader(kw: int, vw: int, bits: int, dtype) -> _Reader:
+    """``quant_kernel``'s reader of one head of widths (kw, vw)."""
+    k_side, v_side = side_class(kw, bits), side_class(vw, bits, keys=False)
+    n = 8 // bits
+    return _Reader(k_side, v_side, bits, dtype, _fills(k_side, kw, bits), _fills(v_side, vw, bits), kw // n, vw // n)
+
+
+def _attend(refs, head_split, seq, unit, head, item, active, *, kw, vw, per, nc, **static):
+    """One program's work on KV head ``unit`` of sequence ``seq`` (``head``: its flat row of the counts and tables)
+    for its split (``head_split``: the split and the number of splits): its share of the head's full groups, ``nc``
+    a loop step, and (split 0) the head's partial group from the tail; its partial softmax stored as work item
+    ``item``. An inactive program stores an empty one (no weight). ``per``: the head's groups a pool page."""
+    size, bits, g, pages, q_cols = (static[k] for k in ("size", "bits", "group", "pages", "q_cols"))
+    tail_cols, k_cols, interpret = static["tail_cols"], static["k_cols"], static["interpret"]
+    (stored_ref, first_ref, table_ref, q_ref, pool_ref, meta_ref, tail_ref, _, qo_ref, ko_ref, vo_ref,
+     _, acc_ref, m_ref, l_ref) = refs  # fmt: skip
+    split, splits = head_split
+    dt = jnp.dtype(q_ref.dtype)
+    precision = dot_precision(dt)
+    n = 8 // bits
+    fmt = head_format(kw, vw, size, bits)
+    at = fmt.offsets
+    reader = _reader(kw, vw, bits, dt)
+    k_pieces, v_pieces = reader.pieces(True), reader.pieces(False)
+    rows = jnp.arange(BLOCK_H)
+    real = rows < g
+    q_base = seq * q_cols + qo_ref[unit]
+
+    def load_q(piece):
+        q = plgpu.load(
+            q_ref.at[q_base + rows[:, None] * kw + piece.own()], mask=_both(real[:, None], piece.ok()), other=0
+        )
+        return (q.astype(jnp.float32) * (static["scale"] * LOG2E)).astype(dt)  # scores in log2 units
+
+    qs = [load_q(piece) for piece in k_pieces]
+    stored = jnp.where(active, stored_ref[head], 0)
+    seen_from = jnp.where(active, first_ref[head], 0)  # slots before it are out of the layer's window
+    full = stored // size  # the head's full groups; its partial group is in the tail
+    lo = seen_from // size  # its first group with a seen slot
+    steps = pl.cdiv(jnp.maximum(full - lo, 0), nc)
+    share = pl.cdiv(steps, splits)
+    r = jnp.arange(max(16, tile(size)))  # a chunk's rows: a dot's dimension is at least 16
+    k_byte, _, k_byte_ok = reader.bytes(True)
+    v_byte, _, v_byte_ok = reader.bytes(False)
+
+    def chunk(grp):
+        """Scores [BLOCK_H, rows] of group ``grp``, and a function of its weights giving ``_Reader.values``."""
+        ok = grp < full
+        page = plgpu.load(table_ref.at[head * pages + jnp.where(ok, grp // per, 0)])
+        base = (grp % per) * fmt.page_bytes  # the group's first byte in its page
+        visible = ok & (r < size) & (grp * size + r >= seen_from)
+
+        def load(ref, index, mask):
+            return plgpu.load(ref.at[jnp.broadcast_to(page, index.shape), index], mask=mask, other=0)
+
+        def codes(first_byte, row_bytes, byte, byte_ok):
+            return load(pool_ref, base + first_byte + r[:, None] * row_bytes + byte, _both(visible[:, None], byte_ok))
+
+        def key_meta(piece, row):  # the keys' scale (row 0) or zero (row 1) of the piece's columns, float16 units
+            index = (base + at["k_meta"]) // 2 + row * kw + piece.at()
+            return load(meta_ref, index, _both(jnp.full((1, piece.tile), ok), piece.ok())).astype(jnp.float32)
+
+        meta = [(key_meta(piece, 0), key_meta(piece, 1)) for piece in k_pieces]
+        s = reader.scores(qs, codes(0, kw // n, k_byte, k_byte_ok), meta, precision)
+        v_raw = codes(at["v_codes"], vw // n, v_byte, v_byte_ok)
+        v_at = (base + at["v_meta"]) // 2 + r  # the values' scales, then ``size`` later their zeros: one head
+        v_scale = load(meta_ref, v_at, visible).astype(jnp.float32)
+        v_zero = load(meta_ref, v_at + size, visible).astype(jnp.float32)
+        return jnp.where(visible[None, :], s, MASK), lambda p: reader.values(v_raw, p, v_scale, v_zero, precision)
+
+    def step(j, carry):
+        return _update(carry, [chunk(lo + j * nc + c) for c in range(nc)])
+
+    def tail_step(_, carry):
+        slot = full * size + r
+        visible = (r < size) & (slot < stored) & (slot >= seen_from)
+        row = (seq * size + r)[:, None] * tail_cols
+
+        def load(first_col, piece):
+            mask = _both(visible[:, None], piece.ok())
+            return plgpu.load(tail_ref.at[row + first_col + piece.at()], mask=mask, other=0).astype(dt)
+
+        s = _scores(qs, [load(ko_ref[unit], piece) for piece in k_pieces], precision)
+        vs = [load(k_cols + vo_ref[unit], piece) for piece in v_pieces]
+        values = lambda p: ([plgpu.dot(p.astype(dt), v, precision=precision) for v in vs], None)  # noqa: E731
+        return _update(carry, [(jnp.where(visible[None, :], s, MASK), values)])
+
+    carry = (
+        [jnp.zeros((BLOCK_H, piece.tile), jnp.float32) for piece in v_pieces],
+        jnp.full((BLOCK_H,), MASK, jnp.float32),
+        jnp.zeros((BLOCK_H,), jnp.float32),
+    )
+    first = split * share
+    carry = lax.fori_loop(first, jnp.minimum(first + share, steps), step, carry)
+    has_tail = (split == 0) & (stored % size > 0)
+    accs, m, l = lax.fori_loop(0, has_tail.astype(jnp.int32), tail_step, carry)
+    part = item * g + rows  # this split's rows of the partial results
+    for acc, piece in zip(accs, v_pieces):
+        mask = jnp.broadcast_to(_both(real[:, None], piece.ok()), acc.shape)
+        index = part[:, None] * static["out_stride"] + piece.own()
+        plgpu.store(acc_ref.at[jnp.where(mask, index, NOWHERE) if interpret else index], acc, mask=mask)
+    index = jnp.where(real, part, NOWHERE) if interpret else part
+    plgpu.store(m_ref.at[index], m, mask=real)
+    plgpu.store(l_ref.at[index], l, mask=real)
+
+
+def _kernel(*refs, pairs, units, **static):
+    """``head_kernel._live_kernel`` over quantized pages: program i does split i % S of live head i // S
+    (``work_ref``: ``live_work``'s count, splits and heads), switching to its head's width pair (``pair_ref``);
+    programs past the live heads store empty items."""
+    work_ref, pair_ref = refs[11], refs[7]
+    item = pl.program_id(0)
+    live, splits = work_ref[0], work_ref[1]
+    nth = item // splits
+    active = nth < live
+    head = work_ref[2 + jnp.where(active, nth, 0)]  # a flat (sequence, KV head) row
+    seq, unit = head // units, head % units
+    args = (refs, (item % splits, splits), seq, unit, head, item, active)
+    branches = [functools.partial(_attend, *args, kw=kw, vw=vw, per=per, nc=nc, **static) for kw, vw, per, nc in pairs]
+    lax.switch(pair_ref[unit], branches)  # one pair: its branch alone, no switch
+
+
+def _check(q, pool, tail, tables, stored, first, layout: HeadLayout, page_bytes: int, size: int) -> None:
+    """``quant_head_decode``'s inputs, each refused in one line."""
+    b, hkv = q.shape[0], layout.num_kv_heads
+    if q.ndim != 2 or q.shape[1] != layout.q_cols:
+        raise ValueError(f"q must be [B, {layout.q_cols}], got {q.shape}")
+    if pool.dtype != jnp.uint8 or pool.ndim != 2 or pool.shape[1] != page_bytes or page_bytes % 2:
+        raise ValueError(f"pool must be uint8 [num_pages, {page_bytes}] (an even page), got {pool.dtype} {pool.shape}")
+    if tail.ndim != 3 or tail.shape[0] < b or tail.shape[1:] != (size, layout.k_cols + layout.v_cols):
+        raise ValueError(f"tail must be [>= {b}, {size}, {layout.k_cols + layout.v_cols}], got {tail.shape}")
+    if tail.size >= 2**31:
+        raise ValueError("the tail is addressed with int32 offsets: under 2^31 elements")
+    if tables.ndim != 3 or tables.shape[:2] != (b, hkv) or stored.shape != (b, hkv):
+        raise ValueError(f"tables must be [{b}, {hkv}, pages] and stored [{b}, {hkv}]")
+    if layout.group_size > BLOCK_H:
+        raise ValueError(f"per-head decode scores at most {BLOCK_H} queries a KV head, got {layout.group_size}")
+    if first is not None and (layout.sliding_window is None or first.shape != stored.shape):
+        raise ValueError(f"first is for sliding-window layers only, [{b}, {hkv}] as stored")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "layout",
+        "page_bytes",
+        "group",
+        "bits",
+        "splits",
+        "step_groups",
+        "num_warps",
+        "num_stages",
+        "interpret",
+    ),
+)
+def quant_head_decode(
+    q,
+    pool,
+    tail,
+    tables,
+    stored,
+    layout: HeadLayout,
+    page_bytes: int,
+    group: int,
+    bits: int,
+    *,
+    first=None,
+    work=None,
+    splits=None,
+    step_groups=None,
+    num_warps=4,
+    num_stages=2,
+    interpret=False,
+):
+    """One new query per sequence against each KV head's stored slots on quantized per-head pages; equal to
+    ``quant_head_paging.decode_attention`` (float32 dots where q is float32).
+
+    q [B, q_cols] packed; pool uint8 [num_pages, page_bytes] (``quant_head_paging.pool_page_bytes``); tail [>= B,
+    group, k_cols + v_cols] (row i: sequence i's heads' partial groups); tables [B, Hkv, pages] int32; stored [B, Hkv]
+    int32 (slots each head stores, the new one included, already written); ``group``: slots a quantized group (the
+    engine's page size); ``bits``: 4 or 2; ``first`` [B, Hkv] (sliding-window layers): each head's first slot its
+    window sees. ``work``: ``head_kernel.live_work`` built once for the step (default: from ``stored``), or ``splits``
+    fixed; ``step_groups``: groups a program reads a loop step (default ``groups_a_step``); ``num_warps``,
+    ``num_stages``: Triton's. Returns [B, out_cols] in q's dtype; a head storing nothing gives zeros. Bytes a page
+    holds past what its head wrote (another head's, stale) are never read: every load of a group past the head's full
+    groups is masked."""
+    check_bits(bits)
+    if step_groups is not None and not (isinstance(step_groups, int) and step_groups >= 1):
+        raise ValueError(f"step_groups must be a positive integer, got {step_groups!r}")
+    _check(q, pool, tail, tables, stored, first, layout, page_bytes, group)
+    b, g, heads = q.shape[0], layout.group_size, layout.num_kv_heads
+    first = jnp.zeros_like(stored) if first is None else first
+    pair_of = np.zeros(heads, np.int32)
+    pairs = []
+    for i, ((kw, vw), members) in enumerate(width_pairs(layout)):
+        pair_of[members] = i
+        nc = groups_a_step(_reader(kw, vw, bits, q.dtype), group) if step_groups is None else step_groups
+        pairs.append((kw, vw, groups_per_page(page_bytes, kw, vw, group, bits), nc))
+    width = max(tile(vw) for vw in layout.v_widths)
+    offsets = [
+        HeadLayout.offsets(layout.k_widths, g),
+        HeadLayout.offsets(layout.k_widths),
+        HeadLayout.offsets(layout.v_widths),
+    ]
+    work = _work_of(stored, work, splits)
+    items = work_items(b * heads) if splits is None else b * heads * splits
+    inputs = [
+        stored.astype(jnp.int32).reshape(-1),
+        first.astype(jnp.int32).reshape(-1),
+        tables.astype(jnp.int32).reshape(-1),
+        q.reshape(-1),
+        pool,
+        lax.bitcast_convert_type(pool.reshape(pool.shape[0], -1, 2), jnp.float16),  # the metadata's view: a bitcast
+        tail.reshape(-1),
+        jnp.asarray(pair_of),
+        *[jnp.asarray(np.asarray(o, np.int32)) for o in offsets],
+        work,
+    ]
+    static = dict(
+        size=group,
+        bits=bits,
+        group=g,
+        pages=tables.shape[2],
+        q_cols=layout.q_cols,
+        tail_cols=layout.k_cols + layout.v_cols,
+        k_cols=layout.k_cols,
+        scale=1.0 / math.sqrt(layout.head_dim),
+        out_stride=width,
+        interpret=interpret,
+    )
+    kernel = functools.partial(_kernel, pairs=tuple(pairs), units=heads, **static)
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    launch = functools.partial(_launch, b=b, g=g, cap=0, heads=heads, params=params, interpret=interpret)
+    acc, m, l, _ = launch(kernel, items, 1, inputs, width, f"kvjax_quant_head_decode_int{bits}", (items,))
+    got = _merge_live(acc, m, l, work, splits).reshape(b, heads, g, width)
+    outs = [got[:, h, :, :vw].reshape(b, g * vw) for h, vw in enumerate(layout.v_widths)]
+    return jnp.concatenate(outs, axis=-1).astype(q.dtype)

@@ -1,0 +1,158 @@
+"""``ops.decode.quant_head_kernel``: decode over quantized per-head pages in interpret mode against
+``quant_head_paging.decode_attention``, on pools of stale bytes, ragged per-head counts and partial groups."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import fresh_seed
+
+from kvjax.layout import HeadLayout
+from kvjax.ops import quant_head_paging as qhp
+from kvjax.ops.decode.head_kernel import live_work
+from kvjax.ops.decode.quant_head_kernel import quant_head_decode
+
+# widths that differ by head, two heads sharing a pair; K of 16 at 4 bits and of 16 or 48 at 2 bits read gathered
+LAYOUT = HeadLayout(8, 4, 64, (16, 64, 16, 48), (32, 16, 32, 64))
+REFERENCE = jax.jit(qhp.decode_attention, static_argnums=(5, 6, 7, 8, 9))
+
+
+def _state(rng, layout, b, group, bits, counts, pages_each=6):
+    """A pool of random (never zero) bytes with each (row, head)'s ``counts`` slots written as random groups on
+    shuffled pages, and a random tail: (pool, tail, tables, stored)."""
+    page_bytes = qhp.pool_page_bytes([layout], group, bits)
+    hkv = layout.num_kv_heads
+    num_pages = 1 + b * hkv * pages_each
+    pool = rng.integers(0, 256, (num_pages, page_bytes)).astype(np.uint8)
+    tables = (1 + rng.permutation(b * hkv * pages_each)).reshape(b, hkv, pages_each).astype(np.int32)
+    for row in range(b):
+        for h, (kw, vw) in enumerate(zip(layout.k_widths, layout.v_widths)):
+            fmt = qhp.head_format(kw, vw, group, bits)
+            per = qhp.groups_per_page(page_bytes, kw, vw, group, bits)
+            full = int(counts[row, h]) // group
+            assert full <= per * pages_each
+            if not full:
+                continue
+            k = rng.normal(size=(full, group, kw)).astype(np.float32) * 2
+            v = rng.normal(size=(full, group, vw)).astype(np.float32)
+            encoded = np.asarray(fmt.encode(jnp.asarray(k), jnp.asarray(v)))
+            for grp in range(full):
+                page, nth = tables[row, h, grp // per], grp % per
+                pool[page, nth * fmt.page_bytes : (nth + 1) * fmt.page_bytes] = encoded[grp]
+    tail = rng.normal(size=(b + 1, group, layout.k_cols + layout.v_cols)).astype(np.float32)
+    return page_bytes, jnp.asarray(pool), jnp.asarray(tail), jnp.asarray(tables), jnp.asarray(counts, jnp.int32)
+
+
+def _check(layout, b, group, bits, counts, seed, first=None, **kw):
+    rng = np.random.default_rng(seed)
+    page_bytes, pool, tail, tables, stored = _state(rng, layout, b, group, bits, counts)
+    q = jnp.asarray(rng.normal(size=(b, layout.q_cols)), jnp.float32)
+    tokens = int(stored.max())
+    want = REFERENCE(q, pool, tail, tables, stored, layout, page_bytes, group, bits, max(tokens, 1), first)
+    got = quant_head_decode(q, pool, tail, tables, stored, layout, page_bytes, group, bits, first=first,
+                            interpret=True, **kw)  # fmt: skip
+    live = np.repeat(np.asarray(stored) > 0, [layout.group_size * w for w in layout.v_widths], axis=1)
+    assert np.isfinite(np.asarray(got)[live]).all()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
+    return got
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_ragged_heads_of_quantized_groups_and_exact_tails_equal_the_reference(bits, splits):
+    """Every head a different count: none, less than a group (tail only), whole groups only, groups and a tail,
+    several pages of groups; splits from the live schedule's choice to one and three (a split with no group)."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    b, group = 3, 16
+    counts = rng.integers(1, 5 * group, (b, 4))
+    counts[0] = [0, 5, 3 * group, 3 * group + 7]  # an odd number of groups on a page of two: the second half-empty
+    counts[1, 2] = 4 * group
+    _check(LAYOUT, b, group, bits, counts, seed, splits=splits)
+
+
+@pytest.mark.parametrize("group", [8, 12])
+def test_groups_narrower_than_a_tile_and_of_no_power_of_two(group):
+    """A group of 8 slots (a chunk's rows masked to half its tile) and of 12 (no power of two): the group's bytes
+    at their place in the page and the tail's rows as many as the group."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 6 * group, (2, 4))
+    _check(LAYOUT, 2, group, 4, counts, seed)
+
+
+def test_a_sliding_window_skips_the_groups_before_its_first_slot():
+    """``first``: each head's first seen slot, inside a group, on a group's edge, past every full group (only the
+    tail seen), or 0."""
+    seed = fresh_seed()
+    layout = HeadLayout(8, 4, 64, LAYOUT.k_widths, LAYOUT.v_widths, sliding_window=40)
+    group = 16
+    counts = np.array([[50, 70, 33, 20], [64, 3, 90, 47]])
+    first = jnp.asarray([[10, 32, 32, 0], [50, 0, 60, 7]], jnp.int32)
+    _check(layout, 2, group, 4, counts, seed, first=first)
+
+
+def test_a_step_wide_work_list_serves_the_layer():
+    """The engine builds ``live_work`` once a step from its live slots: rows that store nothing in this layer
+    still hold work items, which give zeros."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(1, 60, (3, 4))
+    counts[2] = 0
+    work = live_work(jnp.ones((3, 4), bool))
+    got = _check(LAYOUT, 3, 16, 4, counts, seed, work=work)
+    assert not np.asarray(got)[2].any()
+
+
+def test_bad_inputs_are_refused_in_one_line():
+    rng = np.random.default_rng(fresh_seed())
+    page_bytes, pool, tail, tables, stored = _state(rng, LAYOUT, 2, 16, 4, np.full((2, 4), 20))
+    q = jnp.ones((2, LAYOUT.q_cols), jnp.float32)
+    args = (LAYOUT, page_bytes, 16, 4)
+    with pytest.raises(ValueError, match="pool must be uint8"):
+        quant_head_decode(q, pool.astype(jnp.int8), tail, tables, stored, *args, interpret=True)
+    with pytest.raises(ValueError, match="tail must be"):
+        quant_head_decode(q, pool, tail[:, :8], tables, stored, *args, interpret=True)
+    with pytest.raises(ValueError, match="first is for sliding-window"):
+        quant_head_decode(q, pool, tail, tables, stored, *args, first=stored, interpret=True)
+    with pytest.raises(ValueError, match="bits"):
+        quant_head_decode(q, pool, tail, tables, stored, LAYOUT, page_bytes, 16, 3, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 2])
+def test_on_the_gpu_bf16_queries_and_tail_match_the_float32_reference(bits):
+    """The Triton lowering on the GPU: bf16 q and tail (the engine's), several pages a head and splits from the live
+    schedule, against the float32 reference (at ``highest``: XLA rounds float32 matmuls to TF32 on a GPU)."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    b, group = 4, 16
+    counts = rng.integers(1, 12 * group, (b, 4))
+    page_bytes, pool, tail, tables, stored = _state(rng, LAYOUT, b, group, bits, counts, pages_each=12)
+    q = jnp.asarray(rng.normal(size=(b, LAYOUT.q_cols)), jnp.float32)
+    got = quant_head_decode(q.astype(jnp.bfloat16), pool, tail.astype(jnp.bfloat16), tables, stored, LAYOUT,
+                            page_bytes, group, bits)  # fmt: skip
+    with jax.default_matmul_precision("highest"):
+        tail16 = tail.astype(jnp.bfloat16).astype(jnp.float32)
+        q16 = q.astype(jnp.bfloat16).astype(jnp.float32)
+        want = REFERENCE(q16, pool, tail16, tables, stored, LAYOUT, page_bytes, group, bits, int(stored.max()), None)
+    err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+    assert err < 2e-2, f"seed {seed}: relative error {err}"
+
+
+def test_the_kernel_lowers_for_sm90_one_launch_a_branch_a_width_pair():
+    """Lowered to Triton IR for an H100 (no GPU here): one kernel, a branch per (K, V) width pair, each with its
+    dots (key planes, value planes and the tail's)."""
+    from kvjax.ops.lowering import triton_modules
+
+    rng = np.random.default_rng(fresh_seed())
+    page_bytes, pool, tail, tables, stored = _state(rng, LAYOUT, 2, 16, 4, np.full((2, 4), 20))
+    q = jnp.ones((2, LAYOUT.q_cols), jnp.bfloat16)
+
+    def run(q, pool, tail, tables, stored):
+        return quant_head_decode(q, pool, tail.astype(jnp.bfloat16), tables, stored, LAYOUT, page_bytes, 16, 4)
+
+    (module,) = triton_modules(run, (q, pool, tail, tables, stored))
+    assert "@kvjax_quant_head_decode_int4" in module and module.count("tt.dot") >= 3 * 6
