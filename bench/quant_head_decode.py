@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import harness
-from bench.files import write_json
+from bench.files import json_folder, write_json
 from bench.harness import (
     copy_bandwidth,
     count_arg,
@@ -76,7 +76,7 @@ def quant_case(layout, batch: int, context: int, keep: float, group: int, bits: 
     return q, pool, tail, jnp.asarray(tables), jnp.asarray(stored, jnp.int32), nbytes, page_bytes
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", type=shape_arg("--shape"), default=(32, 8192))
     p.add_argument("--rates", type=rates_arg(), default=[0.0, 0.5], help="comma-separated (default 0,0.5)")
@@ -95,66 +95,78 @@ def main(argv=None):
     p.add_argument("--no-bf16", action="store_true", help="leave out the bf16 per-head kernel's rows")
     harness.timer_option(p)
     p.add_argument("--interpret", action="store_true")
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    harness.TIMER["name"] = args.timer
+    p.add_argument("--json", default=None, help="write the rows here (after every row; 'complete' false until the end)")
+    return p
+
+
+def quant_rows(args, layout, rate: float, keep: float, bits: int, bandwidth: float):
+    """The quantized kernel's rows of one case, one a combination of ``--warps``, ``--stages`` and ``--step-groups``."""
+    (batch, context), group = args.shape, args.group
+    q, pool, tail, tables, stored, nbytes, page_bytes = quant_case(layout, batch, context, keep, group, bits)
+    want = quant_head_paging.decode_attention(
+        q.astype(jnp.float32), pool, tail.astype(jnp.float32), tables, stored, layout, page_bytes, group, bits, context
+    )
+    work = live_work(stored)  # once, outside the timed call: the engine's step builds it once for every layer
+    for warps, stages, step in itertools.product(args.warps, args.stages, args.step_groups):
+        knobs = dict(num_warps=warps, num_stages=stages, step_groups=step or None, interpret=args.interpret)
+
+        def run(pool, tail, tables, stored, work, q, knobs=knobs):
+            return quant_head_decode(q, pool, tail, tables, stored, layout, page_bytes, group, bits, work=work, **knobs)
+
+        err = rel_err(run(pool, tail, tables, stored, work, q), want)
+        seconds = harness.time_calls(run, (pool, tail, tables, stored, work), [(q,)])
+        label = dict(kernel=f"int{bits} per-head", warps=warps, stages=stages, step_groups=step or "default")
+        yield row(rate, keep, batch, context, seconds, nbytes / bandwidth, err, **label, bytes=nbytes)
+
+
+def bf16_row(args, layout, rate: float, keep: float, bandwidth: float) -> dict:
+    """``head_kernel``'s row over the same shares in bf16 per-head pages (the live schedule, as the engine runs it)."""
     batch, context = args.shape
+    q, pool, tables, stored, nbytes, page_elems = bf16_case(layout, batch, context, keep, args.group)
+    want = head_paging.decode_attention(
+        q.astype(jnp.float32), pool.astype(jnp.float32), tables, stored, layout, page_elems, context
+    )
+    work = live_work(stored)
+
+    def run(pool, tables, stored, work, q):
+        return head_paged_decode(
+            q, pool, tables, stored, layout, page_elems, schedule="live", work=work, interpret=args.interpret
+        )
+
+    err = rel_err(run(pool, tables, stored, work, q), want)
+    seconds = harness.time_calls(run, (pool, tables, stored, work), [(q,)])
+    label = dict(kernel="bf16 per-head", warps=4, stages=2, step_groups="-", bytes=nbytes)
+    return row(rate, keep, batch, context, seconds, nbytes / bandwidth, err, **label)
+
+
+def main(argv=None):
+    p = parser()
+    args = p.parse_args(argv)
+    json_folder(p, args.json)
+    harness.TIMER["name"] = args.timer
     bandwidth = copy_bandwidth()
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     rows: list[dict] = []
+    result = {"args": vars(args), "bandwidth": bandwidth, "rows": rows, "complete": False}
+
+    def add(r: dict) -> None:
+        """A row kept, and the JSON rewritten whole: a run cut short keeps what it measured."""
+        rows.append(r)
+        if args.json:
+            write_json(args.json, result, indent=1)
+
     for rate in args.rates:
         layout = pick_layer(rank_plan(rate), rate)
         for keep in args.keep:
             for bits in args.bits:
-                q, pool, tail, tables, stored, nbytes, page_bytes = quant_case(
-                    layout, batch, context, keep, args.group, bits
-                )
-                want = quant_head_paging.decode_attention(
-                    q.astype(jnp.float32), pool, tail.astype(jnp.float32), tables, stored, layout, page_bytes,
-                    args.group, bits, context,
-                )  # fmt: skip
-                work = live_work(stored)
-                for warps, stages, step in itertools.product(args.warps, args.stages, args.step_groups):
-                    knobs = dict(num_warps=warps, num_stages=stages, step_groups=step or None)
-
-                    def run(pool, tail, tables, stored, work, q, layout=layout, page_bytes=page_bytes, bits=bits,
-                            knobs=knobs):  # fmt: skip
-                        return quant_head_decode(
-                            q, pool, tail, tables, stored, layout, page_bytes, args.group, bits, work=work,
-                            interpret=args.interpret, **knobs,
-                        )  # fmt: skip
-
-                    got = run(pool, tail, tables, stored, work, q)
-                    seconds = harness.time_calls(run, (pool, tail, tables, stored, work), [(q,)])
-                    label = dict(
-                        kernel=f"int{bits} per-head", warps=warps, stages=stages, step_groups=step or "default"
-                    )
-                    err = rel_err(got, want)
-                    rows.append(
-                        row(rate, keep, batch, context, seconds, nbytes / bandwidth, err, **label, bytes=nbytes)
-                    )
-                del pool, tail, want
+                for r in quant_rows(args, layout, rate, keep, bits, bandwidth):
+                    add(r)
             if not args.no_bf16:
-                q, pool, tables, stored, nbytes, page_elems = bf16_case(layout, batch, context, keep, args.group)
-                want = head_paging.decode_attention(
-                    q.astype(jnp.float32), pool.astype(jnp.float32), tables, stored, layout, page_elems, context
-                )
-                work = live_work(stored)
-
-                def run16(pool, tables, stored, work, q, layout=layout, page_elems=page_elems):
-                    return head_paged_decode(
-                        q, pool, tables, stored, layout, page_elems, schedule="live", work=work,
-                        interpret=args.interpret,
-                    )  # fmt: skip
-
-                got = run16(pool, tables, stored, work, q)
-                seconds = harness.time_calls(run16, (pool, tables, stored, work), [(q,)])
-                label = dict(kernel="bf16 per-head", warps=4, stages=2, step_groups="-", bytes=nbytes)
-                rows.append(row(rate, keep, batch, context, seconds, nbytes / bandwidth, rel_err(got, want), **label))
-                del pool, want
+                add(bf16_row(args, layout, rate, keep, bandwidth))
     print_table(rows)
+    result["complete"] = True
     if args.json:
-        write_json(args.json, {"args": vars(args), "bandwidth": bandwidth, "rows": rows}, indent=1)
+        write_json(args.json, result, indent=1)
 
 
 if __name__ == "__main__":

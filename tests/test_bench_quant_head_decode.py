@@ -10,7 +10,9 @@ def test_quantized_and_bf16_rows_and_their_json(tmp_path, capsys):
     out = tmp_path / "qhd.json"
     argv = ["--interpret", "--timer", "host", "--shape", "2x96", "--rates", "0.5", "--keep", "0.5", "--bits", "2"]
     quant_head_decode.main([*argv, "--step-groups", "0", "1", "--json", str(out)])
-    rows = json.loads(out.read_text())["rows"]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert data["complete"]
     assert [(r["kernel"], r["step_groups"]) for r in rows] == [
         ("int2 per-head", "default"),
         ("int2 per-head", 1),
