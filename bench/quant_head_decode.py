@@ -2,7 +2,7 @@
 lengths at % of copy bandwidth on bytes read"): one layer of the random Llama-3.1-8B attention shape at ``--shape``
 (default B32 x 8K), per rank rate (``harness.rank_plan``'s representative layer), each KV head storing its own share
 of the context (``--keep``, drawn as ``bench.head_decode`` draws it), read by ``ops.decode.quant_head_kernel`` from
-one pool of int4 or int2 groups (``--bits``; groups of ``--group`` slots, the engine's page size) with each head's
+one pool of int4 or int2 groups (``--bits``; groups of ``--group`` slots: the engine's page size, 16) with each head's
 partial group exact in a bf16 tail, beside ``ops.decode.head_kernel`` over the same shares in bf16 per-head pages
 (the work list built once outside the timed call, as the engine's step does). Every row: CUPTI time, the floor (the
 bytes the heads store, every quantized byte counted, over the measured copy bandwidth), their ratio, and the relative
@@ -40,6 +40,8 @@ from kvjax.ops import head_paging, quant_head_paging
 from kvjax.ops.decode.head_kernel import head_paged_decode, live_work
 from kvjax.ops.decode.quant_head_kernel import quant_head_decode
 from kvjax.runtime.head_pages import HeadPages
+
+BF16_PAGE = 16  # the bf16 rows' pages: full-width tokens a page, the engine's default
 
 
 def quant_case(layout, batch: int, context: int, keep: float, group: int, bits: int, seed: int = 0):
@@ -82,7 +84,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", type=rates_arg(), default=[0.0, 0.5], help="comma-separated (default 0,0.5)")
     p.add_argument("--keep", type=float, nargs="+", default=[1.0, 0.25], help="each head's mean share (default 1 0.25)")
     p.add_argument("--bits", type=int, nargs="+", choices=(4, 2), default=[4], help="code widths (default 4)")
-    p.add_argument("--group", type=count_arg("--group"), default=16, help="slots a quantized group (default 16)")
+    p.add_argument(
+        "--group", type=count_arg("--group"), nargs="+", default=[16], help="slots a quantized group (default 16)"
+    )
     p.add_argument("--warps", type=count_arg("--warps"), nargs="+", default=[4], help="Triton warps (default 4)")
     p.add_argument("--stages", type=count_arg("--stages"), nargs="+", default=[2], help="pipeline stages (default 2)")
     p.add_argument(
@@ -101,7 +105,13 @@ def parser() -> argparse.ArgumentParser:
 
 def quant_rows(args, layout, rate: float, keep: float, bits: int, bandwidth: float):
     """The quantized kernel's rows of one case, one a combination of ``--warps``, ``--stages`` and ``--step-groups``."""
-    (batch, context), group = args.shape, args.group
+    batch, context = args.shape
+    for group in args.group:
+        yield from _group_rows(args, layout, rate, keep, bits, group, bandwidth)
+
+
+def _group_rows(args, layout, rate: float, keep: float, bits: int, group: int, bandwidth: float):
+    batch, context = args.shape
     q, pool, tail, tables, stored, nbytes, page_bytes = quant_case(layout, batch, context, keep, group, bits)
     want = quant_head_paging.decode_attention(
         q.astype(jnp.float32), pool, tail.astype(jnp.float32), tables, stored, layout, page_bytes, group, bits, context
@@ -115,14 +125,15 @@ def quant_rows(args, layout, rate: float, keep: float, bits: int, bandwidth: flo
 
         err = rel_err(run(pool, tail, tables, stored, work, q), want)
         seconds = harness.time_calls(run, (pool, tail, tables, stored, work), [(q,)])
-        label = dict(kernel=f"int{bits} per-head", warps=warps, stages=stages, step_groups=step or "default")
+        label = dict(kernel=f"int{bits} per-head", group=group, warps=warps, stages=stages)
+        label |= dict(step_groups=step or "default")
         yield row(rate, keep, batch, context, seconds, nbytes / bandwidth, err, **label, bytes=nbytes)
 
 
 def bf16_row(args, layout, rate: float, keep: float, bandwidth: float) -> dict:
     """``head_kernel``'s row over the same shares in bf16 per-head pages (the live schedule, as the engine runs it)."""
     batch, context = args.shape
-    q, pool, tables, stored, nbytes, page_elems = bf16_case(layout, batch, context, keep, args.group)
+    q, pool, tables, stored, nbytes, page_elems = bf16_case(layout, batch, context, keep, BF16_PAGE)
     want = head_paging.decode_attention(
         q.astype(jnp.float32), pool.astype(jnp.float32), tables, stored, layout, page_elems, context
     )
@@ -135,7 +146,7 @@ def bf16_row(args, layout, rate: float, keep: float, bandwidth: float) -> dict:
 
     err = rel_err(run(pool, tables, stored, work, q), want)
     seconds = harness.time_calls(run, (pool, tables, stored, work), [(q,)])
-    label = dict(kernel="bf16 per-head", warps=4, stages=2, step_groups="-", bytes=nbytes)
+    label = dict(kernel="bf16 per-head", group="-", warps=4, stages=2, step_groups="-", bytes=nbytes)
     return row(rate, keep, batch, context, seconds, nbytes / bandwidth, err, **label)
 
 
