@@ -53,13 +53,37 @@ def _reader(kw: int, vw: int, bits: int, dtype) -> _Reader:
     return _Reader(k_side, v_side, bits, dtype, _fills(k_side, kw, bits), _fills(v_side, vw, bits), kw // n, vw // n)
 
 
-def _attend(refs, head_split, seq, unit, head, item, active, *, kw, vw, per, nc, **static):
+def _attend(
+    refs,
+    head_split,
+    seq,
+    unit,
+    head,
+    item,
+    active,
+    *,
+    kw,
+    vw,
+    per,
+    nc,
+    size,
+    bits,
+    queries,
+    pages,
+    q_cols,
+    tail_cols,
+    k_cols,
+    scale,
+    out_stride,
+    interpret,
+):
     """One program's work on KV head ``unit`` of sequence ``seq`` (``head``: its flat row of the counts and tables)
-    for its split (``head_split``: the split and the number of splits): its share of the head's full groups, ``nc``
-    a loop step, and (split 0) the head's partial group from the tail; its partial softmax stored as work item
-    ``item``. An inactive program stores an empty one (no weight). ``per``: the head's groups a pool page."""
-    size, bits, g, pages, q_cols = (static[k] for k in ("size", "bits", "group", "pages", "q_cols"))
-    tail_cols, k_cols, interpret = static["tail_cols"], static["k_cols"], static["interpret"]
+    for its split (``head_split``: the split and the number of splits): its share of the head's full groups of
+    ``size`` slots, ``nc`` a loop step, and (split 0) the head's partial group from the tail; its partial softmax
+    stored as work item ``item`` (rows ``out_stride`` wide). An inactive program stores an empty one (no weight).
+    ``per``: the head's groups a pool page; ``queries``: query heads a KV head; ``pages``: a head's table entries;
+    ``q_cols``, ``tail_cols``, ``k_cols``: a q row's, a tail row's and its K columns."""
+    g = queries
     (stored_ref, first_ref, table_ref, q_ref, pool_ref, meta_ref, tail_ref, _, qo_ref, ko_ref, vo_ref,
      _, acc_ref, m_ref, l_ref) = refs  # fmt: skip
     split, splits = head_split
@@ -78,7 +102,7 @@ def _attend(refs, head_split, seq, unit, head, item, active, *, kw, vw, per, nc,
         q = plgpu.load(
             q_ref.at[q_base + rows[:, None] * kw + piece.own()], mask=_both(real[:, None], piece.ok()), other=0
         )
-        return (q.astype(jnp.float32) * (static["scale"] * LOG2E)).astype(dt)  # scores in log2 units
+        return (q.astype(jnp.float32) * (scale * LOG2E)).astype(dt)  # scores in log2 units
 
     qs = [load_q(piece) for piece in k_pieces]
     stored = jnp.where(active, stored_ref[head], 0)
@@ -145,7 +169,7 @@ def _attend(refs, head_split, seq, unit, head, item, active, *, kw, vw, per, nc,
     part = item * g + rows  # this split's rows of the partial results
     for acc, piece in zip(accs, v_pieces):
         mask = jnp.broadcast_to(_both(real[:, None], piece.ok()), acc.shape)
-        index = part[:, None] * static["out_stride"] + piece.own()
+        index = part[:, None] * out_stride + piece.own()
         plgpu.store(acc_ref.at[jnp.where(mask, index, NOWHERE) if interpret else index], acc, mask=mask)
     index = jnp.where(real, part, NOWHERE) if interpret else part
     plgpu.store(m_ref.at[index], m, mask=real)
@@ -267,7 +291,7 @@ def quant_head_decode(
     static = dict(
         size=group,
         bits=bits,
-        group=g,
+        queries=g,
         pages=tables.shape[2],
         q_cols=layout.q_cols,
         tail_cols=layout.k_cols + layout.v_cols,
