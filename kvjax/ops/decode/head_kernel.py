@@ -188,16 +188,22 @@ def _live_kernel(
     """``_one_kernel`` over the live heads (``work_ref``: ``live_work``'s count, splits and heads), a 1-D grid:
     program i does split i % S of live head i // S, switching to the head's pair (``pair_ref``) and reading the
     packed q [B, q_cols] from the head's column offset (``qo_ref``); programs past the live heads store empty items."""
+    item, head_split, active, head = live_item(work_ref)
+    seq, unit = head // units, head % units
+    refs = (stored_ref, first_ref, table_ref, q_ref, pool_ref, *outs)
+    q_base = seq * q_cols + qo_ref[unit]
+    args = (refs, head_split, head, q_base, out_stride, item, active)
+    lax.switch(pair_ref[unit], _branches(pairs, args, static))
+
+
+def live_item(work_ref):
+    """This program's place in ``live_work``'s list (``work_ref``), for a 1-D grid of its items: (its item, (its split,
+    the splits), whether it has a live head, the head's flat (sequence, KV head) row: row 0 when it has none)."""
     item = pl.program_id(0)
     live, splits = work_ref[0], work_ref[1]
     nth = item // splits
     active = nth < live
-    head = work_ref[2 + jnp.where(active, nth, 0)]  # a flat (sequence, KV head) row
-    seq, unit = head // units, head % units
-    refs = (stored_ref, first_ref, table_ref, q_ref, pool_ref, *outs)
-    q_base = seq * q_cols + qo_ref[unit]
-    args = (refs, (item % splits, splits), head, q_base, out_stride, item, active)
-    lax.switch(pair_ref[unit], _branches(pairs, args, static))
+    return item, (item % splits, splits), active, work_ref[2 + jnp.where(active, nth, 0)]
 
 
 TARGET_PROGRAMS = 264  # twice an H100's or H200's 132 SMs

@@ -26,8 +26,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.cost import ROWS
-from kvjax.ops.decode.head_kernel import _launch, _merge_live, _work_of, work_items
-from kvjax.ops.decode.quant_kernel import _both, _fills, _Reader, _scores, _update, side_class
+from kvjax.ops.decode.head_kernel import _launch, _merge_live, _work_of, live_item, work_items
+from kvjax.ops.decode.quant_kernel import _both, _fills, _Reader, _update, empty_carry, side_class, tail_update
 from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, dot_precision, width_pairs
 from kvjax.ops.quant import check_bits
 from kvjax.ops.quant_head_paging import groups_per_page, head_format
@@ -147,23 +147,11 @@ def _attend(
         slot = full * size + r
         visible = (r < size) & (slot < stored) & (slot >= seen_from)
         row = (seq * size + r)[:, None] * tail_cols
+        cols = (ko_ref[unit], k_cols + vo_ref[unit])
+        return tail_update(carry, qs, (k_pieces, v_pieces), tail_ref, row, cols, visible, precision)
 
-        def load(first_col, piece):
-            mask = _both(visible[:, None], piece.ok())
-            return plgpu.load(tail_ref.at[row + first_col + piece.at()], mask=mask, other=0).astype(dt)
-
-        s = _scores(qs, [load(ko_ref[unit], piece) for piece in k_pieces], precision)
-        vs = [load(k_cols + vo_ref[unit], piece) for piece in v_pieces]
-        values = lambda p: ([plgpu.dot(p.astype(dt), v, precision=precision) for v in vs], None)  # noqa: E731
-        return _update(carry, [(jnp.where(visible[None, :], s, MASK), values)])
-
-    carry = (
-        [jnp.zeros((BLOCK_H, piece.tile), jnp.float32) for piece in v_pieces],
-        jnp.full((BLOCK_H,), MASK, jnp.float32),
-        jnp.zeros((BLOCK_H,), jnp.float32),
-    )
     first = split * share
-    carry = lax.fori_loop(first, jnp.minimum(first + share, steps), step, carry)
+    carry = lax.fori_loop(first, jnp.minimum(first + share, steps), step, empty_carry(v_pieces))
     has_tail = (split == 0) & (stored % size > 0)
     accs, m, l = lax.fori_loop(0, has_tail.astype(jnp.int32), tail_step, carry)
     part = item * g + rows  # this split's rows of the partial results
@@ -180,14 +168,10 @@ def _kernel(*refs, pairs, units, **static):
     """``head_kernel._live_kernel`` over quantized pages: program i does split i % S of live head i // S
     (``work_ref``: ``live_work``'s count, splits and heads), switching to its head's width pair (``pair_ref``);
     programs past the live heads store empty items."""
-    work_ref, pair_ref = refs[11], refs[7]
-    item = pl.program_id(0)
-    live, splits = work_ref[0], work_ref[1]
-    nth = item // splits
-    active = nth < live
-    head = work_ref[2 + jnp.where(active, nth, 0)]  # a flat (sequence, KV head) row
+    item, head_split, active, head = live_item(refs[11])
     seq, unit = head // units, head % units
-    args = (refs, (item % splits, splits), seq, unit, head, item, active)
+    args = (refs, head_split, seq, unit, head, item, active)
+    pair_ref = refs[7]
     branches = [functools.partial(_attend, *args, kw=kw, vw=vw, per=per, nc=nc, **static) for kw, vw, per, nc in pairs]
     lax.switch(pair_ref[unit], branches)  # one pair: its branch alone, no switch
 

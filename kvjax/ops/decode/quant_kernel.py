@@ -536,23 +536,10 @@ def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, 
         tok = full * P + t
         visible = (tok < length) & (tok >= visible_from)
         row = (seq * P + t)[:, None] * layer(TAIL_ROW)
+        cols = (head(K_COL), layer(TAIL_V) + head(V_COL))
+        return tail_update(carry, qs, (k_pieces, v_pieces), tail_ref, row, cols, visible, precision)
 
-        def load(at, piece):
-            mask = _both(visible[:, None], piece.ok())
-            return plgpu.load(tail_ref.at[at + piece.at()], mask=mask, other=0).astype(dt)
-
-        ks = [load(row + head(K_COL), piece) for piece in k_pieces]
-        s = _scores(qs, ks, precision)
-        vs = [load(row + layer(TAIL_V) + head(V_COL), piece) for piece in v_pieces]
-        values = lambda p: ([plgpu.dot(p.astype(dt), v, precision=precision) for v in vs], None)  # noqa: E731
-        return _update(carry, [(jnp.where(visible[None, :], s, MASK), values)])
-
-    carry = (
-        [jnp.zeros((BLOCK_H, piece.tile), jnp.float32) for piece in v_pieces],
-        jnp.full((BLOCK_H,), MASK, jnp.float32),
-        jnp.zeros((BLOCK_H,), jnp.float32),
-    )
-    carry = lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), nc * tc), step, carry)
+    carry = lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), nc * tc), step, empty_carry(v_pieces))
     has_tail = (length % P > 0) & (first <= full) & (full < end)
     accs, m, l = lax.fori_loop(0, has_tail.astype(jnp.int32), tail_step, carry)
     out_at = seq * layer(O_ROW) + o_rows
@@ -620,6 +607,31 @@ def _update(carry, parts):
         total = jnp.sum(functools.reduce(operator.add, rows), axis=1)[:, None]
         accs = [acc + total for acc in accs]
     return accs, m_new, l * alpha + jnp.sum(functools.reduce(operator.add, ps), axis=1)
+
+
+def empty_carry(v_pieces):
+    """The online softmax before any chunk: a zero accumulator a V piece, ``MASK`` maxima, zero sums."""
+    return (
+        [jnp.zeros((BLOCK_H, piece.tile), jnp.float32) for piece in v_pieces],
+        jnp.full((BLOCK_H,), MASK, jnp.float32),
+        jnp.zeros((BLOCK_H,), jnp.float32),
+    )
+
+
+def tail_update(carry, qs, pieces, tail_ref, rows, cols, visible, precision):
+    """``_update`` with a chunk of exact rows from a tail (the query pieces ``qs`` in the dots' dtype): ``rows``
+    [T, 1] each token's row offset in ``tail_ref``, ``cols`` the head's first (K, V) columns in a row, ``pieces`` its
+    (K, V) pieces, ``visible`` [T] which tokens count."""
+    dt = qs[0].dtype
+
+    def load(first, piece):
+        mask = _both(visible[:, None], piece.ok())
+        return plgpu.load(tail_ref.at[rows + first + piece.at()], mask=mask, other=0).astype(dt)
+
+    s = _scores(qs, [load(cols[0], piece) for piece in pieces[0]], precision)
+    vs = [load(cols[1], piece) for piece in pieces[1]]
+    values = lambda p: ([plgpu.dot(p.astype(dt), v, precision=precision) for v in vs], None)  # noqa: E731
+    return _update(carry, [(jnp.where(visible[None, :], s, MASK), values)])
 
 
 def _store(accs, m, l, slot, real, lanes, out_at, refs, v_max, interpret):
