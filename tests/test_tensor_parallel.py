@@ -8,9 +8,9 @@ among its devices); what this form cannot split is refused in one line. The engi
 (``EngineConfig.tensor_parallel``, through ``kvjax.generate``) gives the single-device greedy tokens on 2 and 4
 devices: its steps inside one ``shard_map``, each device's cache holding its heads' columns of every page, with the
 jnp reference and with the Pallas kernels interpreted, in pages of the model's dtype and 4-bit pages, and with
-eviction (a pool of per-head pages a device, KV-Compress's budget ranked across every device's heads), a tight pool
-cutting the same heads at the same steps; a checkpoint loaded for tensor parallelism is read by the devices, each
-its share, and gives the same tokens; a model of shapes only runs on random shares."""
+eviction (a pool of per-head pages a device, of bf16 or of 4-bit groups, KV-Compress's budget ranked across every
+device's heads), a tight pool cutting the same heads at the same steps; a checkpoint loaded for tensor parallelism
+is read by the devices, each its share, and gives the same tokens; a model of shapes only runs on random shares."""
 
 import os
 import subprocess
@@ -120,6 +120,7 @@ ENGINE = textwrap.dedent(
         ("zack", dict(eviction="kvcompress:2x")),
         ("zack", dict(eviction="snapkv:2x", backend="interpret")),
         ("zack", dict(eviction="h2o:2x")),
+        ("zack", dict(eviction="snapkv:2x", kv_bits=4)),  # each device's survivors on 4-bit per-head pages
     ]
     for name, extra in runs:
         model = models[name]
@@ -143,7 +144,6 @@ ENGINE = textwrap.dedent(
         (dict(tensor_parallel=2, head_placement="lpt"), "head_placement must be"),
         (dict(tensor_parallel=4, eviction="snapkv:16", model=models["gemma3"]), "eviction with tensor_parallel=4"),
         (dict(tensor_parallel=2, eviction="keyformer:2x"), "Keyformer's noise is drawn per query head"),
-        (dict(tensor_parallel=2, eviction="snapkv:2x", kv_bits=4), "with kv_bits 4 under tensor parallelism"),
     ):
         try:
             Engine(bad.pop("model", base), max_batch=2, max_seq_len=64, **bad)

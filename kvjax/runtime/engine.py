@@ -346,7 +346,9 @@ def _evicted(
         )
     else:  # the survivors' full groups quantized, each head's partial group to its slot's tail
         sizes = (per_head, protect)
-        keep, scores = select_prompts(evict.spec, queries, staged.k, seq_table, prompts, sizes, layouts, mass=mass)
+        keep, scores = select_prompts(
+            evict.spec, queries, staged.k, seq_table, prompts, sizes, layouts, evict.sharded, mass=mass
+        )
         pool, tails, kept = quant_head_paging.admit(
             heads.pool,
             tails,
@@ -761,8 +763,6 @@ class Engine:
         bits = served(self.kv_bits)
         if bits is not None and not isinstance(bits, int):
             raise ValueError(f"eviction {spec.name} with kv_bits {bits}: evicting serves KIVI-style 4 or 2 bits only")
-        if bits is not None and self.sharded is not None:
-            raise ValueError(f"eviction {spec.name} with kv_bits {bits} under tensor parallelism is not supported yet")
         if bits is None:
             widths = [k + v for lay in self.layouts for k, v in zip(lay.k_widths, lay.v_widths)]
             page_elems = self.page_size * max(widths)
