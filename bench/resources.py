@@ -52,6 +52,7 @@ EPILOG = """examples:
   python -m bench.resources rate:0.5 uniform:64 widths:80,48/96,32 [--warps 4 --stages 3]
   python -m bench.resources --kernel prefill rate:0.5 uniform:64 uniform:128 [--knob block_k=64]
   python -m bench.resources --kernel quant --bits 4 rate:0.5 uniform:128 [--knob narrow_step_tokens=128]
+  python -m bench.resources --kernel quant-head --bits 4 uniform:128 uniform:64 --group 16 32
   python -m bench.resources --kernel gear --gear gear2-r1-o0.01-p128 uniform:128 rate:0.5 [--warps 8]
 
 Layouts: rate:R (the bench's representative layer of a rate-R plan), uniform:W, or widths:K,K,../V,V,.. (cycled
@@ -368,13 +369,62 @@ def gear_report(specs, name: str, warps: int) -> None:
         )
 
 
+def quant_head_report(specs, bits: int, groups, warps: int, stages: int) -> None:
+    """One row a (layout, group): ``quant_head_decode`` (eviction's quantized per-head pages, one kernel switching
+    between the layout's width pairs) lowered at B32 x 4K and compiled for sm_90, its registers, spills and SASS
+    instructions, and its chunk loop (the largest loop body: a step of ``groups_a_step`` groups of ``group`` slots)
+    over the slots a step visits, as ``quant_report`` prices the per-sequence kernel's: instructions a (token, head)
+    every warp issues, and the time 4 schedulers on each of an H100's SMs need for them at B32 x 8K (``ISSUE``;
+    bench/results/eviction.md "Eviction on quantized pages: instructions a (slot, head) (offline)")."""
+    from kvjax.ops import quant_head_paging
+    from kvjax.ops.decode.quant_head_kernel import _reader, groups_a_step, quant_head_decode
+
+    print(
+        "| layout | group | registers | spilled bytes | SASS instructions | compile s | groups a step | loop "
+        "instructions | a (token, head) | issue us at B32 x 8K | top opcodes |\n" + "|---" * 11 + "|"
+    )
+    batch, ctx = 32, 4096
+    for spec in specs:
+        layout = layout_of(spec)
+        if len(set(zip(layout.k_widths, layout.v_widths))) > 1:
+            raise SystemExit(
+                f"--kernel quant-head prices one width pair a layout (uniform:W or widths:K/V), got {spec}"
+            )
+        for group in groups:
+            page_bytes = quant_head_paging.pool_page_bytes([layout], group, bits)
+            hkv, pages = layout.num_kv_heads, -(-ctx // group)
+            args = (
+                jax.ShapeDtypeStruct((batch, layout.q_cols), jnp.bfloat16),
+                jax.ShapeDtypeStruct((batch * hkv * pages + 1, page_bytes), jnp.uint8),
+                jax.ShapeDtypeStruct((batch, group, layout.k_cols + layout.v_cols), jnp.bfloat16),
+                jax.ShapeDtypeStruct((batch, hkv, pages), jnp.int32),
+                jax.ShapeDtypeStruct((batch, hkv), jnp.int32),
+            )
+            kw = dict(layout=layout, page_bytes=page_bytes, group=group, bits=bits, num_warps=warps, num_stages=stages)
+            irs = [m for m in triton_modules(functools.partial(quant_head_decode, **kw), args) if "quant_head" in m]
+            (r,) = [resources(ir, warps, stages) for ir in irs]
+            nc = groups_a_step(_reader(layout.k_widths[0], layout.v_widths[0], bits, jnp.bfloat16), group)
+            body = max(range(len(r["loops"])), key=lambda i: r["loops"][i])
+            per_pair = r["loops"][body] / (nc * group)
+            issue = per_pair * hkv * ISSUE["batch"] * ISSUE["ctx"] * warps / ISSUE["issue_per_s"]
+            ops = ", ".join(f"{op} {n}" for op, n in r["loop_ops"][body].most_common(5))
+            print(
+                f"| {spec} | {group} | {r['registers']} | {r['local_bytes']} | {r['sass_instructions']} | "
+                f"{r['compile_s']:.1f} | {nc} | {r['loops'][body]} | {per_pair:.1f} | {issue * 1e6:.0f} | {ops} |",
+                flush=True,
+            )
+
+
 def main(argv=None):
     """The command line: one table row per layout (decode), or the prefill report."""
     ap = argparse.ArgumentParser(
         description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("layouts", nargs="+", help="rate:R, uniform:W or widths:K,K,../V,V,.. (cycled over 8 KV heads)")
-    ap.add_argument("--kernel", choices=("decode", "quant", "prefill", "gear"), default="decode")
+    ap.add_argument("--kernel", choices=("decode", "quant", "quant-head", "prefill", "gear"), default="decode")
+    ap.add_argument(
+        "--group", type=int, nargs="+", default=[16], help="--kernel quant-head: slots a quantized group (default 16)"
+    )
     ap.add_argument("--gear", default="gear2-r1-o0.01-p128", help="--kernel gear: the GEAR scheme of the pages")
     ap.add_argument("--bits", type=int, choices=(4, 2), default=4, help="code width of --kernel quant (default 4)")
     ap.add_argument(
@@ -403,6 +453,10 @@ def main(argv=None):
             f"{kernel.num_stages} stages, QUANT_KERNEL with {changes(kernel, QUANT_KERNEL) or 'nothing changed'}\n"
         )
         return quant_report(args.layouts, args.bits, kernel, args.packed)
+    if args.kernel == "quant-head":
+        warps, stages = args.warps or 4, args.stages or 2
+        print(f"quant_head_decode, int{args.bits}, sm_90, B32 x 4K, {warps} warps, {stages} stages\n")
+        return quant_head_report(args.layouts, args.bits, args.group, warps, stages)
     if args.kernel == "gear":
         warps = args.warps or 4
         print(f"gear_paged_decode, {args.gear} pages, sm_90, {warps} warps, 1 stage\n")
