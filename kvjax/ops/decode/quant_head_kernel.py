@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.cost import ROWS
-from kvjax.ops.decode.head_kernel import _launch, _merge_live, _work_of, live_item, work_items
+from kvjax.ops.decode.head_kernel import _counts, _launch, _merge_live, _work_of, live_item, work_items
 from kvjax.ops.decode.quant_kernel import _both, _fills, _Reader, _update, empty_carry, side_class, tail_update
 from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, dot_precision, width_pairs
 from kvjax.ops.quant import check_bits
@@ -261,8 +261,7 @@ def quant_head_decode(
     work = _work_of(stored, work, splits)
     items = work_items(b * heads) if splits is None else b * heads * splits
     inputs = [
-        stored.astype(jnp.int32).reshape(-1),
-        first.astype(jnp.int32).reshape(-1),
+        *_counts(stored, first),
         tables.astype(jnp.int32).reshape(-1),
         q.reshape(-1),
         pool,
