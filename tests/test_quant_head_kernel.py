@@ -17,6 +17,8 @@ from kvjax.ops.decode.quant_head_kernel import quant_head_decode
 # widths that differ by head, two heads sharing a pair; K of 16 at 4 bits and of 16 or 48 at 2 bits read gathered
 LAYOUT = HeadLayout(8, 4, 64, (16, 64, 16, 48), (32, 16, 32, 64))
 REFERENCE = jax.jit(qhp.decode_attention, static_argnums=(5, 6, 7, 8, 9))
+# a model's width pairs (the engine's ``pairs``): LAYOUT's and others; with them, a launch a pair of the layer
+MODEL_PAIRS = ((16, 16), (16, 32), (32, 16), (48, 64), (64, 16), (64, 32))
 
 
 def _state(rng, layout, b, group, bits, counts, pages_each=6):
@@ -70,7 +72,8 @@ def test_ragged_heads_of_quantized_groups_and_exact_tails_equal_the_reference(bi
     counts = rng.integers(1, 5 * group, (b, 4))
     counts[0] = [0, 5, 3 * group, 3 * group + 7]  # an odd number of groups on a page of two: the second half-empty
     counts[1, 2] = 4 * group
-    step = {3: dict(step_groups=1)}.get(splits, {})  # three splits: a group a loop step, not the default
+    # three splits: a group a loop step (not the default), and a launch a width pair
+    step = {3: dict(step_groups=1, pairs=MODEL_PAIRS)}.get(splits, {})
     _check(LAYOUT, b, group, bits, counts, seed, splits=splits, **step)
 
 
@@ -84,7 +87,8 @@ def test_groups_narrower_than_a_tile_and_of_no_power_of_two(group):
     _check(LAYOUT, 2, group, 4, counts, seed)
 
 
-def test_a_sliding_window_skips_the_groups_before_its_first_slot():
+@pytest.mark.parametrize("pairs", [None, MODEL_PAIRS])
+def test_a_sliding_window_skips_the_groups_before_its_first_slot(pairs):
     """``first``: each head's first seen slot, inside a group, on a group's edge, past every full group (only the
     tail seen), or 0."""
     seed = fresh_seed()
@@ -92,10 +96,11 @@ def test_a_sliding_window_skips_the_groups_before_its_first_slot():
     group = 16
     counts = np.array([[50, 70, 33, 20], [64, 3, 90, 47]])
     first = jnp.asarray([[10, 32, 32, 0], [50, 0, 60, 7]], jnp.int32)
-    _check(layout, 2, group, 4, counts, seed, first=first)
+    _check(layout, 2, group, 4, counts, seed, first=first, pairs=pairs)
 
 
-def test_a_step_wide_work_list_serves_the_layer():
+@pytest.mark.parametrize("pairs", [None, MODEL_PAIRS])
+def test_a_step_wide_work_list_serves_the_layer(pairs):
     """The engine builds ``live_work`` once a step from its live slots: rows that store nothing in this layer
     still hold work items, which give zeros."""
     seed = fresh_seed()
@@ -103,7 +108,7 @@ def test_a_step_wide_work_list_serves_the_layer():
     counts = rng.integers(1, 60, (3, 4))
     counts[2] = 0
     work = live_work(jnp.ones((3, 4), bool))
-    got = _check(LAYOUT, 3, 16, 4, counts, seed, work=work)
+    got = _check(LAYOUT, 3, 16, 4, counts, seed, work=work, pairs=pairs)
     assert not np.asarray(got)[2].any()
 
 
@@ -116,15 +121,15 @@ def test_bad_inputs_are_refused_in_one_line():
         quant_head_decode(q, pool.astype(jnp.int8), tail, tables, stored, *args, interpret=True)
     with pytest.raises(ValueError, match="tail must be"):
         quant_head_decode(q, pool, tail[:, :8], tables, stored, *args, interpret=True)
-    with pytest.raises(ValueError, match="first is for sliding-window"):
+    with pytest.raises(ValueError, match="is for sliding-window layers only"):
         quant_head_decode(q, pool, tail, tables, stored, *args, first=stored, interpret=True)
     with pytest.raises(ValueError, match="bits"):
         quant_head_decode(q, pool, tail, tables, stored, LAYOUT, page_bytes, 16, 3, interpret=True)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits", [4, 2])
-def test_on_the_gpu_bf16_queries_and_tail_match_the_float32_reference(bits):
+@pytest.mark.parametrize("bits,pairs", [(4, None), (2, None), (4, MODEL_PAIRS)])
+def test_on_the_gpu_bf16_queries_and_tail_match_the_float32_reference(bits, pairs):
     """The Triton lowering on the GPU: bf16 q and tail (the engine's), several pages a head and splits from the live
     schedule, against the float32 reference (at ``highest``: XLA rounds float32 matmuls to TF32 on a GPU)."""
     seed = fresh_seed()
@@ -134,7 +139,7 @@ def test_on_the_gpu_bf16_queries_and_tail_match_the_float32_reference(bits):
     page_bytes, pool, tail, tables, stored = _state(rng, LAYOUT, b, group, bits, counts, pages_each=12)
     q = jnp.asarray(rng.normal(size=(b, LAYOUT.q_cols)), jnp.float32)
     got = quant_head_decode(q.astype(jnp.bfloat16), pool, tail.astype(jnp.bfloat16), tables, stored, LAYOUT,
-                            page_bytes, group, bits)  # fmt: skip
+                            page_bytes, group, bits, pairs=pairs)  # fmt: skip
     with jax.default_matmul_precision("highest"):
         tail16 = tail.astype(jnp.bfloat16).astype(jnp.float32)
         q16 = q.astype(jnp.bfloat16).astype(jnp.float32)
@@ -157,3 +162,50 @@ def test_the_kernel_lowers_for_sm90_one_launch_a_branch_a_width_pair():
 
     (module,) = triton_modules(run, (q, pool, tail, tables, stored))
     assert "@kvjax_quant_head_decode_int4" in module and module.count("tt.dot") >= 3 * 6
+
+
+def test_extra_width_pairs_in_any_order_change_no_output_and_a_missing_one_is_refused():
+    """``pairs`` (the engine's every layer's pairs, one kernel module for the model): branches for pairs the layer
+    lacks, given before its own, leave the result equal to the reference; a pair of the layout left out is refused."""
+    seed = fresh_seed()
+    counts = np.random.default_rng(seed).integers(1, 60, (3, 4))
+    pairs = ((32, 16), (64, 16), (16, 16), (48, 64), (16, 32))
+    _check(LAYOUT, 3, 16, 4, counts, seed, pairs=pairs)
+    rng = np.random.default_rng(seed)
+    page_bytes, pool, tail, tables, stored = _state(rng, LAYOUT, 2, 16, 4, np.full((2, 4), 20))
+    with pytest.raises(ValueError, match=r"\[\(16, 32\)\] missing"):
+        quant_head_decode(jnp.ones((2, LAYOUT.q_cols)), pool, tail, tables, stored, LAYOUT, page_bytes, 16, 4,
+                          pairs=pairs[:-1], interpret=True)  # fmt: skip
+
+
+def test_each_width_pair_lowers_to_one_triton_module_whatever_the_layer():
+    """Given the model's pairs, a layer launches a kernel a pair of its own, each lowered for an H100 (no GPU here) to
+    the same Triton module in every layer that has the pair: XLA keys its kernel cache by the module, so a model
+    compiles each pair once (one launch a layer: a module a layer, whose Triton compile grows faster than its pairs;
+    bench/notes/2026-12-06-quant-head-compile.md)."""
+    from kvjax.ops.lowering import triton_modules
+    from kvjax.ops.pallas_util import width_pairs
+
+    other = HeadLayout(8, 4, 64, (32, 64, 64, 16), (48, 16, 32, 32))  # shares (64, 16) and (16, 32) with LAYOUT
+    pairs = tuple(sorted({p for lay in (LAYOUT, other) for p, _ in width_pairs(lay)}))
+    page_bytes = qhp.pool_page_bytes([LAYOUT, other], 16, 4)
+    modules = {}
+    for lay in (LAYOUT, other):
+        args = (
+            jax.ShapeDtypeStruct((2, lay.q_cols), jnp.bfloat16),
+            jax.ShapeDtypeStruct((17, page_bytes), jnp.uint8),
+            jax.ShapeDtypeStruct((2, 16, lay.k_cols + lay.v_cols), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2, 4, 2), jnp.int32),
+            jax.ShapeDtypeStruct((2, 4), jnp.int32),
+        )
+
+        def run(q, pool, tail, tables, stored, lay=lay):
+            return quant_head_decode(q, pool, tail, tables, stored, lay, page_bytes, 16, 4, pairs=pairs)
+
+        own = [p for p in pairs if p in dict(width_pairs(lay))]  # launched in the model's order
+        got = triton_modules(run, args)
+        assert len(got) == len(own)  # a launch a pair of the layer
+        for module, pair in zip(got, own):
+            assert modules.setdefault(pair, module) == module, f"pair {pair}: another module in another layer"
+            assert f"@kvjax_quant_head_decode_int4_k{pair[0]}_v{pair[1]}" in module
+    assert len(modules) == len(pairs) == 5 and len(set(modules.values())) == 5

@@ -257,12 +257,14 @@ def decode_quant_heads(
     active=None,
     work=None,
     before=None,
+    pairs=(),
 ):
     """``decode_heads`` over quantized per-head pages (``ops.quant_head_paging``: eviction with ``kv_bits``): the new
     token to each head's next slot, its group quantized into its page when that slot completes it (jnp), then the
     query against each head's stored slots: ``quant_head_paging.decode_attention`` over ``tokens`` slots at most
     (static) on the "reference" backend, ``ops.decode.quant_head_kernel`` on "pallas" and "interpret" (``work``: the
-    step's ``live_work``). Returns (out [B, out_cols], pool, tail, stored after, q packed [B, q_cols])."""
+    step's ``live_work``; ``pairs``: the kernel's width pairs, default the layer's own). Returns (out [B, out_cols],
+    pool, tail, stored after, q packed [B, q_cols])."""
     check_backend(backend)
     if rotation is not None:
         q, k = rotation.packed_rows(q, k)
@@ -277,7 +279,7 @@ def decode_quant_heads(
     else:
         out = quant_head_decode(
             q, pool, tail, tables, after, layout, page_bytes, group, bits, first=first, work=work,
-            interpret=backend == "interpret",
+            pairs=tuple(pairs) or None, interpret=backend == "interpret",
         )  # fmt: skip
     return out, pool, tail, after, q
 

@@ -34,6 +34,7 @@ from kvjax.ops.decode.op import DecodeOp
 from kvjax.ops.grouped import full_width
 from kvjax.ops.kv_schemes import AnyPageFormat, label, page_format, served
 from kvjax.ops.paging import NULL_PAGE
+from kvjax.ops.pallas_util import width_pairs
 from kvjax.ops.palu import PaluDecodeOp
 from kvjax.ops.prefill.op import PrefillOp
 from kvjax.ops.quant import PageFormat
@@ -273,6 +274,7 @@ class _Evict:
     bits: int | None = None  # quantized per-head pages (``ops.quant_head_paging``; ``page_elems`` their bytes)
     group: int = 0  # with ``bits``: the slots a quantized group covers (the engine's page size)
     tokens: int = 0  # with ``bits``: the most slots a head stores (``max_seq_len``), what its jnp decode reads
+    pairs: tuple = ()  # with ``bits``: every layer's (K, V) width pairs, each layer's kernel's branches (one module)
 
     @property
     def history(self) -> Eviction | None:
@@ -504,6 +506,7 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
                 active=active,
                 work=work,
                 before=before,
+                pairs=evict.pairs,
             )
         else:
             got = attention.decode_heads(
@@ -782,7 +785,9 @@ class Engine:
         )
         sharded = self.sharded is not None
         group = self.page_size if bits is not None else 0
-        return _Evict(spec, page_elems, self.backend, schedule, sharded, windows, bits, group, self.max_seq_len)
+        # one kernel module for every layer (``quant_head_decode``'s ``pairs``): XLA compiles it once, not once a layer
+        pairs = tuple(sorted({pair for lay in self.layouts for pair, _ in width_pairs(lay)})) if bits else ()
+        return _Evict(spec, page_elems, self.backend, schedule, sharded, windows, bits, group, self.max_seq_len, pairs)
 
     def _evicting_pages(self, num_pages, cache_memory, dtype) -> tuple[int, ...]:
         """An evicting engine's two pools: the staging pool (``num_pages``) holds two whole ``max_seq_len`` prompts

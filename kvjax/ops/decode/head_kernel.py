@@ -289,21 +289,36 @@ def pages_a_step(per: int, kw: int, vw: int, most: int, itemsize: int, stages: i
 
 def _check(q, pool, tables, stored, first, layout: HeadLayout, page_elems: int, pages_per_step) -> None:
     """``head_paged_decode``'s inputs, each refused in one line."""
-    b, g = q.shape[0], layout.group_size
-    if q.ndim != 2 or q.shape[1] != layout.q_cols:
-        raise ValueError(f"q must be [B, {layout.q_cols}], got {q.shape}")
+    check_heads(q, tables, stored, first, layout)
     if pool.ndim != 2 or pool.shape[1] != page_elems:
         raise ValueError(f"pool must be [num_pages, {page_elems}], got {pool.shape}")
-    if tables.ndim != 3 or tables.shape[:2] != (b, layout.num_kv_heads) or stored.shape != (b, layout.num_kv_heads):
-        raise ValueError(f"tables must be [{b}, {layout.num_kv_heads}, pages] and stored [{b}, {layout.num_kv_heads}]")
     if not (isinstance(pages_per_step, int) and pages_per_step >= 1):
         raise ValueError(f"pages_per_step must be a positive integer, got {pages_per_step!r}")
-    if g > BLOCK_H:
-        raise ValueError(f"per-head decode scores at most {BLOCK_H} queries a KV head, got {g}")
+
+
+def check_heads(q, tables, stored, first, layout: HeadLayout) -> None:
+    """What every per-head kernel refuses in one line (this one's and ``quant_head_kernel``'s): q not packed [B,
+    q_cols], tables or counts not per (row, KV head), a GQA group past ``BLOCK_H`` rows, ``first`` on a layer without
+    a window or not shaped as ``stored``."""
+    b, hkv = q.shape[0], layout.num_kv_heads
+    if q.ndim != 2 or q.shape[1] != layout.q_cols:
+        raise ValueError(f"q must be [B, {layout.q_cols}], got {q.shape}")
+    if tables.ndim != 3 or tables.shape[:2] != (b, hkv) or stored.shape != (b, hkv):
+        raise ValueError(f"tables must be [{b}, {hkv}, pages] and stored [{b}, {hkv}]")
+    if layout.group_size > BLOCK_H:
+        raise ValueError(f"per-head decode scores at most {BLOCK_H} queries a KV head, got {layout.group_size}")
     if first is not None and layout.sliding_window is None:
         raise ValueError("first (where a head's window starts) is for sliding-window layers only")
     if first is not None and first.shape != stored.shape:
-        raise ValueError(f"first must be [{b}, {layout.num_kv_heads}] as stored, got {first.shape}")
+        raise ValueError(f"first must be [{b}, {hkv}] as stored, got {first.shape}")
+
+
+def packed_out(got, layout: HeadLayout, dtype) -> jax.Array:
+    """The merged rows [B, Hkv, G, width] (each head's output in its first ``v_width`` columns) as the packed output
+    [B, out_cols] in ``dtype``: what every per-head kernel returns."""
+    b, g = got.shape[0], layout.group_size
+    outs = [got[:, h, :, :vw].reshape(b, g * vw) for h, vw in enumerate(layout.v_widths)]
+    return jnp.concatenate(outs, axis=-1).astype(dtype)
 
 
 def _counts(stored, first) -> list[jax.Array]:
@@ -388,8 +403,7 @@ def _one_launch(q, pool, tables, stored, first, layout, static, splits, schedule
         acc, m, l, raw = launch(kernel, items, 1, [*inputs, work], width, "kvjax_head_decode_live", (items,))
         got, lse = _merge_live(acc, m, l, work, splits, with_lse=True)
         got, lse = got.reshape(b, heads, g, width), lse.reshape(b, heads, g)
-    outs = [got[:, h, :, :vw].reshape(b, g * vw) for h, vw in enumerate(layout.v_widths)]
-    out = jnp.concatenate(outs, axis=-1).astype(q.dtype)
+    out = packed_out(got, layout, q.dtype)
     return out if raw is None else (out, raw, lse)
 
 

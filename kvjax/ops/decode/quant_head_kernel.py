@@ -26,9 +26,18 @@ from jax.experimental.pallas import triton as plgpu
 
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.cost import ROWS
-from kvjax.ops.decode.head_kernel import _counts, _launch, _merge_live, _work_of, live_item, work_items
+from kvjax.ops.decode.head_kernel import (
+    _counts,
+    _launch,
+    _merge_live,
+    _work_of,
+    check_heads,
+    live_item,
+    packed_out,
+    work_items,
+)
 from kvjax.ops.decode.quant_kernel import _both, _fills, _Reader, _update, empty_carry, side_class, tail_update
-from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, dot_precision, width_pairs
+from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, dot_precision, whole_block, width_pairs
 from kvjax.ops.quant import check_bits
 from kvjax.ops.quant_head_paging import groups_per_page, head_format
 from kvjax.ops.tiles import tile
@@ -70,9 +79,6 @@ def _attend(
     bits,
     queries,
     pages,
-    q_cols,
-    tail_cols,
-    k_cols,
     scale,
     out_stride,
     interpret,
@@ -81,11 +87,13 @@ def _attend(
     for its split (``head_split``: the split and the number of splits): its share of the head's full groups of
     ``size`` slots, ``nc`` a loop step, and (split 0) the head's partial group from the tail; its partial softmax
     stored as work item ``item`` (rows ``out_stride`` wide). An inactive program stores an empty one (no weight).
-    ``per``: the head's groups a pool page; ``queries``: query heads a KV head; ``pages``: a head's table entries;
-    ``q_cols``, ``tail_cols``, ``k_cols``: a q row's, a tail row's and its K columns."""
+    ``per``: the head's groups a pool page; ``queries``: query heads a KV head; ``pages``: a head's table entries.
+    A q row's, a tail row's and its K columns are read from ``dims_ref`` (not static: see ``quant_head_decode``)."""
     g = queries
     (stored_ref, first_ref, table_ref, q_ref, pool_ref, meta_ref, tail_ref, _, qo_ref, ko_ref, vo_ref,
-     _, acc_ref, m_ref, l_ref) = refs  # fmt: skip
+     dims_ref, _) = refs[:13]  # fmt: skip
+    acc_ref, m_ref, l_ref = refs[-3:]  # the outputs (after the launch's aliased inputs, if any)
+    q_cols, tail_cols, k_cols = dims_ref[0], dims_ref[1], dims_ref[2]
     split, splits = head_split
     dt = jnp.dtype(q_ref.dtype)
     precision = dot_precision(dt)
@@ -164,35 +172,34 @@ def _attend(
     plgpu.store(l_ref.at[index], l, mask=real)
 
 
-def _kernel(*refs, pairs, units, **static):
+def _kernel(*refs, pairs, units, launch, **static):
     """``head_kernel._live_kernel`` over quantized pages: program i does split i % S of live head i // S
     (``work_ref``: ``live_work``'s count, splits and heads), switching to its head's width pair (``pair_ref``);
-    programs past the live heads store empty items."""
-    item, head_split, active, head = live_item(refs[11])
+    programs past the live heads store empty items (as head 0's). ``launch`` (a launch a pair): this kernel is
+    ``pairs``' one pair's, whose index ``pair_ref`` holds for its heads; programs of other heads store nothing (their
+    items are another launch's)."""
+    item, head_split, active, head = live_item(refs[12])
     seq, unit = head // units, head % units
     args = (refs, head_split, seq, unit, head, item, active)
     pair_ref = refs[7]
     branches = [functools.partial(_attend, *args, kw=kw, vw=vw, per=per, nc=nc, **static) for kw, vw, per, nc in pairs]
-    lax.switch(pair_ref[unit], branches)  # one pair: its branch alone, no switch
+    if launch is None:
+        lax.switch(pair_ref[unit], branches)  # one pair: its branch alone, no switch
+    else:
+        pl.when(pair_ref[unit] == launch)(branches[0])
 
 
 def _check(q, pool, tail, tables, stored, first, layout: HeadLayout, page_bytes: int, size: int) -> None:
-    """``quant_head_decode``'s inputs, each refused in one line."""
-    b, hkv = q.shape[0], layout.num_kv_heads
-    if q.ndim != 2 or q.shape[1] != layout.q_cols:
-        raise ValueError(f"q must be [B, {layout.q_cols}], got {q.shape}")
+    """``quant_head_decode``'s inputs, each refused in one line (``head_kernel.check_heads``, then the pool's and the
+    tail's)."""
+    check_heads(q, tables, stored, first, layout)
+    b = q.shape[0]
     if pool.dtype != jnp.uint8 or pool.ndim != 2 or pool.shape[1] != page_bytes or page_bytes % 2:
         raise ValueError(f"pool must be uint8 [num_pages, {page_bytes}] (an even page), got {pool.dtype} {pool.shape}")
     if tail.ndim != 3 or tail.shape[0] < b or tail.shape[1:] != (size, layout.k_cols + layout.v_cols):
         raise ValueError(f"tail must be [>= {b}, {size}, {layout.k_cols + layout.v_cols}], got {tail.shape}")
     if tail.size >= 2**31:
         raise ValueError("the tail is addressed with int32 offsets: under 2^31 elements")
-    if tables.ndim != 3 or tables.shape[:2] != (b, hkv) or stored.shape != (b, hkv):
-        raise ValueError(f"tables must be [{b}, {hkv}, pages] and stored [{b}, {hkv}]")
-    if layout.group_size > BLOCK_H:
-        raise ValueError(f"per-head decode scores at most {BLOCK_H} queries a KV head, got {layout.group_size}")
-    if first is not None and (layout.sliding_window is None or first.shape != stored.shape):
-        raise ValueError(f"first is for sliding-window layers only, [{b}, {hkv}] as stored")
 
 
 @functools.partial(
@@ -206,6 +213,7 @@ def _check(q, pool, tail, tables, stored, first, layout: HeadLayout, page_bytes:
         "step_groups",
         "num_warps",
         "num_stages",
+        "pairs",
         "interpret",
     ),
 )
@@ -226,6 +234,7 @@ def quant_head_decode(
     step_groups=None,
     num_warps=4,
     num_stages=2,
+    pairs=None,
     interpret=False,
 ):
     """One new query per sequence against each KV head's stored slots on quantized per-head pages; equal to
@@ -237,22 +246,33 @@ def quant_head_decode(
     engine's page size); ``bits``: 4 or 2; ``first`` [B, Hkv] (sliding-window layers): each head's first slot its
     window sees. ``work``: ``head_kernel.live_work`` built once for the step (default: from ``stored``), or ``splits``
     fixed; ``step_groups``: groups a program reads a loop step (default ``groups_a_step``); ``num_warps``,
-    ``num_stages``: Triton's. Returns [B, out_cols] in q's dtype; a head storing nothing gives zeros. Bytes a page
-    holds past what its head wrote (another head's, stale) are never read: every load of a group past the head's full
-    groups is masked."""
+    ``num_stages``: Triton's. ``pairs`` (the engine's: every layer's (K width, V width) pairs): a launch for each of
+    the layer's pairs, its kernel compiled for that pair alone and the same Triton module whatever the layer, which
+    XLA compiles once for the model (its kernel cache is keyed by the module); the launches write one set of partial
+    results. Without it, one launch switching between the layer's pairs: a module a layer, whose compile grows faster
+    than its pairs (7 pairs: 19 s of Triton offline at groups of 32, against 1-2 s for one; bench/notes/
+    2026-12-06-quant-head-compile.md). Returns [B, out_cols] in q's dtype; a head storing nothing gives zeros.
+    Bytes a page holds past what its head wrote (another head's, stale) are never read: every load of a group past
+    the head's full groups is masked."""
     check_bits(bits)
     if step_groups is not None and not (isinstance(step_groups, int) and step_groups >= 1):
         raise ValueError(f"step_groups must be a positive integer, got {step_groups!r}")
     _check(q, pool, tail, tables, stored, first, layout, page_bytes, group)
     b, g, heads = q.shape[0], layout.group_size, layout.num_kv_heads
     first = jnp.zeros_like(stored) if first is None else first
+    own = [pair for pair, _ in width_pairs(layout)]
+    one_launch = pairs is None
+    pairs = tuple(own) if one_launch else tuple(pairs)
+    if missing := sorted(set(own) - set(pairs)):
+        raise ValueError(f"pairs must hold each width pair of the layout; {missing} missing")
     pair_of = np.zeros(heads, np.int32)
-    pairs = []
-    for i, ((kw, vw), members) in enumerate(width_pairs(layout)):
-        pair_of[members] = i
+    for pair, members in width_pairs(layout):
+        pair_of[members] = pairs.index(pair)
+    branches = []
+    for kw, vw in pairs:
         nc = groups_a_step(_reader(kw, vw, bits, q.dtype), group) if step_groups is None else step_groups
-        pairs.append((kw, vw, groups_per_page(page_bytes, kw, vw, group, bits), nc))
-    width = max(tile(vw) for vw in layout.v_widths)
+        branches.append((kw, vw, groups_per_page(page_bytes, kw, vw, group, bits), nc))
+    width = max(tile(vw) for _, vw in pairs)
     offsets = [
         HeadLayout.offsets(layout.k_widths, g),
         HeadLayout.offsets(layout.k_widths),
@@ -269,6 +289,7 @@ def quant_head_decode(
         tail.reshape(-1),
         jnp.asarray(pair_of),
         *[jnp.asarray(np.asarray(o, np.int32)) for o in offsets],
+        jnp.asarray([layout.q_cols, layout.k_cols + layout.v_cols, layout.k_cols], jnp.int32),  # the layer's dims
         work,
     ]
     static = dict(
@@ -276,17 +297,43 @@ def quant_head_decode(
         bits=bits,
         queries=g,
         pages=tables.shape[2],
-        q_cols=layout.q_cols,
-        tail_cols=layout.k_cols + layout.v_cols,
-        k_cols=layout.k_cols,
         scale=1.0 / math.sqrt(layout.head_dim),
         out_stride=width,
         interpret=interpret,
     )
-    kernel = functools.partial(_kernel, pairs=tuple(pairs), units=heads, **static)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    launch = functools.partial(_launch, b=b, g=g, cap=0, heads=heads, params=params, interpret=interpret)
-    acc, m, l, _ = launch(kernel, items, 1, inputs, width, f"kvjax_quant_head_decode_int{bits}", (items,))
-    got = _merge_live(acc, m, l, work, splits).reshape(b, heads, g, width)
-    outs = [got[:, h, :, :vw].reshape(b, g * vw) for h, vw in enumerate(layout.v_widths)]
-    return jnp.concatenate(outs, axis=-1).astype(q.dtype)
+    name = f"kvjax_quant_head_decode_int{bits}"
+    if one_launch:
+        kernel = functools.partial(_kernel, pairs=tuple(branches), units=heads, launch=None, **static)
+        launch = functools.partial(_launch, b=b, g=g, cap=0, heads=heads, params=params, interpret=interpret)
+        acc, m, l, _ = launch(kernel, items, 1, inputs, width, name, (items,))
+    else:
+        kernels = [
+            (functools.partial(_kernel, pairs=(branches[i],), units=heads, launch=i, **static), f"{name}_k{kw}_v{vw}")
+            for i, (kw, vw) in enumerate(pairs)
+            if (kw, vw) in own
+        ]
+        acc, m, l = _pair_launches(kernels, inputs, items, g, width, params, interpret)
+    return packed_out(_merge_live(acc, m, l, work, splits).reshape(b, heads, g, width), layout, q.dtype)
+
+
+def _pair_launches(kernels, inputs, items: int, g: int, width: int, params, interpret):
+    """(acc [items, G, width], m, l [items, G]) filled by ``kernels`` (a launch each over the ``items`` programs),
+    each writing its own heads' items into the buffers the last one wrote (aliased, never copied)."""
+    rows = items * g
+    out = [jnp.zeros((rows * width,), jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows,), jnp.float32)]
+    n = len(inputs)
+    for kernel, name in kernels:
+        out = pl.pallas_call(
+            kernel,
+            out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in out],
+            grid=(items,),
+            in_specs=[whole_block(x) for x in [*inputs, *out]],
+            out_specs=[whole_block(x) for x in out],
+            input_output_aliases={n: 0, n + 1: 1, n + 2: 2},
+            interpret=interpret,
+            compiler_params=params,
+            name=name,
+        )(*inputs, *out)
+    acc, m, l = out
+    return acc.reshape(items, g, width), m.reshape(items, g), l.reshape(items, g)
