@@ -50,27 +50,37 @@ from kvjax.ops.decode.head_kernel import NUM_STAGES, PAGES_PER_STEP, head_paged_
 from kvjax.runtime.head_pages import HeadPages
 
 
+def shares(layout, batch: int, context: int, keep: float, seed: int = 0):
+    """Slots [batch, Hkv] each head stores: a mean share ``keep`` of ``context`` (drawn from [keep / 2, 1.5 keep],
+    at most all of it; every head all of it at ``keep`` 1), at least one."""
+    rng = np.random.default_rng(seed)
+    share = rng.uniform(keep / 2, min(1.0, 1.5 * keep), (batch, layout.num_kv_heads)) if keep < 1 else 1.0
+    return np.maximum(1, (np.broadcast_to(share, (batch, layout.num_kv_heads)) * context).astype(np.int64))
+
+
+def head_tables(per, stored, context: int):
+    """(tables [batch, Hkv, pages], pages used): each head's pages for its ``stored`` slots, ``per`` [1, Hkv] slots a
+    page, from one ``HeadPages`` pool whose page 0 stays free."""
+    need = int((-(-stored // per)).sum())
+    pages = HeadPages(need + 1, per, int(-(-context // per.min())))
+    for b in range(stored.shape[0]):
+        assert pages.grow(b, stored[b][None]) is not None
+    return np.stack([pages.table(b)[0] for b in range(stored.shape[0])]), need
+
+
 def case(layout, batch: int, context: int, keep: float, page_tokens: int, seed: int = 0, live: int | None = None):
     """(q, pool, tables, stored, bytes stored) for ``batch`` sequences whose heads store their own shares; only the
     first ``live`` of them (default all) hold tokens, the others none (an idle slot)."""
-    rng = np.random.default_rng(seed)
     page_elems = page_tokens * 2 * D
-    share = rng.uniform(keep / 2, min(1.0, 1.5 * keep), (batch, layout.num_kv_heads)) if keep < 1 else 1.0
-    share = np.broadcast_to(share, (batch, layout.num_kv_heads))
-    stored = np.maximum(1, (share * context).astype(np.int64))
+    stored = shares(layout, batch, context, keep, seed)
     live = batch if live is None else live
-    per = head_paging.layer_tokens_per_page(layout, page_elems)[None]
-    need = int((-(-stored // per)).sum())
-    pages = HeadPages(need + 1, per, int(-(-context // per.min())))
-    for b in range(batch):
-        assert pages.grow(b, stored[b][None]) is not None
+    tables, need = head_tables(head_paging.layer_tokens_per_page(layout, page_elems)[None], stored, context)
     stored[live:] = 0
-    tables = jnp.asarray(np.stack([pages.table(b)[0] for b in range(batch)]))
     key = jax.random.key(seed)
     pool = harness.randn(key, (need + 1, page_elems))
     q = harness.randn(jax.random.fold_in(key, 1), (batch, layout.q_cols))
     widths = np.add(layout.k_widths, layout.v_widths)
-    return q, pool, tables, jnp.asarray(stored, jnp.int32), int((stored * widths).sum()) * 2, page_elems
+    return q, pool, jnp.asarray(tables), jnp.asarray(stored, jnp.int32), int((stored * widths).sum()) * 2, page_elems
 
 
 def row(rate, keep, batch, context, seconds, floor, err, **knobs) -> dict:

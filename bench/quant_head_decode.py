@@ -34,12 +34,12 @@ from bench.harness import (
     shape_arg,
 )
 from bench.head_decode import case as bf16_case
-from bench.head_decode import row
+from bench.head_decode import head_tables, row, shares
 from kvjax import validate
 from kvjax.ops import head_paging, quant_head_paging
 from kvjax.ops.decode.head_kernel import head_paged_decode, live_work
 from kvjax.ops.decode.quant_head_kernel import quant_head_decode
-from kvjax.runtime.head_pages import HeadPages
+from kvjax.ops.pallas_util import width_pairs
 
 BF16_PAGE = 16  # the bf16 rows' pages: full-width tokens a page, the engine's default
 
@@ -48,16 +48,10 @@ def quant_case(layout, batch: int, context: int, keep: float, group: int, bits: 
     """(q, pool, tail, tables, stored, bytes stored, page bytes): ``batch`` sequences whose heads store their own
     shares (``bench.head_decode.case``'s draw), each head's full groups random values encoded in its own format on
     its own pages, its partial group in the tail."""
-    rng = np.random.default_rng(seed)
-    share = rng.uniform(keep / 2, min(1.0, 1.5 * keep), (batch, layout.num_kv_heads)) if keep < 1 else 1.0
-    stored = np.maximum(1, (np.broadcast_to(share, (batch, layout.num_kv_heads)) * context).astype(np.int64))
+    stored = shares(layout, batch, context, keep, seed)
     page_bytes = quant_head_paging.pool_page_bytes([layout], group, bits)
     per = quant_head_paging.layer_tokens_per_page(layout, page_bytes, group, bits)[None]
-    need = int((-(-stored // per)).sum())
-    pages = HeadPages(need + 1, per, int(-(-context // per.min())))
-    for b in range(batch):
-        assert pages.grow(b, stored[b][None]) is not None
-    tables = np.stack([pages.table(b)[0] for b in range(batch)])
+    tables, need = head_tables(per, stored, context)
     pool = jnp.zeros((need + 1, page_bytes), jnp.uint8)
     key = jax.random.key(seed)
     nbytes = 0
@@ -97,6 +91,14 @@ def parser() -> argparse.ArgumentParser:
         help="groups a program reads a loop step (0: the kernel's default, groups_a_step)",
     )
     p.add_argument("--no-bf16", action="store_true", help="leave out the bf16 per-head kernel's rows")
+    p.add_argument(
+        "--launches",
+        nargs="+",
+        choices=("layer", "pair"),
+        default=["layer"],
+        help="layer: one launch switching between the layer's width pairs; pair: a launch a pair, the engine's form "
+        "(each pair's kernel shared by every layer; default layer)",
+    )
     harness.timer_option(p)
     p.add_argument("--interpret", action="store_true")
     p.add_argument("--json", default=None, help="write the rows here (after every row; 'complete' false until the end)")
@@ -117,8 +119,10 @@ def _group_rows(args, layout, rate: float, keep: float, bits: int, group: int, b
         q.astype(jnp.float32), pool, tail.astype(jnp.float32), tables, stored, layout, page_bytes, group, bits, context
     )
     work = live_work(stored)  # once, outside the timed call: the engine's step builds it once for every layer
-    for warps, stages, step in itertools.product(args.warps, args.stages, args.step_groups):
+    pairs = tuple(pair for pair, _ in width_pairs(layout))
+    for warps, stages, step, launches in itertools.product(args.warps, args.stages, args.step_groups, args.launches):
         knobs = dict(num_warps=warps, num_stages=stages, step_groups=step or None, interpret=args.interpret)
+        knobs |= dict(pairs=pairs if launches == "pair" else None)
 
         def run(pool, tail, tables, stored, work, q, knobs=knobs):
             return quant_head_decode(q, pool, tail, tables, stored, layout, page_bytes, group, bits, work=work, **knobs)
@@ -126,7 +130,7 @@ def _group_rows(args, layout, rate: float, keep: float, bits: int, group: int, b
         err = rel_err(run(pool, tail, tables, stored, work, q), want)
         seconds = harness.time_calls(run, (pool, tail, tables, stored, work), [(q,)])
         label = dict(kernel=f"int{bits} per-head", group=group, warps=warps, stages=stages)
-        label |= dict(step_groups=step or "default")
+        label |= dict(step_groups=step or "default", launches=launches)
         yield row(rate, keep, batch, context, seconds, nbytes / bandwidth, err, **label, bytes=nbytes)
 
 
@@ -146,7 +150,7 @@ def bf16_row(args, layout, rate: float, keep: float, bandwidth: float) -> dict:
 
     err = rel_err(run(pool, tables, stored, work, q), want)
     seconds = harness.time_calls(run, (pool, tables, stored, work), [(q,)])
-    label = dict(kernel="bf16 per-head", group="-", warps=4, stages=2, step_groups="-", bytes=nbytes)
+    label = dict(kernel="bf16 per-head", group="-", warps=4, stages=2, step_groups="-", launches="-", bytes=nbytes)
     return row(rate, keep, batch, context, seconds, nbytes / bandwidth, err, **label)
 
 

@@ -53,6 +53,7 @@ EPILOG = """examples:
   python -m bench.resources --kernel prefill rate:0.5 uniform:64 uniform:128 [--knob block_k=64]
   python -m bench.resources --kernel quant --bits 4 rate:0.5 uniform:128 [--knob narrow_step_tokens=128]
   python -m bench.resources --kernel quant-head --bits 4 uniform:128 uniform:64 --group 16 32
+  python -m bench.resources --kernel quant-head-model rate:0.5 --group 32 [--layers 8]
   python -m bench.resources --kernel gear --gear gear2-r1-o0.01-p128 uniform:128 rate:0.5 [--warps 8]
 
 Layouts: rate:R (the bench's representative layer of a rate-R plan), uniform:W, or widths:K,K,../V,V,.. (cycled
@@ -415,13 +416,62 @@ def quant_head_report(specs, bits: int, groups, warps: int, stages: int) -> None
             )
 
 
+def quant_head_model_report(specs, bits: int, groups, warps: int, stages: int, layers: int | None) -> None:
+    """One row a (plan, group, launch form): the Triton compile a whole model's ``quant_head_decode`` needs, the
+    modules XLA compiles (it compiles each distinct module once: its kernel cache is keyed by the module) with their
+    seconds summed. "a layer": one launch switching between a layer's pairs, a module a layer; "a pair": the
+    engine's ``pairs``, a launch a pair of the layer and a module a pair of the model. ``specs``: rate:R (the
+    ordered plan of ``bench.harness.rank_plan``, every layer; ``layers``: only its first so many) or uniform:W
+    (bench/notes/2026-12-06-quant-head-compile.md)."""
+    from kvjax.ops import quant_head_paging
+    from kvjax.ops.decode.quant_head_kernel import quant_head_decode
+    from kvjax.ops.pallas_util import width_pairs
+
+    print(
+        "| plan | layers | group | launches | modules | compile s (Triton, summed) | largest module s |\n"
+        + "|---" * 7
+        + "|"
+    )
+    batch, ctx = 32, 4096
+    for spec in specs:
+        kind, _, val = spec.partition(":")
+        lays = rank_plan(float(val)) if kind == "rate" else (layout_of(spec),) * 32
+        lays = lays[:layers] if layers else lays
+        pairs = tuple(sorted({p for lay in lays for p, _ in width_pairs(lay)}))
+        for group in groups:
+            page_bytes = quant_head_paging.pool_page_bytes(lays, group, bits)
+            for form, given in (("a layer", None), ("a pair", pairs)):
+                modules: set[str] = set()
+                for lay in lays:
+                    hkv, pages = lay.num_kv_heads, -(-ctx // group)
+                    args = (
+                        jax.ShapeDtypeStruct((batch, lay.q_cols), jnp.bfloat16),
+                        jax.ShapeDtypeStruct((batch * hkv * pages + 1, page_bytes), jnp.uint8),
+                        jax.ShapeDtypeStruct((batch, group, lay.k_cols + lay.v_cols), jnp.bfloat16),
+                        jax.ShapeDtypeStruct((batch, hkv, pages), jnp.int32),
+                        jax.ShapeDtypeStruct((batch, hkv), jnp.int32),
+                    )
+                    kw = dict(layout=lay, page_bytes=page_bytes, group=group, bits=bits, num_warps=warps)
+                    fn = functools.partial(quant_head_decode, num_stages=stages, pairs=given, **kw)
+                    modules.update(m for m in triton_modules(fn, args) if "quant_head" in m)
+                seconds = [resources(m, warps, stages)["compile_s"] for m in modules]
+                print(
+                    f"| {spec} | {len(lays)} | {group} | {form} | {len(modules)} | {sum(seconds):.0f} | "
+                    f"{max(seconds):.1f} |",
+                    flush=True,
+                )
+
+
 def main(argv=None):
     """The command line: one table row per layout (decode), or the prefill report."""
     ap = argparse.ArgumentParser(
         description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("layouts", nargs="+", help="rate:R, uniform:W or widths:K,K,../V,V,.. (cycled over 8 KV heads)")
-    ap.add_argument("--kernel", choices=("decode", "quant", "quant-head", "prefill", "gear"), default="decode")
+    ap.add_argument(
+        "--kernel", choices=("decode", "quant", "quant-head", "quant-head-model", "prefill", "gear"), default="decode"
+    )
+    ap.add_argument("--layers", type=int, help="--kernel quant-head-model: only a plan's first so many layers")
     ap.add_argument(
         "--group", type=int, nargs="+", default=[16], help="--kernel quant-head: slots a quantized group (default 16)"
     )
@@ -457,6 +507,10 @@ def main(argv=None):
         warps, stages = args.warps or 4, args.stages or 2
         print(f"quant_head_decode, int{args.bits}, sm_90, B32 x 4K, {warps} warps, {stages} stages\n")
         return quant_head_report(args.layouts, args.bits, args.group, warps, stages)
+    if args.kernel == "quant-head-model":
+        warps, stages = args.warps or 4, args.stages or 2
+        print(f"quant_head_decode over a model, int{args.bits}, sm_90, B32 x 4K, {warps} warps, {stages} stages\n")
+        return quant_head_model_report(args.layouts, args.bits, args.group, warps, stages, args.layers)
     if args.kernel == "gear":
         warps = args.warps or 4
         print(f"gear_paged_decode, {args.gear} pages, sm_90, {warps} warps, 1 stage\n")
