@@ -176,6 +176,9 @@ def test_extra_width_pairs_in_any_order_change_no_output_and_a_missing_one_is_re
     with pytest.raises(ValueError, match=r"\[\(16, 32\)\] missing"):
         quant_head_decode(jnp.ones((2, LAYOUT.q_cols)), pool, tail, tables, stored, LAYOUT, page_bytes, 16, 4,
                           pairs=pairs[:-1], interpret=True)  # fmt: skip
+    with pytest.raises(ValueError, match="pairs must be distinct"):
+        quant_head_decode(jnp.ones((2, LAYOUT.q_cols)), pool, tail, tables, stored, LAYOUT, page_bytes, 16, 4,
+                          pairs=pairs + pairs[:1], interpret=True)  # fmt: skip
 
 
 def test_each_width_pair_lowers_to_one_triton_module_whatever_the_layer():

@@ -265,6 +265,8 @@ def quant_head_decode(
     pairs = tuple(own) if one_launch else tuple(pairs)
     if missing := sorted(set(own) - set(pairs)):
         raise ValueError(f"pairs must hold each width pair of the layout; {missing} missing")
+    if len(set(pairs)) < len(pairs):
+        raise ValueError(f"pairs must be distinct, got {pairs}")
     pair_of = np.zeros(heads, np.int32)
     for pair, members in width_pairs(layout):
         pair_of[members] = pairs.index(pair)
