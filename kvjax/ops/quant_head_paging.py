@@ -222,3 +222,47 @@ def decode_attention(
         v = jnp.where(seen[:, 0, :, None], v, 0.0)  # a window's passed slots: their pages may be given back
         outs.append(jnp.einsum("bgs,bsd->bgd", probs, v).astype(q.dtype).reshape(-1, size * vw))
     return jnp.concatenate(outs, axis=-1)
+
+
+def compact_groups(
+    pool, tables, keep, stored, layouts, page_bytes: int, group: int, bits: int, layers: tuple[int, ...] | None = None
+):
+    """Continual eviction's compaction on quantized per-head pages: each head keeps, of its full groups (its first
+    ``stored`` [B, L, Hkv] slots // ``group``), those ``keep`` [B, L, Hkv, S] marks (marks past them are ignored),
+    moved whole, in their order, to its first groups through ``tables`` [B, L, Hkv, pages]. A group moves as its
+    bytes: a quantized group cannot lose a slot without being quantized again (its keys' ranges span the group), and
+    requantizing a mix of groups' survivors would add error at every cut (bench/notes/2026-12-06-quant-head-compile.md),
+    so the cut is by groups, as KV-Compress cuts by blocks. The head's partial group stays in the tail, after them.
+    ``layers`` (static): only these layers' heads move (the rest must keep every group). Table entries past the pages
+    a head's full groups fill are ignored (they may name pages since given to another head; ``head_paging.compact``).
+    Returns (pool, stored after [B, L, Hkv] int32: kept groups x ``group`` + the partial group's slots). Shapes are
+    static; under ``jax.jit`` with the pool donated the scatter is in place."""
+    pages = tables.shape[-1]
+    full = stored // group
+    keep = keep & (jnp.arange(keep.shape[-1]) < full[..., None])
+    after = (keep.sum(-1) * group + stored % group).astype(jnp.int32)
+    members: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for layer, lay in enumerate(layouts):
+        if layers is None or layer in layers:
+            for h, pair in enumerate(zip(lay.k_widths, lay.v_widths)):
+                members.setdefault(pair, []).append((layer, h))
+    flat_pages = pool.shape[0]
+    for (kw, vw), heads in members.items():
+        ls, hs = (np.array(x) for x in zip(*heads))
+        per = groups_per_page(page_bytes, kw, vw, group, bits)
+        size = head_format(kw, vw, group, bits).page_bytes
+        room = pages * per
+        mark = keep[:, ls, hs]
+        mark = jnp.pad(mark, ((0, 0), (0, 0), (0, max(room - mark.shape[-1], 0))))[..., :room]
+        order = jnp.argsort(~mark, axis=-1, stable=True)[..., None]  # [B, G, room, 1]: survivors first, in order
+        table = tables[:, ls, hs]  # [B, G, pages]
+        filled = -(-full[:, ls, hs] // per)  # pages a head's full groups fill; entries past them may be stale
+        table = jnp.where(jnp.arange(pages) < filled[..., None], table, NULL_PAGE)
+        blocks = pool[table]  # [B, G, pages, page_bytes]
+        b, g = blocks.shape[:2]
+        groups = blocks[..., : per * size].reshape(b, g, room, size)
+        moved = jnp.take_along_axis(groups, order, axis=2).reshape(b, g, pages, per * size)
+        blocks = jnp.concatenate([moved, blocks[..., per * size :]], axis=-1)
+        target = jnp.where(table == NULL_PAGE, flat_pages, table)  # the null page is never written
+        pool = pool.at[target].set(blocks, mode="drop")
+    return pool, after
