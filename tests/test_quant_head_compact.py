@@ -1,5 +1,6 @@
-"""``ops.quant_head_paging.compact_groups``: continual eviction's compaction on quantized per-head pages, by whole
-groups, against each head's slots read before and after (``quant_head_paging.read``), on pools of random bytes."""
+"""Continual eviction on quantized per-head pages, by whole groups: ``ops.quant_head_paging.compact_groups`` against
+each head's slots read before and after (``quant_head_paging.read``), on pools of random bytes, and
+``eviction.continual.compress_groups``' choice (the host's count, the recent groups, the best scored others)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from conftest import fresh_seed
 
+from kvjax.eviction import Eviction, metrics
+from kvjax.eviction.continual import compress_groups, halved
 from kvjax.layout import HeadLayout
 from kvjax.ops import quant_head_paging as qhp
 
@@ -17,9 +20,10 @@ READ = jax.jit(qhp.read, static_argnums=(4, 5, 6, 7, 8, 9))
 COMPACT = jax.jit(qhp.compact_groups, static_argnums=(4, 5, 6, 7, 8))
 
 
-def _state(rng, b):
+def _state(rng, b, at_least: int = 0, fix=None):
     """(pool, tails, tables [B, L, Hkv, PAGES], stored [B, L, Hkv], page_bytes): every head's full groups random
-    values on shuffled pages of one pool of random bytes, its partial group in its layer's tail."""
+    values on shuffled pages of one pool of random bytes, its partial group in its layer's tail; each head stores
+    ``at_least`` slots, ``fix`` {(row, layer, head): slots} exactly."""
     page_bytes = qhp.pool_page_bytes(LAYOUTS, GROUP, BITS)
     n_heads = b * len(LAYOUTS) * 4
     pool = rng.integers(0, 256, (1 + n_heads * PAGES, page_bytes)).astype(np.uint8)
@@ -29,7 +33,10 @@ def _state(rng, b):
         for h, (kw, vw) in enumerate(zip(lay.k_widths, lay.v_widths)):
             fmt = qhp.head_format(kw, vw, GROUP, BITS)
             per = qhp.groups_per_page(page_bytes, kw, vw, GROUP, BITS)
-            stored[:, layer, h] = rng.integers(0, per * PAGES * GROUP, b)
+            stored[:, layer, h] = rng.integers(at_least, per * PAGES * GROUP, b)
+            for (row, lr, hd), n in (fix or {}).items():
+                if (lr, hd) == (layer, h):
+                    stored[row, layer, h] = n
             k = rng.normal(size=(b, per * PAGES, GROUP, kw)).astype(np.float32)
             v = rng.normal(size=(b, per * PAGES, GROUP, vw)).astype(np.float32)
             encoded = np.asarray(fmt.encode(jnp.asarray(k), jnp.asarray(v)))  # [B, groups, bytes]
@@ -97,3 +104,54 @@ def test_keeping_every_group_changes_no_byte():
     got, after = COMPACT(pool, jnp.asarray(tables), keep, jnp.asarray(stored), LAYOUTS, page_bytes, GROUP, BITS)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(pool), err_msg=f"seed {seed}")
     np.testing.assert_array_equal(np.asarray(after), stored)
+
+
+def test_halved_on_groups_keeps_whole_groups_and_the_partial_one():
+    """``halved(group=)``: whole groups plus the partial group, at least the plain target, at most what is stored."""
+    spec = Eviction("snapkv", ratio=2, page_size=GROUP)
+    stored = np.arange(0, 300)
+    plain, got = halved(spec, stored), halved(spec, stored, group=GROUP)
+    assert ((got - stored % GROUP) % GROUP == 0).all() and (got >= plain).all() and (got <= stored).all()
+    assert (got - plain < GROUP).all()
+    np.testing.assert_array_equal(halved(spec, stored[None], windows=(64,), group=GROUP)[0], stored)
+
+
+def test_compress_groups_keeps_the_hosts_count_its_recent_groups_and_the_best_scored_others():
+    """Each head of a cut layer keeps exactly ``halved``'s count, in whole groups: its groups reaching the last
+    ``recent`` slots (with its partial group) and then its others by the sum of their slots' window scores (keys read
+    as attention reads them): no dropped group outscores a kept one. A layer left uncut keeps every slot."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    b, w = 2, 4
+    spec = Eviction("kvcompress", ratio=2, window=w, page_size=GROUP)
+    # at least the window (its rows are the last W queries' own slots); a partial group of one, whose recent slots
+    # reach back into the last full group
+    pool, tails, tables, stored, page_bytes = _state(rng, b, spec.recent, {(0, 0, 0): 3 * GROUP + 1})
+    tokens = PAGES * qhp.groups_per_page(page_bytes, 16, 32, GROUP, BITS) * GROUP
+    queries = [jnp.asarray(rng.normal(size=(b, w, lay.q_cols)), jnp.float32) for lay in LAYOUTS]
+    target = halved(spec, stored, windows=(None, 64), group=GROUP)
+    st = jnp.asarray(stored, jnp.int32)
+    _, kept, keep = compress_groups(
+        spec, queries, pool, tails, jnp.asarray(tables), st, jnp.asarray(target), LAYOUTS, page_bytes, GROUP, BITS,
+        tokens, windows=(None, 64),
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(kept), target, err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(np.asarray(kept)[:, 1], stored[:, 1])
+    keep = np.asarray(keep)
+    lay = LAYOUTS[0]
+    keys = jnp.concatenate([READ(pool, tails[0], jnp.asarray(tables[:, 0]), st[:, 0], h, lay, page_bytes, GROUP, BITS,
+                                 tokens)[0] for h in range(4)], -1)  # fmt: skip
+    scores = np.asarray(metrics.window_scores(spec.method, queries[0], keys, st[:, 0], lay, pool=spec.pool))
+    for row in range(b):
+        for h in range(4):
+            n = int(stored[row, 0, h])
+            full, partial = n // GROUP, n % GROUP
+            protect = -(-max(spec.recent - partial, 0) // GROUP)
+            by_group = scores[row, h, : full * GROUP].reshape(full, GROUP).sum(-1)
+            kept_groups = np.flatnonzero(keep[row, 0, h, :full])
+            assert set(range(max(full - protect, 0), full)) <= set(kept_groups), f"seed {seed}"
+            assert not keep[row, 0, h, full:].any()
+            free = [g for g in range(max(full - protect, 0)) if g not in kept_groups]
+            chosen = [g for g in kept_groups if g < full - protect]
+            if free and chosen:
+                assert by_group[chosen].min() >= by_group[free].max(), f"seed {seed}: row {row} head {h}"

@@ -25,18 +25,23 @@ import numpy as np
 
 from kvjax.eviction import metrics
 from kvjax.eviction.select import Eviction, ranks
-from kvjax.ops import head_paging
+from kvjax.ops import head_paging, quant_head_paging
 
 
-def halved(spec: Eviction, stored, context: int | None = None, windows=None) -> np.ndarray:
+def halved(spec: Eviction, stored, context: int | None = None, windows=None, group: int = 0) -> np.ndarray:
     """Host: what each head keeps when its sequence is cut (int64, ``stored``'s shape, [..., layers, heads]): half of
     what it stores, rounded up, never fewer than ``spec.recent`` nor, for a sequence at ``context`` positions, than
     the policy's tokens a head for it (``spec.per_head``: continual eviction never cuts below the budget the prompt
     was cut to), and never more than it stores; all of it in a layer with a sliding window (``windows``: one a layer,
-    None or 0 for none; module docstring). ``compress`` keeps exactly this many."""
+    None or 0 for none; module docstring). ``compress`` keeps exactly this many. ``group`` (quantized pages,
+    ``compress_groups``): the count rounded up to whole groups of ``group`` slots plus the head's partial group,
+    which a cut never splits."""
     stored = np.asarray(stored, np.int64)
     floor = max(spec.recent, 0 if context is None else spec.per_head(context))
     target = np.minimum(stored, np.maximum(-(-stored // 2), floor))
+    if group:
+        partial = stored % group
+        target = np.maximum(-(-(target - partial) // group), 0) * group + partial
     if windows is not None:
         local = np.array([bool(w) for w in windows])[:, None]
         target = np.where(local, stored, target)
@@ -50,10 +55,21 @@ def _keys(pool, tables, layout, page_elems: int, tokens: int):
     return jnp.concatenate([head_paging.read(pool, tables, h, layout, page_elems, tokens)[0] for h in heads], -1)
 
 
-def keep_counts(scores, stored, target, protect: int):
-    """bool [..., S]: of each head's ``stored`` [...] slots, its last ``protect`` and then its highest ``scores``
-    [..., S] (ties: the earlier slot) up to ``target`` [...] in all; ``max(min(target, stored), min(protect,
-    stored))`` of them (``halved`` gives targets of at least ``protect``)."""
+def _quant_keys(pool, tail, tables, stored, layout, page_bytes: int, group: int, bits: int, tokens: int):
+    """``_keys`` on quantized per-head pages: every KV head's first ``tokens`` slots as attention reads them
+    (``quant_head_paging.read``: full groups dequantized, the partial one exact from ``tail``), packed [B, tokens,
+    k_cols]."""
+    heads = range(layout.num_kv_heads)
+    read = quant_head_paging.read
+    return jnp.concatenate(
+        [read(pool, tail, tables, stored, h, layout, page_bytes, group, bits, tokens)[0] for h in heads], -1
+    )
+
+
+def keep_counts(scores, stored, target, protect):
+    """bool [..., S]: of each head's ``stored`` [...] slots, its last ``protect`` (an int, or [..., 1]: one a head)
+    and then its highest ``scores`` [..., S] (ties: the earlier slot) up to ``target`` [...] in all; ``max(min(target,
+    stored), min(protect, stored))`` of them (``halved`` gives targets of at least ``protect``)."""
     slot = jnp.arange(scores.shape[-1])
     stored = jnp.asarray(stored, jnp.int32)[..., None]
     live = slot < stored
@@ -99,4 +115,50 @@ def compress(
         marks.append(keep_counts(scores, stored[:, layer], target[:, layer], spec.recent))
     keep = jnp.stack(marks, axis=1)
     pool, kept = head_paging.compact(pool, tables, keep, stored, layouts, page_elems, layers=cut)
+    return pool, kept, keep
+
+
+def compress_groups(
+    spec: Eviction,
+    queries,
+    pool,
+    tails,
+    tables,
+    stored,
+    target,
+    layouts,
+    page_bytes: int,
+    group: int,
+    bits: int,
+    tokens: int,
+    windows=(),
+):
+    """``compress`` on quantized per-head pages (``ops.quant_head_paging``), by whole groups: each head's full groups
+    are scored by the sum of their slots' scores (the last W queries against its keys as attention reads them,
+    dequantized; ``metrics.window_scores``), its last groups holding ``spec.recent`` slots with the partial group are
+    kept, then its best others up to ``target`` [B, L, Hkv] (``halved`` with ``group``: whole groups plus the partial
+    group), and the survivors move as bytes (``quant_head_paging.compact_groups``). Only the observation-window
+    methods: decode keeps no sums on quantized pages. ``tails``: per layer, the partial groups (row i: sequence i).
+    Returns (pool, kept [B, L, Hkv], keep [B, L, Hkv, tokens // group]: each head's groups kept)."""
+    if spec.method not in metrics.WINDOWED:
+        raise ValueError(f"continual eviction on quantized pages scores with {metrics.WINDOWED}, not {spec.method!r}")
+    cut = tuple(layer for layer in range(len(layouts)) if not (windows and windows[layer]))
+    stored = jnp.asarray(stored, jnp.int32)
+    groups = tokens // group
+    full, partial = stored // group, stored % group
+    every = jnp.arange(groups) < full[..., None]  # [B, L, Hkv, groups]
+    marks = []
+    for layer, lay in enumerate(layouts):
+        if layer not in cut:
+            marks.append(every[:, layer])
+            continue
+        n = stored[:, layer]
+        keys = _quant_keys(pool, tails[layer], tables[:, layer], n, lay, page_bytes, group, bits, tokens)
+        scores = metrics.window_scores(spec.method, queries[layer], keys, n, lay, pool=spec.pool)  # [B, Hkv, tokens]
+        by_group = scores[..., : groups * group].reshape(*scores.shape[:-1], groups, group).sum(-1)
+        protect = -(-jnp.maximum(spec.recent - partial[:, layer], 0) // group)  # the last groups the recent slots reach
+        want = (jnp.asarray(target, jnp.int32)[:, layer] - partial[:, layer]) // group
+        marks.append(keep_counts(by_group, full[:, layer], want, protect[..., None]))
+    keep = jnp.stack(marks, axis=1)
+    pool, kept = quant_head_paging.compact_groups(pool, tables, keep, stored, layouts, page_bytes, group, bits, cut)
     return pool, kept, keep
