@@ -432,7 +432,8 @@ def _quantized_run_matches_the_reference(model, prompts, settings, spec, bits, n
     from kvjax.ops.kv_schemes import Kivi
 
     engine = Engine(model, **settings, eviction=spec, kv_bits=bits)
-    assert not engine.continual and engine.cache.heads.sums is None and engine.cache.heads.pool.dtype == jnp.uint8
+    assert engine.cache.heads.sums is None and engine.cache.heads.pool.dtype == jnp.uint8
+    assert engine.continual == (engine._evict.history is None) and engine.continual_group == engine.page_size
     got = _greedy(engine, prompts, new)
     scheme = Kivi(bits, engine.page_size)
     moved = []
@@ -719,17 +720,25 @@ def test_a_cut_ranks_by_the_sums_and_moves_them_with_the_survivors(plan):
             assert not moved[i, h, n:].any(), where
 
 
-def run_tight(model, seed: int, new: int, **settings):
+def run_tight(model, seed: int, new: int, exact_cuts: bool = False, **settings):
     """An engine of ``settings`` whose per-head pool holds about two sequences (on each device, under tensor
     parallelism), four 40-token requests of ``new`` tokens that outgrow it, run to the end with the pages checked
-    after every step. Returns (engine, runner, requests, the continual cuts' arguments)."""
+    after every step (``exact_cuts``: and each cut slot's counts on the device equal to the host's targets after
+    it). Returns (engine, runner, requests, the continual cuts' arguments)."""
     probe = Engine(model, **settings)
     one = int((-(-probe.max_seq_len // probe.head_per_page)).sum()) // probe.devices  # a sequence's pages a device
     del probe
     engine = Engine(model, **settings, num_pages=2 * one + 1)
     cuts: list = []
     compress = engine.compress
-    engine.compress = lambda *a: (cuts.append(a), compress(*a))[1]
+
+    def recorded(slot, last, target):
+        cuts.append((slot, last, target))
+        compress(slot, last, target)
+        if exact_cuts:
+            np.testing.assert_array_equal(np.asarray(engine.cache.heads.stored[slot]), target, f"seed {seed}")
+
+    engine.compress = recorded
     runner = Runner(engine)
     rng = np.random.default_rng(seed)
     requests = [runner.add(Request(rng.integers(0, 97, 40).tolist(), new)) for _ in range(4)]
@@ -738,15 +747,23 @@ def run_tight(model, seed: int, new: int, **settings):
     return engine, runner, requests, cuts
 
 
-def test_a_tight_pool_of_quantized_head_pages_preempts_and_every_request_finishes():
-    """Eviction on quantized pages never cuts mid-decode (a cut would split a head's quantized groups): four
-    requests outgrow a per-head pool of about two sequences, the newest are preempted instead, the pages add up
-    after every step, and every request finishes with all its tokens."""
+@pytest.mark.parametrize("spec", ["snapkv:16", "h2o:16"])
+def test_a_tight_pool_of_quantized_head_pages_cuts_whole_groups_and_every_request_finishes(spec):
+    """Eviction on quantized pages under a per-head pool of about two sequences and four requests that outgrow it:
+    SnapKV cuts heads mid-decode by whole quantized groups (``continual.compress_groups``: each head's count after a
+    cut is whole groups plus its partial group), H2O, whose sums decode does not keep there, preempts instead. The
+    pages add up after every step, and every request finishes with all its tokens."""
     seed = fresh_seed()
     model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
-    settings = dict(max_batch=4, max_seq_len=96, chunk_tokens=32, backend="reference", eviction="snapkv:16", kv_bits=4)
-    engine, runner, requests, cuts = run_tight(model, seed, 50, **settings)
-    assert not cuts and sum(r.preemptions for r in requests) > 0, f"seed {seed}"
+    settings = dict(max_batch=4, max_seq_len=96, chunk_tokens=32, backend="reference", eviction=spec, kv_bits=4)
+    engine, runner, requests, cuts = run_tight(model, seed, 50, exact_cuts=True, **settings)
+    group = engine.continual_group
+    if spec == "snapkv:16":
+        assert cuts and group == engine.page_size, f"seed {seed}: no head was cut"
+        for _, _, target in cuts:  # the host's targets, which the device kept exactly (``exact_cuts``)
+            assert target.min() >= engine.eviction.recent
+    else:
+        assert not cuts and sum(r.preemptions for r in requests) > 0, f"seed {seed}"
     assert all(r.finish_reason == "length" and len(r.tokens) == 50 for r in requests), f"seed {seed}"
     assert runner.scheduler.pages.heads.free_pages == engine.head_pages - 1
 

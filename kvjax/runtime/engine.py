@@ -22,7 +22,7 @@ from flax import nnx
 from kvjax import machine, validate
 from kvjax.compression.plan import check_kv_bits
 from kvjax.eviction import metrics
-from kvjax.eviction.continual import compress
+from kvjax.eviction.continual import compress, compress_groups
 from kvjax.eviction.prompt import accumulate, evict_prompts, select_prompts
 from kvjax.eviction.select import Eviction, compacted
 from kvjax.io.saved import restore_sharded
@@ -286,7 +286,7 @@ class _Evict:
     def decoded(self) -> bool:
         """Whether decode adds to each stored slot's sum (``HeadKVCache.sums``; ``metrics.DECODED``: H2O,
         KV-Compress's full form), which continual eviction then ranks a head's slots by; not on quantized pages,
-        which are never cut mid-decode."""
+        whose cuts score by the last queries only (``continual.compress_groups``)."""
         return self.spec.method in metrics.DECODED and self.bits is None
 
     @property
@@ -394,6 +394,25 @@ def _compress_step(cache, slot, last, target, *, evict: _Evict, layouts, tokens:
         target = local_heads(target, 1)
     order = (last - w + 1 + jnp.arange(w)) % w  # the ring's rows oldest first
     queries = [ring[slot][order][None] for ring in heads.queries]
+    if evict.bits is not None:  # quantized per-head pages: whole groups (``continual.compress_groups``)
+        tails = [tail[slot][None] for tail in heads.tails]
+        pool, kept, _ = compress_groups(
+            evict.spec,
+            queries,
+            heads.pool,
+            tails,
+            heads.tables[slot][None],
+            heads.stored[slot][None],
+            target[None],
+            layouts,
+            evict.page_elems,
+            evict.group,
+            evict.bits,
+            tokens,
+            windows=evict.windows,
+        )
+        heads = dataclasses.replace(heads, pool=pool, stored=heads.stored.at[slot].set(kept[0]))
+        return dataclasses.replace(cache, heads=heads)
     sums = None if heads.sums is None else heads.slot_sums(slot)[None]
     pool, kept, keep = compress(
         evict.spec,
@@ -1129,11 +1148,19 @@ class Engine:
         """Whether this engine cuts decoding requests' heads when its per-head pool runs out (continual eviction),
         before the scheduler preempts: an evicting engine with a layer that sees the whole context (sliding-window
         layers are never cut: ``eviction.continual``) whose policy scores by its last queries or by sums decode keeps
-        adding to (``_Evict.decoded``; not Keyformer)."""
+        adding to (``_Evict.decoded``; not Keyformer). On quantized pages (``kv_bits``) the cut is by whole groups
+        (``continual.compress_groups``) and only the last-queries policies cut: decode keeps no sums there."""
         evict = self._evict
-        if evict is None or evict.bits is not None:  # a cut would split quantized groups: preempt instead
+        if evict is None:
             return False
-        return (evict.history is None or evict.decoded) and not all(evict.windows)
+        scored = evict.history is None or (evict.decoded and evict.bits is None)
+        return scored and not all(evict.windows)
+
+    @property
+    def continual_group(self) -> int:
+        """The slots a cut keeps whole (``continual.halved``'s ``group``): a quantized group on quantized per-head
+        pages, 0 (any slot) otherwise."""
+        return self._evict.group if self._evict is not None and self._evict.bits is not None else 0
 
     def compress(self, slot: int, last: int, target) -> None:
         """Enqueue continual eviction of slot ``slot``, whose latest query is at position ``last``: each KV head cut to

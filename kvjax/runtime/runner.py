@@ -197,4 +197,5 @@ def _eviction(engine: Engine) -> dict:
     heads = HeadPages(
         engine.head_pages, engine.head_per_page, engine.head_max_pages, engine.devices, windows=engine.head_windows
     )
-    return dict(heads=heads, last_chunk=engine.eviction.window, continual=engine.eviction if engine.continual else None)
+    continual = engine.eviction if engine.continual else None
+    return dict(heads=heads, last_chunk=engine.eviction.window, continual=continual, cut_group=engine.continual_group)

@@ -132,7 +132,8 @@ class Scheduler:
     ``chunk_tokens`` positions of a context whatever else runs (batch-invariant prefill). ``heads``: evict into this
     per-head pool (``runtime.head_pages.HeadPages``), the pages stage prompts; ``last_chunk``: the fewest tokens a
     prompt's last chunk holds where the prompt has them; ``continual``: the eviction policy (``Eviction``) that cuts
-    decoding requests' heads before the per-head pool preempts (None: preempt at once)."""
+    decoding requests' heads before the per-head pool preempts (None: preempt at once); ``cut_group``: such a cut keeps
+    whole groups of this many slots and each head's partial group (quantized per-head pages; 0: any slot)."""
 
     def __init__(
         self,
@@ -147,6 +148,7 @@ class Scheduler:
         heads=None,
         last_chunk: int = 1,
         continual=None,
+        cut_group: int = 0,
         prefix_caching: bool = False,
     ):
         self.pages = PageManager(
@@ -163,6 +165,7 @@ class Scheduler:
         self.evicting, self.last_chunk = heads is not None, last_chunk
         self._staged: list[Request] = []  # evicted in the step just scheduled: their staging pages go back next
         self.continual = continual if heads is not None else None
+        self.cut_group = cut_group  # a cut keeps whole groups of this many slots (quantized pages), 0: any slot
         self._settled: set[int] = set()  # requests whose prompt eviction's kept counts have arrived
         self.max_batch, self.chunk_tokens = max_batch, chunk_tokens
         self.fixed_chunks = fixed_chunks
@@ -336,7 +339,8 @@ class Scheduler:
         for x in later:
             if x.prefilling or x.id not in self._settled or x.id in cut:
                 continue
-            target = halved(self.continual, self.pages.head_counts(x.id), x.computed, self.pages.heads.windows)
+            counts, windows = self.pages.head_counts(x.id), self.pages.heads.windows
+            target = halved(self.continual, counts, x.computed, windows, group=self.cut_group)
             freed = self.pages.cut_frees(x.id, target)
             if freed > most:
                 best, most = (x, target), freed
