@@ -370,6 +370,19 @@ def gear_report(specs, name: str, warps: int) -> None:
         )
 
 
+def quant_head_args(layout: HeadLayout, batch: int, ctx: int, group: int, page_bytes: int) -> tuple:
+    """``quant_head_decode``'s (q, pool, tail, tables, stored) as shapes: ``batch`` sequences of ``ctx`` slots a head,
+    a page a group."""
+    hkv, pages = layout.num_kv_heads, -(-ctx // group)
+    return (
+        jax.ShapeDtypeStruct((batch, layout.q_cols), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch * hkv * pages + 1, page_bytes), jnp.uint8),
+        jax.ShapeDtypeStruct((batch, group, layout.k_cols + layout.v_cols), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, hkv, pages), jnp.int32),
+        jax.ShapeDtypeStruct((batch, hkv), jnp.int32),
+    )
+
+
 def quant_head_report(specs, bits: int, groups, warps: int, stages: int) -> None:
     """One row a (layout, group): ``quant_head_decode`` (eviction's quantized per-head pages, one kernel switching
     between the layout's width pairs) lowered at B32 x 4K and compiled for sm_90, its registers, spills and SASS
@@ -393,14 +406,8 @@ def quant_head_report(specs, bits: int, groups, warps: int, stages: int) -> None
             )
         for group in groups:
             page_bytes = quant_head_paging.pool_page_bytes([layout], group, bits)
-            hkv, pages = layout.num_kv_heads, -(-ctx // group)
-            args = (
-                jax.ShapeDtypeStruct((batch, layout.q_cols), jnp.bfloat16),
-                jax.ShapeDtypeStruct((batch * hkv * pages + 1, page_bytes), jnp.uint8),
-                jax.ShapeDtypeStruct((batch, group, layout.k_cols + layout.v_cols), jnp.bfloat16),
-                jax.ShapeDtypeStruct((batch, hkv, pages), jnp.int32),
-                jax.ShapeDtypeStruct((batch, hkv), jnp.int32),
-            )
+            hkv = layout.num_kv_heads
+            args = quant_head_args(layout, batch, ctx, group, page_bytes)
             kw = dict(layout=layout, page_bytes=page_bytes, group=group, bits=bits, num_warps=warps, num_stages=stages)
             irs = [m for m in triton_modules(functools.partial(quant_head_decode, **kw), args) if "quant_head" in m]
             (r,) = [resources(ir, warps, stages) for ir in irs]
@@ -443,14 +450,7 @@ def quant_head_model_report(specs, bits: int, groups, warps: int, stages: int, l
             for form, given in (("a layer", None), ("a pair", pairs)):
                 modules: set[str] = set()
                 for lay in lays:
-                    hkv, pages = lay.num_kv_heads, -(-ctx // group)
-                    args = (
-                        jax.ShapeDtypeStruct((batch, lay.q_cols), jnp.bfloat16),
-                        jax.ShapeDtypeStruct((batch * hkv * pages + 1, page_bytes), jnp.uint8),
-                        jax.ShapeDtypeStruct((batch, group, lay.k_cols + lay.v_cols), jnp.bfloat16),
-                        jax.ShapeDtypeStruct((batch, hkv, pages), jnp.int32),
-                        jax.ShapeDtypeStruct((batch, hkv), jnp.int32),
-                    )
+                    args = quant_head_args(lay, batch, ctx, group, page_bytes)
                     kw = dict(layout=lay, page_bytes=page_bytes, group=group, bits=bits, num_warps=warps)
                     fn = functools.partial(quant_head_decode, num_stages=stages, pairs=given, **kw)
                     modules.update(m for m in triton_modules(fn, args) if "quant_head" in m)
