@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.harness import HKV, HQ, D, knob_option, pick_layer, rank_plan, uniform, with_knobs
+from bench.harness import HKV, HQ, D, count_arg, knob_option, pick_layer, rank_plan, uniform, with_knobs
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.config import DECODE, DecodeConfig
 from kvjax.ops.decode.kernel import paged_decode
@@ -65,13 +65,24 @@ with instructions per score (rows x keys / threads) and its MUFU.EX2 / HGMMA / F
 counts."""
 
 
+def _rate(val: str) -> float:
+    """A rate:R spec's R, refused in one line unless a number in [0, 1)."""
+    try:
+        rate = float(val)
+    except ValueError:
+        rate = -1.0
+    if not 0 <= rate < 1:
+        raise SystemExit(f"rate:R takes a rate in [0, 1), got {val!r}")
+    return rate
+
+
 def layout_of(spec: str) -> HeadLayout:
     """The layout a command-line spec names: rate:R, uniform:W or widths:K,../V,.. (cycled over the KV heads)."""
     kind, _, val = spec.partition(":")
     if kind == "uniform":
         return uniform(int(val))
     if kind == "rate":
-        return pick_layer(rank_plan(float(val)), float(val))
+        return pick_layer(rank_plan(_rate(val)), _rate(val))
     if kind == "widths":
         k, v = ([int(x) for x in part.split(",")] for part in val.split("/"))
         return HeadLayout(HQ, HKV, D, *(tuple(ws[h % len(ws)] for h in range(HKV)) for ws in (k, v)))
@@ -442,7 +453,7 @@ def quant_head_model_report(specs, bits: int, groups, warps: int, stages: int, l
     batch, ctx = 32, 4096
     for spec in specs:
         kind, _, val = spec.partition(":")
-        lays = rank_plan(float(val)) if kind == "rate" else (layout_of(spec),) * 32
+        lays = rank_plan(_rate(val)) if kind == "rate" else (layout_of(spec),) * 32
         lays = lays[:layers] if layers else lays
         pairs = tuple(sorted({p for lay in lays for p, _ in width_pairs(lay)}))
         for group in groups:
@@ -471,7 +482,9 @@ def main(argv=None):
     ap.add_argument(
         "--kernel", choices=("decode", "quant", "quant-head", "quant-head-model", "prefill", "gear"), default="decode"
     )
-    ap.add_argument("--layers", type=int, help="--kernel quant-head-model: only a plan's first so many layers")
+    ap.add_argument(
+        "--layers", type=count_arg("--layers"), help="--kernel quant-head-model: only a plan's first so many layers"
+    )
     ap.add_argument(
         "--group", type=int, nargs="+", default=[16], help="--kernel quant-head: slots a quantized group (default 16)"
     )
