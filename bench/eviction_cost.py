@@ -42,10 +42,11 @@ from bench.files import write_json
 from bench.harness import HKV, D, copy_bandwidth, count_arg, log, log_row, pick_layer, print_table, rank_plan, rates_arg
 from kvjax.eviction import Eviction, continual, metrics
 from kvjax.eviction.select import device_keep
-from kvjax.ops import head_compact, head_paging
+from kvjax.ops import head_compact, head_paging, quant_head_paging
 from kvjax.runtime.head_pages import HeadPages
 
 PAGE_ELEMS = 16 * 2 * D  # 16 full-width tokens
+GROUP = 32  # quantized per-head pages' group: the engine's page size with kv_bits (``quant.GROUP``)
 LAYERS = 32
 
 
@@ -90,33 +91,78 @@ def compaction_rows(rate: float, batch: int, context: int, ratios: list[float], 
     return rows
 
 
-def continual_rows(rate: float, context: int, bandwidth: float) -> list[dict]:
+def _filled_groups(rate: float, context: int, group: int, bits: int) -> dict:
+    """``_filled`` on quantized per-head pages (``ops.quant_head_paging``): one sequence of ``context`` tokens, each
+    head's full groups random values encoded on its pages, its partial group in its layer's tail: pool, tails,
+    tables, stored, layouts, page_bytes and the sequence's stored bytes."""
+    layouts = tuple(rank_plan(rate, LAYERS))
+    page_bytes = quant_head_paging.pool_page_bytes(layouts, group, bits)
+    per = np.stack([quant_head_paging.layer_tokens_per_page(lay, page_bytes, group, bits) for lay in layouts])
+    need = int((-(-context // per)).sum())
+    pages = HeadPages(need + 1, per, int(-(-context // per.min())))
+    assert pages.grow(0, context) is not None
+    tables = np.stack([pages.table(0)])  # [1, L, Hkv, pages]
+    pool = jnp.zeros((need + 1, page_bytes), jnp.uint8)
+    key, full, seq_bytes = jax.random.key(0), context // group, 0
+    grp = np.arange(full)
+    for layer, lay in enumerate(layouts):
+        for h, (kw, vw) in enumerate(zip(lay.k_widths, lay.v_widths)):
+            fmt = quant_head_paging.head_format(kw, vw, group, bits)
+            gpp = quant_head_paging.groups_per_page(page_bytes, kw, vw, group, bits)
+            k = harness.randn(jax.random.fold_in(key, 2 * (layer * HKV + h)), (full, group, kw), jnp.float32)
+            v = harness.randn(jax.random.fold_in(key, 2 * (layer * HKV + h) + 1), (full, group, vw), jnp.float32)
+            index = (grp % gpp)[:, None] * fmt.page_bytes + np.arange(fmt.page_bytes)  # [groups, bytes]
+            at = np.broadcast_to(tables[0, layer, h, grp // gpp][:, None], index.shape)
+            pool = pool.at[jnp.asarray(at), jnp.asarray(index)].set(fmt.encode(k, v))
+            seq_bytes += full * fmt.page_bytes
+    tails = [harness.randn(jax.random.fold_in(key, 10**6 + i), (1, group, lay.k_cols + lay.v_cols)) for i, lay in
+             enumerate(layouts)]  # fmt: skip
+    stored = jnp.full((1, LAYERS, HKV), context, jnp.int32)
+    return dict(pool=pool, tails=tails, tables=jnp.asarray(tables), stored=stored, layouts=layouts,
+                page_bytes=page_bytes, seq_bytes=seq_bytes)  # fmt: skip
+
+
+def continual_rows(rate: float, context: int, bandwidth: float, bits: int | None = None) -> list[dict]:
     """One decoding sequence cut by continual eviction: every head halved (``continual.halved`` of KV-Compress at
-    4x), 8 random queries a layer, the pool donated; host timer, median of 5 after a compiling call."""
-    f = _filled(rate, 1, context)
+    4x), 8 random queries a layer, the pool donated; host timer, median of 5 after a compiling call. ``bits``: on
+    quantized per-head pages of that code width, cut by whole groups of 32 (``continual.compress_groups``; the floor
+    its pages' bytes read and written)."""
     spec = Eviction("kvcompress", ratio=4.0)
-    target = jnp.asarray(continual.halved(spec, np.asarray(f["stored"]), context), jnp.int32)
+    if bits is None:
+        f = _filled(rate, 1, context)
+        target = jnp.asarray(continual.halved(spec, np.asarray(f["stored"]), context), jnp.int32)
+
+        def compress(pool, queries):
+            args = (f["tables"], f["stored"], target, f["layouts"], PAGE_ELEMS, context)
+            return continual.compress(spec, queries, pool, *args)[:2]
+
+        freed_of = f["widths"] * 2
+    else:
+        f = _filled_groups(rate, context, GROUP, bits)
+        target = continual.halved(spec, np.asarray(f["stored"]), context, group=GROUP)
+        target = jnp.asarray(target, jnp.int32)
+
+        def compress(pool, queries):
+            args = (f["tables"], f["stored"], target, f["layouts"], f["page_bytes"], GROUP, bits, context)
+            return continual.compress_groups(spec, queries, pool, f["tails"], *args)[:2]
+
+        freed_of = np.array([[quant_head_paging.head_format(k, v, GROUP, bits).page_bytes / GROUP
+                              for k, v in zip(lay.k_widths, lay.v_widths)] for lay in f["layouts"]])  # fmt: skip
     keys = jax.random.split(jax.random.key(1), LAYERS)
     queries = [harness.randn(k, (1, spec.window, lay.q_cols)) for k, lay in zip(keys, f["layouts"])]
-
-    def cut(pool):
-        pool, kept, _ = continual.compress(
-            spec, queries, pool, f["tables"], f["stored"], target, f["layouts"], PAGE_ELEMS, context
-        )
-        return pool, kept
-
-    run = jax.jit(cut, donate_argnums=0)
+    run = jax.jit(compress, donate_argnums=0)
     state = {"pool": f["pool"]}
 
     def call():
-        state["pool"], kept = run(state["pool"])
+        state["pool"], kept = run(state["pool"], queries)
         return jax.block_until_ready(kept)
 
     kept = np.asarray(call())
     seconds = _host_seconds(call)
-    freed = int(((np.asarray(f["stored"]) - kept)[0] * f["widths"]).sum()) * 2
+    freed = float(((np.asarray(f["stored"]) - kept)[0] * freed_of).sum())
     floor = 2 * f["seq_bytes"] / bandwidth
-    row = dict(rate=rate, context=context, kept_share=float(kept.sum() / np.asarray(f["stored"]).sum()))
+    row = dict(rate=rate, kv_bits=bits or "-", context=context)
+    row |= dict(kept_share=float(kept.sum() / np.asarray(f["stored"]).sum()))
     row |= dict(compress_ms=1e3 * seconds, floor_ms=1e3 * floor, pct_of_floor=100 * floor / seconds)
     row |= dict(freed_gib=freed / 2**30, ms_per_freed_gib=1e3 * seconds / (freed / 2**30))
     log_row(row)
@@ -272,8 +318,9 @@ def device_tables(args, parts: set, bandwidth: float, out: dict, save) -> None:
                 out["compaction"] += compaction_rows(rate, batch, args.context, args.ratios, bandwidth)
                 save()
         if "continual" in parts:
-            out["continual"] += continual_rows(rate, args.context, bandwidth)
-            save()
+            for bits in args.continual_bits:
+                out["continual"] += continual_rows(rate, args.context, bandwidth, None if bits == "none" else int(bits))
+                save()
         if "metrics" in parts:
             out["metrics"] += metric_rows(rate, args.context, args.methods)
             save()
@@ -320,6 +367,13 @@ def main(argv=None):
         help="which tables to run (default all; the TTFT table's shares need the compaction and metrics tables)",
     )
     p.add_argument("--engine-ratio", type=float, default=4.0, help="the engine rows' eviction ratio (default 4)")
+    p.add_argument(
+        "--continual-bits",
+        nargs="+",
+        choices=("none", "4", "2"),
+        default=["none"],
+        help="the continual table's pages: none (bf16) and/or 4 or 2 bits, cut by whole groups of 32 (default none)",
+    )
     harness.timer_option(p)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

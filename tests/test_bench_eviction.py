@@ -153,13 +153,18 @@ def test_the_device_cost_bench_writes_its_tables_on_a_cpu(tmp_path, capsys):
 
     out = tmp_path / "cost.json"
     flags = ["--timer", "host", "--context", "64", "--batch", "1", "--rates", "0.5", "--ratios", "2", "8"]
-    eviction_cost.main([*flags, "--methods", "kvcompress", "--no-ttft", "--json", str(out)])
+    eviction_cost.main(
+        [*flags, "--methods", "kvcompress", "--no-ttft", "--continual-bits", "none", "4", "--json", str(out)]
+    )
     data = json.loads(out.read_text())
     two, eight = data["compaction"]
     assert 0 < two["evicted_gib"] < eight["evicted_gib"] < two["pages_gib"]
     assert [r["method"] for r in data["metrics"]] == ["kvcompress"] and not data["ttft"]
-    (cut,) = data["continual"]  # every head halved (64 tokens: each keeps 32, its window among them)
-    assert cut["kept_share"] == 0.5 and cut["freed_gib"] > 0
+    # every head halved (64 tokens: each keeps 32, its window among them), on bf16 pages and by a whole group of 32 on
+    # 4-bit pages, where a freed slot is 3-4x fewer bytes
+    cut, groups = data["continual"]
+    assert (cut["kv_bits"], groups["kv_bits"]) == ("-", 4)
+    assert cut["kept_share"] == groups["kept_share"] == 0.5 and 0 < 3 * groups["freed_gib"] < cut["freed_gib"]
     assert "compaction" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         eviction_cost.main(["--ratios", "0.5"])
