@@ -48,6 +48,7 @@ class FakeEvictingEngine(FakeEngine):
         super().__init__(**kw)
         self.head_windows = head_windows
         self.continual = not all(head_windows or (None,))  # as the engine: some layer sees the whole context
+        self.continual_group = 0  # cuts keep any slot (bf16 pages)
         self.eviction = eviction or Eviction("snapkv", ratio=2.0, window=window)
         self.head_pages, self.head_per_page, self.head_max_pages = head_pages, np.asarray(per_page), head_max_pages
         layers, heads = self.head_per_page.shape
