@@ -177,20 +177,35 @@ def survivor_orders(keep, stored, layouts, page_elems: int, pages: int, layers: 
     order [B, G, pages x per]): each head's slots, its survivors first in slot order, then the rest)."""
     keep = keep & (jnp.arange(keep.shape[-1]) < stored[..., None])
     kept = keep.sum(-1, dtype=jnp.int32)
+    groups = []
+    for (kw, vw), ls, hs in heads_by_pair(layouts, layers):
+        per = tokens_per_page(page_elems, kw, vw)
+        groups.append(((kw, vw), ls, hs, per, survivors_first(keep[:, ls, hs], pages * per)))
+    return kept, groups
+
+
+def heads_by_pair(
+    layouts, layers: tuple[int, ...] | None = None
+) -> list[tuple[tuple[int, int], np.ndarray, np.ndarray]]:
+    """The heads of ``layers`` (None: all) of a model's ``layouts`` by (K width, V width), in order of first
+    appearance: ((kw, vw), their layers [G], their heads [G]), what a compaction moves in one gather each."""
     members: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for layer, lay in enumerate(layouts):
         if layers is None or layer in layers:
             for h, pair in enumerate(zip(lay.k_widths, lay.v_widths)):
                 members.setdefault(pair, []).append((layer, h))
-    groups = []
-    for (kw, vw), heads in members.items():
-        ls, hs = (np.array(x) for x in zip(*heads))
-        per = tokens_per_page(page_elems, kw, vw)
-        room = pages * per
-        mark = keep[:, ls, hs]
-        mark = jnp.pad(mark, ((0, 0), (0, 0), (0, max(room - mark.shape[-1], 0))))[..., :room]
-        groups.append(((kw, vw), ls, hs, per, jnp.argsort(~mark, axis=-1, stable=True)))
-    return kept, groups
+    out = []
+    for pair, heads in members.items():
+        ls, hs = zip(*heads)
+        out.append((pair, np.array(ls), np.array(hs)))
+    return out
+
+
+def survivors_first(mark, room: int):
+    """[..., room]: each head's positions, those ``mark`` [..., S] keeps first, in order, then the rest (marks padded
+    with False or cut to ``room``)."""
+    mark = jnp.pad(mark, ((0, 0),) * (mark.ndim - 1) + ((0, max(room - mark.shape[-1], 0)),))[..., :room]
+    return jnp.argsort(~mark, axis=-1, stable=True)
 
 
 def compact(pool, tables, keep, stored, layouts, page_elems: int, layers: tuple[int, ...] | None = None):

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.layout import HeadLayout
+from kvjax.ops import head_paging
 from kvjax.ops.paging import NULL_PAGE
 from kvjax.ops.quant import PageFormat
 
@@ -241,20 +242,12 @@ def compact_groups(
     full = stored // group
     keep = keep & (jnp.arange(keep.shape[-1]) < full[..., None])
     after = (keep.sum(-1) * group + stored % group).astype(jnp.int32)
-    members: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for layer, lay in enumerate(layouts):
-        if layers is None or layer in layers:
-            for h, pair in enumerate(zip(lay.k_widths, lay.v_widths)):
-                members.setdefault(pair, []).append((layer, h))
     flat_pages = pool.shape[0]
-    for (kw, vw), heads in members.items():
-        ls, hs = (np.array(x) for x in zip(*heads))
+    for (kw, vw), ls, hs in head_paging.heads_by_pair(layouts, layers):
         per = groups_per_page(page_bytes, kw, vw, group, bits)
         size = head_format(kw, vw, group, bits).page_bytes
         room = pages * per
-        mark = keep[:, ls, hs]
-        mark = jnp.pad(mark, ((0, 0), (0, 0), (0, max(room - mark.shape[-1], 0))))[..., :room]
-        order = jnp.argsort(~mark, axis=-1, stable=True)[..., None]  # [B, G, room, 1]: survivors first, in order
+        order = head_paging.survivors_first(keep[:, ls, hs], room)[..., None]  # [B, G, room, 1]
         table = tables[:, ls, hs]  # [B, G, pages]
         filled = -(-full[:, ls, hs] // per)  # pages a head's full groups fill; entries past them may be stale
         table = jnp.where(jnp.arange(pages) < filled[..., None], table, NULL_PAGE)

@@ -274,7 +274,7 @@ class _Evict:
     bits: int | None = None  # quantized per-head pages (``ops.quant_head_paging``; ``page_elems`` their bytes)
     group: int = 0  # with ``bits``: the slots a quantized group covers (the engine's page size)
     tokens: int = 0  # with ``bits``: the most slots a head stores (``max_seq_len``), what its jnp decode reads
-    pairs: tuple = ()  # with ``bits``: every layer's (K, V) width pairs, each layer's kernel's branches (one module)
+    pairs: tuple = ()  # with ``bits``: every layer's (K, V) width pairs: a decode launch (one module) a layer's pair
 
     @property
     def history(self) -> Eviction | None:
@@ -804,7 +804,7 @@ class Engine:
         )
         sharded = self.sharded is not None
         group = self.page_size if bits is not None else 0
-        # one kernel module for every layer (``quant_head_decode``'s ``pairs``): XLA compiles it once, not once a layer
+        # a kernel module a width pair shared by every layer (``quant_head_decode``'s ``pairs``): compiled once each
         pairs = tuple(sorted({pair for lay in self.layouts for pair, _ in width_pairs(lay)})) if bits else ()
         return _Evict(spec, page_elems, self.backend, schedule, sharded, windows, bits, group, self.max_seq_len, pairs)
 
