@@ -10,9 +10,13 @@ eviction has its own rate. The summary gives, per source and method, the largest
 stays within 1% of the uncompressed model's, alone and on each stack under it (a plan, quantized pages, both).
 
 ``--kv-bits`` adds every model (the uncompressed one too) served from quantized pages of ``--page-size`` tokens,
-one page format for both: each head's survivors compacted, then quantized (``reference.compacted_round_trip``; the
-engine refuses eviction on quantized pages today, so this scores the design before it is built). Its overall rate
-counts the pages' codes, scales and zeros (``kv_schemes.token_bytes``, per layer).
+one page format for both: each head's survivors compacted, then quantized (``reference.compacted_round_trip``: the
+engine's cut at a prompt's end, made in full-precision staging before the pages are written). Its overall rate
+counts the pages' codes, scales and zeros (``kv_schemes.token_bytes``, per layer). ``--group-cuts`` adds each of
+those models cut instead by whole groups of ``--page-size`` positions (``reference.group_cut``), as continual
+eviction cuts a sequence whose pages are already quantized (``continual.compress_groups``: observation-window
+methods only): the same count a head, rounded up to whole groups, and no group quantized again. Its rows say
+"groups" in ``cut``; the summary gives them a stack of their own.
 
 Mode ``retrieval``: the passkey and multi-key prompts of ``retrieval``, their answers teacher-forced: a trial is
 right when the greedy choice at every answer position is the answer's token (then greedy decoding writes the
@@ -42,7 +46,7 @@ from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
 from kvjax.compression.pipeline import measure_sensitivity
 from kvjax.eviction import Eviction, metrics
 from kvjax.eviction import parse as parse_eviction
-from kvjax.eviction.reference import hidden_after, keep, kept_bytes, scores_and_prefix
+from kvjax.eviction.reference import group_cut, hidden_after, keep, kept_bytes, scores_and_prefix
 
 ANSWER_ROOM = 16  # retrieval: positions past the prompt a plan's basis covers (the answer's tokens)
 EPILOG = """examples:
@@ -133,13 +137,17 @@ def plan_models(base, args, max_context: int) -> list[tuple[dict, object]]:
 def served_models(base, args, models) -> list[tuple[dict, object, object]]:
     """(fields, model, scheme) per plan and ``--kv-bits`` entry: the scheme None (unquantized) or the
     ``kv_schemes`` scheme its pages use, ``--page-size`` tokens a page; fields name the pair ("zack:0.5 kv4") and give
-    its overall rate (``accuracy.overall_rate``)."""
+    its overall rate (``accuracy.overall_rate``) and how a policy cuts it (``cut``: "slots", or with ``--group-cuts``
+    a second entry of each quantized pair, "zack:0.5 kv4 groups", cut by whole groups)."""
     out = []
     for (fields, model), kv in itertools.product(models, args.kv_bits):
         rate = accuracy.overall_rate(base, model.plan, kv, args.page_size) if kv is not None else fields["rate"]
         name = fields["plan"] if kv is None else f"{fields['plan']} kv{kv}"
         scheme = None if kv is None else accuracy.scheme_of(kv, args.page_size)
-        out.append((fields | {"name": name, "kv_bits": kv, "plan_rate": fields["rate"], "rate": rate}, model, scheme))
+        pair = fields | {"name": name, "kv_bits": kv, "plan_rate": fields["rate"], "rate": rate, "cut": "slots"}
+        for cut in ["slots", "groups"] if kv is not None and args.group_cuts else ["slots"]:
+            named = pair if cut == "slots" else pair | {"name": f"{name} {cut}", "cut": cut}
+            out.append((named, model, scheme))
     return out
 
 
@@ -196,11 +204,17 @@ def _window_runs(base, models, specs, chunk, prompt: int, kept: dict, source: st
     scores: dict = {}  # per plan and scoring group: a plan served at several --kv-bits is scored once
     for fields, model, scheme in models:
         prefix = _score_plan(scores, fields["plan"], model, chunk[:, :prompt], specs)  # one prompt for every cut
-        if fields["name"] != "none":
+        by_groups = fields["cut"] == "groups"  # served whole, its pages are its "slots" twin's: not run again
+        if fields["name"] != "none" and not by_groups:
             runs.append(((source, fields["name"], "none"), scored(_hidden(model, chunk, prompt, scheme, None, prefix))))
         for group_key, group in _by_method(specs).items():
             for spec in group:
-                cut = keep(model, scores[fields["plan"], group_key], spec)
+                if by_groups and spec.method not in metrics.WINDOWED:
+                    continue  # the engine's cut by groups scores with the last queries only
+                found = scores[fields["plan"], group_key]
+                cut = keep(model, found, spec)
+                if by_groups:
+                    cut = group_cut(model, found, cut, scheme.page_size, spec.recent)
                 key = (source, fields["name"], spec.name)
                 kept.setdefault(key, []).append(kept_bytes(cut, model.module.layouts, scheme))
                 runs.append((key, scored(_hidden(model, chunk, prompt, scheme, cut, prefix))))
@@ -249,7 +263,7 @@ def run_eval(base, args, save=None) -> list[dict]:
 
 def _named(models) -> dict:
     """Each served model's fields by name, the uncompressed model's included."""
-    return {"none": {"plan": "none", "kv_bits": None, "plan_rate": 0.0, "rate": 0.0}} | {
+    return {"none": {"plan": "none", "kv_bits": None, "plan_rate": 0.0, "rate": 0.0, "cut": "slots"}} | {
         f["name"]: f for f, _, _ in models
     }
 
@@ -265,6 +279,7 @@ def _eval_rows(sums: dict, kept: dict, models, window: int, prompt: int) -> list
         row = {"source": source, "window": window, "prompt": prompt, "plan": fields["plan"]}
         row |= {
             "kv_bits": fields["kv_bits"],
+            "cut": fields["cut"],
             "evict": policy,
             "plan_rate": fields["plan_rate"],
             "overall_rate": overall,
@@ -274,9 +289,9 @@ def _eval_rows(sums: dict, kept: dict, models, window: int, prompt: int) -> list
 
 
 def _stack(row: dict) -> str:
-    """What a row's eviction sits on: "alone", "plan", "4-bit", "plan + 4-bit"."""
+    """What a row's eviction sits on: "alone", "plan", "4-bit", "plan + 4-bit", "plan + 4-bit by groups"."""
     parts = (["plan"] if row["plan"] != "none" else []) + ([f"{row['kv_bits']}-bit"] if row.get("kv_bits") else [])
-    return " + ".join(parts) or "alone"
+    return " + ".join(parts) + (" by groups" if row.get("cut") == "groups" else "") or "alone"
 
 
 def within_one_percent(rows: list[dict]) -> list[dict]:
@@ -296,6 +311,8 @@ def within_one_percent(rows: list[dict]) -> list[dict]:
                 if (r["evict"] == "none" if method == "none" else r["evict"].split(":")[0] == method)
                 and _stack(r) == stack
             ]
+            if not pool:
+                continue  # a method no group cut runs (H2O), or a group cut's model served whole (its slots twin's)
             passing = [r for r in pool if accuracy.AT_99["ppl"](r["ppl"], base)]
             best = max(passing, key=lambda r: r["overall_rate"], default=None)
             if method == "none" and stack == "alone":
@@ -417,7 +434,8 @@ def _retrieval_rows(hits: dict, kept: dict, models) -> list[dict]:
 
 
 def _at(row: dict) -> list[str]:
-    return [row["plan"], *([f"kv{row['kv_bits']}"] if row.get("kv_bits") else []), row["evict"]]
+    cut = ["groups"] if row.get("cut") == "groups" else []
+    return [row["plan"], *([f"kv{row['kv_bits']}"] if row.get("kv_bits") else []), *cut, row["evict"]]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -441,6 +459,12 @@ def parser() -> argparse.ArgumentParser:
         default=[None],
         metavar="B",
         help="'none' (default) and/or quantized pages: 4, 2 (KIVI-style), gear4, gear2, ...",
+    )
+    p.add_argument(
+        "--group-cuts",
+        action="store_true",
+        help="eval, with --kv-bits: each quantized model also cut by whole groups of --page-size positions (continual "
+        "eviction's cut; kvcompress and snapkv only), beside the slot cut (compacted, then quantized: the prompt's)",
     )
     p.add_argument("--plans", type=_plan_arg, nargs="+", default=[None], help="'none' and/or VARIANT:RATE")
     p.add_argument("--calibration", default="text", help="plans' calibration source (default text)")
@@ -470,6 +494,10 @@ def parser() -> argparse.ArgumentParser:
 def _check_kv_bits(p, args) -> None:
     """``--kv-bits`` combinations this harness cannot score, as usage errors."""
     quantized = [kv for kv in args.kv_bits if kv is not None]
+    if args.group_cuts and not quantized:
+        p.error("--group-cuts cuts quantized pages by whole groups: give --kv-bits 4 (or 2, gear4, ...) with it")
+    if args.group_cuts and args.mode != "eval":
+        p.error("--group-cuts: eval mode only (retrieval cuts each prompt once, by slots)")
     if quantized and args.served:
         p.error("--served: the engine does not evict on quantized pages; --kv-bits scores them teacher-forced only")
     if any(str(kv).startswith("zipcache") for kv in quantized):

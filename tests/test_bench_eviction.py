@@ -106,6 +106,31 @@ def test_eval_with_quantized_pages_scores_every_plan_and_policy_on_them_too(tmp_
     assert {"4-bit", "plan + 4-bit", "h2o + 4-bit", "h2o + plan + 4-bit"} <= summary, f"seed {seed}"
 
 
+def test_group_cuts_score_each_quantized_model_cut_by_whole_groups_beside_its_slot_cut(tmp_path, monkeypatch):
+    """--group-cuts: each quantized model also cut by whole groups (continual eviction's cut), for the
+    observation-window methods only, in a stack of its own; a budget that keeps the whole prompt cuts nothing either
+    way, and a group cut keeps at least the slot cut's bytes (its counts are rounded up to whole groups)."""
+    seed, model = _random_heldout(monkeypatch)
+    out = tmp_path / "ev.json"
+    flags = ["--windows", "48", "--continuation", "16", "--eval-tokens", "48", "--sources", "prose"]
+    flags += ["--methods", "snapkv", "h2o", "--budgets", "32", "--ratios", "3", "--page-size", "4"]
+    flags += ["--kv-bits", "none", "4", "--group-cuts", "--plans", "none", "--json", str(out)]
+    eviction.main(["eval", *flags])
+    data = json.loads(out.read_text())
+    rows = {(r["kv_bits"], r["cut"], r["evict"]): r for r in data["rows"]}
+    policies = ["none", "snapkv:32", "snapkv:3x", "h2o:32", "h2o:3x"]
+    want = {(kv, "slots", e) for kv in (None, 4) for e in policies}
+    want |= {(4, "groups", "snapkv:32"), (4, "groups", "snapkv:3x")}
+    assert set(rows) == want, f"seed {seed}"
+    four = rows[(4, "slots", "none")]
+    assert rows[(4, "groups", "snapkv:32")]["kl"] == rows[(4, "slots", "snapkv:32")]["kl"] == four["kl"], f"seed {seed}"
+    groups, slots = rows[(4, "groups", "snapkv:3x")], rows[(4, "slots", "snapkv:3x")]
+    assert four["overall_rate"] < groups["overall_rate"] <= slots["overall_rate"], f"seed {seed}"
+    summary = {s["what"] for s in data["within_one_percent"]}
+    assert {"snapkv + 4-bit", "snapkv + 4-bit by groups", "h2o + 4-bit"} <= summary, f"seed {seed}"
+    assert "h2o + 4-bit by groups" not in summary
+
+
 def test_retrieval_is_right_when_every_answer_token_is_the_greedy_choice():
     model = kvjax.Model.random(WIDE, seed=1)
     tokens = np.random.default_rng(0).integers(1, WIDE.vocab_size, (1, 30))
@@ -137,6 +162,8 @@ def test_retrieval_is_right_when_every_answer_token_is_the_greedy_choice():
         (["eval", "--kv-bits", "zipcache"], "--kv-bits: ZipCache ranks tokens"),
         (["eval", "--kv-bits", "4", "--plans", "palu:0.5"], "not ['palu']"),
         (["eval", "--kv-bits", "3"], "--kv-bits"),
+        (["eval", "--group-cuts"], "--group-cuts cuts quantized pages by whole groups"),
+        (["retrieval", "--kv-bits", "4", "--group-cuts"], "--group-cuts: eval mode only"),
     ],
 )
 def test_bad_flags_are_one_line_usage_errors_before_any_model_loads(flags, message, monkeypatch, capsys):

@@ -638,3 +638,54 @@ def test_quantized_pages_with_nothing_evicted_serve_as_the_quantized_cache_does(
     assert not np.allclose(got[:, 30:], np.asarray(model.hidden(tokens))[:, 30:], atol=1e-2)  # it quantizes
     with pytest.raises(ValueError, match="ZipCache"):
         hidden_after(model, tokens, kept, kv=kv_schemes.parse("zipcache"))
+
+
+def test_a_cut_by_groups_keeps_whole_groups_by_their_summed_scores_and_never_quantizes_again():
+    """``reference.group_cut`` (continual eviction's cut on quantized pages, scored by the eviction bench): each head
+    keeps its slot count rounded up to whole groups plus its partial group, every group whole, its last
+    ``recent`` slots, and then the groups of highest summed score; its survivors then read, through
+    ``compacted_round_trip``, exactly what pages quantized in place would serve (no group is quantized again),
+    while a slot cut's do not. A sliding-window layer is not cut."""
+    from kvjax.eviction.continual import whole_groups
+    from kvjax.eviction.reference import group_cut
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    model = kvjax.Model.random(WIDE, seed=seed % 1000)
+    group, p, b = 8, int(rng.integers(40, 64)), 2
+    spec = Eviction("snapkv", ratio=float(rng.choice([2.0, 3.0])), page_size=group)
+    layouts = model.module.layouts
+    scores = [rng.random((b, lay.num_kv_heads, p)).astype(np.float32) for lay in layouts]
+    slots = keep(model, scores, spec)
+    cut = group_cut(model, scores, slots, group, spec.recent)
+    full = p // group * group
+    for layer, (mask, by_slot, score) in enumerate(zip(cut, slots, scores)):
+        for i, h in np.ndindex(b, mask.shape[1]):
+            m, where = mask[i, h], f"seed {seed}, layer {layer}, row {i}, head {h}"
+            marks = m[:full].reshape(-1, group)
+            assert (marks.all(-1) | ~marks.any(-1)).all(), where  # whole groups
+            assert m[full:].all() and m[p - spec.recent :].all(), where  # the partial group, the recent slots
+            assert m.sum() == whole_groups(by_slot[i, h].sum(), p, group), where
+            sums = score[i, h, :full].reshape(-1, group).sum(-1)
+            protected = np.arange(len(sums)) >= (p - spec.recent) // group
+            kept_free, dropped = sums[marks.all(-1) & ~protected], sums[~marks.all(-1)]
+            if len(kept_free) and len(dropped):
+                assert dropped.max() <= kept_free.min(), where
+
+    layout, scheme = layouts[0], kv_schemes.Kivi(4, page_size=group)
+    cols = (layout.q_cols, layout.k_cols, layout.v_cols)
+    q, k, v = (jnp.asarray(rng.normal(size=(b, p, c)), jnp.float32) for c in cols)
+    in_place = np.asarray(scheme.round_trip(q, k, v, layout)[0])
+    ko = HeadLayout.offsets(layout.k_widths)
+    kq = np.asarray(compacted_round_trip(scheme, q, k, v, layout, jnp.asarray(cut[0]), p)[0])
+    for i, h in np.ndindex(b, layout.num_kv_heads):
+        rows = np.flatnonzero(cut[0][i, h])[: int(cut[0][i, h].sum()) // group * group]  # in full pages
+        cols = slice(ko[h], ko[h] + layout.k_widths[h])
+        np.testing.assert_array_equal(kq[i, rows, cols], in_place[i, rows, cols], err_msg=f"seed {seed}")
+    anew = np.asarray(compacted_round_trip(scheme, q, k, v, layout, jnp.asarray(slots[0]), p)[0])
+    assert not np.array_equal(anew, in_place), f"seed {seed}: a slot cut quantizes its survivors anew"
+
+    windowed = kvjax.Model.random(TINY_CONFIGS["mistral"], seed=seed % 1000)
+    scores = [rng.random((1, lay.num_kv_heads, p)).astype(np.float32) for lay in windowed.module.layouts]
+    for mask, lay in zip(group_cut(windowed, scores, keep(windowed, scores, spec), group, 8), windowed.module.layouts):
+        assert (mask == (np.arange(p) >= p - lay.sliding_window)).all(), f"seed {seed}"

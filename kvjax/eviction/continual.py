@@ -40,12 +40,35 @@ def halved(spec: Eviction, stored, context: int | None = None, windows=None, gro
     floor = max(spec.recent, 0 if context is None else spec.per_head(context))
     target = np.minimum(stored, np.maximum(-(-stored // 2), floor))
     if group:
-        partial = stored % group
-        target = np.maximum(-(-(target - partial) // group), 0) * group + partial
+        target = whole_groups(target, stored, group)
     if windows is not None:
         local = np.array([bool(w) for w in windows])[:, None]
         target = np.where(local, stored, target)
     return target
+
+
+def whole_groups(target, stored, group: int) -> np.ndarray:
+    """Host: each head's ``target`` (int, ``stored``'s shape) rounded up to whole groups of ``group`` slots plus the
+    head's partial group (``stored % group``), the counts a cut by groups keeps (``group_marks``): a cut never
+    splits a group, and never drops the partial one, whose keys are still exact in the tail."""
+    target, stored = np.asarray(target, np.int64), np.asarray(stored, np.int64)
+    partial = stored % group
+    return np.maximum(-(-(target - partial) // group), 0) * group + partial
+
+
+def group_marks(scores, stored, target, group: int, recent: int):
+    """bool [..., S // group]: which of each head's full groups a cut by groups keeps, from its slots' ``scores``
+    [..., S] (higher: keep), ``stored`` [...] and ``target`` [...] (``whole_groups``' counts): a group scores the sum
+    of its slots', the last groups that the ``recent`` newest slots reach past the partial group are kept, then the
+    best others (``keep_counts``) up to ``target``'s whole groups. The device's cut (``compress_groups``) and the
+    accuracy bench's (``reference.group_cut``) both choose by it."""
+    stored = jnp.asarray(stored, jnp.int32)
+    groups = scores.shape[-1] // group
+    full, partial = stored // group, stored % group
+    by_group = scores[..., : groups * group].reshape(*scores.shape[:-1], groups, group).sum(-1)
+    protect = -(-jnp.maximum(recent - partial, 0) // group)  # the last groups the recent slots reach
+    want = (jnp.asarray(target, jnp.int32) - partial) // group
+    return keep_counts(by_group, full, want, protect[..., None])
 
 
 def _keys(pool, tables, layout, page_elems: int, tokens: int):
@@ -144,9 +167,7 @@ def compress_groups(
         raise ValueError(f"continual eviction on quantized pages scores with {metrics.WINDOWED}, not {spec.method!r}")
     cut = tuple(layer for layer in range(len(layouts)) if not (windows and windows[layer]))
     stored = jnp.asarray(stored, jnp.int32)
-    groups = tokens // group
-    full, partial = stored // group, stored % group
-    every = jnp.arange(groups) < full[..., None]  # [B, L, Hkv, groups]
+    every = jnp.arange(tokens // group) < (stored // group)[..., None]  # [B, L, Hkv, groups]
     marks = []
     for layer, lay in enumerate(layouts):
         if layer not in cut:
@@ -155,10 +176,7 @@ def compress_groups(
         n = stored[:, layer]
         keys = _quant_keys(pool, tails[layer], tables[:, layer], n, lay, page_bytes, group, bits, tokens)
         scores = metrics.window_scores(spec.method, queries[layer], keys, n, lay, pool=spec.pool)  # [B, Hkv, tokens]
-        by_group = scores[..., : groups * group].reshape(*scores.shape[:-1], groups, group).sum(-1)
-        protect = -(-jnp.maximum(spec.recent - partial[:, layer], 0) // group)  # the last groups the recent slots reach
-        want = (jnp.asarray(target, jnp.int32)[:, layer] - partial[:, layer]) // group
-        marks.append(keep_counts(by_group, full[:, layer], want, protect[..., None]))
+        marks.append(group_marks(scores, n, jnp.asarray(target)[:, layer], group, spec.recent))
     keep = jnp.stack(marks, axis=1)
     pool, kept = quant_head_paging.compact_groups(pool, tables, keep, stored, layouts, page_bytes, group, bits, cut)
     return pool, kept, keep

@@ -2,8 +2,9 @@
 head's prompt tokens are cut to the policy's selection (``select.keep_masks`` over ``metrics.scores``), and the
 tokens after the prompt attend to what was kept plus each other, as decode would over the evicted cache
 (``evicted_hidden``, ``hidden_after``). Teacher-forced, and one cut after prefill (the methods' published setting);
-continual eviction during decode is the engine's. With ``kv`` (a ``kv_schemes`` scheme), the kept tokens are
-compacted and then served from quantized pages (``compacted_round_trip``).
+continual eviction during decode is the engine's (its cut by whole groups on quantized pages is scored here as one
+cut at the prompt's end: ``group_cut``). With ``kv`` (a ``kv_schemes`` scheme), the kept tokens are compacted and
+then served from quantized pages (``compacted_round_trip``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax.eviction import metrics
+from kvjax.eviction.continual import group_marks, whole_groups
 from kvjax.eviction.select import Eviction, keep_masks
 from kvjax.ops import kv_schemes
 from kvjax.ops.grouped import attend_groups, full_width, head_logits, visible
@@ -146,6 +148,27 @@ def keep(model, scores: list[np.ndarray], spec: Eviction) -> list[np.ndarray]:
     windows = [lay.sliding_window for lay in model.module.layouts]
     rows = [keep_masks(spec, [s[b] for s in scores], windows) for b in range(scores[0].shape[0])]
     return [np.stack([row[layer] for row in rows]) for layer in range(len(scores))]
+
+
+def group_cut(model, scores: list[np.ndarray], kept: list[np.ndarray], group: int, recent: int) -> list[np.ndarray]:
+    """Per layer, bool [B, Hkv, P]: the slot cut ``kept`` (``keep`` of ``scores``) made a cut by whole groups of
+    ``group`` positions, as continual eviction cuts a sequence already in quantized pages
+    (``continual.compress_groups``): each head keeps its slot count rounded up to whole groups plus its partial group
+    (``continual.whole_groups``), the groups chosen by their slots' summed ``scores`` with the last ``recent`` slots'
+    groups kept (``continual.group_marks``). A group is of positions, as the pages quantized them while the sequence
+    grew, so a group cut never quantizes again; a slot cut's survivors are compacted and quantized anew. A layer with
+    a sliding window is not cut (continual eviction never cuts one): its heads keep what the window holds."""
+    out = []
+    for score, mask, lay in zip(scores, kept, model.module.layouts):
+        p = mask.shape[-1]
+        if lay.sliding_window is not None:
+            out.append(np.broadcast_to(np.arange(p) >= p - lay.sliding_window, mask.shape).copy())
+            continue
+        target = whole_groups(mask.sum(-1), np.full(mask.shape[:-1], p), group)
+        marks = np.asarray(group_marks(jnp.asarray(score), np.full(mask.shape[:-1], p), target, group, recent))
+        tail = np.ones(mask.shape[:-1] + (p % group,), bool)  # the partial group: kept, still exact
+        out.append(np.concatenate([np.repeat(marks, group, axis=-1), tail], axis=-1))
+    return out
 
 
 def prompt_keep(model, tokens, spec: Eviction) -> list[np.ndarray]:
