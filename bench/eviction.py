@@ -22,9 +22,9 @@ Mode ``retrieval``: the passkey and multi-key prompts of ``retrieval``, their an
 right when the greedy choice at every answer position is the answer's token (then greedy decoding writes the
 answer; the engine's ``accuracy.py retrieval`` scores the same trials by their generated text). The prompt is cut
 once after prefill, as the methods publish it; the question at its end is in every observation window. With
-``--served``, the engine generates the answers instead (``kvjax.generate`` with ``eviction=``, every trial of a
-context in one batched call), scored by their text: observation-window methods only, the rate nominal (the plan's
-bytes over the ratio).
+``--served``, the engine generates the answers instead (``kvjax.generate`` with ``eviction=`` and each ``--kv-bits``,
+every trial of a context in one batched call), scored by their text, the rate nominal (the plan's bytes, on quantized
+pages the pages', over the ratio).
 
 Scores are computed once per (plan, window), every method from one forward and one compile, and reused by every
 budget and page format. Results: bench/results/eviction.md "Eviction: accuracy"."""
@@ -47,6 +47,7 @@ from kvjax.compression.pipeline import measure_sensitivity
 from kvjax.eviction import Eviction, metrics
 from kvjax.eviction import parse as parse_eviction
 from kvjax.eviction.reference import group_cut, hidden_after, keep, kept_bytes, scores_and_prefix
+from kvjax.ops.quant import GROUP
 
 ANSWER_ROOM = 16  # retrieval: positions past the prompt a plan's basis covers (the answer's tokens)
 EPILOG = """examples:
@@ -384,11 +385,13 @@ def run_retrieval(base, args, save=None) -> list[dict]:
 
 
 def run_served_retrieval(base, args, save=None) -> list[dict]:
-    """Per task, context, plan and policy: the share of trials whose answer the engine generates right
-    (``retrieval.run`` with ``eviction``), the policies those the engine runs. ``save(rows)`` after each run."""
+    """Per task, context, plan, ``--kv-bits`` entry and policy: the share of trials whose answer the engine generates
+    right (``retrieval.run`` with ``eviction`` and ``kv_bits``: quantized per-head pages of the engine's page size,
+    ``quant.GROUP``), the policies those the engine runs. ``save(rows)`` after each run."""
     specs, models = policies(args), plan_models(base, args, max(args.contexts) + ANSWER_ROOM)
     rows: list[dict] = []
-    for fields, model in models:
+    for (fields, model), kv in itertools.product(models, args.kv_bits):
+        rate = fields["rate"] if kv is None else accuracy.overall_rate(base, model.plan, kv, GROUP)
         for spec in specs:
             results = retrieval.run(
                 model,
@@ -398,6 +401,7 @@ def run_served_retrieval(base, args, save=None) -> list[dict]:
                 args.trials,
                 seed=args.seed,
                 max_batch=args.max_batch,
+                kv_bits=kv,
                 eviction=None if spec is None else spec.name,
                 progress=False,
             )
@@ -406,8 +410,8 @@ def run_served_retrieval(base, args, save=None) -> list[dict]:
                     cells = [c for c in result["cells"] if c["context"] == context]
                     kept = 1.0 if spec is None or spec.ratio is None else 1.0 / spec.ratio
                     rows.append(
-                        {"task": task, "context": context, "plan": fields["plan"], "evict": _label(spec)}
-                        | {"overall_rate": 1.0 - (1.0 - fields["rate"]) * kept, "served": True}
+                        {"task": task, "context": context, "plan": fields["plan"], "kv_bits": kv}
+                        | {"evict": _label(spec), "overall_rate": 1.0 - (1.0 - rate) * kept, "served": True}
                         | {
                             "accuracy": float(np.mean([c["accuracy"] for c in cells])),
                             "trials": len(cells) * args.trials,
@@ -498,8 +502,8 @@ def _check_kv_bits(p, args) -> None:
         p.error("--group-cuts cuts quantized pages by whole groups: give --kv-bits 4 (or 2, gear4, ...) with it")
     if args.group_cuts and args.mode != "eval":
         p.error("--group-cuts: eval mode only (retrieval cuts each prompt once, by slots)")
-    if quantized and args.served:
-        p.error("--served: the engine does not evict on quantized pages; --kv-bits scores them teacher-forced only")
+    if args.served and any(not isinstance(kv, int) for kv in quantized):
+        p.error("--served --kv-bits: the evicting engine serves KIVI-style 4 or 2 bits only, not GEAR's")
     if any(str(kv).startswith("zipcache") for kv in quantized):
         p.error("--kv-bits: ZipCache ranks tokens by its own probe queries over the whole sequence; not with eviction")
     rebuilt = [v for v, _ in filter(None, args.plans) if accuracy.VARIANTS[v][0] != "zack" or v in accuracy.BANDS]

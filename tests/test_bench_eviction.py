@@ -158,7 +158,7 @@ def test_retrieval_is_right_when_every_answer_token_is_the_greedy_choice():
         (["eval", "--methods", "lru"], "--methods: invalid choice"),
         (["eval", "--windows", "64", "--continuation", "64"], "--continuation 64 leaves no prompt"),
         (["eval", "--served"], "--served runs retrieval through the engine"),
-        (["retrieval", "--served", "--kv-bits", "4"], "the engine does not evict on quantized pages"),
+        (["retrieval", "--served", "--kv-bits", "gear4"], "the evicting engine serves KIVI-style 4 or 2 bits only"),
         (["eval", "--kv-bits", "zipcache"], "--kv-bits: ZipCache ranks tokens"),
         (["eval", "--kv-bits", "4", "--plans", "palu:0.5"], "not ['palu']"),
         (["eval", "--kv-bits", "3"], "--kv-bits"),
@@ -289,7 +289,8 @@ def _prompt(rng, context):
 def test_served_retrieval_generates_every_trial_through_the_evicting_engine(tmp_path, monkeypatch):
     """--served: each plan and policy's trials (an observation-window one and a full-history one) are answered by
     ``kvjax.generate`` with that eviction (a random model
-    with a tokenizer, prompts of random tokens), every trial counted once, the rate nominal (2x keeps half)."""
+    with a tokenizer, prompts of random tokens), on bf16 and 4-bit pages, every trial counted once, the rate nominal
+    (2x keeps half)."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     model = kvjax.Model.random(WIDE, seed=seed % 1000)
@@ -303,10 +304,15 @@ def test_served_retrieval_generates_every_trial_through_the_evicting_engine(tmp_
     monkeypatch.setattr(eviction.retrieval, "build_prompt", prompt)
     out = tmp_path / "served.json"
     flags = ["retrieval", "--served", "--contexts", "48", "--depths", "0.5", "--trials", "3", "--task", "passkey"]
-    eviction.main([*flags, "--methods", "kvcompress", "h2o", "--ratios", "2", "--json", str(out)])
+    flags += ["--methods", "kvcompress", "h2o", "--ratios", "2", "--kv-bits", "none", "4", "--json", str(out)]
+    eviction.main(flags)
     rows = json.loads(out.read_text())["rows"]
-    want = {"none": (3, 0.0), "kvcompress:2x": (3, 0.5), "h2o:2x": (3, 0.5)}
-    assert {r["evict"]: (r["trials"], r["overall_rate"]) for r in rows} == want
+    four = accuracy.overall_rate(model, None, 4, 32)  # the engine's quantized pages: groups of 32
+    want = {(None, "none"): (3, 0.0), (None, "kvcompress:2x"): (3, 0.5), (None, "h2o:2x"): (3, 0.5)}
+    halved = 1 - (1 - four) / 2
+    want |= {(4, "none"): (3, four), (4, "kvcompress:2x"): (3, halved), (4, "h2o:2x"): (3, halved)}
+    got = {(r["kv_bits"], r["evict"]): (r["trials"], r["overall_rate"]) for r in rows}
+    assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k]) for k in want)
     assert all(r["served"] and 0.0 <= r["accuracy"] <= 1.0 for r in rows)
 
 
