@@ -9,7 +9,8 @@ among its devices); what this form cannot split is refused in one line. The engi
 devices: its steps inside one ``shard_map``, each device's cache holding its heads' columns of every page, with the
 jnp reference and with the Pallas kernels interpreted, in pages of the model's dtype and 4-bit pages, and with
 eviction (a pool of per-head pages a device, of bf16 or of 4-bit groups, KV-Compress's budget ranked across every
-device's heads), a tight pool cutting the same heads at the same steps; a checkpoint loaded for tensor parallelism
+device's heads), a tight pool cutting the same heads at the same steps, on bf16 pages and by whole groups of
+4-bit pages; a checkpoint loaded for tensor parallelism
 is read by the devices, each its share, and gives the same tokens; a model of shapes only runs on random shares."""
 
 import os
@@ -152,11 +153,12 @@ ENGINE = textwrap.dedent(
         else:
             raise AssertionError(bad)
 
-    def tight(n):  # a per-head pool of two sequences a device, four requests that outgrow it: heads are cut
+    def tight(n, model=base, new=30, **extra):  # a per-head pool of two sequences a device, four requests that
+        # outgrow it: heads are cut, each device's counts the host's after every cut (``exact_cuts``)
         settings = dict(max_batch=4, max_seq_len=96, chunk_tokens=32, eviction="snapkv:16", tensor_parallel=n)
-        engine, runner, requests, cuts = run_tight(base, seed, 30, **settings)
+        engine, runner, requests, cuts = run_tight(model, seed, new, exact_cuts=True, **settings, **extra)
         assert runner.scheduler.pages.heads.free_per_device.tolist() == [engine.head_pages - 1] * n
-        return [r.tokens for r in requests], len(cuts)
+        return [r.tokens for r in requests], [(slot, last, target.tolist()) for slot, last, target in cuts]
 
     def build():  # a module of shapes only: the engine draws each device's shares, never the whole model
         module = Transformer(base.config, plan=models["zack"].plan, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -219,6 +221,9 @@ ENGINE = textwrap.dedent(
 
     want, cuts = tight(1)
     assert cuts and tight(2) == (want, cuts), (seed, cuts)
+    quantized = dict(model=models["zack"], new=50, kv_bits=4)  # cut by whole groups of 4-bit pages on each device
+    want, cuts = tight(1, **quantized)
+    assert cuts and tight(2, **quantized) == (want, cuts), (seed, cuts)
     print("all ok")
     """
 )
