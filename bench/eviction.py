@@ -386,8 +386,8 @@ def run_retrieval(base, args, save=None) -> list[dict]:
 
 def run_served_retrieval(base, args, save=None) -> list[dict]:
     """Per task, context, plan, ``--kv-bits`` entry and policy: the share of trials whose answer the engine generates
-    right (``retrieval.run`` with ``eviction`` and ``kv_bits``: quantized per-head pages of the engine's page size,
-    ``quant.GROUP``), the policies those the engine runs. ``save(rows)`` after each run."""
+    right (``retrieval.run`` with ``eviction`` and ``kv_bits``: quantized pages of the engine's group, ``quant.GROUP``,
+    per head under eviction), the policies those the engine runs. ``save(rows)`` after each run."""
     specs, models = policies(args), plan_models(base, args, max(args.contexts) + ANSWER_ROOM)
     rows: list[dict] = []
     for (fields, model), kv in itertools.product(models, args.kv_bits):
