@@ -643,7 +643,7 @@ def test_quantized_pages_with_nothing_evicted_serve_as_the_quantized_cache_does(
 def test_a_cut_by_groups_keeps_whole_groups_by_their_summed_scores_and_never_quantizes_again():
     """``reference.group_cut`` (continual eviction's cut on quantized pages, scored by the eviction bench): each head
     keeps its slot count rounded up to whole groups plus its partial group, every group whole, its last
-    ``recent`` slots, and then the groups of highest summed score; its survivors then read, through
+    ``recent`` slots, and then the groups of highest best-slot score; its survivors then read, through
     ``compacted_round_trip``, exactly what pages quantized in place would serve (no group is quantized again),
     while a slot cut's do not. A sliding-window layer is not cut."""
     from kvjax.eviction.continual import whole_groups
@@ -666,9 +666,9 @@ def test_a_cut_by_groups_keeps_whole_groups_by_their_summed_scores_and_never_qua
             assert (marks.all(-1) | ~marks.any(-1)).all(), where  # whole groups
             assert m[full:].all() and m[p - spec.recent :].all(), where  # the partial group, the recent slots
             assert m.sum() == whole_groups(by_slot[i, h].sum(), p, group), where
-            sums = score[i, h, :full].reshape(-1, group).sum(-1)
-            protected = np.arange(len(sums)) >= (p - spec.recent) // group
-            kept_free, dropped = sums[marks.all(-1) & ~protected], sums[~marks.all(-1)]
+            best = score[i, h, :full].reshape(-1, group).max(-1)
+            protected = np.arange(len(best)) >= (p - spec.recent) // group
+            kept_free, dropped = best[marks.all(-1) & ~protected], best[~marks.all(-1)]
             if len(kept_free) and len(dropped):
                 assert dropped.max() <= kept_free.min(), where
 

@@ -118,7 +118,7 @@ def test_halved_on_groups_keeps_whole_groups_and_the_partial_one():
 
 def test_compress_groups_keeps_the_hosts_count_its_recent_groups_and_the_best_scored_others():
     """Each head of a cut layer keeps exactly ``halved``'s count, in whole groups: its groups reaching the last
-    ``recent`` slots (with its partial group) and then its others by the sum of their slots' window scores (keys read
+    ``recent`` slots (with its partial group) and then its others by their best slot's window score (keys read
     as attention reads them): no dropped group outscores a kept one. A layer left uncut keeps every slot."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
@@ -147,7 +147,7 @@ def test_compress_groups_keeps_the_hosts_count_its_recent_groups_and_the_best_sc
             n = int(stored[row, 0, h])
             full, partial = n // GROUP, n % GROUP
             protect = -(-max(spec.recent - partial, 0) // GROUP)
-            by_group = scores[row, h, : full * GROUP].reshape(full, GROUP).sum(-1)
+            by_group = scores[row, h, : full * GROUP].reshape(full, GROUP).max(-1)
             kept_groups = np.flatnonzero(keep[row, 0, h, :full])
             assert set(range(max(full - protect, 0), full)) <= set(kept_groups), f"seed {seed}"
             assert not keep[row, 0, h, full:].any()

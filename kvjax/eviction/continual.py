@@ -58,14 +58,16 @@ def whole_groups(target, stored, group: int) -> np.ndarray:
 
 def group_marks(scores, stored, target, group: int, recent: int):
     """bool [..., S // group]: which of each head's full groups a cut by groups keeps, from its slots' ``scores``
-    [..., S] (higher: keep), ``stored`` [...] and ``target`` [...] (``whole_groups``' counts): a group scores the sum
-    of its slots', the last groups that the ``recent`` newest slots reach past the partial group are kept, then the
+    [..., S] (higher: keep), ``stored`` [...] and ``target`` [...] (``whole_groups``' counts): a group scores its best
+    slot's score, the last groups that the ``recent`` newest slots reach past the partial group are kept, then the
     best others (``keep_counts``) up to ``target``'s whole groups. The device's cut (``compress_groups``) and the
-    accuracy bench's (``reference.group_cut``) both choose by it."""
+    accuracy bench's (``reference.group_cut``) both choose by it. The best slot, not the sum: a group that holds a
+    heavy hitter keeps it, and its perplexity beat the sum's in 12 of 16 rows (bench/results/eviction.md, "Eviction on
+    quantized pages: a cut by whole groups against a cut by slots")."""
     stored = jnp.asarray(stored, jnp.int32)
     groups = scores.shape[-1] // group
     full, partial = stored // group, stored % group
-    by_group = scores[..., : groups * group].reshape(*scores.shape[:-1], groups, group).sum(-1)
+    by_group = scores[..., : groups * group].reshape(*scores.shape[:-1], groups, group).max(-1)
     protect = -(-jnp.maximum(recent - partial, 0) // group)  # the last groups the recent slots reach
     want = (jnp.asarray(target, jnp.int32) - partial) // group
     return keep_counts(by_group, full, want, protect[..., None])
@@ -157,7 +159,7 @@ def compress_groups(
     windows=(),
 ):
     """``compress`` on quantized per-head pages (``ops.quant_head_paging``), by whole groups: each head's full groups
-    are scored by the sum of their slots' scores (the last W queries against its keys as attention reads them,
+    are scored by their best slot's score (the last W queries against its keys as attention reads them,
     dequantized; ``metrics.window_scores``), its last groups holding ``spec.recent`` slots with the partial group are
     kept, then its best others up to ``target`` [B, L, Hkv] (``halved`` with ``group``: whole groups plus the partial
     group), and the survivors move as bytes (``quant_head_paging.compact_groups``). Only the observation-window

@@ -154,7 +154,7 @@ def group_cut(model, scores: list[np.ndarray], kept: list[np.ndarray], group: in
     """Per layer, bool [B, Hkv, P]: the slot cut ``kept`` (``keep`` of ``scores``) made a cut by whole groups of
     ``group`` positions, as continual eviction cuts a sequence already in quantized pages
     (``continual.compress_groups``): each head keeps its slot count rounded up to whole groups plus its partial group
-    (``continual.whole_groups``), the groups chosen by their slots' summed ``scores`` with the last ``recent`` slots'
+    (``continual.whole_groups``), the groups chosen by their best slot's ``scores`` with the last ``recent`` slots'
     groups kept (``continual.group_marks``). A group is of positions, as the pages quantized them while the sequence
     grew, so a group cut never quantizes again; a slot cut's survivors are compacted and quantized anew. A layer with
     a sliding window is not cut (continual eviction never cuts one): its heads keep what the window holds."""
