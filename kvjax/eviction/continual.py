@@ -62,8 +62,8 @@ def group_marks(scores, stored, target, group: int, recent: int):
     slot's score, the last groups that the ``recent`` newest slots reach past the partial group are kept, then the
     best others (``keep_counts``) up to ``target``'s whole groups. The device's cut (``compress_groups``) and the
     accuracy bench's (``reference.group_cut``) both choose by it. The best slot, not the sum: a group that holds a
-    heavy hitter keeps it, and its perplexity beat the sum's in 12 of 16 rows (bench/results/eviction.md, "Eviction on
-    quantized pages: a cut by whole groups against a cut by slots")."""
+    heavy hitter keeps it, which scored better than the sum (bench/results/eviction.md, "Eviction on quantized pages:
+    a cut by whole groups against a cut by slots")."""
     stored = jnp.asarray(stored, jnp.int32)
     groups = scores.shape[-1] // group
     full, partial = stored // group, stored % group
