@@ -43,10 +43,10 @@ from bench.harness import HKV, D, copy_bandwidth, count_arg, log, log_row, pick_
 from kvjax.eviction import Eviction, continual, metrics
 from kvjax.eviction.select import device_keep
 from kvjax.ops import head_compact, head_paging, quant_head_paging
+from kvjax.ops.quant import GROUP  # quantized per-head pages' group: the engine's page size with kv_bits
 from kvjax.runtime.head_pages import HeadPages
 
 PAGE_ELEMS = 16 * 2 * D  # 16 full-width tokens
-GROUP = 32  # quantized per-head pages' group: the engine's page size with kv_bits (``quant.GROUP``)
 LAYERS = 32
 
 

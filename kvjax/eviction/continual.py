@@ -168,7 +168,7 @@ def compress_groups(
     if spec.method not in metrics.WINDOWED:
         raise ValueError(f"continual eviction on quantized pages scores with {metrics.WINDOWED}, not {spec.method!r}")
     cut = tuple(layer for layer in range(len(layouts)) if not (windows and windows[layer]))
-    stored = jnp.asarray(stored, jnp.int32)
+    stored, target = jnp.asarray(stored, jnp.int32), jnp.asarray(target, jnp.int32)
     every = jnp.arange(tokens // group) < (stored // group)[..., None]  # [B, L, Hkv, groups]
     marks = []
     for layer, lay in enumerate(layouts):
@@ -178,7 +178,7 @@ def compress_groups(
         n = stored[:, layer]
         keys = _quant_keys(pool, tails[layer], tables[:, layer], n, lay, page_bytes, group, bits, tokens)
         scores = metrics.window_scores(spec.method, queries[layer], keys, n, lay, pool=spec.pool)  # [B, Hkv, tokens]
-        marks.append(group_marks(scores, n, jnp.asarray(target)[:, layer], group, spec.recent))
+        marks.append(group_marks(scores, n, target[:, layer], group, spec.recent))
     keep = jnp.stack(marks, axis=1)
     pool, kept = quant_head_paging.compact_groups(pool, tables, keep, stored, layouts, page_bytes, group, bits, cut)
     return pool, kept, keep

@@ -164,8 +164,9 @@ def group_cut(model, scores: list[np.ndarray], kept: list[np.ndarray], group: in
         if lay.sliding_window is not None:
             out.append(np.broadcast_to(np.arange(p) >= p - lay.sliding_window, mask.shape).copy())
             continue
-        target = whole_groups(mask.sum(-1), np.full(mask.shape[:-1], p), group)
-        marks = np.asarray(group_marks(jnp.asarray(score), np.full(mask.shape[:-1], p), target, group, recent))
+        stored = np.full(mask.shape[:-1], p)  # every position of the prompt is in a head's slots
+        target = whole_groups(mask.sum(-1), stored, group)
+        marks = np.asarray(group_marks(jnp.asarray(score), stored, target, group, recent))
         tail = np.ones(mask.shape[:-1] + (p % group,), bool)  # the partial group: kept, still exact
         out.append(np.concatenate([np.repeat(marks, group, axis=-1), tail], axis=-1))
     return out
