@@ -38,7 +38,7 @@ from bench.head_decode import head_tables, row, shares
 from kvjax import validate
 from kvjax.ops import head_paging, quant_head_paging
 from kvjax.ops.decode.head_kernel import head_paged_decode, live_work
-from kvjax.ops.decode.quant_head_kernel import quant_head_decode
+from kvjax.ops.decode.quant_head_kernel import launch_heads, quant_head_decode
 from kvjax.ops.pallas_util import width_pairs
 
 BF16_PAGE = 16  # the bf16 rows' pages: full-width tokens a page, the engine's default
@@ -118,11 +118,12 @@ def _group_rows(args, layout, rate: float, keep: float, bits: int, group: int, b
     want = quant_head_paging.decode_attention(
         q.astype(jnp.float32), pool, tail.astype(jnp.float32), tables, stored, layout, page_bytes, group, bits, context
     )
-    work = live_work(stored)  # once, outside the timed call: the engine's step builds it once for every layer
     pairs = tuple(pair for pair, _ in width_pairs(layout))
     for warps, stages, step, launches in itertools.product(args.warps, args.stages, args.step_groups, args.launches):
         knobs = dict(num_warps=warps, num_stages=stages, step_groups=step or None, interpret=args.interpret)
         knobs |= dict(pairs=pairs if launches == "pair" else None)
+        # the work lists once, outside the timed call, from the live slots: the engine's step builds them once
+        work = {n: live_work(jnp.ones((batch, n), bool)) for n in launch_heads(layout, knobs["pairs"])}
 
         def run(pool, tail, tables, stored, work, q, knobs=knobs):
             return quant_head_decode(q, pool, tail, tables, stored, layout, page_bytes, group, bits, work=work, **knobs)

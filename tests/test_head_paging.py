@@ -641,6 +641,16 @@ def test_the_one_launch_gives_its_programs_to_the_heads_that_store_tokens():
         n = items // s
         want = merge_splits(acc.reshape(n, s, 3, 5), m.reshape(n, s, 3), l.reshape(n, s, 3))
         np.testing.assert_allclose(got[::s], want, rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}, {s} splits")
+    # one count an item: launches of their own splits in one buffer (quant_head_kernel), each from a multiple of 16
+    parts = [(16, 2), (32, 8), (16 * (items // 16 - 4), 16), (16, 1)]
+    counts = jnp.asarray(np.concatenate([np.full(n, s) for n, s in parts]), jnp.int32)
+    got = np.asarray(merge_items(acc, m, l, counts))
+    at = 0
+    for n, s in parts:
+        rows = slice(at, at + n)
+        want = merge_splits(acc[rows].reshape(-1, s, 3, 5), m[rows].reshape(-1, s, 3), l[rows].reshape(-1, s, 3))
+        np.testing.assert_allclose(got[rows][::s], want, rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}, {s} splits")
+        at += n
 
 
 def test_a_lightly_loaded_one_launch_reads_only_the_live_heads_in_interpret_mode():

@@ -11,8 +11,8 @@ from conftest import fresh_seed
 
 from kvjax.layout import HeadLayout
 from kvjax.ops import quant_head_paging as qhp
-from kvjax.ops.decode.head_kernel import live_work
-from kvjax.ops.decode.quant_head_kernel import quant_head_decode
+from kvjax.ops.decode.head_kernel import live_work, work_items
+from kvjax.ops.decode.quant_head_kernel import launch_heads, quant_head_decode
 
 # widths that differ by head, two heads sharing a pair; K of 16 at 4 bits and of 16 or 48 at 2 bits read gathered
 LAYOUT = HeadLayout(8, 4, 64, (16, 64, 16, 48), (32, 16, 32, 64))
@@ -101,15 +101,32 @@ def test_a_sliding_window_skips_the_groups_before_its_first_slot(pairs):
 
 @pytest.mark.parametrize("pairs", [None, MODEL_PAIRS])
 def test_a_step_wide_work_list_serves_the_layer(pairs):
-    """The engine builds ``live_work`` once a step from its live slots: rows that store nothing in this layer
-    still hold work items, which give zeros."""
+    """The engine builds ``live_work`` once a step from its live slots, one a head count ``launch_heads`` names:
+    rows that store nothing in this layer still hold work items, which give zeros; a count missing is refused."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     counts = rng.integers(1, 60, (3, 4))
     counts[2] = 0
-    work = live_work(jnp.ones((3, 4), bool))
+    sizes = launch_heads(LAYOUT, pairs)
+    assert sizes == ((4,) if pairs is None else (1, 2))  # LAYOUT's pairs: (16, 32) twice, (64, 16), (48, 64)
+    work = {n: live_work(jnp.ones((3, n), bool)) for n in sizes}
     got = _check(LAYOUT, 3, 16, 4, counts, seed, work=work, pairs=pairs)
     assert not np.asarray(got)[2].any()
+    with pytest.raises(ValueError, match="this launch needs"):
+        _check(LAYOUT, 3, 16, 4, counts, seed, work={n + 4: w for n, w in work.items()}, pairs=pairs)
+
+
+def test_each_pairs_launch_gets_programs_for_its_own_rows():
+    """A launch a width pair chooses its splits from its own (sequence, head) rows, not the layer's: at B32 a pair of
+    one head of 8 gets 16 splits (512 working programs), not the layer's 2 (64 of them working), so every launch
+    fills an H100's 132 SMs (bench/results/eviction.md "Eviction on quantized pages: the engine's step through a
+    kernel a width pair (H100)")."""
+    layer = np.asarray(live_work(jnp.ones((32, 8), bool)))
+    for n, splits in ((1, 16), (2, 8), (3, 4), (8, 2)):
+        own = np.asarray(live_work(jnp.ones((32, n), bool)))
+        assert own[:2].tolist() == [32 * n, splits] and own[0] * own[1] <= work_items(32 * n)
+        assert own[0] * own[1] >= 256  # a launch of about TARGET_PROGRAMS working programs
+    assert layer[1] == 2
 
 
 def test_bad_inputs_are_refused_in_one_line():

@@ -31,6 +31,7 @@ from kvjax.ops.decode.gear_kernel import GearDecodeOp
 from kvjax.ops.decode.head_kernel import live_work
 from kvjax.ops.decode.kernel import MIN_BAND
 from kvjax.ops.decode.op import DecodeOp
+from kvjax.ops.decode.quant_head_kernel import launch_heads
 from kvjax.ops.grouped import full_width
 from kvjax.ops.kv_schemes import AnyPageFormat, label, page_format, served
 from kvjax.ops.paging import NULL_PAGE
@@ -495,15 +496,21 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
     pool, stored, rings, tails = heads.pool, [], list(heads.queries), list(heads.tails)
     sums = None if heads.sums is None else list(heads.sums)
     ring_row = jnp.where(active, positions % evict.spec.window, evict.spec.window)  # inactive rows: dropped
-    works: dict = {}  # the live schedule's work list, built once a step (per KV head count) from the live slots
+    works: dict = {}  # the live schedule's work lists, built once a step (one a KV head count) from the live slots
+
+    def step_work(n: int):
+        if n not in works:
+            works[n] = live_work(jnp.broadcast_to(active[:, None], (active.shape[0], n)))
+        return works[n]
 
     def attend(i, q, k, v, rebuild=None, rotation=None):
         nonlocal pool
-        work, heads_n = None, module.layouts[i].num_kv_heads
+        work, layout = None, module.layouts[i]
         if evict.schedule == "live" and evict.backend != "reference":
-            if heads_n not in works:
-                works[heads_n] = live_work(jnp.broadcast_to(active[:, None], (active.shape[0], heads_n)))
-            work = works[heads_n]
+            if evict.bits is None:
+                work = step_work(layout.num_kv_heads)
+            else:  # a list a launch's head count (a launch a width pair: each its own splits)
+                work = {n: step_work(n) for n in launch_heads(layout, evict.pairs or None)}
         window = evict.windows[i]
         before = None if window is None else heads.before[:, i]
         if evict.bits is not None:  # quantized per-head pages (``quant_head_kernel`` on the kernels)

@@ -245,13 +245,17 @@ def live_work(live, splits=None) -> jax.Array:
 
 def merge_items(acc, m, l, splits, with_lse: bool = False):
     """[items, G, W]: each work item's group of ``splits`` consecutive items (S, traced, a power of two <= 16)
-    merged as ``merge_splits`` merges them, the result at every item of the group. A butterfly: at step k (1, 2, 4,
-    8; taken while k < S) every item meets item ``i ^ k`` (the ``k``-blocks of a ``2k``-block swapped: a reversal, so
-    XLA fuses it) for the group's maximum, then for the weighted sums. Only a group's own items ever meet, so a
-    narrow head's unwritten columns stay in its own columns; no branch either (a conditional put XLA's predicate on
-    the host and changed the step's kernels from call to call). ``with_lse``: also each item's group's whole
-    denominator [items, G] (``log_sum``)."""
+    merged as ``merge_splits`` merges them, the result at every item of the group. ``splits`` may also be one count
+    an item [items] (launches of their own splits in one buffer, each's items starting at a multiple of 16). A
+    butterfly: at step k (1, 2, 4, 8; taken while k < S) every item meets item ``i ^ k`` (the ``k``-blocks of a
+    ``2k``-block swapped: a reversal, so XLA fuses it) for the group's maximum, then for the weighted sums. Only a
+    group's own items ever meet, so a narrow head's unwritten columns stay in its own columns; no branch either (a
+    conditional put XLA's predicate on the host and changed the step's kernels from call to call). ``with_lse``: also
+    each item's group's whole denominator [items, G] (``log_sum``)."""
     items = acc.shape[0]
+    s = jnp.asarray(splits)
+    s_rows = s[:, None] if s.ndim else s  # against [items, G]
+    s_acc = s[:, None, None] if s.ndim else s  # against [items, G, W]
 
     def partner(x, k):
         return jnp.flip(x.reshape(items // (2 * k), 2, k, *x.shape[1:]), axis=1).reshape(x.shape)
@@ -259,12 +263,12 @@ def merge_items(acc, m, l, splits, with_lse: bool = False):
     steps = [k for k in (1, 2, 4, 8) if k < MAX_SPLITS and items % (2 * k) == 0]
     top = m
     for k in steps:
-        top = jnp.where(k < splits, jnp.maximum(top, partner(top, k)), top)
+        top = jnp.where(k < s_rows, jnp.maximum(top, partner(top, k)), top)
     w = jnp.where(l > 0, jnp.exp2(m - top), 0.0)
     acc, total = acc * w[..., None], l * w
     for k in steps:
-        acc = jnp.where(k < splits, acc + partner(acc, k), acc)
-        total = jnp.where(k < splits, total + partner(total, k), total)
+        acc = jnp.where(k < s_acc, acc + partner(acc, k), acc)
+        total = jnp.where(k < s_rows, total + partner(total, k), total)
     out = acc / jnp.where(total > 0, total, 1.0)[..., None]
     return (out, log_sum(top, total)) if with_lse else out
 
@@ -339,16 +343,24 @@ def _merge_live(acc, m, l, work, splits, with_lse: bool = False):
     """[B x Hkv, G, width]: each head's output from ``_live_kernel``'s items (``acc`` [items, G, width], ``m``, ``l``
     [items, G]) under ``work`` (``live_work``), zeros for a head that stores nothing. ``with_lse``: also each head's
     whole denominators [B x Hkv, G] (``log_sum``; MASK for a head that stores nothing)."""
-    items, g, width = acc.shape
     first = work[2 + (work.shape[0] - 2) // 2 :]  # each head's first item, -1 if not live
+    return merge_at(
+        acc, m, l, first, work[1] if splits is None else splits, fixed=splits is not None, with_lse=with_lse
+    )
+
+
+def merge_at(acc, m, l, first, splits, *, fixed: bool, with_lse: bool = False):
+    """``_merge_live`` given each head's first item ``first`` [heads] (-1: not live) and ``splits``: a fixed count
+    (``fixed``: every head's items ``splits`` apart from item 0), or ``merge_items``' traced count or counts."""
+    items, g, width = acc.shape
     at = jnp.maximum(first, 0)
-    if splits is not None:
+    if fixed:
         merged, lse = merge_splits(
             acc.reshape(-1, splits, g, width), m.reshape(-1, splits, g), l.reshape(-1, splits, g), with_lse=True
         )
         merged, lse = merged[at // splits], lse[at // splits]
     else:
-        merged, lse = merge_items(acc, m, l, work[1], with_lse=True)  # every item of a group holds its merge
+        merged, lse = merge_items(acc, m, l, splits, with_lse=True)  # every item of a group holds its merge
         merged, lse = merged[at], lse[at]
     out = jnp.where((first >= 0)[:, None, None], merged, 0.0)
     return (out, jnp.where((first >= 0)[:, None], lse, MASK)) if with_lse else out

@@ -11,7 +11,9 @@ partial group, exact in the layer's tail, is the last chunk of its first split.
 Launches: the engine's is one a width pair of the layer, each kernel that pair's alone and one Triton module for
 every layer (XLA compiles it once for the model); one launch switching between a layer's pairs makes a module a
 layer, whose Triton compile grows faster than its pairs (bench/results/eviction.md "Eviction on quantized pages:
-compile, a module a layer against a module a width pair": 1,083 s against 64 s for a rate-0.5 model, offline).
+compile, a module a layer against a module a width pair": 1,083 s against 64 s for a rate-0.5 model, offline). Each
+launch has its own work list over its own heads' rows (``launch_heads``), so that a pair of one head still gets a
+GPU's worth of programs.
 
 Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; the pool [pages, bytes]
 (indexed by (page, byte): a pool past 2 GiB needs no 64-bit flat offset), the tail under 2^31 elements.
@@ -33,11 +35,10 @@ from kvjax.layout import HeadLayout
 from kvjax.ops.decode.cost import ROWS
 from kvjax.ops.decode.head_kernel import (
     _counts,
-    _launch,
-    _merge_live,
     _work_of,
     check_heads,
     live_item,
+    merge_at,
     packed_out,
     work_items,
 )
@@ -96,7 +97,7 @@ def _attend(
     A q row's, a tail row's and its K columns are read from ``dims_ref`` (not static: see ``quant_head_decode``)."""
     g = queries
     (stored_ref, first_ref, table_ref, q_ref, pool_ref, meta_ref, tail_ref, _, qo_ref, ko_ref, vo_ref,
-     dims_ref, _) = refs[:13]  # fmt: skip
+     dims_ref, _, _) = refs[:INPUTS]  # fmt: skip
     acc_ref, m_ref, l_ref = refs[-3:]  # the outputs (after the launch's aliased inputs, if any)
     q_cols, tail_cols, k_cols = dims_ref[0], dims_ref[1], dims_ref[2]
     split, splits = head_split
@@ -177,21 +178,22 @@ def _attend(
     plgpu.store(l_ref.at[index], l, mask=real)
 
 
-def _kernel(*refs, pairs, units, launch, **static):
-    """``head_kernel._live_kernel`` over quantized pages: program i does split i % S of live head i // S
-    (``work_ref``: ``live_work``'s count, splits and heads), switching to its head's width pair (``pair_ref``);
-    programs past the live heads store empty items (as head 0's). ``launch`` (a launch a pair): this kernel is
-    ``pairs``' one pair's, whose index ``pair_ref`` holds for its heads; programs of other heads store nothing (their
-    items are another launch's)."""
-    item, head_split, active, head = live_item(refs[12])
-    seq, unit = head // units, head % units
-    args = (refs, head_split, seq, unit, head, item, active)
-    pair_ref = refs[7]
+INPUTS = 14  # the kernel's inputs before its outputs (and the outputs' aliased inputs): ``quant_head_decode``'s list
+
+
+def _kernel(*refs, pairs, units, **static):
+    """``head_kernel._live_kernel`` over quantized pages: program i does split i % S of live row i // S
+    (``work_ref``: ``live_work``'s count, splits and rows over the launch's heads ``heads_ref``: row r is sequence r //
+    n's head ``heads_ref[r % n]``, n = ``dims_ref[3]``), switching to its head's width pair (``pair_ref``; a launch a
+    pair: its one branch, no switch), its item stored ``dims_ref[4]`` items into the outputs (where its launch's
+    items start); programs past the live rows store empty items (as row 0's)."""
+    pair_ref, dims_ref, heads_ref, work_ref = refs[7], refs[11], refs[12], refs[13]
+    item, head_split, active, row = live_item(work_ref)
+    n = dims_ref[3]
+    seq, unit = row // n, heads_ref[row % n]
+    args = (refs, head_split, seq, unit, seq * units + unit, dims_ref[4] + item, active)
     branches = [functools.partial(_attend, *args, kw=kw, vw=vw, per=per, nc=nc, **static) for kw, vw, per, nc in pairs]
-    if launch is None:
-        lax.switch(pair_ref[unit], branches)  # one pair: its branch alone, no switch
-    else:
-        pl.when(pair_ref[unit] == launch)(branches[0])
+    lax.switch(pair_ref[unit], branches)  # one pair: its branch alone, no switch
 
 
 def _check(q, pool, tail, tables, stored, first, layout: HeadLayout, page_bytes: int, size: int) -> None:
@@ -245,20 +247,23 @@ def quant_head_decode(
     """One new query per sequence against each KV head's stored slots on quantized per-head pages; equal to
     ``quant_head_paging.decode_attention`` (float32 dots where q is float32).
 
-    q [B, q_cols] packed; pool uint8 [num_pages, page_bytes] (``quant_head_paging.pool_page_bytes``); tail [>= B,
-    group, k_cols + v_cols] (row i: sequence i's heads' partial groups); tables [B, Hkv, pages] int32; stored [B, Hkv]
-    int32 (slots each head stores, the new one included, already written); ``group``: slots a quantized group (the
-    engine's page size); ``bits``: 4 or 2; ``first`` [B, Hkv] (sliding-window layers): each head's first slot its
-    window sees. ``work``: ``head_kernel.live_work`` built once for the step (default: from ``stored``), or ``splits``
-    fixed; ``step_groups``: groups a program reads a loop step (default ``groups_a_step``); ``num_warps``,
-    ``num_stages``: Triton's. ``pairs`` (the engine's: every layer's (K width, V width) pairs): a launch for each of
-    the layer's pairs, its kernel compiled for that pair alone and the same Triton module whatever the layer, which
-    XLA compiles once for the model (its kernel cache is keyed by the module); the launches write one set of partial
-    results. Without it, one launch switching between the layer's pairs: a module a layer, whose compile grows faster
-    than its pairs (7 pairs: 19 s of Triton offline at groups of 32, against 1-2 s for one; bench/notes/
-    2026-12-06-quant-head-compile.md). Returns [B, out_cols] in q's dtype; a head storing nothing gives zeros.
-    Bytes a page holds past what its head wrote (another head's, stale) are never read: every load of a group past
-    the head's full groups is masked."""
+    q [B, q_cols] packed; pool uint8 [num_pages, page_bytes] (``quant_head_paging.pool_page_bytes``); tail [>= B, group,
+    k_cols + v_cols] (row i: sequence i's heads' partial groups); tables [B, Hkv, pages] int32; stored [B, Hkv] int32
+    (slots each head stores, the new one included, already written); ``group``: slots a quantized group (the engine's
+    page size); ``bits``: 4 or 2; ``first`` [B, Hkv] (sliding-window layers): each head's first slot its window sees.
+    ``work``: the work lists built once for the step, ``head_kernel.live_work`` over B x n rows for each head count n of
+    ``launch_heads`` (a mapping by n; one launch also takes its one list); default: each launch's from its heads'
+    ``stored``; or ``splits`` fixed; ``step_groups``: groups a program reads a loop step (default ``groups_a_step``);
+    ``num_warps``, ``num_stages``: Triton's. ``pairs`` (the engine's: every layer's (K width, V width) pairs): a launch
+    for each of the layer's pairs, its kernel compiled for that pair alone and the same Triton module whatever the
+    layer, which XLA compiles once for the model (its kernel cache is keyed by the module); each launch's splits chosen
+    from its own rows (a launch of one head of 8 at B32: 16 splits, 512 programs; with the layer's 2 it had 64 working
+    programs on 132 SMs, bench/results/eviction.md "Eviction on quantized pages: the engine's step through a kernel a
+    width pair (H100)"), the launches' items in one buffer, merged once. Without it, one launch switching between the
+    layer's pairs: a module a layer, whose compile grows faster than its pairs (7 pairs: 19 s of Triton offline at
+    groups of 32, against 1-2 s for one; bench/notes/2026-12-06-quant-head-compile.md). Returns [B, out_cols] in q's
+    dtype; a head storing nothing gives zeros. Bytes a page holds past what its head wrote (another head's, stale) are
+    never read: every load of a group past the head's full groups is masked."""
     check_bits(bits)
     if step_groups is not None and not (isinstance(step_groups, int) and step_groups >= 1):
         raise ValueError(f"step_groups must be a positive integer, got {step_groups!r}")
@@ -272,8 +277,8 @@ def quant_head_decode(
         raise ValueError(f"pairs must hold each width pair of the layout; {missing} missing")
     if len(set(pairs)) < len(pairs):
         raise ValueError(f"pairs must be distinct, got {pairs}")
-    pair_of = np.zeros(heads, np.int32)
-    for pair, members in width_pairs(layout):
+    pair_of = np.zeros(heads, np.int32)  # each head's branch; a launch a pair has one, 0
+    for pair, members in width_pairs(layout) if one_launch else ():
         pair_of[members] = pairs.index(pair)
     branches = []
     for kw, vw in pairs:
@@ -285,8 +290,6 @@ def quant_head_decode(
         HeadLayout.offsets(layout.k_widths),
         HeadLayout.offsets(layout.v_widths),
     ]
-    work = _work_of(stored, work, splits)
-    items = work_items(b * heads) if splits is None else b * heads * splits
     inputs = [
         *_counts(stored, first),
         tables.astype(jnp.int32).reshape(-1),
@@ -296,9 +299,8 @@ def quant_head_decode(
         tail.reshape(-1),
         jnp.asarray(pair_of),
         *[jnp.asarray(np.asarray(o, np.int32)) for o in offsets],
-        jnp.asarray([layout.q_cols, layout.k_cols + layout.v_cols, layout.k_cols], jnp.int32),  # the layer's dims
-        work,
     ]
+    dims = [layout.q_cols, layout.k_cols + layout.v_cols, layout.k_cols]  # the layer's, not static: one module
     static = dict(
         size=group,
         bits=bits,
@@ -311,36 +313,102 @@ def quant_head_decode(
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     name = f"kvjax_quant_head_decode_int{bits}"
     if one_launch:
-        kernel = functools.partial(_kernel, pairs=tuple(branches), units=heads, launch=None, **static)
-        launch = functools.partial(_launch, b=b, g=g, cap=0, heads=heads, params=params, interpret=interpret)
-        acc, m, l, _ = launch(kernel, items, 1, inputs, width, name, (items,))
+        heads_of = [list(range(heads))]
+        lists = [_work_of(stored, _list_of(work, heads), splits)]
     else:
-        kernels = [
-            (functools.partial(_kernel, pairs=(branches[i],), units=heads, launch=i, **static), f"{name}_k{kw}_v{vw}")
-            for i, (kw, vw) in enumerate(pairs)
-            if (kw, vw) in own
-        ]
-        acc, m, l = _pair_launches(kernels, inputs, items, g, width, params, interpret)
-    return packed_out(_merge_live(acc, m, l, work, splits).reshape(b, heads, g, width), layout, q.dtype)
+        heads_of = [members for pair, members in _launch_order(layout, pairs)]
+        lists = [_pair_work(stored, members, work, splits) for members in heads_of]
+    # each launch's items in one buffer, from a multiple of 16 (``merge_items``' groups never cross launches)
+    sizes = [_items(b * len(members), splits) for members in heads_of]
+    starts = np.cumsum([0, *sizes])
+    launches = [
+        (i, [*inputs, jnp.asarray([*dims, len(members), int(start)], jnp.int32), jnp.asarray(members, jnp.int32), w])
+        for i, (members, w, start) in enumerate(zip(heads_of, lists, starts))
+    ]
+    if one_launch:
+        kernels = [functools.partial(_kernel, pairs=tuple(branches), units=heads, **static)]
+        names = [name]
+    else:
+        index = [pairs.index(pair) for pair, _ in _launch_order(layout, pairs)]
+        kernels = [functools.partial(_kernel, pairs=(branches[i],), units=heads, **static) for i in index]
+        names = [f"{name}_k{pairs[i][0]}_v{pairs[i][1]}" for i in index]
+    acc, m, l = _launches(list(zip(kernels, names)), [ins for _, ins in launches], sizes, g, width, params, interpret)
+    item_first = [_first_items(w, b, len(members), int(start)) for w, members, start in zip(lists, heads_of, starts)]
+    order = np.argsort(np.concatenate([np.asarray(members) for members in heads_of]), kind="stable")
+    first_items = jnp.concatenate(item_first, axis=1)[:, order].reshape(-1)  # [B x Hkv], heads in their order
+    if splits is None:
+        counts = jnp.concatenate([jnp.full((n,), w[1], jnp.int32) for n, w in zip(sizes, lists)])
+        got = merge_at(acc, m, l, first_items, counts if len(lists) > 1 else lists[0][1], fixed=False)
+    else:
+        got = merge_at(acc, m, l, first_items, splits, fixed=True)
+    return packed_out(got.reshape(b, heads, g, width), layout, q.dtype)
 
 
-def _pair_launches(kernels, inputs, items: int, g: int, width: int, params, interpret):
-    """(acc [items, G, width], m, l [items, G]) filled by ``kernels`` (a launch each over the ``items`` programs),
-    each writing its own heads' items into the buffers the last one wrote (aliased, never copied)."""
-    rows = items * g
+def _launch_order(layout: HeadLayout, pairs) -> list:
+    """The layer's width pairs with their heads, in ``pairs``' order (the engine's: the model's, sorted)."""
+    own = dict(width_pairs(layout))
+    return [(pair, own[pair]) for pair in pairs if pair in own]
+
+
+def launch_heads(layout: HeadLayout, pairs=None) -> tuple[int, ...]:
+    """The KV-head counts n whose work lists (``live_work`` over B x n rows) ``quant_head_decode`` reads for
+    ``layout``: Hkv for the one launch (``pairs`` None), each launch's heads with ``pairs``. The engine builds one a
+    count a step, shared by every layer."""
+    if pairs is None:
+        return (layout.num_kv_heads,)
+    return tuple(sorted({len(members) for _, members in _launch_order(layout, pairs)}))
+
+
+def _list_of(work, n: int):
+    """The work list for n heads a row from ``work``: None (build it), a mapping by n (the engine's), or an array
+    (the one launch's, over Hkv)."""
+    if work is None or not isinstance(work, dict):
+        return work
+    if n not in work:
+        raise ValueError(f"work holds lists for {sorted(work)} heads a row; this launch needs {n} (launch_heads)")
+    return work[n]
+
+
+def _pair_work(stored, members, work, splits):
+    """A pair's launch's work list over its heads' rows (B x len(members)): the engine's for that many heads (live
+    slots, broadcast), else from the heads' stored counts."""
+    w = _list_of(work, len(members))
+    if w is not None and not isinstance(work, dict):
+        raise ValueError("with pairs, work must map a head count to its list (launch_heads), not one list")
+    return _work_of(stored[:, np.asarray(members)], w, splits)
+
+
+def _items(rows: int, splits) -> int:
+    """Work items of one launch over ``rows`` (sequence, head) rows: ``work_items``' (a multiple of 16, as
+    ``merge_items`` needs), or rows x ``splits`` (fixed: every head's items ``splits`` apart, as ``merge_at`` reads
+    them)."""
+    return work_items(rows) if splits is None else rows * splits
+
+
+def _first_items(work, b: int, n: int, start: int):
+    """[B, n]: each row's first item in the shared buffer (``start`` on from its launch's), -1 where not live."""
+    first = work[2 + b * n :].reshape(b, n)
+    return jnp.where(first >= 0, first + start, -1)
+
+
+def _launches(kernels, inputs, sizes, g: int, width: int, params, interpret):
+    """(acc [items, G, width], m, l [items, G]) filled by ``kernels`` (one launch each, of ``sizes`` programs, with
+    its own ``inputs``), each writing its items into the buffers the last one wrote (aliased, never copied)."""
+    rows = int(sum(sizes)) * g
     out = [jnp.zeros((rows * width,), jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows,), jnp.float32)]
-    n = len(inputs)
-    for kernel, name in kernels:
+    for (kernel, name), ins, items in zip(kernels, inputs, sizes):
+        n = len(ins)
         out = pl.pallas_call(
             kernel,
             out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in out],
             grid=(items,),
-            in_specs=[whole_block(x) for x in [*inputs, *out]],
+            in_specs=[whole_block(x) for x in [*ins, *out]],
             out_specs=[whole_block(x) for x in out],
             input_output_aliases={n: 0, n + 1: 1, n + 2: 2},
             interpret=interpret,
             compiler_params=params,
             name=name,
-        )(*inputs, *out)
+        )(*ins, *out)
     acc, m, l = out
+    items = int(sum(sizes))
     return acc.reshape(items, g, width), m.reshape(items, g), l.reshape(items, g)
