@@ -229,3 +229,29 @@ def test_compile_ahead_refuses_a_bad_process_count_before_any_work(store):
         with pytest.raises(error, match="processes"):
             engine.compile_ahead(processes=bad)
     assert not engine._compiled and not store.exists()
+
+
+def test_a_stored_steps_trace_and_compile_are_named_after_its_step(store):
+    """JAX names a jitted function's trace, lowering and compile events after it: a step through the store is named
+    ``_decode_step``/``_prefill_step`` (through the engine's ``functools.partial``s), traced or read back, so that
+    ``bench.engine.compile_times`` counts its compiles (it read 0 for a stored step named ``flat`` and ``call``)."""
+    from jax._src import dispatch
+
+    events: list[tuple[str, str]] = []
+
+    def listen(event: str, duration: float, **kwargs) -> None:
+        if event in (dispatch.JAXPR_TRACE_EVENT, dispatch.BACKEND_COMPILE_EVENT):
+            events.append((event, str(kwargs.get("fun_name", ""))))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        model = kvjax.Model.random(TINY_CONFIGS["llama"], seed=fresh_seed() % 1000)
+        for _ in range(2):  # traced and stored, then read back
+            events.clear()
+            Engine(model, **SETTINGS).compile_ahead(threads=1)
+            names = {name.removeprefix("jit(").rstrip(")") for event, name in events}
+            compiled = {name for event, name in events if event == dispatch.BACKEND_COMPILE_EVENT}
+            assert {"_decode_step", "_prefill_step"} <= names and not names & {"flat", "call", "named"}
+            assert any("_decode_step" in n for n in compiled) and any("_prefill_step" in n for n in compiled)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
