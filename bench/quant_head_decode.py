@@ -37,7 +37,7 @@ from bench.head_decode import case as bf16_case
 from bench.head_decode import head_tables, row, shares
 from kvjax import validate
 from kvjax.ops import head_paging, quant_head_paging
-from kvjax.ops.decode.head_kernel import head_paged_decode, live_work
+from kvjax.ops.decode.head_kernel import TARGET_PROGRAMS, head_paged_decode, live_work
 from kvjax.ops.decode.quant_head_kernel import launch_heads, quant_head_decode
 from kvjax.ops.pallas_util import width_pairs
 
@@ -92,6 +92,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-bf16", action="store_true", help="leave out the bf16 per-head kernel's rows")
     p.add_argument(
+        "--targets",
+        type=validate.arg(lambda v: validate.integer("--targets", v, low=1, high=TARGET_PROGRAMS), int),
+        nargs="+",
+        default=[TARGET_PROGRAMS],
+        help=f"programs a launch's work list aims at (live_work's target; default {TARGET_PROGRAMS}, the engine's)",
+    )
+    p.add_argument(
         "--launches",
         nargs="+",
         choices=("layer", "pair"),
@@ -119,11 +126,13 @@ def _group_rows(args, layout, rate: float, keep: float, bits: int, group: int, b
         q.astype(jnp.float32), pool, tail.astype(jnp.float32), tables, stored, layout, page_bytes, group, bits, context
     )
     pairs = tuple(pair for pair, _ in width_pairs(layout))
-    for warps, stages, step, launches in itertools.product(args.warps, args.stages, args.step_groups, args.launches):
+    combos = itertools.product(args.warps, args.stages, args.step_groups, args.launches, args.targets)
+    for warps, stages, step, launches, target in combos:
         knobs = dict(num_warps=warps, num_stages=stages, step_groups=step or None, interpret=args.interpret)
         knobs |= dict(pairs=pairs if launches == "pair" else None)
         # the work lists once, outside the timed call, from the live slots: the engine's step builds them once
-        work = {n: live_work(jnp.ones((batch, n), bool)) for n in launch_heads(layout, knobs["pairs"])}
+        live = {n: jnp.ones((batch, n), bool) for n in launch_heads(layout, knobs["pairs"])}
+        work = {n: live_work(x, target=target) for n, x in live.items()}
 
         def run(pool, tail, tables, stored, work, q, knobs=knobs):
             return quant_head_decode(q, pool, tail, tables, stored, layout, page_bytes, group, bits, work=work, **knobs)
@@ -131,7 +140,7 @@ def _group_rows(args, layout, rate: float, keep: float, bits: int, group: int, b
         err = rel_err(run(pool, tail, tables, stored, work, q), want)
         seconds = harness.time_calls(run, (pool, tail, tables, stored, work), [(q,)])
         label = dict(kernel=f"int{bits} per-head", group=group, warps=warps, stages=stages)
-        label |= dict(step_groups=step or "default", launches=launches)
+        label |= dict(step_groups=step or "default", launches=launches, target=target)
         yield row(rate, keep, batch, context, seconds, nbytes / bandwidth, err, **label, bytes=nbytes)
 
 
@@ -151,7 +160,16 @@ def bf16_row(args, layout, rate: float, keep: float, bandwidth: float) -> dict:
 
     err = rel_err(run(pool, tables, stored, work, q), want)
     seconds = harness.time_calls(run, (pool, tables, stored, work), [(q,)])
-    label = dict(kernel="bf16 per-head", group="-", warps=4, stages=2, step_groups="-", launches="-", bytes=nbytes)
+    label = dict(
+        kernel="bf16 per-head",
+        group="-",
+        warps=4,
+        stages=2,
+        step_groups="-",
+        launches="-",
+        target=TARGET_PROGRAMS,
+        bytes=nbytes,
+    )
     return row(rate, keep, batch, context, seconds, nbytes / bandwidth, err, **label)
 
 

@@ -223,17 +223,20 @@ def work_items(heads: int) -> int:
     return -(-max(heads, 2 * TARGET_PROGRAMS) // MAX_SPLITS) * MAX_SPLITS
 
 
-def live_work(live, splits=None) -> jax.Array:
+def live_work(live, splits=None, target: int = TARGET_PROGRAMS) -> jax.Array:
     """int32 [2 + 2 x B x Hkv]: the heads that store tokens (a count, live), the splits each gets, the live heads'
     flat rows in order (padded with 0), then each flat row's first work item (-1 where it stores nothing). A head is
     live where ``live`` [B, Hkv] is above 0: a layer's stored counts, or the engine's live slots broadcast over the
     heads, so that one list built per step serves every layer (``head_paged_decode(work=)``). Splits: ``splits`` if
-    given, else the smallest power of two (at most 16) giving the live heads about ``TARGET_PROGRAMS`` programs,
-    computed on the device, so the compiled step serves any load."""
+    given, else the smallest power of two (at most 16) giving the live heads about ``target`` programs (at most
+    ``TARGET_PROGRAMS``, which ``work_items`` makes room for), computed on the device, so the compiled step serves any
+    load."""
+    if not 1 <= target <= TARGET_PROGRAMS:
+        raise ValueError(f"target must be 1 to {TARGET_PROGRAMS} programs, got {target}")
     flat = live.reshape(-1) > 0
     count = flat.sum().astype(jnp.int32)
     if splits is None:
-        want = -(-TARGET_PROGRAMS // jnp.maximum(count, 1))
+        want = -(-target // jnp.maximum(count, 1))
         options = 2 ** jnp.arange(MAX_SPLITS.bit_length(), dtype=jnp.int32)  # 1, 2, 4, ..., 16
         s = jnp.min(jnp.where((options >= want) | (options == MAX_SPLITS), options, MAX_SPLITS)).astype(jnp.int32)
     else:
