@@ -321,9 +321,9 @@ def quant_head_decode(
     # each launch's items in one buffer, from a multiple of 16 (``merge_items``' groups never cross launches)
     sizes = [_items(b * len(members), splits) for members in heads_of]
     starts = np.cumsum([0, *sizes])
-    launches = [
-        (i, [*inputs, jnp.asarray([*dims, len(members), int(start)], jnp.int32), jnp.asarray(members, jnp.int32), w])
-        for i, (members, w, start) in enumerate(zip(heads_of, lists, starts))
+    launches = [  # each launch's inputs: the layer's, then its dims (n, first item), heads and work list
+        [*inputs, jnp.asarray([*dims, len(members), int(start)], jnp.int32), jnp.asarray(members, jnp.int32), w]
+        for members, w, start in zip(heads_of, lists, starts)
     ]
     if one_launch:
         kernels = [functools.partial(_kernel, pairs=tuple(branches), units=heads, **static)]
@@ -332,7 +332,7 @@ def quant_head_decode(
         index = [pairs.index(pair) for pair, _ in _launch_order(layout, pairs)]
         kernels = [functools.partial(_kernel, pairs=(branches[i],), units=heads, **static) for i in index]
         names = [f"{name}_k{pairs[i][0]}_v{pairs[i][1]}" for i in index]
-    acc, m, l = _launches(list(zip(kernels, names)), [ins for _, ins in launches], sizes, g, width, params, interpret)
+    acc, m, l = _launches(list(zip(kernels, names)), launches, sizes, g, width, params, interpret)
     item_first = [_first_items(w, b, len(members), int(start)) for w, members, start in zip(lists, heads_of, starts)]
     order = np.argsort(np.concatenate([np.asarray(members) for members in heads_of]), kind="stable")
     first_items = jnp.concatenate(item_first, axis=1)[:, order].reshape(-1)  # [B x Hkv], heads in their order
