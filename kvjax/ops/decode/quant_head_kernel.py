@@ -315,9 +315,18 @@ def quant_head_decode(
     if one_launch:
         heads_of = [list(range(heads))]
         lists = [_work_of(stored, _list_of(work, heads), splits)]
+        kernels = [(functools.partial(_kernel, pairs=tuple(branches), units=heads, **static), name)]
     else:
-        heads_of = [members for pair, members in _launch_order(layout, pairs)]
+        launched = _launch_order(layout, pairs)
+        heads_of = [members for _, members in launched]
         lists = [_pair_work(stored, members, work, splits) for members in heads_of]
+        kernels = [  # a pair's kernel: its one branch, named after it
+            (
+                functools.partial(_kernel, pairs=(branches[pairs.index(pair)],), units=heads, **static),
+                f"{name}_k{pair[0]}_v{pair[1]}",
+            )
+            for pair, _ in launched
+        ]
     # each launch's items in one buffer, from a multiple of 16 (``merge_items``' groups never cross launches)
     sizes = [_items(b * len(members), splits) for members in heads_of]
     starts = np.cumsum([0, *sizes])
@@ -325,20 +334,13 @@ def quant_head_decode(
         [*inputs, jnp.asarray([*dims, len(members), int(start)], jnp.int32), jnp.asarray(members, jnp.int32), w]
         for members, w, start in zip(heads_of, lists, starts)
     ]
-    if one_launch:
-        kernels = [functools.partial(_kernel, pairs=tuple(branches), units=heads, **static)]
-        names = [name]
-    else:
-        index = [pairs.index(pair) for pair, _ in _launch_order(layout, pairs)]
-        kernels = [functools.partial(_kernel, pairs=(branches[i],), units=heads, **static) for i in index]
-        names = [f"{name}_k{pairs[i][0]}_v{pairs[i][1]}" for i in index]
-    acc, m, l = _launches(list(zip(kernels, names)), launches, sizes, g, width, params, interpret)
+    acc, m, l = _launches(kernels, launches, sizes, g, width, params, interpret)
     item_first = [_first_items(w, b, len(members), int(start)) for w, members, start in zip(lists, heads_of, starts)]
     order = np.argsort(np.concatenate([np.asarray(members) for members in heads_of]), kind="stable")
     first_items = jnp.concatenate(item_first, axis=1)[:, order].reshape(-1)  # [B x Hkv], heads in their order
     if splits is None:
-        counts = jnp.concatenate([jnp.full((n,), w[1], jnp.int32) for n, w in zip(sizes, lists)])
-        got = merge_at(acc, m, l, first_items, counts if len(lists) > 1 else lists[0][1], fixed=False)
+        counts = jnp.concatenate([jnp.full((n,), w[1], jnp.int32) for n, w in zip(sizes, lists)])  # an item's launch's
+        got = merge_at(acc, m, l, first_items, counts, fixed=False)
     else:
         got = merge_at(acc, m, l, first_items, splits, fixed=True)
     return packed_out(got.reshape(b, heads, g, width), layout, q.dtype)
