@@ -23,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kvjax import validate
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.cost import ROWS
 from kvjax.ops.decode.sums_kernel import add_weights, weights_of
@@ -231,8 +232,7 @@ def live_work(live, splits=None, target: int = TARGET_PROGRAMS) -> jax.Array:
     given, else the smallest power of two (at most 16) giving the live heads about ``target`` programs (at most
     ``TARGET_PROGRAMS``, which ``work_items`` makes room for), computed on the device, so the compiled step serves any
     load."""
-    if not 1 <= target <= TARGET_PROGRAMS:
-        raise ValueError(f"target must be 1 to {TARGET_PROGRAMS} programs, got {target}")
+    target = validate.integer("target", target, low=1, high=TARGET_PROGRAMS)
     flat = live.reshape(-1) > 0
     count = flat.sum().astype(jnp.int32)
     if splits is None:
