@@ -7,8 +7,8 @@ partial group exact in a bf16 tail, beside ``ops.decode.head_kernel`` over the s
 (the work list built once outside the timed call, as the engine's step does). Every row: CUPTI time, the floor (the
 bytes the heads store, every quantized byte counted, over the measured copy bandwidth), their ratio, and the relative
 error against the float32 jnp reference of its own cache (``quant_head_paging.decode_attention``,
-``head_paging.decode_attention``). ``--warps``, ``--stages`` and ``--step-groups`` sweep the quantized kernel's knobs.
-``--interpret --timer host --shape 2x256`` runs the rows on a CPU (plumbing
+``head_paging.decode_attention``). ``--warps``, ``--stages`` and ``--step-groups`` sweep the quantized kernel's
+knobs, ``--merges`` both kernels' merge. ``--interpret --timer host --shape 2x256`` runs the rows on a CPU (plumbing
 only). Table: bench/results/eviction.md "Eviction on quantized pages: the decode kernel"."""
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from bench.head_decode import head_tables, row, shares
 from kvjax import validate
 from kvjax.ops import head_paging, quant_head_paging
 from kvjax.ops.decode.head_kernel import TARGET_PROGRAMS, head_paged_decode, live_work
+from kvjax.ops.decode.item_merge import MERGES
 from kvjax.ops.decode.quant_head_kernel import launch_heads, quant_head_decode
 from kvjax.ops.pallas_util import width_pairs
 
@@ -106,6 +107,13 @@ def parser() -> argparse.ArgumentParser:
         help="layer: one launch switching between the layer's width pairs; pair: a launch a pair, the engine's form "
         "(each pair's kernel shared by every layer; default layer)",
     )
+    p.add_argument(
+        "--merges",
+        nargs="+",
+        choices=MERGES,
+        default=["kernel"],
+        help="how each kernel's split items become the output: kernel (item_merge, the default) or xla (the butterfly)",
+    )
     harness.timer_option(p)
     p.add_argument("--interpret", action="store_true")
     p.add_argument("--json", default=None, help="write the rows here (after every row; 'complete' false until the end)")
@@ -126,9 +134,11 @@ def _group_rows(args, layout, rate: float, keep: float, bits: int, group: int, b
         q.astype(jnp.float32), pool, tail.astype(jnp.float32), tables, stored, layout, page_bytes, group, bits, context
     )
     pairs = tuple(pair for pair, _ in width_pairs(layout))
-    combos = itertools.product(args.warps, args.stages, args.step_groups, args.launches, args.targets)
-    for warps, stages, step, launches, target in combos:
-        knobs = dict(num_warps=warps, num_stages=stages, step_groups=step or None, interpret=args.interpret)
+    combos = itertools.product(args.warps, args.stages, args.step_groups, args.launches, args.targets, args.merges)
+    for warps, stages, step, launches, target, merge in combos:
+        knobs = dict(
+            num_warps=warps, num_stages=stages, step_groups=step or None, interpret=args.interpret, merge=merge
+        )
         knobs |= dict(pairs=pairs if launches == "pair" else None)
         # the work lists once, outside the timed call, from the live slots: the engine's step builds them once
         live = {n: jnp.ones((batch, n), bool) for n in launch_heads(layout, knobs["pairs"])}
@@ -140,11 +150,18 @@ def _group_rows(args, layout, rate: float, keep: float, bits: int, group: int, b
         err = rel_err(run(pool, tail, tables, stored, work, q), want)
         seconds = harness.time_calls(run, (pool, tail, tables, stored, work), [(q,)])
         label = dict(kernel=f"int{bits} per-head", group=group, warps=warps, stages=stages)
-        label |= dict(step_groups=step or "default", launches=launches, target=target)
+        label |= dict(step_groups=step or "default", launches=launches, target=target, merge=merge)
         yield row(rate, keep, batch, context, seconds, nbytes / bandwidth, err, **label, bytes=nbytes)
 
 
-def bf16_row(args, layout, rate: float, keep: float, bandwidth: float) -> dict:
+def bf16_rows(args, layout, rate: float, keep: float, bandwidth: float):
+    """``head_kernel``'s rows over the same shares in bf16 per-head pages (the live schedule, as the engine runs it),
+    one a ``--merges``."""
+    for merge in args.merges:
+        yield bf16_row(args, layout, rate, keep, bandwidth, merge)
+
+
+def bf16_row(args, layout, rate: float, keep: float, bandwidth: float, merge: str) -> dict:
     """``head_kernel``'s row over the same shares in bf16 per-head pages (the live schedule, as the engine runs it)."""
     batch, context = args.shape
     q, pool, tables, stored, nbytes, page_elems = bf16_case(layout, batch, context, keep, BF16_PAGE)
@@ -155,7 +172,16 @@ def bf16_row(args, layout, rate: float, keep: float, bandwidth: float) -> dict:
 
     def run(pool, tables, stored, work, q):
         return head_paged_decode(
-            q, pool, tables, stored, layout, page_elems, schedule="live", work=work, interpret=args.interpret
+            q,
+            pool,
+            tables,
+            stored,
+            layout,
+            page_elems,
+            schedule="live",
+            work=work,
+            merge=merge,
+            interpret=args.interpret,
         )
 
     err = rel_err(run(pool, tables, stored, work, q), want)
@@ -168,6 +194,7 @@ def bf16_row(args, layout, rate: float, keep: float, bandwidth: float) -> dict:
         step_groups="-",
         launches="-",
         target=TARGET_PROGRAMS,
+        merge=merge,
         bytes=nbytes,
     )
     return row(rate, keep, batch, context, seconds, nbytes / bandwidth, err, **label)
@@ -195,8 +222,8 @@ def main(argv=None):
             for bits in args.bits:
                 for r in quant_rows(args, layout, rate, keep, bits, bandwidth):
                     add(r)
-            if not args.no_bf16:
-                add(bf16_row(args, layout, rate, keep, bandwidth))
+            for r in () if args.no_bf16 else bf16_rows(args, layout, rate, keep, bandwidth):
+                add(r)
     print_table(rows)
     result["complete"] = True
     if args.json:

@@ -509,9 +509,10 @@ def test_the_per_head_decode_kernel_lowers_for_sm90():
     def live(q, pool, tables, stored):
         return head_paged_decode(q, pool, tables, stored, layout, page_elems, schedule="live")
 
-    (module,) = triton_modules(weighed, (q, pool, tables, stored))
-    (plain,) = triton_modules(live, (q, pool, tables, stored))
+    module, merged = triton_modules(weighed, (q, pool, tables, stored))
+    plain, merged_plain = triton_modules(live, (q, pool, tables, stored))
     assert "@kvjax_head_decode_live" in module  # a branch a pair, each storing its scores beside the softmax
+    assert "@kvjax_head_merge" in merged and "@kvjax_head_merge" in merged_plain  # the items merged by a kernel
     assert module.count("tt.store") == plain.count("tt.store") + len(width_pairs(layout))
     with pytest.raises(ValueError, match="one launch only"):
         head_paged_decode(q, pool, tables, stored, layout, page_elems, one_launch=False, weights=True)

@@ -177,8 +177,9 @@ def test_the_kernel_lowers_for_sm90_one_launch_a_branch_a_width_pair():
     def run(q, pool, tail, tables, stored):
         return quant_head_decode(q, pool, tail.astype(jnp.bfloat16), tables, stored, LAYOUT, page_bytes, 16, 4)
 
-    (module,) = triton_modules(run, (q, pool, tail, tables, stored))
+    module, merged = triton_modules(run, (q, pool, tail, tables, stored))
     assert "@kvjax_quant_head_decode_int4" in module and module.count("tt.dot") >= 3 * 6
+    assert "@kvjax_head_merge" in merged  # the items merged by a kernel (``item_merge``)
 
 
 def test_extra_width_pairs_in_any_order_change_no_output_and_a_missing_one_is_refused():
@@ -223,9 +224,10 @@ def test_each_width_pair_lowers_to_one_triton_module_whatever_the_layer():
             return quant_head_decode(q, pool, tail, tables, stored, lay, page_bytes, 16, 4, pairs=pairs)
 
         own = [p for p in pairs if p in dict(width_pairs(lay))]  # launched in the model's order
-        got = triton_modules(run, args)
-        assert len(got) == len(own)  # a launch a pair of the layer
+        *got, merged = triton_modules(run, args)
+        assert len(got) == len(own)  # a launch a pair of the layer, then the merge, also one module for the model
+        assert modules.setdefault("merge", merged) == merged and "@kvjax_head_merge" in merged
         for module, pair in zip(got, own):
             assert modules.setdefault(pair, module) == module, f"pair {pair}: another module in another layer"
             assert f"@kvjax_quant_head_decode_int4_k{pair[0]}_v{pair[1]}" in module
-    assert len(modules) == len(pairs) == 5 and len(set(modules.values())) == 5
+    assert len(modules) == len(pairs) + 1 == 6 and len(set(modules.values())) == 6

@@ -26,6 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 from kvjax import validate
 from kvjax.layout import HeadLayout
 from kvjax.ops.decode.cost import ROWS
+from kvjax.ops.decode.item_merge import MAX_SPLITS, check_merge, merge_heads
 from kvjax.ops.decode.sums_kernel import add_weights, weights_of
 from kvjax.ops.head_paging import tokens_per_page
 from kvjax.ops.pallas_util import (
@@ -208,7 +209,6 @@ def live_item(work_ref):
 
 
 TARGET_PROGRAMS = 264  # twice an H100's or H200's 132 SMs
-MAX_SPLITS = 16
 
 
 def default_splits(programs: int, target: int = TARGET_PROGRAMS) -> int:
@@ -393,9 +393,11 @@ def _launch(kernel, n, s, inputs, width, name, grid=None, *, b, g, cap, heads, p
     return acc.reshape(b, n, s, g, width), m.reshape(b, n, s, g), l.reshape(b, n, s, g), raw_scores
 
 
-def _one_launch(q, pool, tables, stored, first, layout, static, splits, schedule, work, launch, common):
+def _one_launch(q, pool, tables, stored, first, layout, static, splits, schedule, work, launch, common, merge):
     """``head_paged_decode``'s one launch for every width pair (``static``: each pair's kw, vw, tokens a page, pages
-    a step), on the slot grid or the live heads; with ``common["cap"]`` also the weights."""
+    a step), on the slot grid or the live heads (their items merged as ``merge`` says); with ``common["cap"]`` also
+    the weights."""
+    interpret = common["interpret"]
     b, g, heads = q.shape[0], layout.group_size, layout.num_kv_heads
     pair_of = np.zeros(heads, np.int32)
     for i, (_, members) in enumerate(width_pairs(layout)):
@@ -416,6 +418,10 @@ def _one_launch(q, pool, tables, stored, first, layout, static, splits, schedule
             _live_kernel, pairs=tuple(static), q_cols=layout.q_cols, units=heads, out_stride=width, **common
         )
         acc, m, l, raw = launch(kernel, items, 1, [*inputs, work], width, "kvjax_head_decode_live", (items,))
+        if merge == "kernel":
+            first_items, s = work[2 + b * heads :], work[1] if splits is None else splits
+            out, lse = merge_heads(acc, m, l, first_items, s, layout, q.dtype, with_lse=True, interpret=interpret)
+            return out if raw is None else (out, raw, lse.reshape(b, heads, g))
         got, lse = _merge_live(acc, m, l, work, splits, with_lse=True)
         got, lse = got.reshape(b, heads, g, width), lse.reshape(b, heads, g)
     out = packed_out(got, layout, q.dtype)
@@ -436,6 +442,7 @@ def _one_launch(q, pool, tables, stored, first, layout, static, splits, schedule
         "weights",
         "slots",
         "square",
+        "merge",
         "interpret",
     ),
 )
@@ -460,6 +467,7 @@ def head_paged_decode(
     sums=None,
     square=False,
     active=None,
+    merge="kernel",
     interpret=False,
 ):
     """One new query per sequence against each KV head's stored tokens; equal to ``head_paging.decode_attention``.
@@ -483,7 +491,9 @@ def head_paged_decode(
     weights cost bytes in proportion (bench/results/eviction.md "Eviction on the H100 (2026-12-06, second
     session)"). ``sums`` (float32 [B, Hkv, slots], instead of ``weights``): returned as (out, sums) with the weights
     summed over each group added (squared first where ``square``) by ``sums_kernel.add_weights``, on the rows
-    ``active`` [B] allows (default every row): the engine's full-history sums, the weights never written whole."""
+    ``active`` [B] allows (default every row): the engine's full-history sums, the weights never written whole.
+    ``merge`` ("live" only): the items merged by "kernel" (``item_merge.merge_heads``) or "xla" (``merge_items``)."""
+    check_merge(merge)
     if sums is not None:
         if weights:
             raise ValueError("give weights=True or sums, not both")
@@ -511,7 +521,7 @@ def head_paged_decode(
         cap = min(cap, slots) if weights and slots is not None else cap
         launch = functools.partial(_launch, b=b, g=g, cap=cap, heads=layout.num_kv_heads, params=params, **debug)
         args = (q, pool, tables, stored, first, layout, static, splits, schedule, work, launch)
-        got = _one_launch(*args, common | dict(cap=cap) if weights else common)
+        got = _one_launch(*args, common | dict(cap=cap) if weights else common, merge)
         if not weights:
             return got
         out, raw, lse = got

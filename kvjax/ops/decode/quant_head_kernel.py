@@ -2,7 +2,7 @@
 item 5; Pallas, Triton lowering). ``quant_head_decode`` equals ``quant_head_paging.decode_attention``.
 
 Two kernels' halves put together: ``head_kernel``'s work (one program per split of each live (sequence, KV head),
-``head_kernel.live_work``'s list, the splits merged by ``head_kernel``'s butterfly) and ``quant_kernel``'s reading of
+``head_kernel.live_work``'s list, the splits merged by ``item_merge``) and ``quant_kernel``'s reading of
 quantized codes (``quant_kernel._Reader``: a key plane scored against its block of ``q * scale``, value scales folded
 into the weights, no value or key ever rebuilt). A chunk is one of the head's full groups, found through its block
 table: page ``table[g // groups a page]``, at byte ``(g % groups a page) x the group's bytes`` of it; the head's
@@ -42,6 +42,7 @@ from kvjax.ops.decode.head_kernel import (
     packed_out,
     work_items,
 )
+from kvjax.ops.decode.item_merge import check_merge, merge_heads
 from kvjax.ops.decode.quant_kernel import _both, _fills, _Reader, _update, empty_carry, side_class, tail_update
 from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, dot_precision, whole_block, width_pairs
 from kvjax.ops.quant import check_bits
@@ -221,6 +222,7 @@ def _check(q, pool, tail, tables, stored, first, layout: HeadLayout, page_bytes:
         "num_warps",
         "num_stages",
         "pairs",
+        "merge",
         "interpret",
     ),
 )
@@ -242,6 +244,7 @@ def quant_head_decode(
     num_warps=4,
     num_stages=2,
     pairs=None,
+    merge="kernel",
     interpret=False,
 ):
     """One new query per sequence against each KV head's stored slots on quantized per-head pages; equal to
@@ -261,10 +264,13 @@ def quant_head_decode(
     programs on 132 SMs, bench/results/eviction.md "Eviction on quantized pages: the engine's step through a kernel a
     width pair (H100)"), the launches' items in one buffer, merged once. Without it, one launch switching between the
     layer's pairs: a module a layer, whose compile grows faster than its pairs (7 pairs: 19 s of Triton offline at
-    groups of 32, against 1-2 s for one; bench/notes/2026-12-06-quant-head-compile.md). Returns [B, out_cols] in q's
+    groups of 32, against 1-2 s for one; bench/notes/2026-12-06-quant-head-compile.md). ``merge``: how the items
+    become the packed output: "kernel" (``item_merge.merge_heads``: each partial read once) or "xla" (``merge_at``'s
+    butterfly, then ``packed_out``). Returns [B, out_cols] in q's
     dtype; a head storing nothing gives zeros. Bytes a page holds past what its head wrote (another head's, stale) are
     never read: every load of a group past the head's full groups is masked."""
     check_bits(bits)
+    check_merge(merge)
     if step_groups is not None and not (isinstance(step_groups, int) and step_groups >= 1):
         raise ValueError(f"step_groups must be a positive integer, got {step_groups!r}")
     _check(q, pool, tail, tables, stored, first, layout, page_bytes, group)
@@ -340,6 +346,10 @@ def quant_head_decode(
     first_items = jnp.concatenate(item_first, axis=1)[:, order].reshape(-1)  # [B x Hkv], heads in their order
     if splits is None:
         counts = jnp.concatenate([jnp.full((n,), w[1], jnp.int32) for n, w in zip(sizes, lists)])  # an item's launch's
+    if merge == "kernel":
+        head_splits = counts[jnp.maximum(first_items, 0)] if splits is None else splits
+        return merge_heads(acc, m, l, first_items, head_splits, layout, q.dtype, interpret=interpret)
+    if splits is None:
         got = merge_at(acc, m, l, first_items, counts, fixed=False)
     else:
         got = merge_at(acc, m, l, first_items, splits, fixed=True)
