@@ -220,3 +220,26 @@ def test_decode_attention_is_softmax_attention_over_what_each_head_reads():
 def test_a_page_too_small_for_a_group_is_refused():
     with pytest.raises(ValueError, match="holds no group"):
         qhp.groups_per_page(16, 64, 64, GROUP, 4)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_each_heads_group_is_its_bytes_of_the_layers_page(bits):
+    """``_head_sources``: one ``PageFormat`` encode of the layer's group, gathered, gives each head's group byte for
+    byte as ``head_format``'s encode of that head alone (alignment padding zero): the decode write and admission
+    encode every head at once on it."""
+    from kvjax.ops.quant import PageFormat
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    for layout in (LAYOUT, HeadLayout(12, 3, 128, (128, 32, 80), (16, 112, 48))):
+        k = jnp.asarray(rng.normal(size=(3, GROUP, layout.k_cols)), jnp.bfloat16)
+        v = jnp.asarray(rng.normal(size=(3, GROUP, layout.v_cols)), jnp.bfloat16)
+        src = qhp._head_sources(tuple(layout.k_widths), tuple(layout.v_widths), GROUP, bits)
+        encoded = np.asarray(PageFormat.for_layout(layout, GROUP, bits).encode(k, v))
+        ko, vo = HeadLayout.offsets(layout.k_widths), HeadLayout.offsets(layout.v_widths)
+        for h, (kw, vw) in enumerate(zip(layout.k_widths, layout.v_widths)):
+            fmt = qhp.head_format(kw, vw, GROUP, bits)
+            want = np.asarray(fmt.encode(k[..., ko[h] : ko[h] + kw], v[..., vo[h] : vo[h] + vw]))
+            got = np.where(src[h] >= 0, encoded[:, np.maximum(src[h], 0)], 0)[:, : fmt.page_bytes]
+            np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}, head {h}")
+            assert (src[h, fmt.page_bytes :] == -1).all()

@@ -16,6 +16,7 @@ quantized a page of slots at a time; bench/results/eviction.md "On 4-bit pages a
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -79,32 +80,50 @@ def _columns(layout: HeadLayout) -> tuple[np.ndarray, list[tuple[np.ndarray, np.
     return heads, cols
 
 
-def _pairs(layout: HeadLayout) -> dict[tuple[int, int], list[int]]:
-    """Heads by (K width, V width): each pair's groups are encoded in one call."""
-    pairs: dict[tuple[int, int], list[int]] = {}
-    for h, pair in enumerate(zip(layout.k_widths, layout.v_widths)):
-        pairs.setdefault(pair, []).append(h)
-    return pairs
+@functools.cache
+def _head_sources(k_widths: tuple, v_widths: tuple, group: int, bits: int) -> np.ndarray:
+    """int64 [Hkv, most]: byte i of head h's group (``head_format``, ``most`` the widest head's bytes) is byte
+    ``[h, i]`` of the layer's page of the same slots (``PageFormat.for_layout``), -1 where it is alignment padding
+    (a zero byte) or past the head's bytes. Keys range per column and values per slot and head whatever the heads
+    beside them, so a head's group is its bytes of the layer's page: one encode of every head, then a gather."""
+    layer = PageFormat(k_widths, v_widths, group, bits)
+    n, at = layer.per_byte, layer.offsets
+    ko, vo = HeadLayout.offsets(k_widths), HeadLayout.offsets(v_widths)
+    fmts = [head_format(kw, vw, group, bits) for kw, vw in zip(k_widths, v_widths)]
+    out = np.full((len(fmts), max(f.page_bytes for f in fmts)), -1, np.int64)
+    t = np.arange(group)[:, None]
+    for h, (kw, vw, f) in enumerate(zip(k_widths, v_widths, fmts)):
+        own = f.offsets
+        for part, w, off, cols in (("k_codes", kw, ko[h], layer.k_cols), ("v_codes", vw, vo[h], layer.v_cols)):
+            j = np.arange(w // n)[None, :]
+            out[h, own[part] + t * (w // n) + j] = at[part] + t * (cols // n) + off // n + j
+        r, c, byte = np.arange(2)[:, None, None], np.arange(kw)[None, :, None], np.arange(2)[None, None, :]
+        out[h, own["k_meta"] + (r * kw + c) * 2 + byte] = at["k_meta"] + (r * layer.k_cols + ko[h] + c) * 2 + byte
+        slot = np.arange(group)[None, :, None]
+        out[h, own["v_meta"] + (r * group + slot) * 2 + byte] = (
+            at["v_meta"] + ((r * layer.heads + h) * group + slot) * 2 + byte
+        )
+    return out
 
 
-def _write_groups(pool, parts, page_bytes: int, group: int, bits: int):
-    """Encode and scatter full groups in one scatter: ``parts``: per width pair ((kw, vw), k [..., group, kw],
-    v [..., group, vw], page [...], the group's index in its page [...]); a page past the pool or the null page
-    drops its group."""
+def _write_groups(pool, k, v, page, nth, layout: HeadLayout, group: int, bits: int):
+    """Full groups of every head of a layer, encoded at once and scattered at once: keys [..., group, k_cols] and
+    values [..., group, v_cols] (each head's slots in its own columns, rows the group's slots), each head's page and
+    group index in the page ``page``, ``nth`` [..., Hkv]; a page past the pool or the null page drops its head's
+    group. One ``PageFormat`` encode of the layer and a gather of each head's bytes (``_head_sources``): an encode a
+    width pair made the int4 step's writes several fusions a pair a layer (bench/results/eviction.md)."""
     num_pages = pool.shape[0]
-    pages, indices, values = [], [], []
-    for (kw, vw), k, v, page, nth in parts:
-        fmt = head_format(kw, vw, group, bits)
-        encoded = fmt.encode(k, v)  # [..., group bytes]
-        page = jnp.where((page > NULL_PAGE) & (page < num_pages), page, num_pages)
-        index = nth[..., None] * fmt.page_bytes + jnp.arange(fmt.page_bytes)
-        pages.append(jnp.broadcast_to(page[..., None], index.shape).reshape(-1))
-        indices.append(index.reshape(-1))
-        values.append(encoded.reshape(-1))
-    if not pages:
-        return pool
-    page, index = jnp.concatenate(pages), jnp.concatenate(indices)
-    return pool.at[page, index].set(jnp.concatenate(values), mode="drop")
+    src = _head_sources(tuple(layout.k_widths), tuple(layout.v_widths), group, bits)
+    sizes = np.array([head_format(kw, vw, group, bits).page_bytes for kw, vw in zip(layout.k_widths, layout.v_widths)])
+    encoded = PageFormat.for_layout(layout, group, bits).encode(k, v)  # [..., layer bytes]
+    values = jnp.where(src >= 0, jnp.take(encoded, np.maximum(src, 0), axis=-1), 0).astype(
+        jnp.uint8
+    )  # [..., Hkv, most]
+    page = jnp.where((page > NULL_PAGE) & (page < num_pages), page, num_pages)
+    byte = np.arange(src.shape[1])
+    index = nth[..., None] * sizes[:, None] + byte  # [..., Hkv, most]
+    page = jnp.where(byte < sizes[:, None], page[..., None], num_pages)  # bytes past a head's group: dropped
+    return pool.at[page.reshape(-1), index.reshape(-1)].set(values.reshape(-1), mode="drop")
 
 
 def write_decode(pool, tail, table, stored, k, v, active, layout: HeadLayout, page_bytes: int, group: int, bits: int):
@@ -122,18 +141,14 @@ def write_decode(pool, tail, table, stored, k, v, active, layout: HeadLayout, pa
     at = stored[:, heads] % group  # each column's head's slot in its group
     tail = tail.at[row, at, jnp.arange(new.shape[1])[None, :]].set(new, mode="drop")
     completes = active[:, None] & ((stored + 1) % group == 0)  # [B, Hkv]
-    parts = []
-    for (kw, vw), hs in _pairs(layout).items():
-        per = tokens_per_page(page_bytes, kw, vw, group, bits)
-        hs_ = np.array(hs)
-        kc, vc = np.stack([cols[h][0] for h in hs]), np.stack([cols[h][1] for h in hs])  # [n, kw], [n, vw]
-        slot = stored[:, hs_]  # [B, n]
-        page = jnp.take_along_axis(table[:, hs_], (slot // per)[..., None], axis=-1, mode="clip")[..., 0]
-        page = jnp.where(completes[:, hs_], page, NULL_PAGE)
-        k_rows = jnp.moveaxis(tail[:b][:, :, kc], 2, 1)  # [B, n, group, kw]
-        v_rows = jnp.moveaxis(tail[:b][:, :, vc], 2, 1)
-        parts.append(((kw, vw), k_rows, v_rows, page, (slot % per) // group))
-    return _write_groups(pool, parts, page_bytes, group, bits), tail
+    per = layer_tokens_per_page(layout, page_bytes, group, bits)  # [Hkv]
+    page = jnp.take_along_axis(table, (stored // per)[..., None], axis=-1, mode="clip")[..., 0]
+    page = jnp.where(completes, page, NULL_PAGE)
+    rows = tail[:b]
+    k_cols = layout.k_cols
+    return _write_groups(
+        pool, rows[..., :k_cols], rows[..., k_cols:], page, (stored % per) // group, layout, group, bits
+    ), tail
 
 
 def admit(
@@ -155,21 +170,15 @@ def admit(
         every = jnp.concatenate([ks, vs], -1)  # [B, S, k_cols + v_cols]
         rows = jnp.take_along_axis(every, jnp.swapaxes(order[:, heads], 1, 2), axis=1)  # column c: its head's order
         rows = jnp.pad(rows, ((0, 0), (0, span - s), (0, 0)))  # [B, span, cols]: slot order, a head per column
-        parts = []
-        for (kw, vw), hs in _pairs(lay).items():
-            per = tokens_per_page(page_bytes, kw, vw, group, bits)
-            hs_ = np.array(hs)
-            kc, vc = np.stack([cols[h][0] for h in hs]), np.stack([cols[h][1] for h in hs])
-            grouped = rows.reshape(b, span // group, group, -1)  # [B, groups, group, cols]
-            k_rows = jnp.moveaxis(grouped[..., kc], 3, 1)  # [B, n, groups, group, kw]
-            v_rows = jnp.moveaxis(grouped[..., vc], 3, 1)
-            first = jnp.arange(span // group) * group  # each group's first slot
-            page = jnp.take_along_axis(tables[:, layer][:, hs_], (first // per)[None, None, :], axis=-1, mode="clip")
-            full = first[None, None, :] + group <= kept[:, layer][:, hs_][..., None]
-            page = jnp.where(full, page, NULL_PAGE)
-            nth = jnp.broadcast_to((first % per) // group, page.shape)
-            parts.append(((kw, vw), k_rows, v_rows, page, nth))
-        pool = _write_groups(pool, parts, page_bytes, group, bits)
+        per = layer_tokens_per_page(lay, page_bytes, group, bits)  # [Hkv]
+        grouped = rows.reshape(b, span // group, group, -1)  # [B, groups, group, cols]
+        first = np.arange(span // group)[:, None] * group  # each group's first slot [groups, 1]
+        page = jnp.take_along_axis(tables[:, layer], np.swapaxes(first // per, 0, 1)[None], axis=-1, mode="clip")
+        full = first[None] + group <= kept[:, layer][:, None, :]  # [B, groups, Hkv]
+        page = jnp.where(full, jnp.swapaxes(page, 1, 2), NULL_PAGE)
+        nth = jnp.broadcast_to((first % per) // group, page.shape)
+        k_cols = lay.k_cols
+        pool = _write_groups(pool, grouped[..., :k_cols], grouped[..., k_cols:], page, nth, lay, group, bits)
         start = kept[:, layer] // group * group  # [B, Hkv]: each head's partial group's first slot
         index = start[:, heads][:, None, :] + jnp.arange(group)[None, :, None]  # [B, group, cols]
         partial = jnp.take_along_axis(rows, jnp.minimum(index, span - 1), axis=1)
