@@ -39,8 +39,7 @@ from kvjax import validate
 from kvjax.ops import head_paging, quant_head_paging
 from kvjax.ops.decode.head_kernel import TARGET_PROGRAMS, head_paged_decode, live_work
 from kvjax.ops.decode.item_merge import MERGES
-from kvjax.ops.decode.quant_head_kernel import launch_heads, quant_head_decode
-from kvjax.ops.pallas_util import width_pairs
+from kvjax.ops.decode.quant_head_kernel import LAUNCH_FORMS, launch_heads, quant_head_decode
 
 BF16_PAGE = 16  # the bf16 rows' pages: full-width tokens a page, the engine's default
 
@@ -102,10 +101,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--launches",
         nargs="+",
-        choices=("layer", "pair"),
+        choices=LAUNCH_FORMS,
         default=["layer"],
-        help="layer: one launch switching between the layer's width pairs; pair: a launch a pair, the engine's form "
-        "(each pair's kernel shared by every layer; default layer)",
+        help="layer: one launch switching between the layer's classes of heads, the engine's form (default); class: a "
+        "launch a class, each with its own work list",
     )
     p.add_argument(
         "--merges",
@@ -133,15 +132,14 @@ def _group_rows(args, layout, rate: float, keep: float, bits: int, group: int, b
     want = quant_head_paging.decode_attention(
         q.astype(jnp.float32), pool, tail.astype(jnp.float32), tables, stored, layout, page_bytes, group, bits, context
     )
-    pairs = tuple(pair for pair, _ in width_pairs(layout))
     combos = itertools.product(args.warps, args.stages, args.step_groups, args.launches, args.targets, args.merges)
     for warps, stages, step, launches, target, merge in combos:
         knobs = dict(
             num_warps=warps, num_stages=stages, step_groups=step or None, interpret=args.interpret, merge=merge
         )
-        knobs |= dict(pairs=pairs if launches == "pair" else None)
+        knobs |= dict(launches=launches)
         # the work lists once, outside the timed call, from the live slots: the engine's step builds them once
-        live = {n: jnp.ones((batch, n), bool) for n in launch_heads(layout, knobs["pairs"])}
+        live = {n: jnp.ones((batch, n), bool) for n in launch_heads(layout, bits, launches)}
         work = {n: live_work(x, target=target) for n, x in live.items()}
 
         def run(pool, tail, tables, stored, work, q, knobs=knobs):

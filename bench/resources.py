@@ -437,8 +437,9 @@ def quant_head_report(specs, bits: int, groups, warps: int, stages: int) -> None
 def quant_head_model_report(specs, bits: int, groups, warps: int, stages: int, layers: int | None) -> None:
     """One row a (plan, group, launch form): the Triton compile a whole model's ``quant_head_decode`` needs, the
     modules XLA compiles (it compiles each distinct module once: its kernel cache is keyed by the module) with their
-    seconds summed. "a layer": one launch switching between a layer's pairs, a module a layer; "a pair": the
-    engine's ``pairs``, a launch a pair of the layer and a module a pair of the model. ``specs``: rate:R (the
+    seconds summed. "a layer, own classes": one launch switching between the classes of the layer's own pairs (a
+    module per set of classes); "a layer, model's classes": the engine's (its ``pairs`` name the model's classes:
+    one module); "a class": a launch a class of the layer, a module a class of the model. ``specs``: rate:R (the
     ordered plan of ``bench.harness.rank_plan``, every layer; ``layers``: only its first so many) or uniform:W
     (bench/notes/2026-12-06-quant-head-compile.md)."""
     from kvjax.ops import quant_head_paging
@@ -458,12 +459,13 @@ def quant_head_model_report(specs, bits: int, groups, warps: int, stages: int, l
         pairs = tuple(sorted({p for lay in lays for p, _ in width_pairs(lay)}))
         for group in groups:
             page_bytes = quant_head_paging.pool_page_bytes(lays, group, bits)
-            for form, given in (("a layer", None), ("a pair", pairs)):
+            forms = (("a layer, own classes", None, "layer"), ("a layer, model's classes", pairs, "layer"))
+            for form, given, launches in (*forms, ("a class", pairs, "class")):
                 modules: set[str] = set()
                 for lay in lays:
                     args = quant_head_args(lay, batch, ctx, group, page_bytes)
                     kw = dict(layout=lay, page_bytes=page_bytes, group=group, bits=bits, num_warps=warps)
-                    fn = functools.partial(quant_head_decode, num_stages=stages, pairs=given, **kw)
+                    fn = functools.partial(quant_head_decode, num_stages=stages, pairs=given, launches=launches, **kw)
                     modules.update(m for m in triton_modules(fn, args) if "quant_head" in m)
                 seconds = [resources(m, warps, stages)["compile_s"] for m in modules]
                 print(

@@ -17,7 +17,7 @@ from kvjax.ops.decode.quant_head_kernel import launch_heads, quant_head_decode
 # widths that differ by head, two heads sharing a pair; K of 16 at 4 bits and of 16 or 48 at 2 bits read gathered
 LAYOUT = HeadLayout(8, 4, 64, (16, 64, 16, 48), (32, 16, 32, 64))
 REFERENCE = jax.jit(qhp.decode_attention, static_argnums=(5, 6, 7, 8, 9))
-# a model's width pairs (the engine's ``pairs``): LAYOUT's and others; with them, a launch a pair of the layer
+# a model's width pairs (the engine's ``pairs``): LAYOUT's and others; they name the kernel's classes
 MODEL_PAIRS = ((16, 16), (16, 32), (32, 16), (48, 64), (64, 16), (64, 32))
 
 
@@ -72,8 +72,8 @@ def test_ragged_heads_of_quantized_groups_and_exact_tails_equal_the_reference(bi
     counts = rng.integers(1, 5 * group, (b, 4))
     counts[0] = [0, 5, 3 * group, 3 * group + 7]  # an odd number of groups on a page of two: the second half-empty
     counts[1, 2] = 4 * group
-    # three splits: a group a loop step (not the default), and a launch a width pair
-    step = {3: dict(step_groups=1, pairs=MODEL_PAIRS)}.get(splits, {})
+    # three splits: a group a loop step (not the default), and a launch a class of the model's
+    step = {3: dict(step_groups=1, pairs=MODEL_PAIRS, launches="class")}.get(splits, {})
     _check(LAYOUT, b, group, bits, counts, seed, splits=splits, **step)
 
 
@@ -87,8 +87,8 @@ def test_groups_narrower_than_a_tile_and_of_no_power_of_two(group):
     _check(LAYOUT, 2, group, 4, counts, seed)
 
 
-@pytest.mark.parametrize("pairs", [None, MODEL_PAIRS])
-def test_a_sliding_window_skips_the_groups_before_its_first_slot(pairs):
+@pytest.mark.parametrize("pairs,launches", [(None, "layer"), (MODEL_PAIRS, "class")])
+def test_a_sliding_window_skips_the_groups_before_its_first_slot(pairs, launches):
     """``first``: each head's first seen slot, inside a group, on a group's edge, past every full group (only the
     tail seen), or 0."""
     seed = fresh_seed()
@@ -96,31 +96,33 @@ def test_a_sliding_window_skips_the_groups_before_its_first_slot(pairs):
     group = 16
     counts = np.array([[50, 70, 33, 20], [64, 3, 90, 47]])
     first = jnp.asarray([[10, 32, 32, 0], [50, 0, 60, 7]], jnp.int32)
-    _check(layout, 2, group, 4, counts, seed, first=first, pairs=pairs)
+    _check(layout, 2, group, 4, counts, seed, first=first, pairs=pairs, launches=launches)
 
 
-@pytest.mark.parametrize("pairs", [None, MODEL_PAIRS])
-def test_a_step_wide_work_list_serves_the_layer(pairs):
+@pytest.mark.parametrize("launches", ["layer", "class"])
+def test_a_step_wide_work_list_serves_the_layer(launches):
     """The engine builds ``live_work`` once a step from its live slots, one a head count ``launch_heads`` names:
     rows that store nothing in this layer still hold work items, which give zeros; a count missing is refused."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     counts = rng.integers(1, 60, (3, 4))
     counts[2] = 0
-    sizes = launch_heads(LAYOUT, pairs)
-    assert sizes == ((4,) if pairs is None else (1, 2))  # LAYOUT's pairs: (16, 32) twice, (64, 16), (48, 64)
+    sizes = launch_heads(LAYOUT, 4, launches)
+    assert sizes == (
+        (4,) if launches == "layer" else (1, 2)
+    )  # LAYOUT's classes: (16, 32)'s twice, (64, 16)'s, (48, 64)'s
     work = {n: live_work(jnp.ones((3, n), bool)) for n in sizes}
-    got = _check(LAYOUT, 3, 16, 4, counts, seed, work=work, pairs=pairs)
+    got = _check(LAYOUT, 3, 16, 4, counts, seed, work=work, pairs=MODEL_PAIRS, launches=launches)
     assert not np.asarray(got)[2].any()
     with pytest.raises(ValueError, match="this launch needs"):
-        _check(LAYOUT, 3, 16, 4, counts, seed, work={n + 4: w for n, w in work.items()}, pairs=pairs)
+        _check(LAYOUT, 3, 16, 4, counts, seed, work={n + 4: w for n, w in work.items()}, launches=launches)
 
 
-def test_each_pairs_launch_gets_programs_for_its_own_rows():
-    """A launch a width pair chooses its splits from its own (sequence, head) rows, not the layer's: at B32 a pair of
-    one head of 8 gets 16 splits (512 working programs), not the layer's 2 (64 of them working), so every launch
-    fills an H100's 132 SMs (bench/results/eviction.md "Eviction on quantized pages: the engine's step through a
-    kernel a width pair (H100)")."""
+def test_each_launch_gets_programs_for_its_own_rows():
+    """A launch a class (a launch a width pair before it) chooses its splits from its own (sequence, head) rows, not
+    the layer's: at B32 a class of one head of 8 gets 16 splits (512 working programs), not the layer's 2 (64 of
+    them working), so every launch fills an H100's 132 SMs (bench/results/eviction.md "Eviction on quantized pages:
+    the engine's step through a kernel a width pair (H100)")."""
     layer = np.asarray(live_work(jnp.ones((32, 8), bool)))
     for n, splits in ((1, 16), (2, 8), (3, 4), (8, 2)):
         own = np.asarray(live_work(jnp.ones((32, n), bool)))
@@ -142,11 +144,19 @@ def test_bad_inputs_are_refused_in_one_line():
         quant_head_decode(q, pool, tail, tables, stored, *args, first=stored, interpret=True)
     with pytest.raises(ValueError, match="bits"):
         quant_head_decode(q, pool, tail, tables, stored, LAYOUT, page_bytes, 16, 3, interpret=True)
+    with pytest.raises(ValueError, match="launches must be one of"):
+        quant_head_decode(q, pool, tail, tables, stored, *args, launches="pair", interpret=True)
+    with pytest.raises(ValueError, match="merge must be one of"):
+        quant_head_decode(q, pool, tail, tables, stored, *args, merge="numpy", interpret=True)
+    with pytest.raises(ValueError, match="map a head count"):  # one list cannot serve a launch a class
+        quant_head_decode(
+            q, pool, tail, tables, stored, *args, launches="class", work=live_work(stored), interpret=True
+        )
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits,pairs", [(4, None), (2, None), (4, MODEL_PAIRS)])
-def test_on_the_gpu_bf16_queries_and_tail_match_the_float32_reference(bits, pairs):
+@pytest.mark.parametrize("bits,pairs,launches", [(4, None, "layer"), (2, None, "layer"), (4, MODEL_PAIRS, "class")])
+def test_on_the_gpu_bf16_queries_and_tail_match_the_float32_reference(bits, pairs, launches):
     """The Triton lowering on the GPU: bf16 q and tail (the engine's), several pages a head and splits from the live
     schedule, against the float32 reference (at ``highest``: XLA rounds float32 matmuls to TF32 on a GPU)."""
     seed = fresh_seed()
@@ -156,7 +166,7 @@ def test_on_the_gpu_bf16_queries_and_tail_match_the_float32_reference(bits, pair
     page_bytes, pool, tail, tables, stored = _state(rng, LAYOUT, b, group, bits, counts, pages_each=12)
     q = jnp.asarray(rng.normal(size=(b, LAYOUT.q_cols)), jnp.float32)
     got = quant_head_decode(q.astype(jnp.bfloat16), pool, tail.astype(jnp.bfloat16), tables, stored, LAYOUT,
-                            page_bytes, group, bits, pairs=pairs)  # fmt: skip
+                            page_bytes, group, bits, pairs=pairs, launches=launches)  # fmt: skip
     with jax.default_matmul_precision("highest"):
         tail16 = tail.astype(jnp.bfloat16).astype(jnp.float32)
         q16 = q.astype(jnp.bfloat16).astype(jnp.float32)
@@ -165,9 +175,9 @@ def test_on_the_gpu_bf16_queries_and_tail_match_the_float32_reference(bits, pair
     assert err < 2e-2, f"seed {seed}: relative error {err}"
 
 
-def test_the_kernel_lowers_for_sm90_one_launch_a_branch_a_width_pair():
-    """Lowered to Triton IR for an H100 (no GPU here): one kernel, a branch per (K, V) width pair, each with its
-    dots (key planes, value planes and the tail's)."""
+def test_the_kernel_lowers_for_sm90_one_launch_a_branch_a_class():
+    """Lowered to Triton IR for an H100 (no GPU here): one launch, a branch per class of heads (LAYOUT's three),
+    each with its dots (key planes, value planes and the tail's)."""
     from kvjax.ops.lowering import triton_modules
 
     rng = np.random.default_rng(fresh_seed())
@@ -175,7 +185,9 @@ def test_the_kernel_lowers_for_sm90_one_launch_a_branch_a_width_pair():
     q = jnp.ones((2, LAYOUT.q_cols), jnp.bfloat16)
 
     def run(q, pool, tail, tables, stored):
-        return quant_head_decode(q, pool, tail.astype(jnp.bfloat16), tables, stored, LAYOUT, page_bytes, 16, 4)
+        return quant_head_decode(
+            q, pool, tail.astype(jnp.bfloat16), tables, stored, LAYOUT, page_bytes, 16, 4, launches="layer"
+        )
 
     module, merged = triton_modules(run, (q, pool, tail, tables, stored))
     assert "@kvjax_quant_head_decode_int4" in module and module.count("tt.dot") >= 3 * 6
@@ -199,11 +211,13 @@ def test_extra_width_pairs_in_any_order_change_no_output_and_a_missing_one_is_re
                           pairs=pairs + pairs[:1], interpret=True)  # fmt: skip
 
 
-def test_each_width_pair_lowers_to_one_triton_module_whatever_the_layer():
-    """Given the model's pairs, a layer launches a kernel a pair of its own, each lowered for an H100 (no GPU here) to
-    the same Triton module in every layer that has the pair: XLA keys its kernel cache by the module, so a model
-    compiles each pair once (one launch a layer: a module a layer, whose Triton compile grows faster than its pairs;
-    bench/notes/2026-12-06-quant-head-compile.md)."""
+@pytest.mark.parametrize("launches", ["layer", "class"])
+def test_the_kernel_lowers_to_the_same_triton_modules_whatever_the_layer(launches):
+    """Given the model's pairs, two layers of other widths lower (for an H100; no GPU here) to the same Triton modules:
+    one a layer switching between the model's classes, or one a class the layer has (``launches``), then the merge.
+    XLA keys its kernel cache by the module, so a model compiles each once (a branch a width pair in one launch made
+    a module a layer; bench/notes/2026-12-06-quant-head-compile.md)."""
+    from kvjax.ops.decode.quant_head_kernel import head_class
     from kvjax.ops.lowering import triton_modules
     from kvjax.ops.pallas_util import width_pairs
 
@@ -221,13 +235,17 @@ def test_each_width_pair_lowers_to_one_triton_module_whatever_the_layer():
         )
 
         def run(q, pool, tail, tables, stored, lay=lay):
-            return quant_head_decode(q, pool, tail, tables, stored, lay, page_bytes, 16, 4, pairs=pairs)
+            return quant_head_decode(
+                q, pool, tail, tables, stored, lay, page_bytes, 16, 4, pairs=pairs, launches=launches
+            )
 
-        own = [p for p in pairs if p in dict(width_pairs(lay))]  # launched in the model's order
+        classes = sorted({head_class(kw, vw, 4) for kw, vw in zip(lay.k_widths, lay.v_widths)})
         *got, merged = triton_modules(run, args)
-        assert len(got) == len(own)  # a launch a pair of the layer, then the merge, also one module for the model
         assert modules.setdefault("merge", merged) == merged and "@kvjax_head_merge" in merged
-        for module, pair in zip(got, own):
-            assert modules.setdefault(pair, module) == module, f"pair {pair}: another module in another layer"
-            assert f"@kvjax_quant_head_decode_int4_k{pair[0]}_v{pair[1]}" in module
-    assert len(modules) == len(pairs) + 1 == 6 and len(set(modules.values())) == 6
+        keys = ["layer"] if launches == "layer" else classes
+        assert len(got) == len(keys)
+        for module, key in zip(got, keys):
+            assert modules.setdefault(key, module) == module, f"{key}: another module in another layer"
+            assert "@kvjax_quant_head_decode_int4" in module
+    model_classes = {head_class(kw, vw, 4) for kw, vw in pairs}
+    assert len(modules) == 1 + (1 if launches == "layer" else len(model_classes)) == len(set(modules.values()))

@@ -263,8 +263,9 @@ def decode_quant_heads(
     token to each head's next slot, its group quantized into its page when that slot completes it (jnp), then the
     query against each head's stored slots: ``quant_head_paging.decode_attention`` over ``tokens`` slots at most
     (static) on the "reference" backend, ``ops.decode.quant_head_kernel`` on "pallas" and "interpret" (``work``: the
-    step's ``live_work`` lists by head count, ``quant_head_kernel.launch_heads``; ``pairs``: the kernel's width pairs,
-    default the layer's own). Returns (out [B, out_cols], pool, tail, stored after, q packed [B, q_cols])."""
+    step's ``live_work`` lists by head count, ``quant_head_kernel.launch_heads``; ``pairs``: the width pairs naming
+    the kernel's classes, default the layer's own). Returns (out [B, out_cols], pool, tail, stored after, q packed [B,
+    q_cols])."""
     check_backend(backend)
     if rotation is not None:
         q, k = rotation.packed_rows(q, k)

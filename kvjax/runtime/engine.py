@@ -275,7 +275,7 @@ class _Evict:
     bits: int | None = None  # quantized per-head pages (``ops.quant_head_paging``; ``page_elems`` their bytes)
     group: int = 0  # with ``bits``: the slots a quantized group covers (the engine's page size)
     tokens: int = 0  # with ``bits``: the most slots a head stores (``max_seq_len``), what its jnp decode reads
-    pairs: tuple = ()  # with ``bits``: every layer's (K, V) width pairs: a decode launch (one module) a layer's pair
+    pairs: tuple = ()  # with ``bits``: every layer's (K, V) width pairs: the decode kernel's classes (one module)
 
     @property
     def history(self) -> Eviction | None:
@@ -509,8 +509,8 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
         if evict.schedule == "live" and evict.backend != "reference":
             if evict.bits is None:
                 work = step_work(layout.num_kv_heads)
-            else:  # a list a launch's head count (a launch a width pair: each its own splits)
-                work = {n: step_work(n) for n in launch_heads(layout, evict.pairs or None)}
+            else:  # a list a launch's head count (one launch a layer: Hkv)
+                work = {n: step_work(n) for n in launch_heads(layout, evict.bits)}
         window = evict.windows[i]
         before = None if window is None else heads.before[:, i]
         if evict.bits is not None:  # quantized per-head pages (``quant_head_kernel`` on the kernels)
@@ -811,7 +811,8 @@ class Engine:
         )
         sharded = self.sharded is not None
         group = self.page_size if bits is not None else 0
-        # a kernel module a width pair shared by every layer (``quant_head_decode``'s ``pairs``): compiled once each
+        # the model's width pairs name the kernel's classes (``quant_head_decode``'s ``pairs``): one module for every
+        # layer, compiled once
         pairs = tuple(sorted({pair for lay in self.layouts for pair, _ in width_pairs(lay)})) if bits else ()
         return _Evict(spec, page_elems, self.backend, schedule, sharded, windows, bits, group, self.max_seq_len, pairs)
 

@@ -8,12 +8,12 @@ into the weights, no value or key ever rebuilt). A chunk is one of the head's fu
 table: page ``table[g // groups a page]``, at byte ``(g % groups a page) x the group's bytes`` of it; the head's
 partial group, exact in the layer's tail, is the last chunk of its first split.
 
-Launches: the engine's is one a width pair of the layer, each kernel that pair's alone and one Triton module for
-every layer (XLA compiles it once for the model); one launch switching between a layer's pairs makes a module a
-layer, whose Triton compile grows faster than its pairs (bench/results/eviction.md "Eviction on quantized pages:
-compile, a module a layer against a module a width pair": 1,083 s against 64 s for a rate-0.5 model, offline). Each
-launch has its own work list over its own heads' rows (``launch_heads``), so that a pair of one head still gets a
-GPU's worth of programs.
+Launches: a kernel has a branch a class of heads (``head_class``), each head's widths and group layout read at run
+time, so a model's layers share its modules: the engine's launch a class of the layer has its own work list over its
+own heads' rows (``launch_heads``); one launch a layer (``launches="layer"``) switches between the model's classes
+(one module, slower to compile). A branch a width pair, static, made a module a layer when one launch switched
+between them (1,083 s of compile for a rate-0.5 model, offline), and a launch a pair cost 5-8 launches a layer
+(bench/results/eviction.md "Eviction on quantized pages: a work list a launch (H100)").
 
 Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; the pool [pages, bytes]
 (indexed by (page, byte): a pool past 2 GiB needs no 64-bit flat offset), the tail under 2^31 elements.
@@ -45,10 +45,11 @@ from kvjax.ops.decode.head_kernel import (
 from kvjax.ops.decode.item_merge import check_merge, merge_heads
 from kvjax.ops.decode.quant_kernel import _both, _fills, _Reader, _update, empty_carry, side_class, tail_update
 from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, dot_precision, whole_block, width_pairs
-from kvjax.ops.quant import check_bits
+from kvjax.ops.quant import ALIGN, check_bits
 from kvjax.ops.quant_head_paging import groups_per_page, head_format
 from kvjax.ops.tiles import tile
 
+LAUNCH_FORMS = ("layer", "class")  # one launch a layer switching between classes, or a launch a class
 BLOCK_H = ROWS  # query rows a program: a GQA group (G <= 16) padded to the tensor cores' smallest M
 # tokens a loop step reads: quant_kernel's (``QuantKernelConfig``: 128 for a head whose K and V tiles hold 256 columns
 # or more, 64 for narrower ones, whose registers spill at more)
@@ -69,6 +70,59 @@ def _reader(kw: int, vw: int, bits: int, dtype) -> _Reader:
     return _Reader(k_side, v_side, bits, dtype, _fills(k_side, kw, bits), _fills(v_side, vw, bits), kw // n, vw // n)
 
 
+# A head's row of the layer's head table (``_head_table``): its widths, plane widths, groups a page, a group's bytes
+# and where the group's value codes, key metadata and value metadata start. Each is stored divided by its
+# ``_aligns`` entry and multiplied back in the kernel, so Triton knows the multiple (whole-vector loads) of a value
+# it reads at run time: a kernel a class serves every width of the class.
+K_W, V_W, K_PLANE, V_PLANE, PER, GROUP_BYTES, V_CODES, K_META, V_META = range(9)
+FIELDS = 9
+
+
+def _aligns(bits: int) -> tuple[int, ...]:
+    """Each field's known multiple: widths of 16 (planes of 16 / codes a byte), byte offsets of ``quant.ALIGN``."""
+    n = 8 // bits
+    return (16, 16, 16 // n, 16 // n, 1, ALIGN, ALIGN, ALIGN, ALIGN)
+
+
+def _head_table(layout: HeadLayout, page_bytes: int, group: int, bits: int) -> np.ndarray:
+    """int32 [Hkv x FIELDS]: each head's row (``K_W`` ...), each field over its ``_aligns`` entry."""
+    n, aligns, rows = 8 // bits, _aligns(bits), []
+    for kw, vw in zip(layout.k_widths, layout.v_widths):
+        fmt = head_format(kw, vw, group, bits)
+        at = fmt.offsets
+        assert at["k_codes"] == 0
+        values = (kw, vw, kw // n, vw // n, groups_per_page(page_bytes, kw, vw, group, bits), fmt.page_bytes)
+        values += (at["v_codes"], at["k_meta"], at["v_meta"])
+        assert all(v % a == 0 for v, a in zip(values, aligns)), values
+        rows.append([v // a for v, a in zip(values, aligns)])
+    return np.asarray(rows, np.int32).reshape(-1)
+
+
+def head_class(kw: int, vw: int, bits: int) -> tuple:
+    """The (K, V) ``quant_kernel.side_class`` pair of a head's widths: heads of one class run the same kernel code,
+    their widths read at run time (a plane's width masked within its tile)."""
+    return side_class(kw, bits), side_class(vw, bits, keys=False)
+
+
+def _branches(pairs, bits: int, dtype, group: int, step_groups) -> list[tuple]:
+    """The classes of ``pairs`` (the engine's: every layer's width pairs), sorted, each as a kernel branch: (class,
+    whether every K plane of the class fills its tile, the same for V, groups a loop step)."""
+    out = []
+    for cls in sorted({head_class(kw, vw, bits) for kw, vw in pairs}):
+        members = [(kw, vw) for kw, vw in pairs if head_class(kw, vw, bits) == cls]
+        k_full = all(_fills(cls[0], kw, bits) for kw, _ in members)
+        v_full = all(_fills(cls[1], vw, bits) for _, vw in members)
+        nc = groups_a_step(_reader(*members[0], bits, dtype), group) if step_groups is None else step_groups
+        out.append((cls, k_full, v_full, nc))
+    return out
+
+
+def _class_name(cls) -> str:
+    """A branch's class in a kernel's name: ``kp32_vg16`` is K planes in 32-column tiles, V gathered 16 wide."""
+    (kf, ks), (vf, vs) = cls
+    return f"k{kf[0]}{ks}_v{vf[0]}{vs}"
+
+
 def _attend(
     refs,
     head_split,
@@ -78,9 +132,9 @@ def _attend(
     item,
     active,
     *,
-    kw,
-    vw,
-    per,
+    cls,
+    k_full,
+    v_full,
     nc,
     size,
     bits,
@@ -94,20 +148,25 @@ def _attend(
     for its split (``head_split``: the split and the number of splits): its share of the head's full groups of
     ``size`` slots, ``nc`` a loop step, and (split 0) the head's partial group from the tail; its partial softmax
     stored as work item ``item`` (rows ``out_stride`` wide). An inactive program stores an empty one (no weight).
-    ``per``: the head's groups a pool page; ``queries``: query heads a KV head; ``pages``: a head's table entries.
-    A q row's, a tail row's and its K columns are read from ``dims_ref`` (not static: see ``quant_head_decode``)."""
+    ``cls``: the head's ``head_class`` (``k_full``, ``v_full``: whether every plane of the class fills its tile),
+    its widths, groups a pool page and a group's layout read from the head table (``_head_table``); ``queries``: query
+    heads a KV head; ``pages``: a head's table entries. A q row's, a tail row's and its K columns are read from
+    ``dims_ref`` (not static: see ``quant_head_decode``)."""
     g = queries
-    (stored_ref, first_ref, table_ref, q_ref, pool_ref, meta_ref, tail_ref, _, qo_ref, ko_ref, vo_ref,
+    (stored_ref, first_ref, table_ref, q_ref, pool_ref, meta_ref, tail_ref, _, qo_ref, ko_ref, vo_ref, fields_ref,
      dims_ref, _, _) = refs[:INPUTS]  # fmt: skip
     acc_ref, m_ref, l_ref = refs[-3:]  # the outputs (after the launch's aliased inputs, if any)
     q_cols, tail_cols, k_cols = dims_ref[0], dims_ref[1], dims_ref[2]
     split, splits = head_split
     dt = jnp.dtype(q_ref.dtype)
     precision = dot_precision(dt)
-    n = 8 // bits
-    fmt = head_format(kw, vw, size, bits)
-    at = fmt.offsets
-    reader = _reader(kw, vw, bits, dt)
+    aligns = _aligns(bits)
+
+    def field(f, unit_bytes=1):  # a head table field (in float16 units where ``unit_bytes`` is 2)
+        return fields_ref[unit * FIELDS + f] * (aligns[f] // unit_bytes)
+
+    kw, per = field(K_W), field(PER)
+    reader = _Reader(cls[0], cls[1], bits, dt, k_full, v_full, field(K_PLANE), field(V_PLANE))
     k_pieces, v_pieces = reader.pieces(True), reader.pieces(False)
     rows = jnp.arange(BLOCK_H)
     real = rows < g
@@ -133,8 +192,9 @@ def _attend(
     def chunk(grp):
         """Scores [BLOCK_H, rows] of group ``grp``, and a function of its weights giving ``_Reader.values``."""
         ok = grp < full
-        page = plgpu.load(table_ref.at[head * pages + jnp.where(ok, grp // per, 0)])
-        base = (grp % per) * fmt.page_bytes  # the group's first byte in its page
+        page = plgpu.load(table_ref.at[head * pages + jnp.where(ok, lax.div(grp, per), 0)])
+        nth = lax.rem(grp, per)  # the group's place in its page: its first byte, its first float16
+        base, half = nth * field(GROUP_BYTES), nth * field(GROUP_BYTES, 2)
         visible = ok & (r < size) & (grp * size + r >= seen_from)
 
         def load(ref, index, mask):
@@ -144,13 +204,13 @@ def _attend(
             return load(pool_ref, base + first_byte + r[:, None] * row_bytes + byte, _both(visible[:, None], byte_ok))
 
         def key_meta(piece, row):  # the keys' scale (row 0) or zero (row 1) of the piece's columns, float16 units
-            index = (base + at["k_meta"]) // 2 + row * kw + piece.at()
+            index = half + field(K_META, 2) + row * kw + piece.at()
             return load(meta_ref, index, _both(jnp.full((1, piece.tile), ok), piece.ok())).astype(jnp.float32)
 
         meta = [(key_meta(piece, 0), key_meta(piece, 1)) for piece in k_pieces]
-        s = reader.scores(qs, codes(0, kw // n, k_byte, k_byte_ok), meta, precision)
-        v_raw = codes(at["v_codes"], vw // n, v_byte, v_byte_ok)
-        v_at = (base + at["v_meta"]) // 2 + r  # the values' scales, then ``size`` later their zeros: one head
+        s = reader.scores(qs, codes(0, field(K_PLANE), k_byte, k_byte_ok), meta, precision)
+        v_raw = codes(field(V_CODES), field(V_PLANE), v_byte, v_byte_ok)
+        v_at = half + field(V_META, 2) + r  # the values' scales, then ``size`` later their zeros: one head
         v_scale = load(meta_ref, v_at, visible).astype(jnp.float32)
         v_zero = load(meta_ref, v_at + size, visible).astype(jnp.float32)
         return jnp.where(visible[None, :], s, MASK), lambda p: reader.values(v_raw, p, v_scale, v_zero, precision)
@@ -179,22 +239,25 @@ def _attend(
     plgpu.store(l_ref.at[index], l, mask=real)
 
 
-INPUTS = 14  # the kernel's inputs before its outputs (and the outputs' aliased inputs): ``quant_head_decode``'s list
+INPUTS = 15  # the kernel's inputs before its outputs (and the outputs' aliased inputs): ``quant_head_decode``'s list
 
 
-def _kernel(*refs, pairs, units, **static):
+def _kernel(*refs, branches, units, **static):
     """``head_kernel._live_kernel`` over quantized pages: program i does split i % S of live row i // S
     (``work_ref``: ``live_work``'s count, splits and rows over the launch's heads ``heads_ref``: row r is sequence r //
-    n's head ``heads_ref[r % n]``, n = ``dims_ref[3]``), switching to its head's width pair (``pair_ref``; a launch a
-    pair: its one branch, no switch), its item stored ``dims_ref[4]`` items into the outputs (where its launch's
+    n's head ``heads_ref[r % n]``, n = ``dims_ref[3]``), switching to its head's class (``branch_ref``; a launch a
+    class: its one branch, no switch), its item stored ``dims_ref[4]`` items into the outputs (where its launch's
     items start); programs past the live rows store empty items (as row 0's)."""
-    pair_ref, dims_ref, heads_ref, work_ref = refs[7], refs[11], refs[12], refs[13]
+    branch_ref, dims_ref, heads_ref, work_ref = refs[7], refs[12], refs[13], refs[14]
     item, head_split, active, row = live_item(work_ref)
     n = dims_ref[3]
     seq, unit = row // n, heads_ref[row % n]
     args = (refs, head_split, seq, unit, seq * units + unit, dims_ref[4] + item, active)
-    branches = [functools.partial(_attend, *args, kw=kw, vw=vw, per=per, nc=nc, **static) for kw, vw, per, nc in pairs]
-    lax.switch(pair_ref[unit], branches)  # one pair: its branch alone, no switch
+    fns = [
+        functools.partial(_attend, *args, cls=cls, k_full=k_full, v_full=v_full, nc=nc, **static)
+        for cls, k_full, v_full, nc in branches
+    ]
+    lax.switch(branch_ref[unit], fns)  # one class: its branch alone, no switch
 
 
 def _check(q, pool, tail, tables, stored, first, layout: HeadLayout, page_bytes: int, size: int) -> None:
@@ -222,6 +285,7 @@ def _check(q, pool, tail, tables, stored, first, layout: HeadLayout, page_bytes:
         "num_warps",
         "num_stages",
         "pairs",
+        "launches",
         "merge",
         "interpret",
     ),
@@ -244,6 +308,7 @@ def quant_head_decode(
     num_warps=4,
     num_stages=2,
     pairs=None,
+    launches="class",
     merge="kernel",
     interpret=False,
 ):
@@ -257,17 +322,21 @@ def quant_head_decode(
     ``work``: the work lists built once for the step, ``head_kernel.live_work`` over B x n rows for each head count n of
     ``launch_heads`` (a mapping by n; one launch also takes its one list); default: each launch's from its heads'
     ``stored``; or ``splits`` fixed; ``step_groups``: groups a program reads a loop step (default ``groups_a_step``);
-    ``num_warps``, ``num_stages``: Triton's. ``pairs`` (the engine's: every layer's (K width, V width) pairs): a launch
-    for each of the layer's pairs, its kernel compiled for that pair alone and the same Triton module whatever the
-    layer, which XLA compiles once for the model (its kernel cache is keyed by the module); each launch's splits chosen
-    from its own rows (a launch of one head of 8 at B32: 16 splits, 512 programs; with the layer's 2 it had 64 working
-    programs on 132 SMs, bench/results/eviction.md "Eviction on quantized pages: the engine's step through a kernel a
-    width pair (H100)"), the launches' items in one buffer, merged once. Without it, one launch switching between the
-    layer's pairs: a module a layer, whose compile grows faster than its pairs (7 pairs: 19 s of Triton offline at
-    groups of 32, against 1-2 s for one; bench/notes/2026-12-06-quant-head-compile.md). ``merge``: how the items
-    become the packed output: "kernel" (``item_merge.merge_heads``: each partial read once) or "xla" (``merge_at``'s
-    butterfly, then ``packed_out``). Returns [B, out_cols] in q's
-    dtype; a head storing nothing gives zeros. Bytes a page holds past what its head wrote (another head's, stale) are
+    ``num_warps``, ``num_stages``: Triton's.
+
+    The kernel has a branch a class of heads (``head_class``: how its K and V planes are read), each head's widths and
+    group layout read at run time from a head table, so a kernel serves every width of its classes. ``pairs`` (the
+    engine's: every layer's (K width, V width) pairs; default the layer's own) names the classes, so that given the
+    model's pairs every layer lowers to the same Triton module, which XLA compiles once for the model (its kernel
+    cache is keyed by the module; a module a layer took 1,083 s to compile at rate 0.5,
+    bench/notes/2026-12-06-quant-head-compile.md). ``launches``: "class" (the engine's), a launch a class of the layer,
+    each with its own work list over its heads' rows (a class of one head of 8 at B32: 16 splits, 512 programs), the
+    launches' items in one buffer, merged once; or "layer", one launch switching between the classes, whose module
+    (every class a branch) compiles slower than its classes' apart: 137 s offline against 22 s for the 11 classes of
+    a rate-0.5 model at int4 (bench/notes/2026-12-07-merge-encode-classes.md).
+    ``merge``: how the items become the packed output: "kernel" (``item_merge.merge_heads``: each partial read once)
+    or "xla" (``merge_at``'s butterfly, then ``packed_out``). Returns [B, out_cols] in q's dtype; a head storing
+    nothing gives zeros. Bytes a page holds past what its head wrote (another head's, stale) are
     never read: every load of a group past the head's full groups is masked."""
     check_bits(bits)
     check_merge(merge)
@@ -277,19 +346,16 @@ def quant_head_decode(
     b, g, heads = q.shape[0], layout.group_size, layout.num_kv_heads
     first = jnp.zeros_like(stored) if first is None else first
     own = [pair for pair, _ in width_pairs(layout)]
-    one_launch = pairs is None
-    pairs = tuple(own) if one_launch else tuple(pairs)
+    pairs = tuple(own) if pairs is None else tuple(pairs)
     if missing := sorted(set(own) - set(pairs)):
         raise ValueError(f"pairs must hold each width pair of the layout; {missing} missing")
     if len(set(pairs)) < len(pairs):
         raise ValueError(f"pairs must be distinct, got {pairs}")
-    pair_of = np.zeros(heads, np.int32)  # each head's branch; a launch a pair has one, 0
-    for pair, members in width_pairs(layout) if one_launch else ():
-        pair_of[members] = pairs.index(pair)
-    branches = []
-    for kw, vw in pairs:
-        nc = groups_a_step(_reader(kw, vw, bits, q.dtype), group) if step_groups is None else step_groups
-        branches.append((kw, vw, groups_per_page(page_bytes, kw, vw, group, bits), nc))
+    if launches not in LAUNCH_FORMS:
+        raise ValueError(f"launches must be one of {LAUNCH_FORMS}, got {launches!r}")
+    branches = _branches(pairs, bits, q.dtype, group, step_groups)
+    classes = [branch[0] for branch in branches]
+    head_cls = [classes.index(head_class(kw, vw, bits)) for kw, vw in zip(layout.k_widths, layout.v_widths)]
     width = max(tile(vw) for _, vw in pairs)
     offsets = [
         HeadLayout.offsets(layout.k_widths, g),
@@ -303,8 +369,9 @@ def quant_head_decode(
         pool,
         lax.bitcast_convert_type(pool.reshape(pool.shape[0], -1, 2), jnp.float16),  # the metadata's view: a bitcast
         tail.reshape(-1),
-        jnp.asarray(pair_of),
+        jnp.asarray(np.asarray(head_cls if launches == "layer" else [0] * heads, np.int32)),  # each head's branch
         *[jnp.asarray(np.asarray(o, np.int32)) for o in offsets],
+        jnp.asarray(_head_table(layout, page_bytes, group, bits)),
     ]
     dims = [layout.q_cols, layout.k_cols + layout.v_cols, layout.k_cols]  # the layer's, not static: one module
     static = dict(
@@ -318,29 +385,28 @@ def quant_head_decode(
     )
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     name = f"kvjax_quant_head_decode_int{bits}"
-    if one_launch:
+    if launches == "layer":
         heads_of = [list(range(heads))]
-        lists = [_work_of(stored, _list_of(work, heads), splits)]
-        kernels = [(functools.partial(_kernel, pairs=tuple(branches), units=heads, **static), name)]
+        kernels = [(functools.partial(_kernel, branches=tuple(branches), units=heads, **static), name)]
     else:
-        launched = _launch_order(layout, pairs)
-        heads_of = [members for _, members in launched]
-        lists = [_pair_work(stored, members, work, splits) for members in heads_of]
-        kernels = [  # a pair's kernel: its one branch, named after it
+        used = sorted(set(head_cls))
+        heads_of = [[h for h in range(heads) if head_cls[h] == c] for c in used]
+        kernels = [  # a class's kernel: its one branch, named after it
             (
-                functools.partial(_kernel, pairs=(branches[pairs.index(pair)],), units=heads, **static),
-                f"{name}_k{pair[0]}_v{pair[1]}",
+                functools.partial(_kernel, branches=(branches[c],), units=heads, **static),
+                f"{name}_{_class_name(classes[c])}",
             )
-            for pair, _ in launched
+            for c in used
         ]
+    lists = [_launch_work(stored, members, work, splits, len(heads_of)) for members in heads_of]
     # each launch's items in one buffer, from a multiple of 16 (``merge_items``' groups never cross launches)
     sizes = [_items(b * len(members), splits) for members in heads_of]
     starts = np.cumsum([0, *sizes])
-    launches = [  # each launch's inputs: the layer's, then its dims (n, first item), heads and work list
+    calls = [  # each launch's inputs: the layer's, then its dims (n, first item), heads and work list
         [*inputs, jnp.asarray([*dims, len(members), int(start)], jnp.int32), jnp.asarray(members, jnp.int32), w]
         for members, w, start in zip(heads_of, lists, starts)
     ]
-    acc, m, l = _launches(kernels, launches, sizes, g, width, params, interpret)
+    acc, m, l = _launches(kernels, calls, sizes, g, width, params, interpret)
     item_first = [_first_items(w, b, len(members), int(start)) for w, members, start in zip(lists, heads_of, starts)]
     order = np.argsort(np.concatenate([np.asarray(members) for members in heads_of]), kind="stable")
     first_items = jnp.concatenate(item_first, axis=1)[:, order].reshape(-1)  # [B x Hkv], heads in their order
@@ -356,19 +422,14 @@ def quant_head_decode(
     return packed_out(got.reshape(b, heads, g, width), layout, q.dtype)
 
 
-def _launch_order(layout: HeadLayout, pairs) -> list:
-    """The layer's width pairs with their heads, in ``pairs``' order (the engine's: the model's, sorted)."""
-    own = dict(width_pairs(layout))
-    return [(pair, own[pair]) for pair in pairs if pair in own]
-
-
-def launch_heads(layout: HeadLayout, pairs=None) -> tuple[int, ...]:
+def launch_heads(layout: HeadLayout, bits: int, launches: str = "class") -> tuple[int, ...]:
     """The KV-head counts n whose work lists (``live_work`` over B x n rows) ``quant_head_decode`` reads for
-    ``layout``: Hkv for the one launch (``pairs`` None), each launch's heads with ``pairs``. The engine builds one a
-    count a step, shared by every layer."""
-    if pairs is None:
+    ``layout`` at ``bits``: Hkv for one launch a layer, each class's heads with a launch a class (``launches``). The
+    engine builds one a count a step, shared by every layer."""
+    if launches == "layer":
         return (layout.num_kv_heads,)
-    return tuple(sorted({len(members) for _, members in _launch_order(layout, pairs)}))
+    classes = [head_class(kw, vw, bits) for kw, vw in zip(layout.k_widths, layout.v_widths)]
+    return tuple(sorted({classes.count(c) for c in classes}))
 
 
 def _list_of(work, n: int):
@@ -381,13 +442,12 @@ def _list_of(work, n: int):
     return work[n]
 
 
-def _pair_work(stored, members, work, splits):
-    """A pair's launch's work list over its heads' rows (B x len(members)): the engine's for that many heads (live
-    slots, broadcast), else from the heads' stored counts."""
-    w = _list_of(work, len(members))
-    if w is not None and not isinstance(work, dict):
-        raise ValueError("with pairs, work must map a head count to its list (launch_heads), not one list")
-    return _work_of(stored[:, np.asarray(members)], w, splits)
+def _launch_work(stored, members, work, splits, launches: int):
+    """A launch's work list over its heads' rows (B x len(members)): the engine's for that many heads (live slots,
+    broadcast), else from the heads' stored counts. One list (not a mapping) serves only a layer's one launch."""
+    if work is not None and not isinstance(work, dict) and launches > 1:
+        raise ValueError("with a launch a class, work must map a head count to its list (launch_heads), not one list")
+    return _work_of(stored[:, np.asarray(members)], _list_of(work, len(members)), splits)
 
 
 def _items(rows: int, splits) -> int:
