@@ -91,8 +91,8 @@ def _head_table(layout: HeadLayout, page_bytes: int, group: int, bits: int) -> n
         fmt = head_format(kw, vw, group, bits)
         at = fmt.offsets
         assert at["k_codes"] == 0
-        values = (kw, vw, kw // n, vw // n, groups_per_page(page_bytes, kw, vw, group, bits), fmt.page_bytes)
-        values += (at["v_codes"], at["k_meta"], at["v_meta"])
+        per = groups_per_page(page_bytes, kw, vw, group, bits)
+        values = (kw, vw, kw // n, vw // n, per, fmt.page_bytes, at["v_codes"], at["k_meta"], at["v_meta"])
         assert all(v % a == 0 for v, a in zip(values, aligns)), values
         rows.append([v // a for v, a in zip(values, aligns)])
     return np.asarray(rows, np.int32).reshape(-1)
