@@ -111,14 +111,14 @@ def _write_groups(pool, k, v, page, nth, layout: HeadLayout, group: int, bits: i
     values [..., group, v_cols] (each head's slots in its own columns, rows the group's slots), each head's page and
     group index in the page ``page``, ``nth`` [..., Hkv]; a page past the pool or the null page drops its head's
     group. One ``PageFormat`` encode of the layer and a gather of each head's bytes (``_head_sources``): an encode a
-    width pair made the int4 step's writes several fusions a pair a layer (bench/results/eviction.md)."""
+    width pair made the int4 step's writes several fusions a pair a layer (bench/results/eviction.md "Eviction on
+    quantized pages: the merge kernel and a launch a class (H100)")."""
     num_pages = pool.shape[0]
     src = _head_sources(tuple(layout.k_widths), tuple(layout.v_widths), group, bits)
     sizes = np.array([head_format(kw, vw, group, bits).page_bytes for kw, vw in zip(layout.k_widths, layout.v_widths)])
     encoded = PageFormat.for_layout(layout, group, bits).encode(k, v)  # [..., layer bytes]
-    values = jnp.where(src >= 0, jnp.take(encoded, np.maximum(src, 0), axis=-1), 0).astype(
-        jnp.uint8
-    )  # [..., Hkv, most]
+    values = jnp.take(encoded, np.maximum(src, 0), axis=-1)  # [..., Hkv, most]
+    values = jnp.where(src >= 0, values, 0).astype(jnp.uint8)
     page = jnp.where((page > NULL_PAGE) & (page < num_pages), page, num_pages)
     byte = np.arange(src.shape[1])
     index = nth[..., None] * sizes[:, None] + byte  # [..., Hkv, most]
@@ -135,7 +135,7 @@ def write_decode(pool, tail, table, stored, k, v, active, layout: HeadLayout, pa
     Every head's group is encoded every step and only the completing ones are written (static shapes, one scatter
     a layer): the reference's simplicity, about ``group`` tokens of encoding a head a step."""
     b = k.shape[0]
-    heads, cols = _columns(layout)
+    heads, _ = _columns(layout)
     new = jnp.concatenate([k, v], -1).astype(tail.dtype)  # [B, k_cols + v_cols]
     row = jnp.where(active, jnp.arange(b), tail.shape[0])[:, None]
     at = stored[:, heads] % group  # each column's head's slot in its group

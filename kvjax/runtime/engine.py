@@ -275,7 +275,7 @@ class _Evict:
     bits: int | None = None  # quantized per-head pages (``ops.quant_head_paging``; ``page_elems`` their bytes)
     group: int = 0  # with ``bits``: the slots a quantized group covers (the engine's page size)
     tokens: int = 0  # with ``bits``: the most slots a head stores (``max_seq_len``), what its jnp decode reads
-    pairs: tuple = ()  # with ``bits``: every layer's (K, V) width pairs: the decode kernel's classes (one module)
+    pairs: tuple = ()  # with ``bits``: every layer's (K, V) width pairs: the decode kernel's classes (a module each)
 
     @property
     def history(self) -> Eviction | None:
@@ -509,7 +509,7 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
         if evict.schedule == "live" and evict.backend != "reference":
             if evict.bits is None:
                 work = step_work(layout.num_kv_heads)
-            else:  # a list a launch's head count (one launch a layer: Hkv)
+            else:  # a list a launch's head count (a launch a class of heads: each its own splits)
                 work = {n: step_work(n) for n in launch_heads(layout, evict.bits)}
         window = evict.windows[i]
         before = None if window is None else heads.before[:, i]
@@ -811,8 +811,8 @@ class Engine:
         )
         sharded = self.sharded is not None
         group = self.page_size if bits is not None else 0
-        # the model's width pairs name the kernel's classes (``quant_head_decode``'s ``pairs``): one module for every
-        # layer, compiled once
+        # the model's width pairs name the kernel's classes (``quant_head_decode``'s ``pairs``): a module a class,
+        # shared by every layer and compiled once
         pairs = tuple(sorted({pair for lay in self.layouts for pair, _ in width_pairs(lay)})) if bits else ()
         return _Evict(spec, page_elems, self.backend, schedule, sharded, windows, bits, group, self.max_seq_len, pairs)
 
