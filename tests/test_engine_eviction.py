@@ -395,16 +395,17 @@ def test_the_slot_schedule_gives_the_reference_tokens(backend):
 
 
 @pytest.mark.parametrize(
-    "spec, plan, bits, backend",
+    "spec, plan, bits, backend, launches",
     [
-        ("kvcompress:3x", "none", 4, "reference"),
-        ("snapkv:2x", "zack", 2, "interpret"),  # the kernels: prefill stages, quant_head_kernel decodes
-        ("h2o:3x", "zack", 4, "reference"),
-        ("kvcompress:3x", "local-global", 4, "reference"),
-        pytest.param("kvcompress:3x", "zack", 4, "pallas", marks=pytest.mark.gpu),
+        ("kvcompress:3x", "none", 4, "reference", "class"),
+        ("snapkv:2x", "zack", 2, "interpret", "class"),  # the kernels: prefill stages, quant_head_kernel decodes
+        ("snapkv:2x", "zack", 4, "interpret", "layer"),  # one decode launch a layer (DecodeConfig)
+        ("h2o:3x", "zack", 4, "reference", "class"),
+        ("kvcompress:3x", "local-global", 4, "reference", "class"),
+        pytest.param("kvcompress:3x", "zack", 4, "pallas", "class", marks=pytest.mark.gpu),
     ],
 )
-def test_eviction_on_quantized_pages_gives_the_teacher_forced_tokens(spec, plan, bits, backend):
+def test_eviction_on_quantized_pages_gives_the_teacher_forced_tokens(spec, plan, bits, backend, launches):
     """Eviction with ``kv_bits`` (KIVI-style, ``ops.quant_head_paging``): prompts staged exactly, each head's
     survivors compacted then quantized a page of slots at a time, the partial group exact until decode completes it;
     greedy tokens equal ``eviction.reference.hidden_after``'s with the same survivors served from its quantized
@@ -421,6 +422,7 @@ def test_eviction_on_quantized_pages_gives_the_teacher_forced_tokens(spec, plan,
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, 97, int(n)).tolist() for n in (70, 41, 6)]
     settings = dict(max_batch=2, max_seq_len=128, chunk_tokens=32, backend=backend)
+    settings |= dict(decode_config=dataclasses.replace(DECODE, quant_head_launches=launches))
     # quantization is discontinuous: a float32 matmul XLA rounds to TF32 on a GPU (the reference's attention; the
     # Pallas kernels' dots are exact) can move a code and then a token (one did on an H100), so both run exact
     precision = jax.default_matmul_precision("highest") if backend == "pallas" else contextlib.nullcontext()

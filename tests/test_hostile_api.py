@@ -198,6 +198,7 @@ def test_temperature_is_a_finite_non_negative_number(x):
         ("decode", "auto_balance", float("nan"), r"auto_balance must be in \[0, 1\], got nan"),
         ("decode", "order", "fastest", "order must be one of"),
         ("decode", "head_schedule", "busy", "head_schedule must be one of"),
+        ("decode", "quant_head_launches", "pair", "quant_head_launches must be one of"),
         ("decode", "unmasked_steps", 1, "unmasked_steps must be a bool, got 1"),
         ("decode", "kernel_classes", 0, "kernel_classes must be at least 1, got 0"),
         ("prefill", "block_q", 48, "block_q must be a power of two of at least 16, got 48"),

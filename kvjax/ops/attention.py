@@ -258,14 +258,15 @@ def decode_quant_heads(
     work=None,
     before=None,
     pairs=(),
+    launches="class",
 ):
     """``decode_heads`` over quantized per-head pages (``ops.quant_head_paging``: eviction with ``kv_bits``): the new
     token to each head's next slot, its group quantized into its page when that slot completes it (jnp), then the
     query against each head's stored slots: ``quant_head_paging.decode_attention`` over ``tokens`` slots at most
     (static) on the "reference" backend, ``ops.decode.quant_head_kernel`` on "pallas" and "interpret" (``work``: the
     step's ``live_work`` lists by head count, ``quant_head_kernel.launch_heads``; ``pairs``: the width pairs naming
-    the kernel's classes, default the layer's own). Returns (out [B, out_cols], pool, tail, stored after, q packed [B,
-    q_cols])."""
+    the kernel's classes, default the layer's own; ``launches``: its launch form). Returns (out [B, out_cols], pool,
+    tail, stored after, q packed [B, q_cols])."""
     check_backend(backend)
     if rotation is not None:
         q, k = rotation.packed_rows(q, k)
@@ -280,7 +281,7 @@ def decode_quant_heads(
     else:
         out = quant_head_decode(
             q, pool, tail, tables, after, layout, page_bytes, group, bits, first=first, work=work,
-            pairs=tuple(pairs) or None, interpret=backend == "interpret",
+            pairs=tuple(pairs) or None, launches=launches, interpret=backend == "interpret",
         )  # fmt: skip
     return out, pool, tail, after, q
 

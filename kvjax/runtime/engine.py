@@ -276,6 +276,7 @@ class _Evict:
     group: int = 0  # with ``bits``: the slots a quantized group covers (the engine's page size)
     tokens: int = 0  # with ``bits``: the most slots a head stores (``max_seq_len``), what its jnp decode reads
     pairs: tuple = ()  # with ``bits``: every layer's (K, V) width pairs: the decode kernel's classes (a module each)
+    launches: str = "class"  # with ``bits``: the decode kernel's launches (``DecodeConfig.quant_head_launches``)
 
     @property
     def history(self) -> Eviction | None:
@@ -510,7 +511,7 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
             if evict.bits is None:
                 work = step_work(layout.num_kv_heads)
             else:  # a list a launch's head count (a launch a class of heads: each its own splits)
-                work = {n: step_work(n) for n in launch_heads(layout, evict.bits)}
+                work = {n: step_work(n) for n in launch_heads(layout, evict.bits, evict.launches)}
         window = evict.windows[i]
         before = None if window is None else heads.before[:, i]
         if evict.bits is not None:  # quantized per-head pages (``quant_head_kernel`` on the kernels)
@@ -533,6 +534,7 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
                 work=work,
                 before=before,
                 pairs=evict.pairs,
+                launches=evict.launches,
             )
         else:
             got = attention.decode_heads(
@@ -814,7 +816,10 @@ class Engine:
         # the model's width pairs name the kernel's classes (``quant_head_decode``'s ``pairs``): a module a class,
         # shared by every layer and compiled once
         pairs = tuple(sorted({pair for lay in self.layouts for pair, _ in width_pairs(lay)})) if bits else ()
-        return _Evict(spec, page_elems, self.backend, schedule, sharded, windows, bits, group, self.max_seq_len, pairs)
+        launches = self.config.decode_config.quant_head_launches
+        return _Evict(
+            spec, page_elems, self.backend, schedule, sharded, windows, bits, group, self.max_seq_len, pairs, launches
+        )
 
     def _evicting_pages(self, num_pages, cache_memory, dtype) -> tuple[int, ...]:
         """An evicting engine's two pools: the staging pool (``num_pages``) holds two whole ``max_seq_len`` prompts

@@ -13,6 +13,7 @@ from kvjax import validate
 
 ORDERS = ("auto", "lpt", "stream", "naive")
 HEAD_SCHEDULES = ("slots", "live")
+QUANT_HEAD_LAUNCHES = ("class", "layer")  # ``quant_head_kernel.LAUNCH_FORMS``
 H100_SMS = 132
 # Fields that are counts or sizes of at least one; every other integer field must be >= 0.
 AT_LEAST_ONE = (
@@ -72,6 +73,11 @@ class DecodeConfig:
     # grid's kernel with 32 full slots) or "slots" (a grid of every slot's heads): bench/results/eviction.md "The live
     # schedule".
     head_schedule: str = "live"
+    # Launches of the decode over quantized per-head pages (``quant_head_kernel.quant_head_decode``'s ``launches``):
+    # "class", a launch a class of the layer's heads (11 modules, 22 s of Triton for a rate-0.5 int4 model), or
+    # "layer", one launch switching between the model's classes (25% faster a layer, one module of 137 s):
+    # bench/results/eviction.md "Eviction on quantized pages: the merge kernel and a launch a class (H100)".
+    quant_head_launches: str = "class"
 
     def for_run(self) -> DecodeConfig:
         """This config with the schedule-only fields at their defaults: what the kernel compiles for (a schedule
@@ -93,6 +99,10 @@ class DecodeConfig:
             raise ValueError(f"order must be one of {ORDERS}, not {self.order!r}")
         if self.head_schedule not in HEAD_SCHEDULES:
             raise ValueError(f"head_schedule must be one of {HEAD_SCHEDULES}, not {self.head_schedule!r}")
+        if self.quant_head_launches not in QUANT_HEAD_LAUNCHES:
+            raise ValueError(
+                f"quant_head_launches must be one of {QUANT_HEAD_LAUNCHES}, not {self.quant_head_launches!r}"
+            )
         validate.int_fields(self, at_least_one=AT_LEAST_ONE)
         if not 0.0 <= self.auto_balance <= 1.0:
             raise ValueError(f"auto_balance must be in [0, 1], got {self.auto_balance}")
