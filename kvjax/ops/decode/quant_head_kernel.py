@@ -70,18 +70,18 @@ def _reader(kw: int, vw: int, bits: int, dtype) -> _Reader:
     return _Reader(k_side, v_side, bits, dtype, _fills(k_side, kw, bits), _fills(v_side, vw, bits), kw // n, vw // n)
 
 
-# A head's row of the layer's head table (``_head_table``): its widths, plane widths, groups a page, a group's bytes
+# A head's row of the layer's head table (``_head_table``): its K width, plane widths, groups a page, a group's bytes
 # and where the group's value codes, key metadata and value metadata start. Each is stored divided by its
 # ``_aligns`` entry and multiplied back in the kernel, so Triton knows the multiple (whole-vector loads) of a value
 # it reads at run time: a kernel a class serves every width of the class.
-K_W, V_W, K_PLANE, V_PLANE, PER, GROUP_BYTES, V_CODES, K_META, V_META = range(9)
-FIELDS = 9
+K_W, K_PLANE, V_PLANE, PER, GROUP_BYTES, V_CODES, K_META, V_META = range(8)
+FIELDS = 8
 
 
 def _aligns(bits: int) -> tuple[int, ...]:
     """Each field's known multiple: widths of 16 (planes of 16 / codes a byte), byte offsets of ``quant.ALIGN``."""
     n = 8 // bits
-    return (16, 16, 16 // n, 16 // n, 1, ALIGN, ALIGN, ALIGN, ALIGN)
+    return (16, 16 // n, 16 // n, 1, ALIGN, ALIGN, ALIGN, ALIGN)
 
 
 def _head_table(layout: HeadLayout, page_bytes: int, group: int, bits: int) -> np.ndarray:
@@ -92,7 +92,7 @@ def _head_table(layout: HeadLayout, page_bytes: int, group: int, bits: int) -> n
         at = fmt.offsets
         assert at["k_codes"] == 0
         per = groups_per_page(page_bytes, kw, vw, group, bits)
-        values = (kw, vw, kw // n, vw // n, per, fmt.page_bytes, at["v_codes"], at["k_meta"], at["v_meta"])
+        values = (kw, kw // n, vw // n, per, fmt.page_bytes, at["v_codes"], at["k_meta"], at["v_meta"])
         assert all(v % a == 0 for v, a in zip(values, aligns)), values
         rows.append([v // a for v, a in zip(values, aligns)])
     return np.asarray(rows, np.int32).reshape(-1)
