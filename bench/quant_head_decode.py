@@ -102,9 +102,10 @@ def parser() -> argparse.ArgumentParser:
         "--launches",
         nargs="+",
         choices=LAUNCH_FORMS,
-        default=["layer"],
-        help="layer: one launch switching between the layer's classes of heads, the engine's form (default); class: a "
-        "launch a class, each with its own work list",
+        default=["k-class"],
+        help="k-class: a launch a class of K planes, switching between its classes of heads (the engine's, default); "
+        "class: a launch a class; layer: one launch switching between the layer's classes (each launch its own work "
+        "list)",
     )
     p.add_argument(
         "--merges",

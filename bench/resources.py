@@ -434,14 +434,20 @@ def quant_head_report(specs, bits: int, groups, warps: int, stages: int) -> None
             )
 
 
-def quant_head_model_report(specs, bits: int, groups, warps: int, stages: int, layers: int | None) -> None:
+MODEL_FORMS = ("own", "layer", "k-class", "class")  # --kernel quant-head-model's launch forms (``--forms``)
+
+
+def quant_head_model_report(
+    specs, bits: int, groups, warps: int, stages: int, layers: int | None, forms=MODEL_FORMS
+) -> None:
     """One row a (plan, group, launch form): the Triton compile a whole model's ``quant_head_decode`` needs, the
     modules XLA compiles (it compiles each distinct module once: its kernel cache is keyed by the module) with their
     seconds summed. "a layer, own classes": one launch switching between the classes of the layer's own pairs (a
     module per set of classes); "a layer, model's classes": the engine's (its ``pairs`` name the model's classes:
-    one module); "a class": a launch a class of the layer, a module a class of the model. ``specs``: rate:R (the
+    one module); "a K class": a launch a K class of the layer, a module a K class of the model (its classes
+    branches); "a class": a launch a class of the layer, a module a class of the model. ``specs``: rate:R (the
     ordered plan of ``bench.harness.rank_plan``, every layer; ``layers``: only its first so many) or uniform:W
-    (bench/notes/2026-12-06-quant-head-compile.md)."""
+    (bench/notes/2026-12-06-quant-head-compile.md); ``forms``: which of these (``MODEL_FORMS``, in that order)."""
     from kvjax.ops import quant_head_paging
     from kvjax.ops.decode.quant_head_kernel import quant_head_decode
     from kvjax.ops.pallas_util import width_pairs
@@ -459,8 +465,13 @@ def quant_head_model_report(specs, bits: int, groups, warps: int, stages: int, l
         pairs = tuple(sorted({p for lay in lays for p, _ in width_pairs(lay)}))
         for group in groups:
             page_bytes = quant_head_paging.pool_page_bytes(lays, group, bits)
-            forms = (("a layer, own classes", None, "layer"), ("a layer, model's classes", pairs, "layer"))
-            for form, given, launches in (*forms, ("a class", pairs, "class")):
+            every = (
+                ("own", "a layer, own classes", None, "layer"),
+                ("layer", "a layer, model's classes", pairs, "layer"),
+                ("k-class", "a K class", pairs, "k-class"),
+                ("class", "a class", pairs, "class"),
+            )
+            for form, given, launches in [(label, p, f) for key, label, p, f in every if key in forms]:
                 modules: set[str] = set()
                 for lay in lays:
                     args = quant_head_args(lay, batch, ctx, group, page_bytes)
@@ -486,6 +497,14 @@ def main(argv=None):
     )
     ap.add_argument(
         "--layers", type=count_arg("--layers"), help="--kernel quant-head-model: only a plan's first so many layers"
+    )
+    ap.add_argument(
+        "--forms",
+        nargs="+",
+        choices=MODEL_FORMS,
+        default=list(MODEL_FORMS),
+        help="--kernel quant-head-model: launch forms to compile (own: a layer of its own classes; layer: of the "
+        "model's; k-class: a launch a K class; class: a launch a class; default all)",
     )
     ap.add_argument(
         "--group", type=int, nargs="+", default=[16], help="--kernel quant-head: slots a quantized group (default 16)"
@@ -525,7 +544,7 @@ def main(argv=None):
     if args.kernel == "quant-head-model":
         warps, stages = args.warps or 4, args.stages or 2
         print(f"quant_head_decode over a model, int{args.bits}, sm_90, B32 x 4K, {warps} warps, {stages} stages\n")
-        return quant_head_model_report(args.layouts, args.bits, args.group, warps, stages, args.layers)
+        return quant_head_model_report(args.layouts, args.bits, args.group, warps, stages, args.layers, args.forms)
     if args.kernel == "gear":
         warps = args.warps or 4
         print(f"gear_paged_decode, {args.gear} pages, sm_90, {warps} warps, 1 stage\n")

@@ -400,6 +400,7 @@ def test_the_slot_schedule_gives_the_reference_tokens(backend):
         ("kvcompress:3x", "none", 4, "reference", "class"),
         ("snapkv:2x", "zack", 2, "interpret", "class"),  # the kernels: prefill stages, quant_head_kernel decodes
         ("snapkv:2x", "zack", 4, "interpret", "layer"),  # one decode launch a layer (DecodeConfig)
+        ("kvcompress:3x", "zack", 2, "interpret", "k-class"),  # a decode launch a K class
         ("h2o:3x", "zack", 4, "reference", "class"),
         ("kvcompress:3x", "local-global", 4, "reference", "class"),
         pytest.param("kvcompress:3x", "zack", 4, "pallas", "class", marks=pytest.mark.gpu),

@@ -87,7 +87,7 @@ def test_groups_narrower_than_a_tile_and_of_no_power_of_two(group):
     _check(LAYOUT, 2, group, 4, counts, seed)
 
 
-@pytest.mark.parametrize("pairs,launches", [(None, "layer"), (MODEL_PAIRS, "class")])
+@pytest.mark.parametrize("pairs,launches", [(None, "layer"), (MODEL_PAIRS, "class"), (MODEL_PAIRS, "k-class")])
 def test_a_sliding_window_skips_the_groups_before_its_first_slot(pairs, launches):
     """``first``: each head's first seen slot, inside a group, on a group's edge, past every full group (only the
     tail seen), or 0."""
@@ -99,7 +99,7 @@ def test_a_sliding_window_skips_the_groups_before_its_first_slot(pairs, launches
     _check(layout, 2, group, 4, counts, seed, first=first, pairs=pairs, launches=launches)
 
 
-@pytest.mark.parametrize("launches", ["layer", "class"])
+@pytest.mark.parametrize("launches", ["layer", "class", "k-class"])
 def test_a_step_wide_work_list_serves_the_layer(launches):
     """The engine builds ``live_work`` once a step from its live slots, one a head count ``launch_heads`` names:
     rows that store nothing in this layer still hold work items, which give zeros; a count missing is refused."""
@@ -108,9 +108,8 @@ def test_a_step_wide_work_list_serves_the_layer(launches):
     counts = rng.integers(1, 60, (3, 4))
     counts[2] = 0
     sizes = launch_heads(LAYOUT, 4, launches)
-    assert sizes == (
-        (4,) if launches == "layer" else (1, 2)
-    )  # LAYOUT's classes: (16, 32)'s twice, (64, 16)'s, (48, 64)'s
+    # LAYOUT's classes: (16, 32)'s twice, (64, 16)'s, (48, 64)'s; the last two of one K class (planes of 32)
+    assert sizes == {"layer": (4,), "class": (1, 2), "k-class": (2,)}[launches]
     work = {n: live_work(jnp.ones((3, n), bool)) for n in sizes}
     got = _check(LAYOUT, 3, 16, 4, counts, seed, work=work, pairs=MODEL_PAIRS, launches=launches)
     assert not np.asarray(got)[2].any()
@@ -146,6 +145,8 @@ def test_bad_inputs_are_refused_in_one_line():
         quant_head_decode(q, pool, tail, tables, stored, LAYOUT, page_bytes, 16, 3, interpret=True)
     with pytest.raises(ValueError, match="launches must be one of"):
         quant_head_decode(q, pool, tail, tables, stored, *args, launches="pair", interpret=True)
+    with pytest.raises(ValueError, match="launches must be one of"):
+        launch_heads(LAYOUT, 4, "pair")
     with pytest.raises(ValueError, match="merge must be one of"):
         quant_head_decode(q, pool, tail, tables, stored, *args, merge="numpy", interpret=True)
     with pytest.raises(ValueError, match="map a head count"):  # one list cannot serve a launch a class
@@ -155,7 +156,10 @@ def test_bad_inputs_are_refused_in_one_line():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits,pairs,launches", [(4, None, "layer"), (2, None, "layer"), (4, MODEL_PAIRS, "class")])
+@pytest.mark.parametrize(
+    "bits,pairs,launches",
+    [(4, None, "layer"), (2, None, "layer"), (4, MODEL_PAIRS, "class"), (4, MODEL_PAIRS, "k-class")],
+)
 def test_on_the_gpu_bf16_queries_and_tail_match_the_float32_reference(bits, pairs, launches):
     """The Triton lowering on the GPU: bf16 q and tail (the engine's), several pages a head and splits from the live
     schedule, against the float32 reference (at ``highest``: XLA rounds float32 matmuls to TF32 on a GPU)."""
@@ -211,7 +215,7 @@ def test_extra_width_pairs_in_any_order_change_no_output_and_a_missing_one_is_re
                           pairs=pairs + pairs[:1], interpret=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("launches", ["layer", "class"])
+@pytest.mark.parametrize("launches", ["layer", "class", "k-class"])
 def test_the_kernel_lowers_to_the_same_triton_modules_whatever_the_layer(launches):
     """Given the model's pairs, two layers of other widths lower (for an H100; no GPU here) to the same Triton modules:
     one a layer switching between the model's classes, or one a class the layer has (``launches``), then the merge.
@@ -242,10 +246,11 @@ def test_the_kernel_lowers_to_the_same_triton_modules_whatever_the_layer(launche
         classes = sorted({head_class(kw, vw, 4) for kw, vw in zip(lay.k_widths, lay.v_widths)})
         *got, merged = triton_modules(run, args)
         assert modules.setdefault("merge", merged) == merged and "@kvjax_head_merge" in merged
-        keys = ["layer"] if launches == "layer" else classes
+        keys = {"layer": ["layer"], "class": classes, "k-class": list(dict.fromkeys(c[0] for c in classes))}[launches]
         assert len(got) == len(keys)
         for module, key in zip(got, keys):
             assert modules.setdefault(key, module) == module, f"{key}: another module in another layer"
             assert "@kvjax_quant_head_decode_int4" in module
     model_classes = {head_class(kw, vw, 4) for kw, vw in pairs}
-    assert len(modules) == 1 + (1 if launches == "layer" else len(model_classes)) == len(set(modules.values()))
+    launches_of = {"layer": 1, "class": len(model_classes), "k-class": len({c[0] for c in model_classes})}
+    assert len(modules) == 1 + launches_of[launches] == len(set(modules.values()))

@@ -258,7 +258,7 @@ def decode_quant_heads(
     work=None,
     before=None,
     pairs=(),
-    launches="class",
+    launches="k-class",
 ):
     """``decode_heads`` over quantized per-head pages (``ops.quant_head_paging``: eviction with ``kv_bits``): the new
     token to each head's next slot, its group quantized into its page when that slot completes it (jnp), then the

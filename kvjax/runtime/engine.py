@@ -275,8 +275,8 @@ class _Evict:
     bits: int | None = None  # quantized per-head pages (``ops.quant_head_paging``; ``page_elems`` their bytes)
     group: int = 0  # with ``bits``: the slots a quantized group covers (the engine's page size)
     tokens: int = 0  # with ``bits``: the most slots a head stores (``max_seq_len``), what its jnp decode reads
-    pairs: tuple = ()  # with ``bits``: every layer's (K, V) width pairs: the decode kernel's classes (a module each)
-    launches: str = "class"  # with ``bits``: the decode kernel's launches (``DecodeConfig.quant_head_launches``)
+    pairs: tuple = ()  # with ``bits``: every layer's (K, V) width pairs: the decode kernel's classes
+    launches: str = "k-class"  # with ``bits``: the decode kernel's launches (``DecodeConfig.quant_head_launches``)
 
     @property
     def history(self) -> Eviction | None:
@@ -813,8 +813,8 @@ class Engine:
         )
         sharded = self.sharded is not None
         group = self.page_size if bits is not None else 0
-        # the model's width pairs name the kernel's classes (``quant_head_decode``'s ``pairs``): a module a class,
-        # shared by every layer and compiled once
+        # the model's width pairs name the kernel's classes (``quant_head_decode``'s ``pairs``): a module a launch
+        # form's key (a K class by default), shared by every layer and compiled once
         pairs = tuple(sorted({pair for lay in self.layouts for pair, _ in width_pairs(lay)})) if bits else ()
         launches = self.config.decode_config.quant_head_launches
         return _Evict(

@@ -13,7 +13,7 @@ from kvjax import validate
 
 ORDERS = ("auto", "lpt", "stream", "naive")
 HEAD_SCHEDULES = ("slots", "live")
-QUANT_HEAD_LAUNCHES = ("class", "layer")  # ``quant_head_kernel.LAUNCH_FORMS``
+QUANT_HEAD_LAUNCHES = ("class", "k-class", "layer")  # ``quant_head_kernel.LAUNCH_FORMS``
 H100_SMS = 132
 # Fields that are counts or sizes of at least one; every other integer field must be >= 0.
 AT_LEAST_ONE = (
@@ -74,10 +74,11 @@ class DecodeConfig:
     # schedule".
     head_schedule: str = "live"
     # Launches of the decode over quantized per-head pages (``quant_head_kernel.quant_head_decode``'s ``launches``):
-    # "class", a launch a class of the layer's heads (11 modules, 22 s of Triton for a rate-0.5 int4 model), or
-    # "layer", one launch switching between the model's classes (25% faster a layer, one module of 137 s):
-    # bench/results/eviction.md "Eviction on quantized pages: the merge kernel and a launch a class (H100)".
-    quant_head_launches: str = "class"
+    # "k-class", a launch a K class of the layer's heads switching between its classes (4 modules for a rate-0.5
+    # int4 model, 21% faster a layer than "class"), "class", a launch a class (11 modules), or "layer", one launch
+    # switching between every class (5% faster again, one module of 137 s of Triton): bench/results/eviction.md
+    # "Eviction on quantized pages: a launch a K class (H100)".
+    quant_head_launches: str = "k-class"
 
     def for_run(self) -> DecodeConfig:
         """This config with the schedule-only fields at their defaults: what the kernel compiles for (a schedule

@@ -9,11 +9,12 @@ table: page ``table[g // groups a page]``, at byte ``(g % groups a page) x the g
 partial group, exact in the layer's tail, is the last chunk of its first split.
 
 Launches: a kernel has a branch a class of heads (``head_class``), each head's widths and group layout read at run
-time, so a model's layers share its modules: the engine's launch a class of the layer has its own work list over its
-own heads' rows (``launch_heads``); one launch a layer (``launches="layer"``) switches between the model's classes
-(one module, slower to compile). A branch a width pair, static, made a module a layer when one launch switched
-between them (1,083 s of compile for a rate-0.5 model, offline), and a launch a pair cost 5-8 launches a layer
-(bench/results/eviction.md "Eviction on quantized pages: a work list a launch (H100)").
+time, so a model's layers share its modules. The engine's launch a K class (``"k-class"``) switches between the
+model's classes of the same K planes (a module a K class), with its own work list over its own heads' rows
+(``launch_heads``); a launch a class (``"class"``) and one launch a layer switching between every class
+(``"layer"``: one module, slower to compile) are the other forms. A branch a width pair, static, made a module a
+layer when one launch switched between them (1,083 s of compile for a rate-0.5 model, offline), and a launch a pair
+cost 5-8 launches a layer (bench/results/eviction.md "Eviction on quantized pages: a work list a launch (H100)").
 
 Constraints: q packed [B, q_cols]; at most 16 queries a KV head; widths multiples of 16; the pool [pages, bytes]
 (indexed by (page, byte): a pool past 2 GiB needs no 64-bit flat offset), the tail under 2^31 elements.
@@ -49,7 +50,9 @@ from kvjax.ops.quant import ALIGN, check_bits
 from kvjax.ops.quant_head_paging import groups_per_page, head_format
 from kvjax.ops.tiles import tile
 
-LAUNCH_FORMS = ("layer", "class")  # one launch a layer switching between classes, or a launch a class
+# one launch a layer switching between the model's classes; a launch a K class of the layer, switching between the
+# model's classes of that K class; a launch a class of the layer (``_launch_groups``)
+LAUNCH_FORMS = ("layer", "k-class", "class")
 BLOCK_H = ROWS  # query rows a program: a GQA group (G <= 16) padded to the tensor cores' smallest M
 # tokens a loop step reads: quant_kernel's (``QuantKernelConfig``: 128 for a head whose K and V tiles hold 256 columns
 # or more, 64 for narrower ones, whose registers spill at more)
@@ -308,7 +311,7 @@ def quant_head_decode(
     num_warps=4,
     num_stages=2,
     pairs=None,
-    launches="class",
+    launches="k-class",
     merge="kernel",
     interpret=False,
 ):
@@ -329,11 +332,16 @@ def quant_head_decode(
     engine's: every layer's (K width, V width) pairs; default the layer's own) names the classes, so that given the
     model's pairs every layer lowers to the same Triton module, which XLA compiles once for the model (its kernel
     cache is keyed by the module; a module a layer took 1,083 s to compile at rate 0.5,
-    bench/notes/2026-12-06-quant-head-compile.md). ``launches``: "class" (the engine's), a launch a class of the layer,
-    each with its own work list over its heads' rows (a class of one head of 8 at B32: 16 splits, 512 programs), the
-    launches' items in one buffer, merged once; or "layer", one launch switching between the classes, whose module
-    (every class a branch) compiles slower than its classes' apart: 137 s offline against 22 s for the 11 classes of
-    a rate-0.5 model at int4 (bench/notes/2026-12-07-merge-encode-classes.md).
+    bench/notes/2026-12-06-quant-head-compile.md). ``launches`` (each launch with its own work list over its heads'
+    rows, the launches' items in one buffer, merged once):
+    - "k-class" (the engine's): a launch a K class of the layer (``side_class`` of its keys), switching between the
+      model's classes of that K class: 165.6 us a rate-0.5 int4 layer on an H100, 4 modules of 18 s of Triton
+      offline (5 of 48 s at int2);
+    - "class": a launch a class (a class of one head of 8 at B32: 16 splits, 512 programs): 208.4 us, 11 modules of
+      11-22 s; more launches, each with less work a split;
+    - "layer": one launch switching between every class: 157.3 us, but one module of 137 s offline, which the
+      engine did not finish compiling within 215 s on an H100's host.
+    (bench/results/eviction.md "Eviction on quantized pages: a launch a K class (H100)").
     ``merge``: how the items become the packed output: "kernel" (``item_merge.merge_heads``: each partial read once)
     or "xla" (``merge_at``'s butterfly, then ``packed_out``). Returns [B, out_cols] in q's dtype; a head storing
     nothing gives zeros. Bytes a page holds past what its head wrote (another head's, stale) are
@@ -356,6 +364,11 @@ def quant_head_decode(
     branches = _branches(pairs, bits, q.dtype, group, step_groups)
     classes = [branch[0] for branch in branches]
     head_cls = [classes.index(head_class(kw, vw, bits)) for kw, vw in zip(layout.k_widths, layout.v_widths)]
+    groups = _launch_groups(classes, head_cls, launches)
+    branch_of = [0] * heads  # each head's branch: its class's place among its launch's
+    for members, group_classes in groups:
+        for h in members:
+            branch_of[h] = group_classes.index(head_cls[h])
     width = max(tile(vw) for _, vw in pairs)
     offsets = [
         HeadLayout.offsets(layout.k_widths, g),
@@ -369,7 +382,7 @@ def quant_head_decode(
         pool,
         lax.bitcast_convert_type(pool.reshape(pool.shape[0], -1, 2), jnp.float16),  # the metadata's view: a bitcast
         tail.reshape(-1),
-        jnp.asarray(np.asarray(head_cls if launches == "layer" else [0] * heads, np.int32)),  # each head's branch
+        jnp.asarray(np.asarray(branch_of, np.int32)),  # each head's branch in its launch's kernel
         *[jnp.asarray(np.asarray(o, np.int32)) for o in offsets],
         jnp.asarray(_head_table(layout, page_bytes, group, bits)),
     ]
@@ -385,19 +398,14 @@ def quant_head_decode(
     )
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     name = f"kvjax_quant_head_decode_int{bits}"
-    if launches == "layer":
-        heads_of = [list(range(heads))]
-        kernels = [(functools.partial(_kernel, branches=tuple(branches), units=heads, **static), name)]
-    else:
-        used = sorted(set(head_cls))
-        heads_of = [[h for h in range(heads) if head_cls[h] == c] for c in used]
-        kernels = [  # a class's kernel: its one branch, named after it
-            (
-                functools.partial(_kernel, branches=(branches[c],), units=heads, **static),
-                f"{name}_{_class_name(classes[c])}",
-            )
-            for c in used
-        ]
+    heads_of = [members for members, _ in groups]
+    kernels = [  # a launch's kernel: a branch a class it may meet, named after them (one: the class)
+        (
+            functools.partial(_kernel, branches=tuple(branches[c] for c in cs), units=heads, **static),
+            name if launches == "layer" else f"{name}_{_group_name([classes[c] for c in cs])}",
+        )
+        for _, cs in groups
+    ]
     lists = [_launch_work(stored, members, work, splits, len(heads_of)) for members in heads_of]
     # each launch's items in one buffer, from a multiple of 16 (``merge_items``' groups never cross launches)
     sizes = [_items(b * len(members), splits) for members in heads_of]
@@ -422,14 +430,39 @@ def quant_head_decode(
     return packed_out(got.reshape(b, heads, g, width), layout, q.dtype)
 
 
-def launch_heads(layout: HeadLayout, bits: int, launches: str = "class") -> tuple[int, ...]:
+def _launch_key(cls, launches: str):
+    """Which launch a head of class ``cls`` joins under ``launches`` (heads of one key share a launch)."""
+    return {"layer": (), "k-class": cls[0], "class": cls}[launches]
+
+
+def _launch_groups(classes, head_cls, launches: str) -> list[tuple[list[int], list[int]]]:
+    """The layer's launches, each (its heads, the indices of ``classes`` its kernel has a branch for): one a
+    ``_launch_key`` the layer's heads have, in the order of their classes; a launch's branches are every class of
+    the model (``classes``, sorted) with its key, so a launch of a key is the same kernel in every layer."""
+    keys = [_launch_key(cls, launches) for cls in classes]
+    out = []
+    for key in dict.fromkeys(keys[c] for c in sorted(set(head_cls))):
+        members = [h for h, c in enumerate(head_cls) if keys[c] == key]
+        out.append((members, [c for c, k in enumerate(keys) if k == key]))
+    return out
+
+
+def _group_name(classes) -> str:
+    """A launch's kernel in its name: its one class (``_class_name``), or the K class its branches share."""
+    if len(classes) == 1:
+        return _class_name(classes[0])
+    kf, ks = classes[0][0]
+    return f"k{kf[0]}{ks}"
+
+
+def launch_heads(layout: HeadLayout, bits: int, launches: str = "k-class") -> tuple[int, ...]:
     """The KV-head counts n whose work lists (``live_work`` over B x n rows) ``quant_head_decode`` reads for
-    ``layout`` at ``bits``: Hkv for one launch a layer, each class's heads with a launch a class (``launches``). The
-    engine builds one a count a step, shared by every layer."""
-    if launches == "layer":
-        return (layout.num_kv_heads,)
-    classes = [head_class(kw, vw, bits) for kw, vw in zip(layout.k_widths, layout.v_widths)]
-    return tuple(sorted({classes.count(c) for c in classes}))
+    ``layout`` at ``bits``: Hkv for one launch a layer, each K class's heads with a launch a K class, each class's
+    with a launch a class (``launches``). The engine builds one a count a step, shared by every layer."""
+    if launches not in LAUNCH_FORMS:
+        raise ValueError(f"launches must be one of {LAUNCH_FORMS}, got {launches!r}")
+    keys = [_launch_key(head_class(kw, vw, bits), launches) for kw, vw in zip(layout.k_widths, layout.v_widths)]
+    return tuple(sorted({keys.count(k) for k in keys}))
 
 
 def _list_of(work, n: int):
