@@ -379,8 +379,7 @@ def test_full_history_eviction_accumulated_over_chunks_gives_the_reference_token
     settings = dict(max_batch=2, max_seq_len=96, chunk_tokens=32, backend=backend)
     engine = Engine(model, **settings, eviction=spec)
     assert engine.cache.mass is not None
-    decoded = engine.eviction.method != "keyformer"  # Keyformer's sums end with the prompt: no cut mid-decode
-    assert engine.continual == decoded and (engine.cache.heads.sums is not None) == decoded
+    assert engine.continual and engine.cache.heads.sums is not None  # every one of them cuts mid-decode
     got = _greedy(engine, prompts, 6)
     for prompt, tokens in zip(prompts, got):
         assert tokens == _reference_tokens(model, prompt, tokens, engine.eviction), f"seed {seed}, prompt {len(prompt)}"
@@ -636,14 +635,18 @@ def _decoding(model, spec: str, backend: str, seed: int):
         ("h2o:3x", "none", "reference"),
         ("kvcompress-full:2x", "zack", "reference"),
         ("h2o:2x", "zack", "interpret"),  # the prompt's sums from the mass kernel, the decode's from the decode kernel
+        ("keyformer:3x", "none", "reference"),
+        ("keyformer:2x", "zack", "interpret"),  # the decode's noisy softmax from the decode kernel's weights
         pytest.param("kvcompress-full:3x", "zack", "pallas", marks=pytest.mark.gpu),
+        pytest.param("keyformer:3x", "zack", "pallas", marks=pytest.mark.gpu),
     ],
 )
 def test_decode_adds_each_steps_softmax_to_the_stored_tokens_sums(spec, plan, backend):
-    """H2O and KV-Compress's full form keep a sum a stored token (``HeadKVCache.sums``): after a prompt's cut and a
-    few decode steps each head's slots hold, in order, the brute-force sums of ``eviction.reference.decode_sums``
-    (the prompt's exact scores plus every later query's softmax over what the head kept, squared for KV-Compress),
-    slots past what a head stores hold 0, and the prompt's cut was the reference's."""
+    """H2O, KV-Compress's full form and Keyformer keep a sum a stored token (``HeadKVCache.sums``): after a prompt's
+    cut and a few decode steps each head's slots hold, in order, the brute-force sums of
+    ``eviction.reference.decode_sums`` (the prompt's exact scores plus every later query's softmax over what the head
+    kept, squared for KV-Compress, of noisy scores for Keyformer, its draws keyed by slot), slots past what a head
+    stores hold 0, and the prompt's cut was the reference's."""
     from kvjax.eviction.reference import decode_sums
 
     seed = fresh_seed()
@@ -676,17 +679,18 @@ def test_the_brute_force_sums_refuse_what_decode_does_not_add_to():
     from kvjax.eviction.reference import decode_sums
 
     with pytest.raises(ValueError, match="decode adds to the sums of"):
-        decode_sums(None, np.zeros((1, 8), np.int32), 4, parse("keyformer:2x"))
+        decode_sums(None, np.zeros((1, 8), np.int32), 4, parse("snapkv:2x"))
     for prompt in (0, 8):  # nothing prefilled, or nothing decoded
         with pytest.raises(ValueError, match="prompt must be 1..7 tokens"):
             decode_sums(None, np.zeros((1, 8), np.int32), prompt, parse("h2o:2x"))
 
 
-@pytest.mark.parametrize("plan", ["none", "zack"])
-def test_a_cut_ranks_by_the_sums_and_moves_them_with_the_survivors(plan):
-    """Continual eviction by H2O mid-decode: ``Engine.compress`` keeps each head's last ``Eviction.recent`` slots
-    and its highest sums (``continual.keep_counts`` over ``HeadKVCache.sums``), its K and V and its sums moved to its
-    first slots in order, and the host's counts stored; the sums it ranked are the brute-force ones."""
+@pytest.mark.parametrize("plan, spec", [("none", "h2o:2x"), ("zack", "h2o:2x"), ("none", "keyformer:2x")])
+def test_a_cut_ranks_by_the_sums_and_moves_them_with_the_survivors(plan, spec):
+    """Continual eviction by H2O (and Keyformer) mid-decode: ``Engine.compress`` keeps each head's last
+    ``Eviction.recent`` slots and its highest sums (``continual.keep_counts`` over ``HeadKVCache.sums``), its K and V
+    and its sums moved to its first slots in order, and the host's counts stored; the sums it ranked are the
+    brute-force ones."""
     from kvjax.eviction.continual import halved, keep_counts
     from kvjax.eviction.reference import decode_sums
     from kvjax.ops import head_paging
@@ -695,7 +699,7 @@ def test_a_cut_ranks_by_the_sums_and_moves_them_with_the_survivors(plan):
     model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
     if plan == "zack":
         model = kvjax.compress(model, removal_rate=0.5, seed=seed % 1000, max_context=128, **CALIBRATION_SMALL)
-    engine, runner, r, written = _decoding(model, "h2o:2x", "reference", seed)
+    engine, runner, r, written = _decoding(model, spec, "reference", seed)
     spec, slot, heads = engine.eviction, r.slot, engine.cache.heads
     stored, sums = np.asarray(heads.stored[slot]), np.asarray(heads.slot_sums(slot))
     want, kept = decode_sums(model, np.array([written]), len(r.prompt), spec)
@@ -777,11 +781,11 @@ def test_a_tight_pool_of_quantized_head_pages_cuts_whole_groups_and_every_reques
     assert runner.scheduler.pages.heads.free_pages == engine.head_pages - 1
 
 
-@pytest.mark.parametrize("spec", ["snapkv:16", "h2o:16"])
+@pytest.mark.parametrize("spec", ["snapkv:16", "h2o:16", "keyformer:16"])
 def test_a_tight_head_pool_on_the_engine_cuts_and_every_request_finishes(spec):
     """The engine end to end with continual eviction: a per-head pool of about two sequences, four requests that
     outgrow it. Heads are cut on the device before the steps that reuse their pages (by the last queries, or by
-    H2O's sums), the pages add up after every step, and every request finishes with all its tokens."""
+    H2O's or Keyformer's sums), the pages add up after every step, and every request finishes with all its tokens."""
     seed = fresh_seed()
     model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=3.0)
     settings = dict(max_batch=4, max_seq_len=96, chunk_tokens=32, backend="reference", eviction=spec)

@@ -134,12 +134,12 @@ def add_engine(p: argparse.ArgumentParser) -> None:
         "(its last 8 queries, the same budget each head), or from every query of the prompt: h2o, kvcompress-full, "
         "keyformer; AMOUNT a ratio such as 4x (a quarter of the prompt) or tokens per head such as 256; the most "
         "recent 16 tokens are always kept. When the cache fills mid-decode, a running request's heads are halved "
-        "(every method but keyformer, by its last 8 queries or, for h2o and kvcompress-full, by each token's "
-        "attention summed over everything decoded; never below that budget) before any request is preempted. On "
-        "sliding-window layers (Gemma 3, Mistral) a head keeps only tokens of its window, gives its pages back as "
-        "the window passes and is never halved. Stacks with rank compression and with --kv-bits 4 or 2 (each "
-        "head's survivors quantized in groups of --page-size slots; never halved then: a full cache preempts; "
-        "decoded in jnp, no kernel yet); not with GEAR, Palu or banded models (default none)",
+        "(by its last 8 queries or, for h2o, kvcompress-full and keyformer, by each token's attention summed over "
+        "everything decoded; never below that budget) before any request is preempted. On sliding-window layers "
+        "(Gemma 3, Mistral) a head keeps only tokens of its window, gives its pages back as the window passes and is "
+        "never halved. Stacks with rank compression and with --kv-bits 4 or 2 (each head's survivors quantized in "
+        "groups of --page-size slots, halved by whole groups with kvcompress and snapkv; the other methods preempt "
+        "there); not with GEAR, Palu or banded models (default none)",
     )
     p.add_argument(
         "--tensor-parallel",

@@ -2,8 +2,8 @@
 whose per-head pages must shrink (the pool would otherwise preempt a request) has each KV head cut to a number of
 tokens the host chose, keeping the head's most recent slots and its highest scoring others, scored in the reduced
 space by the sequence's last W queries (the limited observation window, ``metrics.window_scores``) or, for the
-full-history methods decode adds to (H2O, KV-Compress's full form: ``metrics.DECODED``), by each slot's sum of what
-every query so far gave it, then compacted in place (``head_paging.compact``).
+full-history methods decode adds to (H2O, KV-Compress's full form, Keyformer: ``metrics.DECODED``), by each slot's
+sum of what every query so far gave it, then compacted in place (``head_paging.compact``).
 
 The host chooses the counts (``halved``), not the scores, so it gives the freed pages back in the same step that
 needs them, with no wait for the device. Each head keeps a share of what it stores, so the allocation across heads
@@ -120,11 +120,8 @@ def compress(
     ``sums`` (the full-history methods that decode adds to, ``metrics.DECODED``; their ``queries`` are unused):
     float32 [B, L, Hkv, tokens], each stored slot's sum so far, which ranks the head's slots instead; move them with
     the survivors by ``select.compacted(sums, keep, tokens)``."""
-    if spec.method in metrics.DECODED:
-        if sums is None:
-            raise ValueError(f"continual eviction by {spec.method!r} ranks each slot's sum: give the sums")
-    elif spec.method not in metrics.WINDOWED:
-        raise ValueError(f"continual eviction scores with {metrics.WINDOWED + metrics.DECODED}, not {spec.method!r}")
+    if spec.method in metrics.DECODED and sums is None:
+        raise ValueError(f"continual eviction by {spec.method!r} ranks each slot's sum: give the sums")
     cut = tuple(layer for layer in range(len(layouts)) if not (windows and windows[layer]))
     every = jnp.arange(tokens) < jnp.asarray(stored, jnp.int32)[..., None]  # [B, L, Hkv, tokens]
     marks = []

@@ -27,9 +27,9 @@ METHODS = ("kvcompress", "kvcompress-full", "snapkv", "h2o", "keyformer")
 WINDOWED = ("kvcompress", "snapkv")  # scored by the last ``window`` queries only
 ON_KERNEL = ("h2o", "kvcompress-full", "keyformer")  # the full-history sums ``ops.attention_mass`` computes
 # the full-history sums decode keeps adding to, one step's weights at a time (``decode_heads(sums=)``, squared where
-# ``squares``, summed over the group: ``softmax_mass``'s rule on one query a row): Keyformer's noise is
-# keyed by positions, which a cut head's slots no longer are, so it is scored at a prompt's end only
-DECODED = ("h2o", "kvcompress-full")
+# ``squares``, summed over the group: ``softmax_mass``'s rule on one query a row; Keyformer's softmax of noisy
+# scores, its decode draws keyed by the head's slots: ``decode_gumbel``)
+DECODED = ("h2o", "kvcompress-full", "keyformer")
 QUERY_BLOCK = 256
 
 
@@ -62,14 +62,30 @@ def squares(method: str) -> bool:
 
 def gumbel_noise(seed: int, layer: int, heads, rows, keys):
     """Keyformer's standard Gumbel draws, float32 [B, len(heads), R, S], for query ``heads`` [G] at query positions
-    ``rows`` [B, R] against key positions ``keys`` [S]: a counter-based hash of (seed, layer, query head, query
-    position, key position) alone (``ops.noise``: a 32-bit integer mixer, five rounds), so a prompt scored whole and
-    the same prompt scored chunk by chunk (the engine's prefill, ``chunk_mass``) draw the same noise, and the mass
-    kernel hashes the same bits."""
+    ``rows`` [B, R] against key positions ``keys`` [S] (or [B, S]: each row's own): a counter-based hash of (seed,
+    layer, query head, query position, key position) alone (``ops.noise``: a 32-bit integer mixer, five rounds), so
+    a prompt scored whole and the same prompt scored chunk by chunk (the engine's prefill, ``chunk_mass``) draw the
+    same noise, and the mass kernel hashes the same bits."""
 
+    keys = jnp.asarray(keys, jnp.int32)
     h = noise.mix(noise.base(seed, layer) ^ jnp.asarray(heads, jnp.int32)[None, :, None, None])
     h = noise.mix(h ^ jnp.asarray(rows, jnp.int32)[:, None, :, None])
-    return noise.gumbel(noise.mix(h ^ jnp.asarray(keys, jnp.int32)[None, None, None, :]))
+    return noise.gumbel(noise.mix(h ^ (keys[None, None, None, :] if keys.ndim == 1 else keys[:, None, None, :])))
+
+
+def decode_gumbel(weights, seen, *, seed: int, layer: int, tau: float, heads, positions):
+    """float32 [B, Hkv, slots]: what one decode query a row gives each slot of each KV head under Keyformer's rule,
+    summed over the head's query group: the softmax over the ``seen`` slots ([B, Hkv, slots]) of (score + g) / tau,
+    from the step's softmax ``weights`` [B, Hkv, G, slots] (their logs are the scores less each row's log-sum,
+    which the softmax drops; a weight that underflowed to 0 counts as unseen), g ``gumbel_noise``'s draw for query
+    ``heads`` [Hkv x G] (global ids) at ``positions`` [B] against the slot's index, not its token's position. Slots
+    are what a head still holds after a cut, and a draw a (query, slot) pair is as independent as one a (query,
+    key position) pair (Keyformer, section 3.3, draws the noise afresh); a cut head's positions are gone."""
+    b, hkv, g, n = weights.shape
+    draws = gumbel_noise(seed, layer, heads, positions[:, None], jnp.arange(n)).reshape(b, hkv, g, n)
+    ok = seen[:, :, None, :] & (weights > 0)
+    logits = (jnp.log(jnp.where(ok, weights, 1.0)) + draws) / tau
+    return softmax_mass("keyformer", logits.reshape(b * hkv, g, 1, n), ok.reshape(b * hkv, g, 1, n)).reshape(b, hkv, n)
 
 
 def _head_mass(method: str, q, k, rows, valid, layout: HeadLayout, g: int, *, tau: float, seed: int, layer: int):

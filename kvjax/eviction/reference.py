@@ -80,14 +80,17 @@ def compacted_round_trip(kv, q, k, v, layout, kept, prompt: int, rows=None):
     return kq, vq, quant
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 7, 8))
-def _continued_hidden(graphdef, state, tokens, prompt: int, prefix_k, prefix_v, keep, kv=None, method=None):
+@functools.partial(jax.jit, static_argnums=(0, 3, 7, 8, 9))
+def _continued_hidden(
+    graphdef, state, tokens, prompt: int, prefix_k, prefix_v, keep, kv=None, method=None, noise=(0, 1.0)
+):
     """Final-norm hidden states [B, C, E] of the tokens after the prompt (``tokens`` [B, C], at positions ``prompt``
     on), each attending to what ``keep`` (per layer, bool [B, Hkv, P]) holds of the prompt's K and V (``prefix_k``,
     ``prefix_v``: ``prompt_prefix``'s) and causally to each other; ``kv``: from quantized pages
     (``compacted_round_trip``). The work is the C rows' against the P + C keys: a prompt is never run again.
     ``method`` (a full-history one): also, per layer, float32 [B, Hkv, P + C], what these rows' softmax gives each
-    key under ``metrics``' rule for it (their share of the method's sums)."""
+    key under ``metrics``' rule for it (their share of the method's sums); Keyformer's noise (``noise``: its seed and
+    tau) keyed by each key's slot among what its head holds, as decode draws it (``metrics.decode_gumbel``)."""
     module = nnx.merge(graphdef, state)
     b, c = tokens.shape
     t = prompt + c
@@ -108,6 +111,15 @@ def _continued_hidden(graphdef, state, tokens, prompt: int, prefix_k, prefix_v, 
         mask = visible(rows[:, None], cols[None, :], layout.sliding_window) & kept[:, :, None, :]  # [B, Hkv, C, T]
         if method is not None:
             logits = [head_logits(q, k, layout, g) for g in range(layout.num_kv_heads)]
+            if method == "keyformer":
+                seed, tau = noise
+                slot = jnp.cumsum(kept, axis=-1) - 1  # a kept key's slot in its head: the kept keys before it
+                row_pos = jnp.broadcast_to(rows, (b, c))
+                group = layout.group_size
+                logits = [
+                    (x + metrics.gumbel_noise(seed, i, g * group + jnp.arange(group), row_pos, slot[:, g])) / tau
+                    for g, x in enumerate(logits)
+                ]
             masses.append(
                 jnp.stack([metrics.softmax_mass(method, x, mask[:, g, None]) for g, x in enumerate(logits)], 1)
             )
@@ -235,7 +247,8 @@ def decode_sums(model, tokens, prompt: int, spec: Eviction) -> tuple[list[np.nda
     kept = keep(model, scores, spec)
     rest = tokens[:, prompt:]
     masks = [jnp.asarray(k) for k in kept]
-    _, masses = _continued_hidden(model.graphdef, model.state, rest, prompt, ks, vs, masks, None, spec.method)
+    noise = (spec.seed, spec.tau)
+    _, masses = _continued_hidden(model.graphdef, model.state, rest, prompt, ks, vs, masks, None, spec.method, noise)
     out = []
     for score, mask, mass in zip(scores, kept, masses):
         held = np.pad(mask, ((0, 0), (0, 0), (0, rest.shape[1])), constant_values=True)

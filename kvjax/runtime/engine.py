@@ -287,8 +287,8 @@ class _Evict:
     @property
     def decoded(self) -> bool:
         """Whether decode adds to each stored slot's sum (``HeadKVCache.sums``; ``metrics.DECODED``: H2O,
-        KV-Compress's full form), which continual eviction then ranks a head's slots by; not on quantized pages,
-        whose cuts score by the last queries only (``continual.compress_groups``)."""
+        KV-Compress's full form, Keyformer), which continual eviction then ranks a head's slots by; not on quantized
+        pages, whose cuts score by the last queries only (``continual.compress_groups``)."""
         return self.spec.method in metrics.DECODED and self.bits is None
 
     @property
@@ -485,6 +485,22 @@ def _decode_step(
     return jnp.where(active, new, slot_tokens), _rebuilt(cache, ks, vs)
 
 
+def _noisy_mass(weights, slots: int, after, layout, before, spec, layer: int, positions, active):
+    """Keyformer's share of one decode step in a layer's sums, float32 [B, Hkv, slots]: ``metrics.decode_gumbel`` of
+    the step's softmax ``weights`` [B, Hkv, G, <= slots] over each head's stored slots (``after`` [B, Hkv]; within
+    its window where ``before`` says where it starts), at the tokens' ``positions`` [B]; 0 for inactive rows. The
+    weights come whole from the decode kernel (``decode_heads(weights=True)``) and their noisy softmax runs in jnp:
+    the added cost of the sums kernel's fusion is not Keyformer's (unmeasured on a GPU)."""
+    weights = jnp.pad(weights, ((0, 0), (0, 0), (0, 0), (0, slots - weights.shape[-1])))  # 0: unseen
+    slot = jnp.arange(slots)[None, None, :]
+    seen = slot < after[..., None]
+    if before is not None:
+        seen = seen & (slot >= head_paging.window_first(before, after, layout.sliding_window)[..., None])
+    kw = dict(seed=spec.seed, layer=layer, tau=spec.tau, heads=jnp.arange(layout.num_heads), positions=positions)
+    added = metrics.decode_gumbel(weights.astype(jnp.float32), seen, **kw)
+    return jnp.where(active[:, None, None], added, 0.0)
+
+
 def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, entries, greedy, evict, vocab):
     """``_decode_step`` over per-head pages (``attention.decode_heads``): positions stay the tokens' own (RoPE),
     each head attends to the tokens it stores."""
@@ -496,6 +512,7 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
     heads = cache.heads.with_entries(jnp.arange(slot_tokens.shape[0]), entries)
     pool, stored, rings, tails = heads.pool, [], list(heads.queries), list(heads.tails)
     sums = None if heads.sums is None else list(heads.sums)
+    noisy = sums is not None and evict.spec.method == "keyformer"  # its sums from the weights (``_noisy_mass``)
     ring_row = jnp.where(active, positions % evict.spec.window, evict.spec.window)  # inactive rows: dropped
     works: dict = {}  # the live schedule's work lists, built once a step (one a KV head count) from the live slots
 
@@ -552,11 +569,16 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
                 schedule=evict.schedule,
                 work=work,
                 before=before,
-                sums=None if sums is None else sums[i],  # this step's queries' share of each slot's sum added
+                sums=None if sums is None or noisy else sums[i],  # this step's queries' share of each slot's sum added
                 square=metrics.squares(evict.spec.method),
+                weights=noisy,
+                slots=sums[i].shape[-1] if noisy else None,
             )
             out, pool, after, packed = got[:4]
-            if sums is not None:
+            if noisy:
+                sums[i] = sums[i] + _noisy_mass(got[4], sums[i].shape[-1], after, layout, before, evict.spec, i,
+                                                positions, active)  # fmt: skip
+            elif sums is not None:
                 sums[i] = got[4]
         stored.append(after)
         rings[i] = rings[i].at[jnp.arange(packed.shape[0]), ring_row].set(packed.astype(rings[i].dtype), mode="drop")
@@ -1161,7 +1183,7 @@ class Engine:
         """Whether this engine cuts decoding requests' heads when its per-head pool runs out (continual eviction),
         before the scheduler preempts: an evicting engine with a layer that sees the whole context (sliding-window
         layers are never cut: ``eviction.continual``) whose policy scores by its last queries or by sums decode keeps
-        adding to (``_Evict.decoded``; not Keyformer). On quantized pages (``kv_bits``) the cut is by whole groups
+        adding to (``_Evict.decoded``). On quantized pages (``kv_bits``) the cut is by whole groups
         (``continual.compress_groups``) and only the last-queries policies cut: decode keeps no sums there."""
         evict = self._evict
         if evict is None:
