@@ -78,9 +78,10 @@ def decode_gumbel(weights, seen, *, seed: int, layer: int, tau: float, heads, po
     summed over the head's query group: the softmax over the ``seen`` slots ([B, Hkv, slots]) of (score + g) / tau,
     from the step's softmax ``weights`` [B, Hkv, G, slots] (their logs are the scores less each row's log-sum,
     which the softmax drops; a weight that underflowed to 0 counts as unseen), g ``gumbel_noise``'s draw for query
-    ``heads`` [Hkv x G] (global ids) at ``positions`` [B] against the slot's index, not its token's position. Slots
-    are what a head still holds after a cut, and a draw a (query, slot) pair is as independent as one a (query,
-    key position) pair (Keyformer, section 3.3, draws the noise afresh); a cut head's positions are gone."""
+    ``heads`` [Hkv x G] (the layer's query heads) at ``positions`` [B] against the slot's index, not its token's
+    position. Slots are what a head still holds after a cut, and a draw a (query, slot) pair is as independent as
+    one a (query, key position) pair (Keyformer, section 3.3, draws the noise afresh); a cut head's positions are
+    gone."""
     b, hkv, g, n = weights.shape
     draws = gumbel_noise(seed, layer, heads, positions[:, None], jnp.arange(n)).reshape(b, hkv, g, n)
     ok = seen[:, :, None, :] & (weights > 0)
