@@ -52,7 +52,7 @@ EPILOG = """examples:
   python -m bench.resources rate:0.5 uniform:64 widths:80,48/96,32 [--warps 4 --stages 3]
   python -m bench.resources --kernel prefill rate:0.5 uniform:64 uniform:128 [--knob block_k=64]
   python -m bench.resources --kernel quant --bits 4 rate:0.5 uniform:128 [--knob narrow_step_tokens=128]
-  python -m bench.resources --kernel quant-head --bits 4 uniform:128 uniform:64 --group 16 32
+  python -m bench.resources --kernel quant-head --bits 4 uniform:128 uniform:64 --group 16 32 [--step-groups 1]
   python -m bench.resources --kernel quant-head-model rate:0.5 --group 32 [--layers 8]
   python -m bench.resources --kernel gear --gear gear2-r1-o0.01-p128 uniform:128 rate:0.5 [--warps 8]
 
@@ -394,13 +394,14 @@ def quant_head_args(layout: HeadLayout, batch: int, ctx: int, group: int, page_b
     )
 
 
-def quant_head_report(specs, bits: int, groups, warps: int, stages: int) -> None:
+def quant_head_report(specs, bits: int, groups, warps: int, stages: int, step_groups: int | None = None) -> None:
     """One row a (layout, group): ``quant_head_decode`` (eviction's quantized per-head pages, one kernel switching
     between the layout's width pairs) lowered at B32 x 4K and compiled for sm_90, its registers, spills and SASS
     instructions, and its chunk loop (the largest loop body: a step of ``groups_a_step`` groups of ``group`` slots)
     over the slots a step visits, as ``quant_report`` prices the per-sequence kernel's: instructions a (token, head)
     every warp issues, and the time 4 schedulers on each of an H100's SMs need for them at B32 x 8K (``ISSUE``;
-    bench/results/eviction.md "Eviction on quantized pages: instructions a (slot, head) (offline)")."""
+    bench/results/eviction.md "Eviction on quantized pages: instructions a (slot, head) (offline)").
+    ``step_groups``: groups a loop step (``quant_head_decode``'s; default ``groups_a_step``'s)."""
     from kvjax.ops import quant_head_paging
     from kvjax.ops.decode.quant_head_kernel import _reader, groups_a_step, quant_head_decode
 
@@ -420,9 +421,11 @@ def quant_head_report(specs, bits: int, groups, warps: int, stages: int) -> None
             hkv = layout.num_kv_heads
             args = quant_head_args(layout, batch, ctx, group, page_bytes)
             kw = dict(layout=layout, page_bytes=page_bytes, group=group, bits=bits, num_warps=warps, num_stages=stages)
+            kw |= dict(step_groups=step_groups)
             irs = [m for m in triton_modules(functools.partial(quant_head_decode, **kw), args) if "quant_head" in m]
             (r,) = [resources(ir, warps, stages) for ir in irs]
-            nc = groups_a_step(_reader(layout.k_widths[0], layout.v_widths[0], bits, jnp.bfloat16), group)
+            reader = _reader(layout.k_widths[0], layout.v_widths[0], bits, jnp.bfloat16)
+            nc = step_groups or groups_a_step(reader, group)
             body = max(range(len(r["loops"])), key=lambda i: r["loops"][i])
             per_pair = r["loops"][body] / (nc * group)
             issue = per_pair * hkv * ISSUE["batch"] * ISSUE["ctx"] * warps / ISSUE["issue_per_s"]
@@ -499,6 +502,11 @@ def main(argv=None):
         "--layers", type=count_arg("--layers"), help="--kernel quant-head-model: only a plan's first so many layers"
     )
     ap.add_argument(
+        "--step-groups",
+        type=count_arg("--step-groups"),
+        help="--kernel quant-head: groups a loop step (default: the kernel's, 4 or 2 at groups of 32)",
+    )
+    ap.add_argument(
         "--forms",
         nargs="+",
         choices=MODEL_FORMS,
@@ -540,7 +548,7 @@ def main(argv=None):
     if args.kernel == "quant-head":
         warps, stages = args.warps or 4, args.stages or 2
         print(f"quant_head_decode, int{args.bits}, sm_90, B32 x 4K, {warps} warps, {stages} stages\n")
-        return quant_head_report(args.layouts, args.bits, args.group, warps, stages)
+        return quant_head_report(args.layouts, args.bits, args.group, warps, stages, args.step_groups)
     if args.kernel == "quant-head-model":
         warps, stages = args.warps or 4, args.stages or 2
         print(f"quant_head_decode over a model, int{args.bits}, sm_90, B32 x 4K, {warps} warps, {stages} stages\n")
