@@ -73,18 +73,19 @@ def gumbel_noise(seed: int, layer: int, heads, rows, keys):
     return noise.gumbel(noise.mix(h ^ (keys[None, None, None, :] if keys.ndim == 1 else keys[:, None, None, :])))
 
 
-def decode_gumbel(weights, seen, *, seed: int, layer: int, tau: float, heads, positions):
+def decode_gumbel(weights, *, seed: int, layer: int, tau: float, heads, positions):
     """float32 [B, Hkv, slots]: what one decode query a row gives each slot of each KV head under Keyformer's rule,
-    summed over the head's query group: the softmax over the ``seen`` slots ([B, Hkv, slots]) of (score + g) / tau,
-    from the step's softmax ``weights`` [B, Hkv, G, slots] (their logs are the scores less each row's log-sum,
-    which the softmax drops; a weight that underflowed to 0 counts as unseen), g ``gumbel_noise``'s draw for query
+    summed over the head's query group: the softmax over the slots the step saw of (score + g) / tau, from its
+    softmax ``weights`` [B, Hkv, G, slots] (0 on slots a head does not store or its window has passed, as
+    ``decode_heads(weights=True)`` gives them, so a weight of 0, underflowed ones included, is a slot not seen; the
+    weights' logs are the scores less each row's log-sum, which the softmax drops), g ``gumbel_noise``'s draw for query
     ``heads`` [Hkv x G] (the layer's query heads) at ``positions`` [B] against the slot's index, not its token's
     position. Slots are what a head still holds after a cut, and a draw a (query, slot) pair is as independent as
     one a (query, key position) pair (Keyformer, section 3.3, draws the noise afresh); a cut head's positions are
     gone."""
     b, hkv, g, n = weights.shape
     draws = gumbel_noise(seed, layer, heads, positions[:, None], jnp.arange(n)).reshape(b, hkv, g, n)
-    ok = seen[:, :, None, :] & (weights > 0)
+    ok = weights > 0
     logits = (jnp.log(jnp.where(ok, weights, 1.0)) + draws) / tau
     return softmax_mass("keyformer", logits.reshape(b * hkv, g, 1, n), ok.reshape(b * hkv, g, 1, n)).reshape(b, hkv, n)
 

@@ -485,19 +485,15 @@ def _decode_step(
     return jnp.where(active, new, slot_tokens), _rebuilt(cache, ks, vs)
 
 
-def _noisy_mass(weights, slots: int, after, layout, before, spec, layer: int, positions, active):
+def _noisy_mass(weights, slots: int, layout, spec, layer: int, positions, active):
     """Keyformer's share of one decode step in a layer's sums, float32 [B, Hkv, slots]: ``metrics.decode_gumbel`` of
-    the step's softmax ``weights`` [B, Hkv, G, <= slots] over each head's stored slots (``after`` [B, Hkv]; within
-    its window where ``before`` says where it starts), at the tokens' ``positions`` [B]; 0 for inactive rows. The
-    weights come whole from the decode kernel (``decode_heads(weights=True)``) and their noisy softmax runs in jnp:
-    the added cost of the sums kernel's fusion is not Keyformer's (unmeasured on a GPU)."""
+    the step's softmax ``weights`` [B, Hkv, G, <= slots] (0 on the slots a head does not see) at the tokens'
+    ``positions`` [B]; 0 for inactive rows. The weights come whole from the decode kernel
+    (``decode_heads(weights=True)``) and their noisy softmax runs in jnp: the added cost of the sums kernel's fusion
+    is not Keyformer's (unmeasured on a GPU)."""
     weights = jnp.pad(weights, ((0, 0), (0, 0), (0, 0), (0, slots - weights.shape[-1])))  # 0: unseen
-    slot = jnp.arange(slots)[None, None, :]
-    seen = slot < after[..., None]
-    if before is not None:
-        seen = seen & (slot >= head_paging.window_first(before, after, layout.sliding_window)[..., None])
     kw = dict(seed=spec.seed, layer=layer, tau=spec.tau, heads=jnp.arange(layout.num_heads), positions=positions)
-    added = metrics.decode_gumbel(weights.astype(jnp.float32), seen, **kw)
+    added = metrics.decode_gumbel(weights.astype(jnp.float32), **kw)
     return jnp.where(active[:, None, None], added, 0.0)
 
 
@@ -576,8 +572,7 @@ def _decode_heads_step(module, cache, slot_tokens, positions, active, sampling, 
             )
             out, pool, after, packed = got[:4]
             if noisy:
-                sums[i] = sums[i] + _noisy_mass(got[4], sums[i].shape[-1], after, layout, before, evict.spec, i,
-                                                positions, active)  # fmt: skip
+                sums[i] = sums[i] + _noisy_mass(got[4], sums[i].shape[-1], layout, evict.spec, i, positions, active)
             elif sums is not None:
                 sums[i] = got[4]
         stored.append(after)
