@@ -1,7 +1,8 @@
 """What a kernel costs the H100 before it runs, found on a CPU: the registers, spills, shared memory, code size and
 the SASS instructions of each loop body of ``paged_decode`` (with ``--kernel quant --bits 4``, of
 ``quantized_paged_decode``, with its compile time; with ``--kernel prefill``, ``prefill_attention``
-and each of its width classes compiled alone, with its steady-state loop's instructions per score and opcode mix),
+and each of its width classes compiled alone, with its steady-state loop's instructions per score and opcode mix;
+with ``--kernel quant-head`` and ``--kernel palu``, the loop's barriers too),
 for layouts given on the command line, lowered by Pallas for CUDA sm_90 here and compiled by the ``triton``
 package's own compiler and ptxas (``pip install triton``; not a kvjax dependency). Device time is scarce and a
 width-mixed kernel takes a minute to compile there, so questions such as which width class sets the register count
@@ -55,6 +56,7 @@ EPILOG = """examples:
   python -m bench.resources --kernel quant-head --bits 4 uniform:128 uniform:64 --group 16 32 [--step-groups 1]
   python -m bench.resources --kernel quant-head-model rate:0.5 --group 32 [--layers 8]
   python -m bench.resources --kernel gear --gear gear2-r1-o0.01-p128 uniform:128 rate:0.5 [--warps 8]
+  python -m bench.resources --kernel palu uniform:64 rate:0.5
 
 Layouts: rate:R (the bench's representative layer of a rate-R plan), uniform:W, or widths:K,K,../V,V,.. (cycled
 over the 8 KV heads). Each decode row gives the SASS instructions in the body of every loop of the kernel (a loop
@@ -407,7 +409,7 @@ def quant_head_report(specs, bits: int, groups, warps: int, stages: int, step_gr
 
     print(
         "| layout | group | registers | spilled bytes | SASS instructions | compile s | groups a step | loop "
-        "instructions | a (token, head) | issue us at B32 x 8K | top opcodes |\n" + "|---" * 11 + "|"
+        "instructions | barriers a step | a (token, head) | issue us at B32 x 8K | top opcodes |\n" + "|---" * 12 + "|"
     )
     batch, ctx = 32, 4096
     for spec in specs:
@@ -432,7 +434,56 @@ def quant_head_report(specs, bits: int, groups, warps: int, stages: int, step_gr
             ops = ", ".join(f"{op} {n}" for op, n in r["loop_ops"][body].most_common(5))
             print(
                 f"| {spec} | {group} | {r['registers']} | {r['local_bytes']} | {r['sass_instructions']} | "
-                f"{r['compile_s']:.1f} | {nc} | {r['loops'][body]} | {per_pair:.1f} | {issue * 1e6:.0f} | {ops} |",
+                f"{r['compile_s']:.1f} | {nc} | {r['loops'][body]} | {barriers(r['loop_ops'][body])} | "
+                f"{per_pair:.1f} | {issue * 1e6:.0f} | {ops} |",
+                flush=True,
+            )
+
+
+def barriers(ops: collections.Counter) -> int:
+    """A loop body's barriers (``BAR.SYNC`` and kin): each holds a program's warps until all arrive, the cost of a
+    reduction across warps or of a tile's trip through shared memory."""
+    return sum(n for op, n in ops.items() if op.startswith("BAR"))
+
+
+def palu_report(specs, step: int, warps: int, stages: int) -> None:
+    """One row a (layout, K tile class): ``palu_decode`` (Palu's kernel: K rebuilt from its latent, RoPE, scores)
+    lowered at B32 x 4K over pages of 16 and compiled for sm_90, its registers, its loop (a step of ``step`` tokens)
+    and the instructions a (token, head) every warp issues there, its barriers a step and the time 4 schedulers on
+    each of an H100's SMs need to issue the class's share at B32 x 8K (``ISSUE``; bench/results/kernels.md "Palu's
+    decode kernel")."""
+    from kvjax.ops.palu import head_classes as palu_classes
+    from kvjax.ops.palu import palu_decode
+
+    print(
+        "| layout | K tile class (heads) | registers | loop instructions | barriers a step | a (token, head) | "
+        "issue us at B32 x 8K | top opcodes |\n" + "|---" * 8 + "|"
+    )
+    batch, ctx, page = 32, 4096, 16
+    for spec in specs:
+        layout = layout_of(spec)
+        d, pages = layout.head_dim, batch * ctx // page
+        args = (
+            jax.ShapeDtypeStruct((batch, layout.num_heads * d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((pages, page, layout.k_cols), jnp.bfloat16),
+            jax.ShapeDtypeStruct((pages, page, layout.v_cols), jnp.bfloat16),
+            jax.ShapeDtypeStruct((batch, ctx // page), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32),
+            [jax.ShapeDtypeStruct((w, d), jnp.bfloat16) for w in layout.k_widths],
+            jax.ShapeDtypeStruct((d // 2,), jnp.float32),
+        )
+        fn = functools.partial(palu_decode, layout=layout, splits=2, step=step, num_warps=warps, num_stages=stages)
+        irs = [m for m in triton_modules(fn, args) if "palu" in m]
+        for heads, ir in zip(palu_classes(layout), irs):
+            r = resources(ir, warps, stages)
+            body = max(range(len(r["loops"])), key=lambda i: r["loops"][i])
+            per_pair = r["loops"][body] / step
+            issue = per_pair * len(heads) * ISSUE["batch"] * ISSUE["ctx"] * warps / ISSUE["issue_per_s"]
+            ops = ", ".join(f"{op} {n}" for op, n in r["loop_ops"][body].most_common(5))
+            tile_k = tile(max(layout.k_widths[h] for h in heads))
+            print(
+                f"| {spec} | {tile_k} ({len(heads)}) | {r['registers']} | {r['loops'][body]} | "
+                f"{barriers(r['loop_ops'][body])} | {per_pair:.1f} | {issue * 1e6:.0f} | {ops} |",
                 flush=True,
             )
 
@@ -496,7 +547,9 @@ def main(argv=None):
     )
     ap.add_argument("layouts", nargs="+", help="rate:R, uniform:W or widths:K,K,../V,V,.. (cycled over 8 KV heads)")
     ap.add_argument(
-        "--kernel", choices=("decode", "quant", "quant-head", "quant-head-model", "prefill", "gear"), default="decode"
+        "--kernel",
+        choices=("decode", "quant", "quant-head", "quant-head-model", "prefill", "gear", "palu"),
+        default="decode",
     )
     ap.add_argument(
         "--layers", type=count_arg("--layers"), help="--kernel quant-head-model: only a plan's first so many layers"
@@ -553,6 +606,12 @@ def main(argv=None):
         warps, stages = args.warps or 4, args.stages or 2
         print(f"quant_head_decode over a model, int{args.bits}, sm_90, B32 x 4K, {warps} warps, {stages} stages\n")
         return quant_head_model_report(args.layouts, args.bits, args.group, warps, stages, args.layers, args.forms)
+    if args.kernel == "palu":
+        from kvjax.ops.palu import STEP, WARPS
+
+        warps, stages = args.warps or WARPS, args.stages or 2
+        print(f"palu_decode, sm_90, B32 x 4K, pages of 16, {STEP} tokens a step, {warps} warps, {stages} stages\n")
+        return palu_report(args.layouts, STEP, warps, stages)
     if args.kernel == "gear":
         warps = args.warps or 4
         print(f"gear_paged_decode, {args.gear} pages, sm_90, {warps} warps, 1 stage\n")
