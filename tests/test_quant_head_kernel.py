@@ -13,6 +13,8 @@ from kvjax.layout import HeadLayout
 from kvjax.ops import quant_head_paging as qhp
 from kvjax.ops.decode.head_kernel import live_work, work_items
 from kvjax.ops.decode.quant_head_kernel import launch_heads, quant_head_decode
+from kvjax.ops.decode.quant_kernel import _update, empty_carry, finish
+from kvjax.ops.pallas_util import MASK
 
 # widths that differ by head, two heads sharing a pair; K of 16 at 4 bits and of 16 or 48 at 2 bits read gathered
 LAYOUT = HeadLayout(8, 4, 64, (16, 64, 16, 48), (32, 16, 32, 64))
@@ -128,6 +130,32 @@ def test_each_launch_gets_programs_for_its_own_rows():
         assert own[:2].tolist() == [32 * n, splits] and own[0] * own[1] <= work_items(32 * n)
         assert own[0] * own[1] >= 256  # a launch of about TARGET_PROGRAMS working programs
     assert layer[1] == 2
+
+
+def test_deferred_sums_equal_the_sums_reduced_every_step():
+    """``quant_kernel._update`` with a deferred carry (the per-head kernel's: the softmax sums and the values' row
+    terms kept [rows, tokens] to the loop's end) gives what reducing them every step gives, over steps of several
+    chunks with row terms, a step whose maximum rises, masked tokens, and a final chunk without row terms (a tail's)."""
+    rng = np.random.default_rng(seed := fresh_seed())
+    rows, tokens, width = 16, 32, 48
+    piece = type("Piece", (), {"tile": width})()
+
+    def part(shift, with_rows=True):
+        s = jnp.asarray(rng.normal(size=(rows, tokens)) + shift, jnp.float32)
+        s = jnp.where(jnp.asarray(rng.random((1, tokens)) < 0.2), MASK, s)
+        v = jnp.asarray(rng.normal(size=(tokens, width)), jnp.float32)
+        zero = jnp.asarray(rng.normal(size=(tokens,)), jnp.float32)
+        return s, lambda p: ([p @ v], p * zero[None, :] if with_rows else None)
+
+    steps = [[part(0.0), part(1.0)], [part(4.0)], [part(-2.0), part(3.0)], [part(5.0, with_rows=False)]]
+    results = {}
+    for deferred in (True, False):
+        carry = empty_carry([piece], tokens if deferred else None)
+        for parts in steps:
+            carry = _update(carry, parts)
+        results[deferred] = finish(carry)
+    for a, b in zip(jax.tree.leaves(results[True]), jax.tree.leaves(results[False])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
 
 
 def test_bad_inputs_are_refused_in_one_line():

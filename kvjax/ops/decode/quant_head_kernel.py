@@ -3,10 +3,13 @@ item 5; Pallas, Triton lowering). ``quant_head_decode`` equals ``quant_head_pagi
 
 Two kernels' halves put together: ``head_kernel``'s work (one program per split of each live (sequence, KV head),
 ``head_kernel.live_work``'s list, the splits merged by ``item_merge``) and ``quant_kernel``'s reading of
-quantized codes (``quant_kernel._Reader``: a key plane scored against its block of ``q * scale``, value scales folded
-into the weights, no value or key ever rebuilt). A chunk is one of the head's full groups, found through its block
-table: page ``table[g // groups a page]``, at byte ``(g % groups a page) x the group's bytes`` of it; the head's
-partial group, exact in the layer's tail, is the last chunk of its first split.
+quantized codes (``quant_kernel._Reader``), in the form that keeps a program's warps apart: each key plane
+dequantized in registers before its dot (``k_dequant``: q as loaded, no rescaled copy of it a chunk), value scales
+folded into the weights, and the softmax sums and the values' zero terms kept elementwise to the loop's end
+(``quant_kernel.empty_carry``'s deferred carry), so a loop step reduces across warps once, for its maximum
+(bench/results/eviction.md "Eviction on quantized pages: key scales on the codes"). A chunk is one of the head's full
+groups, found through its block table: page ``table[g // groups a page]``, at byte ``(g % groups a page) x the
+group's bytes`` of it; the head's partial group, exact in the layer's tail, is the last chunk of its first split.
 
 Launches: a kernel has a branch a class of heads (``head_class``), each head's widths and group layout read at run
 time, so a model's layers share its modules. The engine's launch a K class (``"k-class"``) switches between the
@@ -44,7 +47,16 @@ from kvjax.ops.decode.head_kernel import (
     work_items,
 )
 from kvjax.ops.decode.item_merge import check_merge, merge_heads
-from kvjax.ops.decode.quant_kernel import _both, _fills, _Reader, _update, empty_carry, side_class, tail_update
+from kvjax.ops.decode.quant_kernel import (
+    _both,
+    _fills,
+    _Reader,
+    _update,
+    empty_carry,
+    finish,
+    side_class,
+    tail_update,
+)
 from kvjax.ops.pallas_util import LOG2E, MASK, NOWHERE, dot_precision, whole_block, width_pairs
 from kvjax.ops.quant import ALIGN, check_bits
 from kvjax.ops.quant_head_paging import groups_per_page, head_format
@@ -169,7 +181,7 @@ def _attend(
         return fields_ref[unit * FIELDS + f] * (aligns[f] // unit_bytes)
 
     kw, per = field(K_W), field(PER)
-    reader = _Reader(cls[0], cls[1], bits, dt, k_full, v_full, field(K_PLANE), field(V_PLANE))
+    reader = _Reader(cls[0], cls[1], bits, dt, k_full, v_full, field(K_PLANE), field(V_PLANE), k_dequant=True)
     k_pieces, v_pieces = reader.pieces(True), reader.pieces(False)
     rows = jnp.arange(BLOCK_H)
     real = rows < g
@@ -229,9 +241,9 @@ def _attend(
         return tail_update(carry, qs, (k_pieces, v_pieces), tail_ref, row, cols, visible, precision)
 
     first = split * share
-    carry = lax.fori_loop(first, jnp.minimum(first + share, steps), step, empty_carry(v_pieces))
+    carry = lax.fori_loop(first, jnp.minimum(first + share, steps), step, empty_carry(v_pieces, r.shape[0]))
     has_tail = (split == 0) & (stored % size > 0)
-    accs, m, l = lax.fori_loop(0, has_tail.astype(jnp.int32), tail_step, carry)
+    accs, m, l = finish(lax.fori_loop(0, has_tail.astype(jnp.int32), tail_step, carry))
     part = item * g + rows  # this split's rows of the partial results
     for acc, piece in zip(accs, v_pieces):
         mask = jnp.broadcast_to(_both(real[:, None], piece.ok()), acc.shape)

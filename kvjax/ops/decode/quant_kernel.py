@@ -373,7 +373,12 @@ class _Reader:
       folded into q once a chunk (``(q * scale) . codes + q . zero``), value scales into the weights. The fastest
       form measured (bench/results/quantization.md "Quantized pages: decode kernel lab", ``wide``).
     - **gather** (narrower planes, too narrow for a dot): the head as one tile, column ``c`` from byte ``c % (w/n)``
-      shifted by ``(c // (w/n)) * bits`` (re-read bytes are L1 hits), keys dequantized before their dot."""
+      shifted by ``(c // (w/n)) * bits`` (re-read bytes are L1 hits), keys dequantized before their dot.
+
+    ``k_dequant``: key planes dequantized before their dots too (``codes * scale + zero`` on the codes, a dot a plane
+    with q as loaded) instead of folded into q. The per-head kernel's form: folding rescales q and sums its zero term
+    a chunk, each a trip of q through shared memory and a reduction across warps (bench/results/eviction.md
+    "Eviction on quantized pages: key scales on the codes")."""
 
     k_side: Side
     v_side: Side
@@ -386,6 +391,7 @@ class _Reader:
     heads: jax.Array | None = None  # a run's heads (traced; None: one head)
     k_ends: tuple | None = None  # a run's plane ends, K and V (``_Piece``)
     v_ends: tuple | None = None
+    k_dequant: bool = False
 
     @property
     def n(self) -> int:
@@ -435,10 +441,12 @@ class _Reader:
     def scores(self, qs, raw, meta, precision):
         """Scores [R, T] of the query pieces ``qs`` against the keys of code bytes ``raw`` [T, B], ``meta`` a
         (scale, zero) pair of rows [1, tile] a piece."""
-        if not self.planes(self.k_side):
-            (scale, zero), shift = meta[0], self.bytes(True)[1]
-            k = (_codes(raw, shift, self.bits, jnp.float32) * scale + zero).astype(self.dtype)
-            return plgpu.dot(qs[0], k, trans_b=True, precision=precision)
+        planes = self.planes(self.k_side)
+        if self.k_dequant or not planes:
+            shifts = [i * self.bits for i in range(self.n)] if planes else [self.bytes(True)[1]]
+            ks = [(_codes(raw, sh, self.bits, jnp.float32) * scale + zero).astype(self.dtype)
+                  for sh, (scale, zero) in zip(shifts, meta)]  # fmt: skip
+            return _scores(qs, ks, precision)
         dots, rows = [], []
         for i, (q, (scale, zero)) in enumerate(zip(qs, meta)):
             q32 = q.astype(jnp.float32)
@@ -541,7 +549,7 @@ def _attend_item(cls_index, item, refs, *, geo, bits, page_size, group, window, 
 
     carry = lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), nc * tc), step, empty_carry(v_pieces))
     has_tail = (length % P > 0) & (first <= full) & (full < end)
-    accs, m, l = lax.fori_loop(0, has_tail.astype(jnp.int32), tail_step, carry)
+    accs, m, l = finish(lax.fori_loop(0, has_tail.astype(jnp.int32), tail_step, carry))
     out_at = seq * layer(O_ROW) + o_rows
     lanes = [(piece.own(), piece.at(), _own_lanes(piece, real, row_head)) for piece in v_pieces]
     _store(accs, m, l, slot, real, lanes, out_at, (out_ref, acc_ref, m_ref, l_ref), v_max, interpret)
@@ -591,8 +599,10 @@ def _scores(qs, ks, precision):
 def _update(carry, parts):
     """The online-softmax update with the (scores, values) of a step's chunks. Row reductions cross the warps
     (through shared memory, with a barrier), so the chunks' tiles are combined elementwise first: one max, one sum
-    and one sum of the values' row terms a step, however many chunks."""
-    accs, m, l = carry
+    and one sum of the values' row terms a step, however many chunks. A deferred carry (``empty_carry`` with
+    ``rows``) keeps the sum and the row terms elementwise, rescaled as the accumulators are, and leaves their
+    reductions to ``finish``: the max alone crosses the warps a step."""
+    accs, m, l, z = carry
     top = functools.reduce(jnp.maximum, [s for s, _ in parts])
     m_new = jnp.maximum(m, top.max(axis=1))
     alpha = jnp.exp2(m - m_new)
@@ -603,19 +613,33 @@ def _update(carry, parts):
         pvs, row = values(p)
         accs = [acc + pv for acc, pv in zip(accs, pvs)]
         rows += [] if row is None else [row]
+    p_sum = functools.reduce(operator.add, ps)
+    if z is not None:  # deferred
+        z = z * alpha[:, None] + (functools.reduce(operator.add, rows) if rows else 0.0)
+        return accs, m_new, l * alpha[:, None] + p_sum, z
     if rows:
         total = jnp.sum(functools.reduce(operator.add, rows), axis=1)[:, None]
         accs = [acc + total for acc in accs]
-    return accs, m_new, l * alpha + jnp.sum(functools.reduce(operator.add, ps), axis=1)
+    return accs, m_new, l * alpha + jnp.sum(p_sum, axis=1), None
 
 
-def empty_carry(v_pieces):
-    """The online softmax before any chunk: a zero accumulator a V piece, ``MASK`` maxima, zero sums."""
-    return (
-        [jnp.zeros((BLOCK_H, piece.tile), jnp.float32) for piece in v_pieces],
-        jnp.full((BLOCK_H,), MASK, jnp.float32),
-        jnp.zeros((BLOCK_H,), jnp.float32),
-    )
+def empty_carry(v_pieces, rows: int | None = None):
+    """The online softmax before any chunk: a zero accumulator a V piece, ``MASK`` maxima, zero sums; with ``rows``
+    (the chunks' rows), deferred (``_update``): the sums and the values' row terms [BLOCK_H, rows] each."""
+    accs = [jnp.zeros((BLOCK_H, piece.tile), jnp.float32) for piece in v_pieces]
+    m = jnp.full((BLOCK_H,), MASK, jnp.float32)
+    if rows is None:
+        return accs, m, jnp.zeros((BLOCK_H,), jnp.float32), None
+    return accs, m, jnp.zeros((BLOCK_H, rows), jnp.float32), jnp.zeros((BLOCK_H, rows), jnp.float32)
+
+
+def finish(carry):
+    """(accumulators, maxima, sums) of a carry after its last update: a deferred one's reductions done."""
+    accs, m, l, z = carry
+    if z is None:
+        return accs, m, l
+    total = jnp.sum(z, axis=1)[:, None]
+    return [acc + total for acc in accs], m, jnp.sum(l, axis=1)
 
 
 def tail_update(carry, qs, pieces, tail_ref, rows, cols, visible, precision):
