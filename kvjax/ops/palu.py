@@ -5,7 +5,9 @@ rebuild; ``PaluDecodeOp`` is the engine's op (no host schedule).
 
 One program per (sequence, KV head, split), heads in one launch per K tile (``head_classes``); each sequence takes
 the splits this step's live rows need (``live_splits``). With ``band`` (banded ZACK: ``models.latent.LatentK``),
-each token's angle is its band's start, not its own position.
+each token's angle is its band's start, not its own position. A program computes its trig once: each loop step's
+angles come from the last step's by angle addition (bench/results/kernels.md "Palu's decode kernel: no trig in the
+loop").
 """
 
 from __future__ import annotations
@@ -151,7 +153,16 @@ def _kernel(
     k_cols_ok = jnp.arange(k_tile)[None, :] < k_width
     v_cols_ok = jnp.arange(v_tile)[None, :] < v_width
 
+    # the angle a step's tokens start from (its first token's, or its band's start) moves by ``jump`` from one step
+    # to the next (every step; with bands of a step or more, at each band's end), by angle addition: the step's
+    # cosines and sines come from the last step's, so the loop computes no trig (which took 63% of its
+    # instructions, bench/results/kernels.md "Palu's decode kernel: no trig in the loop")
+    wide_band = band is not None and band >= step
+    jump = jnp.float32(band if wide_band else step) * freq
+    c_jump, s_jump = jnp.cos(jump), jnp.sin(jump)
+
     def body(j, carry):
+        acc, m, l, c0, s0 = carry
         first = lo + j * step
         tok = first + jnp.arange(step)
         valid = (tok < hi) & (tok >= visible_from)
@@ -159,9 +170,6 @@ def _kernel(
         latent = load_rows(k_ref, row, k_cols, k_off, jnp.arange(k_tile)[None, :], k_cols_ok, valid)
         k1 = plgpu.dot(latent, up1, precision=precision)  # float32, where the reference rounds to the cache's dtype
         k2 = plgpu.dot(latent, up2, precision=precision)
-        at = first if band is None or band < step else first // band * band
-        start = at.astype(jnp.float32) * freq
-        c0, s0 = jnp.cos(start), jnp.sin(start)
         cos = c0 * cos_in - s0 * sin_in
         sin = s0 * cos_in + c0 * sin_in
         r1 = (k1 * cos - k2 * sin).astype(dtype)
@@ -169,14 +177,22 @@ def _kernel(
         s = plgpu.dot(q1, r1, trans_b=True, precision=precision) + plgpu.dot(q2, r2, trans_b=True, precision=precision)
         s = jnp.where(valid[None, :], s, MASK)
         v = load_rows(v_ref, row, v_cols, v_off, jnp.arange(v_tile)[None, :], v_cols_ok, valid).astype(dtype)
-        return online_update(carry, s, v, None, precision)
+        acc, m, l = online_update((acc, m, l), s, v, None, precision)
+        c1, s1 = c0 * c_jump - s0 * s_jump, s0 * c_jump + c0 * s_jump
+        if wide_band:  # the angle moves at a band's end only
+            moves = (first + step) % band == 0
+            c1, s1 = jnp.where(moves, c1, c0), jnp.where(moves, s1, s0)
+        return acc, m, l, c1, s1
 
+    start = (lo // band * band if wide_band else lo).astype(jnp.float32) * freq
     carry = (
         jnp.zeros((ROWS, v_tile), jnp.float32),
         jnp.full((ROWS,), MASK, jnp.float32),
         jnp.zeros((ROWS,), jnp.float32),
+        jnp.cos(start),
+        jnp.sin(start),
     )
-    acc, m, l = lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), step), body, carry)
+    acc, m, l, _, _ = lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), step), body, carry)
 
     part = ((seq * num_heads + slot) * splits + split) * group + rows
     store_rows(acc_ref, part, v_tile, 0, jnp.arange(v_tile)[None, :], acc, None, real, interpret=interpret)
@@ -247,6 +263,8 @@ def palu_decode(
     hkv, g, d = layout.num_kv_heads, layout.group_size, layout.head_dim
     if g > ROWS or step % page_size or len(up) != hkv or any(u.shape[1] != d for u in up):
         raise ValueError(f"palu_decode: group {g} <= {ROWS}, step {step} a multiple of {page_size}, up per KV head")
+    if band is not None and (band < 1 or (step % band if band < step else band % step)):
+        raise ValueError(f"palu_decode: a band divides the step ({step}) or is a multiple of it, got {band}")
     lengths, block_table = lengths.astype(jnp.int32), block_table.astype(jnp.int32)
     flat = [q.reshape(-1), k_pages.reshape(-1), v_pages.reshape(-1)]
     freq = jnp.asarray(inv_freq, jnp.float32)
