@@ -161,16 +161,15 @@ def quant_report(specs, bits: int, kernel: QuantKernelConfig, packed: bool = Fal
         if kernel.classes_per_kernel == 1 and all(r["loops"] for r in rs):
             per_pair, per_token, top = [], 0.0, collections.Counter()
             for cls, r in zip(sorted(set(classes)), rs):
-                body = max(range(len(r["loops"])), key=lambda i: r["loops"][i])
+                count, body_ops = largest_loop(r)
                 runs = [run for run, c in zip(head_runs(layout, config), classes) if c == cls]
                 tiles = [_side_tile(side, bits) for side in cls[:2]]
                 tokens = kernel.chunks_per_step(*tiles, 32) * kernel.chunk(32)
-                per_token += r["loops"][body] / tokens * len(runs)
-                per_pair.append(f"{r['loops'][body] / (tokens * runs[0].num_heads):.1f}")
-                top.update(r["loop_ops"][body])
+                per_token += count / tokens * len(runs)
+                per_pair.append(f"{count / (tokens * runs[0].num_heads):.1f}")
+                top.update(body_ops)
             issue = per_token * ISSUE["batch"] * ISSUE["ctx"] * kernel.num_warps / ISSUE["issue_per_s"]
-            ops = ", ".join(f"{op} {n}" for op, n in top.most_common(5))
-            loop = f" {' / '.join(per_pair)} | {per_token:.0f} | {issue * 1e6:.0f} | {ops} |"
+            loop = f" {' / '.join(per_pair)} | {per_token:.0f} | {issue * 1e6:.0f} | {top_ops(top)} |"
         print(
             f"| {spec} | {len(set(classes))} | {len(irs)} | "
             f"{sum(ir.count(chr(10)) for ir in irs)} | {max(r['registers'] for r in rs)} | "
@@ -283,6 +282,23 @@ def loop_bodies(sass: str) -> tuple[list[str], list[tuple[int, int]]]:
     return instructions, loops
 
 
+def largest_loop(r: dict) -> tuple[int, collections.Counter]:
+    """A ``resources`` result's largest loop body (a kernel's chunk loop): its instructions and opcode counts."""
+    body = max(range(len(r["loops"])), key=lambda i: r["loops"][i])
+    return r["loops"][body], r["loop_ops"][body]
+
+
+def top_ops(ops: collections.Counter, n: int = 5) -> str:
+    """The ``n`` most frequent opcodes of a loop body, as a table cell."""
+    return ", ".join(f"{op} {k}" for op, k in ops.most_common(n))
+
+
+def barriers(ops: collections.Counter) -> int:
+    """A loop body's barriers (``BAR.SYNC`` and kin): each holds a program's warps until all arrive, the cost of a
+    reduction across warps or of a tile's trip through shared memory."""
+    return sum(n for op, n in ops.items() if op.startswith("BAR"))
+
+
 def opcode(instruction: str) -> str:
     """``@P0 FMNMX R1, ...`` -> ``FMNMX``; HGMMA shapes and modifiers of other opcodes are kept."""
     return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].rstrip(";")
@@ -373,12 +389,12 @@ def gear_report(specs, name: str, warps: int) -> None:
         issue = per_token * ISSUE["batch"] * ISSUE["ctx"] * warps / ISSUE["issue_per_s"]
         top = collections.Counter()
         for r in rs:
-            top.update(r["loop_ops"][max(range(len(r["loops"])), key=lambda i: r["loops"][i])])
+            top.update(largest_loop(r)[1])
         print(
             f"| {spec} | {len(irs)} | {max(r['registers'] for r in rs)} | {max(r['local_bytes'] for r in rs)} | "
             f"{sum(r['sass_instructions'] for r in rs)} | {sum(r['compile_s'] for r in rs):.1f} | "
             f"{' / '.join(f'{x:.0f}' for x in per_pair)} | {per_token:.0f} | {issue * 1e6:.0f} | "
-            f"{', '.join(f'{op} {n}' for op, n in top.most_common(5))} |",
+            f"{top_ops(top)} |",
             flush=True,
         )
 
@@ -428,22 +444,15 @@ def quant_head_report(specs, bits: int, groups, warps: int, stages: int, step_gr
             (r,) = [resources(ir, warps, stages) for ir in irs]
             reader = _reader(layout.k_widths[0], layout.v_widths[0], bits, jnp.bfloat16)
             nc = step_groups or groups_a_step(reader, group)
-            body = max(range(len(r["loops"])), key=lambda i: r["loops"][i])
-            per_pair = r["loops"][body] / (nc * group)
+            loop, ops = largest_loop(r)
+            per_pair = loop / (nc * group)
             issue = per_pair * hkv * ISSUE["batch"] * ISSUE["ctx"] * warps / ISSUE["issue_per_s"]
-            ops = ", ".join(f"{op} {n}" for op, n in r["loop_ops"][body].most_common(5))
             print(
                 f"| {spec} | {group} | {r['registers']} | {r['local_bytes']} | {r['sass_instructions']} | "
-                f"{r['compile_s']:.1f} | {nc} | {r['loops'][body]} | {barriers(r['loop_ops'][body])} | "
-                f"{per_pair:.1f} | {issue * 1e6:.0f} | {ops} |",
+                f"{r['compile_s']:.1f} | {nc} | {loop} | {barriers(ops)} | "
+                f"{per_pair:.1f} | {issue * 1e6:.0f} | {top_ops(ops)} |",
                 flush=True,
             )
-
-
-def barriers(ops: collections.Counter) -> int:
-    """A loop body's barriers (``BAR.SYNC`` and kin): each holds a program's warps until all arrive, the cost of a
-    reduction across warps or of a tile's trip through shared memory."""
-    return sum(n for op, n in ops.items() if op.startswith("BAR"))
 
 
 def palu_report(specs, step: int, warps: int, stages: int) -> None:
@@ -476,14 +485,13 @@ def palu_report(specs, step: int, warps: int, stages: int) -> None:
         irs = [m for m in triton_modules(fn, args) if "palu" in m]
         for heads, ir in zip(palu_classes(layout), irs):
             r = resources(ir, warps, stages)
-            body = max(range(len(r["loops"])), key=lambda i: r["loops"][i])
-            per_pair = r["loops"][body] / step
+            loop, ops = largest_loop(r)
+            per_pair = loop / step
             issue = per_pair * len(heads) * ISSUE["batch"] * ISSUE["ctx"] * warps / ISSUE["issue_per_s"]
-            ops = ", ".join(f"{op} {n}" for op, n in r["loop_ops"][body].most_common(5))
             tile_k = tile(max(layout.k_widths[h] for h in heads))
             print(
-                f"| {spec} | {tile_k} ({len(heads)}) | {r['registers']} | {r['loops'][body]} | "
-                f"{barriers(r['loop_ops'][body])} | {per_pair:.1f} | {issue * 1e6:.0f} | {ops} |",
+                f"| {spec} | {tile_k} ({len(heads)}) | {r['registers']} | {loop} | "
+                f"{barriers(ops)} | {per_pair:.1f} | {issue * 1e6:.0f} | {top_ops(ops)} |",
                 flush=True,
             )
 
