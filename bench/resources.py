@@ -67,6 +67,15 @@ with instructions per score (rows x keys / threads) and its MUFU.EX2 / HGMMA / F
 counts."""
 
 
+def warps_arg(val: str) -> int:
+    """An argparse ``type=`` for ``--warps``: a positive power of 2, as Triton takes (anything else is refused in one
+    line, not by Triton's assertion deep in a compile)."""
+    warps = count_arg("--warps")(val)
+    if warps & (warps - 1):
+        raise argparse.ArgumentTypeError(f"--warps takes a power of 2, got {warps}")
+    return warps
+
+
 def _rate(val: str) -> float:
     """A rate:R spec's R, refused in one line unless a number in [0, 1)."""
     try:
@@ -582,8 +591,8 @@ def main(argv=None):
     ap.add_argument("--bits", type=int, choices=(4, 2), default=4, help="code width of --kernel quant (default 4)")
     ap.add_argument(
         "--warps",
-        type=int,
-        help=f"default: DECODE's {DECODE.num_warps} (decode), PREFILL's {PREFILL.num_warps} (prefill)",
+        type=warps_arg,
+        help=f"a power of 2; default: DECODE's {DECODE.num_warps} (decode), PREFILL's {PREFILL.num_warps} (prefill)",
     )
     ap.add_argument("--stages", type=int, help=f"default: DECODE's {DECODE.num_stages}, PREFILL's {PREFILL.num_stages}")
     knob_option(
