@@ -95,6 +95,28 @@ def test_banded_on_the_kernels_gives_the_reference_tokens_with_chunked_prompts_a
     assert f"keys in bands of {band} positions" in line and kernel in line, line
 
 
+@pytest.mark.parametrize("band, backend", [(4, "reference"), (16, "interpret")])
+def test_a_preempted_banded_request_is_recomputed_to_the_same_tokens(band, backend):
+    """A cache with room for about two of five sequences (prompts in chunks of 16 tokens): requests are preempted
+    and their prompt and tokens so far recomputed, so their keys are written again in their bands' frames (prefill
+    across band edges, then decode); every request still gets the tokens it gets with room for all (reference path,
+    and the interpret-mode kernels)."""
+    from kvjax.runtime.cache import bytes_per_token
+
+    seed = fresh_seed()
+    model = varied_plan_model(kvjax.Model.random(WIDE, seed=seed % 1000, scale=5.0), band=band)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 97, int(n)).tolist() for n in rng.integers(9, 40, 5)]
+    settings = dict(max_new_tokens=14, max_batch=5, max_seq_len=64, page_size=4, chunk_tokens=16, backend=backend)
+    want = [g.tokens for g in kvjax.generate(model, prompts, **settings)]
+    engine = Engine(model, max_batch=5, max_seq_len=64, page_size=4, chunk_tokens=16, backend=backend)
+    budget = engine.activation_bytes() + 21 * 4 * bytes_per_token(model.layouts, model.dtype)  # 20 usable pages
+    stats: dict = {}
+    got = [g.tokens for g in kvjax.generate(model, prompts, cache_memory=budget, stats=stats, **settings)]
+    assert stats["preemptions"] > 0, f"seed {seed}"
+    assert got == want, f"seed {seed}"
+
+
 BAND_LAYOUTS = [HeadLayout(8, 2, 64, (48, 16), (16, 64)), HeadLayout(8, 4, 64, (16, 32, 64, 16), (64, 16, 32, 48))]
 
 
