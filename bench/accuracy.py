@@ -64,13 +64,26 @@ VARIANTS = {  # name -> (method, adaptive); palu-uniform (one rank for every hea
     "zack-measured": ("zack", True),
     "palu-measured": ("palu", True),
     "zack-band16-measured": ("zack", True),
+    # a score-aware Q/K pair (``compress(qk_basis="pair")``): queries on A, keys on B, the same widths
+    "zack-pair": ("zack", True),
+    "zack-band16-pair": ("zack", True),
+    "zack-band32-pair": ("zack", True),
+    "zack-band64-pair": ("zack", True),
 }
 MEASURED = {name for name in VARIANTS if name.endswith("-measured")}
+PAIRS = {name for name in VARIANTS if name.endswith("-pair")}
 BANDS = {
-    name: int(name.removeprefix("zack-band").removesuffix("-measured"))
+    name: int(name.removeprefix("zack-band").removesuffix("-measured").removesuffix("-pair"))
     for name in VARIANTS
     if name.startswith("zack-band")
 }
+
+
+def qk_basis(variant) -> str:
+    """The Q/K basis a variant's plans use (``make_plan(qk_basis=)``)."""
+    return "pair" if variant in PAIRS else "shared"
+
+
 DEFAULT_VARIANTS = ["zack", "zack-uniform", "palu", "palu-uniform"]
 GROUP = ("calibration", "variant", "max_context", "k_share", "kv_bits")  # what a model has besides its rate
 AT_99 = {  # the 99%-of-baseline tests, (value, uncompressed value) -> passes: eval's bisection and Evaluator.meets
@@ -196,7 +209,15 @@ def _variants(base, args, tokens: dict | None = None):
 def _compressed(base, stats, p, method, adaptive, variant=None):
     """``base`` compressed to target rate ``p`` by ``method`` (adaptive or uniform ranks; banded by ``variant``)
     from ``stats``."""
-    plan, bases = make_plan(base, stats, target_rate=p, method=method, adaptive=adaptive, band=BANDS.get(variant))
+    plan, bases = make_plan(
+        base,
+        stats,
+        target_rate=p,
+        method=method,
+        adaptive=adaptive,
+        band=BANDS.get(variant),
+        qk_basis=qk_basis(variant),
+    )
     return fold(base, plan, bases)
 
 
@@ -451,6 +472,7 @@ def _groups(base, args):
                             k_share=group["k_share"],
                             band=BANDS.get(group["variant"]),
                             sensitivity=sens,
+                            qk_basis=qk_basis(group["variant"]),
                         )
                         overall = overall_rate(base, plan, group["kv_bits"], args.kv_page)
                         return group | {"target_rate": p, "rate": plan.rate, "overall_rate": overall}, plan, bases
@@ -843,7 +865,8 @@ def parser() -> argparse.ArgumentParser:
         choices=list(VARIANTS),
         help="ZACK adaptive and uniform, Palu adaptive and uniform (default), banded ZACK (zack-band16/32/64, and "
         "1/4 as diagnostics: keys in the frame of their band of W positions; every position served, so --max-context "
-        "does not apply)",
+        "does not apply); -measured: ranks by measured effect; -pair: queries and keys on a score-aware pair "
+        "(compress(qk_basis='pair'))",
     )
     p.add_argument(
         "--calibrations",

@@ -123,6 +123,7 @@ def plan_models(base, args, max_context: int) -> list[tuple[dict, object]]:
         band = accuracy.BANDS.get(variant)
         # a plain ZACK basis fits the positions it will serve (make_plan's default fits the calibration rows' 512)
         where = dict(method=method, band=band, max_context=max_context if method == "zack" and band is None else None)
+        where["qk_basis"] = accuracy.qk_basis(variant)
         if variant in accuracy.MEASURED and variant not in measured:
             measured[variant] = measure_sensitivity(base, stats, args.calibration, ids, **where)
             _progress(f"{variant}: every head probed")

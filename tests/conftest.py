@@ -25,16 +25,19 @@ def _release_compiled_code():
     gc.collect()
 
 
-def varied_plan_model(model, method="zack", band=None):
-    """``model`` compressed with a plan whose heads all have different K and V widths (``band``: banded ZACK)."""
+def varied_plan_model(model, method="zack", band=None, qk_basis=None):
+    """``model`` compressed with a plan whose heads all have different K and V widths (``band``: banded ZACK;
+    ``qk_basis="pair"``: queries and keys on a score-aware pair)."""
     from kvjax.compression import BASIS, RankPlan, calibrate, calibration_tokens, fold
 
     stats = calibrate(model, calibration_tokens(model, "random", 128, 64), progress=False)
-    bases = {"k": stats.basis(BASIS[method][0], model, max_context=band), "v": stats.basis("v", model)}
+    kind = "qk-pair" if qk_basis == "pair" else BASIS[method][0]
+    bases = {"k": stats.basis(kind, model, max_context=band), "v": stats.basis("v", model)}
     layers, heads = bases["k"].s.shape[:2]
     widths = np.array([[64, 32, 16, 48], [16, 48, 64, 32]])
     k_qk, k_v = np.resize(widths, (layers, heads)), np.resize(widths[::-1], (layers, heads))
-    return fold(model, RankPlan(method, 64, k_qk, k_v, bases["k"].s, bases["v"].s, band=band), bases)
+    plan = RankPlan(method, 64, k_qk, k_v, bases["k"].s, bases["v"].s, band=band, qk_basis=qk_basis)
+    return fold(model, plan, bases)
 
 
 def latent_case(rng, layout, lengths, page_size, dtype=np.float32, theta=10000.0, band=None):

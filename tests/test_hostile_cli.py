@@ -305,6 +305,11 @@ def test_interrupted_run_keeps_finished_records_in_partial_file(files, tmp_path,
         (["--target-rate", "0.5", "--band", "wide"], "argument --band: expected an integer, got 'wide'"),
         (["--target-rate", "0.5", "--band", "16", "--method", "palu"], "--band applies to --method zack"),
         (["--target-rate", "0.5", "--band", "16", "--max-context", "4096"], "--band serves every position"),
+        (["--target-rate", "0.5", "--qk-basis", "both"], "argument --qk-basis: invalid choice: 'both'"),
+        (
+            ["--target-rate", "0.5", "--qk-basis", "pair", "--method", "palu"],
+            "--qk-basis pair applies to --method zack",
+        ),
         (
             ["--target-rate", "0.5", "--band", "16", "--kv-bits", "4"],
             "--kv-bits 4 with --method zack --band 16: quantized pages are not supported on banded ZACK models yet",

@@ -1,8 +1,8 @@
 """Each device's share of a layer under tensor parallelism (``kvjax.parallel.shards``): for the byte-balanced
 placement on 1, 2, 4 and 8 devices (8: each KV head replicated on two), the devices' partial attention outputs (their
 heads' columns of q, K and V, their local layout, their rows of o) sum to the layer's, on a plain and on a
-ZACK-compressed model (float32), and ZACK's rotation sliced by a device's K columns rotates that device's queries
-and keys as the whole rotation does."""
+ZACK-compressed model (float32; one rotation, or a score-aware pair), and ZACK's rotation sliced by a device's K
+columns rotates that device's queries and keys as the whole rotation does."""
 
 import dataclasses
 
@@ -38,11 +38,13 @@ def captured(model, tokens):
 def models():
     seed = fresh_seed()
     plain = kvjax.Model.random(FOUR, seed=seed % 1000, scale=2.0)
-    zack = kvjax.compress(plain, removal_rate=0.5, seed=seed % 1000, calibration="random", num_tokens=256, seq_len=64)
-    return seed, {"plain": plain, "zack": zack}
+    calibration = dict(seed=seed % 1000, calibration="random", num_tokens=256, seq_len=64)
+    zack = kvjax.compress(plain, removal_rate=0.5, **calibration)
+    pair = kvjax.compress(plain, removal_rate=0.5, qk_basis="pair", **calibration)
+    return seed, {"plain": plain, "zack": zack, "zack pair": pair}
 
 
-@pytest.mark.parametrize("which", ["plain", "zack"])
+@pytest.mark.parametrize("which", ["plain", "zack", "zack pair"])
 @pytest.mark.parametrize("devices", [1, 2, 4, 8])
 def test_the_devices_partial_attention_outputs_sum_to_the_layers(models, which, devices):
     """On 8 devices each of the 4 KV heads is held by two, each with one of its two query heads."""
@@ -61,7 +63,9 @@ def test_the_devices_partial_attention_outputs_sum_to_the_layers(models, which, 
             heads, replica = placement.heads[i, d], (d % placement.replicas, placement.replicas)
             local = local_layout(layout, heads, placement.replicas)
             if rotation is not None:  # the device rotates its own full-width heads with its columns of the rotation
-                mine = QKRotation(rotation.matrix[:, columns(layout, heads, "k")], local)
+                cols = columns(layout, heads, "k")
+                query = None if rotation.query is None else rotation.query[:, cols]
+                mine = QKRotation(rotation.matrix[:, cols], local, query)
                 ql = q[..., columns(layout, heads, "q_full", *replica)]
                 ql, kl = mine.packed(ql, k[..., columns(layout, heads, "k_full")])
                 np.testing.assert_allclose(ql, qp[..., columns(layout, heads, "q", *replica)], rtol=1e-5, atol=1e-5)

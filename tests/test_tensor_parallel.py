@@ -51,6 +51,7 @@ SCRIPT = textwrap.dedent(
         models[name] = kvjax.Model.random(cfg, seed=seed % 1000, scale=2.0)
     models["llama zack"] = varied_plan_model(models["llama"])  # every head of a layer at its own K and V width
     models["gemma3 zack"] = varied_plan_model(models["gemma3"])
+    models["llama zack pair"] = varied_plan_model(models["llama"], qk_basis="pair")  # queries on their own columns
     for name, model in models.items():
         cfg = model.config
         tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (2, 19))

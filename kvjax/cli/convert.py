@@ -2,7 +2,8 @@
 
     kvjax-convert SRC OUT (--target-rate P | --removal-rate R) [--method zack|palu] [--uniform]
                               [--calibration text|prose|code|random|text:FILE] [--num-tokens N] [--k-share S|measured]
-                              [--ranks spectrum|measured] [--band W] [--kv-bits 4|2|gear2...|none]
+                              [--ranks spectrum|measured] [--band W] [--qk-basis shared|pair|measured]
+                              [--kv-bits 4|2|gear2...|none]
 
 SRC is anything ``kvjax.load`` reads (a Hugging Face directory, a .gguf file, 'smollm2', 'gemma3-270m'). OUT is
 written beside and swapped in by renames at the end, so a failure leaves nothing half-written; --overwrite replaces
@@ -92,6 +93,15 @@ def parse_args(argv=None):
         'slower decode (bench/results/kernels.md "Banded decode kernel"); served without quantized pages',
     )
     p.add_argument(
+        "--qk-basis",
+        choices=("shared", "pair", "measured"),
+        default="shared",
+        help="zack: the directions queries and keys are projected on. 'shared' (default): the paper's one rotation "
+        "of both. 'pair': a score-aware pair (queries on A, keys on B), the truncation that least changes the scores "
+        "q.k, same bytes, nothing rebuilt (bench/results/accuracy.md \"Banded bases\"). 'measured': fold both and "
+        "keep the one closer to the original on held-in calibration rows (two extra folds and forward passes)",
+    )
+    p.add_argument(
         "--k-share",
         type=validate.share_arg({"measured": "measured"}),
         default=None,
@@ -171,11 +181,13 @@ def _has_tokenizer(path: str) -> bool:
 
 
 def _check_cache_flags(p, args) -> None:
-    """--band and --kv-bits against --method and --max-context (a banded plan serves every position: its
-    max_context is None)."""
+    """--qk-basis, --band and --kv-bits against --method and --max-context (a banded plan serves every position:
+    its max_context is None)."""
     from kvjax.compression.pipeline import MODEL_CONTEXT
     from kvjax.compression.plan import check_kv_bits
 
+    if args.qk_basis != "shared" and args.method != "zack":
+        p.error(f"--qk-basis {args.qk_basis} applies to --method zack (a post-RoPE basis), not {args.method}")
     if args.band is not None:
         if args.method != "zack":
             p.error(f"--band applies to --method zack (a post-RoPE basis), not {args.method}")
@@ -211,6 +223,7 @@ def main(argv=None) -> int:
             k_share=args.k_share,
             band=args.band,
             ranks=args.ranks,
+            qk_basis=args.qk_basis,
             kv_bits=args.kv_bits,  # saved with OUT (kvjax.json's "serving")
         )
     except (FileNotFoundError, IsADirectoryError, ValueError) as e:

@@ -37,6 +37,12 @@ class CalibrationStats:
         that neither the G query heads nor the one key head dominates the shared rotation. Orthogonal:
         ``up = down^T``. With ``max_context``, the q and k Grams are those of positions ``0..max_context-1``
         derived from the pre-RoPE ones (``post_rope_gram``) rather than those of the positions calibration saw.
+        ``qk-pair`` (ZACK with a score-aware pair): from the same trace-normalised q and k Grams (and
+        ``max_context``), their square roots ``Cq``, ``Ck`` and the SVD ``Cq Ck = X S Y^T``: queries are projected
+        on ``A = Cq^-1 X S^1/2`` (``up = A^T``) and keys on ``B = Ck^-1 Y S^1/2`` (``down``). ``A B^T = I``, so
+        keeping every direction changes no score; keeping the first ``k`` minimises the expected squared score
+        error ``E[(q k^T - q A_k B_k^T k^T)^2]`` for q and k drawn independently from their Grams (Eckart-Young on
+        ``Cq Ck``), where one orthogonal basis for both minimises their energies' error. Not orthogonal.
         ``k_pre``: eigenvectors of the pre-RoPE k Gram (Palu). Orthogonal.
         ``v``: output-aware. Truncating V's directions costs ``||V (I - P) W_o||``, so the basis comes from
         ``C V^T V C`` with ``C = (sum_j W_o^(j) W_o^(j)^T)^(1/2)`` over the group's query heads ``j``:
@@ -44,9 +50,9 @@ class CalibrationStats:
         what the truncation minimises, not V's own (bench/notes/2026-11-accuracy.md, "Basis choices").
         """
         g = self.grams
-        if max_context is not None and kind != "qk":
+        if max_context is not None and kind not in ("qk", "qk-pair"):
             raise ValueError(f"max_context applies to the 'qk' basis only, not {kind!r}")
-        if kind == "qk":
+        if kind in ("qk", "qk-pair"):
 
             def trace(x):
                 return np.trace(x, axis1=-2, axis2=-1)[..., None, None]
@@ -61,6 +67,8 @@ class CalibrationStats:
                     )
                     for pre in ("q_pre", "k_pre")
                 )
+            if kind == "qk-pair":
+                return score_pair(q / trace(q), k / trace(k))
             down, s = principal_axes(q / trace(q) + k / trace(k))
             return Basis(down, np.swapaxes(down, -1, -2), s)
         if kind == "k_pre":
@@ -90,6 +98,23 @@ def principal_axes(gram):
     idx = np.argmax(np.abs(vecs), axis=-2)[..., None, :]
     vecs = vecs * np.sign(np.take_along_axis(vecs, idx, axis=-2))
     return np.ascontiguousarray(vecs), np.sqrt(np.maximum(lam, 0.0))
+
+
+PAIR_FLOOR = 1e-9  # the Grams' eigenvalues floored at this share of the largest before ``score_pair`` inverts them
+
+
+def score_pair(q_gram, k_gram) -> Basis:
+    """The score-aware Q/K pair of ``CalibrationStats.basis("qk-pair")`` from q and k Grams [..., d, d]: keys on
+    ``down`` (``B``), queries on ``up``'s rows (``A^T``), ``s`` the singular values of ``Cq Ck``, descending.
+    Eigenvalues are floored (``PAIR_FLOOR``) in both square roots alike, so ``A B^T = I`` still holds exactly in
+    exact arithmetic; the directions a floor touches carry almost no score and are the last kept."""
+    cq, cq_inv = _sqrtm(q_gram, PAIR_FLOOR)
+    ck, ck_inv = _sqrtm(k_gram, PAIR_FLOOR)
+    x, s, yt = np.linalg.svd(cq @ ck)  # Cq is symmetric: Cq^T Ck = Cq Ck
+    root = np.sqrt(s)[..., None, :]
+    a = cq_inv @ x * root
+    b = ck_inv @ np.swapaxes(yt, -1, -2) * root
+    return Basis(np.ascontiguousarray(b), np.ascontiguousarray(np.swapaxes(a, -1, -2)), s)
 
 
 def _sqrtm(gram, floor=1e-6):

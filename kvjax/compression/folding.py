@@ -1,8 +1,9 @@
 """Folding a rank plan into the weights, with jitted functions: the compressed model is built once, offline.
 
 V's basis goes into W_v (and b_v) and W_o, so V is produced short and read back short at no run-time cost. ZACK's
-Q/K rotation cannot pass through the position-dependent RoPE, so it is stored as one [Hkv, d, W] tensor (each
-group's rotation, zero past its width) and applied right after RoPE (``Attention.rotate_qk``). Palu's K
+Q/K rotation cannot pass through the position-dependent RoPE, so it is stored as one [d, k_cols] matrix (each
+group's directions side by side, ``qk_rotation``) and applied right after RoPE (``rotation.QKRotation``); a
+score-aware pair also stores the queries' own directions (``q_rotation``, from the basis's ``up``). Palu's K
 factorisation puts ``W_k down`` in the K projection and ``up`` in ``k_up``, which rebuilds K before RoPE at every
 attention call; where k is normed before RoPE (Gemma 3), ``down`` stays a projection of its own (``k_down``).
 
@@ -116,6 +117,8 @@ def fold(model: Model, plan, bases: dict) -> Model:
         values.update({(*a, "v", "kernel"): wv, (*a, "o", "kernel"): wo, (*a, "v", "bias"): bv})
         if plan.method == "zack":
             values[(*a, "qk_rotation")] = packed_rotation(down["k"], layout.k_widths)
+            if plan.qk_basis == "pair":  # queries on their own directions: up's rows (A^T), transposed
+                values[(*a, "q_rotation")] = packed_rotation(jnp.swapaxes(up["k"], -1, -2), layout.k_widths)
         elif model.config.gemma_norms:  # k is normed before RoPE: the basis stays a projection of its own
             values.update({(*a, "k_down", g): down["k"][g, :, :k] for g, k in enumerate(layout.k_widths)})
             values.update({(*a, "k_up", g): up["k"][g, :k] for g, k in enumerate(layout.k_widths)})

@@ -13,7 +13,7 @@ from flax import nnx
 from kvjax import validate
 from kvjax.compression.calibration import CalibrationStats, calibrate, calibration_tokens, check_source
 from kvjax.compression.folding import fold
-from kvjax.compression.plan import ALIGN, METHODS, RankPlan, check_band, check_kv_bits
+from kvjax.compression.plan import ALIGN, METHODS, QK_BASES, RankPlan, check_band, check_kv_bits, check_qk_basis
 from kvjax.compression.sensitivity import Sensitivity, allocate, measure
 from kvjax.compression.split import best_share, kl_to
 
@@ -104,6 +104,7 @@ def make_plan(
     k_share=None,
     band=None,
     sensitivity: Sensitivity | None = None,
+    qk_basis="shared",
 ) -> tuple[RankPlan, dict]:
     """The rank plan and the bases it truncates ({"k": Basis, "v": Basis}), from calibration statistics (cheap).
 
@@ -119,16 +120,24 @@ def make_plan(
     ``k_share`` (with ``target_rate``): the share of the kept columns Q/K gets (``RankPlan.for_target_rate``);
     None: one removal rate for both (adaptive) or an even split (uniform).
     ``sensitivity`` (with ``target_rate``, adaptive, no ``k_share``): ranks by measured effect
-    (``sensitivity.allocate``), from probes of this method, band and ``max_context`` (``measure_sensitivity``)."""
+    (``sensitivity.allocate``), from probes of this method, band, ``max_context`` and ``qk_basis``
+    (``measure_sensitivity``).
+    ``qk_basis`` (zack): "shared" (ZACK's one orthogonal rotation) or "pair" (queries and keys on a score-aware
+    pair, ``CalibrationStats.basis("qk-pair")``, recorded in the plan). A pair's widths come from the shared
+    basis's spectrum under F_p (as its accuracy was measured: bench/results/accuracy.md "Banded bases") and from
+    the pair's own singular values (the probed directions' energy) under measured ranks."""
     max_context = _check_request(target_rate, removal_rate, method, max_context)
     if sensitivity is not None:
         _check_measured(target_rate, adaptive, k_share)
     band = check_band(band, method, max_context)
+    pair = check_qk_basis(qk_basis, method) == "pair"
     k_kind, v_kind = BASIS[method]
     with np.errstate(invalid="ignore", divide="ignore"):  # a zero Gram: said below, naming its layer
         positions = band if band is not None else max_context  # a band's frame: the basis of its W offsets
-        k_basis, v_basis = stats.basis(k_kind, model, max_context=positions), stats.basis(v_kind, model)
-    for kind, basis in ((k_kind, k_basis), (v_kind, v_basis)):
+        spectrum, v_basis = stats.basis(k_kind, model, max_context=positions), stats.basis(v_kind, model)
+        k_basis = stats.basis("qk-pair", model, max_context=positions) if pair else spectrum
+    checked = ((k_kind, spectrum), (v_kind, v_basis)) + ((("qk-pair", k_basis),) if pair else ())
+    for kind, basis in checked:
         bad = ~np.isfinite(basis.s).all(axis=-1)  # [L, Hkv]
         if bad.any():
             layer, head = (int(i) for i in np.argwhere(bad)[0])
@@ -140,12 +149,12 @@ def make_plan(
         k_qk, k_v = allocate(k_basis.s, v_basis.s, sensitivity, target_rate)
         plan = RankPlan(method, k_basis.s.shape[-1], k_qk, k_v, k_basis.s, v_basis.s, ranks="measured")
     elif target_rate is not None:
-        plan = RankPlan.for_target_rate(method, k_basis.s, v_basis.s, target_rate, adaptive, k_share=k_share)
+        plan = RankPlan.for_target_rate(method, spectrum.s, v_basis.s, target_rate, adaptive, k_share=k_share)
     elif k_share is not None:
         raise ValueError("k_share splits a target rate's columns: give target_rate, not removal_rate")
     else:
-        plan = RankPlan.from_removal_rate(method, k_basis.s, v_basis.s, removal_rate, adaptive)
-    plan = dataclasses.replace(plan, max_context=max_context, band=band)
+        plan = RankPlan.from_removal_rate(method, spectrum.s, v_basis.s, removal_rate, adaptive)
+    plan = dataclasses.replace(plan, max_context=max_context, band=band, qk_basis="pair" if pair else None)
     if fill_tiles and adaptive and method == "zack":
         plan = plan.filled_for_runs(model.layouts[0].group_size)
     if order_heads:
@@ -186,13 +195,22 @@ def measure_sensitivity(
     method="zack",
     max_context=None,
     band=None,
+    qk_basis="shared",
     progress=True,
 ) -> Sensitivity:
     """Each head's measured effect on ``model``'s outputs for ``make_plan(sensitivity=)``: the bases of ``method``
-    (with ``max_context`` and ``band``) probed head by head (``sensitivity.measure``) and scored by KL on held-in
-    rows of the ``calibration`` source (``_probe_tokens``; ``tokens``, the calibration rows, where it is too short)."""
+    (with ``max_context``, ``band`` and ``qk_basis``) probed head by head (``sensitivity.measure``) and scored by KL
+    on held-in rows of the ``calibration`` source (``_probe_tokens``; ``tokens``, the calibration rows, where it is
+    too short)."""
     full, bases = make_plan(
-        model, stats, removal_rate=0.0, method=method, max_context=max_context, band=band, order_heads=False
+        model,
+        stats,
+        removal_rate=0.0,
+        method=method,
+        max_context=max_context,
+        band=band,
+        order_heads=False,
+        qk_basis=qk_basis,
     )
     probes = _probe_tokens(model, calibration, seed, tokens)
     return measure(model, full, bases, kl_to(model, probes, len(probes)), progress=progress)
@@ -217,6 +235,7 @@ def compress(
     band=None,
     ranks="spectrum",
     kv_bits="model",
+    qk_basis="shared",
     progress=True,
 ):
     """Compress ``model``'s KV cache along the head dimension; returns a new ``kvjax.Model`` with ``.plan``.
@@ -249,6 +268,13 @@ def compress(
     removal rate on its singular values (F_p); "measured" probes each head's Q/K and V at half width, scores each
     probe by KL to this model on two held-in calibration rows of 1,024 tokens, and spends the rate where that costs
     least, K and V together (``compression.sensitivity``: 2·L·Hkv extra forward passes, no k_share).
+    ``qk_basis`` (zack): the directions queries and keys are projected on. "shared" (default): the paper's one
+    orthogonal rotation of both. "pair": a score-aware pair, queries on A and keys on B (``A B^T = I``), the pair
+    whose truncation least changes the scores q·k rather than q's and k's own energies; the cache holds the same
+    bytes and nothing is rebuilt (bench/results/accuracy.md "Banded bases": 0.82-0.86x Palu's KL on Gemma 3 at
+    band 16, rate 0.5, and 1.03-1.07x on SmolLM2, where the shared basis is 1.00-1.09x). "measured": folds both and
+    keeps the one whose model stays closer (KL) to this one on the held-in rows sensitivity probes use (two folds
+    and forward passes, decided before ``k_share`` or ``ranks`` are measured).
     ``kv_bits``: the quantized pages the returned model asks to be served from (``Model.kv_bits``, saved with it):
     4 or 2, None (pages of the cache's dtype), or "model" (default): ``model``'s own. Palu models refuse 4 and 2,
     before any calibration, in the engine's words.
@@ -266,6 +292,7 @@ def compress(
         raise ValueError(f"ranks must be one of {RANKS}, got {ranks!r}")
     if ranks == "measured":
         _check_measured(target_rate, adaptive, k_share)
+    _check_qk_request(qk_basis, method)
     num_tokens, seq_len = validate.positive("num_tokens", num_tokens), validate.positive("seq_len", seq_len)
     batch_size, seed = validate.positive("batch_size", batch_size), validate.seed(seed)
     if model.plan is not None:
@@ -283,17 +310,39 @@ def compress(
         max_context=max_context,
         band=band,
     )
+    if qk_basis == "measured":
+        qk_basis = _closer_basis(model, stats, calibration, tokens, seed, settings)
+    settings["qk_basis"] = qk_basis
     if k_share == "measured":
         score = kl_to(model, tokens, batch_size)
         k_share, _ = best_share(lambda f: score(fold(model, *make_plan(model, stats, k_share=f, **settings))))
     if ranks == "measured":
-        where = dict(method=method, max_context=max_context, band=band, seed=seed, progress=progress)
+        where = dict(method=method, max_context=max_context, band=band, qk_basis=qk_basis, seed=seed)
+        where["progress"] = progress
         settings["sensitivity"] = measure_sensitivity(model, stats, calibration, tokens, **where)
     plan, bases = make_plan(model, stats, order_heads=order_heads, fill_tiles=fill_tiles, k_share=k_share, **settings)
     _warn_far_from_target(plan, target_rate)
     compressed = fold(model, plan, bases)
     compressed.kv_bits = kv_bits
     return compressed
+
+
+def _check_qk_request(qk_basis, method: str) -> None:
+    """``compress``'s ``qk_basis``: one of ``QK_BASES`` or "measured", and other than "shared" only for ZACK."""
+    if not (isinstance(qk_basis, str) and qk_basis in (*QK_BASES, "measured")):
+        raise ValueError(f"qk_basis must be one of {(*QK_BASES, 'measured')}, got {qk_basis!r}")
+    if qk_basis != "shared" and method != "zack":
+        raise ValueError(f"qk_basis={qk_basis!r} applies to method='zack' (a post-RoPE basis), not {method!r}")
+
+
+def _closer_basis(model, stats, calibration, tokens, seed: int, settings: dict) -> str:
+    """``compress(qk_basis="measured")``'s choice: "shared" or "pair", whichever folds (at ``settings``' rate, F_p's
+    widths, which are the same for both) into a model closer (KL) to ``model`` on the sensitivity probes' held-in
+    rows (``_probe_tokens``); the shared basis on a tie."""
+    probes = _probe_tokens(model, calibration, seed, tokens)
+    score = kl_to(model, probes, len(probes))
+    kl = {kind: score(fold(model, *make_plan(model, stats, qk_basis=kind, **settings))) for kind in QK_BASES}
+    return min(QK_BASES, key=kl.__getitem__)
 
 
 def _check_kv_bits(model, kv_bits, method: str, band=None) -> int | str | None:

@@ -6,7 +6,8 @@ rate is ``p = 1 - sum(k_qk + k_v) / (2 * Hkv * d_h * L)``; ``F_p`` finds ``r`` f
 ``ranks="measured"`` takes the widths from each head's measured effect instead (``compression.sensitivity``).
 A plan may reorder each layer's KV heads (``head_order``; the output does not change), move a few columns between
 a layer's heads at an unchanged rate (``filled_for_runs``, opt-in: accuracy traded for decode speed), and, for ZACK,
-store keys in banded frames (``band``, DESIGN.md section 7, "Banded bases").
+store keys in banded frames (``band``, DESIGN.md section 7, "Banded bases") and project queries and keys on a
+score-aware pair of bases rather than one shared rotation (``qk_basis="pair"``, ``CalibrationStats.basis``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from kvjax.ops.tiles import is_pow2
 
 ALIGN = 16
 METHODS = ("zack", "palu")
+QK_BASES = (
+    "shared",
+    "pair",
+)  # ZACK's Q/K directions: one orthogonal rotation, or a score-aware pair (A for q, B for k)
 # A Palu model asked for quantized pages, in the same words wherever it is refused (``check_kv_bits``: the engine,
 # ``kvjax.compress``, ``kvjax-convert``, ``Model.save``), so each refuses the pair before any work
 PALU_KV_BITS = (
@@ -67,6 +72,18 @@ def check_band(band, method: str, max_context=None) -> int | None:
     return band
 
 
+def check_qk_basis(qk_basis, method: str) -> str | None:
+    """A plan's ``qk_basis`` checked: None or "shared" (ZACK's one orthogonal rotation, stored as None) or "pair"
+    (a score-aware pair, ZACK only)."""
+    if qk_basis is None or qk_basis == "shared":
+        return None
+    if qk_basis != "pair":
+        raise ValueError(f"qk_basis must be one of {QK_BASES}, got {qk_basis!r}")
+    if method != "zack":
+        raise ValueError(f"qk_basis='pair' applies to method='zack' (a post-RoPE basis), not {method!r}")
+    return qk_basis
+
+
 def rank_for_removal(s: np.ndarray, r: float, head_dim: int) -> int:
     """Smallest multiple of 16 (>= 16, <= head_dim) keeping all but at most ``r`` of the singular-value mass."""
     total = float(np.sum(s))
@@ -93,6 +110,7 @@ class RankPlan:
     k_share: float | None = None  # the share of the kept columns given to Q/K (None: one removal rate for both)
     band: int | None = None  # zack: keys stored in the frame of their band of ``band`` positions (None: plain)
     ranks: str | None = None  # "measured": widths from each head's measured KL (``sensitivity``); None: F_p's rule
+    qk_basis: str | None = None  # zack: "pair" (queries on A, keys on B: ``q_rotation``); None: one shared rotation
 
     def __post_init__(self):
         self.k_qk, self.k_v = np.asarray(self.k_qk, np.int64), np.asarray(self.k_v, np.int64)
@@ -111,6 +129,7 @@ class RankPlan:
         self.band = check_band(self.band, self.method, self.max_context)
         if self.ranks not in (None, "measured"):
             raise ValueError(f"ranks must be None or 'measured', got {self.ranks!r}")
+        self.qk_basis = check_qk_basis(self.qk_basis, self.method)
         if self.head_order is not None:
             self.head_order = np.asarray(self.head_order, np.int64)
             heads = self.s_qk.shape[1]
@@ -275,6 +294,8 @@ class RankPlan:
             lines.insert(1, "widths allocated by each head's measured effect on the outputs (KL), K and V together")
         if self.band is not None:
             lines.insert(1, f"keys stored in bands of {self.band} positions, each in its band's frame (any context)")
+        if self.qk_basis == "pair":
+            lines.insert(1, "queries and keys on a score-aware pair of bases (widths from the shared basis's spectrum)")
         if self.moved_columns:
             lines.insert(
                 1,
@@ -310,6 +331,7 @@ class RankPlan:
                 "k_share": self.k_share,
                 "band": self.band,
                 "ranks": self.ranks,
+                "qk_basis": self.qk_basis,
             }
         )
 

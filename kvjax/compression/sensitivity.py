@@ -80,7 +80,7 @@ def measure(
         cut = dataclasses.replace(bases[key], down=bases[key].down.copy())
         cut.down[layer, head, :, width:] = 0.0
         kl[i, layer, head] = score(fold(model, plan, bases | {key: cut}))
-    dropped = np.stack([dropped_share(s, width) for s in (plan.s_qk, plan.s_v)])
+    dropped = np.stack([dropped_share(bases[key].s, width) for key in ("k", "v")])  # the probed directions' energy
     return Sensitivity(kl, dropped, width)
 
 

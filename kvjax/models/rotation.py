@@ -7,6 +7,11 @@ forms, for the attention ops to pick: ``packed`` (each query head on its own gro
 references' layout) and ``wide`` (every head on every packed column in one GEMM, of which the decode kernel reads
 each head's own columns: no per-group matmuls, transposes or gathers of q in the step, bench/results/engine.md "Engine:
 the Q/K rotation as one GEMM").
+
+A plan with a score-aware pair (``RankPlan.qk_basis == "pair"``) projects queries on a matrix of their own
+(``query``, A) and keys on ``matrix`` (B), with ``A B^T = I`` at full width (``CalibrationStats.basis``); every form
+below then takes q by ``query`` and k by ``matrix``, and a banded plan turns ``query``'s directions by the band's
+angle. One orthogonal rotation is the case ``query = matrix``.
 """
 
 from __future__ import annotations
@@ -40,10 +45,16 @@ class QKRotation:
 
     matrix: jax.Array  # [d, k_cols]: group g's directions in columns k_offsets[g] .. k_offsets[g] + k_widths[g]
     layout: HeadLayout
+    query: jax.Array | None = None  # [d, k_cols]: the queries' directions where they differ from the keys' (a pair)
 
     def _columns(self):
         lay = self.layout
         return zip(HeadLayout.offsets(lay.k_widths), lay.k_widths)
+
+    @property
+    def for_queries(self) -> jax.Array:
+        """[d, k_cols]: the directions queries are projected on (``matrix`` unless a pair gives them their own)."""
+        return self.matrix if self.query is None else self.query
 
     def packed(self, q, k):
         """(q [..., q_cols], k [..., k_cols]) packed as the cache is: per group, its query heads and its key times
@@ -51,8 +62,9 @@ class QKRotation:
         lay = self.layout
         lead = q.shape[:-1]
         qh = q.reshape(*lead, lay.num_kv_heads, lay.group_size, lay.head_dim)
+        qm = self.for_queries
         qs = [
-            (qh[..., g, :, :] @ self.matrix[:, start : start + width]).reshape(*lead, lay.group_size * width)
+            (qh[..., g, :, :] @ qm[:, start : start + width]).reshape(*lead, lay.group_size * width)
             for g, (start, width) in enumerate(self._columns())
         ]
         return jnp.concatenate(qs, axis=-1), self.keys(k)
@@ -79,21 +91,24 @@ class QKRotation:
         return packed_query(wide, self.layout), k
 
     def banded(self, inv_freq, band: int):
-        """The K rebuild of a banded plan (``latent.LatentK`` with ``band``): each group's directions transposed,
-        turned by the band's start angle as keys are read; its ``basis`` is this matrix itself."""
-        ups = tuple(self.matrix[:, start : start + width].T for start, width in self._columns())
-        return LatentK(ups, inv_freq, self.layout, band, matrix=self.matrix)
+        """The K rebuild of a banded plan (``latent.LatentK`` with ``band``): each group's query directions
+        transposed, turned by the band's start angle as keys are read; its ``basis`` is the query matrix itself.
+        Scores on the rebuilt keys are those on the packed columns: ``q . RoPE(bW) A c = (A^T RoPE(-bW) q) . c``."""
+        qm = self.for_queries
+        ups = tuple(qm[:, start : start + width].T for start, width in self._columns())
+        return LatentK(ups, inv_freq, self.layout, band, matrix=qm)
 
     def wide(self, q, k):
         """For one token a row (q [B, H*d], k [B, Hkv*d]): (q [B, H + Hkv, k_cols], k [B, k_cols]). Row ``h`` of
         the wide q is query head h on every packed column, of which only its group's are meaningful (rows past H
-        are the key heads); k is packed. One GEMM and one small fusion."""
+        are the key heads); k is packed. One GEMM and one small fusion (a pair: a GEMM for q and one for k)."""
         lay = self.layout
         b = q.shape[0]
-        rows = jnp.concatenate(
-            [q.reshape(b, lay.num_heads, lay.head_dim), k.reshape(b, lay.num_kv_heads, lay.head_dim)], axis=1
-        )
-        wide = rows @ self.matrix
+        qh, kh = q.reshape(b, lay.num_heads, lay.head_dim), k.reshape(b, lay.num_kv_heads, lay.head_dim)
+        if self.query is None:
+            wide = jnp.concatenate([qh, kh], axis=1) @ self.matrix
+        else:
+            wide = jnp.concatenate([qh @ self.query, kh @ self.matrix], axis=1)
         # each packed key column from its own head's row: a select and a sum over the Hkv key rows, which XLA fuses
         # into one small kernel (as a gather, XLA first transposed the whole wide block: 5 us a layer)
         k = jnp.where(own_columns(lay), wide[:, lay.num_heads :], 0).sum(axis=1, dtype=wide.dtype)

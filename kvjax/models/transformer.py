@@ -110,10 +110,11 @@ class Attention(nnx.Module):
     normed head onto it (``k_down`` [d, k_widths[g]] per head) before caching. ``band`` (ZACK only): each key is
     rotated by RoPE at its offset in its band of ``band`` positions and cached on the basis directions; attention
     reads it back turned by the band's start angle (``QKRotation.banded``). ``join`` holds ``q``, ``k`` and ``v``
-    as one ``Joined`` projection (``qkv``), as a ``kvjax.Model`` does.
+    as one ``Joined`` projection (``qkv``), as a ``kvjax.Model`` does. ``pair`` (ZACK only): queries are projected on
+    directions of their own (``q_rotation`` [d, k_cols]; a score-aware pair, ``RankPlan.qk_basis``).
     """
 
-    def __init__(self, cfg: ModelConfig, layout: HeadLayout, method: str | None, *, dtype, rngs, band=None):
+    def __init__(self, cfg: ModelConfig, layout: HeadLayout, method: str | None, *, dtype, rngs, band=None, pair=False):
         h, kv, d, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         bias = cfg.attention_bias
         self.method, self.band = method, band
@@ -125,6 +126,7 @@ class Attention(nnx.Module):
         self.qkv: Joined | None = nnx.data(None)  # q, k and v as one, once ``join`` has run
 
         self.qk_rotation = nnx.Param(identity_rotation(layout, dtype)) if method == "zack" else None
+        self.q_rotation = nnx.Param(identity_rotation(layout, dtype)) if method == "zack" and pair else None
         self.k_up = (
             nnx.List([nnx.Param(jnp.eye(w, d, dtype=dtype)) for w in layout.k_widths]) if method == "palu" else None
         )
@@ -174,7 +176,8 @@ class Attention(nnx.Module):
         q, k = q.reshape(b, t, -1), k.reshape(b, t, -1)
         if self.method == "zack":
             assert self.qk_rotation is not None
-            rotation = QKRotation(self.qk_rotation[...], layout)
+            query = None if self.q_rotation is None else self.q_rotation[...]
+            rotation = QKRotation(self.qk_rotation[...], layout, query)
             if self.band is not None:  # cached: the band-frame key's columns; read back by the band's start angle
                 return self.o(attend(layer, q, rotation.keys(k), v, rebuild=rotation.banded(inv_freq, self.band)))
             return self.o(attend(layer, q, k, v, rotation=rotation))
@@ -213,7 +216,7 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """One decoder layer: pre-norm (Llama), parallel (Falcon), or Gemma's with norms after attention and MLP too."""
 
-    def __init__(self, cfg: ModelConfig, layout: HeadLayout, method: str | None, *, dtype, rngs, band=None):
+    def __init__(self, cfg: ModelConfig, layout: HeadLayout, method: str | None, *, dtype, rngs, band=None, pair=False):
         self.parallel = cfg.parallel_block
         norm = dict(kind=cfg.norm, eps=cfg.norm_eps, dtype=dtype)
         self.attn_norm = Norm(cfg.hidden_size, **norm)
@@ -221,7 +224,7 @@ class Block(nnx.Module):
         self.mlp_norm = Norm(cfg.hidden_size, **norm) if two_norms else None
         self.post_attn_norm = Norm(cfg.hidden_size, **norm) if cfg.gemma_norms else None
         self.post_mlp_norm = Norm(cfg.hidden_size, **norm) if cfg.gemma_norms else None
-        self.attn = Attention(cfg, layout, method, dtype=dtype, rngs=rngs, band=band)
+        self.attn = Attention(cfg, layout, method, dtype=dtype, rngs=rngs, band=band, pair=pair)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, inv_freq, layout, attend, layer, reduce=None):
@@ -254,11 +257,12 @@ class Transformer(nnx.Module):
         """
         self.config, self.method = cfg, None if plan is None else plan.method
         self.band = None if plan is None else plan.band
+        pair = plan is not None and plan.qk_basis == "pair"
         self.layouts = tuple(layer_layout(cfg, plan, i) for i in range(cfg.num_layers))
         self.embed = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = nnx.List(
             [
-                Block(cfg, self.layouts[i], self.method, dtype=dtype, rngs=rngs, band=self.band)
+                Block(cfg, self.layouts[i], self.method, dtype=dtype, rngs=rngs, band=self.band, pair=pair)
                 for i in range(cfg.num_layers)
             ]
         )

@@ -47,11 +47,12 @@ class Sharded:
 @dataclasses.dataclass(frozen=True)
 class _LocalPlan:
     """What ``Transformer`` reads of a rank plan, for one device's share: the method and each layer's padded local
-    widths (``shards.padded_widths``)."""
+    widths (``shards.padded_widths``) and its Q/K basis kind (a pair's query directions are shared like the keys')."""
 
     method: str | None
     widths: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
     band: None = None
+    qk_basis: str | None = None
 
     def layer_widths(self, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return self.widths[layer]
@@ -79,7 +80,8 @@ def shard(model, devices: int, seed: int = 0, params: dict | None = None, placem
         intermediate_size=per,
         vocab_size=vocab,
     )
-    plan = None if method is None else _LocalPlan(method, tuple((lay.k_widths, lay.v_widths) for lay in locals_))
+    widths = tuple((lay.k_widths, lay.v_widths) for lay in locals_)
+    plan = None if method is None else _LocalPlan(method, widths, qk_basis=model.plan.qk_basis)
     local = nnx.eval_shape(lambda: Transformer(local_cfg, plan=plan, dtype=model.dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(local)
     given = params is not None
@@ -169,8 +171,9 @@ def _part(x, path: tuple, layouts, locals_, order, device: int, *, per: int, dev
     mine = (device % replicas, replicas)  # the replica's query heads of each group
     if owner == "attn" and name in ("q", "k"):  # full width before RoPE and the rotation: no padding
         return x[..., columns(layout, heads, {"q": "q_full", "k": "k_full"}[name], *mine)]
-    if owner == "attn" and name in ("v", "qk_rotation", "o"):  # the cached widths: padded into the local layout
-        src, dst = into(layout, heads, local, {"v": "v", "qk_rotation": "k", "o": "o"}[name], *mine)
+    if owner == "attn" and name in ("v", "qk_rotation", "q_rotation", "o"):  # the cached widths: padded locally
+        which = {"v": "v", "qk_rotation": "k", "q_rotation": "k", "o": "o"}[name]
+        src, dst = into(layout, heads, local, which, *mine)
         if name == "o":
             return jnp.zeros(shape, x.dtype).at[dst].set(x[src])
         return jnp.zeros(shape, x.dtype).at[..., dst].set(x[..., src])
