@@ -62,9 +62,11 @@ def model_at(
     method: str = "zack",
     band: int | None = None,
     shapes_only: bool = False,
+    qk_basis: str | None = None,
 ) -> kvjax.Model:
     """Random bf16 weights of the 8B shape (or ``cfg``'s); rate > 0: compressed by ``method`` to the widths of
-    ``harness.rank_plan`` (in ``form``, its heads ordered for the decode ``config``; ``band``: banded ZACK).
+    ``harness.rank_plan`` (in ``form``, its heads ordered for the decode ``config``; ``band``: banded ZACK;
+    ``qk_basis="pair"``: queries on directions of their own, ``RankPlan.qk_basis``).
     ``shapes_only``: the module's shapes without values, which a tensor-parallel engine fills with random shares on
     each device (``forward.shard``): a shape larger than one GPU holds is never built whole."""
     plan = None
@@ -73,7 +75,7 @@ def model_at(
         k = np.array([lay.k_widths for lay in layouts])
         v = np.array([lay.v_widths for lay in layouts])
         ones = np.ones((*k.shape, cfg.head_dim))
-        plan = RankPlan(method, cfg.head_dim, k, v, ones, ones, band=band)
+        plan = RankPlan(method, cfg.head_dim, k, v, ones, ones, band=band, qk_basis=qk_basis)
 
     def build():
         module = Transformer(cfg, plan=plan, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -421,8 +423,10 @@ def print_top_kernels(rows: list[dict]) -> None:
 
 
 def method_name(args) -> str:
-    """The rows' name for how rates above 0 compress: zack, palu or zack-band<W>."""
-    return args.method if args.band is None else f"{args.method}-band{args.band}"
+    """The rows' name for how rates above 0 compress: zack, palu or zack-band<W>, then -pair for a score-aware
+    pair."""
+    name = args.method if args.band is None else f"{args.method}-band{args.band}"
+    return name + ("-pair" if args.qk_basis == "pair" else "")
 
 
 def decode_rows(args, bandwidth: float, rows: list[dict], save) -> None:
@@ -436,6 +440,7 @@ def decode_rows(args, bandwidth: float, rows: list[dict], save) -> None:
             method=args.method,
             band=args.band,
             shapes_only=args.tensor_parallel > 1,
+            qk_basis=args.qk_basis,
         )
         for batch, ctx in args.shapes:
             for bits in args.kv_bits:
@@ -446,6 +451,16 @@ def decode_rows(args, bandwidth: float, rows: list[dict], save) -> None:
                     print_rows(rows[-1:])
                     save()
         del model
+
+
+def _check_combinations(ap, args) -> None:
+    """Flags that do not go together: refused in one line, before any GPU work."""
+    if args.tensor_parallel > 1 and args.evict != [None]:
+        ap.error("--evict is not timed under --tensor-parallel yet (its bytes are counted from one device's heads)")
+    if args.band is not None and args.method != "zack":
+        ap.error("--band applies to --method zack")
+    if args.qk_basis == "pair" and args.method != "zack":
+        ap.error("--qk-basis pair applies to --method zack")
 
 
 def main(argv=None) -> None:
@@ -523,6 +538,12 @@ def main(argv=None) -> None:
         type=count_arg("--band"),
         help="banded ZACK: keys in bands of this many positions (rates above 0, --method zack)",
     )
+    ap.add_argument(
+        "--qk-basis",
+        choices=("shared", "pair"),
+        default="shared",
+        help="zack: queries and keys on one rotation (default), or on a score-aware pair (a projection each)",
+    )
     ap.add_argument("--plan", choices=PLAN_FORMS, default="ordered", help="the rank plan's form (harness.PLAN_FORMS)")
     ap.add_argument(
         "--tensor-parallel",
@@ -545,10 +566,7 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
-    if args.tensor_parallel > 1 and args.evict != [None]:
-        ap.error("--evict is not timed under --tensor-parallel yet (its bytes are counted from one device's heads)")
-    if args.band is not None and args.method != "zack":
-        ap.error("--band applies to --method zack")
+    _check_combinations(ap, args)
     args.config = with_knobs(DECODE, args.knob)
     if not on_gpu():
         raise SystemExit("bench/engine.py times the engine on a GPU (CUPTI)")
@@ -575,7 +593,9 @@ def main(argv=None) -> None:
             "\n| rate | B x ctx | chunk tokens | prefill tok/s | prefill compile s (variants) |\n|---|---|---|---|---|"
         )
         for rate in args.rates:
-            model = model_at(rate, config=args.config, form=args.plan, method=args.method, band=args.band)
+            model = model_at(
+                rate, config=args.config, form=args.plan, method=args.method, band=args.band, qk_basis=args.qk_basis
+            )
             swept = prefill_sweep(model, rate, batch, ctx, args.prefill_chunks)
             result["prefill_rows"] += [dict(r, method=method_name(args) if rate else "none") for r in swept]
             save()

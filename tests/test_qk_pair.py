@@ -64,18 +64,25 @@ def test_a_full_width_pair_is_the_uncompressed_model(band):
     np.testing.assert_allclose(full.logits(tokens), want, atol=2e-4 * np.abs(want).max(), err_msg=f"seed {seed}")
 
 
-@pytest.mark.parametrize("band, kv_bits", [(None, None), (None, 4), (16, None)])
-def test_a_pair_on_the_kernels_gives_the_reference_tokens(band, kv_bits):
-    """The engine serves a pair model on the interpret-mode kernels (queries wide or packed on A, keys on B; banded:
-    queries turned and projected a band on A; 4-bit pages), prompts longer than a chunk: the reference path's greedy
-    tokens. And a pair is not the shared basis: the two models' logits differ at the same widths."""
+KERNEL_CASES = [(None, None), (None, 4), (16, None)]
+
+
+@pytest.mark.parametrize(
+    "band, kv_bits, backend",
+    [(*case, "interpret") for case in KERNEL_CASES]
+    + [pytest.param(*case, "pallas", marks=pytest.mark.gpu) for case in KERNEL_CASES],
+)
+def test_a_pair_on_the_kernels_gives_the_reference_tokens(band, kv_bits, backend):
+    """The engine serves a pair model on the kernels (interpret mode; Pallas on a GPU): queries wide or packed on A,
+    keys on B; banded, queries turned and projected a band on A; 4-bit pages. Prompts longer than a chunk get the
+    reference path's greedy tokens. And a pair is not the shared basis: the two models' logits differ."""
     seed = fresh_seed()
     base = kvjax.Model.random(WIDE, seed=seed % 1000, scale=5.0)
     model = varied_plan_model(base, band=band, qk_basis="pair")
     prompts = [np.random.default_rng(seed).integers(0, 97, n).tolist() for n in (45, 20, 3)]
     settings = dict(max_new_tokens=8, max_batch=4, page_size=16, chunk_tokens=32, kv_bits=kv_bits)
     ref = kvjax.generate(model, prompts, backend="reference", **settings)
-    ker = kvjax.generate(model, prompts, backend="interpret", **settings)
+    ker = kvjax.generate(model, prompts, backend=backend, **settings)
     assert [r.tokens for r in ker] == [r.tokens for r in ref], f"seed {seed}"
     shared = varied_plan_model(base, band=band)
     tokens = np.asarray(prompts[0])[None]
