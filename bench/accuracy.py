@@ -69,9 +69,10 @@ VARIANTS = {  # name -> (method, adaptive); palu-uniform (one rank for every hea
     "zack-band16-pair": ("zack", True),
     "zack-band32-pair": ("zack", True),
     "zack-band64-pair": ("zack", True),
+    "zack-band16-pair-measured": ("zack", True),  # both: the pair's directions, ranks by their measured effect
 }
 MEASURED = {name for name in VARIANTS if name.endswith("-measured")}
-PAIRS = {name for name in VARIANTS if name.endswith("-pair")}
+PAIRS = {name for name in VARIANTS if "-pair" in name}
 BANDS = {
     name: int(name.removeprefix("zack-band").removesuffix("-measured").removesuffix("-pair"))
     for name in VARIANTS
@@ -455,6 +456,7 @@ def _groups(base, args):
             sensitivity = None
             if variant in MEASURED:  # probed once per group, reused by every rate
                 where = dict(method=method, max_context=max_context, band=BANDS.get(variant))
+                where["qk_basis"] = qk_basis(variant)
                 sensitivity = measure_sensitivity(base, stats, source, tokens[source], **where)
             for k_share in args.k_share if variant not in MEASURED else [None]:
                 for bits in args.kv_bits:
