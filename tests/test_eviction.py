@@ -616,8 +616,11 @@ def test_quantized_survivors_are_compacted_then_paged_as_one_head_at_a_time_woul
 def test_quantized_pages_with_nothing_evicted_serve_as_the_quantized_cache_does(tiny_config):
     """Everything kept: the compacted slots are the positions, so the decoded rows read what
     ``quantized_causal_attention`` serves a prompt prefilled in one chunk. The prompt's rows agree to float
-    rounding; the decoded rows to 2e-3, because the two paths compute the prompt's keys in another order and a
-    4-bit code on a rounding boundary can flip (seed 4192278983 moved them 1.2e-4; quantizing moves them ~0.08)."""
+    rounding; the decoded rows to a small part of what quantizing moves them (at most a quarter at the largest, a
+    tenth on average), because the two paths compute the prompt's keys in another order and a 4-bit code on a
+    rounding boundary can flip, which every later query of that head then reads: seed 4192278983 moved them 1.2e-4,
+    seed 508154321 (llama3_tied) 6.6e-3 at most and 8e-4 on average, where quantizing moves them 0.06 and 0.015.
+    A wrong page, scale or code moves them as much as quantizing does."""
     seed = fresh_seed()
     model = kvjax.Model.random(tiny_config, seed=seed % 1000)
     tokens = np.random.default_rng(seed).integers(0, tiny_config.vocab_size, (2, 40))
@@ -634,8 +637,10 @@ def test_quantized_pages_with_nothing_evicted_serve_as_the_quantized_cache_does(
     want = module.hidden(jnp.asarray(tokens, jnp.int32), positions, attend)
     got, want = np.asarray(got), np.asarray(want)
     np.testing.assert_allclose(got[:, :30], want[:, :30], rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
-    np.testing.assert_allclose(got[:, 30:], want[:, 30:], atol=2e-3, err_msg=f"seed {seed}")
-    assert not np.allclose(got[:, 30:], np.asarray(model.hidden(tokens))[:, 30:], atol=1e-2)  # it quantizes
+    plain = np.asarray(model.hidden(tokens))[:, 30:]
+    moved, apart = np.abs(got[:, 30:] - want[:, 30:]), np.abs(want[:, 30:] - plain)
+    assert moved.max() <= 0.25 * apart.max() and moved.mean() <= 0.1 * apart.mean(), f"seed {seed}"
+    assert not np.allclose(got[:, 30:], plain, atol=1e-2)  # it quantizes
     with pytest.raises(ValueError, match="ZipCache"):
         hidden_after(model, tokens, kept, kv=kv_schemes.parse("zipcache"))
 
