@@ -207,10 +207,9 @@ def _variants(base, args, tokens: dict | None = None):
             yield (source, variant, *VARIANTS[variant], stats)
 
 
-def _compressed(base, stats, p, method, adaptive, variant=None):
-    """``base`` compressed to target rate ``p`` by ``method`` (adaptive or uniform ranks; banded by ``variant``)
-    from ``stats``."""
-    plan, bases = make_plan(
+def variant_plan(base, stats, p, method, adaptive, variant=None, **more):
+    """``make_plan`` at target rate ``p`` for ``variant``: its band and Q/K basis from its name, ``more`` as given."""
+    return make_plan(
         base,
         stats,
         target_rate=p,
@@ -218,8 +217,14 @@ def _compressed(base, stats, p, method, adaptive, variant=None):
         adaptive=adaptive,
         band=BANDS.get(variant),
         qk_basis=qk_basis(variant),
+        **more,
     )
-    return fold(base, plan, bases)
+
+
+def _compressed(base, stats, p, method, adaptive, variant=None):
+    """``base`` compressed to target rate ``p`` by ``method`` (adaptive or uniform ranks; banded by ``variant``)
+    from ``stats``."""
+    return fold(base, *variant_plan(base, stats, p, method, adaptive, variant))
 
 
 def run_rates(base, ev, args):
@@ -464,18 +469,8 @@ def _groups(base, args):
                     group |= {"k_share": k_share, "kv_bits": bits}
 
                     def plan_for(p, group=group, stats=stats, method=method, adaptive=adaptive, sens=sensitivity):
-                        plan, bases = make_plan(
-                            base,
-                            stats,
-                            target_rate=p,
-                            method=method,
-                            adaptive=adaptive,
-                            max_context=group["max_context"],
-                            k_share=group["k_share"],
-                            band=BANDS.get(group["variant"]),
-                            sensitivity=sens,
-                            qk_basis=qk_basis(group["variant"]),
-                        )
+                        more = dict(max_context=group["max_context"], k_share=group["k_share"], sensitivity=sens)
+                        plan, bases = variant_plan(base, stats, p, method, adaptive, group["variant"], **more)
                         overall = overall_rate(base, plan, group["kv_bits"], args.kv_page)
                         return group | {"target_rate": p, "rate": plan.rate, "overall_rate": overall}, plan, bases
 
