@@ -98,8 +98,9 @@ def parse_args(argv=None):
         default="shared",
         help="zack: the directions queries and keys are projected on. 'shared' (default): the paper's one rotation "
         "of both. 'pair': a score-aware pair (queries on A, keys on B), the truncation that least changes the scores "
-        "q.k, same bytes, nothing rebuilt (bench/results/accuracy.md \"Banded bases\"). 'measured': fold both and "
-        "keep the one closer to the original on held-in calibration rows (two extra folds and forward passes)",
+        'q.k, same bytes, nothing rebuilt (bench/results/accuracy.md "A score-aware Q/K pair in the library"). '
+        "'measured': fold both and keep the one closer to the original on held-in calibration rows (two extra folds "
+        "and forward passes)",
     )
     p.add_argument(
         "--k-share",

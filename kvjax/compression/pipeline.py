@@ -271,10 +271,12 @@ def compress(
     ``qk_basis`` (zack): the directions queries and keys are projected on. "shared" (default): the paper's one
     orthogonal rotation of both. "pair": a score-aware pair, queries on A and keys on B (``A B^T = I``), the pair
     whose truncation least changes the scores q·k rather than q's and k's own energies; the cache holds the same
-    bytes and nothing is rebuilt (bench/results/accuracy.md "Banded bases": 0.82-0.86x Palu's KL on Gemma 3 at
-    band 16, rate 0.5, and 1.03-1.07x on SmolLM2, where the shared basis is 1.00-1.09x). "measured": folds both and
-    keeps the one whose model stays closer (KL) to this one on the held-in rows sensitivity probes use (two folds
-    and forward passes, decided before ``k_share`` or ``ranks`` are measured).
+    bytes and nothing is rebuilt (bench/results/accuracy.md "A score-aware Q/K pair in the library": at band 16,
+    0.82-0.84x Palu's KL on Gemma 3 at rate 0.5 where the shared basis is 1.32-1.39x; on SmolLM2 3-5% better than
+    the shared basis at 0.5 and 3-8% worse at 0.3). "measured": folds both and keeps the one whose model stays
+    closer (KL) to this one on the held-in rows sensitivity probes use (two folds and forward passes, decided before
+    ``k_share`` or ``ranks`` are measured); those 1,024-token rows picked the pair in every cell measured, also where
+    4K windows rank the shared basis better.
     ``kv_bits``: the quantized pages the returned model asks to be served from (``Model.kv_bits``, saved with it):
     4 or 2, None (pages of the cache's dtype), or "model" (default): ``model``'s own. Palu models refuse 4 and 2,
     before any calibration, in the engine's words.

@@ -26,10 +26,8 @@ from kvjax.ops.tiles import is_pow2
 
 ALIGN = 16
 METHODS = ("zack", "palu")
-QK_BASES = (
-    "shared",
-    "pair",
-)  # ZACK's Q/K directions: one orthogonal rotation, or a score-aware pair (A for q, B for k)
+# ZACK's Q/K directions: one orthogonal rotation, or a score-aware pair (A for q, B for k)
+QK_BASES = ("shared", "pair")
 # A Palu model asked for quantized pages, in the same words wherever it is refused (``check_kv_bits``: the engine,
 # ``kvjax.compress``, ``kvjax-convert``, ``Model.save``), so each refuses the pair before any work
 PALU_KV_BITS = (
@@ -295,7 +293,8 @@ class RankPlan:
         if self.band is not None:
             lines.insert(1, f"keys stored in bands of {self.band} positions, each in its band's frame (any context)")
         if self.qk_basis == "pair":
-            lines.insert(1, "queries and keys on a score-aware pair of bases (widths from the shared basis's spectrum)")
+            widths = "" if self.ranks == "measured" else " (widths from the shared basis's spectrum)"
+            lines.insert(1, f"queries and keys on a score-aware pair of bases{widths}")
         if self.moved_columns:
             lines.insert(
                 1,
