@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import json
 
+import jax
 import numpy as np
 import pytest
 from test_compression import WIDE
@@ -199,3 +200,25 @@ def test_the_converter_saves_measured_ranks(tmp_path, capsys, case):
     with pytest.raises(SystemExit):
         convert.main([f"{FIXTURES}/falcon_new", str(tmp_path / "narrow"), *flags])
     assert "out of reach" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("positions,keep", [(7, True), (64, False), (1000, True)])
+def test_kl_to_in_blocks_equals_the_whole_rows_formula(case, positions, keep, monkeypatch):
+    """``kl_to`` projects a few positions at a time (memory): its score is the mean KL over every position of the
+    whole rows, whatever the block (one that does not divide the rows, one that covers them), whether it keeps the
+    base model's log-probs or forms them again for each score."""
+    from kvjax.compression import split
+    from kvjax.compression.split import kl_to
+
+    if not keep:
+        monkeypatch.setattr(split, "KEEP_BYTES", 0)
+    model, tokens, stats = case
+    rng = np.random.default_rng()
+    compressed = fold(model, *make_plan(model, stats, target_rate=float(rng.uniform(0.3, 0.6))))
+    rows = tokens[-2:]
+    base_logp = jax.nn.log_softmax(model.logits(rows), axis=-1)
+    logp = jax.nn.log_softmax(compressed.logits(rows), axis=-1)
+    expected = float((np.exp(base_logp) * (base_logp - logp)).sum(-1).mean())
+    got = kl_to(model, tokens, 2, positions=positions)(compressed)
+    assert expected > 1e-4 and got == pytest.approx(expected, rel=1e-4)
+    assert kl_to(model, tokens, 2, positions=positions)(model) == pytest.approx(0.0, abs=1e-6)

@@ -10,23 +10,55 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 SHARES = (0.3, 0.4, 0.5, 0.6, 0.7)  # the coarse pass; then the best one's neighbours at half the step
 
 
-def kl_to(base, tokens: np.ndarray, rows: int) -> Callable:
+KL_POSITIONS = 128  # positions projected onto the vocabulary at a time by ``kl_to``'s scores
+KEEP_BYTES = 3 << 30  # base log-probs ``kl_to`` keeps between scores; past this it forms them again for each score
+
+
+def kl_to(base, tokens: np.ndarray, rows: int, positions: int = KL_POSITIONS) -> Callable:
     """A score for compressed models: mean per-token KL(base || model) over the last ``rows`` calibration rows of
-    ``tokens`` [B, T] that are whole (the last row may end in -1 padding)."""
+    ``tokens`` [B, T] that are whole (the last row may end in -1 padding).
+
+    Memory: log-probs are formed ``positions`` at a time from final-norm hidden states, never as a whole
+    [rows, T, vocab] array (Gemma 3's 262K vocabulary makes that 2 GB for two 1,024-token rows, and the direct
+    formula held several such arrays). ``base``'s are kept between scores while they take at most ``KEEP_BYTES``,
+    and formed again for each score past that (one more vocabulary projection a score, e.g. 4K-token rows)."""
     tokens = np.asarray(tokens)
     tokens = tokens[(tokens >= 0).all(axis=1)][-rows:]
-    base_logp = jax.nn.log_softmax(base.logits(tokens).astype(np.float32), axis=-1)
+    t = tokens.shape[1]
+    starts = range(0, t, positions)
+    base_hidden = base.hidden(tokens)
+
+    def base_logp(s):
+        return _log_probs(base.project(base_hidden[:, s : s + positions]))
+
+    if tokens.size * int(base.config.vocab_size) * 4 <= KEEP_BYTES:
+        kept = [base_logp(s) for s in starts]
+        base_logp = dict(zip(starts, kept, strict=True)).__getitem__
 
     def score(model) -> float:
-        logp = jax.nn.log_softmax(model.logits(tokens).astype(np.float32), axis=-1)
-        return float((np.exp(base_logp) * (base_logp - logp)).sum(-1).mean())
+        hidden = model.hidden(tokens)
+        kl = [_kl(base_logp(s), model.project(hidden[:, s : s + positions])) for s in starts]
+        return float(np.concatenate([np.asarray(x, np.float64) for x in kl], axis=1).mean())
 
     return score
+
+
+@jax.jit
+def _log_probs(logits):
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+@jax.jit
+def _kl(base_logp, logits):
+    """KL(base || softmax(logits)) at each position [..., vocab] -> [...], float32."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.sum(jnp.exp(base_logp) * (base_logp - logp), axis=-1)
 
 
 def best_share(score: Callable[[float], float], shares=SHARES) -> tuple[float, list[tuple[float, float]]]:
