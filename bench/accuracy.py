@@ -70,19 +70,22 @@ VARIANTS = {  # name -> (method, adaptive); palu-uniform (one rank for every hea
     "zack-band32-pair": ("zack", True),
     "zack-band64-pair": ("zack", True),
     "zack-band16-pair-measured": ("zack", True),  # both: the pair's directions, ranks by their measured effect
+    "zack-band16-pair-own": ("zack", True),  # the pair, F_p's widths off its own spectrum (``qk_widths="pair"``)
 }
 MEASURED = {name for name in VARIANTS if name.endswith("-measured")}
 PAIRS = {name for name in VARIANTS if "-pair" in name}
-BANDS = {
-    name: int(name.removeprefix("zack-band").removesuffix("-measured").removesuffix("-pair"))
-    for name in VARIANTS
-    if name.startswith("zack-band")
-}
+OWN_WIDTHS = {name for name in VARIANTS if name.endswith("-pair-own")}
+BANDS = {name: int(name.removeprefix("zack-band").split("-")[0]) for name in VARIANTS if name.startswith("zack-band")}
 
 
 def qk_basis(variant) -> str:
     """The Q/K basis a variant's plans use (``make_plan(qk_basis=)``)."""
     return "pair" if variant in PAIRS else "shared"
+
+
+def qk_widths(variant) -> str:
+    """The spectrum F_p reads a variant's Q/K widths off (``make_plan(qk_widths=)``)."""
+    return "pair" if variant in OWN_WIDTHS else "shared"
 
 
 DEFAULT_VARIANTS = ["zack", "zack-uniform", "palu", "palu-uniform"]
@@ -217,6 +220,7 @@ def variant_plan(base, stats, p, method, adaptive, variant=None, **more):
         adaptive=adaptive,
         band=BANDS.get(variant),
         qk_basis=qk_basis(variant),
+        qk_widths=qk_widths(variant),
         **more,
     )
 

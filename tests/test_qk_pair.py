@@ -114,10 +114,60 @@ def test_measured_keeps_the_basis_closer_to_the_model():
     model = kvjax.Model.random(WIDE, seed=seed % 1000, scale=5.0)
     settings = dict(target_rate=0.6, seed=seed % 1000, **CALIBRATION)
     chosen = kvjax.compress(model, qk_basis="measured", **settings)
-    direct = kvjax.compress(model, qk_basis=chosen.plan.qk_basis or "shared", **settings)
+    plan = chosen.plan
+    direct = kvjax.compress(model, qk_basis=plan.qk_basis or "shared", qk_widths=plan.qk_widths or "shared", **settings)
     assert chosen.plan.to_json() == direct.plan.to_json()
     tokens = np.random.default_rng(seed).integers(0, WIDE.vocab_size, size=(1, 30))
     np.testing.assert_allclose(chosen.logits(tokens), direct.logits(tokens), rtol=1e-6, atol=1e-6)
+
+
+def test_measured_scores_rows_as_long_as_the_pick_asks_within_the_models_context(monkeypatch):
+    """The pick scores ``PROBE_ROWS`` held-in rows of ``PICK_TOKENS`` (1,024-token rows misranked the two bases on
+    SmolLM2), capped at the model's context; sensitivity probes keep their ``PROBE_TOKENS``."""
+    from kvjax.compression import pipeline
+
+    lengths = []
+    real = pipeline.kl_to
+    monkeypatch.setattr(pipeline, "kl_to", lambda model, rows, n: lengths.append(rows.shape) or real(model, rows, n))
+    model = kvjax.Model.random(WIDE, seed=fresh_seed() % 1000, scale=5.0)
+    context = WIDE.max_position_embeddings
+    for pick, expected in ((96, 96), (10 * context, context)):
+        monkeypatch.setattr(pipeline, "PICK_TOKENS", pick)
+        kvjax.compress(model, target_rate=0.6, qk_basis="measured", **CALIBRATION)
+        assert lengths.pop() == (pipeline.PROBE_ROWS, expected)
+    monkeypatch.setattr(pipeline, "PROBE_TOKENS", 80)
+    kvjax.compress(model, target_rate=0.6, ranks="measured", **CALIBRATION)
+    assert lengths.pop() == (pipeline.PROBE_ROWS, 80)
+
+
+def test_a_pair_reads_its_widths_off_the_spectrum_asked_for(monkeypatch):
+    """Under F_p a pair's Q/K widths come from the shared basis's spectrum (the directions change, not the widths)
+    or, with ``qk_widths="pair"``, from its own singular values; either plan meets the rate, records the rule, and
+    saves and loads it; the measured pick weighs all three candidates and returns one of them."""
+    from kvjax.compression import calibrate, calibration_tokens, make_plan, pipeline
+
+    seed = fresh_seed() % 1000
+    model = kvjax.Model.random(WIDE, seed=seed, scale=5.0)
+    tokens = calibration_tokens(model, "random", 256, 64, seed)
+    stats = calibrate(model, tokens, progress=False)
+    shared, _ = make_plan(model, stats, target_rate=0.5, qk_basis="shared")
+    pair, _ = make_plan(model, stats, target_rate=0.5, qk_basis="pair")
+    own, bases = make_plan(model, stats, target_rate=0.5, qk_basis="pair", qk_widths="pair", order_heads=False)
+    np.testing.assert_array_equal(pair.k_qk, shared.k_qk)
+    np.testing.assert_array_equal(own.s_qk, bases["k"].s)
+    assert own.rate >= 0.5 and own.qk_widths == "pair" and pair.qk_widths is None
+    assert "the pair's own spectrum" in own.summary() and "the shared basis's spectrum" in pair.summary()
+    assert RankPlan.from_json(own.to_json()).qk_widths == "pair"
+    settings = dict(target_rate=0.5, method="zack", adaptive=True, max_context=None, band=None)
+    seen = []
+    real = pipeline.make_plan
+    monkeypatch.setattr(
+        pipeline, "make_plan", lambda *a, **k: seen.append((k["qk_basis"], k["qk_widths"])) or real(*a, **k)
+    )
+    for widths, expected in ((True, 3), (False, 2)):
+        seen.clear()
+        pick = pipeline._closer_basis(model, stats, "random", tokens, seed, settings, widths)
+        assert len(seen) == expected and pick in seen and len(set(seen)) == expected
 
 
 def test_measured_ranks_with_a_pair_rank_by_the_pairs_own_spectrum():
@@ -143,6 +193,11 @@ def test_measured_ranks_with_a_pair_rank_by_the_pairs_own_spectrum():
         (dict(qk_basis=["pair"]), r"qk_basis must be one of .*, got \['pair'\]"),
         (dict(qk_basis="pair", method="palu"), r"qk_basis='pair' applies to method='zack'"),
         (dict(qk_basis="measured", method="palu"), r"qk_basis='measured' applies to method='zack'"),
+        (dict(qk_basis="pair", qk_widths="own"), r"qk_widths must be one of \('shared', 'pair'\), got 'own'"),
+        (dict(qk_widths="pair"), r"qk_widths='pair' applies to qk_basis='pair' with adaptive F_p ranks"),
+        (dict(qk_basis="measured", qk_widths="pair"), r"qk_basis='measured' picks the widths itself"),
+        (dict(qk_basis="pair", qk_widths="pair", adaptive=False), r"qk_widths='pair' applies to qk_basis='pair'"),
+        (dict(qk_basis="pair", qk_widths="pair", ranks="measured"), r"qk_widths='pair' applies to qk_basis='pair'"),
     ],
 )
 def test_bad_qk_bases_are_refused_before_any_work(kwargs, message, monkeypatch):
@@ -157,7 +212,7 @@ def test_bad_qk_bases_are_refused_before_any_work(kwargs, message, monkeypatch):
         kvjax.compress(model, target_rate=0.5, **CALIBRATION, **kwargs)
 
 
-def test_a_plan_refuses_an_unknown_qk_basis_and_a_palu_pair():
+def test_a_plan_refuses_an_unknown_qk_basis_a_palu_pair_and_widths_off_no_pair():
     s = np.ones((1, 2, 64))
     widths = np.full((1, 2), 32)
     assert RankPlan("zack", 64, widths, widths, s, s, qk_basis="shared").qk_basis is None
@@ -165,6 +220,12 @@ def test_a_plan_refuses_an_unknown_qk_basis_and_a_palu_pair():
         RankPlan("zack", 64, widths, widths, s, s, qk_basis="odd")
     with pytest.raises(ValueError, match="qk_basis='pair' applies to method='zack'"):
         RankPlan("palu", 64, widths, widths, s, s, qk_basis="pair")
+    assert RankPlan("zack", 64, widths, widths, s, s, qk_basis="pair", qk_widths="shared").qk_widths is None
+    for bad in (dict(qk_widths="pair"), dict(qk_basis="pair", qk_widths="pair", ranks="measured")):
+        with pytest.raises(ValueError, match="qk_widths='pair' applies to a pair's widths under F_p"):
+            RankPlan("zack", 64, widths, widths, s, s, **bad)
+    with pytest.raises(ValueError, match=r"qk_widths must be one of \('shared', 'pair'\), got 'odd'"):
+        RankPlan("zack", 64, widths, widths, s, s, qk_basis="pair", qk_widths="odd")
 
 
 def test_the_converter_saves_a_pair(tmp_path, capsys):

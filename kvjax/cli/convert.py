@@ -99,8 +99,9 @@ def parse_args(argv=None):
         help="zack: the directions queries and keys are projected on. 'shared' (default): the paper's one rotation "
         "of both. 'pair': a score-aware pair (queries on A, keys on B), the truncation that least changes the scores "
         'q.k, same bytes, nothing rebuilt (bench/results/accuracy.md "A score-aware Q/K pair in the library"). '
-        "'measured': fold both and keep the one closer to the original on held-in calibration rows (two extra folds "
-        "and forward passes)",
+        "'measured': fold the shared basis and the pair (its widths from the shared spectrum or, under F_p, its own) "
+        "and keep the one closest to the original on two held-in calibration rows of 4,096 tokens (a fold and a "
+        'forward pass each; bench/results/accuracy.md "Which Q/K basis: held-in rows as long as the windows")',
     )
     p.add_argument(
         "--k-share",

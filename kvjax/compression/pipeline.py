@@ -13,7 +13,17 @@ from flax import nnx
 from kvjax import validate
 from kvjax.compression.calibration import CalibrationStats, calibrate, calibration_tokens, check_source
 from kvjax.compression.folding import fold
-from kvjax.compression.plan import ALIGN, METHODS, QK_BASES, RankPlan, check_band, check_kv_bits, check_qk_basis
+from kvjax.compression.plan import (
+    ALIGN,
+    METHODS,
+    QK_BASES,
+    QK_WIDTHS,
+    RankPlan,
+    check_band,
+    check_kv_bits,
+    check_qk_basis,
+    check_qk_widths,
+)
 from kvjax.compression.sensitivity import Sensitivity, allocate, measure
 from kvjax.compression.split import best_share, kl_to
 
@@ -105,6 +115,7 @@ def make_plan(
     band=None,
     sensitivity: Sensitivity | None = None,
     qk_basis="shared",
+    qk_widths="shared",
 ) -> tuple[RankPlan, dict]:
     """The rank plan and the bases it truncates ({"k": Basis, "v": Basis}), from calibration statistics (cheap).
 
@@ -123,14 +134,19 @@ def make_plan(
     (``sensitivity.allocate``), from probes of this method, band, ``max_context`` and ``qk_basis``
     (``measure_sensitivity``).
     ``qk_basis`` (zack): "shared" (ZACK's one orthogonal rotation) or "pair" (queries and keys on a score-aware
-    pair, ``CalibrationStats.basis("qk-pair")``, recorded in the plan). A pair's widths come from the shared
-    basis's spectrum under F_p (as its accuracy was measured: bench/results/accuracy.md "Banded bases") and from
-    the pair's own singular values (the probed directions' energy) under measured ranks."""
+    pair, ``CalibrationStats.basis("qk-pair")``, recorded in the plan).
+    ``qk_widths`` (a pair under F_p): the spectrum F_p reads its Q/K widths off, "shared" (the shared basis's, so
+    the pair changes only the directions) or "pair" (its own singular values: fewer Q/K columns, more V; better on
+    Gemma 3 at 0.3, worse at 0.5: bench/results/accuracy.md "Which Q/K basis: held-in rows as long as the windows").
+    Measured ranks read the pair's own singular values (the probed directions' energy)."""
     max_context = _check_request(target_rate, removal_rate, method, max_context)
     if sensitivity is not None:
         _check_measured(target_rate, adaptive, k_share)
     band = check_band(band, method, max_context)
     pair = check_qk_basis(qk_basis, method) == "pair"
+    qk_widths = check_qk_widths(qk_widths, "pair" if pair else None, "measured" if sensitivity is not None else None)
+    if qk_widths == "pair" and not adaptive:
+        raise ValueError("qk_widths='pair' applies to adaptive plans (uniform widths read no spectrum)")
     k_kind, v_kind = BASIS[method]
     with np.errstate(invalid="ignore", divide="ignore"):  # a zero Gram: said below, naming its layer
         positions = band if band is not None else max_context  # a band's frame: the basis of its W offsets
@@ -149,12 +165,16 @@ def make_plan(
         k_qk, k_v = allocate(k_basis.s, v_basis.s, sensitivity, target_rate)
         plan = RankPlan(method, k_basis.s.shape[-1], k_qk, k_v, k_basis.s, v_basis.s, ranks="measured")
     elif target_rate is not None:
-        plan = RankPlan.for_target_rate(method, spectrum.s, v_basis.s, target_rate, adaptive, k_share=k_share)
+        s_qk = k_basis.s if qk_widths == "pair" else spectrum.s
+        plan = RankPlan.for_target_rate(method, s_qk, v_basis.s, target_rate, adaptive, k_share=k_share)
     elif k_share is not None:
         raise ValueError("k_share splits a target rate's columns: give target_rate, not removal_rate")
     else:
-        plan = RankPlan.from_removal_rate(method, spectrum.s, v_basis.s, removal_rate, adaptive)
-    plan = dataclasses.replace(plan, max_context=max_context, band=band, qk_basis="pair" if pair else None)
+        s_qk = k_basis.s if qk_widths == "pair" else spectrum.s
+        plan = RankPlan.from_removal_rate(method, s_qk, v_basis.s, removal_rate, adaptive)
+    plan = dataclasses.replace(
+        plan, max_context=max_context, band=band, qk_basis="pair" if pair else None, qk_widths=qk_widths
+    )
     if fill_tiles and adaptive and method == "zack":
         plan = plan.filled_for_runs(model.layouts[0].group_size)
     if order_heads:
@@ -172,17 +192,22 @@ def _check_measured(target_rate, adaptive, k_share) -> None:
 
 
 PROBE_ROWS, PROBE_TOKENS = 2, 1024  # what a sensitivity probe is scored on: rows longer than calibration's
+PICK_TOKENS = 4096  # the rows qk_basis="measured" scores on (PROBE_ROWS of them): as long as the windows it must rank
 
 
-def _probe_tokens(model, calibration, seed: int, tokens) -> np.ndarray:
-    """The held-in rows sensitivity probes are scored on: ``PROBE_ROWS`` rows of ``PROBE_TOKENS`` tokens (at most
-    the model's context) from the calibration source, since a head's effect at a 512-token row understates what it
-    does at 4K (keys far back); the calibration rows ``tokens`` themselves where the source is too short for that."""
-    length = min(PROBE_TOKENS, int(model.config.max_position_embeddings))
-    try:
-        return calibration_tokens(model, calibration, PROBE_ROWS * length, length, seed)
-    except ValueError:
-        return tokens
+def _probe_tokens(model, calibration, seed: int, tokens, length: int | None = None) -> np.ndarray:
+    """Held-in rows to score compressed models on: ``PROBE_ROWS`` rows of ``length`` tokens (default
+    ``PROBE_TOKENS``, what sensitivity probes use; at most the model's context) from the calibration source, since
+    a head's effect at a 512-token row understates what it does at 4K (keys far back); rows of ``PROBE_TOKENS``
+    where the source is too short for ``length``, and the calibration rows ``tokens`` where it is too short for
+    that."""
+    for want in dict.fromkeys((length or PROBE_TOKENS, PROBE_TOKENS)):
+        rows = min(want, int(model.config.max_position_embeddings))
+        try:
+            return calibration_tokens(model, calibration, PROBE_ROWS * rows, rows, seed)
+        except ValueError:
+            continue
+    return tokens
 
 
 def measure_sensitivity(
@@ -236,6 +261,7 @@ def compress(
     ranks="spectrum",
     kv_bits="model",
     qk_basis="shared",
+    qk_widths="shared",
     progress=True,
 ):
     """Compress ``model``'s KV cache along the head dimension; returns a new ``kvjax.Model`` with ``.plan``.
@@ -273,10 +299,13 @@ def compress(
     whose truncation least changes the scores q·k rather than q's and k's own energies; the cache holds the same
     bytes and nothing is rebuilt (bench/results/accuracy.md "A score-aware Q/K pair in the library": at band 16,
     0.82-0.84x Palu's KL on Gemma 3 at rate 0.5 where the shared basis is 1.32-1.39x; on SmolLM2 3-5% better than
-    the shared basis at 0.5 and 3-8% worse at 0.3). "measured": folds both and keeps the one whose model stays
-    closer (KL) to this one on the held-in rows sensitivity probes use (two folds and forward passes, decided before
-    ``k_share`` or ``ranks`` are measured); those 1,024-token rows picked the pair in every cell measured, also where
-    4K windows rank the shared basis better.
+    the shared basis at 0.5 and 3-8% worse at 0.3). ``qk_widths`` (a pair, adaptive, F_p's ranks): "shared"
+    (default) reads the pair's widths off the shared basis's spectrum, "pair" off its own (``make_plan``).
+    "measured": folds the candidates (the shared basis; the pair with either ``qk_widths`` under F_p, the pair
+    alone otherwise) and keeps the one whose model stays closest (KL) to this one on two held-in calibration rows
+    of 4,096 tokens (a fold and a forward pass each, decided before ``k_share`` or ``ranks`` are measured; it
+    ranked them as 4K held-out windows do in every cell measured: bench/results/accuracy.md "Which Q/K basis:
+    held-in rows as long as the windows").
     ``kv_bits``: the quantized pages the returned model asks to be served from (``Model.kv_bits``, saved with it):
     4 or 2, None (pages of the cache's dtype), or "model" (default): ``model``'s own. Palu models refuse 4 and 2,
     before any calibration, in the engine's words.
@@ -294,7 +323,7 @@ def compress(
         raise ValueError(f"ranks must be one of {RANKS}, got {ranks!r}")
     if ranks == "measured":
         _check_measured(target_rate, adaptive, k_share)
-    _check_qk_request(qk_basis, method)
+    _check_qk_request(qk_basis, method, qk_widths, adaptive, ranks)
     num_tokens, seq_len = validate.positive("num_tokens", num_tokens), validate.positive("seq_len", seq_len)
     batch_size, seed = validate.positive("batch_size", batch_size), validate.seed(seed)
     if model.plan is not None:
@@ -313,8 +342,9 @@ def compress(
         band=band,
     )
     if qk_basis == "measured":
-        qk_basis = _closer_basis(model, stats, calibration, tokens, seed, settings)
-    settings["qk_basis"] = qk_basis
+        widths = adaptive and ranks != "measured"  # whether F_p reads the widths, so the spectrum is a choice too
+        qk_basis, qk_widths = _closer_basis(model, stats, calibration, tokens, seed, settings, widths)
+    settings |= dict(qk_basis=qk_basis, qk_widths=qk_widths)
     if k_share == "measured":
         score = kl_to(model, tokens, batch_size)
         k_share, _ = best_share(lambda f: score(fold(model, *make_plan(model, stats, k_share=f, **settings))))
@@ -329,22 +359,34 @@ def compress(
     return compressed
 
 
-def _check_qk_request(qk_basis, method: str) -> None:
-    """``compress``'s ``qk_basis``: one of ``QK_BASES`` or "measured", and other than "shared" only for ZACK."""
+def _check_qk_request(qk_basis, method: str, qk_widths="shared", adaptive=True, ranks="spectrum") -> None:
+    """``compress``'s ``qk_basis`` (one of ``QK_BASES`` or "measured", and other than "shared" only for ZACK) and
+    ``qk_widths`` (one of ``QK_WIDTHS``, "pair" only for a pair whose widths F_p reads: adaptive, spectrum ranks)."""
     if not (isinstance(qk_basis, str) and qk_basis in (*QK_BASES, "measured")):
         raise ValueError(f"qk_basis must be one of {(*QK_BASES, 'measured')}, got {qk_basis!r}")
     if qk_basis != "shared" and method != "zack":
         raise ValueError(f"qk_basis={qk_basis!r} applies to method='zack' (a post-RoPE basis), not {method!r}")
+    if not (isinstance(qk_widths, str) and qk_widths in QK_WIDTHS):
+        raise ValueError(f"qk_widths must be one of {QK_WIDTHS}, got {qk_widths!r}")
+    if qk_widths == "pair" and (qk_basis != "pair" or not adaptive or ranks != "spectrum"):
+        raise ValueError(
+            "qk_widths='pair' applies to qk_basis='pair' with adaptive F_p ranks (qk_basis='measured' picks the "
+            "widths itself)"
+        )
 
 
-def _closer_basis(model, stats, calibration, tokens, seed: int, settings: dict) -> str:
-    """``compress(qk_basis="measured")``'s choice: "shared" or "pair", whichever folds (at ``settings``' rate, F_p's
-    widths, which are the same for both) into a model closer (KL) to ``model`` on the sensitivity probes' held-in
-    rows (``_probe_tokens``); the shared basis on a tie."""
-    probes = _probe_tokens(model, calibration, seed, tokens)
+def _closer_basis(model, stats, calibration, tokens, seed: int, settings: dict, widths: bool) -> tuple[str, str]:
+    """``compress(qk_basis="measured")``'s choice of (qk_basis, qk_widths): the shared basis, the pair with the shared
+    spectrum's widths, and (``widths``: F_p reads the widths) the pair with its own, whichever folds (at
+    ``settings``' rate) into a model closest (KL) to ``model`` on ``PROBE_ROWS`` held-in rows of ``PICK_TOKENS``
+    (``_probe_tokens``); the earlier candidate on a tie. Rows of 1,024 tokens picked the pair in every cell
+    measured, also where 4K windows rank the shared basis lower; 4K rows rank them as the windows do
+    (bench/results/accuracy.md "Which Q/K basis: held-in rows as long as the windows")."""
+    candidates = [("shared", "shared"), ("pair", "shared")] + ([("pair", "pair")] if widths else [])
+    probes = _probe_tokens(model, calibration, seed, tokens, PICK_TOKENS)
     score = kl_to(model, probes, len(probes))
-    kl = {kind: score(fold(model, *make_plan(model, stats, qk_basis=kind, **settings))) for kind in QK_BASES}
-    return min(QK_BASES, key=kl.__getitem__)
+    kl = [score(fold(model, *make_plan(model, stats, qk_basis=b, qk_widths=w, **settings))) for b, w in candidates]
+    return candidates[int(np.argmin(kl))]
 
 
 def _check_kv_bits(model, kv_bits, method: str, band=None) -> int | str | None:

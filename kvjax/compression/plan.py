@@ -28,6 +28,7 @@ ALIGN = 16
 METHODS = ("zack", "palu")
 # ZACK's Q/K directions: one orthogonal rotation, or a score-aware pair (A for q, B for k)
 QK_BASES = ("shared", "pair")
+QK_WIDTHS = ("shared", "pair")  # the spectrum F_p reads a pair's Q/K widths from: the shared basis's or its own
 # A Palu model asked for quantized pages, in the same words wherever it is refused (``check_kv_bits``: the engine,
 # ``kvjax.compress``, ``kvjax-convert``, ``Model.save``), so each refuses the pair before any work
 PALU_KV_BITS = (
@@ -82,6 +83,20 @@ def check_qk_basis(qk_basis, method: str) -> str | None:
     return qk_basis
 
 
+def check_qk_widths(qk_widths, qk_basis, ranks=None) -> str | None:
+    """A plan's ``qk_widths`` checked: None or "shared" (F_p read Q/K widths off the shared basis's spectrum, stored
+    as None) or "pair" (off the pair's own singular values: a pair plan under F_p only)."""
+    if qk_widths is None or qk_widths == "shared":
+        return None
+    if qk_widths != "pair":
+        raise ValueError(f"qk_widths must be one of {QK_WIDTHS}, got {qk_widths!r}")
+    if qk_basis != "pair" or ranks == "measured":
+        raise ValueError(
+            "qk_widths='pair' applies to a pair's widths under F_p (qk_basis='pair', ranks from the spectrum)"
+        )
+    return qk_widths
+
+
 def rank_for_removal(s: np.ndarray, r: float, head_dim: int) -> int:
     """Smallest multiple of 16 (>= 16, <= head_dim) keeping all but at most ``r`` of the singular-value mass."""
     total = float(np.sum(s))
@@ -109,6 +124,7 @@ class RankPlan:
     band: int | None = None  # zack: keys stored in the frame of their band of ``band`` positions (None: plain)
     ranks: str | None = None  # "measured": widths from each head's measured KL (``sensitivity``); None: F_p's rule
     qk_basis: str | None = None  # zack: "pair" (queries on A, keys on B: ``q_rotation``); None: one shared rotation
+    qk_widths: str | None = None  # a pair under F_p: "pair" (widths off its own spectrum, ``s_qk``); None: shared's
 
     def __post_init__(self):
         self.k_qk, self.k_v = np.asarray(self.k_qk, np.int64), np.asarray(self.k_v, np.int64)
@@ -128,6 +144,7 @@ class RankPlan:
         if self.ranks not in (None, "measured"):
             raise ValueError(f"ranks must be None or 'measured', got {self.ranks!r}")
         self.qk_basis = check_qk_basis(self.qk_basis, self.method)
+        self.qk_widths = check_qk_widths(self.qk_widths, self.qk_basis, self.ranks)
         if self.head_order is not None:
             self.head_order = np.asarray(self.head_order, np.int64)
             heads = self.s_qk.shape[1]
@@ -293,7 +310,8 @@ class RankPlan:
         if self.band is not None:
             lines.insert(1, f"keys stored in bands of {self.band} positions, each in its band's frame (any context)")
         if self.qk_basis == "pair":
-            widths = "" if self.ranks == "measured" else " (widths from the shared basis's spectrum)"
+            source = "the pair's own" if self.qk_widths == "pair" else "the shared basis's"
+            widths = "" if self.ranks == "measured" else f" (widths from {source} spectrum)"
             lines.insert(1, f"queries and keys on a score-aware pair of bases{widths}")
         if self.moved_columns:
             lines.insert(
@@ -331,6 +349,7 @@ class RankPlan:
                 "band": self.band,
                 "ranks": self.ranks,
                 "qk_basis": self.qk_basis,
+                "qk_widths": self.qk_widths,
             }
         )
 
