@@ -128,7 +128,9 @@ def test_measured_scores_rows_as_long_as_the_pick_asks_within_the_models_context
 
     lengths = []
     real = pipeline.kl_to
-    monkeypatch.setattr(pipeline, "kl_to", lambda model, rows, n: lengths.append(rows.shape) or real(model, rows, n))
+    monkeypatch.setattr(
+        pipeline, "kl_to", lambda model, rows, n, **k: lengths.append(rows.shape) or real(model, rows, n, **k)
+    )
     model = kvjax.Model.random(WIDE, seed=fresh_seed() % 1000, scale=5.0)
     context = WIDE.max_position_embeddings
     for pick, expected in ((96, 96), (10 * context, context)):

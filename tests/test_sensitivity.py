@@ -222,3 +222,17 @@ def test_kl_to_in_blocks_equals_the_whole_rows_formula(case, positions, keep, mo
     got = kl_to(model, tokens, 2, positions=positions)(compressed)
     assert expected > 1e-4 and got == pytest.approx(expected, rel=1e-4)
     assert kl_to(model, tokens, 2, positions=positions)(model) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_kl_to_releasing_each_models_forward_scores_the_same_and_keeps_none(case):
+    """``release=True`` (candidate plans scored once each) drops the scored model's compiled forward and changes
+    no score."""
+    from kvjax.compression.split import kl_to
+    from kvjax.models import model as models
+
+    model, tokens, stats = case
+    compressed = fold(model, *make_plan(model, stats, target_rate=0.5))
+    kept = kl_to(model, tokens, 2)(compressed)
+    assert models._hidden._cache_size() > 0
+    assert kl_to(model, tokens, 2, release=True)(compressed) == kept
+    assert models._hidden._cache_size() == 0

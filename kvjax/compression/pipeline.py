@@ -346,7 +346,7 @@ def compress(
         qk_basis, qk_widths = _closer_basis(model, stats, calibration, tokens, seed, settings, widths)
     settings |= dict(qk_basis=qk_basis, qk_widths=qk_widths)
     if k_share == "measured":
-        score = kl_to(model, tokens, batch_size)
+        score = kl_to(model, tokens, batch_size, release=True)
         k_share, _ = best_share(lambda f: score(fold(model, *make_plan(model, stats, k_share=f, **settings))))
     if ranks == "measured":
         where = dict(method=method, max_context=max_context, band=band, qk_basis=qk_basis, seed=seed)
@@ -384,7 +384,7 @@ def _closer_basis(model, stats, calibration, tokens, seed: int, settings: dict, 
     (bench/results/accuracy.md "Which Q/K basis: held-in rows as long as the windows")."""
     candidates = [("shared", "shared"), ("pair", "shared")] + ([("pair", "pair")] if widths else [])
     probes = _probe_tokens(model, calibration, seed, tokens, PICK_TOKENS)
-    score = kl_to(model, probes, len(probes))
+    score = kl_to(model, probes, len(probes), release=True)
     kl = [score(fold(model, *make_plan(model, stats, qk_basis=b, qk_widths=w, **settings))) for b, w in candidates]
     return candidates[int(np.argmin(kl))]
 

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.models.model import release_forwards
+
 SHARES = (0.3, 0.4, 0.5, 0.6, 0.7)  # the coarse pass; then the best one's neighbours at half the step
 
 
@@ -20,19 +22,22 @@ KL_POSITIONS = 128  # positions projected onto the vocabulary at a time by ``kl_
 KEEP_BYTES = 3 << 30  # base log-probs ``kl_to`` keeps between scores; past this it forms them again for each score
 
 
-def kl_to(base, tokens: np.ndarray, rows: int, positions: int = KL_POSITIONS) -> Callable:
+def kl_to(base, tokens: np.ndarray, rows: int, positions: int = KL_POSITIONS, release: bool = False) -> Callable:
     """A score for compressed models: mean per-token KL(base || model) over the last ``rows`` calibration rows of
     ``tokens`` [B, T] that are whole (the last row may end in -1 padding).
 
-    Memory: log-probs are formed ``positions`` at a time from final-norm hidden states, never as a whole
-    [rows, T, vocab] array (Gemma 3's 262K vocabulary makes that 2 GB for two 1,024-token rows, and the direct
-    formula held several such arrays). ``base``'s are kept between scores while they take at most ``KEEP_BYTES``,
-    and formed again for each score past that (one more vocabulary projection a score, e.g. 4K-token rows)."""
+    Memory: models run a row at a time, and log-probs are formed ``positions`` at a time from final-norm hidden
+    states, never as a whole [rows, T, vocab] array (Gemma 3's 262K vocabulary makes that 2 GB for two 1,024-token
+    rows, and the direct formula held several such arrays). ``base``'s are kept between scores while they take at
+    most ``KEEP_BYTES``, and formed again for each score past that (one more vocabulary projection a score).
+    ``release``: drop each scored model's compiled forward once scored (``models.model.release_forwards``), for
+    callers scoring models of distinct widths once each (candidate plans); sensitivity probes share one shape and
+    keep theirs."""
     tokens = np.asarray(tokens)
     tokens = tokens[(tokens >= 0).all(axis=1)][-rows:]
     t = tokens.shape[1]
     starts = range(0, t, positions)
-    base_hidden = base.hidden(tokens)
+    base_hidden = _hidden_rows(base, tokens)
 
     def base_logp(s):
         return _log_probs(base.project(base_hidden[:, s : s + positions]))
@@ -42,11 +47,18 @@ def kl_to(base, tokens: np.ndarray, rows: int, positions: int = KL_POSITIONS) ->
         base_logp = dict(zip(starts, kept, strict=True)).__getitem__
 
     def score(model) -> float:
-        hidden = model.hidden(tokens)
+        hidden = _hidden_rows(model, tokens)
+        if release:
+            release_forwards()
         kl = [_kl(base_logp(s), model.project(hidden[:, s : s + positions])) for s in starts]
         return float(np.concatenate([np.asarray(x, np.float64) for x in kl], axis=1).mean())
 
     return score
+
+
+def _hidden_rows(model, tokens: np.ndarray) -> jax.Array:
+    """``model.hidden`` of ``tokens`` [B, T] a row at a time (one row's activations at a time): [B, T, E]."""
+    return jnp.concatenate([model.hidden(row[None]) for row in tokens])
 
 
 @jax.jit
