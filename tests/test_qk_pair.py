@@ -226,6 +226,8 @@ def test_a_plan_refuses_an_unknown_qk_basis_a_palu_pair_and_widths_off_no_pair()
     for bad in (dict(qk_widths="pair"), dict(qk_basis="pair", qk_widths="pair", ranks="measured")):
         with pytest.raises(ValueError, match="qk_widths='pair' applies to a pair's widths under F_p"):
             RankPlan("zack", 64, widths, widths, s, s, **bad)
+    with pytest.raises(ValueError, match=r"qk_widths='pair' applies to adaptive plans"):
+        RankPlan("zack", 64, widths, widths, s, s, adaptive=False, qk_basis="pair", qk_widths="pair")
     with pytest.raises(ValueError, match=r"qk_widths must be one of \('shared', 'pair'\), got 'odd'"):
         RankPlan("zack", 64, widths, widths, s, s, qk_basis="pair", qk_widths="odd")
 

@@ -144,9 +144,8 @@ def make_plan(
         _check_measured(target_rate, adaptive, k_share)
     band = check_band(band, method, max_context)
     pair = check_qk_basis(qk_basis, method) == "pair"
-    qk_widths = check_qk_widths(qk_widths, "pair" if pair else None, "measured" if sensitivity is not None else None)
-    if qk_widths == "pair" and not adaptive:
-        raise ValueError("qk_widths='pair' applies to adaptive plans (uniform widths read no spectrum)")
+    ranks = "measured" if sensitivity is not None else None
+    qk_widths = check_qk_widths(qk_widths, "pair" if pair else None, ranks, adaptive)
     k_kind, v_kind = BASIS[method]
     with np.errstate(invalid="ignore", divide="ignore"):  # a zero Gram: said below, naming its layer
         positions = band if band is not None else max_context  # a band's frame: the basis of its W offsets

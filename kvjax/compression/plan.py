@@ -83,9 +83,9 @@ def check_qk_basis(qk_basis, method: str) -> str | None:
     return qk_basis
 
 
-def check_qk_widths(qk_widths, qk_basis, ranks=None) -> str | None:
+def check_qk_widths(qk_widths, qk_basis, ranks=None, adaptive=True) -> str | None:
     """A plan's ``qk_widths`` checked: None or "shared" (F_p read Q/K widths off the shared basis's spectrum, stored
-    as None) or "pair" (off the pair's own singular values: a pair plan under F_p only)."""
+    as None) or "pair" (off the pair's own singular values: an adaptive pair plan under F_p only)."""
     if qk_widths is None or qk_widths == "shared":
         return None
     if qk_widths != "pair":
@@ -94,6 +94,8 @@ def check_qk_widths(qk_widths, qk_basis, ranks=None) -> str | None:
         raise ValueError(
             "qk_widths='pair' applies to a pair's widths under F_p (qk_basis='pair', ranks from the spectrum)"
         )
+    if not adaptive:
+        raise ValueError("qk_widths='pair' applies to adaptive plans (uniform widths read no spectrum)")
     return qk_widths
 
 
@@ -144,7 +146,7 @@ class RankPlan:
         if self.ranks not in (None, "measured"):
             raise ValueError(f"ranks must be None or 'measured', got {self.ranks!r}")
         self.qk_basis = check_qk_basis(self.qk_basis, self.method)
-        self.qk_widths = check_qk_widths(self.qk_widths, self.qk_basis, self.ranks)
+        self.qk_widths = check_qk_widths(self.qk_widths, self.qk_basis, self.ranks, self.adaptive)
         if self.head_order is not None:
             self.head_order = np.asarray(self.head_order, np.int64)
             heads = self.s_qk.shape[1]

@@ -39,18 +39,18 @@ def kl_to(base, tokens: np.ndarray, rows: int, positions: int = KL_POSITIONS, re
     starts = range(0, t, positions)
     base_hidden = _hidden_rows(base, tokens)
 
-    def base_logp(s):
+    def formed(s):
         return _log_probs(base.project(base_hidden[:, s : s + positions]))
 
-    if tokens.size * int(base.config.vocab_size) * 4 <= KEEP_BYTES:
-        kept = [base_logp(s) for s in starts]
-        base_logp = dict(zip(starts, kept, strict=True)).__getitem__
+    fits = tokens.size * int(base.config.vocab_size) * 4 <= KEEP_BYTES
+    kept = {s: formed(s) for s in starts} if fits else None
 
     def score(model) -> float:
         hidden = _hidden_rows(model, tokens)
         if release:
             release_forwards()
-        kl = [_kl(base_logp(s), model.project(hidden[:, s : s + positions])) for s in starts]
+        base_logp = [kept[s] if kept is not None else formed(s) for s in starts]
+        kl = [_kl(b, model.project(hidden[:, s : s + positions])) for s, b in zip(starts, base_logp, strict=True)]
         return float(np.concatenate([np.asarray(x, np.float64) for x in kl], axis=1).mean())
 
     return score
@@ -69,7 +69,7 @@ def _log_probs(logits):
 @jax.jit
 def _kl(base_logp, logits):
     """KL(base || softmax(logits)) at each position [..., vocab] -> [...], float32."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logp = _log_probs(logits)
     return jnp.sum(jnp.exp(base_logp) * (base_logp - logp), axis=-1)
 
 
