@@ -236,3 +236,12 @@ def test_kl_to_releasing_each_models_forward_scores_the_same_and_keeps_none(case
     assert models._hidden._cache_size() > 0
     assert kl_to(model, tokens, 2, release=True)(compressed) == kept
     assert models._hidden._cache_size() == 0
+
+
+@pytest.mark.parametrize("positions", [0, -3, 2.5, float("nan"), "128", True])
+def test_kl_to_refuses_a_block_that_is_not_a_positive_integer(case, positions):
+    from kvjax.compression.split import kl_to
+
+    model, tokens, _ = case
+    with pytest.raises((ValueError, TypeError), match="positions"):
+        kl_to(model, tokens, 2, positions=positions)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import validate
 from kvjax.models.model import release_forwards
 
 SHARES = (0.3, 0.4, 0.5, 0.6, 0.7)  # the coarse pass; then the best one's neighbours at half the step
@@ -33,6 +34,7 @@ def kl_to(base, tokens: np.ndarray, rows: int, positions: int = KL_POSITIONS, re
     ``release``: drop each scored model's compiled forward once scored (``models.model.release_forwards``), for
     callers scoring models of distinct widths once each (candidate plans); sensitivity probes share one shape and
     keep theirs."""
+    positions = validate.positive("positions", positions)
     tokens = np.asarray(tokens)
     tokens = tokens[(tokens >= 0).all(axis=1)][-rows:]
     t = tokens.shape[1]
