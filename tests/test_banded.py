@@ -42,7 +42,12 @@ def test_full_width_banded_model_is_the_uncompressed_model_at_every_position(ban
     assert full.plan.band == band and full.plan.max_context is None and full.plan.rate == 0.0
     tokens = np.random.default_rng(seed).integers(0, WIDE.vocab_size, size=(2, 3 * band + 21))
     want = np.asarray(model.logits(tokens))
-    np.testing.assert_allclose(full.logits(tokens), want, atol=1e-4 * np.abs(want).max(), err_msg=f"seed {seed}")
+    error, peak = np.abs(np.asarray(full.logits(tokens)) - want), np.abs(want).max()
+    # float32 rounding through the frames: over 25 seeds the worst logit is 0.3-1.2e-4 of the peak and the RMS about
+    # 4e-6 of it; a wrong angle or basis moves logits by a large share of the peak
+    assert error.max() <= 3e-4 * peak and np.sqrt(np.mean(error**2)) <= 2e-5 * peak, (
+        f"seed {seed}: max {error.max() / peak:.2e}, RMS {np.sqrt(np.mean(error**2)) / peak:.2e} of the peak"
+    )
 
 
 @pytest.mark.parametrize("band", [None, 1, 8, 32])
