@@ -142,14 +142,15 @@ def palu_rows(args, case, rebuild, key, row) -> None:
         row("palu (Pallas)", " ".join(f"{k}={v}" for k, v in knobs.items()), t, err)
 
 
-def query_knobs(text: str) -> list[tuple[int, int, int]]:
-    """``--query-knobs``: comma-separated BLOCK:PIECE:WARPS, each a positive integer; a ValueError names a bad one."""
+def query_knobs(text: str) -> list[tuple[int, int, int, int]]:
+    """``--query-knobs``: comma-separated BLOCK:PIECE:WARPS[:BLOCKS], each a positive integer (BLOCKS: 1 when left
+    out); a ValueError names a bad one."""
     out = []
     for spec in filter(None, text.split(",")):
         parts = spec.split(":")
-        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ValueError(f"expected BLOCK:PIECE:WARPS of positive integers, got {spec!r}")
-        out.append(tuple(map(int, parts)))
+        if len(parts) not in (3, 4) or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"expected BLOCK:PIECE:WARPS[:BLOCKS] of positive integers, got {spec!r}")
+        out.append(tuple(map(int, parts + ["1"] * (4 - len(parts)))))
     return out
 
 
@@ -171,8 +172,8 @@ def band_query_rows(args, case, rebuild, band: int, key, row, bandwidth: float) 
         return band_queries_reference(q, basis, inv_freq, band, lay, bands)
 
     variants = [("band queries (XLA GEMM)", "", reference)]
-    for block, piece, warps in args.query_knobs:
-        knobs = dict(block=block, piece=piece, num_warps=warps)
+    for block, piece, warps, blocks in args.query_knobs:
+        knobs = dict(block=block, piece=piece, num_warps=warps) | ({"blocks": blocks} if blocks > 1 else {})
 
         def kernel(basis, lengths, q, knobs=knobs):
             return band_queries(q, basis, inv_freq, band, lay, bands, lengths=lengths, **knobs)
@@ -230,8 +231,9 @@ def main(argv=None) -> None:
         "--query-knobs",
         type=validate.arg(query_knobs),
         default=[],
-        help="with --bands: also the band queries alone, at these BLOCK:PIECE:WARPS variants of their kernel "
-        "(comma-separated, e.g. 64:32:4,32:128:4), beside the XLA GEMM",
+        help="with --bands: also the band queries alone, at these BLOCK:PIECE:WARPS[:BLOCKS] variants of their "
+        "kernel (comma-separated, e.g. 64:32:4,32:128:4:4; BLOCKS: blocks of bands a program, default 1), beside "
+        "the XLA GEMM",
     )
     knob_option(ap, "a DecodeConfig field for --bands")
     harness.timer_option(ap)

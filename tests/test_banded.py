@@ -174,12 +174,12 @@ def test_every_bands_queries_are_the_query_turned_back_and_projected(band, form)
         np.testing.assert_allclose(got[b], want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("piece", [None, 16])
+@pytest.mark.parametrize("piece, blocks", [(None, 1), (16, 1), (None, 2), (16, 3)])
 @pytest.mark.parametrize("layout", BAND_LAYOUTS, ids=["two-heads", "four-heads"])
-def test_the_band_query_kernel_makes_the_bands_each_sequence_reaches(layout, piece):
+def test_the_band_query_kernel_makes_the_bands_each_sequence_reaches(layout, piece, blocks):
     """``band_queries`` (interpret mode, scaled, lengths given; basis columns in one tile or in pieces, those past a
-    head's width skipped) equals the XLA reference on every band a sequence reaches (b * W < length), across more
-    than one block of bands and with a block past the last band."""
+    head's width skipped; one block of bands a program or several in turn) equals the XLA reference on every band a
+    sequence reaches (b * W < length), across more than one block of bands and with a block past the last band."""
     from kvjax.ops.decode.bands import BAND_BLOCK, band_queries, band_queries_reference
 
     seed = fresh_seed()
@@ -190,7 +190,14 @@ def test_the_band_query_kernel_makes_the_bands_each_sequence_reaches(layout, pie
     basis = jnp.asarray(rng.standard_normal((d, layout.k_cols)), jnp.float32)
     inv_freq = inverse_frequencies(d, 10000.0, {})
     args = (q, basis, inv_freq, band, layout, bands, 0.7)
-    got = band_queries(*args, lengths=jnp.asarray(lengths), piece=piece, interpret=True)
+    got = band_queries(
+        *args,
+        lengths=jnp.asarray(lengths),
+        piece=piece,
+        blocks=blocks,
+        block=16 if blocks > 1 else BAND_BLOCK,
+        interpret=True,
+    )
     got = np.asarray(got).reshape(bands, len(lengths), -1)
     want = np.asarray(band_queries_reference(*args)).reshape(bands, len(lengths), -1)
     reached = np.arange(bands)[:, None] * band < lengths[None, :]
@@ -227,6 +234,9 @@ def test_the_band_query_kernel_refuses_knobs_it_cannot_tile():
     for knobs in (dict(block=48), dict(piece=8)):
         with pytest.raises(ValueError, match="block and piece must be powers of two >= 16"):
             band_queries(q, basis, inverse_frequencies(64, 1e4, {}), 16, layout, 4, interpret=True, **knobs)
+    for blocks in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="blocks must be a positive integer"):
+            band_queries(q, basis, inverse_frequencies(64, 1e4, {}), 16, layout, 4, interpret=True, blocks=blocks)
 
 
 def test_a_banded_decode_op_refuses_keys_of_another_band():
@@ -328,3 +338,12 @@ def test_palus_kernel_with_a_band_lowers_for_sm90(band):
 
     modules = triton_modules(run, (q, k, v, table, lengths))
     assert len(modules) == 2 and all("tt.dot" in m for m in modules)
+
+
+def test_the_band_query_knobs_parse_and_refuse_with_the_bad_spec_named():
+    from bench.palu import query_knobs
+
+    assert query_knobs("64:128:4,32:32:8:4") == [(64, 128, 4, 1), (32, 32, 8, 4)]
+    for bad in ("64:128", "64:128:4:2:1", "64:0:4", "64:x:4", "64:128:4:-2"):
+        with pytest.raises(ValueError, match=f"got '{bad}'"):
+            query_knobs(bad)

@@ -15,6 +15,7 @@ import operator
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -49,6 +50,7 @@ def band_queries(
     block: int = BAND_BLOCK,
     piece: int | None = None,
     num_warps: int = 4,
+    blocks: int = 1,
 ):
     """[bands * B, q_cols] in q's dtype: row ``b * B + s`` is sequence s's packed query for keys of band b, times
     ``scale``, for every band b with ``b * band < lengths[s]`` (the rest of the rows are left unwritten; every
@@ -59,9 +61,9 @@ def band_queries(
     float32, then multiplied by the basis in q's dtype with float32 sums. ``shared``: the layouts of every layer
     that runs this kernel (one compiled kernel for all, as the decode kernel's). Head dims whose half is no power
     of two of at least 16 (no Triton tile) take ``band_queries_reference``. ``block`` bands a program, ``piece``
-    basis columns a product (None: the widest head's tile; pieces past a head's width are skipped) and
-    ``num_warps`` are the kernel's knobs: pieces of 32 columns (each loading its basis columns once a query head)
-    ran 1.6-1.7x slower than one tile on the H200
+    basis columns a product (None: the widest head's tile; pieces past a head's width are skipped),
+    ``num_warps`` and ``blocks`` (blocks of bands a program makes one after another, its group's queries and basis
+    loaded once) are the kernel's knobs: pieces of 32 columns ran 1.6-1.7x slower than one tile on the H200
     (bench/results/kernels.md "Banded decode kernel")."""
     d, b = layout.head_dim, q.shape[0]
     half = d // 2
@@ -73,7 +75,10 @@ def band_queries(
     piece = width_tile if piece is None else piece
     if not (is_pow2(block, 16) and is_pow2(piece, 16)):
         raise ValueError(f"block and piece must be powers of two >= 16, got {block} and {piece}")
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise ValueError(f"blocks must be a positive integer, got {blocks!r}")
     block = min(block, max(16, pow2_ceil(bands)))
+    blocks = min(blocks, pl.cdiv(bands, block))
     lengths = jnp.full((b,), bands * band, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     args = [
         lengths,
@@ -91,6 +96,7 @@ def band_queries(
         width_tile=width_tile,
         piece=min(piece, width_tile),
         block=block,
+        blocks=blocks,
         band=band,
         bands=bands,
         scale=scale,
@@ -99,7 +105,7 @@ def band_queries(
     out = jax.ShapeDtypeStruct((bands * b * layout.q_cols,), q.dtype)
     got = pl.pallas_call(
         kernel,
-        grid=(b, layout.num_kv_heads, pl.cdiv(bands, block)),
+        grid=(b, layout.num_kv_heads, pl.cdiv(bands, block * blocks)),
         in_specs=[whole_block(x) for x in args],
         out_specs=whole_block(out),
         out_shape=out,
@@ -125,48 +131,72 @@ def _kernel(
     width_tile,
     piece,
     block,
+    blocks,
     band,
     bands,
     scale,
     interpret,
 ):
-    """Program (s, h, j): bands j * block ... of sequence s, for KV head h's G query heads, if s reaches them."""
-    seq, head, first = pl.program_id(0), pl.program_id(1), pl.program_id(2) * block
+    """Program (s, h, j): the bands j * blocks * block ... of sequence s that s reaches, for KV head h's G query
+    heads, ``block`` at a time. The group's queries (and the basis, in one tile) are loaded before the first
+    product: a load written after a store waits behind it, and in so short a program loads in series were most of
+    its time (bench/results/kernels.md "The band queries: the code as it stands, and what their time follows")."""
+    seq, head = pl.program_id(0), pl.program_id(1)
+    first = pl.program_id(2) * blocks * block
+    length = lengths_ref[seq]
 
-    @pl.when(first * band < lengths_ref[seq])
+    @pl.when(first * band < length)
     def _():
         batch = pl.num_programs(0)
         q_off, k_off, k_width = columns.read_head(heads_ref, head, (columns.Q_OFF, columns.K_OFF, columns.K_WIDTH))
         q_cols, k_cols, _, _ = columns.read_widths(widths_ref)
-        rows = first + jnp.arange(block)
-        rows_ok = rows < bands
-        pair = jnp.arange(half)[None, :]
-        cos = load_rows(table_ref, rows, 2 * half, 0, pair, None, rows_ok)  # [block, half]
-        sin = load_rows(table_ref, rows, 2 * half, half, pair, None, rows_ok)
         dims = jnp.arange(half)
         dtype = basis_ref.dtype
         precision = dot_precision(dtype)
-        rows_at = rows * batch + seq  # the output rows of these bands of the sequence
+        queries = []
+        for g in range(group):
+            at = seq * q_stride + (head * group + g) * 2 * half
+            q1 = plgpu.load(q_ref.at[at + dims]).astype(jnp.float32)[None, :] * scale
+            q2 = plgpu.load(q_ref.at[at + half + dims]).astype(jnp.float32)[None, :] * scale
+            queries.append((q1, q2))
 
-        def project(start):  # basis columns start .. start + piece of the head, for each of its query heads
+        def basis_piece(start):  # basis columns start .. start + piece of the head: the columns, mask, [half, piece] x2
             cols = start + jnp.arange(piece)[None, :]
             cols_ok = cols < k_width
-            u1 = load_rows(basis_ref, dims, k_cols, k_off, cols, cols_ok)  # [half, piece]
+            u1 = load_rows(basis_ref, dims, k_cols, k_off, cols, cols_ok)
             u2 = load_rows(basis_ref, dims + half, k_cols, k_off, cols, cols_ok)
-            for g in range(group):
-                at = seq * q_stride + (head * group + g) * 2 * half
-                q1 = plgpu.load(q_ref.at[at + dims]).astype(jnp.float32)[None, :] * scale
-                q2 = plgpu.load(q_ref.at[at + half + dims]).astype(jnp.float32)[None, :] * scale
-                # RoPE(-bW) q: pair p's first half is cos q1 + sin q2, its second cos q2 - sin q1
-                t1 = (cos * q1 + sin * q2).astype(dtype)
-                t2 = (cos * q2 - sin * q1).astype(dtype)
-                out = plgpu.dot(t1, u1, precision=precision) + plgpu.dot(t2, u2, precision=precision)
-                at_row = q_off + g * k_width
-                store_rows(out_ref, rows_at, q_cols, at_row, cols, out, cols_ok, rows_ok, interpret=interpret)
+            return cols, cols_ok, u1, u2
 
-        project(0)  # every head fills its first piece
-        for start in range(piece, width_tile, piece):
-            pl.when(start < k_width)(functools.partial(project, start))
+        whole = basis_piece(0) if piece == width_tile else None
+
+        def make(i, carry):  # the block of bands first + i * block ...
+            rows = first + i * block + jnp.arange(block)
+            rows_ok = rows < bands
+            pair = jnp.arange(half)[None, :]
+            cos = load_rows(table_ref, rows, 2 * half, 0, pair, None, rows_ok)  # [block, half]
+            sin = load_rows(table_ref, rows, 2 * half, half, pair, None, rows_ok)
+            rows_at = rows * batch + seq  # the output rows of these bands of the sequence
+
+            def project(start):  # basis columns start .. start + piece, for each of the group's query heads
+                cols, cols_ok, u1, u2 = whole if whole is not None else basis_piece(start)
+                for g, (q1, q2) in enumerate(queries):
+                    # RoPE(-bW) q: pair p's first half is cos q1 + sin q2, its second cos q2 - sin q1
+                    t1 = (cos * q1 + sin * q2).astype(dtype)
+                    t2 = (cos * q2 - sin * q1).astype(dtype)
+                    out = plgpu.dot(t1, u1, precision=precision) + plgpu.dot(t2, u2, precision=precision)
+                    at_row = q_off + g * k_width
+                    store_rows(out_ref, rows_at, q_cols, at_row, cols, out, cols_ok, rows_ok, interpret=interpret)
+
+            project(0)  # every head fills its first piece
+            for start in range(piece, width_tile, piece):
+                pl.when(start < k_width)(functools.partial(project, start))
+            return carry
+
+        if blocks == 1:
+            make(0, 0)
+        else:  # as many of the program's blocks as the sequence reaches
+            reached = pl.cdiv(pl.cdiv(length, band) - first, block)
+            lax.fori_loop(0, jnp.minimum(reached, blocks), make, 0)
 
 
 def band_queries_reference(q, basis, inv_freq, band: int, layout: HeadLayout, bands: int, scale: float = 1.0):
