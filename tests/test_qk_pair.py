@@ -243,3 +243,18 @@ def test_the_converter_saves_a_pair(tmp_path, capsys):
     assert convert.main([str(src), str(out), *flags]) == 0
     assert "score-aware pair" in capsys.readouterr().out
     assert kvjax.load(str(out)).plan.qk_basis == "pair"
+    assert kvjax.load(str(out)).plan.qk_widths is None  # the shared spectrum's widths
+
+
+def test_the_converter_saves_a_pair_with_its_own_widths(tmp_path, capsys):
+    """--qk-widths pair reaches the plan: saved with OUT, said in its summary."""
+    from kvjax.cli import convert
+
+    src = tmp_path / "src"
+    kvjax.Model.random(WIDE, seed=fresh_seed() % 1000, scale=5.0).save(str(src))
+    out = tmp_path / "out"
+    flags = "--target-rate 0.5 --qk-basis pair --qk-widths pair --calibration random --num-tokens 128 --seq-len 64"
+    assert convert.main([str(src), str(out), *flags.split()]) == 0
+    assert "the pair's own" in capsys.readouterr().out
+    plan = kvjax.load(str(out)).plan
+    assert plan.qk_basis == "pair" and plan.qk_widths == "pair"

@@ -3,7 +3,7 @@
     kvjax-convert SRC OUT (--target-rate P | --removal-rate R) [--method zack|palu] [--uniform]
                               [--calibration text|prose|code|random|text:FILE] [--num-tokens N] [--k-share S|measured]
                               [--ranks spectrum|measured] [--band W] [--qk-basis shared|pair|measured]
-                              [--kv-bits 4|2|gear2...|none]
+                              [--qk-widths shared|pair] [--kv-bits 4|2|gear2...|none]
 
 SRC is anything ``kvjax.load`` reads (a Hugging Face directory, a .gguf file, 'smollm2', 'gemma3-270m'). OUT is
 written beside and swapped in by renames at the end, so a failure leaves nothing half-written; --overwrite replaces
@@ -104,6 +104,16 @@ def parse_args(argv=None):
         'forward pass each; bench/results/accuracy.md "Which Q/K basis: held-in rows as long as the windows")',
     )
     p.add_argument(
+        "--qk-widths",
+        choices=("shared", "pair"),
+        default="shared",
+        help="with --qk-basis pair (adaptive, --ranks spectrum): the spectrum F_p reads the Q/K widths off. "
+        "'shared' (default): the shared basis's, so the pair changes only the directions. 'pair': the pair's own, "
+        "which falls faster and gives V more columns; better on Gemma 3 at 0.3, worse at 0.5 and on SmolLM2 "
+        '(bench/results/accuracy.md "Which Q/K basis: held-in rows as long as the windows"), so '
+        "--qk-basis measured, which weighs both, is the safer ask",
+    )
+    p.add_argument(
         "--k-share",
         type=validate.share_arg({"measured": "measured"}),
         default=None,
@@ -183,13 +193,18 @@ def _has_tokenizer(path: str) -> bool:
 
 
 def _check_cache_flags(p, args) -> None:
-    """--qk-basis, --band and --kv-bits against --method and --max-context (a banded plan serves every position:
+    """--qk-basis, --qk-widths, --band and --kv-bits against --method and --max-context (a banded plan serves every position:
     its max_context is None)."""
     from kvjax.compression.pipeline import MODEL_CONTEXT
     from kvjax.compression.plan import check_kv_bits
 
     if args.qk_basis != "shared" and args.method != "zack":
         p.error(f"--qk-basis {args.qk_basis} applies to --method zack (a post-RoPE basis), not {args.method}")
+    if args.qk_widths == "pair" and (args.qk_basis != "pair" or args.uniform or args.ranks != "spectrum"):
+        p.error(
+            "--qk-widths pair applies to --qk-basis pair with adaptive F_p ranks (no --uniform, --ranks spectrum); "
+            "--qk-basis measured picks the widths itself"
+        )
     if args.band is not None:
         if args.method != "zack":
             p.error(f"--band applies to --method zack (a post-RoPE basis), not {args.method}")
@@ -226,6 +241,7 @@ def main(argv=None) -> int:
             band=args.band,
             ranks=args.ranks,
             qk_basis=args.qk_basis,
+            qk_widths=args.qk_widths,
             kv_bits=args.kv_bits,  # saved with OUT (kvjax.json's "serving")
         )
     except (FileNotFoundError, IsADirectoryError, ValueError) as e:
