@@ -193,8 +193,8 @@ def _has_tokenizer(path: str) -> bool:
 
 
 def _check_cache_flags(p, args) -> None:
-    """--qk-basis, --qk-widths, --band and --kv-bits against --method and --max-context (a banded plan serves every position:
-    its max_context is None)."""
+    """--qk-basis, --qk-widths, --band and --kv-bits against --method, --uniform, --ranks and --max-context (a banded
+    plan serves every position: its max_context is None)."""
     from kvjax.compression.pipeline import MODEL_CONTEXT
     from kvjax.compression.plan import check_kv_bits
 
