@@ -40,7 +40,7 @@ from bench.files import write_json
 from kvjax import validate
 from kvjax.compression import calibrate, calibration_tokens, fold, make_plan
 from kvjax.compression.calibration import principal_axes
-from kvjax.compression.pipeline import measure_sensitivity
+from kvjax.compression.pipeline import measure_sensitivity, pick_qk_basis
 from kvjax.compression.text import pydoc_text, stdlib_code
 from kvjax.models.transformer import layer_layout
 from kvjax.ops import kv_schemes
@@ -71,10 +71,18 @@ VARIANTS = {  # name -> (method, adaptive); palu-uniform (one rank for every hea
     "zack-band64-pair": ("zack", True),
     "zack-band16-pair-measured": ("zack", True),  # both: the pair's directions, ranks by their measured effect
     "zack-band16-pair-own": ("zack", True),  # the pair, F_p's widths off its own spectrum (``qk_widths="pair"``)
+    "zack-band32-pair-own": ("zack", True),
+    "zack-band64-pair-own": ("zack", True),
+    # the Q/K basis ``compress(qk_basis="measured")`` picks at each rate (``pipeline.pick_qk_basis``)
+    "zack-pick": ("zack", True),
+    "zack-band16-pick": ("zack", True),
+    "zack-band32-pick": ("zack", True),
+    "zack-band64-pick": ("zack", True),
 }
 MEASURED = {name for name in VARIANTS if name.endswith("-measured")}
 PAIRS = {name for name in VARIANTS if "-pair" in name}
 OWN_WIDTHS = {name for name in VARIANTS if name.endswith("-pair-own")}
+PICKS = {name for name in VARIANTS if name.endswith("-pick")}
 BANDS = {name: int(name.removeprefix("zack-band").split("-")[0]) for name in VARIANTS if name.startswith("zack-band")}
 
 
@@ -210,25 +218,25 @@ def _variants(base, args, tokens: dict | None = None):
             yield (source, variant, *VARIANTS[variant], stats)
 
 
-def variant_plan(base, stats, p, method, adaptive, variant=None, **more):
-    """``make_plan`` at target rate ``p`` for ``variant``: its band and Q/K basis from its name, ``more`` as given."""
-    return make_plan(
-        base,
-        stats,
-        target_rate=p,
-        method=method,
-        adaptive=adaptive,
-        band=BANDS.get(variant),
-        qk_basis=qk_basis(variant),
-        qk_widths=qk_widths(variant),
-        **more,
-    )
+def variant_plan(base, stats, p, method, adaptive, variant=None, calibration="text", tokens=None, **more):
+    """``make_plan`` at target rate ``p`` for ``variant``: its band and Q/K basis from its name, ``more`` as given.
+    A "-pick" variant's Q/K basis and widths are those ``compress(qk_basis="measured")`` keeps at this rate
+    (``pipeline.pick_qk_basis`` on held-in rows of the ``calibration`` source; ``tokens``, its calibration rows,
+    where the source is too short), recorded in the plan."""
+    where = dict(target_rate=p, method=method, adaptive=adaptive, band=BANDS.get(variant)) | more
+    qk = dict(qk_basis=qk_basis(variant), qk_widths=qk_widths(variant))
+    if variant in PICKS:
+        widths = adaptive and more.get("sensitivity") is None  # whether F_p reads the widths
+        picked = pick_qk_basis(base, stats, calibration, tokens, 0, where, widths)
+        qk = dict(zip(("qk_basis", "qk_widths"), picked))
+        print(f"{variant} at {p}: picks qk_basis={picked[0]}, qk_widths={picked[1]}", file=sys.stderr, flush=True)
+    return make_plan(base, stats, **where, **qk)
 
 
-def _compressed(base, stats, p, method, adaptive, variant=None):
+def _compressed(base, stats, p, method, adaptive, variant=None, calibration="text"):
     """``base`` compressed to target rate ``p`` by ``method`` (adaptive or uniform ranks; banded by ``variant``)
-    from ``stats``."""
-    return fold(base, *variant_plan(base, stats, p, method, adaptive, variant))
+    from ``stats`` (of the ``calibration`` source)."""
+    return fold(base, *variant_plan(base, stats, p, method, adaptive, variant, calibration))
 
 
 def run_rates(base, ev, args):
@@ -236,7 +244,7 @@ def run_rates(base, ev, args):
     rows = []
     for source, variant, method, adaptive, stats in _variants(base, args):
         for p in args.rates:
-            model = _compressed(base, stats, p, method, adaptive, variant)
+            model = _compressed(base, stats, p, method, adaptive, variant, source)
             rows.append(_row(source, variant, p, model, ev.score(model), ev.base))
             print(_fmt(rows[-1]), flush=True)
     return rows
@@ -249,7 +257,7 @@ def run_search(base, ev, args):
         lo, hi, best = 0.0, args.max_rate, None
         for _ in range(args.steps):
             mid = (lo + hi) / 2
-            model = _compressed(base, stats, mid, method, adaptive, variant)
+            model = _compressed(base, stats, mid, method, adaptive, variant, source)
             row = _row(source, variant, mid, model, ev.score(model), ev.base)
             if ev.meets(row):
                 lo, best = max(mid, model.plan.rate), row
@@ -474,9 +482,13 @@ def _groups(base, args):
 
                     def plan_for(p, group=group, stats=stats, method=method, adaptive=adaptive, sens=sensitivity):
                         more = dict(max_context=group["max_context"], k_share=group["k_share"], sensitivity=sens)
+                        more |= dict(calibration=group["calibration"], tokens=tokens[group["calibration"]])
                         plan, bases = variant_plan(base, stats, p, method, adaptive, group["variant"], **more)
                         overall = overall_rate(base, plan, group["kv_bits"], args.kv_page)
-                        return group | {"target_rate": p, "rate": plan.rate, "overall_rate": overall}, plan, bases
+                        row = group | {"target_rate": p, "rate": plan.rate, "overall_rate": overall}
+                        if group["variant"] in PICKS:  # what the pick kept
+                            row |= {"qk_basis": plan.qk_basis or "shared", "qk_widths": plan.qk_widths or "shared"}
+                        return row, plan, bases
 
                     yield group, plan_for
 

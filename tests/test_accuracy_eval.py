@@ -198,6 +198,29 @@ def test_measured_variants_probe_once_a_group_and_plan_by_it(tmp_path, monkeypat
         accuracy.main(["rates", "--variants", "palu-measured"])
 
 
+def test_pick_variants_keep_the_basis_the_library_picks_at_each_rate(tmp_path, monkeypatch):
+    """A -pick variant asks ``pipeline.pick_qk_basis`` once a rate, at its band and rate on the calibration source,
+    and its rows are the plans of that pick, which they record."""
+    seed = random_eval_model(monkeypatch)
+    seen = []
+    real = accuracy.pick_qk_basis
+
+    def spy(model, stats, calibration, tokens, pick_seed, settings, widths):
+        picked = real(model, stats, calibration, tokens, pick_seed, settings, widths)
+        seen.append((calibration, settings["band"], settings["target_rate"], widths, picked))
+        return picked
+
+    monkeypatch.setattr(accuracy, "pick_qk_basis", spy)
+    out = tmp_path / "eval.json"
+    flags = ["--rates", "0.3", "0.5", "--calibrations", "random", "--num-tokens", "128", "--seq-len", "64"]
+    flags += ["--variants", "zack-band16-pick", "--windows", "64", "--eval-tokens", "128"]
+    accuracy.main(["eval", *flags, "--json", str(out)])
+    assert [s[:4] for s in seen] == [("random", 16, 0.3, True), ("random", 16, 0.5, True)], f"seed {seed}: {seen}"
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["variant"] != "uncompressed"]
+    picks = {p: picked for *_, p, _, picked in seen}
+    assert rows and all((r["qk_basis"], r["qk_widths"]) == picks[r["target_rate"]] for r in rows), f"seed {seed}"
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

@@ -168,7 +168,7 @@ def test_a_pair_reads_its_widths_off_the_spectrum_asked_for(monkeypatch):
     )
     for widths, expected in ((True, 3), (False, 2)):
         seen.clear()
-        pick = pipeline._closer_basis(model, stats, "random", tokens, seed, settings, widths)
+        pick = pipeline.pick_qk_basis(model, stats, "random", tokens, seed, settings, widths)
         assert len(seen) == expected and pick in seen and len(set(seen)) == expected
 
 

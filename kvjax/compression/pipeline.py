@@ -342,7 +342,7 @@ def compress(
     )
     if qk_basis == "measured":
         widths = adaptive and ranks != "measured"  # whether F_p reads the widths, so the spectrum is a choice too
-        qk_basis, qk_widths = _closer_basis(model, stats, calibration, tokens, seed, settings, widths)
+        qk_basis, qk_widths = pick_qk_basis(model, stats, calibration, tokens, seed, settings, widths)
     settings |= dict(qk_basis=qk_basis, qk_widths=qk_widths)
     if k_share == "measured":
         score = kl_to(model, tokens, batch_size, release=True)
@@ -374,7 +374,7 @@ def _check_qk_request(qk_basis, method: str, qk_widths="shared", adaptive=True, 
         )
 
 
-def _closer_basis(model, stats, calibration, tokens, seed: int, settings: dict, widths: bool) -> tuple[str, str]:
+def pick_qk_basis(model, stats, calibration, tokens, seed: int, settings: dict, widths: bool) -> tuple[str, str]:
     """``compress(qk_basis="measured")``'s choice of (qk_basis, qk_widths): the shared basis, the pair with the shared
     spectrum's widths, and (``widths``: F_p reads the widths) the pair with its own, whichever folds (at
     ``settings``' rate) into a model closest (KL) to ``model`` on ``PROBE_ROWS`` held-in rows of ``PICK_TOKENS``
