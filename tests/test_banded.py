@@ -131,11 +131,13 @@ def test_the_decode_kernel_reading_queries_a_band_matches_the_reference(band, la
     """``DecodeOp(band=)`` (interpret mode) against ``paged_decode_attention`` with the banded rebuild: sequences
     shorter than a band and across several, cut by the schedule at pages that are not multiples of a step (its first
     step then masks the tokens before it), runs of several heads, folded rows (each fold its own band's queries)
-    and chunks wider than a band (a band's queries each)."""
+    and chunks wider than a band (a band's queries each); at band 16 a sequence of 69 bands, whose two blocks of
+    band queries one program makes (``DecodeConfig.band_blocks``)."""
     seed = fresh_seed()
-    lengths = [1, 37, 300, 130]
+    lengths = [1, 37, 1100 if band == 16 else 300, 130]
     q, k, v, table, lengths, rebuild = latent_case(np.random.default_rng(seed), layout, lengths, 8, band=band)
-    config = dataclasses.replace(DECODE, min_chunk_tokens=16)  # long sequences cut in several items
+    # long sequences cut in several items
+    config = dataclasses.replace(DECODE, min_chunk_tokens=16, band_blocks=2 if band == 16 else 1)
     op = DecodeOp([layout], 8, table.shape[1], max_batch=4, config=config, band=band, num_programs=5, interpret=True)
     schedule = op.schedule(np.asarray(lengths))
     first = np.asarray(schedule.items)[..., FIRST_PAGE].ravel() * 8

@@ -29,6 +29,7 @@ AT_LEAST_ONE = (
     "num_stages",
     "kernel_classes",
     "pack_max_heads",
+    "band_blocks",
 )
 
 
@@ -59,6 +60,7 @@ class DecodeConfig:
     block_tokens: int = 64  # tokens per loop step for a 128 + 128-column unit (narrower units take more)
     max_step_tokens: int = 512
     fold_tokens: int = 64  # least tokens per fold when spare score-tile rows fold a step's tokens
+    band_blocks: int = 1  # banded decode: blocks of bands a program of the band queries' kernel makes (``bands``)
     # Power-of-two pieces a run's K (or V) columns may be read as. One piece a run compiles 20-33% faster for
     # under 1% more device time (bench/results/engine.md "Engine: one piece a run").
     max_segments: int = 1

@@ -352,7 +352,17 @@ def paged_decode(
         band_rows = (b, -(-block_table.shape[1] * page_size // band))
         scale = LOG2E / math.sqrt(layout.head_dim)
         q = band_queries(
-            q, basis, inv_freq, band, layout, band_rows[1], scale, lengths=lengths, shared=shared, interpret=interpret
+            q,
+            basis,
+            inv_freq,
+            band,
+            layout,
+            band_rows[1],
+            scale,
+            lengths=lengths,
+            shared=shared,
+            interpret=interpret,
+            blocks=config.band_blocks,
         )
     layer = tables.layer_tables(layout, classes, config, tables.most_units(set(shared), config), wide_rows)
     units, rows_table, cols = (jnp.asarray(t) for t in (layer.units, layer.rows, layer.cols))
