@@ -142,15 +142,15 @@ def palu_rows(args, case, rebuild, key, row) -> None:
         row("palu (Pallas)", " ".join(f"{k}={v}" for k, v in knobs.items()), t, err)
 
 
-def query_knobs(text: str) -> list[tuple[int, int, int, int]]:
-    """``--query-knobs``: comma-separated BLOCK:PIECE:WARPS[:BLOCKS], each a positive integer (BLOCKS: 1 when left
-    out); a ValueError names a bad one."""
+def query_knobs(text: str) -> list[tuple[int, int, int, int, int]]:
+    """``--query-knobs``: comma-separated BLOCK:PIECE:WARPS[:BLOCKS[:SEQS]], each a positive integer (BLOCKS and
+    SEQS: 1 when left out); a ValueError names a bad one."""
     out = []
     for spec in filter(None, text.split(",")):
         parts = spec.split(":")
-        if len(parts) not in (3, 4) or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ValueError(f"expected BLOCK:PIECE:WARPS[:BLOCKS] of positive integers, got {spec!r}")
-        out.append(tuple(map(int, parts + ["1"] * (4 - len(parts)))))
+        if not 3 <= len(parts) <= 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"expected BLOCK:PIECE:WARPS[:BLOCKS[:SEQS]] of positive integers, got {spec!r}")
+        out.append(tuple(map(int, parts + ["1"] * (5 - len(parts)))))
     return out
 
 
@@ -172,8 +172,9 @@ def band_query_rows(args, case, rebuild, band: int, key, row, bandwidth: float) 
         return band_queries_reference(q, basis, inv_freq, band, lay, bands)
 
     variants = [("band queries (XLA GEMM)", "", reference)]
-    for block, piece, warps, blocks in args.query_knobs:
-        knobs = dict(block=block, piece=piece, num_warps=warps) | ({"blocks": blocks} if blocks > 1 else {})
+    for block, piece, warps, blocks, seqs in args.query_knobs:
+        knobs = dict(block=block, piece=piece, num_warps=warps)
+        knobs |= {k: v for k, v in (("blocks", blocks), ("seqs", seqs)) if v > 1}  # the base form takes neither
 
         def kernel(basis, lengths, q, knobs=knobs):
             return band_queries(q, basis, inv_freq, band, lay, bands, lengths=lengths, **knobs)
@@ -231,9 +232,9 @@ def main(argv=None) -> None:
         "--query-knobs",
         type=validate.arg(query_knobs),
         default=[],
-        help="with --bands: also the band queries alone, at these BLOCK:PIECE:WARPS[:BLOCKS] variants of their "
-        "kernel (comma-separated, e.g. 64:32:4,32:128:4:4; BLOCKS: blocks of bands a program, default 1), beside "
-        "the XLA GEMM",
+        help="with --bands: also the band queries alone, at these BLOCK:PIECE:WARPS[:BLOCKS[:SEQS]] variants of "
+        "their kernel (comma-separated, e.g. 64:32:4,32:128:4:4:2; BLOCKS: blocks of bands a program, SEQS: "
+        "sequences a program, default 1 each), beside the XLA GEMM",
     )
     knob_option(ap, "a DecodeConfig field for --bands")
     harness.timer_option(ap)

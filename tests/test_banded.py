@@ -5,6 +5,7 @@ the engine agree with the references; the
 plan records its band, and bad requests are refused before any work."""
 
 import dataclasses
+import itertools
 import json
 
 import jax
@@ -131,13 +132,14 @@ def test_the_decode_kernel_reading_queries_a_band_matches_the_reference(band, la
     """``DecodeOp(band=)`` (interpret mode) against ``paged_decode_attention`` with the banded rebuild: sequences
     shorter than a band and across several, cut by the schedule at pages that are not multiples of a step (its first
     step then masks the tokens before it), runs of several heads, folded rows (each fold its own band's queries)
-    and chunks wider than a band (a band's queries each); at band 16 a sequence of 69 bands, whose two blocks of
-    band queries one program makes (``DecodeConfig.band_blocks``)."""
+    and chunks wider than a band (a band's queries each); band queries made three sequences a program
+    (``DecodeConfig.band_seqs``), at band 16 a sequence of 69 bands whose two blocks one program makes
+    (``band_blocks``)."""
     seed = fresh_seed()
     lengths = [1, 37, 1100 if band == 16 else 300, 130]
     q, k, v, table, lengths, rebuild = latent_case(np.random.default_rng(seed), layout, lengths, 8, band=band)
     # long sequences cut in several items
-    config = dataclasses.replace(DECODE, min_chunk_tokens=16, band_blocks=2 if band == 16 else 1)
+    config = dataclasses.replace(DECODE, min_chunk_tokens=16, band_blocks=2 if band == 16 else 1, band_seqs=3)
     op = DecodeOp([layout], 8, table.shape[1], max_batch=4, config=config, band=band, num_programs=5, interpret=True)
     schedule = op.schedule(np.asarray(lengths))
     first = np.asarray(schedule.items)[..., FIRST_PAGE].ravel() * 8
@@ -176,12 +178,13 @@ def test_every_bands_queries_are_the_query_turned_back_and_projected(band, form)
         np.testing.assert_allclose(got[b], want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("piece, blocks", [(None, 1), (16, 1), (None, 2), (16, 3)])
+@pytest.mark.parametrize("piece, blocks, seqs", [(None, 1, 1), (16, 1, 1), (None, 2, 1), (16, 3, 2), (None, 2, 3)])
 @pytest.mark.parametrize("layout", BAND_LAYOUTS, ids=["two-heads", "four-heads"])
-def test_the_band_query_kernel_makes_the_bands_each_sequence_reaches(layout, piece, blocks):
+def test_the_band_query_kernel_makes_the_bands_each_sequence_reaches(layout, piece, blocks, seqs):
     """``band_queries`` (interpret mode, scaled, lengths given; basis columns in one tile or in pieces, those past a
-    head's width skipped; one block of bands a program or several in turn) equals the XLA reference on every band a
-    sequence reaches (b * W < length), across more than one block of bands and with a block past the last band."""
+    head's width skipped; one block of bands a program or several in turn; one sequence a program or several, the
+    last program's past the batch) equals the XLA reference on every band a sequence reaches (b * W < length),
+    across more than one block of bands and with a block past the last band."""
     from kvjax.ops.decode.bands import BAND_BLOCK, band_queries, band_queries_reference
 
     seed = fresh_seed()
@@ -197,6 +200,7 @@ def test_the_band_query_kernel_makes_the_bands_each_sequence_reaches(layout, pie
         lengths=jnp.asarray(lengths),
         piece=piece,
         blocks=blocks,
+        seqs=seqs,
         block=16 if blocks > 1 else BAND_BLOCK,
         interpret=True,
     )
@@ -236,9 +240,9 @@ def test_the_band_query_kernel_refuses_knobs_it_cannot_tile():
     for knobs in (dict(block=48), dict(piece=8)):
         with pytest.raises(ValueError, match="block and piece must be powers of two >= 16"):
             band_queries(q, basis, inverse_frequencies(64, 1e4, {}), 16, layout, 4, interpret=True, **knobs)
-    for blocks in (0, -1, 1.5, True, "2"):
-        with pytest.raises(ValueError, match="blocks must be a positive integer"):
-            band_queries(q, basis, inverse_frequencies(64, 1e4, {}), 16, layout, 4, interpret=True, blocks=blocks)
+    for name, value in itertools.product(("blocks", "seqs"), (0, -1, 1.5, True, "2")):
+        with pytest.raises(ValueError, match=f"{name} must be a positive integer"):
+            band_queries(q, basis, inverse_frequencies(64, 1e4, {}), 16, layout, 4, interpret=True, **{name: value})
 
 
 def test_a_banded_decode_op_refuses_keys_of_another_band():
@@ -345,7 +349,7 @@ def test_palus_kernel_with_a_band_lowers_for_sm90(band):
 def test_the_band_query_knobs_parse_and_refuse_with_the_bad_spec_named():
     from bench.palu import query_knobs
 
-    assert query_knobs("64:128:4,32:32:8:4") == [(64, 128, 4, 1), (32, 32, 8, 4)]
-    for bad in ("64:128", "64:128:4:2:1", "64:0:4", "64:x:4", "64:128:4:-2"):
+    assert query_knobs("64:128:4,32:32:8:4,64:128:4:2:4") == [(64, 128, 4, 1, 1), (32, 32, 8, 4, 1), (64, 128, 4, 2, 4)]
+    for bad in ("64:128", "64:128:4:2:1:1", "64:0:4", "64:x:4", "64:128:4:-2", "64:128:4:1:0"):
         with pytest.raises(ValueError, match=f"got '{bad}'"):
             query_knobs(bad)

@@ -51,6 +51,7 @@ def band_queries(
     piece: int | None = None,
     num_warps: int = 4,
     blocks: int = 1,
+    seqs: int = 1,
 ):
     """[bands * B, q_cols] in q's dtype: row ``b * B + s`` is sequence s's packed query for keys of band b, times
     ``scale``, for every band b with ``b * band < lengths[s]`` (the rest of the rows are left unwritten; every
@@ -62,8 +63,9 @@ def band_queries(
     that runs this kernel (one compiled kernel for all, as the decode kernel's). Head dims whose half is no power
     of two of at least 16 (no Triton tile) take ``band_queries_reference``. ``block`` bands a program, ``piece``
     basis columns a product (None: the widest head's tile; pieces past a head's width are skipped),
-    ``num_warps`` and ``blocks`` (blocks of bands a program makes one after another, its group's queries and basis
-    loaded once) are the kernel's knobs: pieces of 32 columns ran 1.6-1.7x slower than one tile on the H200
+    ``num_warps``, ``blocks`` (blocks of bands a program makes one after another, its queries and basis loaded
+    once) and ``seqs`` (sequences a program makes, each block's angles and the basis loaded once for all) are the
+    kernel's knobs: pieces of 32 columns ran 1.6-1.7x slower than one tile on the H200
     (bench/results/kernels.md "Banded decode kernel")."""
     d, b = layout.head_dim, q.shape[0]
     half = d // 2
@@ -75,8 +77,10 @@ def band_queries(
     piece = width_tile if piece is None else piece
     if not (is_pow2(block, 16) and is_pow2(piece, 16)):
         raise ValueError(f"block and piece must be powers of two >= 16, got {block} and {piece}")
-    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
-        raise ValueError(f"blocks must be a positive integer, got {blocks!r}")
+    for name, value in (("blocks", blocks), ("seqs", seqs)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    seqs = min(seqs, b)
     block = min(block, max(16, pow2_ceil(bands)))
     blocks = min(blocks, pl.cdiv(bands, block))
     lengths = jnp.full((b,), bands * band, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
@@ -90,6 +94,7 @@ def band_queries(
     ]
     kernel = functools.partial(
         _kernel,
+        batch=b,
         group=layout.group_size,
         half=half,
         q_stride=layout.num_heads * d,
@@ -97,6 +102,7 @@ def band_queries(
         piece=min(piece, width_tile),
         block=block,
         blocks=blocks,
+        seqs=seqs,
         band=band,
         bands=bands,
         scale=scale,
@@ -105,7 +111,7 @@ def band_queries(
     out = jax.ShapeDtypeStruct((bands * b * layout.q_cols,), q.dtype)
     got = pl.pallas_call(
         kernel,
-        grid=(b, layout.num_kv_heads, pl.cdiv(bands, block * blocks)),
+        grid=(pl.cdiv(b, seqs), layout.num_kv_heads, pl.cdiv(bands, block * blocks)),
         in_specs=[whole_block(x) for x in args],
         out_specs=whole_block(out),
         out_shape=out,
@@ -125,6 +131,7 @@ def _kernel(
     basis_ref,
     out_ref,
     *,
+    batch,
     group,
     half,
     q_stride,
@@ -132,33 +139,31 @@ def _kernel(
     piece,
     block,
     blocks,
+    seqs,
     band,
     bands,
     scale,
     interpret,
 ):
-    """Program (s, h, j): the bands j * blocks * block ... of sequence s that s reaches, for KV head h's G query
-    heads, ``block`` at a time. The group's queries (and the basis, in one tile) are loaded before the first
-    product: a load written after a store waits behind it, and in so short a program loads in series were most of
-    its time (bench/results/kernels.md "The band queries: the code as it stands, and what their time follows")."""
-    seq, head = pl.program_id(0), pl.program_id(1)
-    first = pl.program_id(2) * blocks * block
-    length = lengths_ref[seq]
+    """Program (i, h, j): for KV head h's G query heads, the bands j * blocks * block ... that each of sequences
+    i * seqs ... reaches, ``block`` at a time. The queries (and the basis, in one tile) are loaded before the first
+    product, and each block's angles once for all its sequences: a load written after a store waits behind it, and
+    in so short a program loads in series were most of its time (bench/results/kernels.md "The band queries: the
+    code as it stands, and what their time follows")."""
+    head, first = pl.program_id(1), pl.program_id(2) * blocks * block
+    seq_ids = [pl.program_id(0) * seqs + k for k in range(seqs)]
+    lengths = [jnp.where(s < batch, lengths_ref[jnp.minimum(s, batch - 1)], 0) for s in seq_ids]
+    longest = functools.reduce(jnp.maximum, lengths)
 
-    @pl.when(first * band < length)
+    @pl.when(first * band < longest)
     def _():
-        batch = pl.num_programs(0)
         q_off, k_off, k_width = columns.read_head(heads_ref, head, (columns.Q_OFF, columns.K_OFF, columns.K_WIDTH))
         q_cols, k_cols, _, _ = columns.read_widths(widths_ref)
         dims = jnp.arange(half)
         dtype = basis_ref.dtype
         precision = dot_precision(dtype)
-        queries = []
-        for g in range(group):
-            at = seq * q_stride + (head * group + g) * 2 * half
-            q1 = plgpu.load(q_ref.at[at + dims]).astype(jnp.float32)[None, :] * scale
-            q2 = plgpu.load(q_ref.at[at + half + dims]).astype(jnp.float32)[None, :] * scale
-            queries.append((q1, q2))
+        starts = [jnp.minimum(s, batch - 1) * q_stride + head * group * 2 * half for s in seq_ids]
+        queries = [_group_queries(q_ref, at, group, half, scale) for at in starts]
 
         def basis_piece(start):  # basis columns start .. start + piece of the head: the columns, mask, [half, piece] x2
             cols = start + jnp.arange(piece)[None, :]
@@ -169,17 +174,18 @@ def _kernel(
 
         whole = basis_piece(0) if piece == width_tile else None
 
-        def make(i, carry):  # the block of bands first + i * block ...
-            rows = first + i * block + jnp.arange(block)
+        def make(i, carry):  # the block of bands at = first + i * block ..., for every sequence that reaches it
+            at = first + i * block
+            rows = at + jnp.arange(block)
             rows_ok = rows < bands
             pair = jnp.arange(half)[None, :]
             cos = load_rows(table_ref, rows, 2 * half, 0, pair, None, rows_ok)  # [block, half]
             sin = load_rows(table_ref, rows, 2 * half, half, pair, None, rows_ok)
-            rows_at = rows * batch + seq  # the output rows of these bands of the sequence
 
-            def project(start):  # basis columns start .. start + piece, for each of the group's query heads
+            def project(start, s, heads):  # basis columns start .. start + piece, for sequence s's query heads
                 cols, cols_ok, u1, u2 = whole if whole is not None else basis_piece(start)
-                for g, (q1, q2) in enumerate(queries):
+                rows_at = rows * batch + s  # the output rows of these bands of the sequence
+                for g, (q1, q2) in enumerate(heads):
                     # RoPE(-bW) q: pair p's first half is cos q1 + sin q2, its second cos q2 - sin q1
                     t1 = (cos * q1 + sin * q2).astype(dtype)
                     t2 = (cos * q2 - sin * q1).astype(dtype)
@@ -187,16 +193,31 @@ def _kernel(
                     at_row = q_off + g * k_width
                     store_rows(out_ref, rows_at, q_cols, at_row, cols, out, cols_ok, rows_ok, interpret=interpret)
 
-            project(0)  # every head fills its first piece
-            for start in range(piece, width_tile, piece):
-                pl.when(start < k_width)(functools.partial(project, start))
+            for s, length, heads in zip(seq_ids, lengths, queries, strict=True):
+                # every head fills its first piece; a sequence past the batch has length 0
+                reached = at * band < length
+                pl.when(reached)(functools.partial(project, 0, s, heads))
+                for start in range(piece, width_tile, piece):
+                    pl.when(reached & (start < k_width))(functools.partial(project, start, s, heads))
             return carry
 
         if blocks == 1:
             make(0, 0)
-        else:  # as many of the program's blocks as the sequence reaches
-            reached = pl.cdiv(pl.cdiv(length, band) - first, block)
+        else:  # as many of the program's blocks as its longest sequence reaches
+            reached = pl.cdiv(pl.cdiv(longest, band) - first, block)
             lax.fori_loop(0, jnp.minimum(reached, blocks), make, 0)
+
+
+def _group_queries(q_ref, at, group: int, half: int, scale: float) -> list:
+    """The G query heads from flat offset ``at`` of ``q_ref``: (first half, second half) each, [1, half] in float32
+    times ``scale``."""
+    dims = jnp.arange(half)
+    heads = []
+    for g in range(group):
+        q1 = plgpu.load(q_ref.at[at + g * 2 * half + dims]).astype(jnp.float32)[None, :] * scale
+        q2 = plgpu.load(q_ref.at[at + g * 2 * half + half + dims]).astype(jnp.float32)[None, :] * scale
+        heads.append((q1, q2))
+    return heads
 
 
 def band_queries_reference(q, basis, inv_freq, band: int, layout: HeadLayout, bands: int, scale: float = 1.0):

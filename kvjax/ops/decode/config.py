@@ -30,6 +30,7 @@ AT_LEAST_ONE = (
     "kernel_classes",
     "pack_max_heads",
     "band_blocks",
+    "band_seqs",
 )
 
 
@@ -61,6 +62,7 @@ class DecodeConfig:
     max_step_tokens: int = 512
     fold_tokens: int = 64  # least tokens per fold when spare score-tile rows fold a step's tokens
     band_blocks: int = 1  # banded decode: blocks of bands a program of the band queries' kernel makes (``bands``)
+    band_seqs: int = 1  # banded decode: sequences a program of the band queries' kernel makes
     # Power-of-two pieces a run's K (or V) columns may be read as. One piece a run compiles 20-33% faster for
     # under 1% more device time (bench/results/engine.md "Engine: one piece a run").
     max_segments: int = 1

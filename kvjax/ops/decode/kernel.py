@@ -363,6 +363,7 @@ def paged_decode(
             shared=shared,
             interpret=interpret,
             blocks=config.band_blocks,
+            seqs=config.band_seqs,
         )
     layer = tables.layer_tables(layout, classes, config, tables.most_units(set(shared), config), wide_rows)
     units, rows_table, cols = (jnp.asarray(t) for t in (layer.units, layer.rows, layer.cols))
