@@ -70,6 +70,8 @@ VARIANTS = {  # name -> (method, adaptive); palu-uniform (one rank for every hea
     "zack-band32-pair": ("zack", True),
     "zack-band64-pair": ("zack", True),
     "zack-band16-pair-measured": ("zack", True),  # both: the pair's directions, ranks by their measured effect
+    "zack-band32-pair-measured": ("zack", True),
+    "zack-band64-pair-measured": ("zack", True),
     "zack-band16-pair-own": ("zack", True),  # the pair, F_p's widths off its own spectrum (``qk_widths="pair"``)
     "zack-band32-pair-own": ("zack", True),
     "zack-band64-pair-own": ("zack", True),
