@@ -417,6 +417,8 @@ UNCOMPRESSED = {
     "target_rate": 0.0,
     "rate": 0.0,
     "overall_rate": 0.0,
+    "qk_basis": None,
+    "qk_widths": None,
 }
 
 
@@ -460,6 +462,14 @@ def uncompressed_row(base, kv_bits, page_size: int) -> dict:
     return UNCOMPRESSED | {"kv_bits": kv_bits, "overall_rate": overall_rate(base, None, kv_bits, page_size)}
 
 
+def qk_fields(plan) -> dict:
+    """A row's Q/K basis and the spectrum its widths came from, as the plan records them ("shared" where it stores
+    None); None for Palu's pre-RoPE plans and the uncompressed model. A -pick variant's rows say what it picked."""
+    if plan is None or plan.method != "zack":
+        return {"qk_basis": None, "qk_widths": None}
+    return {"qk_basis": plan.qk_basis or "shared", "qk_widths": plan.qk_widths or "shared"}
+
+
 def _build(base, plan, bases, kv_bits: int | None, page_size: int):
     """The model a row scores: ``base`` folded by ``plan`` (None: ``base`` itself), served over ``kv_bits``-bit
     pages of ``page_size`` tokens if ``kv_bits``."""
@@ -488,9 +498,7 @@ def _groups(base, args):
                         plan, bases = variant_plan(base, stats, p, method, adaptive, group["variant"], **more)
                         overall = overall_rate(base, plan, group["kv_bits"], args.kv_page)
                         row = group | {"target_rate": p, "rate": plan.rate, "overall_rate": overall}
-                        if group["variant"] in PICKS:  # what the pick kept
-                            row |= {"qk_basis": plan.qk_basis or "shared", "qk_widths": plan.qk_widths or "shared"}
-                        return row, plan, bases
+                        return row | qk_fields(plan), plan, bases
 
                     yield group, plan_for
 

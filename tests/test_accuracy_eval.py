@@ -19,7 +19,7 @@ from kvjax.ops.quant import PageFormat
 
 WIDE = dataclasses.replace(TINY_CONFIGS["llama"], head_dim=64, hidden_size=128)  # compressible heads
 ROW_KEYS = {"source", "window", "tokens", "calibration", "variant", "max_context", "k_share", "target_rate", "rate"}
-ROW_KEYS |= {"probe", "kv_bits", "overall_rate"}
+ROW_KEYS |= {"probe", "kv_bits", "overall_rate", "qk_basis", "qk_widths"}
 GRID = [0.25, 0.375, 0.5]
 SCORE_KEYS = {"ppl", "kl", "top1"}
 
@@ -164,6 +164,8 @@ def test_eval_mode_writes_every_number_as_json(tmp_path, monkeypatch, capsys):
         ("zack", 128),
         ("palu", None),
     }, f"seed {seed}"
+    qk = {"uncompressed": (None, None), "zack": ("shared", "shared"), "palu": (None, None)}
+    assert all((r["qk_basis"], r["qk_widths"]) == qk[r["variant"]] for r in rows), f"seed {seed}"
     for row in rows:
         if row["variant"] == "uncompressed":
             assert row["kl"] == 0 and row["top1"] == 1, f"seed {seed}: {row}"
@@ -523,6 +525,7 @@ def fake_run(variant: str, target: float, accuracies: dict, task: str = "passkey
     else:
         fields = {"calibration": "random", "variant": variant, "max_context": None, "k_share": k_share}
         fields |= {"kv_bits": None, "target_rate": target, "rate": target + 0.01, "overall_rate": target + 0.01}
+        fields |= {"qk_basis": "shared", "qk_widths": "shared"}
     return fields | {"task": task, "results": results}
 
 
